@@ -1,0 +1,4 @@
+# `python -m app ...` and `torchrun --nproc_per_node N -m app train CONFIG`.
+from app.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""`raylane` command line. Config errors exit 2 with one message, before torch or Ray start."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import yaml
+
+from app.config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="raylane", description="Distributed PyTorch training on Ray.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add_config_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("config", help="pipeline YAML (or a shipped pipeline's name)")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set train.batch_size=64 (repeatable)")
+
+    check = sub.add_parser("check", help="validate a config and print it resolved")
+    add_config_args(check)
+
+    train = sub.add_parser("train", help="train a pipeline on Ray (or under torchrun / in-process)")
+    add_config_args(train)
+    train.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a fresh local one)")
+    train.add_argument("--summary-json", metavar="PATH", help="write the run's summary here")
+    train.add_argument("--local", action="store_true",
+                       help="run in this process without Ray (implied under torchrun)")
+    return p
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"raylane: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "check":
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("raylane").setLevel(logging.INFO)
+    from app.driver import train
+
+    use_ray = not (args.local or _under_torchrun())
+    return train(cfg, use_ray=use_ray, address=args.address, summary_path=args.summary_json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

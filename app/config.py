@@ -1,0 +1,209 @@
+"""The one typed config tree: YAML plus `--set dotted.key=value`, validated once at the edge.
+
+Every user-facing mistake becomes a `ConfigError` whose message names the dotted field and the
+bad value; the CLI turns it into exit code 2. Nothing here imports torch or Ray, so a bad config
+is rejected before either starts.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import math
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# Pipeline name -> module that defines `Config` (a subclass of `BaseConfig`) and `build(cfg, ctx)`.
+PIPELINES: dict[str, str] = {
+    "regression": "pipelines.regression",
+    "digits": "pipelines.digits",
+}
+
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class ConfigError(ValueError):
+    """Bad user input. The message is complete and meant for the user as is."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)
+
+
+class RunSection(Section):
+    # A run's identity: relaunching the same name resumes it (checkpoints and MLflow run).
+    name: str | None = Field(None, pattern=_NAME_PATTERN)
+    storage_path: str = Field("runs", min_length=1)
+
+
+class ScalingSection(Section):
+    num_workers: int = Field(1, ge=1, le=4096)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0, le=1024)
+
+
+class TrainSection(Section):
+    max_epochs: int = Field(1, ge=1, le=1_000_000)
+    max_steps: int | None = Field(None, ge=1)
+    batch_size: int = Field(32, ge=1, le=1_000_000, description="samples per worker per step")
+    seed: int = Field(0, ge=0, lt=2**32)
+
+
+class OptimSection(Section):
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = Field(1e-3, gt=0, le=10)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+
+
+class CheckpointSection(Section):
+    # 0 means only at the end of each epoch.
+    every_n_steps: int = Field(0, ge=0)
+
+
+class MlflowSection(Section):
+    experiment: str = Field("raylane", min_length=1, max_length=256)
+    log_every_n_steps: int = Field(10, ge=1)
+
+
+class BaseConfig(Section):
+    """Sections shared by every pipeline; each pipeline adds its own `model` section."""
+
+    pipeline: str
+    run: RunSection = RunSection()
+    scaling: ScalingSection = ScalingSection()
+    train: TrainSection = TrainSection()
+    optim: OptimSection = OptimSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    mlflow: MlflowSection = MlflowSection()
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys -> values: the same keys as `--set`, Tune spaces and MLflow params."""
+        return flatten(self.model_dump(mode="json"))
+
+    def with_run_name(self) -> BaseConfig:
+        """A copy whose `run.name` is set: a generated one when the user gave none."""
+        if self.run.name:
+            return self
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        return self.model_copy(
+            update={"run": self.run.model_copy(update={"name": f"{self.pipeline}-{stamp}"})}
+        )
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def config_class(pipeline: Any) -> type[BaseConfig]:
+    if not isinstance(pipeline, str) or pipeline not in PIPELINES:
+        choices = ", ".join(sorted(PIPELINES))
+        raise ConfigError(f"pipeline = {pipeline!r}: unknown pipeline (choose one of: {choices})")
+    return importlib.import_module(PIPELINES[pipeline]).Config
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a config file with `yaml.safe_load`; a bare pipeline name finds its shipped YAML."""
+    p = Path(path)
+    if not p.exists() and str(path) in PIPELINES:
+        p = Path(importlib.import_module("pipelines").__file__).parent / f"{path}.yaml"
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r}: cannot read it ({exc.__class__.__name__})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise ConfigError(f"config file {str(path)!r}: invalid YAML{at}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r}: top level must be a mapping, got {_short(data)}")
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (["a", "b"], value); the value is read as YAML (numbers, bools, null, lists)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not _KEY_RE.match(key):
+        raise ConfigError(f"--set {text!r}: expected dotted.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        value = raw  # not YAML: keep it as the string the user typed
+    # YAML 1.1 reads 1e-3 as a string; users mean a number.
+    if isinstance(value, str):
+        value = _maybe_float(value)
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                where = ".".join(path[: i + 1])
+                raise ConfigError(f"--set {text!r}: {where} is {_short(child)}, not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def validate(raw: Mapping[str, Any]) -> BaseConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config: top level must be a mapping, got {_short(raw)}")
+    cls = config_class(raw.get("pipeline"))
+    try:
+        return cls.model_validate(dict(raw))
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def load_config(source: str | Path | Mapping[str, Any], overrides: Iterable[str] = ()) -> BaseConfig:
+    """The edge: file (or mapping) + overrides -> a validated config, or ConfigError."""
+    raw = read_yaml(source) if isinstance(source, (str, Path)) else dict(source)
+    return validate(apply_overrides(raw, overrides))
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{field} = {_short(err['input'])}: unknown key")
+        elif err["type"] == "missing":
+            lines.append(f"{field}: required")
+        else:
+            lines.append(f"{field} = {_short(err['input'])}: {err['msg']}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def _maybe_float(text: str) -> Any:
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return value if math.isfinite(value) and re.fullmatch(r"[+-]?\d*\.?\d+[eE][+-]?\d+", text) else text
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,128 @@
+"""The driver's side of a run, whichever launcher runs the ranks: name the run, open its MLflow
+run, show progress, close the run with the right status and write the summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from app.config import BaseConfig
+from app.progress import ProgressDisplay
+
+log = logging.getLogger("raylane")
+
+
+def _finalize(cfg: BaseConfig) -> BaseConfig:
+    """Fill what the driver decides: the run name (agreed by all torchrun ranks) and absolute paths."""
+    cfg = cfg.with_run_name()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        names = [cfg.run.name]
+        dist.broadcast_object_list(names, src=0)  # rank 0's generated name wins
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": names[0]})})
+    storage = cfg.run.storage_path
+    if "://" not in storage:
+        storage = str(Path(storage).expanduser().resolve())
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_path": storage})})
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
+          summary_path: str | None = None) -> int:
+    """Run training to the end; returns the exit code (0 ok, 1 failed, 130 interrupted)."""
+    from app.distributed import env_ranks, init_process_group
+    from app.tracking import close_run, open_run, resolve_tracking_uri, ui_command
+
+    launched = time.time()
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # a kill from a scheduler ends like Ctrl-C
+    if not use_ray:
+        init_process_group(cfg.scaling.use_gpu)  # torchrun ranks must agree on the run name first
+    cfg = _finalize(cfg)
+    is_driver = use_ray or env_ranks()[0] == 0
+    tracking_uri = resolve_tracking_uri()
+    handle = open_run(cfg, tracking_uri) if is_driver else None
+    run_id = handle.run_id if handle else None
+    display = ProgressDisplay() if is_driver else None
+    on_event = display.handle if display else (lambda event: None)
+    if is_driver:
+        log.info("run %s (MLflow run %s%s)", cfg.run.name, run_id, ", continued" if handle.resumed else "")
+    status, code, error, result = "FAILED", 1, None, {}
+    try:
+        if use_ray:
+            from app.launch import launch_on_ray
+
+            result = launch_on_ray(cfg, run_id, tracking_uri, on_event, address)
+        else:
+            from app.run import launch_local
+
+            result = launch_local(cfg, run_id, tracking_uri, on_event)
+        status, code = "FINISHED", 0
+    except KeyboardInterrupt:
+        status, code, error = "KILLED", 130, "interrupted"
+    except Exception as exc:  # the launcher's message names the rank and its exception
+        error = str(exc) if type(exc).__name__ == "TrainingError" else f"{type(exc).__name__}: {exc}"
+    finally:
+        if display:
+            display.close()
+    if not is_driver:
+        return code
+    close_run(handle, status)
+    summary = _summary(cfg, handle, status, error, result, display, launched)
+    if summary_path:
+        Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    _print_outcome(summary, ui_command(tracking_uri))
+    return code
+
+
+def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, result: dict[str, Any],
+             display: ProgressDisplay, launched: float) -> dict[str, Any]:
+    ended = time.time()
+    first = display.first_step_unix
+    return {
+        "status": status,
+        "error": error,
+        "run_name": cfg.run.name,
+        "run_id": handle.run_id,
+        "tracking_uri": handle.tracking_uri,
+        "experiment": cfg.mlflow.experiment,
+        "checkpoint": result.get("checkpoint") or (display.checkpoints[-1]["location"] if display.checkpoints else None),
+        "world_size": result.get("world_size", cfg.scaling.num_workers),
+        "backend": result.get("backend"),
+        "epochs": result.get("epochs"),
+        "steps": result.get("steps"),
+        "wall_s": round(ended - launched, 3),
+        "samples_per_s": result.get("samples_per_s"),
+        "metrics": result.get("metrics", {}),
+        "resumed_from_step": result.get("resumed_from_step"),
+        "timing": {
+            "launched_unix": launched,
+            "first_step_unix": first,
+            "last_step_unix": display.end_unix,
+            "launch_to_first_step_s": round(first - launched, 3) if first else None,
+        },
+    }
+
+
+def _print_outcome(summary: dict[str, Any], ui: str) -> None:
+    metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted(summary["metrics"].items()))
+    lines = [f"run {summary['run_name']}: {summary['status']}"]
+    if summary["error"]:
+        lines.append(f"  error:         {summary['error']}")
+    if summary["resumed_from_step"]:
+        lines.append(f"  resumed from:  step {summary['resumed_from_step']}")
+    lines += [
+        f"  steps:         {summary['steps']} in {summary['epochs']} epochs on {summary['world_size']} workers",
+        f"  metrics:       {metrics or '-'}",
+        f"  MLflow run id: {summary['run_id']}",
+        f"  checkpoint:    {summary['checkpoint']}",
+        f"  MLflow UI:     {ui}",
+    ]
+    print("\n".join(lines), flush=True)

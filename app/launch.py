@@ -1,0 +1,210 @@
+"""Ray launcher: runs `app.run.run_worker` on Ray Train V2 workers (one per GPU; gloo on CPU).
+
+This is where Ray lives for training: the embedded or joined cluster, the TorchTrainer, the
+`RayRuntime` the loop sees, and the small actor through which rank 0's progress reaches the
+driver's display."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import ray.train
+import torch
+from ray.train import Checkpoint, CheckpointConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from app import checkpoint
+from app.config import BaseConfig, validate
+
+log = logging.getLogger("raylane")
+
+# Ray Train polls its workers every 2 s by default; a run's end waits for that poll. 0.2 s costs
+# a few RPCs per second on the driver node and saves up to 2 s per run (measured in README).
+TRAIN_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+# An embedded cluster lives and dies with this process on one node: nothing can preempt its node,
+# nobody scrapes its metrics, and its placement groups vanish with it. Each of these features
+# costs an extra process or RPCs at start-up on a small machine.
+EMBEDDED_ENV_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}
+EVENT_POLL_S = 0.25
+EMBEDDED_OBJECT_STORE_BYTES = 512 * 1024**2
+
+
+class TrainingError(RuntimeError):
+    """The run failed; the message names the failing rank(s) and their exceptions."""
+
+
+@ray.remote(num_cpus=0)
+class EventSink:
+    """Holds rank 0's events until the driver drains them."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def put(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+
+    def drain(self) -> list[dict[str, Any]]:
+        events, self.events = self.events, []
+        return events
+
+
+class RayRuntime:
+    """The `Runtime` seen by a Ray Train worker (see app.runtime)."""
+
+    def __init__(self, sink: Any, use_gpu: bool) -> None:
+        ctx = ray.train.get_context()
+        self.rank = ctx.get_world_rank()
+        self.local_rank = ctx.get_local_rank()
+        self.world_size = ctx.get_world_size()
+        self.device = ray.train.torch.get_device() if use_gpu else torch.device("cpu")
+        self._sink = sink
+
+    def latest_checkpoint(self) -> str | None:
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return None
+        import pyarrow.fs
+
+        if isinstance(ckpt.filesystem, pyarrow.fs.LocalFileSystem):
+            return ckpt.path
+        return ckpt.to_directory()  # remote storage: download once to this node
+
+    def new_checkpoint_dir(self, step: int) -> str:
+        # Each rank stages its shard locally; Ray merges all ranks' files in persistent storage.
+        return tempfile.mkdtemp(prefix=f"raylane-{checkpoint.checkpoint_name(step)}-")
+
+    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float]) -> str:
+        name = checkpoint.checkpoint_name(step)
+        ray.train.report({"step": step, **metrics}, checkpoint=Checkpoint.from_directory(path),
+                         checkpoint_dir_name=name)
+        shutil.rmtree(path, ignore_errors=True)
+        storage = ray.train.get_context().get_storage()
+        return os.path.join(storage.experiment_fs_path, name)
+
+    def publish(self, event: dict[str, Any]) -> None:
+        ref = self._sink.put.remote(event)
+        if event.get("event") == "end":
+            ray.get(ref)  # the driver reads the result after fit() returns: make sure it is there
+
+
+class _EmbeddedTorchTrainer(TorchTrainer):
+    """TorchTrainer without the detached placement-group cleaner actor (~600 MB, one process):
+    on an embedded cluster the placement group dies with the cluster anyway."""
+
+    def _create_default_callbacks(self):
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+        return [cb for cb in super()._create_default_callbacks()
+                if not isinstance(cb, PlacementGroupCleanerCallback)]
+
+
+def _train_fn(loop_config: dict[str, Any]) -> None:
+    from app.run import run_worker
+    from app.tracking import MetricLogger
+
+    # Ray logs every checkpoint registration at INFO; the driver's display already shows them.
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+
+    cfg = validate(loop_config["config"])
+    runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu)
+    metric_logger = None
+    if runtime.rank == 0 and loop_config.get("run_id"):
+        metric_logger = MetricLogger(loop_config["tracking_uri"], loop_config["run_id"])
+    run_worker(cfg, runtime, metric_logger)
+
+
+def _init_ray(address: str | None, cfg: BaseConfig) -> bool:
+    """Join `address` (or RAY_ADDRESS) if given, else start a fresh embedded cluster.
+
+    Returns True when this process started the cluster and so must shut it down."""
+    for key, value in TRAIN_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return False
+    for key, value in EMBEDDED_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    needed = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    ray.init(
+        address="local",  # never attach to a stale cluster by accident
+        num_cpus=max(int(needed + 0.999), os.cpu_count() or 1),
+        num_gpus=torch.cuda.device_count() if cfg.scaling.use_gpu else 0,
+        include_dashboard=False,
+        object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
+        logging_level=logging.WARNING,
+    )
+    return True
+
+
+def _format_failure(exc: BaseException) -> str:
+    failures = getattr(exc, "worker_failures", None)
+    if failures:
+        parts = [f"rank {rank}: {type(err).__name__}: {err}" for rank, err in sorted(failures.items())]
+        return "training failed on " + "; ".join(parts)
+    return f"training failed: {type(exc).__name__}: {exc}"
+
+
+def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """fit() runs on a helper thread so that this (main) thread keeps Ctrl-C and SIGTERM: Ray
+    installs its own SIGINT handler only from the main thread. Here we relay rank 0's events."""
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # re-raised on the main thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, name="raylane-fit", daemon=True)
+    thread.start()
+    result_fields: dict[str, Any] = {}
+    while True:
+        thread.join(EVENT_POLL_S)
+        for event in ray.get(sink.drain.remote()):
+            if event.get("event") == "end":
+                result_fields.update(event["result"])
+            on_event(event)
+        if not thread.is_alive():
+            break
+    if "error" in outcome:
+        exc = outcome["error"]
+        if isinstance(exc, ray.train.TrainingFailedError):
+            raise TrainingError(_format_failure(exc)) from None
+        raise exc
+    checkpoint_ = outcome["result"].checkpoint
+    if checkpoint_ is not None:
+        result_fields["checkpoint"] = checkpoint_.path
+    return result_fields
+
+
+def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
+                  on_event: Callable[[dict[str, Any]], None], address: str | None = None) -> dict[str, Any]:
+    started_here = _init_ray(address, cfg)
+    try:
+        sink = EventSink.remote()
+        resources = {"CPU": cfg.scaling.cpus_per_worker}
+        if cfg.scaling.use_gpu:
+            resources["GPU"] = 1
+        trainer_cls = _EmbeddedTorchTrainer if started_here else TorchTrainer
+        trainer = trainer_cls(
+            _train_fn,
+            train_loop_config={"config": cfg.model_dump(mode="json"), "sink": sink,
+                               "run_id": run_id, "tracking_uri": tracking_uri},
+            scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+                                         resources_per_worker=resources),
+            torch_config=TorchConfig(timeout_s=300),
+            run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
+                                 checkpoint_config=CheckpointConfig()),
+        )
+        return _fit_and_pump(trainer, sink, on_event)
+    finally:
+        if started_here:
+            ray.shutdown()

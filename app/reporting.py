@@ -1,0 +1,62 @@
+"""Rank-0-only side effects, in one place: progress for the driver and metrics for MLflow.
+
+Every method is a no-op on other ranks, so the Trainer calls them unconditionally. Nothing here
+may block a training step: progress is rate-limited and MLflow logging runs on its own thread."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+PROGRESS_INTERVAL_S = 0.5
+
+
+class Reporter:
+    def __init__(self, *, is_rank_zero: bool, publish: Callable[[dict[str, Any]], None],
+                 metric_logger: Any | None = None) -> None:
+        self.active = is_rank_zero
+        self._publish = publish
+        self._metrics = metric_logger if is_rank_zero else None
+        self._last_publish = 0.0
+        self._state: dict[str, Any] = {}
+
+    def on_start(self, **info: Any) -> None:
+        if self.active:
+            self._state.update(info)
+            self._publish({"event": "start", **info})
+
+    def on_step(self, *, epoch: int, step: int, first: bool) -> None:
+        if not self.active:
+            return
+        now = time.monotonic()
+        if first:
+            self._publish({"event": "first_step", "step": step, "time_unix": time.time()})
+        if now - self._last_publish >= PROGRESS_INTERVAL_S:
+            self._last_publish = now
+            self._publish({"event": "progress", "epoch": epoch, "step": step, **self._state})
+
+    def on_train_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.active:
+            return
+        self._state.update(metrics)
+        if self._metrics is not None:
+            self._metrics.log({f"train/{k}": v for k, v in metrics.items()}, step)
+
+    def on_eval(self, *, epoch: int, step: int, metrics: dict[str, float]) -> None:
+        if not self.active:
+            return
+        if self._metrics is not None:
+            self._metrics.log({f"eval/{k}": v for k, v in metrics.items()}, step)
+        self._publish({"event": "eval", "epoch": epoch, "step": step, "metrics": metrics})
+
+    def on_checkpoint(self, *, step: int, location: str) -> None:
+        if self.active:
+            self._publish({"event": "checkpoint", "step": step, "location": location})
+
+    def on_end(self, result: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        if self._metrics is not None:
+            self._metrics.close()
+        self._publish({"event": "end", "time_unix": time.time(), "result": result})

@@ -1,0 +1,93 @@
+"""What every rank runs, whoever launched it: build the pipeline, parallelize, resume, train.
+
+`run_worker` is the whole per-rank program. Under Ray Train it is called by `app.launch`; under
+torchrun or in a single process by `launch_local` below. It never imports Ray."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Subset
+
+from app import checkpoint
+from app.config import PIPELINES, BaseConfig
+from app.data import build_loader, shard_indices
+from app.distributed import default_device, env_ranks, init_process_group
+from app.parallel import parallelize
+from app.reporting import Reporter
+from app.runtime import LocalRuntime, Runtime
+from app.trainer import Trainer
+
+log = logging.getLogger("raylane")
+
+EVAL_BATCH_SIZE = 512
+
+
+def seed_everything(seed: int) -> None:
+    # The same seed on every rank: identical initial weights even before DDP's broadcast.
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: BaseConfig) -> torch.optim.Optimizer:
+    o = cfg.optim
+    if o.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
+    return cls(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+
+
+def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = None) -> dict[str, Any]:
+    """One rank's whole run. Returns the result (the same on every rank but for timings)."""
+    seed_everything(cfg.train.seed)
+    pipe = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg)
+    model = parallelize(pipe.model, cfg, runtime.device, runtime.world_size)
+    optimizer = build_optimizer(model, cfg)
+    train_loader = build_loader(pipe.train_set, batch_size=cfg.train.batch_size, rank=runtime.rank,
+                                world_size=runtime.world_size, seed=cfg.train.seed, shuffle=True)
+    eval_loader = None
+    if pipe.eval_set is not None:
+        shard = Subset(pipe.eval_set, shard_indices(len(pipe.eval_set), runtime.rank, runtime.world_size))
+        eval_loader = DataLoader(shard, batch_size=EVAL_BATCH_SIZE)
+    trainer = Trainer(
+        model, train_loader, optimizer, loss_fn=pipe.loss_fn, eval_data=eval_loader,
+        eval_sums=pipe.eval_sums, runtime=runtime, cfg=cfg,
+        reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=runtime.publish, metric_logger=metric_logger),
+    )
+    latest = runtime.latest_checkpoint()
+    if latest:
+        trainer.load_state_dict(checkpoint.load(latest, model, optimizer))
+        trainer.last_checkpoint = latest
+        if runtime.rank == 0:
+            log.info("resuming from step %d (%s)", trainer.step, latest)
+    return trainer.train()
+
+
+def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
+                 on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Run this process as one rank: a single process, or a torchrun rank (env vars say which)."""
+    rank, local_rank, world_size = env_ranks()
+    init_process_group(cfg.scaling.use_gpu)  # normally done already by the driver
+    try:
+        runtime = LocalRuntime(
+            Path(cfg.run.storage_path) / cfg.run.name, rank, local_rank, world_size,
+            default_device(cfg.scaling.use_gpu, local_rank), publish=on_event if rank == 0 else None,
+        )
+        metric_logger = None
+        if rank == 0 and run_id:
+            from app.tracking import MetricLogger
+
+            metric_logger = MetricLogger(tracking_uri, run_id)
+        return run_worker(cfg, runtime, metric_logger)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

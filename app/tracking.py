@@ -1,0 +1,155 @@
+"""MLflow: the driver owns the run's life (create or continue, params, terminal status); rank 0
+logs metrics through `MetricLogger`, a background thread that batches, so logging never stalls a
+step and a slow or absent tracking server never crashes training."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app import __version__
+from app.config import BaseConfig
+
+log = logging.getLogger("raylane.tracking")
+
+RUN_NAME_TAG = "raylane.run_name"
+MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limits
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAM_VALUE_LEN = 6000
+
+
+def resolve_tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI, else MLflow's default (sqlite:///mlflow.db), with sqlite paths made
+    absolute: Ray workers do not share the driver's working directory."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        uri = prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
+def ui_command(tracking_uri: str) -> str:
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"open {tracking_uri}"
+    mlflow_bin = Path(os.sys.prefix) / "bin" / "mlflow"
+    return f"{mlflow_bin} ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port 5000"
+
+
+@dataclass
+class RunHandle:
+    run_id: str
+    experiment_id: str
+    tracking_uri: str
+    resumed: bool
+
+
+def _client(tracking_uri: str):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def open_run(cfg: BaseConfig, tracking_uri: str, tags: dict[str, str] | None = None) -> RunHandle:
+    """Create the run for `cfg.run.name`, or continue the one a previous launch of it opened."""
+    client = _client(tracking_uri)
+    exp = client.get_experiment_by_name(cfg.mlflow.experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(cfg.mlflow.experiment)
+    found = client.search_runs(
+        [exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{cfg.run.name}'", max_results=1,
+        order_by=["attributes.start_time DESC"],
+    )
+    all_tags = {RUN_NAME_TAG: cfg.run.name, "raylane.pipeline": cfg.pipeline,
+                "raylane.version": __version__, **(tags or {})}
+    if found:
+        run_id = found[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        known = found[0].data.params
+    else:
+        run_id = client.create_run(exp_id, run_name=cfg.run.name, tags=all_tags).info.run_id
+        known = {}
+    from mlflow.entities import Param, RunTag
+
+    # MLflow forbids changing a logged param: a resumed run keeps its first values.
+    params = [Param(k, str(v)[:MAX_PARAM_VALUE_LEN]) for k, v in cfg.flat().items() if k not in known]
+    for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
+    client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
+    return RunHandle(run_id, exp_id, tracking_uri, resumed=bool(found))
+
+
+def set_tags(handle: RunHandle, tags: dict[str, Any]) -> None:
+    from mlflow.entities import RunTag
+
+    _client(handle.tracking_uri).log_batch(handle.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+
+def close_run(handle: RunHandle, status: str) -> None:
+    """FINISHED, FAILED or KILLED: a run is never left RUNNING."""
+    try:
+        _client(handle.tracking_uri).set_terminated(handle.run_id, status=status)
+    except Exception as exc:  # the result is on disk already; do not turn success into a crash
+        log.warning("could not mark MLflow run %s %s: %s", handle.run_id, status, exc)
+
+
+class MetricLogger:
+    """Rank 0's metric sink: `log()` only appends to a bounded buffer; a thread sends batches."""
+
+    def __init__(self, tracking_uri: str, run_id: str, *, flush_interval_s: float = 1.0,
+                 max_buffered: int = 100_000) -> None:
+        self.tracking_uri, self.run_id = tracking_uri, run_id
+        self.flush_interval_s = flush_interval_s
+        # Only _flush pops, from the left, what it has sent; log() refuses values when full.
+        self._buffer: deque[tuple[str, float, int, int]] = deque()
+        self._max_buffered = max_buffered
+        self._dropped = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._warned = False
+        # mlflow's import (~1.5 s) happens on this thread, off the training path.
+        self._thread = threading.Thread(target=self._loop, name="raylane-mlflow", daemon=True)
+        self._thread.start()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        now_ms = int(time.time() * 1000)
+        with self._lock:
+            for key, value in metrics.items():
+                if len(self._buffer) >= self._max_buffered:
+                    self._dropped += 1
+                    continue
+                self._buffer.append((key, float(value), now_ms, step))
+
+    def _loop(self) -> None:
+        client = _client(self.tracking_uri)
+        while not self._stop.wait(self.flush_interval_s):
+            self._flush(client)
+        self._flush(client)
+
+    def _flush(self, client) -> None:
+        from mlflow.entities import Metric
+
+        with self._lock:
+            pending = list(self._buffer)
+        for i in range(0, len(pending), MAX_METRICS_PER_BATCH):
+            chunk = pending[i : i + MAX_METRICS_PER_BATCH]
+            try:
+                client.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, ts, s in chunk])
+            except Exception as exc:  # keep the rest buffered; training goes on
+                if not self._warned:
+                    log.warning("MLflow logging failed, metrics stay buffered: %s", exc)
+                    self._warned = True
+                return
+            with self._lock:
+                for _ in chunk:
+                    self._buffer.popleft()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._dropped:
+            log.warning("MLflow buffer was full: %d metric values were dropped", self._dropped)

@@ -1,0 +1,188 @@
+"""The training loop, in the tutorial's shape (`_run_batch`, `_run_epoch`, `_save_checkpoint`,
+`train`). Model, data and optimizer are built outside and passed in; it never imports Ray.
+
+Collectives happen only at fixed steps (metric reductions every `mlflow.log_every_n_steps`,
+checkpoints, evaluation), so every rank calls them in the same order."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from app import __version__, checkpoint
+from app.config import BaseConfig
+from app.distributed import all_reduce_sums, backend_name
+from app.reporting import Reporter
+from app.runtime import Runtime
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_data: DataLoader,
+        optimizer: torch.optim.Optimizer,
+        *,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        eval_data: DataLoader | None,
+        eval_sums: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
+        runtime: Runtime,
+        reporter: Reporter,
+        cfg: BaseConfig,
+    ) -> None:
+        self.model = model
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.eval_data = eval_data
+        self.eval_sums = eval_sums
+        self.runtime = runtime
+        self.reporter = reporter
+        self.cfg = cfg
+        self.device = runtime.device
+        # Progress, saved in every checkpoint: resume continues at exactly the next batch.
+        self.epoch = 0
+        self.step = 0
+        self.batch_in_epoch = 0
+        self.resumed_from_step: int | None = None
+        self.steps_per_epoch = len(train_data.sampler) // train_data.batch_size + bool(
+            len(train_data.sampler) % train_data.batch_size
+        )
+        max_steps = cfg.train.max_steps or math.inf
+        self.total_steps = int(min(max_steps, cfg.train.max_epochs * self.steps_per_epoch))
+        self.samples_per_step = cfg.train.batch_size * runtime.world_size
+        self.eval_metrics: dict[str, float] = {}
+        self.last_checkpoint: str | None = None
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._loss_count = 0
+        self._window_start = time.perf_counter()
+        self._window_steps = 0
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def _run_epoch(self, epoch: int) -> None:
+        self.model.train()
+        self.train_data.sampler.set_epoch(epoch, skip_batches=self.batch_in_epoch)
+        for source, targets in self.train_data:
+            loss = self._run_batch(source.to(self.device), targets.to(self.device))
+            self.step += 1
+            self.batch_in_epoch += 1
+            # Accumulate on the device: no host sync per step.
+            self._loss_sum += loss
+            self._loss_count += 1
+            self._window_steps += 1
+            self.reporter.on_step(epoch=epoch, step=self.step,
+                                  first=self.step == (self.resumed_from_step or 0) + 1)
+            if self.step % self.cfg.mlflow.log_every_n_steps == 0:
+                self._log_train_metrics()
+            every = self.cfg.checkpoint.every_n_steps
+            # The last batch of an epoch, or of the run, is saved by train() after evaluation.
+            last_batch = self.batch_in_epoch >= self.steps_per_epoch or self.step >= self.total_steps
+            if every and self.step % every == 0 and not last_batch:
+                self._save_checkpoint()
+            if self.step >= self.total_steps:
+                break
+
+    def _log_train_metrics(self) -> None:
+        sums = all_reduce_sums({"loss": self._loss_sum, "count": torch.tensor(float(self._loss_count))})
+        elapsed = time.perf_counter() - self._window_start
+        metrics = {
+            "loss": sums["loss"] / max(sums["count"], 1.0),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "samples_per_s": self._window_steps * self.samples_per_step / max(elapsed, 1e-9),
+        }
+        self.reporter.on_train_metrics(self.step, metrics)
+        self._loss_sum.zero_()
+        self._loss_count = 0
+        self._window_start = time.perf_counter()
+        self._window_steps = 0
+
+    @torch.no_grad()
+    def _evaluate(self) -> dict[str, float]:
+        if self.eval_data is None:
+            return {}
+        self.model.eval()
+        sums: dict[str, torch.Tensor] = {}
+        count = 0
+        for source, targets in self.eval_data:
+            output = self.model(source.to(self.device))
+            for name, value in self.eval_sums(output, targets.to(self.device)).items():
+                sums[name] = sums.get(name, 0) + value
+            count += len(targets)
+        sums["count"] = torch.tensor(float(count))
+        totals = all_reduce_sums(sums)
+        n = totals.pop("count")
+        self.eval_metrics = {k: v / max(n, 1.0) for k, v in totals.items()}
+        return self.eval_metrics
+
+    def _save_checkpoint(self) -> None:
+        path = self.runtime.new_checkpoint_dir(self.step)
+        checkpoint.save(path, self.model, self.optimizer, self.state_dict(),
+                        is_rank_zero=self.runtime.rank == 0)
+        self.last_checkpoint = self.runtime.commit_checkpoint(path, self.step, self.eval_metrics)
+        self.reporter.on_checkpoint(step=self.step, location=self.last_checkpoint)
+
+    def train(self) -> dict[str, Any]:
+        self.reporter.on_start(
+            total_steps=self.total_steps, steps_per_epoch=self.steps_per_epoch,
+            max_epochs=self.cfg.train.max_epochs, world_size=self.runtime.world_size,
+            resumed_from_step=self.resumed_from_step,
+        )
+        started, first_step = time.perf_counter(), self.step
+        while self.step < self.total_steps:
+            self._run_epoch(self.epoch)
+            if self.batch_in_epoch >= self.steps_per_epoch:  # a whole epoch, not a max_steps stop
+                self.reporter.on_eval(epoch=self.epoch, step=self.step, metrics=self._evaluate())
+                self.epoch += 1
+                self.batch_in_epoch = 0
+            self._save_checkpoint()
+        if self._loss_count:
+            self._log_train_metrics()
+        if not self.eval_metrics:  # stopped by max_steps mid-epoch, or resumed at the very end
+            self.reporter.on_eval(epoch=self.epoch, step=self.step, metrics=self._evaluate())
+        train_s = time.perf_counter() - started
+        result = {
+            "epochs": self.epoch,
+            "steps": self.step,
+            "metrics": self.eval_metrics,
+            "samples_per_s": (self.step - first_step) * self.samples_per_step / max(train_s, 1e-9),
+            "train_s": train_s,
+            "resumed_from_step": self.resumed_from_step,
+            "checkpoint": self.last_checkpoint,
+            "world_size": self.runtime.world_size,
+            "backend": backend_name(),
+        }
+        self.reporter.on_end(result)
+        return result
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "batch_in_epoch": self.batch_in_epoch,
+            "world_size": self.runtime.world_size,
+            "config": self.cfg.model_dump(mode="json"),
+            "raylane_version": __version__,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.step = int(state["step"])
+        # Batches per epoch depend on the world size; a resharded resume restarts the epoch.
+        same_world = state.get("world_size") == self.runtime.world_size
+        self.batch_in_epoch = int(state["batch_in_epoch"]) if same_world else 0
+        self.resumed_from_step = self.step
