@@ -53,14 +53,18 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     return json.loads(state_file.read_text())
 
 
-def is_complete(path: str | os.PathLike) -> bool:
-    return (Path(path) / TRAIN_STATE_FILE).is_file()
+def latest_committed(root: str, filesystem=None) -> str | None:
+    """Newest complete checkpoint directly under `root`, on any pyarrow filesystem (local, S3).
 
+    Our own commit marker decides, not a launcher's bookkeeping: a launcher killed just after a
+    checkpoint was written may never have recorded it."""
+    import pyarrow.fs as pafs
 
-def latest_in(root: str | os.PathLike) -> Path | None:
-    """Newest complete checkpoint directly under `root` (names sort by step)."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    found = sorted(p for p in root.glob(CHECKPOINT_PREFIX + "*") if p.is_dir() and is_complete(p))
-    return found[-1] if found else None
+    fs = filesystem or pafs.LocalFileSystem()
+    entries = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    dirs = sorted(e.path for e in entries
+                  if e.type == pafs.FileType.Directory and e.base_name.startswith(CHECKPOINT_PREFIX))
+    for path in reversed(dirs):
+        if fs.get_file_info(f"{path}/{TRAIN_STATE_FILE}").type == pafs.FileType.File:
+            return path
+    return None

@@ -7,6 +7,8 @@ import json
 import logging
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -48,38 +50,60 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
     cfg = _finalize(cfg)
     is_driver = use_ray or env_ranks()[0] == 0
     tracking_uri = resolve_tracking_uri()
-    handle = open_run(cfg, tracking_uri) if is_driver else None
+    with ExitStack() as stack:
+        # Opening the MLflow run (import + database) overlaps with starting Ray.
+        pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="raylane-mlflow"))
+        run_future = pool.submit(open_run, cfg, tracking_uri) if is_driver else None
+        embedded = False
+        if use_ray:
+            import ray
+
+            from app.launch import init_ray
+
+            embedded = init_ray(address, cfg)
+            stack.callback(ray.shutdown)  # last: after the summary is out
+        handle = run_future.result() if run_future else None
+        display = ProgressDisplay() if is_driver else None
+        if handle:
+            log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id,
+                     ", continued" if handle.resumed else "")
+        status, error, result = _execute(cfg, use_ray, embedded, handle, tracking_uri, display)
+        if not is_driver:
+            return EXIT_CODES[status]
+        close_run(handle, status)
+        summary = _summary(cfg, handle, status, error, result, display, launched)
+        if summary_path:
+            Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        _print_outcome(summary, ui_command(tracking_uri))
+        return EXIT_CODES[status]
+
+
+EXIT_CODES = {"FINISHED": 0, "FAILED": 1, "KILLED": 130}
+
+
+def _execute(cfg: BaseConfig, use_ray: bool, embedded: bool, handle: Any, tracking_uri: str,
+             display: ProgressDisplay | None) -> tuple[str, str | None, dict[str, Any]]:
+    """Run the ranks; returns (MLflow status, error message, result)."""
     run_id = handle.run_id if handle else None
-    display = ProgressDisplay() if is_driver else None
     on_event = display.handle if display else (lambda event: None)
-    if is_driver:
-        log.info("run %s (MLflow run %s%s)", cfg.run.name, run_id, ", continued" if handle.resumed else "")
-    status, code, error, result = "FAILED", 1, None, {}
     try:
         if use_ray:
             from app.launch import launch_on_ray
 
-            result = launch_on_ray(cfg, run_id, tracking_uri, on_event, address)
+            result = launch_on_ray(cfg, run_id, tracking_uri, on_event, embedded=embedded)
         else:
             from app.run import launch_local
 
             result = launch_local(cfg, run_id, tracking_uri, on_event)
-        status, code = "FINISHED", 0
+        return "FINISHED", None, result
     except KeyboardInterrupt:
-        status, code, error = "KILLED", 130, "interrupted"
+        return "KILLED", "interrupted", {}
     except Exception as exc:  # the launcher's message names the rank and its exception
-        error = str(exc) if type(exc).__name__ == "TrainingError" else f"{type(exc).__name__}: {exc}"
+        text = str(exc) if type(exc).__name__ == "TrainingError" else f"{type(exc).__name__}: {exc}"
+        return "FAILED", text, {}
     finally:
         if display:
             display.close()
-    if not is_driver:
-        return code
-    close_run(handle, status)
-    summary = _summary(cfg, handle, status, error, result, display, launched)
-    if summary_path:
-        Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    _print_outcome(summary, ui_command(tracking_uri))
-    return code
 
 
 def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, result: dict[str, Any],

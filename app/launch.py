@@ -67,14 +67,21 @@ class RayRuntime:
         self._sink = sink
 
     def latest_checkpoint(self) -> str | None:
-        ckpt = ray.train.get_checkpoint()
-        if ckpt is None:
+        # Scan storage rather than ask ray.train.get_checkpoint(): Ray records a checkpoint only
+        # when its controller processes the report, which a driver killed right after the
+        # upload never does. Our commit marker (train_state.json) is the authority.
+        storage = ray.train.get_context().get_storage()
+        fs = storage.storage_filesystem
+        path = checkpoint.latest_committed(storage.experiment_fs_path, fs)
+        if path is None:
             return None
         import pyarrow.fs
 
-        if isinstance(ckpt.filesystem, pyarrow.fs.LocalFileSystem):
-            return ckpt.path
-        return ckpt.to_directory()  # remote storage: download once to this node
+        if isinstance(fs, pyarrow.fs.LocalFileSystem):
+            return path
+        local = tempfile.mkdtemp(prefix="raylane-restore-")
+        pyarrow.fs.copy_files(path, local, source_filesystem=fs)  # remote storage: download once
+        return local
 
     def new_checkpoint_dir(self, step: int) -> str:
         # Each rank stages its shard locally; Ray merges all ranks' files in persistent storage.
@@ -120,7 +127,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     run_worker(cfg, runtime, metric_logger)
 
 
-def _init_ray(address: str | None, cfg: BaseConfig) -> bool:
+def init_ray(address: str | None, cfg: BaseConfig) -> bool:
     """Join `address` (or RAY_ADDRESS) if given, else start a fresh embedded cluster.
 
     Returns True when this process started the cluster and so must shut it down."""
@@ -186,25 +193,21 @@ def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str
 
 
 def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
-                  on_event: Callable[[dict[str, Any]], None], address: str | None = None) -> dict[str, Any]:
-    started_here = _init_ray(address, cfg)
-    try:
-        sink = EventSink.remote()
-        resources = {"CPU": cfg.scaling.cpus_per_worker}
-        if cfg.scaling.use_gpu:
-            resources["GPU"] = 1
-        trainer_cls = _EmbeddedTorchTrainer if started_here else TorchTrainer
-        trainer = trainer_cls(
-            _train_fn,
-            train_loop_config={"config": cfg.model_dump(mode="json"), "sink": sink,
-                               "run_id": run_id, "tracking_uri": tracking_uri},
-            scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-                                         resources_per_worker=resources),
-            torch_config=TorchConfig(timeout_s=300),
-            run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
-                                 checkpoint_config=CheckpointConfig()),
-        )
-        return _fit_and_pump(trainer, sink, on_event)
-    finally:
-        if started_here:
-            ray.shutdown()
+                  on_event: Callable[[dict[str, Any]], None], *, embedded: bool) -> dict[str, Any]:
+    """Train on the connected cluster (see `init_ray`); the caller shuts Ray down."""
+    sink = EventSink.remote()
+    resources = {"CPU": cfg.scaling.cpus_per_worker}
+    if cfg.scaling.use_gpu:
+        resources["GPU"] = 1
+    trainer_cls = _EmbeddedTorchTrainer if embedded else TorchTrainer
+    trainer = trainer_cls(
+        _train_fn,
+        train_loop_config={"config": cfg.model_dump(mode="json"), "sink": sink,
+                           "run_id": run_id, "tracking_uri": tracking_uri},
+        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
+                                     resources_per_worker=resources),
+        torch_config=TorchConfig(timeout_s=300),
+        run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
+                             checkpoint_config=CheckpointConfig()),
+    )
+    return _fit_and_pump(trainer, sink, on_event)

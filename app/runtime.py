@@ -46,8 +46,7 @@ class LocalRuntime:
         self._publish = publish
 
     def latest_checkpoint(self) -> str | None:
-        found = checkpoint.latest_in(self.run_dir)
-        return str(found) if found else None
+        return checkpoint.latest_committed(str(self.run_dir))
 
     def new_checkpoint_dir(self, step: int) -> str:
         path = self.run_dir / checkpoint.checkpoint_name(step)

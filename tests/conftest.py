@@ -1,0 +1,93 @@
+"""Shared test helpers. Every process a test starts is stopped by that test, by its id: CLI runs
+get their own session, and the whole group (driver plus the embedded Ray it started) is killed
+by process-group id if it outlives the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RAYLANE = [sys.executable, "-m", "app"]
+# `torchrun --standalone --nproc_per_node N -m app train ...`, through this interpreter.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env.update(
+        MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        PYTHONUNBUFFERED="1",
+        RAY_DEDUP_LOGS="0",
+    )
+    env.update(extra)
+    return env
+
+
+class CliProcess:
+    """A `raylane` subprocess in its own session, killed as a group on cleanup."""
+
+    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._log.flush()
+
+    @property
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    started: list[CliProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None, name: str = "cli",
+              launcher: list[str] = RAYLANE) -> CliProcess:
+        p = CliProcess([*launcher, *args], tmp_path, env or cli_env(tmp_path), tmp_path / f"{name}-{len(started)}.log")
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.kill_group()  # by process-group id: also catches an embedded Ray left by a crash
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"condition not met within {timeout_s}s")
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
