@@ -28,8 +28,8 @@ class ProgressDisplay:
         self.end_unix: float | None = None
         self.result: dict[str, Any] | None = None
         self.checkpoints: list[dict[str, Any]] = []
-        self._last_line = 0.0
-        self._started = time.monotonic()
+        self._last_line = float("-inf")
+        self._rate_origin: tuple[float, int] | None = None  # (time, step) of the first progress seen
         self._bar = None
         self._task = None
 
@@ -85,12 +85,14 @@ class ProgressDisplay:
                              stats=" ".join(stats))
             return
         now = time.monotonic()
+        self._rate_origin = self._rate_origin or (now, step)
         if not force and now - self._last_line < self.line_interval_s:
             return
         self._last_line = now
         pct = 100.0 * step / total if total else 0.0
-        elapsed = now - self._started
-        eta = _fmt_eta(elapsed / step * (total - step)) if step else "?"
+        # ETA from the pace of this launch only: resumed steps and start-up do not count.
+        t0, step0 = self._rate_origin
+        eta = _fmt_eta((now - t0) / (step - step0) * (total - step)) if step > step0 else "?"
         line = f"epoch {epoch}/{self.info.get('max_epochs', '?')} step {step}/{total} ({pct:.0f}%)"
         self._print(" ".join([line, *stats, f"eta {eta}"]))
 

@@ -18,7 +18,7 @@ class Reporter:
         self.active = is_rank_zero
         self._publish = publish
         self._metrics = metric_logger if is_rank_zero else None
-        self._last_publish = 0.0
+        self._last_publish = float("-inf")
         self._state: dict[str, Any] = {}
 
     def on_start(self, **info: Any) -> None:
