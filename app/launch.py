@@ -116,8 +116,12 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     from app.run import run_worker
     from app.tracking import MetricLogger
 
-    # Ray logs every checkpoint registration at INFO; the driver's display already shows them.
-    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    # Ray logs every report and checkpoint at INFO; the driver's display already shows them.
+    # (One of those loggers is named after its file path, not its module.)
+    from ray.train.v2._internal.execution import context as ray_train_context
+
+    for name in ("ray.train", ray_train_context.__file__):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     cfg = validate(loop_config["config"])
     runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu)
