@@ -53,6 +53,8 @@ class TrainSection(Section):
     max_steps: int | None = Field(None, ge=1)
     batch_size: int = Field(32, ge=1, le=1_000_000, description="samples per worker per step")
     seed: int = Field(0, ge=0, lt=2**32)
+    # A non-finite loss or gradient: stop with an error naming the step, or skip that update.
+    on_nan: Literal["stop", "skip"] = "stop"
 
 
 class OptimSection(Section):
@@ -65,6 +67,16 @@ class OptimSection(Section):
 class CheckpointSection(Section):
     # 0 means only at the end of each epoch.
     every_n_steps: int = Field(0, ge=0)
+
+
+class FailureSection(Section):
+    # Worker-group restarts (from the latest committed checkpoint) before the run fails; -1: no limit.
+    max_failures: int = Field(0, ge=-1)
+
+
+class DistSection(Section):
+    # A rank stuck in a collective fails the run after this long (Ray's default is 1800 s).
+    timeout_s: float = Field(300.0, gt=0, le=86_400)
 
 
 class MlflowSection(Section):
@@ -81,6 +93,8 @@ class BaseConfig(Section):
     train: TrainSection = TrainSection()
     optim: OptimSection = OptimSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    failure: FailureSection = FailureSection()
+    dist: DistSection = DistSection()
     mlflow: MlflowSection = MlflowSection()
 
     def flat(self) -> dict[str, Any]:

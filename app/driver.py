@@ -46,7 +46,7 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
     launched = time.time()
     signal.signal(signal.SIGTERM, _raise_interrupt)  # a kill from a scheduler ends like Ctrl-C
     if not use_ray:
-        init_process_group(cfg.scaling.use_gpu)  # torchrun ranks must agree on the run name first
+        init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # ranks agree on the run name first
     cfg = _finalize(cfg)
     is_driver = use_ray or env_ranks()[0] == 0
     tracking_uri = resolve_tracking_uri()
@@ -126,6 +126,9 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         "samples_per_s": result.get("samples_per_s"),
         "metrics": result.get("metrics", {}),
         "resumed_from_step": result.get("resumed_from_step"),
+        # Every (re)start of the worker group announces itself; the first one is not a restart.
+        "restarts": max(display.starts - 1, 0),
+        "skipped_steps": result.get("skipped_steps", 0),
         "timing": {
             "launched_unix": launched,
             "first_step_unix": first,

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 import ray.train
 import torch
-from ray.train import Checkpoint, CheckpointConfig, RunConfig, ScalingConfig
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from app import checkpoint
@@ -210,8 +210,9 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                            "run_id": run_id, "tracking_uri": tracking_uri},
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources),
-        torch_config=TorchConfig(timeout_s=300),
+        torch_config=TorchConfig(timeout_s=cfg.dist.timeout_s),
         run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
-                             checkpoint_config=CheckpointConfig()),
+                             checkpoint_config=CheckpointConfig(),
+                             failure_config=FailureConfig(max_failures=cfg.failure.max_failures)),
     )
     return _fit_and_pump(trainer, sink, on_event)

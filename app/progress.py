@@ -28,6 +28,7 @@ class ProgressDisplay:
         self.end_unix: float | None = None
         self.result: dict[str, Any] | None = None
         self.checkpoints: list[dict[str, Any]] = []
+        self.starts = 0
         self._last_line = float("-inf")
         self._rate_origin: tuple[float, int] | None = None  # (time, step) of the first progress seen
         self._bar = None
@@ -38,6 +39,9 @@ class ProgressDisplay:
     def handle(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
         if kind == "start":
+            self.starts += 1
+            if self.starts > 1:
+                self._print(f"worker group restarted ({self.starts - 1})")
             self.info.update({k: v for k, v in event.items() if k != "event"})
             self._start_bar()
             if event.get("resumed_from_step"):

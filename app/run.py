@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Subset
 
-from app import checkpoint
+from app import checkpoint, faults
 from app.config import PIPELINES, BaseConfig
 from app.data import build_loader, shard_indices
 from app.distributed import default_device, env_ranks, init_process_group
@@ -60,7 +60,7 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
         eval_loader = DataLoader(shard, batch_size=EVAL_BATCH_SIZE)
     trainer = Trainer(
         model, train_loader, optimizer, loss_fn=pipe.loss_fn, eval_data=eval_loader,
-        eval_sums=pipe.eval_sums, runtime=runtime, cfg=cfg,
+        eval_sums=pipe.eval_sums, runtime=runtime, cfg=cfg, faults=faults.load(runtime.rank),
         reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=runtime.publish, metric_logger=metric_logger),
     )
     latest = runtime.latest_checkpoint()
@@ -76,7 +76,7 @@ def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                  on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Run this process as one rank: a single process, or a torchrun rank (env vars say which)."""
     rank, local_rank, world_size = env_ranks()
-    init_process_group(cfg.scaling.use_gpu)  # normally done already by the driver
+    init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # normally done already by the driver
     try:
         runtime = LocalRuntime(
             Path(cfg.run.storage_path) / cfg.run.name, rank, local_rank, world_size,

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from app import __version__, checkpoint
 from app.config import BaseConfig
 from app.distributed import all_reduce_sums, backend_name
+from app.faults import FaultPlan
 from app.reporting import Reporter
 from app.runtime import Runtime
 
@@ -34,6 +35,7 @@ class Trainer:
         runtime: Runtime,
         reporter: Reporter,
         cfg: BaseConfig,
+        faults: FaultPlan | None = None,
     ) -> None:
         self.model = model
         self.train_data = train_data
@@ -44,6 +46,7 @@ class Trainer:
         self.runtime = runtime
         self.reporter = reporter
         self.cfg = cfg
+        self.faults = faults
         self.device = runtime.device
         # Progress, saved in every checkpoint: resume continues at exactly the next batch.
         self.epoch = 0
@@ -57,6 +60,7 @@ class Trainer:
         self.total_steps = int(min(max_steps, cfg.train.max_epochs * self.steps_per_epoch))
         self.samples_per_step = cfg.train.batch_size * runtime.world_size
         self.eval_metrics: dict[str, float] = {}
+        self.skipped_steps = 0
         self.last_checkpoint: str | None = None
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_count = 0
@@ -65,24 +69,43 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """One optimizer step; returns the loss, or None when a non-finite update was skipped."""
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(source), targets)
+        if self.faults:
+            loss = self.faults.corrupt_loss(self.step + 1, loss)
         loss.backward()
+        if not self._gradients_finite():
+            if self.cfg.train.on_nan == "stop":
+                raise FloatingPointError(
+                    f"non-finite loss or gradients at step {self.step + 1} (train.on_nan: stop)")
+            self.skipped_steps += 1
+            return None
         self.optimizer.step()
         return loss.detach()
+
+    def _gradients_finite(self) -> bool:
+        # DDP has already all-reduced the gradients, so a NaN on any rank is a NaN on every rank:
+        # all ranks reach the same verdict without another collective.
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return True
+        return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
 
     def _run_epoch(self, epoch: int) -> None:
         self.model.train()
         self.train_data.sampler.set_epoch(epoch, skip_batches=self.batch_in_epoch)
         for source, targets in self.train_data:
+            if self.faults:
+                self.faults.before_step(self.step + 1)
             loss = self._run_batch(source.to(self.device), targets.to(self.device))
             self.step += 1
             self.batch_in_epoch += 1
-            # Accumulate on the device: no host sync per step.
-            self._loss_sum += loss
-            self._loss_count += 1
             self._window_steps += 1
+            if loss is not None:  # accumulated on the device: no host sync per step
+                self._loss_sum += loss
+                self._loss_count += 1
             self.reporter.on_step(epoch=epoch, step=self.step,
                                   first=self.step == (self.resumed_from_step or 0) + 1)
             if self.step % self.cfg.mlflow.log_every_n_steps == 0:
@@ -163,6 +186,7 @@ class Trainer:
             "checkpoint": self.last_checkpoint,
             "world_size": self.runtime.world_size,
             "backend": backend_name(),
+            "skipped_steps": self.skipped_steps,
         }
         self.reporter.on_end(result)
         return result

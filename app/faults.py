@@ -1,0 +1,63 @@
+"""Fault injection for tests and drills, planned through the environment of the workers:
+
+    RAYLANE_FAULTS="raise@rank=1,step=5;nan@step=7;hang@rank=0,step=3"
+
+`raise` raises RuntimeError on that rank at that step, `nan` turns that step's loss into NaN
+(on the given rank, or all), `hang` blocks that rank forever (a rank stuck outside a
+collective). A plan costs nothing when the variable is unset: `load()` returns None."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+ENV = "RAYLANE_FAULTS"
+KINDS = ("raise", "nan", "hang")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None  # None: every rank
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class FaultPlan:
+    def __init__(self, faults: list[Fault], rank: int) -> None:
+        self.by_step = {f.step: f for f in faults if f.rank in (None, rank)}
+        self.rank = rank
+
+    def before_step(self, step: int) -> None:
+        fault = self.by_step.get(step)
+        if fault and fault.kind == "raise":
+            raise InjectedFault(f"injected failure on rank {self.rank} at step {step}")
+        if fault and fault.kind == "hang":
+            while True:
+                time.sleep(3600)
+
+    def corrupt_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        fault = self.by_step.get(step)
+        return loss * float("nan") if fault and fault.kind == "nan" else loss
+
+
+def parse(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        kind, _, params = item.partition("@")
+        fields = dict(p.split("=", 1) for p in params.split(",") if "=" in p)
+        if kind not in KINDS or "step" not in fields:
+            raise ValueError(f"{ENV}: cannot parse {item!r} (expected e.g. raise@rank=1,step=5)")
+        faults.append(Fault(kind, int(fields["step"]), int(fields["rank"]) if "rank" in fields else None))
+    return faults
+
+
+def load(rank: int) -> FaultPlan | None:
+    text = os.environ.get(ENV, "")
+    return FaultPlan(parse(text), rank) if text else None
