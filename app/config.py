@@ -67,6 +67,8 @@ class OptimSection(Section):
 class CheckpointSection(Section):
     # 0 means only at the end of each epoch.
     every_n_steps: int = Field(0, ge=0)
+    # Keep only the newest N committed checkpoints; null keeps all.
+    keep: int | None = Field(None, ge=1)
 
 
 class FailureSection(Section):

@@ -69,10 +69,10 @@ class RayRuntime:
     def latest_checkpoint(self) -> str | None:
         # Scan storage rather than ask ray.train.get_checkpoint(): Ray records a checkpoint only
         # when its controller processes the report, which a driver killed right after the
-        # upload never does. Our commit marker (train_state.json) is the authority.
+        # upload never does. Our manifest, checked against every file, is the authority.
         storage = ray.train.get_context().get_storage()
         fs = storage.storage_filesystem
-        path = checkpoint.latest_committed(storage.experiment_fs_path, fs)
+        path = checkpoint.latest_valid(storage.experiment_fs_path, fs)
         if path is None:
             return None
         import pyarrow.fs
@@ -87,12 +87,14 @@ class RayRuntime:
         # Each rank stages its shard locally; Ray merges all ranks' files in persistent storage.
         return tempfile.mkdtemp(prefix=f"raylane-{checkpoint.checkpoint_name(step)}-")
 
-    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float]) -> str:
+    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], keep: int | None) -> str:
         name = checkpoint.checkpoint_name(step)
         ray.train.report({"step": step, **metrics}, checkpoint=Checkpoint.from_directory(path),
                          checkpoint_dir_name=name)
         shutil.rmtree(path, ignore_errors=True)
         storage = ray.train.get_context().get_storage()
+        if keep and self.rank == 0:
+            checkpoint.prune(storage.experiment_fs_path, keep, storage.storage_filesystem)
         return os.path.join(storage.experiment_fs_path, name)
 
     def publish(self, event: dict[str, Any]) -> None:

@@ -29,8 +29,9 @@ class Runtime(Protocol):
     def new_checkpoint_dir(self, step: int) -> str:
         """Where this rank writes its shard of the checkpoint at `step`."""
 
-    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float]) -> str:
-        """Collective, after every rank has saved: register it; returns its persistent location."""
+    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], keep: int | None) -> str:
+        """Collective, after every rank has saved: register it, then keep only the newest `keep`
+        checkpoints; returns its persistent location."""
 
     def publish(self, event: dict[str, Any]) -> None:
         """Rank 0 only, must not block: progress and results for the driver."""
@@ -46,15 +47,17 @@ class LocalRuntime:
         self._publish = publish
 
     def latest_checkpoint(self) -> str | None:
-        return checkpoint.latest_committed(str(self.run_dir))
+        return checkpoint.latest_valid(str(self.run_dir))
 
     def new_checkpoint_dir(self, step: int) -> str:
         path = self.run_dir / checkpoint.checkpoint_name(step)
         path.mkdir(parents=True, exist_ok=True)
         return str(path)
 
-    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float]) -> str:
-        barrier()  # the train state file written by rank 0 is the commit; make it visible to all
+    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], keep: int | None) -> str:
+        barrier()  # rank 0's manifest is the commit; no rank goes on before it exists
+        if keep and self.rank == 0:
+            checkpoint.prune(str(self.run_dir), keep)
         return path
 
     def publish(self, event: dict[str, Any]) -> None:

@@ -152,9 +152,9 @@ class Trainer:
 
     def _save_checkpoint(self) -> None:
         path = self.runtime.new_checkpoint_dir(self.step)
-        checkpoint.save(path, self.model, self.optimizer, self.state_dict(),
-                        is_rank_zero=self.runtime.rank == 0)
-        self.last_checkpoint = self.runtime.commit_checkpoint(path, self.step, self.eval_metrics)
+        checkpoint.save(path, self.model, self.optimizer, self.state_dict(), rank=self.runtime.rank)
+        self.last_checkpoint = self.runtime.commit_checkpoint(path, self.step, self.eval_metrics,
+                                                              keep=self.cfg.checkpoint.keep)
         self.reporter.on_checkpoint(step=self.step, location=self.last_checkpoint)
 
     def train(self) -> dict[str, Any]:

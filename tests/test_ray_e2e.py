@@ -27,7 +27,7 @@ def test_digits_on_two_ray_workers(run_cli, tmp_path):
     assert s["timing"]["launch_to_first_step_s"] > 0
     ckpt = Path(s["checkpoint"])
     assert ckpt.is_dir() and ckpt.name == f"checkpoint_{s['steps']:09d}"
-    assert (ckpt / "train_state.json").exists() and (ckpt / ".metadata").exists()
+    assert (ckpt / "manifest.json").exists() and (ckpt / ".metadata").exists()
     assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # one shard per rank
     # The outcome the user reads at the end of the log.
     assert f"MLflow run id: {s['run_id']}" in proc.output and str(ckpt) in proc.output
@@ -51,14 +51,14 @@ def test_interrupted_run_resumes_from_its_last_checkpoint(run_cli, tmp_path):
             "--set", "checkpoint.every_n_steps=20"]
     first = run_cli(*args, "--summary-json", "first.json", name="first")
     run_dir = tmp_path / "runs" / "intr"
-    wait_for(lambda: list(run_dir.glob("checkpoint_*/train_state.json")), timeout_s=240)
+    wait_for(lambda: list(run_dir.glob("checkpoint_*/manifest.json")), timeout_s=240)
     first.signal(signal.SIGINT)
     assert first.wait(120) == 130, first.output
     s1 = read_json(tmp_path / "first.json")
     assert s1["status"] == "KILLED"
     client = MlflowClient(s1["tracking_uri"])
     assert client.get_run(s1["run_id"]).info.status == "KILLED"
-    saved = sorted(int(p.parent.name.split("_")[1]) for p in run_dir.glob("checkpoint_*/train_state.json"))
+    saved = sorted(int(p.parent.name.split("_")[1]) for p in run_dir.glob("checkpoint_*/manifest.json"))
 
     second = run_cli("train", "digits", "--set", "run.name=intr", "--set", "train.max_epochs=1",
                      "--summary-json", "second.json", name="second")

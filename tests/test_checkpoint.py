@@ -1,0 +1,87 @@
+"""Checkpoints are committed by a manifest; a corrupt newest one falls back to the previous."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from app import checkpoint
+from tests.conftest import read_json
+
+
+def _save(root: Path, step: int, value: float) -> Path:
+    model = torch.nn.Linear(4, 2)
+    torch.nn.init.constant_(model.weight, value)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = root / checkpoint.checkpoint_name(step)
+    path.mkdir(parents=True)
+    checkpoint.save(path, model, optimizer, {"step": step}, rank=0)
+    return path
+
+
+def _shard(path: Path) -> Path:
+    return next(path.glob("__0_*.distcp"))
+
+
+def test_manifest_lists_every_file_with_its_checksum(tmp_path):
+    path = _save(tmp_path, 10, 1.0)
+    manifest = checkpoint.read_manifest(path)
+    assert manifest["train_state"] == {"step": 10}
+    assert set(manifest["files"]) == {".metadata", _shard(path).name}
+    assert checkpoint.verify(str(path)) is None
+
+
+def test_truncated_bitflipped_or_uncommitted_checkpoints_are_skipped(tmp_path):
+    good = _save(tmp_path, 10, 1.0)
+    truncated = _save(tmp_path, 20, 2.0)
+    flipped = _save(tmp_path, 30, 3.0)
+    uncommitted = _save(tmp_path, 40, 4.0)
+    (uncommitted / checkpoint.MANIFEST_FILE).unlink()  # as if the writer died before the commit
+    shard = _shard(truncated)
+    shard.write_bytes(shard.read_bytes()[:-7])
+    data = bytearray(_shard(flipped).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    _shard(flipped).write_bytes(bytes(data))
+
+    assert "bytes, the manifest says" in checkpoint.verify(str(truncated))
+    assert "does not match its checksum" in checkpoint.verify(str(flipped))
+    assert checkpoint.latest_valid(str(tmp_path)) == str(good)
+
+    model = torch.nn.Linear(4, 2)
+    state = checkpoint.load(good, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert state == {"step": 10} and torch.all(model.weight == 1.0)
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step, float(step))
+    checkpoint.prune(str(tmp_path), keep=2)
+    assert [Path(p).name for p in checkpoint.committed(str(tmp_path))] == [
+        checkpoint.checkpoint_name(3), checkpoint.checkpoint_name(4)]
+
+
+def test_relaunch_after_a_truncated_latest_checkpoint_uses_the_previous(run_cli, tmp_path):
+    args = ["train", "regression", "--local", "--set", "run.name=t", "--set", "checkpoint.every_n_steps=10"]
+    first = run_cli(*args, "--set", "train.max_steps=30", "--summary-json", "a.json")
+    assert first.wait(120) == 0, first.output
+    latest = Path(read_json(tmp_path / "a.json")["checkpoint"])
+    assert latest.name == checkpoint.checkpoint_name(30)
+    shard = _shard(latest)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+
+    again = run_cli(*args, "--set", "train.max_steps=40", "--summary-json", "b.json")
+    assert again.wait(120) == 0, again.output
+    b = read_json(tmp_path / "b.json")
+    assert b["resumed_from_step"] == 20 and b["steps"] == 40
+    assert "checkpoint_000000030 is corrupt" in again.output
+
+
+def test_keep_limits_checkpoints_on_disk(run_cli, tmp_path):
+    proc = run_cli("train", "regression", "--local", "--set", "run.name=k", "--set", "checkpoint.every_n_steps=5",
+                   "--set", "checkpoint.keep=2", "--set", "train.max_steps=30", "--summary-json", "s.json")
+    assert proc.wait(120) == 0, proc.output
+    names = sorted(p.name for p in (tmp_path / "runs" / "k").iterdir())
+    assert names == [checkpoint.checkpoint_name(25), checkpoint.checkpoint_name(30)]
+    assert json.loads((tmp_path / "runs/k" / names[-1] / "manifest.json").read_text())["train_state"]["step"] == 30
