@@ -9,14 +9,17 @@ the newest valid one is used instead."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
 import os
+import random
 import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -47,9 +50,32 @@ def _digest(path: Path) -> dict[str, Any]:
         return {"size": path.stat().st_size, "sha256": _sha256(f)}
 
 
+def rng_file(rank: int) -> str:
+    return f"rng_{rank}.json"
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's random generators (torch, numpy, python) as plain JSON: nothing to unpickle."""
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    return {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "numpy": [np_kind, np_keys.tolist(), np_pos, np_has_gauss, np_gauss],
+        "python": [py_version, list(py_state), py_gauss],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, py_state, py_gauss = state["python"]
+    random.setstate((version, tuple(py_state), py_gauss))
+
+
 def _own_files(path: Path, rank: int) -> dict[str, dict[str, Any]]:
     """The files this rank wrote into `path` (DCP names data files `__<rank>_<n>.distcp`)."""
-    names = [p for p in path.glob(f"__{rank}_*.distcp")]
+    names = [*path.glob(f"__{rank}_*.distcp"), path / rng_file(rank)]
     if rank == 0:
         names.append(path / ".metadata")
     return {p.name: _digest(p) for p in names}
@@ -61,6 +87,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    (path / rng_file(rank)).write_text(json.dumps(rng_state()))
     files = _own_files(path, rank)
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[dict[str, Any]] = [{}] * dist.get_world_size()
@@ -80,8 +107,10 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return json.loads((Path(path) / MANIFEST_FILE).read_text())
 
 
-def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         rank: int | None = None) -> dict[str, Any]:
     """Collective. Loads in place (resharding if the world size changed); returns the train state.
+    With `rank`, also restores that rank's random generators when the world size is unchanged.
 
     DCP's `.metadata` is a pickle: only load checkpoints this project wrote (trusted storage)."""
     if not (Path(path) / MANIFEST_FILE).exists():
@@ -90,7 +119,12 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return read_manifest(path)["train_state"]
+    train_state = read_manifest(path)["train_state"]
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rng = Path(path) / rng_file(rank if rank is not None else -1)
+    if rank is not None and train_state.get("world_size") == world_size and rng.exists():
+        set_rng_state(json.loads(rng.read_text()))
+    return train_state
 
 
 def verify(path: str, fs=None) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
@@ -35,8 +36,14 @@ def build_loader(
     sampler = ResumableSampler(
         dataset, batch_size=batch_size, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
     )
-    # In-memory tensors: worker processes would only add start-up time and nondeterminism.
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=0)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_options(seed))
+
+
+def loader_options(seed: int) -> dict:
+    # In-memory tensors: worker processes would only add start-up time and nondeterminism. Every
+    # iter() of a DataLoader draws a seed from its generator: a private one keeps the global RNG
+    # (dropout) on the same sequence whether or not an epoch was resumed part-way.
+    return {"num_workers": 0, "generator": torch.Generator().manual_seed(seed)}
 
 
 def shard_indices(n: int, rank: int, world_size: int) -> list[int]:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Subset
 
 from app import checkpoint, faults
 from app.config import PIPELINES, BaseConfig
-from app.data import build_loader, shard_indices
+from app.data import build_loader, loader_options, shard_indices
 from app.distributed import default_device, env_ranks, init_process_group
 from app.parallel import parallelize
 from app.reporting import Reporter
@@ -57,7 +57,7 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
     eval_loader = None
     if pipe.eval_set is not None:
         shard = Subset(pipe.eval_set, shard_indices(len(pipe.eval_set), runtime.rank, runtime.world_size))
-        eval_loader = DataLoader(shard, batch_size=EVAL_BATCH_SIZE)
+        eval_loader = DataLoader(shard, batch_size=EVAL_BATCH_SIZE, **loader_options(cfg.train.seed))
     trainer = Trainer(
         model, train_loader, optimizer, loss_fn=pipe.loss_fn, eval_data=eval_loader,
         eval_sums=pipe.eval_sums, runtime=runtime, cfg=cfg, faults=faults.load(runtime.rank),
@@ -65,7 +65,7 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
     )
     latest = runtime.latest_checkpoint()
     if latest:
-        trainer.load_state_dict(checkpoint.load(latest, model, optimizer))
+        trainer.load_state_dict(checkpoint.load(latest, model, optimizer, rank=runtime.rank))
         trainer.last_checkpoint = latest
         if runtime.rank == 0:
             log.info("resuming from step %d (%s)", trainer.step, latest)

@@ -29,7 +29,7 @@ def test_manifest_lists_every_file_with_its_checksum(tmp_path):
     path = _save(tmp_path, 10, 1.0)
     manifest = checkpoint.read_manifest(path)
     assert manifest["train_state"] == {"step": 10}
-    assert set(manifest["files"]) == {".metadata", _shard(path).name}
+    assert set(manifest["files"]) == {".metadata", _shard(path).name, "rng_0.json"}
     assert checkpoint.verify(str(path)) is None
 
 
@@ -85,3 +85,28 @@ def test_keep_limits_checkpoints_on_disk(run_cli, tmp_path):
     names = sorted(p.name for p in (tmp_path / "runs" / "k").iterdir())
     assert names == [checkpoint.checkpoint_name(25), checkpoint.checkpoint_name(30)]
     assert json.loads((tmp_path / "runs/k" / names[-1] / "manifest.json").read_text())["train_state"]["step"] == 30
+
+
+def test_resume_with_dropout_is_bit_exact(run_cli, tmp_path):
+    """Dropout draws from torch's generator: resuming must restore it, not just the weights."""
+    args = ["train", "digits", "--local", "--set", "scaling.num_workers=1", "--set", "model.dropout=0.3",
+            "--set", "checkpoint.every_n_steps=10"]
+    first = run_cli(*args, "--set", "run.name=r", "--set", "train.max_steps=30", "--summary-json", "a.json")
+    assert first.wait(120) == 0, first.output
+    again = run_cli(*args, "--set", "run.name=r", "--set", "train.max_steps=60", "--summary-json", "b.json")
+    straight = run_cli(*args, "--set", "run.name=s", "--set", "train.max_steps=60", "--summary-json", "c.json")
+    assert again.wait(120) == 0 and straight.wait(120) == 0
+    b, c = read_json(tmp_path / "b.json"), read_json(tmp_path / "c.json")
+    assert b["resumed_from_step"] == 30
+    from app.config import load_config
+    from app.run import build_optimizer
+    from pipelines.digits import build_model
+
+    cfg = load_config("digits", ["model.dropout=0.3"])
+    weights = []
+    for summary in (b, c):
+        model = build_model(cfg.model)
+        checkpoint.load(summary["checkpoint"], model, build_optimizer(model, cfg))
+        weights.append(model.state_dict())
+    for name in weights[1]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
