@@ -30,7 +30,22 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--summary-json", metavar="PATH", help="write the run's summary here")
     train.add_argument("--local", action="store_true",
                        help="run in this process without Ray (implied under torchrun)")
+    export = sub.add_parser("export", help="write a checkpoint's full model weights as safetensors")
+    export.add_argument("checkpoint", help="a checkpoint directory (runs/<name>/checkpoint_<step>)")
+    export.add_argument("--out", required=True, help="output .safetensors file (config JSON goes beside it)")
     return p
+
+
+def _export(args: argparse.Namespace) -> int:
+    from app.export import export
+
+    try:
+        config_path = export(args.checkpoint, args.out)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"raylane: export: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out} and {config_path}")
+    return 0
 
 
 def _under_torchrun() -> bool:
@@ -39,6 +54,8 @@ def _under_torchrun() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "export":
+        return _export(args)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from app import checkpoint
@@ -110,3 +111,46 @@ def test_resume_with_dropout_is_bit_exact(run_cli, tmp_path):
         weights.append(model.state_dict())
     for name in weights[1]:
         assert torch.equal(weights[0][name], weights[1][name]), name
+
+
+def test_export_from_two_rank_checkpoint_loads_with_safetensors_alone(run_cli, tmp_path):
+    from tests.conftest import TORCHRUN
+
+    proc = run_cli("--nproc_per_node", "2", "-m", "app", "train", "digits", "--set", "run.name=e",
+                   "--set", "train.max_epochs=1", "--summary-json", "s.json", launcher=TORCHRUN)
+    assert proc.wait(180) == 0, proc.output
+    s = read_json(tmp_path / "s.json")
+    out = run_cli("export", s["checkpoint"], "--out", "model.safetensors")
+    assert out.wait(120) == 0, out.output
+    # A fresh interpreter with neither torch nor Ray: safetensors and numpy only.
+    code = ("import sys, json; from safetensors.numpy import load_file\n"
+            "w = load_file('model.safetensors'); assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"
+            "print(json.dumps({k: list(v.shape) for k, v in w.items()}))")
+    import subprocess
+    import sys
+
+    shapes = json.loads(subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                                       text=True, check=True).stdout)
+    assert shapes == {"0.weight": [128, 64], "0.bias": [128], "2.weight": [128, 128], "2.bias": [128],
+                      "4.weight": [10, 128], "4.bias": [10]}
+    config = json.loads((tmp_path / "model.config.json").read_text())
+    assert config["step"] == s["steps"] and config["config"]["pipeline"] == "digits"
+    # The exported weights are the trained ones: the same held-out accuracy.
+    from safetensors.torch import load_file
+
+    from app.config import load_config
+    from pipelines.digits import build_model, load_split
+
+    model = build_model(load_config("digits").model)
+    model.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    x, y = load_split()[1].tensors
+    accuracy = (model(x).argmax(1) == y).float().mean().item()
+    assert accuracy == pytest.approx(s["metrics"]["accuracy"], abs=1e-6)
+
+
+def test_export_refuses_a_corrupt_checkpoint(run_cli, tmp_path):
+    path = _save(tmp_path, 5, 1.0)
+    (path / checkpoint.MANIFEST_FILE).write_text("{}")
+    proc = run_cli("export", str(path), "--out", "x.safetensors")
+    assert proc.wait(60) == 2
+    assert "not a valid checkpoint" in proc.output and "Traceback" not in proc.output

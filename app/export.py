@@ -1,0 +1,33 @@
+"""`raylane export CHECKPOINT --out model.safetensors`: the whole model's weights in one
+safetensors file (no pickle, loadable without Ray or torch.distributed), its config beside it."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+
+from app import checkpoint
+from app.config import PIPELINES, validate
+
+
+def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
+    """Consolidate a (possibly sharded) checkpoint; returns the config file written beside `out`."""
+    problem = checkpoint.verify(str(checkpoint_dir))
+    if problem:
+        raise ValueError(f"{checkpoint_dir}: not a valid checkpoint ({problem})")
+    train_state = checkpoint.read_manifest(checkpoint_dir)["train_state"]
+    cfg = validate(train_state["config"])
+    model = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg).model
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoint_dir))  # reads every rank's shard into one model
+    tensors = {k: v.contiguous() for k, v in state["model"].items()}
+    out = Path(out)
+    save_file(tensors, str(out), metadata={"pipeline": cfg.pipeline, "step": str(train_state["step"])})
+    config_path = out.with_suffix(".config.json")
+    config_path.write_text(json.dumps({"config": train_state["config"], "step": train_state["step"],
+                                       "raylane_version": train_state.get("raylane_version")}, indent=2))
+    return config_path
