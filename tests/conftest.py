@@ -58,7 +58,7 @@ class CliProcess:
     def session_pids(self) -> list[int]:
         """Every live process of this CLI's session: the driver, the embedded Ray's daemons and
         its workers (Ray gives workers their own process groups, but they keep the session)."""
-        return session_pids(self.proc.pid)
+        return session_processes(self.proc.pid)
 
     def kill_group(self) -> None:
         for pid in [self.proc.pid, *self.session_pids()]:
@@ -70,16 +70,11 @@ class CliProcess:
         self._log.close()
 
 
-def session_pids(sid: int) -> list[int]:
+def session_processes(sid: int, prefix: str = "") -> list[int]:
+    """Live processes of session `sid` whose command line starts with `prefix`."""
     out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout
-    rows = (line.split(None, 2) for line in out.splitlines() if line.strip())
-    return [int(pid) for pid, s, *_ in rows if int(s) == sid]
-
-
-def session_processes(sid: int, prefix: str) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout
-    rows = (line.split(None, 2) for line in out.splitlines() if line.strip())
-    return [int(r[0]) for r in rows if int(r[1]) == sid and len(r) > 2 and r[2].startswith(prefix)]
+    rows = [line.split(None, 2) for line in out.splitlines() if line.strip()]
+    return [int(r[0]) for r in rows if int(r[1]) == sid and (len(r) > 2 and r[2] or "").startswith(prefix)]
 
 
 @pytest.fixture
