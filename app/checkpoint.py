@@ -81,26 +81,112 @@ def _own_files(path: Path, rank: int) -> dict[str, dict[str, Any]]:
     return {p.name: _digest(p) for p in names}
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written; raised on every rank alike. Nothing was committed, so
+    the previous checkpoint is still the latest valid one."""
+
+
+def _gather(obj: Any) -> list[Any]:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+    return [obj]
+
+
+def _describe(exc: BaseException) -> str:
+    # DCP wraps a rank's failure in CheckpointException; the first underlying error says most.
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))
+        exc = exc[0] if isinstance(exc, tuple) else exc
+    return f"{type(exc).__name__}: {exc}"
+
+
+class PendingSave:
+    """A checkpoint whose shards are written (or being written, with async save) but which is not
+    committed yet. `commit()` is collective: every rank calls it at the same step."""
+
+    def __init__(self, path: Path, rank: int, train_state: dict[str, Any],
+                 future: Any = None, error: str | None = None) -> None:
+        self.path, self.rank, self.train_state = path, rank, train_state
+        self.future, self.error = future, error
+
+    @property
+    def step(self) -> int:
+        return int(self.train_state["step"])
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def commit(self) -> None:
+        """Wait for this rank's writes, gather every rank's checksums, and let rank 0 write the
+        manifest: the commit. Any rank's failure raises CheckpointSaveError on all ranks."""
+        files: dict[str, Any] = {}
+        error = self.error
+        try:
+            if self.future is not None:
+                self.future.result()
+            if error is None:
+                files = _own_files(self.path, self.rank)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = error or _describe(exc)
+        gathered = _gather({"files": files, "error": error})
+        self._raise_for([(r, part["error"]) for r, part in enumerate(gathered) if part["error"]])
+        manifest_error = None
+        if self.rank == 0:
+            try:
+                _write_manifest(self.path, {"train_state": self.train_state,
+                                            "files": {k: v for part in gathered for k, v in part["files"].items()}})
+            except OSError as exc:
+                manifest_error = _describe(exc)
+        self._raise_for([(0, e) for e in _gather(manifest_error)[:1] if e])
+
+    def _raise_for(self, errors: list[tuple[int, str]]) -> None:
+        if errors:
+            detail = "; ".join(f"rank {rank}: {text}" for rank, text in errors)
+            raise CheckpointSaveError(f"checkpoint at step {self.step} was not saved ({detail})")
+
+
+def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    tmp = path / (MANIFEST_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / MANIFEST_FILE)  # the commit: appears whole or not at all
+
+
+def begin_save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               train_state: dict[str, Any], *, rank: int, asynchronous: bool = False,
+               group: Any = None) -> PendingSave:
+    """Collective: every rank calls it with its own `path` (the same one on shared storage).
+
+    `asynchronous` returns once the state is staged in memory and
+    training may change the weights again; its writes and their collectives run on a background
+    thread, so with several ranks `group` must be a process group only checkpoints use. Errors are kept for `commit()`, so that every rank
+    learns of them together."""
+    path = Path(path)
+    future, error = None, None
+    try:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        if asynchronous:
+            future = dcp.async_save(state, checkpoint_id=str(path), process_group=group,
+                                    no_dist=not dist.is_initialized())
+            future = getattr(future, "upload_completion", future)
+        else:
+            dcp.save(state, checkpoint_id=str(path))
+        (path / rng_file(rank)).write_text(json.dumps(rng_state()))
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by commit()
+        error = _describe(exc)
+    return PendingSave(path, rank, train_state, future, error)
+
+
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
          train_state: dict[str, Any], *, rank: int) -> None:
-    """Collective: every rank calls it with its own `path` (the same one on shared storage)."""
-    path = Path(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    (path / rng_file(rank)).write_text(json.dumps(rng_state()))
-    files = _own_files(path, rank)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[dict[str, Any]] = [{}] * dist.get_world_size()
-        dist.all_gather_object(gathered, files)
-        files = {name: info for part in gathered for name, info in part.items()}
-    if rank == 0:
-        manifest = {"train_state": train_state, "files": files}
-        tmp = path / (MANIFEST_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path / MANIFEST_FILE)  # the commit: appears whole or not at all
+    """Synchronous save and commit (collective)."""
+    begin_save(path, model, optimizer, train_state, rank=rank).commit()
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
@@ -174,10 +260,28 @@ def latest_valid(root: str, filesystem=None) -> str | None:
     return None
 
 
-def prune(root: str, keep: int, filesystem=None) -> None:
-    """Delete all but the newest `keep` committed checkpoints (rank 0, after a commit)."""
+def prune(root: str, keep: int | None, filesystem=None, *, keep_best: int | None = None,
+          best: tuple[str, str] = ("loss", "min")) -> list[str]:
+    """Delete committed checkpoints except the newest `keep` (at least the latest, which resume
+    needs) and the `keep_best` best by `best` = (eval metric, "min" | "max") among those measured
+    at their own step. Rank 0, after a commit. Returns what was deleted."""
     import pyarrow.fs as pafs
 
+    if keep is None and keep_best is None:
+        return []
     fs = filesystem or pafs.LocalFileSystem()
-    for path in committed(root, fs)[:-keep]:
+    paths = committed(root, fs)
+    retained = set(paths[-(keep or 1):])
+    if keep_best:
+        metric, mode = best
+        scored = []
+        for path in paths:
+            with fs.open_input_stream(f"{path}/{MANIFEST_FILE}") as f:
+                value = (json.loads(f.read())["train_state"].get("eval_metrics") or {}).get(metric)
+            if value is not None:
+                scored.append((value if mode == "min" else -value, path))
+        retained.update(path for _, path in sorted(scored)[:keep_best])
+    doomed = [p for p in paths if p not in retained]
+    for path in doomed:
         fs.delete_dir(path)
+    return doomed

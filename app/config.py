@@ -62,13 +62,24 @@ class OptimSection(Section):
     lr: float = Field(1e-3, gt=0, le=10)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
+    # Linear warmup from 0 over warmup_steps, then constant or cosine decay to 0 at the last step.
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
 
 
 class CheckpointSection(Section):
     # 0 means only at the end of each epoch.
     every_n_steps: int = Field(0, ge=0)
-    # Keep only the newest N committed checkpoints; null keeps all.
+    # Keep only the newest N committed checkpoints; null keeps all (unless keep_best is set, which
+    # keeps the latest plus the N best by best_metric, measured at epoch ends).
     keep: int | None = Field(None, ge=1)
+    keep_best: int | None = Field(None, ge=1)
+    best_metric: str = Field("loss", min_length=1)
+    best_mode: Literal["min", "max"] = "min"
+    # Write shards on a background thread while training goes on; committed once all are written.
+    async_save: bool = False
+    # A save that fails (disk full, I/O error): fail the run, or warn and train on.
+    on_error: Literal["fail", "warn"] = "fail"
 
 
 class FailureSection(Section):

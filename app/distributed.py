@@ -36,6 +36,17 @@ def init_process_group(use_gpu: bool, timeout_s: float = 300.0) -> None:
         )
 
 
+def leave_process_group(wait_for_peers: bool) -> None:
+    """Leave torchrun's group. After a clean end (finished or stopped), wait for every rank, so
+    that no rank's exit makes torchrun kill rank 0 while it still closes the MLflow run and writes
+    the summary. After a failure, do not wait: the peers may be stuck in a collective."""
+    if not dist.is_initialized():
+        return
+    if wait_for_peers and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def backend_name() -> str:
     return dist.get_backend() if dist.is_initialized() else "none"
 
@@ -54,3 +65,36 @@ def all_reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, float]:
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+class ControlVote:
+    """Decisions every rank must take at the same step (stop for preemption, commit a finished
+    async checkpoint), agreed by an all-reduce(MAX) of a few flags.
+
+    The all-reduce for step k is started after step k and read after step k+1, so it overlaps a
+    whole step instead of stalling one: a decision takes effect one step after any rank asks.
+    It runs on `group` (a gloo group on GPU, so the flags never touch a CUDA stream). Every rank
+    must call `poll` the same number of times; `close` drains the last round."""
+
+    def __init__(self, n_flags: int, group: dist.ProcessGroup | None = None) -> None:
+        self.distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.group = group
+        self._buffer = torch.zeros(n_flags, dtype=torch.int32)
+        self._work = None
+
+    def poll(self, *flags: bool) -> list[bool]:
+        local = [bool(f) for f in flags]
+        if not self.distributed:
+            return local
+        agreed = [False] * len(local)
+        if self._work is not None:
+            self._work.wait()
+            agreed = [bool(v) for v in self._buffer.tolist()]
+        self._buffer.copy_(torch.tensor(local, dtype=torch.int32))
+        self._work = dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return agreed
+
+    def close(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None

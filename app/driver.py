@@ -40,11 +40,12 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
           summary_path: str | None = None) -> int:
     """Run training to the end; returns the exit code (0 ok, 1 failed, 130 interrupted)."""
-    from app.distributed import env_ranks, init_process_group
+    from app import preemption
+    from app.distributed import env_ranks, init_process_group, leave_process_group
     from app.tracking import close_run, open_run, resolve_tracking_uri, ui_command
 
     launched = time.time()
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # a kill from a scheduler ends like Ctrl-C
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # before training can stop gracefully: like Ctrl-C
     if not use_ray:
         init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # ranks agree on the run name first
     cfg = _finalize(cfg)
@@ -62,12 +63,17 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
 
             embedded = init_ray(address, cfg)
             stack.callback(ray.shutdown)  # last: after the summary is out
+            signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init replaced ours
+        # From here on, a first SIGTERM or Ctrl-C asks the ranks to checkpoint and stop.
+        preemption.install()
         handle = run_future.result() if run_future else None
         display = ProgressDisplay() if is_driver else None
         if handle:
             log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id,
                      ", continued" if handle.resumed else "")
         status, error, result = _execute(cfg, use_ray, embedded, handle, tracking_uri, display)
+        if not use_ray:  # runs last: after rank 0's summary
+            stack.callback(leave_process_group, wait_for_peers=status == "FINISHED" or bool(result.get("preempted")))
         if not is_driver:
             return EXIT_CODES[status]
         close_run(handle, status)
@@ -86,15 +92,21 @@ def _execute(cfg: BaseConfig, use_ray: bool, embedded: bool, handle: Any, tracki
     """Run the ranks; returns (MLflow status, error message, result)."""
     run_id = handle.run_id if handle else None
     on_event = display.handle if display else (lambda event: None)
+    from app import preemption
+
     try:
-        if use_ray:
-            from app.launch import launch_on_ray
+        with preemption.armed():
+            if use_ray:
+                from app.launch import launch_on_ray
 
-            result = launch_on_ray(cfg, run_id, tracking_uri, on_event, embedded=embedded)
-        else:
-            from app.run import launch_local
+                result = launch_on_ray(cfg, run_id, tracking_uri, on_event, embedded=embedded)
+            else:
+                from app.run import launch_local
 
-            result = launch_local(cfg, run_id, tracking_uri, on_event)
+                result = launch_local(cfg, run_id, tracking_uri, on_event)
+        if result.get("preempted"):
+            return "KILLED", (f"stopped at step {result['steps']} ({result.get('stop_reason')}); "
+                              f"checkpoint saved: relaunch with run.name={cfg.run.name} to resume"), result
         return "FINISHED", None, result
     except KeyboardInterrupt:
         return "KILLED", "interrupted", {}
@@ -129,6 +141,8 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         # Every (re)start of the worker group announces itself; the first one is not a restart.
         "restarts": max(display.starts - 1, 0),
         "skipped_steps": result.get("skipped_steps", 0),
+        "failed_checkpoints": result.get("failed_checkpoints", 0),
+        "preempted": bool(result.get("preempted")),
         "timing": {
             "launched_unix": launched,
             "first_step_unix": first,

@@ -1,10 +1,12 @@
 """Fault injection for tests and drills, planned through the environment of the workers:
 
-    RAYLANE_FAULTS="raise@rank=1,step=5;nan@step=7;hang@rank=0,step=3"
+    RAYLANE_FAULTS="raise@rank=1,step=5;nan@step=7;hang@rank=0,step=3;diskfull@rank=1,step=40"
 
 `raise` raises RuntimeError on that rank at that step, `nan` turns that step's loss into NaN
 (on the given rank, or all), `hang` blocks that rank forever (a rank stuck outside a
-collective). A plan costs nothing when the variable is unset: `load()` returns None."""
+collective), `diskfull` makes that rank's checkpoint shard at that step land on /dev/full, so
+its writes fail with the kernel's own ENOSPC. A plan costs nothing when the variable is unset:
+`load()` returns None."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 ENV = "RAYLANE_FAULTS"
-KINDS = ("raise", "nan", "hang")
+KINDS = ("raise", "nan", "hang", "diskfull")
+FULL_DEVICE = "/dev/full"
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,13 @@ class FaultPlan:
         if fault and fault.kind == "hang":
             while True:
                 time.sleep(3600)
+
+    def before_save(self, step: int, path: str) -> None:
+        fault = self.by_step.get(step)
+        if fault and fault.kind == "diskfull":
+            # DCP names this rank's first data file `__<rank>_0.distcp` and opens it for writing,
+            # following the link: every write then fails with ENOSPC, as on a full disk.
+            os.symlink(FULL_DEVICE, os.path.join(path, f"__{self.rank}_0.distcp"))
 
     def corrupt_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         fault = self.by_step.get(step)

@@ -6,11 +6,13 @@ driver's display."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +21,9 @@ import ray.train
 import torch
 from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch.config import _TorchBackend
 
-from app import checkpoint
+from app import checkpoint, preemption
 from app.config import BaseConfig, validate
 
 log = logging.getLogger("raylane")
@@ -33,6 +36,7 @@ TRAIN_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 # costs an extra process or RPCs at start-up on a small machine.
 EMBEDDED_ENV_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}
 EVENT_POLL_S = 0.25
+DRIVER_STOP_POLL_S = 0.5
 EMBEDDED_OBJECT_STORE_BYTES = 512 * 1024**2
 
 
@@ -42,13 +46,21 @@ class TrainingError(RuntimeError):
 
 @ray.remote(num_cpus=0)
 class EventSink:
-    """Holds rank 0's events until the driver drains them."""
+    """Holds rank 0's events until the driver drains them, and the driver's stop request."""
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
 
+        self.stop = False
+
     def put(self, event: dict[str, Any]) -> None:
         self.events.append(event)
+
+    def request_stop(self) -> None:
+        self.stop = True
+
+    def stop_requested(self) -> bool:
+        return self.stop
 
     def drain(self) -> list[dict[str, Any]]:
         events, self.events = self.events, []
@@ -65,6 +77,19 @@ class RayRuntime:
         self.world_size = ctx.get_world_size()
         self.device = ray.train.torch.get_device() if use_gpu else torch.device("cpu")
         self._sink = sink
+        if self.rank == 0:  # one rank is enough: the per-step vote spreads the request
+            threading.Thread(target=self._watch_driver, name="raylane-stop-watch", daemon=True).start()
+
+    def _watch_driver(self) -> None:
+        """Relay the driver's Ctrl-C or SIGTERM as a graceful-stop request."""
+        while not preemption.requested():
+            try:
+                if ray.get(self._sink.stop_requested.remote(), timeout=10):
+                    preemption.request("a stop request from the driver")
+                    return
+            except Exception:  # noqa: BLE001 - the driver is gone; Ray tears the group down
+                return
+            time.sleep(DRIVER_STOP_POLL_S)
 
     def latest_checkpoint(self) -> str | None:
         # Scan storage rather than ask ray.train.get_checkpoint(): Ray records a checkpoint only
@@ -87,20 +112,48 @@ class RayRuntime:
         # Each rank stages its shard locally; Ray merges all ranks' files in persistent storage.
         return tempfile.mkdtemp(prefix=f"raylane-{checkpoint.checkpoint_name(step)}-")
 
-    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], keep: int | None) -> str:
+    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], *, keep: int | None,
+                          keep_best: int | None, best: tuple[str, str]) -> str:
         name = checkpoint.checkpoint_name(step)
         ray.train.report({"step": step, **metrics}, checkpoint=Checkpoint.from_directory(path),
                          checkpoint_dir_name=name)
         shutil.rmtree(path, ignore_errors=True)
         storage = ray.train.get_context().get_storage()
-        if keep and self.rank == 0:
-            checkpoint.prune(storage.experiment_fs_path, keep, storage.storage_filesystem)
+        if self.rank == 0:
+            checkpoint.prune(storage.experiment_fs_path, keep, storage.storage_filesystem,
+                             keep_best=keep_best, best=best)
         return os.path.join(storage.experiment_fs_path, name)
+
+    def discard_checkpoint(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)  # a local staging directory, never uploaded
 
     def publish(self, event: dict[str, Any]) -> None:
         ref = self._sink.put.remote(event)
         if event.get("event") == "end":
             ray.get(ref)  # the driver reads the result after fit() returns: make sure it is there
+
+
+def _install_worker_signal_handlers() -> None:
+    # Runs on each worker actor's main thread, the only one that may set signal handlers (the
+    # training function runs on another). Ray's own handler (exit) stays the fallback.
+    import signal
+
+    preemption.install((signal.SIGTERM,))
+
+
+class _RaylaneTorchBackend(_TorchBackend):
+    def on_training_start(self, worker_group, backend_config) -> None:
+        super().on_training_start(worker_group, backend_config)
+        worker_group.execute(_install_worker_signal_handlers)
+
+
+@dataclasses.dataclass
+class _RaylaneTorchConfig(TorchConfig):
+    """TorchConfig whose workers turn SIGTERM into a graceful stop (see app.preemption)."""
+
+    @property
+    def backend_cls(self):
+        return _RaylaneTorchBackend
 
 
 class _EmbeddedTorchTrainer(TorchTrainer):
@@ -179,8 +232,12 @@ def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str
     thread = threading.Thread(target=fit, name="raylane-fit", daemon=True)
     thread.start()
     result_fields: dict[str, Any] = {}
+    relayed = False
     while True:
         thread.join(EVENT_POLL_S)
+        if preemption.requested() and not relayed:
+            sink.request_stop.remote()  # the workers checkpoint at the next step and return
+            relayed = True
         for event in ray.get(sink.drain.remote()):
             if event.get("event") == "end":
                 result_fields.update(event["result"])
@@ -212,7 +269,7 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                            "run_id": run_id, "tracking_uri": tracking_uri},
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources),
-        torch_config=TorchConfig(timeout_s=cfg.dist.timeout_s),
+        torch_config=_RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s),
         run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
                              checkpoint_config=CheckpointConfig(),
                              failure_config=FailureConfig(max_failures=cfg.failure.max_failures)),

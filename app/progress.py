@@ -56,6 +56,8 @@ class ProgressDisplay:
             self._print(f"epoch {event['epoch'] + 1} eval: {shown}")
         elif kind == "checkpoint":
             self.checkpoints.append(event)
+        elif kind == "checkpoint_failed":
+            self._print(f"warning: {event['error']}")
         elif kind == "end":
             self.end_unix = event["time_unix"]
             self.result = event["result"]

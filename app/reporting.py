@@ -54,6 +54,10 @@ class Reporter:
         if self.active:
             self._publish({"event": "checkpoint", "step": step, "location": location})
 
+    def on_checkpoint_failed(self, *, step: int, error: str) -> None:
+        if self.active:
+            self._publish({"event": "checkpoint_failed", "step": step, "error": error})
+
     def on_end(self, result: dict[str, Any]) -> None:
         if not self.active:
             return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from app.distributed import default_device, env_ranks, init_process_group
 from app.parallel import parallelize
 from app.reporting import Reporter
 from app.runtime import LocalRuntime, Runtime
-from app.trainer import Trainer
+from app.trainer import Trainer, plan_steps
 
 log = logging.getLogger("raylane")
 
@@ -46,6 +47,34 @@ def build_optimizer(model: torch.nn.Module, cfg: BaseConfig) -> torch.optim.Opti
     return cls(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
 
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: BaseConfig,
+                    total_steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+    o = cfg.optim
+    if o.schedule == "constant" and not o.warmup_steps:
+        return None
+    warmup, decay_steps = o.warmup_steps, max(total_steps - o.warmup_steps, 1)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if o.schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(step - warmup, decay_steps) / decay_steps))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _side_groups(cfg: BaseConfig, world_size: int) -> tuple[Any, Any]:
+    """(group for step-boundary votes, group for async checkpoint writes). Votes use gloo on
+    the CPU so they never wait on a CUDA stream; async saves run their collectives on a
+    background thread, which must not share a group with the training loop's."""
+    if world_size == 1 or not dist.is_initialized():
+        return None, None
+    control = dist.new_group(backend="gloo") if cfg.scaling.use_gpu else None
+    saves = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
+    return control, saves
+
+
 def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = None) -> dict[str, Any]:
     """One rank's whole run. Returns the result (the same on every rank but for timings)."""
     seed_everything(cfg.train.seed)
@@ -58,8 +87,11 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
     if pipe.eval_set is not None:
         shard = Subset(pipe.eval_set, shard_indices(len(pipe.eval_set), runtime.rank, runtime.world_size))
         eval_loader = DataLoader(shard, batch_size=EVAL_BATCH_SIZE, **loader_options(cfg.train.seed))
+    control_group, save_group = _side_groups(cfg, runtime.world_size)
     trainer = Trainer(
         model, train_loader, optimizer, loss_fn=pipe.loss_fn, eval_data=eval_loader,
+        scheduler=build_scheduler(optimizer, cfg, plan_steps(train_loader, cfg)[1]),
+        control_group=control_group, save_group=save_group,
         eval_sums=pipe.eval_sums, runtime=runtime, cfg=cfg, faults=faults.load(runtime.rank),
         reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=runtime.publish, metric_logger=metric_logger),
     )
@@ -74,20 +106,17 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
 
 def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                  on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """Run this process as one rank: a single process, or a torchrun rank (env vars say which)."""
+    """Run this process as one rank: a single process, or a torchrun rank (env vars say which).
+    The caller leaves the process group (`app.distributed.leave_process_group`)."""
     rank, local_rank, world_size = env_ranks()
     init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # normally done already by the driver
-    try:
-        runtime = LocalRuntime(
-            Path(cfg.run.storage_path) / cfg.run.name, rank, local_rank, world_size,
-            default_device(cfg.scaling.use_gpu, local_rank), publish=on_event if rank == 0 else None,
-        )
-        metric_logger = None
-        if rank == 0 and run_id:
-            from app.tracking import MetricLogger
+    runtime = LocalRuntime(
+        Path(cfg.run.storage_path) / cfg.run.name, rank, local_rank, world_size,
+        default_device(cfg.scaling.use_gpu, local_rank), publish=on_event if rank == 0 else None,
+    )
+    metric_logger = None
+    if rank == 0 and run_id:
+        from app.tracking import MetricLogger
 
-            metric_logger = MetricLogger(tracking_uri, run_id)
-        return run_worker(cfg, runtime, metric_logger)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        metric_logger = MetricLogger(tracking_uri, run_id)
+    return run_worker(cfg, runtime, metric_logger)

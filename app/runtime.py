@@ -7,6 +7,7 @@ knows which one it has."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,9 +30,13 @@ class Runtime(Protocol):
     def new_checkpoint_dir(self, step: int) -> str:
         """Where this rank writes its shard of the checkpoint at `step`."""
 
-    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], keep: int | None) -> str:
-        """Collective, after every rank has saved: register it, then keep only the newest `keep`
-        checkpoints; returns its persistent location."""
+    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], *, keep: int | None,
+                          keep_best: int | None, best: tuple[str, str]) -> str:
+        """Collective, after every rank has saved: register it, then prune (`checkpoint.prune`);
+        returns its persistent location."""
+
+    def discard_checkpoint(self, path: str) -> None:
+        """Collective: remove what a failed save left behind (it was never committed)."""
 
     def publish(self, event: dict[str, Any]) -> None:
         """Rank 0 only, must not block: progress and results for the driver."""
@@ -54,11 +59,17 @@ class LocalRuntime:
         path.mkdir(parents=True, exist_ok=True)
         return str(path)
 
-    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], keep: int | None) -> str:
+    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], *, keep: int | None,
+                          keep_best: int | None, best: tuple[str, str]) -> str:
         barrier()  # rank 0's manifest is the commit; no rank goes on before it exists
-        if keep and self.rank == 0:
-            checkpoint.prune(str(self.run_dir), keep)
+        if self.rank == 0:
+            checkpoint.prune(str(self.run_dir), keep, keep_best=keep_best, best=best)
         return path
+
+    def discard_checkpoint(self, path: str) -> None:
+        # Every rank has finished writing (the failed commit gathered from all of them).
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
 
     def publish(self, event: dict[str, Any]) -> None:
         if self._publish is not None:

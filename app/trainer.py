@@ -14,12 +14,19 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from app import __version__, checkpoint
+from app import __version__, checkpoint, preemption
 from app.config import BaseConfig
-from app.distributed import all_reduce_sums, backend_name
+from app.distributed import ControlVote, all_reduce_sums, backend_name
 from app.faults import FaultPlan
 from app.reporting import Reporter
 from app.runtime import Runtime
+
+
+def plan_steps(train_data: DataLoader, cfg: BaseConfig) -> tuple[int, int]:
+    """(optimizer steps per epoch on this rank, total steps of the run)."""
+    per_epoch = math.ceil(len(train_data.sampler) / train_data.batch_size)
+    max_steps = cfg.train.max_steps or math.inf
+    return per_epoch, int(min(max_steps, cfg.train.max_epochs * per_epoch))
 
 
 class Trainer:
@@ -36,6 +43,9 @@ class Trainer:
         reporter: Reporter,
         cfg: BaseConfig,
         faults: FaultPlan | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        control_group: Any = None,
+        save_group: Any = None,
     ) -> None:
         self.model = model
         self.train_data = train_data
@@ -47,19 +57,24 @@ class Trainer:
         self.reporter = reporter
         self.cfg = cfg
         self.faults = faults
+        self.scheduler = scheduler
         self.device = runtime.device
+        # Step-boundary decisions all ranks must share: [stop now, async save not yet written].
+        self.vote = ControlVote(2, control_group)
+        self.save_group = save_group
+        self._pending: checkpoint.PendingSave | None = None
+        self._saved_step: int | None = None
+        self.preempted = False
+        self.failed_checkpoints = 0
         # Progress, saved in every checkpoint: resume continues at exactly the next batch.
         self.epoch = 0
         self.step = 0
         self.batch_in_epoch = 0
         self.resumed_from_step: int | None = None
-        self.steps_per_epoch = len(train_data.sampler) // train_data.batch_size + bool(
-            len(train_data.sampler) % train_data.batch_size
-        )
-        max_steps = cfg.train.max_steps or math.inf
-        self.total_steps = int(min(max_steps, cfg.train.max_epochs * self.steps_per_epoch))
+        self.steps_per_epoch, self.total_steps = plan_steps(train_data, cfg)
         self.samples_per_step = cfg.train.batch_size * runtime.world_size
         self.eval_metrics: dict[str, float] = {}
+        self.eval_step: int | None = None  # the step eval_metrics were measured at
         self.skipped_steps = 0
         self.last_checkpoint: str | None = None
         self._loss_sum = torch.zeros((), device=self.device)
@@ -83,6 +98,8 @@ class Trainer:
             self.skipped_steps += 1
             return None
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         return loss.detach()
 
     def _gradients_finite(self) -> bool:
@@ -115,8 +132,17 @@ class Trainer:
             last_batch = self.batch_in_epoch >= self.steps_per_epoch or self.step >= self.total_steps
             if every and self.step % every == 0 and not last_batch:
                 self._save_checkpoint()
-            if self.step >= self.total_steps:
+            if self.step >= self.total_steps or self._step_boundary():
                 break
+
+    def _step_boundary(self) -> bool:
+        """Decisions every rank takes at the same step; True when the loop must stop now."""
+        pending = self._pending
+        stop, save_not_written = self.vote.poll(preemption.requested(), pending is None or not pending.done())
+        if pending is not None and not save_not_written:
+            self._commit_pending()
+        self.preempted = stop
+        return stop
 
     def _log_train_metrics(self) -> None:
         sums = all_reduce_sums({"loss": self._loss_sum, "count": torch.tensor(float(self._loss_count))})
@@ -131,6 +157,10 @@ class Trainer:
         self._loss_count = 0
         self._window_start = time.perf_counter()
         self._window_steps = 0
+
+    def _record_eval(self, metrics: dict[str, float]) -> None:
+        self.eval_step = self.step
+        self.reporter.on_eval(epoch=self.epoch, step=self.step, metrics=metrics)
 
     @torch.no_grad()
     def _evaluate(self) -> dict[str, float]:
@@ -151,11 +181,38 @@ class Trainer:
         return self.eval_metrics
 
     def _save_checkpoint(self) -> None:
+        if self._saved_step == self.step:
+            return
+        self._commit_pending()  # at most one save in flight
         path = self.runtime.new_checkpoint_dir(self.step)
-        checkpoint.save(path, self.model, self.optimizer, self.state_dict(), rank=self.runtime.rank)
-        self.last_checkpoint = self.runtime.commit_checkpoint(path, self.step, self.eval_metrics,
-                                                              keep=self.cfg.checkpoint.keep)
-        self.reporter.on_checkpoint(step=self.step, location=self.last_checkpoint)
+        if self.faults:
+            self.faults.before_save(self.step, path)
+        self._pending = checkpoint.begin_save(path, self.model, self.optimizer, self.state_dict(),
+                                              rank=self.runtime.rank, asynchronous=self.cfg.checkpoint.async_save,
+                                              group=self.save_group)
+        self._saved_step = self.step
+        if not self.cfg.checkpoint.async_save:
+            self._commit_pending()
+
+    def _commit_pending(self) -> None:
+        """Collective. Commit the save in flight, if any; registered with the runtime only then."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.commit()
+        except checkpoint.CheckpointSaveError as exc:
+            self.runtime.discard_checkpoint(str(pending.path))
+            if self.cfg.checkpoint.on_error == "fail":
+                raise
+            self.failed_checkpoints += 1
+            self.reporter.on_checkpoint_failed(step=pending.step, error=f"{exc} (checkpoint.on_error: warn)")
+            return
+        ck = self.cfg.checkpoint
+        self.last_checkpoint = self.runtime.commit_checkpoint(
+            str(pending.path), pending.step, pending.train_state.get("eval_metrics") or {},
+            keep=ck.keep, keep_best=ck.keep_best, best=(ck.best_metric, ck.best_mode))
+        self.reporter.on_checkpoint(step=pending.step, location=self.last_checkpoint)
 
     def train(self) -> dict[str, Any]:
         self.reporter.on_start(
@@ -164,17 +221,20 @@ class Trainer:
             resumed_from_step=self.resumed_from_step,
         )
         started, first_step = time.perf_counter(), self.step
-        while self.step < self.total_steps:
-            self._run_epoch(self.epoch)
-            if self.batch_in_epoch >= self.steps_per_epoch:  # a whole epoch, not a max_steps stop
-                self.reporter.on_eval(epoch=self.epoch, step=self.step, metrics=self._evaluate())
-                self.epoch += 1
-                self.batch_in_epoch = 0
-            self._save_checkpoint()
+        with preemption.armed():
+            while self.step < self.total_steps and not self.preempted:
+                self._run_epoch(self.epoch)
+                if self.batch_in_epoch >= self.steps_per_epoch:  # a whole epoch, not a max_steps stop
+                    self._record_eval(self._evaluate())
+                    self.epoch += 1
+                    self.batch_in_epoch = 0
+                self._save_checkpoint()
+            self._commit_pending()
+            self.vote.close()
         if self._loss_count:
             self._log_train_metrics()
-        if not self.eval_metrics:  # stopped by max_steps mid-epoch, or resumed at the very end
-            self.reporter.on_eval(epoch=self.epoch, step=self.step, metrics=self._evaluate())
+        if not self.eval_metrics and not self.preempted:  # a max_steps stop mid-epoch, or resumed at the end
+            self._record_eval(self._evaluate())
         train_s = time.perf_counter() - started
         result = {
             "epochs": self.epoch,
@@ -187,6 +247,9 @@ class Trainer:
             "world_size": self.runtime.world_size,
             "backend": backend_name(),
             "skipped_steps": self.skipped_steps,
+            "failed_checkpoints": self.failed_checkpoints,
+            "preempted": self.preempted,
+            "stop_reason": (preemption.reason() or "a stop request from another rank") if self.preempted else None,
         }
         self.reporter.on_end(result)
         return result
@@ -199,6 +262,9 @@ class Trainer:
             "step": self.step,
             "batch_in_epoch": self.batch_in_epoch,
             "world_size": self.runtime.world_size,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            # Metrics measured at this very step (an epoch end), for checkpoint.keep_best.
+            "eval_metrics": self.eval_metrics if self.eval_step == self.step else None,
             "config": self.cfg.model_dump(mode="json"),
             "raylane_version": __version__,
         }
@@ -209,4 +275,8 @@ class Trainer:
         # Batches per epoch depend on the world size; a resharded resume restarts the epoch.
         same_world = state.get("world_size") == self.runtime.world_size
         self.batch_in_epoch = int(state["batch_in_epoch"]) if same_world else 0
+        if self.scheduler is not None and state.get("scheduler"):
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("eval_metrics"):
+            self.eval_metrics, self.eval_step = dict(state["eval_metrics"]), self.step
         self.resumed_from_step = self.step

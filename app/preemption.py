@@ -1,0 +1,82 @@
+"""Graceful stop on a preemption notice: SIGTERM (a scheduler, a spot reclaim, `ray job stop`) or
+Ctrl-C asks; every rank agrees on the same step boundary (see `app.distributed.ControlVote`);
+the loop checkpoints there and returns, so a relaunch loses no steps.
+
+The request is process-wide: a signal handler, or the launcher relaying the driver's signal, sets
+it; the Trainer reads it once per step. A signal while no loop is armed, or a second one after
+`ESCALATE_AFTER_S`, goes to the previous handler (normally: exit now). Ray-free."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+# torchrun's agent forwards the terminal's Ctrl-C as SIGTERM to ranks that already got the SIGINT:
+# a repeat this soon is the same request, not an impatient user.
+ESCALATE_AFTER_S = 2.0
+
+_requested = threading.Event()
+_reason: list[str] = []
+_armed = 0
+_first_signal_at: float | None = None
+_previous: dict[int, Any] = {}
+
+
+def request(reason: str) -> None:
+    if not _requested.is_set():
+        _reason.append(reason)
+        _requested.set()
+
+
+def requested() -> bool:
+    return _requested.is_set()
+
+
+def reason() -> str | None:
+    return _reason[0] if _reason else None
+
+
+@contextlib.contextmanager
+def armed() -> Iterator[None]:
+    """While inside, signals ask for a graceful stop instead of taking the previous action."""
+    global _armed
+    _armed += 1
+    try:
+        yield
+    finally:
+        _armed -= 1
+
+
+def _handler(signum: int, frame: Any) -> None:
+    global _first_signal_at
+    now = time.monotonic()
+    if _armed and (_first_signal_at is None or now - _first_signal_at < ESCALATE_AFTER_S):
+        if _first_signal_at is None:
+            _first_signal_at = now
+            name = signal.Signals(signum).name
+            sys.stderr.write(f"raylane: {name}: checkpointing at the next step, then stopping "
+                             f"(send it again after {ESCALATE_AFTER_S:.0f} s to stop at once)\n")
+            request(name)
+        return
+    previous = _previous.get(signum)
+    if callable(previous):
+        previous(signum, frame)
+    elif signum == signal.SIGINT or previous is None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+    else:  # SIG_DFL / SIG_IGN for SIGTERM: behave as if we had never been installed
+        signal.signal(signum, previous)
+        signal.raise_signal(signum)
+
+
+def install(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    """Main thread only. Idempotent: the handler that was there first stays the fallback."""
+    for signum in signals:
+        current = signal.getsignal(signum)
+        if current is not _handler:
+            _previous[signum] = current
+            signal.signal(signum, _handler)
