@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 # A single process without a process group is a supported DCP mode, not a mistake.
@@ -81,6 +82,10 @@ def _own_files(path: Path, rank: int) -> dict[str, dict[str, Any]]:
     return {p.name: _digest(p) for p in names}
 
 
+# DCP's CheckpointException derives from BaseException, not Exception.
+_SAVE_ERRORS = (Exception, CheckpointException)
+
+
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; raised on every rank alike. Nothing was committed, so
     the previous checkpoint is still the latest valid one."""
@@ -94,13 +99,14 @@ def _gather(obj: Any) -> list[Any]:
     return [obj]
 
 
-def _describe(exc: BaseException) -> str:
-    # DCP wraps a rank's failure in CheckpointException; the first underlying error says most.
+def _describe(exc: BaseException, rank: int) -> str:
+    """'rank N: Type: message', naming the rank where it started: DCP re-raises one rank's
+    failure on every rank as a CheckpointException that maps ranks to their errors."""
     failures = getattr(exc, "failures", None)
     if failures:
-        exc = next(iter(failures.values()))
+        rank, exc = next(iter(sorted(failures.items())))
         exc = exc[0] if isinstance(exc, tuple) else exc
-    return f"{type(exc).__name__}: {exc}"
+    return f"rank {rank}: {type(exc).__name__}: {exc}"
 
 
 class PendingSave:
@@ -129,22 +135,22 @@ class PendingSave:
                 self.future.result()
             if error is None:
                 files = _own_files(self.path, self.rank)
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            error = error or _describe(exc)
+        except _SAVE_ERRORS as exc:  # reported on every rank below
+            error = error or _describe(exc, self.rank)
         gathered = _gather({"files": files, "error": error})
-        self._raise_for([(r, part["error"]) for r, part in enumerate(gathered) if part["error"]])
+        self._raise_for([part["error"] for part in gathered if part["error"]])
         manifest_error = None
         if self.rank == 0:
             try:
                 _write_manifest(self.path, {"train_state": self.train_state,
                                             "files": {k: v for part in gathered for k, v in part["files"].items()}})
             except OSError as exc:
-                manifest_error = _describe(exc)
-        self._raise_for([(0, e) for e in _gather(manifest_error)[:1] if e])
+                manifest_error = _describe(exc, 0)
+        self._raise_for([e for e in _gather(manifest_error)[:1] if e])
 
-    def _raise_for(self, errors: list[tuple[int, str]]) -> None:
+    def _raise_for(self, errors: list[str]) -> None:
         if errors:
-            detail = "; ".join(f"rank {rank}: {text}" for rank, text in errors)
+            detail = "; ".join(dict.fromkeys(errors))  # one line per distinct failure
             raise CheckpointSaveError(f"checkpoint at step {self.step} was not saved ({detail})")
 
 
@@ -178,8 +184,8 @@ def begin_save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch
         else:
             dcp.save(state, checkpoint_id=str(path))
         (path / rng_file(rank)).write_text(json.dumps(rng_state()))
-    except Exception as exc:  # noqa: BLE001 - reported on every rank by commit()
-        error = _describe(exc)
+    except _SAVE_ERRORS as exc:  # reported on every rank by commit()
+        error = _describe(exc, rank)
     return PendingSave(path, rank, train_state, future, error)
 
 

@@ -11,6 +11,7 @@ its writes fail with the kernel's own ENOSPC. A plan costs nothing when the vari
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ class FaultPlan:
         if fault and fault.kind == "raise":
             raise InjectedFault(f"injected failure on rank {self.rank} at step {step}")
         if fault and fault.kind == "hang":
+            print(f"raylane: injected fault: rank {self.rank} hangs at step {step}", file=sys.stderr, flush=True)
             while True:
                 time.sleep(3600)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -210,15 +211,26 @@ def init_ray(address: str | None, cfg: BaseConfig) -> bool:
     return True
 
 
-def _format_failure(exc: BaseException) -> str:
+# gloo prefixes its errors with a C++ source location; it says nothing to a user.
+_SOURCE_LOCATION = re.compile(r"^\[[^]]*\] ")
+
+
+def _format_failure(exc: BaseException, world_size: int) -> str:
     failures = getattr(exc, "worker_failures", None)
-    if failures:
-        parts = [f"rank {rank}: {type(err).__name__}: {err}" for rank, err in sorted(failures.items())]
-        return "training failed on " + "; ".join(parts)
-    return f"training failed: {type(exc).__name__}: {exc}"
+    if not failures:
+        return f"training failed: {type(exc).__name__}: {exc}"
+    parts = [f"rank {rank}: {type(err).__name__}: {_SOURCE_LOCATION.sub('', str(err))}"
+             for rank, err in sorted(failures.items())]
+    text = "training failed on " + "; ".join(parts)
+    silent = sorted(set(range(world_size)) - set(failures))
+    if silent and any("timed out" in str(err).lower() for err in failures.values()):
+        # Ranks that timed out were waiting in a collective; the ones that raised nothing never came.
+        text += f" (no error from rank {', '.join(map(str, silent))}: stuck outside the collective?)"
+    return text
 
 
-def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str, Any]], None],
+                  world_size: int) -> dict[str, Any]:
     """fit() runs on a helper thread so that this (main) thread keeps Ctrl-C and SIGTERM: Ray
     installs its own SIGINT handler only from the main thread. Here we relay rank 0's events."""
     outcome: dict[str, Any] = {}
@@ -247,7 +259,7 @@ def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str
     if "error" in outcome:
         exc = outcome["error"]
         if isinstance(exc, ray.train.TrainingFailedError):
-            raise TrainingError(_format_failure(exc)) from None
+            raise TrainingError(_format_failure(exc, world_size)) from None
         raise exc
     checkpoint_ = outcome["result"].checkpoint
     if checkpoint_ is not None:
@@ -274,4 +286,4 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                              checkpoint_config=CheckpointConfig(),
                              failure_config=FailureConfig(max_failures=cfg.failure.max_failures)),
     )
-    return _fit_and_pump(trainer, sink, on_event)
+    return _fit_and_pump(trainer, sink, on_event, cfg.scaling.num_workers)

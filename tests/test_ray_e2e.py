@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import signal
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import REPO, read_json, wait_for
+from tests.conftest import REPO, read_json
 
 pytestmark = pytest.mark.ray
 
@@ -44,27 +43,3 @@ def test_digits_on_two_ray_workers(run_cli, tmp_path):
     acc = client.get_metric_history(s["run_id"], "eval/accuracy")
     assert len(acc) == 12 and acc[-1].value == pytest.approx(s["metrics"]["accuracy"])
     assert loss[-1].value < loss[0].value
-
-
-def test_interrupted_run_resumes_from_its_last_checkpoint(run_cli, tmp_path):
-    args = ["train", "digits", "--set", "run.name=intr", "--set", "train.max_epochs=400",
-            "--set", "checkpoint.every_n_steps=20"]
-    first = run_cli(*args, "--summary-json", "first.json", name="first")
-    run_dir = tmp_path / "runs" / "intr"
-    wait_for(lambda: list(run_dir.glob("checkpoint_*/manifest.json")), timeout_s=240)
-    first.signal(signal.SIGINT)
-    assert first.wait(120) == 130, first.output
-    s1 = read_json(tmp_path / "first.json")
-    assert s1["status"] == "KILLED"
-    client = MlflowClient(s1["tracking_uri"])
-    assert client.get_run(s1["run_id"]).info.status == "KILLED"
-    saved = sorted(int(p.parent.name.split("_")[1]) for p in run_dir.glob("checkpoint_*/manifest.json"))
-
-    second = run_cli("train", "digits", "--set", "run.name=intr", "--set", "train.max_epochs=1",
-                     "--summary-json", "second.json", name="second")
-    assert second.wait(300) == 0, second.output
-    s2 = read_json(tmp_path / "second.json")
-    assert s2["resumed_from_step"] == saved[-1] and s2["resumed_from_step"] > 0
-    assert f"resumed from step {saved[-1]}" in second.output
-    assert s2["run_id"] == s1["run_id"]  # the same MLflow run goes on
-    assert client.get_run(s2["run_id"]).info.status == "FINISHED"

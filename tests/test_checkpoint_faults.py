@@ -1,0 +1,142 @@
+"""Saving under stress: a full disk, asynchronous writes, a different world size on resume,
+retention of the best checkpoints, and the LR schedule's state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from app import checkpoint
+from app.config import load_config
+from app.run import build_optimizer, build_scheduler
+from pipelines.regression import build
+from tests.conftest import TORCHRUN, cli_env, read_json
+
+TWO_RANKS = ["--nproc_per_node", "2", "-m", "app", "train", "regression"]
+ENOSPC = "checkpoint at step 20 was not saved (rank 1: OSError: [Errno 28] No space left on device)"
+
+
+def _steps_on_disk(run_dir: Path) -> list[int]:
+    return [int(Path(p).name.split("_")[1]) for p in checkpoint.committed(str(run_dir))]
+
+
+def _weights(path: str) -> dict[str, torch.Tensor]:
+    model = build(load_config("regression")).model
+    checkpoint.load(path, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return model.state_dict()
+
+
+def test_disk_full_fails_the_run_and_keeps_the_previous_checkpoint(run_cli, tmp_path):
+    proc = run_cli(*TWO_RANKS, "--set", "run.name=full", "--set", "checkpoint.every_n_steps=10",
+                   "--set", "train.max_steps=40", "--summary-json", "s.json", launcher=TORCHRUN,
+                   env=cli_env(tmp_path, RAYLANE_FAULTS="diskfull@rank=1,step=20"))
+    assert proc.wait(180) != 0
+    s = read_json(tmp_path / "s.json")
+    assert s["status"] == "FAILED" and s["error"] == f"CheckpointSaveError: {ENOSPC}"
+    run_dir = tmp_path / "runs/full"
+    assert _steps_on_disk(run_dir) == [10] and [p.name for p in run_dir.iterdir()] == [checkpoint.checkpoint_name(10)]
+    assert checkpoint.latest_valid(str(run_dir)).endswith(checkpoint.checkpoint_name(10))
+
+
+def test_disk_full_with_on_error_warn_trains_on(run_cli, tmp_path):
+    proc = run_cli(*TWO_RANKS, "--set", "run.name=warn", "--set", "checkpoint.every_n_steps=10",
+                   "--set", "train.max_steps=40", "--set", "checkpoint.on_error=warn",
+                   "--set", "checkpoint.async_save=true", "--summary-json", "s.json", launcher=TORCHRUN,
+                   env=cli_env(tmp_path, RAYLANE_FAULTS="diskfull@rank=1,step=20"))
+    assert proc.wait(180) == 0, proc.output
+    s = read_json(tmp_path / "s.json")
+    assert s["status"] == "FINISHED" and s["failed_checkpoints"] == 1 and s["steps"] == 40
+    assert f"warning: {ENOSPC} (checkpoint.on_error: warn)" in proc.output
+    assert _steps_on_disk(tmp_path / "runs/warn") == [10, 30, 32, 40]  # 32: the end of epoch 1
+
+
+def test_async_checkpoints_resume_bit_exact(run_cli, tmp_path):
+    """Async saves stage a copy of the state before training changes it: a run stopped and resumed
+    from async checkpoints ends bit-identical to an uninterrupted run with synchronous saves."""
+    common = ["--set", "checkpoint.every_n_steps=5", "--set", "optim.lr=0.05"]
+    first = run_cli(*TWO_RANKS, "--set", "run.name=a", "--set", "train.max_steps=27", *common,
+                    "--set", "checkpoint.async_save=true", "--summary-json", "a.json", launcher=TORCHRUN)
+    assert first.wait(180) == 0, first.output
+    a = read_json(tmp_path / "a.json")
+    assert _steps_on_disk(tmp_path / "runs/a") == [5, 10, 15, 20, 25, 27]
+    assert all(checkpoint.verify(p) is None for p in checkpoint.committed(str(tmp_path / "runs/a")))
+    again = run_cli(*TWO_RANKS, "--set", "run.name=a", "--set", "train.max_steps=50", *common,
+                    "--set", "checkpoint.async_save=true", "--summary-json", "b.json", launcher=TORCHRUN)
+    sync = run_cli(*TWO_RANKS, "--set", "run.name=s", "--set", "train.max_steps=50", *common,
+                   "--summary-json", "s.json", launcher=TORCHRUN)
+    assert again.wait(180) == 0 and sync.wait(180) == 0
+    b, s = read_json(tmp_path / "b.json"), read_json(tmp_path / "s.json")
+    assert a["steps"] == 27 and b["resumed_from_step"] == 27
+    resumed, reference = _weights(b["checkpoint"]), _weights(s["checkpoint"])
+    for name in reference:
+        assert torch.equal(resumed[name], reference[name]), name
+
+
+def test_two_ranks_resume_on_one_and_back(run_cli, tmp_path):
+    """DCP reshards on load: 2 → 1 → 2 ranks. The step count goes on; the position inside the
+    epoch restarts, because a different world size splits the data differently."""
+    common = ["--set", "run.name=w", "--set", "checkpoint.every_n_steps=10", "--set", "optim.lr=0.05"]
+    two = run_cli(*TWO_RANKS, *common, "--set", "train.max_steps=20", "--summary-json", "two.json",
+                  launcher=TORCHRUN)
+    assert two.wait(180) == 0, two.output
+    one = run_cli("train", "regression", "--local", *common, "--set", "train.max_steps=40",
+                  "--summary-json", "one.json")
+    assert one.wait(120) == 0, one.output
+    back = run_cli(*TWO_RANKS, *common, "--set", "train.max_steps=60", "--summary-json", "back.json",
+                   launcher=TORCHRUN)
+    assert back.wait(180) == 0, back.output
+    s2, s1, s3 = (read_json(tmp_path / f) for f in ("two.json", "one.json", "back.json"))
+    assert (s1["world_size"], s1["resumed_from_step"], s1["steps"]) == (1, 20, 40)
+    assert (s3["world_size"], s3["resumed_from_step"], s3["steps"]) == (2, 40, 60)
+    # The weights came along: training went on improving rather than starting over.
+    assert s3["metrics"]["loss"] < s1["metrics"]["loss"] < s2["metrics"]["loss"]
+    state = checkpoint.read_manifest(s1["checkpoint"])["train_state"]
+    assert state["world_size"] == 1 and state["batch_in_epoch"] == 20  # restarted epoch 0 at step 20
+
+
+def _save_with_metrics(root: Path, step: int, accuracy: float | None) -> None:
+    model = torch.nn.Linear(2, 1)
+    path = root / checkpoint.checkpoint_name(step)
+    path.mkdir(parents=True)
+    metrics = None if accuracy is None else {"accuracy": accuracy}
+    checkpoint.save(path, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    {"step": step, "eval_metrics": metrics}, rank=0)
+
+
+def test_keep_best_retains_the_best_and_the_latest(tmp_path):
+    for step, accuracy in [(10, 0.5), (20, 0.9), (25, None), (30, 0.7), (40, 0.8), (45, None)]:
+        _save_with_metrics(tmp_path, step, accuracy)
+    deleted = checkpoint.prune(str(tmp_path), keep=None, keep_best=2, best=("accuracy", "max"))
+    assert _steps_on_disk(tmp_path) == [20, 40, 45]  # the two best, and the latest for resume
+    assert sorted(Path(p).name for p in deleted) == [checkpoint.checkpoint_name(s) for s in (10, 25, 30)]
+    checkpoint.prune(str(tmp_path), keep=1, keep_best=1, best=("accuracy", "min"))
+    assert _steps_on_disk(tmp_path) == [40, 45]
+
+
+def test_scheduler_warmup_then_cosine_and_its_state_resumes(run_cli, tmp_path):
+    cfg = load_config("regression", ["optim.schedule=cosine", "optim.warmup_steps=10", "optim.lr=0.1"])
+    model = build(cfg).model
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg, total_steps=110)
+    lrs = []
+    for _ in range(110):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == pytest.approx(0.01) and lrs[9] == pytest.approx(0.1) == max(lrs)  # warmup
+    assert lrs[60] == pytest.approx(0.05) and lrs[-1] < 1e-4  # cosine: half way, then almost 0
+
+    # Stop mid-warmup (its length does not depend on max_steps, unlike the cosine's horizon).
+    args = ["train", "regression", "--local", "--set", "optim.warmup_steps=45", "--set", "checkpoint.every_n_steps=10"]
+    first = run_cli(*args, "--set", "run.name=r", "--set", "train.max_steps=30", "--summary-json", "a.json")
+    assert first.wait(120) == 0, first.output
+    state = checkpoint.read_manifest(read_json(tmp_path / "a.json")["checkpoint"])["train_state"]
+    assert state["scheduler"]["last_epoch"] == 30
+    again = run_cli(*args, "--set", "run.name=r", "--set", "train.max_steps=60", "--summary-json", "b.json")
+    straight = run_cli(*args, "--set", "run.name=s", "--set", "train.max_steps=60", "--summary-json", "c.json")
+    assert again.wait(120) == 0 and straight.wait(120) == 0
+    resumed, reference = (_weights(read_json(tmp_path / f)["checkpoint"]) for f in ("b.json", "c.json"))
+    for name in reference:  # the warmup went on from step 30, not from its start
+        assert torch.equal(resumed[name], reference[name]), name

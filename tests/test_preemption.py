@@ -1,0 +1,129 @@
+"""Preemption: SIGTERM or Ctrl-C makes every rank checkpoint at the same step and stop cleanly;
+a relaunch loses no steps. A second signal, or a rank stuck where it cannot vote, still ends
+the run: by escalation or by `dist.timeout_s`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from app import checkpoint
+from app.config import load_config
+from app.run import build_optimizer
+from pipelines.digits import build_model
+from tests.conftest import TORCHRUN, cli_env, read_json, session_processes, wait_for
+
+# Long runs, so that the signal always lands mid-training; the relaunch shortens them.
+LONG = ["--set", "train.max_epochs=400", "--set", "checkpoint.every_n_steps=20"]
+
+
+def _manifest(tmp_path, name: str, step: int):
+    return tmp_path / "runs" / name / checkpoint.checkpoint_name(step) / checkpoint.MANIFEST_FILE
+
+
+def _assert_stopped_cleanly(proc, summary: dict) -> None:
+    assert summary["status"] == "KILLED" and summary["preempted"] is True
+    assert summary["error"].startswith(f"stopped at step {summary['steps']} (")
+    assert summary["checkpoint"].endswith(checkpoint.checkpoint_name(summary["steps"]))
+    assert checkpoint.verify(summary["checkpoint"]) is None  # committed, every shard intact
+    assert MlflowClient(summary["tracking_uri"]).get_run(summary["run_id"]).info.status == "KILLED"
+
+
+def _relaunch_loses_no_steps(run_cli, tmp_path, name: str, stopped: dict, *launch: str, **how) -> dict:
+    again = run_cli(*launch, "--set", f"run.name={name}", "--set", f"train.max_steps={stopped['steps'] + 5}",
+                    "--set", "checkpoint.every_n_steps=20", "--summary-json", "again.json", name="again", **how)
+    assert again.wait(300) == 0, again.output
+    s = read_json(tmp_path / "again.json")
+    assert s["resumed_from_step"] == stopped["steps"]  # 0 steps lost
+    assert s["run_id"] == stopped["run_id"] and s["status"] == "FINISHED"
+    return s
+
+
+@pytest.mark.ray
+def test_sigterm_to_the_driver_checkpoints_and_relaunch_loses_nothing(run_cli, tmp_path):
+    first = run_cli("train", "digits", "--set", "run.name=pd", "--summary-json", "first.json", *LONG, name="first")
+    wait_for(lambda: _manifest(tmp_path, "pd", 20).exists(), timeout_s=240)
+    first.signal(signal.SIGTERM)
+    assert first.wait(120) == 130, first.output
+    s = read_json(tmp_path / "first.json")
+    _assert_stopped_cleanly(first, s)
+    assert "a stop request from the driver" in s["error"]
+    _relaunch_loses_no_steps(run_cli, tmp_path, "pd", s, "train", "digits")
+
+
+@pytest.mark.ray
+def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(run_cli, tmp_path):
+    first = run_cli("train", "digits", "--set", "run.name=pw", "--summary-json", "first.json", *LONG, name="first")
+    wait_for(lambda: _manifest(tmp_path, "pw", 20).exists(), timeout_s=240)
+    workers = wait_for(lambda: session_processes(first.proc.pid, "ray::RayTrainWorker"), timeout_s=30)
+    os.kill(workers[-1], signal.SIGTERM)  # a spot reclaim or `kill` on one node
+    assert first.wait(120) == 130, first.output
+    s = read_json(tmp_path / "first.json")
+    _assert_stopped_cleanly(first, s)
+    assert s["restarts"] == 0  # a clean stop, not a crash to recover from
+    # Both ranks wrote their shard of the final checkpoint at the agreed step.
+    assert sorted(p.name for p in (tmp_path / "runs/pw" / checkpoint.checkpoint_name(s["steps"])).glob("*.distcp")) \
+        == ["__0_0.distcp", "__1_0.distcp"]
+
+
+def _weights(path: str) -> dict[str, torch.Tensor]:
+    cfg = load_config("digits")
+    model = build_model(cfg.model)
+    checkpoint.load(path, model, build_optimizer(model, cfg))
+    return model.state_dict()
+
+
+def test_ctrl_c_under_torchrun_then_relaunch_is_bit_exact(run_cli, tmp_path):
+    """Ctrl-C in a terminal reaches every process of the foreground group: torchrun and both
+    ranks. The ranks stop at one agreed step; the resumed run ends bit-identical to a calm one."""
+    torchrun = ["--nproc_per_node", "2", "-m", "app", "train", "digits"]
+    first = run_cli(*torchrun, "--set", "run.name=pt", "--summary-json", "first.json", *LONG,
+                    launcher=TORCHRUN, name="first")
+    wait_for(lambda: _manifest(tmp_path, "pt", 40).exists(), timeout_s=120)
+    os.killpg(first.proc.pid, signal.SIGINT)
+    first.wait(120)
+    s = read_json(tmp_path / "first.json")
+    _assert_stopped_cleanly(first, s)
+    total = s["steps"] + 5
+    resumed = _relaunch_loses_no_steps(run_cli, tmp_path, "pt", s, *torchrun, launcher=TORCHRUN)
+    calm = run_cli(*torchrun, "--set", "run.name=calm", "--set", f"train.max_steps={total}",
+                   "--set", "checkpoint.every_n_steps=20", "--summary-json", "calm.json",
+                   launcher=TORCHRUN, name="calm")
+    assert calm.wait(120) == 0, calm.output
+    reference = _weights(read_json(tmp_path / "calm.json")["checkpoint"])
+    for name, tensor in _weights(resumed["checkpoint"]).items():
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_a_second_signal_stops_at_once(run_cli, tmp_path):
+    """A rank hung outside any collective never reaches the next step boundary: the first Ctrl-C
+    cannot be honoured gracefully, the second (after the grace) aborts."""
+    proc = run_cli("train", "regression", "--local", "--set", "run.name=esc", "--summary-json", "s.json",
+                   env=cli_env(tmp_path, RAYLANE_FAULTS="hang@step=3"))
+    wait_for(lambda: "hangs at step 3" in proc.output, timeout_s=60)
+    proc.signal(signal.SIGINT)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(3)  # still hung: the first signal only asked
+    proc.signal(signal.SIGINT)
+    assert proc.wait(30) == 130, proc.output
+    s = read_json(tmp_path / "s.json")
+    assert s["status"] == "KILLED" and s["preempted"] is False
+    assert "checkpointing at the next step" in proc.output
+
+
+@pytest.mark.ray
+def test_a_rank_stuck_outside_a_collective_is_reported_within_the_timeout(run_cli, tmp_path):
+    proc = run_cli("train", "regression", "--set", "run.name=hang", "--set", "dist.timeout_s=5",
+                   "--summary-json", "s.json", env=cli_env(tmp_path, RAYLANE_FAULTS="hang@rank=0,step=3"))
+    assert proc.wait(180) == 1, proc.output
+    s = read_json(tmp_path / "s.json")
+    assert s["status"] == "FAILED"
+    assert s["error"].startswith("training failed on rank 1: RuntimeError: Timed out waiting 5000ms")
+    assert s["error"].endswith("(no error from rank 0: stuck outside the collective?)")
+    detected_after_s = s["timing"]["launched_unix"] + s["wall_s"] - s["timing"]["first_step_unix"]
+    assert detected_after_s < 5 + 10  # the timeout, plus Ray's teardown
