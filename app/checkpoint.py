@@ -138,7 +138,7 @@ class PendingSave:
         except _SAVE_ERRORS as exc:  # reported on every rank below
             error = error or _describe(exc, self.rank)
         gathered = _gather({"files": files, "error": error})
-        self._raise_for([part["error"] for part in gathered if part["error"]])
+        _fail_if(self.step, [part["error"] for part in gathered])
         manifest_error = None
         if self.rank == 0:
             try:
@@ -146,12 +146,21 @@ class PendingSave:
                                             "files": {k: v for part in gathered for k, v in part["files"].items()}})
             except OSError as exc:
                 manifest_error = _describe(exc, 0)
-        self._raise_for([e for e in _gather(manifest_error)[:1] if e])
+        raise_if_any(self.step, manifest_error, only_rank_zero=True)
 
-    def _raise_for(self, errors: list[str]) -> None:
-        if errors:
-            detail = "; ".join(dict.fromkeys(errors))  # one line per distinct failure
-            raise CheckpointSaveError(f"checkpoint at step {self.step} was not saved ({detail})")
+
+def raise_if_any(step: int, error: str | None, *, only_rank_zero: bool = False) -> None:
+    """Collective: each rank passes its error or None; if any (or rank 0's, with
+    `only_rank_zero`) is set, every rank raises the same CheckpointSaveError."""
+    gathered = _gather(error)
+    _fail_if(step, gathered[:1] if only_rank_zero else gathered)
+
+
+def _fail_if(step: int, errors: list[str | None]) -> None:
+    errors = [e for e in errors if e]
+    if errors:
+        detail = "; ".join(dict.fromkeys(errors))  # one line per distinct failure
+        raise CheckpointSaveError(f"checkpoint at step {step} was not saved ({detail})")
 
 
 def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:

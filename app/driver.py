@@ -148,6 +148,8 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
             "first_step_unix": first,
             "last_step_unix": display.end_unix,
             "launch_to_first_step_s": round(first - launched, 3) if first else None,
+            # When each restarted worker group took its first step: recovery time after a failure.
+            "restart_first_step_unix": display.first_steps_unix[1:],
         },
     }
 

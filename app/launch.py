@@ -10,8 +10,6 @@ import dataclasses
 import logging
 import os
 import re
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -20,12 +18,13 @@ from typing import Any
 import ray
 import ray.train
 import torch
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
 
-from app import checkpoint, preemption
+from app import preemption
 from app.config import BaseConfig, validate
+from app.storage import CheckpointStore
 
 log = logging.getLogger("raylane")
 
@@ -78,6 +77,8 @@ class RayRuntime:
         self.world_size = ctx.get_world_size()
         self.device = ray.train.torch.get_device() if use_gpu else torch.device("cpu")
         self._sink = sink
+        storage = ctx.get_storage()
+        self._store = CheckpointStore(storage.experiment_fs_path, storage.storage_filesystem, self.rank)
         if self.rank == 0:  # one rank is enough: the per-step vote spreads the request
             threading.Thread(target=self._watch_driver, name="raylane-stop-watch", daemon=True).start()
 
@@ -93,40 +94,24 @@ class RayRuntime:
             time.sleep(DRIVER_STOP_POLL_S)
 
     def latest_checkpoint(self) -> str | None:
-        # Scan storage rather than ask ray.train.get_checkpoint(): Ray records a checkpoint only
-        # when its controller processes the report, which a driver killed right after the
-        # upload never does. Our manifest, checked against every file, is the authority.
-        storage = ray.train.get_context().get_storage()
-        fs = storage.storage_filesystem
-        path = checkpoint.latest_valid(storage.experiment_fs_path, fs)
-        if path is None:
-            return None
-        import pyarrow.fs
-
-        if isinstance(fs, pyarrow.fs.LocalFileSystem):
-            return path
-        local = tempfile.mkdtemp(prefix="raylane-restore-")
-        pyarrow.fs.copy_files(path, local, source_filesystem=fs)  # remote storage: download once
-        return local
+        # raylane's store, not ray.train.get_checkpoint(): Ray records a checkpoint only when its
+        # controller processes the report, which a driver killed right after the upload never
+        # does. Our manifest, checked against every file, is the authority.
+        return self._store.latest()
 
     def new_checkpoint_dir(self, step: int) -> str:
-        # Each rank stages its shard locally; Ray merges all ranks' files in persistent storage.
-        return tempfile.mkdtemp(prefix=f"raylane-{checkpoint.checkpoint_name(step)}-")
+        return self._store.new_dir(step)
 
     def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], *, keep: int | None,
                           keep_best: int | None, best: tuple[str, str]) -> str:
-        name = checkpoint.checkpoint_name(step)
-        ray.train.report({"step": step, **metrics}, checkpoint=Checkpoint.from_directory(path),
-                         checkpoint_dir_name=name)
-        shutil.rmtree(path, ignore_errors=True)
-        storage = ray.train.get_context().get_storage()
-        if self.rank == 0:
-            checkpoint.prune(storage.experiment_fs_path, keep, storage.storage_filesystem,
-                             keep_best=keep_best, best=best)
-        return os.path.join(storage.experiment_fs_path, name)
+        location = self._store.commit(path, step, keep=keep, keep_best=keep_best, best=best)
+        # Metrics only: raylane keeps its checkpoints (and their retention) itself; a checkpoint
+        # registered with Ray and later pruned by us would make Ray refuse to resume the run.
+        ray.train.report({"step": step, **metrics})
+        return location
 
     def discard_checkpoint(self, path: str) -> None:
-        shutil.rmtree(path, ignore_errors=True)  # a local staging directory, never uploaded
+        self._store.discard(path)
 
     def publish(self, event: dict[str, Any]) -> None:
         ref = self._sink.put.remote(event)
@@ -261,9 +246,6 @@ def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str
         if isinstance(exc, ray.train.TrainingFailedError):
             raise TrainingError(_format_failure(exc, world_size)) from None
         raise exc
-    checkpoint_ = outcome["result"].checkpoint
-    if checkpoint_ is not None:
-        result_fields["checkpoint"] = checkpoint_.path
     return result_fields
 
 
@@ -283,7 +265,6 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                                      resources_per_worker=resources),
         torch_config=_RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s),
         run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
-                             checkpoint_config=CheckpointConfig(),
                              failure_config=FailureConfig(max_failures=cfg.failure.max_failures)),
     )
     return _fit_and_pump(trainer, sink, on_event, cfg.scaling.num_workers)

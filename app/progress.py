@@ -29,6 +29,7 @@ class ProgressDisplay:
         self.result: dict[str, Any] | None = None
         self.checkpoints: list[dict[str, Any]] = []
         self.starts = 0
+        self.first_steps_unix: list[float] = []
         self._last_line = float("-inf")
         self._rate_origin: tuple[float, int] | None = None  # (time, step) of the first progress seen
         self._bar = None
@@ -48,6 +49,7 @@ class ProgressDisplay:
                 self._print(f"resumed from step {event['resumed_from_step']}")
         elif kind == "first_step":
             self.first_step_unix = self.first_step_unix or event["time_unix"]
+            self.first_steps_unix.append(event["time_unix"])  # one per (re)start of the group
         elif kind == "progress":
             self.info.update({k: v for k, v in event.items() if k != "event"})
             self._show()

@@ -10,7 +10,6 @@ import logging
 import math
 import random
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ from app.distributed import default_device, env_ranks, init_process_group
 from app.parallel import parallelize
 from app.reporting import Reporter
 from app.runtime import LocalRuntime, Runtime
+from app.storage import CheckpointStore, filesystem_for
 from app.trainer import Trainer, plan_steps
 
 log = logging.getLogger("raylane")
@@ -110,8 +110,9 @@ def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
     The caller leaves the process group (`app.distributed.leave_process_group`)."""
     rank, local_rank, world_size = env_ranks()
     init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # normally done already by the driver
+    fs, root = filesystem_for(cfg.run.storage_path)
     runtime = LocalRuntime(
-        Path(cfg.run.storage_path) / cfg.run.name, rank, local_rank, world_size,
+        CheckpointStore(f"{root.rstrip('/')}/{cfg.run.name}", fs, rank), rank, local_rank, world_size,
         default_device(cfg.scaling.use_gpu, local_rank), publish=on_event if rank == 0 else None,
     )
     metric_logger = None

@@ -7,15 +7,12 @@ knows which one it has."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from app import checkpoint
-from app.distributed import barrier
+from app.storage import CheckpointStore
 
 
 class Runtime(Protocol):
@@ -32,8 +29,9 @@ class Runtime(Protocol):
 
     def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], *, keep: int | None,
                           keep_best: int | None, best: tuple[str, str]) -> str:
-        """Collective, after every rank has saved: register it, then prune (`checkpoint.prune`);
-        returns its persistent location."""
+        """Collective, after the manifest is written: make it durable in storage, register it,
+        prune (`checkpoint.prune`); returns its location. Raises CheckpointSaveError on every
+        rank if storage refused it."""
 
     def discard_checkpoint(self, path: str) -> None:
         """Collective: remove what a failed save left behind (it was never committed)."""
@@ -43,33 +41,27 @@ class Runtime(Protocol):
 
 
 class LocalRuntime:
-    """A single process, or one rank under torchrun: checkpoints go straight to storage."""
+    """A single process, or one rank under torchrun: checkpoints go straight to storage (a local
+    or shared directory, or object storage; see app.storage)."""
 
-    def __init__(self, run_dir: str | Path, rank: int, local_rank: int, world_size: int,
+    def __init__(self, store: CheckpointStore, rank: int, local_rank: int, world_size: int,
                  device: torch.device, publish: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.run_dir = Path(run_dir)
+        self.store = store
         self.rank, self.local_rank, self.world_size, self.device = rank, local_rank, world_size, device
         self._publish = publish
 
     def latest_checkpoint(self) -> str | None:
-        return checkpoint.latest_valid(str(self.run_dir))
+        return self.store.latest()
 
     def new_checkpoint_dir(self, step: int) -> str:
-        path = self.run_dir / checkpoint.checkpoint_name(step)
-        path.mkdir(parents=True, exist_ok=True)
-        return str(path)
+        return self.store.new_dir(step)
 
     def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], *, keep: int | None,
                           keep_best: int | None, best: tuple[str, str]) -> str:
-        barrier()  # rank 0's manifest is the commit; no rank goes on before it exists
-        if self.rank == 0:
-            checkpoint.prune(str(self.run_dir), keep, keep_best=keep_best, best=best)
-        return path
+        return self.store.commit(path, step, keep=keep, keep_best=keep_best, best=best)
 
     def discard_checkpoint(self, path: str) -> None:
-        # Every rank has finished writing (the failed commit gathered from all of them).
-        if self.rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
+        self.store.discard(path)
 
     def publish(self, event: dict[str, Any]) -> None:
         if self._publish is not None:

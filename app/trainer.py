@@ -199,20 +199,21 @@ class Trainer:
         pending, self._pending = self._pending, None
         if pending is None:
             return
+        ck = self.cfg.checkpoint
         try:
             pending.commit()
+            location = self.runtime.commit_checkpoint(
+                str(pending.path), pending.step, pending.train_state.get("eval_metrics") or {},
+                keep=ck.keep, keep_best=ck.keep_best, best=(ck.best_metric, ck.best_mode))
         except checkpoint.CheckpointSaveError as exc:
             self.runtime.discard_checkpoint(str(pending.path))
-            if self.cfg.checkpoint.on_error == "fail":
+            if ck.on_error == "fail":
                 raise
             self.failed_checkpoints += 1
             self.reporter.on_checkpoint_failed(step=pending.step, error=f"{exc} (checkpoint.on_error: warn)")
             return
-        ck = self.cfg.checkpoint
-        self.last_checkpoint = self.runtime.commit_checkpoint(
-            str(pending.path), pending.step, pending.train_state.get("eval_metrics") or {},
-            keep=ck.keep, keep_best=ck.keep_best, best=(ck.best_metric, ck.best_mode))
-        self.reporter.on_checkpoint(step=pending.step, location=self.last_checkpoint)
+        self.last_checkpoint = location
+        self.reporter.on_checkpoint(step=pending.step, location=location)
 
     def train(self) -> dict[str, Any]:
         self.reporter.on_start(

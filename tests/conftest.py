@@ -104,3 +104,41 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.2):
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def s3_endpoint(tmp_path):
+    """A real S3-compatible server (moto's) on loopback, with an empty bucket `raylane`; stopped
+    by its pid. Yields the environment a client needs to reach it."""
+    import urllib.request
+
+    port = free_port()
+    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=open(tmp_path / "moto.log", "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _answers(url, urllib.request), timeout_s=60)
+        env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+        urllib.request.urlopen(urllib.request.Request(f"{url}/raylane", method="PUT"), timeout=10).close()
+        yield env
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+
+
+def _answers(url: str, request) -> bool:
+    try:
+        request.urlopen(url, timeout=2).close()
+        return True
+    except OSError:
+        return False

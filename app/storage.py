@@ -1,0 +1,101 @@
+"""Where a run's checkpoints live: a local or shared directory, or any pyarrow filesystem
+(`s3://bucket/prefix`). The same for every launcher, and owned by raylane rather than by Ray
+Train's checkpoint manager, so that retention (`checkpoint.keep`, `keep_best`) and the commit
+order are ours: every rank's files first, rank 0's manifest last.
+
+On a filesystem every rank can write (local, NFS) ranks write straight into the checkpoint
+directory. On object storage each rank stages its files in a local temporary directory and
+uploads them; rank 0 uploads the manifest only after every rank's upload succeeded."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+import pyarrow.fs as pafs
+
+from app import checkpoint
+from app.distributed import barrier
+
+
+def filesystem_for(storage_path: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path inside it) for a local path or a URI such as `s3://bucket/prefix`."""
+    if "://" not in storage_path:
+        return pafs.LocalFileSystem(), str(Path(storage_path).expanduser().resolve())
+    return pafs.FileSystem.from_uri(storage_path)
+
+
+class CheckpointStore:
+    def __init__(self, root: str, fs: pafs.FileSystem | None, rank: int) -> None:
+        self.root, self.rank = root.rstrip("/"), rank
+        self.fs = fs or pafs.LocalFileSystem()
+        self.direct = isinstance(self.fs, pafs.LocalFileSystem)
+
+    def latest(self) -> str | None:
+        """A local directory holding the newest valid checkpoint (downloaded if remote), or None."""
+        path = checkpoint.latest_valid(self.root, self.fs)
+        if path is None or self.direct:
+            return path
+        local = tempfile.mkdtemp(prefix="raylane-restore-")
+        atexit.register(shutil.rmtree, local, True)  # a copy, needed only until it is loaded
+        pafs.copy_files(path, local, source_filesystem=self.fs, destination_filesystem=pafs.LocalFileSystem())
+        return local
+
+    def new_dir(self, step: int) -> str:
+        if self.direct:
+            path = Path(self.root) / checkpoint.checkpoint_name(step)
+            path.mkdir(parents=True, exist_ok=True)
+            return str(path)
+        return tempfile.mkdtemp(prefix=f"raylane-{checkpoint.checkpoint_name(step)}-")
+
+    def location(self, step: int) -> str:
+        path = f"{self.root}/{checkpoint.checkpoint_name(step)}"
+        return path if self.direct else f"{self.fs.type_name}://{path}"
+
+    def commit(self, path: str, step: int, *, keep: int | None, keep_best: int | None,
+               best: tuple[str, str]) -> str:
+        """Collective, after `PendingSave.commit()` wrote the manifest into rank 0's `path`:
+        make the checkpoint durable in storage, then prune (rank 0). Returns its location."""
+        if self.direct:
+            barrier()  # rank 0's manifest is the commit; no rank goes on before it exists
+        else:
+            self._upload(path, f"{self.root}/{checkpoint.checkpoint_name(step)}", step)
+        if self.rank == 0:
+            checkpoint.prune(self.root, keep, self.fs, keep_best=keep_best, best=best)
+        return self.location(step)
+
+    def _upload(self, path: str, target: str, step: int) -> None:
+        manifest = os.path.join(path, checkpoint.MANIFEST_FILE)
+        try:
+            error = self._try(lambda: self._copy_out(path, target, skip=checkpoint.MANIFEST_FILE))
+            checkpoint.raise_if_any(step, error)
+            error = self._try(lambda: self._copy_file(manifest, target)) if self.rank == 0 else None
+            checkpoint.raise_if_any(step, error, only_rank_zero=True)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _try(self, action) -> str | None:
+        try:
+            action()
+            return None
+        except OSError as exc:
+            return f"rank {self.rank}: {type(exc).__name__}: {exc}"
+
+    def _copy_out(self, path: str, target: str, skip: str) -> None:
+        self.fs.create_dir(target, recursive=True)
+        for name in sorted(os.listdir(path)):
+            if name != skip:
+                self._copy_file(os.path.join(path, name), target)
+
+    def _copy_file(self, source: str, target: str) -> None:
+        with open(source, "rb") as src, self.fs.open_output_stream(f"{target}/{os.path.basename(source)}") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+
+    def discard(self, path: str) -> None:
+        """Collective: remove what a failed save left (every rank has finished writing)."""
+        if not self.direct:
+            shutil.rmtree(path, ignore_errors=True)  # only ever a local staging directory
+        elif self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
