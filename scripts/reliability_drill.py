@@ -10,6 +10,7 @@ after another, in a temporary directory. Prints a markdown table; about 5 minute
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
             "-m", "app", "train", "digits"]
 EVERY = 20
 COMMON = ["--set", "train.max_epochs=30", "--set", f"checkpoint.every_n_steps={EVERY}"]
+STARTED: list = []  # every run, stopped by id at the end whatever happens
 
 
 class Run:
@@ -47,6 +49,7 @@ class Run:
                                       "--summary-json", str(self.summary_path)],
                                      cwd=work, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+        STARTED.append(self)
 
     def manifest(self, step: int) -> Path:
         return self.work / "runs" / self.name / checkpoint.checkpoint_name(step) / checkpoint.MANIFEST_FILE
@@ -59,15 +62,30 @@ class Run:
         return time.time()
 
     def workers(self) -> list[int]:
-        """Ray Train worker processes, or torchrun's ranks, of this run (its session)."""
-        out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout
-        rows = [line.split(None, 2) for line in out.splitlines()]
-        return [int(r[0]) for r in rows if len(r) == 3 and int(r[1]) == self.proc.pid and int(r[0]) != self.proc.pid
-                and (r[2].startswith("ray::RayTrainWorker") or " -m app train" in r[2])]
+        """Ray Train worker processes (in this run's session), or torchrun's ranks (children of
+        torchrun, each in a session of its own)."""
+        out = subprocess.run(["ps", "-eo", "pid=,ppid=,sid=,args="], capture_output=True, text=True).stdout
+        rows = [line.split(None, 3) for line in out.splitlines()]
+        return [int(r[0]) for r in rows if len(r) == 4 and (
+            (int(r[2]) == self.proc.pid and r[3].startswith("ray::RayTrainWorker"))
+            or (int(r[1]) == self.proc.pid and " -m app train" in r[3]))]
+
+    def stop(self) -> None:
+        """Kill by id whatever is left of this run (after a failed scenario)."""
+        out = subprocess.run(["ps", "-eo", "pid=,ppid=,sid="], capture_output=True, text=True).stdout
+        rows = [tuple(map(int, line.split())) for line in out.splitlines()]
+        for pid in [self.proc.pid] + [p for p, pp, sid in rows if sid == self.proc.pid or pp == self.proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def finish(self, timeout_s: float = 600) -> dict:
-        self.proc.wait(timeout_s)
-        self.log.close()
+        try:
+            self.proc.wait(timeout_s)
+        finally:
+            self.stop()
+            self.log.close()
         return json.loads(self.summary_path.read_text())
 
 
@@ -116,7 +134,7 @@ def preempt(work: Path, calm: dict, argv: list[str], who: str) -> dict:
 
 
 def failing(work: Path, faults: str, label: str, *extra: str) -> dict:
-    s = Run(work, RAYLANE, label, *extra, faults=faults).finish()
+    s = Run(work, RAYLANE, faults.split("@")[0], *extra, faults=faults).finish()
     detected = s["timing"]["launched_unix"] + s["wall_s"] - s["timing"]["first_step_unix"]
     return {"fault": label, "survived": "fails cleanly: " + s["error"][:110], "restarts": s["restarts"],
             "resumed_from_step": None, "steps_lost": "-", "recover_s": f"run ended {detected:.1f} s after its first step",
@@ -146,7 +164,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        stack.callback(lambda: [run.stop() for run in STARTED])
         work = Path(tmp)
         calm = Run(work, RAYLANE, "calm").finish()
         rows.append(kill_worker(work, calm))

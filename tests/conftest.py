@@ -61,7 +61,8 @@ class CliProcess:
         return session_processes(self.proc.pid)
 
     def kill_group(self) -> None:
-        for pid in [self.proc.pid, *self.session_pids()]:
+        # torchrun starts each rank in a session of its own: those are found as descendants.
+        for pid in [self.proc.pid, *self.session_pids(), *descendants(self.proc.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -75,6 +76,21 @@ def session_processes(sid: int, prefix: str = "") -> list[int]:
     out = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout
     rows = [line.split(None, 2) for line in out.splitlines() if line.strip()]
     return [int(r[0]) for r in rows if int(r[1]) == sid and (len(r) > 2 and r[2] or "").startswith(prefix)]
+
+
+def descendants(pid: int) -> list[int]:
+    """Live processes descended from `pid`, children first."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        child, parent = map(int, line.split())
+        children.setdefault(parent, []).append(child)
+    found, queue = [], list(children.get(pid, []))
+    while queue:
+        child = queue.pop(0)
+        found.append(child)
+        queue.extend(children.get(child, []))
+    return found
 
 
 @pytest.fixture
