@@ -8,7 +8,7 @@ PYTHON ?= python3
 # Some package mirrors print one warning per package; keep the install log readable.
 QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: install run test check clean
+.PHONY: install run test check mlflow clean
 
 install: $(STAMP)
 
@@ -24,8 +24,12 @@ run: install
 test: install
 	$(VENV)/bin/pytest tests -m "not slow and not gpu"
 
+# A tracking server on 127.0.0.1:5000 (sqlite, artifacts served through it); see the script.
+mlflow: install
+	scripts/mlflow-server.sh
+
 check: install
 	$(VENV)/bin/raylane check pipelines/digits.yaml
 
 clean:
-	rm -rf $(VENV) runs mlflow.db mlartifacts .pytest_cache
+	rm -rf $(VENV) runs mlflow.db mlartifacts mlflow-server .pytest_cache

@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     add_config_args(train)
     train.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a fresh local one)")
     train.add_argument("--summary-json", metavar="PATH", help="write the run's summary here")
+    train.add_argument("--register", metavar="NAME",
+                       help="register the final model in the MLflow model registry under NAME")
     train.add_argument("--local", action="store_true",
                        help="run in this process without Ray (implied under torchrun)")
     export = sub.add_parser("export", help="write a checkpoint's full model weights as safetensors")
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     from app.driver import train
 
     use_ray = not (args.local or _under_torchrun())
-    return train(cfg, use_ray=use_ray, address=args.address, summary_path=args.summary_json)
+    return train(cfg, use_ray=use_ray, address=args.address, summary_path=args.summary_json,
+                 register=args.register)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,13 @@ class DistSection(Section):
 class MlflowSection(Section):
     experiment: str = Field("raylane", min_length=1, max_length=256)
     log_every_n_steps: int = Field(10, ge=1)
+    # Checkpoints are recorded on the run by location (`uri`), or copied as artifacts.
+    log_checkpoints: Literal["uri", "artifacts"] = "uri"
+    # At the end of a finished run: the final model as an MLflow PyTorch model, and plots.
+    log_model: bool = True
+    # CPU, memory (and GPU) of rank 0's node, through MLflow's system metrics.
+    system_metrics: bool = True
+    system_metrics_interval_s: float = Field(10.0, ge=1, le=3600)
 
 
 class BaseConfig(Section):

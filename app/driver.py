@@ -38,10 +38,11 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
-          summary_path: str | None = None) -> int:
+          summary_path: str | None = None, register: str | None = None) -> int:
     """Run training to the end; returns the exit code (0 ok, 1 failed, 130 interrupted)."""
     from app import preemption
     from app.distributed import env_ranks, init_process_group, leave_process_group
+    from app.records import RunRecorder
     from app.tracking import close_run, open_run, resolve_tracking_uri, ui_command
 
     launched = time.time()
@@ -54,7 +55,8 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
     with ExitStack() as stack:
         # Opening the MLflow run (import + database) overlaps with starting Ray.
         pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="raylane-mlflow"))
-        run_future = pool.submit(open_run, cfg, tracking_uri) if is_driver else None
+        world_size = cfg.scaling.num_workers if use_ray else env_ranks()[2]
+        run_future = pool.submit(open_run, cfg, tracking_uri, world_size) if is_driver else None
         embedded = False
         if use_ray:
             import ray
@@ -66,18 +68,18 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
             signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init replaced ours
         # From here on, a first SIGTERM or Ctrl-C asks the ranks to checkpoint and stop.
         preemption.install()
-        handle = run_future.result() if run_future else None
+        handle = _opened(cfg, run_future, tracking_uri)
         display = ProgressDisplay() if is_driver else None
-        if handle:
-            log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id,
-                     ", continued" if handle.resumed else "")
-        status, error, result = _execute(cfg, use_ray, embedded, handle, tracking_uri, display)
+        recorder = RunRecorder(handle, cfg) if handle else None
+        status, error, result = _execute(cfg, use_ray, embedded, handle, tracking_uri, display, recorder)
         if not use_ray:  # runs last: after rank 0's summary
             stack.callback(leave_process_group, wait_for_peers=status == "FINISHED" or bool(result.get("preempted")))
         if not is_driver:
             return EXIT_CODES[status]
-        close_run(handle, status)
         summary = _summary(cfg, handle, status, error, result, display, launched)
+        if recorder:
+            summary.update(recorder.finish(status, summary["checkpoint"], register))
+            close_run(handle, status)
         if summary_path:
             Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         _print_outcome(summary, ui_command(tracking_uri))
@@ -87,11 +89,31 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
 EXIT_CODES = {"FINISHED": 0, "FAILED": 1, "KILLED": 130}
 
 
+def _opened(cfg: BaseConfig, run_future: Any, tracking_uri: str) -> Any:
+    """The MLflow run, or None (with a warning) when the tracking server cannot be reached:
+    training does not wait for tracking."""
+    if run_future is None:
+        return None
+    try:
+        handle = run_future.result()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("MLflow at %s cannot be reached (%s: %s): training without tracking",
+                    tracking_uri, type(exc).__name__, exc)
+        return None
+    log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id, ", continued" if handle.resumed else "")
+    return handle
+
+
 def _execute(cfg: BaseConfig, use_ray: bool, embedded: bool, handle: Any, tracking_uri: str,
-             display: ProgressDisplay | None) -> tuple[str, str | None, dict[str, Any]]:
+             display: ProgressDisplay | None, recorder: Any) -> tuple[str, str | None, dict[str, Any]]:
     """Run the ranks; returns (MLflow status, error message, result)."""
     run_id = handle.run_id if handle else None
-    on_event = display.handle if display else (lambda event: None)
+    listeners = [x.handle if x is display else x.on_event for x in (display, recorder) if x is not None]
+
+    def on_event(event: dict[str, Any]) -> None:
+        for listener in listeners:
+            listener(event)
+
     from app import preemption
 
     try:
@@ -126,8 +148,8 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         "status": status,
         "error": error,
         "run_name": cfg.run.name,
-        "run_id": handle.run_id,
-        "tracking_uri": handle.tracking_uri,
+        "run_id": handle.run_id if handle else None,
+        "tracking_uri": handle.tracking_uri if handle else None,
         "experiment": cfg.mlflow.experiment,
         "checkpoint": result.get("checkpoint") or (display.checkpoints[-1]["location"] if display.checkpoints else None),
         "world_size": result.get("world_size", cfg.scaling.num_workers),
@@ -166,6 +188,7 @@ def _print_outcome(summary: dict[str, Any], ui: str) -> None:
         f"  metrics:       {metrics or '-'}",
         f"  MLflow run id: {summary['run_id']}",
         f"  checkpoint:    {summary['checkpoint']}",
+        *([f"  model:         {summary['model_uri']}"] if summary.get("model_uri") else []),
         f"  MLflow UI:     {ui}",
     ]
     print("\n".join(lines), flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
@@ -14,17 +15,31 @@ from app import checkpoint
 from app.config import PIPELINES, validate
 
 
-def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
-    """Consolidate a (possibly sharded) checkpoint; returns the config file written beside `out`."""
+def _consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
+    """(pipeline, its model with the checkpoint's full weights, train state), in one process."""
     problem = checkpoint.verify(str(checkpoint_dir))
     if problem:
         raise ValueError(f"{checkpoint_dir}: not a valid checkpoint ({problem})")
     train_state = checkpoint.read_manifest(checkpoint_dir)["train_state"]
     cfg = validate(train_state["config"])
-    model = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg).model
-    state = {"model": model.state_dict()}
+    pipe = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg)
+    state = {"model": pipe.model.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoint_dir))  # reads every rank's shard into one model
-    tensors = {k: v.contiguous() for k, v in state["model"].items()}
+    pipe.model.load_state_dict(state["model"])
+    return pipe, state["model"], train_state
+
+
+def load_model(checkpoint_dir: str | Path) -> tuple[Any, Any]:
+    """(the trained model, an example input batch) from a checkpoint."""
+    pipe, _, _ = _consolidated(checkpoint_dir)
+    return pipe.model, pipe.example_input
+
+
+def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
+    """Consolidate a (possibly sharded) checkpoint; returns the config file written beside `out`."""
+    pipe, weights, train_state = _consolidated(checkpoint_dir)
+    cfg = validate(train_state["config"])
+    tensors = {k: v.contiguous() for k, v in weights.items()}
     out = Path(out)
     save_file(tensors, str(out), metadata={"pipeline": cfg.pipeline, "step": str(train_state["step"])})
     config_path = out.with_suffix(".config.json")

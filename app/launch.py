@@ -155,7 +155,7 @@ class _EmbeddedTorchTrainer(TorchTrainer):
 
 def _train_fn(loop_config: dict[str, Any]) -> None:
     from app.run import run_worker
-    from app.tracking import MetricLogger
+    from app.tracking import rank_zero_logger
 
     # Ray logs every report and checkpoint at INFO; the driver's display already shows them.
     # (One of those loggers is named after its file path, not its module.)
@@ -168,7 +168,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu)
     metric_logger = None
     if runtime.rank == 0 and loop_config.get("run_id"):
-        metric_logger = MetricLogger(loop_config["tracking_uri"], loop_config["run_id"])
+        metric_logger = rank_zero_logger(cfg, loop_config["tracking_uri"], loop_config["run_id"])
     run_worker(cfg, runtime, metric_logger)
 
 

@@ -5,6 +5,7 @@ may block a training step: progress is rate-limited and MLflow logging runs on i
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ class Reporter:
     def on_start(self, **info: Any) -> None:
         if self.active:
             self._state.update(info)
-            self._publish({"event": "start", **info})
+            self._publish({"event": "start", "host": socket.gethostname(), **info})
 
     def on_step(self, *, epoch: int, step: int, first: bool) -> None:
         if not self.active:
@@ -50,9 +51,10 @@ class Reporter:
             self._metrics.log({f"eval/{k}": v for k, v in metrics.items()}, step)
         self._publish({"event": "eval", "epoch": epoch, "step": step, "metrics": metrics})
 
-    def on_checkpoint(self, *, step: int, location: str) -> None:
+    def on_checkpoint(self, *, step: int, location: str, metrics: dict[str, float]) -> None:
         if self.active:
-            self._publish({"event": "checkpoint", "step": step, "location": location})
+            self._publish({"event": "checkpoint", "step": step, "location": location, "metrics": metrics,
+                           "time_unix": time.time()})
 
     def on_checkpoint_failed(self, *, step: int, error: str) -> None:
         if self.active:

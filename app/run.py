@@ -117,7 +117,7 @@ def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
     )
     metric_logger = None
     if rank == 0 and run_id:
-        from app.tracking import MetricLogger
+        from app.tracking import rank_zero_logger
 
-        metric_logger = MetricLogger(tracking_uri, run_id)
+        metric_logger = rank_zero_logger(cfg, tracking_uri, run_id)
     return run_worker(cfg, runtime, metric_logger)

@@ -10,9 +10,11 @@ uploads them; rank 0 uploads the manifest only after every rank's upload succeed
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 import pyarrow.fs as pafs
 
@@ -25,6 +27,18 @@ def filesystem_for(storage_path: str) -> tuple[pafs.FileSystem, str]:
     if "://" not in storage_path:
         return pafs.LocalFileSystem(), str(Path(storage_path).expanduser().resolve())
     return pafs.FileSystem.from_uri(storage_path)
+
+
+@contextlib.contextmanager
+def local_copy(location: str) -> Iterator[str]:
+    """A local directory with the checkpoint at `location` (a path, or a URI: downloaded)."""
+    fs, path = filesystem_for(location)
+    if isinstance(fs, pafs.LocalFileSystem):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="raylane-ckpt-") as local:
+        pafs.copy_files(path, local, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        yield local
 
 
 class CheckpointStore:

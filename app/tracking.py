@@ -24,9 +24,17 @@ MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_VALUE_LEN = 6000
 
 
+# MLflow's HTTP client retries 7 times with exponential backoff (minutes) by default. Our metric
+# thread retries every flush anyway, and the driver must not hang on an unreachable server.
+HTTP_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                     "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+
+
 def resolve_tracking_uri() -> str:
     """MLFLOW_TRACKING_URI, else MLflow's default (sqlite:///mlflow.db), with sqlite paths made
     absolute: Ray workers do not share the driver's working directory."""
+    for key, value in HTTP_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)  # inherited by Ray workers started after this
     uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
@@ -39,6 +47,48 @@ def ui_command(tracking_uri: str) -> str:
         return f"open {tracking_uri}"
     mlflow_bin = Path(os.sys.prefix) / "bin" / "mlflow"
     return f"{mlflow_bin} ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port 5000"
+
+
+def git_commit(cwd: str | None = None) -> str | None:
+    """The commit of the code being run, when it runs from a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def ray_job_submission_id() -> str | None:
+    """The Ray job's submission id when this driver runs as a `ray job submit` entrypoint (the
+    job supervisor hands the entrypoint its metadata through this variable)."""
+    import json
+
+    try:
+        config = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or "{}")
+    except ValueError:
+        return None
+    return (config.get("metadata") or {}).get("job_submission_id")
+
+
+def run_tags(cfg: BaseConfig, world_size: int) -> dict[str, str]:
+    """What a run is, for filtering in the UI: known before any worker starts."""
+    world = world_size
+    tags = {
+        RUN_NAME_TAG: cfg.run.name,
+        "raylane.pipeline": cfg.pipeline,
+        "raylane.version": __version__,
+        "raylane.strategy": "ddp" if world > 1 else "single",
+        "raylane.world_size": str(world),
+        "raylane.backend": "nccl" if cfg.scaling.use_gpu else ("gloo" if world > 1 else "none"),
+        "raylane.device_type": "cuda" if cfg.scaling.use_gpu else "cpu",
+    }
+    if commit := git_commit():
+        tags["mlflow.source.git.commit"] = commit
+    if job_id := ray_job_submission_id():
+        tags["raylane.ray_job_id"] = job_id
+    return tags
 
 
 @dataclass
@@ -55,7 +105,7 @@ def _client(tracking_uri: str):
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def open_run(cfg: BaseConfig, tracking_uri: str, tags: dict[str, str] | None = None) -> RunHandle:
+def open_run(cfg: BaseConfig, tracking_uri: str, world_size: int) -> RunHandle:
     """Create the run for `cfg.run.name`, or continue the one a previous launch of it opened."""
     client = _client(tracking_uri)
     exp = client.get_experiment_by_name(cfg.mlflow.experiment)
@@ -64,8 +114,7 @@ def open_run(cfg: BaseConfig, tracking_uri: str, tags: dict[str, str] | None = N
         [exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{cfg.run.name}'", max_results=1,
         order_by=["attributes.start_time DESC"],
     )
-    all_tags = {RUN_NAME_TAG: cfg.run.name, "raylane.pipeline": cfg.pipeline,
-                "raylane.version": __version__, **(tags or {})}
+    all_tags = run_tags(cfg, world_size)
     if found:
         run_id = found[0].info.run_id
         client.update_run(run_id, status="RUNNING")
@@ -97,11 +146,17 @@ def close_run(handle: RunHandle, status: str) -> None:
         log.warning("could not mark MLflow run %s %s: %s", handle.run_id, status, exc)
 
 
+def rank_zero_logger(cfg: BaseConfig, tracking_uri: str, run_id: str) -> MetricLogger:
+    m = cfg.mlflow
+    return MetricLogger(tracking_uri, run_id,
+                        system_metrics_interval_s=m.system_metrics_interval_s if m.system_metrics else None)
+
+
 class MetricLogger:
     """Rank 0's metric sink: `log()` only appends to a bounded buffer; a thread sends batches."""
 
     def __init__(self, tracking_uri: str, run_id: str, *, flush_interval_s: float = 1.0,
-                 max_buffered: int = 100_000) -> None:
+                 max_buffered: int = 100_000, system_metrics_interval_s: float | None = None) -> None:
         self.tracking_uri, self.run_id = tracking_uri, run_id
         self.flush_interval_s = flush_interval_s
         # Only _flush pops, from the left, what it has sent; log() refuses values when full.
@@ -111,6 +166,9 @@ class MetricLogger:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._warned = False
+        self._tags: dict[str, str] = {}
+        self._system_metrics_interval_s = system_metrics_interval_s
+        self._monitor = None
         # mlflow's import (~1.5 s) happens on this thread, off the training path.
         self._thread = threading.Thread(target=self._loop, name="raylane-mlflow", daemon=True)
         self._thread.start()
@@ -124,15 +182,42 @@ class MetricLogger:
                     continue
                 self._buffer.append((key, float(value), now_ms, step))
 
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        with self._lock:
+            self._tags.update({k: str(v) for k, v in tags.items()})
+
     def _loop(self) -> None:
         client = _client(self.tracking_uri)
+        if self._system_metrics_interval_s:
+            self._start_system_metrics()
         while not self._stop.wait(self.flush_interval_s):
             self._flush(client)
         self._flush(client)
 
-    def _flush(self, client) -> None:
-        from mlflow.entities import Metric
+    def _start_system_metrics(self) -> None:
+        """MLflow's own sampler (CPU, memory, disk, network; GPUs through NVML), on this node."""
+        try:
+            import mlflow
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+            mlflow.set_tracking_uri(self.tracking_uri)
+            interval = self._system_metrics_interval_s
+            self._monitor = SystemMetricsMonitor(self.run_id, sampling_interval=interval, samples_before_logging=1)
+            self._monitor.start()
+        except Exception as exc:  # noqa: BLE001 - a missing sampler must not stop training
+            log.warning("MLflow system metrics are off: %s", exc)
+
+    def _flush(self, client) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        with self._lock:
+            tags, self._tags = self._tags, {}
+        if tags:
+            try:
+                client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+            except Exception:  # noqa: BLE001 - retried at the next flush
+                with self._lock:
+                    self._tags = {**tags, **self._tags}
         with self._lock:
             pending = list(self._buffer)
         for i in range(0, len(pending), MAX_METRICS_PER_BATCH):
@@ -144,6 +229,9 @@ class MetricLogger:
                     log.warning("MLflow logging failed, metrics stay buffered: %s", exc)
                     self._warned = True
                 return
+            if self._warned:
+                log.warning("MLflow logging works again: buffered metrics sent")
+                self._warned = False
             with self._lock:
                 for _ in chunk:
                     self._buffer.popleft()
@@ -151,5 +239,10 @@ class MetricLogger:
     def close(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
+        if self._monitor is not None:
+            try:
+                self._monitor.finish()
+            except Exception:  # noqa: BLE001
+                pass
         if self._dropped:
             log.warning("MLflow buffer was full: %d metric values were dropped", self._dropped)

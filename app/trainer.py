@@ -213,7 +213,8 @@ class Trainer:
             self.reporter.on_checkpoint_failed(step=pending.step, error=f"{exc} (checkpoint.on_error: warn)")
             return
         self.last_checkpoint = location
-        self.reporter.on_checkpoint(step=pending.step, location=location)
+        self.reporter.on_checkpoint(step=pending.step, location=location,
+                                    metrics=pending.train_state.get("eval_metrics") or {})
 
     def train(self) -> dict[str, Any]:
         self.reporter.on_start(

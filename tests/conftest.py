@@ -158,3 +158,41 @@ def _answers(url: str, request) -> bool:
         return True
     except OSError:
         return False
+
+
+class MlflowServer:
+    """A real `mlflow server` on loopback (sqlite, artifacts served through it), started and
+    stopped by this test, by process-group id (the server runs uvicorn as its child)."""
+
+    def __init__(self, data: Path) -> None:
+        self.data, self.port = data, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.data.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, MLFLOW_PORT=str(self.port), MLFLOW_DATA=str(self.data),
+                   MLFLOW_BIN=str(Path(sys.executable).parent / "mlflow"))
+        self.proc = subprocess.Popen([str(REPO / "scripts" / "mlflow-server.sh")], env=env, start_new_session=True,
+                                     stdout=open(self.data / "server.log", "a"), stderr=subprocess.STDOUT)
+        import urllib.request
+
+        wait_for(lambda: _answers(f"{self.uri}/health", urllib.request), timeout_s=90)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        self.proc = None
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    server = MlflowServer(tmp_path / "mlflow-server")
+    server.start()
+    yield server
+    server.stop()

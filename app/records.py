@@ -1,0 +1,127 @@
+"""What the driver records on the MLflow run besides params (app.tracking) and rank 0's metrics:
+the host rank 0 runs on, every committed checkpoint, and at the end the checkpoint list, the
+final model (an MLflow PyTorch model, registered with `--register`) and PNG plots.
+
+Nothing here may fail or stall a run: during training everything goes through a buffering
+background logger; at the end each record is tried on its own and a failure is a warning."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from app.config import BaseConfig
+from app.tracking import MetricLogger, RunHandle, _client
+
+log = logging.getLogger("raylane.tracking")
+
+PLOTTED = {"loss": ("train/loss", "eval/loss"), "eval_metrics": ("eval/accuracy",),
+           "throughput": ("train/samples_per_s",)}
+
+
+class RunRecorder:
+    def __init__(self, handle: RunHandle, cfg: BaseConfig) -> None:
+        self.handle, self.cfg = handle, cfg
+        self.checkpoints: list[dict[str, Any]] = []
+        self._logger = MetricLogger(handle.tracking_uri, handle.run_id)
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "start":
+            self._logger.set_tags({"raylane.host": event.get("host", "?")})
+        elif kind == "checkpoint":
+            record = {k: event.get(k) for k in ("step", "location", "metrics", "time_unix")}
+            self.checkpoints.append(record)
+            self._logger.log({"checkpoint/step": event["step"]}, event["step"])
+            self._logger.set_tags({"raylane.checkpoint.latest": event["location"],
+                                   "raylane.checkpoint.count": len(self.checkpoints)})
+
+    def finish(self, status: str, checkpoint: str | None, register: str | None) -> dict[str, Any]:
+        """Before the run is closed. Returns what was recorded (model URI, registered version)."""
+        self._logger.close()
+        client = _client(self.handle.tracking_uri)
+        out: dict[str, Any] = {}
+        _attempt("checkpoint list", lambda: client.log_dict(
+            self.handle.run_id, {"checkpoints": self.checkpoints}, "checkpoints.json"))
+        if checkpoint and self.cfg.mlflow.log_checkpoints == "artifacts":
+            _attempt("checkpoint artifacts", lambda: _log_checkpoint_files(client, self.handle, checkpoint))
+        if status == "FINISHED" and checkpoint and self.cfg.mlflow.log_model:
+            out.update(_attempt("model", lambda: log_model(self.handle, checkpoint, register)) or {})
+        _attempt("plots", lambda: log_plots(client, self.handle))
+        return out
+
+
+def _attempt(what: str, action):
+    try:
+        return action()
+    except Exception as exc:  # noqa: BLE001 - records are best effort; the run's result stands
+        log.warning("MLflow: could not record the %s: %s: %s", what, type(exc).__name__, exc)
+        return None
+
+
+def _log_checkpoint_files(client, handle: RunHandle, location: str) -> None:
+    from app.storage import local_copy
+
+    with local_copy(location) as path:
+        client.log_artifacts(handle.run_id, path, f"checkpoints/{Path(location).name}")
+
+
+def log_model(handle: RunHandle, location: str, register: str | None) -> dict[str, Any]:
+    """The checkpoint's consolidated model as an MLflow PyTorch model with a signature and an
+    input example. (MLflow's PyTorch flavour pickles the module: load it from trusted servers.)"""
+    import mlflow
+    import mlflow.pytorch
+    import torch
+    from mlflow.models import infer_signature
+
+    from app.export import load_model
+    from app.storage import local_copy
+
+    with local_copy(location) as path:
+        model, example = load_model(path)
+    model.eval()
+    with torch.no_grad():
+        output = model(example)
+    signature = infer_signature(example.numpy(), output.numpy())
+    mlflow.set_tracking_uri(handle.tracking_uri)
+    # The context marks the run FINISHED on exit; the driver sets its real status right after.
+    with mlflow.start_run(run_id=handle.run_id):
+        info = mlflow.pytorch.log_model(
+            model, name="model", signature=signature, input_example=example.numpy(),
+            registered_model_name=register,
+            # Explicit: inferring requirements imports the model in a subprocess (seconds).
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+        )
+    out = {"model_uri": info.model_uri}
+    if register:
+        out["registered_model"] = {"name": register, "version": info.registered_model_version}
+    return out
+
+
+def log_plots(client, handle: RunHandle) -> None:
+    """Loss and eval curves, and throughput over time, as PNGs beside MLflow's own charts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for name, keys in PLOTTED.items():
+        histories = {k: client.get_metric_history(handle.run_id, k) for k in keys}
+        histories = {k: v for k, v in histories.items() if v}
+        if not histories:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, history in histories.items():
+            if name == "throughput":
+                t0 = min(m.timestamp for m in history)
+                ax.plot([(m.timestamp - t0) / 1000 for m in history], [m.value for m in history], label=key)
+                ax.set_xlabel("seconds since the first value")
+            else:
+                ax.plot([m.step for m in history], [m.value for m in history], marker=".", label=key)
+                ax.set_xlabel("step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{name.replace('_', ' ')}")
+        client.log_figure(handle.run_id, fig, f"plots/{name}.png")
+        plt.close(fig)

@@ -1,0 +1,111 @@
+"""MLflow over a real `mlflow server` on loopback: status on every way out, metric histories,
+params and tags, checkpoint records, the logged and registered model, plots, system metrics,
+and a server outage in the middle of a run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import mlflow.pytorch
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from pipelines.digits import load_split
+from tests.conftest import cli_env, read_json, wait_for
+
+
+def _expected_steps(total: int, every: int = 10) -> list[int]:
+    return list(range(every, total + 1, every)) + ([total] if total % every else [])
+
+
+@pytest.mark.ray
+def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, mlflow_server, monkeypatch):
+    proc = run_cli("train", "digits", "--set", "run.name=full", "--set", "mlflow.system_metrics_interval_s=1",
+                   "--register", "digits-mlp", "--summary-json", "s.json",
+                   env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri))
+    assert proc.wait(300) == 0, proc.output
+    s = read_json(tmp_path / "s.json")
+    assert s["tracking_uri"] == mlflow_server.uri
+    client = MlflowClient(mlflow_server.uri)
+    run = client.get_run(s["run_id"])
+    assert run.info.status == "FINISHED" and run.info.run_name == "full"
+
+    tags = run.data.tags
+    assert {k: tags[k] for k in ("raylane.strategy", "raylane.world_size", "raylane.backend",
+                                 "raylane.device_type", "raylane.pipeline")} == {
+        "raylane.strategy": "ddp", "raylane.world_size": "2", "raylane.backend": "gloo",
+        "raylane.device_type": "cpu", "raylane.pipeline": "digits"}
+    assert tags["raylane.version"] and tags["raylane.host"]
+    assert run.data.params["optim.lr"] == "0.003" and run.data.params["scaling.num_workers"] == "2"
+
+    history = {k: client.get_metric_history(s["run_id"], k) for k in ("train/loss", "train/lr", "eval/accuracy")}
+    assert [m.step for m in history["train/loss"]] == _expected_steps(s["steps"])
+    assert len(history["train/lr"]) == len(history["train/loss"])
+    assert len(history["eval/accuracy"]) == s["epochs"] == 12
+    assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics)  # rank 0's node
+
+    # Every committed checkpoint: in the run's metrics, and listed with its location and metrics.
+    records = json.loads(Path(client.download_artifacts(s["run_id"], "checkpoints.json", str(tmp_path)))
+                         .read_text())["checkpoints"]
+    steps_per_epoch = s["steps"] // 12
+    expected = sorted({*range(100, s["steps"], 100), *range(steps_per_epoch, s["steps"] + 1, steps_per_epoch)})
+    assert [r["step"] for r in records] == expected
+    assert records[-1]["location"] == s["checkpoint"] and records[-1]["metrics"] == s["metrics"]
+    assert [m.step for m in client.get_metric_history(s["run_id"], "checkpoint/step")] == expected
+    assert tags["raylane.checkpoint.latest"] == s["checkpoint"]
+
+    # The final model: loads with mlflow.pytorch and predicts as well as the run said.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)  # where models:/ URIs resolve
+    model = mlflow.pytorch.load_model(s["model_uri"])
+    x, y = load_split()[1].tensors
+    with torch.no_grad():
+        accuracy = (model(x).argmax(1) == y).float().mean().item()
+    assert accuracy == pytest.approx(s["metrics"]["accuracy"], abs=1e-6)
+    version = client.get_model_version("digits-mlp", s["registered_model"]["version"])
+    assert version.run_id == s["run_id"] and version.status == "READY"
+    plots = {a.path for a in client.list_artifacts(s["run_id"], "plots")}
+    assert plots == {"plots/loss.png", "plots/eval_metrics.png", "plots/throughput.png"}
+
+
+def test_failed_and_interrupted_runs_are_closed_with_their_status(run_cli, tmp_path, mlflow_server):
+    failed = run_cli("train", "regression", "--local", "--set", "run.name=nan", "--summary-json", "f.json",
+                     env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri, RAYLANE_FAULTS="nan@step=5"))
+    assert failed.wait(120) == 1, failed.output
+    stopped = run_cli("train", "regression", "--local", "--set", "run.name=stop", "--set", "train.max_epochs=100000",
+                      "--summary-json", "k.json", env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri))
+    wait_for(lambda: "[raylane] epoch" in stopped.output, timeout_s=120)
+    stopped.signal(signal.SIGINT)
+    assert stopped.wait(120) == 130, stopped.output
+    client = MlflowClient(mlflow_server.uri)
+    f, k = read_json(tmp_path / "f.json"), read_json(tmp_path / "k.json")
+    assert client.get_run(f["run_id"]).info.status == "FAILED"
+    assert client.get_run(k["run_id"]).info.status == "KILLED"
+    assert "model" not in {a.path for a in client.list_artifacts(k["run_id"])}  # only finished runs get one
+
+
+def test_server_down_for_20_s_mid_run_loses_no_metric(run_cli, tmp_path, mlflow_server):
+    proc = run_cli("train", "digits", "--local", "--set", "run.name=outage", "--set", "train.max_epochs=100000",
+                   "--set", "mlflow.system_metrics=false", "--summary-json", "s.json",
+                   env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri))
+    client = MlflowClient(mlflow_server.uri)
+    run_id = wait_for(lambda: [r.info.run_id for r in client.search_runs(
+        [client.get_experiment_by_name("raylane").experiment_id])] if client.get_experiment_by_name("raylane") else [],
+        timeout_s=120)[0]
+    logged_before = wait_for(lambda: client.get_metric_history(run_id, "train/loss"), timeout_s=60)[-1].step
+    mlflow_server.stop()
+    time.sleep(20)
+    assert proc.proc.poll() is None  # training went on without its server
+    mlflow_server.start()
+    time.sleep(3)
+    proc.signal(signal.SIGTERM)  # a graceful stop: the run ends at a step we know
+    assert proc.wait(180) == 130, proc.output
+    s = read_json(tmp_path / "s.json")
+    assert "metrics stay buffered" in proc.output
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == _expected_steps(s["steps"])
+    assert len(client.get_metric_history(run_id, "eval/accuracy")) == s["epochs"]
+    assert s["steps"] > logged_before + 1000  # it trained through the outage
