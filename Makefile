@@ -8,7 +8,7 @@ PYTHON ?= python3
 # Some package mirrors print one warning per package; keep the install log readable.
 QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: install run test check mlflow clean
+.PHONY: install run test browser check mlflow clean
 
 install: $(STAMP)
 
@@ -21,8 +21,16 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 run: install
 	$(VENV)/bin/raylane train pipelines/digits.yaml --set scaling.num_workers=2
 
-test: install
+test: install browser
 	$(VENV)/bin/pytest tests -m "not slow and not gpu"
+
+# Debian's chromium for the MLflow UI test (Playwright drives it; nothing is downloaded by
+# Playwright itself). Needs root or passwordless sudo; without it, that one test is skipped.
+browser:
+	@command -v chromium >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
+	} || echo "warning: could not install Debian's chromium: the browser test will be skipped"
 
 # A tracking server on 127.0.0.1:5000 (sqlite, artifacts served through it); see the script.
 mlflow: install
@@ -32,4 +40,4 @@ check: install
 	$(VENV)/bin/raylane check pipelines/digits.yaml
 
 clean:
-	rm -rf $(VENV) runs mlflow.db mlartifacts mlflow-server .pytest_cache
+	rm -rf $(VENV) runs mlflow.db mlartifacts mlflow-server test-artifacts .pytest_cache
