@@ -93,6 +93,8 @@ class DistSection(Section):
 
 
 class MlflowSection(Section):
+    # Off: no MLflow run at all (benchmarks, quick experiments); the summary still has the results.
+    enabled: bool = True
     experiment: str = Field("raylane", min_length=1, max_length=256)
     log_every_n_steps: int = Field(10, ge=1)
     # Checkpoints are recorded on the run by location (`uri`), or copied as artifacts.

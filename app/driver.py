@@ -56,7 +56,8 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         # Opening the MLflow run (import + database) overlaps with starting Ray.
         pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="raylane-mlflow"))
         world_size = cfg.scaling.num_workers if use_ray else env_ranks()[2]
-        run_future = pool.submit(open_run, cfg, tracking_uri, world_size) if is_driver else None
+        tracked = is_driver and cfg.mlflow.enabled
+        run_future = pool.submit(open_run, cfg, tracking_uri, world_size) if tracked else None
         embedded = False
         if use_ray:
             import ray

@@ -8,11 +8,12 @@ background logger; at the end each record is tried on its own and a failure is a
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from app.config import BaseConfig
-from app.tracking import MetricLogger, RunHandle, _client
+from app.tracking import MetricLogger, RunHandle, mlflow_client
 
 log = logging.getLogger("raylane.tracking")
 
@@ -40,7 +41,7 @@ class RunRecorder:
     def finish(self, status: str, checkpoint: str | None, register: str | None) -> dict[str, Any]:
         """Before the run is closed. Returns what was recorded (model URI, registered version)."""
         self._logger.close()
-        client = _client(self.handle.tracking_uri)
+        client = mlflow_client(self.handle.tracking_uri)
         out: dict[str, Any] = {}
         _attempt("checkpoint list", lambda: client.log_dict(
             self.handle.run_id, {"checkpoints": self.checkpoints}, "checkpoints.json"))
@@ -85,6 +86,7 @@ def log_model(handle: RunHandle, location: str, register: str | None) -> dict[st
         output = model(example)
     signature = infer_signature(example.numpy(), output.numpy())
     mlflow.set_tracking_uri(handle.tracking_uri)
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # our summary prints the run
     # The context marks the run FINISHED on exit; the driver sets its real status right after.
     with mlflow.start_run(run_id=handle.run_id):
         info = mlflow.pytorch.log_model(

@@ -99,7 +99,7 @@ class RunHandle:
     resumed: bool
 
 
-def _client(tracking_uri: str):
+def mlflow_client(tracking_uri: str):
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=tracking_uri)
@@ -107,7 +107,7 @@ def _client(tracking_uri: str):
 
 def open_run(cfg: BaseConfig, tracking_uri: str, world_size: int) -> RunHandle:
     """Create the run for `cfg.run.name`, or continue the one a previous launch of it opened."""
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     exp = client.get_experiment_by_name(cfg.mlflow.experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(cfg.mlflow.experiment)
     found = client.search_runs(
@@ -132,16 +132,10 @@ def open_run(cfg: BaseConfig, tracking_uri: str, world_size: int) -> RunHandle:
     return RunHandle(run_id, exp_id, tracking_uri, resumed=bool(found))
 
 
-def set_tags(handle: RunHandle, tags: dict[str, Any]) -> None:
-    from mlflow.entities import RunTag
-
-    _client(handle.tracking_uri).log_batch(handle.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
-
-
 def close_run(handle: RunHandle, status: str) -> None:
     """FINISHED, FAILED or KILLED: a run is never left RUNNING."""
     try:
-        _client(handle.tracking_uri).set_terminated(handle.run_id, status=status)
+        mlflow_client(handle.tracking_uri).set_terminated(handle.run_id, status=status)
     except Exception as exc:  # the result is on disk already; do not turn success into a crash
         log.warning("could not mark MLflow run %s %s: %s", handle.run_id, status, exc)
 
@@ -187,7 +181,7 @@ class MetricLogger:
             self._tags.update({k: str(v) for k, v in tags.items()})
 
     def _loop(self) -> None:
-        client = _client(self.tracking_uri)
+        client = mlflow_client(self.tracking_uri)
         if self._system_metrics_interval_s:
             self._start_system_metrics()
         while not self._stop.wait(self.flush_interval_s):

@@ -109,3 +109,24 @@ def test_server_down_for_20_s_mid_run_loses_no_metric(run_cli, tmp_path, mlflow_
     assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == _expected_steps(s["steps"])
     assert len(client.get_metric_history(run_id, "eval/accuracy")) == s["epochs"]
     assert s["steps"] > logged_before + 1000  # it trained through the outage
+
+
+def test_checkpoints_copied_as_artifacts_when_asked(run_cli, tmp_path, mlflow_server):
+    proc = run_cli("train", "regression", "--local", "--set", "run.name=copies", "--set", "mlflow.log_checkpoints=artifacts",
+                   "--summary-json", "s.json", env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri))
+    assert proc.wait(120) == 0, proc.output
+    s = read_json(tmp_path / "s.json")
+    name = Path(s["checkpoint"]).name
+    copied = {a.path for a in MlflowClient(mlflow_server.uri).list_artifacts(s["run_id"], f"checkpoints/{name}")}
+    assert {f"checkpoints/{name}/manifest.json", f"checkpoints/{name}/.metadata"} <= copied
+
+
+def test_an_unreachable_server_does_not_stop_training(run_cli, tmp_path):
+    from tests.conftest import free_port
+
+    proc = run_cli("train", "regression", "--local", "--set", "run.name=alone", "--summary-json", "s.json",
+                   env=cli_env(tmp_path, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}"))
+    assert proc.wait(180) == 0, proc.output
+    s = read_json(tmp_path / "s.json")
+    assert s["status"] == "FINISHED" and s["run_id"] is None
+    assert "cannot be reached" in proc.output and "training without tracking" in proc.output
