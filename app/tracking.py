@@ -149,7 +149,7 @@ def rank_zero_logger(cfg: BaseConfig, tracking_uri: str, run_id: str) -> MetricL
 class MetricLogger:
     """Rank 0's metric sink: `log()` only appends to a bounded buffer; a thread sends batches."""
 
-    def __init__(self, tracking_uri: str, run_id: str, *, flush_interval_s: float = 1.0,
+    def __init__(self, tracking_uri: str, run_id: str, *, flush_interval_s: float = 5.0,
                  max_buffered: int = 100_000, system_metrics_interval_s: float | None = None) -> None:
         self.tracking_uri, self.run_id = tracking_uri, run_id
         self.flush_interval_s = flush_interval_s
