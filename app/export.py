@@ -24,7 +24,9 @@ def _consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]
     cfg = validate(train_state["config"])
     pipe = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg)
     state = {"model": pipe.model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint_dir))  # reads every rank's shard into one model
+    # no_dist: a local read of every rank's shard, even where a process group exists (the torchrun
+    # driver is rank 0): as a collective it would wait for ranks that are not loading.
+    dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
     pipe.model.load_state_dict(state["model"])
     return pipe, state["model"], train_state
 
