@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 # Pipeline name -> module that defines `Config` (a subclass of `BaseConfig`) and `build(cfg, ctx)`.
 PIPELINES: dict[str, str] = {
     "regression": "pipelines.regression",
     "digits": "pipelines.digits",
+    "gpt": "pipelines.gpt",
 }
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -46,6 +47,32 @@ class ScalingSection(Section):
     num_workers: int = Field(1, ge=1, le=4096)
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0, le=1024)
+    # Memory of one device, for strategy.name: auto; null detects it (GPU memory, or this host's
+    # RAM shared by its ranks on CPU).
+    device_memory_gb: float | None = Field(None, gt=0, le=1_000_000)
+    # Dense peak FLOP/s of one device at train.precision, for MFU; null looks the GPU up in a
+    # table (app.devices). No MFU on CPU unless given.
+    peak_tflops: float | None = Field(None, gt=0, le=1_000_000)
+
+
+class StrategySection(Section):
+    # ddp: a full replica per rank. fsdp: FSDP2, parameters, gradients and optimizer state
+    # sharded (HSDP across nodes). auto: estimate memory, DDP when it fits with margin.
+    name: Literal["ddp", "fsdp", "auto"] = "ddp"
+    # FSDP: free the gathered parameters after each block's forward (less memory, one more
+    # all-gather in backward).
+    reshard_after_forward: bool = True
+    # FSDP: keep sharded parameters, gradients and optimizer state in host memory.
+    cpu_offload: bool = False
+    # DDP, from the PyTorch DDP paper: gradient bucket size, buckets as gradient views (saves one
+    # copy of the gradients), a graph that never changes between steps, unused parameters.
+    bucket_cap_mb: float = Field(25.0, gt=0, le=100_000)
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    # DDP: compress gradients before the all-reduce.
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    powersgd_rank: int = Field(1, ge=1, le=1024)
 
 
 class TrainSection(Section):
@@ -55,6 +82,16 @@ class TrainSection(Section):
     seed: int = Field(0, ge=0, lt=2**32)
     # A non-finite loss or gradient: stop with an error naming the step, or skip that update.
     on_nan: Literal["stop", "skip"] = "stop"
+    # Micro-batches of batch_size per optimizer step; gradients are reduced on the last only.
+    grad_accum_steps: int = Field(1, ge=1, le=65_536)
+    # Autocast (DDP, one process) or FSDP's parameter dtype; fp16 adds a gradient scaler.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Clip the global gradient norm (over all shards) to this value; null: no clipping.
+    grad_clip_norm: float | None = Field(None, gt=0)
+    # Recompute each block's activations in backward instead of keeping them.
+    activation_checkpointing: bool = False
+    # torch.compile each block (or the whole model when it has no blocks).
+    compile: bool = False
 
 
 class OptimSection(Section):
@@ -112,12 +149,25 @@ class BaseConfig(Section):
     pipeline: str
     run: RunSection = RunSection()
     scaling: ScalingSection = ScalingSection()
+    strategy: StrategySection = StrategySection()
     train: TrainSection = TrainSection()
     optim: OptimSection = OptimSection()
     checkpoint: CheckpointSection = CheckpointSection()
     failure: FailureSection = FailureSection()
     dist: DistSection = DistSection()
     mlflow: MlflowSection = MlflowSection()
+
+    @model_validator(mode="after")
+    def _compatible(self) -> BaseConfig:
+        if self.train.precision == "fp16" and self.strategy.name != "ddp":
+            raise ValueError(f"train.precision = 'fp16' with strategy.name = {self.strategy.name!r}: "
+                             "the gradient scaler does not handle sharded gradients; use bf16")
+        if self.strategy.comm_hook == "bf16" and not self.scaling.use_gpu:
+            raise ValueError("strategy.comm_hook = 'bf16' needs scaling.use_gpu: true (NCCL); on CPU use fp16")
+        if self.strategy.cpu_offload and (self.strategy.name == "ddp" or not self.scaling.use_gpu):
+            raise ValueError("strategy.cpu_offload = True needs strategy.name: fsdp or auto, "
+                             "and scaling.use_gpu: true (on CPU there is nothing to offload to)")
+        return self
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys -> values: the same keys as `--set`, Tune spaces and MLflow params."""
@@ -152,10 +202,12 @@ def config_class(pipeline: Any) -> type[BaseConfig]:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a config file with `yaml.safe_load`; a bare pipeline name finds its shipped YAML."""
+    """Read a config file with `yaml.safe_load`; a bare name (`digits`, `gpt-tiny`) finds the
+    YAML shipped in `pipelines/`."""
     p = Path(path)
-    if not p.exists() and str(path) in PIPELINES:
-        p = Path(importlib.import_module("pipelines").__file__).parent / f"{path}.yaml"
+    shipped = Path(importlib.import_module("pipelines").__file__).parent / f"{path}.yaml"
+    if not p.exists() and re.fullmatch(r"[A-Za-z0-9_-]+", str(path)) and shipped.exists():
+        p = shipped
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -227,6 +279,8 @@ def format_validation_error(exc: ValidationError) -> str:
             lines.append(f"{field} = {_short(err['input'])}: unknown key")
         elif err["type"] == "missing":
             lines.append(f"{field}: required")
+        elif err["type"] == "value_error" and not err["loc"]:  # a cross-field check names its fields
+            lines.append(str(err["ctx"]["error"]) if "ctx" in err else err["msg"])
         else:
             lines.append(f"{field} = {_short(err['input'])}: {err['msg']}")
     return "invalid config: " + "; ".join(lines)

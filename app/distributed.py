@@ -56,9 +56,20 @@ def all_reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, float]:
     if not sums:
         return {}
     names = sorted(sums)
-    packed = torch.stack([sums[k].detach().to(torch.float64).reshape(()) for k in names])
+    # NCCL reduces device tensors only: gather on the device of any tensor not on the CPU.
+    device = next((v.device for v in sums.values() if v.device.type != "cpu"), torch.device("cpu"))
+    packed = torch.stack([sums[k].detach().to(device, torch.float64).reshape(()) for k in names])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(packed)
+    return dict(zip(names, packed.tolist(), strict=True))
+
+
+def all_reduce_max(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """The largest of each value over all ranks, with a single collective."""
+    names = sorted(values)
+    packed = torch.tensor([float(values[k]) for k in names], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     return dict(zip(names, packed.tolist(), strict=True))
 
 

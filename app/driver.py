@@ -159,6 +159,12 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         "steps": result.get("steps"),
         "wall_s": round(ended - launched, 3),
         "samples_per_s": result.get("samples_per_s"),
+        "tokens_per_s": result.get("tokens_per_s"),
+        "mfu": result.get("mfu"),
+        # The largest over the ranks: parameters + gradients + optimizer state one rank holds,
+        # and peak device memory (GPU) or peak resident memory of the process (CPU).
+        "memory": result.get("memory"),
+        "strategy": result.get("strategy"),
         "metrics": result.get("metrics", {}),
         "resumed_from_step": result.get("resumed_from_step"),
         # Every (re)start of the worker group announces itself; the first one is not a restart.
@@ -166,6 +172,7 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         "skipped_steps": result.get("skipped_steps", 0),
         "failed_checkpoints": result.get("failed_checkpoints", 0),
         "preempted": bool(result.get("preempted")),
+        "tracking_cost_s": result.get("tracking_cost_s"),
         "timing": {
             "launched_unix": launched,
             "first_step_unix": first,

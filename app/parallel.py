@@ -1,20 +1,249 @@
-"""The one place that decides how a model is distributed. Models know nothing of it."""
+"""The one place that decides how a model is distributed. Models know nothing of it: at most they
+expose their repeated layers as `model.blocks`, the unit of sharding, recompute and compilation.
+
+Order matters and follows torchtitan: activation checkpointing, then compile, then DDP or FSDP2."""
 
 from __future__ import annotations
 
+import copy
+import functools
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from app.config import BaseConfig
+from app.devices import GIB, device_memory_bytes, local_world_size
+
+log = logging.getLogger("raylane")
+
+# DDP is chosen by `auto` when its estimate fits in this share of the device's memory: the
+# rest is for the allocator's fragmentation, the CUDA context and kernels' workspaces.
+AUTO_MARGIN = 0.85
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2}  # per parameter; SGD: 1 with momentum, else 0
 
 
-def parallelize(model: torch.nn.Module, cfg: BaseConfig, device: torch.device, world_size: int) -> torch.nn.Module:
-    model = model.to(device)
+@dataclass
+class Strategy:
+    name: str  # "single", "ddp", "fsdp" or "hsdp"
+    mesh_shape: tuple[int, ...] = ()
+    reason: str = ""
+    estimate: dict[str, int] | None = None
+
+    def tags(self) -> dict[str, str]:
+        tags = {"raylane.strategy": self.name, "raylane.strategy.reason": self.reason}
+        if self.estimate:
+            tags.update({f"raylane.memory_estimate.{k}_gb": f"{v / GIB:.3f}" for k, v in self.estimate.items()})
+        return tags
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated layers: `model.blocks`, or a Sequential's layers that hold weights."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        return list(blocks)
+    if isinstance(model, nn.Sequential):
+        return [m for m in model if any(True for _ in m.parameters(recurse=False))]
+    return []
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def activation_bytes(model: nn.Module, example: tuple[Any, Any], loss_fn,
+                     checkpointed: bool = False) -> int:
+    """Bytes autograd keeps for backward from one forward at the example's batch size, measured
+    on a copy on the meta device: shapes only, no memory, no compute. With activation
+    checkpointing, each block keeps only its input, and one block's are rebuilt at a time."""
+    meta = copy.deepcopy(model).to("meta")
+    source, targets = (x.to("meta") for x in example)
+    params = {id(p) for p in meta.parameters()}
+    saved: dict[int, tuple[int, int]] = {}  # tensor id -> (bytes, block index or -1)
+    keep: list[torch.Tensor] = []  # alive until the end, so an id is never reused
+    inputs: list[int] = []
+    where = [-1]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in params and id(t) not in saved:
+            saved[id(t)] = (t.numel() * t.element_size(), where[0])
+            keep.append(t)
+        return t
+
+    def enter(i: int):
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            where[0] = i
+            inputs.append(sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)))
+        return hook
+
+    blocks = blocks_of(meta)
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(enter(i))
+        block.register_forward_hook(lambda *_: where.__setitem__(0, -1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(meta(source), targets)
+    outside = sum(n for n, b in saved.values() if b < 0)
+    per_block = [sum(n for n, b in saved.values() if b == i) for i in range(len(blocks))]
+    if checkpointed and blocks:
+        return outside + sum(inputs) + max(per_block)
+    return outside + sum(per_block)
+
+
+def estimate_memory(model: nn.Module, cfg: BaseConfig, world_size: int,
+                    example: tuple[Any, Any] | None, loss_fn) -> dict[str, int]:
+    """Per-rank bytes under DDP and under FSDP: parameters, gradients, optimizer state and the
+    activations of one micro-batch (plus DDP's gradient buckets, FSDP's gathered blocks)."""
+    params = _nbytes(model.parameters())
+    o = cfg.optim
+    states = OPTIMIZER_STATES.get(o.name, 1 if o.momentum else 0)
+    state = params * (2 + states)  # parameters, gradients, optimizer state
+    acts = 0
+    if example is not None:
+        acts = activation_bytes(model, example, loss_fn, checkpointed=cfg.train.activation_checkpointing)
+    if cfg.train.precision != "fp32":
+        acts //= 2  # roughly: autocast keeps most activations in 16 bits
+    blocks = blocks_of(model)
+    largest_block = max((_nbytes(b.parameters()) for b in blocks), default=params)
+    buckets = 0 if cfg.strategy.gradient_as_bucket_view else params
+    return {
+        "ddp": state + acts + buckets,
+        "fsdp": state // world_size + acts + 2 * largest_block,  # one block gathered, one prefetched
+        "activations": acts,
+    }
+
+
+def choose_strategy(cfg: BaseConfig, device: torch.device, world_size: int, model: nn.Module,
+                    example: tuple[Any, Any] | None, loss_fn) -> Strategy:
     if world_size == 1:
-        return model  # DDP on one rank only adds hooks and a broadcast
-    device_ids = [device.index] if device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids)
+        return Strategy("single", reason="one rank")
+    nodes = _nodes(world_size)
+    sharded = ("hsdp", (nodes, world_size // nodes)) if nodes > 1 else ("fsdp", (world_size,))
+    if cfg.strategy.name == "ddp":
+        return Strategy("ddp", (world_size,), reason="strategy.name: ddp")
+    if cfg.strategy.name == "fsdp":
+        return Strategy(*sharded, reason="strategy.name: fsdp")
+    estimate = estimate_memory(model, cfg, world_size, example, loss_fn)
+    budget = device_memory_bytes(device, cfg.scaling.device_memory_gb, local_world_size())
+    estimate["device"] = budget
+    fits = estimate["ddp"] <= AUTO_MARGIN * budget
+    why = (f"auto: DDP needs ~{estimate['ddp'] / GIB:.2f} GiB per rank, FSDP ~{estimate['fsdp'] / GIB:.2f} GiB, "
+           f"of {budget / GIB:.2f} GiB per device ({AUTO_MARGIN:.0%} usable)")
+    if fits:
+        return Strategy("ddp", (world_size,), reason=why, estimate=estimate)
+    return Strategy(*sharded, reason=why, estimate=estimate)
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def _nodes(world_size: int) -> int:
+    local = local_world_size(default=world_size)  # unset: one node
+    return world_size // local if 0 < local < world_size and world_size % local == 0 else 1
+
+
+def _agreed(strategy: Strategy) -> Strategy:
+    """Rank 0's choice on every rank: detected memory may differ between hosts."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [asdict(strategy)]
+        dist.broadcast_object_list(box, src=0)
+        return Strategy(**{**box[0], "mesh_shape": tuple(box[0]["mesh_shape"])})
+    return strategy
+
+
+def parallelize(model: nn.Module, cfg: BaseConfig, device: torch.device, world_size: int, *,
+                example: tuple[Any, Any] | None = None, loss_fn=None) -> tuple[nn.Module, Strategy]:
+    """(the model ready to train on this rank, the strategy chosen)."""
+    strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn))
+    blocks = blocks_of(model)
+    if cfg.train.activation_checkpointing:
+        for block in blocks:
+            _checkpoint_activations(block)
+    if cfg.train.compile:
+        for part in blocks or [model]:
+            part.compile()  # in place: parameter names (and checkpoints) stay as they are
+    if strategy.name in ("fsdp", "hsdp"):
+        return _fully_shard(model, blocks, cfg, device, strategy), strategy
+    model = model.to(device)
+    if strategy.name == "single":
+        return model, strategy  # DDP on one rank only adds hooks and a broadcast
+    return _ddp(model, cfg, device), strategy
+
+
+def _checkpoint_activations(block: nn.Module) -> None:
+    # Patching forward (rather than wrapping the block) keeps parameter names unchanged.
+    from torch.utils.checkpoint import checkpoint
+
+    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def _ddp(model: nn.Module, cfg: BaseConfig, device: torch.device) -> DDP:
+    s = cfg.strategy
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=s.bucket_cap_mb, gradient_as_bucket_view=s.gradient_as_bucket_view,
+              static_graph=s.static_graph, find_unused_parameters=s.find_unused_parameters)
+    if s.comm_hook != "none":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        if s.comm_hook == "powersgd":
+            # Plain all-reduce for the first steps, as PowerSGD's authors advise. Its error
+            # feedback is not checkpointed: a resumed run starts it afresh.
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=s.powersgd_rank,
+                                                start_powerSGD_iter=10)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        else:
+            hook = default_hooks.fp16_compress_hook if s.comm_hook == "fp16" else default_hooks.bf16_compress_hook
+            ddp.register_comm_hook(None, hook)
+    return ddp
+
+
+def _fully_shard(model: nn.Module, blocks: list[nn.Module], cfg: BaseConfig, device: torch.device,
+                 strategy: Strategy) -> nn.Module:
+    """FSDP2 on each block, then the root; a 2-D mesh (replicate across nodes, shard inside
+    one) is HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    names = ("replicate", "shard") if len(strategy.mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh(device.type, strategy.mesh_shape, mesh_dim_names=names)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+    options: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+    }
+    if cfg.strategy.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    else:
+        model = model.to(device)
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=cfg.strategy.reshard_after_forward, **options)
+    # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
+    fully_shard(model, reshard_after_forward=False, **options)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DDP) else model
+
+
+def no_gradient_sync(model: nn.Module):
+    """A context for micro-batches before the last of an optimizer step: gradients accumulate
+    locally and are reduced once, on the last micro-batch (the DDP paper's skipped sync)."""
+    if isinstance(model, DDP):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp_no_sync(model)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+class _fsdp_no_sync:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.model.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.set_requires_gradient_sync(True)

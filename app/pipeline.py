@@ -20,3 +20,7 @@ class Pipeline:
     # all-reduce, so every metric is exact whatever the world size.
     eval_sums: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
     example_input: Any = None
+    # Language models: tokens in one sample, and model FLOPs per token (forward and backward),
+    # for tokens_per_s and MFU.
+    tokens_per_sample: int | None = None
+    flops_per_token: float | None = None

@@ -44,6 +44,8 @@ class ProgressDisplay:
             if self.starts > 1:
                 self._print(f"worker group restarted ({self.starts - 1})")
             self.info.update({k: v for k, v in event.items() if k != "event"})
+            if self.starts == 1 and event.get("strategy"):
+                self._print(f"strategy {event['strategy']} ({event.get('strategy_reason', '')})")
             self._start_bar()
             if event.get("resumed_from_step"):
                 self._print(f"resumed from step {event['resumed_from_step']}")

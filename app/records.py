@@ -30,7 +30,7 @@ class RunRecorder:
     def on_event(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
         if kind == "start":
-            self._logger.set_tags({"raylane.host": event.get("host", "?")})
+            self._logger.set_tags({"raylane.host": event.get("host", "?"), **(event.get("strategy_tags") or {})})
         elif kind == "checkpoint":
             record = {k: event.get(k) for k in ("step", "location", "metrics", "time_unix")}
             self.checkpoints.append(record)

@@ -60,9 +60,12 @@ class Reporter:
         if self.active:
             self._publish({"event": "checkpoint_failed", "step": step, "error": error})
 
-    def on_end(self, result: dict[str, Any]) -> None:
+    def on_end(self, result: dict[str, Any]) -> dict[str, Any]:
+        """Publish the result; returns it with rank 0's logging cost added."""
         if not self.active:
-            return
+            return result
         if self._metrics is not None:
             self._metrics.close()
+            result = {**result, "tracking_cost_s": self._metrics.cost()}
         self._publish({"event": "end", "time_unix": time.time(), "result": result})
+        return result

@@ -21,15 +21,16 @@ from app import checkpoint, faults
 from app.config import PIPELINES, BaseConfig
 from app.data import build_loader, loader_options, shard_indices
 from app.distributed import default_device, env_ranks, init_process_group
+from app.devices import peak_flops
 from app.parallel import parallelize
 from app.reporting import Reporter
 from app.runtime import LocalRuntime, Runtime
 from app.storage import CheckpointStore, filesystem_for
-from app.trainer import Trainer, plan_steps
+from app.trainer import Throughput, Trainer, plan_steps
 
 log = logging.getLogger("raylane")
 
-EVAL_BATCH_SIZE = 512
+
 
 
 def seed_everything(seed: int) -> None:
@@ -79,19 +80,22 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
     """One rank's whole run. Returns the result (the same on every rank but for timings)."""
     seed_everything(cfg.train.seed)
     pipe = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg)
-    model = parallelize(pipe.model, cfg, runtime.device, runtime.world_size)
+    model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size,
+                                  example=_example_batch(pipe.train_set, cfg.train.batch_size), loss_fn=pipe.loss_fn)
     optimizer = build_optimizer(model, cfg)
     train_loader = build_loader(pipe.train_set, batch_size=cfg.train.batch_size, rank=runtime.rank,
                                 world_size=runtime.world_size, seed=cfg.train.seed, shuffle=True)
     eval_loader = None
     if pipe.eval_set is not None:
         shard = Subset(pipe.eval_set, shard_indices(len(pipe.eval_set), runtime.rank, runtime.world_size))
-        eval_loader = DataLoader(shard, batch_size=EVAL_BATCH_SIZE, **loader_options(cfg.train.seed))
+        eval_loader = DataLoader(shard, batch_size=cfg.train.batch_size, **loader_options(cfg.train.seed))
     control_group, save_group = _side_groups(cfg, runtime.world_size)
     trainer = Trainer(
         model, train_loader, optimizer, loss_fn=pipe.loss_fn, eval_data=eval_loader,
         scheduler=build_scheduler(optimizer, cfg, plan_steps(train_loader, cfg)[1]),
-        control_group=control_group, save_group=save_group,
+        control_group=control_group, save_group=save_group, strategy=strategy,
+        throughput=Throughput(pipe.tokens_per_sample, pipe.flops_per_token,
+                              peak_flops(runtime.device, cfg.train.precision, cfg.scaling.peak_tflops)),
         eval_sums=pipe.eval_sums, runtime=runtime, cfg=cfg, faults=faults.load(runtime.rank),
         reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=runtime.publish, metric_logger=metric_logger),
     )
@@ -102,6 +106,13 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
         if runtime.rank == 0:
             log.info("resuming from step %d (%s)", trainer.step, latest)
     return trainer.train()
+
+
+def _example_batch(dataset, batch_size: int):
+    """One micro-batch, read without touching any random generator (for the memory estimate)."""
+    from torch.utils.data import default_collate
+
+    return default_collate([dataset[i] for i in range(min(batch_size, len(dataset)))])
 
 
 def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,

@@ -79,7 +79,8 @@ def run_tags(cfg: BaseConfig, world_size: int) -> dict[str, str]:
         RUN_NAME_TAG: cfg.run.name,
         "raylane.pipeline": cfg.pipeline,
         "raylane.version": __version__,
-        "raylane.strategy": "ddp" if world > 1 else "single",
+        # What was asked; rank 0 replaces it with what was chosen (auto) once it is known.
+        "raylane.strategy": cfg.strategy.name if world > 1 else "single",
         "raylane.world_size": str(world),
         "raylane.backend": "nccl" if cfg.scaling.use_gpu else ("gloo" if world > 1 else "none"),
         "raylane.device_type": "cuda" if cfg.scaling.use_gpu else "cpu",
@@ -163,11 +164,17 @@ class MetricLogger:
         self._tags: dict[str, str] = {}
         self._system_metrics_interval_s = system_metrics_interval_s
         self._monitor = None
+        # What logging costs rank 0, for the overhead benchmark: time inside log() on the
+        # training thread, and CPU time of the two background threads.
+        self._log_call_s = 0.0
+        self._thread_cpu_s = 0.0
+        self._monitor_cpu_s = 0.0
         # mlflow's import (~1.5 s) happens on this thread, off the training path.
         self._thread = threading.Thread(target=self._loop, name="raylane-mlflow", daemon=True)
         self._thread.start()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        started = time.perf_counter()
         now_ms = int(time.time() * 1000)
         with self._lock:
             for key, value in metrics.items():
@@ -175,6 +182,13 @@ class MetricLogger:
                     self._dropped += 1
                     continue
                 self._buffer.append((key, float(value), now_ms, step))
+        self._log_call_s += time.perf_counter() - started
+
+    def cost(self) -> dict[str, float]:
+        """Seconds logging took from rank 0 (after close): on the training thread, and CPU time of
+        the sender and system-metrics threads. On busy cores, their sum bounds the slowdown."""
+        return {"log_calls_s": self._log_call_s, "sender_cpu_s": self._thread_cpu_s,
+                "system_metrics_cpu_s": self._monitor_cpu_s}
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         with self._lock:
@@ -187,6 +201,7 @@ class MetricLogger:
         while not self._stop.wait(self.flush_interval_s):
             self._flush(client)
         self._flush(client)
+        self._thread_cpu_s = time.thread_time()
 
     def _start_system_metrics(self) -> None:
         """MLflow's own sampler (CPU, memory, disk, network; GPUs through NVML), on this node."""
@@ -234,9 +249,21 @@ class MetricLogger:
         self._stop.set()
         self._thread.join(timeout_s)
         if self._monitor is not None:
+            self._monitor_cpu_s = _thread_cpu_s(getattr(self._monitor, "_process", None))
             try:
                 self._monitor.finish()
             except Exception:  # noqa: BLE001
                 pass
         if self._dropped:
             log.warning("MLflow buffer was full: %d metric values were dropped", self._dropped)
+
+
+def _thread_cpu_s(thread: threading.Thread | None) -> float:
+    """CPU seconds a live thread of this process has used (0 when unknown)."""
+    import psutil
+
+    tid = getattr(thread, "native_id", None)
+    for t in psutil.Process().threads():
+        if t.id == tid:
+            return t.user_time + t.system_time
+    return 0.0

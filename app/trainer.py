@@ -6,9 +6,12 @@ checkpoints, evaluation), so every rank calls them in the same order."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,8 +19,10 @@ from torch.utils.data import DataLoader
 
 from app import __version__, checkpoint, preemption
 from app.config import BaseConfig
-from app.distributed import ControlVote, all_reduce_sums, backend_name
+from app.devices import peak_memory_bytes, reset_peak_memory, state_bytes
+from app.distributed import ControlVote, all_reduce_max, all_reduce_sums, backend_name
 from app.faults import FaultPlan
+from app.parallel import Strategy, no_gradient_sync
 from app.reporting import Reporter
 from app.runtime import Runtime
 
@@ -27,9 +32,26 @@ VOTE_EVERY_N_STEPS = 10
 
 def plan_steps(train_data: DataLoader, cfg: BaseConfig) -> tuple[int, int]:
     """(optimizer steps per epoch on this rank, total steps of the run)."""
-    per_epoch = math.ceil(len(train_data.sampler) / train_data.batch_size)
+    batches = math.ceil(len(train_data.sampler) / train_data.batch_size)
+    per_epoch = math.ceil(batches / cfg.train.grad_accum_steps)
     max_steps = cfg.train.max_steps or math.inf
     return per_epoch, int(min(max_steps, cfg.train.max_epochs * per_epoch))
+
+
+@dataclass
+class Throughput:
+    """What turns samples per second into tokens per second and MFU (None: not reported)."""
+    tokens_per_sample: int | None = None
+    flops_per_token: float | None = None
+    peak_flops_per_device: float | None = None
+
+    def rates(self, samples_per_s: float, world_size: int) -> dict[str, float]:
+        if not self.tokens_per_sample:
+            return {}
+        out = {"tokens_per_s": samples_per_s * self.tokens_per_sample}
+        if self.flops_per_token and self.peak_flops_per_device:
+            out["mfu"] = self.flops_per_token * out["tokens_per_s"] / (self.peak_flops_per_device * world_size)
+        return out
 
 
 class Trainer:
@@ -49,6 +71,8 @@ class Trainer:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         control_group: Any = None,
         save_group: Any = None,
+        throughput: Throughput | None = None,
+        strategy: Strategy | None = None,
     ) -> None:
         self.model = model
         self.train_data = train_data
@@ -62,6 +86,16 @@ class Trainer:
         self.faults = faults
         self.scheduler = scheduler
         self.device = runtime.device
+        self.throughput = throughput or Throughput()
+        self.accum = cfg.train.grad_accum_steps
+        self.strategy = strategy or Strategy("single" if runtime.world_size == 1 else "ddp")
+        precision = cfg.train.precision
+        # FSDP casts parameters itself (MixedPrecisionPolicy); DDP and one process use autocast.
+        sharded = self.strategy.name in ("fsdp", "hsdp")
+        self.autocast_dtype = None if precision == "fp32" or sharded else \
+            {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
+        self.state_bytes: int | None = None
         # Step-boundary decisions all ranks must share: [stop now, async save not yet written].
         self.vote = ControlVote(2, control_group)
         # A synchronous collective costs ~2 ms a step on 2 busy CPU cores: vote every few steps
@@ -78,53 +112,91 @@ class Trainer:
         self.batch_in_epoch = 0
         self.resumed_from_step: int | None = None
         self.steps_per_epoch, self.total_steps = plan_steps(train_data, cfg)
-        self.samples_per_step = cfg.train.batch_size * runtime.world_size
+        self.batches_per_epoch = math.ceil(len(train_data.sampler) / train_data.batch_size)
+        self.samples_per_step = cfg.train.batch_size * runtime.world_size * self.accum
         self.eval_metrics: dict[str, float] = {}
         self.eval_step: int | None = None  # the step eval_metrics were measured at
         self.skipped_steps = 0
         self.last_checkpoint: str | None = None
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_count = 0
+        self._grad_norm = torch.zeros((), device=self.device)
         self._window_start = time.perf_counter()
         self._window_steps = 0
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def _run_batch(self, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-        """One optimizer step; returns the loss, or None when a non-finite update was skipped."""
+    def _run_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """One optimizer step over its micro-batches; returns the mean loss, or None when a
+        non-finite update was skipped. Gradients are reduced on the last micro-batch only."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(source), targets)
-        if self.faults:
-            loss = self.faults.corrupt_loss(self.step + 1, loss)
-        loss.backward()
-        if not self._gradients_finite():
+        total = torch.zeros((), device=self.device)
+        for i, (source, targets) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else no_gradient_sync(self.model), self._autocast():
+                loss = self.loss_fn(self.model(source.to(self.device)), targets.to(self.device))
+                if self.faults:
+                    loss = self.faults.corrupt_loss(self.step + 1, loss)
+                scaled = loss / len(micro_batches)
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            total += loss.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        if not self._clip_gradients() and not self.scaler:  # the scaler skips such steps itself
             if self.cfg.train.on_nan == "stop":
                 raise FloatingPointError(
                     f"non-finite loss or gradients at step {self.step + 1} (train.on_nan: stop)")
             self.skipped_steps += 1
             return None
-        self.optimizer.step()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        return loss.detach()
+        return total / len(micro_batches)
 
-    def _gradients_finite(self) -> bool:
-        # DDP has already all-reduced the gradients, so a NaN on any rank is a NaN on every rank:
-        # all ranks reach the same verdict without another collective.
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _clip_gradients(self) -> bool:
+        """The global gradient norm (over every shard under FSDP), clipped to train.grad_clip_norm;
+        False when it is not finite. The gradients are already reduced, so a NaN on any rank is
+        a NaN on every rank: all ranks reach the same verdict."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return True
-        return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if hasattr(norm, "full_tensor"):  # a DTensor: sharded gradients, reduced over ranks
+            norm = norm.full_tensor()
+        self._grad_norm = norm.detach()
+        if not bool(torch.isfinite(norm)):
+            return False
+        if self.cfg.train.grad_clip_norm:
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.cfg.train.grad_clip_norm, norm,
+                                                 foreach=True)
+        return True
+
+    def _micro_batches(self):
+        """The epoch's batches, grouped by optimizer step (the last group may be shorter)."""
+        batches = iter(self.train_data)
+        while group := list(itertools.islice(batches, self.accum)):
+            yield group
 
     def _run_epoch(self, epoch: int) -> None:
         self.model.train()
         self.train_data.sampler.set_epoch(epoch, skip_batches=self.batch_in_epoch)
-        for source, targets in self.train_data:
+        for micro_batches in self._micro_batches():
             if self.faults:
                 self.faults.before_step(self.step + 1)
-            loss = self._run_batch(source.to(self.device), targets.to(self.device))
+            loss = self._run_batch(micro_batches)
+            if self.state_bytes is None:  # optimizer state exists from the first step on
+                self.state_bytes = state_bytes(self.model, self.optimizer)
             self.step += 1
-            self.batch_in_epoch += 1
+            self.batch_in_epoch += len(micro_batches)
             self._window_steps += 1
             if loss is not None:  # accumulated on the device: no host sync per step
                 self._loss_sum += loss
@@ -135,7 +207,7 @@ class Trainer:
                 self._log_train_metrics()
             every = self.cfg.checkpoint.every_n_steps
             # The last batch of an epoch, or of the run, is saved by train() after evaluation.
-            last_batch = self.batch_in_epoch >= self.steps_per_epoch or self.step >= self.total_steps
+            last_batch = self.batch_in_epoch >= self.batches_per_epoch or self.step >= self.total_steps
             if every and self.step % every == 0 and not last_batch:
                 self._save_checkpoint()
             if self.step >= self.total_steps or (self.step % self.vote_every == 0 and self._step_boundary()):
@@ -153,14 +225,18 @@ class Trainer:
     def _log_train_metrics(self) -> None:
         sums = all_reduce_sums({"loss": self._loss_sum, "count": torch.tensor(float(self._loss_count))})
         elapsed = time.perf_counter() - self._window_start
+        samples_per_s = self._window_steps * self.samples_per_step / max(elapsed, 1e-9)
         metrics = {
             "loss": sums["loss"] / max(sums["count"], 1.0),
             "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "samples_per_s": self._window_steps * self.samples_per_step / max(elapsed, 1e-9),
+            "grad_norm": float(self._grad_norm),
+            "samples_per_s": samples_per_s,
+            **self.throughput.rates(samples_per_s, self.runtime.world_size),
         }
         self.reporter.on_train_metrics(self.step, metrics)
         self._loss_sum.zero_()
         self._loss_count = 0
+        self._grad_norm = torch.zeros((), device=self.device)
         self._window_start = time.perf_counter()
         self._window_steps = 0
 
@@ -226,13 +302,15 @@ class Trainer:
         self.reporter.on_start(
             total_steps=self.total_steps, steps_per_epoch=self.steps_per_epoch,
             max_epochs=self.cfg.train.max_epochs, world_size=self.runtime.world_size,
-            resumed_from_step=self.resumed_from_step,
+            resumed_from_step=self.resumed_from_step, strategy=self.strategy.name,
+            strategy_reason=self.strategy.reason, strategy_tags=self.strategy.tags(),
         )
+        reset_peak_memory(self.device)
         started, first_step = time.perf_counter(), self.step
         with preemption.armed():
             while self.step < self.total_steps and not self.preempted:
                 self._run_epoch(self.epoch)
-                if self.batch_in_epoch >= self.steps_per_epoch:  # a whole epoch, not a max_steps stop
+                if self.batch_in_epoch >= self.batches_per_epoch:  # a whole epoch, not a max_steps stop
                     self._record_eval(self._evaluate())
                     self.epoch += 1
                     self.batch_in_epoch = 0
@@ -244,11 +322,15 @@ class Trainer:
         if not self.eval_metrics and not self.preempted:  # a max_steps stop mid-epoch, or resumed at the end
             self._record_eval(self._evaluate())
         train_s = time.perf_counter() - started
+        samples_per_s = (self.step - first_step) * self.samples_per_step / max(train_s, 1e-9)
         result = {
             "epochs": self.epoch,
             "steps": self.step,
             "metrics": self.eval_metrics,
-            "samples_per_s": (self.step - first_step) * self.samples_per_step / max(train_s, 1e-9),
+            "samples_per_s": samples_per_s,
+            **self.throughput.rates(samples_per_s, self.runtime.world_size),
+            "memory": self._memory(),
+            "strategy": self.strategy.name,
             "train_s": train_s,
             "resumed_from_step": self.resumed_from_step,
             "checkpoint": self.last_checkpoint,
@@ -259,8 +341,15 @@ class Trainer:
             "preempted": self.preempted,
             "stop_reason": (preemption.reason() or "a stop request from another rank") if self.preempted else None,
         }
-        self.reporter.on_end(result)
-        return result
+        return self.reporter.on_end(result)
+
+    def _memory(self) -> dict[str, int]:
+        """Collective. The largest figures over the ranks."""
+        if self.state_bytes is None:
+            self.state_bytes = state_bytes(self.model, self.optimizer)
+        worst = all_reduce_max({"state_bytes_per_rank": self.state_bytes,
+                                "peak_bytes": peak_memory_bytes(self.device)}, self.device)
+        return {k: int(v) for k, v in worst.items()}
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -271,6 +360,7 @@ class Trainer:
             "batch_in_epoch": self.batch_in_epoch,
             "world_size": self.runtime.world_size,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             # Metrics measured at this very step (an epoch end), for checkpoint.keep_best.
             "eval_metrics": self.eval_metrics if self.eval_step == self.step else None,
             "config": self.cfg.model_dump(mode="json"),
@@ -285,6 +375,8 @@ class Trainer:
         self.batch_in_epoch = int(state["batch_in_epoch"]) if same_world else 0
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("grad_scaler"):
+            self.scaler.load_state_dict(state["grad_scaler"])
         if state.get("eval_metrics"):
             self.eval_metrics, self.eval_step = dict(state["eval_metrics"]), self.step
         self.resumed_from_step = self.step

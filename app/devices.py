@@ -1,0 +1,100 @@
+"""What a device can do and what a rank holds: peak FLOP/s for MFU, memory for `strategy: auto`,
+and the memory figures of the summary."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+GIB = 1024**3
+
+# Dense peak TFLOP/s (no 2:4 sparsity), as torchtitan's get_peak_flops and the vendors' sheets
+# give them. fp32 is plain FP32 (TF32 is not enabled by raylane). Longest name first wins.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},  # SXM
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "fp32": 80.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 31.2},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+}
+
+
+def peak_flops(device: torch.device, precision: str, override_tflops: float | None) -> float | None:
+    """Peak FLOP/s of one device at `precision`, or None when unknown (CPU without an override)."""
+    if override_tflops:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    if "H100" in name and "PCIe" not in name and "NVL" not in name and _pcie_h100():
+        name += " PCIe"
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_TFLOPS[key].get(precision, 0.0) * 1e12 or None
+    return None
+
+
+def _pcie_h100() -> bool:
+    # The device name does not always say SXM or PCIe; the PCI device id does (0x2331 is PCIe).
+    try:
+        return any(p.read_text().strip() == "0x2331" for p in Path("/sys/bus/pci/devices").glob("*/device"))
+    except OSError:
+        return False
+
+
+def device_memory_bytes(device: torch.device, override_gb: float | None, local_world_size: int) -> int:
+    """Memory one rank may use: the GPU's, or on CPU this host's RAM shared by its ranks."""
+    if override_gb:
+        return int(override_gb * GIB)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import psutil
+
+    return psutil.virtual_memory().total // max(local_world_size, 1)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak device memory allocated on GPU; peak resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
+    return local.numel() * local.element_size()
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Parameters + gradients + optimizer state held by this rank (its shards under FSDP)."""
+    total = 0
+    for p in model.parameters():
+        total += _local_bytes(p)
+        if p.grad is not None:
+            total += _local_bytes(p.grad)
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                total += _local_bytes(value)
+    return total
+
+
+def local_world_size(default: int = 1) -> int:
+    """Ranks on this node, as torchrun and Ray Train export it."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", default))

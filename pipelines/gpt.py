@@ -1,0 +1,176 @@
+"""A GPT-2-style decoder (nanoGPT's shape) on bytes: next-byte prediction over a text corpus.
+
+The corpus ships with Python itself (the help texts of `pydoc_data`, ~0.5 MB of English about
+Python), or any UTF-8 file given as `data.text_path`; nothing is downloaded. The tokenizer is
+the identity on UTF-8 bytes (256 ids); a larger `model.vocab_size` only pads the embedding, as
+GPT-2 small's 50304 does in the gpt2-124m config, to keep its shape and FLOPs.
+
+The last `HELD_OUT_FRACTION` of the text is held out; `loss` (nats per byte) and
+`bits_per_byte` are reported on it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from app.config import BaseConfig, Section
+
+HELD_OUT_FRACTION = 0.1
+BYTE_VOCAB = 256
+
+
+class ModelSection(Section):
+    vocab_size: int = Field(BYTE_VOCAB, ge=BYTE_VOCAB, le=1_000_000)
+    block_size: int = Field(64, ge=2, le=65_536, description="tokens per sample (context length)")
+    n_layer: int = Field(2, ge=1, le=1024)
+    n_head: int = Field(2, ge=1, le=1024)
+    n_embd: int = Field(64, ge=1, le=65_536)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    bias: bool = True
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelSection:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd = {self.n_embd} must be a multiple of model.n_head = {self.n_head}")
+        return self
+
+
+class DataSection(Section):
+    # A UTF-8 text file; null: Python's own help texts (pydoc_data), installed with Python.
+    text_path: str | None = None
+
+
+class Config(BaseConfig):
+    pipeline: Literal["gpt"] = "gpt"
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+
+
+def build_model(m: ModelSection):
+    import math
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class SelfAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c_attn = nn.Linear(m.n_embd, 3 * m.n_embd, bias=m.bias)
+            self.c_proj = nn.Linear(m.n_embd, m.n_embd, bias=m.bias)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, c = x.shape
+            q, k, v = (z.view(b, t, m.n_head, c // m.n_head).transpose(1, 2)
+                       for z in self.c_attn(x).split(m.n_embd, dim=2))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=m.dropout if self.training else 0.0)
+            return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln_1 = nn.LayerNorm(m.n_embd, bias=m.bias)
+            self.attn = SelfAttention()
+            self.ln_2 = nn.LayerNorm(m.n_embd, bias=m.bias)
+            self.mlp = nn.Sequential(nn.Linear(m.n_embd, 4 * m.n_embd, bias=m.bias), nn.GELU(),
+                                     nn.Linear(4 * m.n_embd, m.n_embd, bias=m.bias), nn.Dropout(m.dropout))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(m.vocab_size, m.n_embd)
+            self.wpe = nn.Embedding(m.block_size, m.n_embd)
+            self.drop = nn.Dropout(m.dropout)
+            self.blocks = nn.ModuleList(Block() for _ in range(m.n_layer))
+            self.ln_f = nn.LayerNorm(m.n_embd, bias=m.bias)
+            self.lm_head = nn.Linear(m.n_embd, m.vocab_size, bias=False)
+            self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
+            self.apply(self._init)
+            for name, p in self.named_parameters():
+                if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):  # residual outputs
+                    nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * m.n_layer))
+
+        @staticmethod
+        def _init(module: nn.Module) -> None:
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, 0.0, 0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+            for block in self.blocks:
+                x = block(x)
+            return self.lm_head(self.ln_f(x))
+
+    return GPT()
+
+
+def flops_per_token(model, m: ModelSection) -> float:
+    """PaLM's (and nanoGPT's) count, forward plus backward: 6N + 12·L·H·Q·T, with N all the
+    parameters but the position embeddings (the tied token embedding counts once, as the head)."""
+    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    return 6 * n + 12 * m.n_layer * m.n_head * (m.n_embd // m.n_head) * m.block_size
+
+
+def load_text(path: str | None) -> bytes:
+    if path:
+        from pathlib import Path
+
+        return Path(path).expanduser().read_bytes()
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+
+
+def build(cfg: Config):
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import Dataset
+
+    from app.pipeline import Pipeline
+
+    m = cfg.model
+    data = torch.frombuffer(bytearray(load_text(cfg.data.text_path)), dtype=torch.uint8)
+    split = int(len(data) * (1 - HELD_OUT_FRACTION))
+
+    class Windows(Dataset):
+        """Non-overlapping windows of block_size bytes; the target is the window shifted by one."""
+
+        def __init__(self, tokens: torch.Tensor) -> None:
+            self.tokens = tokens
+
+        def __len__(self) -> int:
+            return max(0, (len(self.tokens) - 1) // m.block_size)
+
+        def __getitem__(self, i: int):
+            chunk = self.tokens[i * m.block_size : (i + 1) * m.block_size + 1].long()
+            return chunk[:-1], chunk[1:]
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def eval_sums(logits, targets):
+        # Summed over the batch of per-sample mean losses; the trainer divides by the samples.
+        nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / m.block_size
+        return {"loss": nats, "bits_per_byte": nats / torch.log(torch.tensor(2.0))}
+
+    train_set, held_out = Windows(data[:split]), Windows(data[split:])
+    if not len(train_set) or not len(held_out):
+        from app.config import ConfigError
+
+        raise ConfigError(f"model.block_size = {m.block_size}: longer than the text ({len(data)} bytes)")
+    model = build_model(m)
+    return Pipeline(
+        model=model, train_set=train_set, eval_set=held_out, loss_fn=loss_fn, eval_sums=eval_sums,
+        example_input=held_out[0][0][None], tokens_per_sample=m.block_size,
+        flops_per_token=flops_per_token(model, m),
+    )
