@@ -32,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="register the final model in the MLflow model registry under NAME")
     train.add_argument("--local", action="store_true",
                        help="run in this process without Ray (implied under torchrun)")
+    sweep = sub.add_parser("tune", help="run a Ray Tune sweep of multi-worker trials (nested MLflow runs)")
+    add_config_args(sweep)
+    sweep.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a fresh local one)")
+    sweep.add_argument("--summary-json", metavar="PATH", help="write the sweep's summary here")
+    sweep.add_argument("--register", metavar="NAME", help="register the best trial's model under NAME")
     export = sub.add_parser("export", help="write a checkpoint's full model weights as safetensors")
     export.add_argument("checkpoint", help="a checkpoint directory (runs/<name>/checkpoint_<step>)")
     export.add_argument("--out", required=True, help="output .safetensors file (config JSON goes beside it)")
@@ -50,6 +55,25 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from app.sweep import load_sweep
+
+    try:
+        sweep, base = load_sweep(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"raylane: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("raylane").setLevel(logging.INFO)
+    from app.tune import run_sweep
+
+    try:
+        return run_sweep(sweep, base, address=args.address, summary_path=args.summary_json, register=args.register)
+    except ConfigError as exc:  # found once the cluster is known: resources
+        print(f"raylane: {exc}", file=sys.stderr)
+        return 2
+
+
 def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
@@ -58,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "export":
         return _export(args)
+    if args.command == "tune":
+        return _tune(args)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

@@ -117,6 +117,9 @@ class CheckpointSection(Section):
     async_save: bool = False
     # A save that fails (disk full, I/O error): fail the run, or warn and train on.
     on_error: Literal["fail", "warn"] = "fail"
+    # Start from this checkpoint (weights, optimizer, step) when the run has none of its own:
+    # fine-tuning, or PBT continuing another trial's state. A local or shared path.
+    init_from: str | None = None
 
 
 class FailureSection(Section):
@@ -279,8 +282,8 @@ def format_validation_error(exc: ValidationError) -> str:
             lines.append(f"{field} = {_short(err['input'])}: unknown key")
         elif err["type"] == "missing":
             lines.append(f"{field}: required")
-        elif err["type"] == "value_error" and not err["loc"]:  # a cross-field check names its fields
-            lines.append(str(err["ctx"]["error"]) if "ctx" in err else err["msg"])
+        elif err["type"] == "value_error" and " = " in str(err.get("ctx", {}).get("error", "")):
+            lines.append(str(err["ctx"]["error"]))  # our own checks name their field and value
         else:
             lines.append(f"{field} = {_short(err['input'])}: {err['msg']}")
     return "invalid config: " + "; ".join(lines)

@@ -172,8 +172,9 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     run_worker(cfg, runtime, metric_logger)
 
 
-def init_ray(address: str | None, cfg: BaseConfig) -> bool:
-    """Join `address` (or RAY_ADDRESS) if given, else start a fresh embedded cluster.
+def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0) -> bool:
+    """Join `address` (or RAY_ADDRESS) if given, else start a fresh embedded cluster (with at
+    least `num_cpus` logical CPUs).
 
     Returns True when this process started the cluster and so must shut it down."""
     for key, value in TRAIN_ENV_DEFAULTS.items():
@@ -184,7 +185,7 @@ def init_ray(address: str | None, cfg: BaseConfig) -> bool:
         return False
     for key, value in EMBEDDED_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    needed = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
+    needed = max(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker, num_cpus)
     ray.init(
         address="local",  # never attach to a stale cluster by accident
         num_cpus=max(int(needed + 0.999), os.cpu_count() or 1),

@@ -51,9 +51,11 @@ class Reporter:
             self._metrics.log({f"eval/{k}": v for k, v in metrics.items()}, step)
         self._publish({"event": "eval", "epoch": epoch, "step": step, "metrics": metrics})
 
-    def on_checkpoint(self, *, step: int, location: str, metrics: dict[str, float]) -> None:
+    def on_checkpoint(self, *, step: int, location: str, epoch: int, metrics: dict[str, float]) -> None:
+        """`metrics` are the eval metrics measured at this step (an epoch end), else empty."""
         if self.active:
             self._publish({"event": "checkpoint", "step": step, "location": location, "metrics": metrics,
+                           "epoch": epoch,
                            "time_unix": time.time()})
 
     def on_checkpoint_failed(self, *, step: int, error: str) -> None:

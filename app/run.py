@@ -99,13 +99,20 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
         eval_sums=pipe.eval_sums, runtime=runtime, cfg=cfg, faults=faults.load(runtime.rank),
         reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=runtime.publish, metric_logger=metric_logger),
     )
-    latest = runtime.latest_checkpoint()
+    latest = runtime.latest_checkpoint() or _init_from(cfg)
     if latest:
         trainer.load_state_dict(checkpoint.load(latest, model, optimizer, rank=runtime.rank))
         trainer.last_checkpoint = latest
         if runtime.rank == 0:
             log.info("resuming from step %d (%s)", trainer.step, latest)
     return trainer.train()
+
+
+def _init_from(cfg: BaseConfig) -> str | None:
+    path = cfg.checkpoint.init_from
+    if path and (problem := checkpoint.verify(path)):
+        raise ValueError(f"checkpoint.init_from = {path!r}: not a valid checkpoint ({problem})")
+    return path
 
 
 def _example_batch(dataset, batch_size: int):

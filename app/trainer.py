@@ -28,6 +28,9 @@ from app.runtime import Runtime
 
 
 VOTE_EVERY_N_STEPS = 10
+# Throughput in the result leaves out this launch's first steps (compilation, allocator and
+# cache warm-up) when the run is long enough to do without them.
+WARMUP_STEPS = 3
 
 
 def plan_steps(train_data: DataLoader, cfg: BaseConfig) -> tuple[int, int]:
@@ -96,6 +99,7 @@ class Trainer:
             {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
         self.state_bytes: int | None = None
+        self._warm: tuple[float, int] | None = None  # (time, step) once warm-up steps are done
         # Step-boundary decisions all ranks must share: [stop now, async save not yet written].
         self.vote = ControlVote(2, control_group)
         # A synchronous collective costs ~2 ms a step on 2 busy CPU cores: vote every few steps
@@ -197,6 +201,8 @@ class Trainer:
                 self.state_bytes = state_bytes(self.model, self.optimizer)
             self.step += 1
             self.batch_in_epoch += len(micro_batches)
+            if self._warm is None and self.step - (self.resumed_from_step or 0) == WARMUP_STEPS:
+                self._warm = (time.perf_counter(), self.step)
             self._window_steps += 1
             if loss is not None:  # accumulated on the device: no host sync per step
                 self._loss_sum += loss
@@ -295,7 +301,7 @@ class Trainer:
             self.reporter.on_checkpoint_failed(step=pending.step, error=f"{exc} (checkpoint.on_error: warn)")
             return
         self.last_checkpoint = location
-        self.reporter.on_checkpoint(step=pending.step, location=location,
+        self.reporter.on_checkpoint(step=pending.step, location=location, epoch=pending.train_state["epoch"],
                                     metrics=pending.train_state.get("eval_metrics") or {})
 
     def train(self) -> dict[str, Any]:
@@ -321,8 +327,10 @@ class Trainer:
             self._log_train_metrics()
         if not self.eval_metrics and not self.preempted:  # a max_steps stop mid-epoch, or resumed at the end
             self._record_eval(self._evaluate())
-        train_s = time.perf_counter() - started
-        samples_per_s = (self.step - first_step) * self.samples_per_step / max(train_s, 1e-9)
+        ended = time.perf_counter()
+        if self._warm is not None and self.step - self._warm[1] >= WARMUP_STEPS:
+            started, first_step = self._warm
+        samples_per_s = (self.step - first_step) * self.samples_per_step / max(ended - started, 1e-9)
         result = {
             "epochs": self.epoch,
             "steps": self.step,
@@ -331,7 +339,7 @@ class Trainer:
             **self.throughput.rates(samples_per_s, self.runtime.world_size),
             "memory": self._memory(),
             "strategy": self.strategy.name,
-            "train_s": train_s,
+            "train_s": ended - started,
             "resumed_from_step": self.resumed_from_step,
             "checkpoint": self.last_checkpoint,
             "world_size": self.runtime.world_size,

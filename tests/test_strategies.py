@@ -132,3 +132,50 @@ def test_auto_estimate_and_choice():
     assert activation_bytes(big_pipe.model, big_example, big_pipe.loss_fn) == pytest.approx(2 * est["activations"], rel=0.05)
     ac_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"activation_checkpointing": True})})
     assert estimate_memory(pipe.model, ac_cfg, 2, example, pipe.loss_fn)["activations"] < est["activations"]
+
+
+def test_two_nodes_shard_inside_a_node_and_replicate_across(run_cli, tmp_path):
+    """Two torchrun "nodes" of 2 ranks on loopback: FSDP becomes HSDP on a (2 nodes x 2 ranks)
+    mesh, each rank holds half the state (sharded with its node's peer), and training matches
+    DDP on the same 4 ranks."""
+    from tests.conftest import free_port
+
+    args = ["-m", "app", "train", "gpt-tiny", *GPT, "--set", "train.max_steps=10", "--set", "train.batch_size=8",
+            "--set", "mlflow.enabled=false"]
+    port = free_port()
+    nodes = [run_cli("--nnodes", "2", "--node_rank", str(n), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                     "--master_port", str(port), *args, "--set", "strategy.name=fsdp", "--set", "run.name=hsdp",
+                     "--summary-json", f"hsdp{n}.json", launcher=TORCHRUN[:-1], name=f"node{n}") for n in (0, 1)]
+    for p in nodes:
+        assert p.wait(300) == 0, p.output
+    ddp = run_cli("--nproc_per_node", "4", *args, "--set", "strategy.name=ddp", "--set", "run.name=ddp4",
+                  "--summary-json", "ddp4.json", launcher=TORCHRUN, name="ddp4")
+    assert ddp.wait(300) == 0, ddp.output
+    hsdp, replicated = read_json(tmp_path / "hsdp0.json"), read_json(tmp_path / "ddp4.json")
+    assert (hsdp["strategy"], hsdp["world_size"], replicated["strategy"]) == ("hsdp", 4, "ddp")
+    ratio = hsdp["memory"]["state_bytes_per_rank"] / replicated["memory"]["state_bytes_per_rank"]
+    assert 0.45 <= ratio <= 0.55, ratio  # halved by the 2-way shard, not quartered
+    assert hsdp["metrics"]["loss"] == pytest.approx(replicated["metrics"]["loss"], rel=1e-4)
+
+
+def test_gpt2_small_flops_per_token_and_mfu():
+    """The reference count for GPT-2 124M (T=1024) is ~855 MFLOP per token: 6N plus 13% of
+    attention; MFU divides achieved FLOP/s by the peak of every device."""
+    from app.devices import PEAK_TFLOPS, peak_flops
+    from app.trainer import Throughput
+    from pipelines.gpt import build_model, flops_per_token
+
+    cfg = load_config("gpt2-124m")
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    n = sum(p.numel() for p in model.parameters())
+    assert n == pytest.approx(124.4e6, rel=0.01)
+    assert flops_per_token(model, cfg.model) == pytest.approx(855e6, rel=0.01)
+
+    assert peak_flops(torch.device("cpu"), "bf16", None) is None  # no MFU on CPU by default
+    assert peak_flops(torch.device("cpu"), "bf16", 100.0) == 100e12
+    assert PEAK_TFLOPS["H100"]["bf16"] == 989.0
+    rates = Throughput(1024, 855e6, 989e12).rates(samples_per_s=500, world_size=2)
+    assert rates["tokens_per_s"] == 512_000
+    assert rates["mfu"] == pytest.approx(855e6 * 512_000 / (2 * 989e12))
+    assert Throughput().rates(500, 1) == {}

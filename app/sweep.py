@@ -1,0 +1,132 @@
+"""A sweep file, validated at the edge without Ray: a `sweep:` section (name, base config, search
+space over dotted config keys, algorithm, scheduler, budget) and, beside it, overrides of the
+base config. `--set sweep.num_samples=8` changes the sweep, any other `--set` the base config.
+
+Every key of the space is checked against the base config with a value from its domain, so a
+typo (`optim.lrr`) or an impossible range fails here with the key and the value named."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from app.config import (_NAME_PATTERN, BaseConfig, ConfigError, Section, apply_overrides, format_validation_error,
+                        read_yaml, validate)
+
+DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")
+
+
+class SweepSection(Section):
+    name: str = Field(pattern=_NAME_PATTERN)
+    base: str = Field(min_length=1, description="a pipeline config file, or a shipped config's name")
+    # dotted config key -> {choice: [..]} | {grid: [..]} | {uniform: [lo, hi]} | {loguniform: [lo, hi]}
+    # | {randint: [lo, hi]} (hi excluded)
+    space: dict[str, dict[str, Any]] = Field(min_length=1)
+    algorithm: Literal["random", "grid", "optuna"] = "random"
+    scheduler: Literal["fifo", "asha", "pbt"] = "fifo"
+    num_samples: int = Field(1, ge=1, le=100_000)
+    # null: as many trials at once as the cluster's CPUs (or GPUs) hold.
+    max_concurrent_trials: int | None = Field(None, ge=1, le=10_000)
+    metric: str = Field("loss", min_length=1, description="an eval metric of the pipeline")
+    mode: Literal["min", "max"] = "min"
+    seed: int = Field(0, ge=0, lt=2**32)
+    # ASHA: epochs before a trial may be stopped, and the fraction kept at each rung (1/factor).
+    grace_period: int = Field(1, ge=1)
+    reduction_factor: float = Field(2.0, gt=1)
+    # PBT: epochs between exploit/explore decisions.
+    perturbation_interval: int = Field(1, ge=1)
+
+    @field_validator("space")
+    @classmethod
+    def _domains(cls, space: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for key, domain in space.items():
+            where = f"sweep.space.{key}"
+            if not isinstance(domain, dict) or len(domain) != 1 or next(iter(domain)) not in DOMAINS:
+                raise ValueError(f"{where} = {domain!r}: expected one of {{{' | '.join(DOMAINS)}: ...}}")
+            kind, args = next(iter(domain.items()))
+            if kind in ("choice", "grid"):
+                if not isinstance(args, list) or not args:
+                    raise ValueError(f"{where}.{kind} = {args!r}: expected a non-empty list")
+                continue
+            if not (isinstance(args, list) and len(args) == 2 and all(isinstance(a, (int, float)) for a in args)):
+                raise ValueError(f"{where}.{kind} = {args!r}: expected [low, high]")
+            low, high = args
+            if not (math.isfinite(low) and math.isfinite(high) and low < high):
+                raise ValueError(f"{where}.{kind} = {args!r}: needs low < high")
+            if kind == "loguniform" and low <= 0:
+                raise ValueError(f"{where}.loguniform = {args!r}: needs low > 0")
+            if kind == "randint" and not all(isinstance(a, int) for a in args):
+                raise ValueError(f"{where}.randint = {args!r}: needs integers")
+        return space
+
+    @model_validator(mode="after")
+    def _grid_only(self) -> SweepSection:
+        if self.algorithm == "grid":
+            bad = [k for k, d in self.space.items() if next(iter(d)) not in ("choice", "grid")]
+            if bad:
+                raise ValueError(f"sweep.algorithm = 'grid' needs listed values: sweep.space.{bad[0]} is a range")
+        return self
+
+
+def representative(domain: dict[str, Any]) -> list[Any]:
+    """Values a domain can take, to check against the base config: every listed value, or the
+    ends of a range."""
+    kind, args = next(iter(domain.items()))
+    if kind in ("choice", "grid"):
+        return list(args)
+    if kind == "randint":
+        return [args[0], args[1] - 1]
+    return list(args)
+
+
+def load_sweep(path: str, overrides: Iterable[str] = ()) -> tuple[SweepSection, BaseConfig]:
+    """(the sweep, its validated base config with the file's and --set overrides applied)."""
+    raw = read_yaml(path)
+    sweep_sets = [o for o in overrides if o.strip().startswith("sweep.")]
+    base_sets = [o for o in overrides if not o.strip().startswith("sweep.")]
+    raw = apply_overrides(raw, sweep_sets)
+    if not isinstance(raw.get("sweep"), dict):
+        raise ConfigError(f"sweep file {path!r}: needs a `sweep:` section")
+    try:
+        sweep = SweepSection.model_validate(raw.pop("sweep"))
+    except ValidationError as exc:
+        text = format_validation_error(exc).removeprefix("invalid config: ")
+        raise ConfigError("invalid sweep: " + "; ".join(
+            part if part.startswith("sweep.") else f"sweep.{part}" for part in text.split("; "))) from None
+    base_raw = read_yaml(sweep.base)
+    _merge(base_raw, raw)  # the sweep file's own sections override the base config
+    base = validate(apply_overrides(base_raw, base_sets))
+    for key, domain in sweep.space.items():
+        for value in representative(domain):
+            try:
+                trial_config(base, {key: value})
+            except ConfigError as exc:
+                raise ConfigError(f"sweep.space.{key}: {exc}") from None
+    return sweep, base
+
+
+def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def trial_config(base: BaseConfig, params: dict[str, Any]) -> BaseConfig:
+    """The base config with one trial's values at their dotted keys, validated."""
+    known = base.flat()
+    for key in params:
+        if key not in known:
+            raise ConfigError(f"{key}: not a key of the {base.pipeline} config")
+    raw = base.model_dump(mode="json")
+    for key, value in params.items():
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return validate(raw)

@@ -1,0 +1,400 @@
+"""`raylane tune SWEEP.yaml`: Ray Tune sweeps whose trials are multi-worker Ray Train runs, each
+recorded as a nested MLflow run under one parent run per sweep.
+
+Ray 2.60's Train V2 no longer runs `Tuner(trainer)`: every trial is a small driver function
+(`_trial`) that builds its own `TorchTrainer` (through `app.launch.launch_on_ray`, as `raylane
+train` does) and forwards rank 0's epoch-end results to Tune with a checkpoint that points at
+raylane's own checkpoint, which is what ASHA stops on and what PBT copies between trials. The
+MLflow child runs are opened by the trials and closed by this driver (`_TrialRuns`) when Tune
+ends a trial, so a trial stopped early is never left RUNNING."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import random
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import tune
+
+from app.config import BaseConfig, ConfigError, validate
+from app.sweep import SweepSection, trial_config
+from app.tracking import RUN_NAME_TAG, RunHandle, close_run, mlflow_client, resolve_tracking_uri, run_tags
+
+log = logging.getLogger("raylane")
+
+SWEEP_TAG = "raylane.sweep"
+TRIAL_TAG = "raylane.trial_id"
+PARENT_TAG = "mlflow.parentRunId"
+POINTER_FILE = "raylane_checkpoint.json"
+
+
+# -- search space, algorithm, scheduler ---------------------------------------------------------
+
+def param_space(sweep: SweepSection) -> dict[str, Any]:
+    out = {}
+    for key, domain in sweep.space.items():
+        kind, args = next(iter(domain.items()))
+        if kind == "grid" or (kind == "choice" and sweep.algorithm == "grid"):
+            out[key] = tune.grid_search(list(args))
+        elif kind == "choice":
+            out[key] = tune.choice(list(args))
+        elif kind == "uniform":
+            out[key] = tune.uniform(*args)
+        elif kind == "loguniform":
+            out[key] = tune.loguniform(*args)
+        else:
+            out[key] = tune.randint(*args)
+    return out
+
+
+def _search_alg(sweep: SweepSection):
+    if sweep.algorithm == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        return OptunaSearch(metric=sweep.metric, mode=sweep.mode, seed=sweep.seed)
+    from ray.tune.search import BasicVariantGenerator
+
+    return BasicVariantGenerator(random_state=sweep.seed)  # the same seed, the same trials
+
+
+def _scheduler(sweep: SweepSection, base: BaseConfig):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    if sweep.scheduler == "asha":
+        return ASHAScheduler(time_attr="epoch", metric=sweep.metric, mode=sweep.mode,
+                             max_t=base.train.max_epochs, grace_period=sweep.grace_period,
+                             reduction_factor=sweep.reduction_factor)
+    if sweep.scheduler == "pbt":
+        return PopulationBasedTraining(time_attr="epoch", metric=sweep.metric, mode=sweep.mode,
+                                       perturbation_interval=sweep.perturbation_interval,
+                                       hyperparam_mutations=param_space(sweep))
+    return FIFOScheduler()
+
+
+# -- resources -------------------------------------------------------------------------------
+
+def trial_resources(base: BaseConfig) -> dict[str, float]:
+    s = base.scaling
+    need = {"CPU": s.num_workers * s.cpus_per_worker}
+    if s.use_gpu:
+        need["GPU"] = float(s.num_workers)
+    return need
+
+
+def check_resources(base: BaseConfig, sweep: SweepSection, total: dict[str, float], embedded: bool) -> int:
+    """Concurrency the cluster holds; a clear error instead of trials pending forever."""
+    need = trial_resources(base)
+    fits = min(math.floor(total.get(k, 0) / v + 1e-9) for k, v in need.items())
+    if fits < 1:
+        have = ", ".join(f"{k} {total.get(k, 0):g}" for k in need)
+        text = (f"scaling.num_workers = {base.scaling.num_workers}: one trial needs "
+                f"{', '.join(f'{k} {v:g}' for k, v in need.items())}, the cluster has {have}")
+        if embedded:
+            raise ConfigError(text + " (lower scaling.num_workers or scaling.cpus_per_worker)")
+        print(f"[raylane] note: {text}; trials wait for the autoscaler to add nodes", flush=True)
+        fits = 1
+    return min(fits, sweep.max_concurrent_trials or fits)
+
+
+# -- MLflow ------------------------------------------------------------------------------------
+
+def open_parent(sweep: SweepSection, base: BaseConfig, tracking_uri: str) -> RunHandle:
+    """The sweep's parent run: created, or continued when the same sweep name runs again."""
+    client = mlflow_client(tracking_uri)
+    exp = client.get_experiment_by_name(base.mlflow.experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(base.mlflow.experiment)
+    found = [r for r in client.search_runs([exp_id], filter_string=f"tags.`{SWEEP_TAG}` = '{sweep.name}'")
+             if TRIAL_TAG not in r.data.tags]  # the parent: the one run of the sweep that is no trial
+    if found:
+        run_id = found[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+    else:
+        tags = {**run_tags(base, base.scaling.num_workers), SWEEP_TAG: sweep.name, RUN_NAME_TAG: sweep.name,
+                "raylane.sweep.algorithm": sweep.algorithm, "raylane.sweep.scheduler": sweep.scheduler}
+        run_id = client.create_run(exp_id, run_name=sweep.name, tags=tags).info.run_id
+        from mlflow.entities import Param
+
+        params = [Param(f"sweep.{k}", json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+                  for k, v in sweep.model_dump(mode="json").items()]
+        client.log_batch(run_id, params=params)
+    return RunHandle(run_id, exp_id, tracking_uri, resumed=bool(found))
+
+
+def _child(client, parent: RunHandle, trial_id: str, sweep: SweepSection, cfg: BaseConfig,
+           params: dict[str, Any]) -> str:
+    found = client.search_runs([parent.experiment_id], max_results=1,
+                               filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep.name}'")
+    if found:
+        run_id = found[0].info.run_id
+        client.update_run(run_id, status="RUNNING")
+        return run_id
+    tags = {**run_tags(cfg, cfg.scaling.num_workers), PARENT_TAG: parent.run_id, SWEEP_TAG: sweep.name,
+            TRIAL_TAG: trial_id}
+    run_id = client.create_run(parent.experiment_id, run_name=trial_id, tags=tags).info.run_id
+    from mlflow.entities import Param
+
+    flat = cfg.flat()
+    batch = [Param(k, str(v)[:6000]) for k, v in flat.items()]
+    for i in range(0, len(batch), 100):
+        client.log_batch(run_id, params=batch[i : i + 100])
+    return run_id
+
+
+def _find_child(client, experiment_id: str, sweep: str, trial_id: str):
+    runs = client.search_runs([experiment_id], max_results=1,
+                              filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep}'")
+    return runs[0] if runs else None
+
+
+class _TrialRuns(tune.Callback):
+    """On the driver: close each trial's MLflow run when Tune ends the trial (early-stopped
+    trials are killed with their actor, so they cannot close it themselves)."""
+
+    def __init__(self, parent: RunHandle, sweep: SweepSection, max_epochs: int) -> None:
+        self.parent, self.sweep, self.max_epochs = parent, sweep, max_epochs
+
+    def _close(self, trial, failed: bool) -> None:
+        try:
+            client = mlflow_client(self.parent.tracking_uri)
+            run = _find_child(client, self.parent.experiment_id, self.sweep.name, trial.trial_id)
+            if run is None:
+                return
+            epochs = (trial.last_result or {}).get("epoch", 0)
+            if not failed and epochs < self.max_epochs:
+                client.set_tag(run.info.run_id, "raylane.early_stopped", "true")
+                client.set_tag(run.info.run_id, "raylane.stopped_at_epoch", str(epochs))
+            if run.info.status == "RUNNING":
+                close_run(RunHandle(run.info.run_id, self.parent.experiment_id, self.parent.tracking_uri, False),
+                          "FAILED" if failed else ("KILLED" if epochs < self.max_epochs else "FINISHED"))
+        except Exception as exc:  # noqa: BLE001 - records must not stop the sweep
+            log.warning("MLflow: could not close trial %s: %s", trial.trial_id, exc)
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self._close(trial, failed=False)
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._close(trial, failed=True)
+
+
+# -- the trial ---------------------------------------------------------------------------------
+
+def _restored_pointer() -> dict[str, Any] | None:
+    ckpt = tune.get_checkpoint()
+    if ckpt is None:
+        return None
+    with ckpt.as_directory() as d:
+        return json.loads((Path(d) / POINTER_FILE).read_text())
+
+
+def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
+    """One trial: a Ray Train run of the base config with `params`, reporting every epoch."""
+    from app.launch import launch_on_ray
+
+    sweep, base = SweepSection(**context["sweep"]), validate(context["base"])
+    parent = RunHandle(**context["parent"])
+    trial_id = tune.get_context().get_trial_id()
+    own = f"{sweep.name}-{trial_id}"
+    cfg = trial_config(base, params)
+    pointer, name, donor = _restored_pointer(), own, None
+    if pointer and pointer["run_name"].startswith(own):
+        name = pointer["run_name"]  # this trial's own run, restarted: resume it
+    elif pointer:  # PBT exploit: continue a better trial's state with this trial's new values
+        name, donor = f"{own}-{uuid.uuid4().hex[:6]}", pointer
+    updates = {"run": cfg.run.model_copy(update={"name": name})}
+    if donor:
+        updates["checkpoint"] = cfg.checkpoint.model_copy(update={"init_from": donor["location"]})
+    cfg = cfg.model_copy(update={**updates, "mlflow": cfg.mlflow.model_copy(update={"log_model": False})})
+    client = mlflow_client(parent.tracking_uri)
+    run_id = _child(client, parent, trial_id, sweep, cfg, params)
+    if donor:
+        exploits = int(client.get_run(run_id).data.tags.get("raylane.pbt.exploits", "0")) + 1
+        client.set_tag(run_id, "raylane.pbt.exploits", str(exploits))
+        client.set_tag(run_id, "raylane.pbt.last_donor", f"{donor['trial_id']} at step {donor['step']}")
+    for key, value in params.items():  # values may change under PBT: a metric, not a param
+        if isinstance(value, (int, float)):
+            client.log_metric(run_id, f"hparam/{key}", float(value), step=donor["step"] if donor else 0)
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event.get("event") != "checkpoint" or not event.get("metrics"):
+            return  # Tune sees epoch ends only: every trial reports at the same points
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / POINTER_FILE).write_text(json.dumps(
+                {"location": event["location"], "run_name": name, "trial_id": trial_id, "step": event["step"]}))
+            tune.report({**event["metrics"], "epoch": event["epoch"], "step": event["step"],
+                         "checkpoint_location": event["location"], "run_id": run_id,
+                         "exploited": bool(donor)}, checkpoint=tune.Checkpoint.from_directory(d))
+
+    handle = RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False)
+    try:
+        result = launch_on_ray(cfg, run_id, parent.tracking_uri, on_event, embedded=False)
+    except BaseException:
+        close_run(handle, "FAILED")
+        raise
+    close_run(handle, "KILLED" if result.get("preempted") else "FINISHED")
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, summary_path: str | None,
+              register: str | None) -> int:
+    """Run (or continue) the sweep; returns the exit code (0 when every trial ended cleanly)."""
+    from app.launch import init_ray
+
+    tracking_uri = resolve_tracking_uri()
+    base = base.model_copy(update={"run": base.run.model_copy(update={
+        "storage_path": base.run.storage_path if "://" in base.run.storage_path
+        else str(Path(base.run.storage_path).expanduser().resolve())})})
+    parent = open_parent(sweep, base, tracking_uri)
+    per_trial = trial_resources(base)["CPU"]
+    embedded = init_ray(address, base, num_cpus=per_trial * (sweep.max_concurrent_trials or 2))
+    try:
+        concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
+        print(f"[raylane] sweep {sweep.name}: {sweep.num_samples} samples, {concurrency} trial(s) at a time, "
+              f"{base.scaling.num_workers} worker(s) per trial; MLflow parent run {parent.run_id}", flush=True)
+        random.seed(sweep.seed)  # PBT's explore draws from Python's generator
+        grid = _fit(sweep, base, parent, concurrency)
+        rows = _rows(grid, sweep, parent)
+        best = _best(grid, sweep, rows)
+        summary = {"parent_run_id": parent.run_id, "tracking_uri": tracking_uri, "sweep": sweep.name,
+                   "best": best, "trials": rows}
+        summary.update(_record_parent(parent, sweep, rows, best, register))
+        close_run(parent, "FINISHED" if not grid.errors else "FAILED")
+    except BaseException:
+        close_run(parent, "FAILED")
+        raise
+    finally:
+        if embedded:
+            ray.shutdown()
+    if summary_path:
+        Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    print(_table(rows, sweep), flush=True)
+    if best:
+        print(f"best trial {best['trial_id']}: {sweep.metric} {best['metric']:.4f} (MLflow run {best['run_id']})",
+              flush=True)
+    return 1 if grid.errors else 0
+
+
+def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: int):
+    context = {"sweep": sweep.model_dump(mode="json"), "base": base.model_dump(mode="json"),
+               "parent": {"run_id": parent.run_id, "experiment_id": parent.experiment_id,
+                          "tracking_uri": parent.tracking_uri, "resumed": False}}
+    # The trial function only waits on its Train run: it holds no CPU of the workers'.
+    trainable = tune.with_resources(tune.with_parameters(_trial, context=context), {"CPU": 0})
+    path = f"{base.run.storage_path.rstrip('/')}/{sweep.name}"
+    run_config = tune.RunConfig(name=sweep.name, storage_path=base.run.storage_path, verbose=0,
+                                callbacks=[_TrialRuns(parent, sweep, base.train.max_epochs)],
+                                failure_config=tune.FailureConfig(max_failures=base.failure.max_failures))
+    if tune.Tuner.can_restore(path):
+        print(f"[raylane] continuing sweep {sweep.name} from {path}", flush=True)
+        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True,
+                                   param_space=param_space(sweep))
+    else:
+        tuner = tune.Tuner(trainable, param_space=param_space(sweep), run_config=run_config,
+                           tune_config=tune.TuneConfig(num_samples=sweep.num_samples, max_concurrent_trials=concurrency,
+                                                       search_alg=_search_alg(sweep),
+                                                       scheduler=_scheduler(sweep, base), reuse_actors=False))
+    return tuner.fit()
+
+
+def _rows(grid, sweep: SweepSection, parent: RunHandle) -> list[dict[str, Any]]:
+    client = mlflow_client(parent.tracking_uri)
+    rows = []
+    for result in grid:
+        m = result.metrics or {}
+        trial_id = m.get("trial_id") or Path(result.path).name
+        run = _find_child(client, parent.experiment_id, sweep.name, trial_id)
+        tags = run.data.tags if run else {}
+        rows.append({
+            "trial_id": trial_id,
+            "config": {k: result.config.get(k) for k in sweep.space},
+            "metrics": {k: v for k, v in m.items() if k == sweep.metric or k in ("epoch", "step")},
+            "status": run.info.status if run else ("ERROR" if result.error else "UNKNOWN"),
+            "early_stopped": tags.get("raylane.early_stopped") == "true",
+            "exploits": int(tags.get("raylane.pbt.exploits", "0")),
+            "run_id": run.info.run_id if run else m.get("run_id"),
+            "checkpoint": m.get("checkpoint_location"),
+            "error": str(result.error) if result.error else None,
+        })
+    return sorted(rows, key=lambda r: r["trial_id"])
+
+
+def _best(grid, sweep: SweepSection, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    scored = [r for r in rows if isinstance(r["metrics"].get(sweep.metric), (int, float))]
+    if not scored:
+        return None
+    pick = (min if sweep.mode == "min" else max)(scored, key=lambda r: r["metrics"][sweep.metric])
+    return {"trial_id": pick["trial_id"], "config": pick["config"], "metric": pick["metrics"][sweep.metric],
+            "run_id": pick["run_id"], "checkpoint": pick["checkpoint"]}
+
+
+def _table(rows: list[dict[str, Any]], sweep: SweepSection) -> str:
+    keys = list(sweep.space)
+    header = ["trial", *keys, sweep.metric, "epochs", "status"]
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for r in rows:
+        value = r["metrics"].get(sweep.metric)
+        status = r["status"] + (" (early stop)" if r["early_stopped"] else "") + \
+            (f" ({r['exploits']} exploits)" if r["exploits"] else "")
+        lines.append(" | ".join([r["trial_id"], *(f"{r['config'][k]:.4g}" if isinstance(r["config"][k], float)
+                                                   else str(r["config"][k]) for k in keys),
+                                 f"{value:.4f}" if isinstance(value, float) else "-",
+                                 str(r["metrics"].get("epoch", "-")), status]))
+    return "\n".join(lines)
+
+
+def _record_parent(parent: RunHandle, sweep: SweepSection, rows: list[dict[str, Any]],
+                   best: dict[str, Any] | None, register: str | None) -> dict[str, Any]:
+    from app.records import _attempt, log_model
+
+    client = mlflow_client(parent.tracking_uri)
+    out: dict[str, Any] = {}
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(["trial_id", *sweep.space, sweep.metric, "epoch", "status", "early_stopped", "exploits", "run_id"])
+    for r in rows:
+        writer.writerow([r["trial_id"], *(r["config"][k] for k in sweep.space), r["metrics"].get(sweep.metric),
+                         r["metrics"].get("epoch"), r["status"], r["early_stopped"], r["exploits"], r["run_id"]])
+    _attempt("results table", lambda: client.log_text(parent.run_id, buffer.getvalue(), "results.csv"))
+    _attempt("sweep plot", lambda: _plot(client, parent, sweep, rows))
+    if best:
+        client.set_tags(parent.run_id, {"best_trial": best["trial_id"], "best_run_id": best["run_id"] or "",
+                                        f"best_{sweep.metric}": str(best["metric"])})
+        client.log_metric(parent.run_id, f"best/{sweep.metric}", float(best["metric"]))
+        if best.get("checkpoint"):
+            out.update(_attempt("best model", lambda: log_model(parent, best["checkpoint"], register)) or {})
+    return out
+
+
+def _plot(client, parent: RunHandle, sweep: SweepSection, rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(sweep.space)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.5), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        points = [(r["config"][key], r["metrics"].get(sweep.metric)) for r in rows
+                  if isinstance(r["metrics"].get(sweep.metric), (int, float))]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            if all(isinstance(x, (int, float)) for x in xs):
+                ax.scatter(xs, ys)
+                if next(iter(sweep.space[key])) == "loguniform":
+                    ax.set_xscale("log")
+            else:
+                ax.scatter([str(x) for x in xs], ys)
+        ax.set_xlabel(key)
+        ax.set_ylabel(sweep.metric)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    client.log_figure(parent.run_id, fig, "plots/sweep.png")
+    plt.close(fig)

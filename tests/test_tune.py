@@ -1,0 +1,92 @@
+"""`raylane tune` on a real embedded Ray: ASHA and PBT sweeps of 2-worker digits trials, recorded
+as nested MLflow runs (sqlite), reproducible from the seed."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from tests.conftest import read_json
+
+SMALL = ["--set", "train.max_epochs=3", "--set", "mlflow.log_every_n_steps=5"]
+
+
+def _trial_order(row: dict) -> int:
+    return int(row["trial_id"].rsplit("_", 1)[-1])  # Tune numbers trials in creation order
+
+
+def _runs(db, parent_id: str) -> list[tuple[str, str]]:
+    with sqlite3.connect(db) as con:
+        return con.execute(
+            "SELECT r.run_uuid, r.status FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
+            "WHERE t.key = 'mlflow.parentRunId' AND t.value = ?", (parent_id,)).fetchall()
+
+
+def _tags(db, run_id: str) -> dict[str, str]:
+    with sqlite3.connect(db) as con:
+        return dict(con.execute("SELECT key, value FROM tags WHERE run_uuid = ?", (run_id,)).fetchall())
+
+
+def _artifacts(tmp_path) -> set[str]:
+    return {p.name for p in tmp_path.rglob("*") if p.is_file()}
+
+
+def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(run_cli, tmp_path):
+    sweep = run_cli("tune", "digits-sweep", *SMALL, "--register", "digits-best", "--summary-json", "a.json", name="asha")
+    assert sweep.wait(600) == 0, sweep.output
+    s = read_json(tmp_path / "a.json")
+    assert len(s["trials"]) == 4
+    db = tmp_path / "mlflow.db"
+    children = _runs(db, s["parent_run_id"])
+    assert len(children) == 4
+    assert {status for _, status in children} <= {"FINISHED", "KILLED"}
+    assert {r["run_id"] for r in s["trials"]} == {run_id for run_id, _ in children}
+    for row in s["trials"]:
+        assert row["status"] in ("FINISHED", "KILLED")
+        assert (row["status"] == "KILLED") == row["early_stopped"]
+        if row["early_stopped"]:
+            assert _tags(db, row["run_id"])["raylane.early_stopped"] == "true"
+    parent = _tags(db, s["parent_run_id"])
+    best = s["best"]
+    assert parent["best_trial"] == best["trial_id"] and parent["best_run_id"] == best["run_id"]
+    assert best["metric"] == max(r["metrics"]["accuracy"] for r in s["trials"])
+    assert best["metric"] > 0.8
+    assert s["registered_model"]["name"] == "digits-best"
+    assert {"results.csv", "sweep.png"} <= _artifacts(tmp_path)
+    assert "accuracy" in sweep.output and "best trial" in sweep.output
+
+    # The same seed draws the same trial configurations (whatever the trials then do).
+    again = run_cli("tune", "digits-sweep", *SMALL, "--set", "sweep.name=digits-asha-again",
+                    "--set", "train.max_steps=2", "--summary-json", "b.json", name="again")
+    assert again.wait(600) == 0, again.output
+    first = [r["config"] for r in sorted(s["trials"], key=_trial_order)]
+    second = [r["config"] for r in sorted(read_json(tmp_path / "b.json")["trials"], key=_trial_order)]
+    assert first == second
+    assert len({(c["optim.lr"], c["model.hidden_size"]) for c in first}) == 4  # and they do differ
+
+
+def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
+    """Two trials, one with a learning rate far too small: at an epoch boundary PBT makes the
+    worse one continue from the better one's checkpoint with perturbed values."""
+    sweep = run_cli("tune", "digits-sweep", "--set", "sweep.scheduler=pbt", "--set", "sweep.name=digits-pbt",
+                    "--set", "sweep.num_samples=2", "--set", "sweep.algorithm=grid",
+                    "--set", "sweep.space={optim.lr: {grid: [0.00001, 0.01]}}",
+                    "--set", "train.max_epochs=4", "--summary-json", "p.json", name="pbt")
+    assert sweep.wait(600) == 0, sweep.output
+    s = read_json(tmp_path / "p.json")
+    assert sum(r["exploits"] for r in s["trials"]) >= 1, s["trials"]
+    exploited = next(r for r in s["trials"] if r["exploits"])
+    assert "raylane.pbt.last_donor" in _tags(tmp_path / "mlflow.db", exploited["run_id"])
+    assert all(r["status"] == "FINISHED" for r in s["trials"])
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("sweep.num_samples=0", "sweep.num_samples = 0"),
+    ("sweep.algorithm=bayes", "sweep.algorithm = 'bayes'"),
+    ("optim.lr=-1", "optim.lr = -1"),
+])
+def test_bad_sweep_input_exits_2_naming_the_field(run_cli, tmp_path, bad, message):
+    p = run_cli("tune", "digits-sweep", "--set", bad, name="bad")
+    assert p.wait(60) == 2
+    assert message in p.output and "Traceback" not in p.output
