@@ -37,6 +37,7 @@ TRAIN_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 EMBEDDED_ENV_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}
 EVENT_POLL_S = 0.25
 DRIVER_STOP_POLL_S = 0.5
+LISTENER_STOP_GRACE_S = 60.0
 EMBEDDED_OBJECT_STORE_BYTES = 512 * 1024**2
 
 
@@ -172,9 +173,10 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     run_worker(cfg, runtime, metric_logger)
 
 
-def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0) -> bool:
+def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboard: bool = False) -> bool:
     """Join `address` (or RAY_ADDRESS) if given, else start a fresh embedded cluster (with at
-    least `num_cpus` logical CPUs).
+    least `num_cpus` logical CPUs; with `dashboard`, the dashboard on a free loopback port, for
+    the State API that Ray Train's placement-group cleaner needs when Tune kills a trial).
 
     Returns True when this process started the cluster and so must shut it down."""
     for key, value in TRAIN_ENV_DEFAULTS.items():
@@ -190,11 +192,20 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0) -> bool:
         address="local",  # never attach to a stale cluster by accident
         num_cpus=max(int(needed + 0.999), os.cpu_count() or 1),
         num_gpus=torch.cuda.device_count() if cfg.scaling.use_gpu else 0,
-        include_dashboard=False,
+        include_dashboard=dashboard,
+        **({"dashboard_host": "127.0.0.1", "dashboard_port": _free_port()} if dashboard else {}),
         object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
         logging_level=logging.WARNING,
     )
     return True
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # gloo prefixes its errors with a C++ source location; it says nothing to a user.
@@ -236,10 +247,18 @@ def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str
         if preemption.requested() and not relayed:
             sink.request_stop.remote()  # the workers checkpoint at the next step and return
             relayed = True
-        for event in ray.get(sink.drain.remote()):
-            if event.get("event") == "end":
-                result_fields.update(event["result"])
-            on_event(event)
+        try:
+            for event in ray.get(sink.drain.remote()):
+                if event.get("event") == "end":
+                    result_fields.update(event["result"])
+                on_event(event)
+        except BaseException:
+            # A listener gave up on the run (a Tune scheduler stopping this trial): stop the
+            # workers at their next step boundary, so that the run ends and releases its workers
+            # and placement group instead of holding them until something kills them.
+            sink.request_stop.remote()
+            thread.join(LISTENER_STOP_GRACE_S)
+            raise
         if not thread.is_alive():
             break
     if "error" in outcome:

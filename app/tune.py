@@ -17,6 +17,7 @@ import logging
 import math
 import random
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ SWEEP_TAG = "raylane.sweep"
 TRIAL_TAG = "raylane.trial_id"
 PARENT_TAG = "mlflow.parentRunId"
 POINTER_FILE = "raylane_checkpoint.json"
+# The trial function only waits on its Train run; Tune needs it to ask for some resource.
+TRIAL_DRIVER_CPU = 0.01
 
 
 # -- search space, algorithm, scheduler ---------------------------------------------------------
@@ -55,14 +58,23 @@ def param_space(sweep: SweepSection) -> dict[str, Any]:
     return out
 
 
-def _search_alg(sweep: SweepSection):
+def _mutations(sweep: SweepSection) -> dict[str, Any]:
+    """PBT's explore: resample from the range, or pick from the listed values."""
+    space = param_space(sweep)
+    return {k: list(next(iter(d.values()))) if next(iter(d)) in ("choice", "grid") else space[k]
+            for k, d in sweep.space.items()}
+
+
+def _search_alg(sweep: SweepSection, concurrency: int):
     if sweep.algorithm == "optuna":
+        from ray.tune.search import ConcurrencyLimiter
         from ray.tune.search.optuna import OptunaSearch
 
-        return OptunaSearch(metric=sweep.metric, mode=sweep.mode, seed=sweep.seed)
+        return ConcurrencyLimiter(OptunaSearch(metric=sweep.metric, mode=sweep.mode, seed=sweep.seed), concurrency)
     from ray.tune.search import BasicVariantGenerator
 
-    return BasicVariantGenerator(random_state=sweep.seed)  # the same seed, the same trials
+    # The same seed, the same trials. (TuneConfig.max_concurrent_trials is ignored for it.)
+    return BasicVariantGenerator(random_state=sweep.seed, max_concurrent=concurrency)
 
 
 def _scheduler(sweep: SweepSection, base: BaseConfig):
@@ -75,7 +87,7 @@ def _scheduler(sweep: SweepSection, base: BaseConfig):
     if sweep.scheduler == "pbt":
         return PopulationBasedTraining(time_attr="epoch", metric=sweep.metric, mode=sweep.mode,
                                        perturbation_interval=sweep.perturbation_interval,
-                                       hyperparam_mutations=param_space(sweep))
+                                       hyperparam_mutations=_mutations(sweep))
     return FIFOScheduler()
 
 
@@ -83,7 +95,7 @@ def _scheduler(sweep: SweepSection, base: BaseConfig):
 
 def trial_resources(base: BaseConfig) -> dict[str, float]:
     s = base.scaling
-    need = {"CPU": s.num_workers * s.cpus_per_worker}
+    need = {"CPU": s.num_workers * s.cpus_per_worker + TRIAL_DRIVER_CPU}
     if s.use_gpu:
         need["GPU"] = float(s.num_workers)
     return need
@@ -222,22 +234,37 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
         if isinstance(value, (int, float)):
             client.log_metric(run_id, f"hparam/{key}", float(value), step=donor["step"] if donor else 0)
 
-    def on_event(event: dict[str, Any]) -> None:
-        if event.get("event") != "checkpoint" or not event.get("metrics"):
-            return  # Tune sees epoch ends only: every trial reports at the same points
+    reported = {"epoch": 0, "step": None}
+
+    def report(metrics: dict[str, float], epoch: int, step: int, location: str | None) -> None:
+        reported.update(epoch=epoch, step=step)
         with tempfile.TemporaryDirectory() as d:
             (Path(d) / POINTER_FILE).write_text(json.dumps(
-                {"location": event["location"], "run_name": name, "trial_id": trial_id, "step": event["step"]}))
-            tune.report({**event["metrics"], "epoch": event["epoch"], "step": event["step"],
-                         "checkpoint_location": event["location"], "run_id": run_id,
-                         "exploited": bool(donor)}, checkpoint=tune.Checkpoint.from_directory(d))
+                {"location": location, "run_name": name, "trial_id": trial_id, "step": step}))
+            tune.report({**metrics, "epoch": epoch, "step": step, "checkpoint_location": location,
+                         "run_id": run_id, "exploited": bool(donor)},
+                        checkpoint=tune.Checkpoint.from_directory(d) if location else None)
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event.get("event") == "checkpoint" and event.get("metrics"):
+            # Tune sees epoch ends only: every trial reports at the same points.
+            report(event["metrics"], event["epoch"], event["step"], event["location"])
 
     handle = RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False)
     try:
         result = launch_on_ray(cfg, run_id, parent.tracking_uri, on_event, embedded=False)
+    except SystemExit as stop:  # tune.report's way of saying the scheduler stopped this trial
+        finished = reported["epoch"] >= cfg.train.max_epochs
+        if not finished:
+            client.set_tag(run_id, "raylane.early_stopped", "true")
+            client.set_tag(run_id, "raylane.stopped_at_epoch", str(reported["epoch"]))
+        close_run(handle, "FINISHED" if finished else "KILLED")
+        raise stop
     except BaseException:
         close_run(handle, "FAILED")
         raise
+    if result.get("metrics") and reported["step"] != result.get("steps"):  # a max_steps stop mid-epoch
+        report(result["metrics"], result.get("epochs", 0), result["steps"], result.get("checkpoint"))
     close_run(handle, "KILLED" if result.get("preempted") else "FINISHED")
 
 
@@ -254,17 +281,23 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
         else str(Path(base.run.storage_path).expanduser().resolve())})})
     parent = open_parent(sweep, base, tracking_uri)
     per_trial = trial_resources(base)["CPU"]
-    embedded = init_ray(address, base, num_cpus=per_trial * (sweep.max_concurrent_trials or 2))
+    embedded = init_ray(address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)),
+                        dashboard=True)
     try:
         concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
         print(f"[raylane] sweep {sweep.name}: {sweep.num_samples} samples, {concurrency} trial(s) at a time, "
               f"{base.scaling.num_workers} worker(s) per trial; MLflow parent run {parent.run_id}", flush=True)
         random.seed(sweep.seed)  # PBT's explore draws from Python's generator
+        started = time.monotonic()
         grid = _fit(sweep, base, parent, concurrency)
+        wall_s = time.monotonic() - started
         rows = _rows(grid, sweep, parent)
         best = _best(grid, sweep, rows)
+        trial_s = sum(r["time_s"] or 0 for r in rows)
+        # The ideal: every trial's own time, perfectly packed `concurrency` at a time.
         summary = {"parent_run_id": parent.run_id, "tracking_uri": tracking_uri, "sweep": sweep.name,
-                   "best": best, "trials": rows}
+                   "best": best, "trials": rows, "concurrency": concurrency,
+                   "timing": {"wall_s": wall_s, "trial_s_sum": trial_s, "ideal_s": trial_s / concurrency}}
         summary.update(_record_parent(parent, sweep, rows, best, register))
         close_run(parent, "FINISHED" if not grid.errors else "FAILED")
     except BaseException:
@@ -286,8 +319,7 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
     context = {"sweep": sweep.model_dump(mode="json"), "base": base.model_dump(mode="json"),
                "parent": {"run_id": parent.run_id, "experiment_id": parent.experiment_id,
                           "tracking_uri": parent.tracking_uri, "resumed": False}}
-    # The trial function only waits on its Train run: it holds no CPU of the workers'.
-    trainable = tune.with_resources(tune.with_parameters(_trial, context=context), {"CPU": 0})
+    trainable = tune.with_resources(tune.with_parameters(_trial, context=context), {"CPU": TRIAL_DRIVER_CPU})
     path = f"{base.run.storage_path.rstrip('/')}/{sweep.name}"
     run_config = tune.RunConfig(name=sweep.name, storage_path=base.run.storage_path, verbose=0,
                                 callbacks=[_TrialRuns(parent, sweep, base.train.max_epochs)],
@@ -298,8 +330,8 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
                                    param_space=param_space(sweep))
     else:
         tuner = tune.Tuner(trainable, param_space=param_space(sweep), run_config=run_config,
-                           tune_config=tune.TuneConfig(num_samples=sweep.num_samples, max_concurrent_trials=concurrency,
-                                                       search_alg=_search_alg(sweep),
+                           tune_config=tune.TuneConfig(num_samples=sweep.num_samples,
+                                                       search_alg=_search_alg(sweep, concurrency),
                                                        scheduler=_scheduler(sweep, base), reuse_actors=False))
     return tuner.fit()
 
@@ -321,6 +353,7 @@ def _rows(grid, sweep: SweepSection, parent: RunHandle) -> list[dict[str, Any]]:
             "exploits": int(tags.get("raylane.pbt.exploits", "0")),
             "run_id": run.info.run_id if run else m.get("run_id"),
             "checkpoint": m.get("checkpoint_location"),
+            "time_s": m.get("time_total_s"),
             "error": str(result.error) if result.error else None,
         })
     return sorted(rows, key=lambda r: r["trial_id"])
@@ -365,8 +398,10 @@ def _record_parent(parent: RunHandle, sweep: SweepSection, rows: list[dict[str, 
     _attempt("results table", lambda: client.log_text(parent.run_id, buffer.getvalue(), "results.csv"))
     _attempt("sweep plot", lambda: _plot(client, parent, sweep, rows))
     if best:
-        client.set_tags(parent.run_id, {"best_trial": best["trial_id"], "best_run_id": best["run_id"] or "",
-                                        f"best_{sweep.metric}": str(best["metric"])})
+        from mlflow.entities import RunTag
+
+        tags = {"best_trial": best["trial_id"], "best_run_id": best["run_id"] or "", f"best_{sweep.metric}": str(best["metric"])}
+        client.log_batch(parent.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         client.log_metric(parent.run_id, f"best/{sweep.metric}", float(best["metric"]))
         if best.get("checkpoint"):
             out.update(_attempt("best model", lambda: log_model(parent, best["checkpoint"], register)) or {})

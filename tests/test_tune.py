@@ -34,7 +34,7 @@ def _artifacts(tmp_path) -> set[str]:
 
 def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(run_cli, tmp_path):
     sweep = run_cli("tune", "digits-sweep", *SMALL, "--register", "digits-best", "--summary-json", "a.json", name="asha")
-    assert sweep.wait(600) == 0, sweep.output
+    assert sweep.wait(500) == 0, sweep.output
     s = read_json(tmp_path / "a.json")
     assert len(s["trials"]) == 4
     db = tmp_path / "mlflow.db"
@@ -58,8 +58,8 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(run_cli, tmp
 
     # The same seed draws the same trial configurations (whatever the trials then do).
     again = run_cli("tune", "digits-sweep", *SMALL, "--set", "sweep.name=digits-asha-again",
-                    "--set", "train.max_steps=2", "--summary-json", "b.json", name="again")
-    assert again.wait(600) == 0, again.output
+                    "--set", "train.max_steps=5", "--summary-json", "b.json", name="again")
+    assert again.wait(500) == 0, again.output
     first = [r["config"] for r in sorted(s["trials"], key=_trial_order)]
     second = [r["config"] for r in sorted(read_json(tmp_path / "b.json")["trials"], key=_trial_order)]
     assert first == second
@@ -73,7 +73,7 @@ def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
                     "--set", "sweep.num_samples=2", "--set", "sweep.algorithm=grid",
                     "--set", "sweep.space={optim.lr: {grid: [0.00001, 0.01]}}",
                     "--set", "train.max_epochs=4", "--summary-json", "p.json", name="pbt")
-    assert sweep.wait(600) == 0, sweep.output
+    assert sweep.wait(500) == 0, sweep.output
     s = read_json(tmp_path / "p.json")
     assert sum(r["exploits"] for r in s["trials"]) >= 1, s["trials"]
     exploited = next(r for r in s["trials"] if r["exploits"])
