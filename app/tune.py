@@ -174,6 +174,10 @@ class _TrialRuns(tune.Callback):
         self.parent, self.sweep, self.max_epochs = parent, sweep, max_epochs
 
     def _close(self, trial, failed: bool) -> None:
+        result = trial.last_result or {}
+        shown = f"{self.sweep.metric} {result[self.sweep.metric]:.4f}, " if self.sweep.metric in result else ""
+        print(f"[raylane] trial {trial.trial_id} ended: {'FAILED' if failed else 'done'} "
+              f"({shown}epoch {result.get('epoch', 0)} of {self.max_epochs})", flush=True)
         try:
             client = mlflow_client(self.parent.tracking_uri)
             run = _find_child(client, self.parent.experiment_id, self.sweep.name, trial.trial_id)

@@ -90,3 +90,32 @@ def test_bad_sweep_input_exits_2_naming_the_field(run_cli, tmp_path, bad, messag
     p = run_cli("tune", "digits-sweep", "--set", bad, name="bad")
     assert p.wait(60) == 2
     assert message in p.output and "Traceback" not in p.output
+
+
+def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path):
+    """Kill -9 the driver once a trial has finished; the same command continues the sweep under
+    the same MLflow parent run instead of starting it over."""
+    import os
+    import signal
+
+    from tests.conftest import wait_for
+
+    args = ["tune", "digits-sweep", "--set", "sweep.scheduler=fifo", "--set", "sweep.name=digits-resume",
+            "--set", "sweep.max_concurrent_trials=1", "--set", "sweep.num_samples=3", "--set", "train.max_epochs=1"]
+    first = run_cli(*args, name="first")
+    wait_for(lambda: "[raylane] trial " in first.output or first.proc.poll() is not None,
+             timeout_s=300)
+    assert first.proc.poll() is None, first.output
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.kill_group()
+    again = run_cli(*args, "--summary-json", "r.json", name="again")
+    assert again.wait(400) == 0, again.output
+    assert "continuing sweep digits-resume" in again.output
+    s = read_json(tmp_path / "r.json")
+    assert len(s["trials"]) == 3 and all(r["status"] == "FINISHED" for r in s["trials"])
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as con:
+        parents = con.execute("SELECT COUNT(*) FROM tags WHERE key = 'raylane.sweep' AND value = 'digits-resume' "
+                              "AND run_uuid NOT IN (SELECT run_uuid FROM tags WHERE key = 'raylane.trial_id')").fetchone()
+    assert parents == (1,)
+    assert len(_runs(db, s["parent_run_id"])) == 3
