@@ -47,6 +47,9 @@ class ScalingSection(Section):
     num_workers: int = Field(1, ge=1, le=4096)
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0, le=1024)
+    # With use_gpu: a fraction packs several small Tune trials onto one GPU (one worker each:
+    # NCCL cannot run two ranks of one group on the same GPU).
+    gpus_per_worker: float = Field(1.0, gt=0, le=64)
     # Memory of one device, for strategy.name: auto; null detects it (GPU memory, or this host's
     # RAM shared by its ranks on CPU).
     device_memory_gb: float | None = Field(None, gt=0, le=1_000_000)

@@ -275,7 +275,7 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
     sink = EventSink.remote()
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
-        resources["GPU"] = 1
+        resources["GPU"] = cfg.scaling.gpus_per_worker
     trainer_cls = _EmbeddedTorchTrainer if embedded else TorchTrainer
     trainer = trainer_cls(
         _train_fn,

@@ -97,7 +97,7 @@ def trial_resources(base: BaseConfig) -> dict[str, float]:
     s = base.scaling
     need = {"CPU": s.num_workers * s.cpus_per_worker + TRIAL_DRIVER_CPU}
     if s.use_gpu:
-        need["GPU"] = float(s.num_workers)
+        need["GPU"] = s.num_workers * s.gpus_per_worker
     return need
 
 

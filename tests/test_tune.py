@@ -119,3 +119,18 @@ def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path)
                               "AND run_uuid NOT IN (SELECT run_uuid FROM tags WHERE key = 'raylane.trial_id')").fetchone()
     assert parents == (1,)
     assert len(_runs(db, s["parent_run_id"])) == 3
+
+
+def test_trial_resources_pack_fractional_gpus_and_refuse_what_cannot_fit():
+    from app.config import ConfigError
+    from app.sweep import load_sweep
+    from app.tune import check_resources, trial_resources
+
+    sweep, base = load_sweep("digits-sweep", ["scaling.use_gpu=true", "scaling.gpus_per_worker=0.25",
+                                              "scaling.num_workers=1", "sweep.max_concurrent_trials=null"])
+    assert trial_resources(base)["GPU"] == 0.25
+    assert check_resources(base, sweep, {"CPU": 16, "GPU": 1}, embedded=True) == 4  # four trials on one GPU
+    with pytest.raises(ConfigError, match="scaling.num_workers = 1: one trial needs CPU 1.01, GPU 0.25"):
+        check_resources(base, sweep, {"CPU": 16}, embedded=True)
+    # A joined cluster may grow: a note, and one trial at a time until it does.
+    assert check_resources(base, sweep, {"CPU": 16}, embedded=False) == 1
