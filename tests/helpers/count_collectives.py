@@ -48,4 +48,9 @@ def run(out: str, argv: list[str]) -> int:
 if __name__ == "__main__":
     out, sep, *rest = sys.argv[1:]
     assert sep == "--"
-    raise SystemExit(run(out, rest))
+    code = run(out, rest)
+    # As `python -m app` does on torchrun ranks: no interpreter teardown, where gloo's threads
+    # can abort the process after the run is done (see app/__main__.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
