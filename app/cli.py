@@ -37,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a fresh local one)")
     sweep.add_argument("--summary-json", metavar="PATH", help="write the sweep's summary here")
     sweep.add_argument("--register", metavar="NAME", help="register the best trial's model under NAME")
+    job = sub.add_parser("submit", help="run `raylane train` as a Ray job on a cluster (Jobs SDK)")
+    add_config_args(job)
+    job.add_argument("--address", help="the cluster's dashboard URL (default: RAY_ADDRESS, else http://127.0.0.1:8265)")
+    job.add_argument("--follow", action="store_true", help="stream the job's logs and exit with its result")
     export = sub.add_parser("export", help="write a checkpoint's full model weights as safetensors")
     export.add_argument("checkpoint", help="a checkpoint directory (runs/<name>/checkpoint_<step>)")
     export.add_argument("--out", required=True, help="output .safetensors file (config JSON goes beside it)")
@@ -74,6 +78,25 @@ def _tune(args: argparse.Namespace) -> int:
         return 2
 
 
+def _submit(args: argparse.Namespace) -> int:
+    from app.jobs import EXIT_CODES, submit
+
+    try:
+        run = submit(args.config, args.overrides, address=args.address)
+    except ConfigError as exc:
+        print(f"raylane: {exc}", file=sys.stderr)
+        return 2
+    print(f"submitted job {run.job_id} to {run.address}", flush=True)
+    if not args.follow:
+        print(f"follow it with: RAY_AUTH_MODE=token ray job logs --follow --address {run.address} {run.job_id}")
+        return 0
+    for chunk in run.follow():
+        print(chunk, end="", flush=True)
+    status = run.wait()
+    print(f"job {run.job_id}: {status} (MLflow run {run.mlflow_run_id()})", flush=True)
+    return EXIT_CODES.get(status, 1)
+
+
 def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
@@ -84,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         return _export(args)
     if args.command == "tune":
         return _tune(args)
+    if args.command == "submit":
+        return _submit(args)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

@@ -73,6 +73,11 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         display = ProgressDisplay() if is_driver else None
         recorder = RunRecorder(handle, cfg) if handle else None
         status, error, result = _execute(cfg, use_ray, embedded, handle, tracking_uri, display, recorder)
+        if not use_ray and world_size > 1:
+            # Training is over on this rank. When another rank failed, torchrun now SIGTERMs the
+            # survivors (and SIGKILLs them 30 s later): rank 0 still has to close the MLflow run
+            # and write the summary, so it finishes that first. Ctrl-C still interrupts.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if not use_ray:  # runs last: after rank 0's summary
             stack.callback(leave_process_group, wait_for_peers=status == "FINISHED" or bool(result.get("preempted")))
         if not is_driver:
