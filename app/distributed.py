@@ -47,6 +47,19 @@ def leave_process_group(wait_for_peers: bool) -> None:
     dist.destroy_process_group()
 
 
+def node_layout(node_key: bytes, device: torch.device) -> list[int]:
+    """Each rank's node rank, nodes numbered in rank order, from an all-gather of `node_key`
+    (a fixed-length id of this rank's node). Ranks on one node are contiguous, as both torchrun
+    and Ray Train place them."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [0]
+    mine = torch.frombuffer(bytearray(node_key), dtype=torch.uint8).to(device)
+    keys = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(keys, mine)
+    order: dict[bytes, int] = {}
+    return [order.setdefault(bytes(k.cpu().tolist()), len(order)) for k in keys]
+
+
 def backend_name() -> str:
     return dist.get_backend() if dist.is_initialized() else "none"
 

@@ -170,6 +170,9 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         # and peak device memory (GPU) or peak resident memory of the process (CPU).
         "memory": result.get("memory"),
         "strategy": result.get("strategy"),
+        "mesh": result.get("mesh"),
+        # Each rank's node, numbered in rank order (Ray runs; torchrun's ranks leave it out).
+        "node_ranks": result.get("node_ranks"),
         "metrics": result.get("metrics", {}),
         "resumed_from_step": result.get("resumed_from_step"),
         # Every (re)start of the worker group announces itself; the first one is not a restart.
@@ -196,8 +199,10 @@ def _print_outcome(summary: dict[str, Any], ui: str) -> None:
         lines.append(f"  error:         {summary['error']}")
     if summary["resumed_from_step"]:
         lines.append(f"  resumed from:  step {summary['resumed_from_step']}")
+    nodes = len(set(summary.get("node_ranks") or [0]))
     lines += [
-        f"  steps:         {summary['steps']} in {summary['epochs']} epochs on {summary['world_size']} workers",
+        f"  steps:         {summary['steps']} in {summary['epochs']} epochs on {summary['world_size']} workers"
+        + (f" across {nodes} nodes" if nodes > 1 else ""),
         f"  metrics:       {metrics or '-'}",
         f"  MLflow run id: {summary['run_id']}",
         f"  checkpoint:    {summary['checkpoint']}",

@@ -24,6 +24,7 @@ from ray.train.torch.config import _TorchBackend
 
 from app import preemption
 from app.config import BaseConfig, validate
+from app.distributed import node_layout
 from app.storage import CheckpointStore
 
 log = logging.getLogger("raylane")
@@ -78,10 +79,23 @@ class RayRuntime:
         self.world_size = ctx.get_world_size()
         self.device = ray.train.torch.get_device() if use_gpu else torch.device("cpu")
         self._sink = sink
+        self.node_ranks = self._number_nodes_by_id()
         storage = ctx.get_storage()
         self._store = CheckpointStore(storage.experiment_fs_path, storage.storage_filesystem, self.rank)
         if self.rank == 0:  # one rank is enough: the per-step vote spreads the request
             threading.Thread(target=self._watch_driver, name="raylane-stop-watch", daemon=True).start()
+
+    def _number_nodes_by_id(self) -> list[int]:
+        """Ray Train numbers nodes by IP address, raylane by Ray node id. The two agree on a real
+        cluster and differ where raylets share an address (Ray's fake multi-node cluster,
+        host-networked containers): by address, two nodes would look like one, and the HSDP mesh
+        (built from LOCAL_WORLD_SIZE) would shard across them. Returns each rank's node rank."""
+        node_ranks = node_layout(bytes.fromhex(ray.get_runtime_context().get_node_id()), self.device)
+        peers = [r for r, n in enumerate(node_ranks) if n == node_ranks[self.rank]]
+        self.local_rank = peers.index(self.rank)
+        os.environ.update(NODE_RANK=str(node_ranks[self.rank]), LOCAL_RANK=str(self.local_rank),
+                          LOCAL_WORLD_SIZE=str(len(peers)))
+        return node_ranks
 
     def _watch_driver(self) -> None:
         """Relay the driver's Ctrl-C or SIGTERM as a graceful-stop request."""

@@ -20,6 +20,7 @@ class Runtime(Protocol):
     local_rank: int
     world_size: int
     device: torch.device
+    node_ranks: list[int] | None  # each rank's node, where the launcher knows it
 
     def latest_checkpoint(self) -> str | None:
         """Directory of the newest committed checkpoint of this run, or None."""
@@ -48,6 +49,7 @@ class LocalRuntime:
                  device: torch.device, publish: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.store = store
         self.rank, self.local_rank, self.world_size, self.device = rank, local_rank, world_size, device
+        self.node_ranks = None
         self._publish = publish
 
     def latest_checkpoint(self) -> str | None:

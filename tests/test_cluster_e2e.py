@@ -4,6 +4,7 @@ their MLflow runs checked. Every process the head started is killed by the test,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, descendants, free_port, session_processes
+from tests.conftest import REPO, descendants, free_port, session_processes, wait_for
 
 pytestmark = pytest.mark.ray
 BIN = Path(sys.executable).parent
@@ -36,17 +37,20 @@ def _answers(url: str) -> int | None:
         return None
 
 
-@pytest.fixture
-def ray_head(tmp_path):
-    gcs_port, dashboard_port = free_port(), free_port()
+@contextlib.contextmanager
+def _head(tmp_path: Path, *extra: str, env: dict[str, str] | None = None, gcs_port: int | None = None):
+    """`ray start --head --block` on 127.0.0.1 with its own temp dir and ports, token auth on.
+    Yields (dashboard URL, GCS address, temp dir); kills its whole session by pid at the end."""
+    gcs_port, dashboard_port = gcs_port or free_port(), free_port()
     temp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's unix socket paths are limited
-    env = dict(os.environ, RAY_AUTH_MODE="token", PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, RAY_AUTH_MODE="token", PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0",
+               **(env or {}))
     env.pop("RAY_ADDRESS", None)
     log = open(tmp_path / "head.log", "w")
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp}",
-         "--num-cpus=4", "--include-dashboard=true"],
+         "--include-dashboard=true", *extra],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{dashboard_port}"
     try:
@@ -54,8 +58,9 @@ def ray_head(tmp_path):
         while _answers(f"{url}/api/version") is None:
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()
             time.sleep(0.5)
-        yield url
+        yield url, f"127.0.0.1:{gcs_port}", Path(temp)
     finally:
+        # The session holds every process of the cluster, the autoscaler's fake nodes included.
         for pid in {proc.pid, *session_processes(proc.pid), *descendants(proc.pid)}:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -64,6 +69,12 @@ def ray_head(tmp_path):
         proc.wait(timeout=30)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    with _head(tmp_path, "--num-cpus=4") as (url, _, _):
+        yield url
 
 
 def _mlflow_run(db: Path, run_id: str) -> tuple[str, dict[str, str]]:
@@ -103,3 +114,72 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(ray_hea
     assert status == "SUCCEEDED"
     status, tags = _mlflow_run(db, run_id)
     assert status == "FINISHED" and tags["raylane.ray_job_id"] == job_id
+
+
+# Ray's fake multi-node provider: the autoscaler starts each "node" as its own raylet on this
+# machine. The head has no CPUs, so every training worker needs a node the autoscaler adds.
+FAKE_CLUSTER = {
+    "cluster_name": "raylane-fake", "max_workers": 3, "upscaling_speed": 1.0, "idle_timeout_minutes": 0.2,
+    "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                 "disable_launch_config_check": True, "launch_multiple": True},
+    "auth": {"ssh_user": "ubuntu"},
+    "available_node_types": {
+        "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
+        "cpu_node": {"resources": {"CPU": 1}, "node_config": {}, "min_workers": 0, "max_workers": 3},
+    },
+    "head_node_type": "ray.head.default",
+    **{k: [] for k in ("cluster_synced_files", "initialization_commands", "setup_commands", "head_setup_commands",
+                       "worker_setup_commands", "head_start_ray_commands", "worker_start_ray_commands")},
+    "file_mounts": {}, "file_mounts_sync_continuously": False,
+}
+# Every raylet here shares one host: without this, Ray resolves 127.0.0.1 to the host's network
+# address, where nothing listens, in the fake nodes and in the driver alike.
+ONE_HOST = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _worker_nodes(gcs: str, env: dict[str, str]) -> int | None:
+    """Active worker nodes as the autoscaler reports them; None before its first report."""
+    out = subprocess.run([str(BIN / "ray"), "status", "--address", gcs], env=env, capture_output=True, text=True,
+                         timeout=60).stdout
+    if "Active:" not in out:
+        return None
+    active = out.split("Active:", 1)[1].split("Pending:", 1)[0]
+    return sum(int(n) for n, kind in re.findall(r"(\d+) (\S+)", active) if kind == "cpu_node")
+
+
+def test_autoscaler_adds_nodes_for_a_two_worker_run_and_removes_them_after(tmp_path):
+    import yaml
+
+    gcs_port = free_port()
+    config = {**FAKE_CLUSTER, "provider": {**FAKE_CLUSTER["provider"], "gcs_address": f"127.0.0.1:{gcs_port}"}}
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))
+    head_env = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", **ONE_HOST}
+    with _head(tmp_path, "--num-cpus=0", f"--autoscaling-config={tmp_path / 'cluster.yaml'}", env=head_env,
+               gcs_port=gcs_port) as (_, gcs, temp):
+        env = dict(os.environ, RAY_AUTH_MODE="token", PATH=f"{BIN}:{os.environ['PATH']}", **ONE_HOST)
+        assert wait_for(lambda: _worker_nodes(gcs, env) is not None, 60)
+        assert _worker_nodes(gcs, env) == 0
+
+        out = subprocess.run(
+            [str(BIN / "raylane"), "train", "pipelines/digits.yaml", "--address", gcs,
+             "--set", "scaling.num_workers=2", "--set", "train.max_epochs=2", "--set", "strategy.name=fsdp",
+             "--set", "mlflow.enabled=false", "--set", f"run.storage_path={tmp_path / 'runs'}",
+             "--summary-json", str(tmp_path / "summary.json")],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary["status"] == "FINISHED" and summary["metrics"]["accuracy"] > 0.8
+        # One worker on each added node. Ray Train, which numbers nodes by IP address, calls them
+        # both node 0 here; raylane numbers them by Ray node id, and shards HSDP within a node.
+        assert summary["node_ranks"] == [0, 1]
+        assert summary["strategy"] == "hsdp" and summary["mesh"] == [2, 1]
+        assert "on 2 workers across 2 nodes" in out.stdout
+
+        monitor = next(temp.glob("session_*/logs/monitor.log"))
+        assert re.search(r"Adding 2 node\(s\) of type cpu_node", monitor.read_text())
+        # Idle for 12 s (idle_timeout_minutes), the nodes go away.
+        deadline = time.monotonic() + 120
+        while _worker_nodes(gcs, env) != 0:
+            assert time.monotonic() < deadline, "the idle nodes were not removed"
+            time.sleep(2)
+        assert re.search(r"Removing 2 nodes of type cpu_node \(idle\)", monitor.read_text())
