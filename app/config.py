@@ -95,6 +95,9 @@ class TrainSection(Section):
     activation_checkpointing: bool = False
     # torch.compile each block (or the whole model when it has no blocks).
     compile: bool = False
+    # Evaluate on the held-out set every N epochs; 0: only at the end of the run (which always
+    # has an evaluation).
+    eval_every_n_epochs: int = Field(1, ge=0)
 
 
 class OptimSection(Section):
@@ -110,6 +113,9 @@ class OptimSection(Section):
 class CheckpointSection(Section):
     # 0 means only at the end of each epoch.
     every_n_steps: int = Field(0, ge=0)
+    # Also at the end of every N epochs; 0: not at epoch ends. The end of the run, and a stop
+    # (preemption), always checkpoint.
+    every_n_epochs: int = Field(1, ge=0)
     # Keep only the newest N committed checkpoints; null keeps all (unless keep_best is set, which
     # keeps the latest plus the N best by best_metric, measured at epoch ends).
     keep: int | None = Field(None, ge=1)

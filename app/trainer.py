@@ -33,6 +33,11 @@ VOTE_EVERY_N_STEPS = 10
 WARMUP_STEPS = 3
 
 
+def _every(count: int, n: int) -> bool:
+    """Whether the `count`-th occurrence is one of every `n` (never when n is 0)."""
+    return n > 0 and count % n == 0
+
+
 def plan_steps(train_data: DataLoader, cfg: BaseConfig) -> tuple[int, int]:
     """(optimizer steps per epoch on this rank, total steps of the run)."""
     batches = math.ceil(len(train_data.sampler) / train_data.batch_size)
@@ -316,16 +321,21 @@ class Trainer:
         with preemption.armed():
             while self.step < self.total_steps and not self.preempted:
                 self._run_epoch(self.epoch)
-                if self.batch_in_epoch >= self.batches_per_epoch:  # a whole epoch, not a max_steps stop
-                    self._record_eval(self._evaluate())
+                epoch_ended = self.batch_in_epoch >= self.batches_per_epoch  # not a max_steps stop or a stop
+                if epoch_ended:
+                    if _every(self.epoch + 1, self.cfg.train.eval_every_n_epochs):
+                        self._record_eval(self._evaluate())
                     self.epoch += 1
                     self.batch_in_epoch = 0
-                self._save_checkpoint()
+                due = _every(self.epoch, self.cfg.checkpoint.every_n_epochs) if epoch_ended else True
+                if due or self.step >= self.total_steps:  # a stop mid-epoch always saves
+                    self._save_checkpoint()
             self._commit_pending()
             self.vote.close()
         if self._loss_count:
             self._log_train_metrics()
-        if not self.eval_metrics and not self.preempted:  # a max_steps stop mid-epoch, or resumed at the end
+        # A max_steps stop mid-epoch, an epoch left unevaluated, or resumed at the end.
+        if self.eval_step != self.step and not self.preempted:
             self._record_eval(self._evaluate())
         ended = time.perf_counter()
         if self._warm is not None and self.step - self._warm[1] >= WARMUP_STEPS:
@@ -339,6 +349,8 @@ class Trainer:
             **self.throughput.rates(samples_per_s, self.runtime.world_size),
             "memory": self._memory(),
             "strategy": self.strategy.name,
+            "mesh": list(self.strategy.mesh_shape),
+            "node_ranks": self.runtime.node_ranks,
             "train_s": ended - started,
             "resumed_from_step": self.resumed_from_step,
             "checkpoint": self.last_checkpoint,

@@ -154,3 +154,15 @@ def test_export_refuses_a_corrupt_checkpoint(run_cli, tmp_path):
     proc = run_cli("export", str(path), "--out", "x.safetensors")
     assert proc.wait(60) == 2
     assert "not a valid checkpoint" in proc.output and "Traceback" not in proc.output
+
+
+def test_epoch_checkpoints_and_evaluations_follow_their_every_n_epochs(run_cli, tmp_path):
+    # regression: 64 steps per epoch in one process.
+    proc = run_cli("train", "regression", "--local", "--set", "run.name=e", "--set", "train.max_epochs=5",
+                   "--set", "checkpoint.every_n_epochs=2", "--set", "train.eval_every_n_epochs=0",
+                   "--summary-json", "s.json")
+    assert proc.wait(120) == 0, proc.output
+    names = sorted(p.name for p in (tmp_path / "runs" / "e").iterdir())
+    assert names == [checkpoint.checkpoint_name(s) for s in (128, 256, 320)]  # epochs 2, 4 and the end
+    assert proc.output.count(" eval: ") == 1  # only the end of the run
+    assert read_json(tmp_path / "s.json")["metrics"]["loss"] > 0
