@@ -93,25 +93,27 @@ def barrier() -> None:
 
 class ControlVote:
     """Decisions every rank must take at the same step (stop for preemption, commit a finished
-    async checkpoint), agreed by an all-reduce(MAX) of a few flags at every step boundary.
+    async checkpoint, how many steps until the next vote), agreed by one all-reduce(SUM) of a
+    few flags and values at a step boundary: a flag is set when any rank set it.
 
     Synchronous on purpose: an async all-reduce overlapped with the next step (read one step
     later) made gloo abort at process exit in about 1 run in 4 ("terminate called without an
-    active exception"). Its cost, one 8-byte collective per step, is measured in the benchmarks.
-    It runs on `group` (a gloo group on GPU, so the flags never wait on a CUDA stream). Every
-    rank must call `poll` the same number of times."""
+    active exception"). It runs on `group` (a gloo group on GPU, so it never waits on a CUDA
+    stream). Every rank must call `poll` the same number of times, with as many values."""
 
     def __init__(self, n_flags: int, group: dist.ProcessGroup | None = None) -> None:
         self.distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.group = group
-        self._buffer = torch.zeros(n_flags, dtype=torch.int32)
+        self.n_flags = n_flags
 
-    def poll(self, *flags: bool) -> list[bool]:
+    def poll(self, *flags: bool, values: tuple[float, ...] = ()) -> tuple[list[bool], list[float]]:
+        """(each flag set on any rank, each value summed over the ranks)."""
         if not self.distributed:
-            return [bool(f) for f in flags]
-        self._buffer.copy_(torch.tensor([bool(f) for f in flags], dtype=torch.int32))
-        dist.all_reduce(self._buffer, op=dist.ReduceOp.MAX, group=self.group)
-        return [bool(v) for v in self._buffer.tolist()]
+            return [bool(f) for f in flags], list(values)
+        buffer = torch.tensor([float(bool(f)) for f in flags] + [float(v) for v in values], dtype=torch.float64)
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
+        reduced = buffer.tolist()
+        return [v > 0 for v in reduced[: len(flags)]], reduced[len(flags):]
 
     def close(self) -> None:
         """Nothing is left in flight (kept for callers that drain at the end)."""

@@ -164,6 +164,7 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         "steps": result.get("steps"),
         "wall_s": round(ended - launched, 3),
         "samples_per_s": result.get("samples_per_s"),
+        "train_s": result.get("train_s"),  # rank 0, from the start of training to the end of its loop
         "tokens_per_s": result.get("tokens_per_s"),
         "mfu": result.get("mfu"),
         # The largest over the ranks: parameters + gradients + optimizer state one rank holds,

@@ -27,7 +27,9 @@ from app.reporting import Reporter
 from app.runtime import Runtime
 
 
-VOTE_EVERY_N_STEPS = 10
+VOTE_EVERY_N_STEPS = 10  # the first vote; then about every VOTE_INTERVAL_S
+VOTE_INTERVAL_S = 0.5
+VOTE_MAX_STEPS = 1000
 # Throughput in the result leaves out this launch's first steps (compilation, allocator and
 # cache warm-up) when the run is long enough to do without them.
 WARMUP_STEPS = 3
@@ -107,9 +109,11 @@ class Trainer:
         self._warm: tuple[float, int] | None = None  # (time, step) once warm-up steps are done
         # Step-boundary decisions all ranks must share: [stop now, async save not yet written].
         self.vote = ControlVote(2, control_group)
-        # A synchronous collective costs ~2 ms a step on 2 busy CPU cores: vote every few steps
-        # (a stop then waits at most that many steps; nothing is lost either way).
-        self.vote_every = 1 if not self.vote.distributed else VOTE_EVERY_N_STEPS
+        # Each collective outside DDP's costs a few ms on 2 busy CPU cores (one rank waits to be
+        # scheduled): vote about every VOTE_INTERVAL_S, a step count agreed at each vote from
+        # rank 0's step time. A stop waits at most that long; nothing is lost either way.
+        self.next_vote = VOTE_EVERY_N_STEPS if self.vote.distributed else 1
+        self._last_vote = (time.perf_counter(), 0)
         self.save_group = save_group
         self._pending: checkpoint.PendingSave | None = None
         self._saved_step: int | None = None
@@ -221,30 +225,41 @@ class Trainer:
             last_batch = self.batch_in_epoch >= self.batches_per_epoch or self.step >= self.total_steps
             if every and self.step % every == 0 and not last_batch:
                 self._save_checkpoint()
-            if self.step >= self.total_steps or (self.step % self.vote_every == 0 and self._step_boundary()):
+            if self.step >= self.total_steps or (self.step >= self.next_vote and self._step_boundary()):
                 break
 
     def _step_boundary(self) -> bool:
         """Decisions every rank takes at the same step; True when the loop must stop now."""
         pending = self._pending
-        stop, save_not_written = self.vote.poll(preemption.requested(), pending is None or not pending.done())
+        started, step = self._last_vote
+        step_s = (time.perf_counter() - started) / max(self.step - step, 1) if self.runtime.rank == 0 else 0.0
+        (stop, save_not_written), (agreed_step_s,) = self.vote.poll(
+            preemption.requested(), pending is None or not pending.done(), values=(step_s,))
         if pending is not None and not save_not_written:
             self._commit_pending()
+        self.next_vote = self.step + min(max(int(VOTE_INTERVAL_S / max(agreed_step_s, 1e-6)), 1), VOTE_MAX_STEPS)
+        self._last_vote = (time.perf_counter(), self.step)
         self.preempted = stop
         return stop
 
     def _log_train_metrics(self) -> None:
-        sums = all_reduce_sums({"loss": self._loss_sum, "count": torch.tensor(float(self._loss_count))})
+        """Rank 0's own training loss, as Lightning logs it by default: an all-reduce here would
+        cost as much as the vote, every few steps (the held-out metrics are exact over all ranks)."""
+        if not self.reporter.active:
+            return self._reset_window()
         elapsed = time.perf_counter() - self._window_start
         samples_per_s = self._window_steps * self.samples_per_step / max(elapsed, 1e-9)
         metrics = {
-            "loss": sums["loss"] / max(sums["count"], 1.0),
+            "loss": float(self._loss_sum) / max(self._loss_count, 1),
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "grad_norm": float(self._grad_norm),
             "samples_per_s": samples_per_s,
             **self.throughput.rates(samples_per_s, self.runtime.world_size),
         }
         self.reporter.on_train_metrics(self.step, metrics)
+        self._reset_window()
+
+    def _reset_window(self) -> None:
         self._loss_sum.zero_()
         self._loss_count = 0
         self._grad_norm = torch.zeros((), device=self.device)
@@ -318,6 +333,8 @@ class Trainer:
         )
         reset_peak_memory(self.device)
         started, first_step = time.perf_counter(), self.step
+        self.next_vote = self.step + (VOTE_EVERY_N_STEPS if self.vote.distributed else 1)
+        self._last_vote = (started, self.step)
         with preemption.armed():
             while self.step < self.total_steps and not self.preempted:
                 self._run_epoch(self.epoch)
