@@ -8,7 +8,7 @@ PYTHON ?= python3
 # Some package mirrors print one warning per package; keep the install log readable.
 QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: install run test browser check mlflow clean
+.PHONY: install run test bench browser check mlflow clean
 
 install: $(STAMP)
 
@@ -23,6 +23,11 @@ run: install
 
 test: install browser
 	$(VENV)/bin/pytest tests -m "not slow and not gpu"
+
+# B1-B8 against hand-written torchrun DDP and plain Ray Tune: bench/results.json, results.md and
+# charts (about an hour on 2 cores). `raylane bench --quick` checks the harness in a few minutes.
+bench: install
+	$(VENV)/bin/raylane bench --out bench
 
 # Debian's chromium for the MLflow UI test (Playwright drives it; nothing is downloaded by
 # Playwright itself). Needs root or passwordless sudo; without it, that one test is skipped.

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -44,7 +45,21 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a checkpoint's full model weights as safetensors")
     export.add_argument("checkpoint", help="a checkpoint directory (runs/<name>/checkpoint_<step>)")
     export.add_argument("--out", required=True, help="output .safetensors file (config JSON goes beside it)")
+    bench = sub.add_parser("bench", help="benchmark against hand-written torchrun DDP and plain Ray (B1-B8)")
+    bench.add_argument("--quick", action="store_true", help="one repeat, short runs, fewer cases: checks the harness")
+    bench.add_argument("--only", type=lambda s: s.split(","), metavar="B1,B2,...", help="run only these benchmarks")
+    bench.add_argument("--repeats", type=int, help="runs per figure (default 5, or 1 with --quick)")
+    bench.add_argument("--out", type=Path, default=Path("bench"), help="results.json, results.md and charts go here")
     return p
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.repeats is not None and args.repeats < 1:
+        print(f"raylane: bench: --repeats must be at least 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    from app.bench import run_bench
+
+    return run_bench(args.out.resolve(), quick=args.quick, only=args.only, repeats=args.repeats)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -105,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "export":
         return _export(args)
+    if args.command == "bench":
+        return _bench(args)
     if args.command == "tune":
         return _tune(args)
     if args.command == "submit":

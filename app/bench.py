@@ -1,0 +1,253 @@
+"""`raylane bench`: raylane against a hand-written torchrun DDP loop and plain Ray, side by side.
+
+Every figure is the median of `repeats` runs with its [min, max]; the sides of a comparison run
+interleaved (A B A B ...) in one process, all with OMP_NUM_THREADS=1 and 2 gloo ranks unless
+said otherwise. Step costs are slopes between a short and a long run, so start-up and the end of
+the run cancel out. Results go to `<out>/results.json`, `<out>/results.md` and PNG charts
+(app.bench_report). Benchmarks are measurements, not tests: nothing here asserts a target."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+RAYLANE = [PY, "-m", "app"]
+BASELINE = str(REPO / "scripts" / "ddp_baseline.py")
+RUN_TIMEOUT_S = 900
+# Steady-state training only: no per-epoch evaluation or checkpoint, no tracking (B5 prices it).
+QUIET = ["mlflow.enabled=false", "checkpoint.every_n_steps=0", "checkpoint.every_n_epochs=0",
+         "train.eval_every_n_epochs=0"]
+# (pipeline, short and long run in steps, overrides); quick runs use the first only, shorter.
+B1_CASES = [("regression", (100, 600), []), ("digits", (50, 300), []), ("gpt-tiny", (20, 80), [])]
+B1_SIDES = ("raylane on Ray", "raylane under torchrun", "hand-written torchrun DDP")
+# Compute-bound for B3: a wide MLP on digits, large batches.
+B3_MODEL = ["model.hidden_size=1024", "model.num_layers=3", "train.batch_size=128"]
+# About 50 MB of parameters and Adam state for B7, so a save takes visible time.
+B7_MODEL = ["model.hidden_size=2048", "model.num_layers=2"]
+
+
+class Bench:
+    def __init__(self, out: Path, repeats: int, quick: bool) -> None:
+        self.out, self.repeats, self.quick = out, repeats, quick
+        self.work = Path(tempfile.mkdtemp(prefix="raylane-bench-"))
+        self.env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0",
+                        MLFLOW_TRACKING_URI=f"sqlite:///{self.work / 'mlflow.db'}",
+                        PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        self._n = 0
+
+    # -- running one process -------------------------------------------------------------------
+
+    def run(self, argv: list[str], env: dict[str, str] | None = None) -> dict[str, float]:
+        """Run to completion in its own session; (launched, exited) wall-clock times."""
+        self._n += 1
+        log = self.work / f"run-{self._n}.log"
+        launched = time.time()
+        with open(log, "w") as f:
+            proc = subprocess.Popen(argv, cwd=self.work, env={**self.env, **(env or {})}, stdout=f,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(RUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = -9
+        exited = time.time()
+        if rc != 0:
+            raise RuntimeError(f"{' '.join(argv)} exited {rc}; its output:\n{log.read_text()[-3000:]}")
+        return {"launched": launched, "exited": exited}
+
+    def raylane(self, pipeline: str, sets: list[str], *, launcher: str = "ray") -> dict[str, Any]:
+        """One `raylane train`: on an embedded Ray (`ray`), under torchrun, or in one process."""
+        summary = self.work / f"summary-{self._n + 1}.json"
+        head = {"ray": RAYLANE, "torchrun": [*TORCHRUN, "-m", "app"], "local": RAYLANE}[launcher]
+        argv = [*head, "train", pipeline, *(["--local"] if launcher == "local" else []),
+                "--set", f"run.storage_path={self.work / 'runs'}", "--set", f"run.name=b{self._n + 1}",
+                *[x for s in sets for x in ("--set", s)], "--summary-json", str(summary)]
+        times = self.run(argv)
+        s = json.loads(summary.read_text())
+        if s["status"] != "FINISHED":
+            raise RuntimeError(f"{argv}: {s['status']} {s['error']}")
+        return {**times, "train_s": s["train_s"], "steps": s["steps"], "summary": s,
+                "first_step": s["timing"]["first_step_unix"], "last_step": s["timing"]["last_step_unix"]}
+
+    def baseline(self, pipeline: str, steps: int, sets: list[str]) -> dict[str, Any]:
+        out = self.work / f"baseline-{self._n + 1}.json"
+        times = self.run([*TORCHRUN, BASELINE, "--pipeline", pipeline, "--max-steps", str(steps),
+                          *[x for s in sets for x in ("--set", s)], "--json", str(out)])
+        r = json.loads(out.read_text())
+        return {**times, "train_s": r["train_s"], "steps": r["steps"], "first_step": r["first_step_unix"],
+                "last_step": r["last_step_unix"]}
+
+    def interleaved(self, sides: dict[str, Callable[[], Any]]) -> dict[str, list[Any]]:
+        """Each side `repeats` times, A B C A B C ..."""
+        samples: dict[str, list[Any]] = {name: [] for name in sides}
+        for _ in range(self.repeats):
+            for name, fn in sides.items():
+                samples[name].append(fn())
+                print(f"[bench]   {name}: done", flush=True)
+        return samples
+
+    # -- the benchmarks ------------------------------------------------------------------------
+
+    def b1_b2(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        cases = B1_CASES[:1] if self.quick else B1_CASES
+        b1: dict[str, Any] = {}
+        short_runs: dict[str, list[dict[str, Any]]] = {}
+        for pipeline, (short, long), extra in cases:
+            if self.quick:
+                short, long = short // 2, long // 3
+            print(f"[bench] B1 {pipeline}: {short} and {long} steps", flush=True)
+
+            def sides(steps: int) -> dict[str, Callable[[], Any]]:
+                sets = [*QUIET, *extra, f"train.max_steps={steps}", "train.max_epochs=1000000",
+                        "scaling.num_workers=2"]
+                return {B1_SIDES[0]: lambda: self.raylane(pipeline, sets),
+                        B1_SIDES[1]: lambda: self.raylane(pipeline, sets, launcher="torchrun"),
+                        B1_SIDES[2]: lambda: self.baseline(pipeline, steps, [*extra])}
+
+            pairs: dict[str, list[tuple[Any, Any]]] = {name: [] for name in B1_SIDES}
+            for _ in range(self.repeats):  # short and long of each side back to back, sides interleaved
+                for name in B1_SIDES:
+                    pairs[name].append((sides(short)[name](), sides(long)[name]()))
+            slopes = {name: [(b["train_s"] - a["train_s"]) / (b["steps"] - a["steps"]) * 1e3 for a, b in runs]
+                      for name, runs in pairs.items()}
+            base = statistics.median(slopes[B1_SIDES[2]])
+            b1[pipeline] = {"steps": [short, long],
+                            "step_ms": {n: stats(v) for n, v in slopes.items()},
+                            "ratio_vs_hand_written": {n: statistics.median(v) / base for n, v in slopes.items()}}
+            if pipeline == "regression":
+                short_runs = {n: [a for a, _ in runs] for n, runs in pairs.items()}
+        b2 = {name: {"launch_to_first_step_s": stats([r["first_step"] - r["launched"] for r in runs]),
+                     "last_step_to_exit_s": stats([r["exited"] - r["last_step"] for r in runs])}
+              for name, runs in short_runs.items()}
+        return b1, b2
+
+    def b2_tracked(self) -> dict[str, Any]:
+        """B2 with MLflow on (local sqlite) and the default end-of-run records."""
+        print("[bench] B2 with MLflow records", flush=True)
+        sets = ["train.max_steps=50", "scaling.num_workers=2", "checkpoint.every_n_epochs=0"]
+        runs = self.interleaved({"raylane on Ray, MLflow on": lambda: self.raylane("regression", sets)})
+        return {name: {"launch_to_first_step_s": stats([r["first_step"] - r["launched"] for r in rs]),
+                       "last_step_to_exit_s": stats([r["exited"] - r["last_step"] for r in rs])}
+                for name, rs in runs.items()}
+
+    def b3(self) -> dict[str, Any]:
+        print("[bench] B3 scaling 1 -> 2 ranks", flush=True)
+        sets = [*QUIET, *B3_MODEL, f"train.max_steps={15 if self.quick else 60}", "train.max_epochs=1000"]
+        runs = self.interleaved({
+            "1 rank": lambda: self.raylane("digits", [*sets, "scaling.num_workers=1"], launcher="local"),
+            "2 ranks": lambda: self.raylane("digits", [*sets, "scaling.num_workers=2"], launcher="torchrun")})
+        one = [r["summary"]["samples_per_s"] for r in runs["1 rank"]]
+        two = [r["summary"]["samples_per_s"] for r in runs["2 ranks"]]
+        return {"samples_per_s": {"1 rank": stats(one), "2 ranks": stats(two)},
+                "efficiency": stats([b / (2 * a) for a, b in zip(one, two, strict=True)])}
+
+    def b5(self) -> dict[str, Any]:
+        print("[bench] B5 MLflow overhead (scripts/bench_mlflow.py)", flush=True)
+        out = self.work / "b5.json"
+        self.run([PY, str(REPO / "scripts" / "bench_mlflow.py"), "--repeats", str(self.repeats), "--out", str(out)])
+        data = json.loads(out.read_text())
+        return {mode: {"step_ms": stats(v["step_ms"]), "end_to_end_cost_pct": v["cost_pct"],
+                       "attributed_cost_pct": v["attributed_cost_pct"]} for mode, v in data.items()}
+
+    def b6(self) -> dict[str, Any]:
+        print("[bench] B6 FSDP against DDP memory", flush=True)
+        sets = [*QUIET, "train.max_steps=3", "scaling.num_workers=2"]
+        runs = self.interleaved({s: (lambda s=s: self.raylane("gpt-tiny", [*sets, f"strategy.name={s}"],
+                                                               launcher="torchrun")) for s in ("ddp", "fsdp")})
+        state = {s: [r["summary"]["memory"]["state_bytes_per_rank"] for r in rs] for s, rs in runs.items()}
+        return {"state_bytes_per_rank": {s: stats(v) for s, v in state.items()},
+                "fsdp_over_ddp": stats([f / d for d, f in zip(state["ddp"], state["fsdp"], strict=True)])}
+
+    def b7(self) -> dict[str, Any]:
+        print("[bench] B7 checkpoint stall", flush=True)
+        steps, every = (60, 20) if self.quick else (200, 20)
+        sets = [*QUIET, *B7_MODEL, f"train.max_steps={steps}", "train.max_epochs=1000", "scaling.num_workers=2"]
+        saving = [f"checkpoint.every_n_steps={every}"]
+        runs = self.interleaved({
+            "none": lambda: self.raylane("digits", sets, launcher="torchrun"),
+            "sync": lambda: self.raylane("digits", [*sets, *saving], launcher="torchrun"),
+            "async": lambda: self.raylane("digits", [*sets, *saving, "checkpoint.async_save=true"],
+                                          launcher="torchrun")})
+        saves = steps // every - 1  # the last step's save is the end of the run on every side
+        stall = {m: [(r["train_s"] - n["train_s"]) / saves * 1e3 for r, n in zip(runs[m], runs["none"], strict=True)]
+                 for m in ("sync", "async")}
+        return {"saves_per_run": saves, "stall_ms_per_checkpoint": {m: stats(v) for m, v in stall.items()},
+                "async_over_sync": statistics.median(stall["async"]) / max(statistics.median(stall["sync"]), 1e-9)}
+
+
+def stats(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
+            "values": values}
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+
+
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8")
+
+
+def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | None) -> int:
+    from app import bench_report
+
+    chosen = [b.upper() for b in (only or ALL)]
+    unknown = sorted(set(chosen) - set(ALL))
+    if unknown:
+        print(f"error: --only: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(ALL)}", file=sys.stderr)
+        return 2
+    bench = Bench(out, repeats or (1 if quick else 5), quick)
+    started = time.time()
+    results: dict[str, Any] = {}
+    if "B1" in chosen or "B2" in chosen:
+        results["B1"], results["B2"] = bench.b1_b2()
+        if "B2" in chosen:
+            results["B2"].update(bench.b2_tracked())
+    for name, fn in (("B3", bench.b3), ("B4", lambda: b4(bench)), ("B5", bench.b5), ("B6", bench.b6),
+                     ("B7", bench.b7), ("B8", b8)):
+        if name in chosen:
+            results[name] = fn()
+    report = {"machine": machine(), "quick": quick, "repeats": bench.repeats, "started_unix": started,
+              "wall_s": time.time() - started,
+              "command": "raylane bench" + (" --quick" if quick else "") + (f" --only {','.join(chosen)}" if only else ""),
+              "results": results}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = bench_report.write(report, out)
+    print(table, flush=True)
+    return 0
+
+
+def b4(bench: Bench) -> dict[str, Any]:
+    from app.bench_tune import b4 as run_b4
+
+    return run_b4(bench)
+
+
+def b8() -> dict[str, Any]:
+    """GPU: gpt2-124m tokens/s and MFU (scripts/gpu-check.sh); skipped without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device on this machine (run scripts/gpu-check.sh on a GPU machine)"}
+    out = subprocess.run(["bash", str(REPO / "scripts" / "gpu-check.sh")], capture_output=True, text=True,
+                         env={**os.environ, "STEPS": os.environ.get("STEPS", "100")})
+    return {"exit_code": out.returncode, "output": out.stdout[-2000:]}

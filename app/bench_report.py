@@ -1,0 +1,121 @@
+"""The markdown table and PNG charts of `raylane bench` (see app.bench), from results.json alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+HAND = "hand-written torchrun DDP"
+
+
+def _m(s: dict[str, Any], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    return f"{fmt.format(s['median'] * scale)} [{fmt.format(s['min'] * scale)}–{fmt.format(s['max'] * scale)}]"
+
+
+def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(benchmark, what, measured, target, met) for every figure that has a target."""
+    out: list[tuple[str, str, str, str, str]] = []
+    for pipeline, r in results.get("B1", {}).items():
+        hand = r["step_ms"][HAND]
+        for side in ("raylane on Ray", "raylane under torchrun"):
+            ratio = r["ratio_vs_hand_written"][side]
+            out.append(("B1", f"{pipeline}: step time, {side} ÷ hand-written",
+                        f"{ratio:.3f} ({_m(r['step_ms'][side])} ms vs {_m(hand)} ms)", "≤ 1.02",
+                        _met(ratio <= 1.02)))
+    b2 = results.get("B2", {})
+    if HAND in b2:
+        torchrun = b2[HAND]["launch_to_first_step_s"]["median"]
+        for side, r in b2.items():
+            if side == HAND:
+                continue
+            first, last = r["launch_to_first_step_s"], r["last_step_to_exit_s"]
+            out.append(("B2", f"{side}: launch to first step (s)", _m(first),
+                        f"≤ torchrun + 5 = {torchrun + 5:.1f}", _met(first["median"] <= torchrun + 5)))
+            out.append(("B2", f"{side}: end of training to exit (s)", _m(last), "≤ 2", _met(last["median"] <= 2)))
+        out.append(("B2", "hand-written torchrun: launch to first step / end to exit (s)",
+                    f"{_m(b2[HAND]['launch_to_first_step_s'])} / {_m(b2[HAND]['last_step_to_exit_s'])}", "—", "—"))
+    if "B3" in results:
+        e = results["B3"]["efficiency"]
+        out.append(("B3", "scaling 1 → 2 ranks: throughput(2) ÷ 2·throughput(1)", _m(e, fmt="{:.3f}"), "≥ 0.9",
+                    _met(e["median"] >= 0.9)))
+    if "B4" in results:
+        r = results["B4"]
+        out.append(("B4", "Tune sweep: ideal ÷ wall time", _m(r["ideal_over_wall"], fmt="{:.3f}") +
+                    f" (plain Ray Tune: {r['plain_ideal_over_wall']['median']:.3f})", "≥ 0.9",
+                    _met(r["ideal_over_wall"]["median"] >= 0.9)))
+        out.append(("B4", "Tune sweep wall time: raylane ÷ plain Ray Tune", f"{r['raylane_over_plain']:.3f} "
+                    f"({_m(r['wall_s']['raylane tune'], fmt='{:.1f}')} s vs {_m(r['wall_s']['plain Ray Tune'], fmt='{:.1f}')} s)",
+                    "—", "—"))
+    for mode, r in results.get("B5", {}).items():
+        if mode != "off":
+            out.append(("B5", f"MLflow {mode}: logging cost per step", f"{r['attributed_cost_pct']:.2f}% "
+                        f"(end to end {r['end_to_end_cost_pct']:+.1f}%)", "≤ 1%", _met(r["attributed_cost_pct"] <= 1)))
+    if "B6" in results:
+        r = results["B6"]["fsdp_over_ddp"]
+        out.append(("B6", "FSDP ÷ DDP state bytes per rank (gpt-tiny)", _m(r, fmt="{:.3f}"), "≤ 0.55",
+                    _met(r["median"] <= 0.55)))
+    if "B7" in results:
+        r = results["B7"]
+        stall = r["stall_ms_per_checkpoint"]
+        out.append(("B7", "checkpoint stall, async ÷ sync", f"{r['async_over_sync']:.3f} ({_m(stall['async'], fmt='{:.0f}')} "
+                    f"ms vs {_m(stall['sync'], fmt='{:.0f}')} ms)", "≤ 0.10", _met(r["async_over_sync"] <= 0.10)))
+    if "B8" in results:
+        r = results["B8"]
+        out.append(("B8", "GPU: gpt2-124m bf16 + compile", r.get("skipped") or r.get("summary", "see results.json"),
+                    "≥ 45% MFU", "—" if "skipped" in r else _met(r.get("mfu", 0) >= 0.45)))
+    return out
+
+
+def _met(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def write(report: dict[str, Any], out: Path) -> str:
+    """Write results.md and the charts; returns the markdown."""
+    m = report["machine"]
+    lines = [f"Machine: {m['cpus']} CPUs, {m['memory_gib']} GiB, {m['cuda'] or 'no GPU'}; {m['platform']}; "
+             f"Python {m['python']}, torch {m['torch']}. Command: `{report['command']}` "
+             f"({report['repeats']} repeats, median [min–max], {report['wall_s'] / 60:.0f} min).", "",
+             "| | what | measured | target | met |", "|---|---|---|---|---|"]
+    lines += [f"| {b} | {what} | {measured} | {target} | {met} |" for b, what, measured, target, met in rows(report["results"])]
+    text = "\n".join(lines) + "\n"
+    (out / "results.md").write_text(text)
+    _charts(report["results"], out)
+    return text
+
+
+def _charts(results: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if results.get("B1"):
+        pipelines = list(results["B1"])
+        sides = list(next(iter(results["B1"].values()))["step_ms"])
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        width = 0.8 / len(sides)
+        for i, side in enumerate(sides):
+            ratios = [results["B1"][p]["ratio_vs_hand_written"][side] for p in pipelines]
+            ax.bar([j + i * width for j in range(len(pipelines))], ratios, width, label=side)
+        ax.axhline(1.02, color="k", ls="--", lw=0.8, label="target 1.02")
+        ax.set_xticks([j + width for j in range(len(pipelines))], pipelines)
+        ax.set_ylabel("step time ÷ hand-written DDP")
+        ax.set_title("B1: per-step cost (slope between two run lengths)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "b1_step_cost.png", dpi=100)
+        plt.close(fig)
+    if results.get("B2"):
+        sides = list(results["B2"])
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for i, key in enumerate(("launch_to_first_step_s", "last_step_to_exit_s")):
+            ax.barh([j + i * 0.4 for j in range(len(sides))], [results["B2"][s][key]["median"] for s in sides], 0.4,
+                    label=key.replace("_s", "").replace("_", " "))
+        ax.set_yticks([j + 0.2 for j in range(len(sides))], sides, fontsize=7)
+        ax.set_xlabel("seconds")
+        ax.set_title("B2: start-up and shut-down")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "b2_startup.png", dpi=100)
+        plt.close(fig)

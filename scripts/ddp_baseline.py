@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""The hand-written DDP loop raylane is benchmarked against: the tutorial's multi-GPU script
+(torchrun, `init_process_group`, DistributedSampler, DDP, a Trainer with `_run_batch` and
+`_run_epoch`, a snapshot at the end), no Ray, no raylane runtime. Only the model and the data
+come from raylane's pipelines, so both sides train the same thing.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 scripts/ddp_baseline.py \\
+        --pipeline digits --max-steps 300 --json out.json
+
+Rank 0 writes {"train_s", "steps", "first_step_unix", "last_step_unix"} to --json: train_s
+runs from the start of training to the end of the loop, as raylane's summary measures it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer, loss_fn, max_steps: int, clip: float | None,
+                 snapshot_path: str) -> None:
+        self.rank = dist.get_rank()
+        self.model = DDP(model)
+        self.train_data, self.optimizer, self.loss_fn = train_data, optimizer, loss_fn
+        self.max_steps, self.clip, self.snapshot_path = max_steps, clip, snapshot_path
+        self.step, self.first_step_unix = 0, None
+
+    def _run_batch(self, source, targets) -> None:
+        self.optimizer.zero_grad()
+        loss = self.loss_fn(self.model(source), targets)
+        loss.backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+
+    def _run_epoch(self, epoch: int) -> None:
+        self.train_data.sampler.set_epoch(epoch)
+        for source, targets in self.train_data:
+            self._run_batch(source, targets)
+            self.step += 1
+            if self.first_step_unix is None:
+                self.first_step_unix = time.time()
+            if self.step >= self.max_steps:
+                return
+
+    def _save_snapshot(self) -> None:
+        torch.save({"model": self.model.module.state_dict(), "steps": self.step}, self.snapshot_path)
+
+    def train(self) -> dict:
+        started, epoch = time.perf_counter(), 0
+        while self.step < self.max_steps:
+            self._run_epoch(epoch)
+            epoch += 1
+        if self.rank == 0:
+            self._save_snapshot()
+        return {"train_s": time.perf_counter() - started, "steps": self.step,
+                "first_step_unix": self.first_step_unix, "last_step_unix": time.time()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pipeline", required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+
+    from app.config import PIPELINES, load_config  # the same YAML and model as raylane, nothing else
+
+    cfg = load_config(args.pipeline, args.overrides)
+    dist.init_process_group("gloo")
+    torch.manual_seed(cfg.train.seed)
+    pipe = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg)
+    sampler = DistributedSampler(pipe.train_set, seed=cfg.train.seed)
+    loader = DataLoader(pipe.train_set, batch_size=cfg.train.batch_size, sampler=sampler)
+    o = cfg.optim
+    if o.name == "sgd":
+        optimizer = torch.optim.SGD(pipe.model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    else:
+        cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
+        optimizer = cls(pipe.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    snapshot = os.path.join(os.path.dirname(os.path.abspath(args.json)), "baseline-snapshot.pt")
+    result = Trainer(pipe.model, loader, optimizer, pipe.loss_fn, args.max_steps, cfg.train.grad_clip_norm,
+                     snapshot).train()
+    if dist.get_rank() == 0:
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The benchmark harness runs end to end (`raylane bench --quick`): real runs of raylane on Ray,
+under torchrun, and the hand-written DDP loop, then results.json, results.md and the charts.
+No speed is asserted here: targets live in `make bench` (README, Performance)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from app.bench_report import rows
+
+pytestmark = pytest.mark.ray
+
+
+def test_quick_bench_writes_results_table_and_charts(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "app", "bench", "--quick", "--only", "B1,B2,B6", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    b1 = report["results"]["B1"]["regression"]
+    assert set(b1["step_ms"]) == {"raylane on Ray", "raylane under torchrun", "hand-written torchrun DDP"}
+    for side, s in b1["step_ms"].items():
+        assert 0 < s["median"] < 1000 and s["n"] == 1, (side, s)
+        assert math.isclose(b1["ratio_vs_hand_written"][side], s["median"] / b1["step_ms"]["hand-written torchrun DDP"]["median"])
+    b2 = report["results"]["B2"]
+    assert {"raylane on Ray", "raylane on Ray, MLflow on", "hand-written torchrun DDP"} <= set(b2)
+    for side, r in b2.items():
+        assert 0 < r["launch_to_first_step_s"]["median"] < 300 and 0 < r["last_step_to_exit_s"]["median"] < 300, side
+    # FSDP shards parameters, gradients and Adam state over 2 ranks: about half of DDP's.
+    assert 0.4 < report["results"]["B6"]["fsdp_over_ddp"]["median"] < 0.6
+    table = (out / "results.md").read_text()
+    assert table.count("\n| B1 |") == 2 and "| B6 |" in table and report["machine"]["cpus"] >= 1
+    for chart in ("b1_step_cost.png", "b2_startup.png"):
+        assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rejects_unknown_benchmarks_and_bad_repeats(tmp_path):
+    for args, field in ((["--only", "B1,B9"], "B9"), (["--repeats", "0"], "--repeats")):
+        proc = subprocess.run([sys.executable, "-m", "app", "bench", *args, "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and field in proc.stderr and "Traceback" not in proc.stderr
+        assert not (tmp_path / "results.json").exists()
+
+
+def test_targets_are_judged_from_the_measured_medians():
+    def s(m):
+        return {"median": m, "min": m, "max": m, "n": 1, "values": [m]}
+
+    results = {"B3": {"efficiency": s(0.95)}, "B6": {"fsdp_over_ddp": s(0.6)},
+               "B7": {"async_over_sync": 0.05, "stall_ms_per_checkpoint": {"sync": s(100), "async": s(5)}}}
+    met = {(b, what.split(":")[0]): ok for b, what, _, _, ok in rows(results)}
+    assert met[("B3", "scaling 1 → 2 ranks")] == "yes"
+    assert met[("B6", "FSDP ÷ DDP state bytes per rank (gpt-tiny)")] == "**no**"
+    assert met[("B7", "checkpoint stall, async ÷ sync")] == "yes"
