@@ -176,10 +176,13 @@ def test_autoscaler_adds_nodes_for_a_two_worker_run_and_removes_them_after(tmp_p
         assert "on 2 workers across 2 nodes" in out.stdout
 
         monitor = next(temp.glob("session_*/logs/monitor.log"))
-        assert re.search(r"Adding 2 node\(s\) of type cpu_node", monitor.read_text())
+        # The autoscaler may add the two nodes in one go or one at a time.
+        added = re.findall(r"Adding (\d+) node\(s\) of type cpu_node", monitor.read_text())
+        assert sum(map(int, added)) >= 2, added
         # Idle for 12 s (idle_timeout_minutes), the nodes go away.
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while _worker_nodes(gcs, env) != 0:
             assert time.monotonic() < deadline, "the idle nodes were not removed"
             time.sleep(2)
-        assert re.search(r"Removing 2 nodes of type cpu_node \(idle\)", monitor.read_text())
+        # No log line is asserted for the removal: the monitor writes "Removing N
+        # nodes (idle)" in some rounds and only "Resized to 0 CPUs" in others.
