@@ -60,18 +60,16 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         run_future = pool.submit(open_run, cfg, tracking_uri, world_size) if tracked else None
         embedded = False
         if use_ray:
-            import ray
-
-            from app.launch import init_ray
+            from app.launch import init_ray, shutdown_ray
 
             embedded = init_ray(address, cfg)
-            stack.callback(ray.shutdown)  # last: after the summary is out
+            stack.callback(shutdown_ray, embedded)  # last: after the summary is out
             signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init replaced ours
         # From here on, a first SIGTERM or Ctrl-C asks the ranks to checkpoint and stop.
         preemption.install()
         handle = _opened(cfg, run_future, tracking_uri)
         display = ProgressDisplay() if is_driver else None
-        recorder = RunRecorder(handle, cfg) if handle else None
+        recorder = RunRecorder(handle, cfg, prewarm=use_ray) if handle else None
         status, error, result = _execute(cfg, use_ray, embedded, handle, tracking_uri, display, recorder)
         if not use_ray and world_size > 1:
             # Training is over on this rank. When another rank failed, torchrun now SIGTERMs the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,21 @@ PLOTTED = {"loss": ("train/loss", "eval/loss"), "eval_metrics": ("eval/accuracy"
 
 
 class RunRecorder:
-    def __init__(self, handle: RunHandle, cfg: BaseConfig) -> None:
+    def __init__(self, handle: RunHandle, cfg: BaseConfig, *, prewarm: bool = False) -> None:
+        """`prewarm`: this process does not train (a Ray driver), so it imports what the
+        end-of-run records need while the workers train, instead of after the last step."""
         self.handle, self.cfg = handle, cfg
         self.checkpoints: list[dict[str, Any]] = []
         self._logger = MetricLogger(handle.tracking_uri, handle.run_id)
+        self._prewarm = prewarm
 
     def on_event(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
-        if kind == "start":
+        if kind == "first_step" and self._prewarm:
+            self._prewarm = False
+            # After the first step, so that start-up does not wait for it either.
+            threading.Thread(target=_import_record_modules, name="raylane-prewarm", daemon=True).start()
+        elif kind == "start":
             self._logger.set_tags({"raylane.host": event.get("host", "?"), **(event.get("strategy_tags") or {})})
         elif kind == "checkpoint":
             record = {k: event.get(k) for k in ("step", "location", "metrics", "time_unix")}
@@ -51,6 +59,18 @@ class RunRecorder:
             out.update(_attempt("model", lambda: log_model(self.handle, checkpoint, register)) or {})
         _attempt("plots", lambda: log_plots(client, self.handle))
         return out
+
+
+def _import_record_modules() -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+        import mlflow.pytorch  # noqa: F401
+        from mlflow.models import infer_signature  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - finish() imports them again and reports what fails
+        log.debug("prewarming the record modules failed: %s", exc)
 
 
 def _attempt(what: str, action):

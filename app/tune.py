@@ -277,7 +277,7 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
 def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, summary_path: str | None,
               register: str | None) -> int:
     """Run (or continue) the sweep; returns the exit code (0 when every trial ended cleanly)."""
-    from app.launch import init_ray
+    from app.launch import init_ray, shutdown_ray
 
     tracking_uri = resolve_tracking_uri()
     base = base.model_copy(update={"run": base.run.model_copy(update={
@@ -309,7 +309,7 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
         raise
     finally:
         if embedded:
-            ray.shutdown()
+            shutdown_ray(embedded)
     if summary_path:
         Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
     print(_table(rows, sweep), flush=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import REPO, read_json
+from tests.conftest import REPO, read_json, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -17,6 +17,11 @@ def test_digits_on_two_ray_workers(run_cli, tmp_path):
     proc = run_cli("train", str(REPO / "pipelines" / "digits.yaml"),
                    "--set", "scaling.num_workers=2", "--set", "run.name=digits2", "--summary-json", "s.json")
     assert proc.wait(300) == 0, proc.output
+    # The embedded cluster goes with the run (the driver skips the interpreter's teardown, so
+    # this checks that Ray's own shutdown still ran): no Ray daemon or worker outlives it, and
+    # Ray's autoscaler monitor was stopped without reporting itself failed.
+    assert wait_for(lambda: not proc.session_pids(), 15)
+    assert "autoscaler failed" not in proc.output
     s = read_json(tmp_path / "s.json")
     assert s["status"] == "FINISHED" and s["error"] is None
     assert s["metrics"]["accuracy"] >= 0.95
