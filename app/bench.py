@@ -33,6 +33,9 @@ QUIET = ["mlflow.enabled=false", "checkpoint.every_n_steps=0", "checkpoint.every
 # (pipeline, short and long run in steps, overrides); quick runs use the first only, shorter.
 B1_CASES = [("regression", (100, 600), []), ("digits", (50, 300), []), ("gpt-tiny", (20, 80), [])]
 B1_SIDES = ("raylane on Ray", "raylane under torchrun", "hand-written torchrun DDP")
+# The hand-written loop in a plain TorchTrainer: tells Ray's own cost from raylane's. On the
+# tiny-step case only, where per-step overhead shows (each of its runs starts a Ray cluster).
+PLAIN_RAY = "hand-written loop on plain Ray Train"
 # Compute-bound for B3: a wide MLP on digits, large batches.
 B3_MODEL = ["model.hidden_size=1024", "model.num_layers=3", "train.batch_size=128"]
 # About 50 MB of parameters and Adam state for B7, so a save takes visible time.
@@ -84,9 +87,10 @@ class Bench:
         return {**times, "train_s": s["train_s"], "steps": s["steps"], "summary": s,
                 "first_step": s["timing"]["first_step_unix"], "last_step": s["timing"]["last_step_unix"]}
 
-    def baseline(self, pipeline: str, steps: int, sets: list[str]) -> dict[str, Any]:
+    def baseline(self, pipeline: str, steps: int, sets: list[str], *, plain_ray: bool = False) -> dict[str, Any]:
         out = self.work / f"baseline-{self._n + 1}.json"
-        times = self.run([*TORCHRUN, BASELINE, "--pipeline", pipeline, "--max-steps", str(steps),
+        head = [PY, BASELINE, "--ray"] if plain_ray else [*TORCHRUN, BASELINE]
+        times = self.run([*head, "--pipeline", pipeline, "--max-steps", str(steps),
                           *[x for s in sets for x in ("--set", s)], "--json", str(out)])
         r = json.loads(out.read_text())
         return {**times, "train_s": r["train_s"], "steps": r["steps"], "first_step": r["first_step_unix"],
@@ -117,11 +121,13 @@ class Bench:
                         "scaling.num_workers=2"]
                 return {B1_SIDES[0]: lambda: self.raylane(pipeline, sets),
                         B1_SIDES[1]: lambda: self.raylane(pipeline, sets, launcher="torchrun"),
-                        B1_SIDES[2]: lambda: self.baseline(pipeline, steps, [*extra])}
+                        B1_SIDES[2]: lambda: self.baseline(pipeline, steps, [*extra]),
+                        PLAIN_RAY: lambda: self.baseline(pipeline, steps, [*extra], plain_ray=True)}
 
-            pairs: dict[str, list[tuple[Any, Any]]] = {name: [] for name in B1_SIDES}
+            names = [*B1_SIDES, *([PLAIN_RAY] if pipeline == "regression" else [])]
+            pairs: dict[str, list[tuple[Any, Any]]] = {name: [] for name in names}
             for _ in range(self.repeats):  # short and long of each side back to back, sides interleaved
-                for name in B1_SIDES:
+                for name in names:
                     pairs[name].append((sides(short)[name](), sides(long)[name]()))
             slopes = {name: [(b["train_s"] - a["train_s"]) / (b["steps"] - a["steps"]) * 1e3 for a, b in runs]
                       for name, runs in pairs.items()}

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 HAND = "hand-written torchrun DDP"
+PLAIN_RAY = "hand-written loop on plain Ray Train"
 
 
 def _m(s: dict[str, Any], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
@@ -22,18 +23,27 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             out.append(("B1", f"{pipeline}: step time, {side} ÷ hand-written",
                         f"{ratio:.3f} ({_m(r['step_ms'][side])} ms vs {_m(hand)} ms)", "≤ 1.02",
                         _met(ratio <= 1.02)))
+        if PLAIN_RAY in r["step_ms"]:
+            plain = r["step_ms"][PLAIN_RAY]
+            out.append(("B1", f"{pipeline}: step time, {PLAIN_RAY} ÷ hand-written",
+                        f"{r['ratio_vs_hand_written'][PLAIN_RAY]:.3f} ({_m(plain)} ms)", "—", "—"))
+            ours = r["step_ms"]["raylane on Ray"]["median"] / plain["median"]
+            out.append(("B1", f"{pipeline}: step time, raylane on Ray ÷ {PLAIN_RAY}", f"{ours:.3f}", "—", "—"))
     b2 = results.get("B2", {})
     if HAND in b2:
         torchrun = b2[HAND]["launch_to_first_step_s"]["median"]
         for side, r in b2.items():
-            if side == HAND:
+            if side in (HAND, PLAIN_RAY):
                 continue
             first, last = r["launch_to_first_step_s"], r["last_step_to_exit_s"]
             out.append(("B2", f"{side}: launch to first step (s)", _m(first),
                         f"≤ torchrun + 5 = {torchrun + 5:.1f}", _met(first["median"] <= torchrun + 5)))
             out.append(("B2", f"{side}: end of training to exit (s)", _m(last), "≤ 2", _met(last["median"] <= 2)))
-        out.append(("B2", "hand-written torchrun: launch to first step / end to exit (s)",
-                    f"{_m(b2[HAND]['launch_to_first_step_s'])} / {_m(b2[HAND]['last_step_to_exit_s'])}", "—", "—"))
+        for side in (HAND, PLAIN_RAY):
+            if side in b2:
+                out.append(("B2", f"{side}: launch to first step / end to exit (s)",
+                            f"{_m(b2[side]['launch_to_first_step_s'])} / {_m(b2[side]['last_step_to_exit_s'])}",
+                            "—", "—"))
     if "B3" in results:
         e = results["B3"]["efficiency"]
         out.append(("B3", "scaling 1 → 2 ranks: throughput(2) ÷ 2·throughput(1)", _m(e, fmt="{:.3f}"), "≥ 0.9",
@@ -92,11 +102,11 @@ def _charts(results: dict[str, Any], out: Path) -> None:
 
     if results.get("B1"):
         pipelines = list(results["B1"])
-        sides = list(next(iter(results["B1"].values()))["step_ms"])
+        sides = list(dict.fromkeys(side for r in results["B1"].values() for side in r["step_ms"]))
         fig, ax = plt.subplots(figsize=(7, 3.5))
         width = 0.8 / len(sides)
         for i, side in enumerate(sides):
-            ratios = [results["B1"][p]["ratio_vs_hand_written"][side] for p in pipelines]
+            ratios = [results["B1"][p]["ratio_vs_hand_written"].get(side, 0.0) for p in pipelines]
             ax.bar([j + i * width for j in range(len(pipelines))], ratios, width, label=side)
         ax.axhline(1.02, color="k", ls="--", lw=0.8, label="target 1.02")
         ax.set_xticks([j + width for j in range(len(pipelines))], pipelines)

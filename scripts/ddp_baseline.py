@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """The hand-written DDP loop raylane is benchmarked against: the tutorial's multi-GPU script
 (torchrun, `init_process_group`, DistributedSampler, DDP, a Trainer with `_run_batch` and
-`_run_epoch`, a snapshot at the end), no Ray, no raylane runtime. Only the model and the data
+`_run_epoch`, a snapshot at the end), no Ray, no raylane runtime; with --ray, the same loop in a
+plain Ray TorchTrainer. Only the model and the data
 come from raylane's pipelines, so both sides train the same thing.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 scripts/ddp_baseline.py \\
         --pipeline digits --max-steps 300 --json out.json
+    OMP_NUM_THREADS=1 python scripts/ddp_baseline.py --ray --pipeline digits --max-steps 300 --json out.json
 
 Rank 0 writes {"train_s", "steps", "first_step_unix", "last_step_unix"} to --json: train_s
 runs from the start of training to the end of the loop, as raylane's summary measures it."""
@@ -65,18 +67,11 @@ class Trainer:
                 "first_step_unix": self.first_step_unix, "last_step_unix": time.time()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--pipeline", required=True)
-    parser.add_argument("--max-steps", type=int, required=True)
-    parser.add_argument("--set", action="append", default=[], dest="overrides")
-    parser.add_argument("--json", required=True)
-    args = parser.parse_args()
-
+def run(pipeline: str, max_steps: int, overrides: list[str], json_path: str) -> None:
+    """Train on the process group already set up (by torchrun or Ray Train); rank 0 writes --json."""
     from app.config import PIPELINES, load_config  # the same YAML and model as raylane, nothing else
 
-    cfg = load_config(args.pipeline, args.overrides)
-    dist.init_process_group("gloo")
+    cfg = load_config(pipeline, overrides)
     torch.manual_seed(cfg.train.seed)
     pipe = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg)
     sampler = DistributedSampler(pipe.train_set, seed=cfg.train.seed)
@@ -87,12 +82,48 @@ def main() -> None:
     else:
         cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
         optimizer = cls(pipe.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
-    snapshot = os.path.join(os.path.dirname(os.path.abspath(args.json)), "baseline-snapshot.pt")
-    result = Trainer(pipe.model, loader, optimizer, pipe.loss_fn, args.max_steps, cfg.train.grad_clip_norm,
+    snapshot = os.path.join(os.path.dirname(os.path.abspath(json_path)), "baseline-snapshot.pt")
+    result = Trainer(pipe.model, loader, optimizer, pipe.loss_fn, max_steps, cfg.train.grad_clip_norm,
                      snapshot).train()
     if dist.get_rank() == 0:
-        with open(args.json, "w") as f:
+        with open(json_path, "w") as f:
             json.dump(result, f)
+
+
+def _ray_loop(config: dict) -> None:
+    run(config["pipeline"], config["max_steps"], config["overrides"], config["json"])
+
+
+def run_on_plain_ray(args: argparse.Namespace) -> None:
+    """The same loop in a plain TorchTrainer with Ray Train's defaults (an embedded cluster, one
+    CPU per worker): what raylane on Ray is compared with to tell Ray's cost from raylane's."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.init(address="local", num_cpus=max(args.workers, os.cpu_count() or 1), logging_level="WARNING")
+    TorchTrainer(_ray_loop, train_loop_config={"pipeline": args.pipeline, "max_steps": args.max_steps,
+                                               "overrides": args.overrides, "json": os.path.abspath(args.json)},
+                 scaling_config=ScalingConfig(num_workers=args.workers),
+                 run_config=RunConfig(storage_path=os.path.join(os.path.dirname(os.path.abspath(args.json)),
+                                                                "plain-ray"))).fit()
+    ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pipeline", required=True)
+    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--ray", action="store_true", help="run in a plain Ray TorchTrainer, not under torchrun")
+    parser.add_argument("--workers", type=int, default=2, help="with --ray: the number of workers")
+    args = parser.parse_args()
+    if args.ray:
+        run_on_plain_ray(args)
+        return
+    dist.init_process_group("gloo")
+    run(args.pipeline, args.max_steps, args.overrides, args.json)
     dist.destroy_process_group()
 
 

@@ -1,5 +1,5 @@
 """The benchmark harness runs end to end (`raylane bench --quick`): real runs of raylane on Ray,
-under torchrun, and the hand-written DDP loop, then results.json, results.md and the charts.
+under torchrun, and the hand-written DDP loop under torchrun and in a plain TorchTrainer, then results.json, results.md and the charts.
 No speed is asserted here: targets live in `make bench` (README, Performance)."""
 
 from __future__ import annotations
@@ -23,18 +23,20 @@ def test_quick_bench_writes_results_table_and_charts(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())
     b1 = report["results"]["B1"]["regression"]
-    assert set(b1["step_ms"]) == {"raylane on Ray", "raylane under torchrun", "hand-written torchrun DDP"}
+    assert set(b1["step_ms"]) == {"raylane on Ray", "raylane under torchrun", "hand-written torchrun DDP",
+                                  "hand-written loop on plain Ray Train"}
     for side, s in b1["step_ms"].items():
         assert 0 < s["median"] < 1000 and s["n"] == 1, (side, s)
         assert math.isclose(b1["ratio_vs_hand_written"][side], s["median"] / b1["step_ms"]["hand-written torchrun DDP"]["median"])
     b2 = report["results"]["B2"]
-    assert {"raylane on Ray", "raylane on Ray, MLflow on", "hand-written torchrun DDP"} <= set(b2)
+    assert {"raylane on Ray", "raylane on Ray, MLflow on", "hand-written torchrun DDP",
+            "hand-written loop on plain Ray Train"} <= set(b2)
     for side, r in b2.items():
         assert 0 < r["launch_to_first_step_s"]["median"] < 300 and 0 < r["last_step_to_exit_s"]["median"] < 300, side
     # FSDP shards parameters, gradients and Adam state over 2 ranks: about half of DDP's.
     assert 0.4 < report["results"]["B6"]["fsdp_over_ddp"]["median"] < 0.6
     table = (out / "results.md").read_text()
-    assert table.count("\n| B1 |") == 2 and "| B6 |" in table and report["machine"]["cpus"] >= 1
+    assert table.count("\n| B1 |") == 4 and "raylane on Ray ÷ hand-written loop on plain Ray Train" in table and "| B6 |" in table and report["machine"]["cpus"] >= 1
     for chart in ("b1_step_cost.png", "b2_startup.png"):
         assert (out / chart).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
