@@ -99,12 +99,7 @@ class Trainer:
         self.throughput = throughput or Throughput()
         self.accum = cfg.train.grad_accum_steps
         self.strategy = strategy or Strategy("single" if runtime.world_size == 1 else "ddp")
-        precision = cfg.train.precision
-        # FSDP casts parameters itself (MixedPrecisionPolicy); DDP and one process use autocast.
-        sharded = self.strategy.name in ("fsdp", "hsdp")
-        self.autocast_dtype = None if precision == "fp32" or sharded else \
-            {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-        self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
+        self._init_precision(cfg.train.precision)
         self.state_bytes: int | None = None
         self._warm: tuple[float, int] | None = None  # (time, step) once warm-up steps are done
         # Step-boundary decisions all ranks must share: [stop now, async save not yet written].
@@ -119,6 +114,16 @@ class Trainer:
         self._saved_step: int | None = None
         self.preempted = False
         self.failed_checkpoints = 0
+        self._init_progress(train_data, cfg, runtime.world_size)
+
+    def _init_precision(self, precision: str) -> None:
+        # FSDP casts parameters itself (MixedPrecisionPolicy); DDP and one process use autocast.
+        sharded = self.strategy.name in ("fsdp", "hsdp")
+        self.autocast_dtype = None if precision == "fp32" or sharded else \
+            {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
+
+    def _init_progress(self, train_data: DataLoader, cfg: BaseConfig, world_size: int) -> None:
         # Progress, saved in every checkpoint: resume continues at exactly the next batch.
         self.epoch = 0
         self.step = 0
@@ -126,7 +131,7 @@ class Trainer:
         self.resumed_from_step: int | None = None
         self.steps_per_epoch, self.total_steps = plan_steps(train_data, cfg)
         self.batches_per_epoch = math.ceil(len(train_data.sampler) / train_data.batch_size)
-        self.samples_per_step = cfg.train.batch_size * runtime.world_size * self.accum
+        self.samples_per_step = cfg.train.batch_size * world_size * self.accum
         self.eval_metrics: dict[str, float] = {}
         self.eval_step: int | None = None  # the step eval_metrics were measured at
         self.skipped_steps = 0
