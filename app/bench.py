@@ -213,8 +213,6 @@ ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8")
 
 
 def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | None) -> int:
-    from app import bench_report
-
     chosen = [b.upper() for b in (only or ALL)]
     unknown = sorted(set(chosen) - set(ALL))
     if unknown:
@@ -223,23 +221,45 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
     bench = Bench(out, repeats or (1 if quick else 5), quick)
     started = time.time()
     results: dict[str, Any] = {}
+    failed: list[str] = []
+    steps: list[tuple[str, Callable[[], Any]]] = []
     if "B1" in chosen or "B2" in chosen:
-        results["B1"], results["B2"] = bench.b1_b2()
-        if "B2" in chosen:
-            results["B2"].update(bench.b2_tracked())
-    for name, fn in (("B3", bench.b3), ("B4", lambda: b4(bench)), ("B5", bench.b5), ("B6", bench.b6),
-                     ("B7", bench.b7), ("B8", b8)):
-        if name in chosen:
-            results[name] = fn()
-    report = {"machine": machine(), "quick": quick, "repeats": bench.repeats, "started_unix": started,
-              "wall_s": time.time() - started,
-              "command": "raylane bench" + (" --quick" if quick else "") + (f" --only {','.join(chosen)}" if only else ""),
+        steps.append(("B1", lambda: dict(zip(("B1", "B2"), bench.b1_b2(), strict=True))))
+    if "B2" in chosen:
+        steps.append(("B2", lambda: {"B2": {**results.get("B2", {}), **bench.b2_tracked()}}))
+    steps += [(name, lambda fn=fn, name=name: {name: fn()}) for name, fn in
+              (("B3", bench.b3), ("B4", lambda: b4(bench)), ("B5", bench.b5), ("B6", bench.b6),
+               ("B7", bench.b7), ("B8", b8)) if name in chosen]
+    for name, step in steps:
+        # One failed benchmark must not throw away the hour of figures around it: its error is
+        # recorded and shown in the table, and results.json is rewritten after every benchmark.
+        try:
+            results.update(step())
+        except Exception as e:  # noqa: BLE001 - any failure of a measured run
+            print(f"[bench] {name} FAILED: {e}", flush=True)
+            failed.append(name)
+            results.setdefault("failed", {})[name] = str(e)[-4000:]
+        _write(bench, out, only, chosen, started, results, final=False)
+    print(_write(bench, out, only, chosen, started, results, final=True), flush=True)
+    if failed:
+        print(f"error: benchmark(s) {', '.join(failed)} failed; see results.json 'failed' and {bench.work}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write(bench: Bench, out: Path, only: list[str] | None, chosen: list[str], started: float,
+           results: dict[str, Any], *, final: bool) -> str:
+    from app import bench_report
+
+    report = {"machine": machine(), "quick": bench.quick, "repeats": bench.repeats, "started_unix": started,
+              "wall_s": time.time() - started, "complete": final,
+              "command": "raylane bench" + (" --quick" if bench.quick else "") +
+                         (f" --only {','.join(chosen)}" if only else ""),
               "results": results}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = bench_report.write(report, out)
-    print(table, flush=True)
-    return 0
+    return bench_report.write(report, out) if final else ""
 
 
 def b4(bench: Bench) -> dict[str, Any]:

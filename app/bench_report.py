@@ -73,6 +73,9 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         r = results["B8"]
         out.append(("B8", "GPU: gpt2-124m bf16 + compile", r.get("skipped") or r.get("summary", "see results.json"),
                     "≥ 45% MFU", "—" if "skipped" in r else _met(r.get("mfu", 0) >= 0.45)))
+    for name, error in results.get("failed", {}).items():
+        first = error.strip().splitlines()[0] if error.strip() else "unknown error"
+        out.append((name, "did not finish (results.json has the error)", first[:200].replace("|", "/"), "—", "**failed**"))
     return out
 
 

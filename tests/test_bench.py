@@ -54,8 +54,12 @@ def test_targets_are_judged_from_the_measured_medians():
         return {"median": m, "min": m, "max": m, "n": 1, "values": [m]}
 
     results = {"B3": {"efficiency": s(0.95)}, "B6": {"fsdp_over_ddp": s(0.6)},
-               "B7": {"async_over_sync": 0.05, "stall_ms_per_checkpoint": {"sync": s(100), "async": s(5)}}}
+               "B7": {"async_over_sync": 0.05, "stall_ms_per_checkpoint": {"sync": s(100), "async": s(5)}},
+               "failed": {"B5": "scripts/bench_mlflow.py exited 1; its output:\nTraceback ..."}}
     met = {(b, what.split(":")[0]): ok for b, what, _, _, ok in rows(results)}
     assert met[("B3", "scaling 1 → 2 ranks")] == "yes"
     assert met[("B6", "FSDP ÷ DDP state bytes per rank (gpt-tiny)")] == "**no**"
     assert met[("B7", "checkpoint stall, async ÷ sync")] == "yes"
+    # A benchmark that did not finish is a row of its own, with the first line of its error.
+    assert [(b, m, ok) for b, _, m, _, ok in rows(results) if ok == "**failed**"] == \
+        [("B5", "scripts/bench_mlflow.py exited 1; its output:", "**failed**")]
