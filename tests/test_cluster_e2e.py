@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -37,15 +38,25 @@ def _answers(url: str) -> int | None:
         return None
 
 
+def _auth_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of every process that talks to the test's head: token mode, and a token of
+    the test's own (a fresh machine has no ~/.ray/auth_token, and the user's is left alone)."""
+    token = tmp_path / "auth_token"
+    if not token.exists():
+        token.write_text(uuid.uuid4().hex)
+        token.chmod(0o600)
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), PATH=f"{BIN}:{os.environ['PATH']}")
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
 @contextlib.contextmanager
 def _head(tmp_path: Path, *extra: str, env: dict[str, str] | None = None, gcs_port: int | None = None):
     """`ray start --head --block` on 127.0.0.1 with its own temp dir and ports, token auth on.
     Yields (dashboard URL, GCS address, temp dir); kills its whole session by pid at the end."""
     gcs_port, dashboard_port = gcs_port or free_port(), free_port()
     temp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's unix socket paths are limited
-    env = dict(os.environ, RAY_AUTH_MODE="token", PATH=f"{BIN}:{os.environ['PATH']}", RAY_USAGE_STATS_ENABLED="0",
-               **(env or {}))
-    env.pop("RAY_ADDRESS", None)
+    env = {**_auth_env(tmp_path), "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
     log = open(tmp_path / "head.log", "w")
     proc = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
@@ -89,7 +100,7 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(ray_hea
     assert _answers(f"{ray_head}/api/jobs/") == 401
 
     db = tmp_path / "mlflow.db"
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_ADDRESS=ray_head, PATH=f"{BIN}:{os.environ['PATH']}")
+    env = dict(_auth_env(tmp_path), RAY_ADDRESS=ray_head)
     runtime_env = {"excludes": [".venv", ".git", "runs", "mlflow.db", "mlartifacts", "test-artifacts", "**/__pycache__"],
                    "env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}}
     train = ["raylane", "train", "pipelines/digits.yaml", "--set", "train.max_epochs=1", "--set", "mlflow.log_model=false",
@@ -156,7 +167,7 @@ def test_autoscaler_adds_nodes_for_a_two_worker_run_and_removes_them_after(tmp_p
     head_env = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", **ONE_HOST}
     with _head(tmp_path, "--num-cpus=0", f"--autoscaling-config={tmp_path / 'cluster.yaml'}", env=head_env,
                gcs_port=gcs_port) as (_, gcs, temp):
-        env = dict(os.environ, RAY_AUTH_MODE="token", PATH=f"{BIN}:{os.environ['PATH']}", **ONE_HOST)
+        env = dict(_auth_env(tmp_path), **ONE_HOST)
         assert wait_for(lambda: _worker_nodes(gcs, env) is not None, 60)
         assert _worker_nodes(gcs, env) == 0
 
