@@ -22,9 +22,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 # A single process without a process group is a supported DCP mode, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -82,8 +79,21 @@ def _own_files(path: Path, rank: int) -> dict[str, dict[str, Any]]:
     return {p.name: _digest(p) for p in names}
 
 
-# DCP's CheckpointException derives from BaseException, not Exception.
-_SAVE_ERRORS = (Exception, CheckpointException)
+def _dcp():
+    """torch.distributed.checkpoint, imported at the first save or load rather than with this
+    module: it pulls in DTensor, sympy and torch.fx (~1 s of CPU per rank on 2 cores), which
+    would otherwise sit between launch and the first step of every run."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict  # noqa: F401 - get_state_dict, set_state_dict
+
+    return dcp
+
+
+def _save_errors() -> tuple[type[BaseException], ...]:
+    # DCP's CheckpointException derives from BaseException, not Exception.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -135,7 +145,7 @@ class PendingSave:
                 self.future.result()
             if error is None:
                 files = _own_files(self.path, self.rank)
-        except _SAVE_ERRORS as exc:  # reported on every rank below
+        except _save_errors() as exc:  # reported on every rank below
             error = error or _describe(exc, self.rank)
         gathered = _gather({"files": files, "error": error})
         _fail_if(self.step, [part["error"] for part in gathered])
@@ -184,7 +194,8 @@ def begin_save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch
     path = Path(path)
     future, error = None, None
     try:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp = _dcp()
+        model_sd, optim_sd = dcp.state_dict.get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         if asynchronous:
             future = dcp.async_save(state, checkpoint_id=str(path), process_group=group,
@@ -193,7 +204,7 @@ def begin_save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch
         else:
             dcp.save(state, checkpoint_id=str(path))
         (path / rng_file(rank)).write_text(json.dumps(rng_state()))
-    except _SAVE_ERRORS as exc:  # reported on every rank by commit()
+    except _save_errors() as exc:  # reported on every rank by commit()
         error = _describe(exc, rank)
     return PendingSave(path, rank, train_state, future, error)
 
@@ -216,10 +227,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     DCP's `.metadata` is a pickle: only load checkpoints this project wrote (trusted storage)."""
     if not (Path(path) / MANIFEST_FILE).exists():
         raise FileNotFoundError(f"{path} is not a committed checkpoint (no {MANIFEST_FILE})")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp = _dcp()
+    model_sd, optim_sd = dcp.state_dict.get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp.state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     train_state = read_manifest(path)["train_state"]
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rng = Path(path) / rng_file(rank if rank is not None else -1)
