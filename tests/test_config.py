@@ -6,7 +6,6 @@ import io
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
-from pathlib import Path
 
 import pytest
 import yaml
