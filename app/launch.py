@@ -21,6 +21,7 @@ import torch
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
+from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 
 from app import preemption
 from app.config import BaseConfig, validate
@@ -29,20 +30,9 @@ from app.storage import CheckpointStore
 
 log = logging.getLogger("raylane")
 
-# Ray Train polls its workers every 2 s by default, and a run's end waits for that poll. Each poll
-# is an RPC into every worker, which on a busy node delays a rank, and its peers wait in the next
-# all-reduce: at 0.2 s, B1 measured 2.8 ms a step against 2.5 ms at 1 s (`regression`, 2 ranks on
-# 2 cores). The end of a run takes about two polls: last step to exit was 1.0 s at 0.2 s,
-# 1.2-1.6 s at 0.5 s and 2.3-2.5 s at 1 s. 0.5 s keeps it under B2's 2 s with fewer interruptions.
-TRAIN_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
-# An embedded cluster lives and dies with this process on one node: nothing can preempt its node,
-# nobody scrapes its metrics, and its placement groups vanish with it. Each of these features
-# costs an extra process or RPCs at start-up on a small machine.
-EMBEDDED_ENV_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}
 EVENT_POLL_S = 0.25
 DRIVER_STOP_POLL_S = 0.5
 LISTENER_STOP_GRACE_S = 60.0
-EMBEDDED_OBJECT_STORE_BYTES = 512 * 1024**2
 
 
 class TrainingError(RuntimeError):
@@ -160,15 +150,47 @@ class _RaylaneTorchConfig(TorchConfig):
         return _RaylaneTorchBackend
 
 
-class _EmbeddedTorchTrainer(TorchTrainer):
-    """TorchTrainer without the detached placement-group cleaner actor (~600 MB, one process):
-    on an embedded cluster the placement group dies with the cluster anyway."""
+class _RaylaneTorchTrainer(TorchTrainer):
+    """TorchTrainer without Ray Data's dataset manager: raylane's pipelines feed their own
+    DataLoaders, yet Ray Train starts that manager as an actor (a process importing Ray, ~3 s
+    of CPU on 2 cores) on the way to the first step even when the trainer is given no datasets."""
+
+    def _create_default_callbacks(self):
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+        return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, DatasetsCallback)]
+
+
+class _NoAutoscalerScalingPolicy(FixedScalingPolicy):
+    """Ray Train's fixed-size policy, less its resource requests to the autoscaling coordinator.
+    The first request starts the coordinator actor (another process) and blocks the controller
+    for up to 5 s until it answers, before any worker starts; an embedded cluster has no
+    autoscaler to pass the request to."""
+
+    def after_controller_start(self, train_run_context) -> None:
+        pass
+
+    def _maybe_send_resource_request(self) -> None:
+        pass
+
+    def _cancel_resource_request(self) -> None:
+        pass
+
+
+class _EmbeddedTorchTrainer(_RaylaneTorchTrainer):
+    """On an embedded cluster, also without the detached placement-group cleaner actor (~600 MB,
+    one process: the placement group dies with the cluster anyway) and without autoscaler
+    requests (see _NoAutoscalerScalingPolicy)."""
 
     def _create_default_callbacks(self):
         from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
         return [cb for cb in super()._create_default_callbacks()
                 if not isinstance(cb, PlacementGroupCleanerCallback)]
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        controller_init_kwargs["scaling_policy"] = _NoAutoscalerScalingPolicy(self.scaling_config)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
 def _train_fn(loop_config: dict[str, Any]) -> None:
@@ -188,58 +210,6 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     if runtime.rank == 0 and loop_config.get("run_id"):
         metric_logger = rank_zero_logger(cfg, loop_config["tracking_uri"], loop_config["run_id"])
     run_worker(cfg, runtime, metric_logger)
-
-
-def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboard: bool = False) -> bool:
-    """Join `address` (or RAY_ADDRESS) if given, else start a fresh embedded cluster (with at
-    least `num_cpus` logical CPUs; with `dashboard`, the dashboard on a free loopback port, for
-    the State API that Ray Train's placement-group cleaner needs when Tune kills a trial).
-
-    Returns True when this process started the cluster and so must shut it down."""
-    for key, value in TRAIN_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-        return False
-    for key, value in EMBEDDED_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    needed = max(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker, num_cpus)
-    ray.init(
-        address="local",  # never attach to a stale cluster by accident
-        num_cpus=max(int(needed + 0.999), os.cpu_count() or 1),
-        num_gpus=torch.cuda.device_count() if cfg.scaling.use_gpu else 0,
-        include_dashboard=dashboard,
-        **({"dashboard_host": "127.0.0.1", "dashboard_port": _free_port()} if dashboard else {}),
-        object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
-        logging_level=logging.WARNING,
-    )
-    return True
-
-
-def shutdown_ray(embedded: bool) -> None:
-    """ray.shutdown(), less an idle second for an embedded cluster. Ray stops its autoscaler
-    monitor last, with SIGTERM, and the monitor spends about 1 s reporting its own termination
-    (a traceback on the driver's console) to a GCS that is already gone. An embedded cluster
-    never autoscales, so its monitor is killed outright first; the rest stops as Ray does it."""
-    if embedded:
-        try:
-            node = ray._private.worker._global_node  # private: checked, with a plain shutdown as fallback
-            monitors = node.all_processes.get("monitor", []) if node is not None else []
-            for info in monitors:
-                info.process.kill()
-                info.process.wait(5)
-        except Exception as exc:  # noqa: BLE001 - a Ray internal moved: shut down the slow way
-            log.debug("could not stop Ray's monitor first: %s", exc)
-    ray.shutdown()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # gloo prefixes its errors with a C++ source location; it says nothing to a user.
@@ -305,12 +275,12 @@ def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str
 
 def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                   on_event: Callable[[dict[str, Any]], None], *, embedded: bool) -> dict[str, Any]:
-    """Train on the connected cluster (see `init_ray`); the caller shuts Ray down."""
+    """Train on the connected cluster (see `app.cluster.init_ray`); the caller shuts Ray down."""
     sink = EventSink.remote()
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
-    trainer_cls = _EmbeddedTorchTrainer if embedded else TorchTrainer
+    trainer_cls = _EmbeddedTorchTrainer if embedded else _RaylaneTorchTrainer
     trainer = trainer_cls(
         _train_fn,
         train_loop_config={"config": cfg.model_dump(mode="json"), "sink": sink,

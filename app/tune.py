@@ -277,7 +277,7 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
 def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, summary_path: str | None,
               register: str | None) -> int:
     """Run (or continue) the sweep; returns the exit code (0 when every trial ended cleanly)."""
-    from app.launch import init_ray, shutdown_ray
+    from app.cluster import init_ray, shutdown_ray
 
     tracking_uri = resolve_tracking_uri()
     base = base.model_copy(update={"run": base.run.model_copy(update={
