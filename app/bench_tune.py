@@ -19,16 +19,17 @@ def b4(bench) -> dict[str, Any]:
 
     print("[bench] B4 Tune sweep against its ideal and plain Ray Tune", flush=True)
     lrs = LRS[:2] if bench.quick else LRS
-    sweep = bench.work / "b4-sweep.yaml"
-    sweep.write_text(yaml.safe_dump({
-        "sweep": {"name": "bench-b4", "base": "digits", "space": {"optim.lr": {"grid": lrs}},
-                  "algorithm": "grid", "scheduler": "fifo", "max_concurrent_trials": CONCURRENCY,
-                  "metric": "accuracy", "mode": "max"},
-        "train": {"max_epochs": EPOCHS}, "scaling": {"num_workers": 2},
-        "checkpoint": {"every_n_steps": 0}, "mlflow": {"system_metrics": False}}))
 
     def raylane() -> dict[str, Any]:
-        out = bench.work / f"b4-raylane-{bench._n + 1}.json"
+        n = bench._n + 1
+        out, sweep = bench.work / f"b4-raylane-{n}.json", bench.work / f"b4-sweep-{n}.yaml"
+        # A sweep of its own each repeat: a sweep name that exists is resumed, not run again.
+        sweep.write_text(yaml.safe_dump({
+            "sweep": {"name": f"bench-b4-{n}", "base": "digits", "space": {"optim.lr": {"grid": lrs}},
+                      "algorithm": "grid", "scheduler": "fifo", "max_concurrent_trials": CONCURRENCY,
+                      "metric": "accuracy", "mode": "max"},
+            "train": {"max_epochs": EPOCHS}, "scaling": {"num_workers": 2},
+            "checkpoint": {"every_n_steps": 0}, "mlflow": {"system_metrics": False}}))
         times = bench.run([PY, "-m", "app", "tune", str(sweep), "--set", f"run.storage_path={bench.work / 'runs'}",
                            "--summary-json", str(out)])
         s = json.loads(out.read_text())

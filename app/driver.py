@@ -170,6 +170,8 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         "wall_s": round(ended - launched, 3),
         "samples_per_s": result.get("samples_per_s"),
         "train_s": result.get("train_s"),  # rank 0, from the start of training to the end of its loop
+        "train_cpu_s": result.get("train_cpu_s"),  # rank 0's process, over the same span
+        "checkpoint_stall_s": result.get("checkpoint_stall_s"),  # rank 0's loop, waiting on saves
         "tokens_per_s": result.get("tokens_per_s"),
         "mfu": result.get("mfu"),
         # The largest over the ranks: parameters + gradients + optimizer state one rank holds,

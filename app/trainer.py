@@ -101,7 +101,8 @@ class Trainer:
         self.strategy = strategy or Strategy("single" if runtime.world_size == 1 else "ddp")
         self._init_precision(cfg.train.precision)
         self.state_bytes: int | None = None
-        self._warm: tuple[float, int] | None = None  # (time, step) once warm-up steps are done
+        # (wall time, process CPU time, step) once the warm-up steps are done
+        self._warm: tuple[float, float, int] | None = None
         # Step-boundary decisions all ranks must share: [stop now, async save not yet written].
         self.vote = ControlVote(2, control_group)
         # Each collective outside DDP's costs a few ms on 2 busy CPU cores (one rank waits to be
@@ -114,6 +115,9 @@ class Trainer:
         self._saved_step: int | None = None
         self.preempted = False
         self.failed_checkpoints = 0
+        # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
+        # which every run pays whether saves are asynchronous or not, is left out.
+        self.checkpoint_stall_s = 0.0
         self._init_progress(train_data, cfg, runtime.world_size)
 
     def _init_precision(self, precision: str) -> None:
@@ -216,7 +220,7 @@ class Trainer:
             self.step += 1
             self.batch_in_epoch += len(micro_batches)
             if self._warm is None and self.step - (self.resumed_from_step or 0) == WARMUP_STEPS:
-                self._warm = (time.perf_counter(), self.step)
+                self._warm = (time.perf_counter(), time.process_time(), self.step)
             self._window_steps += 1
             if loss is not None:  # accumulated on the device: no host sync per step
                 self._loss_sum += loss
@@ -241,7 +245,9 @@ class Trainer:
         (stop, save_not_written), (agreed_step_s,) = self.vote.poll(
             preemption.requested(), pending is None or not pending.done(), values=(step_s,))
         if pending is not None and not save_not_written:
+            blocked = time.perf_counter()
             self._commit_pending()
+            self.checkpoint_stall_s += time.perf_counter() - blocked
         self.next_vote = self.step + min(max(int(VOTE_INTERVAL_S / max(agreed_step_s, 1e-6)), 1), VOTE_MAX_STEPS)
         self._last_vote = (time.perf_counter(), self.step)
         self.preempted = stop
@@ -296,6 +302,7 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         if self._saved_step == self.step:
             return
+        blocked = time.perf_counter()
         self._commit_pending()  # at most one save in flight
         path = self.runtime.new_checkpoint_dir(self.step)
         if self.faults:
@@ -306,6 +313,8 @@ class Trainer:
         self._saved_step = self.step
         if not self.cfg.checkpoint.async_save:
             self._commit_pending()
+        if self.step < self.total_steps:
+            self.checkpoint_stall_s += time.perf_counter() - blocked
 
     def _commit_pending(self) -> None:
         """Collective. Commit the save in flight, if any; registered with the runtime only then."""
@@ -337,7 +346,7 @@ class Trainer:
             strategy_reason=self.strategy.reason, strategy_tags=self.strategy.tags(),
         )
         reset_peak_memory(self.device)
-        started, first_step = time.perf_counter(), self.step
+        started, started_cpu, first_step = time.perf_counter(), time.process_time(), self.step
         self.next_vote = self.step + (VOTE_EVERY_N_STEPS if self.vote.distributed else 1)
         self._last_vote = (started, self.step)
         with preemption.armed():
@@ -359,9 +368,9 @@ class Trainer:
         # A max_steps stop mid-epoch, an epoch left unevaluated, or resumed at the end.
         if self.eval_step != self.step and not self.preempted:
             self._record_eval(self._evaluate())
-        ended = time.perf_counter()
-        if self._warm is not None and self.step - self._warm[1] >= WARMUP_STEPS:
-            started, first_step = self._warm
+        ended, ended_cpu = time.perf_counter(), time.process_time()
+        if self._warm is not None and self.step - self._warm[2] >= WARMUP_STEPS:
+            started, started_cpu, first_step = self._warm
         samples_per_s = (self.step - first_step) * self.samples_per_step / max(ended - started, 1e-9)
         result = {
             "epochs": self.epoch,
@@ -374,6 +383,10 @@ class Trainer:
             "mesh": list(self.strategy.mesh_shape),
             "node_ranks": self.runtime.node_ranks,
             "train_s": ended - started,
+            # This process's CPU time over the same span, every thread counted (gloo's, Ray's):
+            # much less sensitive than train_s to other processes on a busy machine (B1).
+            "train_cpu_s": ended_cpu - started_cpu,
+            "checkpoint_stall_s": self.checkpoint_stall_s,
             "resumed_from_step": self.resumed_from_step,
             "checkpoint": self.last_checkpoint,
             "world_size": self.runtime.world_size,

@@ -28,6 +28,9 @@ def test_quick_bench_writes_results_table_and_charts(tmp_path):
     for side, s in b1["step_ms"].items():
         assert 0 < s["median"] < 1000 and s["n"] == 1, (side, s)
         assert math.isclose(b1["ratio_vs_hand_written"][side], s["median"] / b1["step_ms"]["hand-written torchrun DDP"]["median"])
+        cpu = b1["cpu_step_ms"][side]["median"]
+        assert 0 < cpu < 1000 and math.isclose(b1["cpu_ratio_vs_hand_written"][side],
+                                               cpu / b1["cpu_step_ms"]["hand-written torchrun DDP"]["median"])
     b2 = report["results"]["B2"]
     assert {"raylane on Ray", "raylane on Ray, MLflow on", "hand-written torchrun DDP",
             "hand-written loop on plain Ray Train"} <= set(b2)

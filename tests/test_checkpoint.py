@@ -86,6 +86,9 @@ def test_keep_limits_checkpoints_on_disk(run_cli, tmp_path):
     names = sorted(p.name for p in (tmp_path / "runs" / "k").iterdir())
     assert names == [checkpoint.checkpoint_name(25), checkpoint.checkpoint_name(30)]
     assert json.loads((tmp_path / "runs/k" / names[-1] / "manifest.json").read_text())["train_state"]["step"] == 30
+    # Saves at steps 5-25 held the loop up (B7 measures this); the end-of-run save is not counted.
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert 0 < summary["checkpoint_stall_s"] < summary["wall_s"] and summary["train_cpu_s"] > 0
 
 
 def test_resume_with_dropout_is_bit_exact(run_cli, tmp_path):
