@@ -67,12 +67,17 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(run_cli, tmp
 
 
 def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
-    """Two trials, one with a learning rate far too small: at an epoch boundary PBT makes the
-    worse one continue from the better one's checkpoint with perturbed values."""
+    """Two trials side by side, one with a learning rate far too small: at an epoch boundary PBT
+    makes the worse one continue from the better one's checkpoint with perturbed values.
+
+    PBT only clones a trial that is still running and that it checkpointed while both had a
+    score, so the two must overlap for a few epochs: one sample of the grid (two trials, both
+    running from the start; four trials let a fast pair finish before the slow one reports), and
+    six epochs."""
     sweep = run_cli("tune", "digits-sweep", "--set", "sweep.scheduler=pbt", "--set", "sweep.name=digits-pbt",
-                    "--set", "sweep.num_samples=2", "--set", "sweep.algorithm=grid",
+                    "--set", "sweep.num_samples=1", "--set", "sweep.algorithm=grid",
                     "--set", "sweep.space={optim.lr: {grid: [0.00001, 0.01]}}",
-                    "--set", "train.max_epochs=4", "--summary-json", "p.json", name="pbt")
+                    "--set", "train.max_epochs=6", "--summary-json", "p.json", name="pbt")
     assert sweep.wait(500) == 0, sweep.output
     s = read_json(tmp_path / "p.json")
     assert sum(r["exploits"] for r in s["trials"]) >= 1, s["trials"]
