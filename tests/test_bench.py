@@ -63,6 +63,9 @@ def test_targets_are_judged_from_the_measured_medians():
     assert met[("B3", "scaling 1 → 2 ranks")] == "yes"
     assert met[("B6", "FSDP ÷ DDP state bytes per rank (gpt-tiny)")] == "**no**"
     assert met[("B7", "checkpoint stall, async ÷ sync")] == "yes"
+    # A stall measured at or under zero is noise: the target is not met by a negative ratio.
+    noisy = {"B7": {"async_over_sync": -2.0, "stall_ms_per_checkpoint": {"sync": s(-50), "async": s(100)}}}
+    assert rows(noisy)[0][4] == "**no**"
     # A benchmark that did not finish is a row of its own, with the first line of its error.
     assert [(b, m, ok) for b, _, m, _, ok in rows(results) if ok == "**failed**"] == \
         [("B5", "scripts/bench_mlflow.py exited 1; its output:", "**failed**")]
