@@ -48,6 +48,35 @@ def plan_steps(train_data: DataLoader, cfg: BaseConfig) -> tuple[int, int]:
     return per_epoch, int(min(max_steps, cfg.train.max_epochs * per_epoch))
 
 
+def plain_parameters(params: list[torch.nn.Parameter]) -> bool:
+    """Plain tensors of one device and dtype (DDP, one process), not FSDP's DTensors."""
+    return len({(p.device, p.dtype) for p in params}) <= 1 and not any(hasattr(p, "full_tensor") for p in params)
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float | None, *,
+                   plain: bool) -> tuple[torch.Tensor, bool] | None:
+    """(the total 2-norm of the gradients, whether it is finite); None without gradients. Clipped
+    to `max_norm` when set and the norm is finite: torch.nn.utils.clip_grad_norm_, bit for bit. For `plain` parameters it
+    skips that function's grouping by device and dtype, ~60 us a step: 4% of a small model's
+    step on one core (bench B1)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
+    if plain:
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    else:
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if hasattr(norm, "full_tensor"):  # a DTensor: sharded gradients, reduced over ranks
+            norm = norm.full_tensor()
+    finite = bool(torch.isfinite(norm))  # a host sync: the caller skips the step on False
+    if max_norm and finite:
+        if plain:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm, finite
+
+
 @dataclass
 class Throughput:
     """What turns samples per second into tokens per second and MFU (None: not reported)."""
@@ -85,6 +114,10 @@ class Trainer:
         strategy: Strategy | None = None,
     ) -> None:
         self.model = model
+        # Walking the module tree costs ~70 us a step on a small model (7% of a digits step on one
+        # CPU core): the parameters are fixed once parallelized, and loads copy into them in place.
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._plain_grads = plain_parameters(self._params)
         self.train_data = train_data
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -152,16 +185,17 @@ class Trainer:
         """One optimizer step over its micro-batches; returns the mean loss, or None when a
         non-finite update was skipped. Gradients are reduced on the last micro-batch only."""
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.device)
+        n = len(micro_batches)
+        losses = []
         for i, (source, targets) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
+            last = i == n - 1
             with contextlib.nullcontext() if last else no_gradient_sync(self.model), self._autocast():
                 loss = self.loss_fn(self.model(source.to(self.device)), targets.to(self.device))
                 if self.faults:
                     loss = self.faults.corrupt_loss(self.step + 1, loss)
-                scaled = loss / len(micro_batches)
+                scaled = loss / n if n > 1 else loss  # each op dispatched costs µs on tiny steps
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total += loss.detach()
+            losses.append(loss.detach())
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         if not self._clip_gradients() and not self.scaler:  # the scaler skips such steps itself
@@ -177,7 +211,7 @@ class Trainer:
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        return total / len(micro_batches)
+        return losses[0] if n == 1 else torch.stack(losses).mean()
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -188,19 +222,11 @@ class Trainer:
         """The global gradient norm (over every shard under FSDP), clipped to train.grad_clip_norm;
         False when it is not finite. The gradients are already reduced, so a NaN on any rank is
         a NaN on every rank: all ranks reach the same verdict."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
+        clipped = clip_gradients(self._params, self.cfg.train.grad_clip_norm, plain=self._plain_grads)
+        if clipped is None:
             return True
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if hasattr(norm, "full_tensor"):  # a DTensor: sharded gradients, reduced over ranks
-            norm = norm.full_tensor()
-        self._grad_norm = norm.detach()
-        if not bool(torch.isfinite(norm)):
-            return False
-        if self.cfg.train.grad_clip_norm:
-            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.cfg.train.grad_clip_norm, norm,
-                                                 foreach=True)
-        return True
+        self._grad_norm = clipped[0].detach()
+        return clipped[1]
 
     def _micro_batches(self):
         """The epoch's batches, grouped by optimizer step (the last group may be shorter)."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from app import checkpoint
 from app.config import load_config
+from app.trainer import clip_gradients, plain_parameters
 from pipelines.regression import build
 from tests.conftest import TORCHRUN, read_json
 
@@ -73,3 +75,40 @@ def test_single_process_digits_logs_to_mlflow(run_cli, tmp_path):
     assert run.data.params["model.hidden_size"] == "128"
     assert set(run.data.metrics) >= {"train/loss", "train/lr", "train/samples_per_s", "eval/loss", "eval/accuracy"}
 
+
+
+@pytest.mark.parametrize("plain", [True, False])
+@pytest.mark.parametrize("max_norm", [None, 0.5, 1e6])
+def test_gradient_clipping_is_torchs_bit_for_bit(plain, max_norm):
+    """The trainer's norm and clipping (its fast path for plain tensors, and torch's own for
+    FSDP's DTensors) give exactly torch.nn.utils.clip_grad_norm_'s norm and gradients."""
+    torch.manual_seed(0)
+    ours, theirs = ([torch.nn.Parameter(torch.zeros(shape)) for shape in [(64, 128), (128,), (3, 3, 8)]]
+                    for _ in range(2))
+    for a, b in zip(ours, theirs, strict=True):
+        a.grad = torch.randn(a.shape) * 5
+        b.grad = a.grad.clone()
+    assert plain_parameters(ours)
+    norm, finite = clip_gradients(ours, max_norm, plain=plain)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm or float("inf"))
+    assert finite and torch.equal(norm, expected)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a.grad, b.grad)
+    if max_norm == 0.5:  # clipped: the new norm is max_norm
+        assert torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ours])).item() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_a_non_finite_gradient_is_reported_and_left_unclipped(plain):
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
+    params[0].grad = torch.tensor([1.0, float("nan"), 2.0, 3.0])
+    params[1].grad = torch.ones(4)
+    norm, finite = clip_gradients(params, 0.1, plain=plain)
+    assert not finite and torch.isnan(norm)
+    assert torch.equal(params[1].grad, torch.ones(4))  # the step is skipped: nothing scaled
+    assert clip_gradients([torch.nn.Parameter(torch.zeros(2))], 0.1, plain=plain) is None  # no gradients
+
+
+def test_mixed_dtypes_take_torchs_path():
+    assert not plain_parameters([torch.nn.Parameter(torch.zeros(2)),
+                                 torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
