@@ -15,37 +15,7 @@ def _m(s: dict[str, Any], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
 
 def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     """(benchmark, what, measured, target, met) for every figure that has a target."""
-    out: list[tuple[str, str, str, str, str]] = []
-    for pipeline, r in results.get("B1", {}).items():
-        hand = r["step_ms"][HAND]
-        for side in ("raylane on Ray", "raylane under torchrun"):
-            ratio = r["ratio_vs_hand_written"][side]
-            cpu = r.get("cpu_ratio_vs_hand_written", {}).get(side)
-            out.append(("B1", f"{pipeline}: step time, {side} ÷ hand-written",
-                        f"{ratio:.3f} ({_m(r['step_ms'][side])} ms vs {_m(hand)} ms)" +
-                        (f"; rank 0 CPU time per step {cpu:.3f}" if cpu is not None else ""), "≤ 1.02",
-                        _met(ratio <= 1.02)))
-        if PLAIN_RAY in r["step_ms"]:
-            plain = r["step_ms"][PLAIN_RAY]
-            out.append(("B1", f"{pipeline}: step time, {PLAIN_RAY} ÷ hand-written",
-                        f"{r['ratio_vs_hand_written'][PLAIN_RAY]:.3f} ({_m(plain)} ms)", "—", "—"))
-            ours = r["step_ms"]["raylane on Ray"]["median"] / plain["median"]
-            out.append(("B1", f"{pipeline}: step time, raylane on Ray ÷ {PLAIN_RAY}", f"{ours:.3f}", "—", "—"))
-    b2 = results.get("B2", {})
-    if HAND in b2:
-        torchrun = b2[HAND]["launch_to_first_step_s"]["median"]
-        for side, r in b2.items():
-            if side in (HAND, PLAIN_RAY):
-                continue
-            first, last = r["launch_to_first_step_s"], r["last_step_to_exit_s"]
-            out.append(("B2", f"{side}: launch to first step (s)", _m(first),
-                        f"≤ torchrun + 5 = {torchrun + 5:.1f}", _met(first["median"] <= torchrun + 5)))
-            out.append(("B2", f"{side}: end of training to exit (s)", _m(last), "≤ 2", _met(last["median"] <= 2)))
-        for side in (HAND, PLAIN_RAY):
-            if side in b2:
-                out.append(("B2", f"{side}: launch to first step / end to exit (s)",
-                            f"{_m(b2[side]['launch_to_first_step_s'])} / {_m(b2[side]['last_step_to_exit_s'])}",
-                            "—", "—"))
+    out = [*_b1_rows(results.get("B1", {})), *_b2_rows(results.get("B2", {}))]
     if "B3" in results:
         e = results["B3"]["efficiency"]
         out.append(("B3", "scaling 1 → 2 ranks: throughput(2) ÷ 2·throughput(1)", _m(e, fmt="{:.3f}"), "≥ 0.9",
@@ -83,6 +53,46 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     for name, error in results.get("failed", {}).items():
         first = error.strip().splitlines()[0] if error.strip() else "unknown error"
         out.append((name, "did not finish (results.json has the error)", first[:200].replace("|", "/"), "—", "**failed**"))
+    return out
+
+
+def _b1_rows(b1: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    out = []
+    for pipeline, r in b1.items():
+        hand = r["step_ms"][HAND]
+        for side in ("raylane on Ray", "raylane under torchrun"):
+            ratio = r["ratio_vs_hand_written"][side]
+            cpu = r.get("cpu_ratio_vs_hand_written", {}).get(side)
+            out.append(("B1", f"{pipeline}: step time, {side} ÷ hand-written",
+                        f"{ratio:.3f} ({_m(r['step_ms'][side])} ms vs {_m(hand)} ms)" +
+                        (f"; rank 0 CPU time per step {cpu:.3f}" if cpu is not None else ""), "≤ 1.02",
+                        _met(ratio <= 1.02)))
+        if PLAIN_RAY in r["step_ms"]:
+            plain = r["step_ms"][PLAIN_RAY]
+            out.append(("B1", f"{pipeline}: step time, {PLAIN_RAY} ÷ hand-written",
+                        f"{r['ratio_vs_hand_written'][PLAIN_RAY]:.3f} ({_m(plain)} ms)", "—", "—"))
+            ours = r["step_ms"]["raylane on Ray"]["median"] / plain["median"]
+            out.append(("B1", f"{pipeline}: step time, raylane on Ray ÷ {PLAIN_RAY}", f"{ours:.3f}", "—", "—"))
+    return out
+
+
+def _b2_rows(b2: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    out: list[tuple[str, str, str, str, str]] = []
+    if HAND not in b2:
+        return out
+    torchrun = b2[HAND]["launch_to_first_step_s"]["median"]
+    for side, r in b2.items():
+        if side in (HAND, PLAIN_RAY):
+            continue
+        first, last = r["launch_to_first_step_s"], r["last_step_to_exit_s"]
+        out.append(("B2", f"{side}: launch to first step (s)", _m(first),
+                    f"≤ torchrun + 5 = {torchrun + 5:.1f}", _met(first["median"] <= torchrun + 5)))
+        out.append(("B2", f"{side}: end of training to exit (s)", _m(last), "≤ 2", _met(last["median"] <= 2)))
+    for side in (HAND, PLAIN_RAY):
+        if side in b2:
+            out.append(("B2", f"{side}: launch to first step / end to exit (s)",
+                        f"{_m(b2[side]['launch_to_first_step_s'])} / {_m(b2[side]['last_step_to_exit_s'])}",
+                        "—", "—"))
     return out
 
 

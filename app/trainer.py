@@ -56,9 +56,9 @@ def plain_parameters(params: list[torch.nn.Parameter]) -> bool:
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float | None, *,
                    plain: bool) -> tuple[torch.Tensor, bool] | None:
     """(the total 2-norm of the gradients, whether it is finite); None without gradients. Clipped
-    to `max_norm` when set and the norm is finite: torch.nn.utils.clip_grad_norm_, bit for bit. For `plain` parameters it
-    skips that function's grouping by device and dtype, ~60 us a step: 4% of a small model's
-    step on one core (bench B1)."""
+    to `max_norm` when set and the norm is finite: torch.nn.utils.clip_grad_norm_, bit for bit.
+    For `plain` parameters it skips that function's grouping by device and dtype, ~60 us a step:
+    4% of a small model's step on one core (bench B1)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return None

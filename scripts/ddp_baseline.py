@@ -68,6 +68,14 @@ class Trainer:
                 "steps": self.step, "first_step_unix": self.first_step_unix, "last_step_unix": time.time()}
 
 
+def build_optimizer(model, o) -> torch.optim.Optimizer:
+    """The optimizer the config names, built by hand (raylane's own builder is not used here)."""
+    if o.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
+    return cls(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+
+
 def run(pipeline: str, max_steps: int, overrides: list[str], json_path: str) -> None:
     """Train on the process group already set up (by torchrun or Ray Train); rank 0 writes --json."""
     from app.config import PIPELINES, load_config  # the same YAML and model as raylane, nothing else
@@ -77,12 +85,7 @@ def run(pipeline: str, max_steps: int, overrides: list[str], json_path: str) -> 
     pipe = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg)
     sampler = DistributedSampler(pipe.train_set, seed=cfg.train.seed)
     loader = DataLoader(pipe.train_set, batch_size=cfg.train.batch_size, sampler=sampler)
-    o = cfg.optim
-    if o.name == "sgd":
-        optimizer = torch.optim.SGD(pipe.model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    else:
-        cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
-        optimizer = cls(pipe.model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    optimizer = build_optimizer(pipe.model, cfg.optim)
     snapshot = os.path.join(os.path.dirname(os.path.abspath(json_path)), "baseline-snapshot.pt")
     result = Trainer(pipe.model, loader, optimizer, pipe.loss_fn, max_steps, cfg.train.grad_clip_norm,
                      snapshot).train()

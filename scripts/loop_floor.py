@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from app.config import PIPELINES, load_config
+from ddp_baseline import build_optimizer  # scripts/ is on sys.path when run as a script
 
 
 def main(pipeline: str, max_steps: int) -> None:
@@ -29,12 +30,7 @@ def main(pipeline: str, max_steps: int) -> None:
     # raylane samples through a DistributedSampler on one rank too: the same order, the same cost.
     loader = DataLoader(pipe.train_set, batch_size=cfg.train.batch_size,
                         sampler=DistributedSampler(pipe.train_set, num_replicas=1, rank=0, seed=cfg.train.seed))
-    o, params = cfg.optim, pipe.model.parameters()
-    if o.name == "sgd":
-        optimizer = torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    else:
-        cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
-        optimizer = cls(params, lr=o.lr, weight_decay=o.weight_decay)
+    optimizer = build_optimizer(pipe.model, cfg.optim)
     steps, epoch = 0, 0
     started, started_cpu = time.perf_counter(), time.process_time()
     while steps < max_steps:

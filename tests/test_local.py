@@ -76,7 +76,6 @@ def test_single_process_digits_logs_to_mlflow(run_cli, tmp_path):
     assert set(run.data.metrics) >= {"train/loss", "train/lr", "train/samples_per_s", "eval/loss", "eval/accuracy"}
 
 
-
 @pytest.mark.parametrize("plain", [True, False])
 @pytest.mark.parametrize("max_norm", [None, 0.5, 1e6])
 def test_gradient_clipping_is_torchs_bit_for_bit(plain, max_norm):
