@@ -10,7 +10,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 def submit(config, overrides=(), **options):
     """Submit `raylane train CONFIG` as a Ray job; returns a handle with status(), logs(),
-    follow(), wait(), stop() and mlflow_run_id(). See `app.jobs.submit` (imports Ray lazily)."""
-    from app.jobs import submit as _submit
+    follow(), wait(), stop() and mlflow_run_id(). See `raylane.onray.jobs.submit` (imports Ray lazily)."""
+    from raylane.onray.jobs import submit as _submit
 
     return _submit(config, overrides, **options)

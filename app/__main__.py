@@ -1,4 +1,4 @@
-# `python -m app ...` and `torchrun --nproc_per_node N -m app train CONFIG`.
-from app.cli import run
+# `python -m raylane ...` and `torchrun --nproc_per_node N -m raylane train CONFIG`.
+from raylane.cli import run
 
 run()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from app.config import ConfigError, load_config
+from raylane.config import ConfigError, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,13 +59,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
         print(f"raylane: bench: --repeats must be at least 1, got {args.repeats}", file=sys.stderr)
         return 2
-    from app.bench import run_bench
+    from raylane.bench.harness import run_bench
 
     return run_bench(args.out.resolve(), quick=args.quick, only=args.only, repeats=args.repeats)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from app.export import export
+    from raylane.export import export
 
     try:
         config_path = export(args.checkpoint, args.out)
@@ -77,7 +77,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from app.sweep import load_sweep
+    from raylane.onray.sweep import load_sweep
 
     try:
         sweep, base = load_sweep(args.config, args.overrides)
@@ -86,7 +86,7 @@ def _tune(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("raylane").setLevel(logging.INFO)
-    from app.tune import run_sweep
+    from raylane.onray.tune import run_sweep
 
     try:
         return run_sweep(sweep, base, address=args.address, summary_path=args.summary_json, register=args.register)
@@ -96,7 +96,7 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from app.jobs import EXIT_CODES, submit
+    from raylane.onray.jobs import EXIT_CODES, submit
 
     try:
         run = submit(args.config, args.overrides, address=args.address)
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("raylane").setLevel(logging.INFO)
-    from app.driver import train
+    from raylane.driver import train
 
     use_ray = not (args.local or _under_torchrun())
     return train(cfg, use_ray=use_ray, address=args.address, summary_path=args.summary_json,

@@ -20,9 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 # Pipeline name -> module that defines `Config` (a subclass of `BaseConfig`) and `build(cfg, ctx)`.
 PIPELINES: dict[str, str] = {
-    "regression": "pipelines.regression",
-    "digits": "pipelines.digits",
-    "gpt": "pipelines.gpt",
+    "regression": "raylane.pipelines.regression",
+    "digits": "raylane.pipelines.digits",
+    "gpt": "raylane.pipelines.gpt",
 }
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -54,7 +54,7 @@ class ScalingSection(Section):
     # RAM shared by its ranks on CPU).
     device_memory_gb: float | None = Field(None, gt=0, le=1_000_000)
     # Dense peak FLOP/s of one device at train.precision, for MFU; null looks the GPU up in a
-    # table (app.devices). No MFU on CPU unless given.
+    # table (raylane.loop.devices). No MFU on CPU unless given.
     peak_tflops: float | None = Field(None, gt=0, le=1_000_000)
 
 
@@ -217,7 +217,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a config file with `yaml.safe_load`; a bare name (`digits`, `gpt-tiny`) finds the
     YAML shipped in `pipelines/`."""
     p = Path(path)
-    shipped = Path(importlib.import_module("pipelines").__file__).parent / f"{path}.yaml"
+    shipped = Path(importlib.import_module("raylane.pipelines").__file__).parent / f"{path}.yaml"
     if not p.exists() and re.fullmatch(r"[A-Za-z0-9_-]+", str(path)) and shipped.exists():
         p = shipped
     try:

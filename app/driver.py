@@ -13,8 +13,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from app.config import BaseConfig
-from app.progress import ProgressDisplay
+from raylane.config import BaseConfig
+from raylane.tracking.progress import ProgressDisplay
 
 log = logging.getLogger("raylane")
 
@@ -41,10 +41,10 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
           summary_path: str | None = None, register: str | None = None) -> int:
     """Run training to the end; returns the exit code (0 ok, 1 failed, 130 interrupted)."""
-    from app import preemption
-    from app.distributed import env_ranks, init_process_group, leave_process_group
-    from app.records import RunRecorder
-    from app.tracking import close_run, open_run, resolve_tracking_uri, ui_command
+    from raylane.loop import preemption
+    from raylane.loop.distributed import env_ranks, init_process_group, leave_process_group
+    from raylane.tracking.records import RunRecorder
+    from raylane.tracking.runs import close_run, open_run, resolve_tracking_uri, ui_command
 
     launched = time.time()
     signal.signal(signal.SIGTERM, _raise_interrupt)  # before training can stop gracefully: like Ctrl-C
@@ -61,11 +61,11 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         run_future = pool.submit(open_run, cfg, tracking_uri, world_size) if tracked else None
         embedded = False
         if use_ray:
-            from app.cluster import RayStopper, init_ray
+            from raylane.onray.cluster import RayStopper, init_ray
 
             # Ray Train and torch import (~3.5 s of CPU on 2 cores) while Ray's processes start:
             # ray.init mostly waits for them. launch_on_ray's import below joins this one.
-            pool.submit(importlib.import_module, "app.launch")
+            pool.submit(importlib.import_module, "raylane.onray.launch")
             embedded = init_ray(address, cfg)
             ray_stopper = RayStopper(embedded)
             stack.callback(ray_stopper.wait)  # last: after the summary is out
@@ -125,16 +125,16 @@ def _execute(cfg: BaseConfig, use_ray: bool, embedded: bool, handle: Any, tracki
         for listener in listeners:
             listener(event)
 
-    from app import preemption
+    from raylane.loop import preemption
 
     try:
         with preemption.armed():
             if use_ray:
-                from app.launch import launch_on_ray
+                from raylane.onray.launch import launch_on_ray
 
                 result = launch_on_ray(cfg, run_id, tracking_uri, on_event, embedded=embedded)
             else:
-                from app.run import launch_local
+                from raylane.loop.run import launch_local
 
                 result = launch_local(cfg, run_id, tracking_uri, on_event)
         if result.get("preempted"):

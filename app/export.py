@@ -11,8 +11,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from app import checkpoint
-from app.config import PIPELINES, validate
+from raylane.loop import checkpoint
+from raylane.config import PIPELINES, validate
 
 
 def _consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from app.config import BaseConfig, Section
+from raylane.config import BaseConfig, Section
 
 SPLIT_SEED = 0
 HELD_OUT_FRACTION = 0.2
@@ -70,7 +70,7 @@ def build(cfg: Config):
     import torch
     import torch.nn.functional as F
 
-    from app.pipeline import Pipeline
+    from raylane.loop.pipeline import Pipeline
 
     train, held_out = load_split()
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from app.config import BaseConfig, Section
+from raylane.config import BaseConfig, Section
 
 HELD_OUT_FRACTION = 0.1
 BYTE_VOCAB = 256
@@ -136,7 +136,7 @@ def build(cfg: Config):
     import torch.nn.functional as F
     from torch.utils.data import Dataset
 
-    from app.pipeline import Pipeline
+    from raylane.loop.pipeline import Pipeline
 
     m = cfg.model
     data = torch.frombuffer(bytearray(load_text(cfg.data.text_path)), dtype=torch.uint8)
@@ -165,7 +165,7 @@ def build(cfg: Config):
 
     train_set, held_out = Windows(data[:split]), Windows(data[split:])
     if not len(train_set) or not len(held_out):
-        from app.config import ConfigError
+        from raylane.config import ConfigError
 
         raise ConfigError(f"model.block_size = {m.block_size}: longer than the text ({len(data)} bytes)")
     model = build_model(m)

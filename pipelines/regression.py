@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from app.config import BaseConfig, Section
+from raylane.config import BaseConfig, Section
 
 
 class ModelSection(Section):
@@ -26,7 +26,7 @@ def build(cfg: Config):
     import torch
     from torch.utils.data import TensorDataset
 
-    from app.pipeline import Pipeline
+    from raylane.loop.pipeline import Pipeline
 
     m = cfg.model
     # The data is fixed (seed 0) whatever train.seed is, so runs with different seeds compare.

@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "app"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "raylane"]
 ARGS = ["train", "digits", "--set", "checkpoint.every_n_steps=0", "--set", "mlflow.log_model=false"]
 SHORT, LONG = 10, 60
 

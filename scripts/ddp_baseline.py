@@ -78,7 +78,7 @@ def build_optimizer(model, o) -> torch.optim.Optimizer:
 
 def run(pipeline: str, max_steps: int, overrides: list[str], json_path: str) -> None:
     """Train on the process group already set up (by torchrun or Ray Train); rank 0 writes --json."""
-    from app.config import PIPELINES, load_config  # the same YAML and model as raylane, nothing else
+    from raylane.config import PIPELINES, load_config  # the same YAML and model as raylane, nothing else
 
     cfg = load_config(pipeline, overrides)
     torch.manual_seed(cfg.train.seed)

@@ -19,7 +19,7 @@ if [ "$NPROC" -lt 1 ]; then
 fi
 OUT=${OUT:-$(mktemp -d)}
 SUMMARY="$OUT/gpu-check.json"
-"$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m app train pipelines/gpt2-124m.yaml \
+"$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" -m raylane train pipelines/gpt2-124m.yaml \
   --set scaling.use_gpu=true --set scaling.num_workers="$NPROC" --set train.max_steps="$STEPS" \
   --set mlflow.enabled=false --set checkpoint.every_n_steps=0 --set run.storage_path="$OUT/runs" \
   --summary-json "$SUMMARY" "$@"

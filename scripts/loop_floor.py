@@ -19,7 +19,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from app.config import PIPELINES, load_config
+from raylane.config import PIPELINES, load_config
 from ddp_baseline import build_optimizer  # scripts/ is on sys.path when run as a script
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 ARGS = ["train", "regression", "--set", "train.max_epochs=1", "--set", "checkpoint.every_n_steps=0"]
 LAUNCHERS = {
-    "raylane (embedded Ray)": [sys.executable, "-m", "app"],
+    "raylane (embedded Ray)": [sys.executable, "-m", "raylane"],
     "torchrun (same loop)": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node", "2", "-m", "app"],
+                             "--nproc_per_node", "2", "-m", "raylane"],
 }
 
 

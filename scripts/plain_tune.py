@@ -28,7 +28,7 @@ def train_loop(config: dict) -> None:
     import torch
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from app.config import PIPELINES, load_config
+    from raylane.config import PIPELINES, load_config
     from ddp_baseline import Trainer
 
     cfg = load_config("digits", [f"optim.lr={config['lr']}"])

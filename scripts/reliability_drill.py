@@ -25,14 +25,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from app import checkpoint  # noqa: E402
-from app.config import load_config  # noqa: E402
-from app.run import build_optimizer  # noqa: E402
-from pipelines.digits import build_model  # noqa: E402
+from raylane.loop import checkpoint  # noqa: E402
+from raylane.config import load_config  # noqa: E402
+from raylane.loop.run import build_optimizer  # noqa: E402
+from raylane.pipelines.digits import build_model  # noqa: E402
 
-RAYLANE = [sys.executable, "-m", "app", "train", "digits"]
+RAYLANE = [sys.executable, "-m", "raylane", "train", "digits"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "-m", "app", "train", "digits"]
+            "-m", "raylane", "train", "digits"]
 EVERY = 20
 COMMON = ["--set", "train.max_epochs=30", "--set", f"checkpoint.every_n_steps={EVERY}"]
 STARTED: list = []  # every run, stopped by id at the end whatever happens
@@ -68,7 +68,7 @@ class Run:
         rows = [line.split(None, 3) for line in out.splitlines()]
         return [int(r[0]) for r in rows if len(r) == 4 and (
             (int(r[2]) == self.proc.pid and r[3].startswith("ray::RayTrainWorker"))
-            or (int(r[1]) == self.proc.pid and " -m app train" in r[3]))]
+            or (int(r[1]) == self.proc.pid and " -m raylane train" in r[3]))]
 
     def stop(self) -> None:
         """Kill by id whatever is left of this run (after a failed scenario)."""

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-RAYLANE = [sys.executable, "-m", "app"]
-# `torchrun --standalone --nproc_per_node N -m app train ...`, through this interpreter.
+RAYLANE = [sys.executable, "-m", "raylane"]
+# `torchrun --standalone --nproc_per_node N -m raylane train ...`, through this interpreter.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 

@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from app.bench_report import rows
+from raylane.bench.report import rows
 
 pytestmark = pytest.mark.ray
 
 
 def test_quick_bench_writes_results_table_and_charts(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "app", "bench", "--quick", "--only", "B1,B2,B6", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "raylane", "bench", "--quick", "--only", "B1,B2,B6", "--out", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())
@@ -46,7 +46,7 @@ def test_quick_bench_writes_results_table_and_charts(tmp_path):
 
 def test_bench_rejects_unknown_benchmarks_and_bad_repeats(tmp_path):
     for args, field in ((["--only", "B1,B9"], "B9"), (["--repeats", "0"], "--repeats")):
-        proc = subprocess.run([sys.executable, "-m", "app", "bench", *args, "--out", str(tmp_path)],
+        proc = subprocess.run([sys.executable, "-m", "raylane", "bench", *args, "--out", str(tmp_path)],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and field in proc.stderr and "Traceback" not in proc.stderr
         assert not (tmp_path / "results.json").exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import checkpoint
+from raylane.loop import checkpoint
 from tests.conftest import read_json
 
 
@@ -102,9 +102,9 @@ def test_resume_with_dropout_is_bit_exact(run_cli, tmp_path):
     assert again.wait(120) == 0 and straight.wait(120) == 0
     b, c = read_json(tmp_path / "b.json"), read_json(tmp_path / "c.json")
     assert b["resumed_from_step"] == 30
-    from app.config import load_config
-    from app.run import build_optimizer
-    from pipelines.digits import build_model
+    from raylane.config import load_config
+    from raylane.loop.run import build_optimizer
+    from raylane.pipelines.digits import build_model
 
     cfg = load_config("digits", ["model.dropout=0.3"])
     weights = []
@@ -119,7 +119,7 @@ def test_resume_with_dropout_is_bit_exact(run_cli, tmp_path):
 def test_export_from_two_rank_checkpoint_loads_with_safetensors_alone(run_cli, tmp_path):
     from tests.conftest import TORCHRUN
 
-    proc = run_cli("--nproc_per_node", "2", "-m", "app", "train", "digits", "--set", "run.name=e",
+    proc = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "digits", "--set", "run.name=e",
                    "--set", "train.max_epochs=1", "--summary-json", "s.json", launcher=TORCHRUN)
     assert proc.wait(180) == 0, proc.output
     s = read_json(tmp_path / "s.json")
@@ -141,8 +141,8 @@ def test_export_from_two_rank_checkpoint_loads_with_safetensors_alone(run_cli, t
     # The exported weights are the trained ones: the same held-out accuracy.
     from safetensors.torch import load_file
 
-    from app.config import load_config
-    from pipelines.digits import build_model, load_split
+    from raylane.config import load_config
+    from raylane.pipelines.digits import build_model, load_split
 
     model = build_model(load_config("digits").model)
     model.load_state_dict(load_file(tmp_path / "model.safetensors"))

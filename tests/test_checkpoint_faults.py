@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from app import checkpoint
-from app.config import load_config
-from app.run import build_optimizer, build_scheduler
-from pipelines.regression import build
+from raylane.loop import checkpoint
+from raylane.config import load_config
+from raylane.loop.run import build_optimizer, build_scheduler
+from raylane.pipelines.regression import build
 from tests.conftest import TORCHRUN, cli_env, read_json
 
-TWO_RANKS = ["--nproc_per_node", "2", "-m", "app", "train", "regression"]
+TWO_RANKS = ["--nproc_per_node", "2", "-m", "raylane", "train", "regression"]
 ENOSPC = "checkpoint at step 20 was not saved (rank 1: OSError: [Errno 28] No space left on device)"
 
 

@@ -115,7 +115,7 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(ray_hea
     assert status == "FINISHED"
     assert tags["raylane.ray_job_id"] == job_id  # the run knows which job it came from
 
-    # The same through `raylane submit --follow` (the Jobs SDK handle that `app.submit` returns).
+    # The same through `raylane submit --follow` (the Jobs SDK handle that `raylane.submit` returns).
     out = subprocess.run([str(BIN / "raylane"), "submit", "pipelines/digits.yaml", "--address", ray_head, "--follow",
                           *[x for o in train[4::2] for x in ("--set", o)]],
                          cwd=REPO, env=dict(env, MLFLOW_TRACKING_URI=f"sqlite:///{db}"), capture_output=True, text=True,

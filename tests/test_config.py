@@ -12,8 +12,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.cli import main
-from app.config import ConfigError, load_config, parse_override
+from raylane.cli import main
+from raylane.config import ConfigError, load_config, parse_override
 from tests.conftest import REPO
 
 DIGITS = REPO / "pipelines" / "digits.yaml"
@@ -112,7 +112,7 @@ def test_check_prints_resolved_config(capsys):
 def test_train_rejects_bad_batch_size_before_ray_or_torch_starts(tmp_path):
     # A fresh interpreter: the rejection must come before Ray or torch.distributed are imported.
     code = (
-        "import sys; from app.cli import main\n"
+        "import sys; from raylane.cli import main\n"
         f"rc = main(['train', {str(DIGITS)!r}, '--set', 'train.batch_size=-1'])\n"
         "loaded = [m for m in ('ray', 'torch.distributed', 'mlflow') if m in sys.modules]\n"
         "print('LOADED', loaded, file=sys.stderr); sys.exit(rc)\n"

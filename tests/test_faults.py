@@ -8,11 +8,11 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from app import checkpoint
-from app.config import load_config
-from app.faults import parse
-from app.run import build_optimizer
-from pipelines.digits import build_model
+from raylane.loop import checkpoint
+from raylane.config import load_config
+from raylane.loop.faults import parse
+from raylane.loop.run import build_optimizer
+from raylane.pipelines.digits import build_model
 from tests.conftest import TORCHRUN, cli_env, read_json, session_processes, wait_for
 
 
@@ -36,7 +36,7 @@ def test_nan_stops_with_the_step_named(run_cli, tmp_path):
 def test_nan_on_one_rank_is_skipped_on_both(run_cli, tmp_path):
     """Only rank 1's loss is NaN; DDP's all-reduce spreads it, so both ranks skip the same update
     (no divergence, no hang) and the run finishes."""
-    proc = run_cli("--nproc_per_node", "2", "-m", "app", "train", "regression", "--set", "run.name=skip",
+    proc = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "regression", "--set", "run.name=skip",
                    "--set", "train.on_nan=skip", "--set", "train.max_epochs=1", "--summary-json", "s.json",
                    env=cli_env(tmp_path, RAYLANE_FAULTS="nan@rank=1,step=3"), launcher=TORCHRUN)
     assert proc.wait(180) == 0, proc.output

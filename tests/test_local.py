@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app import checkpoint
-from app.config import load_config
-from app.trainer import clip_gradients, plain_parameters
-from pipelines.regression import build
+from raylane.loop import checkpoint
+from raylane.config import load_config
+from raylane.loop.trainer import clip_gradients, plain_parameters
+from raylane.pipelines.regression import build
 from tests.conftest import TORCHRUN, read_json
 
 
@@ -25,7 +25,7 @@ def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(run_cli, tmp_path):
     """DDP averages gradients, and the sampler gives 2 ranks exactly the halves of 1 rank's batch:
     the weights after training must agree up to float summation order."""
     common = ["--set", "train.max_epochs=2", "--set", "optim.lr=0.05", "--set", "checkpoint.every_n_steps=0"]
-    two = run_cli("--nproc_per_node", "2", "-m", "app", "train", "regression", "--set", "run.name=two",
+    two = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "regression", "--set", "run.name=two",
                   "--set", "train.batch_size=32", "--summary-json", "two.json", *common, launcher=TORCHRUN)
     assert two.wait(180) == 0, two.output
     one = run_cli("train", "regression", "--local", "--set", "run.name=one", "--set", "train.batch_size=64",

@@ -14,7 +14,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from pipelines.digits import load_split
+from raylane.pipelines.digits import load_split
 from tests.conftest import cli_env, read_json, wait_for
 
 

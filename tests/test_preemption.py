@@ -12,10 +12,10 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from app import checkpoint
-from app.config import load_config
-from app.run import build_optimizer
-from pipelines.digits import build_model
+from raylane.loop import checkpoint
+from raylane.config import load_config
+from raylane.loop.run import build_optimizer
+from raylane.pipelines.digits import build_model
 from tests.conftest import TORCHRUN, cli_env, read_json, session_processes, wait_for
 
 # Long runs, so that the signal always lands mid-training; the relaunch shortens them.
@@ -81,7 +81,7 @@ def _weights(path: str) -> dict[str, torch.Tensor]:
 def test_ctrl_c_under_torchrun_then_relaunch_is_bit_exact(run_cli, tmp_path):
     """Ctrl-C in a terminal reaches every process of the foreground group: torchrun and both
     ranks. The ranks stop at one agreed step; the resumed run ends bit-identical to a calm one."""
-    torchrun = ["--nproc_per_node", "2", "-m", "app", "train", "digits"]
+    torchrun = ["--nproc_per_node", "2", "-m", "raylane", "train", "digits"]
     first = run_cli(*torchrun, "--set", "run.name=pt", "--summary-json", "first.json", *LONG,
                     launcher=TORCHRUN, name="first")
     wait_for(lambda: _manifest(tmp_path, "pt", 40).exists(), timeout_s=120)

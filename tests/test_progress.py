@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from app.progress import ProgressDisplay
+from raylane.tracking.progress import ProgressDisplay
 
 
 def _feed(display: ProgressDisplay) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow.fs as pafs
 import pytest
 
-from app import checkpoint
+from raylane.loop import checkpoint
 from tests.conftest import cli_env, read_json
 
 pytestmark = pytest.mark.ray

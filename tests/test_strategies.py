@@ -10,9 +10,9 @@ import sqlite3
 import pytest
 import torch
 
-from app import checkpoint
-from app.config import load_config
-from app.parallel import activation_bytes, choose_strategy, estimate_memory
+from raylane.loop import checkpoint
+from raylane.config import load_config
+from raylane.loop.parallel import activation_bytes, choose_strategy, estimate_memory
 from tests.conftest import REPO, TORCHRUN, read_json
 
 GPT = ["--set", "mlflow.log_model=false", "--set", "checkpoint.every_n_steps=0"]
@@ -34,7 +34,7 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
     """`auto` with a device too small for a replica picks FSDP, and with room picks DDP; 20 fp32
     steps then give the same loss at every step, FSDP holds about half the state per rank, and
     its 2-rank sharded checkpoint resumes under DDP on 1 rank with the same weights."""
-    common = ["--nproc_per_node", "2", "-m", "app", "train", "gpt-tiny", *GPT, "--set", "train.max_steps=20",
+    common = ["--nproc_per_node", "2", "-m", "raylane", "train", "gpt-tiny", *GPT, "--set", "train.max_steps=20",
               "--set", "mlflow.log_every_n_steps=1", "--set", "strategy.name=auto"]
     runs = {}
     for name, memory_gb in (("ddp", 64), ("fsdp", 0.001)):
@@ -61,7 +61,7 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
 
     # The sharded checkpoint holds the whole model: loaded into one plain model, it evaluates
     # to the loss FSDP measured on the held-out text.
-    from pipelines.gpt import build
+    from raylane.pipelines.gpt import build
 
     cfg = load_config("gpt-tiny")
     pipe = build(cfg)
@@ -105,7 +105,7 @@ def test_accumulation_reduces_gradients_once_per_optimizer_step(run_cli, tmp_pat
 
 
 def _tiny_gpt(**overrides):
-    from pipelines.gpt import build
+    from raylane.pipelines.gpt import build
 
     cfg = load_config("gpt-tiny", [f"{k}={v}" for k, v in overrides.items()])
     pipe = build(cfg)
@@ -140,7 +140,7 @@ def test_two_nodes_shard_inside_a_node_and_replicate_across(run_cli, tmp_path):
     DDP on the same 4 ranks."""
     from tests.conftest import free_port
 
-    args = ["-m", "app", "train", "gpt-tiny", *GPT, "--set", "train.max_steps=10", "--set", "train.batch_size=8",
+    args = ["-m", "raylane", "train", "gpt-tiny", *GPT, "--set", "train.max_steps=10", "--set", "train.batch_size=8",
             "--set", "mlflow.enabled=false"]
     port = free_port()
     nodes = [run_cli("--nnodes", "2", "--node_rank", str(n), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
@@ -161,9 +161,9 @@ def test_two_nodes_shard_inside_a_node_and_replicate_across(run_cli, tmp_path):
 def test_gpt2_small_flops_per_token_and_mfu():
     """The reference count for GPT-2 124M (T=1024) is ~855 MFLOP per token: 6N plus 13% of
     attention; MFU divides achieved FLOP/s by the peak of every device."""
-    from app.devices import PEAK_TFLOPS, peak_flops
-    from app.trainer import Throughput
-    from pipelines.gpt import build_model, flops_per_token
+    from raylane.loop.devices import PEAK_TFLOPS, peak_flops
+    from raylane.loop.trainer import Throughput
+    from raylane.pipelines.gpt import build_model, flops_per_token
 
     cfg = load_config("gpt2-124m")
     with torch.device("meta"):

@@ -127,9 +127,9 @@ def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path)
 
 
 def test_trial_resources_pack_fractional_gpus_and_refuse_what_cannot_fit():
-    from app.config import ConfigError
-    from app.sweep import load_sweep
-    from app.tune import check_resources, trial_resources
+    from raylane.config import ConfigError
+    from raylane.onray.sweep import load_sweep
+    from raylane.onray.tune import check_resources, trial_resources
 
     sweep, base = load_sweep("digits-sweep", ["scaling.use_gpu=true", "scaling.gpus_per_worker=0.25",
                                               "scaling.num_workers=1", "sweep.max_concurrent_trials=null"])

@@ -12,8 +12,8 @@ from collections import Counter
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import app.trainer
-from app.cli import main
+import raylane.loop.trainer
+from raylane.cli import main
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -30,7 +30,7 @@ class CollectiveCounter(TorchDispatchMode):
 
 def run(out: str, argv: list[str]) -> int:
     per_step: list[dict[str, int]] = []
-    original = app.trainer.Trainer._run_batch
+    original = raylane.loop.trainer.Trainer._run_batch
 
     def counted(self, micro_batches):
         with CollectiveCounter() as counter:
@@ -38,7 +38,7 @@ def run(out: str, argv: list[str]) -> int:
         per_step.append(dict(counter.counts))
         return loss
 
-    app.trainer.Trainer._run_batch = counted
+    raylane.loop.trainer.Trainer._run_batch = counted
     code = main(argv)
     with open(f"{out}.{os.environ.get('RANK', '0')}.json", "w") as f:
         json.dump(per_step, f)
@@ -49,7 +49,7 @@ if __name__ == "__main__":
     out, sep, *rest = sys.argv[1:]
     assert sep == "--"
     code = run(out, rest)
-    # As `python -m app` does on torchrun ranks: no interpreter teardown, where gloo's threads
+    # As `python -m raylane` does on torchrun ranks: no interpreter teardown, where gloo's threads
     # can abort the process after the run is done (see app/__main__.py).
     sys.stdout.flush()
     sys.stderr.flush()

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from app.config import BaseConfig
-from app.devices import GIB, device_memory_bytes, local_world_size
+from raylane.config import BaseConfig
+from raylane.loop.devices import GIB, device_memory_bytes, local_world_size
 
 log = logging.getLogger("raylane")
 

@@ -2,7 +2,7 @@
 recorded as a nested MLflow run under one parent run per sweep.
 
 Ray 2.60's Train V2 no longer runs `Tuner(trainer)`: every trial is a small driver function
-(`_trial`) that builds its own `TorchTrainer` (through `app.launch.launch_on_ray`, as `raylane
+(`_trial`) that builds its own `TorchTrainer` (through `raylane.onray.launch.launch_on_ray`, as `raylane
 train` does) and forwards rank 0's epoch-end results to Tune with a checkpoint that points at
 raylane's own checkpoint, which is what ASHA stops on and what PBT copies between trials. The
 MLflow child runs are opened by the trials and closed by this driver (`_TrialRuns`) when Tune
@@ -25,9 +25,9 @@ from typing import Any
 import ray
 from ray import tune
 
-from app.config import BaseConfig, ConfigError, validate
-from app.sweep import SweepSection, trial_config
-from app.tracking import RUN_NAME_TAG, RunHandle, close_run, mlflow_client, resolve_tracking_uri, run_tags
+from raylane.config import BaseConfig, ConfigError, validate
+from raylane.onray.sweep import SweepSection, trial_config
+from raylane.tracking.runs import RUN_NAME_TAG, RunHandle, close_run, mlflow_client, resolve_tracking_uri, run_tags
 
 log = logging.getLogger("raylane")
 
@@ -212,7 +212,7 @@ def _restored_pointer() -> dict[str, Any] | None:
 
 def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     """One trial: a Ray Train run of the base config with `params`, reporting every epoch."""
-    from app.launch import launch_on_ray
+    from raylane.onray.launch import launch_on_ray
 
     sweep, base = SweepSection(**context["sweep"]), validate(context["base"])
     parent = RunHandle(**context["parent"])
@@ -277,7 +277,7 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
 def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, summary_path: str | None,
               register: str | None) -> int:
     """Run (or continue) the sweep; returns the exit code (0 when every trial ended cleanly)."""
-    from app.cluster import init_ray, shutdown_ray
+    from raylane.onray.cluster import init_ray, shutdown_ray
 
     tracking_uri = resolve_tracking_uri()
     base = base.model_copy(update={"run": base.run.model_copy(update={
@@ -389,7 +389,7 @@ def _table(rows: list[dict[str, Any]], sweep: SweepSection) -> str:
 
 def _record_parent(parent: RunHandle, sweep: SweepSection, rows: list[dict[str, Any]],
                    best: dict[str, Any] | None, register: str | None) -> dict[str, Any]:
-    from app.records import _attempt, log_model
+    from raylane.tracking.records import _attempt, log_model
 
     client = mlflow_client(parent.tracking_uri)
     out: dict[str, Any] = {}

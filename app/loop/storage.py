@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 import pyarrow.fs as pafs
 
-from app import checkpoint
-from app.distributed import barrier
+from raylane.loop import checkpoint
+from raylane.loop.distributed import barrier
 
 
 def filesystem_for(storage_path: str) -> tuple[pafs.FileSystem, str]:

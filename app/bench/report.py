@@ -1,4 +1,4 @@
-"""The markdown table and PNG charts of `raylane bench` (see app.bench), from results.json alone."""
+"""The markdown table and PNG charts of `raylane bench` (see raylane.bench.harness), from results.json alone."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.config import load_config
+from raylane.config import load_config
 
 # Uploaded with every job: never the virtualenv, local runs, MLflow stores or test output.
 EXCLUDES = [".venv", ".git", "runs", "mlflow.db", "mlruns", "mlartifacts", "mlflow-server", "test-artifacts",

@@ -4,7 +4,7 @@ Every figure is the median of `repeats` runs with its [min, max]; the sides of a
 interleaved (A B A B ...) in one process, all with OMP_NUM_THREADS=1 and 2 gloo ranks unless
 said otherwise. Step costs are slopes between a short and a long run, so start-up and the end of
 the run cancel out. Results go to `<out>/results.json`, `<out>/results.md` and PNG charts
-(app.bench_report). Benchmarks are measurements, not tests: nothing here asserts a target."""
+(raylane.bench.report). Benchmarks are measurements, not tests: nothing here asserts a target."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-RAYLANE = [PY, "-m", "app"]
+RAYLANE = [PY, "-m", "raylane"]
 BASELINE = str(REPO / "scripts" / "ddp_baseline.py")
 RUN_TIMEOUT_S = 900
 # Steady-state training only: no per-epoch evaluation or checkpoint, no tracking (B5 prices it).
@@ -76,7 +76,7 @@ class Bench:
     def raylane(self, pipeline: str, sets: list[str], *, launcher: str = "ray") -> dict[str, Any]:
         """One `raylane train`: on an embedded Ray (`ray`), under torchrun, or in one process."""
         summary = self.work / f"summary-{self._n + 1}.json"
-        head = {"ray": RAYLANE, "torchrun": [*TORCHRUN, "-m", "app"], "local": RAYLANE}[launcher]
+        head = {"ray": RAYLANE, "torchrun": [*TORCHRUN, "-m", "raylane"], "local": RAYLANE}[launcher]
         argv = [*head, "train", pipeline, *(["--local"] if launcher == "local" else []),
                 "--set", f"run.storage_path={self.work / 'runs'}", "--set", f"run.name=b{self._n + 1}",
                 *[x for s in sets for x in ("--set", s)], "--summary-json", str(summary)]
@@ -264,7 +264,7 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
 
 def _write(bench: Bench, out: Path, only: list[str] | None, chosen: list[str], started: float,
            results: dict[str, Any], *, final: bool) -> str:
-    from app import bench_report
+    from raylane.bench import report as bench_report
 
     report = {"machine": machine(), "quick": bench.quick, "repeats": bench.repeats, "started_unix": started,
               "wall_s": time.time() - started, "complete": final,
@@ -277,7 +277,7 @@ def _write(bench: Bench, out: Path, only: list[str] | None, chosen: list[str], s
 
 
 def b4(bench: Bench) -> dict[str, Any]:
-    from app.bench_tune import b4 as run_b4
+    from raylane.bench.tune import b4 as run_b4
 
     return run_b4(bench)
 

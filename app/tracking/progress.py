@@ -1,6 +1,6 @@
 """The driver's live display: a bar on a terminal, periodic plain lines in a log (`ray job logs`).
 
-It consumes the events rank 0 publishes (see app.reporting) and remembers what the summary needs
+It consumes the events rank 0 publishes (see raylane.loop.reporting) and remembers what the summary needs
 (first and last step times, the final result)."""
 
 from __future__ import annotations

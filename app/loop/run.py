@@ -1,6 +1,6 @@
 """What every rank runs, whoever launched it: build the pipeline, parallelize, resume, train.
 
-`run_worker` is the whole per-rank program. Under Ray Train it is called by `app.launch`; under
+`run_worker` is the whole per-rank program. Under Ray Train it is called by `raylane.onray.launch`; under
 torchrun or in a single process by `launch_local` below. It never imports Ray."""
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Subset
 
-from app import checkpoint, faults
-from app.config import PIPELINES, BaseConfig
-from app.data import build_loader, loader_options, shard_indices
-from app.distributed import default_device, env_ranks, init_process_group
-from app.devices import peak_flops
-from app.parallel import parallelize
-from app.reporting import Reporter
-from app.runtime import LocalRuntime, Runtime
-from app.storage import CheckpointStore, filesystem_for
-from app.trainer import Throughput, Trainer, plan_steps
+from raylane.loop import checkpoint, faults
+from raylane.config import PIPELINES, BaseConfig
+from raylane.loop.data import build_loader, loader_options, shard_indices
+from raylane.loop.distributed import default_device, env_ranks, init_process_group
+from raylane.loop.devices import peak_flops
+from raylane.loop.parallel import parallelize
+from raylane.loop.reporting import Reporter
+from raylane.loop.runtime import LocalRuntime, Runtime
+from raylane.loop.storage import CheckpointStore, filesystem_for
+from raylane.loop.trainer import Throughput, Trainer, plan_steps
 
 log = logging.getLogger("raylane")
 
@@ -125,7 +125,7 @@ def _example_batch(dataset, batch_size: int):
 def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                  on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Run this process as one rank: a single process, or a torchrun rank (env vars say which).
-    The caller leaves the process group (`app.distributed.leave_process_group`)."""
+    The caller leaves the process group (`raylane.loop.distributed.leave_process_group`)."""
     rank, local_rank, world_size = env_ranks()
     init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # normally done already by the driver
     fs, root = filesystem_for(cfg.run.storage_path)
@@ -135,7 +135,7 @@ def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
     )
     metric_logger = None
     if rank == 0 and run_id:
-        from app.tracking import rank_zero_logger
+        from raylane.tracking.runs import rank_zero_logger
 
         metric_logger = rank_zero_logger(cfg, tracking_uri, run_id)
     return run_worker(cfg, runtime, metric_logger)

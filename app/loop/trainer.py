@@ -17,14 +17,15 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from app import __version__, checkpoint, preemption
-from app.config import BaseConfig
-from app.devices import peak_memory_bytes, reset_peak_memory, state_bytes
-from app.distributed import ControlVote, all_reduce_max, all_reduce_sums, backend_name
-from app.faults import FaultPlan
-from app.parallel import Strategy, no_gradient_sync
-from app.reporting import Reporter
-from app.runtime import Runtime
+from raylane import __version__
+from raylane.loop import checkpoint, preemption
+from raylane.config import BaseConfig
+from raylane.loop.devices import peak_memory_bytes, reset_peak_memory, state_bytes
+from raylane.loop.distributed import ControlVote, all_reduce_max, all_reduce_sums, backend_name
+from raylane.loop.faults import FaultPlan
+from raylane.loop.parallel import Strategy, no_gradient_sync
+from raylane.loop.reporting import Reporter
+from raylane.loop.runtime import Runtime
 
 
 VOTE_EVERY_N_STEPS = 10  # the first vote; then about every VOTE_INTERVAL_S

@@ -2,7 +2,7 @@
 
 `run_worker` and the Trainer only talk to a `Runtime`: where this rank sits, where checkpoints
 go and how they are committed, and where rank 0 publishes progress. `LocalRuntime` serves a single
-process and torchrun; `app.launch.RayRuntime` serves Ray Train workers. Nothing else in the loop
+process and torchrun; `raylane.onray.launch.RayRuntime` serves Ray Train workers. Nothing else in the loop
 knows which one it has."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from app.storage import CheckpointStore
+from raylane.loop.storage import CheckpointStore
 
 
 class Runtime(Protocol):
@@ -43,7 +43,7 @@ class Runtime(Protocol):
 
 class LocalRuntime:
     """A single process, or one rank under torchrun: checkpoints go straight to storage (a local
-    or shared directory, or object storage; see app.storage)."""
+    or shared directory, or object storage; see raylane.loop.storage)."""
 
     def __init__(self, store: CheckpointStore, rank: int, local_rank: int, world_size: int,
                  device: torch.device, publish: Callable[[dict[str, Any]], None] | None = None) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from app.config import (_NAME_PATTERN, BaseConfig, ConfigError, Section, apply_overrides, format_validation_error,
+from raylane.config import (_NAME_PATTERN, BaseConfig, ConfigError, Section, apply_overrides, format_validation_error,
                         read_yaml, validate)
 
 DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app import __version__
-from app.config import BaseConfig
+from raylane import __version__
+from raylane.config import BaseConfig
 
 log = logging.getLogger("raylane.tracking")
 

@@ -1,4 +1,4 @@
-"""Ray launcher: runs `app.run.run_worker` on Ray Train V2 workers (one per GPU; gloo on CPU).
+"""Ray launcher: runs `raylane.loop.run.run_worker` on Ray Train V2 workers (one per GPU; gloo on CPU).
 
 This is where Ray lives for training: the embedded or joined cluster, the TorchTrainer, the
 `RayRuntime` the loop sees, and the small actor through which rank 0's progress reaches the
@@ -23,10 +23,10 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 
-from app import preemption
-from app.config import BaseConfig, validate
-from app.distributed import node_layout
-from app.storage import CheckpointStore
+from raylane.loop import preemption
+from raylane.config import BaseConfig, validate
+from raylane.loop.distributed import node_layout
+from raylane.loop.storage import CheckpointStore
 
 log = logging.getLogger("raylane")
 
@@ -63,7 +63,7 @@ class EventSink:
 
 
 class RayRuntime:
-    """The `Runtime` seen by a Ray Train worker (see app.runtime)."""
+    """The `Runtime` seen by a Ray Train worker (see raylane.loop.runtime)."""
 
     def __init__(self, sink: Any, use_gpu: bool) -> None:
         ctx = ray.train.get_context()
@@ -143,7 +143,7 @@ class _RaylaneTorchBackend(_TorchBackend):
 
 @dataclasses.dataclass
 class _RaylaneTorchConfig(TorchConfig):
-    """TorchConfig whose workers turn SIGTERM into a graceful stop (see app.preemption)."""
+    """TorchConfig whose workers turn SIGTERM into a graceful stop (see raylane.loop.preemption)."""
 
     @property
     def backend_cls(self):
@@ -194,8 +194,8 @@ class _EmbeddedTorchTrainer(_RaylaneTorchTrainer):
 
 
 def _train_fn(loop_config: dict[str, Any]) -> None:
-    from app.run import run_worker
-    from app.tracking import rank_zero_logger
+    from raylane.loop.run import run_worker
+    from raylane.tracking.runs import rank_zero_logger
 
     # Ray logs every report and checkpoint at INFO; the driver's display already shows them.
     # (One of those loggers is named after its file path, not its module.)
@@ -275,7 +275,7 @@ def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str
 
 def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                   on_event: Callable[[dict[str, Any]], None], *, embedded: bool) -> dict[str, Any]:
-    """Train on the connected cluster (see `app.cluster.init_ray`); the caller shuts Ray down."""
+    """Train on the connected cluster (see `raylane.onray.cluster.init_ray`); the caller shuts Ray down."""
     sink = EventSink.remote()
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:

@@ -1,4 +1,4 @@
-"""What the driver records on the MLflow run besides params (app.tracking) and rank 0's metrics:
+"""What the driver records on the MLflow run besides params (raylane.tracking.runs) and rank 0's metrics:
 the host rank 0 runs on, every committed checkpoint, and at the end the checkpoint list, the
 final model (an MLflow PyTorch model, registered with `--register`) and PNG plots.
 
@@ -13,8 +13,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from app.config import BaseConfig
-from app.tracking import MetricLogger, RunHandle, mlflow_client
+from raylane.config import BaseConfig
+from raylane.tracking.runs import MetricLogger, RunHandle, mlflow_client
 
 log = logging.getLogger("raylane.tracking")
 
@@ -83,7 +83,7 @@ def _import_record_modules() -> None:
         import torch
         from mlflow.models import infer_signature
 
-        import app.export  # noqa: F401 - the checkpoint reader (DCP)
+        import raylane.export  # noqa: F401 - the checkpoint reader (DCP)
 
         example = np.zeros((2, 2), dtype=np.float32)  # 2 rows: export specialises a batch of 1
         with tempfile.TemporaryDirectory(prefix="raylane-prewarm-") as tmp:
@@ -104,7 +104,7 @@ def _attempt(what: str, action):
 
 
 def _log_checkpoint_files(client, handle: RunHandle, location: str) -> None:
-    from app.storage import local_copy
+    from raylane.loop.storage import local_copy
 
     with local_copy(location) as path:
         client.log_artifacts(handle.run_id, path, f"checkpoints/{Path(location).name}")
@@ -118,8 +118,8 @@ def log_model(handle: RunHandle, location: str, register: str | None) -> dict[st
     import torch
     from mlflow.models import infer_signature
 
-    from app.export import load_model
-    from app.storage import local_copy
+    from raylane.export import load_model
+    from raylane.loop.storage import local_copy
 
     with local_copy(location) as path:
         model, example = load_model(path)

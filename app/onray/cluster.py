@@ -1,6 +1,6 @@
 """Starting or joining the Ray cluster a run uses, and shutting an embedded one down.
 
-Ray core only: `app.driver` imports Ray Train and torch (`app.launch`, ~3.5 s of CPU on 2 cores)
+Ray core only: `raylane.driver` imports Ray Train and torch (`raylane.onray.launch`, ~3.5 s of CPU on 2 cores)
 on another thread while `init_ray` starts Ray's processes here."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 
 import ray
 
-from app.config import BaseConfig
+from raylane.config import BaseConfig
 
 log = logging.getLogger("raylane")
 

@@ -1,4 +1,4 @@
-"""Benchmark B4 (see app.bench): a `raylane tune` sweep against its ideal (every trial's own
+"""Benchmark B4 (see raylane.bench.harness): a `raylane tune` sweep against its ideal (every trial's own
 time, perfectly packed) and against plain Ray Tune running the same training
 (scripts/plain_tune.py), interleaved."""
 
@@ -15,7 +15,7 @@ EPOCHS, CONCURRENCY = 2, 2
 
 
 def b4(bench) -> dict[str, Any]:
-    from app.bench import PY, REPO, stats
+    from raylane.bench.harness import PY, REPO, stats
 
     print("[bench] B4 Tune sweep against its ideal and plain Ray Tune", flush=True)
     lrs = LRS[:2] if bench.quick else LRS
@@ -30,7 +30,7 @@ def b4(bench) -> dict[str, Any]:
                       "metric": "accuracy", "mode": "max"},
             "train": {"max_epochs": EPOCHS}, "scaling": {"num_workers": 2},
             "checkpoint": {"every_n_steps": 0}, "mlflow": {"system_metrics": False}}))
-        times = bench.run([PY, "-m", "app", "tune", str(sweep), "--set", f"run.storage_path={bench.work / 'runs'}",
+        times = bench.run([PY, "-m", "raylane", "tune", str(sweep), "--set", f"run.storage_path={bench.work / 'runs'}",
                            "--summary-json", str(out)])
         s = json.loads(out.read_text())
         return {"process_s": times["exited"] - times["launched"], **s["timing"]}
