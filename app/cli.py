@@ -89,7 +89,9 @@ def _tune(args: argparse.Namespace) -> int:
     from raylane.onray.tune import run_sweep
 
     try:
-        return run_sweep(sweep, base, address=args.address, summary_path=args.summary_json, register=args.register)
+        summary = run_sweep(sweep, base, address=args.address, summary_path=args.summary_json,
+                            register=args.register)
+        return 0 if summary["status"] == "FINISHED" else 1
     except ConfigError as exc:  # found once the cluster is known: resources
         print(f"raylane: {exc}", file=sys.stderr)
         return 2
@@ -114,10 +116,6 @@ def _submit(args: argparse.Namespace) -> int:
     return EXIT_CODES.get(status, 1)
 
 
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "export":
@@ -138,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("raylane").setLevel(logging.INFO)
-    from raylane.driver import train
+    from raylane.driver import EXIT_CODES, train, under_torchrun
 
-    use_ray = not (args.local or _under_torchrun())
-    return train(cfg, use_ray=use_ray, address=args.address, summary_path=args.summary_json,
-                 register=args.register)
+    summary = train(cfg, use_ray=not (args.local or under_torchrun()), address=args.address,
+                    summary_path=args.summary_json, register=args.register)
+    return EXIT_CODES[summary["status"]]
 
 
 if __name__ == "__main__":

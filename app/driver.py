@@ -6,14 +6,16 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from raylane.config import BaseConfig
+from raylane.config import BaseConfig, load_config
 from raylane.tracking.progress import ProgressDisplay
 
 log = logging.getLogger("raylane")
@@ -38,9 +40,22 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def run_training(source: Any, overrides: Iterable[str] = (), *, address: str | None = None,
+                 local: bool = False, register: str | None = None) -> dict[str, Any]:
+    """`raylane.train()`: check the config (ConfigError before anything starts), train on Ray (or
+    in this process with `local`, or as this torchrun rank), and return the summary."""
+    cfg = load_config(source, overrides)
+    return train(cfg, use_ray=not (local or under_torchrun()), address=address, register=register)
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
 def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
-          summary_path: str | None = None, register: str | None = None) -> int:
-    """Run training to the end; returns the exit code (0 ok, 1 failed, 130 interrupted)."""
+          summary_path: str | None = None, register: str | None = None) -> dict[str, Any]:
+    """Run training to the end; returns the summary (on a torchrun rank other than 0, only its
+    `status`). `EXIT_CODES[summary["status"]]` is the command's exit code."""
     from raylane.loop import preemption
     from raylane.loop.distributed import env_ranks, init_process_group, leave_process_group
     from raylane.tracking.records import RunRecorder
@@ -86,7 +101,7 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         if not use_ray:  # runs last: after rank 0's summary
             stack.callback(leave_process_group, wait_for_peers=status == "FINISHED" or bool(result.get("preempted")))
         if not is_driver:
-            return EXIT_CODES[status]
+            return {"status": status, "error": error}
         summary = _summary(cfg, handle, status, error, result, display, launched)
         if recorder:
             summary.update(recorder.finish(status, summary["checkpoint"], register))
@@ -94,7 +109,7 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         if summary_path:
             Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         _print_outcome(summary, ui_command(tracking_uri))
-        return EXIT_CODES[status]
+        return summary
 
 
 EXIT_CODES = {"FINISHED": 0, "FAILED": 1, "KILLED": 130}

@@ -19,6 +19,7 @@ import random
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ import ray
 from ray import tune
 
 from raylane.config import BaseConfig, ConfigError, validate
-from raylane.onray.sweep import SweepSection, trial_config
+from raylane.onray.sweep import SweepSection, load_sweep, trial_config
 from raylane.tracking.runs import RUN_NAME_TAG, RunHandle, close_run, mlflow_client, resolve_tracking_uri, run_tags
 
 log = logging.getLogger("raylane")
@@ -274,9 +275,18 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
 
 # -- the driver --------------------------------------------------------------------------------
 
+def tune_sweep(source: Any, overrides: Iterable[str] = (), *, address: str | None = None,
+               register: str | None = None) -> dict[str, Any]:
+    """`raylane.tune()`: load and check the sweep file (ConfigError before Ray starts), run it,
+    and return its summary."""
+    sweep, base = load_sweep(source, overrides)
+    return run_sweep(sweep, base, address=address, summary_path=None, register=register)
+
+
 def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, summary_path: str | None,
-              register: str | None) -> int:
-    """Run (or continue) the sweep; returns the exit code (0 when every trial ended cleanly)."""
+              register: str | None) -> dict[str, Any]:
+    """Run (or continue) the sweep; returns its summary, whose `status` is FINISHED when every
+    trial ended cleanly and FAILED otherwise."""
     from raylane.onray.cluster import init_ray, shutdown_ray
 
     tracking_uri = resolve_tracking_uri()
@@ -299,7 +309,8 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
         best = _best(grid, sweep, rows)
         trial_s = sum(r["time_s"] or 0 for r in rows)
         # The ideal: every trial's own time, perfectly packed `concurrency` at a time.
-        summary = {"parent_run_id": parent.run_id, "tracking_uri": tracking_uri, "sweep": sweep.name,
+        summary = {"status": "FAILED" if grid.errors else "FINISHED",
+                   "parent_run_id": parent.run_id, "tracking_uri": tracking_uri, "sweep": sweep.name,
                    "best": best, "trials": rows, "concurrency": concurrency,
                    "timing": {"wall_s": wall_s, "trial_s_sum": trial_s, "ideal_s": trial_s / concurrency}}
         summary.update(_record_parent(parent, sweep, rows, best, register))
@@ -316,7 +327,7 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
     if best:
         print(f"best trial {best['trial_id']}: {sweep.metric} {best['metric']:.4f} (MLflow run {best['run_id']})",
               flush=True)
-    return 1 if grid.errors else 0
+    return summary
 
 
 def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: int):
