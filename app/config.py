@@ -18,12 +18,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-# Pipeline name -> module that defines `Config` (a subclass of `BaseConfig`) and `build(cfg, ctx)`.
-PIPELINES: dict[str, str] = {
-    "regression": "raylane.pipelines.regression",
-    "digits": "raylane.pipelines.digits",
-    "gpt": "raylane.pipelines.gpt",
-}
+from raylane import pipelines_ref
+
+# Shipped pipeline name -> module. A config may also name a dotted module or a .py file of the
+# user's own (raylane.pipelines_ref).
+PIPELINES: dict[str, str] = pipelines_ref.SHIPPED
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -191,7 +190,7 @@ class BaseConfig(Section):
             return self
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         return self.model_copy(
-            update={"run": self.run.model_copy(update={"name": f"{self.pipeline}-{stamp}"})}
+            update={"run": self.run.model_copy(update={"name": f"{pipelines_ref.label(self.pipeline)}-{stamp}"})}
         )
 
 
@@ -207,19 +206,32 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_class(pipeline: Any) -> type[BaseConfig]:
-    if not isinstance(pipeline, str) or pipeline not in PIPELINES:
-        choices = ", ".join(sorted(PIPELINES))
-        raise ConfigError(f"pipeline = {pipeline!r}: unknown pipeline (choose one of: {choices})")
-    return importlib.import_module(PIPELINES[pipeline]).Config
+    """The `Config` of a pipeline reference (see raylane.pipelines_ref); relative references are
+    looked up from the working directory."""
+    return pipelines_ref.load(pipelines_ref.normalize(pipeline, [Path.cwd()])).Config
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a config file with `yaml.safe_load`; a bare name (`digits`, `gpt-tiny`) finds the
-    YAML shipped in `pipelines/`."""
+def config_path(path: str | Path) -> Path:
+    """The file a config argument names: the path itself, or for a bare name (`digits`,
+    `gpt-tiny`) that is not a file here, the YAML shipped in `pipelines/`."""
     p = Path(path)
     shipped = Path(importlib.import_module("raylane.pipelines").__file__).parent / f"{path}.yaml"
     if not p.exists() and re.fullmatch(r"[A-Za-z0-9_-]+", str(path)) and shipped.exists():
-        p = shipped
+        return shipped
+    return p
+
+
+def normalize_pipeline(raw: dict[str, Any], config_dir: Path) -> dict[str, Any]:
+    """`raw` with its `pipeline:` resolved from the config file's directory, then the working
+    directory (a relative file becomes an absolute path)."""
+    if "pipeline" in raw:
+        raw["pipeline"] = pipelines_ref.normalize(raw["pipeline"], [config_dir, Path.cwd()])
+    return raw
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a config file with `yaml.safe_load` (see `config_path` for bare names)."""
+    p = config_path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -270,17 +282,21 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
 def validate(raw: Mapping[str, Any]) -> BaseConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config: top level must be a mapping, got {_short(raw)}")
-    cls = config_class(raw.get("pipeline"))
+    raw = dict(raw)
+    raw["pipeline"] = pipelines_ref.normalize(raw.get("pipeline"), [Path.cwd()])
+    cls = pipelines_ref.load(raw["pipeline"]).Config
     try:
-        return cls.model_validate(dict(raw))
+        return cls.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
 
 
 def load_config(source: str | Path | Mapping[str, Any], overrides: Iterable[str] = ()) -> BaseConfig:
     """The edge: file (or mapping) + overrides -> a validated config, or ConfigError."""
-    raw = read_yaml(source) if isinstance(source, (str, Path)) else dict(source)
-    return validate(apply_overrides(raw, overrides))
+    if not isinstance(source, (str, Path)):
+        return validate(apply_overrides(dict(source), overrides))
+    raw = apply_overrides(read_yaml(source), overrides)
+    return validate(normalize_pipeline(raw, config_path(source).resolve().parent))
 
 
 def format_validation_error(exc: ValidationError) -> str:

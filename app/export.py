@@ -3,7 +3,6 @@ safetensors file (no pickle, loadable without Ray or torch.distributed), its con
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from raylane.loop import checkpoint
-from raylane.config import PIPELINES, validate
+from raylane import pipelines_ref
+from raylane.config import validate
 
 
 def _consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
@@ -22,7 +22,7 @@ def _consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]
         raise ValueError(f"{checkpoint_dir}: not a valid checkpoint ({problem})")
     train_state = checkpoint.read_manifest(checkpoint_dir)["train_state"]
     cfg = validate(train_state["config"])
-    pipe = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg)
+    pipe = pipelines_ref.build(cfg)
     state = {"model": pipe.model.state_dict()}
     # no_dist: a local read of every rank's shard, even where a process group exists (the torchrun
     # driver is rank 0): as a collective it would wait for ranks that are not loading.

@@ -5,7 +5,6 @@ torchrun or in a single process by `launch_local` below. It never imports Ray.""
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import random
@@ -18,7 +17,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Subset
 
 from raylane.loop import checkpoint, faults
-from raylane.config import PIPELINES, BaseConfig
+from raylane import pipelines_ref
+from raylane.config import BaseConfig
 from raylane.loop.data import build_loader, loader_options, shard_indices
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
 from raylane.loop.devices import peak_flops
@@ -79,7 +79,7 @@ def _side_groups(cfg: BaseConfig, world_size: int) -> tuple[Any, Any]:
 def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = None) -> dict[str, Any]:
     """One rank's whole run. Returns the result (the same on every rank but for timings)."""
     seed_everything(cfg.train.seed)
-    pipe = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg)
+    pipe = pipelines_ref.build(cfg)  # its exception names the pipeline
     model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size,
                                   example=_example_batch(pipe.train_set, cfg.train.batch_size), loss_fn=pipe.loss_fn)
     optimizer = build_optimizer(model, cfg)

@@ -11,6 +11,7 @@ import threading
 
 import ray
 
+from raylane import pipelines_ref
 from raylane.config import BaseConfig
 
 log = logging.getLogger("raylane")
@@ -37,9 +38,14 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
     for key, value in TRAIN_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     address = address or os.environ.get("RAY_ADDRESS")
+    pipelines_ref.register_for_pickling()
     if address:
-        ray.init(address=address, logging_level=logging.WARNING)
+        # A pipeline of the user's own reaches the cluster's workers with the run; inside a Ray
+        # job (the supervisor sets this variable) the job's working_dir already carries it.
+        runtime_env = pipelines_ref.joined_runtime_env(in_job="RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ)
+        ray.init(address=address, logging_level=logging.WARNING, **({"runtime_env": runtime_env} if runtime_env else {}))
         return False
+    pipelines_ref.worker_environment()  # the raylet, and so every worker, inherits it
     for key, value in EMBEDDED_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     needed = max(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker, num_cpus)

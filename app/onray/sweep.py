@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from raylane.config import (_NAME_PATTERN, BaseConfig, ConfigError, Section, apply_overrides, format_validation_error,
-                        read_yaml, validate)
+from raylane.config import (_NAME_PATTERN, BaseConfig, ConfigError, Section, apply_overrides, config_path,
+                            format_validation_error, normalize_pipeline, read_yaml, validate)
 
 DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")
 
@@ -96,8 +96,12 @@ def load_sweep(path: str, overrides: Iterable[str] = ()) -> tuple[SweepSection, 
         text = format_validation_error(exc).removeprefix("invalid config: ")
         raise ConfigError("invalid sweep: " + "; ".join(
             part if part.startswith("sweep.") else f"sweep.{part}" for part in text.split("; "))) from None
-    base_raw = read_yaml(sweep.base)
-    _merge(base_raw, raw)  # the sweep file's own sections override the base config
+    # Relative paths are the sweep file's: `base:` (else from the working directory), and the
+    # `pipeline:` of each file from that file's directory.
+    sweep_dir = config_path(path).resolve().parent
+    base_file = str(sweep_dir / sweep.base) if (sweep_dir / sweep.base).is_file() else sweep.base
+    base_raw = normalize_pipeline(read_yaml(base_file), config_path(base_file).resolve().parent)
+    _merge(base_raw, normalize_pipeline(raw, sweep_dir))  # the sweep file's own sections override the base config
     base = validate(apply_overrides(base_raw, base_sets))
     for key, domain in sweep.space.items():
         for value in representative(domain):

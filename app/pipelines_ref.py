@@ -1,0 +1,307 @@
+"""What a config's `pipeline:` names: a shipped pipeline (`digits`), a dotted module
+(`my_project.pipes.resnet`) or a Python file (`./pipes/resnet.py`), and how every process of a
+run finds it.
+
+A reference is normalized once, where the config file's directory is known (`normalize`): a file
+becomes its absolute path; a dotted module found under the config's directory or the working
+directory makes that directory a *root*. Roots go first on `sys.path` in this process and, through
+RAYLANE_PIPELINE_ROOTS, in Ray's workers (`worker_environment`, `joined_runtime_env`), where Ray
+would otherwise put the driver's working directory first and a user's `app/` could be found in the
+wrong place. Every mistake, including an exception while importing the user's module, is a
+ConfigError of one line. No torch or Ray is imported here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import os
+import re
+import sys
+import traceback
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+SHIPPED: dict[str, str] = {
+    "regression": "raylane.pipelines.regression",
+    "digits": "raylane.pipelines.digits",
+    "gpt": "raylane.pipelines.gpt",
+}
+ROOTS_ENV = "RAYLANE_PIPELINE_ROOTS"
+FILE_MODULE_PREFIX = "raylane_pipeline_file_"
+_DOTTED = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+_roots: list[str] = []  # this process's roots, in sys.path order
+_loaded: dict[str, ModuleType] = {}
+
+
+class PipelineBuildError(RuntimeError):
+    """`build(cfg)` of a pipeline raised; the message names the pipeline and the exception."""
+
+
+def _config_error(text: str) -> Exception:
+    from raylane.config import ConfigError  # config imports this module
+
+    return ConfigError(text)
+
+
+def is_file_ref(ref: str) -> bool:
+    return ref.endswith(".py") or "/" in ref or os.sep in ref
+
+
+def label(ref: str) -> str:
+    """A short name for run names: `digits`, `shapes` for `./pipelines/shapes.py` or `a.b.shapes`."""
+    name = Path(ref).stem if is_file_ref(ref) else ref.rsplit(".", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip("._-")[:64] or "pipeline"
+
+
+def normalize(ref: Any, base_dirs: Iterable[str | Path]) -> str:
+    """The reference as every process can use it; ConfigError when nothing matches it. Relative
+    files and top-level packages are looked up in `base_dirs`, in order."""
+    if not isinstance(ref, str) or not ref.strip():
+        raise _config_error(f"pipeline = {ref!r}: {_expected()}")
+    if ref in SHIPPED:
+        return ref
+    dirs = list(dict.fromkeys(Path(d).resolve() for d in base_dirs))
+    if is_file_ref(ref):
+        return _normalize_file(ref, dirs)
+    if not _DOTTED.match(ref):
+        raise _config_error(f"pipeline = {ref!r}: {_expected()}")
+    top = ref.split(".", 1)[0]
+    for d in dirs:
+        if (d / top).is_dir() or (d / f"{top}.py").is_file():
+            add_root(d)
+            return ref
+    if _find_spec(top) is not None:
+        return ref  # an installed package
+    close = difflib.get_close_matches(ref, list(SHIPPED), n=1) if "." not in ref else []
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    where = ", ".join(str(d) for d in dirs)
+    raise _config_error(f"pipeline = {ref!r}: unknown pipeline: {hint}no shipped pipeline of that name, and no "
+                        f"module {top!r} in {where} or installed ({_expected()})")
+
+
+def _normalize_file(ref: str, dirs: list[Path]) -> str:
+    path = Path(ref).expanduser()
+    candidates = [path] if path.is_absolute() else [d / path for d in dirs]
+    for candidate in candidates:
+        if candidate.is_file():
+            found = candidate.resolve()
+            base = next((d for d in dirs if found.is_relative_to(d)), None)
+            for root in ([base] if base else []) + [found.parent]:
+                add_root(root)
+            return str(found)
+    if path.is_absolute() and _relocate(path):
+        return ref  # a Ray worker on another node: the file came with the run (py_modules)
+    looked = ", ".join(str(c) for c in candidates)
+    raise _config_error(f"pipeline = {ref!r}: no such file (looked for {looked})")
+
+
+def _expected() -> str:
+    return f"expected a shipped pipeline ({', '.join(sorted(SHIPPED))}), a dotted module path or a .py file"
+
+
+def _find_spec(name: str) -> Any:
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+
+
+def add_root(path: str | Path) -> None:
+    """Put a directory of the user's code first on sys.path (after roots added before it)."""
+    root = str(Path(path).resolve())
+    if root not in _roots:
+        _roots.append(root)
+    _front(_roots)
+
+
+def _front(paths: list[str]) -> None:
+    for i, p in enumerate(paths):
+        while p in sys.path:
+            sys.path.remove(p)
+        sys.path.insert(i, p)
+
+
+def roots() -> list[str]:
+    """This process's roots and those it inherited (RAYLANE_PIPELINE_ROOTS) that exist here."""
+    inherited = [p for p in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if p]
+    return [p for p in dict.fromkeys(_roots + inherited) if Path(p).is_dir()]
+
+
+def load(ref: str) -> ModuleType:
+    """The pipeline module (normalized `ref`), imported once per process and checked."""
+    if ref in _loaded:
+        return _loaded[ref]
+    _front(roots())  # ahead of the driver's working directory, which Ray puts first on a worker
+    if ref in SHIPPED:
+        module = importlib.import_module(SHIPPED[ref])
+    elif is_file_ref(ref):
+        module = _load_file(ref)
+    else:
+        module = _import_module(ref)
+    _check_contract(ref, module)
+    _loaded[ref] = module
+    register_for_pickling()
+    return module
+
+
+def _load_file(ref: str) -> ModuleType:
+    path = Path(ref)
+    if not path.is_file():
+        path = _relocate(path) or path
+    # A stable name, the same in every process: Ray pickles the module's functions by value.
+    digest = hashlib.sha1(ref.encode()).hexdigest()[:10]
+    name = f"{FILE_MODULE_PREFIX}{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise _config_error(f"pipeline = {ref!r}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of the user's import is one ConfigError
+        del sys.modules[name]
+        raise _config_error(_import_failure(ref, exc, path)) from None
+    return module
+
+
+def _import_module(ref: str) -> ModuleType:
+    try:
+        return importlib.import_module(ref)
+    except ModuleNotFoundError as exc:
+        if exc.name and (ref == exc.name or ref.startswith(exc.name + ".")):
+            searched = ", ".join(roots()) or "the installed packages"
+            raise _config_error(f"pipeline = {ref!r}: no module named {exc.name!r} (searched {searched} "
+                                "and the installed packages)") from None
+        raise _config_error(_import_failure(ref, exc)) from None
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of the user's import is one ConfigError
+        raise _config_error(_import_failure(ref, exc)) from None
+
+
+def _import_failure(ref: str, exc: BaseException, path: Path | None = None) -> str:
+    kind = type(exc).__name__
+    if isinstance(exc, SyntaxError):
+        where, text = f"{exc.filename}:{exc.lineno}", exc.msg
+    else:
+        where, text = _raised_at(exc, path), str(exc)
+    text = " ".join(text.split())  # one line
+    return f"pipeline = {ref!r}: importing it raised {kind}: {text} (at {where})"
+
+
+def _raised_at(exc: BaseException, path: Path | None) -> str:
+    """file:line where `exc` was raised: the innermost frame in the user's code (the pipeline file
+    or under a root), else the innermost frame that is not the import machinery's."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
+    if not frames:
+        return "unknown location"
+    mine = [str(path.resolve())] if path else []
+    user = [f for f in frames if f.filename in mine or any(f.filename.startswith(r + os.sep) for r in roots())]
+    frame = (user or frames)[-1]
+    return f"{frame.filename}:{frame.lineno}"
+
+
+def _check_contract(ref: str, module: ModuleType) -> None:
+    from raylane.config import BaseConfig
+
+    where = f"pipeline = {ref!r}"
+    contract = "a pipeline module defines Config (a raylane.BaseConfig subclass with a `model` section) and build(cfg)"
+    config = getattr(module, "Config", None)
+    if config is None:
+        raise _config_error(f"{where}: the module defines no Config class ({contract})")
+    if not (isinstance(config, type) and issubclass(config, BaseConfig)):
+        raise _config_error(f"{where}: Config is {config!r}, not a subclass of raylane.BaseConfig ({contract})")
+    if not callable(getattr(module, "build", None)):
+        raise _config_error(f"{where}: the module defines no build(cfg) function ({contract})")
+
+
+def build(cfg: Any) -> Any:
+    """`build(cfg)` of the config's pipeline; its exception becomes a PipelineBuildError that names
+    the pipeline, the exception and where it was raised."""
+    module = load(cfg.pipeline)
+    try:
+        return module.build(cfg)
+    except Exception as exc:
+        text = " ".join(str(exc).split())
+        raise PipelineBuildError(f"pipeline {cfg.pipeline!r}: build(cfg) raised {type(exc).__name__}: {text} "
+                                 f"(at {_raised_at(exc, Path(getattr(module, '__file__', '') or '.'))})") from exc
+
+
+def _relocate(path: Path) -> Path | None:
+    """Where a file of an inherited root is on this node when the root itself is not: its path
+    below the root, under one of sys.path's entries (Ray unpacks py_modules there)."""
+    inherited = [p for p in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if p]
+    for root in inherited:
+        if path.is_relative_to(root):
+            below = path.relative_to(root)
+            for entry in sys.path:
+                if entry and (Path(entry) / below).is_file():
+                    return Path(entry) / below
+    return None
+
+
+def user_modules() -> dict[str, Path]:
+    """The user's top-level modules loaded here (pipeline files, and packages or modules under a
+    root) -> the directory or file that holds each, below its outermost root."""
+    found: dict[str, Path] = {}
+    mine = roots()
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        top = name.split(".", 1)[0]
+        if not file or top in found or top == "raylane":
+            continue
+        if name.startswith(FILE_MODULE_PREFIX):
+            root = next((r for r in mine if Path(file).is_relative_to(r)), None)
+            found[name] = Path(root) / Path(file).relative_to(root).parts[0] if root else Path(file)
+            continue
+        for root in mine:
+            package, single = Path(root) / top, Path(root) / f"{top}.py"
+            if Path(file) == single or Path(file).is_relative_to(package):
+                found[top] = single if Path(file) == single else package
+                break
+    return found
+
+
+def register_for_pickling() -> None:
+    """Ray pickles functions of the user's modules by value (a Ray Data transform defined in a
+    pipeline file reaches workers that cannot import it by name). Only where Ray is loaded."""
+    pickler = sys.modules.get("ray.cloudpickle")
+    if pickler is None:
+        return
+    for name in user_modules():
+        if name in sys.modules:
+            pickler.register_pickle_by_value(sys.modules[name])
+
+
+def worker_environment() -> None:
+    """For an embedded Ray cluster started after this: its workers inherit the roots."""
+    mine = roots()
+    if not mine:
+        return
+    os.environ[ROOTS_ENV] = os.pathsep.join(mine)
+    old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in mine]
+    os.environ["PYTHONPATH"] = os.pathsep.join(mine + old)
+
+
+def joined_runtime_env(in_job: bool) -> dict[str, Any]:
+    """The runtime_env for joining a cluster: the roots, and, unless this driver runs in a Ray job
+    (whose working_dir already ships the code), the user's modules as py_modules."""
+    mine = roots()
+    if not mine:
+        return {}
+    env: dict[str, Any] = {"env_vars": {ROOTS_ENV: os.pathsep.join(mine)}}
+    if not in_job:
+        env["py_modules"] = ship_paths()
+        env["excludes"] = ["**/__pycache__", "*.pyc"]
+    return env
+
+
+def ship_paths() -> list[str]:
+    """What py_modules uploads: each user module's top-level directory or file."""
+    return sorted({str(p) for p in user_modules().values()})
