@@ -98,8 +98,9 @@ def run_cli(tmp_path):
     started: list[CliProcess] = []
 
     def start(*args: str, env: dict[str, str] | None = None, name: str = "cli",
-              launcher: list[str] = RAYLANE) -> CliProcess:
-        p = CliProcess([*launcher, *args], tmp_path, env or cli_env(tmp_path), tmp_path / f"{name}-{len(started)}.log")
+              launcher: list[str] = RAYLANE, cwd: Path | None = None) -> CliProcess:
+        p = CliProcess([*launcher, *args], cwd or tmp_path, env or cli_env(tmp_path),
+                       tmp_path / f"{name}-{len(started)}.log")
         started.append(p)
         return p
 

@@ -1,0 +1,163 @@
+"""A pipeline of the user's own, outside the package (examples/own-model, which has folders named
+`app/` and `pipelines/` of its own), trained everywhere a shipped pipeline trains: on Ray workers,
+under torchrun, in a Tune sweep, as a Ray job and joining a token-authenticated head. Bad
+references exit 2 with one line naming the pipeline; a failing build(cfg) fails the run (exit 1)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sqlite3
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, TORCHRUN, cli_env, read_json
+from tests.test_cluster_e2e import BIN, _auth_env, _head, _mlflow_run
+
+EXAMPLE = REPO / "examples" / "own-model"
+# The smallest run that proves it: one epoch, no model logged, no system metrics.
+QUICK = ["--set", "train.max_epochs=1", "--set", "mlflow.log_model=false", "--set", "mlflow.system_metrics=false"]
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A copy of the example project, away from raylane's checkout."""
+    return Path(shutil.copytree(EXAMPLE, tmp_path / "own-model", ignore=shutil.ignore_patterns("__pycache__")))
+
+
+def _finished(tmp_path: Path, summary: str) -> dict:
+    s = read_json(tmp_path / summary)
+    assert s["status"] == "FINISHED" and s["metrics"]["accuracy"] > 0.3, s
+    status, tags = _mlflow_run(tmp_path / "mlflow.db", s["run_id"])
+    assert status == "FINISHED"
+    return {**s, "tags": tags}
+
+
+def test_example_trains_on_two_ray_workers_from_its_own_directory(run_cli, project, tmp_path):
+    # The working directory holds the project's own app/ and pipelines/: raylane is unaffected.
+    p = run_cli("train", "train.yaml", "--set", "scaling.num_workers=2", *QUICK,
+                "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "s.json"),
+                cwd=project)
+    assert p.wait(300) == 0, p.output
+    s = _finished(tmp_path, "s.json")
+    assert s["world_size"] == 2 and s["run_name"].startswith("shapes-")
+    assert s["tags"]["raylane.pipeline"] == str(project / "pipelines" / "shapes.py")
+
+
+def test_example_trains_under_torchrun_as_a_dotted_module(run_cli, project, tmp_path):
+    p = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "train.yaml", "--set", "pipeline=pipelines.shapes",
+                *QUICK, "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "t.json"),
+                launcher=TORCHRUN, cwd=project)
+    assert p.wait(180) == 0, p.output
+    s = _finished(tmp_path, "t.json")
+    assert s["world_size"] == 2 and s["tags"]["raylane.pipeline"] == "pipelines.shapes"
+
+
+def test_example_sweep_runs_two_trials_from_the_repo_root(run_cli, project, tmp_path):
+    """From raylane's checkout, whose app/ and pipelines/ folders come first on a Ray worker's
+    sys.path (Ray puts the driver's working directory there): the project's own must win."""
+    p = run_cli("tune", str(project / "sweep.yaml"), "--set", "scaling.num_workers=1",
+                "--set", "sweep.max_concurrent_trials=2", *QUICK, "--set", f"run.storage_path={tmp_path / 'runs'}",
+                "--summary-json", str(tmp_path / "sweep.json"), cwd=REPO)
+    assert p.wait(300) == 0, p.output
+    s = read_json(tmp_path / "sweep.json")
+    assert len(s["trials"]) == 2 and {r["status"] for r in s["trials"]} == {"FINISHED"}
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:
+        statuses = con.execute("SELECT status FROM runs").fetchall()
+    assert sorted(statuses) == [("FINISHED",)] * 3  # the parent and its two trials
+
+
+def test_example_as_a_ray_job_and_joining_a_token_authenticated_head(project, tmp_path):
+    db = tmp_path / "mlflow.db"
+    storage = f"run.storage_path={tmp_path / 'runs'}"
+    with _head(tmp_path, "--num-cpus=4") as (url, gcs, _):
+        env = dict(_auth_env(tmp_path), RAY_ADDRESS=url)
+        runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}}
+        out = subprocess.run([str(BIN / "ray"), "job", "submit", "--working-dir", str(project),
+                              "--runtime-env-json", json.dumps(runtime_env), "--",
+                              "raylane", "train", "train.yaml", *QUICK, "--set", storage],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        job_id = re.search(r"Job '(raysubmit_\w+)' submitted successfully", out.stdout + out.stderr).group(1)
+        status, tags = _mlflow_run(db, re.findall(r"MLflow run id:\s+([0-9a-f]{32})", out.stdout)[-1])
+        assert status == "FINISHED" and tags["raylane.ray_job_id"] == job_id
+
+        # Joining from raylane's checkout: the head's workers get the project with the run.
+        env = dict(_auth_env(tmp_path), MLFLOW_TRACKING_URI=f"sqlite:///{db}")
+        out = subprocess.run([str(BIN / "raylane"), "train", str(project / "train.yaml"), "--address", gcs, *QUICK,
+                              "--set", storage, "--set", "scaling.num_workers=2", "--summary-json",
+                              str(tmp_path / "joined.json")],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        assert _finished(tmp_path, "joined.json")["world_size"] == 2
+
+
+CONFIG = "pipeline: ./pipe.py\nmodel: {width: 4}\n"
+GOOD_CONFIG = '''
+import raylane
+
+class Model(raylane.Section):
+    width: int = 4
+
+class Config(raylane.BaseConfig):
+    model: Model = Model()
+'''
+BAD = {
+    "module missing": ("pipeline: no_such_pkg.pipes\n", None, "pipeline = 'no_such_pkg.pipes': unknown pipeline"),
+    "file missing": ("pipeline: ./nowhere.py\n", None, "pipeline = './nowhere.py': no such file"),
+    "misspelled": ("pipeline: digts\n", None, "did you mean 'digits'?"),
+    "no build": (CONFIG, GOOD_CONFIG, "defines no build(cfg) function"),
+    "no Config": (CONFIG, "def build(cfg):\n    pass\n", "defines no Config class"),
+    "Config not BaseConfig": (CONFIG, "class Config:\n    pass\ndef build(cfg):\n    pass\n",
+                              "not a subclass of raylane.BaseConfig"),
+    "import error": (CONFIG, "import os\nimport no_such_module_xyz\n",
+                     "ModuleNotFoundError: No module named 'no_such_module_xyz' (at {pipe}:2)"),
+    "syntax error": (CONFIG, "import os\n\ndef build(cfg:\n", "SyntaxError: '(' was never closed (at {pipe}:3)"),
+    "raises at import": (CONFIG, "x = 1\nraise RuntimeError('no GPU here')\n",
+                         "RuntimeError: no GPU here (at {pipe}:2)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_reference_exits_2_naming_the_pipeline(tmp_path, case):
+    config, module, message = BAD[case]
+    folder = tmp_path / "bad"  # not the working directory: references resolve from the config's
+    folder.mkdir()
+    (folder / "cfg.yaml").write_text(config)
+    if module is not None:
+        (folder / "pipe.py").write_text(module)
+    out = subprocess.run([str(BIN / "raylane"), "check", str(folder / "cfg.yaml")], cwd=tmp_path,
+                         env=cli_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert message.format(pipe=folder / "pipe.py") in lines[0] and "pipeline = " in lines[0], lines[0]
+
+
+def test_train_tune_and_submit_reject_a_bad_pipeline_before_starting_anything(tmp_path):
+    (tmp_path / "cfg.yaml").write_text(CONFIG)
+    (tmp_path / "pipe.py").write_text("import no_such_module_xyz\n")
+    (tmp_path / "sweep.yaml").write_text("sweep: {name: s, base: cfg.yaml, space: {optim.lr: {grid: [0.1]}}}\n")
+    for argv in (["train", "cfg.yaml"], ["tune", "sweep.yaml"], ["submit", "cfg.yaml", "--address", "http://127.0.0.1:9"]):
+        out = subprocess.run([str(BIN / "raylane"), *argv], cwd=tmp_path, env=cli_env(tmp_path),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2, (argv, out.stdout + out.stderr)
+        assert f"pipeline = {str(tmp_path / 'pipe.py')!r}" in out.stderr and "no_such_module_xyz" in out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_a_build_that_raises_fails_the_run_naming_the_pipeline(run_cli, tmp_path):
+    (tmp_path / "cfg.yaml").write_text(CONFIG)
+    (tmp_path / "pipe.py").write_text(GOOD_CONFIG + textwrap.dedent('''
+        def build(cfg):
+            raise FileNotFoundError("no data in /nowhere")
+    '''))
+    p = run_cli("train", "cfg.yaml", "--local", *QUICK, "--set", f"run.storage_path={tmp_path / 'runs'}")
+    assert p.wait(120) == 1, p.output
+    assert (f"pipeline {str(tmp_path / 'pipe.py')!r}: build(cfg) raised FileNotFoundError: no data in /nowhere"
+            in p.output), p.output
+    assert "Traceback" not in p.output
