@@ -72,7 +72,7 @@ def normalize(ref: Any, base_dirs: Iterable[str | Path]) -> str:
     if not _DOTTED.match(ref):
         raise _config_error(f"pipeline = {ref!r}: {_expected()}")
     top = ref.split(".", 1)[0]
-    for d in dirs:
+    for d in [Path(r) for r in roots()] + dirs:  # roots known already first (on a Ray worker)
         if (d / top).is_dir() or (d / f"{top}.py").is_file():
             add_root(d)
             return ref
@@ -87,11 +87,15 @@ def normalize(ref: Any, base_dirs: Iterable[str | Path]) -> str:
 
 def _normalize_file(ref: str, dirs: list[Path]) -> str:
     path = Path(ref).expanduser()
+    bases: list[Path | None] = [None] if path.is_absolute() else list(dirs)
     candidates = [path] if path.is_absolute() else [d / path for d in dirs]
-    for candidate in candidates:
+    for base, candidate in zip(bases, candidates, strict=True):
         if candidate.is_file():
             found = candidate.resolve()
-            base = next((d for d in dirs if found.is_relative_to(d)), None)
+            if any(found.is_relative_to(r) for r in roots()):
+                base = None  # normalized before (a Ray worker, a second validation): roots known
+            elif base is None and dirs and found.is_relative_to(dirs[0]):
+                base = dirs[0]  # an absolute path in a config: its directory is the project's
             for root in ([base] if base else []) + [found.parent]:
                 add_root(root)
             return str(found)
@@ -117,7 +121,7 @@ def add_root(path: str | Path) -> None:
     root = str(Path(path).resolve())
     if root not in _roots:
         _roots.append(root)
-    _front(_roots)
+    _front(roots())
 
 
 def _front(paths: list[str]) -> None:
@@ -130,7 +134,9 @@ def _front(paths: list[str]) -> None:
 def roots() -> list[str]:
     """This process's roots and those it inherited (RAYLANE_PIPELINE_ROOTS) that exist here."""
     inherited = [p for p in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if p]
-    return [p for p in dict.fromkeys(_roots + inherited) if Path(p).is_dir()]
+    # Inherited first: on a Ray worker whose working directory is the driver's, a root found
+    # there must not come before the driver's own roots.
+    return [p for p in dict.fromkeys(inherited + _roots) if Path(p).is_dir()]
 
 
 def load(ref: str) -> ModuleType:
