@@ -4,10 +4,10 @@ raylane here; see docs/pipelines.md in raylane for the contract."""
 
 from __future__ import annotations
 
+import raylane
 from pydantic import Field
 
-import raylane
-from app.data import make_shapes
+from app.data import make_shapes  # this project's own app/, not raylane's
 from app.model import ShapeNet
 
 
