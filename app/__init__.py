@@ -27,7 +27,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 __all__ = ["BaseConfig", "ConfigError", "Pipeline", "Section", "__version__", "submit", "train", "tune"]
 
 # Names that import torch, resolved on first access (PEP 562).
-_LAZY = {"Pipeline": "raylane.loop.pipeline"}
+_LAZY = {"Pipeline": "raylane.loop.pipeline", "FileSource": "raylane.loop.streaming"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,13 +1,34 @@
 """Data loading: a DistributedSampler for every world size (1 included), so the order of samples
 depends only on the seed, the epoch and the world size, and a resumed epoch can skip exactly the
-batches it already ran."""
+batches it already ran.
+
+The Trainer iterates any `EpochData`: this module's `EpochLoader` for map-style datasets, or a
+stream of a `raylane.loop.streaming.FileSource` (pyarrow's `FileStream`, or the launcher's own,
+Ray Data's shard on Ray)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+
+
+class EpochData(Protocol):
+    """Training batches, epoch by epoch: the same number of batches on every rank."""
+
+    # Every epoch has as many batches as the first (plan_steps then needs no walk over epochs).
+    epochs_alike: bool
+
+    def batches_in_epoch(self, epoch: int) -> int:
+        """Batches of `epoch` in full, skipped ones included."""
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """The next iteration yields `epoch`'s batches, less its first `skip_batches`."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 class ResumableSampler(DistributedSampler):
@@ -30,13 +51,57 @@ class ResumableSampler(DistributedSampler):
         return max(0, super().__len__() - self.skip_batches * self.batch_size)
 
 
+class EpochLoader(DataLoader):
+    """A DataLoader over a ResumableSampler: EpochData for map-style datasets. Iterating it is
+    plain DataLoader iteration (the per-step hot path is unchanged)."""
+
+    epochs_alike = True
+
+    def batches_in_epoch(self, epoch: int) -> int:
+        return math.ceil(self.sampler.num_samples / self.batch_size)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.sampler.set_epoch(epoch, skip_batches=skip_batches)
+
+
 def build_loader(
     dataset: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool
-) -> DataLoader:
+) -> EpochLoader:
     sampler = ResumableSampler(
         dataset, batch_size=batch_size, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
     )
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_options(seed))
+    return EpochLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_options(seed))
+
+
+def is_stream(data: Any) -> bool:
+    from raylane.loop.streaming import FileSource
+
+    return isinstance(data, FileSource)
+
+
+def train_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int) -> EpochData:
+    """The training batches of this rank: a map-style dataset's loader, or a FileSource's stream
+    (the launcher's, when it made one: Ray Data on Ray; else read here with pyarrow)."""
+    if not is_stream(dataset):
+        return build_loader(dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size,
+                            seed=seed, shuffle=True)
+    from raylane.loop.streaming import FileStream
+
+    return runtime.data_stream("train", dataset, batch_size=batch_size) or FileStream(
+        dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size, seed=seed)
+
+
+def eval_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int) -> Iterable | None:
+    """This rank's share of the held-out set, every sample in exactly one rank's share."""
+    if dataset is None:
+        return None
+    if is_stream(dataset):
+        from raylane.loop.streaming import FileEvalStream
+
+        return runtime.data_stream("eval", dataset, batch_size=batch_size) or FileEvalStream(
+            dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size)
+    shard = Subset(dataset, shard_indices(len(dataset), runtime.rank, runtime.world_size))
+    return DataLoader(shard, batch_size=batch_size, **loader_options(seed))
 
 
 def loader_options(seed: int) -> dict:

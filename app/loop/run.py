@@ -14,12 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Subset
 
 from raylane.loop import checkpoint, faults
 from raylane import pipelines_ref
 from raylane.config import BaseConfig
-from raylane.loop.data import build_loader, loader_options, shard_indices
+from raylane.loop.data import eval_data, is_stream, train_data
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
 from raylane.loop.devices import peak_flops
 from raylane.loop.parallel import parallelize
@@ -83,12 +82,9 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
     model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size,
                                   example=_example_batch(pipe.train_set, cfg.train.batch_size), loss_fn=pipe.loss_fn)
     optimizer = build_optimizer(model, cfg)
-    train_loader = build_loader(pipe.train_set, batch_size=cfg.train.batch_size, rank=runtime.rank,
-                                world_size=runtime.world_size, seed=cfg.train.seed, shuffle=True)
-    eval_loader = None
-    if pipe.eval_set is not None:
-        shard = Subset(pipe.eval_set, shard_indices(len(pipe.eval_set), runtime.rank, runtime.world_size))
-        eval_loader = DataLoader(shard, batch_size=cfg.train.batch_size, **loader_options(cfg.train.seed))
+    batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed}
+    train_loader = train_data(pipe.train_set, runtime, **batching)
+    eval_loader = eval_data(pipe.eval_set, runtime, **batching)
     control_group, save_group = _side_groups(cfg, runtime.world_size)
     trainer = Trainer(
         model, train_loader, optimizer, loss_fn=pipe.loss_fn, eval_data=eval_loader,
@@ -116,8 +112,12 @@ def _init_from(cfg: BaseConfig) -> str | None:
 
 
 def _example_batch(dataset, batch_size: int):
-    """One micro-batch, read without touching any random generator (for the memory estimate)."""
+    """One micro-batch, read without touching any random generator (for the memory estimate);
+    None for a stream, which has no batch to spare before its first epoch."""
     from torch.utils.data import default_collate
+
+    if is_stream(dataset):
+        return None
 
     return default_collate([dataset[i] for i in range(min(batch_size, len(dataset)))])
 

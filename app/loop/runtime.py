@@ -40,6 +40,10 @@ class Runtime(Protocol):
     def publish(self, event: dict[str, Any]) -> None:
         """Rank 0 only, must not block: progress and results for the driver."""
 
+    def data_stream(self, name: str, source: Any, *, batch_size: int) -> Any | None:
+        """The launcher's own reader of a streaming source ("train" or "eval"; Ray Data's shard
+        on Ray), or None: the loop reads the source itself (raylane.loop.streaming)."""
+
 
 class LocalRuntime:
     """A single process, or one rank under torchrun: checkpoints go straight to storage (a local
@@ -68,3 +72,6 @@ class LocalRuntime:
     def publish(self, event: dict[str, Any]) -> None:
         if self._publish is not None:
             self._publish(event)
+
+    def data_stream(self, name: str, source: Any, *, batch_size: int) -> Any | None:
+        return None

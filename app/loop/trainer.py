@@ -10,14 +10,15 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.nn.parallel import DistributedDataParallel
 
 from raylane import __version__
+from raylane.loop.data import EpochData
 from raylane.loop import checkpoint, preemption
 from raylane.config import BaseConfig
 from raylane.loop.devices import peak_memory_bytes, reset_peak_memory, state_bytes
@@ -41,12 +42,18 @@ def _every(count: int, n: int) -> bool:
     return n > 0 and count % n == 0
 
 
-def plan_steps(train_data: DataLoader, cfg: BaseConfig) -> tuple[int, int]:
-    """(optimizer steps per epoch on this rank, total steps of the run)."""
-    batches = math.ceil(len(train_data.sampler) / train_data.batch_size)
-    per_epoch = math.ceil(batches / cfg.train.grad_accum_steps)
-    max_steps = cfg.train.max_steps or math.inf
-    return per_epoch, int(min(max_steps, cfg.train.max_epochs * per_epoch))
+def plan_steps(train_data: EpochData, cfg: BaseConfig) -> tuple[int, int]:
+    """(optimizer steps in the first epoch, total steps of the run), the same on every rank."""
+    accum, max_steps = cfg.train.grad_accum_steps, cfg.train.max_steps or math.inf
+    per_epoch = math.ceil(train_data.batches_in_epoch(0) / accum)
+    if train_data.epochs_alike:
+        return per_epoch, int(min(max_steps, cfg.train.max_epochs * per_epoch))
+    total = 0  # a stream's epochs differ by the share of files each rank draws
+    for epoch in range(cfg.train.max_epochs):
+        total += math.ceil(train_data.batches_in_epoch(epoch) / accum)
+        if total >= max_steps:
+            break
+    return per_epoch, int(min(max_steps, total))
 
 
 def plain_parameters(params: list[torch.nn.Parameter]) -> bool:
@@ -98,11 +105,11 @@ class Trainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        train_data: DataLoader,
+        train_data: EpochData,
         optimizer: torch.optim.Optimizer,
         *,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        eval_data: DataLoader | None,
+        eval_data: Iterable[tuple[torch.Tensor, torch.Tensor]] | None,
         eval_sums: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
         runtime: Runtime,
         reporter: Reporter,
@@ -161,17 +168,18 @@ class Trainer:
             {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
 
-    def _init_progress(self, train_data: DataLoader, cfg: BaseConfig, world_size: int) -> None:
+    def _init_progress(self, train_data: EpochData, cfg: BaseConfig, world_size: int) -> None:
         # Progress, saved in every checkpoint: resume continues at exactly the next batch.
         self.epoch = 0
         self.step = 0
         self.batch_in_epoch = 0
         self.resumed_from_step: int | None = None
         self.steps_per_epoch, self.total_steps = plan_steps(train_data, cfg)
-        self.batches_per_epoch = math.ceil(len(train_data.sampler) / train_data.batch_size)
+        self.batches_per_epoch = train_data.batches_in_epoch(0)  # of the epoch running; see _run_epoch
         self.samples_per_step = cfg.train.batch_size * world_size * self.accum
         self.eval_metrics: dict[str, float] = {}
         self.eval_step: int | None = None  # the step eval_metrics were measured at
+        self._metric_names: list[str] | None = None
         self.skipped_steps = 0
         self.last_checkpoint: str | None = None
         self._loss_sum = torch.zeros((), device=self.device)
@@ -237,7 +245,8 @@ class Trainer:
 
     def _run_epoch(self, epoch: int) -> None:
         self.model.train()
-        self.train_data.sampler.set_epoch(epoch, skip_batches=self.batch_in_epoch)
+        self.batches_per_epoch = self.train_data.batches_in_epoch(epoch)
+        self.train_data.set_epoch(epoch, skip_batches=self.batch_in_epoch)
         for micro_batches in self._micro_batches():
             if self.faults:
                 self.faults.before_step(self.step + 1)
@@ -313,18 +322,38 @@ class Trainer:
         if self.eval_data is None:
             return {}
         self.model.eval()
+        # DDP's forward broadcasts buffers (BatchNorm's statistics): a collective per batch, which
+        # hangs when ranks hold different numbers of held-out batches (a stream's file shares).
+        # Evaluation needs no gradient sync, so it runs the wrapped module itself.
+        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
         sums: dict[str, torch.Tensor] = {}
         count = 0
         for source, targets in self.eval_data:
-            output = self.model(source.to(self.device))
+            output = model(source.to(self.device))
             for name, value in self.eval_sums(output, targets.to(self.device)).items():
                 sums[name] = sums.get(name, 0) + value
             count += len(targets)
+        for name in self._eval_names(sums):  # a rank whose share was empty sums zeros
+            sums.setdefault(name, torch.zeros((), device=self.device))
         sums["count"] = torch.tensor(float(count))
         totals = all_reduce_sums(sums)
         n = totals.pop("count")
         self.eval_metrics = {k: v / max(n, 1.0) for k, v in totals.items()}
         return self.eval_metrics
+
+    def _eval_names(self, sums: dict[str, torch.Tensor]) -> list[str]:
+        """The metric names, agreed by every rank once (all_reduce_sums needs the same keys
+        everywhere, and a stream's held-out share may be empty on some rank)."""
+        if self._metric_names is None:
+            names = [sorted(sums)]
+            if self.runtime.world_size > 1:
+                import torch.distributed as dist
+
+                gathered: list[Any] = [None] * self.runtime.world_size
+                dist.all_gather_object(gathered, names[0])
+                names = gathered
+            self._metric_names = sorted(set().union(*names))
+        return self._metric_names
 
     def _save_checkpoint(self) -> None:
         if self._saved_step == self.step:

@@ -1,0 +1,136 @@
+"""Files a streaming source names, listed and read with pyarrow alone (no Ray): local paths or
+`s3://` (pyarrow's S3 filesystem; `AWS_ENDPOINT_URL` points it at an S3-compatible server, as for
+checkpoints in `raylane.loop.storage`).
+
+The unit a rank reads is a *piece*: a Parquet row group, or a whole CSV, JSON Lines or text
+file. Pieces are what ranks share out, so a single large Parquet file still splits across ranks.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from raylane.loop.storage import filesystem_for
+
+EXTENSIONS = {"parquet": (".parquet",), "csv": (".csv",), "json": (".json", ".jsonl"), "text": ()}
+TEXT_ROWS_PER_CHUNK = 4096
+TEXT_READ_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    path: str
+    row_group: int | None = None  # Parquet only; None: the whole file
+    rows: int | None = None  # known from Parquet metadata, before any transform
+
+
+def list_files(paths: str | Sequence[str], fmt: str, field: str = "paths") -> tuple[pafs.FileSystem, list[str]]:
+    """(filesystem, sorted file paths inside it) for files, directories (searched recursively,
+    keeping the format's extensions) and globs. Raises ValueError naming `field` and the entry."""
+    entries = [paths] if isinstance(paths, str) else list(paths)
+    if not entries:
+        raise ValueError(f"{field} = []: no files given")
+    resolved = [filesystem_for(e) for e in entries]
+    fs = resolved[0][0]
+    if any(type(f) is not type(fs) for f, _ in resolved):
+        raise ValueError(f"{field} = {entries!r}: all paths must be on one filesystem")
+    files: list[str] = []
+    for entry, (_, path) in zip(entries, resolved, strict=True):
+        found = _expand(fs, path, fmt)
+        if not found:
+            raise ValueError(f"{field} = {entry!r}: no {fmt} files there")
+        files += found
+    return fs, sorted(set(files))
+
+
+def _expand(fs: pafs.FileSystem, path: str, fmt: str) -> list[str]:
+    if any(c in path for c in "*?["):
+        base = path[: min(path.find(c) for c in "*?[" if c in path)].rsplit("/", 1)[0] or "/"
+        infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        return [i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path)]
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        return [info.path]
+    if info.type != pafs.FileType.Directory:
+        return []
+    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+    wanted = EXTENSIONS[fmt]
+    # Hidden and underscore files are writers' bookkeeping (_SUCCESS, .crc), as Spark and Ray skip them.
+    return [i.path for i in infos if i.type == pafs.FileType.File and not Path(i.path).name.startswith(("_", "."))
+            and (not wanted or i.path.endswith(wanted))]
+
+
+def pieces(fs: pafs.FileSystem, files: Sequence[str], fmt: str) -> list[Piece]:
+    """Parquet: one piece per row group, its row count from the footer (one small read per
+    file). Other formats: one piece per file, rows unknown until read."""
+    if fmt != "parquet":
+        return [Piece(f) for f in files]
+    import pyarrow.parquet as pq
+
+    out = []
+    for f in files:
+        meta = pq.read_metadata(f, filesystem=fs)
+        out += [Piece(f, i, meta.row_group(i).num_rows) for i in range(meta.num_row_groups)]
+    return out
+
+
+def schema_names(fs: pafs.FileSystem, path: str, fmt: str) -> list[str]:
+    """The column names of one file (its first chunk for CSV and JSON)."""
+    if fmt == "text":
+        return ["text"]
+    first = next(read_chunks(fs, Piece(path), fmt, None), None)
+    return list(first) if first is not None else []
+
+
+def read_chunks(fs: pafs.FileSystem, piece: Piece, fmt: str,
+                columns: Sequence[str] | None) -> Iterator[dict[str, np.ndarray]]:
+    """The piece's rows as dicts of numpy arrays, in file order, in the reader's own chunks."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        with fs.open_input_file(piece.path) as f:
+            groups = None if piece.row_group is None else [piece.row_group]
+            for batch in pq.ParquetFile(f).iter_batches(row_groups=groups, columns=columns):
+                yield _numpy(batch)
+    elif fmt == "text":
+        yield from _text_chunks(fs, piece.path)
+    else:
+        with fs.open_input_stream(piece.path) as stream:
+            if fmt == "csv":
+                import pyarrow.csv as pacsv
+
+                options = pacsv.ConvertOptions(include_columns=list(columns)) if columns else None
+                reader = pacsv.open_csv(stream, convert_options=options)
+            else:
+                import pyarrow.json as pajson
+
+                reader = pajson.open_json(stream)
+            for batch in reader:
+                yield _numpy(batch.select(list(columns)) if columns else batch)
+
+
+def _numpy(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
+    return {name: col.to_numpy(zero_copy_only=False) for name, col in zip(batch.schema.names, batch.columns)}
+
+
+def _text_chunks(fs: pafs.FileSystem, path: str) -> Iterator[dict[str, np.ndarray]]:
+    """One row per non-empty line, column `text`: what Ray Data's read_text gives."""
+    rest, lines = b"", []
+    with fs.open_input_stream(path) as stream:
+        while block := stream.read(TEXT_READ_BYTES):
+            *complete, rest = (rest + block).split(b"\n")
+            lines += [line.rstrip(b"\r").decode("utf-8") for line in complete if line.rstrip(b"\r")]
+            while len(lines) >= TEXT_ROWS_PER_CHUNK:
+                yield {"text": np.array(lines[:TEXT_ROWS_PER_CHUNK], dtype=object)}
+                lines = lines[TEXT_ROWS_PER_CHUNK:]
+    if rest.rstrip(b"\r"):
+        lines.append(rest.rstrip(b"\r").decode("utf-8"))
+    if lines:
+        yield {"text": np.array(lines, dtype=object)}

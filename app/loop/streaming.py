@@ -1,0 +1,258 @@
+"""Data beyond memory: a pipeline's `train_set` (and `eval_set`) may be a `FileSource`, files read
+as a stream instead of a map-style Dataset held in memory.
+
+On Ray, `raylane.onray.datasets` turns the source into Ray Data (read + `map_batches(transform)`
+on Ray Data's own CPU tasks) and Ray Train splits it across the workers. Under torchrun and in
+one process, `FileStream` below reads it with pyarrow: each rank reads only its own share of the
+pieces (Parquet row groups, or whole CSV / JSON Lines / text files), the share drawn anew each
+epoch from the seed, and every rank runs the same number of batches (DDP would hang otherwise).
+
+Resume: the pyarrow stream depends only on (seed, epoch, rank, world size), so a resume
+mid-epoch skips exactly the batches already consumed. Ray Data's row order is not reproducible:
+there the guarantee is per epoch (see `raylane.onray.datasets`)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from raylane.loop import files as _files
+
+Batch = dict[str, np.ndarray]
+FORMATS = ("parquet", "csv", "json", "text")
+PREFETCH_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """Files to stream, and how a batch of their rows becomes tensors. Ray-free and declarative:
+    the same object drives Ray Data on Ray and pyarrow elsewhere.
+
+    - `paths`: a file, a directory (searched recursively for the format's extension), a glob, or
+      a list of them; local or `s3://bucket/prefix`.
+    - `format`: parquet, csv, json (JSON Lines: one object per line) or text (one row per
+      non-empty line, in a column named `text`).
+    - `columns`: the columns to read (None: all).
+    - `transform`: batch dict of numpy arrays -> batch dict; preprocessing that runs where the
+      data is read (Ray Data's `map_batches` tasks on Ray, the rank's reader thread elsewhere).
+      Must be deterministic. `keeps_rows=False` when it changes the number of rows (windowing
+      text, filtering): batch counts are then found by a counting pass over the files.
+    - `to_tensors`: batch dict -> (inputs, targets), run on the rank for each batch.
+    - `shuffle_rows`: rows of the shuffle buffer (train only), on top of a per-epoch file order.
+    """
+
+    paths: str | Sequence[str]
+    to_tensors: Callable[[Batch], tuple[Any, Any]]
+    format: Literal["parquet", "csv", "json", "text"] = "parquet"
+    columns: Sequence[str] | None = None
+    transform: Callable[[Batch], Batch] | None = None
+    keeps_rows: bool = True
+    shuffle_rows: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"FileSource.format = {self.format!r}: choose one of {', '.join(FORMATS)}")
+        if not callable(self.to_tensors):
+            raise ValueError("FileSource.to_tensors: must be a function batch -> (inputs, targets)")
+
+    def files(self, field: str = "paths"):
+        """(pyarrow filesystem, sorted files); ValueError naming `field` when nothing is there."""
+        return _files.list_files(self.paths, self.format, field)
+
+    def check(self, field: str = "paths") -> None:
+        """For a pipeline's config validator: the files exist and have `columns` (one file read)."""
+        fs, found = self.files(field)
+        if self.columns:
+            names = _files.schema_names(fs, found[0], self.format)
+            missing = [c for c in self.columns if c not in names]
+            if missing:
+                raise ValueError(f"{field} = {self.paths!r}: no column {missing[0]!r} in {found[0]} "
+                                 f"(it has: {', '.join(names)})")
+
+    def checked_transform(self) -> Callable[[Batch], Batch] | None:
+        """The transform, failing loudly when it changes the row count while keeps_rows says not:
+        the batch counts every rank agreed on would be wrong, and DDP would hang."""
+        fn = self.transform
+        if fn is None or not self.keeps_rows:
+            return fn
+
+        def checked(batch: Batch) -> Batch:
+            out = fn(batch)
+            if num_rows(out) != num_rows(batch):
+                raise ValueError(f"FileSource.transform turned {num_rows(batch)} rows into {num_rows(out)}: "
+                                 "set keeps_rows=False for a transform that changes the number of rows")
+            return out
+
+        return checked
+
+
+def declares_sources(cfg: Any) -> bool:
+    """Whether the config's pipeline streams: its module declares `sources(cfg)`, a dict of
+    FileSource by dataset name ("train", "eval"), which the Ray driver turns into Ray Data
+    without building the model. (Without it, a FileSource from build() is read by each rank.)"""
+    from raylane import pipelines_ref
+
+    return callable(getattr(pipelines_ref.load(cfg.pipeline), "sources", None))
+
+
+def num_rows(batch: Batch) -> int:
+    return len(next(iter(batch.values()))) if batch else 0
+
+
+def _concat(chunks: list[Batch]) -> Batch:
+    return chunks[0] if len(chunks) == 1 else {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
+
+
+def _slice(batch: Batch, start: int, stop: int) -> Batch:
+    return {k: v[start:stop] for k, v in batch.items()}
+
+
+def rebatch(chunks: Iterator[Batch], batch_size: int, rng: np.random.Generator | None,
+            buffer_rows: int) -> Iterator[Batch]:
+    """Chunks of any size -> batches of `batch_size` (the last may be short), rows shuffled
+    within a buffer of about `buffer_rows` when `rng` is given."""
+    pending: list[Batch] = []
+    held = 0
+    for chunk in chunks:
+        if num_rows(chunk):
+            pending.append(chunk)
+            held += num_rows(chunk)
+        if held >= max(buffer_rows, batch_size):
+            buf = _concat(pending)
+            if rng is not None:
+                buf = {k: v[order] for order in [rng.permutation(held)] for k, v in buf.items()}
+            full = held - held % batch_size
+            yield from (_slice(buf, s, s + batch_size) for s in range(0, full, batch_size))
+            pending, held = ([_slice(buf, full, held)] if held > full else []), held - full
+    if held:
+        buf = _concat(pending)
+        if rng is not None:
+            buf = {k: v[order] for order in [rng.permutation(held)] for k, v in buf.items()}
+        yield from (_slice(buf, s, s + batch_size) for s in range(0, held, batch_size))
+
+
+def prefetched(batches: Iterator[Any], depth: int = PREFETCH_BATCHES) -> Iterator[Any]:
+    """`batches` produced on a thread, `depth` ahead: pyarrow's reads and decoding release the
+    GIL, so they overlap the rank's compute. Closing the iterator stops the thread."""
+    items: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def put(item: tuple[str, Any]) -> bool:
+        while not stop.is_set():
+            try:
+                items.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                if not put(("batch", batch)):
+                    return
+            put(("end", None))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the consumer's thread
+            put(("error", exc))
+
+    threading.Thread(target=produce, name="raylane-reader", daemon=True).start()
+    try:
+        while True:
+            kind, value = items.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+
+
+class _Reader:
+    """What FileStream and FileEvalStream share: the files, as pieces, and their chunks."""
+
+    def __init__(self, source: FileSource, *, batch_size: int, rank: int, world_size: int) -> None:
+        self.source, self.batch_size = source, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.fs, found = source.files()
+        self.pieces = _files.pieces(self.fs, found, source.format)
+        self._transform = source.checked_transform()
+        self.opened: list[_files.Piece] = []  # pieces this rank read, in order (what tests check)
+
+    def chunks(self, piece: _files.Piece) -> Iterator[Batch]:
+        self.opened.append(piece)
+        for chunk in _files.read_chunks(self.fs, piece, self.source.format, self.source.columns):
+            yield self._transform(chunk) if self._transform else chunk
+
+
+class FileStream(_Reader):
+    """A rank's training share of a FileSource, read with pyarrow; the `EpochData` the Trainer
+    iterates (see raylane.loop.data). The pieces are dealt round-robin from a permutation drawn
+    from (seed, epoch); every rank runs as many batches as the smallest share makes."""
+
+    epochs_alike = False
+
+    def __init__(self, source: FileSource, *, batch_size: int, rank: int, world_size: int, seed: int) -> None:
+        super().__init__(source, batch_size=batch_size, rank=rank, world_size=world_size)
+        if len(self.pieces) < world_size:
+            raise ValueError(f"paths = {source.paths!r}: {len(self.pieces)} piece(s) (Parquet row groups or "
+                             f"files) for {world_size} ranks; each rank reads whole pieces: give at least "
+                             "as many files or row groups as ranks")
+        self.seed = seed
+        self.rows = self._count_rows()
+        self._batches: dict[int, int] = {}
+        self.epoch, self.skip_batches = 0, 0
+
+    def _count_rows(self) -> list[int]:
+        """Rows of every piece after the transform: Parquet footers when the transform keeps
+        rows, else a counting pass, each rank reading a stride of the pieces, counts exchanged."""
+        if self.source.keeps_rows and all(p.rows is not None for p in self.pieces):
+            return [p.rows for p in self.pieces]
+        mine = {i: sum(num_rows(c) for c in self.chunks(self.pieces[i]))
+                for i in range(self.rank, len(self.pieces), self.world_size)}
+        self.opened.clear()  # counting is not the epoch's reading
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, mine)
+            mine = {i: n for part in gathered for i, n in part.items()}
+        return [mine[i] for i in range(len(self.pieces))]
+
+    def share(self, epoch: int, rank: int) -> list[int]:
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.pieces))
+        return order[rank :: self.world_size].tolist()
+
+    def batches_in_epoch(self, epoch: int) -> int:
+        if epoch not in self._batches:
+            self._batches[epoch] = min(math.ceil(sum(self.rows[i] for i in self.share(epoch, r)) / self.batch_size)
+                                       for r in range(self.world_size))
+        return self._batches[epoch]
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.epoch, self.skip_batches = epoch, skip_batches
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        epoch, wanted = self.epoch, self.batches_in_epoch(self.epoch)
+        rng = np.random.default_rng([self.seed, epoch, self.rank, 1])
+        chunks = itertools.chain.from_iterable(self.chunks(self.pieces[i]) for i in self.share(epoch, self.rank))
+        batches = itertools.islice(rebatch(chunks, self.batch_size, rng, self.source.shuffle_rows),
+                                   self.skip_batches, wanted)  # skipped batches never become tensors
+        return prefetched(self.source.to_tensors(b) for b in batches)
+
+
+class FileEvalStream(_Reader):
+    """A rank's evaluation share, read with pyarrow in file order: pieces rank, rank + world, ...
+    Every row is evaluated exactly once over all ranks; shares need not be equal."""
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        mine = self.pieces[self.rank :: self.world_size]
+        chunks = itertools.chain.from_iterable(self.chunks(p) for p in mine)
+        return prefetched(self.source.to_tensors(b) for b in rebatch(chunks, self.batch_size, None, 0))
