@@ -27,6 +27,7 @@ TRAIN_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 # costs an extra process or RPCs at start-up on a small machine.
 EMBEDDED_ENV_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}
 EMBEDDED_OBJECT_STORE_BYTES = 512 * 1024**2
+DATA_CPUS = 1.0
 
 
 def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboard: bool = False) -> bool:
@@ -48,7 +49,7 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
     pipelines_ref.worker_environment()  # the raylet, and so every worker, inherits it
     for key, value in EMBEDDED_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    needed = max(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker, num_cpus)
+    needed = max(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + data_cpus(cfg), num_cpus)
     ray.init(
         address="local",  # never attach to a stale cluster by accident
         num_cpus=max(int(needed + 0.999), os.cpu_count() or 1),
@@ -59,6 +60,15 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
         logging_level=logging.WARNING,
     )
     return True
+
+
+def data_cpus(cfg: BaseConfig) -> float:
+    """CPUs a run needs beside its workers: Ray Data's read and map tasks, for a pipeline that
+    streams (declares `sources`, see raylane.loop.streaming). Without a free CPU they would wait
+    forever behind workers that wait for their data."""
+    from raylane import pipelines_ref
+
+    return DATA_CPUS if callable(getattr(pipelines_ref.load(cfg.pipeline), "sources", None)) else 0
 
 
 def shutdown_ray(embedded: bool) -> None:

@@ -65,8 +65,9 @@ class EventSink:
 class RayRuntime:
     """The `Runtime` seen by a Ray Train worker (see raylane.loop.runtime)."""
 
-    def __init__(self, sink: Any, use_gpu: bool) -> None:
+    def __init__(self, sink: Any, use_gpu: bool, streams: dict[str, int | None] | None = None) -> None:
         ctx = ray.train.get_context()
+        self._streams = streams or {}  # the Ray Datasets the driver made: name -> rows per epoch
         self.rank = ctx.get_world_rank()
         self.local_rank = ctx.get_local_rank()
         self.world_size = ctx.get_world_size()
@@ -126,6 +127,13 @@ class RayRuntime:
         if event.get("event") == "end":
             ray.get(ref)  # the driver reads the result after fit() returns: make sure it is there
 
+    def data_stream(self, name: str, source: Any, *, batch_size: int) -> Any | None:
+        if name not in self._streams:
+            return None
+        from raylane.onray.datasets import shard_stream
+
+        return shard_stream(name, source, self._streams, batch_size=batch_size, world_size=self.world_size)
+
 
 def _install_worker_signal_handlers() -> None:
     # Runs on each worker actor's main thread, the only one that may set signal handlers (the
@@ -151,14 +159,16 @@ class _RaylaneTorchConfig(TorchConfig):
 
 
 class _RaylaneTorchTrainer(TorchTrainer):
-    """TorchTrainer without Ray Data's dataset manager: raylane's pipelines feed their own
-    DataLoaders, yet Ray Train starts that manager as an actor (a process importing Ray, ~3 s
-    of CPU on 2 cores) on the way to the first step even when the trainer is given no datasets."""
+    """TorchTrainer without Ray Data's dataset manager unless the run streams Ray Data: map-style
+    pipelines feed their own DataLoaders, yet Ray Train starts that manager as an actor (a
+    process importing Ray, ~3 s of CPU on 2 cores) on the way to the first step even when the
+    trainer is given no datasets."""
 
     def _create_default_callbacks(self):
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
-        return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, DatasetsCallback)]
+        callbacks = super()._create_default_callbacks()
+        return callbacks if self.datasets else [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
 
 
 class _NoAutoscalerScalingPolicy(FixedScalingPolicy):
@@ -205,7 +215,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
     cfg = validate(loop_config["config"])
-    runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu)
+    runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu, loop_config.get("streams"))
     metric_logger = None
     if runtime.rank == 0 and loop_config.get("run_id"):
         metric_logger = rank_zero_logger(cfg, loop_config["tracking_uri"], loop_config["run_id"])
@@ -273,6 +283,24 @@ def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str
     return result_fields
 
 
+def _ray_datasets(cfg: BaseConfig) -> tuple[dict[str, Any], dict[str, int | None]]:
+    """The pipeline's streaming sources as Ray Datasets, with what the workers need to know of
+    them; ({}, {}) for a map-style pipeline (without importing Ray Data)."""
+    from raylane.loop.streaming import declares_sources
+
+    if not declares_sources(cfg):
+        return {}, {}
+    from raylane.onray.datasets import build_datasets
+
+    return build_datasets(cfg)
+
+
+def _stream_split():
+    from raylane.onray.datasets import StreamSplit
+
+    return StreamSplit()
+
+
 def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                   on_event: Callable[[dict[str, Any]], None], *, embedded: bool) -> dict[str, Any]:
     """Train on the connected cluster (see `raylane.onray.cluster.init_ray`); the caller shuts Ray down."""
@@ -281,10 +309,12 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
     trainer_cls = _EmbeddedTorchTrainer if embedded else _RaylaneTorchTrainer
+    datasets, streams = _ray_datasets(cfg)
     trainer = trainer_cls(
         _train_fn,
-        train_loop_config={"config": cfg.model_dump(mode="json"), "sink": sink,
+        train_loop_config={"config": cfg.model_dump(mode="json"), "sink": sink, "streams": streams,
                            "run_id": run_id, "tracking_uri": tracking_uri},
+        datasets=datasets, **({"dataset_config": _stream_split()} if datasets else {}),
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources),
         torch_config=_RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s),

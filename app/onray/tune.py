@@ -27,6 +27,7 @@ import ray
 from ray import tune
 
 from raylane.config import BaseConfig, ConfigError, validate
+from raylane.onray.cluster import data_cpus
 from raylane.onray.sweep import SweepSection, load_sweep, trial_config
 from raylane.tracking.runs import RUN_NAME_TAG, RunHandle, close_run, mlflow_client, resolve_tracking_uri, run_tags
 
@@ -96,7 +97,7 @@ def _scheduler(sweep: SweepSection, base: BaseConfig):
 
 def trial_resources(base: BaseConfig) -> dict[str, float]:
     s = base.scaling
-    need = {"CPU": s.num_workers * s.cpus_per_worker + TRIAL_DRIVER_CPU}
+    need = {"CPU": s.num_workers * s.cpus_per_worker + TRIAL_DRIVER_CPU + data_cpus(base)}
     if s.use_gpu:
         need["GPU"] = s.num_workers * s.gpus_per_worker
     return need
