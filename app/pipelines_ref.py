@@ -30,6 +30,8 @@ SHIPPED: dict[str, str] = {
     "regression": "raylane.pipelines.regression",
     "digits": "raylane.pipelines.digits",
     "gpt": "raylane.pipelines.gpt",
+    "tabular": "raylane.pipelines.tabular",
+    "text": "raylane.pipelines.text",
 }
 ROOTS_ENV = "RAYLANE_PIPELINE_ROOTS"
 FILE_MODULE_PREFIX = "raylane_pipeline_file_"

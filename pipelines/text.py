@@ -1,0 +1,90 @@
+"""The `gpt` pipeline's byte-level decoder on your own text: UTF-8 text files (one row per
+non-empty line) or JSON Lines (the text in `data.text_field`), local or `s3://`, streamed.
+
+Tokens are UTF-8 bytes (256 ids; nothing is downloaded). The transform (Ray Data's map_batches
+on Ray, the rank's reader thread elsewhere) joins a chunk of rows with newlines and cuts it
+into windows of block_size + 1 bytes; the tail of each chunk shorter than a window is dropped.
+The report is `loss` (nats per byte) and `bits_per_byte` on `data.eval`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from raylane.config import BaseConfig, Section
+from raylane.pipelines.gpt import ModelSection
+
+
+class DataSection(Section):
+    # Files, directories or globs; local or s3://bucket/prefix.
+    train: str | list[str] = Field(min_length=1)
+    eval: str | list[str] | None = None
+    format: Literal["text", "json"] = "text"
+    # JSON Lines: the field that holds each record's text.
+    text_field: str = Field("text", min_length=1)
+    shuffle_rows: int = Field(4096, ge=1, le=100_000_000)
+
+
+class Config(BaseConfig):
+    pipeline: Literal["text"] = "text"
+    data: DataSection
+    model: ModelSection = ModelSection()
+
+    @model_validator(mode="after")
+    def _data_is_there(self) -> Config:
+        for field, paths in (("data.train", self.data.train), ("data.eval", self.data.eval)):
+            if paths is not None:
+                source(self, paths).check(field)  # exit 2 before anything starts
+        return self
+
+
+def source(cfg: Config, paths):
+    import numpy as np
+
+    from raylane.loop.streaming import FileSource
+
+    d, width = cfg.data, cfg.model.block_size + 1
+    column = "text" if d.format == "text" else d.text_field
+
+    def transform(batch):
+        data = "\n".join(str(t) for t in batch[column]).encode("utf-8")
+        n = len(data) // width
+        return {"tokens": np.frombuffer(data[: n * width], dtype=np.uint8).reshape(n, width)}
+
+    def to_tensors(batch):
+        import torch
+
+        tokens = torch.tensor(batch["tokens"], dtype=torch.long)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    return FileSource(paths=paths, format=d.format, columns=[column], transform=transform, keeps_rows=False,
+                      to_tensors=to_tensors, shuffle_rows=d.shuffle_rows)
+
+
+def sources(cfg: Config):
+    """What a streaming pipeline declares for the driver (Ray Data), without building a model."""
+    return {"train": source(cfg, cfg.data.train),
+            "eval": source(cfg, cfg.data.eval) if cfg.data.eval is not None else None}
+
+
+def build(cfg: Config):
+    import torch
+    import torch.nn.functional as F
+
+    from raylane.loop.pipeline import Pipeline
+    from raylane.pipelines.gpt import build_model, flops_per_token
+
+    m = cfg.model
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def eval_sums(logits, targets):
+        nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") / m.block_size
+        return {"loss": nats, "bits_per_byte": nats / torch.log(torch.tensor(2.0))}
+
+    model = build_model(m)
+    data = sources(cfg)
+    return Pipeline(model=model, train_set=data["train"], eval_set=data["eval"], loss_fn=loss_fn,
+                    eval_sums=eval_sums, tokens_per_sample=m.block_size, flops_per_token=flops_per_token(model, m))
