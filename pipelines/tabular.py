@@ -143,5 +143,7 @@ def build(cfg: Config):
                 "accuracy": (output.argmax(dim=1) == target).sum().to(torch.float32)}
 
     data = sources(cfg)
+    # The logged model's signature and torch.export need an input; a stream has none to spare.
+    example = torch.zeros(2, len(cfg.data.features))
     return Pipeline(model=build_model(cfg), train_set=data["train"], eval_set=data["eval"],
-                    loss_fn=loss_fn, eval_sums=eval_sums)
+                    loss_fn=loss_fn, eval_sums=eval_sums, example_input=example)

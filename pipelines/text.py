@@ -86,5 +86,8 @@ def build(cfg: Config):
 
     model = build_model(m)
     data = sources(cfg)
+    # The logged model's signature and torch.export need an input; a stream has none to spare.
+    example = torch.zeros(1, m.block_size, dtype=torch.long)
     return Pipeline(model=model, train_set=data["train"], eval_set=data["eval"], loss_fn=loss_fn,
-                    eval_sums=eval_sums, tokens_per_sample=m.block_size, flops_per_token=flops_per_token(model, m))
+                    eval_sums=eval_sums, example_input=example, tokens_per_sample=m.block_size,
+                    flops_per_token=flops_per_token(model, m))
