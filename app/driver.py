@@ -9,9 +9,9 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 

@@ -10,9 +10,9 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from raylane.loop import checkpoint
 from raylane import pipelines_ref
 from raylane.config import validate
+from raylane.loop import checkpoint
 
 
 def _consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:

@@ -17,10 +17,10 @@ import sys
 import time
 
 import torch
+from ddp_baseline import build_optimizer  # scripts/ is on sys.path when run as a script
 from torch.utils.data import DataLoader, DistributedSampler
 
 from raylane.config import PIPELINES, load_config
-from ddp_baseline import build_optimizer  # scripts/ is on sys.path when run as a script
 
 
 def main(pipeline: str, max_steps: int) -> None:

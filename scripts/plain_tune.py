@@ -26,10 +26,10 @@ def train_loop(config: dict) -> None:
 
     import ray.train
     import torch
+    from ddp_baseline import Trainer
     from torch.utils.data import DataLoader, DistributedSampler
 
     from raylane.config import PIPELINES, load_config
-    from ddp_baseline import Trainer
 
     cfg = load_config("digits", [f"optim.lr={config['lr']}"])
     torch.manual_seed(cfg.train.seed)

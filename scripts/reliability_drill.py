@@ -25,8 +25,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from raylane.loop import checkpoint  # noqa: E402
 from raylane.config import load_config  # noqa: E402
+from raylane.loop import checkpoint  # noqa: E402
 from raylane.loop.run import build_optimizer  # noqa: E402
 from raylane.pipelines.digits import build_model  # noqa: E402
 

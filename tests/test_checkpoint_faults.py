@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from raylane.loop import checkpoint
 from raylane.config import load_config
+from raylane.loop import checkpoint
 from raylane.loop.run import build_optimizer, build_scheduler
 from raylane.pipelines.regression import build
 from tests.conftest import TORCHRUN, cli_env, read_json

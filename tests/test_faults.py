@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from raylane.loop import checkpoint
 from raylane.config import load_config
+from raylane.loop import checkpoint
 from raylane.loop.faults import parse
 from raylane.loop.run import build_optimizer
 from raylane.pipelines.digits import build_model

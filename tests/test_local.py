@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylane.loop import checkpoint
 from raylane.config import load_config
+from raylane.loop import checkpoint
 from raylane.loop.trainer import clip_gradients, plain_parameters
 from raylane.pipelines.regression import build
 from tests.conftest import TORCHRUN, read_json

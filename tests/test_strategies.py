@@ -10,8 +10,8 @@ import sqlite3
 import pytest
 import torch
 
-from raylane.loop import checkpoint
 from raylane.config import load_config
+from raylane.loop import checkpoint
 from raylane.loop.parallel import activation_bytes, choose_strategy, estimate_memory
 from tests.conftest import REPO, TORCHRUN, read_json
 

@@ -15,12 +15,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raylane.loop import checkpoint, faults
 from raylane import pipelines_ref
 from raylane.config import BaseConfig
+from raylane.loop import checkpoint, faults
 from raylane.loop.data import eval_data, is_stream, train_data
-from raylane.loop.distributed import default_device, env_ranks, init_process_group
 from raylane.loop.devices import peak_flops
+from raylane.loop.distributed import default_device, env_ranks, init_process_group
 from raylane.loop.parallel import parallelize
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import LocalRuntime, Runtime

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
 import pyarrow.fs as pafs
 
 from raylane.loop import checkpoint

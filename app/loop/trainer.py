@@ -18,16 +18,15 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from raylane import __version__
-from raylane.loop.data import EpochData
-from raylane.loop import checkpoint, preemption
 from raylane.config import BaseConfig
+from raylane.loop import checkpoint, preemption
+from raylane.loop.data import EpochData
 from raylane.loop.devices import peak_memory_bytes, reset_peak_memory, state_bytes
 from raylane.loop.distributed import ControlVote, all_reduce_max, all_reduce_sums, backend_name
 from raylane.loop.faults import FaultPlan
 from raylane.loop.parallel import Strategy, no_gradient_sync
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
-
 
 VOTE_EVERY_N_STEPS = 10  # the first vote; then about every VOTE_INTERVAL_S
 VOTE_INTERVAL_S = 0.5

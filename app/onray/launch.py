@@ -23,8 +23,8 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 
-from raylane.loop import preemption
 from raylane.config import BaseConfig, validate
+from raylane.loop import preemption
 from raylane.loop.distributed import node_layout
 from raylane.loop.storage import CheckpointStore
 
@@ -204,12 +204,12 @@ class _EmbeddedTorchTrainer(_RaylaneTorchTrainer):
 
 
 def _train_fn(loop_config: dict[str, Any]) -> None:
-    from raylane.loop.run import run_worker
-    from raylane.tracking.runs import rank_zero_logger
-
     # Ray logs every report and checkpoint at INFO; the driver's display already shows them.
     # (One of those loggers is named after its file path, not its module.)
     from ray.train.v2._internal.execution import context as ray_train_context
+
+    from raylane.loop.run import run_worker
+    from raylane.tracking.runs import rank_zero_logger
 
     for name in ("ray.train", ray_train_context.__file__):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -13,8 +13,18 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from raylane.config import (_NAME_PATTERN, BaseConfig, ConfigError, Section, apply_overrides, config_path,
-                            format_validation_error, normalize_pipeline, read_yaml, validate)
+from raylane.config import (
+    _NAME_PATTERN,
+    BaseConfig,
+    ConfigError,
+    Section,
+    apply_overrides,
+    config_path,
+    format_validation_error,
+    normalize_pipeline,
+    read_yaml,
+    validate,
+)
 
 DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")
 
