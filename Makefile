@@ -24,7 +24,7 @@ run: install
 test: install browser
 	$(VENV)/bin/pytest tests -m "not slow and not gpu"
 
-# B1-B8 against hand-written torchrun DDP and plain Ray Tune: bench/results.json, results.md and
+# B1-B9 against hand-written torchrun DDP and plain Ray Tune: bench/results.json, results.md and
 # charts (about an hour on 2 cores). `raylane bench --quick` checks the harness in a few minutes.
 bench: install
 	$(VENV)/bin/raylane bench --out bench

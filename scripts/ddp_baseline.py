@@ -19,6 +19,7 @@ import argparse
 import importlib
 import json
 import os
+import sys
 import time
 
 import torch
@@ -29,11 +30,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 class Trainer:
     def __init__(self, model, train_data, optimizer, loss_fn, max_steps: int, clip: float | None,
-                 snapshot_path: str) -> None:
+                 snapshot_path: str, max_epochs: int | None = None, save_every_epoch: bool = False) -> None:
         self.rank = dist.get_rank()
         self.model = DDP(model)
         self.train_data, self.optimizer, self.loss_fn = train_data, optimizer, loss_fn
         self.max_steps, self.clip, self.snapshot_path = max_steps, clip, snapshot_path
+        self.max_epochs, self.save_every_epoch = max_epochs, save_every_epoch
         self.step, self.first_step_unix = 0, None
 
     def _run_batch(self, source, targets) -> None:
@@ -59,10 +61,12 @@ class Trainer:
 
     def train(self) -> dict:
         started, started_cpu, epoch = time.perf_counter(), time.process_time(), 0
-        while self.step < self.max_steps:
+        while self.step < self.max_steps and (self.max_epochs is None or epoch < self.max_epochs):
             self._run_epoch(epoch)
             epoch += 1
-        if self.rank == 0:
+            if self.save_every_epoch and self.rank == 0:  # the tutorial's snapshot each epoch
+                self._save_snapshot()
+        if self.rank == 0 and not self.save_every_epoch:
             self._save_snapshot()
         return {"train_s": time.perf_counter() - started, "train_cpu_s": time.process_time() - started_cpu,
                 "steps": self.step, "first_step_unix": self.first_step_unix, "last_step_unix": time.time()}
@@ -76,7 +80,8 @@ def build_optimizer(model, o) -> torch.optim.Optimizer:
     return cls(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
 
-def run(pipeline: str, max_steps: int, overrides: list[str], json_path: str) -> None:
+def run(pipeline: str, max_steps: int, overrides: list[str], json_path: str, max_epochs: int | None = None,
+        save_every_epoch: bool = False) -> None:
     """Train on the process group already set up (by torchrun or Ray Train); rank 0 writes --json."""
     from raylane.config import PIPELINES, load_config  # the same YAML and model as raylane, nothing else
 
@@ -88,7 +93,7 @@ def run(pipeline: str, max_steps: int, overrides: list[str], json_path: str) -> 
     optimizer = build_optimizer(pipe.model, cfg.optim)
     snapshot = os.path.join(os.path.dirname(os.path.abspath(json_path)), "baseline-snapshot.pt")
     result = Trainer(pipe.model, loader, optimizer, pipe.loss_fn, max_steps, cfg.train.grad_clip_norm,
-                     snapshot).train()
+                     snapshot, max_epochs, save_every_epoch).train()
     if dist.get_rank() == 0:
         with open(json_path, "w") as f:
             json.dump(result, f)
@@ -117,7 +122,10 @@ def run_on_plain_ray(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pipeline", required=True)
-    parser.add_argument("--max-steps", type=int, required=True)
+    parser.add_argument("--max-steps", type=int, default=10**12)
+    parser.add_argument("--max-epochs", type=int, help="stop after this many epochs too")
+    parser.add_argument("--save-every-epoch", action="store_true",
+                        help="rank 0 saves a snapshot at each epoch end (the tutorial's save_every=1)")
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--json", required=True)
     parser.add_argument("--ray", action="store_true", help="run in a plain Ray TorchTrainer, not under torchrun")
@@ -127,8 +135,14 @@ def main() -> None:
         run_on_plain_ray(args)
         return
     dist.init_process_group("gloo")
-    run(args.pipeline, args.max_steps, args.overrides, args.json)
+    run(args.pipeline, args.max_steps, args.overrides, args.json, args.max_epochs, args.save_every_epoch)
     dist.destroy_process_group()
+    # Exit without the interpreter's teardown, as `raylane` does: gloo's threads were seen to
+    # abort a finished rank there ("terminate called without an active exception"), which
+    # failed the whole benchmark after the figures were written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

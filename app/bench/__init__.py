@@ -1,1 +1,1 @@
-"""`raylane bench`: raylane against a hand-written torchrun DDP loop and plain Ray (B1-B8)."""
+"""`raylane bench`: raylane against a hand-written torchrun DDP loop and plain Ray (B1-B9)."""

@@ -33,11 +33,14 @@ QUIET = ["mlflow.enabled=false", "checkpoint.every_n_steps=0", "checkpoint.every
 # (pipeline, short and long run in steps, overrides); quick runs use the first only, shorter.
 B1_CASES = [("regression", (100, 600), []), ("digits", (50, 300), []), ("gpt-tiny", (20, 80), [])]
 B1_SIDES = ("raylane on Ray", "raylane under torchrun", "hand-written torchrun DDP")
+HAND = B1_SIDES[2]
 # The hand-written loop in a plain TorchTrainer: tells Ray's own cost from raylane's. On the
 # tiny-step case only, where per-step overhead shows (each of its runs starts a Ray cluster).
 PLAIN_RAY = "hand-written loop on plain Ray Train"
 # Compute-bound for B3: a wide MLP on digits, large batches.
 B3_MODEL = ["model.hidden_size=1024", "model.num_layers=3", "train.batch_size=128"]
+# B9, the cost of an epoch's end: run lengths in epochs, each pipeline's own defaults otherwise.
+B9_EPOCHS = (5, 25)
 # About 50 MB of parameters and Adam state for B7, so a save takes visible time.
 B7_MODEL = ["model.hidden_size=2048", "model.num_layers=2"]
 
@@ -87,10 +90,14 @@ class Bench:
         return {**times, "train_s": s["train_s"], "train_cpu_s": s["train_cpu_s"], "steps": s["steps"], "summary": s,
                 "first_step": s["timing"]["first_step_unix"], "last_step": s["timing"]["last_step_unix"]}
 
-    def baseline(self, pipeline: str, steps: int, sets: list[str], *, plain_ray: bool = False) -> dict[str, Any]:
+    def baseline(self, pipeline: str, steps: int | None, sets: list[str], *, plain_ray: bool = False,
+                 epochs: int | None = None) -> dict[str, Any]:
+        """The hand-written loop; with `epochs`, that many epochs and a snapshot at each end."""
         out = self.work / f"baseline-{self._n + 1}.json"
         head = [PY, BASELINE, "--ray"] if plain_ray else [*TORCHRUN, BASELINE]
-        times = self.run([*head, "--pipeline", pipeline, "--max-steps", str(steps),
+        limits = ["--max-steps", str(steps)] if steps else []
+        limits += ["--max-epochs", str(epochs), "--save-every-epoch"] if epochs else []
+        times = self.run([*head, "--pipeline", pipeline, *limits,
                           *[x for s in sets for x in ("--set", s)], "--json", str(out)])
         r = json.loads(out.read_text())
         return {**times, "train_s": r["train_s"], "train_cpu_s": r["train_cpu_s"], "steps": r["steps"],
@@ -199,6 +206,35 @@ class Bench:
                 "end_to_end_ms_per_checkpoint": {m: stats(v) for m, v in lost.items()}}
 
 
+def _epoch_end(bench: Bench) -> dict[str, Any]:
+    """B9: what an epoch costs with `regression`'s own defaults (evaluation, a checkpoint and MLflow
+    tracking at each epoch end) against the tutorial's loop saving a snapshot each epoch: the
+    per-epoch slope between a short and a long run, and raylane's stall per checkpoint."""
+    print("[bench] B9 epoch-end cost", flush=True)
+    short, long = (2, 6) if bench.quick else B9_EPOCHS
+
+    def side(name: str, epochs: int) -> dict[str, Any]:
+        sets = [f"train.max_epochs={epochs}", "scaling.num_workers=2"]
+        if name == HAND:
+            return bench.baseline("regression", None, [], epochs=epochs)
+        return bench.raylane("regression", sets, launcher="ray" if name == "raylane on Ray" else "torchrun")
+
+    names = ("raylane on Ray", "raylane under torchrun", HAND)
+    pairs: dict[str, list[tuple[Any, Any]]] = {n: [] for n in names}
+    for _ in range(bench.repeats):
+        for name in names:
+            pairs[name].append((side(name, short), side(name, long)))
+    per_epoch = {n: [(b["train_s"] - a["train_s"]) / (long - short) * 1e3 for a, b in runs]
+                 for n, runs in pairs.items()}
+    base = statistics.median(per_epoch[HAND])
+    # The end-of-run save is not a stall (the loop is over): long - 1 saves before the last step.
+    stall = {n: [b["summary"]["checkpoint_stall_s"] / (long - 1) * 1e3 for _, b in runs]
+             for n, runs in pairs.items() if n != HAND}
+    return {"epochs": [short, long], "epoch_ms": {n: stats(v) for n, v in per_epoch.items()},
+            "ratio_vs_hand_written": {n: statistics.median(v) / base for n, v in per_epoch.items()},
+            "stall_ms_per_checkpoint": {n: stats(v) for n, v in stall.items()}}
+
+
 def _slopes(pairs: dict[str, list[tuple[Any, Any]]], key: str, prefix: str) -> dict[str, Any]:
     """Per-step cost (ms) of each side from its (short, long) run pairs, and its ratio to the
     hand-written loop's. `train_s` gives wall time; `train_cpu_s` rank 0's CPU time, which other
@@ -223,7 +259,7 @@ def machine() -> dict[str, Any]:
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8")
+ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9")
 
 
 def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | None) -> int:
@@ -243,7 +279,7 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
         steps.append(("B2", lambda: {"B2": {**results.get("B2", {}), **bench.b2_tracked()}}))
     steps += [(name, lambda fn=fn, name=name: {name: fn()}) for name, fn in
               (("B3", bench.b3), ("B4", lambda: b4(bench)), ("B5", bench.b5), ("B6", bench.b6),
-               ("B7", bench.b7), ("B8", b8)) if name in chosen]
+               ("B7", bench.b7), ("B8", b8), ("B9", lambda: _epoch_end(bench))) if name in chosen]
     for name, step in steps:
         # One failed benchmark must not throw away the hour of figures around it: its error is
         # recorded and shown in the table, and results.json is rewritten after every benchmark.

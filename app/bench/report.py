@@ -50,6 +50,7 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         r = results["B8"]
         out.append(("B8", "GPU: gpt2-124m bf16 + compile", r.get("skipped") or r.get("summary", "see results.json"),
                     "≥ 45% MFU", "—" if "skipped" in r else _met(r.get("mfu", 0) >= 0.45)))
+    out += _b9_rows(results.get("B9"))
     for name, error in results.get("failed", {}).items():
         first = error.strip().splitlines()[0] if error.strip() else "unknown error"
         out.append((name, "did not finish (results.json has the error)", first[:200].replace("|", "/"), "—", "**failed**"))
@@ -94,6 +95,23 @@ def _b2_rows(b2: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                         f"{_m(b2[side]['launch_to_first_step_s'])} / {_m(b2[side]['last_step_to_exit_s'])}",
                         "—", "—"))
     return out
+
+
+def _b9_rows(r: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]:
+    if not r:
+        return []
+    epoch, stall = r["epoch_ms"], r["stall_ms_per_checkpoint"]
+    ray, torchrun = stall["raylane on Ray"]["median"], stall["raylane under torchrun"]["median"]
+    return [
+        ("B9", "epoch-end cost, `regression` defaults: per-epoch slope on Ray ÷ hand-written (snapshot each epoch)",
+         f"{r['ratio_vs_hand_written']['raylane on Ray']:.3f} ({_m(epoch['raylane on Ray'], fmt='{:.0f}')} ms vs "
+         f"{_m(epoch[HAND], fmt='{:.0f}')} ms); under torchrun "
+         f"{r['ratio_vs_hand_written']['raylane under torchrun']:.3f} ({_m(epoch['raylane under torchrun'], fmt='{:.0f}')} ms)",
+         "≤ 1.10", _met(r["ratio_vs_hand_written"]["raylane on Ray"] <= 1.10)),
+        ("B9", "stall per checkpoint: on Ray vs under torchrun (ms)",
+         f"{_m(stall['raylane on Ray'], fmt='{:.0f}')} vs {_m(stall['raylane under torchrun'], fmt='{:.0f}')}",
+         "≤ torchrun + 20", _met(ray <= torchrun + 20)),
+    ]
 
 
 def _met(ok: bool) -> str:
