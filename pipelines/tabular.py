@@ -54,7 +54,19 @@ class Config(BaseConfig):
         for field, paths in (("data.train", d.train), ("data.eval", d.eval)):
             if paths is not None:
                 source(self, paths).check(field)  # the files exist and have the columns: exit 2 otherwise
+                _numeric(field, source(self, paths).sample(field), [*d.features, d.target])
         return self
+
+
+def _numeric(field: str, sample: dict, columns: list[str]) -> None:
+    """Every named column holds numbers (a CSV's 'cat'/'dog' target fails here, not on a rank)."""
+    import numpy as np
+
+    for column in columns:
+        values = sample.get(column)
+        if values is not None and len(values) and not (np.issubdtype(values.dtype, np.number) or values.dtype == bool):
+            raise ValueError(f"data.{'target' if column == columns[-1] else 'features'} = {column!r}: column of "
+                             f"{field} is not numeric (first value {values[0]!r}); encode it as numbers")
 
 
 def source(cfg: Config, paths):

@@ -60,3 +60,12 @@ def test_text_learns_a_local_jsonl_file(run_cli, tmp_path):
     assert s["status"] == "FINISHED" and s["epochs"] == 2 and s["tokens_per_s"] > 0
     # From ln(256) = 5.5 nats per byte for a model that knows nothing, to a repetitive text learnt.
     assert s["metrics"]["loss"] < 2.0 and s["metrics"]["bits_per_byte"] < 3.0
+
+
+def test_tabular_rejects_a_non_numeric_column_before_training(run_cli, tmp_path):
+    (tmp_path / "pets.csv").write_text("a,b,label\n0.1,0.2,cat\n0.3,0.4,dog\n")
+    proc = run_cli("train", "tabular", "--local", "--set", f"data.train={tmp_path / 'pets.csv'}",
+                   "--set", "data.format=csv", "--set", "data.features=[a, b]", "--set", "mlflow.enabled=false")
+    assert proc.wait(60) == 2, proc.output
+    assert proc.output.strip() == ("raylane: invalid config: data.target = 'label': column of data.train is not "
+                                   "numeric (first value 'cat'); encode it as numbers")

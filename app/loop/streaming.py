@@ -76,6 +76,12 @@ class FileSource:
                 raise ValueError(f"{field} = {self.paths!r}: no column {missing[0]!r} in {found[0]} "
                                  f"(it has: {', '.join(names)})")
 
+    def sample(self, field: str = "paths") -> Batch:
+        """The first chunk of the first file, raw (before the transform): for a config validator
+        to check column types before any worker starts."""
+        fs, found = self.files(field)
+        return next(_files.read_chunks(fs, _files.Piece(found[0]), self.format, self.columns), {})
+
     def checked_transform(self) -> Callable[[Batch], Batch] | None:
         """The transform, failing loudly when it changes the row count while keeps_rows says not:
         the batch counts every rank agreed on would be wrong, and DDP would hang."""
