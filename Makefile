@@ -22,7 +22,7 @@ run: install
 	$(VENV)/bin/raylane train pipelines/digits.yaml --set scaling.num_workers=2
 
 test: install browser
-	$(VENV)/bin/pytest tests -m "not slow and not gpu"
+	$(VENV)/bin/pytest tests -m "not slow and not gpu" --durations=15
 
 # B1-B9 against hand-written torchrun DDP and plain Ray Tune: bench/results.json, results.md and
 # charts (about an hour on 2 cores). `raylane bench --quick` checks the harness in a few minutes.
