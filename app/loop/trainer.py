@@ -425,13 +425,19 @@ class Trainer:
         # A max_steps stop mid-epoch, an epoch left unevaluated, or resumed at the end.
         if self.eval_step != self.step and not self.preempted:
             self._record_eval(self._evaluate())
+        return self.reporter.on_end(self._result((started, started_cpu, first_step), last_step_end))
+
+    def _result(self, start: tuple[float, float, int], last_step_end: float) -> dict[str, Any]:
+        """The run's figures, from `start` (wall time, CPU time, step) or, when the run was long
+        enough, from the end of the warm-up steps."""
         ended, ended_cpu = time.perf_counter(), time.process_time()
         if self._warm is not None and self.step - self._warm[2] >= WARMUP_STEPS:
-            started, started_cpu, first_step = self._warm
+            start = self._warm
+        started, started_cpu, first_step = start
         # To the end of the last step: the end-of-run checkpoint and evaluation are not training
         # throughput (a GPT-2 save on one H100 took as long as 50 steps).
         samples_per_s = (self.step - first_step) * self.samples_per_step / max(last_step_end - started, 1e-9)
-        result = {
+        return {
             "epochs": self.epoch,
             "steps": self.step,
             "metrics": self.eval_metrics,
@@ -455,7 +461,6 @@ class Trainer:
             "preempted": self.preempted,
             "stop_reason": (preemption.reason() or "a stop request from another rank") if self.preempted else None,
         }
-        return self.reporter.on_end(result)
 
     def _step_clock(self) -> float:
         """Now, once the device has finished the steps queued so far."""
