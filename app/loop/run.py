@@ -5,10 +5,12 @@ torchrun or in a single process by `launch_local` below. It never imports Ray.""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -75,15 +77,24 @@ def _side_groups(cfg: BaseConfig, world_size: int) -> tuple[Any, Any]:
     return control, saves
 
 
-def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = None) -> dict[str, Any]:
-    """One rank's whole run. Returns the result (the same on every rank but for timings)."""
+def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = None,
+               startup: dict[str, float] | None = None) -> dict[str, Any]:
+    """One rank's whole run. Returns the result (the same on every rank but for timings).
+    `startup`: the launcher's start-up phases on this rank (see raylane.loop.startup); rank 0 adds
+    its own and sends them with its start and first-step events."""
+    startup = {} if startup is None else startup
+    publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
     seed_everything(cfg.train.seed)
     pipe = pipelines_ref.build(cfg)  # its exception names the pipeline
+    startup["pipeline"] = time.time()
     model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size,
                                   example=_example_batch(pipe.train_set, cfg.train.batch_size), loss_fn=pipe.loss_fn)
+    startup["parallelize"] = time.time()
     optimizer = build_optimizer(model, cfg)
     batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed}
     train_loader = train_data(pipe.train_set, runtime, **batching)
+    if runtime.rank == 0:
+        train_loader = _FirstBatchClock(train_loader, startup)
     eval_loader = eval_data(pipe.eval_set, runtime, **batching)
     control_group, save_group = _side_groups(cfg, runtime.world_size)
     trainer = Trainer(
@@ -93,7 +104,7 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
         throughput=Throughput(pipe.tokens_per_sample, pipe.flops_per_token,
                               peak_flops(runtime.device, cfg.train.precision, cfg.scaling.peak_tflops)),
         eval_sums=pipe.eval_sums, runtime=runtime, cfg=cfg, faults=faults.load(runtime.rank),
-        reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=runtime.publish, metric_logger=metric_logger),
+        reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger),
     )
     latest = runtime.latest_checkpoint() or _init_from(cfg)
     if latest:
@@ -101,7 +112,42 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
         trainer.last_checkpoint = latest
         if runtime.rank == 0:
             log.info("resuming from step %d (%s)", trainer.step, latest)
+    startup["ready"] = time.time()
     return trainer.train()
+
+
+def _with_startup(publish: Callable[[dict[str, Any]], None],
+                  startup: dict[str, float]) -> Callable[[dict[str, Any]], None]:
+    """`publish`, with the start-up phases so far on the start and first-step events (the
+    start event leaves before the first batch is read)."""
+    def send(event: dict[str, Any]) -> None:
+        if event.get("event") in ("start", "first_step"):
+            event = {**event, "startup": dict(startup)}
+        publish(event)
+
+    return send
+
+
+class _FirstBatchClock:
+    """The train data, timing rank 0's first batch. The first epoch's iterator is the loader's
+    own behind a C-level chain; later epochs get the loader's own iterator untouched."""
+
+    def __init__(self, data: Any, startup: dict[str, float]) -> None:
+        self._data, self._startup = data, startup
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._data, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = iter(self._data)
+        if "first_batch" in self._startup:
+            return batches
+        try:
+            first = next(batches)
+        except StopIteration:
+            return iter(())
+        self._startup["first_batch"] = time.time()
+        return itertools.chain((first,), batches)
 
 
 def _init_from(cfg: BaseConfig) -> str | None:
@@ -126,6 +172,7 @@ def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                  on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Run this process as one rank: a single process, or a torchrun rank (env vars say which).
     The caller leaves the process group (`raylane.loop.distributed.leave_process_group`)."""
+    startup = {"worker_imports": time.time()}
     rank, local_rank, world_size = env_ranks()
     init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # normally done already by the driver
     fs, root = filesystem_for(cfg.run.storage_path)
@@ -138,4 +185,4 @@ def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
         from raylane.tracking.runs import rank_zero_logger
 
         metric_logger = rank_zero_logger(cfg, tracking_uri, run_id)
-    return run_worker(cfg, runtime, metric_logger)
+    return run_worker(cfg, runtime, metric_logger, startup)

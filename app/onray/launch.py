@@ -21,6 +21,7 @@ import torch
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
+from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 
 from raylane.config import BaseConfig, validate
@@ -136,18 +137,24 @@ class RayRuntime:
         return shard_stream(name, source, self._streams, batch_size=batch_size, world_size=self.world_size)
 
 
-def _install_worker_signal_handlers() -> None:
+# When Ray Train's backend had set up this worker's process group (see _training_starts).
+_process_group_unix: float | None = None
+
+
+def _training_starts() -> None:
     # Runs on each worker actor's main thread, the only one that may set signal handlers (the
     # training function runs on another). Ray's own handler (exit) stays the fallback.
     import signal
 
+    global _process_group_unix
+    _process_group_unix = time.time()  # the backend's on_start (init_process_group) came first
     preemption.install((signal.SIGTERM,))
 
 
 class _RaylaneTorchBackend(_TorchBackend):
     def on_training_start(self, worker_group, backend_config) -> None:
         super().on_training_start(worker_group, backend_config)
-        worker_group.execute(_install_worker_signal_handlers)
+        worker_group.execute(_training_starts)
 
 
 @dataclasses.dataclass
@@ -168,8 +175,18 @@ class _RaylaneTorchTrainer(TorchTrainer):
     def _create_default_callbacks(self):
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
-        callbacks = super()._create_default_callbacks()
+        callbacks = [*super()._create_default_callbacks(), _ControllerStarted(self.train_loop_config["sink"])]
         return callbacks if self.datasets else [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
+
+
+class _ControllerStarted(ControllerCallback):
+    """Tells the driver when Ray Train's controller is up: a start-up phase (raylane.loop.startup)."""
+
+    def __init__(self, sink: Any) -> None:
+        self._sink = sink
+
+    def after_controller_start(self, train_run_context) -> None:
+        self._sink.put.remote({"event": "startup", "startup": {"controller": time.time()}})
 
 
 class _NoAutoscalerScalingPolicy(FixedScalingPolicy):
@@ -210,7 +227,11 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     from ray.train.v2._internal.execution import context as ray_train_context
 
     from raylane.loop.run import run_worker
+    from raylane.loop.startup import process_start_unix
     from raylane.tracking.runs import rank_zero_logger
+
+    startup = {"worker_process": process_start_unix(), "process_group": _process_group_unix,
+               "worker_imports": time.time()}
 
     for name in ("ray.train", ray_train_context.__file__):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -220,7 +241,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     metric_logger = None
     if runtime.rank == 0 and loop_config.get("run_id"):
         metric_logger = rank_zero_logger(cfg, loop_config["tracking_uri"], loop_config["run_id"])
-    run_worker(cfg, runtime, metric_logger)
+    run_worker(cfg, runtime, metric_logger, {k: v for k, v in startup.items() if v is not None})
 
 
 # gloo prefixes its errors with a C++ source location; it says nothing to a user.
@@ -322,4 +343,5 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
         run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
                              failure_config=FailureConfig(max_failures=cfg.failure.max_failures)),
     )
+    on_event({"event": "startup", "startup": {"fit": time.time()}})
     return _fit_and_pump(trainer, sink, on_event, cfg.scaling.num_workers)

@@ -1,0 +1,94 @@
+"""A run's start-up, phase by phase: when each phase ended, as wall-clock (unix) times.
+
+Unix times, because the phases end in several processes (the driver, Ray Train's controller,
+rank 0's worker) that share a clock on one machine. The summary gives them as seconds since the
+launch (`timing.startup`, see `StartupTimes.seconds`). Each phase costs one time.time(): nothing
+here runs per step. Neither torch nor Ray is imported: the driver marks its phases before either
+is loaded."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+# In the order they end on Ray (without Ray, the process group comes before tracking:
+# TORCHRUN_PHASES). On Ray the worker's process may also start before the controller: a raylet
+# keeps idle worker processes ready and hands one to the actor.
+PHASES = (
+    "launch",  # the launching process started: `raylane`, or torchrun's agent above this rank
+    "rank_process",  # torchrun: this rank's process started
+    "driver_imports",  # the driver's imports and config done (raylane.driver.train entered)
+    "ray_init",  # Ray: ray.init returned (an embedded cluster started, or a running one joined)
+    "tracking",  # the MLflow run opened (started beside ray.init; waited for here)
+    "fit",  # Ray: Ray Train imported and the trainer built; TorchTrainer.fit() called
+    "controller",  # Ray: Ray Train's controller actor running
+    "worker_process",  # Ray: rank 0's worker process started
+    "process_group",  # the ranks' process group initialized (torchrun: by the driver, first)
+    "worker_imports",  # rank 0 has imported torch and raylane's loop and entered it
+    "pipeline",  # model and data built (the pipeline's build(cfg))
+    "parallelize",  # the model wrapped (DDP, FSDP, ...)
+    "ready",  # optimizer, loaders, side groups, resume: the Trainer about to train
+    "first_batch",  # rank 0's first batch loaded
+    "first_step",  # rank 0's first optimizer step done
+)
+# Without Ray (torchrun, or one process: no rank_process then).
+TORCHRUN_PHASES = ("launch", "rank_process", "driver_imports", "process_group", "tracking", "worker_imports",
+                   "pipeline", "parallelize", "ready", "first_batch", "first_step")
+
+
+def process_start_unix(pid: int | str = "self") -> float | None:
+    """When a process started, on the wall clock; None where /proc cannot say. From its start in
+    clock ticks since boot against the uptime now: /proc/stat's boot time is in whole seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def under_torchrun_agent() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+class StartupTimes:
+    """The phases one run's driver sees: its own, marked here, and those its events carry
+    (Ray's controller; rank 0's worker, on its first start only: a restart is not start-up)."""
+
+    def __init__(self) -> None:
+        self.unix: dict[str, float] = {}
+        if under_torchrun_agent():
+            self._set("launch", process_start_unix(os.getppid()))
+            self._set("rank_process", process_start_unix())
+        else:
+            self._set("launch", process_start_unix())
+        self._starts = 0
+
+    def _set(self, phase: str, unix: float | None) -> None:
+        if unix is not None:
+            self.unix.setdefault(phase, unix)
+
+    def mark(self, phase: str) -> None:
+        self._set(phase, time.time())
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "start":
+            self._starts += 1
+        if kind == "startup" or (kind in ("start", "first_step") and self._starts == 1):
+            for phase, unix in (event.get("startup") or {}).items():
+                self._set(phase, unix)
+            if kind == "first_step":
+                self._set("first_step", event.get("time_unix"))
+
+    def seconds(self) -> dict[str, float]:
+        """Each phase seen: seconds since the launch (or since the first phase seen, where the
+        launch is unknown)."""
+        if not self.unix:
+            return {}
+        origin = self.unix.get("launch", min(self.unix.values()))
+        order = PHASES if "ray_init" in self.unix else TORCHRUN_PHASES
+        return {p: round(self.unix[p] - origin, 3) for p in order if p in self.unix}
