@@ -58,13 +58,17 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
     `status`). `EXIT_CODES[summary["status"]]` is the command's exit code."""
     from raylane.loop import preemption
     from raylane.loop.distributed import env_ranks, init_process_group, leave_process_group
+    from raylane.loop.startup import StartupTimes
     from raylane.tracking.records import RunRecorder
     from raylane.tracking.runs import close_run, open_run, resolve_tracking_uri, ui_command
 
     launched = time.time()
+    startup = StartupTimes()
+    startup.mark("driver_imports")
     signal.signal(signal.SIGTERM, _raise_interrupt)  # before training can stop gracefully: like Ctrl-C
     if not use_ray:
         init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # ranks agree on the run name first
+        startup.mark("process_group")
     cfg = _finalize(cfg)
     is_driver = use_ray or env_ranks()[0] == 0
     tracking_uri = resolve_tracking_uri()
@@ -82,15 +86,20 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
             # ray.init mostly waits for them. launch_on_ray's import below joins this one.
             pool.submit(importlib.import_module, "raylane.onray.launch")
             embedded = init_ray(address, cfg)
+            startup.mark("ray_init")
             ray_stopper = RayStopper(embedded)
             stack.callback(ray_stopper.wait)  # last: after the summary is out
             signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init replaced ours
         # From here on, a first SIGTERM or Ctrl-C asks the ranks to checkpoint and stop.
         preemption.install()
         handle = _opened(cfg, run_future, tracking_uri)
+        if handle:
+            startup.mark("tracking")
         display = ProgressDisplay() if is_driver else None
         recorder = RunRecorder(handle, cfg, prewarm=use_ray) if handle else None
-        status, error, result = _execute(cfg, use_ray, embedded, handle, tracking_uri, display, recorder)
+        listeners = [x.handle if x is display else x.on_event for x in (display, recorder) if x is not None]
+        status, error, result = _execute(cfg, use_ray, embedded, handle, tracking_uri,
+                                         [*listeners, startup.on_event], display)
         if use_ray:
             ray_stopper.start()  # the ranks are done; the records below need MLflow, not Ray
         if not use_ray and world_size > 1:
@@ -102,7 +111,7 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
             stack.callback(leave_process_group, wait_for_peers=status == "FINISHED" or bool(result.get("preempted")))
         if not is_driver:
             return {"status": status, "error": error}
-        summary = _summary(cfg, handle, status, error, result, display, launched)
+        summary = _summary(cfg, handle, status, error, result, display, launched, startup)
         if recorder:
             summary.update(recorder.finish(status, summary["checkpoint"], register))
             close_run(handle, status)
@@ -131,10 +140,10 @@ def _opened(cfg: BaseConfig, run_future: Any, tracking_uri: str) -> Any:
 
 
 def _execute(cfg: BaseConfig, use_ray: bool, embedded: bool, handle: Any, tracking_uri: str,
-             display: ProgressDisplay | None, recorder: Any) -> tuple[str, str | None, dict[str, Any]]:
-    """Run the ranks; returns (MLflow status, error message, result)."""
+             listeners: list[Any], display: ProgressDisplay | None) -> tuple[str, str | None, dict[str, Any]]:
+    """Run the ranks, passing rank 0's events to `listeners`; returns (MLflow status, error
+    message, result)."""
     run_id = handle.run_id if handle else None
-    listeners = [x.handle if x is display else x.on_event for x in (display, recorder) if x is not None]
 
     def on_event(event: dict[str, Any]) -> None:
         for listener in listeners:
@@ -167,7 +176,7 @@ def _execute(cfg: BaseConfig, use_ray: bool, embedded: bool, handle: Any, tracki
 
 
 def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, result: dict[str, Any],
-             display: ProgressDisplay, launched: float) -> dict[str, Any]:
+             display: ProgressDisplay, launched: float, startup: Any) -> dict[str, Any]:
     ended = time.time()
     first = display.first_step_unix
     return {
@@ -211,6 +220,10 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
             "launch_to_first_step_s": round(first - launched, 3) if first else None,
             # When each restarted worker group took its first step: recovery time after a failure.
             "restart_first_step_unix": display.first_steps_unix[1:],
+            # Seconds from the launch (the `raylane` process, or torchrun's agent, starting) to
+            # the end of each start-up phase, in raylane.loop.startup.PHASES order.
+            "startup": startup.seconds(),
+            "startup_origin_unix": startup.unix.get("launch"),
         },
     }
 
