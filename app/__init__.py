@@ -49,6 +49,9 @@ def train(config, overrides=(), *, address: str | None = None, local: bool = Fal
 def tune(sweep, overrides=(), *, address: str | None = None, register: str | None = None) -> dict[str, Any]:
     """Run a sweep: `raylane tune SWEEP --set ...` as a call. Returns the sweep's summary (its
     trials and the best one); raises ConfigError on bad input, before Ray starts."""
+    from raylane.onray.localcluster import resolve_address
+
+    address = resolve_address(address)  # before Ray's import: see resolve_address
     from raylane.onray.tune import tune_sweep
 
     return tune_sweep(sweep, overrides, address=address, register=register)

@@ -8,11 +8,15 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import yaml
 
 from raylane.config import ConfigError, load_config
+
+ADDRESS_HELP = ("Ray cluster to join (default: RAY_ADDRESS, else the head `raylane up` started, else a fresh "
+                "embedded one; `local` for a fresh embedded one in any case)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a pipeline on Ray (or under torchrun / in-process)")
     add_config_args(train)
-    train.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a fresh local one)")
+    train.add_argument("--address", help=ADDRESS_HELP)
     train.add_argument("--summary-json", metavar="PATH", help="write the run's summary here")
     train.add_argument("--register", metavar="NAME",
                        help="register the final model in the MLflow model registry under NAME")
@@ -37,12 +41,18 @@ def _parser() -> argparse.ArgumentParser:
                        help="run in this process without Ray (implied under torchrun)")
     sweep = sub.add_parser("tune", help="run a Ray Tune sweep of multi-worker trials (nested MLflow runs)")
     add_config_args(sweep)
-    sweep.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a fresh local one)")
+    sweep.add_argument("--address", help=ADDRESS_HELP)
     sweep.add_argument("--summary-json", metavar="PATH", help="write the sweep's summary here")
     sweep.add_argument("--register", metavar="NAME", help="register the best trial's model under NAME")
     job = sub.add_parser("submit", help="run `raylane train` as a Ray job on a cluster (Jobs SDK)")
     add_config_args(job)
-    job.add_argument("--address", help="the cluster's dashboard URL (default: RAY_ADDRESS, else http://127.0.0.1:8265)")
+    job.add_argument("--address", help="the cluster's dashboard URL (default: RAY_ADDRESS, else `raylane up`'s, else http://127.0.0.1:8265)")
+    start = sub.add_parser("up", help="start a persistent local Ray head that later runs on this machine join")
+    start.add_argument("--num-cpus", type=int, default=max(4, os.cpu_count() or 1),
+                       help="logical CPUs the head offers (default: max(4, cores))")
+    start.add_argument("--port", type=int, help="GCS port (default: a free one)")
+    start.add_argument("--dashboard-port", type=int, help="dashboard and jobs API port (default: a free one)")
+    sub.add_parser("down", help="stop the local Ray head `raylane up` started")
     job.add_argument("--follow", action="store_true", help="stream the job's logs and exit with its result")
     export = sub.add_parser("export", help="write a checkpoint's full model weights as safetensors")
     export.add_argument("checkpoint", help="a checkpoint directory (runs/<name>/checkpoint_<step>)")
@@ -86,10 +96,13 @@ def _tune(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("raylane").setLevel(logging.INFO)
+    from raylane.onray.localcluster import resolve_address
+
+    address = resolve_address(args.address)  # before Ray's import: see resolve_address
     from raylane.onray.tune import run_sweep
 
     try:
-        summary = run_sweep(sweep, base, address=args.address, summary_path=args.summary_json,
+        summary = run_sweep(sweep, base, address=address, summary_path=args.summary_json,
                             register=args.register)
         return 0 if summary["status"] == "FINISHED" else 1
     except ConfigError as exc:  # found once the cluster is known: resources
@@ -116,8 +129,38 @@ def _submit(args: argparse.Namespace) -> int:
     return EXIT_CODES.get(status, 1)
 
 
+def _up(args: argparse.Namespace) -> int:
+    from raylane.onray import localcluster
+
+    if args.num_cpus < 1:
+        print(f"raylane: up: --num-cpus must be at least 1, got {args.num_cpus}", file=sys.stderr)
+        return 2
+    try:
+        cluster, started = localcluster.up(args.num_cpus, args.port, args.dashboard_port)
+    except RuntimeError as exc:
+        print(f"raylane: up: {exc}", file=sys.stderr)
+        return 1
+    took = f" in {time.time() - cluster.started_unix:.1f} s" if started else ""
+    print(f"{'started' if started else 'already running:'} a local Ray head at {cluster.address}{took} "
+          f"({cluster.num_cpus} CPUs, dashboard {cluster.dashboard_url}, log {cluster.log}).\n"
+          f"raylane train/tune/bench/submit on this machine join it; `raylane down` stops it.", flush=True)
+    return 0
+
+
+def _down() -> int:
+    from raylane.onray import localcluster
+
+    cluster = localcluster.down()
+    print(f"stopped the local Ray head at {cluster.address}" if cluster else "no local Ray head is running")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "up":
+        return _up(args)
+    if args.command == "down":
+        return _down()
     if args.command == "export":
         return _export(args)
     if args.command == "bench":

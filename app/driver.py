@@ -80,6 +80,9 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         run_future = pool.submit(open_run, cfg, tracking_uri, world_size) if tracked else None
         embedded = False
         if use_ray:
+            from raylane.onray.localcluster import resolve_address
+
+            address = resolve_address(address)  # before Ray's import: see resolve_address
             from raylane.onray.cluster import RayStopper, init_ray
 
             # Ray Train and torch import (~3.5 s of CPU on 2 cores) while Ray's processes start:

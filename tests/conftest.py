@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,9 @@ def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
         MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
         PYTHONUNBUFFERED="1",
         RAY_DEDUP_LOGS="0",
+        # A `raylane up` head of the user's (~/.raylane) is never joined by a test: an empty home
+        # of the test's own, unless the test is marked shared_ray (see run_cli).
+        RAYLANE_HOME=str(tmp_path / "raylane-home"),
     )
     env.update(extra)
     return env
@@ -93,13 +97,52 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+class SharedHead:
+    """The session's one Ray head, started with `raylane up` (token auth, a token of its own) the
+    first time a shared_ray test needs it, and stopped by `raylane down` (by its session's process
+    ids) when the session ends. Runs join it through RAYLANE_HOME, as a user's runs join theirs:
+    each pays no `ray.init` of an embedded cluster."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.env: dict[str, str] | None = None
+
+    def start(self) -> dict[str, str]:
+        if self.env is None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            token = self.root / "auth_token"
+            token.write_text(uuid.uuid4().hex)
+            token.chmod(0o600)
+            env = {"RAYLANE_HOME": str(self.root / "home"), "RAY_AUTH_MODE": "token",
+                   "RAY_AUTH_TOKEN_PATH": str(token)}
+            out = subprocess.run([*RAYLANE, "up", "--num-cpus", "6"], env={**os.environ, **env},
+                                 capture_output=True, text=True, timeout=180)
+            assert out.returncode == 0, out.stdout + out.stderr
+            self.env = env
+        return self.env
+
+    def stop(self) -> None:
+        if self.env is not None:
+            subprocess.run([*RAYLANE, "down"], env={**os.environ, **self.env}, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def shared_head(tmp_path_factory):
+    head = SharedHead(tmp_path_factory.mktemp("shared-ray"))
+    yield head
+    head.stop()
+
+
 @pytest.fixture
-def run_cli(tmp_path):
+def run_cli(tmp_path, request, shared_head):
+    """Starts `raylane` (or another launcher) in a session of its own. In a test marked
+    shared_ray, Ray runs join the session's shared head instead of starting an embedded cluster."""
     started: list[CliProcess] = []
+    shared = shared_head.start() if request.node.get_closest_marker("shared_ray") else {}
 
     def start(*args: str, env: dict[str, str] | None = None, name: str = "cli",
               launcher: list[str] = RAYLANE, cwd: Path | None = None) -> CliProcess:
-        p = CliProcess([*launcher, *args], cwd or tmp_path, env or cli_env(tmp_path),
+        p = CliProcess([*launcher, *args], cwd or tmp_path, {**(env or cli_env(tmp_path)), **shared},
                        tmp_path / f"{name}-{len(started)}.log")
         started.append(p)
         return p

@@ -31,19 +31,24 @@ DATA_CPUS = 1.0
 
 
 def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboard: bool = False) -> bool:
-    """Join `address` (or RAY_ADDRESS) if given, else start a fresh embedded cluster (with at
-    least `num_cpus` logical CPUs; with `dashboard`, the dashboard on a free loopback port, for
-    the State API that Ray Train's placement-group cleaner needs when Tune kills a trial).
+    """Join `address` (resolved by raylane.onray.localcluster.resolve_address before Ray was
+    imported) if there is one, else start a fresh embedded cluster
+    (with at least `num_cpus` logical CPUs; with `dashboard`, the dashboard on a free loopback
+    port, for the State API that Ray Train's placement-group cleaner needs when Tune kills a trial).
 
     Returns True when this process started the cluster and so must shut it down."""
     for key, value in TRAIN_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    address = address or os.environ.get("RAY_ADDRESS")
     pipelines_ref.register_for_pickling()
     if address:
         # A pipeline of the user's own reaches the cluster's workers with the run; inside a Ray
         # job (the supervisor sets this variable) the job's working_dir already carries it.
         runtime_env = pipelines_ref.joined_runtime_env(in_job="RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ)
+        # A fault drill's plan (raylane.loop.faults) is read by the workers: an embedded cluster
+        # inherits it from this process, a joined one gets it with the run.
+        drill = {k: v for k, v in os.environ.items() if k.startswith("RAYLANE_FAULT")}
+        if drill:
+            runtime_env = {**runtime_env, "env_vars": {**runtime_env.get("env_vars", {}), **drill}}
         ray.init(address=address, logging_level=logging.WARNING, **({"runtime_env": runtime_env} if runtime_env else {}))
         return False
     pipelines_ref.worker_environment()  # the raylet, and so every worker, inherits it

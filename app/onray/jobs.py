@@ -71,7 +71,11 @@ def job_client(address: str | None):
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS") or "http://127.0.0.1:8265")
+    from raylane.onray import localcluster
+
+    local = localcluster.running()
+    return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS") or (local.dashboard_url if local else None)
+                               or "http://127.0.0.1:8265")
 
 
 def submit(config: str, overrides: Iterable[str] = (), *, address: str | None = None, working_dir: str = ".",

@@ -286,8 +286,9 @@ def tune_sweep(source: Any, overrides: Iterable[str] = (), *, address: str | Non
 
 def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, summary_path: str | None,
               register: str | None) -> dict[str, Any]:
-    """Run (or continue) the sweep; returns its summary, whose `status` is FINISHED when every
-    trial ended cleanly and FAILED otherwise."""
+    """Run (or continue) the sweep on the cluster at `address` (as resolved by
+    raylane.onray.localcluster.resolve_address; None: an embedded one); returns its summary, whose
+    `status` is FINISHED when every trial ended cleanly and FAILED otherwise."""
     from raylane.onray.cluster import init_ray, shutdown_ray
 
     tracking_uri = resolve_tracking_uri()

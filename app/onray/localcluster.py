@@ -1,0 +1,180 @@
+"""`raylane up` / `raylane down`: a persistent, token-authenticated Ray head on this machine.
+
+Every `raylane train`, `tune` and `bench` run on this machine that names no cluster joins it, so
+`ray.init`'s process start-up (GCS, raylet, dashboard: several seconds of CPU on a small machine)
+is paid once rather than per run. Ray itself is not imported here: the head is `ray start --head
+--block` in a session of its own, recorded in `$RAYLANE_HOME/cluster.json` (default
+`~/.raylane`), and stopped by that session's process ids, never by `ray stop`, which would stop
+every Ray on the machine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+STATE_FILE = "cluster.json"
+START_TIMEOUT_S = 120.0
+STOP_GRACE_S = 5.0
+# What an embedded cluster sets for its own run (see raylane.onray.cluster), set once here for the
+# head's processes: Ray Train's controller reads them where it runs, not on the driver. A head on
+# one machine is never preempted and nobody scrapes its metrics.
+HEAD_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+            "RAY_TRAIN_METRICS_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+
+
+@dataclass
+class LocalCluster:
+    address: str  # the GCS address runs join
+    dashboard_url: str  # the jobs API (`raylane submit --address`)
+    pid: int  # `ray start --block`, leader of the session holding every process of the cluster
+    temp_dir: str
+    num_cpus: int
+    started_unix: float
+    log: str
+
+
+def home() -> Path:
+    return Path(os.environ.get("RAYLANE_HOME") or Path.home() / ".raylane").expanduser()
+
+
+def running() -> LocalCluster | None:
+    """The cluster `raylane up` started, if it is still alive; a stale record is ignored."""
+    try:
+        cluster = LocalCluster(**json.loads((home() / STATE_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    return cluster if _alive(cluster.pid) and _listening(cluster.address) else None
+
+
+def resolve_address(address: str | None) -> str | None:
+    """The cluster a run joins: `address` (or RAY_ADDRESS), else the head `raylane up` started on
+    this machine, else None for a fresh embedded cluster. "local" asks for an embedded one even
+    when a `raylane up` head is running (the bench's cold start-ups).
+
+    Call it before Ray is imported: joining the head turns on token authentication, a mode Ray
+    reads once, at import."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address == "local":
+        return None
+    if address:
+        return address
+    cluster = running()
+    if cluster is None:
+        return None
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    logging.getLogger("raylane").info("joining the local Ray head at %s (`raylane up`; `raylane down` stops it)",
+                                      cluster.address)
+    return cluster.address
+
+
+def up(num_cpus: int, port: int | None = None, dashboard_port: int | None = None) -> tuple[LocalCluster, bool]:
+    """Start the head unless one is running; returns (cluster, started_now). Raises RuntimeError
+    with the head's log tail if it does not come up."""
+    existing = running()
+    if existing:
+        return existing, False
+    state = home()
+    state.mkdir(parents=True, exist_ok=True)
+    gcs_port, dash_port = port or _free_port(), dashboard_port or _free_port()
+    # Ray's unix socket paths are length-limited: a short temp dir of its own under /tmp.
+    temp = tempfile.mkdtemp(prefix="raylane-", dir="/tmp")
+    log_path = state / "head.log"
+    ray_bin = Path(sys.executable).parent / "ray"
+    argv = [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+            f"--num-cpus={num_cpus}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
+            f"--temp-dir={temp}", "--disable-usage-stats"]
+    env = {**os.environ, **HEAD_ENV}
+    env.pop("RAY_ADDRESS", None)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    cluster = LocalCluster(address=f"127.0.0.1:{gcs_port}", dashboard_url=f"http://127.0.0.1:{dash_port}",
+                           pid=proc.pid, temp_dir=temp, num_cpus=num_cpus, started_unix=time.time(),
+                           log=str(log_path))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while "Ray runtime started" not in log_path.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop_session(proc.pid)
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"the Ray head did not start (log {log_path}):\n{tail}")
+        time.sleep(0.2)
+    tmp = state / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(asdict(cluster), indent=2) + "\n")
+    os.replace(tmp, state / STATE_FILE)
+    return cluster, True
+
+
+def down() -> LocalCluster | None:
+    """Stop the cluster `raylane up` started (every process of its session), forget it, and
+    return it; None when none is running."""
+    cluster = running()
+    path = home() / STATE_FILE
+    if cluster is not None:
+        _stop_session(cluster.pid)
+    path.unlink(missing_ok=True)
+    return cluster
+
+
+def _stop_session(sid: int) -> None:
+    """SIGTERM every process of the head's session (Ray's daemons, its workers, the leftovers of
+    drivers' jobs: Ray keeps them all in the session `ray start` opened), then SIGKILL what is
+    still there after a grace period."""
+    for signum, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 0.0)):
+        for pid in _session_pids(sid):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while _session_pids(sid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the command: state, ppid, pgrp, session. A zombie has exited; only its parent (or
+        # an init that reaps orphans) can remove it.
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _listening(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

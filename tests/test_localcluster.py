@@ -1,0 +1,59 @@
+"""`raylane up` / `raylane down`: a persistent token-authenticated head that later runs join, and
+that `down` stops completely, by its processes' ids."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_env, read_json, session_processes
+
+pytestmark = pytest.mark.ray
+
+
+def _running(pids: list[int]) -> list[int]:
+    """Those of `pids` still running: a zombie has exited (a container's init may never reap it)."""
+    alive = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] != "Z":
+            alive.append(pid)
+    return alive
+
+
+def test_up_then_a_run_joins_it_and_down_stops_every_process(run_cli, tmp_path):
+    token = tmp_path / "auth_token"
+    token.write_text(uuid.uuid4().hex)
+    token.chmod(0o600)
+    env = cli_env(tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    home = tmp_path / "raylane-home"
+
+    up = run_cli("up", "--num-cpus", "3", env=env, name="up")
+    assert up.wait(180) == 0, up.output
+    state = json.loads((home / "cluster.json").read_text())
+    assert state["address"].startswith("127.0.0.1:") and state["num_cpus"] == 3
+    head_pids = session_processes(state["pid"])
+    assert len(head_pids) > 2  # ray start, GCS, raylet, dashboard, ...
+
+    again = run_cli("up", env=env, name="again")
+    assert again.wait(60) == 0 and f"already running: a local Ray head at {state['address']}" in again.output
+
+    run = run_cli("train", "regression", "--set", "train.max_steps=3", "--set", "mlflow.enabled=false",
+                  "--summary-json", "s.json", env=env, name="joined")
+    assert run.wait(300) == 0, run.output
+    assert f"joining the local Ray head at {state['address']}" in run.output
+    assert read_json(tmp_path / "s.json")["status"] == "FINISHED"
+    assert not run.session_pids()  # the run started no Ray of its own: nothing of it outlives it
+
+    down = run_cli("down", env=env, name="down")
+    assert down.wait(120) == 0 and f"stopped the local Ray head at {state['address']}" in down.output
+    assert not _running(head_pids) and not _running(session_processes(state["pid"]))
+    assert not (home / "cluster.json").exists()
+    gone = run_cli("down", env=env, name="gone")
+    assert gone.wait(60) == 0 and "no local Ray head is running" in gone.output
