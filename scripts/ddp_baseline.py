@@ -9,9 +9,10 @@ come from raylane's pipelines, so both sides train the same thing.
         --pipeline digits --max-steps 300 --json out.json
     OMP_NUM_THREADS=1 python scripts/ddp_baseline.py --ray --pipeline digits --max-steps 300 --json out.json
 
-Rank 0 writes {"train_s", "train_cpu_s", "steps", "first_step_unix", "last_step_unix"} to --json:
-train_s runs from the start of training to the end of the loop, as raylane's summary measures it;
-train_cpu_s is rank 0's process CPU time over the same span."""
+Rank 0 writes {"train_s", "train_cpu_s", "steps", "first_step_unix", "last_step_unix", "startup"}
+to --json: train_s runs from the start of training to the end of the loop, as raylane's summary
+measures it; train_cpu_s is rank 0's process CPU time over the same span; startup, the unix time at
+which each start-up phase ended (the names of raylane.loop.startup.PHASES), for `raylane bench` B2b."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class Trainer:
         self.train_data, self.optimizer, self.loss_fn = train_data, optimizer, loss_fn
         self.max_steps, self.clip, self.snapshot_path = max_steps, clip, snapshot_path
         self.max_epochs, self.save_every_epoch = max_epochs, save_every_epoch
-        self.step, self.first_step_unix = 0, None
+        self.step, self.first_step_unix, self.first_batch_unix = 0, None, None
 
     def _run_batch(self, source, targets) -> None:
         self.optimizer.zero_grad()
@@ -49,6 +50,8 @@ class Trainer:
     def _run_epoch(self, epoch: int) -> None:
         self.train_data.sampler.set_epoch(epoch)
         for source, targets in self.train_data:
+            if self.first_batch_unix is None:
+                self.first_batch_unix = time.time()
             self._run_batch(source, targets)
             self.step += 1
             if self.first_step_unix is None:
@@ -81,26 +84,34 @@ def build_optimizer(model, o) -> torch.optim.Optimizer:
 
 
 def run(pipeline: str, max_steps: int, overrides: list[str], json_path: str, max_epochs: int | None = None,
-        save_every_epoch: bool = False) -> None:
+        save_every_epoch: bool = False, startup: dict[str, float] | None = None) -> None:
     """Train on the process group already set up (by torchrun or Ray Train); rank 0 writes --json."""
     from raylane.config import PIPELINES, load_config  # the same YAML and model as raylane, nothing else
 
+    startup = dict(startup or {}, worker_imports=time.time())
     cfg = load_config(pipeline, overrides)
     torch.manual_seed(cfg.train.seed)
     pipe = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg)
+    startup["pipeline"] = time.time()
     sampler = DistributedSampler(pipe.train_set, seed=cfg.train.seed)
     loader = DataLoader(pipe.train_set, batch_size=cfg.train.batch_size, sampler=sampler)
     optimizer = build_optimizer(pipe.model, cfg.optim)
     snapshot = os.path.join(os.path.dirname(os.path.abspath(json_path)), "baseline-snapshot.pt")
-    result = Trainer(pipe.model, loader, optimizer, pipe.loss_fn, max_steps, cfg.train.grad_clip_norm,
-                     snapshot, max_epochs, save_every_epoch).train()
+    trainer = Trainer(pipe.model, loader, optimizer, pipe.loss_fn, max_steps, cfg.train.grad_clip_norm,
+                      snapshot, max_epochs, save_every_epoch)
+    startup["parallelize"] = time.time()
+    result = trainer.train()
+    result["startup"] = {**startup, "first_batch": trainer.first_batch_unix, "first_step": trainer.first_step_unix}
     if dist.get_rank() == 0:
         with open(json_path, "w") as f:
             json.dump(result, f)
 
 
 def _ray_loop(config: dict) -> None:
-    run(config["pipeline"], config["max_steps"], config["overrides"], config["json"])
+    from raylane.loop.startup import process_start_unix
+
+    run(config["pipeline"], config["max_steps"], config["overrides"], config["json"],
+        startup={**config["startup"], "worker_process": process_start_unix()})
 
 
 def run_on_plain_ray(args: argparse.Namespace) -> None:
@@ -110,12 +121,18 @@ def run_on_plain_ray(args: argparse.Namespace) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    ray.init(address="local", num_cpus=max(args.workers, os.cpu_count() or 1), logging_level="WARNING")
-    TorchTrainer(_ray_loop, train_loop_config={"pipeline": args.pipeline, "max_steps": args.max_steps,
-                                               "overrides": args.overrides, "json": os.path.abspath(args.json)},
-                 scaling_config=ScalingConfig(num_workers=args.workers),
-                 run_config=RunConfig(storage_path=os.path.join(os.path.dirname(os.path.abspath(args.json)),
-                                                                "plain-ray"))).fit()
+    if args.address:
+        ray.init(address=args.address, logging_level="WARNING")
+    else:
+        ray.init(address="local", num_cpus=max(args.workers, os.cpu_count() or 1), logging_level="WARNING")
+    startup = {**args.startup, "ray_init": time.time()}
+    trainer = TorchTrainer(
+        _ray_loop, train_loop_config={"pipeline": args.pipeline, "max_steps": args.max_steps, "startup": startup,
+                                      "overrides": args.overrides, "json": os.path.abspath(args.json)},
+        scaling_config=ScalingConfig(num_workers=args.workers),
+        run_config=RunConfig(storage_path=os.path.join(os.path.dirname(os.path.abspath(args.json)), "plain-ray")))
+    startup["fit"] = time.time()  # read by the workers after this: the train loop config is a live dict
+    trainer.fit()
     ray.shutdown()
 
 
@@ -130,7 +147,11 @@ def main() -> None:
     parser.add_argument("--json", required=True)
     parser.add_argument("--ray", action="store_true", help="run in a plain Ray TorchTrainer, not under torchrun")
     parser.add_argument("--workers", type=int, default=2, help="with --ray: the number of workers")
+    parser.add_argument("--address", help="with --ray: a running cluster to join (default: start one)")
     args = parser.parse_args()
+    from raylane.loop.startup import process_start_unix
+
+    args.startup = {"launch": process_start_unix(), "driver_imports": time.time()}
     if args.ray:
         run_on_plain_ray(args)
         return

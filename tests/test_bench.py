@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from raylane.bench.report import rows
+from raylane.bench.report import rows, startup_table
 
 pytestmark = pytest.mark.ray
 
@@ -75,3 +75,15 @@ def test_targets_are_judged_from_the_measured_medians():
     # A benchmark that did not finish is a row of its own, with the first line of its error.
     assert [(b, m, ok) for b, _, m, _, ok in rows(results) if ok == "**failed**"] == \
         [("B5", "scripts/bench_mlflow.py exited 1; its output:", "**failed**")]
+
+
+def test_startup_breakdown_judged_and_tabled():
+    def s(m):
+        return {"median": m, "min": m, "max": m, "n": 1, "values": [m]}
+
+    phases = {"raylane, Ray cold": {"launch": s(0), "ray_init": s(9), "first_step": s(20)},
+              "raylane, Ray warm": {"launch": s(0), "ray_init": s(2), "first_step": s(9)},
+              "raylane under torchrun": {"launch": s(0), "first_step": s(6)}}
+    r = {"steps": 5, "workers": 2, "warm_head": "raylane up", "phases_s": phases}
+    assert [ok for *_, ok in rows({"B2b": r})] == ["**no**", "yes", "—"]  # against torchrun + 5 = 11 s
+    assert "| ray_init | 9.0 [9.0–9.0] | 2.0 [2.0–2.0] | — |" in startup_table(r)

@@ -76,14 +76,15 @@ class Bench:
             raise RuntimeError(f"{' '.join(argv)} exited {rc}; its output:\n{log.read_text()[-3000:]}")
         return {"launched": launched, "exited": exited}
 
-    def raylane(self, pipeline: str, sets: list[str], *, launcher: str = "ray") -> dict[str, Any]:
+    def raylane(self, pipeline: str, sets: list[str], *, launcher: str = "ray", env: dict[str, str] | None = None,
+                args: list[str] = ()) -> dict[str, Any]:
         """One `raylane train`: on an embedded Ray (`ray`), under torchrun, or in one process."""
         summary = self.work / f"summary-{self._n + 1}.json"
         head = {"ray": RAYLANE, "torchrun": [*TORCHRUN, "-m", "raylane"], "local": RAYLANE}[launcher]
         argv = [*head, "train", pipeline, *(["--local"] if launcher == "local" else []),
                 "--set", f"run.storage_path={self.work / 'runs'}", "--set", f"run.name=b{self._n + 1}",
-                *[x for s in sets for x in ("--set", s)], "--summary-json", str(summary)]
-        times = self.run(argv)
+                *[x for s in sets for x in ("--set", s)], *args, "--summary-json", str(summary)]
+        times = self.run(argv, env)
         s = json.loads(summary.read_text())
         if s["status"] != "FINISHED":
             raise RuntimeError(f"{argv}: {s['status']} {s['error']}")
@@ -91,17 +92,17 @@ class Bench:
                 "first_step": s["timing"]["first_step_unix"], "last_step": s["timing"]["last_step_unix"]}
 
     def baseline(self, pipeline: str, steps: int | None, sets: list[str], *, plain_ray: bool = False,
-                 epochs: int | None = None) -> dict[str, Any]:
+                 epochs: int | None = None, env: dict[str, str] | None = None, args: list[str] = ()) -> dict[str, Any]:
         """The hand-written loop; with `epochs`, that many epochs and a snapshot at each end."""
         out = self.work / f"baseline-{self._n + 1}.json"
         head = [PY, BASELINE, "--ray"] if plain_ray else [*TORCHRUN, BASELINE]
         limits = ["--max-steps", str(steps)] if steps else []
         limits += ["--max-epochs", str(epochs), "--save-every-epoch"] if epochs else []
-        times = self.run([*head, "--pipeline", pipeline, *limits,
-                          *[x for s in sets for x in ("--set", s)], "--json", str(out)])
+        times = self.run([*head, "--pipeline", pipeline, *limits, *args,
+                          *[x for s in sets for x in ("--set", s)], "--json", str(out)], env)
         r = json.loads(out.read_text())
         return {**times, "train_s": r["train_s"], "train_cpu_s": r["train_cpu_s"], "steps": r["steps"],
-                "first_step": r["first_step_unix"],
+                "first_step": r["first_step_unix"], "startup": r.get("startup", {}),
                 "last_step": r["last_step_unix"]}
 
     def interleaved(self, sides: dict[str, Callable[[], Any]]) -> dict[str, list[Any]]:
@@ -259,11 +260,11 @@ def machine() -> dict[str, Any]:
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
-ALL = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9")
+ALL = ("B1", "B2", "B2b", "B3", "B4", "B5", "B6", "B7", "B8", "B9")
 
 
 def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | None) -> int:
-    chosen = [b.upper() for b in (only or ALL)]
+    chosen = [next((a for a in ALL if a.upper() == b.upper()), b.upper()) for b in (only or ALL)]
     unknown = sorted(set(chosen) - set(ALL))
     if unknown:
         print(f"error: --only: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(ALL)}", file=sys.stderr)
@@ -279,7 +280,8 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
         steps.append(("B2", lambda: {"B2": {**results.get("B2", {}), **bench.b2_tracked()}}))
     steps += [(name, lambda fn=fn, name=name: {name: fn()}) for name, fn in
               (("B3", bench.b3), ("B4", lambda: b4(bench)), ("B5", bench.b5), ("B6", bench.b6),
-               ("B7", bench.b7), ("B8", b8), ("B9", lambda: _epoch_end(bench))) if name in chosen]
+               ("B7", bench.b7), ("B8", b8), ("B9", lambda: _epoch_end(bench)), ("B2b", lambda: b2b(bench)))
+              if name in chosen]
     for name, step in steps:
         # One failed benchmark must not throw away the hour of figures around it: its error is
         # recorded and shown in the table, and results.json is rewritten after every benchmark.
@@ -310,6 +312,12 @@ def _write(bench: Bench, out: Path, only: list[str] | None, chosen: list[str], s
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     return bench_report.write(report, out) if final else ""
+
+
+def b2b(bench: Bench) -> dict[str, Any]:
+    from raylane.bench.startup import b2b as run_b2b
+
+    return run_b2b(bench)
 
 
 def b4(bench: Bench) -> dict[str, Any]:

@@ -15,7 +15,7 @@ def _m(s: dict[str, Any], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
 
 def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     """(benchmark, what, measured, target, met) for every figure that has a target."""
-    out = [*_b1_rows(results.get("B1", {})), *_b2_rows(results.get("B2", {}))]
+    out = [*_b1_rows(results.get("B1", {})), *_b2_rows(results.get("B2", {})), *_b2b_rows(results.get("B2b"))]
     if "B3" in results:
         e = results["B3"]["efficiency"]
         out.append(("B3", "scaling 1 → 2 ranks: throughput(2) ÷ 2·throughput(1)", _m(e, fmt="{:.3f}"), "≥ 0.9",
@@ -97,6 +97,40 @@ def _b2_rows(b2: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     return out
 
 
+TORCHRUN_SIDE = "raylane under torchrun"
+
+
+def _b2b_rows(r: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]:
+    if not r:
+        return []
+    phases = r["phases_s"]
+    torchrun = phases[TORCHRUN_SIDE]["first_step"]["median"]
+    out = []
+    for side, p in phases.items():
+        first = p["first_step"]
+        ray_side = side.startswith("raylane, Ray")
+        out.append(("B2b", f"launch to first step, {side} (s)", _m(first),
+                    f"≤ torchrun + 5 = {torchrun + 5:.1f}" if ray_side else "—",
+                    _met(first["median"] <= torchrun + 5) if ray_side else "—"))
+    return out
+
+
+def startup_table(r: dict[str, Any]) -> str:
+    """B2b as a table: each start-up phase (rows) on each side (columns), seconds since launch."""
+    from raylane.loop.startup import PHASES
+
+    phases, sides = r["phases_s"], list(r["phases_s"])
+    n = next(iter(next(iter(phases.values())).values()))["n"]
+    lines = [f"Seconds from launch to the end of each phase, median [min–max] of {n} runs "
+             f"(`regression`, {r['workers']} ranks, {r['steps']} steps; warm head: {r['warm_head']}).", "",
+             "| phase | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides)]
+    for phase in PHASES:
+        if any(phase in phases[s] for s in sides):
+            cells = [_m(phases[s][phase], fmt="{:.1f}") if phase in phases[s] else "—" for s in sides]
+            lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _b9_rows(r: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]:
     if not r:
         return []
@@ -127,6 +161,9 @@ def write(report: dict[str, Any], out: Path) -> str:
              "| | what | measured | target | met |", "|---|---|---|---|---|"]
     lines += [f"| {b} | {what} | {measured} | {target} | {met} |" for b, what, measured, target, met in rows(report["results"])]
     text = "\n".join(lines) + "\n"
+    if report["results"].get("B2b"):
+        text += "\nB2b, launch to first step phase by phase (raylane.loop.startup.PHASES):\n\n"
+        text += startup_table(report["results"]["B2b"])
     (out / "results.md").write_text(text)
     _charts(report["results"], out)
     return text
