@@ -121,8 +121,10 @@ class CheckpointSection(Section):
     keep_best: int | None = Field(None, ge=1)
     best_metric: str = Field("loss", min_length=1)
     best_mode: Literal["min", "max"] = "min"
-    # Write shards on a background thread while training goes on; committed once all are written.
-    async_save: bool = False
+    # Only a copy of the state is taken between two steps; the files, their checksums and the
+    # commit (agreed by every rank) are done on a background thread while training goes on.
+    # false: the whole save and commit on the training thread.
+    async_save: bool = True
     # A save that fails (disk full, I/O error): fail the run, or warn and train on.
     on_error: Literal["fail", "warn"] = "fail"
     # Start from this checkpoint (weights, optimizer, step) when the run has none of its own:

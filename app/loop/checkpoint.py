@@ -5,17 +5,26 @@ Each checkpoint is a fresh directory committed by `manifest.json`, written last 
 rank 0. It holds the train state (epoch, step, position in the epoch, the resolved config,
 raylane's version) and the size and SHA-256 of every file of every rank. A directory without a
 manifest, or whose files do not match it (truncated, bit-flipped, missing), is never loaded:
-the newest valid one is used instead."""
+the newest valid one is used instead.
+
+A checkpoint is saved in two halves. `Stager.stage` copies the state into CPU buffers kept from
+one save to the next: the only part that must happen between two optimizer steps. `write` and
+`PendingSave.commit` (DCP's collectives, the files, the checksums, the manifest) can then run on
+a background thread, whose collectives go to the group given to `collectives_on`."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import copy
 import hashlib
 import json
 import logging
 import os
 import random
+import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,10 +110,30 @@ class CheckpointSaveError(RuntimeError):
     the previous checkpoint is still the latest valid one."""
 
 
+_collectives = threading.local()
+
+
+@contextlib.contextmanager
+def collectives_on(group: Any) -> Iterator[None]:
+    """Run this thread's checkpoint collectives on `group`: a save committed on a background
+    thread must never share a process group with the training loop's collectives."""
+    previous = getattr(_collectives, "group", None)
+    _collectives.group = group
+    try:
+        yield
+    finally:
+        _collectives.group = previous
+
+
+def _group() -> Any:
+    return getattr(_collectives, "group", None)
+
+
 def _gather(obj: Any) -> list[Any]:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, obj)
+    group = _group()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, obj, group=group)
         return gathered
     return [obj]
 
@@ -120,33 +149,27 @@ def _describe(exc: BaseException, rank: int) -> str:
 
 
 class PendingSave:
-    """A checkpoint whose shards are written (or being written, with async save) but which is not
-    committed yet. `commit()` is collective: every rank calls it at the same step."""
+    """A checkpoint whose shards are written but which is not committed yet. `commit()` is
+    collective: every rank calls it, on the same group as the write."""
 
-    def __init__(self, path: Path, rank: int, train_state: dict[str, Any],
-                 future: Any = None, error: str | None = None) -> None:
-        self.path, self.rank, self.train_state = path, rank, train_state
-        self.future, self.error = future, error
+    def __init__(self, path: Path, rank: int, train_state: dict[str, Any], error: str | None = None) -> None:
+        self.path, self.rank, self.train_state, self.error = path, rank, train_state, error
 
     @property
     def step(self) -> int:
         return int(self.train_state["step"])
 
-    def done(self) -> bool:
-        return self.future is None or self.future.done()
-
     def commit(self) -> None:
-        """Wait for this rank's writes, gather every rank's checksums, and let rank 0 write the
-        manifest: the commit. Any rank's failure raises CheckpointSaveError on all ranks."""
+        """Gather every rank's checksums and let rank 0 write the manifest: the commit. Any rank's
+        failure raises CheckpointSaveError on all ranks. The last gather, after rank 0's
+        manifest, is also what keeps every rank from going on before the commit exists."""
         files: dict[str, Any] = {}
         error = self.error
         try:
-            if self.future is not None:
-                self.future.result()
             if error is None:
                 files = _own_files(self.path, self.rank)
-        except _save_errors() as exc:  # reported on every rank below
-            error = error or _describe(exc, self.rank)
+        except OSError as exc:  # reported on every rank below
+            error = _describe(exc, self.rank)
         gathered = _gather({"files": files, "error": error})
         _fail_if(self.step, [part["error"] for part in gathered])
         manifest_error = None
@@ -162,8 +185,26 @@ class PendingSave:
 def raise_if_any(step: int, error: str | None, *, only_rank_zero: bool = False) -> None:
     """Collective: each rank passes its error or None; if any (or rank 0's, with
     `only_rank_zero`) is set, every rank raises the same CheckpointSaveError."""
-    gathered = _gather(error)
-    _fail_if(step, gathered[:1] if only_rank_zero else gathered)
+    if only_rank_zero:
+        _fail_if(step, [_from_rank_zero(error)])
+    else:
+        _fail_if(step, _gather(error))
+
+
+def _from_rank_zero(message: str | None) -> str | None:
+    """Rank 0's `message`, on every rank: one small broadcast when it is None (the usual case)
+    rather than an object broadcast's two and its pickles."""
+    group = _group()
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return message
+    flag = torch.tensor([message is not None], dtype=torch.uint8)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(flag, src=src, group=group)
+    if not flag.item():
+        return None
+    box = [message]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
 
 
 def _fail_if(step: int, errors: list[str | None]) -> None:
@@ -180,33 +221,124 @@ def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / MANIFEST_FILE)  # the commit: appears whole or not at all
+    _fsync_dir(path)  # the rename itself, and the checkpoint's own entry in its parent
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    # DCP fsyncs its own files; a manifest may only name files that would survive a crash.
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The state DCP saves and loads: the model's and the optimizer's, keyed by parameter name."""
+    model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+class Stager:
+    """Copies the state into CPU buffers allocated at the first save and reused by the next ones
+    (fresh buffers each time cost a page fault per 4 KiB: more than the copy itself). The
+    caller must not stage again while a write still reads the previous copy."""
+
+    def __init__(self) -> None:
+        self._buffers: Any = None
+        self._layout: Any = None
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        sources: list[torch.Tensor] = []
+        layout = _layout(state)
+        if layout != self._layout:
+            self._buffers, self._layout = _map_tensors(state, _empty_like), layout
+        targets: list[torch.Tensor] = []
+        staged = _map_tensors(state, lambda t, buf: (sources.append(_local(t)), targets.append(_local(buf)), buf)[2],
+                              self._buffers)
+        if sources:
+            if len({t.device for t in sources}) == 1:
+                torch._foreach_copy_(targets, sources, non_blocking=sources[0].device.type == "cuda")
+            else:
+                for target, source in zip(targets, sources, strict=True):
+                    target.copy_(source, non_blocking=source.device.type == "cuda")
+            if any(t.device.type == "cuda" for t in sources):
+                torch.cuda.synchronize()
+        return staged
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if hasattr(t, "_local_tensor") else t  # a DTensor's own shard
+
+
+def _layout(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        local = _local(obj)
+        return (type(obj), tuple(local.shape), local.dtype, tuple(obj.shape))
+    if isinstance(obj, dict):
+        return tuple((k, _layout(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return tuple(_layout(v) for v in obj)
+    return None
+
+
+def _empty_like(t: torch.Tensor, _: Any = None) -> torch.Tensor:
+    local = _local(t)
+    buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda")
+    if local is t:
+        return buf
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _map_tensors(obj: Any, fn, companion: Any = None) -> Any:
+    """`obj` with every tensor replaced by fn(tensor, its companion in `companion`, a structure
+    like `obj`); other values copied, so that later training cannot change them either."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj, companion)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn, companion[k] if companion is not None else None) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_map_tensors(v, fn, companion[i] if companion is not None else None) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj if isinstance(obj, (int, float, str, bool, type(None))) else copy.deepcopy(obj)
+
+
+def write(path: str | os.PathLike, state: dict[str, Any], train_state: dict[str, Any], *, rank: int,
+          rng: dict[str, Any], error: str | None = None) -> PendingSave:
+    """Collective (on the group of `collectives_on`): write this rank's shard of `state` and its
+    random generators into `path`. A rank that failed before (`error`: staging) still takes
+    part in DCP's collectives, with nothing to write. Errors are kept for `commit()`, so that
+    every rank learns of them together."""
+    path = Path(path)
+    try:
+        _dcp().save({} if error else state, checkpoint_id=str(path), process_group=_group())
+        if error is None:
+            _write_durably(path / rng_file(rank), json.dumps(rng))
+    except _save_errors() as exc:  # reported on every rank by commit()
+        error = error or _describe(exc, rank)
+    return PendingSave(path, rank, train_state, error=error)
 
 
 def begin_save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               train_state: dict[str, Any], *, rank: int, asynchronous: bool = False,
-               group: Any = None) -> PendingSave:
+               train_state: dict[str, Any], *, rank: int) -> PendingSave:
     """Collective: every rank calls it with its own `path` (the same one on shared storage).
-
-    `asynchronous` returns once the state is staged in memory and
-    training may change the weights again; its writes and their collectives run on a background
-    thread, so with several ranks `group` must be a process group only checkpoints use. Errors are kept for `commit()`, so that every rank
-    learns of them together."""
-    path = Path(path)
-    future, error = None, None
+    Writes the live state on this thread; `commit()` next."""
+    error, state = None, {}
     try:
-        dcp = _dcp()
-        model_sd, optim_sd = dcp.state_dict.get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        if asynchronous:
-            future = dcp.async_save(state, checkpoint_id=str(path), process_group=group,
-                                    no_dist=not dist.is_initialized())
-            future = getattr(future, "upload_completion", future)
-        else:
-            dcp.save(state, checkpoint_id=str(path))
-        (path / rng_file(rank)).write_text(json.dumps(rng_state()))
-    except _save_errors() as exc:  # reported on every rank by commit()
+        state = live_state(model, optimizer)
+    except _save_errors() as exc:
         error = _describe(exc, rank)
-    return PendingSave(path, rank, train_state, future, error)
+    return write(path, state, train_state, rank=rank, rng=rng_state(), error=error)
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -20,7 +20,6 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from raylane.loop import checkpoint
-from raylane.loop.distributed import barrier
 
 
 def filesystem_for(storage_path: str) -> tuple[pafs.FileSystem, str]:
@@ -72,10 +71,11 @@ class CheckpointStore:
     def commit(self, path: str, step: int, *, keep: int | None, keep_best: int | None,
                best: tuple[str, str]) -> str:
         """Collective, after `PendingSave.commit()` wrote the manifest into rank 0's `path`:
-        make the checkpoint durable in storage, then prune (rank 0). Returns its location."""
-        if self.direct:
-            barrier()  # rank 0's manifest is the commit; no rank goes on before it exists
-        else:
+        make the checkpoint durable in storage, then prune (rank 0). Returns its location.
+
+        Written straight into storage, the manifest is already the commit, and commit()'s last
+        gather already held every rank until it existed: nothing is left to agree on."""
+        if not self.direct:
             self._upload(path, f"{self.root}/{checkpoint.checkpoint_name(step)}", step)
         if self.rank == 0:
             checkpoint.prune(self.root, keep, self.fs, keep_best=keep_best, best=best)

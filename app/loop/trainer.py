@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raylane import __version__
 from raylane.config import BaseConfig
-from raylane.loop import checkpoint, preemption
+from raylane.loop import preemption
 from raylane.loop.data import EpochData
 from raylane.loop.devices import peak_memory_bytes, reset_peak_memory, state_bytes
 from raylane.loop.distributed import ControlVote, all_reduce_max, all_reduce_sums, backend_name
@@ -27,6 +27,7 @@ from raylane.loop.faults import FaultPlan
 from raylane.loop.parallel import Strategy, no_gradient_sync
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
+from raylane.loop.saving import Saver
 
 VOTE_EVERY_N_STEPS = 10  # the first vote; then about every VOTE_INTERVAL_S
 VOTE_INTERVAL_S = 0.5
@@ -143,18 +144,16 @@ class Trainer:
         self.state_bytes: int | None = None
         # (wall time, process CPU time, step) once the warm-up steps are done
         self._warm: tuple[float, float, int] | None = None
-        # Step-boundary decisions all ranks must share: [stop now, async save not yet written].
+        # Step-boundary decisions all ranks must share: [stop now, async save not yet committed].
         self.vote = ControlVote(2, control_group)
         # Each collective outside DDP's costs a few ms on 2 busy CPU cores (one rank waits to be
         # scheduled): vote about every VOTE_INTERVAL_S, a step count agreed at each vote from
         # rank 0's step time. A stop waits at most that long; nothing is lost either way.
         self.next_vote = VOTE_EVERY_N_STEPS if self.vote.distributed else 1
         self._last_vote = (time.perf_counter(), 0)
-        self.save_group = save_group
-        self._pending: checkpoint.PendingSave | None = None
+        self.saver = Saver(runtime, cfg.checkpoint, reporter, group=save_group, faults=faults)
         self._saved_step: int | None = None
         self.preempted = False
-        self.failed_checkpoints = 0
         # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
         # which every run pays whether saves are asynchronous or not, is left out.
         self.checkpoint_stall_s = 0.0
@@ -274,14 +273,13 @@ class Trainer:
 
     def _step_boundary(self) -> bool:
         """Decisions every rank takes at the same step; True when the loop must stop now."""
-        pending = self._pending
         started, step = self._last_vote
         step_s = (time.perf_counter() - started) / max(self.step - step, 1) if self.runtime.rank == 0 else 0.0
-        (stop, save_not_written), (agreed_step_s,) = self.vote.poll(
-            preemption.requested(), pending is None or not pending.done(), values=(step_s,))
-        if pending is not None and not save_not_written:
+        (stop, save_busy), (agreed_step_s,) = self.vote.poll(preemption.requested(), self.saver.busy(),
+                                                             values=(step_s,))
+        if self.saver.unsettled() and not save_busy:  # committed on every rank: only its outcome is left
             blocked = time.perf_counter()
-            self._commit_pending()
+            self.saver.settle()
             self.checkpoint_stall_s += time.perf_counter() - blocked
         self.next_vote = self.step + min(max(int(VOTE_INTERVAL_S / max(agreed_step_s, 1e-6)), 1), VOTE_MAX_STEPS)
         self._last_vote = (time.perf_counter(), self.step)
@@ -358,40 +356,10 @@ class Trainer:
         if self._saved_step == self.step:
             return
         blocked = time.perf_counter()
-        self._commit_pending()  # at most one save in flight
-        path = self.runtime.new_checkpoint_dir(self.step)
-        if self.faults:
-            self.faults.before_save(self.step, path)
-        self._pending = checkpoint.begin_save(path, self.model, self.optimizer, self.state_dict(),
-                                              rank=self.runtime.rank, asynchronous=self.cfg.checkpoint.async_save,
-                                              group=self.save_group)
+        self.saver.save(self.model, self.optimizer, self.state_dict())
         self._saved_step = self.step
-        if not self.cfg.checkpoint.async_save:
-            self._commit_pending()
         if self.step < self.total_steps:
             self.checkpoint_stall_s += time.perf_counter() - blocked
-
-    def _commit_pending(self) -> None:
-        """Collective. Commit the save in flight, if any; registered with the runtime only then."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        ck = self.cfg.checkpoint
-        try:
-            pending.commit()
-            location = self.runtime.commit_checkpoint(
-                str(pending.path), pending.step, pending.train_state.get("eval_metrics") or {},
-                keep=ck.keep, keep_best=ck.keep_best, best=(ck.best_metric, ck.best_mode))
-        except checkpoint.CheckpointSaveError as exc:
-            self.runtime.discard_checkpoint(str(pending.path))
-            if ck.on_error == "fail":
-                raise
-            self.failed_checkpoints += 1
-            self.reporter.on_checkpoint_failed(step=pending.step, error=f"{exc} (checkpoint.on_error: warn)")
-            return
-        self.last_checkpoint = location
-        self.reporter.on_checkpoint(step=pending.step, location=location, epoch=pending.train_state["epoch"],
-                                    metrics=pending.train_state.get("eval_metrics") or {})
 
     def train(self) -> dict[str, Any]:
         self.reporter.on_start(
@@ -418,7 +386,7 @@ class Trainer:
                 due = _every(self.epoch, self.cfg.checkpoint.every_n_epochs) if epoch_ended else True
                 if due or self.step >= self.total_steps:  # a stop mid-epoch always saves
                     self._save_checkpoint()
-            self._commit_pending()
+            self.saver.settle()  # a save in flight is committed before the run ends or stops
             self.vote.close()
         if self._loss_count:
             self._log_train_metrics()
@@ -453,11 +421,11 @@ class Trainer:
             "train_cpu_s": ended_cpu - started_cpu,
             "checkpoint_stall_s": self.checkpoint_stall_s,
             "resumed_from_step": self.resumed_from_step,
-            "checkpoint": self.last_checkpoint,
+            "checkpoint": self.saver.last_checkpoint or self.last_checkpoint,
             "world_size": self.runtime.world_size,
             "backend": backend_name(),
             "skipped_steps": self.skipped_steps,
-            "failed_checkpoints": self.failed_checkpoints,
+            "failed_checkpoints": self.saver.failed,
             "preempted": self.preempted,
             "stop_reason": (preemption.reason() or "a stop request from another rank") if self.preempted else None,
         }

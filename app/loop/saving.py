@@ -1,0 +1,108 @@
+"""A run's checkpoints from the training loop's side: when to wait, what to tell the driver.
+
+With `checkpoint.async_save` the loop only stages a copy of the state (raylane.loop.checkpoint.
+Stager) between two steps. Everything else, DCP's planning collectives, the files, their
+checksums, the manifest and retention, runs on a background thread whose collectives use a
+process group of their own: the commit is agreed by every rank there, off the training thread,
+and the loop learns the outcome later, the same on every rank. At most one save is in flight;
+the next save, the end of the run and a stop wait for it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raylane.config import CheckpointSection
+from raylane.loop import checkpoint
+from raylane.loop.faults import FaultPlan
+from raylane.loop.reporting import Reporter
+from raylane.loop.runtime import Runtime
+
+log = logging.getLogger("raylane.checkpoint")
+
+
+class Saver:
+    def __init__(self, runtime: Runtime, cfg: CheckpointSection, reporter: Reporter, *,
+                 group: Any = None, faults: FaultPlan | None = None) -> None:
+        self.runtime, self.cfg, self.reporter, self.group, self.faults = runtime, cfg, reporter, group, faults
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        # Background collectives on the loop's own group could interleave with its all-reduces.
+        self.asynchronous = cfg.async_save and (group is not None or not distributed)
+        if cfg.async_save and not self.asynchronous:
+            log.warning("checkpoint.async_save without a process group for saves: saving synchronously")
+        self._stager = checkpoint.Stager()
+        self._in_flight: tuple[dict[str, Any], Future] | None = None  # (train state, outcome)
+        self.last_checkpoint: str | None = None
+        self.failed = 0
+
+    def busy(self) -> bool:
+        """This rank's save in flight has not finished (its commit included)."""
+        return self._in_flight is not None and not self._in_flight[1].done()
+
+    def unsettled(self) -> bool:
+        return self._in_flight is not None
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]) -> None:
+        """Collective. Returns once the state is staged (async) or committed (sync)."""
+        self.settle()  # at most one save in flight, and the staging buffers are free again
+        step = int(train_state["step"])
+        path = self.runtime.new_checkpoint_dir(step)
+        if self.faults:
+            self.faults.before_save(step, path)
+        rng, error, state = checkpoint.rng_state(), None, {}
+        try:
+            state = checkpoint.live_state(model, optimizer)
+            if self.asynchronous:
+                state = self._stager.stage(state)
+        except checkpoint._save_errors() as exc:  # the write agrees on it with every rank
+            error = checkpoint._describe(exc, self.runtime.rank)
+        outcome: Future = Future()
+        job = (path, state, train_state, rng, error, outcome)
+        self._in_flight = (train_state, outcome)
+        if self.asynchronous:
+            threading.Thread(target=self._write_and_commit, args=job, name=f"raylane-save-{step}",
+                             daemon=True).start()  # daemon: a failed peer must not hold up exit
+        else:
+            self._write_and_commit(*job)
+        if not self.asynchronous:
+            self.settle()
+
+    def _write_and_commit(self, path: str, state: dict[str, Any], train_state: dict[str, Any],
+                          rng: dict[str, Any], error: str | None, outcome: Future) -> None:
+        ck = self.cfg
+        try:
+            with checkpoint.collectives_on(self.group if self.asynchronous else None):
+                try:
+                    checkpoint.write(path, state, train_state, rank=self.runtime.rank, rng=rng,
+                                     error=error).commit()
+                    outcome.set_result(self.runtime.commit_checkpoint(
+                        str(path), int(train_state["step"]), train_state.get("eval_metrics") or {},
+                        keep=ck.keep, keep_best=ck.keep_best, best=(ck.best_metric, ck.best_mode)))
+                except checkpoint.CheckpointSaveError as exc:
+                    self.runtime.discard_checkpoint(str(path))
+                    outcome.set_result(exc)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread by settle()
+            outcome.set_exception(exc)
+
+    def settle(self) -> None:
+        """Wait for the save in flight, if any, and act on its outcome: the same on every rank,
+        for the commit was agreed by all."""
+        if self._in_flight is None:
+            return
+        (state, outcome), self._in_flight = self._in_flight, None
+        step = int(state["step"])
+        result = outcome.result()  # a failure other than the save's own is the run's
+        if isinstance(result, checkpoint.CheckpointSaveError):
+            if self.cfg.on_error == "fail":
+                raise result
+            self.failed += 1
+            self.reporter.on_checkpoint_failed(step=step, error=f"{result} (checkpoint.on_error: warn)")
+            return
+        self.last_checkpoint = result
+        self.reporter.on_checkpoint(step=step, location=result, epoch=state["epoch"],
+                                    metrics=state.get("eval_metrics") or {})
