@@ -47,6 +47,7 @@ def test_nan_on_one_rank_is_skipped_on_both(run_cli, tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.shared_ray
 def test_raising_rank_fails_the_run_in_seconds_naming_the_rank(run_cli, tmp_path):
     proc = run_cli("train", "regression", "--set", "run.name=boom", "--summary-json", "s.json",
                    env=cli_env(tmp_path, RAYLANE_FAULTS="raise@rank=1,step=5"))

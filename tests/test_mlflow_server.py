@@ -23,6 +23,7 @@ def _expected_steps(total: int, every: int = 10) -> list[int]:
 
 
 @pytest.mark.ray
+@pytest.mark.shared_ray
 def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, mlflow_server, monkeypatch):
     proc = run_cli("train", "digits", "--set", "run.name=full", "--set", "mlflow.system_metrics_interval_s=1",
                    "--register", "digits-mlp", "--summary-json", "s.json",

@@ -37,6 +37,7 @@ def _finished(tmp_path: Path, summary: str) -> dict:
     return {**s, "tags": tags}
 
 
+@pytest.mark.shared_ray
 def test_example_trains_on_two_ray_workers_from_its_own_directory(run_cli, project, tmp_path):
     # The working directory holds the project's own app/ and pipelines/: raylane is unaffected.
     p = run_cli("train", "train.yaml", "--set", "scaling.num_workers=2", *QUICK,
@@ -57,6 +58,7 @@ def test_example_trains_under_torchrun_as_a_dotted_module(run_cli, project, tmp_
     assert s["world_size"] == 2 and s["tags"]["raylane.pipeline"] == "pipelines.shapes"
 
 
+@pytest.mark.shared_ray
 def test_example_sweep_runs_two_trials_from_the_repo_root(run_cli, project, tmp_path):
     """From raylane's checkout, whose app/ and pipelines/ folders come first on a Ray worker's
     sys.path (Ray puts the driver's working directory there): the project's own must win."""

@@ -45,6 +45,7 @@ def _relaunch_loses_no_steps(run_cli, tmp_path, name: str, stopped: dict, *launc
 
 
 @pytest.mark.ray
+@pytest.mark.shared_ray
 def test_sigterm_to_the_driver_checkpoints_and_relaunch_loses_nothing(run_cli, tmp_path):
     first = run_cli("train", "digits", "--set", "run.name=pd", "--summary-json", "first.json", *LONG, name="first")
     wait_for(lambda: _manifest(tmp_path, "pd", 20).exists(), timeout_s=240)
@@ -117,6 +118,7 @@ def test_a_second_signal_stops_at_once(run_cli, tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.shared_ray
 def test_a_rank_stuck_outside_a_collective_is_reported_within_the_timeout(run_cli, tmp_path):
     proc = run_cli("train", "regression", "--set", "run.name=hang", "--set", "dist.timeout_s=5",
                    "--summary-json", "s.json", env=cli_env(tmp_path, RAYLANE_FAULTS="hang@rank=0,step=3"))

@@ -99,6 +99,7 @@ def _rows(path: Path) -> list[int]:
 
 
 @pytest.mark.ray
+@pytest.mark.shared_ray
 def test_ray_data_splits_rows_across_ranks_and_resumes_at_the_next_epoch(run_cli, tmp_path):
     """Ray Data streams the files through Ray Train's split: each epoch, the two ranks' rows are
     disjoint and together every row; a run resumed from an epoch-end checkpoint starts at the

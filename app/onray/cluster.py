@@ -25,7 +25,11 @@ TRAIN_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 # An embedded cluster lives and dies with this process on one node: nothing can preempt its node,
 # nobody scrapes its metrics, and its placement groups vanish with it. Each of these features
 # costs an extra process or RPCs at start-up on a small machine.
-EMBEDDED_ENV_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0"}
+EMBEDDED_ENV_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0",
+                         # Ray Train gives a worker group 60 s to start, then fails the run. On one
+                         # busy machine (2 cores, a sweep's trials, another job) two workers
+                         # importing torch were seen to need longer; no autoscaler is coming.
+                         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
 EMBEDDED_OBJECT_STORE_BYTES = 512 * 1024**2
 DATA_CPUS = 1.0
 

@@ -28,7 +28,8 @@ STOP_GRACE_S = 5.0
 # head's processes: Ray Train's controller reads them where it runs, not on the driver. A head on
 # one machine is never preempted and nobody scrapes its metrics.
 HEAD_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-            "RAY_TRAIN_METRICS_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+            "RAY_TRAIN_METRICS_ENABLED": "0", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300",
+            "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
 
 
 @dataclass
