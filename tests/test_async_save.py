@@ -32,9 +32,11 @@ def _setup(tmp_path: Path, **section):
     return model, optimizer, saver, events
 
 
-def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saver: Saver | None = None) -> None:
     optimizer.zero_grad()
     model(torch.randn(4, 8)).pow(2).mean().backward()
+    if saver is not None:
+        saver.wait_staged()  # as the Trainer does: the copy in flight completes before the state changes
     optimizer.step()
 
 
@@ -60,8 +62,9 @@ def test_staged_copy_is_unaffected_by_later_steps(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "write", held_write)
     saver.save(model, optimizer, {"step": 2, "epoch": 0})
     assert saver.busy()
+    saver.wait_staged()
     for _ in range(3):  # the weights and momentum change in place while the save waits
-        _step(model, optimizer)
+        _step(model, optimizer, saver)
     assert not torch.equal(_state(model, optimizer)["model.0.weight"], at_save["model.0.weight"])
     release.set()
     saver.settle()
@@ -81,7 +84,7 @@ def test_buffers_are_reused_and_each_save_has_its_own_step(tmp_path):
     model, optimizer, saver, _ = _setup(tmp_path)
     states = {}
     for step in (1, 2, 3):
-        _step(model, optimizer)
+        _step(model, optimizer, saver)
         states[step] = _state(model, optimizer)
         saver.save(model, optimizer, {"step": step, "epoch": 0})
     saver.settle()
@@ -132,7 +135,7 @@ def test_a_failed_save_is_reported_or_raised_when_settled(tmp_path, async_save):
     model, optimizer, saver, events = _setup(tmp_path, async_save=async_save, on_error="warn")
     saver.faults = FaultPlan([Fault("diskfull", 2, 0)], rank=0)
     for step in (1, 2, 3):
-        _step(model, optimizer)
+        _step(model, optimizer, saver)
         saver.save(model, optimizer, {"step": step, "epoch": 0})
     saver.settle()
     assert [(e["event"], e["step"]) for e in events] == [

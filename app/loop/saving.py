@@ -1,9 +1,12 @@
 """A run's checkpoints from the training loop's side: when to wait, what to tell the driver.
 
-With `checkpoint.async_save` the loop only stages a copy of the state (raylane.loop.checkpoint.
-Stager) between two steps. Everything else, DCP's planning collectives, the files, their
-checksums, the manifest and retention, runs on a background thread whose collectives use a
-process group of their own: the commit is agreed by every rank there, off the training thread,
+With `checkpoint.async_save` the loop only takes references to the state at a step boundary.
+A background thread copies it into reused CPU buffers (raylane.loop.checkpoint.Stager) while
+the next step's forward and backward run, which only read it: the loop waits for the copy only
+before it changes the state (`wait_staged`: before the optimizer step, or before the forward
+when the model has buffers a forward may update). The same thread then does everything else,
+DCP's planning collectives, the files, their checksums, the manifest and retention, with a
+process group of its own: the commit is agreed by every rank there, off the training thread,
 and the loop learns the outcome later, the same on every rank. At most one save is in flight;
 the next save, the end of the run and a stop wait for it."""
 
@@ -37,6 +40,8 @@ class Saver:
             log.warning("checkpoint.async_save without a process group for saves: saving synchronously")
         self._stager = checkpoint.Stager()
         self._in_flight: tuple[dict[str, Any], Future] | None = None  # (train state, outcome)
+        self._staged = threading.Event()
+        self._staged.set()
         self.last_checkpoint: str | None = None
         self.failed = 0
 
@@ -47,6 +52,13 @@ class Saver:
     def unsettled(self) -> bool:
         return self._in_flight is not None
 
+    def staging(self) -> bool:
+        """The save in flight still reads the live state: do not change it yet."""
+        return not self._staged.is_set()
+
+    def wait_staged(self) -> None:
+        self._staged.wait()
+
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]) -> None:
         """Collective. Returns once the state is staged (async) or committed (sync)."""
         self.settle()  # at most one save in flight, and the staging buffers are free again
@@ -56,26 +68,31 @@ class Saver:
             self.faults.before_save(step, path)
         rng, error, state = checkpoint.rng_state(), None, {}
         try:
-            state = checkpoint.live_state(model, optimizer)
-            if self.asynchronous:
-                state = self._stager.stage(state)
+            state = checkpoint.live_state(model, optimizer)  # references, and plain values copied
         except checkpoint._save_errors() as exc:  # the write agrees on it with every rank
             error = checkpoint._describe(exc, self.runtime.rank)
         outcome: Future = Future()
         job = (path, state, train_state, rng, error, outcome)
         self._in_flight = (train_state, outcome)
         if self.asynchronous:
+            self._staged.clear()
             threading.Thread(target=self._write_and_commit, args=job, name=f"raylane-save-{step}",
                              daemon=True).start()  # daemon: a failed peer must not hold up exit
         else:
             self._write_and_commit(*job)
-        if not self.asynchronous:
             self.settle()
 
     def _write_and_commit(self, path: str, state: dict[str, Any], train_state: dict[str, Any],
                           rng: dict[str, Any], error: str | None, outcome: Future) -> None:
         ck = self.cfg
         try:
+            if self.asynchronous:
+                try:
+                    state = self._stager.stage(state) if error is None else state
+                except checkpoint._save_errors() as exc:
+                    error = checkpoint._describe(exc, self.runtime.rank)
+                finally:
+                    self._staged.set()
             with checkpoint.collectives_on(self.group if self.asynchronous else None):
                 try:
                     checkpoint.write(path, state, train_state, rank=self.runtime.rank, rng=rng,

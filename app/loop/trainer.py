@@ -152,6 +152,9 @@ class Trainer:
         self.next_vote = VOTE_EVERY_N_STEPS if self.vote.distributed else 1
         self._last_vote = (time.perf_counter(), 0)
         self.saver = Saver(runtime, cfg.checkpoint, reporter, group=save_group, faults=faults)
+        # A forward in training mode may update buffers (BatchNorm's statistics) that a save in
+        # flight is still copying; parameters and optimizer state change only in the step.
+        self._forward_writes_state = any(True for _ in model.buffers())
         self._saved_step: int | None = None
         self.preempted = False
         # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
@@ -192,6 +195,8 @@ class Trainer:
         """One optimizer step over its micro-batches; returns the mean loss, or None when a
         non-finite update was skipped. Gradients are reduced on the last micro-batch only."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self._forward_writes_state:
+            self._wait_for_staging()
         n = len(micro_batches)
         losses = []
         for i, (source, targets) in enumerate(micro_batches):
@@ -211,6 +216,7 @@ class Trainer:
                     f"non-finite loss or gradients at step {self.step + 1} (train.on_nan: stop)")
             self.skipped_steps += 1
             return None
+        self._wait_for_staging()
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -219,6 +225,13 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
         return losses[0] if n == 1 else torch.stack(losses).mean()
+
+    def _wait_for_staging(self) -> None:
+        """Before the state changes: the copy a save in flight is taking must be complete."""
+        if self.saver.staging():
+            blocked = time.perf_counter()
+            self.saver.wait_staged()
+            self.checkpoint_stall_s += time.perf_counter() - blocked
 
     def _autocast(self):
         if self.autocast_dtype is None:
