@@ -32,6 +32,7 @@ def _artifacts(tmp_path) -> set[str]:
     return {p.name for p in tmp_path.rglob("*") if p.is_file()}
 
 
+@pytest.mark.shared_ray
 def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(run_cli, tmp_path):
     sweep = run_cli("tune", "digits-sweep", *SMALL, "--register", "digits-best", "--summary-json", "a.json", name="asha")
     assert sweep.wait(500) == 0, sweep.output
@@ -56,14 +57,25 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(run_cli, tmp
     assert {"results.csv", "sweep.png"} <= _artifacts(tmp_path)
     assert "accuracy" in sweep.output and "best trial" in sweep.output
 
-    # The same seed draws the same trial configurations (whatever the trials then do).
-    again = run_cli("tune", "digits-sweep", *SMALL, "--set", "sweep.name=digits-asha-again",
-                    "--set", "train.max_steps=5", "--summary-json", "b.json", name="again")
-    assert again.wait(500) == 0, again.output
+    # The same seed draws the same trial configurations, whatever the trials then do: the sweep's
+    # trials are the seeded search's first draws, in order, drawn here again without a cluster.
     first = [r["config"] for r in sorted(s["trials"], key=_trial_order)]
-    second = [r["config"] for r in sorted(read_json(tmp_path / "b.json")["trials"], key=_trial_order)]
-    assert first == second
+    assert first == _draw("digits-sweep", 4) == _draw("digits-sweep", 4)
     assert len({(c["optim.lr"], c["model.hidden_size"]) for c in first}) == 4  # and they do differ
+
+
+def _draw(sweep_file: str, n: int) -> list[dict]:
+    """The first `n` configurations raylane's search for `sweep_file` hands Tune."""
+    from ray.tune.experiment import Experiment
+
+    from raylane.onray.sweep import load_sweep
+    from raylane.onray.tune import _search_alg, param_space
+
+    sweep, _ = load_sweep(sweep_file, [])
+    search = _search_alg(sweep, concurrency=n)
+    search.add_configurations([Experiment("draw", run=lambda config: None, config=param_space(sweep),
+                                          num_samples=sweep.num_samples)])
+    return [search.next_trial().config for _ in range(n)]
 
 
 def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
@@ -73,11 +85,13 @@ def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
     PBT only clones a trial that is still running and that it checkpointed while both had a
     score, so the two must overlap for a few epochs: one sample of the grid (two trials, both
     running from the start; four trials let a fast pair finish before the slow one reports), and
-    six epochs."""
+    six epochs of ~200 small steps each: with the default batch an epoch is shorter than the gap
+    between the two trials' starts, and one trial can end before the other reports at all."""
     sweep = run_cli("tune", "digits-sweep", "--set", "sweep.scheduler=pbt", "--set", "sweep.name=digits-pbt",
                     "--set", "sweep.num_samples=1", "--set", "sweep.algorithm=grid",
                     "--set", "sweep.space={optim.lr: {grid: [0.00001, 0.01]}}",
-                    "--set", "train.max_epochs=6", "--summary-json", "p.json", name="pbt")
+                    "--set", "train.max_epochs=6", "--set", "train.batch_size=4", "--summary-json", "p.json",
+                    name="pbt")
     assert sweep.wait(500) == 0, sweep.output
     s = read_json(tmp_path / "p.json")
     assert sum(r["exploits"] for r in s["trials"]) >= 1, s["trials"]
@@ -97,6 +111,7 @@ def test_bad_sweep_input_exits_2_naming_the_field(run_cli, tmp_path, bad, messag
     assert message in p.output and "Traceback" not in p.output
 
 
+@pytest.mark.shared_ray
 def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path):
     """Kill -9 the driver once a trial has finished; the same command continues the sweep under
     the same MLflow parent run instead of starting it over."""
@@ -106,7 +121,7 @@ def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path)
     from tests.conftest import wait_for
 
     args = ["tune", "digits-sweep", "--set", "sweep.scheduler=fifo", "--set", "sweep.name=digits-resume",
-            "--set", "sweep.max_concurrent_trials=1", "--set", "sweep.num_samples=3", "--set", "train.max_epochs=1"]
+            "--set", "sweep.max_concurrent_trials=1", "--set", "sweep.num_samples=2", "--set", "train.max_epochs=1"]
     first = run_cli(*args, name="first")
     wait_for(lambda: "[raylane] trial " in first.output or first.proc.poll() is not None,
              timeout_s=300)
@@ -117,13 +132,13 @@ def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path)
     assert again.wait(400) == 0, again.output
     assert "continuing sweep digits-resume" in again.output
     s = read_json(tmp_path / "r.json")
-    assert len(s["trials"]) == 3 and all(r["status"] == "FINISHED" for r in s["trials"])
+    assert len(s["trials"]) == 2 and all(r["status"] == "FINISHED" for r in s["trials"])
     db = tmp_path / "mlflow.db"
     with sqlite3.connect(db) as con:
         parents = con.execute("SELECT COUNT(*) FROM tags WHERE key = 'raylane.sweep' AND value = 'digits-resume' "
                               "AND run_uuid NOT IN (SELECT run_uuid FROM tags WHERE key = 'raylane.trial_id')").fetchone()
     assert parents == (1,)
-    assert len(_runs(db, s["parent_run_id"])) == 3
+    assert len(_runs(db, s["parent_run_id"])) == 2
 
 
 def test_trial_resources_pack_fractional_gpus_and_refuse_what_cannot_fit():

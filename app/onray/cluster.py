@@ -59,12 +59,18 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
     for key, value in EMBEDDED_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     needed = max(cfg.scaling.num_workers * cfg.scaling.cpus_per_worker + data_cpus(cfg), num_cpus)
+    dashboard_port = _free_port() if dashboard else None
+    if dashboard:
+        # Ray Train's placement-group cleaner finds the State API by looking for "the" Ray on this
+        # machine, and fails ("multiple active Ray instances") beside a `raylane up` head or another
+        # run's cluster, leaving the trial's resources held. Named here, inherited by every worker.
+        os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{dashboard_port}"
     ray.init(
         address="local",  # never attach to a stale cluster by accident
         num_cpus=max(int(needed + 0.999), os.cpu_count() or 1),
         num_gpus=None if cfg.scaling.use_gpu else 0,  # None: Ray detects the GPUs itself
         include_dashboard=dashboard,
-        **({"dashboard_host": "127.0.0.1", "dashboard_port": _free_port()} if dashboard else {}),
+        **({"dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port} if dashboard else {}),
         object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
         logging_level=logging.WARNING,
     )

@@ -93,7 +93,9 @@ def up(num_cpus: int, port: int | None = None, dashboard_port: int | None = None
     argv = [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
             f"--num-cpus={num_cpus}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
             f"--temp-dir={temp}", "--disable-usage-stats"]
-    env = {**os.environ, **HEAD_ENV}
+    # The placement-group cleaner's State API calls name the head's dashboard: with no address they
+    # look for "the" Ray on this machine and fail beside any other cluster (see cluster.init_ray).
+    env = {**os.environ, **HEAD_ENV, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}"}
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

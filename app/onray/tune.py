@@ -341,6 +341,8 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
     run_config = tune.RunConfig(name=sweep.name, storage_path=base.run.storage_path, verbose=0,
                                 callbacks=[_TrialRuns(parent, sweep, base.train.max_epochs)],
                                 failure_config=tune.FailureConfig(max_failures=base.failure.max_failures))
+    # A trial's driver process, reused by the next trial, keeps torch, Ray Train and raylane
+    # imported. Not under PBT: its exploit must restart a trial from the donor's checkpoint.
     if tune.Tuner.can_restore(path):
         print(f"[raylane] continuing sweep {sweep.name} from {path}", flush=True)
         tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True,
@@ -349,7 +351,8 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
         tuner = tune.Tuner(trainable, param_space=param_space(sweep), run_config=run_config,
                            tune_config=tune.TuneConfig(num_samples=sweep.num_samples,
                                                        search_alg=_search_alg(sweep, concurrency),
-                                                       scheduler=_scheduler(sweep, base), reuse_actors=False))
+                                                       scheduler=_scheduler(sweep, base),
+                                                       reuse_actors=sweep.scheduler != "pbt"))
     return tuner.fit()
 
 
