@@ -195,7 +195,7 @@ class Bench:
         saving = [f"checkpoint.every_n_steps={every}"]
         runs = self.interleaved({
             "none": lambda: self.raylane("digits", sets, launcher="torchrun"),
-            "sync": lambda: self.raylane("digits", [*sets, *saving], launcher="torchrun"),
+            "sync": lambda: self.raylane("digits", [*sets, *saving, "checkpoint.async_save=false"], launcher="torchrun"),
             "async": lambda: self.raylane("digits", [*sets, *saving, "checkpoint.async_save=true"],
                                           launcher="torchrun")})
         saves = steps // every - 1  # the last step's save is the end of the run on every side
