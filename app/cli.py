@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from raylane import __version__
 from raylane.config import ConfigError, load_config
 
 ADDRESS_HELP = ("Ray cluster to join (default: RAY_ADDRESS, else the head `raylane up` started, else a fresh "
@@ -21,6 +22,7 @@ ADDRESS_HELP = ("Ray cluster to join (default: RAY_ADDRESS, else the head `rayla
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raylane", description="Distributed PyTorch training on Ray.")
+    p.add_argument("--version", action="version", version=f"raylane {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add_config_args(sp: argparse.ArgumentParser) -> None:
