@@ -8,7 +8,7 @@ PYTHON ?= python3
 # Some package mirrors print one warning per package; keep the install log readable.
 QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: install run test bench browser check mlflow clean
+.PHONY: install run test test-all bench browser check mlflow clean
 
 install: $(STAMP)
 
@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 run: install
 	$(VENV)/bin/raylane train pipelines/digits.yaml --set scaling.num_workers=2
 
+# Under 20 minutes on 2 cores: Ray runs that need no cluster of their own share one `raylane up`
+# head (tests marked shared_ray). `make test-all` adds the `slow` soaks (the quick bench).
 test: install browser
 	$(VENV)/bin/pytest tests -m "not slow and not gpu" --durations=15
+
+test-all: install browser
+	$(VENV)/bin/pytest tests -m "not gpu" --durations=15
 
 # B1-B9 against hand-written torchrun DDP and plain Ray Tune: bench/results.json, results.md and
 # charts (about an hour on 2 cores). `raylane bench --quick` checks the harness in a few minutes.

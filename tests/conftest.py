@@ -236,7 +236,17 @@ class MlflowServer:
 
 @pytest.fixture
 def mlflow_server(tmp_path):
+    """A server of the test's own: for a test that stops it, or that reads the whole server."""
     server = MlflowServer(tmp_path / "mlflow-server")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_mlflow_server(tmp_path_factory):
+    """One server for the session's tests that find their runs by id and leave the server up."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     server.start()
     yield server
     server.stop()

@@ -16,6 +16,20 @@ from raylane.bench.report import rows, startup_table
 pytestmark = pytest.mark.ray
 
 
+def test_bench_runs_a_row_end_to_end_and_writes_its_results(tmp_path):
+    """The harness's path from real runs to results.json and results.md, on its cheapest row (B6:
+    two torchrun runs). B1 and B2 with their charts run in the slow test below (`make test-all`)."""
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "raylane", "bench", "--quick", "--only", "B6", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    assert set(report["results"]) == {"B6"} and report["machine"]["cpus"] >= 1
+    assert 0.4 < report["results"]["B6"]["fsdp_over_ddp"]["median"] < 0.6
+    assert (out / "results.md").read_text().count("\n| B6 |") == 1
+
+
+@pytest.mark.slow
 def test_quick_bench_writes_results_table_and_charts(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "raylane", "bench", "--quick", "--only", "B1,B2,B6", "--out", str(out)],

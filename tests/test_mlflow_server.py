@@ -24,14 +24,14 @@ def _expected_steps(total: int, every: int = 10) -> list[int]:
 
 @pytest.mark.ray
 @pytest.mark.shared_ray
-def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, mlflow_server, monkeypatch):
+def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, shared_mlflow_server, monkeypatch):
     proc = run_cli("train", "digits", "--set", "run.name=full", "--set", "mlflow.system_metrics_interval_s=1",
                    "--register", "digits-mlp", "--summary-json", "s.json",
-                   env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri))
+                   env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri))
     assert proc.wait(300) == 0, proc.output
     s = read_json(tmp_path / "s.json")
-    assert s["tracking_uri"] == mlflow_server.uri
-    client = MlflowClient(mlflow_server.uri)
+    assert s["tracking_uri"] == shared_mlflow_server.uri
+    client = MlflowClient(shared_mlflow_server.uri)
     run = client.get_run(s["run_id"])
     assert run.info.status == "FINISHED" and run.info.run_name == "full"
 
@@ -60,7 +60,7 @@ def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, mlflow_server
     assert tags["raylane.checkpoint.latest"] == s["checkpoint"]
 
     # The final model: loads with mlflow.pytorch and predicts as well as the run said.
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)  # where models:/ URIs resolve
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", shared_mlflow_server.uri)  # where models:/ URIs resolve
     model = mlflow.pytorch.load_model(s["model_uri"])
     x, y = load_split()[1].tensors
     with torch.no_grad():
@@ -72,16 +72,16 @@ def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, mlflow_server
     assert plots == {"plots/loss.png", "plots/eval_metrics.png", "plots/throughput.png"}
 
 
-def test_failed_and_interrupted_runs_are_closed_with_their_status(run_cli, tmp_path, mlflow_server):
+def test_failed_and_interrupted_runs_are_closed_with_their_status(run_cli, tmp_path, shared_mlflow_server):
     failed = run_cli("train", "regression", "--local", "--set", "run.name=nan", "--summary-json", "f.json",
-                     env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri, RAYLANE_FAULTS="nan@step=5"))
+                     env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri, RAYLANE_FAULTS="nan@step=5"))
     assert failed.wait(120) == 1, failed.output
     stopped = run_cli("train", "regression", "--local", "--set", "run.name=stop", "--set", "train.max_epochs=100000",
-                      "--summary-json", "k.json", env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri))
+                      "--summary-json", "k.json", env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri))
     wait_for(lambda: "[raylane] epoch" in stopped.output, timeout_s=120)
     stopped.signal(signal.SIGINT)
     assert stopped.wait(120) == 130, stopped.output
-    client = MlflowClient(mlflow_server.uri)
+    client = MlflowClient(shared_mlflow_server.uri)
     f, k = read_json(tmp_path / "f.json"), read_json(tmp_path / "k.json")
     assert client.get_run(f["run_id"]).info.status == "FAILED"
     assert client.get_run(k["run_id"]).info.status == "KILLED"
@@ -112,13 +112,13 @@ def test_server_down_for_20_s_mid_run_loses_no_metric(run_cli, tmp_path, mlflow_
     assert s["steps"] > logged_before + 1000  # it trained through the outage
 
 
-def test_checkpoints_copied_as_artifacts_when_asked(run_cli, tmp_path, mlflow_server):
+def test_checkpoints_copied_as_artifacts_when_asked(run_cli, tmp_path, shared_mlflow_server):
     proc = run_cli("train", "regression", "--local", "--set", "run.name=copies", "--set", "mlflow.log_checkpoints=artifacts",
-                   "--summary-json", "s.json", env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri))
+                   "--summary-json", "s.json", env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri))
     assert proc.wait(120) == 0, proc.output
     s = read_json(tmp_path / "s.json")
     name = Path(s["checkpoint"]).name
-    copied = {a.path for a in MlflowClient(mlflow_server.uri).list_artifacts(s["run_id"], f"checkpoints/{name}")}
+    copied = {a.path for a in MlflowClient(shared_mlflow_server.uri).list_artifacts(s["run_id"], f"checkpoints/{name}")}
     assert {f"checkpoints/{name}/manifest.json", f"checkpoints/{name}/.metadata"} <= copied
 
 
