@@ -10,10 +10,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from raylane import __version__
+from raylane import __version__, prechecks
 from raylane.config import ConfigError, load_config
 
 ADDRESS_HELP = ("Ray cluster to join (default: RAY_ADDRESS, else the head `raylane up` started, else a fresh "
@@ -25,8 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"raylane {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def add_config_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("config", help="pipeline YAML (or a shipped pipeline's name)")
+    def add_config_args(sp: argparse.ArgumentParser, what: str = "pipeline config YAML (or a shipped config's name: digits, gpt-tiny, ...)") -> None:
+        sp.add_argument("config", help=what)
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set train.batch_size=64 (repeatable)")
 
@@ -42,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--local", action="store_true",
                        help="run in this process without Ray (implied under torchrun)")
     sweep = sub.add_parser("tune", help="run a Ray Tune sweep of multi-worker trials (nested MLflow runs)")
-    add_config_args(sweep)
+    add_config_args(sweep, "sweep YAML: a `sweep:` section naming its base pipeline config (or a shipped sweep's name: digits-sweep)")
     sweep.add_argument("--address", help=ADDRESS_HELP)
     sweep.add_argument("--summary-json", metavar="PATH", help="write the sweep's summary here")
     sweep.add_argument("--register", metavar="NAME", help="register the best trial's model under NAME")
@@ -77,6 +78,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    try:
+        prechecks.export_target(args.checkpoint, args.out)  # before torch's import (seconds)
+    except ConfigError as exc:
+        return _config_error(exc)
     from raylane.export import export
 
     try:
@@ -93,14 +98,10 @@ def _tune(args: argparse.Namespace) -> int:
 
     try:
         sweep, base = load_sweep(args.config, args.overrides)
+        prechecks.check_run(base, summary_json=args.summary_json)
     except ConfigError as exc:
-        print(f"raylane: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("raylane").setLevel(logging.INFO)
-    from raylane.onray.localcluster import resolve_address
-
-    address = resolve_address(args.address)  # before Ray's import: see resolve_address
+        return _config_error(exc)
+    address = _resolved_address(args.address, base)
     from raylane.onray.tune import run_sweep
 
     try:
@@ -108,8 +109,7 @@ def _tune(args: argparse.Namespace) -> int:
                             register=args.register)
         return 0 if summary["status"] == "FINISHED" else 1
     except ConfigError as exc:  # found once the cluster is known: resources
-        print(f"raylane: {exc}", file=sys.stderr)
-        return 2
+        return _config_error(exc)
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -118,8 +118,7 @@ def _submit(args: argparse.Namespace) -> int:
     try:
         run = submit(args.config, args.overrides, address=args.address)
     except ConfigError as exc:
-        print(f"raylane: {exc}", file=sys.stderr)
-        return 2
+        return _config_error(exc)
     print(f"submitted job {run.job_id} to {run.address}", flush=True)
     if not args.follow:
         print(f"follow it with: RAY_AUTH_MODE=token ray job logs --follow --address {run.address} {run.job_id}")
@@ -173,19 +172,44 @@ def main(argv: list[str] | None = None) -> int:
         return _submit(args)
     try:
         cfg = load_config(args.config, args.overrides)
+        prechecks.check_run(cfg, summary_json=getattr(args, "summary_json", None))
     except ConfigError as exc:
-        print(f"raylane: {exc}", file=sys.stderr)
-        return 2
+        return _config_error(exc)
     if args.command == "check":
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
         return 0
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("raylane").setLevel(logging.INFO)
+    _log_raylane_info()
     from raylane.driver import EXIT_CODES, train, under_torchrun
 
-    summary = train(cfg, use_ray=not (args.local or under_torchrun()), address=args.address,
-                    summary_path=args.summary_json, register=args.register)
+    use_ray = not (args.local or under_torchrun())
+    address = _resolved_address(args.address, cfg) if use_ray else args.address
+    summary = train(cfg, use_ray=use_ray, address=address, summary_path=args.summary_json, register=args.register)
     return EXIT_CODES[summary["status"]]
+
+
+def _config_error(exc: ConfigError) -> int:
+    # Under torchrun every rank finds the same mistake: one line, from rank 0.
+    if os.environ.get("RANK", "0") == "0":
+        print(f"raylane: {exc}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _log_raylane_info() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("raylane").setLevel(logging.INFO)
+
+
+def _resolved_address(address: str | None, cfg: Any) -> str | None:
+    """The cluster a Ray run joins (None: a fresh embedded one), with a warning when an embedded
+    one would give the workers more CPUs than this machine has."""
+    _log_raylane_info()
+    from raylane.onray.localcluster import resolve_address
+
+    address = resolve_address(address)  # before Ray's import: see resolve_address
+    warning = prechecks.oversubscription(cfg, address)
+    if warning:
+        print(f"raylane: {warning}", file=sys.stderr, flush=True)
+    return address
 
 
 if __name__ == "__main__":

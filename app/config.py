@@ -8,6 +8,7 @@ is rejected before either starts.
 from __future__ import annotations
 
 import datetime as _dt
+import difflib
 import importlib
 import math
 import re
@@ -30,6 +31,12 @@ _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 class ConfigError(ValueError):
     """Bad user input. The message is complete and meant for the user as is."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """` (did you mean X?)` for the closest of `choices`, or "" when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 class Section(BaseModel):
@@ -182,6 +189,12 @@ class BaseConfig(Section):
                              "and scaling.use_gpu: true (on CPU there is nothing to offload to)")
         return self
 
+    def eval_metrics(self) -> tuple[str, ...] | None:
+        """The held-out metrics this pipeline's `eval_sums` reports, so that a `sweep.metric` or
+        `checkpoint.best_metric` it never reports fails before the run rather than after it.
+        None (the default, for pipelines that declare nothing): not checked."""
+        return None
+
     def flat(self) -> dict[str, Any]:
         """Dotted keys -> values: the same keys as `--set`, Tune spaces and MLflow params."""
         return flatten(self.model_dump(mode="json"))
@@ -236,6 +249,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     p = config_path(path)
     try:
         text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(_not_found(str(path))) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {str(path)!r}: cannot read it ({exc.__class__.__name__})") from None
     try:
@@ -249,6 +264,21 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r}: top level must be a mapping, got {_short(data)}")
     return data
+
+
+def shipped_configs() -> list[str]:
+    """The names `raylane train NAME` finds in `pipelines/` (digits, digits-sweep, gpt-tiny, ...)."""
+    folder = Path(importlib.import_module("raylane.pipelines").__file__).parent
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def _not_found(path: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", path):
+        return f"config file {path!r}: no such file"
+    shipped = shipped_configs()
+    hint = did_you_mean(path, shipped)
+    return (f"config = {path!r}: no such file, and no shipped config of that name{hint}; "
+            f"shipped: {', '.join(shipped)}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -290,7 +320,7 @@ def validate(raw: Mapping[str, Any]) -> BaseConfig:
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc, cls)) from None
 
 
 def load_config(source: str | Path | Mapping[str, Any], overrides: Iterable[str] = ()) -> BaseConfig:
@@ -298,15 +328,23 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Iterable[str]
     if not isinstance(source, (str, Path)):
         return validate(apply_overrides(dict(source), overrides))
     raw = apply_overrides(read_yaml(source), overrides)
+    if "sweep" in raw:
+        raise ConfigError(f"config file {str(source)!r}: is a sweep file (it has a `sweep:` section): "
+                          f"run it with `raylane tune {source}`")
     return validate(normalize_pipeline(raw, config_path(source).resolve().parent))
 
 
-def format_validation_error(exc: ValidationError) -> str:
+def format_validation_error(exc: ValidationError, model: type[BaseModel] | None = None, prefix: str = "") -> str:
+    """One line for every error; an unknown key of `model` gets the closest known key as a hint
+    (`prefix` is how the user writes the model's keys, e.g. `sweep.`)."""
     lines = []
     for err in exc.errors(include_url=False):
         field = ".".join(str(p) for p in err["loc"]) or "config"
         if err["type"] == "extra_forbidden":
-            lines.append(f"{field} = {_short(err['input'])}: unknown key")
+            parent = [str(p) for p in err["loc"][:-1]]
+            known = [".".join([*parent, k]) for k in _fields_at(model, parent)]
+            hint = did_you_mean(field, known).replace("mean ", f"mean {prefix}")
+            lines.append(f"{field} = {_short(err['input'])}: unknown key{hint}")
         elif err["type"] == "missing":
             lines.append(f"{field}: required")
         elif err["type"] == "value_error" and " = " in str(err.get("ctx", {}).get("error", "")):
@@ -314,6 +352,16 @@ def format_validation_error(exc: ValidationError) -> str:
         else:
             lines.append(f"{field} = {_short(err['input'])}: {err['msg']}")
     return "invalid config: " + "; ".join(lines)
+
+
+def _fields_at(model: Any, path: list[str]) -> list[str]:
+    """The keys of the section at `path` below `model` ([] when it is not a section)."""
+    for part in path:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
 
 
 def _maybe_float(text: str) -> Any:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from raylane.config import BaseConfig, load_config
+from raylane.prechecks import check_run
 from raylane.tracking.progress import ProgressDisplay
 
 log = logging.getLogger("raylane")
@@ -45,6 +46,7 @@ def run_training(source: Any, overrides: Iterable[str] = (), *, address: str | N
     """`raylane.train()`: check the config (ConfigError before anything starts), train on Ray (or
     in this process with `local`, or as this torchrun rank), and return the summary."""
     cfg = load_config(source, overrides)
+    check_run(cfg)
     return train(cfg, use_ray=not (local or under_torchrun()), address=address, register=register)
 
 

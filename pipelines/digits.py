@@ -25,6 +25,9 @@ class Config(BaseConfig):
     pipeline: Literal["digits"] = "digits"
     model: ModelSection = ModelSection()
 
+    def eval_metrics(self) -> tuple[str, ...]:
+        return ("loss", "accuracy")
+
 
 def build_model(m: ModelSection):
     from torch import nn

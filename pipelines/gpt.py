@@ -46,6 +46,9 @@ class Config(BaseConfig):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
 
+    def eval_metrics(self) -> tuple[str, ...]:
+        return ("loss", "bits_per_byte")
+
 
 def build_model(m: ModelSection):
     import math

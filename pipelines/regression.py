@@ -21,6 +21,9 @@ class Config(BaseConfig):
     pipeline: Literal["regression"] = "regression"
     model: ModelSection = ModelSection()
 
+    def eval_metrics(self) -> tuple[str, ...]:
+        return ("loss",)
+
 
 def build(cfg: Config):
     import torch

@@ -44,6 +44,9 @@ class Config(BaseConfig):
     data: DataSection
     model: ModelSection = ModelSection()
 
+    def eval_metrics(self) -> tuple[str, ...]:
+        return ("loss", "accuracy") if self.data.task == "classification" else ("loss",)
+
     @model_validator(mode="after")
     def _data_is_there(self) -> Config:
         d = self.data

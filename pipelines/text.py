@@ -31,6 +31,9 @@ class Config(BaseConfig):
     data: DataSection
     model: ModelSection = ModelSection()
 
+    def eval_metrics(self) -> tuple[str, ...]:
+        return ("loss", "bits_per_byte")
+
     @model_validator(mode="after")
     def _data_is_there(self) -> Config:
         for field, paths in (("data.train", self.data.train), ("data.eval", self.data.eval)):

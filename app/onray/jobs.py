@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raylane.config import load_config
+from raylane.prechecks import check_run
 
 # Uploaded with every job: never the virtualenv, local runs, MLflow stores or test output.
 EXCLUDES = [".venv", ".git", "runs", "mlflow.db", "mlruns", "mlartifacts", "mlflow-server", "test-artifacts",
@@ -83,7 +84,8 @@ def submit(config: str, overrides: Iterable[str] = (), *, address: str | None = 
     """Validate `config` with `overrides` here, then submit `raylane train` as a Ray job.
     MLFLOW_TRACKING_URI is passed on when set here (point it at the cluster's server)."""
     overrides = list(overrides)
-    load_config(config, overrides)  # ConfigError before anything leaves this machine
+    # ConfigError before anything leaves this machine; run.storage_path is the cluster's to check.
+    check_run(load_config(config, overrides), local_storage=False)
     entrypoint = shlex.join(["raylane", "train", config, *[x for o in overrides for x in ("--set", o)]])
     env = {k: v for k, v in os.environ.items() if k == "MLFLOW_TRACKING_URI"}
     env.update(env_vars or {})

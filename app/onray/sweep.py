@@ -20,11 +20,13 @@ from raylane.config import (
     Section,
     apply_overrides,
     config_path,
+    did_you_mean,
     format_validation_error,
     normalize_pipeline,
     read_yaml,
     validate,
 )
+from raylane.prechecks import check_metric
 
 DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")
 
@@ -99,11 +101,15 @@ def load_sweep(path: str, overrides: Iterable[str] = ()) -> tuple[SweepSection, 
     base_sets = [o for o in overrides if not o.strip().startswith("sweep.")]
     raw = apply_overrides(raw, sweep_sets)
     if not isinstance(raw.get("sweep"), dict):
-        raise ConfigError(f"sweep file {path!r}: needs a `sweep:` section")
+        if "pipeline" in raw:
+            raise ConfigError(f"sweep file {str(path)!r}: is a pipeline config (no `sweep:` section): train it "
+                              f"with `raylane train {path}`, or sweep it from a sweep file whose `sweep.base` "
+                              "names it (e.g. pipelines/digits-sweep.yaml)")
+        raise ConfigError(f"sweep file {str(path)!r}: needs a `sweep:` section")
     try:
         sweep = SweepSection.model_validate(raw.pop("sweep"))
     except ValidationError as exc:
-        text = format_validation_error(exc).removeprefix("invalid config: ")
+        text = format_validation_error(exc, SweepSection, "sweep.").removeprefix("invalid config: ")
         raise ConfigError("invalid sweep: " + "; ".join(
             part if part.startswith("sweep.") else f"sweep.{part}" for part in text.split("; "))) from None
     # Relative paths are the sweep file's: `base:` (else from the working directory), and the
@@ -119,6 +125,7 @@ def load_sweep(path: str, overrides: Iterable[str] = ()) -> tuple[SweepSection, 
                 trial_config(base, {key: value})
             except ConfigError as exc:
                 raise ConfigError(f"sweep.space.{key}: {exc}") from None
+    check_metric("sweep.metric", sweep.metric, base)
     return sweep, base
 
 
@@ -135,7 +142,7 @@ def trial_config(base: BaseConfig, params: dict[str, Any]) -> BaseConfig:
     known = base.flat()
     for key in params:
         if key not in known:
-            raise ConfigError(f"{key}: not a key of the {base.pipeline} config")
+            raise ConfigError(f"{key}: not a key of the {base.pipeline} config{did_you_mean(key, known)}")
     raw = base.model_dump(mode="json")
     for key, value in params.items():
         node = raw
