@@ -79,7 +79,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     try:
-        prechecks.export_target(args.checkpoint, args.out)  # before torch's import (seconds)
+        prechecks.check_export(args.checkpoint, args.out)  # before torch's import (seconds)
     except ConfigError as exc:
         return _config_error(exc)
     from raylane.export import export

@@ -327,10 +327,11 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Iterable[str]
     """The edge: file (or mapping) + overrides -> a validated config, or ConfigError."""
     if not isinstance(source, (str, Path)):
         return validate(apply_overrides(dict(source), overrides))
-    raw = apply_overrides(read_yaml(source), overrides)
-    if "sweep" in raw:
+    raw = read_yaml(source)
+    if "sweep" in raw:  # the file's own, not a `--set sweep.x`, which is an unknown key
         raise ConfigError(f"config file {str(source)!r}: is a sweep file (it has a `sweep:` section): "
                           f"run it with `raylane tune {source}`")
+    raw = apply_overrides(raw, overrides)
     return validate(normalize_pipeline(raw, config_path(source).resolve().parent))
 
 

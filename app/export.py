@@ -39,10 +39,11 @@ def load_model(checkpoint_dir: str | Path) -> tuple[Any, Any]:
 
 def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
     """Consolidate a (possibly sharded) checkpoint; returns the config file written beside `out`."""
-    pipe, weights, train_state = _consolidated(checkpoint_dir)
+    _, weights, train_state = _consolidated(checkpoint_dir)
     cfg = validate(train_state["config"])
     tensors = {k: v.contiguous() for k, v in weights.items()}
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata={"pipeline": cfg.pipeline, "step": str(train_state["step"])})
     config_path = out.with_suffix(".config.json")
     config_path.write_text(json.dumps({"config": train_state["config"], "step": train_state["step"],

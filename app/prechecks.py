@@ -50,31 +50,27 @@ def writable_file(field: str, path: str | Path) -> None:
         raise ConfigError(f"{field} = {str(path)!r}: folder {str(folder)!r} is not writable")
 
 
-def writable_dir(field: str, path: str | Path) -> None:
+def writable_dir(field: str, path: str | Path, value: str | None = None) -> None:
     """`path` is a writable folder, or one can be made there: its nearest existing ancestor is a
-    writable folder."""
+    writable folder. `value`: what the user typed, when `path` is derived from it."""
+    shown = repr(value if value is not None else str(path))
     p = Path(path).expanduser().absolute()
     existing = next(a for a in (p, *p.parents) if a.exists())
     if not existing.is_dir():
-        raise ConfigError(f"{field} = {str(path)!r}: {str(existing)!r} is a file, not a folder")
+        raise ConfigError(f"{field} = {shown}: {str(existing)!r} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{field} = {str(path)!r}: folder {str(existing)!r} is not writable")
+        raise ConfigError(f"{field} = {shown}: folder {str(existing)!r} is not writable")
 
 
-def export_target(checkpoint: str, out: str) -> Path:
-    """Check `raylane export`'s arguments; makes `--out`'s folder when it is missing (the user
-    named where the file goes)."""
+def check_export(checkpoint: str, out: str) -> None:
+    """`raylane export`'s arguments. A missing folder of `--out` is fine: export makes it (the
+    user named where the file goes), after the checkpoint has loaded."""
     if not Path(checkpoint).is_dir():
         raise ConfigError(f"checkpoint = {checkpoint!r}: no such folder (expected runs/<name>/checkpoint_<step>)")
     target = Path(out).expanduser()
     if target.is_dir():
         raise ConfigError(f"--out = {out!r}: is a directory; name the file, e.g. {str(target / 'model.safetensors')!r}")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--out = {out!r}: cannot create its folder ({exc.strerror or type(exc).__name__})") from None
-    writable_file("--out", target)
-    return target
+    writable_dir("--out", target.parent, out)
 
 
 def oversubscription(cfg: BaseConfig, address: str | None) -> str | None:

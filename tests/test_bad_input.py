@@ -1,0 +1,227 @@
+"""The bad-input table: every command's mistakes, each with its exit code and the one line it
+prints, found before Ray, torch's workers or MLflow start.
+
+Most cases run in this process through `raylane.cli.main`, with what would start work replaced
+by a failure (so a case that got that far fails the test rather than starting Ray); a few run as
+`python -m raylane` and under torchrun, end to end, within a few seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from raylane import cli, prechecks
+from raylane.config import load_config
+from tests.conftest import RAYLANE, REPO, TORCHRUN, cli_env
+
+OWN = "pipeline: ./pipe.py\nmodel: {}\n"
+SWEEP = "sweep: {{name: s, base: digits, space: {space}{extra}}}\n"
+
+
+@dataclass
+class Case:
+    argv: list[str]
+    line: str  # a part of the one line printed on stderr
+    files: dict[str, str] = field(default_factory=dict)  # created in the working directory first
+    subprocess: bool = False  # also end to end, as `python -m raylane`
+    code: int = 2
+
+
+def sweep(space: str = "{optim.lr: {grid: [0.1]}}", extra: str = "") -> dict[str, str]:
+    return {"s.yaml": SWEEP.format(space=space, extra=extra)}
+
+
+CASES: dict[str, Case] = {
+    # check: the config alone
+    "batch size 0": Case(["check", "digits", "--set", "train.batch_size=0"], "train.batch_size = 0: Input should be"),
+    "misspelled key": Case(["check", "digits", "--set", "train.max_epoch=3"],
+                           "train.max_epoch = 3: unknown key (did you mean train.max_epochs?)"),
+    "misspelled model key": Case(["check", "digits", "--set", "model.hiden_size=8"],
+                                 "unknown key (did you mean model.hidden_size?)"),
+    "misspelled section": Case(["check", "digits", "--set", "trian.max_epochs=3"], "unknown key (did you mean train?)"),
+    "misspelled shipped config": Case(["check", "digitz"],
+                                      "config = 'digitz': no such file, and no shipped config of that name "
+                                      "(did you mean digits?); shipped: digits, digits-sweep"),
+    "missing file": Case(["check", "missing.yaml"], "config file 'missing.yaml': no such file"),
+    "unknown optimizer": Case(["check", "digits", "--set", "optim.name=lion"], "optim.name = 'lion'"),
+    "lr not a number": Case(["check", "digits", "--set", "optim.lr=abc"], "optim.lr = 'abc'"),
+    "lr infinite": Case(["check", "digits", "--set", "optim.lr=.inf"], "optim.lr = inf"),
+    "no workers": Case(["check", "digits", "--set", "scaling.num_workers=0"], "scaling.num_workers = 0"),
+    "run name escapes": Case(["check", "digits", "--set", "run.name=../x"], "run.name = '../x'"),
+    "through a scalar": Case(["check", "digits", "--set", "train.seed.x=1"], "train.seed is 0, not a section"),
+    "override without =": Case(["check", "digits", "--set", "noequals"], "'noequals': expected dotted.key=value"),
+    "invalid YAML": Case(["check", "bad.yaml"], "config file 'bad.yaml': invalid YAML at line 2",
+                         files={"bad.yaml": "a: [\n"}),
+    "YAML list": Case(["check", "list.yaml"], "top level must be a mapping", files={"list.yaml": "- 1\n"}),
+    "fp16 with fsdp": Case(["check", "digits", "--set", "train.precision=fp16", "--set", "strategy.name=fsdp"],
+                           "train.precision = 'fp16' with strategy.name = 'fsdp'"),
+    "bf16 hook on CPU": Case(["check", "digits", "--set", "strategy.comm_hook=bf16"],
+                             "strategy.comm_hook = 'bf16' needs scaling.use_gpu: true"),
+    "keep 0": Case(["check", "digits", "--set", "checkpoint.keep=0"], "checkpoint.keep = 0"),
+    "best metric misspelled": Case(["check", "digits", "--set", "checkpoint.keep_best=2",
+                                    "--set", "checkpoint.best_metric=acuracy"],
+                                   "checkpoint.best_metric = 'acuracy': not a metric the digits pipeline reports "
+                                   "(did you mean accuracy?); it reports: loss, accuracy"),
+    "misspelled pipeline": Case(["check", "c.yaml"], "pipeline = 'digts': unknown pipeline: did you mean 'digits'?",
+                                files={"c.yaml": "pipeline: digts\n"}),
+    "pipeline file missing": Case(["check", "c.yaml"], "pipeline = './pipe.py': no such file", files={"c.yaml": OWN}),
+    "storage path through a file": Case(["check", "digits", "--set", "run.storage_path=afile/runs"],
+                                        "run.storage_path = 'afile/runs': ", files={"afile": ""}),
+    "tabular data missing": Case(["check", "tabular", "--set", "data.train=none.parquet"],
+                                 "data.train = 'none.parquet': no parquet files there"),
+    # train: the config, and what the run will write
+    "train a misspelled name": Case(["train", "digitz"], "(did you mean digits?)", subprocess=True),
+    "train a sweep file": Case(["train", "digits-sweep"],
+                               "config file 'digits-sweep': is a sweep file (it has a `sweep:` section): "
+                               "run it with `raylane tune digits-sweep`"),
+    "train with a sweep key": Case(["train", "digits", "--set", "sweep.metric=loss"], "sweep = {'metric': 'loss'}: unknown key"),
+    "summary into a missing folder": Case(["train", "digits", "--summary-json", "out/s.json"],
+                                          "--summary-json = 'out/s.json': folder 'out' does not exist", subprocess=True),
+    "summary onto a folder": Case(["train", "digits", "--summary-json", "."], "--summary-json = '.': is a directory"),
+    "storage path is a file": Case(["train", "digits", "--set", "run.storage_path=afile"],
+                                   "run.storage_path = 'afile': ", files={"afile": ""}),
+    "local, misspelled key": Case(["train", "digits", "--local", "--set", "train.max_epoch=2"],
+                                  "did you mean train.max_epochs?"),
+    "regression batch 0": Case(["train", "regression", "--set", "train.batch_size=0"], "train.batch_size = 0"),
+    "own pipeline without build": Case(["train", "c.yaml"], "defines no build(cfg) function",
+                                       files={"c.yaml": OWN, "pipe.py": "import raylane\nclass Config(raylane.BaseConfig):\n"
+                                              "    model: dict = {}\n"}),
+    # tune: the sweep and its base config
+    "tune a pipeline config": Case(["tune", "digits"],
+                                   "sweep file 'digits': is a pipeline config (no `sweep:` section): "
+                                   "train it with `raylane train digits`"),
+    "metric misspelled": Case(["tune", "digits-sweep", "--set", "sweep.metric=acuracy"],
+                              "sweep.metric = 'acuracy': not a metric the digits pipeline reports (did you mean accuracy?)",
+                              subprocess=True),
+    "metric of another pipeline": Case(["tune", "s.yaml"], "sweep.metric = 'bits_per_byte': not a metric",
+                                       files=sweep(extra=", metric: bits_per_byte")),
+    "sweep key misspelled": Case(["tune", "digits-sweep", "--set", "sweep.num_sample=3"],
+                                 "sweep.num_sample = 3: unknown key (did you mean sweep.num_samples?)"),
+    "no samples": Case(["tune", "digits-sweep", "--set", "sweep.num_samples=0"], "sweep.num_samples = 0"),
+    "unknown algorithm": Case(["tune", "digits-sweep", "--set", "sweep.algorithm=bayes"], "sweep.algorithm = 'bayes'"),
+    "base lr negative": Case(["tune", "digits-sweep", "--set", "optim.lr=-1"], "optim.lr = -1"),
+    "space key misspelled": Case(["tune", "s.yaml"], "optim.lrr: not a key of the digits config (did you mean optim.lr?)",
+                                 files=sweep("{optim.lrr: {grid: [0.1]}}")),
+    "space range reversed": Case(["tune", "s.yaml"], "sweep.space.optim.lr.uniform = [1, 0]: needs low < high",
+                                 files=sweep("{optim.lr: {uniform: [1, 0]}}")),
+    "grid over a range": Case(["tune", "s.yaml"], "sweep.algorithm = 'grid' needs listed values",
+                              files=sweep("{optim.lr: {uniform: [0.1, 1]}}", ", algorithm: grid")),
+    "space value out of range": Case(["tune", "s.yaml"], "sweep.space.train.batch_size: invalid config: train.batch_size = 0",
+                                     files=sweep("{train.batch_size: {choice: [0, 8]}}")),
+    "no sweep section": Case(["tune", "t.yaml"], "sweep file 't.yaml': needs a `sweep:` section", files={"t.yaml": "train: {}\n"}),
+    "sweep summary into a missing folder": Case(["tune", "digits-sweep", "--summary-json", "out/s.json"],
+                                                "--summary-json = 'out/s.json': folder 'out' does not exist"),
+    # export: the checkpoint and where the weights go
+    "export a missing checkpoint": Case(["export", "runs/x/checkpoint_1", "--out", "m.safetensors"],
+                                        "checkpoint = 'runs/x/checkpoint_1': no such folder"),
+    "export onto a folder": Case(["export", "ck", "--out", "ck"], "--out = 'ck': is a directory; name the file",
+                                 files={"ck/x": ""}),
+    "export through a file": Case(["export", "ck", "--out", "afile/m.safetensors"],
+                                  "--out = 'afile/m.safetensors': ", files={"ck/x": "", "afile": ""}),
+    "export not a checkpoint": Case(["export", "ck", "--out", "new/m.safetensors"],
+                                    "export: ck: not a valid checkpoint", files={"ck/x": ""}),
+    # submit: checked on this machine before anything is uploaded
+    "submit a misspelled key": Case(["submit", "digits", "--set", "train.max_epoch=2", "--address", "http://127.0.0.1:9"],
+                                    "did you mean train.max_epochs?", subprocess=True),
+    "submit a misspelled name": Case(["submit", "digitz", "--address", "http://127.0.0.1:9"], "(did you mean digits?)"),
+    "submit a sweep file": Case(["submit", "digits-sweep", "--address", "http://127.0.0.1:9"], "is a sweep file"),
+    "submit a misspelled best metric": Case(["submit", "digits", "--set", "checkpoint.keep_best=1",
+                                             "--set", "checkpoint.best_metric=f1", "--address", "http://127.0.0.1:9"],
+                                            "checkpoint.best_metric = 'f1': not a metric the digits pipeline reports"),
+}
+
+
+def _write(tmp_path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """What starts work (a cluster, a run, a sweep, a job) fails the test if reached."""
+    def started(*args, **kwargs):
+        raise AssertionError("a bad input got past the checks")
+
+    monkeypatch.setattr(cli, "_resolved_address", started)
+    monkeypatch.setattr("raylane.onray.jobs.job_client", started)
+    monkeypatch.setattr("raylane.driver.train", started)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_exits_2_with_one_line(name, tmp_path, monkeypatch, capsys, no_work):
+    case = CASES[name]
+    _write(tmp_path, case.files)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(case.argv) == case.code
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("raylane: ") and case.line in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.subprocess])
+def test_bad_input_end_to_end(name, tmp_path):
+    case = CASES[name]
+    _write(tmp_path, case.files)
+    started = time.monotonic()
+    out = subprocess.run([*RAYLANE, *case.argv], check=False, cwd=tmp_path, env=cli_env(tmp_path),
+                         capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 15, "took long enough to have started something"
+    assert out.returncode == case.code and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr.splitlines() == [out.stderr.strip()] and case.line in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["train", "digits", "--set", "train.max_epoch=2"], "did you mean train.max_epochs?"),
+    (["train", "digits", "--summary-json", "out/s.json"], "folder 'out' does not exist"),
+])
+def test_bad_input_under_torchrun(argv, line, tmp_path):
+    """Each rank finds the mistake before its process group starts; rank 0 alone prints it, and
+    every rank exits 2. torchrun then reports the failed child in a block of its own and exits 1:
+    a launcher's output that a rank cannot silence (see the closing note of issue 21)."""
+    started = time.monotonic()
+    out = subprocess.run([*TORCHRUN, "--nproc_per_node", "2", "-m", "raylane", *argv], check=False,
+                         cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 15
+    mine = [x for x in (out.stdout + out.stderr).splitlines() if x.startswith("raylane: ")]
+    assert len(mine) == 1 and line in mine[0], out.stdout + out.stderr
+    assert out.returncode != 0 and "exitcode  : 2" in out.stderr, out.stderr
+
+
+def test_more_workers_than_cores_on_an_embedded_cluster_is_a_warning(tmp_path):
+    cores = os.cpu_count() or 1
+    cfg = load_config(REPO / "pipelines" / "digits.yaml", [f"scaling.num_workers={cores + 1}"])
+    warning = prechecks.oversubscription(cfg, address=None)
+    assert warning and f"scaling.num_workers = {cores + 1}" in warning
+    assert f"oversubscribes this machine's {cores} cores" in warning
+    assert prechecks.oversubscription(cfg, address="10.0.0.1:6379") is None  # a cluster's cores are not ours
+    fits = load_config(REPO / "pipelines" / "digits.yaml", ["scaling.num_workers=1"])
+    assert prechecks.oversubscription(fits, address=None) is None
+
+
+def test_export_makes_the_folder_it_writes_into(tmp_path):
+    """A missing folder of --out is not a mistake: it passes the checks and export makes it."""
+    (tmp_path / "ck").mkdir()
+    prechecks.check_export(str(tmp_path / "ck"), str(tmp_path / "new" / "deeper" / "m.safetensors"))
+    assert not (tmp_path / "new").exists()  # nothing made before the checkpoint has loaded
+
+
+def test_a_pipeline_that_declares_no_metrics_takes_any(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pipe.py").write_text("import raylane\nclass Config(raylane.BaseConfig):\n    model: dict = {}\n"
+                                      "def build(cfg):\n    pass\n")
+    cfg = load_config({"pipeline": "./pipe.py", "checkpoint": {"keep_best": 1, "best_metric": "anything"}})
+    prechecks.check_run(cfg)  # no error
+    prechecks.check_metric("sweep.metric", "f1", cfg)
+
+
+def test_the_table_covers_every_command():
+    commands = {c.argv[0] for c in CASES.values()}
+    assert commands >= {"check", "train", "tune", "export", "submit"} and len(CASES) >= 40
