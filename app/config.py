@@ -122,9 +122,10 @@ class CheckpointSection(Section):
     # Also at the end of every N epochs; 0: not at epoch ends. The end of the run, and a stop
     # (preemption), always checkpoint.
     every_n_epochs: int = Field(1, ge=0)
-    # Keep only the newest N committed checkpoints; null keeps all (unless keep_best is set, which
-    # keeps the latest plus the N best by best_metric, measured at epoch ends).
-    keep: int | None = Field(None, ge=1)
+    # Keep only the newest N committed checkpoints (plus, with keep_best, the N best by
+    # best_metric, measured at epoch ends); null keeps all. 3, not all: a 40-epoch run would
+    # otherwise leave 50 folders, and resume only needs the latest (the others cover a bad one).
+    keep: int | None = Field(3, ge=1)
     keep_best: int | None = Field(None, ge=1)
     best_metric: str = Field("loss", min_length=1)
     best_mode: Literal["min", "max"] = "min"

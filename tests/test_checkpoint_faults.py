@@ -43,8 +43,8 @@ def test_disk_full_fails_the_run_and_keeps_the_previous_checkpoint(run_cli, tmp_
 def test_disk_full_with_on_error_warn_trains_on(run_cli, tmp_path):
     proc = run_cli(*TWO_RANKS, "--set", "run.name=warn", "--set", "checkpoint.every_n_steps=10",
                    "--set", "train.max_steps=40", "--set", "checkpoint.on_error=warn",
-                   "--set", "checkpoint.async_save=true", "--summary-json", "s.json", launcher=TORCHRUN,
-                   env=cli_env(tmp_path, RAYLANE_FAULTS="diskfull@rank=1,step=20"))
+                   "--set", "checkpoint.async_save=true", "--set", "checkpoint.keep=null", "--summary-json", "s.json",
+                   launcher=TORCHRUN, env=cli_env(tmp_path, RAYLANE_FAULTS="diskfull@rank=1,step=20"))
     assert proc.wait(180) == 0, proc.output
     s = read_json(tmp_path / "s.json")
     assert s["status"] == "FINISHED" and s["failed_checkpoints"] == 1 and s["steps"] == 40
@@ -55,7 +55,7 @@ def test_disk_full_with_on_error_warn_trains_on(run_cli, tmp_path):
 def test_async_checkpoints_resume_bit_exact(run_cli, tmp_path):
     """Async saves stage a copy of the state before training changes it: a run stopped and resumed
     from async checkpoints ends bit-identical to an uninterrupted run with synchronous saves."""
-    common = ["--set", "checkpoint.every_n_steps=5", "--set", "optim.lr=0.05"]
+    common = ["--set", "checkpoint.every_n_steps=5", "--set", "optim.lr=0.05", "--set", "checkpoint.keep=null"]
     first = run_cli(*TWO_RANKS, "--set", "run.name=a", "--set", "train.max_steps=27", *common,
                     "--set", "checkpoint.async_save=true", "--summary-json", "a.json", launcher=TORCHRUN)
     assert first.wait(180) == 0, first.output
