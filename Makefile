@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 
 run: install
 	$(VENV)/bin/raylane train pipelines/digits.yaml --set scaling.num_workers=2
+	@echo
+	@echo "raylane is installed in $(VENV): run 'source $(VENV)/bin/activate' once in this shell, then the README's raylane commands work as written ('raylane --version' checks it)."
 
 # Under 20 minutes on 2 cores: Ray runs that need no cluster of their own share one `raylane up`
 # head (tests marked shared_ray). `make test-all` adds the `slow` soaks (the quick bench).
