@@ -12,6 +12,8 @@ from raylane.loop import checkpoint
 from tests.conftest import read_json
 
 
+pytestmark = pytest.mark.untracked
+
 def _save(root: Path, step: int, value: float) -> Path:
     model = torch.nn.Linear(4, 2)
     torch.nn.init.constant_(model.weight, value)

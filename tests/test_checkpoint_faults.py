@@ -14,6 +14,8 @@ from raylane.loop.run import build_optimizer, build_scheduler
 from raylane.pipelines.regression import build
 from tests.conftest import TORCHRUN, cli_env, read_json
 
+pytestmark = pytest.mark.untracked
+
 TWO_RANKS = ["--nproc_per_node", "2", "-m", "raylane", "train", "regression"]
 ENOSPC = "checkpoint at step 20 was not saved (rank 1: OSError: [Errno 28] No space left on device)"
 

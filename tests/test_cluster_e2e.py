@@ -50,6 +50,18 @@ def _auth_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+def ray_job_submit(args: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`ray job submit ARGS`, again while a head that has just started answers "No available agent
+    to submit job, please try again later" (its job agent registers after the dashboard is up)."""
+    deadline = time.monotonic() + 120
+    while True:
+        out = subprocess.run([str(BIN / "ray"), "job", "submit", *args], cwd=cwd, env=env, capture_output=True,
+                             text=True, timeout=timeout)
+        if out.returncode == 0 or "No available agent" not in out.stderr or time.monotonic() > deadline:
+            return out
+        time.sleep(2)
+
+
 @contextlib.contextmanager
 def _head(tmp_path: Path, *extra: str, env: dict[str, str] | None = None, gcs_port: int | None = None):
     """`ray start --head --block` on 127.0.0.1 with its own temp dir and ports, token auth on.
@@ -105,9 +117,8 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(ray_hea
                    "env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}}
     train = ["raylane", "train", "pipelines/digits.yaml", "--set", "train.max_epochs=1", "--set", "mlflow.log_model=false",
              "--set", f"run.storage_path={tmp_path / 'runs'}", "--set", "mlflow.system_metrics=false"]
-    out = subprocess.run([str(BIN / "ray"), "job", "submit", "--working-dir", str(REPO),
-                          "--runtime-env-json", json.dumps(runtime_env), "--", *train],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    out = ray_job_submit(["--working-dir", str(REPO), "--runtime-env-json", json.dumps(runtime_env), "--", *train],
+                         cwd=REPO, env=env, timeout=400)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     job_id = re.search(r"Job '(raysubmit_\w+)' submitted successfully", out.stdout + out.stderr).group(1)
     run_id = re.findall(r"MLflow run id:\s+([0-9a-f]{32})", out.stdout)[-1]

@@ -34,6 +34,7 @@ def test_nan_stops_with_the_step_named(run_cli, tmp_path):
     assert MlflowClient(s["tracking_uri"]).get_run(s["run_id"]).info.status == "FAILED"
 
 
+@pytest.mark.untracked
 def test_nan_on_one_rank_is_skipped_on_both(run_cli, tmp_path):
     """Only rank 1's loss is NaN; DDP's all-reduce spreads it, so both ranks skip the same update
     (no divergence, no hang) and the run finishes."""
@@ -69,6 +70,7 @@ def _weights(summary: dict) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.ray
+@pytest.mark.untracked
 def test_killed_worker_restarts_and_ends_bit_identical(run_cli, tmp_path):
     # Long enough (~10 s of steps) that the kill lands mid-run, right after the first checkpoint.
     common = ["--set", "train.max_epochs=30", "--set", "checkpoint.every_n_steps=20",

@@ -21,6 +21,7 @@ def _final_weights(summary: dict, pipeline_cfg) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.untracked
 def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(run_cli, tmp_path):
     """DDP averages gradients, and the sampler gives 2 ranks exactly the halves of 1 rank's batch:
     the weights after training must agree up to float summation order."""

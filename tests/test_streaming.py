@@ -17,6 +17,8 @@ from tests.conftest import TORCHRUN, read_json
 
 FILES, ROWS_PER_FILE, BATCH = 4, 24, 8
 
+pytestmark = pytest.mark.untracked
+
 PIPELINE = '''
 import os
 import numpy as np

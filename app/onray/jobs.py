@@ -67,6 +67,10 @@ class SubmittedRun:
         self._client.stop_job(self.job_id)  # SIGTERM to the driver: a graceful, resumable stop
 
 
+# How long a submit waits for a head's job agent to register ("No available agent").
+AGENT_WAIT_S = 60.0
+
+
 def job_client(address: str | None):
     # The jobs API wants the cluster's token; Ray reads the mode once, so before importing it.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -90,6 +94,15 @@ def submit(config: str, overrides: Iterable[str] = (), *, address: str | None = 
     env = {k: v for k, v in os.environ.items() if k == "MLFLOW_TRACKING_URI"}
     env.update(env_vars or {})
     client = job_client(address)
-    job_id = client.submit_job(entrypoint=entrypoint,
-                               runtime_env={"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env})
+    runtime_env = {"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env}
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+            break
+        except RuntimeError as exc:
+            # A head that has just started answers before its job agent has registered.
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
     return SubmittedRun(job_id, client.get_address(), client)
