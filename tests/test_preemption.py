@@ -22,8 +22,6 @@ from tests.conftest import TORCHRUN, cli_env, read_json, session_processes, wait
 LONG = ["--set", "train.max_epochs=400", "--set", "checkpoint.every_n_steps=20"]
 
 
-pytestmark = pytest.mark.untracked
-
 def _manifest(tmp_path, name: str, step: int):
     return tmp_path / "runs" / name / checkpoint.checkpoint_name(step) / checkpoint.MANIFEST_FILE
 

@@ -92,7 +92,13 @@ def up(num_cpus: int, port: int | None = None, dashboard_port: int | None = None
     ray_bin = Path(sys.executable).parent / "ray"
     argv = [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
             f"--num-cpus={num_cpus}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-            f"--temp-dir={temp}", "--disable-usage-stats"]
+            f"--temp-dir={temp}", "--disable-usage-stats",
+            # Ray's fixed default ports (dashboard agent 52365, client server 10001, ...) would
+            # keep any other cluster on this machine, an embedded run's or a test's, from starting
+            # its own: "No available agent to submit job". Free ones, so that they coexist.
+            *(f"--{flag}={_free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                       "ray-client-server-port", "runtime-env-agent-port",
+                                                       "metrics-export-port"))]
     # The placement-group cleaner's State API calls name the head's dashboard: with no address they
     # look for "the" Ray on this machine and fail beside any other cluster (see cluster.init_ray).
     env = {**os.environ, **HEAD_ENV, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}"}

@@ -227,8 +227,13 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     elif pointer:  # PBT exploit: continue a better trial's state with this trial's new values
         name, donor = f"{own}-{uuid.uuid4().hex[:6]}", pointer
     updates = {"run": cfg.run.model_copy(update={"name": name})}
+    if sweep.scheduler == "pbt":
+        # PBT clones a trial from the checkpoint it recorded at a perturbation, often several
+        # epochs old by then: retention must not delete what another trial may still start from.
+        updates["checkpoint"] = cfg.checkpoint.model_copy(update={"keep": None})
     if donor:
-        updates["checkpoint"] = cfg.checkpoint.model_copy(update={"init_from": donor["location"]})
+        updates["checkpoint"] = updates.get("checkpoint", cfg.checkpoint).model_copy(
+            update={"init_from": donor["location"]})
     cfg = cfg.model_copy(update={**updates, "mlflow": cfg.mlflow.model_copy(update={"log_model": False})})
     client = mlflow_client(parent.tracking_uri)
     run_id = _child(client, parent, trial_id, sweep, cfg, params)
