@@ -80,21 +80,7 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         world_size = cfg.scaling.num_workers if use_ray else env_ranks()[2]
         tracked = is_driver and cfg.mlflow.enabled
         run_future = pool.submit(open_run, cfg, tracking_uri, world_size) if tracked else None
-        embedded = False
-        if use_ray:
-            from raylane.onray.localcluster import resolve_address
-
-            address = resolve_address(address)  # before Ray's import: see resolve_address
-            from raylane.onray.cluster import RayStopper, init_ray
-
-            # Ray Train and torch import (~3.5 s of CPU on 2 cores) while Ray's processes start:
-            # ray.init mostly waits for them. launch_on_ray's import below joins this one.
-            pool.submit(importlib.import_module, "raylane.onray.launch")
-            embedded = init_ray(address, cfg)
-            startup.mark("ray_init")
-            ray_stopper = RayStopper(embedded)
-            stack.callback(ray_stopper.wait)  # last: after the summary is out
-            signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init replaced ours
+        ray_stopper, embedded = _start_ray(cfg, address, pool, stack, startup) if use_ray else (None, False)
         # From here on, a first SIGTERM or Ctrl-C asks the ranks to checkpoint and stop.
         preemption.install()
         handle = _opened(cfg, run_future, tracking_uri)
@@ -124,6 +110,26 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
             Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         _print_outcome(summary, ui_command(tracking_uri))
         return summary
+
+
+def _start_ray(cfg: BaseConfig, address: str | None, pool: ThreadPoolExecutor, stack: ExitStack,
+               startup: Any) -> tuple[Any, bool]:
+    """Join or start the cluster; returns (the RayStopper that `stack` calls last, whether this
+    process started the cluster)."""
+    from raylane.onray.localcluster import resolve_address
+
+    address = resolve_address(address)  # before Ray's import: see resolve_address
+    from raylane.onray.cluster import RayStopper, init_ray
+
+    # Ray Train and torch import (~3.5 s of CPU on 2 cores) while Ray's processes start:
+    # ray.init mostly waits for them. launch_on_ray's import below joins this one.
+    pool.submit(importlib.import_module, "raylane.onray.launch")
+    embedded = init_ray(address, cfg)
+    startup.mark("ray_init")
+    ray_stopper = RayStopper(embedded)
+    stack.callback(ray_stopper.wait)  # last: after the summary is out
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init replaced ours
+    return ray_stopper, embedded
 
 
 EXIT_CODES = {"FINISHED": 0, "FAILED": 1, "KILLED": 130}

@@ -212,6 +212,25 @@ def _restored_pointer() -> dict[str, Any] | None:
         return json.loads((Path(d) / POINTER_FILE).read_text())
 
 
+def _trial_run_config(sweep: SweepSection, cfg: BaseConfig, own: str) -> tuple[BaseConfig, dict[str, Any] | None]:
+    """The trial's run: its own (resumed when the trial restarts), or under a PBT exploit a new run
+    that starts from the donor's checkpoint; returns (config, donor pointer or None)."""
+    pointer, name, donor = _restored_pointer(), own, None
+    if pointer and pointer["run_name"].startswith(own):
+        name = pointer["run_name"]  # this trial's own run, restarted: resume it
+    elif pointer:  # PBT exploit: continue a better trial's state with this trial's new values
+        name, donor = f"{own}-{uuid.uuid4().hex[:6]}", pointer
+    ck = cfg.checkpoint
+    if sweep.scheduler == "pbt":
+        # PBT clones a trial from the checkpoint it recorded at a perturbation, often several
+        # epochs old by then: retention must not delete what another trial may still start from.
+        ck = ck.model_copy(update={"keep": None})
+    if donor:
+        ck = ck.model_copy(update={"init_from": donor["location"]})
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name}), "checkpoint": ck,
+                                  "mlflow": cfg.mlflow.model_copy(update={"log_model": False})}), donor
+
+
 def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     """One trial: a Ray Train run of the base config with `params`, reporting every epoch."""
     from raylane.onray.launch import launch_on_ray
@@ -219,22 +238,8 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     sweep, base = SweepSection(**context["sweep"]), validate(context["base"])
     parent = RunHandle(**context["parent"])
     trial_id = tune.get_context().get_trial_id()
-    own = f"{sweep.name}-{trial_id}"
-    cfg = trial_config(base, params)
-    pointer, name, donor = _restored_pointer(), own, None
-    if pointer and pointer["run_name"].startswith(own):
-        name = pointer["run_name"]  # this trial's own run, restarted: resume it
-    elif pointer:  # PBT exploit: continue a better trial's state with this trial's new values
-        name, donor = f"{own}-{uuid.uuid4().hex[:6]}", pointer
-    updates = {"run": cfg.run.model_copy(update={"name": name})}
-    if sweep.scheduler == "pbt":
-        # PBT clones a trial from the checkpoint it recorded at a perturbation, often several
-        # epochs old by then: retention must not delete what another trial may still start from.
-        updates["checkpoint"] = cfg.checkpoint.model_copy(update={"keep": None})
-    if donor:
-        updates["checkpoint"] = updates.get("checkpoint", cfg.checkpoint).model_copy(
-            update={"init_from": donor["location"]})
-    cfg = cfg.model_copy(update={**updates, "mlflow": cfg.mlflow.model_copy(update={"log_model": False})})
+    cfg, donor = _trial_run_config(sweep, trial_config(base, params), f"{sweep.name}-{trial_id}")
+    name = cfg.run.name
     client = mlflow_client(parent.tracking_uri)
     run_id = _child(client, parent, trial_id, sweep, cfg, params)
     if donor:
