@@ -173,10 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         prechecks.check_run(cfg, summary_json=getattr(args, "summary_json", None))
+        finished = prechecks.check_resume(cfg)
     except ConfigError as exc:
         return _config_error(exc)
     if args.command == "check":
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+        return 0
+    if finished:  # nothing is trained or logged again
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says so
+            print(finished.line, flush=True)
         return 0
     _log_raylane_info()
     from raylane.driver import EXIT_CODES, train, under_torchrun

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from raylane.config import BaseConfig, load_config
-from raylane.prechecks import check_run
+from raylane.prechecks import check_resume, check_run, closing_status, record_finished
 from raylane.tracking.progress import ProgressDisplay
 
 log = logging.getLogger("raylane")
@@ -47,6 +47,10 @@ def run_training(source: Any, overrides: Iterable[str] = (), *, address: str | N
     in this process with `local`, or as this torchrun rank), and return the summary."""
     cfg = load_config(source, overrides)
     check_run(cfg)
+    finished = check_resume(cfg)
+    if finished:  # nothing is trained or logged again
+        print(finished.line, flush=True)
+        return {**finished.summary, "already_finished": True}
     return train(cfg, use_ray=not (local or under_torchrun()), address=address, register=register)
 
 
@@ -105,7 +109,8 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         summary = _summary(cfg, handle, status, error, result, display, launched, startup)
         if recorder:
             summary.update(recorder.finish(status, summary["checkpoint"], register))
-            close_run(handle, status)
+            close_run(handle, closing_status(cfg, status))
+        record_finished(cfg, summary)
         if summary_path:
             Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         _print_outcome(summary, ui_command(tracking_uri))

@@ -1,6 +1,7 @@
 """What can be checked before any work starts, beyond what one config field says about itself:
-the files a command will write, the metric a sweep or checkpoint retention ranks by, and the
-machine the workers land on.
+the files a command will write, the metric a sweep or checkpoint retention ranks by, the
+machine the workers land on, and what an earlier launch of the same run left on disk (its
+newest checkpoint's manifest and its record, `RUN_RECORD`).
 
 The commands call these after the config validates and before Ray, torch's workers or MLflow
 start, so that a mistake costs seconds, not a run whose results are then lost (a summary that
@@ -9,11 +10,23 @@ and the value; nothing here imports torch or Ray."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from raylane import pipelines_ref
-from raylane.config import BaseConfig, ConfigError, did_you_mean
+from raylane.config import BaseConfig, ConfigError, did_you_mean, flatten
+
+log = logging.getLogger("raylane")
+
+# Written by the driver into the run's folder when a run FINISHED: its summary. The next
+# launch of the same run.name reads it without MLflow (which may be slow, far or off).
+RUN_RECORD = "raylane_run.json"
+MANIFEST = "manifest.json"  # raylane.loop.checkpoint's commit file (that module imports torch)
+_UNSET = "(not set)"
 
 
 def check_run(cfg: BaseConfig, *, summary_json: str | None = None, local_storage: bool = True) -> None:
@@ -84,3 +97,150 @@ def oversubscription(cfg: BaseConfig, address: str | None) -> str | None:
     return (f"warning: scaling.num_workers = {cfg.scaling.num_workers} x scaling.cpus_per_worker = "
             f"{cfg.scaling.cpus_per_worker:g} oversubscribes this machine's {cores} cores: "
             f"the workers will share them (slower, not wrong)")
+
+
+# -- an earlier launch of the same run ---------------------------------------------------------
+
+@dataclass
+class Finished:
+    """A run that already reached the end this config asks for: `line` says so, `summary` is the
+    one it finished with."""
+
+    line: str
+    summary: dict[str, Any]
+
+
+def run_folder(cfg: BaseConfig) -> Path | None:
+    """Where the run's checkpoints and record live, when it has a name and local storage (the
+    checks skip object storage: a round trip per launch, for a rare case)."""
+    if not cfg.run.name or "://" in cfg.run.storage_path:
+        return None
+    return Path(cfg.run.storage_path).expanduser().resolve() / cfg.run.name
+
+
+def check_resume(cfg: BaseConfig) -> Finished | None:
+    """A launch that continues an existing run: its newest checkpoint must be loadable with this
+    config (else ConfigError naming the first key that prevents it); returns Finished when the
+    run already trained as far as this config asks, so that nothing is trained or logged again."""
+    folder = run_folder(cfg)
+    if folder is None or not folder.is_dir():
+        return None
+    newest = newest_manifest(folder)
+    if newest is not None:
+        path, manifest = newest
+        recorded = (manifest.get("train_state") or {}).get("config")
+        if isinstance(recorded, dict):
+            _check_loadable(cfg, flatten(recorded), path)
+    return _finished(cfg, folder)
+
+
+def newest_manifest(folder: Path) -> tuple[Path, dict[str, Any]] | None:
+    # Names are zero-padded steps: the newest sorts last. An unreadable manifest is skipped, as
+    # the trainer skips that checkpoint too.
+    for path in sorted(folder.glob("checkpoint_*"), reverse=True):
+        try:
+            return path, json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _optimizer_state(flat: dict[str, Any]) -> tuple[Any, ...]:
+    """What shapes the optimizer's saved state: DCP cannot load a state that lacks an entry the
+    new optimizer has (SGD has no `step`, Adam no `momentum`; SGD keeps a momentum buffer only
+    with momentum; a schedule adds `initial_lr`)."""
+    name = flat.get("optim.name")
+    return ("sgd" if name == "sgd" else "adam", name == "sgd" and bool(flat.get("optim.momentum")),
+            flat.get("optim.schedule") != "constant" or bool(flat.get("optim.warmup_steps")))
+
+
+def first_unloadable(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """The first key whose change keeps a checkpoint saved under `old` (flat config) from
+    loading under `new`: the pipeline, any model key (even dropout renames the layers after it),
+    then the optimizer's state. Anything else (epochs, steps, workers, MLflow, checkpoint
+    cadence, learning rate) may change on resume."""
+    model = dict.fromkeys(k for k in [*old, *new] if k.startswith("model."))
+    for key in ("pipeline", *model):
+        if old.get(key, _UNSET) != new.get(key, _UNSET):
+            return key
+    was, now = _optimizer_state(old), _optimizer_state(new)
+    if was[0] != now[0]:
+        return "optim.name"
+    if now[1] and not was[1]:
+        return "optim.momentum"
+    if now[2] and not was[2]:
+        return "optim.schedule" if old.get("optim.schedule") != new.get("optim.schedule") else "optim.warmup_steps"
+    return None
+
+
+def _check_loadable(cfg: BaseConfig, old: dict[str, Any], checkpoint: Path) -> None:
+    new = cfg.flat()
+    key = first_unloadable(old, new)
+    if key is None:
+        return
+    was = old.get(key, _UNSET)
+    shown = json.dumps(was) if not isinstance(was, str) else was
+    raise ConfigError(f"{key} = {new.get(key, _UNSET)!r}: run {cfg.run.name!r} has a checkpoint saved with {key} = "
+                      f"{was!r} ({str(checkpoint)!r}) that this config cannot load; keep {key}={shown} to "
+                      f"resume it, or start a fresh run with --set run.name={fresh_name(cfg)}")
+
+
+def fresh_name(cfg: BaseConfig) -> str:
+    """A run name next to this one with no folder yet."""
+    parent, n = Path(cfg.run.storage_path).expanduser(), 2
+    while (parent / f"{cfg.run.name}-{n}").exists():
+        n += 1
+    return f"{cfg.run.name}-{n}"
+
+
+def read_record(folder: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads((folder / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _finished(cfg: BaseConfig, folder: Path) -> Finished | None:
+    record = read_record(folder)
+    if not record or record.get("status") != "FINISHED" or not isinstance(record.get("summary"), dict):
+        return None
+    summary = record["summary"]
+    steps, epochs = int(summary.get("steps") or 0), int(summary.get("epochs") or 0)
+    t = cfg.train
+    # More steps or epochs than were trained: the run continues from its last checkpoint (its
+    # MLflow run too), as a longer schedule of the same run. Only within both limits is it done.
+    if (t.max_steps is None or t.max_steps > steps) and t.max_epochs > epochs:
+        return None
+    newest = newest_manifest(folder)
+    where = str(newest[0]) if newest else summary.get("checkpoint")
+    tracked = f"MLflow run {summary['run_id']}" if summary.get("run_id") else "not tracked in MLflow"
+    line = (f"run {cfg.run.name}: already FINISHED at step {steps} (epoch {epochs}); checkpoint {where}; "
+            f"{tracked}. Nothing to train: raise train.max_epochs or train.max_steps to train it further, "
+            f"or start a new run with --set run.name={fresh_name(cfg)}")
+    return Finished(line, summary)
+
+
+def record_finished(cfg: BaseConfig, summary: dict[str, Any]) -> None:
+    """The driver, after a run FINISHED (its MLflow run closed): the record the next launch reads."""
+    folder = run_folder(cfg)
+    if folder is None or summary.get("status") != "FINISHED" or not folder.is_dir():
+        return
+    tmp = folder / (RUN_RECORD + ".tmp")
+    try:
+        tmp.write_text(json.dumps({"status": "FINISHED", "summary": summary}, indent=2, sort_keys=True, default=str))
+        os.replace(tmp, folder / RUN_RECORD)  # whole or not at all: a torn record would hide the run's end
+    except OSError as exc:
+        log.warning("could not record run %s as finished in %s: %s", cfg.run.name, folder, exc)
+
+
+def closing_status(cfg: BaseConfig, status: str) -> str:
+    """The MLflow status a launch closes its run with. A run recorded FINISHED stays FINISHED
+    whatever a later launch of it (a longer schedule) did: that launch's own outcome is its exit
+    code and summary; the finished result is still there and must not read as lost."""
+    folder = run_folder(cfg)
+    if status != "FINISHED" and folder is not None and (read_record(folder) or {}).get("status") == "FINISHED":
+        log.warning("run %s: this launch ended %s; its MLflow run stays FINISHED (the earlier result)",
+                    cfg.run.name, status)
+        return "FINISHED"
+    return status

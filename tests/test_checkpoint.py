@@ -85,7 +85,7 @@ def test_keep_limits_checkpoints_on_disk(run_cli, tmp_path):
     proc = run_cli("train", "regression", "--local", "--set", "run.name=k", "--set", "checkpoint.every_n_steps=5",
                    "--set", "checkpoint.keep=2", "--set", "train.max_steps=30", "--summary-json", "s.json")
     assert proc.wait(120) == 0, proc.output
-    names = sorted(p.name for p in (tmp_path / "runs" / "k").iterdir())
+    names = sorted(p.name for p in (tmp_path / "runs" / "k").glob("checkpoint_*"))
     assert names == [checkpoint.checkpoint_name(25), checkpoint.checkpoint_name(30)]
     assert json.loads((tmp_path / "runs/k" / names[-1] / "manifest.json").read_text())["train_state"]["step"] == 30
     # Saves at steps 5-25 held the loop up (B7 measures this); the end-of-run save is not counted.
@@ -167,7 +167,7 @@ def test_epoch_checkpoints_and_evaluations_follow_their_every_n_epochs(run_cli, 
                    "--set", "checkpoint.every_n_epochs=2", "--set", "train.eval_every_n_epochs=0",
                    "--summary-json", "s.json")
     assert proc.wait(120) == 0, proc.output
-    names = sorted(p.name for p in (tmp_path / "runs" / "e").iterdir())
+    names = sorted(p.name for p in (tmp_path / "runs" / "e").glob("checkpoint_*"))
     assert names == [checkpoint.checkpoint_name(s) for s in (128, 256, 320)]  # epochs 2, 4 and the end
     assert proc.output.count(" eval: ") == 1  # only the end of the run
     assert read_json(tmp_path / "s.json")["metrics"]["loss"] > 0

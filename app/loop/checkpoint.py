@@ -3,7 +3,8 @@ metadata, so the same code serves DDP now and FSDP later, and loads at another w
 
 Each checkpoint is a fresh directory committed by `manifest.json`, written last and atomically by
 rank 0. It holds the train state (epoch, step, position in the epoch, the resolved config,
-raylane's version) and the size and SHA-256 of every file of every rank. A directory without a
+raylane's version), the shape of every model parameter and buffer, and the size and SHA-256 of
+every file of every rank. A directory without a
 manifest, or whose files do not match it (truncated, bit-flipped, missing), is never loaded:
 the newest valid one is used instead.
 
@@ -152,8 +153,10 @@ class PendingSave:
     """A checkpoint whose shards are written but which is not committed yet. `commit()` is
     collective: every rank calls it, on the same group as the write."""
 
-    def __init__(self, path: Path, rank: int, train_state: dict[str, Any], error: str | None = None) -> None:
+    def __init__(self, path: Path, rank: int, train_state: dict[str, Any], error: str | None = None,
+                 shapes: dict[str, list[int]] | None = None) -> None:
         self.path, self.rank, self.train_state, self.error = path, rank, train_state, error
+        self.shapes = shapes
 
     @property
     def step(self) -> int:
@@ -175,7 +178,7 @@ class PendingSave:
         manifest_error = None
         if self.rank == 0:
             try:
-                _write_manifest(self.path, {"train_state": self.train_state,
+                _write_manifest(self.path, {"train_state": self.train_state, "shapes": self.shapes,
                                             "files": {k: v for part in gathered for k, v in part["files"].items()}})
             except OSError as exc:
                 manifest_error = _describe(exc, 0)
@@ -326,7 +329,32 @@ def write(path: str | os.PathLike, state: dict[str, Any], train_state: dict[str,
             _write_durably(path / rng_file(rank), json.dumps(rng))
     except _save_errors() as exc:  # reported on every rank by commit()
         error = error or _describe(exc, rank)
-    return PendingSave(path, rank, train_state, error=error)
+    shapes = model_shapes(state.get("model") or {}) if rank == 0 and error is None else None
+    return PendingSave(path, rank, train_state, error=error, shapes=shapes)
+
+
+def model_shapes(model_state: dict[str, Any]) -> dict[str, list[int]]:
+    """Name -> full shape (a shard's global one) of every tensor of a model state dict."""
+    return {k: list(v.shape) for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+
+
+class CheckpointLoadError(RuntimeError):
+    """A committed checkpoint that this model and optimizer cannot load; raised on every rank."""
+
+
+def check_shapes(path: str | os.PathLike, recorded: dict[str, list[int]] | None, model_state: dict[str, Any]) -> None:
+    """The model about to load `path` has the parameters its manifest recorded (when it did):
+    one line naming the first that differs, rather than DCP's error from every rank."""
+    if not recorded:
+        return
+    live = model_shapes(model_state)
+    for name in sorted(set(recorded) | set(live)):
+        if recorded.get(name) != live.get(name):
+            was = "absent" if name not in recorded else f"shape {recorded[name]}"
+            now = "absent" if name not in live else f"shape {live[name]}"
+            raise CheckpointLoadError(
+                f"checkpoint {path} does not fit this run's model: {name} is {was} there and {now} here "
+                "(the config changed the model); start a fresh run with another run.name")
 
 
 def begin_save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -361,10 +389,17 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         raise FileNotFoundError(f"{path} is not a committed checkpoint (no {MANIFEST_FILE})")
     dcp = _dcp()
     model_sd, optim_sd = dcp.state_dict.get_state_dict(model, optimizer)
+    manifest = read_manifest(path)
+    check_shapes(path, manifest.get("shapes"), model_sd)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as exc:  # a BaseException, which the launchers' handlers would miss
+        raise CheckpointLoadError(f"checkpoint {path} cannot be loaded ({_describe(exc, rank or 0)})") from None
     dcp.state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    train_state = read_manifest(path)["train_state"]
+    train_state = manifest["train_state"]
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rng = Path(path) / rng_file(rank if rank is not None else -1)
     if rank is not None and train_state.get("world_size") == world_size and rng.exists():
