@@ -14,9 +14,11 @@ from typing import Any
 
 import yaml
 
-from raylane import __version__, prechecks
+from raylane import __version__, logs, prechecks
 from raylane.config import ConfigError, load_config
 
+VERBOSE_HELP = ("also show what Ray, MLflow, Tune and torch print (by default they go to a log file "
+                "under $RAYLANE_HOME/logs, named at the end of a run)")
 ADDRESS_HELP = ("Ray cluster to join (default: RAY_ADDRESS, else the head `raylane up` started, else a fresh "
                 "embedded one; `local` for a fresh embedded one in any case)")
 
@@ -42,11 +44,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="register the final model in the MLflow model registry under NAME")
     train.add_argument("--local", action="store_true",
                        help="run in this process without Ray (implied under torchrun)")
+    train.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
     sweep = sub.add_parser("tune", help="run a Ray Tune sweep of multi-worker trials (nested MLflow runs)")
     add_config_args(sweep, "sweep YAML: a `sweep:` section naming its base pipeline config (or a shipped sweep's name: digits-sweep)")
     sweep.add_argument("--address", help=ADDRESS_HELP)
     sweep.add_argument("--summary-json", metavar="PATH", help="write the sweep's summary here")
     sweep.add_argument("--register", metavar="NAME", help="register the best trial's model under NAME")
+    sweep.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
     job = sub.add_parser("submit", help="run `raylane train` as a Ray job on a cluster (Jobs SDK)")
     add_config_args(job)
     job.add_argument("--address", help="the cluster's dashboard URL (default: RAY_ADDRESS, else `raylane up`'s, else http://127.0.0.1:8265)")
@@ -57,14 +61,18 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--dashboard-port", type=int, help="dashboard and jobs API port (default: a free one)")
     sub.add_parser("down", help="stop the local Ray head `raylane up` started")
     job.add_argument("--follow", action="store_true", help="stream the job's logs and exit with its result")
+    job.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP + "; for the job too")
     export = sub.add_parser("export", help="write a checkpoint's full model weights as safetensors")
     export.add_argument("checkpoint", help="a checkpoint directory (runs/<name>/checkpoint_<step>)")
     export.add_argument("--out", required=True, help="output .safetensors file (config JSON goes beside it)")
+    export.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
     bench = sub.add_parser("bench", help="benchmark against hand-written torchrun DDP and plain Ray (B1-B9)")
     bench.add_argument("--quick", action="store_true", help="one repeat, short runs, fewer cases: checks the harness")
     bench.add_argument("--only", type=lambda s: s.split(","), metavar="B1,B2,...", help="run only these benchmarks")
     bench.add_argument("--repeats", type=int, help="runs per figure (default 5, or 1 with --quick)")
     bench.add_argument("--out", type=Path, default=Path("bench"), help="results.json, results.md and charts go here")
+    bench.add_argument("--verbose", action="store_true", default=None,
+                       help=VERBOSE_HELP + "; the runs it starts log to files under --out either way")
     return p
 
 
@@ -116,7 +124,9 @@ def _submit(args: argparse.Namespace) -> int:
     from raylane.onray.jobs import EXIT_CODES, submit
 
     try:
-        run = submit(args.config, args.overrides, address=args.address)
+        # The job's `raylane train` inherits it (RAYLANE_VERBOSE): its log is what --follow shows.
+        run = submit(args.config, args.overrides, address=args.address,
+                     env_vars={logs.VERBOSE_ENV: "1" if logs.verbose() else "0"})
     except ConfigError as exc:
         return _config_error(exc)
     print(f"submitted job {run.job_id} to {run.address}", flush=True)
@@ -158,6 +168,8 @@ def _down() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if hasattr(args, "verbose"):  # the commands that start Ray, MLflow or torch
+        logs.setup(args.verbose, args.command)
     if args.command == "up":
         return _up(args)
     if args.command == "down":
@@ -183,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says so
             print(finished.line, flush=True)
         return 0
-    _log_raylane_info()
     from raylane.driver import EXIT_CODES, train, under_torchrun
 
     use_ray = not (args.local or under_torchrun())
@@ -199,15 +210,9 @@ def _config_error(exc: ConfigError) -> int:
     return 2
 
 
-def _log_raylane_info() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("raylane").setLevel(logging.INFO)
-
-
 def _resolved_address(address: str | None, cfg: Any) -> str | None:
     """The cluster a Ray run joins (None: a fresh embedded one), with a warning when an embedded
     one would give the workers more CPUs than this machine has."""
-    _log_raylane_info()
     from raylane.onray.localcluster import resolve_address
 
     address = resolve_address(address)  # before Ray's import: see resolve_address

@@ -6,6 +6,7 @@ driver's display."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -24,6 +25,7 @@ from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 
+from raylane import logs
 from raylane.config import BaseConfig, validate
 from raylane.loop import preemption
 from raylane.loop.distributed import node_layout
@@ -238,10 +240,36 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
 
     cfg = validate(loop_config["config"])
     runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu, loop_config.get("streams"))
+    _relay_warnings(runtime, loop_config.get("verbose", False))
     metric_logger = None
     if runtime.rank == 0 and loop_config.get("run_id"):
         metric_logger = rank_zero_logger(cfg, loop_config["tracking_uri"], loop_config["run_id"])
     run_worker(cfg, runtime, metric_logger, {k: v for k, v in startup.items() if v is not None})
+
+
+class _WarningRelay(logging.Handler):
+    """raylane's warnings on a worker, as events for the driver's display: a driver that shows
+    only raylane's lines does not relay the workers' output (raylane.logs)."""
+
+    def __init__(self, runtime: RayRuntime) -> None:
+        super().__init__(logging.WARNING)
+        self._runtime = runtime
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # When the driver is gone, the worker's own log file still has the warning.
+        with contextlib.suppress(Exception):
+            self._runtime.publish({"event": "log", "rank": self._runtime.rank, "level": record.levelname.lower(),
+                                   "message": record.getMessage()})
+
+
+def _relay_warnings(runtime: RayRuntime, verbose: bool) -> None:
+    if verbose:
+        return  # the worker's output reaches the driver as it is
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    own = logging.getLogger("raylane")
+    for handler in [h for h in own.handlers if isinstance(h, _WarningRelay)]:
+        own.removeHandler(handler)  # a worker process reused by a later run
+    own.addHandler(_WarningRelay(runtime))
 
 
 # gloo prefixes its errors with a C++ source location; it says nothing to a user.
@@ -335,7 +363,7 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
     trainer = trainer_cls(
         _train_fn,
         train_loop_config={"config": cfg.model_dump(mode="json"), "sink": sink, "streams": streams,
-                           "run_id": run_id, "tracking_uri": tracking_uri},
+                           "run_id": run_id, "tracking_uri": tracking_uri, "verbose": logs.verbose()},
         datasets=datasets, **({"dataset_config": _stream_split()} if datasets else {}),
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources),
