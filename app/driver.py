@@ -222,6 +222,9 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         # Each rank's node, numbered in rank order (Ray runs; torchrun's ranks leave it out).
         "node_ranks": result.get("node_ranks"),
         "metrics": result.get("metrics", {}),
+        # Rank 0's train loss and throughput over the run's last logged steps (MLflow's last train/*).
+        "last_window": result.get("last_window"),
+        "steps_per_epoch": result.get("steps_per_epoch"),
         "resumed_from_step": result.get("resumed_from_step"),
         # Every (re)start of the worker group announces itself; the first one is not a restart.
         "restarts": max(display.starts - 1, 0),
@@ -245,20 +248,7 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
 
 
 def _print_outcome(summary: dict[str, Any], ui: str) -> None:
-    metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted(summary["metrics"].items()))
-    lines = [f"run {summary['run_name']}: {summary['status']}"]
-    if summary["error"]:
-        lines.append(f"  error:         {summary['error']}")
-    if summary["resumed_from_step"]:
-        lines.append(f"  resumed from:  step {summary['resumed_from_step']}")
-    nodes = len(set(summary.get("node_ranks") or [0]))
-    lines += [
-        f"  steps:         {summary['steps']} in {summary['epochs']} epochs on {summary['world_size']} workers"
-        + (f" across {nodes} nodes" if nodes > 1 else ""),
-        f"  metrics:       {metrics or '-'}",
-        f"  MLflow run id: {summary['run_id']}",
-        f"  checkpoint:    {summary['checkpoint']}",
-        *([f"  model:         {summary['model_uri']}"] if summary.get("model_uri") else []),
-        f"  MLflow UI:     {ui}",
-    ]
-    print("\n".join(lines), flush=True)
+    from raylane.logs import log_file
+    from raylane.tracking.progress import outcome_text
+
+    print(outcome_text(summary, ui, log_file()), flush=True)

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import io
 
-from raylane.tracking.progress import ProgressDisplay
+from raylane.loop.reporting import Reporter
+from raylane.tracking.progress import ProgressDisplay, epochs_text, outcome_text, plural
 
 
 def _feed(display: ProgressDisplay) -> None:
     display.handle({"event": "start", "total_steps": 100, "steps_per_epoch": 50, "max_epochs": 2,
                     "world_size": 2, "resumed_from_step": 40})
     display.handle({"event": "first_step", "step": 41, "time_unix": 1000.0})
+    window = {"first_step": 41, "last_step": 41, "loss": 0.5, "samples_per_s": 1234.0}
     for step in range(41, 60):
-        display.handle({"event": "progress", "epoch": 0, "step": step, "loss": 0.5, "samples_per_s": 1234.0})
+        display.handle({"event": "progress", "epoch": 0, "step": step, "window": window})
     display.handle({"event": "eval", "epoch": 0, "step": 50, "metrics": {"accuracy": 0.9, "loss": 0.3}})
     display.handle({"event": "checkpoint", "step": 50, "location": "/x/checkpoint_000000050"})
+    # The last steps' figures come with the end: the last line must not show the window above.
     display.handle({"event": "end", "time_unix": 1010.0,
-                    "result": {"steps": 100, "epochs": 2, "metrics": {"accuracy": 0.95}}})
+                    "result": {"steps": 100, "epochs": 2, "metrics": {"accuracy": 0.95},
+                               "last_window": {"first_step": 91, "last_step": 100, "loss": 0.25,
+                                               "samples_per_s": 2000.4, "tokens_per_s": 64012.0}}})
 
 
 def test_log_output_is_plain_and_rate_limited():
@@ -27,9 +32,10 @@ def test_log_output_is_plain_and_rate_limited():
     assert lines[0] == "[raylane] resumed from step 40"
     # 19 progress events within the interval: one line, then the eval line, then the final line.
     progress = [ln for ln in lines if ln.startswith("[raylane] epoch") and " step " in ln]
-    assert progress[0].startswith("[raylane] epoch 1/2 step 41/100 (41%) loss 0.5000 1,234 samples/s eta ")
+    assert progress[0].startswith("[raylane] epoch 1/2 step 41/100 (41%) loss 0.5000 1,234 samples/s (step 41) eta ")
     assert "[raylane] epoch 1 eval: accuracy 0.9000 loss 0.3000" in lines
-    assert progress[-1].startswith("[raylane] epoch 2/2 step 100/100 (100%)")
+    assert progress[-1].startswith("[raylane] epoch 2/2 step 100/100 (100%) "
+                                   "loss 0.2500 2,000 samples/s 64,012 tokens/s (steps 91-100) eta ")
     assert len(progress) == 2
     assert display.first_step_unix == 1000.0 and display.end_unix == 1010.0
     assert display.result["metrics"] == {"accuracy": 0.95}
@@ -43,3 +49,49 @@ def test_terminal_output_is_a_live_bar():
     display.close()
     assert display._bar is None  # stopped cleanly
     assert "[raylane] epoch" not in out.getvalue()  # no plain lines on a terminal
+
+
+def test_workers_warnings_are_shown_once_as_raylane_lines():
+    out = io.StringIO()
+    display = ProgressDisplay(stream=out, live=False)
+    display.handle({"event": "start", "total_steps": 10, "world_size": 2})
+    for rank in (0, 1):
+        display.handle({"event": "log", "rank": rank, "level": "warning", "message": "checkpoint x is corrupt"})
+    assert out.getvalue().splitlines() == ["[raylane] warning (rank 0): checkpoint x is corrupt"]
+
+
+def _summary(**changes):
+    summary = {"run_name": "r", "status": "FINISHED", "error": None, "resumed_from_step": None, "steps": 23,
+               "epochs": 1, "steps_per_epoch": 23, "world_size": 2, "node_ranks": [0, 0],
+               "metrics": {"accuracy": 0.9}, "run_id": "a" * 32, "checkpoint": "/c", "samples_per_s": 884.2,
+               "tokens_per_s": None,
+               "last_window": {"first_step": 21, "last_step": 23, "loss": 0.88968, "samples_per_s": 551.49}}
+    return {**summary, **changes}
+
+
+def test_the_final_block_names_what_each_figure_measures():
+    text = outcome_text(_summary(), "mlflow ui ...")
+    assert "  steps:         23 in 1 epoch on 2 workers\n" in text
+    assert "  train loss:    0.8897 (steps 21-23, rank 0)\n" in text
+    assert "  throughput:    551 samples/s (steps 21-23), 884 samples/s (whole run)\n" in text
+    assert "  eval:          accuracy 0.9000\n" in text and "  MLflow UI:     mlflow ui ..." in text
+
+
+def test_the_final_block_counts_in_words():
+    stopped = outcome_text(_summary(steps=5, epochs=0, world_size=1, node_ranks=[0], run_id=None), "ui")
+    assert "  steps:         5 in 0.22 epoch on 1 worker\n" in stopped
+    assert "  MLflow:        not recorded\n" in stopped and "MLflow UI" not in stopped
+    two = outcome_text(_summary(steps=60, epochs=2, steps_per_epoch=23, world_size=4, node_ranks=[0, 0, 1, 1]), "ui")
+    assert "  steps:         60 in 2.6 epochs on 4 workers across 2 nodes\n" in two
+    assert plural(1, "node") == "1 node" and epochs_text(46, 2, 23) == "2 epochs"
+
+
+def test_the_reporter_names_each_window_by_its_steps():
+    events = []
+    reporter = Reporter(is_rank_zero=True, publish=events.append)
+    reporter.on_start(total_steps=53, steps_per_epoch=30, resumed_from_step=40)
+    reporter.on_train_metrics(50, {"loss": 1.0, "samples_per_s": 10.0, "lr": 0.1})
+    reporter.on_train_metrics(53, {"loss": 0.5, "samples_per_s": 20.0, "lr": 0.1})
+    result = reporter.on_end({"steps": 53})
+    assert result["last_window"] == {"first_step": 51, "last_step": 53, "loss": 0.5, "samples_per_s": 20.0}
+    assert result["steps_per_epoch"] == 30 and events[-1]["result"] == result

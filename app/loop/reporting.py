@@ -11,6 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 PROGRESS_INTERVAL_S = 0.5
+# The training figures of one window of steps, as MLflow records them at the window's last step.
+WINDOW_KEYS = ("loss", "samples_per_s", "tokens_per_s")
 
 
 class Reporter:
@@ -21,10 +23,12 @@ class Reporter:
         self._metrics = metric_logger if is_rank_zero else None
         self._last_publish = float("-inf")
         self._state: dict[str, Any] = {}
+        self._window_from = 1  # the first step of the window the next train metrics cover
 
     def on_start(self, **info: Any) -> None:
         if self.active:
             self._state.update(info)
+            self._window_from = (info.get("resumed_from_step") or 0) + 1
             self._publish({"event": "start", "host": socket.gethostname(), **info})
 
     def on_step(self, *, epoch: int, step: int, first: bool) -> None:
@@ -38,9 +42,13 @@ class Reporter:
             self._publish({"event": "progress", "epoch": epoch, "step": step, **self._state})
 
     def on_train_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """`metrics` cover the steps since the previous call (a window), and go to MLflow at `step`."""
         if not self.active:
             return
         self._state.update(metrics)
+        self._state["window"] = {"first_step": self._window_from, "last_step": step,
+                                 **{k: metrics[k] for k in WINDOW_KEYS if k in metrics}}
+        self._window_from = step + 1
         if self._metrics is not None:
             self._metrics.log({f"train/{k}": v for k, v in metrics.items()}, step)
 
@@ -66,6 +74,10 @@ class Reporter:
         """Publish the result; returns it with rank 0's logging cost added."""
         if not self.active:
             return result
+        # The last window's figures: the progress display's last line, the summary and MLflow's
+        # last train/* values are all these.
+        result = {**result, "last_window": self._state.get("window"),
+                  "steps_per_epoch": self._state.get("steps_per_epoch")}
         if self._metrics is not None:
             self._metrics.close()
             result = {**result, "tracking_cost_s": self._metrics.cost()}

@@ -299,12 +299,12 @@ class Trainer:
         self.preempted = stop
         return stop
 
-    def _log_train_metrics(self) -> None:
+    def _log_train_metrics(self, until: float | None = None) -> None:
         """Rank 0's own training loss, as Lightning logs it by default: an all-reduce here would
         cost as much as the vote, every few steps (the held-out metrics are exact over all ranks)."""
         if not self.reporter.active:
             return self._reset_window()
-        elapsed = time.perf_counter() - self._window_start
+        elapsed = (until or time.perf_counter()) - self._window_start
         samples_per_s = self._window_steps * self.samples_per_step / max(elapsed, 1e-9)
         metrics = {
             "loss": float(self._loss_sum) / max(self._loss_count, 1),
@@ -402,7 +402,7 @@ class Trainer:
             self.saver.settle()  # a save in flight is committed before the run ends or stops
             self.vote.close()
         if self._loss_count:
-            self._log_train_metrics()
+            self._log_train_metrics(until=last_step_end)  # not the end-of-run save and evaluation
         # A max_steps stop mid-epoch, an epoch left unevaluated, or resumed at the end.
         if self.eval_step != self.step and not self.preempted:
             self._record_eval(self._evaluate())

@@ -26,9 +26,11 @@ from typing import Any
 import ray
 from ray import tune
 
+from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
 from raylane.onray.cluster import data_cpus
 from raylane.onray.sweep import SweepSection, load_sweep, trial_config
+from raylane.tracking.progress import plural
 from raylane.tracking.runs import RUN_NAME_TAG, RunHandle, close_run, mlflow_client, resolve_tracking_uri, run_tags
 
 log = logging.getLogger("raylane")
@@ -311,8 +313,9 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
                         dashboard=True)
     try:
         concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
-        print(f"[raylane] sweep {sweep.name}: {sweep.num_samples} samples, {concurrency} trial(s) at a time, "
-              f"{base.scaling.num_workers} worker(s) per trial; MLflow parent run {parent.run_id}", flush=True)
+        print(f"[raylane] sweep {sweep.name}: {plural(sweep.num_samples, 'sample')}, {plural(concurrency, 'trial')} "
+              f"at a time, {plural(base.scaling.num_workers, 'worker')} per trial; MLflow parent run {parent.run_id}",
+              flush=True)
         random.seed(sweep.seed)  # PBT's explore draws from Python's generator
         started = time.monotonic()
         grid = _fit(sweep, base, parent, concurrency)
@@ -348,7 +351,8 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
                           "tracking_uri": parent.tracking_uri, "resumed": False}}
     trainable = tune.with_resources(tune.with_parameters(_trial, context=context), {"CPU": TRIAL_DRIVER_CPU})
     path = f"{base.run.storage_path.rstrip('/')}/{sweep.name}"
-    run_config = tune.RunConfig(name=sweep.name, storage_path=base.run.storage_path, verbose=0,
+    run_config = tune.RunConfig(name=sweep.name, storage_path=base.run.storage_path,
+                                verbose=1 if logs.verbose() else 0,  # --verbose: Tune's status tables too
                                 callbacks=[_TrialRuns(parent, sweep, base.train.max_epochs)],
                                 failure_config=tune.FailureConfig(max_failures=base.failure.max_failures))
     # A trial's driver process, reused by the next trial, keeps torch, Ray Train and raylane

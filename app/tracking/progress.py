@@ -1,7 +1,10 @@
-"""The driver's live display: a bar on a terminal, periodic plain lines in a log (`ray job logs`).
+"""The driver's live display: a bar on a terminal, periodic plain lines in a log (`ray job logs`),
+and the block a finished run ends with.
 
 It consumes the events rank 0 publishes (see raylane.loop.reporting) and remembers what the summary needs
-(first and last step times, the final result)."""
+(first and last step times, the final result). Training figures are always shown with the steps
+they cover: the display, the summary and MLflow's train/* metrics give the same window the same
+numbers, and the whole run's throughput is named as such."""
 
 from __future__ import annotations
 
@@ -10,6 +13,36 @@ import time
 from typing import IO, Any
 
 LINE_INTERVAL_S = 10.0
+LABEL_WIDTH = 15
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
+def epochs_text(steps: int, epochs: int, steps_per_epoch: int | None) -> str:
+    """'1 epoch', '12 epochs', or the fraction a max_steps stop ran: '0.2 epoch', '2.6 epochs'."""
+    if not steps_per_epoch or steps == epochs * steps_per_epoch:
+        return plural(epochs, "epoch")
+    fraction = steps / steps_per_epoch
+    return f"{fraction:.2g} epoch" if fraction < 1 else f"{fraction:.1f} epochs"
+
+
+def figures(window: dict[str, Any] | None, with_loss: bool = True) -> str:
+    """'loss 0.1234 1,132 samples/s', as measured over `window`'s steps."""
+    if not window:
+        return ""
+    parts = [f"loss {window['loss']:.4f}"] if with_loss and "loss" in window else []
+    if "samples_per_s" in window:
+        parts.append(f"{window['samples_per_s']:,.0f} samples/s")
+    if "tokens_per_s" in window:
+        parts.append(f"{window['tokens_per_s']:,.0f} tokens/s")
+    return " ".join(parts)
+
+
+def window_span(window: dict[str, Any]) -> str:
+    first, last = window["first_step"], window["last_step"]
+    return f"step {last}" if first == last else f"steps {first}-{last}"
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -34,6 +67,7 @@ class ProgressDisplay:
         self._rate_origin: tuple[float, int] | None = None  # (time, step) of the first progress seen
         self._bar = None
         self._task = None
+        self._warned: set[str] = set()
 
     # Events from rank 0 ---------------------------------------------------------------------
 
@@ -62,11 +96,23 @@ class ProgressDisplay:
             self.checkpoints.append(event)
         elif kind == "checkpoint_failed":
             self._print(f"warning: {event['error']}")
+        elif kind == "log":
+            self._relayed(event)
         elif kind == "end":
             self.end_unix = event["time_unix"]
             self.result = event["result"]
             self.info.update(step=self.result["steps"], epoch=max(self.result["epochs"] - 1, 0))
+            if self.result.get("last_window"):
+                self.info["window"] = self.result["last_window"]  # the last steps', not a stale one
             self._show(force=True)
+
+    def _relayed(self, event: dict[str, Any]) -> None:
+        """A worker's raylane warning; once, when every rank says the same."""
+        if event["message"] in self._warned:
+            return
+        self._warned.add(event["message"])
+        rank = f" (rank {event['rank']})" if self.info.get("world_size", 1) > 1 else ""
+        self._print(f"{event['level']}{rank}: {event['message']}")
 
     # Rendering ------------------------------------------------------------------------------
 
@@ -85,11 +131,8 @@ class ProgressDisplay:
     def _show(self, force: bool = False) -> None:
         step, total = self.info.get("step", 0), self.info.get("total_steps") or 0
         epoch = self.info.get("epoch", 0) + 1
-        stats = []
-        if "loss" in self.info:
-            stats.append(f"loss {self.info['loss']:.4f}")
-        if "samples_per_s" in self.info:
-            stats.append(f"{self.info['samples_per_s']:,.0f} samples/s")
+        window = self.info.get("window")
+        stats = [f"{figures(window)} ({window_span(window)})"] if window else []
         if self._bar is not None:
             self._bar.update(self._task, completed=step, description=f"epoch {epoch}/{self.info.get('max_epochs', '?')}",
                              stats=" ".join(stats))
@@ -116,3 +159,44 @@ class ProgressDisplay:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+def outcome_text(summary: dict[str, Any], ui: str, log_file: Any = None) -> str:
+    """The block a run ends with. Each figure names what it measures: the eval metrics the step
+    they were taken at, train loss and throughput the window of steps they cover (the last line of
+    the progress display, and MLflow's train/* at that step), the run's throughput the whole run."""
+    rows: list[tuple[str, str]] = []
+    if summary["error"]:
+        rows.append(("error", summary["error"]))
+    if summary["resumed_from_step"]:
+        rows.append(("resumed from", f"step {summary['resumed_from_step']}"))
+    nodes = len(set(summary.get("node_ranks") or [0]))
+    steps = summary["steps"]
+    if steps is not None:
+        rows.append(("steps", f"{steps:,} in {epochs_text(steps, summary['epochs'] or 0, summary.get('steps_per_epoch'))}"
+                              f" on {plural(summary['world_size'], 'worker')}"
+                              + (f" across {plural(nodes, 'node')}" if nodes > 1 else "")))
+    window = summary.get("last_window")
+    if window and "loss" in window:
+        rows.append(("train loss", f"{window['loss']:.4f} ({window_span(window)}, rank 0)"))
+    rates = [f"{figures(window, with_loss=False)} ({window_span(window)})"] if window and "samples_per_s" in window else []
+    whole = figures({k: summary[k] for k in ("samples_per_s", "tokens_per_s") if summary.get(k) is not None})
+    rates += [f"{whole} (whole run)"] if whole else []
+    if rates:
+        rows.append(("throughput", ", ".join(rates)))
+    metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted(summary["metrics"].items()))
+    rows.append(("eval", metrics or "-"))
+    if summary["run_id"]:
+        rows.append(("MLflow run id", summary["run_id"]))
+    else:
+        rows.append(("MLflow", "not recorded"))
+    rows.append(("checkpoint", str(summary["checkpoint"])))
+    if summary.get("model_uri"):
+        rows.append(("model", summary["model_uri"]))
+    if summary["run_id"]:
+        rows.append(("MLflow UI", ui))
+    if log_file:
+        rows.append(("library log", f"{log_file} (Ray, MLflow, torch; --verbose prints them)"))
+    lines = [f"run {summary['run_name']}: {summary['status']}"]
+    lines += [f"  {label + ':':<{LABEL_WIDTH}}{text}" for label, text in rows]
+    return "\n".join(lines)

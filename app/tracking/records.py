@@ -18,6 +18,7 @@ from raylane.tracking.runs import MetricLogger, RunHandle, mlflow_client
 
 log = logging.getLogger("raylane.tracking")
 
+RUN_RATES = ("samples_per_s", "tokens_per_s")
 PLOTTED = {"loss": ("train/loss", "eval/loss"), "eval_metrics": ("eval/accuracy",),
            "throughput": ("train/samples_per_s",)}
 
@@ -41,12 +42,21 @@ class RunRecorder:
             self._prewarming.start()
         elif kind == "start":
             self._logger.set_tags({"raylane.host": event.get("host", "?"), **(event.get("strategy_tags") or {})})
+        elif kind == "end":
+            self._log_run_rates(event["result"])
         elif kind == "checkpoint":
             record = {k: event.get(k) for k in ("step", "location", "metrics", "time_unix")}
             self.checkpoints.append(record)
             self._logger.log({"checkpoint/step": event["step"]}, event["step"])
             self._logger.set_tags({"raylane.checkpoint.latest": event["location"],
                                    "raylane.checkpoint.count": len(self.checkpoints)})
+
+    def _log_run_rates(self, result: dict[str, Any]) -> None:
+        """The summary's whole-run throughput, named apart from train/*, which covers a window of
+        steps each (the progress display's figures)."""
+        rates = {f"run/{k}": result[k] for k in RUN_RATES if isinstance(result.get(k), (int, float))}
+        if rates and result.get("steps") is not None:
+            self._logger.log(rates, result["steps"])
 
     def finish(self, status: str, checkpoint: str | None, register: str | None) -> dict[str, Any]:
         """Before the run is closed. Returns what was recorded (model URI, registered version)."""
