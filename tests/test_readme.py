@@ -1,0 +1,283 @@
+"""README.md's command blocks, as a newcomer copies them.
+
+Every shell block is checked without running it: bash parses it, every `raylane` subcommand and
+flag is one the parser knows, every config loads with its `--set` keys, every file, script,
+make target and `scripts/cluster.sh` verb it names exists. Blocks with no marker are then run
+for real, each in a scratch folder that sees the repo's tracked files through links, so nothing
+is written into the repo. An HTML comment on the line before a block's fence marks one that a
+test should not run:
+
+    <!-- readme-test: slow: WHY -->   trains, sweeps or starts servers (other tests run those);
+                                      its `raylane check` and `--version` commands still run here
+    <!-- readme-test: skip: WHY -->   needs what this machine lacks (AWS, a second node, a GPU)
+
+and its run test is skipped with that reason. On a fresh clone every block runs by hand, in
+order, slow ones included."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, cli_env
+
+README = REPO / "README.md"
+SHELL_LANGS = {"bash", "sh", "shell", "console"}
+MARK = re.compile(r"<!--\s*readme-test:\s*(slow|skip)\s*:?\s*(.*?)\s*-->")
+FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
+# The repo's own files a block may read; a run's outputs (runs/, mlflow.db, s.json, exported/)
+# land in the scratch folder beside these links, never in the repo.
+TRACKED = ["app", "pipelines", "examples", "scripts", "docs", "bench", "Makefile", "pyproject.toml",
+           "constraints-cpu.txt", "cluster.yaml", "README.md"]
+SEPARATORS = {"&&", "||", ";", "|", "&"}
+VENV_BIN = Path(sys.prefix) / "bin"
+
+
+@dataclass
+class Block:
+    line: int  # of the opening fence, 1-based
+    lang: str
+    text: str
+    mark: str | None = None  # slow | skip
+    reason: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"README.md:{self.line}"
+
+
+def blocks() -> list[Block]:
+    lines, found, i = README.read_text().splitlines(), [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, lang, body = len(m.group(1)), m.group(2), []
+        i += 1
+        while not FENCE.match(lines[i]) or FENCE.match(lines[i]).group(2):
+            body.append(lines[i][indent:])
+            i += 1
+        start = i - len(body)
+        before = next((ln for ln in reversed(lines[:start - 1]) if ln.strip()), "")
+        mark = MARK.search(before)
+        found.append(Block(start, lang, "\n".join(body) + "\n", *(mark.groups() if mark else ())))
+        i += 1
+    return found
+
+
+SHELL = [b for b in blocks() if b.lang in SHELL_LANGS]
+
+
+def commands(block: Block) -> list[list[str]]:
+    """The simple commands of a block, in order, each its argv with leading VAR=value kept."""
+    text = block.text.replace("\\\n", " ")
+    if block.lang == "console":  # prompts: `$ cmd`; the other lines are output
+        text = "\n".join(ln[2:] for ln in text.splitlines() if ln.startswith("$ "))
+    found = []
+    for line in text.splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split, argv = True, []
+        for token in [*lexer, ";"]:
+            if token in SEPARATORS:
+                found += [argv] if argv else []
+                argv = []
+            else:
+                argv.append(token)
+    return found
+
+
+def split_env(argv: list[str]) -> tuple[list[str], list[str]]:
+    n = next((i for i, a in enumerate(argv) if not re.match(r"^[A-Za-z_]\w*=", a)), len(argv))
+    return argv[:n], argv[n:]
+
+
+def resolve(cwd: Path, token: str) -> Path:
+    """A path as the block's shell sees it; the repo's .venv is this interpreter's environment."""
+    path = Path(os.path.normpath(cwd / token))
+    venv = REPO / ".venv"
+    if not venv.exists() and path.is_relative_to(venv):
+        return Path(sys.prefix) / path.relative_to(venv)
+    return path
+
+
+def make_targets() -> set[str]:
+    return set(re.findall(r"^([\w.-]+)\s*:", (REPO / "Makefile").read_text(), re.M))
+
+
+def cluster_verbs() -> set[str]:
+    return set(re.findall(r"^\s*(\w+)\)", (REPO / "scripts/cluster.sh").read_text(), re.M))
+
+
+def parse(parser, argv: list[str], prog: str):
+    """argparse's verdict on argv, its error as an AssertionError."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            return parser.parse_args(argv)
+        except SystemExit:
+            raise AssertionError(f"{prog} {shlex.join(argv)}: {err.getvalue().strip()}") from None
+
+
+def check_raylane(argv: list[str], cwd: Path) -> None:
+    """raylane's own parser accepts argv, and the config it names loads with its --set keys."""
+    from raylane.cli import _parser
+
+    if argv == ["--version"]:
+        return
+    args = parse(_parser(), argv, "raylane")
+    config = getattr(args, "config", None)
+    if config is None:
+        return
+    source = str(cwd / config) if (cwd / config).exists() else config  # else a shipped name
+    if args.command == "tune":
+        from raylane.onray.sweep import load_sweep
+
+        load_sweep(source, args.overrides)
+    else:
+        from raylane.config import load_config
+
+        load_config(source, args.overrides)
+
+
+def check_command(argv: list[str], cwd: Path) -> Path:
+    """Checks one simple command; returns the directory the next one runs in."""
+    env, argv = split_env(argv)
+    prog, rest = argv[0], argv[1:]
+    if prog == "cd":
+        target = resolve(cwd, rest[0])
+        assert target.is_dir(), f"cd {rest[0]}: no such folder"
+        return target
+    if prog in ("source", "."):
+        assert resolve(cwd, rest[0]).is_file(), f"{prog} {rest[0]}: no such file"
+        return cwd
+    if prog == "export":
+        return cwd
+    if "/" in prog:
+        assert os.access(resolve(cwd, prog), os.X_OK), f"{prog}: no such executable"
+    else:
+        assert (VENV_BIN / prog).exists() or shutil.which(prog), f"{prog}: not installed"
+    name = Path(prog).name
+    if name == "make":
+        assert set(rest) <= make_targets(), f"make {' '.join(rest)}: no such target"
+    elif name == "raylane":
+        check_raylane(rest, cwd)
+    elif name == "cluster.sh":
+        assert rest[0] in cluster_verbs(), f"cluster.sh {rest[0]}: no such verb"
+        if rest[0] == "submit":  # `raylane train CONFIG --set run.storage_path=... ARGS`
+            check_raylane(["train", *rest[1:]], cwd)
+    elif name == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        parsed = parse(get_args_parser(), rest, "torchrun")
+        assert parsed.module and parsed.training_script == "raylane", shlex.join(argv)
+        check_raylane(parsed.training_script_args, cwd)
+    return cwd
+
+
+def check_block(block: Block) -> None:
+    parsed = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True)
+    assert parsed.returncode == 0, f"{block.id}: {parsed.stderr}"
+    cwd = REPO
+    for argv in commands(block):
+        cwd = check_command(argv, cwd)
+
+
+@pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
+def test_block_is_valid(block: Block):
+    """Parses, and names only subcommands, flags, config keys, files and targets that exist."""
+    check_block(block)
+
+
+@pytest.mark.parametrize("text, error", [
+    ("raylane train digits --sett train.max_epochs=1\n", "unrecognized arguments: --sett"),
+    ("raylane trian digits\n", "invalid choice: 'trian'"),
+    ("raylane check digits --set train.max_epoch=1\n", "train.max_epoch"),
+    ("raylane tune pipelines/digits-sweep.yaml --set sweep.metrc=accuracy\n", "sweep.metrc"),
+    ("raylane train pipelines/digitz.yaml\n", "digitz"),
+    ("cd examples/own-modle\n", "no such folder"),
+    ("make runn\n", "no such target"),
+    ("scripts/cluster.sh uup\n", "no such verb"),
+    ("scripts/clusterr.sh up\n", "no such executable"),
+    ("torchrun --standalone --nproc_per_node 2 --max-restart 1 -m raylane trian digits\n", "invalid choice"),
+    ("torchrun --nprocs 2 -m raylane train digits\n", "unrecognized arguments: --nprocs"),
+    ("raylane train digits && (\n", "syntax error"),
+])
+def test_the_checks_catch_what_a_reader_could_not_run(text, error):
+    with pytest.raises(Exception) as caught:
+        check_block(Block(1, "bash", text))
+    assert error in str(caught.value)
+
+
+def test_markers_and_other_blocks(tmp_path):
+    """Every marker sits on a shell block; the YAML blocks parse (a sweep loads) and the Python
+    blocks compile."""
+    marked = sum(1 for ln in README.read_text().splitlines() if MARK.search(ln))
+    assert marked == sum(1 for b in SHELL if b.mark), "a readme-test marker not right before a shell block"
+    assert len(SHELL) >= 10 and any(not b.mark for b in SHELL)
+    for b in blocks():
+        if b.lang == "python":
+            compile(b.text, b.id, "exec")
+        elif b.lang == "yaml" and "sweep" in yaml.safe_load(b.text):
+            from raylane.onray.sweep import load_sweep
+
+            (tmp_path / "sweep.yaml").write_text(b.text)
+            load_sweep(str(tmp_path / "sweep.yaml"))
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    """A folder that looks like a clone after `make run`: links to the tracked files, the
+    virtualenv, and one finished run's checkpoint under runs/ (one process, 2 steps)."""
+    root = tmp_path_factory.mktemp("readme")
+    for name in TRACKED:
+        if (REPO / name).exists():
+            (root / name).symlink_to(REPO / name)
+    (root / ".venv").symlink_to(Path(sys.prefix))
+    out = subprocess.run([str(VENV_BIN / "raylane"), "train", "regression", "--local", "--set", "train.max_steps=2",
+                          "--set", "mlflow.enabled=false"], cwd=root, env=_env(root), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return root
+
+
+def _env(root: Path) -> dict[str, str]:
+    # As after `source .venv/bin/activate`, which the README asks for once per shell.
+    env = cli_env(root)
+    env.update(VIRTUAL_ENV=str(root / ".venv"), PATH=f"{root / '.venv' / 'bin'}:{env['PATH']}")
+    return env
+
+
+def _run(script: str, root: Path, what: str) -> None:
+    out = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=root, env=_env(root),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{what} exited {out.returncode}:\n{out.stdout}{out.stderr}"
+
+
+def _fast(argv: list[str]) -> bool:
+    _, argv = split_env(argv)
+    return Path(argv[0]).name == "raylane" and (argv[1:2] == ["check"] or "--version" in argv or "--help" in argv)
+
+
+@pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
+def test_block_runs(block: Block, scratch: Path):
+    """An unmarked block runs as written; of a marked one, only its fast raylane commands."""
+    if not block.mark:
+        _run(block.text, scratch, block.id)
+        return
+    fast = [argv for argv in commands(block) if _fast(argv)]
+    for argv in fast:
+        _run(shlex.join(argv), scratch, f"{block.id}: {shlex.join(argv)}")
+    ran = f"; ran its {len(fast)} fast command(s)" if fast else ""
+    pytest.skip(f"{block.id} {block.mark}: {block.reason}{ran}")
