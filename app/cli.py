@@ -102,13 +102,17 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from raylane.onray.sweep import load_sweep
+    from raylane.onray.sweep import check_rerun, load_sweep
 
     try:
         sweep, base = load_sweep(args.config, args.overrides)
         prechecks.check_run(base, summary_json=args.summary_json)
+        finished = check_rerun(sweep, base)
     except ConfigError as exc:
         return _config_error(exc)
+    if finished:  # its records stay as they are
+        print(finished, flush=True)
+        return 0
     address = _resolved_address(args.address, base)
     from raylane.onray.tune import run_sweep
 

@@ -178,11 +178,14 @@ def _check_loadable(cfg: BaseConfig, old: dict[str, Any], checkpoint: Path) -> N
     key = first_unloadable(old, new)
     if key is None:
         return
-    was = old.get(key, _UNSET)
-    shown = json.dumps(was) if not isinstance(was, str) else was
-    raise ConfigError(f"{key} = {new.get(key, _UNSET)!r}: run {cfg.run.name!r} has a checkpoint saved with {key} = "
-                      f"{was!r} ({str(checkpoint)!r}) that this config cannot load; keep {key}={shown} to "
-                      f"resume it, or start a fresh run with --set run.name={fresh_name(cfg)}")
+    def shown(flat: dict[str, Any]) -> str:
+        return repr(flat[key]) if key in flat else _UNSET
+
+    was = old.get(key)
+    keep = f"keep {key}={was if isinstance(was, str) else json.dumps(was)}" if key in old else f"drop {key}"
+    raise ConfigError(f"{key} = {shown(new)}: run {cfg.run.name!r} has a checkpoint saved with {key} = {shown(old)} "
+                      f"({str(checkpoint)!r}) that this config cannot load; {keep} to resume it, or start a "
+                      f"fresh run with --set run.name={fresh_name(cfg)}")
 
 
 def fresh_name(cfg: BaseConfig) -> str:

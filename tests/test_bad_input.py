@@ -7,6 +7,7 @@ by a failure (so a case that got that far fails the test rather than starting Ra
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -33,6 +34,20 @@ class Case:
 
 def sweep(space: str = "{optim.lr: {grid: [0.1]}}", extra: str = "") -> dict[str, str]:
     return {"s.yaml": SWEEP.format(space=space, extra=extra)}
+
+
+def ran(name: str = "r", *sets: str) -> dict[str, str]:
+    """runs/<name> as a digits run (with `sets`) left it: a committed checkpoint's manifest."""
+    config = load_config("digits", [f"run.name={name}", *sets]).model_dump(mode="json")
+    return {f"runs/{name}/checkpoint_000000003/manifest.json": json.dumps({"train_state": {"step": 3, "config": config}})}
+
+
+def swept(*sets: str) -> dict[str, str]:
+    """runs/digits-asha as the shipped sweep (with `sets`) left it: its record."""
+    from raylane.onray.sweep import SWEEP_RECORD, load_sweep, settings
+
+    record = {"status": "FINISHED", "settings": settings(*load_sweep("digits-sweep", sets))}
+    return {f"runs/digits-asha/{SWEEP_RECORD}": json.dumps(record)}
 
 
 CASES: dict[str, Case] = {
@@ -90,6 +105,25 @@ CASES: dict[str, Case] = {
     "own pipeline without build": Case(["train", "c.yaml"], "defines no build(cfg) function",
                                        files={"c.yaml": OWN, "pipe.py": "import raylane\nclass Config(raylane.BaseConfig):\n"
                                               "    model: dict = {}\n"}),
+    "resume with another model": Case(["train", "digits", "--set", "run.name=r", "--set", "model.hidden_size=64"],
+                                      "model.hidden_size = 64: run 'r' has a checkpoint saved with model.hidden_size "
+                                      "= 128 (", files=ran(), subprocess=True),
+    "resume with dropout": Case(["train", "digits", "--local", "--set", "run.name=r", "--set", "model.dropout=0.1"],
+                                "model.dropout = 0.1: run 'r' has a checkpoint saved with model.dropout = 0.0",
+                                files=ran()),
+    "resume another pipeline": Case(["train", "regression", "--set", "run.name=r"], "pipeline = 'regression': ",
+                                    files=ran()),
+    "resume with another optimizer": Case(["train", "digits", "--set", "run.name=r", "--set", "optim.name=sgd"],
+                                          "optim.name = 'sgd': run 'r' has a checkpoint saved with optim.name = "
+                                          "'adam' (", files=ran()),
+    "resume adding momentum": Case(["train", "digits", "--set", "run.name=r", "--set", "optim.name=sgd",
+                                    "--set", "optim.momentum=0.9"],
+                                   "optim.momentum = 0.9: ", files=ran("r", "optim.name=sgd", "optim.momentum=0")),
+    "resume adding a schedule": Case(["train", "digits", "--set", "run.name=r", "--set", "optim.schedule=cosine"],
+                                     "keep optim.schedule=constant to resume it, or start a fresh run with "
+                                     "--set run.name=r-2", files=ran()),
+    "check a resume": Case(["check", "digits", "--set", "run.name=r", "--set", "model.num_layers=3"],
+                           "model.num_layers = 3: run 'r'", files=ran()),
     # tune: the sweep and its base config
     "tune a pipeline config": Case(["tune", "digits"],
                                    "sweep file 'digits': is a pipeline config (no `sweep:` section): "
@@ -115,6 +149,16 @@ CASES: dict[str, Case] = {
     "no sweep section": Case(["tune", "t.yaml"], "sweep file 't.yaml': needs a `sweep:` section", files={"t.yaml": "train: {}\n"}),
     "sweep summary into a missing folder": Case(["tune", "digits-sweep", "--summary-json", "out/s.json"],
                                                 "--summary-json = 'out/s.json': folder 'out' does not exist"),
+    "sweep rerun with another metric": Case(["tune", "digits-sweep", "--set", "sweep.metric=loss"],
+                                            "sweep.metric = 'loss': sweep 'digits-asha' already ran with sweep.metric "
+                                            "= 'accuracy' (", files=swept(), subprocess=True),
+    "sweep rerun with more samples": Case(["tune", "digits-sweep", "--set", "sweep.num_samples=8"],
+                                          "sweep.num_samples = 8: ", files=swept()),
+    "sweep rerun with another base": Case(["tune", "digits-sweep", "--set", "train.max_epochs=2"],
+                                          "train.max_epochs = 2: sweep 'digits-asha' already ran with train.max_epochs "
+                                          "= 4", files=swept()),
+    "sweep rerun with another space": Case(["tune", "digits-sweep", "--set", "sweep.space={optim.lr: {grid: [0.1]}}"],
+                                           "start a new sweep with --set sweep.name=digits-asha-2", files=swept()),
     # export: the checkpoint and where the weights go
     "export a missing checkpoint": Case(["export", "runs/x/checkpoint_1", "--out", "m.safetensors"],
                                         "checkpoint = 'runs/x/checkpoint_1': no such folder"),

@@ -29,7 +29,7 @@ from ray import tune
 from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
 from raylane.onray.cluster import data_cpus
-from raylane.onray.sweep import SweepSection, load_sweep, trial_config
+from raylane.onray.sweep import SweepSection, check_rerun, load_sweep, trial_config, write_record
 from raylane.tracking.progress import plural
 from raylane.tracking.runs import RUN_NAME_TAG, RunHandle, close_run, mlflow_client, resolve_tracking_uri, run_tags
 
@@ -293,6 +293,10 @@ def tune_sweep(source: Any, overrides: Iterable[str] = (), *, address: str | Non
     """`raylane.tune()`: load and check the sweep file (ConfigError before Ray starts), run it,
     and return its summary."""
     sweep, base = load_sweep(source, overrides)
+    finished = check_rerun(sweep, base)
+    if finished:  # its records stay as they are
+        print(finished, flush=True)
+        return {"status": "FINISHED", "sweep": sweep.name, "already_finished": True}
     return run_sweep(sweep, base, address=address, summary_path=None, register=register)
 
 
@@ -308,6 +312,7 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
         "storage_path": base.run.storage_path if "://" in base.run.storage_path
         else str(Path(base.run.storage_path).expanduser().resolve())})})
     parent = open_parent(sweep, base, tracking_uri)
+    write_record(sweep, base, "RUNNING", parent_run_id=parent.run_id)
     per_trial = trial_resources(base)["CPU"]
     embedded = init_ray(address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)),
                         dashboard=True)
@@ -330,6 +335,7 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
                    "timing": {"wall_s": wall_s, "trial_s_sum": trial_s, "ideal_s": trial_s / concurrency}}
         summary.update(_record_parent(parent, sweep, rows, best, register))
         close_run(parent, "FINISHED" if not grid.errors else "FAILED")
+        write_record(sweep, base, summary["status"], parent_run_id=parent.run_id, best=best, trials=len(rows))
     except BaseException:
         close_run(parent, "FAILED")
         raise
