@@ -119,6 +119,8 @@ def _tune(args: argparse.Namespace) -> int:
     try:
         summary = run_sweep(sweep, base, address=address, summary_path=args.summary_json,
                             register=args.register)
+        if logs.log_file():
+            print(f"[raylane] library log: {logs.log_file()} (Ray, MLflow, Tune, torch; --verbose prints them)")
         return 0 if summary["status"] == "FINISHED" else 1
     except ConfigError as exc:  # found once the cluster is known: resources
         return _config_error(exc)
