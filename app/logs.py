@@ -46,9 +46,10 @@ def setup(verbose_flag: bool | None, command: str) -> None:
     # one prints nothing at the verbosity 0 raylane asks for.
     os.environ["RAY_AIR_NEW_OUTPUT"] = "1" if on else "0"
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    console = logging.StreamHandler(sys.stderr)
+    for handler in [h for h in root.handlers if isinstance(h, (_Console, _LazyFileHandler))]:
+        root.removeHandler(handler)  # set up again in the same process (tests call the CLI's main)
+        handler.close()
+    console = _Console()
     console.setFormatter(logging.Formatter("%(message)s"))
     logging.getLogger("raylane").setLevel(logging.INFO)
     if on:
@@ -64,6 +65,18 @@ def setup(verbose_flag: bool | None, command: str) -> None:
     for name in ("alembic", "sqlalchemy.engine"):  # MLflow's own set-up keeps these quiet too
         logging.getLogger(name).setLevel(logging.WARNING)
     _after_import("ray", _ray_to_root)
+
+
+class _Console(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each record, not as it was at set-up (a test's capture)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 def _own(record: logging.LogRecord) -> bool:

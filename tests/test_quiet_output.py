@@ -39,8 +39,10 @@ def default_run(tmp_path_factory):
     """`raylane train digits` as a newcomer runs it (one epoch): an embedded Ray of its own, and
     MLflow on, into a fresh database (whose set-up MLflow announces)."""
     tmp = tmp_path_factory.mktemp("default-run")
+    env = cli_env(tmp)
+    env.pop("RAYLANE_VERBOSE", None)  # as a newcomer's shell has it (the CLI's main, run in-process, sets it)
     proc = CliProcess([*RAYLANE, "train", "digits", "--set", "train.max_epochs=1", "--summary-json", "s.json"],
-                      tmp, cli_env(tmp), tmp / "out.log")
+                      tmp, env, tmp / "out.log")
     try:
         assert proc.wait(300) == 0, proc.output
         yield tmp, proc.output
