@@ -178,14 +178,15 @@ def _check_loadable(cfg: BaseConfig, old: dict[str, Any], checkpoint: Path) -> N
     key = first_unloadable(old, new)
     if key is None:
         return
-    def shown(flat: dict[str, Any]) -> str:
-        return repr(flat[key]) if key in flat else _UNSET
-
     was = old.get(key)
     keep = f"keep {key}={was if isinstance(was, str) else json.dumps(was)}" if key in old else f"drop {key}"
-    raise ConfigError(f"{key} = {shown(new)}: run {cfg.run.name!r} has a checkpoint saved with {key} = {shown(old)} "
-                      f"({str(checkpoint)!r}) that this config cannot load; {keep} to resume it, or start a "
-                      f"fresh run with --set run.name={fresh_name(cfg)}")
+    raise ConfigError(f"{key} = {_shown(new, key)}: run {cfg.run.name!r} has a checkpoint saved with {key} = "
+                      f"{_shown(old, key)} ({str(checkpoint)!r}) that this config cannot load; {keep} to resume "
+                      f"it, or start a fresh run with --set run.name={fresh_name(cfg)}")
+
+
+def _shown(flat: dict[str, Any], key: str) -> str:
+    return repr(flat[key]) if key in flat else _UNSET
 
 
 def fresh_name(cfg: BaseConfig) -> str:
