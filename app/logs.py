@@ -65,6 +65,7 @@ def setup(verbose_flag: bool | None, command: str) -> None:
     for name in ("alembic", "sqlalchemy.engine"):  # MLflow's own set-up keeps these quiet too
         logging.getLogger(name).setLevel(logging.WARNING)
     _after_import("ray", _ray_to_root)
+    _after_import("torch", _torch_to_root)
 
 
 class _Console(logging.StreamHandler):
@@ -144,6 +145,17 @@ def _ray_to_root() -> None:
     ray_logger = logging.getLogger("ray")
     ray_logger.handlers.clear()
     ray_logger.propagate = True
+
+
+def _torch_to_root() -> None:
+    # torch's import gives each of its registered loggers (torch.export's among them) a stderr
+    # handler of its own and stops propagation. Its trace log, a file when asked for, stays.
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if (name == "torch" or name.startswith("torch.")) and name != "torch.__trace" \
+                and isinstance(logger, logging.Logger):
+            for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
+                logger.removeHandler(handler)
+            logger.propagate = True
 
 
 def _after_import(name: str, then: Callable[[], None]) -> None:

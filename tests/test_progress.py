@@ -84,6 +84,7 @@ def test_the_final_block_counts_in_words():
     two = outcome_text(_summary(steps=60, epochs=2, steps_per_epoch=23, world_size=4, node_ranks=[0, 0, 1, 1]), "ui")
     assert "  steps:         60 in 2.6 epochs on 4 workers across 2 nodes\n" in two
     assert plural(1, "node") == "1 node" and epochs_text(46, 2, 23) == "2 epochs"
+    assert epochs_text(3, 0, 410) == "under 0.01 epoch"
 
 
 def test_the_reporter_names_each_window_by_its_steps():

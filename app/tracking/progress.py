@@ -25,7 +25,9 @@ def epochs_text(steps: int, epochs: int, steps_per_epoch: int | None) -> str:
     if not steps_per_epoch or steps == epochs * steps_per_epoch:
         return plural(epochs, "epoch")
     fraction = steps / steps_per_epoch
-    return f"{fraction:.2g} epoch" if fraction < 1 else f"{fraction:.1f} epochs"
+    if fraction < 0.01:
+        return "under 0.01 epoch"
+    return f"{fraction:.2f} epoch" if fraction < 1 else f"{fraction:.1f} epochs"
 
 
 def figures(window: dict[str, Any] | None, with_loss: bool = True) -> str:
