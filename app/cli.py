@@ -6,9 +6,11 @@ import argparse
 import atexit
 import logging
 import os
+import re
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -139,11 +141,29 @@ def _submit(args: argparse.Namespace) -> int:
     if not args.follow:
         print(f"follow it with: RAY_AUTH_MODE=token ray job logs --follow --address {run.address} {run.job_id}")
         return 0
-    for chunk in run.follow():
-        print(chunk, end="", flush=True)
+    _show_job_log(run.follow())
     status = run.wait()
     print(f"job {run.job_id}: {status} (MLflow run {run.mlflow_run_id()})", flush=True)
     return EXIT_CODES.get(status, 1)
+
+
+# What Ray's job supervisor writes into a job's log besides the job's own output.
+_JOB_SUPERVISOR_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\t(DEBUG|INFO) |Running entrypoint for job ")
+
+
+def _show_job_log(chunks: Iterable[str]) -> None:
+    """The job's log as it comes; without --verbose, less the supervisor's own lines."""
+    pending = ""
+    for chunk in chunks:
+        if logs.verbose():
+            print(chunk, end="", flush=True)
+            continue
+        *lines, pending = (pending + chunk).split("\n")
+        shown = [line for line in lines if not _JOB_SUPERVISOR_LINE.match(line)]
+        if shown:
+            print("\n".join(shown), flush=True)
+    if pending and not _JOB_SUPERVISOR_LINE.match(pending):
+        print(pending, flush=True)
 
 
 def _up(args: argparse.Namespace) -> int:
