@@ -280,6 +280,9 @@ def test_block_runs(block: Block, scratch: Path):
     """An unmarked block runs as written; of a marked one, only its fast raylane commands."""
     if not block.mark:
         _run(block.text, scratch, block.id)
+        for argv in commands(block):  # what it says it writes is there
+            for flag, path in zip(argv, argv[1:]):
+                assert flag not in ("--out", "--summary-json") or (scratch / path).is_file(), f"{block.id}: no {path}"
         return
     fast = [argv for argv in commands(block) if _fast(argv)]
     for argv in fast:
