@@ -78,8 +78,9 @@ def test_the_final_block_names_what_each_figure_measures():
 
 
 def test_the_final_block_counts_in_words():
-    stopped = outcome_text(_summary(steps=5, epochs=0, world_size=1, node_ranks=[0], run_id=None), "ui")
-    assert "  steps:         5 in 0.22 epoch on 1 worker\n" in stopped
+    stopped = outcome_text(_summary(steps=5, epochs=0, world_size=1, node_ranks=[0], run_id=None, checkpoint=None),
+                           "ui")
+    assert "  steps:         5 in 0.22 epoch on 1 worker\n" in stopped and "  checkpoint:    none" in stopped
     assert "  MLflow:        not recorded\n" in stopped and "MLflow UI" not in stopped
     two = outcome_text(_summary(steps=60, epochs=2, steps_per_epoch=23, world_size=4, node_ranks=[0, 0, 1, 1]), "ui")
     assert "  steps:         60 in 2.6 epochs on 4 workers across 2 nodes\n" in two

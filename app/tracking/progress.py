@@ -192,7 +192,7 @@ def outcome_text(summary: dict[str, Any], ui: str, log_file: Any = None) -> str:
         rows.append(("MLflow run id", summary["run_id"]))
     else:
         rows.append(("MLflow", "not recorded"))
-    rows.append(("checkpoint", str(summary["checkpoint"])))
+    rows.append(("checkpoint", summary["checkpoint"] or "none"))
     if summary.get("model_uri"):
         rows.append(("model", summary["model_uri"]))
     if summary["run_id"]:
