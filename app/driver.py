@@ -113,7 +113,7 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         record_finished(cfg, summary)
         if summary_path:
             Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        _print_outcome(summary, ui_command(tracking_uri))
+        _print_outcome(summary, ui_command(tracking_uri, handle))
         return summary
 
 

@@ -31,7 +31,18 @@ from raylane.config import BaseConfig, ConfigError, validate
 from raylane.onray.cluster import data_cpus
 from raylane.onray.sweep import SweepSection, check_rerun, load_sweep, trial_config, write_record
 from raylane.tracking.progress import plural
-from raylane.tracking.runs import RUN_NAME_TAG, RunHandle, close_run, mlflow_client, resolve_tracking_uri, run_tags
+from raylane.tracking.records import RUN_RATES
+from raylane.tracking.runs import (
+    RUN_NAME_TAG,
+    RunHandle,
+    close_run,
+    mlflow_client,
+    resolve_tracking_uri,
+    run_tags,
+    table_metrics,
+    ui_command,
+    use_experiment,
+)
 
 log = logging.getLogger("raylane")
 
@@ -125,8 +136,7 @@ def check_resources(base: BaseConfig, sweep: SweepSection, total: dict[str, floa
 def open_parent(sweep: SweepSection, base: BaseConfig, tracking_uri: str) -> RunHandle:
     """The sweep's parent run: created, or continued when the same sweep name runs again."""
     client = mlflow_client(tracking_uri)
-    exp = client.get_experiment_by_name(base.mlflow.experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(base.mlflow.experiment)
+    exp_id = use_experiment(client, base.mlflow.experiment, table_metrics(base, sweep.metric))
     found = [r for r in client.search_runs([exp_id], filter_string=f"tags.`{SWEEP_TAG}` = '{sweep.name}'")
              if TRIAL_TAG not in r.data.tags]  # the parent: the one run of the sweep that is no trial
     if found:
@@ -283,6 +293,9 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
         raise
     if result.get("metrics") and reported["step"] != result.get("steps"):  # a max_steps stop mid-epoch
         report(result["metrics"], result.get("epochs", 0), result["steps"], result.get("checkpoint"))
+    for key in RUN_RATES:  # the trial's whole-run throughput, named as a train run's (the runs table's column)
+        if isinstance(result.get(key), (int, float)):
+            client.log_metric(run_id, f"run/{key}", float(result[key]), step=result.get("steps") or 0)
     close_run(handle, "KILLED" if result.get("preempted") else "FINISHED")
 
 
@@ -348,6 +361,7 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
     if best:
         print(f"best trial {best['trial_id']}: {sweep.metric} {best['metric']:.4f} (MLflow run {best['run_id']})",
               flush=True)
+    print(f"[raylane] MLflow UI: {ui_command(tracking_uri, parent)}", flush=True)
     return summary
 
 
