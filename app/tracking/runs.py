@@ -52,7 +52,9 @@ def ui_command(tracking_uri: str, handle: RunHandle | None = None) -> str:
         return f"open {experiment_url(tracking_uri, handle.experiment_id) if handle else tracking_uri}"
     mlflow_bin = Path(os.sys.prefix) / "bin" / "mlflow"
     command = f"{mlflow_bin} ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port 5000"
-    return f"{command}, then open {experiment_url('http://127.0.0.1:5000', handle.experiment_id)}" if handle else command
+    if handle is None:
+        return command
+    return f"{command}, then open {experiment_url('http://127.0.0.1:5000', handle.experiment_id)}"
 
 
 def git_commit(cwd: str | None = None) -> str | None:
