@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import math
+import os
 import random
 import tempfile
 import time
@@ -247,6 +248,10 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     """One trial: a Ray Train run of the base config with `params`, reporting every epoch."""
     from raylane.onray.launch import launch_on_ray
 
+    # The next trial reuses this process once this function has returned, and Tune waits only 2 s
+    # for that: a trial ASHA stopped takes longer to stop its worker group on a busy machine, and
+    # the next trial failed ('Could not re-use actor'). Read by Tune at each reuse, in this process.
+    os.environ.setdefault("TUNE_FUNCTION_THREAD_TIMEOUT_S", "300")
     sweep, base = SweepSection(**context["sweep"]), validate(context["base"])
     parent = RunHandle(**context["parent"])
     trial_id = tune.get_context().get_trial_id()
