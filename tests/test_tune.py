@@ -154,3 +154,23 @@ def test_trial_resources_pack_fractional_gpus_and_refuse_what_cannot_fit():
         check_resources(base, sweep, {"CPU": 16}, embedded=True)
     # A joined cluster may grow: a note, and one trial at a time until it does.
     assert check_resources(base, sweep, {"CPU": 16}, embedded=False) == 1
+
+
+def test_a_metric_no_trial_reports_ends_the_sweep_at_the_first_report():
+    """A user's pipeline may declare no metrics, so `sweep.metric` cannot be checked before the
+    sweep; the first report without it stops every trial and names what the trials do report.
+    (End to end, the own-model example with sweep.metric=acuracy exits 2 with this line.)"""
+    from raylane.config import ConfigError
+    from raylane.onray.tune import _MetricReported
+
+    ok = _MetricReported("accuracy")
+    assert not ok("t1", {"accuracy": 0.9, "loss": 0.3, "epoch": 1, "training_iteration": 1})
+    assert not ok.stop_all()
+    ok.check()
+
+    typo = _MetricReported("acuracy")
+    assert typo("t1", {"accuracy": 0.9, "loss": 0.3, "epoch": 1, "step": 10, "time_total_s": 2.0,
+                       "run_id": "x", "should_checkpoint": True})
+    assert typo.stop_all()
+    with pytest.raises(ConfigError, match=r"sweep.metric = 'acuracy': .*\(they report: accuracy, loss\)"):
+        typo.check()

@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 from ray import tune
+from ray.tune.result import AUTO_RESULT_KEYS
 
 from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
@@ -179,6 +180,31 @@ def _find_child(client, experiment_id: str, sweep: str, trial_id: str):
     runs = client.search_runs([experiment_id], max_results=1,
                               filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep}'")
     return runs[0] if runs else None
+
+
+class _MetricReported(tune.Stopper):
+    """A pipeline of the user's own may declare no metrics, so a misspelled `sweep.metric` is seen
+    only at the first report: end the sweep there, not after every trial ran with no best one."""
+
+    OURS = {"epoch", "step", "checkpoint_location", "run_id", "exploited", "done", "trial_id", "experiment_tag",
+            "should_checkpoint"}
+
+    def __init__(self, metric: str) -> None:
+        self.metric, self.reported = metric, None
+
+    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
+        if self.metric not in result and self.reported is None:
+            skip = self.OURS | set(AUTO_RESULT_KEYS)
+            self.reported = sorted(k for k, v in result.items() if k not in skip and isinstance(v, (int, float)))
+        return self.reported is not None
+
+    def stop_all(self) -> bool:
+        return self.reported is not None
+
+    def check(self) -> None:
+        if self.reported is not None:
+            raise ConfigError(f"sweep.metric = {self.metric!r}: the trials report no such metric "
+                              f"(they report: {', '.join(self.reported) or 'none'})")
 
 
 class _TrialRuns(tune.Callback):
@@ -341,7 +367,9 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
               flush=True)
         random.seed(sweep.seed)  # PBT's explore draws from Python's generator
         started = time.monotonic()
-        grid = _fit(sweep, base, parent, concurrency)
+        stopper = _MetricReported(sweep.metric)
+        grid = _fit(sweep, base, parent, concurrency, stopper)
+        stopper.check()
         wall_s = time.monotonic() - started
         rows = _rows(grid, sweep, parent)
         best = _best(grid, sweep, rows)
@@ -370,7 +398,7 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
     return summary
 
 
-def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: int):
+def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: int, stopper: tune.Stopper):
     context = {"sweep": sweep.model_dump(mode="json"), "base": base.model_dump(mode="json"),
                "parent": {"run_id": parent.run_id, "experiment_id": parent.experiment_id,
                           "tracking_uri": parent.tracking_uri, "resumed": False}}
@@ -379,6 +407,7 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
     run_config = tune.RunConfig(name=sweep.name, storage_path=base.run.storage_path,
                                 verbose=1 if logs.verbose() else 0,  # --verbose: Tune's status tables too
                                 callbacks=[_TrialRuns(parent, sweep, base.train.max_epochs)],
+                                stop=stopper,
                                 failure_config=tune.FailureConfig(max_failures=base.failure.max_failures))
     # A trial's driver process, reused by the next trial, keeps torch, Ray Train and raylane
     # imported. Not under PBT: its exploit must restart a trial from the donor's checkpoint.
