@@ -19,6 +19,8 @@ import yaml
 from raylane import __version__, logs, prechecks
 from raylane.config import ConfigError, load_config
 
+# Under torchrun, how long a rank other than 0 waits before exiting on a config error (see _config_error).
+CONFIG_ERROR_GRACE_S = 5.0
 VERBOSE_HELP = ("also show what Ray, MLflow, Tune and torch print (by default they go to a log file "
                 "under $RAYLANE_HOME/logs, named at the end of a run)")
 ADDRESS_HELP = ("Ray cluster to join (default: RAY_ADDRESS, else the head `raylane up` started, else a fresh "
@@ -233,6 +235,10 @@ def _config_error(exc: ConfigError) -> int:
     # Under torchrun every rank finds the same mistake: one line, from rank 0.
     if os.environ.get("RANK", "0") == "0":
         print(f"raylane: {exc}", file=sys.stderr, flush=True)
+    elif os.environ.get("TORCHELASTIC_RUN_ID"):
+        # torchrun stops the other ranks as soon as one exits: on a busy machine a rank that
+        # finished first had rank 0 killed before it printed, and the user saw no reason at all.
+        time.sleep(CONFIG_ERROR_GRACE_S)
     return 2
 
 
