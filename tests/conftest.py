@@ -255,3 +255,17 @@ def shared_mlflow_server(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """What starts work (a cluster, a run, a sweep, a job) fails the test if reached: for inputs
+    the CLI must answer before anything starts."""
+    from raylane import cli
+
+    def started(*args, **kwargs):
+        raise AssertionError("got past the checks: something was started")
+
+    monkeypatch.setattr(cli, "_resolved_address", started)
+    monkeypatch.setattr("raylane.onray.jobs.job_client", started)
+    monkeypatch.setattr("raylane.driver.train", started)

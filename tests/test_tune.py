@@ -161,14 +161,14 @@ def test_a_metric_no_trial_reports_ends_the_sweep_at_the_first_report():
     sweep; the first report without it stops every trial and names what the trials do report.
     (End to end, the own-model example with sweep.metric=acuracy exits 2 with this line.)"""
     from raylane.config import ConfigError
-    from raylane.onray.tune import _MetricReported
+    from raylane.onray.trials import MetricReported
 
-    ok = _MetricReported("accuracy")
+    ok = MetricReported("accuracy")
     assert not ok("t1", {"accuracy": 0.9, "loss": 0.3, "epoch": 1, "training_iteration": 1})
     assert not ok.stop_all()
     ok.check()
 
-    typo = _MetricReported("acuracy")
+    typo = MetricReported("acuracy")
     assert typo("t1", {"accuracy": 0.9, "loss": 0.3, "epoch": 1, "step": 10, "time_total_s": 2.0,
                        "run_id": "x", "should_checkpoint": True})
     assert typo.stop_all()

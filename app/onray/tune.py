@@ -5,7 +5,7 @@ Ray 2.60's Train V2 no longer runs `Tuner(trainer)`: every trial is a small driv
 (`_trial`) that builds its own `TorchTrainer` (through `raylane.onray.launch.launch_on_ray`, as `raylane
 train` does) and forwards rank 0's epoch-end results to Tune with a checkpoint that points at
 raylane's own checkpoint, which is what ASHA stops on and what PBT copies between trials. The
-MLflow child runs are opened by the trials and closed by this driver (`_TrialRuns`) when Tune
+MLflow child runs are opened by the trials and closed by this driver (`TrialRuns`, in `raylane.onray.trials`) when Tune
 ends a trial, so a trial stopped early is never left RUNNING."""
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 
 import ray
 from ray import tune
-from ray.tune.result import AUTO_RESULT_KEYS
 
 from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
 from raylane.onray.cluster import data_cpus
 from raylane.onray.sweep import SweepSection, check_rerun, load_sweep, trial_config, write_record
+from raylane.onray.trials import SWEEP_TAG, TRIAL_TAG, MetricReported, TrialRuns, find_child
 from raylane.tracking.progress import plural
 from raylane.tracking.records import RUN_RATES
 from raylane.tracking.runs import (
@@ -48,8 +48,6 @@ from raylane.tracking.runs import (
 
 log = logging.getLogger("raylane")
 
-SWEEP_TAG = "raylane.sweep"
-TRIAL_TAG = "raylane.trial_id"
 PARENT_TAG = "mlflow.parentRunId"
 POINTER_FILE = "raylane_checkpoint.json"
 # The trial function only waits on its Train run; Tune needs it to ask for some resource.
@@ -174,71 +172,6 @@ def _child(client, parent: RunHandle, trial_id: str, sweep: SweepSection, cfg: B
     for i in range(0, len(batch), 100):
         client.log_batch(run_id, params=batch[i : i + 100])
     return run_id
-
-
-def _find_child(client, experiment_id: str, sweep: str, trial_id: str):
-    runs = client.search_runs([experiment_id], max_results=1,
-                              filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep}'")
-    return runs[0] if runs else None
-
-
-class _MetricReported(tune.Stopper):
-    """A pipeline of the user's own may declare no metrics, so a misspelled `sweep.metric` is seen
-    only at the first report: end the sweep there, not after every trial ran with no best one."""
-
-    OURS = {"epoch", "step", "checkpoint_location", "run_id", "exploited", "done", "trial_id", "experiment_tag",
-            "should_checkpoint"}
-
-    def __init__(self, metric: str) -> None:
-        self.metric, self.reported = metric, None
-
-    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
-        if self.metric not in result and self.reported is None:
-            skip = self.OURS | set(AUTO_RESULT_KEYS)
-            self.reported = sorted(k for k, v in result.items() if k not in skip and isinstance(v, (int, float)))
-        return self.reported is not None
-
-    def stop_all(self) -> bool:
-        return self.reported is not None
-
-    def check(self) -> None:
-        if self.reported is not None:
-            raise ConfigError(f"sweep.metric = {self.metric!r}: the trials report no such metric "
-                              f"(they report: {', '.join(self.reported) or 'none'})")
-
-
-class _TrialRuns(tune.Callback):
-    """On the driver: close each trial's MLflow run when Tune ends the trial (early-stopped
-    trials are killed with their actor, so they cannot close it themselves)."""
-
-    def __init__(self, parent: RunHandle, sweep: SweepSection, max_epochs: int) -> None:
-        self.parent, self.sweep, self.max_epochs = parent, sweep, max_epochs
-
-    def _close(self, trial, failed: bool) -> None:
-        result = trial.last_result or {}
-        shown = f"{self.sweep.metric} {result[self.sweep.metric]:.4f}, " if self.sweep.metric in result else ""
-        print(f"[raylane] trial {trial.trial_id} ended: {'FAILED' if failed else 'done'} "
-              f"({shown}epoch {result.get('epoch', 0)} of {self.max_epochs})", flush=True)
-        try:
-            client = mlflow_client(self.parent.tracking_uri)
-            run = _find_child(client, self.parent.experiment_id, self.sweep.name, trial.trial_id)
-            if run is None:
-                return
-            epochs = (trial.last_result or {}).get("epoch", 0)
-            if not failed and epochs < self.max_epochs:
-                client.set_tag(run.info.run_id, "raylane.early_stopped", "true")
-                client.set_tag(run.info.run_id, "raylane.stopped_at_epoch", str(epochs))
-            if run.info.status == "RUNNING":
-                close_run(RunHandle(run.info.run_id, self.parent.experiment_id, self.parent.tracking_uri, False),
-                          "FAILED" if failed else ("KILLED" if epochs < self.max_epochs else "FINISHED"))
-        except Exception as exc:  # noqa: BLE001 - records must not stop the sweep
-            log.warning("MLflow: could not close trial %s: %s", trial.trial_id, exc)
-
-    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        self._close(trial, failed=False)
-
-    def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        self._close(trial, failed=True)
 
 
 # -- the trial ---------------------------------------------------------------------------------
@@ -367,7 +300,7 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
               flush=True)
         random.seed(sweep.seed)  # PBT's explore draws from Python's generator
         started = time.monotonic()
-        stopper = _MetricReported(sweep.metric)
+        stopper = MetricReported(sweep.metric)
         grid = _fit(sweep, base, parent, concurrency, stopper)
         stopper.check()
         wall_s = time.monotonic() - started
@@ -406,7 +339,7 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
     path = f"{base.run.storage_path.rstrip('/')}/{sweep.name}"
     run_config = tune.RunConfig(name=sweep.name, storage_path=base.run.storage_path,
                                 verbose=1 if logs.verbose() else 0,  # --verbose: Tune's status tables too
-                                callbacks=[_TrialRuns(parent, sweep, base.train.max_epochs)],
+                                callbacks=[TrialRuns(parent, sweep, base.train.max_epochs)],
                                 stop=stopper,
                                 failure_config=tune.FailureConfig(max_failures=base.failure.max_failures))
     # A trial's driver process, reused by the next trial, keeps torch, Ray Train and raylane
@@ -430,7 +363,7 @@ def _rows(grid, sweep: SweepSection, parent: RunHandle) -> list[dict[str, Any]]:
     for result in grid:
         m = result.metrics or {}
         trial_id = m.get("trial_id") or Path(result.path).name
-        run = _find_child(client, parent.experiment_id, sweep.name, trial_id)
+        run = find_child(client, parent.experiment_id, sweep.name, trial_id)
         tags = run.data.tags if run else {}
         rows.append({
             "trial_id": trial_id,

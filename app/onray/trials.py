@@ -1,0 +1,84 @@
+"""What the sweep's driver watches while Tune runs the trials: each trial's MLflow run closed when
+Tune ends it (`TrialRuns`), and a sweep metric no trial reports (`MetricReported`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray import tune
+from ray.tune.result import AUTO_RESULT_KEYS
+
+from raylane.config import ConfigError
+from raylane.onray.sweep import SweepSection
+from raylane.tracking.runs import RunHandle, close_run, mlflow_client
+
+log = logging.getLogger("raylane")
+
+SWEEP_TAG = "raylane.sweep"
+TRIAL_TAG = "raylane.trial_id"
+
+
+def find_child(client, experiment_id: str, sweep: str, trial_id: str):
+    runs = client.search_runs([experiment_id], max_results=1,
+                              filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep}'")
+    return runs[0] if runs else None
+
+
+class MetricReported(tune.Stopper):
+    """A pipeline of the user's own may declare no metrics, so a misspelled `sweep.metric` is seen
+    only at the first report: end the sweep there, not after every trial ran with no best one."""
+
+    OURS = frozenset({"epoch", "step", "checkpoint_location", "run_id", "exploited", "done", "trial_id",
+                      "experiment_tag", "should_checkpoint"})
+
+    def __init__(self, metric: str) -> None:
+        self.metric, self.reported = metric, None
+
+    def __call__(self, trial_id: str, result: dict[str, Any]) -> bool:
+        if self.metric not in result and self.reported is None:
+            skip = self.OURS | set(AUTO_RESULT_KEYS)
+            self.reported = sorted(k for k, v in result.items() if k not in skip and isinstance(v, (int, float)))
+        return self.reported is not None
+
+    def stop_all(self) -> bool:
+        return self.reported is not None
+
+    def check(self) -> None:
+        if self.reported is not None:
+            raise ConfigError(f"sweep.metric = {self.metric!r}: the trials report no such metric "
+                              f"(they report: {', '.join(self.reported) or 'none'})")
+
+
+class TrialRuns(tune.Callback):
+    """On the driver: close each trial's MLflow run when Tune ends the trial (early-stopped
+    trials are killed with their actor, so they cannot close it themselves)."""
+
+    def __init__(self, parent: RunHandle, sweep: SweepSection, max_epochs: int) -> None:
+        self.parent, self.sweep, self.max_epochs = parent, sweep, max_epochs
+
+    def _close(self, trial, failed: bool) -> None:
+        result = trial.last_result or {}
+        shown = f"{self.sweep.metric} {result[self.sweep.metric]:.4f}, " if self.sweep.metric in result else ""
+        print(f"[raylane] trial {trial.trial_id} ended: {'FAILED' if failed else 'done'} "
+              f"({shown}epoch {result.get('epoch', 0)} of {self.max_epochs})", flush=True)
+        try:
+            client = mlflow_client(self.parent.tracking_uri)
+            run = find_child(client, self.parent.experiment_id, self.sweep.name, trial.trial_id)
+            if run is None:
+                return
+            epochs = (trial.last_result or {}).get("epoch", 0)
+            if not failed and epochs < self.max_epochs:
+                client.set_tag(run.info.run_id, "raylane.early_stopped", "true")
+                client.set_tag(run.info.run_id, "raylane.stopped_at_epoch", str(epochs))
+            if run.info.status == "RUNNING":
+                close_run(RunHandle(run.info.run_id, self.parent.experiment_id, self.parent.tracking_uri, False),
+                          "FAILED" if failed else ("KILLED" if epochs < self.max_epochs else "FINISHED"))
+        except Exception as exc:  # noqa: BLE001 - records must not stop the sweep
+            log.warning("MLflow: could not close trial %s: %s", trial.trial_id, exc)
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self._close(trial, failed=False)
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._close(trial, failed=True)
