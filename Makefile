@@ -13,9 +13,18 @@ QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 install: $(STAMP)
 
 # CPU installs pin torch through constraints-cpu.txt: an unpinned torch pulls several GB of CUDA wheels.
+# uv installs the same versions as pip in ~10 s where pip takes ~2 min (measured on 2 cores). It does
+# not read pip's configuration, so it gets pip's find-links, where this machine keeps its CPU torch
+# wheel; where no such wheel is found (uv would fetch torch's CUDA build), pip installs as before.
+FIND_LINKS = $(sort $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null) $(PIP_FIND_LINKS))
+CPU_TORCH = $(firstword $(foreach d,$(FIND_LINKS),$(wildcard $(d)/torch-*+cpu-*.whl)))
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e '.[dev]' 2>&1 | $(QUIET_PIP)
+	if [ -n "$(CPU_TORCH)" ] && $(PY) -m pip install -q uv 2>&1 | $(QUIET_PIP) && [ -x $(VENV)/bin/uv ]; then \
+	  $(VENV)/bin/uv pip install -q --python $(PY) $(addprefix --find-links ,$(FIND_LINKS)) -c constraints-cpu.txt -e '.[dev]'; \
+	else \
+	  $(PY) -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e '.[dev]' 2>&1 | $(QUIET_PIP); \
+	fi
 	touch $@
 
 run: install
