@@ -1,22 +1,64 @@
-"""`raylane train` end to end through a real embedded Ray cluster with 2 gloo workers."""
+"""`raylane train` end to end as a newcomer runs it (`make run`: the shipped digits config, 12 epochs
+on 2 gloo workers of an embedded Ray cluster, MLflow on into a fresh database): the run, its
+checkpoint and MLflow records; and what it prints (issue 21): raylane's own lines and nothing of
+Ray, MLflow, Tune or torch (those go to a log file; `--verbose` prints them), with figures that
+agree: the last progress line, the final block, the summary and MLflow give the same loss and
+samples/s for the same steps. One run serves every check here: an embedded cluster's start-up is
+the slowest part of it."""
 
 from __future__ import annotations
 
 import math
+import re
+import sqlite3
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import REPO, read_json, wait_for
+from tests.conftest import RAYLANE, REPO, CliProcess, cli_env, read_json, wait_for
 
 pytestmark = pytest.mark.ray
 
+# Every line raylane itself prints in a run (raylane.tracking.progress, raylane.driver, raylane.cli).
+FIGURES = r"loss [\d.]+ [\d,]+ samples/s( [\d,]+ tokens/s)? \(steps? \d+(-\d+)?\)"
+OWN_FORMATS = [re.compile(p) for p in (
+    r"run \S+ \(MLflow run [0-9a-f]{32}(, continued)?\)",
+    r"joining the local Ray head at \S+ .*",
+    r"raylane: (warning: )?.+",
+    r"\[raylane\] strategy \w+ \(.+\)",
+    rf"\[raylane\] epoch \d+/\d+ step \d+/\d+ \(\d+%\)( {FIGURES})? eta [\d:?]+",
+    r"\[raylane\] epoch \d+ eval: (\w+ [\d.]+ ?)+",
+    r"\[raylane\] (warning|error)( \(rank \d+\))?: .+",
+    r"\[raylane\] (resumed from step \d+|worker group restarted \(\d+\))",
+    r"run \S+: (FINISHED|FAILED|KILLED)",
+    r"  (error|resumed from|steps|train loss|throughput|eval|MLflow run id|MLflow|checkpoint|model|MLflow UI|"
+    + r"library log): +\S.*",
+)]
 
-def test_digits_on_two_ray_workers(run_cli, tmp_path):
-    proc = run_cli("train", str(REPO / "pipelines" / "digits.yaml"),
-                   "--set", "scaling.num_workers=2", "--set", "run.name=digits2", "--summary-json", "s.json")
-    assert proc.wait(300) == 0, proc.output
+
+def _foreign(output: str) -> list[str]:
+    return [line for line in output.splitlines() if not any(f.fullmatch(line) for f in OWN_FORMATS)]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """`make run`'s command: an embedded Ray of its own, and MLflow on, into a fresh database
+    (whose set-up MLflow announces). Yields (its folder, the exited process)."""
+    tmp = tmp_path_factory.mktemp("default-run")
+    env = cli_env(tmp)
+    env.pop("RAYLANE_VERBOSE", None)  # as a newcomer's shell has it (the CLI's main, run in-process, sets it)
+    proc = CliProcess([*RAYLANE, "train", str(REPO / "pipelines" / "digits.yaml"), "--set", "scaling.num_workers=2",
+                       "--set", "run.name=digits2", "--summary-json", "s.json"], tmp, env, tmp / "out.log")
+    try:
+        assert proc.wait(300) == 0, proc.output
+        yield tmp, proc
+    finally:
+        proc.kill_group()
+
+
+def test_digits_on_two_ray_workers(default_run):
+    tmp_path, proc = default_run
     # The embedded cluster goes with the run (the driver skips the interpreter's teardown, so
     # this checks that Ray's own shutdown still ran): no Ray daemon or worker outlives it, and
     # Ray's autoscaler monitor was stopped without reporting itself failed.
@@ -48,3 +90,51 @@ def test_digits_on_two_ray_workers(run_cli, tmp_path):
     acc = client.get_metric_history(s["run_id"], "eval/accuracy")
     assert len(acc) == 12 and acc[-1].value == pytest.approx(s["metrics"]["accuracy"])
     assert loss[-1].value < loss[0].value
+
+
+def test_a_default_run_prints_only_raylane_lines(default_run):
+    tmp, proc = default_run
+    output = proc.output
+    assert not _foreign(output), "\n".join(_foreign(output))
+    # What the libraries said went to the log file the final block names.
+    log = Path(re.search(r"^  library log: +(\S+)", output, re.MULTILINE).group(1))
+    assert log.parent == tmp / "raylane-home" / "logs"
+    assert "Creating initial MLflow database tables" in log.read_text()
+
+
+def test_the_last_progress_line_the_summary_and_mlflow_agree(default_run):
+    tmp, proc = default_run
+    output = proc.output
+    summary = read_json(tmp / "s.json")
+    last = [ln for ln in output.splitlines() if ln.startswith("[raylane] epoch") and " step " in ln][-1]
+    found = re.search(r"step (\d+)/\d+ .* loss ([\d.]+) ([\d,]+) samples/s \(steps (\d+)-(\d+)\)", last)
+    assert found, last
+    step, loss, rate, first, to = found.groups()
+    assert to == step == str(summary["steps"])  # the last step's figures, not an earlier window's
+    window = summary["last_window"]
+    assert (window["first_step"], window["last_step"]) == (int(first), int(to))
+    assert (f"{window['loss']:.4f}", f"{window['samples_per_s']:,.0f}") == (loss, rate)
+    assert f"  train loss:    {loss} (steps {first}-{to}, rank 0)" in output
+    whole = f"{summary['samples_per_s']:,.0f}"
+    assert f"  throughput:    {rate} samples/s (steps {first}-{to}), {whole} samples/s (whole run)" in output
+
+    # MLflow's own table of logged values, read without importing MLflow (seconds on 2 busy cores).
+    with sqlite3.connect(tmp / "mlflow.db") as db:
+        logged = {(key, at): value for key, at, value in db.execute(
+            "SELECT key, step, value FROM metrics WHERE run_uuid = ?", (summary["run_id"],))}
+
+    def at_last_step(key: str) -> float:
+        return logged[(key, int(step))]
+
+    assert f"{at_last_step('train/loss'):.4f}" == loss
+    assert f"{at_last_step('train/samples_per_s'):,.0f}" == rate
+    assert f"{at_last_step('run/samples_per_s'):,.0f}" == whole
+
+
+@pytest.mark.shared_ray
+@pytest.mark.untracked
+def test_verbose_shows_what_ray_prints(run_cli):
+    proc = run_cli("train", "digits", "--verbose", "--set", "train.max_steps=2")
+    assert proc.wait(300) == 0, proc.output
+    foreign = _foreign(proc.output)
+    assert any(re.match(r"(\x1b\[\d+m)?\((TrainController|RayTrainWorker) pid=\d+", ln) for ln in foreign), proc.output
