@@ -1,12 +1,11 @@
 """Nothing recorded is overwritten or downgraded (issue 21): a finished run relaunched trains and
 logs nothing, a run relaunched with a model its checkpoint cannot fit is refused before anything
 starts, a longer schedule continues the run and, if it fails, leaves the finished MLflow run
-FINISHED; a sweep rerun with changed settings is refused and leaves every file of the earlier
-sweep byte-identical.
+FINISHED. (A sweep rerun with changed settings is refused and leaves every file of the earlier
+sweep byte-identical: tests/test_tune.py checks it on the sweep its resume test finishes.)
 
-One real run (and one real sweep) makes the records once; the relaunches that must not start
-anything run in this process through `raylane.cli.main`, with what would start work replaced by
-a failure."""
+One real run makes the records once; the relaunches that must not start anything run in this
+process through `raylane.cli.main`, with what would start work replaced by a failure."""
 
 from __future__ import annotations
 
@@ -32,8 +31,6 @@ def _hashes(root: Path) -> dict[str, str]:
     artifacts."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file() and p.suffix != ".log"}
-
-
 
 
 @pytest.fixture(scope="module")
@@ -123,37 +120,3 @@ def test_a_manifest_records_shapes_and_another_model_is_refused_at_load(tmp_path
     wider = torch.nn.Linear(2, 4)
     with pytest.raises(checkpoint.CheckpointLoadError, match=r"bias is shape \[3\] there and shape \[4\] here"):
         checkpoint.load(path, wider, torch.optim.SGD(wider.parameters(), lr=0.1))
-
-
-SWEEP = ["tune", "digits-sweep", "--set", "sweep.name=kept", "--set", "sweep.num_samples=1",
-         "--set", "sweep.scheduler=fifo", "--set", "sweep.max_concurrent_trials=1", "--set", "train.max_epochs=1",
-         "--set", "scaling.num_workers=1"]
-
-
-CHANGES = [  # a setting, and the one line that refuses it
-    (["--set", "sweep.metric=loss"], "sweep.metric = 'loss': sweep 'kept' already ran with sweep.metric = 'accuracy'"),
-    (["--set", "train.max_epochs=2"], "train.max_epochs = 2: sweep 'kept' already ran with train.max_epochs = 1"),
-    (["--set", "sweep.space={optim.lr: {grid: [0.1]}}"],
-     ("sweep.space.optim.lr = {'grid': [0.1]}: sweep 'kept' already ran with sweep.space.optim.lr = "
-      "{'loguniform': [0.0003, 0.03]}")),
-]
-
-
-@pytest.mark.shared_ray
-def test_a_changed_sweep_is_refused_and_leaves_the_earlier_one_byte_identical(run_cli, tmp_path, monkeypatch,
-                                                                                capsys, no_work):
-    first = run_cli(*SWEEP, name="sweep")
-    assert first.wait(400) == 0, first.output
-    before = _hashes(tmp_path)
-    assert "runs/kept/raylane_sweep.json" in before and any(p.endswith("results.csv") for p in before)
-    monkeypatch.chdir(tmp_path)
-    for change, line in CHANGES:
-        assert cli.main([*SWEEP, *change]) == 2, change
-        out, err = capsys.readouterr()
-        assert out == "" and len(err.splitlines()) == 1 and line in err, err
-        assert "start a new sweep with --set sweep.name=kept-2" in err
-    # Unchanged: it finished, so it says so and runs nothing.
-    assert cli.main(SWEEP) == 0
-    out, _ = capsys.readouterr()
-    assert out.startswith("sweep kept: already FINISHED (1 trial, best trial ") and "Nothing to run" in out
-    assert _hashes(tmp_path) == before

@@ -3,10 +3,13 @@ as nested MLflow runs (sqlite), reproducible from the seed."""
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
+from pathlib import Path
 
 import pytest
 
+from raylane import cli
 from tests.conftest import read_json
 
 SMALL = ["--set", "train.max_epochs=3", "--set", "mlflow.log_every_n_steps=5"]
@@ -30,6 +33,13 @@ def _tags(db, run_id: str) -> dict[str, str]:
 
 def _artifacts(tmp_path) -> set[str]:
     return {p.name for p in tmp_path.rglob("*") if p.is_file()}
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    """Every file under `root` but the test's own logs: the sweep's folder, MLflow's database and
+    artifacts."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.suffix != ".log"}
 
 
 @pytest.mark.shared_ray
@@ -111,17 +121,35 @@ def test_bad_sweep_input_exits_2_naming_the_field(run_cli, tmp_path, bad, messag
     assert message in p.output and "Traceback" not in p.output
 
 
+RESUME = ["tune", "digits-sweep", "--set", "sweep.scheduler=fifo", "--set", "sweep.name=digits-resume",
+          "--set", "sweep.max_concurrent_trials=1", "--set", "sweep.num_samples=2", "--set", "train.max_epochs=1"]
+
+
+CHANGES = [  # a setting, and the one line that refuses it
+    (["--set", "sweep.metric=loss"],
+     "sweep.metric = 'loss': sweep 'digits-resume' already ran with sweep.metric = 'accuracy'"),
+    (["--set", "train.max_epochs=2"], "train.max_epochs = 2: sweep 'digits-resume' already ran with train.max_epochs = 1"),
+    (["--set", "sweep.space={optim.lr: {grid: [0.1]}}"],
+     ("sweep.space.optim.lr = {'grid': [0.1]}: sweep 'digits-resume' already ran with sweep.space.optim.lr = "
+      "{'loguniform': [0.0003, 0.03]}")),
+]
+
+
 @pytest.mark.shared_ray
-def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path):
+def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path, monkeypatch, capsys, no_work):
     """Kill -9 the driver once a trial has finished; the same command continues the sweep under
-    the same MLflow parent run instead of starting it over."""
+    the same MLflow parent run instead of starting it over.
+
+    Then nothing recorded is overwritten (issue 21): the finished sweep rerun with changed settings
+    is refused before anything starts, rerun unchanged it says it finished and runs nothing, and
+    every file of it stays byte-identical. Those reruns run in this process through
+    `raylane.cli.main`, with what would start work replaced by a failure (no_work)."""
     import os
     import signal
 
     from tests.conftest import wait_for
 
-    args = ["tune", "digits-sweep", "--set", "sweep.scheduler=fifo", "--set", "sweep.name=digits-resume",
-            "--set", "sweep.max_concurrent_trials=1", "--set", "sweep.num_samples=2", "--set", "train.max_epochs=1"]
+    args = RESUME
     first = run_cli(*args, name="first")
     wait_for(lambda: "[raylane] trial " in first.output or first.proc.poll() is not None,
              timeout_s=300)
@@ -139,6 +167,21 @@ def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path)
                               "AND run_uuid NOT IN (SELECT run_uuid FROM tags WHERE key = 'raylane.trial_id')").fetchone()
     assert parents == (1,)
     assert len(_runs(db, s["parent_run_id"])) == 2
+
+    before = _hashes(tmp_path)
+    assert "runs/digits-resume/raylane_sweep.json" in before and any(p.endswith("results.csv") for p in before)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    for change, line in CHANGES:
+        assert cli.main([*RESUME, *change]) == 2, change
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and line in err, err
+        assert "start a new sweep with --set sweep.name=digits-resume-2" in err
+    # Unchanged: it finished, so it says so and runs nothing.
+    assert cli.main(RESUME) == 0
+    out, _ = capsys.readouterr()
+    assert out.startswith("sweep digits-resume: already FINISHED (2 trials, best trial ") and "Nothing to run" in out
+    assert _hashes(tmp_path) == before
 
 
 def test_trial_resources_pack_fractional_gpus_and_refuse_what_cannot_fit():
