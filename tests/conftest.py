@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,38 @@ def shared_mlflow_server(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+# The ASHA sweep of test_tune.py, as a user runs it: the shipped digits-sweep (4 trials of 2 workers,
+# 2 at a time, ASHA after the first epoch), 3 epochs, its best model registered.
+ASHA_SWEEP = ["tune", "digits-sweep", "--set", "train.max_epochs=3", "--set", "mlflow.log_every_n_steps=5",
+              "--register", "digits-best", "--summary-json", "a.json"]
+
+
+@dataclass
+class FinishedSweep:
+    summary: dict
+    output: str
+    folder: Path  # its working directory: runs/<sweep name>, the summary a.json, the log
+    tracking_uri: str
+
+
+@pytest.fixture(scope="session")
+def asha_sweep(tmp_path_factory, shared_head, shared_mlflow_server):
+    """ASHA_SWEEP, run once for the session (the first test that asks for it runs it, so it never
+    runs for a session whose tests skip or deselect it) on the shared Ray head, recorded on the
+    shared MLflow server: test_tune.py checks its records, test_browser.py looks at it in the UI.
+    The sweep is stopped (its session's processes, by id) before the fixture hands it over."""
+    root = tmp_path_factory.mktemp("asha-sweep")
+    env = {**cli_env(root, MLFLOW_TRACKING_URI=shared_mlflow_server.uri), **shared_head.start()}
+    sweep = CliProcess([*RAYLANE, *ASHA_SWEEP], root, env, root / "asha.log")
+    try:
+        code = sweep.wait(500)
+        output = sweep.output
+    finally:
+        sweep.kill_group()
+    assert code == 0, output
+    return FinishedSweep(read_json(root / "a.json"), output, root, shared_mlflow_server.uri)
 
 
 @pytest.fixture

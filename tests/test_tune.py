@@ -1,5 +1,7 @@
-"""`raylane tune` on a real embedded Ray: ASHA and PBT sweeps of 2-worker digits trials, recorded
-as nested MLflow runs (sqlite), reproducible from the seed."""
+"""`raylane tune` on real Ray: ASHA and PBT sweeps of 2-worker digits trials, recorded as nested
+MLflow runs (the session's ASHA sweep on the shared MLflow server, the others in sqlite),
+reproducible from the seed; a sweep whose driver died continues, and a finished one is never
+overwritten."""
 
 from __future__ import annotations
 
@@ -11,8 +13,6 @@ import pytest
 
 from raylane import cli
 from tests.conftest import read_json
-
-SMALL = ["--set", "train.max_epochs=3", "--set", "mlflow.log_every_n_steps=5"]
 
 
 def _trial_order(row: dict) -> int:
@@ -31,10 +31,6 @@ def _tags(db, run_id: str) -> dict[str, str]:
         return dict(con.execute("SELECT key, value FROM tags WHERE run_uuid = ?", (run_id,)).fetchall())
 
 
-def _artifacts(tmp_path) -> set[str]:
-    return {p.name for p in tmp_path.rglob("*") if p.is_file()}
-
-
 def _hashes(root: Path) -> dict[str, str]:
     """Every file under `root` but the test's own logs: the sweep's folder, MLflow's database and
     artifacts."""
@@ -43,29 +39,36 @@ def _hashes(root: Path) -> dict[str, str]:
 
 
 @pytest.mark.shared_ray
-def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(run_cli, tmp_path):
-    sweep = run_cli("tune", "digits-sweep", *SMALL, "--register", "digits-best", "--summary-json", "a.json", name="asha")
-    assert sweep.wait(500) == 0, sweep.output
-    s = read_json(tmp_path / "a.json")
+def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(asha_sweep):
+    """The session's ASHA sweep (conftest.asha_sweep, on the shared MLflow server; the browser
+    test looks at the same sweep in the UI)."""
+    from mlflow.tracking import MlflowClient
+
+    s = asha_sweep.summary
+    client = MlflowClient(asha_sweep.tracking_uri)
     assert len(s["trials"]) == 4
-    db = tmp_path / "mlflow.db"
-    children = _runs(db, s["parent_run_id"])
+    parent_run = client.get_run(s["parent_run_id"])
+    assert parent_run.info.run_name == s["sweep"] == "digits-asha"
+    children = client.search_runs([parent_run.info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{s['parent_run_id']}'")
     assert len(children) == 4
-    assert {status for _, status in children} <= {"FINISHED", "KILLED"}
-    assert {r["run_id"] for r in s["trials"]} == {run_id for run_id, _ in children}
+    assert {c.info.status for c in children} <= {"FINISHED", "KILLED"}
+    assert {r["run_id"] for r in s["trials"]} == {c.info.run_id for c in children}
     for row in s["trials"]:
         assert row["status"] in ("FINISHED", "KILLED")
         assert (row["status"] == "KILLED") == row["early_stopped"]
         if row["early_stopped"]:
-            assert _tags(db, row["run_id"])["raylane.early_stopped"] == "true"
-    parent = _tags(db, s["parent_run_id"])
+            assert client.get_run(row["run_id"]).data.tags["raylane.early_stopped"] == "true"
+    parent = parent_run.data.tags
     best = s["best"]
     assert parent["best_trial"] == best["trial_id"] and parent["best_run_id"] == best["run_id"]
     assert best["metric"] == max(r["metrics"]["accuracy"] for r in s["trials"])
     assert best["metric"] > 0.8
     assert s["registered_model"]["name"] == "digits-best"
-    assert {"results.csv", "sweep.png"} <= _artifacts(tmp_path)
-    assert "accuracy" in sweep.output and "best trial" in sweep.output
+    assert client.get_registered_model("digits-best").name == "digits-best"
+    assert "results.csv" in {a.path for a in client.list_artifacts(s["parent_run_id"])}
+    assert "plots/sweep.png" in {a.path for a in client.list_artifacts(s["parent_run_id"], "plots")}
+    assert "accuracy" in asha_sweep.output and "best trial" in asha_sweep.output
 
     # The same seed draws the same trial configurations, whatever the trials then do: the sweep's
     # trials are the seeded search's first draws, in order, drawn here again without a cluster.
@@ -167,6 +170,10 @@ def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path,
                               "AND run_uuid NOT IN (SELECT run_uuid FROM tags WHERE key = 'raylane.trial_id')").fetchone()
     assert parents == (1,)
     assert len(_runs(db, s["parent_run_id"])) == 2
+    with sqlite3.connect(db) as con:  # each trial's eval metric and whole-run throughput (the runs table's columns)
+        for row in s["trials"]:
+            keys = {k for (k,) in con.execute("SELECT key FROM latest_metrics WHERE run_uuid = ?", (row["run_id"],))}
+            assert {"eval/accuracy", "run/samples_per_s"} <= keys, (row["trial_id"], keys)
 
     before = _hashes(tmp_path)
     assert "runs/digits-resume/raylane_sweep.json" in before and any(p.endswith("results.csv") for p in before)
