@@ -91,6 +91,7 @@ def _draw(sweep_file: str, n: int) -> list[dict]:
     return [search.next_trial().config for _ in range(n)]
 
 
+@pytest.mark.shared_ray
 def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
     """Two trials side by side, one with a learning rate far too small: at an epoch boundary PBT
     makes the worse one continue from the better one's checkpoint with perturbed values.
