@@ -1,12 +1,12 @@
 """A pipeline of the user's own, outside the package (examples/own-model, which has folders named
 `app/` and `pipelines/` of its own), trained everywhere a shipped pipeline trains: on Ray workers,
-under torchrun, in a Tune sweep, as a Ray job and joining a token-authenticated head. Bad
-references exit 2 with one line naming the pipeline; a failing build(cfg) fails the run (exit 1)."""
+under torchrun and in a Tune sweep. As a `ray job submit` job and joining a token-authenticated
+head with `raylane train --address` from the checkout, it runs in tests/test_cluster_e2e.py, on the
+one head that file's job test starts. Bad references exit 2 with one line naming the pipeline; a
+failing build(cfg) fails the run (exit 1)."""
 
 from __future__ import annotations
 
-import json
-import re
 import shutil
 import sqlite3
 import subprocess
@@ -16,11 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, TORCHRUN, cli_env, read_json
-from tests.test_cluster_e2e import BIN, _auth_env, _head, _mlflow_run, ray_job_submit
-
-EXAMPLE = REPO / "examples" / "own-model"
-# The smallest run that proves it: one epoch, no model logged, no system metrics.
-QUICK = ["--set", "train.max_epochs=1", "--set", "mlflow.log_model=false", "--set", "mlflow.system_metrics=false"]
+from tests.test_cluster_e2e import BIN, EXAMPLE, QUICK, _mlflow_run
 
 
 @pytest.fixture
@@ -71,30 +67,6 @@ def test_example_sweep_runs_two_trials_from_the_repo_root(run_cli, project, tmp_
     with sqlite3.connect(tmp_path / "mlflow.db") as con:
         statuses = con.execute("SELECT status FROM runs").fetchall()
     assert sorted(statuses) == [("FINISHED",)] * 3  # the parent and its two trials
-
-
-def test_example_as_a_ray_job_and_joining_a_token_authenticated_head(project, tmp_path):
-    db = tmp_path / "mlflow.db"
-    storage = f"run.storage_path={tmp_path / 'runs'}"
-    with _head(tmp_path, "--num-cpus=4") as (url, gcs, _):
-        env = dict(_auth_env(tmp_path), RAY_ADDRESS=url)
-        runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}}
-        out = ray_job_submit(["--working-dir", str(project), "--runtime-env-json", json.dumps(runtime_env), "--",
-                              "raylane", "train", "train.yaml", *QUICK, "--set", storage],
-                             cwd=tmp_path, env=env, timeout=300)
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-        job_id = re.search(r"Job '(raysubmit_\w+)' submitted successfully", out.stdout + out.stderr).group(1)
-        status, tags = _mlflow_run(db, re.findall(r"MLflow run id:\s+([0-9a-f]{32})", out.stdout)[-1])
-        assert status == "FINISHED" and tags["raylane.ray_job_id"] == job_id
-
-        # Joining from raylane's checkout: the head's workers get the project with the run.
-        env = dict(_auth_env(tmp_path), MLFLOW_TRACKING_URI=f"sqlite:///{db}")
-        out = subprocess.run([str(BIN / "raylane"), "train", str(project / "train.yaml"), "--address", gcs, *QUICK,
-                              "--set", storage, "--set", "scaling.num_workers=2", "--summary-json",
-                              str(tmp_path / "joined.json")],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-        assert _finished(tmp_path, "joined.json")["world_size"] == 2
 
 
 CONFIG = "pipeline: ./pipe.py\nmodel: {width: 4}\n"
