@@ -59,6 +59,13 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(asha_sweep):
         assert (row["status"] == "KILLED") == row["early_stopped"]
         if row["early_stopped"]:
             assert client.get_run(row["run_id"]).data.tags["raylane.early_stopped"] == "true"
+        # What ASHA judged a trial on is in its run, stopped or not (a stop tears the workers
+        # down with rank 0's buffered metrics), and a trial that ran to the end has its
+        # whole-run throughput (ASHA's stop at max_t came before those records).
+        history = client.get_metric_history(row["run_id"], "eval/accuracy")
+        assert any(m.value == pytest.approx(row["metrics"]["accuracy"]) for m in history), (row, history)
+        if row["status"] == "FINISHED":
+            assert client.get_run(row["run_id"]).data.metrics["run/samples_per_s"] > 0, row
     parent = parent_run.data.tags
     best = s["best"]
     assert parent["best_trial"] == best["trial_id"] and parent["best_run_id"] == best["run_id"]

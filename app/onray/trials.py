@@ -4,6 +4,7 @@ Tune ends it (`TrialRuns`), and a sweep metric no trial reports (`MetricReported
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from ray import tune
@@ -82,3 +83,22 @@ class TrialRuns(tune.Callback):
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self._close(trial, failed=True)
+
+
+def keep_stopped_trials_eval(client, run_id: str, step: int | None, metrics: dict[str, Any]) -> None:
+    """A trial the scheduler stops is torn down with its workers, and rank 0's last buffered
+    metrics go with them: the epoch end Tune judged it on is written from the trial's driver,
+    where MLflow does not have it yet, so that the run shows what it was stopped for."""
+    from mlflow.entities import Metric
+
+    if step is None:
+        return
+    try:
+        now_ms = int(time.time() * 1000)
+        missing = [Metric(f"eval/{k}", float(v), now_ms, step) for k, v in metrics.items()
+                   if isinstance(v, (int, float))
+                   and not any(m.step == step for m in client.get_metric_history(run_id, f"eval/{k}"))]
+        if missing:
+            client.log_batch(run_id, metrics=missing)
+    except Exception as exc:  # noqa: BLE001 - the sweep goes on; the trial's run is closed by its caller
+        log.warning("trial run %s: its last evaluation could not be recorded: %s", run_id, exc)

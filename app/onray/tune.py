@@ -31,7 +31,7 @@ from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
 from raylane.onray.cluster import data_cpus
 from raylane.onray.sweep import SweepSection, check_rerun, load_sweep, trial_config, write_record
-from raylane.onray.trials import SWEEP_TAG, TRIAL_TAG, MetricReported, TrialRuns, find_child
+from raylane.onray.trials import SWEEP_TAG, TRIAL_TAG, MetricReported, TrialRuns, find_child, keep_stopped_trials_eval
 from raylane.tracking.progress import plural
 from raylane.tracking.records import RUN_RATES
 from raylane.tracking.runs import (
@@ -226,10 +226,10 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
         if isinstance(value, (int, float)):
             client.log_metric(run_id, f"hparam/{key}", float(value), step=donor["step"] if donor else 0)
 
-    reported = {"epoch": 0, "step": None}
+    reported: dict[str, Any] = {"epoch": 0, "step": None, "metrics": {}}
 
     def report(metrics: dict[str, float], epoch: int, step: int, location: str | None) -> None:
-        reported.update(epoch=epoch, step=step)
+        reported.update(epoch=epoch, step=step, metrics=metrics)
         with tempfile.TemporaryDirectory() as d:
             (Path(d) / POINTER_FILE).write_text(json.dumps(
                 {"location": location, "run_name": name, "trial_id": trial_id, "step": step}))
@@ -238,14 +238,17 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
                         checkpoint=tune.Checkpoint.from_directory(d) if location else None)
 
     def on_event(event: dict[str, Any]) -> None:
-        if event.get("event") == "checkpoint" and event.get("metrics"):
-            # Tune sees epoch ends only: every trial reports at the same points.
+        # Tune sees epoch ends only: every trial reports at the same points. Not the last one,
+        # reported once the run has returned (below): a scheduler's stop there (ASHA at max_t)
+        # would tear the finished run down before its end-of-run records.
+        if event.get("event") == "checkpoint" and event.get("metrics") and event["epoch"] < cfg.train.max_epochs:
             report(event["metrics"], event["epoch"], event["step"], event["location"])
 
     handle = RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False)
     try:
         result = launch_on_ray(cfg, run_id, parent.tracking_uri, on_event, embedded=False)
     except SystemExit as stop:  # tune.report's way of saying the scheduler stopped this trial
+        keep_stopped_trials_eval(client, run_id, reported["step"], reported["metrics"])
         finished = reported["epoch"] >= cfg.train.max_epochs
         if not finished:
             client.set_tag(run_id, "raylane.early_stopped", "true")
@@ -255,12 +258,12 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     except BaseException:
         close_run(handle, "FAILED")
         raise
-    if result.get("metrics") and reported["step"] != result.get("steps"):  # a max_steps stop mid-epoch
-        report(result["metrics"], result.get("epochs", 0), result["steps"], result.get("checkpoint"))
     for key in RUN_RATES:  # the trial's whole-run throughput, named as a train run's (the runs table's column)
         if isinstance(result.get(key), (int, float)):
             client.log_metric(run_id, f"run/{key}", float(result[key]), step=result.get("steps") or 0)
     close_run(handle, "KILLED" if result.get("preempted") else "FINISHED")
+    if result.get("metrics") and reported["step"] != result.get("steps"):  # the last epoch, or a max_steps stop
+        report(result["metrics"], result.get("epochs", 0), result["steps"], result.get("checkpoint"))
 
 
 # -- the driver --------------------------------------------------------------------------------
