@@ -127,5 +127,9 @@ def test_a_rank_stuck_outside_a_collective_is_reported_within_the_timeout(run_cl
     assert s["status"] == "FAILED"
     assert s["error"].startswith("training failed on rank 1: RuntimeError: Timed out waiting 5000ms")
     assert s["error"].endswith("(no error from rank 0: stuck outside the collective?)")
-    detected_after_s = s["timing"]["launched_unix"] + s["wall_s"] - s["timing"]["first_step_unix"]
-    assert detected_after_s < 5 + 10  # the timeout, plus Ray's teardown
+    # When the driver heard of the first step: on a busy machine that event can still be on its
+    # way when rank 1's timeout fails the run (seen once, with the whole suite 2.5x slower).
+    first_step = s["timing"]["first_step_unix"]
+    if first_step is not None:
+        detected_after_s = s["timing"]["launched_unix"] + s["wall_s"] - first_step
+        assert detected_after_s < 5 + 10  # the timeout, plus Ray's teardown
