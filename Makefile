@@ -21,7 +21,7 @@ CPU_TORCH = $(firstword $(foreach d,$(FIND_LINKS),$(wildcard $(d)/torch-*+cpu-*.
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if [ -n "$(CPU_TORCH)" ] && $(PY) -m pip install -q uv 2>&1 | $(QUIET_PIP) && [ -x $(VENV)/bin/uv ]; then \
-	  $(VENV)/bin/uv pip install -q --python $(PY) $(addprefix --find-links ,$(FIND_LINKS)) -c constraints-cpu.txt -e '.[dev]'; \
+	  $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(addprefix --find-links ,$(FIND_LINKS)) -c constraints-cpu.txt -e '.[dev]'; \
 	else \
 	  $(PY) -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e '.[dev]' 2>&1 | $(QUIET_PIP); \
 	fi
