@@ -116,11 +116,18 @@ class SharedHead:
             token.chmod(0o600)
             env = {"RAYLANE_HOME": str(self.root / "home"), "RAY_AUTH_MODE": "token",
                    "RAY_AUTH_TOKEN_PATH": str(token)}
-            out = subprocess.run([*RAYLANE, "up", "--num-cpus", "6"], env={**os.environ, **env},
+            # The venv's bin on PATH, as in a user's activated shell: a job's entrypoint (`raylane
+            # train ...`) runs in the head's environment.
+            path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+            out = subprocess.run([*RAYLANE, "up", "--num-cpus", "6"], env={**os.environ, **env, "PATH": path},
                                  capture_output=True, text=True, timeout=180)
             assert out.returncode == 0, out.stdout + out.stderr
             self.env = env
         return self.env
+
+    def cluster(self) -> dict:
+        """What `raylane up` recorded: `address` (GCS), `dashboard_url` (the jobs API), ..."""
+        return json.loads((Path(self.start()["RAYLANE_HOME"]) / "cluster.json").read_text())
 
     def stop(self) -> None:
         if self.env is not None:

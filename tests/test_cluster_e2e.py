@@ -1,10 +1,9 @@
-"""A real Ray head started by the test (`ray start --head` on 127.0.0.1, its own temp dir and
-ports, token authentication on), its MLflow runs checked; every process the head started is killed
-by the test, by session. All the job coverage lives here, on one head: the jobs API refuses without
-the token; `ray job submit` of a user's own project (examples/own-model, copied away from the
-checkout, as its working dir); `raylane submit --follow` of a shipped pipeline from the checkout;
-then `raylane train --address` from the checkout joining that head with 2 workers. Also: the
-autoscaler (Ray's fake multi-node provider) adds nodes for a 2-worker run and removes them after."""
+"""Ray heads and their MLflow runs: every process a test starts is killed by the test, by session.
+The job checks run on the session's shared `raylane up` head (token authentication on): the jobs
+API refuses without the token; `ray job submit` of a user's own project (examples/own-model, copied
+away from the checkout, as its working dir); `raylane submit --follow` of a shipped pipeline from
+the checkout. The autoscaler test starts a `ray start --head` of its own (Ray's fake multi-node
+provider), which adds nodes for a 2-worker run and removes them after."""
 
 from __future__ import annotations
 
@@ -110,56 +109,46 @@ QUICK = ["--set", "train.max_epochs=1", "--set", "mlflow.log_model=false", "--se
 EXAMPLE = REPO / "examples" / "own-model"
 
 
-def test_ray_job_submit_raylane_submit_and_joining_a_token_authenticated_head(tmp_path):
-    """One head for every job check (one head start-up less than a head per check): a user's own
-    project as a `ray job submit` job, a shipped pipeline through `raylane submit --follow` from
-    the checkout, then a 2-worker `raylane train --address` from the checkout joining the head."""
+@pytest.mark.shared_ray
+def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_path, shared_head):
+    """The session's shared head (`raylane up`: token auth on, the jobs API on its dashboard) for
+    every job check: the jobs API refuses without the token; a user's own project as a `ray job
+    submit` job, the project as its working dir; a shipped pipeline through `raylane submit
+    --follow` from the checkout. (Joining a head with `raylane train --address`: test_own_pipeline.)"""
     # A copy of the example project, away from raylane's checkout (it has app/ and pipelines/ of its own).
     project = Path(shutil.copytree(EXAMPLE, tmp_path / "own-model", ignore=shutil.ignore_patterns("__pycache__")))
     db = tmp_path / "mlflow.db"
     storage = ["--set", f"run.storage_path={tmp_path / 'runs'}"]
-    with _head(tmp_path, "--num-cpus=4") as (url, gcs, _):
-        # Without the token the jobs API refuses.
-        assert _answers(f"{url}/api/jobs/") == 401
+    head = shared_head.start()
+    url = shared_head.cluster()["dashboard_url"]
+    # Without the token the jobs API refuses.
+    assert _answers(f"{url}/api/jobs/") == 401
 
-        # `ray job submit` of the user's own project, with the project as the job's working dir.
-        env = dict(_auth_env(tmp_path), RAY_ADDRESS=url)
-        runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}}
-        out = ray_job_submit(["--working-dir", str(project), "--runtime-env-json", json.dumps(runtime_env), "--",
-                              "raylane", "train", "train.yaml", *QUICK, *storage],
-                             cwd=tmp_path, env=env, timeout=300)
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-        job_id = re.search(r"Job '(raysubmit_\w+)' submitted successfully", out.stdout + out.stderr).group(1)
-        run_id = re.findall(r"MLflow run id:\s+([0-9a-f]{32})", out.stdout)[-1]
-        status, tags = _mlflow_run(db, run_id)
-        assert status == "FINISHED"
-        assert tags["raylane.ray_job_id"] == job_id  # the run knows which job it came from
+    # `ray job submit` of the user's own project, with the project as the job's working dir.
+    env = dict(_auth_env(tmp_path), **head, RAY_ADDRESS=url)
+    runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}}
+    out = ray_job_submit(["--working-dir", str(project), "--runtime-env-json", json.dumps(runtime_env), "--",
+                          "raylane", "train", "train.yaml", *QUICK, *storage],
+                         cwd=tmp_path, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    job_id = re.search(r"Job '(raysubmit_\w+)' submitted successfully", out.stdout + out.stderr).group(1)
+    run_id = re.findall(r"MLflow run id:\s+([0-9a-f]{32})", out.stdout)[-1]
+    status, tags = _mlflow_run(db, run_id)
+    assert status == "FINISHED"
+    assert tags["raylane.ray_job_id"] == job_id  # the run knows which job it came from
 
-        # `raylane submit --follow` of a shipped pipeline from the checkout, the checkout as the job's
-        # working dir (the Jobs SDK handle that `raylane.submit` returns).
-        out = subprocess.run([str(BIN / "raylane"), "submit", "pipelines/digits.yaml", "--address", url, "--follow",
-                              *QUICK, *storage],
-                             cwd=REPO, env=dict(env, MLFLOW_TRACKING_URI=f"sqlite:///{db}"), capture_output=True,
-                             text=True, timeout=400)
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-        job_id, status, run_id = re.search(r"job (raysubmit_\w+): (\w+) \(MLflow run ([0-9a-f]{32})\)",
-                                           out.stdout).groups()
-        assert status == "SUCCEEDED"
-        status, tags = _mlflow_run(db, run_id)
-        assert status == "FINISHED" and tags["raylane.ray_job_id"] == job_id
-
-        # Joining the head from raylane's checkout with --address: the head's workers get the
-        # project with the run.
-        env = dict(_auth_env(tmp_path), MLFLOW_TRACKING_URI=f"sqlite:///{db}")
-        summary = tmp_path / "joined.json"
-        out = subprocess.run([str(BIN / "raylane"), "train", str(project / "train.yaml"), "--address", gcs, *QUICK,
-                              *storage, "--set", "scaling.num_workers=2", "--summary-json", str(summary)],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-        s = json.loads(summary.read_text())
-        assert s["status"] == "FINISHED" and s["metrics"]["accuracy"] > 0.3, s
-        assert _mlflow_run(db, s["run_id"])[0] == "FINISHED"
-        assert s["world_size"] == 2
+    # `raylane submit --follow` of a shipped pipeline from the checkout, the checkout as the job's
+    # working dir (the Jobs SDK handle that `raylane.submit` returns).
+    out = subprocess.run([str(BIN / "raylane"), "submit", "pipelines/digits.yaml", "--address", url, "--follow",
+                          *QUICK, *storage],
+                         cwd=REPO, env=dict(env, MLFLOW_TRACKING_URI=f"sqlite:///{db}"), capture_output=True,
+                         text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    job_id, status, run_id = re.search(r"job (raysubmit_\w+): (\w+) \(MLflow run ([0-9a-f]{32})\)",
+                                       out.stdout).groups()
+    assert status == "SUCCEEDED"
+    status, tags = _mlflow_run(db, run_id)
+    assert status == "FINISHED" and tags["raylane.ray_job_id"] == job_id
 
 
 # Ray's fake multi-node provider: the autoscaler starts each "node" as its own raylet on this

@@ -1,9 +1,8 @@
 """A pipeline of the user's own, outside the package (examples/own-model, which has folders named
-`app/` and `pipelines/` of its own), trained everywhere a shipped pipeline trains: on Ray workers,
-under torchrun and in a Tune sweep. As a `ray job submit` job and joining a token-authenticated
-head with `raylane train --address` from the checkout, it runs in tests/test_cluster_e2e.py, on the
-one head that file's job test starts. Bad references exit 2 with one line naming the pipeline; a
-failing build(cfg) fails the run (exit 1)."""
+`app/` and `pipelines/` of its own), trained everywhere a shipped pipeline trains: on Ray workers
+joining a token-authenticated head with `raylane train --address`, under torchrun and in a Tune
+sweep. As a `ray job submit` job it runs in tests/test_cluster_e2e.py. Bad references exit 2 with
+one line naming the pipeline; a failing build(cfg) fails the run (exit 1)."""
 
 from __future__ import annotations
 
@@ -34,9 +33,12 @@ def _finished(tmp_path: Path, summary: str) -> dict:
 
 
 @pytest.mark.shared_ray
-def test_example_trains_on_two_ray_workers_from_its_own_directory(run_cli, project, tmp_path):
-    # The working directory holds the project's own app/ and pipelines/: raylane is unaffected.
-    p = run_cli("train", "train.yaml", "--set", "scaling.num_workers=2", *QUICK,
+def test_example_trains_on_two_ray_workers_from_its_own_directory(run_cli, project, tmp_path, shared_head):
+    """The working directory holds the project's own app/ and pipelines/: raylane is unaffected.
+    The run joins the session's token-authenticated head by `--address`, as a user joins a head
+    on another machine; the head's workers get the project with the run."""
+    p = run_cli("train", "train.yaml", "--address", shared_head.cluster()["address"],
+                "--set", "scaling.num_workers=2", *QUICK,
                 "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "s.json"),
                 cwd=project)
     assert p.wait(300) == 0, p.output
