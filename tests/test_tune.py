@@ -111,7 +111,7 @@ def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
     sweep = run_cli("tune", "digits-sweep", "--set", "sweep.scheduler=pbt", "--set", "sweep.name=digits-pbt",
                     "--set", "sweep.num_samples=1", "--set", "sweep.algorithm=grid",
                     "--set", "sweep.space={optim.lr: {grid: [0.00001, 0.01]}}",
-                    "--set", "train.max_epochs=6", "--set", "train.batch_size=4", "--summary-json", "p.json",
+                    "--set", "train.max_epochs=6", "--set", "train.batch_size=8", "--summary-json", "p.json",
                     name="pbt")
     assert sweep.wait(500) == 0, sweep.output
     s = read_json(tmp_path / "p.json")
