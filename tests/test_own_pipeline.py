@@ -32,19 +32,22 @@ def _finished(tmp_path: Path, summary: str) -> dict:
     return {**s, "tags": tags}
 
 
-@pytest.mark.shared_ray
 def test_example_trains_on_two_ray_workers_from_its_own_directory(run_cli, project, tmp_path, shared_head):
     """The working directory holds the project's own app/ and pipelines/: raylane is unaffected.
-    The run joins the session's token-authenticated head by `--address`, as a user joins a head
-    on another machine; the head's workers get the project with the run."""
-    p = run_cli("train", "train.yaml", "--address", shared_head.cluster()["address"],
-                "--set", "scaling.num_workers=2", *QUICK,
+    The run joins the session's token-authenticated head by `--address` alone, as a user joins a
+    head on another machine (its own empty RAYLANE_HOME: no `raylane up` head to find), and the
+    head's workers get the project with the run."""
+    head = shared_head.cluster()
+    token = {k: v for k, v in shared_head.start().items() if k.startswith("RAY_AUTH")}
+    p = run_cli("train", "train.yaml", "--address", head["address"], "--set", "scaling.num_workers=2", *QUICK,
                 "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "s.json"),
-                cwd=project)
+                cwd=project, env=cli_env(tmp_path, **token))
     assert p.wait(300) == 0, p.output
     s = _finished(tmp_path, "s.json")
     assert s["world_size"] == 2 and s["run_name"].startswith("shapes-")
     assert s["tags"]["raylane.pipeline"] == str(project / "pipelines" / "shapes.py")
+    # This process was a driver on that head (not on an embedded cluster of its own).
+    assert list(Path(head["temp_dir"]).glob(f"session_latest/logs/python-core-driver-*_{p.proc.pid}.log")), p.output
 
 
 def test_example_trains_under_torchrun_as_a_dotted_module(run_cli, project, tmp_path):
