@@ -203,6 +203,18 @@ def _trial_run_config(sweep: SweepSection, cfg: BaseConfig, own: str) -> tuple[B
                                   "mlflow": cfg.mlflow.model_copy(update={"log_model": False})}), donor
 
 
+def _record_values(client: Any, run_id: str, params: dict[str, Any], donor: dict[str, Any] | None) -> None:
+    """The trial's values as `hparam/*` metrics (PBT may change them: a metric, not a param), and
+    under a PBT exploit, which trial it continues and how many times it has."""
+    if donor:
+        exploits = int(client.get_run(run_id).data.tags.get("raylane.pbt.exploits", "0")) + 1
+        client.set_tag(run_id, "raylane.pbt.exploits", str(exploits))
+        client.set_tag(run_id, "raylane.pbt.last_donor", f"{donor['trial_id']} at step {donor['step']}")
+    for key, value in params.items():
+        if isinstance(value, (int, float)):
+            client.log_metric(run_id, f"hparam/{key}", float(value), step=donor["step"] if donor else 0)
+
+
 def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     """One trial: a Ray Train run of the base config with `params`, reporting every epoch."""
     from raylane.onray.launch import launch_on_ray
@@ -218,13 +230,7 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     name = cfg.run.name
     client = mlflow_client(parent.tracking_uri)
     run_id = _child(client, parent, trial_id, sweep, cfg, params)
-    if donor:
-        exploits = int(client.get_run(run_id).data.tags.get("raylane.pbt.exploits", "0")) + 1
-        client.set_tag(run_id, "raylane.pbt.exploits", str(exploits))
-        client.set_tag(run_id, "raylane.pbt.last_donor", f"{donor['trial_id']} at step {donor['step']}")
-    for key, value in params.items():  # values may change under PBT: a metric, not a param
-        if isinstance(value, (int, float)):
-            client.log_metric(run_id, f"hparam/{key}", float(value), step=donor["step"] if donor else 0)
+    _record_values(client, run_id, params, donor)
 
     reported: dict[str, Any] = {"epoch": 0, "step": None, "metrics": {}}
 
@@ -247,14 +253,14 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     handle = RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False)
     try:
         result = launch_on_ray(cfg, run_id, parent.tracking_uri, on_event, embedded=False)
-    except SystemExit as stop:  # tune.report's way of saying the scheduler stopped this trial
+    except SystemExit:  # tune.report's way of saying the scheduler stopped this trial
         keep_stopped_trials_eval(client, run_id, reported["step"], reported["metrics"])
         finished = reported["epoch"] >= cfg.train.max_epochs
         if not finished:
             client.set_tag(run_id, "raylane.early_stopped", "true")
             client.set_tag(run_id, "raylane.stopped_at_epoch", str(reported["epoch"]))
         close_run(handle, "FINISHED" if finished else "KILLED")
-        raise stop
+        raise
     except BaseException:
         close_run(handle, "FAILED")
         raise
