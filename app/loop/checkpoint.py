@@ -1,5 +1,6 @@
 """Checkpoints with torch.distributed.checkpoint: every rank writes its own shard, rank 0 the
-metadata, so the same code serves DDP now and FSDP later, and loads at another world size.
+metadata, so the same code serves DDP and FSDP, and loads at another world size. A replicated
+state (DDP) is written by rank 0 alone, in the same format.
 
 Each checkpoint is a fresh directory committed by `manifest.json`, written last and atomically by
 rank 0. It holds the train state (epoch, step, position in the epoch, the resolved config,
@@ -316,15 +317,29 @@ def _map_tensors(obj: Any, fn, companion: Any = None) -> Any:
     return obj if isinstance(obj, (int, float, str, bool, type(None))) else copy.deepcopy(obj)
 
 
+def replicated(model: torch.nn.Module) -> bool:
+    """Every rank holds the whole state (DDP, one process), not a shard of it (FSDP's DTensors).
+    It depends on the model alone, so every rank reaches the same answer."""
+    return not any(hasattr(p, "_local_tensor") for p in model.parameters())
+
+
 def write(path: str | os.PathLike, state: dict[str, Any], train_state: dict[str, Any], *, rank: int,
-          rng: dict[str, Any], error: str | None = None) -> PendingSave:
+          rng: dict[str, Any], error: str | None = None, replicated: bool = False) -> PendingSave:
     """Collective (on the group of `collectives_on`): write this rank's shard of `state` and its
     random generators into `path`. A rank that failed before (`error`: staging) still takes
     part in DCP's collectives, with nothing to write. Errors are kept for `commit()`, so that
-    every rank learns of them together."""
+    every rank learns of them together.
+
+    With a `replicated` state, rank 0 alone writes it, in the same DCP format, without DCP's
+    collectives: every rank would write an identical copy, and DCP's planning (about a dozen
+    collectives and their pickles) cost more than the write itself for small models (bench B9).
+    Loading is unchanged, at any world size."""
     path = Path(path)
     try:
-        _dcp().save({} if error else state, checkpoint_id=str(path), process_group=_group())
+        if not replicated:
+            _dcp().save({} if error else state, checkpoint_id=str(path), process_group=_group())
+        elif rank == 0 and error is None:
+            _dcp().save(state, checkpoint_id=str(path), no_dist=True)
         if error is None:
             _write_durably(path / rng_file(rank), json.dumps(rng))
     except _save_errors() as exc:  # reported on every rank by commit()
@@ -366,7 +381,7 @@ def begin_save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch
         state = live_state(model, optimizer)
     except _save_errors() as exc:
         error = _describe(exc, rank)
-    return write(path, state, train_state, rank=rank, rng=rng_state(), error=error)
+    return write(path, state, train_state, rank=rank, rng=rng_state(), error=error, replicated=replicated(model))
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -4,7 +4,7 @@
 
 `raise` raises RuntimeError on that rank at that step, `nan` turns that step's loss into NaN
 (on the given rank, or all), `hang` blocks that rank forever (a rank stuck outside a
-collective), `diskfull` makes that rank's checkpoint shard at that step land on /dev/full, so
+collective), `diskfull` makes that rank's checkpoint files at that step land on /dev/full, so
 its writes fail with the kernel's own ENOSPC. A plan costs nothing when the variable is unset:
 `load()` returns None."""
 
@@ -50,9 +50,12 @@ class FaultPlan:
     def before_save(self, step: int, path: str) -> None:
         fault = self.by_step.get(step)
         if fault and fault.kind == "diskfull":
-            # DCP names this rank's first data file `__<rank>_0.distcp` and opens it for writing,
-            # following the link: every write then fails with ENOSPC, as on a full disk.
-            os.symlink(FULL_DEVICE, os.path.join(path, f"__{self.rank}_0.distcp"))
+            # DCP names this rank's first data file `__<rank>_0.distcp`; every rank also writes its
+            # random generators' file. Both are opened for writing following the link, so the
+            # first of them this rank writes fails with ENOSPC, as on a full disk (a rank that
+            # holds no shard of a replicated state writes only the second).
+            for name in (f"__{self.rank}_0.distcp", f"rng_{self.rank}.json"):
+                os.symlink(FULL_DEVICE, os.path.join(path, name))
 
     def corrupt_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         fault = self.by_step.get(step)

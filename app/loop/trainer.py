@@ -385,6 +385,7 @@ class Trainer:
         started, started_cpu, first_step = time.perf_counter(), time.process_time(), self.step
         self.next_vote = self.step + (VOTE_EVERY_N_STEPS if self.vote.distributed else 1)
         self._last_vote = (started, self.step)
+        epoch_ends: list[float] = []  # seconds from the start to the end of each epoch's end work
         with preemption.armed():
             last_step_end = started
             while self.step < self.total_steps and not self.preempted:
@@ -399,14 +400,18 @@ class Trainer:
                 due = _every(self.epoch, self.cfg.checkpoint.every_n_epochs) if epoch_ended else True
                 if due or self.step >= self.total_steps:  # a stop mid-epoch always saves
                     self._save_checkpoint()
+                if epoch_ended:
+                    epoch_ends.append(round(time.perf_counter() - started, 4))
             self.saver.settle()  # a save in flight is committed before the run ends or stops
+            self.saver.close()
             self.vote.close()
         if self._loss_count:
             self._log_train_metrics(until=last_step_end)  # not the end-of-run save and evaluation
         # A max_steps stop mid-epoch, an epoch left unevaluated, or resumed at the end.
         if self.eval_step != self.step and not self.preempted:
             self._record_eval(self._evaluate())
-        return self.reporter.on_end(self._result((started, started_cpu, first_step), last_step_end))
+        return self.reporter.on_end({**self._result((started, started_cpu, first_step), last_step_end),
+                                     "epoch_end_s": epoch_ends})
 
     def _result(self, start: tuple[float, float, int], last_step_end: float) -> dict[str, Any]:
         """The run's figures, from `start` (wall time, CPU time, step) or, when the run was long
