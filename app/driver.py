@@ -212,6 +212,8 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         "train_s": result.get("train_s"),  # rank 0, from the start of training to the end of its loop
         "train_cpu_s": result.get("train_cpu_s"),  # rank 0's process, over the same span
         "checkpoint_stall_s": result.get("checkpoint_stall_s"),  # rank 0's loop, waiting on saves
+        # From the start of training to the end of each epoch's evaluation and save (bench B9).
+        "epoch_end_s": result.get("epoch_end_s"),
         "tokens_per_s": result.get("tokens_per_s"),
         "mfu": result.get("mfu"),
         # The largest over the ranks: parameters + gradients + optimizer state one rank holds,

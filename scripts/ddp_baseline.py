@@ -63,16 +63,18 @@ class Trainer:
         torch.save({"model": self.model.module.state_dict(), "steps": self.step}, self.snapshot_path)
 
     def train(self) -> dict:
-        started, started_cpu, epoch = time.perf_counter(), time.process_time(), 0
+        started, started_cpu, epoch, epoch_ends = time.perf_counter(), time.process_time(), 0, []
         while self.step < self.max_steps and (self.max_epochs is None or epoch < self.max_epochs):
             self._run_epoch(epoch)
             epoch += 1
             if self.save_every_epoch and self.rank == 0:  # the tutorial's snapshot each epoch
                 self._save_snapshot()
+            epoch_ends.append(round(time.perf_counter() - started, 4))
         if self.rank == 0 and not self.save_every_epoch:
             self._save_snapshot()
         return {"train_s": time.perf_counter() - started, "train_cpu_s": time.process_time() - started_cpu,
-                "steps": self.step, "first_step_unix": self.first_step_unix, "last_step_unix": time.time()}
+                "steps": self.step, "first_step_unix": self.first_step_unix, "last_step_unix": time.time(),
+                "epoch_end_s": epoch_ends}
 
 
 def build_optimizer(model, o) -> torch.optim.Optimizer:

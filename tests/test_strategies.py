@@ -59,6 +59,9 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
     assert ratio <= 0.55, ratio
     assert fsdp["memory"]["peak_bytes"] > 0
 
+    # Each rank wrote its own shard (a replicated DDP state is written by rank 0 alone).
+    files = checkpoint.read_manifest(fsdp["checkpoint"])["files"]
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(files), sorted(files)
     # The sharded checkpoint holds the whole model: loaded into one plain model, it evaluates
     # to the loss FSDP measured on the held-out text.
     from raylane.pipelines.gpt import build

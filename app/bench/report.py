@@ -131,16 +131,27 @@ def startup_table(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _two_runs(r: dict[str, Any]) -> str:
+    """The same slope between the short and the long run, start-up differences included."""
+    if "two_run_epoch_ms" not in r:
+        return ""
+    two, ratio = r["two_run_epoch_ms"], r["two_run_ratio_vs_hand_written"]
+    return (f"; between a {r['epochs'][0]}- and a {r['epochs'][1]}-epoch run: on Ray {ratio['raylane on Ray']:.3f} "
+            f"({_m(two['raylane on Ray'], fmt='{:.0f}')} vs {_m(two[HAND], fmt='{:.0f}')} ms)")
+
+
 def _b9_rows(r: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]:
     if not r:
         return []
     epoch, stall = r["epoch_ms"], r["stall_ms_per_checkpoint"]
     ray, torchrun = stall["raylane on Ray"]["median"], stall["raylane under torchrun"]["median"]
     return [
-        ("B9", "epoch-end cost, `regression` defaults: per-epoch slope on Ray ÷ hand-written (snapshot each epoch)",
+        ("B9", "epoch-end cost, `regression` defaults: per-epoch slope on Ray ÷ hand-written (snapshot each epoch)"
+         + (f", epochs {r['epochs'][0] + 1}-{r['epochs'][1]} of a {r['epochs'][1]}-epoch run" if "epochs" in r else ""),
          f"{r['ratio_vs_hand_written']['raylane on Ray']:.3f} ({_m(epoch['raylane on Ray'], fmt='{:.0f}')} ms vs "
          f"{_m(epoch[HAND], fmt='{:.0f}')} ms); under torchrun "
-         f"{r['ratio_vs_hand_written']['raylane under torchrun']:.3f} ({_m(epoch['raylane under torchrun'], fmt='{:.0f}')} ms)",
+         f"{r['ratio_vs_hand_written']['raylane under torchrun']:.3f} ({_m(epoch['raylane under torchrun'], fmt='{:.0f}')} ms)"
+         + _two_runs(r),
          "≤ 1.10", _met(r["ratio_vs_hand_written"]["raylane on Ray"] <= 1.10)),
         ("B9", "stall per checkpoint: on Ray vs under torchrun (ms)",
          f"{_m(stall['raylane on Ray'], fmt='{:.0f}')} vs {_m(stall['raylane under torchrun'], fmt='{:.0f}')}",
