@@ -69,12 +69,14 @@ class Saver:
         if self.faults:
             self.faults.before_save(step, path)
         rng, error, state = checkpoint.rng_state(), None, {}
+        replicated = checkpoint.replicated(model)
         try:
-            state = checkpoint.live_state(model, optimizer)  # references, and plain values copied
+            if self.runtime.rank == 0 or not replicated:  # other ranks of DDP write no state
+                state = checkpoint.live_state(model, optimizer)  # references, and plain values copied
         except checkpoint._save_errors() as exc:  # the write agrees on it with every rank
             error = checkpoint._describe(exc, self.runtime.rank)
         outcome: Future = Future()
-        job = (path, state, train_state, rng, error, checkpoint.replicated(model), outcome)
+        job = (path, state, train_state, rng, error, replicated, outcome)
         self._in_flight = (train_state, outcome)
         if self.asynchronous:
             self._staged.clear()
