@@ -67,9 +67,10 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(run_cli, tmp_pa
     s = read_json(tmp_path / "first.json")
     _assert_stopped_cleanly(first, s)
     assert s["restarts"] == 0  # a clean stop, not a crash to recover from
-    # Both ranks wrote their shard of the final checkpoint at the agreed step.
-    assert sorted(p.name for p in (tmp_path / "runs/pw" / checkpoint.checkpoint_name(s["steps"])).glob("*.distcp")) \
-        == ["__0_0.distcp", "__1_0.distcp"]
+    # Both ranks wrote their part of the final checkpoint at the agreed step: rank 0 the (DDP,
+    # replicated) state, each rank its random generators.
+    final = tmp_path / "runs/pw" / checkpoint.checkpoint_name(s["steps"])
+    assert sorted(checkpoint.read_manifest(final)["files"]) == [".metadata", "__0_0.distcp", "rng_0.json", "rng_1.json"]
 
 
 def _weights(path: str) -> dict[str, torch.Tensor]:
