@@ -70,6 +70,9 @@ class TrialRuns(tune.Callback):
                 return
             epochs = (trial.last_result or {}).get("epoch", 0)
             if not failed and epochs < self.max_epochs:
+                # Here, not in the trial: Tune may SIGTERM a stopped trial's actor (when no
+                # trial is left to reuse it) before the trial's own handler has written anything.
+                keep_stopped_trials_eval(client, run.info.run_id, result.get("step"), eval_metrics(result))
                 client.set_tag(run.info.run_id, "raylane.early_stopped", "true")
                 client.set_tag(run.info.run_id, "raylane.stopped_at_epoch", str(epochs))
             if run.info.status == "RUNNING":
@@ -85,9 +88,16 @@ class TrialRuns(tune.Callback):
         self._close(trial, failed=True)
 
 
+def eval_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """The pipeline's metrics in a trial's Tune result: neither raylane's keys nor Tune's."""
+    skip = MetricReported.OURS | set(AUTO_RESULT_KEYS)
+    return {k: v for k, v in result.items() if k not in skip and isinstance(v, (int, float))
+            and not isinstance(v, bool)}
+
+
 def keep_stopped_trials_eval(client, run_id: str, step: int | None, metrics: dict[str, Any]) -> None:
     """A trial the scheduler stops is torn down with its workers, and rank 0's last buffered
-    metrics go with them: the epoch end Tune judged it on is written from the trial's driver,
+    metrics go with them: the epoch end Tune judged it on is written from the sweep's driver,
     where MLflow does not have it yet, so that the run shows what it was stopped for."""
     from mlflow.entities import Metric
 

@@ -31,7 +31,7 @@ from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
 from raylane.onray.cluster import data_cpus
 from raylane.onray.sweep import SweepSection, check_rerun, load_sweep, trial_config, write_record
-from raylane.onray.trials import SWEEP_TAG, TRIAL_TAG, MetricReported, TrialRuns, find_child, keep_stopped_trials_eval
+from raylane.onray.trials import SWEEP_TAG, TRIAL_TAG, MetricReported, TrialRuns, find_child
 from raylane.tracking.progress import plural
 from raylane.tracking.records import RUN_RATES
 from raylane.tracking.runs import (
@@ -232,10 +232,10 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     run_id = _child(client, parent, trial_id, sweep, cfg, params)
     _record_values(client, run_id, params, donor)
 
-    reported: dict[str, Any] = {"epoch": 0, "step": None, "metrics": {}}
+    reported: dict[str, Any] = {"epoch": 0, "step": None}
 
     def report(metrics: dict[str, float], epoch: int, step: int, location: str | None) -> None:
-        reported.update(epoch=epoch, step=step, metrics=metrics)
+        reported.update(epoch=epoch, step=step)
         with tempfile.TemporaryDirectory() as d:
             (Path(d) / POINTER_FILE).write_text(json.dumps(
                 {"location": location, "run_name": name, "trial_id": trial_id, "step": step}))
@@ -254,7 +254,7 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     try:
         result = launch_on_ray(cfg, run_id, parent.tracking_uri, on_event, embedded=False)
     except SystemExit:  # tune.report's way of saying the scheduler stopped this trial
-        keep_stopped_trials_eval(client, run_id, reported["step"], reported["metrics"])
+        # (its last evaluation is recorded by the driver: TrialRuns, which this may not outlive)
         finished = reported["epoch"] >= cfg.train.max_epochs
         if not finished:
             client.set_tag(run_id, "raylane.early_stopped", "true")
