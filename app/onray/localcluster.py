@@ -24,6 +24,7 @@ from pathlib import Path
 STATE_FILE = "cluster.json"
 START_TIMEOUT_S = 120.0
 STOP_GRACE_S = 5.0
+KILL_WAIT_S = 10.0  # after SIGKILL, for the kernel to end what it killed
 # What an embedded cluster sets for its own run (see raylane.onray.cluster), set once here for the
 # head's processes: Ray Train's controller reads them where it runs, not on the driver. A head on
 # one machine is never preempted and nobody scrapes its metrics.
@@ -136,8 +137,9 @@ def down() -> LocalCluster | None:
 def _stop_session(sid: int) -> None:
     """SIGTERM every process of the head's session (Ray's daemons, its workers, the leftovers of
     drivers' jobs: Ray keeps them all in the session `ray start` opened), then SIGKILL what is
-    still there after a grace period."""
-    for signum, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 0.0)):
+    still there after a grace period, and wait until they are gone: a killed process takes a
+    moment to exit (on a busy machine, `down` returned while a daemon still ran)."""
+    for signum, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
         for pid in _session_pids(sid):
             try:
                 os.kill(pid, signum)
