@@ -4,12 +4,16 @@ that `down` stops completely, by its processes' ids."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env, read_json, session_processes
+from tests.conftest import cli_env, read_json, session_processes, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -25,6 +29,13 @@ def _running(pids: list[int]) -> list[int]:
         if stat.rsplit(")", 1)[1].split()[0] != "Z":
             alive.append(pid)
     return alive
+
+
+def _usage(address: str, env: dict[str, str]) -> str:
+    """The head's resource usage line, as `ray status` prints it (e.g. " 2.0/3.0 CPU ...")."""
+    out = subprocess.run([str(Path(sys.executable).parent / "ray"), "status", "--address", address], check=False,
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=60).stdout
+    return out.split("Total Usage:", 1)[-1].split("\n", 2)[1] if "Total Usage:" in out else ""
 
 
 def test_up_then_a_run_joins_it_and_down_stops_every_process(run_cli, tmp_path):
@@ -50,6 +61,15 @@ def test_up_then_a_run_joins_it_and_down_stops_every_process(run_cli, tmp_path):
     assert f"joining the local Ray head at {state['address']}" in run.output
     assert read_json(tmp_path / "s.json")["status"] == "FINISHED"
     assert not run.session_pids()  # the run started no Ray of its own: nothing of it outlives it
+
+    # A joined driver killed mid-run leaves no resources held: its job ends, and Ray removes the
+    # job's placement group (a `raylane train` run starts no placement-group cleaner actor).
+    killed = run_cli("train", "regression", "--set", "train.max_epochs=100000", "--set", "mlflow.enabled=false",
+                     "--set", "run.name=killed", env=env, name="killed")
+    wait_for(lambda: "epoch 1 eval" in killed.output, timeout_s=240)
+    assert "2.0/3.0 CPU" in _usage(state["address"], env)
+    os.kill(killed.proc.pid, signal.SIGKILL)
+    wait_for(lambda: "0.0/3.0 CPU" in _usage(state["address"], env), timeout_s=60, interval_s=1)
 
     down = run_cli("down", env=env, name="down")
     assert down.wait(120) == 0 and f"stopped the local Ray head at {state['address']}" in down.output

@@ -207,16 +207,22 @@ class _NoAutoscalerScalingPolicy(FixedScalingPolicy):
         pass
 
 
-class _EmbeddedTorchTrainer(_RaylaneTorchTrainer):
-    """On an embedded cluster, also without the detached placement-group cleaner actor (~600 MB,
-    one process: the placement group dies with the cluster anyway) and without autoscaler
-    requests (see _NoAutoscalerScalingPolicy)."""
+class _DriverTorchTrainer(_RaylaneTorchTrainer):
+    """The run of a `raylane train` driver, without the detached placement-group cleaner actor
+    (a process importing Ray Train: ~2 s of CPU and ~600 MB per run). The cleaner removes the
+    run's placement group when its controller dies while the job goes on, as when Tune kills a
+    trial. Here the driver is the job: the controller dies with it or ends it, and Ray removes a
+    job's placement groups when the job ends."""
 
     def _create_default_callbacks(self):
         from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
         return [cb for cb in super()._create_default_callbacks()
                 if not isinstance(cb, PlacementGroupCleanerCallback)]
+
+
+class _EmbeddedTorchTrainer(_DriverTorchTrainer):
+    """On an embedded cluster, also without autoscaler requests (see _NoAutoscalerScalingPolicy)."""
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         controller_init_kwargs["scaling_policy"] = _NoAutoscalerScalingPolicy(self.scaling_config)
@@ -352,13 +358,15 @@ def _stream_split():
 
 
 def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
-                  on_event: Callable[[dict[str, Any]], None], *, embedded: bool) -> dict[str, Any]:
-    """Train on the connected cluster (see `raylane.onray.cluster.init_ray`); the caller shuts Ray down."""
+                  on_event: Callable[[dict[str, Any]], None], *, embedded: bool,
+                  in_trial: bool = False) -> dict[str, Any]:
+    """Train on the connected cluster (see `raylane.onray.cluster.init_ray`); the caller shuts Ray
+    down. `in_trial`: a Tune trial's run, whose controller Tune may kill while the sweep goes on."""
     sink = EventSink.remote()
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
-    trainer_cls = _EmbeddedTorchTrainer if embedded else _RaylaneTorchTrainer
+    trainer_cls = _RaylaneTorchTrainer if in_trial else _EmbeddedTorchTrainer if embedded else _DriverTorchTrainer
     datasets, streams = _ray_datasets(cfg)
     trainer = trainer_cls(
         _train_fn,

@@ -252,7 +252,7 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
 
     handle = RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False)
     try:
-        result = launch_on_ray(cfg, run_id, parent.tracking_uri, on_event, embedded=False)
+        result = launch_on_ray(cfg, run_id, parent.tracking_uri, on_event, embedded=False, in_trial=True)
     except SystemExit:  # tune.report's way of saying the scheduler stopped this trial
         # (its last evaluation is recorded by the driver: TrialRuns, which this may not outlive)
         finished = reported["epoch"] >= cfg.train.max_epochs
