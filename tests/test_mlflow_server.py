@@ -75,9 +75,10 @@ def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, shared_mlflow
 def test_failed_and_interrupted_runs_are_closed_with_their_status(run_cli, tmp_path, shared_mlflow_server):
     failed = run_cli("train", "regression", "--local", "--set", "run.name=nan", "--summary-json", "f.json",
                      env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri, RAYLANE_FAULTS="nan@step=5"))
-    assert failed.wait(120) == 1, failed.output
+    # Side by side: each is one process, and the machine has two cores.
     stopped = run_cli("train", "regression", "--local", "--set", "run.name=stop", "--set", "train.max_epochs=100000",
                       "--summary-json", "k.json", env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri))
+    assert failed.wait(120) == 1, failed.output
     wait_for(lambda: "[raylane] epoch" in stopped.output, timeout_s=120)
     stopped.signal(signal.SIGINT)
     assert stopped.wait(120) == 130, stopped.output
