@@ -61,4 +61,4 @@ check: install
 	$(VENV)/bin/raylane check pipelines/digits.yaml
 
 clean:
-	rm -rf $(VENV) runs mlflow.db mlartifacts mlflow-server test-artifacts .pytest_cache
+	rm -rf $(VENV) runs mlflow.db mlflow.db.lock mlartifacts mlflow-server test-artifacts .pytest_cache

@@ -37,10 +37,13 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
     common = ["--nproc_per_node", "2", "-m", "raylane", "train", "gpt-tiny", *GPT, "--set", "train.max_steps=20",
               "--set", "mlflow.log_every_n_steps=1", "--set", "strategy.name=auto"]
     runs = {}
-    for name, memory_gb in (("ddp", 64), ("fsdp", 0.001)):
-        p = run_cli(*common, "--set", f"run.name={name}", "--set", f"scaling.device_memory_gb={memory_gb}",
-                    "--summary-json", f"{name}.json", launcher=TORCHRUN, name=name)
+    # Side by side, on one new MLflow database: both runs are tracked (the tags below).
+    started = {name: run_cli(*common, "--set", f"run.name={name}", "--set", f"scaling.device_memory_gb={memory_gb}",
+                             "--summary-json", f"{name}.json", launcher=TORCHRUN, name=name)
+               for name, memory_gb in (("ddp", 64), ("fsdp", 0.001))}
+    for name, p in started.items():
         assert p.wait(300) == 0, p.output
+        assert "training without tracking" not in p.output, p.output
         runs[name] = read_json(tmp_path / f"{name}.json")
         assert runs[name]["strategy"] == name
         assert f"strategy {name} (auto: DDP needs" in p.output

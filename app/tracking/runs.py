@@ -111,7 +111,18 @@ class RunHandle:
 def mlflow_client(tracking_uri: str):
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri)
+    if not tracking_uri.startswith("sqlite:///"):
+        return MlflowClient(tracking_uri=tracking_uri)
+    # Two runs started together on a new database both create its tables, and one fails
+    # ("duplicate column name") and trains untracked: the client that creates them, with its
+    # first query, is made one process at a time.
+    import fcntl
+
+    with open(f"{tracking_uri[len('sqlite:///'):]}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        client = MlflowClient(tracking_uri=tracking_uri)
+        client.search_experiments(max_results=1)
+    return client
 
 
 # -- the experiment, as MLflow 3's UI shows it -------------------------------------------------
