@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -127,9 +128,23 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_pat
     # `ray job submit` of the user's own project, with the project as the job's working dir.
     env = dict(_auth_env(tmp_path), **head, RAY_ADDRESS=url)
     runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}}
-    out = ray_job_submit(["--working-dir", str(project), "--runtime-env-json", json.dumps(runtime_env), "--",
-                          "raylane", "train", "train.yaml", *QUICK, *storage],
-                         cwd=tmp_path, env=env, timeout=300)
+    # Both jobs run side by side (the head has room for both), each mostly waiting on start-up.
+    pool = ThreadPoolExecutor(1)
+    own_job = pool.submit(ray_job_submit, ["--working-dir", str(project), "--runtime-env-json",
+                                           json.dumps(runtime_env), "--", "raylane", "train", "train.yaml", *QUICK,
+                                           *storage], cwd=tmp_path, env=env, timeout=300)
+
+    # `raylane submit --follow` of a shipped pipeline from the checkout, the checkout as the job's
+    # working dir (the Jobs SDK handle that `raylane.submit` returns).
+    follow = subprocess.Popen([str(BIN / "raylane"), "submit", "pipelines/digits.yaml", "--address", url, "--follow",
+                               *QUICK, *storage], cwd=REPO, env=dict(env, MLFLOW_TRACKING_URI=f"sqlite:///{db}"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = follow.communicate(timeout=400)
+    finally:
+        follow.kill()
+        pool.shutdown()
+    out = own_job.result()
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     job_id = re.search(r"Job '(raysubmit_\w+)' submitted successfully", out.stdout + out.stderr).group(1)
     run_id = re.findall(r"MLflow run id:\s+([0-9a-f]{32})", out.stdout)[-1]
@@ -137,15 +152,9 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_pat
     assert status == "FINISHED"
     assert tags["raylane.ray_job_id"] == job_id  # the run knows which job it came from
 
-    # `raylane submit --follow` of a shipped pipeline from the checkout, the checkout as the job's
-    # working dir (the Jobs SDK handle that `raylane.submit` returns).
-    out = subprocess.run([str(BIN / "raylane"), "submit", "pipelines/digits.yaml", "--address", url, "--follow",
-                          *QUICK, *storage],
-                         cwd=REPO, env=dict(env, MLFLOW_TRACKING_URI=f"sqlite:///{db}"), capture_output=True,
-                         text=True, timeout=400)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert follow.returncode == 0, stdout[-4000:] + stderr[-4000:]
     job_id, status, run_id = re.search(r"job (raysubmit_\w+): (\w+) \(MLflow run ([0-9a-f]{32})\)",
-                                       out.stdout).groups()
+                                       stdout).groups()
     assert status == "SUCCEEDED"
     status, tags = _mlflow_run(db, run_id)
     assert status == "FINISHED" and tags["raylane.ray_job_id"] == job_id
