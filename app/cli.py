@@ -175,6 +175,10 @@ def _up(args: argparse.Namespace) -> int:
         print(f"raylane: up: --num-cpus must be at least 1, got {args.num_cpus}", file=sys.stderr)
         return 2
     try:
+        prechecks.check_token_path()
+    except ConfigError as exc:
+        return _config_error(exc)
+    try:
         cluster, started = localcluster.up(args.num_cpus, args.port, args.dashboard_port)
     except RuntimeError as exc:
         print(f"raylane: up: {exc}", file=sys.stderr)

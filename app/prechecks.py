@@ -86,6 +86,21 @@ def check_export(checkpoint: str, out: str) -> None:
     writable_dir("--out", target.parent, out)
 
 
+def check_token_path() -> None:
+    """RAY_AUTH_TOKEN_PATH, when set, names a readable file holding a token: Ray otherwise fails
+    in the head's start-up, with a traceback in its log."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path is None:
+        return
+    try:
+        token = Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"RAY_AUTH_TOKEN_PATH = {path!r}: cannot read it ({exc.strerror})") from None
+    if not token:
+        raise ConfigError(f"RAY_AUTH_TOKEN_PATH = {path!r}: the file is empty; it must hold the cluster's "
+                          "token (`ray get-auth-token --generate` writes one to ~/.ray/auth_token)")
+
+
 def oversubscription(cfg: BaseConfig, address: str | None) -> str | None:
     """A warning when a fresh embedded cluster (`address` None, as resolved by
     raylane.onray.localcluster.resolve_address) gets more worker CPUs than this machine has:

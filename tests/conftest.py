@@ -309,3 +309,4 @@ def no_work(monkeypatch):
     monkeypatch.setattr(cli, "_resolved_address", started)
     monkeypatch.setattr("raylane.onray.jobs.job_client", started)
     monkeypatch.setattr("raylane.driver.train", started)
+    monkeypatch.setattr("raylane.onray.localcluster.up", started)

@@ -30,6 +30,7 @@ class Case:
     files: dict[str, str] = field(default_factory=dict)  # created in the working directory first
     subprocess: bool = False  # also end to end, as `python -m raylane`
     code: int = 2
+    env: dict[str, str] = field(default_factory=dict)  # set for the case (relative paths: in its directory)
 
 
 def sweep(space: str = "{optim.lr: {grid: [0.1]}}", extra: str = "") -> dict[str, str]:
@@ -176,6 +177,11 @@ CASES: dict[str, Case] = {
     "submit a misspelled best metric": Case(["submit", "digits", "--set", "checkpoint.keep_best=1",
                                              "--set", "checkpoint.best_metric=f1", "--address", "http://127.0.0.1:9"],
                                             "checkpoint.best_metric = 'f1': not a metric the digits pipeline reports"),
+    # up: the token the head will require
+    "up with an empty token file": Case(["up"], "RAY_AUTH_TOKEN_PATH = 'tok': the file is empty",
+                                        files={"tok": "\n"}, env={"RAY_AUTH_TOKEN_PATH": "tok"}),
+    "up with no token file": Case(["up"], "RAY_AUTH_TOKEN_PATH = 'nope': cannot read it (No such file or directory)",
+                                  env={"RAY_AUTH_TOKEN_PATH": "nope"}),
 }
 
 
@@ -193,6 +199,8 @@ def test_bad_input_exits_2_with_one_line(name, tmp_path, monkeypatch, capsys, no
     case = CASES[name]
     _write(tmp_path, case.files)
     monkeypatch.chdir(tmp_path)
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value)
     assert cli.main(case.argv) == case.code
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1, err
