@@ -106,16 +106,14 @@ def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
     PBT only clones a trial that is still running and that it checkpointed while both had a
     score, so the two must overlap for a few epochs: one sample of the grid (two trials, both
     running from the start; four trials let a fast pair finish before the slow one reports), and
-    six epochs of 180 small steps: with the default batch an epoch is shorter than the gap
-    between the two trials' starts, and one trial can end before the other reports at all (seen
-    with 90 steps of 16 samples too: no exploit). One worker a trial: what PBT does does not
-    depend on the trial's size (the ASHA sweep runs 2-worker trials), and the two trials then
-    share 2 cores without queueing behind each other's start-up."""
+    six epochs of ~90 small steps each: with the default batch an epoch is shorter than the gap
+    between the two trials' starts, and one trial can end before the other reports at all.
+    Two-worker trials, as shipped: with one-worker trials (epochs of 90 steps of 16, or 180 of
+    8) it passed alone but saw no exploit in two fresh-clone suites, the trials overlapping."""
     sweep = run_cli("tune", "digits-sweep", "--set", "sweep.scheduler=pbt", "--set", "sweep.name=digits-pbt",
                     "--set", "sweep.num_samples=1", "--set", "sweep.algorithm=grid",
                     "--set", "sweep.space={optim.lr: {grid: [0.00001, 0.01]}}",
-                    "--set", "train.max_epochs=6", "--set", "scaling.num_workers=1", "--set", "train.batch_size=8",
-                    "--summary-json", "p.json",
+                    "--set", "train.max_epochs=6", "--set", "train.batch_size=8", "--summary-json", "p.json",
                     name="pbt")
     assert sweep.wait(500) == 0, sweep.output
     s = read_json(tmp_path / "p.json")
