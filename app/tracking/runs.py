@@ -5,6 +5,7 @@ step and a slow or absent tracking server never crashes training."""
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 import os
@@ -111,18 +112,23 @@ class RunHandle:
 def mlflow_client(tracking_uri: str):
     from mlflow.tracking import MlflowClient
 
-    if not tracking_uri.startswith("sqlite:///"):
-        return MlflowClient(tracking_uri=tracking_uri)
-    # Two runs started together on a new database both create its tables, and one fails
-    # ("duplicate column name") and trains untracked: the client that creates them, with its
-    # first query, is made one process at a time.
+    if tracking_uri.startswith("sqlite:///"):
+        _sqlite_ready(tracking_uri)
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+@functools.cache
+def _sqlite_ready(tracking_uri: str) -> None:
+    """Once per process: the database exists with MLflow's tables. Two runs started together on a
+    new database both created them, and one failed ("duplicate column name") and trained
+    untracked: the first query, which creates them, runs one process at a time."""
     import fcntl
+
+    from mlflow.tracking import MlflowClient
 
     with open(f"{tracking_uri[len('sqlite:///'):]}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        client = MlflowClient(tracking_uri=tracking_uri)
-        client.search_experiments(max_results=1)
-    return client
+        MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1)
 
 
 # -- the experiment, as MLflow 3's UI shows it -------------------------------------------------
