@@ -45,6 +45,9 @@ def setup(verbose_flag: bool | None, command: str) -> None:
     # Tune's new output engine prints its boxes and TensorBoard hint at any verbosity; its legacy
     # one prints nothing at the verbosity 0 raylane asks for.
     os.environ["RAY_AIR_NEW_OUTPUT"] = "1" if on else "0"
+    # MLflow writes "View run ... at" links to stdout when a run on a server ends (a trial's);
+    # raylane prints the UI link itself.
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "false" if on else "true"
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, (_Console, _LazyFileHandler))]:
         root.removeHandler(handler)  # set up again in the same process (tests call the CLI's main)
@@ -66,6 +69,7 @@ def setup(verbose_flag: bool | None, command: str) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     _after_import("ray", _ray_to_root)
     _after_import("torch", _torch_to_root)
+    _after_import("mlflow", _mlflow_prints_to_root)
 
 
 class _Console(logging.StreamHandler):
@@ -145,6 +149,35 @@ def _ray_to_root() -> None:
     ray_logger = logging.getLogger("ray")
     ray_logger.handlers.clear()
     ray_logger.propagate = True
+    # A driver prints what the raylets push to it (a worker start-up warning, a worker's death)
+    # with print_to_stdstream, whatever log_to_driver says. The workers' own output is already
+    # not relayed (RAY_LOG_TO_DRIVER=0), so what still comes this way is that channel.
+    from ray._private import worker
+
+    if hasattr(worker, "print_to_stdstream"):
+        worker.print_to_stdstream = _ray_lines_to_root
+
+
+def _ray_lines_to_root(data: dict, ignore_prefix: bool = False) -> None:
+    log = logging.getLogger("ray.driver_output")
+    for line in data.get("lines") or []:
+        log.warning("(%s) %s", data.get("pid", "ray"), line)
+
+
+def _mlflow_prints_to_root() -> None:
+    # MLflow prints some notices without a logger ("Successfully registered model ...", through
+    # eprint and its stream): they become records of the "mlflow" logger, for the log file.
+    from mlflow.utils import logging_utils
+
+    log = logging.getLogger("mlflow")
+
+    def write(text: str) -> None:
+        for line in text.splitlines():
+            if line.strip():
+                log.info(line)
+
+    logging_utils.MLFLOW_LOGGING_STREAM.write = write
+    logging_utils.MLFLOW_LOGGING_STREAM.flush = lambda: None
 
 
 def _torch_to_root() -> None:

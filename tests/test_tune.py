@@ -6,6 +6,7 @@ overwritten."""
 from __future__ import annotations
 
 import hashlib
+import re
 import sqlite3
 from pathlib import Path
 
@@ -13,6 +14,17 @@ import pytest
 
 from raylane import cli
 from tests.conftest import read_json
+
+
+# Every line a sweep prints: raylane's own, the trials table and the best trial. Not MLflow's
+# "View run" links or "Successfully registered model", nor what the raylets push to the driver.
+SWEEP_FORMATS = [re.compile(p) for p in (
+    r"joining the local Ray head at \S+ .*",
+    r"raylane: (warning: )?.+",
+    r"\[raylane\] .+",
+    r"[^|]+( \| [^|]+)+",
+    r"best trial \S+: .+",
+)]
 
 
 def _trial_order(row: dict) -> int:
@@ -76,6 +88,8 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(asha_sweep):
     assert "results.csv" in {a.path for a in client.list_artifacts(s["parent_run_id"])}
     assert "plots/sweep.png" in {a.path for a in client.list_artifacts(s["parent_run_id"], "plots")}
     assert "accuracy" in asha_sweep.output and "best trial" in asha_sweep.output
+    foreign = [line for line in asha_sweep.output.splitlines() if not any(f.fullmatch(line) for f in SWEEP_FORMATS)]
+    assert not foreign, "\n".join(foreign)
 
     # The same seed draws the same trial configurations, whatever the trials then do: the sweep's
     # trials are the seeded search's first draws, in order, drawn here again without a cluster.
