@@ -344,11 +344,18 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
     context = {"sweep": sweep.model_dump(mode="json"), "base": base.model_dump(mode="json"),
                "parent": {"run_id": parent.run_id, "experiment_id": parent.experiment_id,
                           "tracking_uri": parent.tracking_uri, "resumed": False}}
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
+
     trainable = tune.with_resources(tune.with_parameters(_trial, context=context), {"CPU": TRIAL_DRIVER_CPU})
     path = f"{base.run.storage_path.rstrip('/')}/{sweep.name}"
+    # Tune's default loggers, less its TensorBoard one: tensorboardX imports torch into this
+    # driver, ~2 s of CPU before the first trial starts (the sweep's metrics are in MLflow). Tune
+    # adds all three unless told not to, so the other two are named here.
+    os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
     run_config = tune.RunConfig(name=sweep.name, storage_path=base.run.storage_path,
                                 verbose=1 if logs.verbose() else 0,  # --verbose: Tune's status tables too
-                                callbacks=[TrialRuns(parent, sweep, base.train.max_epochs)],
+                                callbacks=[TrialRuns(parent, sweep, base.train.max_epochs),
+                                           CSVLoggerCallback(), JsonLoggerCallback()],
                                 stop=stopper,
                                 failure_config=tune.FailureConfig(max_failures=base.failure.max_failures))
     # A trial's driver process, reused by the next trial, keeps torch, Ray Train and raylane
