@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -311,6 +312,9 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
         print(f"error: benchmark(s) {', '.join(failed)} failed; see results.json 'failed' and {bench.work}",
               file=sys.stderr)
         return 1
+    # Its runs' logs, checkpoints and MLflow database: kept above for a failure, else removed
+    # (a full bench leaves ~1 GB of checkpoints in the temporary folder).
+    shutil.rmtree(bench.work, ignore_errors=True)
     return 0
 
 
