@@ -10,6 +10,7 @@ ends a trial, so a trial stopped early is never left RUNNING."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -350,8 +351,7 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
     path = f"{base.run.storage_path.rstrip('/')}/{sweep.name}"
     # Tune's default loggers, less its TensorBoard one: tensorboardX imports torch into this
     # driver, ~2 s of CPU before the first trial starts (the sweep's metrics are in MLflow). Tune
-    # adds all three unless told not to, so the other two are named here.
-    os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
+    # adds all three unless told not to (_without_tune_auto_loggers), so the other two are named.
     run_config = tune.RunConfig(name=sweep.name, storage_path=base.run.storage_path,
                                 verbose=1 if logs.verbose() else 0,  # --verbose: Tune's status tables too
                                 callbacks=[TrialRuns(parent, sweep, base.train.max_epochs),
@@ -370,7 +370,22 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
                                                        search_alg=_search_alg(sweep, concurrency),
                                                        scheduler=_scheduler(sweep, base),
                                                        reuse_actors=sweep.scheduler != "pbt"))
-    return tuner.fit()
+    with _without_tune_auto_loggers():
+        return tuner.fit()
+
+
+@contextlib.contextmanager
+def _without_tune_auto_loggers():
+    """For this fit only: `raylane.tune()` may run in a user's process with Tune runs of its own."""
+    key, previous = "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", os.environ.get("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS")
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
 
 
 def _rows(grid, sweep: SweepSection, parent: RunHandle) -> list[dict[str, Any]]:
