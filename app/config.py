@@ -164,6 +164,35 @@ class MlflowSection(Section):
     system_metrics_interval_s: float = Field(10.0, ge=1, le=3600)
 
 
+class GlobalBatch(Section):
+    """A global batch held fixed while a search changes how it is split (sweeps, autotune):
+    samples per optimizer step = batch_size x grad_accum_steps x num_workers. `adjust` names the
+    quantity computed from the others, so every candidate trains the same model."""
+    size: int = Field(ge=1, le=1_000_000_000)
+    adjust: Literal["grad_accum_steps", "batch_size"] = "grad_accum_steps"
+
+
+def hold_global_batch(cfg: BaseConfig, held: GlobalBatch | None, field: str) -> BaseConfig:
+    """`cfg` with `held.adjust` set so that its global batch is `held.size`; ConfigError (naming
+    `field` and the values) when the others do not divide it."""
+    if held is None:
+        return cfg
+    t, workers = cfg.train, cfg.scaling.num_workers
+    other = t.batch_size if held.adjust == "grad_accum_steps" else t.grad_accum_steps
+    share, rest = divmod(held.size, other * workers)
+    if rest or share < 1:
+        fixed = (f"train.batch_size = {t.batch_size}" if held.adjust == "grad_accum_steps"
+                 else f"train.grad_accum_steps = {t.grad_accum_steps}")
+        raise ConfigError(f"{field}.size = {held.size}: not a multiple of {fixed} x scaling.num_workers = {workers}, "
+                          f"so train.{held.adjust} cannot hold it")
+    try:
+        train = TrainSection.model_validate({**t.model_dump(), held.adjust: share})
+    except ValidationError:
+        raise ConfigError(f"{field}.size = {held.size}: needs train.{held.adjust} = {share}, "
+                          "out of its range") from None
+    return cfg.model_copy(update={"train": train})
+
+
 class BaseConfig(Section):
     """Sections shared by every pipeline; each pipeline adds its own `model` section."""
 

@@ -60,18 +60,31 @@ def test_example_trains_under_torchrun_as_a_dotted_module(run_cli, project, tmp_
 
 
 @pytest.mark.shared_ray
-def test_example_sweep_runs_two_trials_from_the_repo_root(run_cli, project, tmp_path):
+def test_example_throughput_sweep_from_the_repo_root_stops_the_slow_trials_early(run_cli, project, tmp_path):
     """From raylane's checkout, whose app/ and pipelines/ folders come first on a Ray worker's
-    sys.path (Ray puts the driver's working directory there): the project's own must win."""
+    sys.path (Ray puts the driver's working directory there): the project's own must win.
+    `sweep.metric: samples_per_s` (mode max): each trial reports its epoch's
+    throughput after warm-up, and ASHA stops trials whose small batches run slower."""
     p = run_cli("tune", str(project / "sweep.yaml"), "--set", "scaling.num_workers=1",
-                "--set", "sweep.max_concurrent_trials=2", *QUICK, "--set", f"run.storage_path={tmp_path / 'runs'}",
-                "--summary-json", str(tmp_path / "sweep.json"), cwd=REPO)
+                "--set", "sweep.max_concurrent_trials=2", "--set", "sweep.scheduler=asha",
+                "--set", "sweep.metric=samples_per_s", "--set", "sweep.space={train.batch_size: {grid: [250, 4]}}",
+                "--set", "sweep.num_samples=2", *QUICK, "--set", "train.max_epochs=2",
+                "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "sweep.json"),
+                cwd=REPO)
     assert p.wait(300) == 0, p.output
     s = read_json(tmp_path / "sweep.json")
-    assert len(s["trials"]) == 2 and {r["status"] for r in s["trials"]} == {"FINISHED"}
+    trials = s["trials"]
+    assert [t["config"]["train.batch_size"] for t in trials] == [250, 4, 250, 4]
+    slow = [t for t in trials if t["config"]["train.batch_size"] == 4]
+    fast = [t for t in trials if t["config"]["train.batch_size"] == 250]
+    assert any(t["early_stopped"] and t["metrics"]["epoch"] == 1 for t in slow), trials
+    assert min(t["metrics"]["samples_per_s"] for t in fast) > max(t["metrics"]["samples_per_s"] for t in slow)
+    assert s["best"]["config"]["train.batch_size"] == 250
     with sqlite3.connect(tmp_path / "mlflow.db") as con:
-        statuses = con.execute("SELECT status FROM runs").fetchall()
-    assert sorted(statuses) == [("FINISHED",)] * 3  # the parent and its two trials
+        statuses = sorted(status for (status,) in con.execute("SELECT status FROM runs"))
+    # The parent, and each trial FINISHED or KILLED (stopped early): none left RUNNING or FAILED.
+    assert len(statuses) == 5 and set(statuses) <= {"FINISHED", "KILLED"}, statuses
+    assert statuses.count("KILLED") == sum(t["early_stopped"] for t in trials)
 
 
 CONFIG = "pipeline: ./pipe.py\nmodel: {width: 4}\n"

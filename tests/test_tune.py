@@ -141,9 +141,13 @@ def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
     ("sweep.num_samples=0", "sweep.num_samples = 0"),
     ("sweep.algorithm=bayes", "sweep.algorithm = 'bayes'"),
     ("optim.lr=-1", "optim.lr = -1"),
+    ("sweep.metric=samples_per_s --set sweep.mode=min",
+     "sweep.mode = 'min': samples_per_s is better higher (use sweep.mode: max)"),
+    ("sweep.global_batch={size: 100} --set sweep.space={train.batch_size: {grid: [16, 32]}}",
+     "sweep.global_batch.size = 100: not a multiple of train.batch_size = 16 x scaling.num_workers = 2"),
 ])
 def test_bad_sweep_input_exits_2_naming_the_field(run_cli, tmp_path, bad, message):
-    p = run_cli("tune", "digits-sweep", "--set", bad, name="bad")
+    p = run_cli("tune", "digits-sweep", *[a for part in bad.split(" --set ") for a in ("--set", part)], name="bad")
     assert p.wait(60) == 2
     assert message in p.output and "Traceback" not in p.output
 
@@ -249,3 +253,45 @@ def test_a_metric_no_trial_reports_ends_the_sweep_at_the_first_report():
     assert typo.stop_all()
     with pytest.raises(ConfigError, match=r"sweep.metric = 'acuracy': .*\(they report: accuracy, loss\)"):
         typo.check()
+
+
+def test_throughput_metrics_take_their_direction_and_a_held_global_batch_sets_each_trials_split(tmp_path):
+    from raylane.config import ConfigError
+    from raylane.onray.sweep import load_sweep, trial_config
+
+    (tmp_path / "s.yaml").write_text("sweep: {name: s, base: digits, space: {optim.lr: {grid: [0.1]}}}\n")
+    for metric, better in [("samples_per_s", "max"), ("peak_memory_bytes", "min"), ("step_time_s", "min")]:
+        sweep, _ = load_sweep(str(tmp_path / "s.yaml"), [f"sweep.metric={metric}"])
+        assert sweep.mode == better, metric  # unless the user says otherwise
+    with pytest.raises(ConfigError, match="sweep.mode = 'max': peak_memory_bytes is better lower"):
+        load_sweep("digits-sweep", ["sweep.metric=peak_memory_bytes"])  # the file says mode: max
+    with pytest.raises(ConfigError, match="sweep.metric = 'mfu': on CPU, MFU needs the device's peak"):
+        load_sweep("digits-sweep", ["sweep.metric=mfu"])
+
+    space = "sweep.space={train.batch_size: {grid: [8, 16, 32]}, scaling.num_workers: {choice: [1, 2]}}"
+    sweep, base = load_sweep("digits-sweep", [space, "sweep.global_batch={size: 64}"])
+    for batch, workers in [(8, 1), (8, 2), (16, 2), (32, 1)]:
+        cfg = trial_config(base, {"train.batch_size": batch, "scaling.num_workers": workers}, sweep.global_batch)
+        assert cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.scaling.num_workers == 64
+    sweep, base = load_sweep("digits-sweep", ["sweep.space={train.grad_accum_steps: {grid: [1, 2, 4]}}",
+                                              "sweep.global_batch={size: 64, adjust: batch_size}"])
+    assert [trial_config(base, {"train.grad_accum_steps": a}, sweep.global_batch).train.batch_size
+            for a in (1, 2, 4)] == [32, 16, 8]
+
+
+def test_a_time_to_target_objective_ranks_by_the_first_time_the_metric_reached_it(tmp_path):
+    from raylane.config import ConfigError
+    from raylane.onray.sweep import NOT_REACHED_S, Objective, load_sweep
+
+    (tmp_path / "s.yaml").write_text("sweep: {name: s, base: digits, space: {optim.lr: {grid: [0.1]}}}\n")
+    target = "sweep.objective={time_to: {metric: accuracy, value: 0.9, mode: max}}"
+    sweep, _ = load_sweep(str(tmp_path / "s.yaml"), [target])
+    assert (sweep.metric, sweep.mode) == ("time_to_target_s", "min")
+    track = Objective(sweep)
+    assert track({"accuracy": 0.5, "train_s": 3.0})["time_to_target_s"] == NOT_REACHED_S
+    assert track({"accuracy": 0.93, "train_s": 7.5})["time_to_target_s"] == 7.5
+    assert track({"accuracy": 0.89, "train_s": 11.0})["time_to_target_s"] == 7.5  # reached once is reached
+    with pytest.raises(ConfigError, match="sweep.objective.time_to.metric = 'acc': not a metric"):
+        load_sweep(str(tmp_path / "s.yaml"), [target.replace("accuracy", "acc")])
+    with pytest.raises(ConfigError, match="sweep.metric = 'accuracy' with sweep.objective"):
+        load_sweep("digits-sweep", [target])  # the file names its metric

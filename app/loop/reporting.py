@@ -59,11 +59,13 @@ class Reporter:
             self._metrics.log({f"eval/{k}": v for k, v in metrics.items()}, step)
         self._publish({"event": "eval", "epoch": epoch, "step": step, "metrics": metrics})
 
-    def on_checkpoint(self, *, step: int, location: str, epoch: int, metrics: dict[str, float]) -> None:
-        """`metrics` are the eval metrics measured at this step (an epoch end), else empty."""
+    def on_checkpoint(self, *, step: int, location: str, epoch: int, metrics: dict[str, float],
+                      speed: dict[str, float] | None = None) -> None:
+        """`metrics` are the eval metrics measured at this step (an epoch end), else empty; `speed`
+        rank 0's throughput over that epoch (Trainer._epoch_speed)."""
         if self.active:
             self._publish({"event": "checkpoint", "step": step, "location": location, "metrics": metrics,
-                           "epoch": epoch,
+                           "epoch": epoch, "speed": speed or {},
                            "time_unix": time.time()})
 
     def on_checkpoint_failed(self, *, step: int, error: str) -> None:

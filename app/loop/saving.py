@@ -145,4 +145,4 @@ class Saver:
             return
         self.last_checkpoint = result
         self.reporter.on_checkpoint(step=step, location=result, epoch=state["epoch"],
-                                    metrics=state.get("eval_metrics") or {})
+                                    metrics=state.get("eval_metrics") or {}, speed=state.get("speed_metrics") or {})

@@ -180,6 +180,9 @@ class Trainer:
         self.samples_per_step = cfg.train.batch_size * world_size * self.accum
         self.eval_metrics: dict[str, float] = {}
         self.eval_step: int | None = None  # the step eval_metrics were measured at
+        # Rank 0's throughput over the last epoch's steps, sent with its checkpoint (sweeps rank by it).
+        self.speed_metrics: dict[str, float] = {}
+        self._train_started = time.perf_counter()
         self._metric_names: list[str] | None = None
         self.skipped_steps = 0
         self.last_checkpoint: str | None = None
@@ -386,13 +389,16 @@ class Trainer:
         self.next_vote = self.step + (VOTE_EVERY_N_STEPS if self.vote.distributed else 1)
         self._last_vote = (started, self.step)
         epoch_ends: list[float] = []  # seconds from the start to the end of each epoch's end work
+        self._train_started = started
         with preemption.armed():
             last_step_end = started
             while self.step < self.total_steps and not self.preempted:
+                epoch_start = (time.perf_counter(), self.step)
                 self._run_epoch(self.epoch)
                 last_step_end = self._step_clock()
                 epoch_ended = self.batch_in_epoch >= self.batches_per_epoch  # not a max_steps stop or a stop
                 if epoch_ended:
+                    self.speed_metrics = self._epoch_speed(epoch_start, last_step_end)
                     if _every(self.epoch + 1, self.cfg.train.eval_every_n_epochs):
                         self._record_eval(self._evaluate())
                     self.epoch += 1
@@ -424,6 +430,7 @@ class Trainer:
         # throughput (a GPT-2 save on one H100 took as long as 50 steps).
         samples_per_s = (self.step - first_step) * self.samples_per_step / max(last_step_end - started, 1e-9)
         return {
+            "step_time_s": (last_step_end - started) / max(self.step - first_step, 1),
             "epochs": self.epoch,
             "steps": self.step,
             "metrics": self.eval_metrics,
@@ -434,6 +441,7 @@ class Trainer:
             "mesh": list(self.strategy.mesh_shape),
             "node_ranks": self.runtime.node_ranks,
             "train_s": ended - started,
+            "train_wall_s": ended - self._train_started,  # warm-up steps included (time to a target)
             # This process's CPU time over the same span, every thread counted (gloo's, Ray's):
             # much less sensitive than train_s to other processes on a busy machine (B1).
             "train_cpu_s": ended_cpu - started_cpu,
@@ -447,6 +455,24 @@ class Trainer:
             "preempted": self.preempted,
             "stop_reason": (preemption.reason() or "a stop request from another rank") if self.preempted else None,
         }
+
+    def _epoch_speed(self, start: tuple[float, int], end: float) -> dict[str, float]:
+        """Rank 0's throughput over one epoch's steps, from the end of the warm-up steps when they
+        fell inside it and left steps after them; no collective (the steps of DDP and FSDP end
+        together on every rank, and a collective here would cost every epoch end its wait)."""
+        if not self.reporter.active:
+            return {}
+        began, first = start
+        if self._warm is not None and first < self._warm[2] < self.step:
+            began, first = self._warm[0], self._warm[2]
+        steps = self.step - first
+        if steps <= 0:
+            return {}
+        elapsed = max(end - began, 1e-9)
+        samples_per_s = steps * self.samples_per_step / elapsed
+        return {"samples_per_s": samples_per_s, "step_time_s": elapsed / steps,
+                "peak_memory_bytes": float(peak_memory_bytes(self.device)), "train_s": end - self._train_started,
+                **self.throughput.rates(samples_per_s, self.runtime.world_size)}
 
     def _step_clock(self) -> float:
         """Now, once the device has finished the steps queued so far."""
@@ -474,6 +500,7 @@ class Trainer:
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             # Metrics measured at this very step (an epoch end), for checkpoint.keep_best.
             "eval_metrics": self.eval_metrics if self.eval_step == self.step else None,
+            "speed_metrics": self.speed_metrics if self.eval_step == self.step else None,
             "config": self.cfg.model_dump(mode="json"),
             "raylane_version": __version__,
         }

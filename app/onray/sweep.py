@@ -13,6 +13,7 @@ finished, says so and leaves everything as it is."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from raylane.config import (
     _NAME_PATTERN,
     BaseConfig,
     ConfigError,
+    GlobalBatch,
     Section,
     apply_overrides,
     config_path,
@@ -33,6 +35,7 @@ from raylane.config import (
     flatten,
     format_validation_error,
     normalize_pipeline,
+    hold_global_batch,
     read_yaml,
     validate,
 )
@@ -40,6 +43,25 @@ from raylane.prechecks import check_metric
 
 DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")
 SWEEP_RECORD = "raylane_sweep.json"
+# Throughput a trial reports at each epoch end (rank 0's, over that epoch's steps after warm-up)
+# and at its end (over the run), beside its eval metrics; the better direction of each.
+SPEED_METRICS = {"samples_per_s": "max", "tokens_per_s": "max", "mfu": "max", "step_time_s": "min",
+                 "peak_memory_bytes": "min"}
+TIME_TO_TARGET = "time_to_target_s"
+# What a trial that has not reached the target reports: worse than any real time, and finite,
+# which ASHA's quantiles and MLflow need.
+NOT_REACHED_S = 1e9
+
+
+class TimeTo(Section):
+    metric: str = Field(min_length=1, description="an eval metric of the pipeline")
+    value: float
+    mode: Literal["min", "max"] = Field(description="max: reached at >= value; min: at <= value")
+
+
+class ObjectiveSection(Section):
+    # Seconds of training (rank 0's, from the first step) until time_to.metric reaches its value.
+    time_to: TimeTo
 
 
 class SweepSection(Section):
@@ -61,6 +83,27 @@ class SweepSection(Section):
     reduction_factor: float = Field(2.0, gt=1)
     # PBT: epochs between exploit/explore decisions.
     perturbation_interval: int = Field(1, ge=1)
+    # Rank trials by the time they take to reach an eval metric's value (sweep.metric is then
+    # time_to_target_s, mode min); a trial that never reaches it ranks last.
+    objective: ObjectiveSection | None = None
+    # Hold the global batch fixed over a space of batch sizes, accumulation or workers.
+    global_batch: GlobalBatch | None = None
+
+    @model_validator(mode="after")
+    def _direction(self) -> SweepSection:
+        given = self.model_fields_set
+        if self.objective is not None:
+            if "metric" in given and self.metric != TIME_TO_TARGET:
+                raise ValueError(f"sweep.metric = {self.metric!r} with sweep.objective: a time-to-target sweep "
+                                 f"ranks by {TIME_TO_TARGET} (set sweep.metric: {TIME_TO_TARGET}, or leave it out)")
+            self.__dict__.update(metric=TIME_TO_TARGET, mode="min")  # no re-validation of the model
+        better = SPEED_METRICS.get(self.metric) or ("min" if self.metric == TIME_TO_TARGET else None)
+        if better and "mode" not in given:
+            self.__dict__["mode"] = better
+        elif better and self.mode != better:
+            raise ValueError(f"sweep.mode = {self.mode!r}: {self.metric} is better "
+                             f"{'higher' if better == 'max' else 'lower'} (use sweep.mode: {better})")
+        return self
 
     @field_validator("space")
     @classmethod
@@ -136,8 +179,58 @@ def load_sweep(path: str, overrides: Iterable[str] = ()) -> tuple[SweepSection, 
                 trial_config(base, {key: value})
             except ConfigError as exc:
                 raise ConfigError(f"sweep.space.{key}: {exc}") from None
-    check_metric("sweep.metric", sweep.metric, base)
+    _check_global_batch(sweep, base)
+    _check_metric(sweep, base)
     return sweep, base
+
+
+def _check_metric(sweep: SweepSection, base: BaseConfig) -> None:
+    if sweep.objective is not None:
+        check_metric("sweep.objective.time_to.metric", sweep.objective.time_to.metric, base)
+    elif sweep.metric == "mfu" and not (base.scaling.use_gpu or base.scaling.peak_tflops):
+        raise ConfigError("sweep.metric = 'mfu': on CPU, MFU needs the device's peak: set scaling.peak_tflops")
+    elif sweep.metric not in SPEED_METRICS:
+        check_metric("sweep.metric", sweep.metric, base)
+
+
+def _check_global_batch(sweep: SweepSection, base: BaseConfig) -> None:
+    """Every listed combination of the keys that split the global batch divides it."""
+    if sweep.global_batch is None:
+        return
+    keys = [k for k in ("train.batch_size", "train.grad_accum_steps", "scaling.num_workers") if k in sweep.space]
+    for values in itertools.product(*(representative(sweep.space[k]) for k in keys)):
+        params = dict(zip(keys, values, strict=True))
+        try:
+            trial_config(base, params, sweep.global_batch)
+        except ConfigError as exc:
+            where = ", ".join(f"{k} = {v!r}" for k, v in params.items()) or "the base config"
+            raise ConfigError(f"{exc} (with {where})") from None
+
+
+def run_speed(result: dict[str, Any]) -> dict[str, float]:
+    """A finished run's throughput under the names a trial reports each epoch."""
+    memory = result.get("memory") or {}
+    speed = {k: result.get(k) for k in ("samples_per_s", "tokens_per_s", "mfu", "step_time_s")}
+    speed.update(peak_memory_bytes=memory.get("peak_bytes"), train_s=result.get("train_wall_s"))
+    return {k: float(v) for k, v in speed.items() if isinstance(v, (int, float))}
+
+
+class Objective:
+    """A trial's reports with `time_to_target_s` added under a time-to-target objective: the
+    training time of the first report that reached the value, NOT_REACHED_S until one does."""
+
+    def __init__(self, sweep: SweepSection) -> None:
+        self.target = sweep.objective.time_to if sweep.objective else None
+        self.reached_s: float | None = None
+
+    def __call__(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.target is None:
+            return metrics
+        value = metrics.get(self.target.metric)
+        hit = value is not None and (value >= self.target.value if self.target.mode == "max" else value <= self.target.value)
+        if hit and self.reached_s is None:
+            self.reached_s = float(metrics.get("train_s", NOT_REACHED_S))
+        return {**metrics, TIME_TO_TARGET: self.reached_s if self.reached_s is not None else NOT_REACHED_S}
 
 
 def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
@@ -148,8 +241,9 @@ def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
             into[key] = value
 
 
-def trial_config(base: BaseConfig, params: dict[str, Any]) -> BaseConfig:
-    """The base config with one trial's values at their dotted keys, validated."""
+def trial_config(base: BaseConfig, params: dict[str, Any], global_batch: GlobalBatch | None = None) -> BaseConfig:
+    """The base config with one trial's values at their dotted keys, validated; with
+    `global_batch`, its `adjust` key then set to hold it."""
     known = base.flat()
     for key in params:
         if key not in known:
@@ -161,7 +255,7 @@ def trial_config(base: BaseConfig, params: dict[str, Any]) -> BaseConfig:
         for part in parents:
             node = node[part]
         node[leaf] = value
-    return validate(raw)
+    return hold_global_batch(validate(raw), global_batch, "sweep.global_batch")
 
 
 # -- the sweep's record ------------------------------------------------------------------------
@@ -187,6 +281,9 @@ def settings(sweep: SweepSection, base: BaseConfig) -> dict[str, Any]:
     the base config every trial starts from. Not the storage path: the record is found under it,
     so it matches whenever there is a record to compare with, however the path was written."""
     own = sweep.model_dump(mode="json")
+    for key in ("objective", "global_batch"):  # unset: as a sweep recorded before these existed
+        if own.get(key) is None:
+            own.pop(key, None)
     space = own.pop("space")  # one entry per searched key: its whole domain is its value
     flat = {**flatten({"sweep": own}), **{f"sweep.space.{k}": v for k, v in space.items()}, **base.flat()}
     flat.pop("run.storage_path", None)

@@ -31,7 +31,7 @@ from ray import tune
 from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
 from raylane.onray.cluster import data_cpus
-from raylane.onray.sweep import SweepSection, check_rerun, load_sweep, trial_config, write_record
+from raylane.onray.sweep import NOT_REACHED_S, TIME_TO_TARGET, Objective, SweepSection, check_rerun, load_sweep, run_speed, trial_config, write_record
 from raylane.onray.trials import SWEEP_TAG, TRIAL_TAG, MetricReported, TrialRuns, find_child
 from raylane.tracking.progress import plural
 from raylane.tracking.records import RUN_RATES
@@ -227,7 +227,7 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     sweep, base = SweepSection(**context["sweep"]), validate(context["base"])
     parent = RunHandle(**context["parent"])
     trial_id = tune.get_context().get_trial_id()
-    cfg, donor = _trial_run_config(sweep, trial_config(base, params), f"{sweep.name}-{trial_id}")
+    cfg, donor = _trial_run_config(sweep, trial_config(base, params, sweep.global_batch), f"{sweep.name}-{trial_id}")
     name = cfg.run.name
     client = mlflow_client(parent.tracking_uri)
     run_id = _child(client, parent, trial_id, sweep, cfg, params)
@@ -244,12 +244,15 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
                          "run_id": run_id, "exploited": bool(donor)},
                         checkpoint=tune.Checkpoint.from_directory(d) if location else None)
 
+    objective = Objective(sweep)
+
     def on_event(event: dict[str, Any]) -> None:
         # Tune sees epoch ends only: every trial reports at the same points. Not the last one,
         # reported once the run has returned (below): a scheduler's stop there (ASHA at max_t)
         # would tear the finished run down before its end-of-run records.
         if event.get("event") == "checkpoint" and event.get("metrics") and event["epoch"] < cfg.train.max_epochs:
-            report(event["metrics"], event["epoch"], event["step"], event["location"])
+            report(objective({**event.get("speed", {}), **event["metrics"]}), event["epoch"], event["step"],
+                   event["location"])
 
     handle = RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False)
     try:
@@ -270,7 +273,8 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
             client.log_metric(run_id, f"run/{key}", float(result[key]), step=result.get("steps") or 0)
     close_run(handle, "KILLED" if result.get("preempted") else "FINISHED")
     if result.get("metrics") and reported["step"] != result.get("steps"):  # the last epoch, or a max_steps stop
-        report(result["metrics"], result.get("epochs", 0), result["steps"], result.get("checkpoint"))
+        report(objective({**run_speed(result), **result["metrics"]}), result.get("epochs", 0), result["steps"],
+               result.get("checkpoint"))
 
 
 # -- the driver --------------------------------------------------------------------------------
@@ -430,9 +434,17 @@ def _table(rows: list[dict[str, Any]], sweep: SweepSection) -> str:
             (f" ({r['exploits']} exploits)" if r["exploits"] else "")
         lines.append(" | ".join([r["trial_id"], *(f"{r['config'][k]:.4g}" if isinstance(r["config"][k], float)
                                                    else str(r["config"][k]) for k in keys),
-                                 f"{value:.4f}" if isinstance(value, float) else "-",
+                                 _shown_metric(sweep.metric, value),
                                  str(r["metrics"].get("epoch", "-")), status]))
     return "\n".join(lines)
+
+
+def _shown_metric(metric: str, value: Any) -> str:
+    if not isinstance(value, (int, float)):
+        return "-"
+    if metric == TIME_TO_TARGET and value >= NOT_REACHED_S:
+        return "not reached"
+    return f"{value:,.0f}" if abs(value) >= 10_000 else f"{value:.4f}"
 
 
 def _record_parent(parent: RunHandle, sweep: SweepSection, rows: list[dict[str, Any]],
