@@ -55,6 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--summary-json", metavar="PATH", help="write the sweep's summary here")
     sweep.add_argument("--register", metavar="NAME", help="register the best trial's model under NAME")
     sweep.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
+    tuner = sub.add_parser("autotune", help="find the fastest configuration of a pipeline that fits, in one worker group")
+    add_config_args(tuner)
+    tuner.add_argument("--address", help=ADDRESS_HELP)
+    tuner.add_argument("--local", action="store_true", help="search in this one process, without Ray")
+    tuner.add_argument("--budget-s", type=float, metavar="N", help="stop after N seconds with the best so far")
+    tuner.add_argument("--summary-json", metavar="PATH", help="write the search's summary here")
+    tuner.add_argument("--out", default="autotuned.yaml", help="the winner's ready-to-train YAML (default: %(default)s)")
+    tuner.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
     job = sub.add_parser("submit", help="run `raylane train` as a Ray job on a cluster (Jobs SDK)")
     add_config_args(job)
     job.add_argument("--address", help="the cluster's dashboard URL (default: RAY_ADDRESS, else `raylane up`'s, else http://127.0.0.1:8265)")
@@ -128,6 +136,25 @@ def _tune(args: argparse.Namespace) -> int:
         return 0 if summary["status"] == "FINISHED" else 1
     except ConfigError as exc:  # found once the cluster is known: resources
         return _config_error(exc)
+
+
+def _autotune(args: argparse.Namespace) -> int:
+    from raylane import autotune
+
+    overrides = [*args.overrides, *([f"autotune.budget_s={args.budget_s}"] if args.budget_s is not None else [])]
+    try:
+        section, cfg = autotune.load(args.config, overrides)
+        autotune.space(section, cfg)
+        autotune.check(section, cfg, args.out, args.summary_json)
+    except ConfigError as exc:
+        return _config_error(exc)
+    from raylane.driver import EXIT_CODES, under_torchrun
+
+    use_ray = not (args.local or under_torchrun())
+    address = _resolved_address(args.address, cfg) if use_ray else None
+    summary = autotune.execute(section, cfg, use_ray=use_ray, address=address, out=args.out,
+                               summary_path=args.summary_json)
+    return EXIT_CODES[summary["status"]]
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -214,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         return _tune(args)
     if args.command == "submit":
         return _submit(args)
+    if args.command == "autotune":
+        return _autotune(args)
     try:
         cfg = load_config(args.config, args.overrides)
         prechecks.check_run(cfg, summary_json=getattr(args, "summary_json", None))

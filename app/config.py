@@ -164,6 +164,22 @@ class MlflowSection(Section):
     system_metrics_interval_s: float = Field(10.0, ge=1, le=3600)
 
 
+def apply_values(cfg: BaseConfig, values: Mapping[str, Any]) -> BaseConfig:
+    """`cfg` with `values` at their dotted keys, validated (a sweep's trial, an autotune candidate)."""
+    known = cfg.flat()
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"{key}: not a key of the {cfg.pipeline} config{did_you_mean(key, known)}")
+    raw = cfg.model_dump(mode="json")
+    for key, value in values.items():
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return validate(raw)
+
+
 class GlobalBatch(Section):
     """A global batch held fixed while a search changes how it is split (sweeps, autotune):
     samples per optimizer step = batch_size x grad_accum_steps x num_workers. `adjust` names the

@@ -1,11 +1,13 @@
 """Fault injection for tests and drills, planned through the environment of the workers:
 
-    RAYLANE_FAULTS="raise@rank=1,step=5;nan@step=7;hang@rank=0,step=3;diskfull@rank=1,step=40"
+    RAYLANE_FAULTS="raise@rank=1,step=5;nan@step=7;hang@rank=0,step=3;diskfull@rank=1,step=40;oom@rank=1,batch=32"
 
 `raise` raises RuntimeError on that rank at that step, `nan` turns that step's loss into NaN
 (on the given rank, or all), `hang` blocks that rank forever (a rank stuck outside a
 collective), `diskfull` makes that rank's checkpoint files at that step land on /dev/full, so
-its writes fail with the kernel's own ENOSPC. A plan costs nothing when the variable is unset:
+its writes fail with the kernel's own ENOSPC, `oom` raises torch.OutOfMemoryError in that
+rank's forward of a micro-batch of at least `batch` samples (autotune's probe: a CPU cannot run
+out of device memory on cue). A plan costs nothing when the variable is unset:
 `load()` returns None."""
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ from dataclasses import dataclass
 import torch
 
 ENV = "RAYLANE_FAULTS"
-KINDS = ("raise", "nan", "hang", "diskfull")
+KINDS = ("raise", "nan", "hang", "diskfull", "oom")
 FULL_DEVICE = "/dev/full"
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    step: int
+    step: int  # -1 for oom, which is keyed by batch size
     rank: int | None  # None: every rank
+    batch: int | None = None
 
 
 class InjectedFault(RuntimeError):
@@ -35,8 +38,14 @@ class InjectedFault(RuntimeError):
 
 class FaultPlan:
     def __init__(self, faults: list[Fault], rank: int) -> None:
-        self.by_step = {f.step: f for f in faults if f.rank in (None, rank)}
+        mine = [f for f in faults if f.rank in (None, rank)]
+        self.by_step = {f.step: f for f in mine if f.kind != "oom"}
+        self.oom_from_batch = min((f.batch for f in mine if f.kind == "oom"), default=None)
         self.rank = rank
+
+    def before_forward(self, batch_size: int) -> None:
+        if self.oom_from_batch is not None and batch_size >= self.oom_from_batch:
+            raise torch.OutOfMemoryError(f"injected: rank {self.rank} out of memory at a micro-batch of {batch_size}")
 
     def before_step(self, step: int) -> None:
         fault = self.by_step.get(step)
@@ -67,9 +76,10 @@ def parse(text: str) -> list[Fault]:
     for item in filter(None, (part.strip() for part in text.split(";"))):
         kind, _, params = item.partition("@")
         fields = dict(p.split("=", 1) for p in params.split(",") if "=" in p)
-        if kind not in KINDS or "step" not in fields:
-            raise ValueError(f"{ENV}: cannot parse {item!r} (expected e.g. raise@rank=1,step=5)")
-        faults.append(Fault(kind, int(fields["step"]), int(fields["rank"]) if "rank" in fields else None))
+        if kind not in KINDS or ("batch" if kind == "oom" else "step") not in fields:
+            raise ValueError(f"{ENV}: cannot parse {item!r} (expected e.g. raise@rank=1,step=5 or oom@rank=1,batch=32)")
+        faults.append(Fault(kind, int(fields.get("step", -1)), int(fields["rank"]) if "rank" in fields else None,
+                            int(fields["batch"]) if "batch" in fields else None))
     return faults
 
 

@@ -169,9 +169,10 @@ def _example_batch(dataset, batch_size: int):
 
 
 def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
-                 on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+                 on_event: Callable[[dict[str, Any]], None], search: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run this process as one rank: a single process, or a torchrun rank (env vars say which).
-    The caller leaves the process group (`raylane.loop.distributed.leave_process_group`)."""
+    The caller leaves the process group (`raylane.loop.distributed.leave_process_group`). With
+    `search`, the rank runs `raylane autotune`'s search (raylane.loop.search) instead of training."""
     startup = {"worker_imports": time.time()}
     rank, local_rank, world_size = env_ranks()
     init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # normally done already by the driver
@@ -180,6 +181,10 @@ def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
         CheckpointStore(f"{root.rstrip('/')}/{cfg.run.name}", fs, rank), rank, local_rank, world_size,
         default_device(cfg.scaling.use_gpu, local_rank), publish=on_event if rank == 0 else None,
     )
+    if search is not None:
+        from raylane.loop.search import run_search
+
+        return run_search(cfg, runtime, search)
     metric_logger = None
     if rank == 0 and run_id:
         from raylane.tracking.runs import rank_zero_logger

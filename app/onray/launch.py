@@ -247,6 +247,11 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     cfg = validate(loop_config["config"])
     runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu, loop_config.get("streams"))
     _relay_warnings(runtime, loop_config.get("verbose", False))
+    if loop_config.get("search"):  # `raylane autotune`: the whole search in this one worker group
+        from raylane.loop.search import run_search
+
+        run_search(cfg, runtime, loop_config["search"])
+        return
     metric_logger = None
     if runtime.rank == 0 and loop_config.get("run_id"):
         metric_logger = rank_zero_logger(cfg, loop_config["tracking_uri"], loop_config["run_id"])
@@ -359,9 +364,10 @@ def _stream_split():
 
 def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                   on_event: Callable[[dict[str, Any]], None], *, embedded: bool,
-                  in_trial: bool = False) -> dict[str, Any]:
+                  in_trial: bool = False, search: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train on the connected cluster (see `raylane.onray.cluster.init_ray`); the caller shuts Ray
-    down. `in_trial`: a Tune trial's run, whose controller Tune may kill while the sweep goes on."""
+    down. `in_trial`: a Tune trial's run, whose controller Tune may kill while the sweep goes on.
+    `search`: run `raylane autotune`'s search in the worker group instead (raylane.loop.search)."""
     sink = EventSink.remote()
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
@@ -371,7 +377,8 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
     trainer = trainer_cls(
         _train_fn,
         train_loop_config={"config": cfg.model_dump(mode="json"), "sink": sink, "streams": streams,
-                           "run_id": run_id, "tracking_uri": tracking_uri, "verbose": logs.verbose()},
+                           "run_id": run_id, "tracking_uri": tracking_uri, "verbose": logs.verbose(),
+                           "search": search},
         datasets=datasets, **({"dataset_config": _stream_split()} if datasets else {}),
         scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources),

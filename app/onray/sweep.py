@@ -28,10 +28,10 @@ from raylane.config import (
     BaseConfig,
     ConfigError,
     GlobalBatch,
+    apply_values,
     Section,
     apply_overrides,
     config_path,
-    did_you_mean,
     flatten,
     format_validation_error,
     normalize_pipeline,
@@ -244,18 +244,7 @@ def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
 def trial_config(base: BaseConfig, params: dict[str, Any], global_batch: GlobalBatch | None = None) -> BaseConfig:
     """The base config with one trial's values at their dotted keys, validated; with
     `global_batch`, its `adjust` key then set to hold it."""
-    known = base.flat()
-    for key in params:
-        if key not in known:
-            raise ConfigError(f"{key}: not a key of the {base.pipeline} config{did_you_mean(key, known)}")
-    raw = base.model_dump(mode="json")
-    for key, value in params.items():
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return hold_global_batch(validate(raw), global_batch, "sweep.global_batch")
+    return hold_global_batch(apply_values(base, params), global_batch, "sweep.global_batch")
 
 
 # -- the sweep's record ------------------------------------------------------------------------

@@ -1,0 +1,397 @@
+"""`raylane autotune CONFIG`: the fastest configuration of a pipeline that fits, on the workers the
+config asks for.
+
+The search space is the config's optional `autotune:` section (each knob a list of values,
+narrowing the defaults below). The global batch is held: every candidate trains the same model,
+changing only how the batch is split (micro-batch x accumulation x workers). One worker group
+runs the whole search (`raylane.loop.search`: the order, the memory estimate's pruning, the agreed
+out-of-memory); this module is the driver's side: validate, launch (Ray, torchrun or one
+process), record every candidate as a child of one MLflow parent run, and write the table, a
+plot of throughput against memory, the winner as a ready-to-train YAML and the summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError
+
+from raylane import prechecks
+from raylane.config import (
+    BaseConfig,
+    ConfigError,
+    GlobalBatch,
+    Section,
+    apply_overrides,
+    apply_values,
+    config_path,
+    format_validation_error,
+    hold_global_batch,
+    normalize_pipeline,
+    read_yaml,
+    validate,
+)
+
+log = logging.getLogger("raylane")
+
+PARENT_TAG = "mlflow.parentRunId"
+CHILD_STATUS = {"ok": "FINISHED", "oom": "FAILED", "failed": "FAILED", "pruned": "KILLED"}
+
+
+class AutotuneSection(Section):
+    """Each knob: the values to try (null: raylane's default for this machine). The config's own
+    value of a knob is tried first."""
+    strategies: list[Literal["ddp", "fsdp"]] | None = None
+    # Micro-batch per worker; null: the powers of two that divide the per-worker global batch.
+    batch_sizes: list[int] | None = Field(None, min_length=1)
+    # Samples per optimizer step; null: the config's batch_size x grad_accum_steps x num_workers.
+    global_batch: int | None = Field(None, ge=1)
+    precisions: list[Literal["fp32", "bf16", "fp16"]] | None = None
+    activation_checkpointing: list[bool] | None = None
+    compile: list[bool] | None = None
+    bucket_cap_mb: list[float] | None = None
+    reshard_after_forward: list[bool] | None = None
+    comm_hooks: list[Literal["none", "fp16", "bf16", "powersgd"]] | None = None
+    warmup_steps: int = Field(2, ge=1, le=1000)
+    profile_steps: int = Field(6, ge=1, le=100_000)
+    max_candidates: int = Field(32, ge=1, le=1000)
+    budget_s: float | None = Field(None, gt=0)
+    # Added to the memory estimate before pruning (0.1: 10% more than estimated must fit).
+    safety_margin: float = Field(0.1, ge=0, le=10)
+
+
+def load(source: str, overrides: Iterable[str] = ()) -> tuple[AutotuneSection, BaseConfig]:
+    """(the search settings, the validated base config); `--set autotune.x=...` sets the first."""
+    raw = read_yaml(source)
+    if "sweep" in raw:
+        raise ConfigError(f"config file {source!r}: is a sweep file; autotune a pipeline config")
+    overrides = list(overrides)
+    raw = apply_overrides(raw, [o for o in overrides if o.strip().startswith("autotune.")])
+    try:
+        section = AutotuneSection.model_validate(raw.pop("autotune", None) or {})
+    except ValidationError as exc:
+        text = format_validation_error(exc, AutotuneSection, "autotune.").removeprefix("invalid config: ")
+        raise ConfigError("invalid autotune section: " + "; ".join(
+            p if p.startswith("autotune.") else f"autotune.{p}" for p in text.split("; "))) from None
+    raw = apply_overrides(raw, [o for o in overrides if not o.strip().startswith("autotune.")])
+    return section, validate(normalize_pipeline(raw, config_path(source).resolve().parent))
+
+
+def space(section: AutotuneSection, cfg: BaseConfig) -> tuple[dict[str, list[Any]], GlobalBatch]:
+    """Dotted key -> values, the config's own value first; and the global batch held. Checks
+    every value against the config (ConfigError naming the field and the value)."""
+    t, s, workers = cfg.train, cfg.strategy, cfg.scaling.num_workers
+    gpu = cfg.scaling.use_gpu
+    size = section.global_batch or t.batch_size * t.grad_accum_steps * workers
+    if size % workers:
+        raise ConfigError(f"autotune.global_batch = {size}: not a multiple of scaling.num_workers = {workers}")
+    share = size // workers
+    sizes = section.batch_sizes or [b for b in (2 ** i for i in range(21)) if b <= share and share % b == 0]
+    for b in sizes:
+        if share % b:
+            raise ConfigError(f"autotune.batch_sizes = {section.batch_sizes}: {b} does not divide the "
+                              f"{share} samples each of {workers} workers takes per step (global batch {size})")
+    knobs = {
+        "strategy.name": section.strategies or (["ddp", "fsdp"] if workers > 1 else [s.name]),
+        "train.batch_size": sizes,
+        "train.precision": section.precisions or ["fp32", "bf16"],
+        "train.activation_checkpointing": section.activation_checkpointing or [False, True],
+        "train.compile": section.compile or ([False, True] if gpu else [False]),
+        "strategy.bucket_cap_mb": section.bucket_cap_mb or [s.bucket_cap_mb, 5.0, 100.0],
+        "strategy.reshard_after_forward": section.reshard_after_forward or [True, False],
+        "strategy.comm_hook": section.comm_hooks or (["none", "bf16"] if gpu else ["none"]),
+    }
+    if workers == 1:  # one process: no wrapping, so no wrapper's knobs
+        for key in ("strategy.name", "strategy.bucket_cap_mb", "strategy.reshard_after_forward", "strategy.comm_hook"):
+            knobs[key] = [cfg.flat()[key]]
+    own = cfg.flat()
+    out = {}
+    for key, values in knobs.items():
+        first = [own[key]] if own[key] in values else []
+        out[key] = list(dict.fromkeys([*first, *values]))
+    if "fsdp" in out["strategy.name"] and "fp16" in out["train.precision"]:
+        out["train.precision"].remove("fp16")  # the gradient scaler does not shard (BaseConfig says so)
+    held = GlobalBatch(size=size)
+    for key, values in out.items():
+        for value in values:
+            try:
+                hold_global_batch(apply_values(cfg, {key: value}), held, "autotune.global_batch")
+            except ConfigError as exc:
+                raise ConfigError(f"autotune: {key} = {value!r}: {exc}") from None
+    return out, held
+
+
+def check(section: AutotuneSection, cfg: BaseConfig, out: str, summary_json: str | None) -> None:
+    """What can fail before anything starts: the outputs (never overwritten) and the config."""
+    prechecks.check_run(cfg, summary_json=summary_json)
+    if Path(out).exists():
+        raise ConfigError(f"--out = {out!r}: already exists (an earlier autotune's result is never overwritten); "
+                          "name another file")
+    prechecks.writable_file("--out", out)
+
+
+def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address: str | None, out: str,
+            summary_path: str | None) -> dict[str, Any]:
+    """Run the search on Ray, as this torchrun rank, or in this process; returns the summary (on
+    a torchrun rank other than 0, only its status)."""
+    from contextlib import ExitStack
+
+    from raylane.driver import _finalize
+    from raylane.loop.distributed import env_ranks, init_process_group, leave_process_group
+    from raylane.tracking.runs import resolve_tracking_uri
+
+    launched = time.time()
+    if not use_ray:
+        init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)
+    cfg = _finalize(_named(cfg))
+    rank0 = use_ray or env_ranks()[0] == 0
+    storage = cfg.run.storage_path
+    record = None if "://" in storage else str(Path(storage) / cfg.run.name / "autotune.jsonl")
+    params = settings(section, cfg, record)
+    tracking_uri = resolve_tracking_uri()
+    recorder = Recorder(cfg, tracking_uri, launched) if rank0 else None
+    with ExitStack() as stack:
+        try:
+            result = _launch(cfg, params, use_ray, address, recorder, tracking_uri, stack)
+            status, error = "FINISHED", None
+        except KeyboardInterrupt:
+            result, status, error = {}, "KILLED", "interrupted"
+        except Exception as exc:  # the launcher's message names the rank and its exception
+            text = str(exc) if type(exc).__name__ == "TrainingError" else f"{type(exc).__name__}: {exc}"
+            result, status, error = {}, "FAILED", text
+        if not use_ray and cfg.scaling.num_workers and env_ranks()[2] > 1:
+            stack.callback(leave_process_group, wait_for_peers=status == "FINISHED")
+        if recorder is None:
+            return {"status": status}
+        return recorder.finish(result, status, error, params, out, summary_path)
+
+
+def _named(cfg: BaseConfig) -> BaseConfig:
+    if cfg.run.name:
+        return cfg
+    from raylane import pipelines_ref
+
+    name = f"{pipelines_ref.label(cfg.pipeline)}-autotune-{time.strftime('%Y%m%d-%H%M%S')}"
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
+
+
+def _launch(cfg: BaseConfig, params: dict[str, Any], use_ray: bool, address: str | None, recorder: Any,
+            tracking_uri: str, stack: Any) -> dict[str, Any]:
+    on_event = recorder.on_event if recorder else (lambda e: None)
+    if not use_ray:
+        from raylane.loop.run import launch_local
+
+        return launch_local(cfg, None, tracking_uri, on_event, search=params)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from raylane.driver import _start_ray
+    from raylane.loop.startup import StartupTimes
+
+    pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="raylane-start"))
+    ray_stopper, embedded = _start_ray(cfg, address, pool, stack, StartupTimes())
+    from raylane.onray.launch import launch_on_ray
+
+    try:
+        return launch_on_ray(cfg, None, tracking_uri, on_event, embedded=embedded, search=params)
+    finally:
+        ray_stopper.start()
+
+
+class Recorder:
+    """Rank 0's events, on the driver: a line and an MLflow child run per candidate as it ends,
+    and at the end the table, the plot, the winner's YAML and the summary."""
+
+    def __init__(self, cfg: BaseConfig, tracking_uri: str, launched: float) -> None:
+        from raylane.tracking.runs import open_run
+
+        self.cfg, self.tracking_uri, self.launched = cfg, tracking_uri, launched
+        self.parent = open_run(cfg, tracking_uri, cfg.scaling.num_workers) if cfg.mlflow.enabled else None
+        self.run_ids: list[str | None] = []
+        self.search_started: float | None = None
+        if self.parent:
+            from raylane.tracking.runs import mlflow_client
+
+            self.client = mlflow_client(tracking_uri)
+            self.client.set_tag(self.parent.run_id, "raylane.autotune", "true")
+        print(f"[raylane] autotune {cfg.run.name}: {cfg.scaling.num_workers} workers"
+              + (f"; MLflow parent run {self.parent.run_id}" if self.parent else ""), flush=True)
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "search_start":
+            self.search_started = event["time_unix"]
+        elif kind == "candidate":
+            print(f"[autotune] {event['index']}: {_describe(event)}", flush=True)
+            self.run_ids.append(self._child(event) if self.parent else None)
+        elif kind == "log" and event.get("level") in ("warning", "error"):
+            print(f"raylane: warning: {event.get('message')}", flush=True)
+
+    def _child(self, c: dict[str, Any]) -> str:
+        from mlflow.entities import Metric, Param, RunTag
+
+        tags = {PARENT_TAG: self.parent.run_id, "mlflow.runName": f"candidate-{c['index']}",
+                "raylane.autotune.status": c["status"]}
+        run_id = self.client.create_run(self.parent.experiment_id, tags=tags).info.run_id
+        stamp = int(time.time() * 1000)
+        metrics = [Metric(k, float(c[k]), stamp, 0) for k in
+                   ("samples_per_s", "tokens_per_s", "mfu", "step_time_s", "peak_memory_bytes", "estimated_bytes")
+                   if isinstance(c.get(k), (int, float))]
+        params = [Param(k, str(v)) for k, v in {**c["values"], "train.grad_accum_steps": c.get("grad_accum_steps")}.items()]
+        self.client.log_batch(run_id, metrics=metrics, params=params,
+                              tags=[RunTag("raylane.autotune.error", c["error"])] if c.get("error") else [])
+        self.client.set_terminated(run_id, CHILD_STATUS[c["status"]])
+        return run_id
+
+    def finish(self, result: dict[str, Any], status: str, error: str | None, params: dict[str, Any], out: str,
+               summary_path: str | None) -> dict[str, Any]:
+        from raylane.tracking.runs import close_run, ui_command
+
+        candidates = result.get("candidates", [])
+        self.device = result.get("device")
+        ok = [c for c in candidates if c["status"] == "ok"]
+        best = max(ok, key=lambda c: c["samples_per_s"], default=None)
+        if status == "FINISHED" and best is None:
+            status, error = "FAILED", "no candidate fitted in memory"
+        summary = self._summary(candidates, best, status, error, params, out)
+        if best is not None:
+            write_yaml(out, winner_config(self.cfg, params["global_batch"], best["values"]), best)
+        if candidates:
+            print(table(candidates, list(params["space"])), flush=True)
+        self._artifacts(candidates, summary)
+        if self.parent:
+            close_run(self.parent, "FINISHED" if status == "FINISHED" else "FAILED")
+        if summary_path:
+            Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        if best is not None:
+            print(f"[raylane] fastest: candidate {candidates.index(best)}, {_describe(best)}; wrote {out} "
+                  f"(raylane train {out})", flush=True)
+        if error:
+            print(f"raylane: autotune {status.lower()}: {error}", flush=True)
+        if self.parent:
+            print(f"[raylane] MLflow: {ui_command(self.tracking_uri, self.parent)}", flush=True)
+        return summary
+
+    def _summary(self, candidates, best, status, error, params, out) -> dict[str, Any]:
+        ended = time.time()
+        startup = (self.search_started - self.launched) if self.search_started else None
+        rows = [{"config": c["values"], "status": c["status"], "samples_per_s": c.get("samples_per_s"),
+                 "tokens_per_s": c.get("tokens_per_s"), "grad_accum_steps": c.get("grad_accum_steps"),
+                 "peak_memory_bytes": c.get("peak_memory_bytes"), "estimated_bytes": c.get("estimated_bytes"),
+                 "profile_s": c.get("profile_s"), "setup_s": c.get("setup_s"), "error": c.get("error"),
+                 "pid": c.get("pid"),
+                 "run_id": run_id} for c, run_id in zip(candidates, self.run_ids + [None] * len(candidates), strict=False)]
+        return {
+            "status": status, "error": error, "run_name": self.cfg.run.name,
+            "parent_run_id": self.parent.run_id if self.parent else None, "tracking_uri": self.tracking_uri,
+            "global_batch": params["global_batch"]["size"], "world_size": self.cfg.scaling.num_workers,
+            "best": None if best is None else {
+                "config": {**best["values"], "train.grad_accum_steps": best.get("grad_accum_steps")},
+                "samples_per_s": best["samples_per_s"], "tokens_per_s": best.get("tokens_per_s"),
+                "mfu": best.get("mfu"), "peak_memory_bytes": best.get("peak_memory_bytes"),
+                "yaml": str(Path(out).resolve())},
+            "candidates": rows,
+            "device": self.device,
+            "estimate_error": estimate_error(candidates, self.device),
+            "timing": {"wall_s": ended - self.launched, "startup_s": startup,
+                       "profiling_s": sum(c.get("profile_s") or 0 for c in candidates)},
+        }
+
+    def _artifacts(self, candidates: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+        if not (self.parent and candidates):
+            return
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            png = Path(d) / "autotune.png"
+            plot(png, candidates)
+            (Path(d) / "autotune.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+            self.client.log_artifact(self.parent.run_id, str(png), "plots")
+            self.client.log_artifact(self.parent.run_id, str(Path(d) / "autotune.json"))
+        if summary["best"]:
+            self.client.log_metric(self.parent.run_id, "best/samples_per_s", summary["best"]["samples_per_s"])
+
+
+def _describe(c: dict[str, Any]) -> str:
+    v = c["values"]
+    text = (f"{v.get('strategy.name')}, micro-batch {v.get('train.batch_size')} x {c.get('grad_accum_steps')}, "
+            f"{v.get('train.precision')}")
+    extras = [k.split(".")[-1] + ("" if val is True else f"={val}") for k, val in v.items()
+              if k not in ("strategy.name", "train.batch_size", "train.precision") and val not in (False, None)]
+    extras = [e for e in extras if not e.startswith(("bucket_cap_mb=25.0", "reshard_after_forward", "comm_hook=none"))]
+    text += "".join(f", {e}" for e in extras)
+    if c["status"] != "ok":
+        return f"{text}: {c['status']}" + (f" ({c['error']})" if c.get("error") else "")
+    peak = c.get("peak_memory_bytes")
+    return f"{text}: {c['samples_per_s']:.1f} samples/s" + (f", peak {peak / 2**20:.0f} MiB" if peak else "")
+
+
+def settings(section: AutotuneSection, cfg: BaseConfig, record: str | None) -> dict[str, Any]:
+    knobs, held = space(section, cfg)
+    return {"space": knobs, "global_batch": held.model_dump(), "warmup_steps": section.warmup_steps,
+            "profile_steps": section.profile_steps, "max_candidates": section.max_candidates,
+            "budget_s": section.budget_s, "safety_margin": section.safety_margin, "record": record}
+
+
+def winner_config(cfg: BaseConfig, held: dict[str, Any], values: dict[str, Any]) -> BaseConfig:
+    return hold_global_batch(apply_values(cfg, values), GlobalBatch(**held), "autotune.global_batch")
+
+
+def write_yaml(path: str, cfg: BaseConfig, best: dict[str, Any]) -> None:
+    tree = cfg.model_dump(mode="json")
+    tree["run"]["name"] = None  # a new run each time it is trained
+    header = (f"# Written by `raylane autotune`: the fastest of its candidates, "
+              f"{best['samples_per_s']:.1f} samples/s on {cfg.scaling.num_workers} workers.\n"
+              f"# Train it with: raylane train {path}\n")
+    Path(path).write_text(header + yaml.safe_dump(tree, sort_keys=False))
+
+
+def table(candidates: list[dict[str, Any]], space_keys: list[str]) -> str:
+    varied = [k for k in space_keys if len({json.dumps(c["values"].get(k)) for c in candidates}) > 1]
+    header = ["#", *[k.split(".")[-1] for k in varied], "accum", "status", "samples/s", "peak MiB", "est. MiB"]
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for i, c in enumerate(candidates):
+        mib = [f"{c[k] / 2**20:.0f}" if isinstance(c.get(k), (int, float)) else "-"
+               for k in ("peak_memory_bytes", "estimated_bytes")]
+        rate = f"{c['samples_per_s']:.1f}" if c.get("samples_per_s") else "-"
+        lines.append(" | ".join([str(i), *[str(c["values"].get(k)) for k in varied],
+                                 str(c.get("grad_accum_steps", "-")), c["status"], rate, *mib]))
+    return "\n".join(lines)
+
+
+def plot(path: Path, candidates: list[dict[str, Any]]) -> None:
+    """Throughput against peak memory; infeasible candidates marked at their estimate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ok = [(i, c) for i, c in enumerate(candidates) if c["status"] == "ok"]
+    ax.scatter([c["peak_memory_bytes"] / 2**20 for _, c in ok], [c["samples_per_s"] for _, c in ok], label="fits")
+    for i, c in ok:
+        ax.annotate(str(i), (c["peak_memory_bytes"] / 2**20, c["samples_per_s"]), fontsize=8)
+    bad = [c for c in candidates if c["status"] != "ok"]
+    if bad:
+        ax.scatter([(c.get("estimated_bytes") or 0) / 2**20 for c in bad], [0] * len(bad), marker="x", color="red",
+                   label="out of memory, pruned or failed (at its estimate)")
+    ax.set_xlabel("peak memory per rank (MiB)")
+    ax.set_ylabel("samples/s")
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def estimate_error(candidates: list[dict[str, Any]], device: str | None) -> float | None:
+    """Median of measured peak / estimate - 1 over the candidates that ran; None when none did,
+    or on CPU, whose measured figure is the resident set's growth, not the tensors' peak."""
+    if device != "cuda":
+        return None
+    ratios = sorted(c["peak_memory_bytes"] / c["estimated_bytes"] - 1 for c in candidates
+                    if c["status"] == "ok" and c.get("estimated_bytes") and c.get("peak_memory_bytes"))
+    return ratios[len(ratios) // 2] if ratios else None

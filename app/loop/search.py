@@ -1,0 +1,446 @@
+"""`raylane autotune` on the ranks: one process group profiles every candidate configuration.
+
+Start-up (processes, process group, imports, the pipeline's data) is paid once. Each candidate
+then gets a fresh copy of the pipeline's model, its own wrapping (DDP or FSDP), optimizer and
+loader, runs `warmup_steps` and `profile_steps` optimizer steps through the Trainer's own
+`_run_batch` (so it measures what training runs), and is torn down before the next one.
+
+Out of memory is agreed, not left to hang a collective. A candidate's model is built and its
+memory estimated (rank 0 prunes what cannot fit) before any collective; then one micro-batch's
+forward and backward run without gradient sync (no collective under DDP). Each of these ends
+with one all-reduce of "any rank out of memory?", so a candidate that does not fit on one rank
+is infeasible on all of them. An OOM later, inside a collective, can still hang the group: the
+run's dist.timeout_s ends it, and a relaunch (or Ray's restart) replays the search's record and
+marks that candidate failed instead of trying it again.
+
+Rank 0 plans (`plan`, a generator: the next candidate depends on the last outcomes) and sends
+each candidate to every rank. Ray-free, like the rest of the loop."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raylane import pipelines_ref
+from raylane.config import BaseConfig, GlobalBatch, apply_values, hold_global_batch
+from raylane.loop import faults as fault_plans
+from raylane.loop.data import train_data
+from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
+from raylane.loop.parallel import estimate_memory, parallelize, unwrap
+from raylane.loop.reporting import Reporter
+from raylane.loop.runtime import Runtime
+from raylane.loop.trainer import Throughput, Trainer
+
+log = logging.getLogger("raylane")
+
+RECORD_FILE = "autotune.jsonl"
+# Knobs tried one at a time from the best configuration so far, after strategy and micro-batch.
+KNOB_ORDER = ("train.precision", "train.activation_checkpointing", "train.compile", "strategy.bucket_cap_mb",
+              "strategy.reshard_after_forward", "strategy.comm_hook")
+DDP_ONLY = ("strategy.bucket_cap_mb", "strategy.comm_hook")
+FSDP_ONLY = ("strategy.reshard_after_forward",)
+
+
+class OutOfMemory(RuntimeError):
+    pass
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(exc)
+
+
+# -- the search order (rank 0) -------------------------------------------------------------------
+
+Outcome = dict[str, Any]
+
+
+def plan(space: dict[str, list[Any]]) -> Generator[dict[str, Any], Outcome, None]:
+    """Candidates, likeliest winners first; each `send` returns the last candidate's outcome.
+
+    Per strategy: the largest micro-batch first, then a binary search for the largest that fits
+    (as DeepSpeed's autotuner does), then smaller ones while throughput still rises. From the
+    best so far, each other knob is tried one value at a time and kept when it is faster;
+    activation checkpointing also gets the micro-batch above the one that fit without it."""
+    seen: dict[tuple, Outcome] = {}
+    knobs = {k: v[0] for k, v in space.items()}
+
+    def key(values: dict[str, Any]) -> tuple:
+        return tuple(sorted(values.items()))
+
+    def attempt(values: dict[str, Any]) -> Generator[dict[str, Any], Outcome, Outcome]:
+        if key(values) not in seen:
+            seen[key(values)] = yield dict(values)
+        return seen[key(values)]
+
+    best: tuple[float, dict[str, Any]] | None = None
+    boundary: dict[str, int] = {}
+    sizes = sorted(space["train.batch_size"], reverse=True)
+    for strategy in space["strategy.name"]:
+        values = {**knobs, "strategy.name": strategy}
+        found = yield from _largest_fitting(values, sizes, attempt)
+        if found is None:
+            continue
+        boundary[strategy] = found
+        rate = None
+        for size in sizes[found:]:
+            outcome = yield from attempt({**values, "train.batch_size": size})
+            if not _ok(outcome) or (rate is not None and outcome["samples_per_s"] <= rate):
+                break
+            rate = outcome["samples_per_s"]
+        for size in sizes[found:]:
+            outcome = seen.get(key({**values, "train.batch_size": size}))
+            if _ok(outcome) and (best is None or outcome["samples_per_s"] > best[0]):
+                best = (outcome["samples_per_s"], {**values, "train.batch_size": size})
+    if best is None:
+        return
+    for knob in KNOB_ORDER:
+        strategy = best[1]["strategy.name"]
+        if knob not in space or (knob in DDP_ONLY and strategy != "ddp") or (knob in FSDP_ONLY and strategy != "fsdp"):
+            continue
+        for value in space[knob]:
+            trial = {**best[1], knob: value}
+            if value == best[1][knob]:
+                continue
+            outcome = yield from attempt(trial)
+            if _ok(outcome) and outcome["samples_per_s"] > best[0]:
+                best = (outcome["samples_per_s"], trial)
+            bigger = sizes.index(trial["train.batch_size"]) - 1
+            if knob == "train.activation_checkpointing" and value and bigger >= 0:
+                outcome = yield from attempt({**trial, "train.batch_size": sizes[bigger]})
+                if _ok(outcome) and outcome["samples_per_s"] > best[0]:
+                    best = (outcome["samples_per_s"], {**trial, "train.batch_size": sizes[bigger]})
+
+
+def _largest_fitting(values: dict[str, Any], sizes: list[int], attempt) -> Generator[dict, Outcome, int | None]:
+    """Index in `sizes` (largest first) of the largest micro-batch that fits, or None."""
+    if _ok((yield from attempt({**values, "train.batch_size": sizes[0]}))):
+        return 0
+    low, high, found = 1, len(sizes) - 1, None
+    while low <= high:
+        mid = (low + high) // 2
+        if _ok((yield from attempt({**values, "train.batch_size": sizes[mid]}))):
+            found, high = mid, mid - 1
+        else:
+            low = mid + 1
+    return found
+
+
+def _ok(outcome: Outcome | None) -> bool:
+    return bool(outcome) and outcome["status"] == "ok"
+
+
+# -- profiling one candidate (every rank) --------------------------------------------------------
+
+class Search:
+    def __init__(self, cfg: BaseConfig, runtime: Runtime, settings: dict[str, Any],
+                 publish: Callable[[dict[str, Any]], None]) -> None:
+        self.cfg, self.runtime, self.settings, self.publish = cfg, runtime, settings, publish
+        self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
+        self.distributed = dist.is_initialized() and self.world_size > 1
+        # Agreements run on gloo, off the training group (a CUDA stream never delays them).
+        self.group = dist.new_group(backend="gloo") if self.distributed and cfg.scaling.use_gpu else None
+        self.faults = fault_plans.load(self.rank)
+        self.held = GlobalBatch(**settings["global_batch"])
+        self.margin = float(settings.get("safety_margin", 0.1))
+        self.record_path = Path(settings["record"]) if settings.get("record") else None
+
+    def run(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        self.pipe = pipe = pipelines_ref.build(self.cfg)  # the data, and the model every candidate copies
+        pipe.model.to("cpu")
+        # On CPU a candidate's peak is the resident set above this: the allocator keeps the pages
+        # earlier candidates freed, so growth from each candidate's own start would read ~0.
+        self.rss_at_start = _rss()
+        if self.rank == 0:
+            self.publish({"event": "search_start", "time_unix": time.time()})
+        planner = plan(self.settings["space"]) if self.rank == 0 else None
+        replay = self._recorded() if self.rank == 0 else []
+        deadline = started + self.settings["budget_s"] if self.settings.get("budget_s") else None
+        outcome: Outcome | None = None
+        outcomes: list[Outcome] = []
+        while True:
+            message = self._next(planner, outcome, replay, deadline, len(outcomes)) if self.rank == 0 else None
+            message = self._broadcast(message)
+            if message is None:
+                break
+            if message.get("replayed"):
+                outcome = message["replayed"]
+            else:
+                self._mark_started(message["values"])
+                outcome = self.profile(message["values"], pipe)
+                self._record(outcome)
+            outcomes.append(outcome)
+            if self.rank == 0:
+                self.publish({"event": "candidate", "index": len(outcomes) - 1, **outcome})
+        result = {"candidates": outcomes, "wall_s": time.perf_counter() - started, "world_size": self.world_size,
+                  "estimate_margin": self.margin, "device": self.device.type}
+        if self.rank == 0:
+            self.publish({"event": "end", "time_unix": time.time(), "result": result})
+        return result
+
+    def _next(self, planner, outcome, replay, deadline, done: int) -> dict[str, Any] | None:
+        if done >= self.settings["max_candidates"] or (deadline and time.perf_counter() > deadline):
+            return None
+        try:
+            values = planner.send(outcome) if outcome is not None else next(planner)
+        except StopIteration:
+            return None
+        if done < len(replay):
+            recorded = replay[done]
+            if recorded["values"] == values:
+                return {"values": values, "replayed": recorded}
+        return {"values": values}
+
+    def _broadcast(self, message: Any) -> Any:
+        if not self.distributed:
+            return message
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _agree(self, failed: bool, prune: bool = False, estimate: int = 0) -> tuple[int | None, bool, int]:
+        """(the highest rank out of memory, or None; rank 0 pruned it; rank 0's estimate): one
+        small all-reduce."""
+        if not self.distributed:
+            return (self.rank if failed else None), prune, estimate
+        rank0 = self.rank == 0
+        flags = torch.tensor([float(self.rank + 1 if failed else 0), float(prune and rank0),
+                              float(estimate if rank0 else 0)], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        oom_rank = int(flags[0].item()) - 1
+        return (oom_rank if oom_rank >= 0 else None), flags[1].item() > 0, int(flags[2].item())
+
+    def candidate_config(self, values: dict[str, Any]) -> BaseConfig:
+        return hold_global_batch(apply_values(self.cfg, values), self.held, "autotune.global_batch")
+
+    def profile(self, values: dict[str, Any], pipe: Any) -> Outcome:
+        cfg = self.candidate_config(values)
+        out: Outcome = {"values": values, "status": "ok", "grad_accum_steps": cfg.train.grad_accum_steps,
+                        "samples_per_s": None, "peak_memory_bytes": None, "estimated_bytes": None, "error": None}
+        live: dict[str, Any] = {}
+        setup = time.perf_counter()
+        baseline = _memory_now(self.device) if self.device.type == "cuda" else self.rss_at_start
+        try:
+            failed, prune = self._prepare(cfg, pipe, live, out)
+            oom_rank, prune, estimate = self._agree(failed, prune, out["estimated_bytes"] or 0)
+            if oom_rank is None and not prune:
+                oom_rank = self._agree(self._probe(cfg, pipe, live, estimate))[0]
+            if prune:
+                out.update(status="pruned", error=f"estimated {estimate / 2**20:.0f} MiB with a "
+                                                  f"{self.margin:.0%} margin does not fit")
+                return out
+            if oom_rank is not None:
+                out.update(status="oom", error=f"out of memory on rank {oom_rank}")
+                return out
+            self._wrap(cfg, pipe, live)
+            out.update(self._measure(cfg, live, baseline, setup))
+            return out
+        finally:
+            live.clear()
+            freed = _release(self.device, baseline)
+            if freed is not None:
+                out["unreleased_bytes"] = freed
+
+    def _prepare(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any], out: Outcome) -> tuple[bool, bool]:
+        """A fresh model and, on rank 0, its memory estimate: no collective yet."""
+        try:
+            live["model"] = copy.deepcopy(pipe.model)
+            if self.rank != 0:
+                return False, False
+            example = _example(pipe.train_set, cfg.train.batch_size)
+            estimate = estimate_memory(live["model"], cfg, self.world_size, example, pipe.loss_fn)
+            need = estimate["ddp" if cfg.strategy.name == "ddp" else "fsdp"]
+            budget = device_memory_bytes(self.device, cfg.scaling.device_memory_gb, local_world_size())
+            out["estimated_bytes"] = need
+            return False, need * (1 + self.margin) > budget
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            return True, False
+
+    def _probe(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any], estimate: int) -> bool:
+        """Whether this rank runs out of memory, found without any collective, so that no peer
+        waits in one: for DDP (or one process) one micro-batch's forward and backward on the
+        unwrapped model, which is what each replica holds; for FSDP, whose forward gathers from
+        every rank, a reservation of the estimated bytes."""
+        try:
+            source, targets = _example(pipe.train_set, cfg.train.batch_size)
+            if self.faults:
+                self.faults.before_forward(cfg.train.batch_size)
+            if cfg.strategy.name == "fsdp" and self.world_size > 1:
+                if self.device.type == "cuda":
+                    torch.empty(estimate, dtype=torch.uint8, device=self.device).fill_(0)  # freed at once
+                return False
+            model = live["model"] = live["model"].to(self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16"):
+                pipe.loss_fn(model(source.to(self.device)), targets.to(self.device)).backward()
+            for p in model.parameters():
+                p.grad = None
+            return False
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            log.debug("rank %d: out of memory at a micro-batch of %d", self.rank, cfg.train.batch_size)
+            return True
+
+    def _wrap(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any]) -> None:
+        """DDP or FSDP (collective: every rank is known to fit by now), the loader, its batches."""
+        model, strategy = parallelize(live.pop("model"), cfg, self.device, self.world_size, loss_fn=pipe.loss_fn)
+        live["model"], live["strategy"] = model, strategy
+        live["loader"] = loader = train_data(pipe.train_set, self.runtime, batch_size=cfg.train.batch_size,
+                                             seed=cfg.train.seed)
+        live["batches"] = _forever(loader)
+
+    def _measure(self, cfg: BaseConfig, live: dict[str, Any], baseline: int, setup: float) -> dict[str, Any]:
+        from raylane.loop.run import build_optimizer
+
+        model = live["model"]
+        optimizer = live["optimizer"] = build_optimizer(model, cfg)
+        throughput = Throughput(self.pipe.tokens_per_sample, self.pipe.flops_per_token,
+                                peak_flops(self.device, cfg.train.precision, cfg.scaling.peak_tflops))
+        trainer = live["trainer"] = Trainer(
+            model, live["loader"], optimizer, loss_fn=self.pipe.loss_fn, eval_data=None,
+            eval_sums=lambda o, t: {}, runtime=self.runtime, strategy=live["strategy"],
+            cfg=cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"async_save": False})}),
+            reporter=Reporter(is_rank_zero=False, publish=lambda e: None), throughput=throughput)
+        groups = _steps(live["batches"], cfg.train.grad_accum_steps)
+        sampler = _PeakSampler(self.device, baseline, model)
+        for _ in range(self.settings["warmup_steps"]):
+            trainer._run_batch(next(groups))
+            sampler.sample()
+        began = trainer._step_clock()
+        for _ in range(self.settings["profile_steps"]):
+            trainer._run_batch(next(groups))
+            sampler.sample()
+        ended = trainer._step_clock()
+        sampler.close()
+        profile_s = ended - began
+        steps = self.settings["profile_steps"]
+        samples_per_s = steps * trainer.samples_per_step / max(profile_s, 1e-9)
+        peak = self._max(sampler.peak)
+        return {"samples_per_s": samples_per_s, "step_time_s": profile_s / steps, "peak_memory_bytes": peak,
+                "profile_s": profile_s, "setup_s": began - setup, "pid": os.getpid(),
+                **throughput.rates(samples_per_s, self.world_size)}
+
+    def _max(self, value: int) -> int:
+        if not self.distributed:
+            return int(value)
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+    # -- the search's record, for a relaunch -------------------------------------------------
+
+    def _recorded(self) -> list[Outcome]:
+        """Outcomes of an earlier launch of this search; a candidate it started but never
+        finished (its group died) is recorded failed, so it is not tried again."""
+        if self.record_path is None or not self.record_path.exists():
+            return []
+        done: list[Outcome] = []
+        started: dict[str, Any] | None = None
+        for line in self.record_path.read_text().splitlines():
+            entry = json.loads(line)
+            if "started" in entry:
+                started = entry["started"]
+            else:
+                done.append(entry)
+                started = None
+        if started is not None:
+            failed = {"values": started, "status": "failed", "samples_per_s": None, "peak_memory_bytes": None,
+                      "estimated_bytes": None, "error": "the worker group died while profiling it"}
+            self._append(failed)
+            done.append(failed)
+        return done
+
+    def _mark_started(self, values: dict[str, Any]) -> None:
+        if self.rank == 0:
+            self._append({"started": values})
+
+    def _record(self, outcome: Outcome) -> None:
+        if self.rank == 0:
+            self._append(outcome)
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        if self.record_path is not None:
+            self.record_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.record_path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+
+def run_search(cfg: BaseConfig, runtime: Runtime, settings: dict[str, Any]) -> dict[str, Any]:
+    """The whole search on this rank (every rank calls it); rank 0 publishes a `candidate` event
+    per outcome and the result as the `end` event."""
+    return Search(cfg, runtime, settings, runtime.publish if runtime.rank == 0 else (lambda e: None)).run()
+
+
+def _example(dataset: Any, batch_size: int):
+    from raylane.loop.run import _example_batch
+
+    return _example_batch(dataset, batch_size)
+
+
+def _forever(loader: Any) -> Iterator[Any]:
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _steps(batches: Iterator[Any], accum: int) -> Iterator[list[Any]]:
+    while True:
+        yield [next(batches) for _ in range(accum)]
+
+
+def _memory_now(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    return _rss()
+
+
+def _rss() -> int:
+    import resource
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+class _PeakSampler:
+    """A candidate's peak memory above what was in use before it: the device's peak on GPU; on
+    CPU the resident set, sampled at the end of each forward (activations alive) and each step."""
+
+    def __init__(self, device: torch.device, baseline: int, model: torch.nn.Module) -> None:
+        self.device, self.baseline, self.peak = device, baseline, 0
+        self._hook = None if device.type == "cuda" else unwrap(model).register_forward_hook(lambda *_: self.sample())
+
+    def sample(self) -> None:
+        if self.device.type == "cuda":
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device) - self.baseline)
+        else:
+            self.peak = max(self.peak, _rss() - self.baseline)
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+
+
+def _release(device: torch.device, baseline: int) -> int | None:
+    """Free what the candidate held; on GPU, the bytes still allocated above `baseline` after
+    that (None on CPU, whose allocator keeps freed pages)."""
+    gc.collect()
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return max(torch.cuda.memory_allocated(device) - baseline, 0)
