@@ -352,7 +352,8 @@ def write_yaml(path: str, cfg: BaseConfig, best: dict[str, Any]) -> None:
 
 def table(candidates: list[dict[str, Any]], space_keys: list[str]) -> str:
     varied = [k for k in space_keys if len({json.dumps(c["values"].get(k)) for c in candidates}) > 1]
-    header = ["#", *[k.split(".")[-1] for k in varied], "accum", "status", "samples/s", "peak MiB", "est. MiB"]
+    header = ["#", *["strategy" if k == "strategy.name" else k.split(".")[-1] for k in varied], "accum", "status",
+              "samples/s", "peak MiB", "est. MiB"]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for i, c in enumerate(candidates):
         mib = [f"{c[k] / 2**20:.0f}" if isinstance(c.get(k), (int, float)) else "-"

@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint directory (runs/<name>/checkpoint_<step>)")
     export.add_argument("--out", required=True, help="output .safetensors file (config JSON goes beside it)")
     export.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
-    bench = sub.add_parser("bench", help="benchmark against hand-written torchrun DDP and plain Ray (B1-B9)")
+    bench = sub.add_parser("bench", help="benchmark against hand-written torchrun DDP and plain Ray (B1-B10)")
     bench.add_argument("--quick", action="store_true", help="one repeat, short runs, fewer cases: checks the harness")
     bench.add_argument("--only", type=lambda s: s.split(","), metavar="B1,B2,...", help="run only these benchmarks")
     bench.add_argument("--repeats", type=int, help="runs per figure (default 5, or 1 with --quick)")

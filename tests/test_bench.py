@@ -59,7 +59,7 @@ def test_quick_bench_writes_results_table_and_charts(tmp_path):
 
 
 def test_bench_rejects_unknown_benchmarks_and_bad_repeats(tmp_path):
-    for args, field in ((["--only", "B1,B10"], "B10"), (["--repeats", "0"], "--repeats")):
+    for args, field in ((["--only", "B1,B99"], "B99"), (["--repeats", "0"], "--repeats")):
         proc = subprocess.run([sys.executable, "-m", "raylane", "bench", *args, "--out", str(tmp_path)],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and field in proc.stderr and "Traceback" not in proc.stderr
@@ -77,6 +77,11 @@ def test_targets_are_judged_from_the_measured_medians():
     results["B9"] = {"epoch_ms": {k: s(v) for k, v in zip(sides, (105, 114, 81), strict=True)},
                      "ratio_vs_hand_written": dict(zip(sides, (105 / 81, 114 / 81, 1.0), strict=True)),
                      "stall_ms_per_checkpoint": {sides[0]: s(39), sides[1]: s(21)}}
+    results["B10"] = {"search_over_profiling": s(1.2), "median_of": 13, "wall_s": s(40), "startup_s": s(12),
+                      "plain_over_autotune": s(0.85)}
+    assert [ok for b, _, _, _, ok in rows(results) if b == "B10"] == ["yes", "**no**"]  # within 1.3; 15% off
+    results["B10"]["median_of"] = 11
+    assert [ok for b, _, _, _, ok in rows(results) if b == "B10"][0] == "**no**"  # fewer than 12 candidates
     met = {(b, what.split(":")[0]): ok for b, what, _, _, ok in rows(results)}
     epoch_end = [ok for b, _, _, _, ok in rows(results) if b == "B9"]
     assert epoch_end == ["**no**", "yes"]  # 1.30 > 1.10; a 39 ms stall is within torchrun's 21 + 20

@@ -149,6 +149,10 @@ def check_raylane(argv: list[str], cwd: Path) -> None:
         from raylane.onray.sweep import load_sweep
 
         load_sweep(source, args.overrides)
+    elif args.command == "autotune":
+        from raylane import autotune
+
+        autotune.space(*autotune.load(source, args.overrides))
     else:
         from raylane.config import load_config
 

@@ -275,7 +275,7 @@ def machine() -> dict[str, Any]:
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
-ALL = ("B1", "B2", "B2b", "B3", "B4", "B5", "B6", "B7", "B8", "B9")
+ALL = ("B1", "B2", "B2b", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10")
 
 
 def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | None) -> int:
@@ -295,7 +295,8 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
         steps.append(("B2", lambda: {"B2": {**results.get("B2", {}), **bench.b2_tracked()}}))
     steps += [(name, lambda fn=fn, name=name: {name: fn()}) for name, fn in
               (("B3", bench.b3), ("B4", lambda: b4(bench)), ("B5", bench.b5), ("B6", bench.b6),
-               ("B7", bench.b7), ("B8", b8), ("B9", lambda: _epoch_end(bench)), ("B2b", lambda: b2b(bench)))
+               ("B7", bench.b7), ("B8", b8), ("B9", lambda: _epoch_end(bench)), ("B2b", lambda: b2b(bench)),
+               ("B10", lambda: b10(bench)))
               if name in chosen]
     for name, step in steps:
         # One failed benchmark must not throw away the hour of figures around it: its error is
@@ -353,3 +354,9 @@ def b8() -> dict[str, Any]:
     out = subprocess.run(["bash", str(REPO / "scripts" / "gpu-check.sh")], capture_output=True, text=True,
                          env={**os.environ, "STEPS": os.environ.get("STEPS", "100")})
     return {"exit_code": out.returncode, "output": out.stdout[-2000:]}
+
+
+def b10(bench: Bench) -> dict[str, Any]:
+    from raylane.bench.tune import b10 as run_b10
+
+    return run_b10(bench)

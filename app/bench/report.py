@@ -51,6 +51,15 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         out.append(("B8", "GPU: gpt2-124m bf16 + compile", r.get("skipped") or r.get("summary", "see results.json"),
                     "≥ 45% MFU", "—" if "skipped" in r else _met(r.get("mfu", 0) >= 0.45)))
     out += _b9_rows(results.get("B9"))
+    if "B10" in results:
+        r = results["B10"]
+        out.append(("B10", "autotune of gpt-tiny, 2 ranks: (wall − one cold start) ÷ the candidates' profiling time",
+                    f"{_m(r['search_over_profiling'])} over {r['median_of']:.0f} candidates (wall "
+                    f"{_m(r['wall_s'], fmt='{:.1f}')} s, cold start {_m(r['startup_s'], fmt='{:.1f}')} s)", "≤ 1.3",
+                    _met(r["search_over_profiling"]["median"] <= 1.3 and r["median_of"] >= 12)))
+        out.append(("B10", "plain run of the winner ÷ the throughput autotune measured for it",
+                    _m(r["plain_over_autotune"], fmt="{:.3f}"), "0.90–1.10",
+                    _met(0.9 <= r["plain_over_autotune"]["median"] <= 1.1)))
     for name, error in results.get("failed", {}).items():
         first = error.strip().splitlines()[0] if error.strip() else "unknown error"
         out.append((name, "did not finish (results.json has the error)", first[:200].replace("|", "/"), "—", "**failed**"))

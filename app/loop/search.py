@@ -44,6 +44,7 @@ from raylane.loop.trainer import Throughput, Trainer
 log = logging.getLogger("raylane")
 
 RECORD_FILE = "autotune.jsonl"
+MIN_SIZES_SCANNED = 3
 # Knobs tried one at a time from the best configuration so far, after strategy and micro-batch.
 KNOB_ORDER = ("train.precision", "train.activation_checkpointing", "train.compile", "strategy.bucket_cap_mb",
               "strategy.reshard_after_forward", "strategy.comm_hook")
@@ -68,7 +69,8 @@ def plan(space: dict[str, list[Any]]) -> Generator[dict[str, Any], Outcome, None
     """Candidates, likeliest winners first; each `send` returns the last candidate's outcome.
 
     Per strategy: the largest micro-batch first, then a binary search for the largest that fits
-    (as DeepSpeed's autotuner does), then smaller ones while throughput still rises. From the
+    (as DeepSpeed's autotuner does), then smaller ones while throughput still rises (at least
+    MIN_SIZES_SCANNED of them: one noisy profile must not end the scan). From the
     best so far, each other knob is tried one value at a time and kept when it is faster;
     activation checkpointing also gets the micro-batch above the one that fit without it."""
     seen: dict[tuple, Outcome] = {}
@@ -92,11 +94,12 @@ def plan(space: dict[str, list[Any]]) -> Generator[dict[str, Any], Outcome, None
             continue
         boundary[strategy] = found
         rate = None
-        for size in sizes[found:]:
+        for scanned, size in enumerate(sizes[found:], 1):
             outcome = yield from attempt({**values, "train.batch_size": size})
-            if not _ok(outcome) or (rate is not None and outcome["samples_per_s"] <= rate):
+            slower = rate is not None and _ok(outcome) and outcome["samples_per_s"] <= rate
+            if not _ok(outcome) or (slower and scanned >= MIN_SIZES_SCANNED):
                 break
-            rate = outcome["samples_per_s"]
+            rate = max(rate or 0.0, outcome["samples_per_s"])
         for size in sizes[found:]:
             outcome = seen.get(key({**values, "train.batch_size": size}))
             if _ok(outcome) and (best is None or outcome["samples_per_s"] > best[0]):
