@@ -226,10 +226,21 @@ class Recorder:
         if kind == "search_start":
             self.search_started = event["time_unix"]
         elif kind == "candidate":
-            print(f"[autotune] {event['index']}: {_describe(event)}", flush=True)
-            self.run_ids.append(self._child(event) if self.parent else None)
+            print(f"[autotune] {event['index']}: {_describe(event)}" + (" (recorded)" if event.get("replayed") else ""),
+                  flush=True)
+            run_id = None
+            if self.parent:
+                run_id = (self._earlier_child(event["index"]) if event.get("replayed") else None) or self._child(event)
+            self.run_ids.append(run_id)
         elif kind == "log" and event.get("level") in ("warning", "error"):
             print(f"raylane: warning: {event.get('message')}", flush=True)
+
+    def _earlier_child(self, index: int) -> str | None:
+        """The child an earlier launch of this search recorded for candidate `index`."""
+        found = self.client.search_runs(
+            [self.parent.experiment_id], max_results=1,
+            filter_string=f"tags.`{PARENT_TAG}` = '{self.parent.run_id}' and tags.`mlflow.runName` = 'candidate-{index}'")
+        return found[0].info.run_id if found else None
 
     def _child(self, c: dict[str, Any]) -> str:
         from mlflow.entities import Metric, Param, RunTag

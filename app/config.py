@@ -377,6 +377,7 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: Iterable[str]
     if "sweep" in raw:  # the file's own, not a `--set sweep.x`, which is an unknown key
         raise ConfigError(f"config file {str(source)!r}: is a sweep file (it has a `sweep:` section): "
                           f"run it with `raylane tune {source}`")
+    raw.pop("autotune", None)  # `raylane autotune`'s search space: the rest trains as it is
     raw = apply_overrides(raw, overrides)
     return validate(normalize_pipeline(raw, config_path(source).resolve().parent))
 

@@ -177,7 +177,7 @@ class Search:
             if message is None:
                 break
             if message.get("replayed"):
-                outcome = message["replayed"]
+                outcome = {**message["replayed"], "replayed": True}
             else:
                 self._mark_started(message["values"])
                 outcome = self.profile(message["values"], pipe)
@@ -211,17 +211,25 @@ class Search:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def _agree(self, failed: bool, prune: bool = False, estimate: int = 0) -> tuple[int | None, bool, int]:
-        """(the highest rank out of memory, or None; rank 0 pruned it; rank 0's estimate): one
-        small all-reduce."""
+    def _agree(self, failed: bool | str = False, prune: bool = False,
+               estimate: int = 0) -> tuple[int | None, tuple[int, str] | None, bool, int]:
+        """One small all-reduce: (the highest rank out of memory, or None; (a rank whose step
+        raised something else, its message), or None; whether rank 0 pruned it; rank 0's
+        estimate). `failed`: True for out of memory, or another error's message."""
+        oom, error = failed is True, failed if isinstance(failed, str) else None
         if not self.distributed:
-            return (self.rank if failed else None), prune, estimate
+            return (self.rank if oom else None), ((self.rank, error) if error else None), prune, estimate
         rank0 = self.rank == 0
-        flags = torch.tensor([float(self.rank + 1 if failed else 0), float(prune and rank0),
-                              float(estimate if rank0 else 0)], dtype=torch.float64)
+        flags = torch.tensor([float(self.rank + 1 if oom else 0), float(self.rank + 1 if error else 0),
+                              float(prune and rank0), float(estimate if rank0 else 0)], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        oom_rank = int(flags[0].item()) - 1
-        return (oom_rank if oom_rank >= 0 else None), flags[1].item() > 0, int(flags[2].item())
+        oom_rank, error_rank = int(flags[0].item()) - 1, int(flags[1].item()) - 1
+        failure = None
+        if error_rank >= 0:  # its message, from the rank that has it
+            box = [error]
+            dist.broadcast_object_list(box, src=error_rank, group=self.group)
+            failure = (error_rank, box[0])
+        return (oom_rank if oom_rank >= 0 else None), failure, flags[2].item() > 0, int(flags[3].item())
 
     def candidate_config(self, values: dict[str, Any]) -> BaseConfig:
         return hold_global_batch(apply_values(self.cfg, values), self.held, "autotune.global_batch")
@@ -235,9 +243,12 @@ class Search:
         baseline = _memory_now(self.device) if self.device.type == "cuda" else self.rss_at_start
         try:
             failed, prune = self._prepare(cfg, pipe, live, out)
-            oom_rank, prune, estimate = self._agree(failed, prune, out["estimated_bytes"] or 0)
-            if oom_rank is None and not prune:
-                oom_rank = self._agree(self._probe(cfg, pipe, live, estimate))[0]
+            oom_rank, failure, prune, estimate = self._agree(failed, prune, out["estimated_bytes"] or 0)
+            if oom_rank is None and failure is None and not prune:
+                oom_rank, failure, _, _ = self._agree(self._probe(cfg, pipe, live, estimate))
+            if failure is not None:  # a candidate this model or machine cannot run (compile without a compiler)
+                out.update(status="failed", error=f"rank {failure[0]}: {failure[1]}")
+                return out
             if prune:
                 out.update(status="pruned", error=f"estimated {estimate / 2**20:.0f} MiB with a "
                                                   f"{self.margin:.0%} margin does not fit")
@@ -254,28 +265,32 @@ class Search:
             if freed is not None:
                 out["unreleased_bytes"] = freed
 
-    def _prepare(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any], out: Outcome) -> tuple[bool, bool]:
-        """A fresh model and, on rank 0, its memory estimate: no collective yet."""
+    def _prepare(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any], out: Outcome) -> tuple[bool | str, bool]:
+        """A fresh model and, on rank 0, its memory estimate: no collective yet. Returns (True on
+        out of memory, or another error's message; whether the estimate prunes it)."""
         try:
             live["model"] = copy.deepcopy(pipe.model)
-            if self.rank != 0:
-                return False, False
+        except Exception as exc:
+            return (True if _is_oom(exc) else f"{type(exc).__name__}: {exc}"), False
+        if self.rank != 0:
+            return False, False
+        try:
             example = _example(pipe.train_set, cfg.train.batch_size)
             estimate = estimate_memory(live["model"], cfg, self.world_size, example, pipe.loss_fn)
-            need = estimate["ddp" if cfg.strategy.name == "ddp" else "fsdp"]
-            budget = device_memory_bytes(self.device, cfg.scaling.device_memory_gb, local_world_size())
-            out["estimated_bytes"] = need
-            return False, need * (1 + self.margin) > budget
-        except Exception as exc:
-            if not _is_oom(exc):
-                raise
-            return True, False
+        except Exception as exc:  # a model the meta device cannot run: no estimate, nothing pruned
+            log.debug("no memory estimate: %s: %s", type(exc).__name__, exc)
+            return False, False
+        need = estimate["ddp" if cfg.strategy.name == "ddp" else "fsdp"]
+        budget = device_memory_bytes(self.device, cfg.scaling.device_memory_gb, local_world_size())
+        out["estimated_bytes"] = need
+        return False, need * (1 + self.margin) > budget
 
-    def _probe(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any], estimate: int) -> bool:
+    def _probe(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any], estimate: int) -> bool | str:
         """Whether this rank runs out of memory, found without any collective, so that no peer
         waits in one: for DDP (or one process) one micro-batch's forward and backward on the
         unwrapped model, which is what each replica holds; for FSDP, whose forward gathers from
-        every rank, a reservation of the estimated bytes."""
+        every rank, a reservation of the estimated bytes. True on out of memory, another error's
+        message, or False."""
         try:
             source, targets = _example(pipe.train_set, cfg.train.batch_size)
             if self.faults:
@@ -292,7 +307,7 @@ class Search:
             return False
         except Exception as exc:
             if not _is_oom(exc):
-                raise
+                return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
             log.debug("rank %d: out of memory at a micro-batch of %d", self.rank, cfg.train.batch_size)
             return True
 
