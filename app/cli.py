@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from raylane import __version__, logs, prechecks
-from raylane.config import ConfigError, load_config
+from raylane.config import ConfigError, held_batch, load_config
 
 # Under torchrun, how long a rank other than 0 waits before exiting on a config error (see _config_error).
 CONFIG_ERROR_GRACE_S = 5.0
@@ -243,9 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         return _submit(args)
     if args.command == "autotune":
         return _autotune(args)
+    from raylane.driver import EXIT_CODES, train, under_torchrun
+
     try:
         cfg = load_config(args.config, args.overrides)
         prechecks.check_run(cfg, summary_json=getattr(args, "summary_json", None))
+        in_process = getattr(args, "local", False) or under_torchrun()
+        held_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")) if in_process else cfg.scaling.num_workers)
         finished = prechecks.check_resume(cfg)
     except ConfigError as exc:
         return _config_error(exc)
@@ -256,8 +260,6 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says so
             print(finished.line, flush=True)
         return 0
-    from raylane.driver import EXIT_CODES, train, under_torchrun
-
     use_ray = not (args.local or under_torchrun())
     address = _resolved_address(args.address, cfg) if use_ray else args.address
     summary = train(cfg, use_ray=use_ray, address=address, summary_path=args.summary_json, register=args.register)

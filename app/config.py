@@ -104,6 +104,13 @@ class TrainSection(Section):
     # Evaluate on the held-out set every N epochs; 0: only at the end of the run (which always
     # has an evaluation).
     eval_every_n_epochs: int = Field(1, ge=0)
+    # Samples per optimizer step, held at any number of workers: global_batch_adjust is computed
+    # from the others, and each epoch is one permutation of the samples taken a step at a time,
+    # so a checkpoint resumed on another world size continues the same epoch at the same sample
+    # (none skipped or repeated). null: batch_size x grad_accum_steps x workers, and each
+    # rank's own shard of the epoch (a resume on another world size restarts the epoch).
+    global_batch: int | None = Field(None, ge=1, le=1_000_000_000)
+    global_batch_adjust: Literal["grad_accum_steps", "batch_size"] = "grad_accum_steps"
 
 
 class OptimSection(Section):
@@ -180,6 +187,15 @@ def apply_values(cfg: BaseConfig, values: Mapping[str, Any]) -> BaseConfig:
     return validate(raw)
 
 
+def held_batch(cfg: BaseConfig, workers: int) -> BaseConfig:
+    """`cfg` with train.global_batch held on `workers` ranks (unchanged when it is unset)."""
+    t = cfg.train
+    if t.global_batch is None:
+        return cfg
+    return hold_global_batch(cfg, GlobalBatch(size=t.global_batch, adjust=t.global_batch_adjust),
+                             "train.global_batch", workers)
+
+
 class GlobalBatch(Section):
     """A global batch held fixed while a search changes how it is split (sweeps, autotune):
     samples per optimizer step = batch_size x grad_accum_steps x num_workers. `adjust` names the
@@ -188,23 +204,24 @@ class GlobalBatch(Section):
     adjust: Literal["grad_accum_steps", "batch_size"] = "grad_accum_steps"
 
 
-def hold_global_batch(cfg: BaseConfig, held: GlobalBatch | None, field: str) -> BaseConfig:
-    """`cfg` with `held.adjust` set so that its global batch is `held.size`; ConfigError (naming
-    `field` and the values) when the others do not divide it."""
+def hold_global_batch(cfg: BaseConfig, held: GlobalBatch | None, field: str, workers: int | None = None) -> BaseConfig:
+    """`cfg` with `held.adjust` set so that its global batch is `held.size` on `workers` ranks
+    (default scaling.num_workers); ConfigError (naming `field` and the values) when the others
+    do not divide it."""
     if held is None:
         return cfg
-    t, workers = cfg.train, cfg.scaling.num_workers
+    t, workers = cfg.train, workers or cfg.scaling.num_workers
     other = t.batch_size if held.adjust == "grad_accum_steps" else t.grad_accum_steps
     share, rest = divmod(held.size, other * workers)
     if rest or share < 1:
         fixed = (f"train.batch_size = {t.batch_size}" if held.adjust == "grad_accum_steps"
                  else f"train.grad_accum_steps = {t.grad_accum_steps}")
-        raise ConfigError(f"{field}.size = {held.size}: not a multiple of {fixed} x scaling.num_workers = {workers}, "
+        raise ConfigError(f"{field} = {held.size}: not a multiple of {fixed} x scaling.num_workers = {workers}, "
                           f"so train.{held.adjust} cannot hold it")
     try:
         train = TrainSection.model_validate({**t.model_dump(), held.adjust: share})
     except ValidationError:
-        raise ConfigError(f"{field}.size = {held.size}: needs train.{held.adjust} = {share}, "
+        raise ConfigError(f"{field} = {held.size}: needs train.{held.adjust} = {share}, "
                           "out of its range") from None
     return cfg.model_copy(update={"train": train})
 

@@ -143,10 +143,25 @@ def check_resume(cfg: BaseConfig) -> Finished | None:
     newest = newest_manifest(folder)
     if newest is not None:
         path, manifest = newest
-        recorded = (manifest.get("train_state") or {}).get("config")
+        state = manifest.get("train_state") or {}
+        recorded = state.get("config")
         if isinstance(recorded, dict):
             _check_loadable(cfg, flatten(recorded), path)
+            _check_position(cfg, state, flatten(recorded), path)
     return _finished(cfg, folder)
+
+
+def _check_position(cfg: BaseConfig, state: dict[str, Any], old: dict[str, Any], checkpoint: Path) -> None:
+    """A checkpoint part-way through an epoch continues at its sample only with the same
+    train.global_batch (the same order and the same samples per step)."""
+    if not state.get("batch_in_epoch"):
+        return  # at an epoch boundary: nothing to continue
+    was, now = old.get("train.global_batch"), cfg.train.global_batch
+    if was != now:
+        raise ConfigError(f"train.global_batch = {now!r}: run {cfg.run.name!r} has a checkpoint part-way through "
+                          f"an epoch saved with train.global_batch = {was!r} ({str(checkpoint)!r}); keep "
+                          f"train.global_batch={json.dumps(was)} to continue it at the same sample, or start a fresh "
+                          f"run with --set run.name={fresh_name(cfg)}")
 
 
 def newest_manifest(folder: Path) -> tuple[Path, dict[str, Any]] | None:

@@ -1,6 +1,8 @@
 """Data loading: a DistributedSampler for every world size (1 included), so the order of samples
 depends only on the seed, the epoch and the world size, and a resumed epoch can skip exactly the
-batches it already ran.
+batches it already ran. With train.global_batch, a `GlobalOrderSampler` instead: the order
+depends on the seed and the epoch alone, and a resume on another world size continues the
+epoch at the same sample.
 
 The Trainer iterates any `EpochData`: this module's `EpochLoader` for map-style datasets, or a
 stream of a `raylane.loop.streaming.FileSource` (pyarrow's `FileStream`, or the launcher's own,
@@ -13,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
 
 class EpochData(Protocol):
@@ -51,9 +53,43 @@ class ResumableSampler(DistributedSampler):
         return max(0, super().__len__() - self.skip_batches * self.batch_size)
 
 
+class GlobalOrderSampler(Sampler[int]):
+    """An epoch as one permutation of the whole dataset (seeded by seed and epoch alone: the same
+    at any world size), taken `samples_per_step` at a time; each rank takes its contiguous share
+    of every step's samples, as its micro-batches in order. The epoch's last partial step is
+    dropped. The position is a number of steps, so a run resumed on another world size, with
+    the same samples per step, continues at the same sample: none skipped, none repeated."""
+
+    def __init__(self, n: int, *, samples_per_step: int, batch_size: int, rank: int, world_size: int,
+                 seed: int) -> None:
+        self.n, self.samples_per_step, self.batch_size = n, samples_per_step, batch_size
+        self.per_rank = samples_per_step // world_size
+        self.rank, self.seed = rank, seed
+        self.steps = n // samples_per_step
+        self.epoch, self.skip_steps = 0, 0
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.epoch = epoch
+        self.skip_steps = skip_batches * self.batch_size // self.per_rank
+
+    @property
+    def num_samples(self) -> int:  # this rank's samples in a whole epoch
+        return self.steps * self.per_rank
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        start = self.rank * self.per_rank
+        for step in range(self.skip_steps, self.steps):
+            first = step * self.samples_per_step + start
+            yield from order[first : first + self.per_rank]
+
+    def __len__(self) -> int:
+        return (self.steps - self.skip_steps) * self.per_rank
+
+
 class EpochLoader(DataLoader):
-    """A DataLoader over a ResumableSampler: EpochData for map-style datasets. Iterating it is
-    plain DataLoader iteration (the per-step hot path is unchanged)."""
+    """A DataLoader over a ResumableSampler (or a GlobalOrderSampler): EpochData for map-style
+    datasets. Iterating it is plain DataLoader iteration (the per-step hot path is unchanged)."""
 
     epochs_alike = True
 
@@ -65,11 +101,17 @@ class EpochLoader(DataLoader):
 
 
 def build_loader(
-    dataset: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool
+    dataset: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool,
+    samples_per_step: int | None = None,
 ) -> EpochLoader:
-    sampler = ResumableSampler(
-        dataset, batch_size=batch_size, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
-    )
+    sampler: Sampler[int]
+    if samples_per_step:
+        sampler = GlobalOrderSampler(len(dataset), samples_per_step=samples_per_step, batch_size=batch_size,
+                                     rank=rank, world_size=world_size, seed=seed)
+    else:
+        sampler = ResumableSampler(
+            dataset, batch_size=batch_size, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
+        )
     return EpochLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_options(seed))
 
 
@@ -79,12 +121,17 @@ def is_stream(data: Any) -> bool:
     return isinstance(data, FileSource)
 
 
-def train_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int) -> EpochData:
+def train_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int,
+               samples_per_step: int | None = None) -> EpochData:
     """The training batches of this rank: a map-style dataset's loader, or a FileSource's stream
-    (the launcher's, when it made one: Ray Data on Ray; else read here with pyarrow)."""
+    (the launcher's, when it made one: Ray Data on Ray; else read here with pyarrow). With
+    `samples_per_step` (train.global_batch), the epoch's order is the same at any world size."""
     if not is_stream(dataset):
         return build_loader(dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size,
-                            seed=seed, shuffle=True)
+                            seed=seed, shuffle=True, samples_per_step=samples_per_step)
+    if samples_per_step:
+        raise ValueError("train.global_batch: a streaming source's epochs are shared out by file, not by sample; "
+                         "leave train.global_batch unset for it")
     from raylane.loop.streaming import FileStream
 
     return runtime.data_stream("train", dataset, batch_size=batch_size) or FileStream(

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from raylane import pipelines_ref
-from raylane.config import BaseConfig
+from raylane.config import BaseConfig, held_batch
 from raylane.loop import checkpoint, faults
 from raylane.loop.data import eval_data, is_stream, train_data
 from raylane.loop.devices import peak_flops
@@ -83,6 +83,7 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
     `startup`: the launcher's start-up phases on this rank (see raylane.loop.startup); rank 0 adds
     its own and sends them with its start and first-step events."""
     startup = {} if startup is None else startup
+    cfg = held_batch(cfg, runtime.world_size)  # train.global_batch on this many ranks (checked before launch)
     publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
     seed_everything(cfg.train.seed)
     pipe = pipelines_ref.build(cfg)  # its exception names the pipeline
@@ -92,7 +93,7 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
     startup["parallelize"] = time.time()
     optimizer = build_optimizer(model, cfg)
     batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed}
-    train_loader = train_data(pipe.train_set, runtime, **batching)
+    train_loader = train_data(pipe.train_set, runtime, **batching, samples_per_step=cfg.train.global_batch)
     if runtime.rank == 0:
         train_loader = _FirstBatchClock(train_loader, startup)
     eval_loader = eval_data(pipe.eval_set, runtime, **batching)

@@ -495,6 +495,11 @@ class Trainer:
             "epoch": self.epoch,
             "step": self.step,
             "batch_in_epoch": self.batch_in_epoch,
+            # The position in samples of the whole group: what a resume on another world size
+            # continues from when the global batch is held (train.global_batch).
+            "samples_in_epoch": self.batch_in_epoch * self.cfg.train.batch_size * self.runtime.world_size,
+            "samples_per_step": self.samples_per_step,
+            "global_order": self.cfg.train.global_batch is not None,
             "world_size": self.runtime.world_size,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -508,9 +513,18 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.step = int(state["step"])
-        # Batches per epoch depend on the world size; a resharded resume restarts the epoch.
+        # Batches per epoch depend on the world size: a resharded resume restarts the epoch,
+        # unless the epoch's order is global and the global batch held (train.global_batch):
+        # then it continues at the same sample.
         same_world = state.get("world_size") == self.runtime.world_size
-        self.batch_in_epoch = int(state["batch_in_epoch"]) if same_world else 0
+        global_order = state.get("global_order") and self.cfg.train.global_batch is not None \
+            and state.get("samples_per_step") == self.samples_per_step
+        if same_world:
+            self.batch_in_epoch = int(state["batch_in_epoch"])
+        elif global_order:
+            self.batch_in_epoch = int(state["samples_in_epoch"]) // (self.cfg.train.batch_size * self.runtime.world_size)
+        else:
+            self.batch_in_epoch = 0
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("grad_scaler"):

@@ -244,7 +244,7 @@ def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
 def trial_config(base: BaseConfig, params: dict[str, Any], global_batch: GlobalBatch | None = None) -> BaseConfig:
     """The base config with one trial's values at their dotted keys, validated; with
     `global_batch`, its `adjust` key then set to hold it."""
-    return hold_global_batch(apply_values(base, params), global_batch, "sweep.global_batch")
+    return hold_global_batch(apply_values(base, params), global_batch, "sweep.global_batch.size")
 
 
 # -- the sweep's record ------------------------------------------------------------------------
