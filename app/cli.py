@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from raylane import __version__, logs, prechecks
-from raylane.config import ConfigError, held_batch, load_config
+from raylane.config import ConfigError, held_batch, load_config, world_sizes
 
 # Under torchrun, how long a rank other than 0 waits before exiting on a config error (see _config_error).
 CONFIG_ERROR_GRACE_S = 5.0
@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         prechecks.check_run(cfg, summary_json=getattr(args, "summary_json", None))
         in_process = getattr(args, "local", False) or under_torchrun()
-        held_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")) if in_process else cfg.scaling.num_workers)
+        for workers in [int(os.environ.get("WORLD_SIZE", "1"))] if in_process else world_sizes(cfg):
+            held_batch(cfg, workers)  # the global batch splits at every size the run may have
         finished = prechecks.check_resume(cfg)
     except ConfigError as exc:
         return _config_error(exc)

@@ -50,12 +50,50 @@ class RunSection(Section):
 
 
 class ScalingSection(Section):
+    # An int, or [min, max] (`--set scaling.num_workers=1,2`): an elastic run on Ray starts once
+    # `min` workers fit, grows to `max` as nodes join and shrinks to the survivors when one is
+    # lost, holding train.global_batch (by default batch_size x grad_accum_steps x max).
     num_workers: int = Field(1, ge=1, le=4096)
+    min_workers: int | None = Field(None, ge=1, le=4096)
+    # Elastic: how often a healthy group checks whether more workers fit now.
+    resize_check_s: float = Field(60.0, gt=0, le=86_400)
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0, le=1024)
     # With use_gpu: a fraction packs several small Tune trials onto one GPU (one worker each:
     # NCCL cannot run two ranks of one group on the same GPU).
     gpus_per_worker: float = Field(1.0, gt=0, le=64)
+    @model_validator(mode="before")
+    @classmethod
+    def _range(cls, data: Any) -> Any:
+        """`num_workers: [min, max]` (or "min,max" from --set) is min_workers and num_workers."""
+        if not isinstance(data, dict):
+            return data
+        value = data.get("num_workers")
+        if isinstance(value, str) and "," in value:
+            value = [v.strip() for v in value.split(",")]
+        if isinstance(value, (list, tuple)):
+            if len(value) != 2:
+                raise ValueError(f"scaling.num_workers = {value!r}: expected a number or [min, max]")
+            try:
+                low, high = (int(v) for v in value)
+            except (TypeError, ValueError):
+                raise ValueError(f"scaling.num_workers = {value!r}: expected a number or [min, max]") from None
+            if not 1 <= low <= high:
+                raise ValueError(f"scaling.num_workers = {value!r}: needs 1 <= min <= max")
+            data = {**data, "min_workers": low, "num_workers": high}
+        return data
+
+    @model_validator(mode="after")
+    def _min_at_most_max(self) -> ScalingSection:
+        if self.min_workers is not None and self.min_workers > self.num_workers:
+            raise ValueError(f"scaling.min_workers = {self.min_workers}: more than scaling.num_workers = "
+                             f"{self.num_workers}")
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.min_workers < self.num_workers
+
     # Memory of one device, for strategy.name: auto; null detects it (GPU memory, or this host's
     # RAM shared by its ranks on CPU).
     device_memory_gb: float | None = Field(None, gt=0, le=1_000_000)
@@ -188,12 +226,29 @@ def apply_values(cfg: BaseConfig, values: Mapping[str, Any]) -> BaseConfig:
 
 
 def held_batch(cfg: BaseConfig, workers: int) -> BaseConfig:
-    """`cfg` with train.global_batch held on `workers` ranks (unchanged when it is unset)."""
+    """`cfg` with train.global_batch held on `workers` ranks (unchanged when it is unset and the
+    run is not elastic; an elastic run holds batch_size x grad_accum_steps x the most workers)."""
     t = cfg.train
-    if t.global_batch is None:
+    size = effective_global_batch(cfg)
+    if size != t.global_batch:
+        cfg = cfg.model_copy(update={"train": t.model_copy(update={"global_batch": size})})
+    if size is None:
         return cfg
-    return hold_global_batch(cfg, GlobalBatch(size=t.global_batch, adjust=t.global_batch_adjust),
-                             "train.global_batch", workers)
+    return hold_global_batch(cfg, GlobalBatch(size=size, adjust=t.global_batch_adjust), "train.global_batch", workers)
+
+
+def effective_global_batch(cfg: BaseConfig) -> int | None:
+    """train.global_batch, or for an elastic run without one, batch_size x grad_accum_steps x max."""
+    t = cfg.train
+    if t.global_batch is None and cfg.scaling.elastic:
+        return t.batch_size * t.grad_accum_steps * cfg.scaling.num_workers
+    return t.global_batch
+
+
+def world_sizes(cfg: BaseConfig) -> range:
+    """The numbers of workers a Ray run may have: one, or min..max when elastic."""
+    s = cfg.scaling
+    return range(s.min_workers if s.elastic else s.num_workers, s.num_workers + 1)
 
 
 class GlobalBatch(Section):

@@ -66,6 +66,7 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
     from raylane.loop.distributed import env_ranks, init_process_group, leave_process_group
     from raylane.loop.startup import StartupTimes
     from raylane.tracking.records import RunRecorder
+    from raylane.tracking.resizes import Resizes
     from raylane.tracking.runs import close_run, open_run, resolve_tracking_uri, ui_command
 
     launched = time.time()
@@ -92,7 +93,8 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
             startup.mark("tracking")
         display = ProgressDisplay() if is_driver else None
         recorder = RunRecorder(handle, cfg, prewarm=use_ray) if handle else None
-        listeners = [x.handle if x is display else x.on_event for x in (display, recorder) if x is not None]
+        resizes = Resizes()
+        listeners = [x.handle if x is display else x.on_event for x in (resizes, display, recorder) if x is not None]
         status, error, result = _execute(cfg, use_ray, embedded, handle, tracking_uri,
                                          [*listeners, startup.on_event], display)
         if use_ray:
@@ -107,7 +109,9 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         if not is_driver:
             return {"status": status, "error": error}
         summary = _summary(cfg, handle, status, error, result, display, launched, startup)
+        summary["resizes"] = resizes.resizes
         if recorder:
+            recorder.record_resizes(resizes.resizes)
             summary.update(recorder.finish(status, summary["checkpoint"], register))
             close_run(handle, closing_status(cfg, status))
         record_finished(cfg, summary)

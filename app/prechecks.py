@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from raylane import pipelines_ref
-from raylane.config import BaseConfig, ConfigError, did_you_mean, flatten
+from raylane.config import BaseConfig, ConfigError, did_you_mean, effective_global_batch, flatten
 
 log = logging.getLogger("raylane")
 
@@ -156,7 +156,7 @@ def _check_position(cfg: BaseConfig, state: dict[str, Any], old: dict[str, Any],
     train.global_batch (the same order and the same samples per step)."""
     if not state.get("batch_in_epoch"):
         return  # at an epoch boundary: nothing to continue
-    was, now = old.get("train.global_batch"), cfg.train.global_batch
+    was, now = old.get("train.global_batch"), effective_global_batch(cfg)
     if was != now:
         raise ConfigError(f"train.global_batch = {now!r}: run {cfg.run.name!r} has a checkpoint part-way through "
                           f"an epoch saved with train.global_batch = {was!r} ({str(checkpoint)!r}); keep "

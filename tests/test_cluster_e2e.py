@@ -230,3 +230,65 @@ def test_autoscaler_adds_nodes_for_a_two_worker_run_and_removes_them_after(tmp_p
             time.sleep(2)
         # No log line is asserted for the removal: the monitor writes "Removing N
         # nodes (idle)" in some rounds and only "Resized to 0 CPUs" in others.
+
+
+def _newest_raylet(temp: Path) -> int:
+    """The raylet the autoscaler started last in the cluster whose temp dir is `temp`: a node the
+    run grew onto. (Every fake node has 127.0.0.1 for its address, so the driver attaches to any
+    raylet there: the one that was up at launch, not this one.)"""
+    import psutil
+
+    raylets = [p for p in psutil.process_iter(["name", "cmdline", "create_time"])
+               if p.info["name"] == "raylet" and str(temp) in " ".join(p.info["cmdline"] or [])]
+    return max(raylets, key=lambda p: p.info["create_time"]).pid
+
+
+def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_one_dies(tmp_path):
+    """`scaling.num_workers: [1, 2]` on Ray's fake multi-node provider: the run starts on the one
+    node there is, grows to two when the autoscaler adds one, and goes on with one when a node's
+    raylet is killed; it finishes, holding its global batch, with both resizes in the summary
+    and in MLflow."""
+    import yaml
+
+    gcs_port = free_port()
+    nodes = {**FAKE_CLUSTER["available_node_types"],
+             "cpu_node": {"resources": {"CPU": 1}, "node_config": {}, "min_workers": 1, "max_workers": 2}}
+    config = {**FAKE_CLUSTER, "max_workers": 2, "available_node_types": nodes,
+              "provider": {**FAKE_CLUSTER["provider"], "gcs_address": f"127.0.0.1:{gcs_port}"}}
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))
+    # A dead node is noticed after ~3 s instead of Ray's ~30 s default; a group that cannot start
+    # at the old size (Ray's elastic policy tries that first) gives up after 10 s instead of 60.
+    head_env = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_health_check_period_ms": "1000",
+                "RAY_health_check_failure_threshold": "3", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10", **ONE_HOST}
+    with _head(tmp_path, "--num-cpus=0", f"--autoscaling-config={tmp_path / 'cluster.yaml'}", env=head_env,
+               gcs_port=gcs_port) as (_, gcs, temp):
+        env = dict(_auth_env(tmp_path), **ONE_HOST, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+        assert wait_for(lambda: _worker_nodes(gcs, env) == 1, 120)
+        log = tmp_path / "run.log"
+        with open(log, "w") as out:
+            run = subprocess.Popen(
+                [str(BIN / "raylane"), "train", "pipelines/digits.yaml", "--address", gcs,
+                 "--set", "scaling.num_workers=1,2", "--set", "scaling.resize_check_s=2", "--set", "train.max_epochs=500",
+                 "--set", "mlflow.log_model=false", "--set", "mlflow.system_metrics=false",
+                 "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "summary.json")],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            # 500 epochs of ~5 ms steps: long enough for the autoscaler to add a node (~25 s here)
+            # with room for a machine twice as fast, short enough to end soon after the loss.
+            assert wait_for(lambda: "worker group restarted (1)" in log.read_text() or run.poll() is not None, 240)
+            assert run.poll() is None, "the run ended before it grew: " + log.read_text()[-3000:]
+            os.kill(_newest_raylet(temp), signal.SIGKILL)
+            assert wait_for(lambda: "worker group restarted (2)" in log.read_text() or run.poll() is not None, 240)
+            assert run.wait(400) == 0, log.read_text()[-4000:]
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary["status"] == "FINISHED", summary
+        resizes = summary["resizes"]
+        assert [(r["from"], r["to"]) for r in resizes[:2]] == [(1, 2), (2, 1)], (resizes, log.read_text()[-6000:])
+        assert all(r["time_lost_s"] > 0 for r in resizes), resizes
+        assert summary["steps"] == 500 * summary["steps_per_epoch"]  # every epoch whole, at any size
+        _, tags = _mlflow_run(tmp_path / "mlflow.db", summary["run_id"])
+        assert [(r["from"], r["to"]) for r in json.loads(tags["raylane.resizes"])] == \
+            [(r["from"], r["to"]) for r in resizes]

@@ -225,7 +225,8 @@ class _EmbeddedTorchTrainer(_DriverTorchTrainer):
     """On an embedded cluster, also without autoscaler requests (see _NoAutoscalerScalingPolicy)."""
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
-        controller_init_kwargs["scaling_policy"] = _NoAutoscalerScalingPolicy(self.scaling_config)
+        if not self.scaling_config.elasticity_enabled:  # an elastic run keeps Ray's own policy, requests and all
+            controller_init_kwargs["scaling_policy"] = _NoAutoscalerScalingPolicy(self.scaling_config)
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
@@ -362,13 +363,37 @@ def _stream_split():
     return StreamSplit()
 
 
+# An elastic run restarts on the survivors when a worker or node is lost: it may do so this many
+# times when failure.max_failures is left at 0 (a fixed-size run fails at the first loss).
+ELASTIC_MAX_FAILURES = 10
+
+
+def _max_failures(cfg: BaseConfig) -> int:
+    return cfg.failure.max_failures or (ELASTIC_MAX_FAILURES if cfg.scaling.elastic else 0)
+
+
+def _event_sink() -> Any:
+    """The driver's event sink, on the driver's own node: anywhere else, losing that node (a spot
+    reclaim that an elastic run should survive) would end the run with it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return EventSink.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+
+
+def _workers(cfg: BaseConfig) -> int | tuple[int, int]:
+    """Ray Train's num_workers: (min, max) selects its elastic scaling policy."""
+    s = cfg.scaling
+    return (s.min_workers, s.num_workers) if s.elastic else s.num_workers
+
+
 def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                   on_event: Callable[[dict[str, Any]], None], *, embedded: bool,
                   in_trial: bool = False, search: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train on the connected cluster (see `raylane.onray.cluster.init_ray`); the caller shuts Ray
     down. `in_trial`: a Tune trial's run, whose controller Tune may kill while the sweep goes on.
     `search`: run `raylane autotune`'s search in the worker group instead (raylane.loop.search)."""
-    sink = EventSink.remote()
+    sink = _event_sink()
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
@@ -380,11 +405,12 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                            "run_id": run_id, "tracking_uri": tracking_uri, "verbose": logs.verbose(),
                            "search": search},
         datasets=datasets, **({"dataset_config": _stream_split()} if datasets else {}),
-        scaling_config=ScalingConfig(num_workers=cfg.scaling.num_workers, use_gpu=cfg.scaling.use_gpu,
-                                     resources_per_worker=resources),
+        scaling_config=ScalingConfig(num_workers=_workers(cfg), use_gpu=cfg.scaling.use_gpu,
+                                     resources_per_worker=resources,
+                                     elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s),
         torch_config=_RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s),
         run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
-                             failure_config=FailureConfig(max_failures=cfg.failure.max_failures)),
+                             failure_config=FailureConfig(max_failures=_max_failures(cfg))),
     )
     on_event({"event": "startup", "startup": {"fit": time.time()}})
     return _fit_and_pump(trainer, sink, on_event, cfg.scaling.num_workers)

@@ -51,6 +51,16 @@ class RunRecorder:
             self._logger.set_tags({"raylane.checkpoint.latest": event["location"],
                                    "raylane.checkpoint.count": len(self.checkpoints)})
 
+    def record_resizes(self, resizes: list[dict[str, Any]]) -> None:
+        """An elastic run's resizes: `run/world_size` at each resize's step, and the list as a tag."""
+        if not resizes:
+            return
+        import json
+
+        for resize in resizes:
+            self._logger.log({"run/world_size": resize["to"]}, resize["step"])
+        self._logger.set_tags({"raylane.resizes": json.dumps(resizes)})
+
     def _log_run_rates(self, result: dict[str, Any]) -> None:
         """The summary's whole-run throughput, named apart from train/*, which covers a window of
         steps each (the progress display's figures)."""
