@@ -87,7 +87,10 @@ def space(section: AutotuneSection, cfg: BaseConfig) -> tuple[dict[str, list[Any
     every value against the config (ConfigError naming the field and the value)."""
     t, s, workers = cfg.train, cfg.strategy, cfg.scaling.num_workers
     gpu = cfg.scaling.use_gpu
-    size = section.global_batch or t.batch_size * t.grad_accum_steps * workers
+    if cfg.scaling.elastic:
+        raise ConfigError(f"scaling.num_workers = {[cfg.scaling.min_workers, workers]}: autotune measures on a fixed "
+                          "number of workers; give one (the largest the run will have)")
+    size = section.global_batch or cfg.train.global_batch or t.batch_size * t.grad_accum_steps * workers
     if size % workers:
         raise ConfigError(f"autotune.global_batch = {size}: not a multiple of scaling.num_workers = {workers}")
     share = size // workers
@@ -129,6 +132,10 @@ def space(section: AutotuneSection, cfg: BaseConfig) -> tuple[dict[str, list[Any
 def check(section: AutotuneSection, cfg: BaseConfig, out: str, summary_json: str | None) -> None:
     """What can fail before anything starts: the outputs (never overwritten) and the config."""
     prechecks.check_run(cfg, summary_json=summary_json)
+    folder = prechecks.run_folder(cfg) if cfg.run.name else None
+    if folder is not None and folder.is_dir() and not (folder / "autotune.jsonl").exists() and any(folder.iterdir()):
+        raise ConfigError(f"run.name = {cfg.run.name!r}: a training run of that name exists in {str(folder)!r}; "
+                          "give the search a name of its own")
     if Path(out).exists():
         raise ConfigError(f"--out = {out!r}: already exists (an earlier autotune's result is never overwritten); "
                           "name another file")
@@ -148,6 +155,8 @@ def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address
     launched = time.time()
     if not use_ray:
         init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)
+        # The ranks torchrun started (or this one process), whatever scaling.num_workers says.
+        cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": env_ranks()[2]})})
     cfg = _finalize(_named(cfg))
     rank0 = use_ray or env_ranks()[0] == 0
     storage = cfg.run.storage_path
@@ -349,7 +358,13 @@ def settings(section: AutotuneSection, cfg: BaseConfig, record: str | None) -> d
 
 
 def winner_config(cfg: BaseConfig, held: dict[str, Any], values: dict[str, Any]) -> BaseConfig:
-    return hold_global_batch(apply_values(cfg, values), GlobalBatch(**held), "autotune.global_batch")
+    """The winner, as it trains: a train.global_batch of the config's own is kept (with the split
+    the search measured), so that a resume on another world size holds it as before."""
+    won = hold_global_batch(apply_values(cfg, values), GlobalBatch(**held), "autotune.global_batch")
+    if cfg.train.global_batch is None:
+        return won
+    return won.model_copy(update={"train": won.train.model_copy(update={
+        "global_batch": held["size"], "global_batch_adjust": "grad_accum_steps"})})
 
 
 def write_yaml(path: str, cfg: BaseConfig, best: dict[str, Any]) -> None:

@@ -142,13 +142,18 @@ def _autotune(args: argparse.Namespace) -> int:
     from raylane import autotune
 
     overrides = [*args.overrides, *([f"autotune.budget_s={args.budget_s}"] if args.budget_s is not None else [])]
+    from raylane.driver import under_torchrun
+
     try:
         section, cfg = autotune.load(args.config, overrides)
+        if under_torchrun():  # the ranks torchrun started, whatever scaling.num_workers says
+            workers = int(os.environ.get("WORLD_SIZE", "1"))
+            cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": workers})})
         autotune.space(section, cfg)
         autotune.check(section, cfg, args.out, args.summary_json)
     except ConfigError as exc:
         return _config_error(exc)
-    from raylane.driver import EXIT_CODES, under_torchrun
+    from raylane.driver import EXIT_CODES
 
     use_ray = not (args.local or under_torchrun())
     address = _resolved_address(args.address, cfg) if use_ray else None
@@ -251,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         in_process = getattr(args, "local", False) or under_torchrun()
         for workers in [int(os.environ.get("WORLD_SIZE", "1"))] if in_process else world_sizes(cfg):
             held_batch(cfg, workers)  # the global batch splits at every size the run may have
+        prechecks.check_global_order(cfg)
         finished = prechecks.check_resume(cfg)
     except ConfigError as exc:
         return _config_error(exc)

@@ -151,6 +151,21 @@ def check_resume(cfg: BaseConfig) -> Finished | None:
     return _finished(cfg, folder)
 
 
+def check_global_order(cfg: BaseConfig) -> None:
+    """A held global batch (train.global_batch, or an elastic run's) needs map-style data: a
+    streaming source's epochs are shared out by file, not by sample."""
+    if effective_global_batch(cfg) is None:
+        return
+    from raylane.loop.streaming import declares_sources
+
+    if declares_sources(cfg):
+        field = "train.global_batch" if cfg.train.global_batch else "scaling.num_workers"
+        value = cfg.train.global_batch if cfg.train.global_batch else [cfg.scaling.min_workers, cfg.scaling.num_workers]
+        raise ConfigError(f"{field} = {value!r}: the {pipelines_ref.label(cfg.pipeline)} pipeline streams its data "
+                          "(sources), whose epochs are shared out by file, not by sample: a held global batch "
+                          "and elastic runs need a map-style dataset")
+
+
 def _check_position(cfg: BaseConfig, state: dict[str, Any], old: dict[str, Any], checkpoint: Path) -> None:
     """A checkpoint part-way through an epoch continues at its sample only with the same
     train.global_batch (the same order and the same samples per step)."""

@@ -119,3 +119,26 @@ def test_a_global_batch_the_workers_cannot_split_exits_2(run_cli, project):
     assert bad.wait(60) == 2
     assert "train.global_batch = 7: not a multiple of train.batch_size = 2 x scaling.num_workers = 1" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_the_global_order_splits_each_step_and_resumes_at_any_world_size_and_micro_batch():
+    from raylane.loop.data import GlobalOrderSampler
+
+    def epoch(world: int, batch: int, skip_samples: int = 0) -> list[list[int]]:
+        ranks = []
+        for rank in range(world):
+            s = GlobalOrderSampler(40, samples_per_step=8, batch_size=batch, rank=rank, world_size=world, seed=3)
+            s.set_epoch(2, skip_batches=skip_samples // (batch * world))  # the Trainer's position, in micro-batches
+            ranks.append(list(s))
+        return ranks
+
+    whole = epoch(2, 2)
+    assert sorted(whole[0] + whole[1]) == list(range(40))  # every sample once
+    steps = [sorted(whole[0][4 * k:4 * k + 4] + whole[1][4 * k:4 * k + 4]) for k in range(5)]
+    # Two steps in, on 1 rank with micro-batches of 4, then on 4 ranks with 1: the same steps.
+    for world, batch in ((1, 4), (4, 1), (2, 4)):
+        rest = epoch(world, batch, skip_samples=16)
+        per_rank = 8 // world
+        assert [sorted(i for r in rest for i in r[per_rank * k:per_rank * (k + 1)]) for k in range(3)] == steps[2:]
+    with pytest.raises(ValueError, match="train.global_batch = 64: more than the 40 training samples"):
+        GlobalOrderSampler(40, samples_per_step=64, batch_size=8, rank=0, world_size=2, seed=0)

@@ -66,6 +66,9 @@ class GlobalOrderSampler(Sampler[int]):
         self.per_rank = samples_per_step // world_size
         self.rank, self.seed = rank, seed
         self.steps = n // samples_per_step
+        if self.steps == 0:
+            raise ValueError(f"train.global_batch = {samples_per_step}: more than the {n} training samples; "
+                             "an epoch would have no step")
         self.epoch, self.skip_steps = 0, 0
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:

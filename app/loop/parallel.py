@@ -151,10 +151,9 @@ def _agreed(strategy: Strategy) -> Strategy:
     return strategy
 
 
-def parallelize(model: nn.Module, cfg: BaseConfig, device: torch.device, world_size: int, *,
-                example: tuple[Any, Any] | None = None, loss_fn=None) -> tuple[nn.Module, Strategy]:
-    """(the model ready to train on this rank, the strategy chosen)."""
-    strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn))
+def prepare_blocks(model: nn.Module, cfg: BaseConfig) -> None:
+    """In place, before any wrapping: activation checkpointing, then compile, on the model's
+    blocks (or the whole model when it has none)."""
     blocks = blocks_of(model)
     if cfg.train.activation_checkpointing:
         for block in blocks:
@@ -162,6 +161,17 @@ def parallelize(model: nn.Module, cfg: BaseConfig, device: torch.device, world_s
     if cfg.train.compile:
         for part in blocks or [model]:
             part.compile()  # in place: parameter names (and checkpoints) stay as they are
+
+
+def parallelize(model: nn.Module, cfg: BaseConfig, device: torch.device, world_size: int, *,
+                example: tuple[Any, Any] | None = None, loss_fn=None,
+                blocks_prepared: bool = False) -> tuple[nn.Module, Strategy]:
+    """(the model ready to train on this rank, the strategy chosen). `blocks_prepared`: the
+    caller already ran prepare_blocks on it."""
+    strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn))
+    blocks = blocks_of(model)
+    if not blocks_prepared:
+        prepare_blocks(model, cfg)
     if strategy.name in ("fsdp", "hsdp"):
         return _fully_shard(model, blocks, cfg, device, strategy), strategy
     model = model.to(device)

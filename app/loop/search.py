@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from raylane.config import BaseConfig, GlobalBatch, apply_values, hold_global_ba
 from raylane.loop import faults as fault_plans
 from raylane.loop.data import train_data
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
-from raylane.loop.parallel import estimate_memory, parallelize, unwrap
+from raylane.loop.parallel import estimate_memory, parallelize, prepare_blocks, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
 from raylane.loop.trainer import Throughput, Trainer
@@ -156,6 +157,11 @@ class Search:
         self.held = GlobalBatch(**settings["global_batch"])
         self.margin = float(settings.get("safety_margin", 0.1))
         self.record_path = Path(settings["record"]) if settings.get("record") else None
+        # What an earlier launch's record must match to be replayed: the config and the space.
+        same = {k: v for k, v in cfg.flat().items() if not k.startswith("run.")}
+        self.fingerprint = hashlib.sha256(json.dumps(
+            [same, settings["space"], settings["global_batch"], settings["warmup_steps"], settings["profile_steps"]],
+            sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -257,7 +263,13 @@ class Search:
                 out.update(status="oom", error=f"out of memory on rank {oom_rank}")
                 return out
             self._wrap(cfg, pipe, live)
-            out.update(self._measure(cfg, live, baseline, setup))
+            if self.distributed:  # a rank failing from here on may leave a peer in a collective: the group ends
+                out.update(self._measure(cfg, live, baseline, setup))
+                return out
+            try:
+                out.update(self._measure(cfg, live, baseline, setup))
+            except Exception as exc:  # one process: nothing waits on it, the search goes on
+                out.update(status="oom" if _is_oom(exc) else "failed", error=f"{type(exc).__name__}: {exc}"[:300])
             return out
         finally:
             live.clear()
@@ -295,12 +307,14 @@ class Search:
             source, targets = _example(pipe.train_set, cfg.train.batch_size)
             if self.faults:
                 self.faults.before_forward(cfg.train.batch_size)
+            prepare_blocks(live["model"], cfg)  # recompute and compile as trained (a compile error shows here)
             if cfg.strategy.name == "fsdp" and self.world_size > 1:
                 if self.device.type == "cuda":
                     torch.empty(estimate, dtype=torch.uint8, device=self.device).fill_(0)  # freed at once
                 return False
             model = live["model"] = live["model"].to(self.device)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16"):
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+            with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                 pipe.loss_fn(model(source.to(self.device)), targets.to(self.device)).backward()
             for p in model.parameters():
                 p.grad = None
@@ -313,7 +327,8 @@ class Search:
 
     def _wrap(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any]) -> None:
         """DDP or FSDP (collective: every rank is known to fit by now), the loader, its batches."""
-        model, strategy = parallelize(live.pop("model"), cfg, self.device, self.world_size, loss_fn=pipe.loss_fn)
+        model, strategy = parallelize(live.pop("model"), cfg, self.device, self.world_size, loss_fn=pipe.loss_fn,
+                                      blocks_prepared=True)
         live["model"], live["strategy"] = model, strategy
         live["loader"] = loader = train_data(pipe.train_set, self.runtime, batch_size=cfg.train.batch_size,
                                              seed=cfg.train.seed)
@@ -333,7 +348,15 @@ class Search:
             reporter=Reporter(is_rank_zero=False, publish=lambda e: None), throughput=throughput)
         groups = _steps(live["batches"], cfg.train.grad_accum_steps)
         sampler = _PeakSampler(self.device, baseline, model)
-        for _ in range(self.settings["warmup_steps"]):
+        # The first step allocates the optimizer's state: an OOM there is local (after the
+        # gradients' all-reduce), so it is agreed like the probe's.
+        oom_rank, failure, _, _ = self._agree(_attempt(lambda: trainer._run_batch(next(groups))))
+        if failure is not None:
+            return {"status": "failed", "error": f"rank {failure[0]}: {failure[1]}"}
+        if oom_rank is not None:
+            return {"status": "oom", "error": f"out of memory on rank {oom_rank}"}
+        sampler.sample()
+        for _ in range(self.settings["warmup_steps"] - 1):
             trainer._run_batch(next(groups))
             sampler.sample()
         began = trainer._step_clock()
@@ -367,7 +390,12 @@ class Search:
         done: list[Outcome] = []
         started: dict[str, Any] | None = None
         for line in self.record_path.read_text().splitlines():
-            entry = json.loads(line)
+            try:
+                entry = json.loads(line)
+            except ValueError:  # a line cut short when the group died: the candidate is redone
+                continue
+            if entry.get("fingerprint") != self.fingerprint:
+                continue  # an earlier search of this name over another config or space
             if "started" in entry:
                 started = entry["started"]
             else:
@@ -392,13 +420,22 @@ class Search:
         if self.record_path is not None:
             self.record_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.record_path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
+                f.write(json.dumps({**entry, "fingerprint": self.fingerprint}) + "\n")
 
 
 def run_search(cfg: BaseConfig, runtime: Runtime, settings: dict[str, Any]) -> dict[str, Any]:
     """The whole search on this rank (every rank calls it); rank 0 publishes a `candidate` event
     per outcome and the result as the `end` event."""
     return Search(cfg, runtime, settings, runtime.publish if runtime.rank == 0 else (lambda e: None)).run()
+
+
+def _attempt(step: Callable[[], Any]) -> bool | str:
+    """Run `step`: False, or True on out of memory, or another error's message."""
+    try:
+        step()
+        return False
+    except Exception as exc:
+        return True if _is_oom(exc) else f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
 def _example(dataset: Any, batch_size: int):

@@ -183,6 +183,7 @@ class Trainer:
         # Rank 0's throughput over the last epoch's steps, sent with its checkpoint (sweeps rank by it).
         self.speed_metrics: dict[str, float] = {}
         self._train_started = time.perf_counter()
+        self._trained_before_s = 0.0  # by earlier launches of this run (from its checkpoint)
         self._metric_names: list[str] | None = None
         self.skipped_steps = 0
         self.last_checkpoint: str | None = None
@@ -441,7 +442,8 @@ class Trainer:
             "mesh": list(self.strategy.mesh_shape),
             "node_ranks": self.runtime.node_ranks,
             "train_s": ended - started,
-            "train_wall_s": ended - self._train_started,  # warm-up steps included (time to a target)
+            # Every launch's training time, warm-up steps included (time to a target).
+            "train_wall_s": self._trained_before_s + ended - self._train_started,
             # This process's CPU time over the same span, every thread counted (gloo's, Ray's):
             # much less sensitive than train_s to other processes on a busy machine (B1).
             "train_cpu_s": ended_cpu - started_cpu,
@@ -471,7 +473,8 @@ class Trainer:
         elapsed = max(end - began, 1e-9)
         samples_per_s = steps * self.samples_per_step / elapsed
         return {"samples_per_s": samples_per_s, "step_time_s": elapsed / steps,
-                "peak_memory_bytes": float(peak_memory_bytes(self.device)), "train_s": end - self._train_started,
+                "peak_memory_bytes": float(peak_memory_bytes(self.device)),
+                "train_s": self._trained_before_s + end - self._train_started,
                 **self.throughput.rates(samples_per_s, self.runtime.world_size)}
 
     def _step_clock(self) -> float:
@@ -499,6 +502,8 @@ class Trainer:
             # continues from when the global batch is held (train.global_batch).
             "samples_in_epoch": self.batch_in_epoch * self.cfg.train.batch_size * self.runtime.world_size,
             "samples_per_step": self.samples_per_step,
+            # Training seconds over every launch of the run (a time-to-target sweep ranks by it).
+            "train_s_total": self._trained_before_s + time.perf_counter() - self._train_started,
             "global_order": self.cfg.train.global_batch is not None,
             "world_size": self.runtime.world_size,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -519,12 +524,13 @@ class Trainer:
         same_world = state.get("world_size") == self.runtime.world_size
         global_order = state.get("global_order") and self.cfg.train.global_batch is not None \
             and state.get("samples_per_step") == self.samples_per_step
-        if same_world:
-            self.batch_in_epoch = int(state["batch_in_epoch"])
-        elif global_order:
+        if global_order:  # in samples: the micro-batch may have changed too, at any world size
             self.batch_in_epoch = int(state["samples_in_epoch"]) // (self.cfg.train.batch_size * self.runtime.world_size)
+        elif same_world:
+            self.batch_in_epoch = int(state["batch_in_epoch"])
         else:
             self.batch_in_epoch = 0
+        self._trained_before_s = float(state.get("train_s_total") or 0.0)
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("grad_scaler"):

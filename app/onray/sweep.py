@@ -198,13 +198,23 @@ def _check_global_batch(sweep: SweepSection, base: BaseConfig) -> None:
     if sweep.global_batch is None:
         return
     keys = [k for k in ("train.batch_size", "train.grad_accum_steps", "scaling.num_workers") if k in sweep.space]
-    for values in itertools.product(*(representative(sweep.space[k]) for k in keys)):
+    for key in keys:
+        if next(iter(sweep.space[key])) in ("uniform", "loguniform"):
+            raise ConfigError(f"sweep.space.{key}: a continuous range with sweep.global_batch; list the values "
+                              "(choice, grid) or use randint")
+    for values in itertools.product(*(_every_value(sweep.space[k]) for k in keys)):
         params = dict(zip(keys, values, strict=True))
         try:
             trial_config(base, params, sweep.global_batch)
         except ConfigError as exc:
             where = ", ".join(f"{k} = {v!r}" for k, v in params.items()) or "the base config"
             raise ConfigError(f"{exc} (with {where})") from None
+
+
+def _every_value(domain: dict[str, Any]) -> list[Any]:
+    """Every value a discrete domain can take (a randint range in full)."""
+    kind, args = next(iter(domain.items()))
+    return list(range(args[0], args[1])) if kind == "randint" else representative(domain)
 
 
 def run_speed(result: dict[str, Any]) -> dict[str, float]:
