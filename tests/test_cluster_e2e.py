@@ -243,6 +243,7 @@ def _newest_raylet(temp: Path) -> int:
     return max(raylets, key=lambda p: p.info["create_time"]).pid
 
 
+@pytest.mark.slow  # 80 s: with it `make test` passed 20 minutes here; `make test-all` runs it
 def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_one_dies(tmp_path):
     """`scaling.num_workers: [1, 2]` on Ray's fake multi-node provider: the run starts on the one
     node there is, grows to two when the autoscaler adds one, and goes on with one when a node's

@@ -142,3 +142,74 @@ def test_the_global_order_splits_each_step_and_resumes_at_any_world_size_and_mic
         assert [sorted(i for r in rest for i in r[per_rank * k:per_rank * (k + 1)]) for k in range(3)] == steps[2:]
     with pytest.raises(ValueError, match="train.global_batch = 64: more than the 40 training samples"):
         GlobalOrderSampler(40, samples_per_step=64, batch_size=8, rank=0, world_size=2, seed=0)
+
+
+BLOCKS_PIPELINE = PIPELINE.replace('''        self.linear = torch.nn.Linear(1, 1)
+
+    def forward(self, x):
+        if self.training:
+            with open(f"{os.environ['SEEN']}.{os.environ.get('RANK', '0')}", "a") as f:
+                f.write(json.dumps([int(i) for i in x[:, 0].tolist()]) + "\\n")
+        return self.linear(x)''', '''        # Blocks, the unit FSDP shards (raylane.loop.parallel.blocks_of).
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(1, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)])
+
+    def forward(self, x):
+        if self.training:
+            with open(f"{os.environ['SEEN']}.{os.environ.get('RANK', '0')}", "a") as f:
+                f.write(json.dumps([int(i) for i in x[:, 0].tolist()]) + "\\n")
+        x = x / 256  # the index, scaled: a plain MLP diverges on inputs up to 240
+        for block in self.blocks:
+            x = block(x)
+        return x''').replace("x * 0.5", "x / 512").replace("x[:8] * 0.5", "x[:8] / 512")
+
+
+def _fake_nodes(run_cli, project: Path, nodes: int, limit: str, name: str) -> dict:
+    """One torchrun agent per fake node, 2 ranks each, on this machine: a multi-node job as
+    torchrun runs it (static rendezvous at rank 0's agent), so HSDP replicates across them."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    env = cli_env(project, SEEN=str(project / name))
+    agents = [run_cli(f"--nnodes={nodes}", "--nproc_per_node=2", f"--node_rank={i}", "--master_addr=127.0.0.1",
+                      f"--master_port={port}", "-m", "raylane", "train", "run.yaml", "--set", limit,
+                      "--summary-json", str(project / f"{name}.json"),
+                      launcher=TORCHRUN[:-1], env=env, cwd=project, name=f"{name}-node{i}") for i in range(nodes)]
+    for agent in agents:
+        assert agent.wait(400) == 0, agent.output
+    return read_json(project / f"{name}.json")
+
+
+@pytest.mark.slow
+def test_hsdp_on_8_ranks_over_4_fake_nodes_resized_to_6_and_back(run_cli, tmp_path):
+    """docs/scale.md's simulation: HSDP 4 x 2 (8 gloo ranks, 2 per fake node), then 3 x 2 after a
+    node is lost, then 4 x 2 again, holding 48 samples a step: each epoch's 240 samples exactly
+    once, 48 at every step."""
+    samples, held = 240, 48
+    (tmp_path / "pipe.py").write_text(textwrap.dedent(BLOCKS_PIPELINE))
+    (tmp_path / "run.yaml").write_text(
+        f"pipeline: ./pipe.py\nrun: {{name: hsdp, storage_path: {tmp_path / 'runs'}}}\n"
+        f"model: {{samples: {samples}}}\nstrategy: {{name: fsdp}}\n"
+        f"train: {{max_epochs: 2, batch_size: {MICRO}, global_batch: {held}}}\noptim: {{lr: 0.001}}\n"
+        "mlflow: {enabled: false}\n")
+    a = _fake_nodes(run_cli, tmp_path, 4, "train.max_steps=2", "a")
+    b = _fake_nodes(run_cli, tmp_path, 3, "train.max_steps=6", "b")
+    c = _fake_nodes(run_cli, tmp_path, 4, "train.max_steps=10", "c")
+    assert [(s["strategy"], s["mesh"], s["world_size"]) for s in (a, b, c)] == \
+        [("hsdp", [4, 2], 8), ("hsdp", [3, 2], 6), ("hsdp", [4, 2], 8)]
+    assert (a["steps"], b["steps"], c["steps"]) == (2, 6, 10) and b["resumed_from_step"] == 2
+
+    def steps(name: str, world: int, first: int) -> dict[int, list[int]]:
+        accum = held // (MICRO * world)
+        out: dict[int, list[int]] = defaultdict(list)
+        for rank in range(world):
+            for i, line in enumerate(Path(f"{tmp_path / name}.{rank}").read_text().splitlines()):
+                out[first + i // accum].extend(json.loads(line))
+        return out
+
+    seen = {**steps("a", 8, 1), **steps("b", 6, 3), **steps("c", 8, 7)}
+    assert sorted(seen) == list(range(1, 11)) and all(len(v) == held for v in seen.values())
+    for epoch in range(2):
+        assert sorted(i for k in range(epoch * 5 + 1, epoch * 5 + 6) for i in seen[k]) == list(range(samples))
+    # Figures for docs/scale.md: launch to first step of each segment (8 processes on 2 cores).
+    print("hsdp segments, launch to first step (s):",
+          [s["timing"]["launch_to_first_step_s"] for s in (a, b, c)])
