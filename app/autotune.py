@@ -22,6 +22,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from raylane import prechecks
+from raylane.loop.search_order import RECORD_FILE
 from raylane.config import (
     BaseConfig,
     ConfigError,
@@ -133,7 +134,7 @@ def check(section: AutotuneSection, cfg: BaseConfig, out: str, summary_json: str
     """What can fail before anything starts: the outputs (never overwritten) and the config."""
     prechecks.check_run(cfg, summary_json=summary_json)
     folder = prechecks.run_folder(cfg) if cfg.run.name else None
-    if folder is not None and folder.is_dir() and not (folder / "autotune.jsonl").exists() and any(folder.iterdir()):
+    if folder is not None and folder.is_dir() and not (folder / RECORD_FILE).exists() and any(folder.iterdir()):
         raise ConfigError(f"run.name = {cfg.run.name!r}: a training run of that name exists in {str(folder)!r}; "
                           "give the search a name of its own")
     if Path(out).exists():
@@ -160,7 +161,7 @@ def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address
     cfg = _finalize(_named(cfg))
     rank0 = use_ray or env_ranks()[0] == 0
     storage = cfg.run.storage_path
-    record = None if "://" in storage else str(Path(storage) / cfg.run.name / "autotune.jsonl")
+    record = None if "://" in storage else str(Path(storage) / cfg.run.name / RECORD_FILE)
     params = settings(section, cfg, record)
     tracking_uri = resolve_tracking_uri()
     recorder = Recorder(cfg, tracking_uri, launched) if rank0 else None

@@ -83,7 +83,7 @@ def test_autotune_of_an_own_pipeline_on_ray_runs_in_one_worker_group(run_cli, tm
 
 
 def test_the_search_order_finds_the_largest_micro_batch_that_fits_then_tries_each_knob():
-    from raylane.loop.search import plan
+    from raylane.loop.search_order import plan
 
     space = {"strategy.name": ["ddp"], "train.batch_size": [1, 2, 4, 8, 16, 32],
              "train.precision": ["fp32", "bf16"], "train.activation_checkpointing": [False, True]}

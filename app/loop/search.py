@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,107 +40,13 @@ from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flo
 from raylane.loop.parallel import estimate_memory, parallelize, prepare_blocks, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
+from raylane.loop.search_order import Outcome, plan
 from raylane.loop.trainer import Throughput, Trainer
 
 log = logging.getLogger("raylane")
 
-RECORD_FILE = "autotune.jsonl"
-MIN_SIZES_SCANNED = 3
-# Knobs tried one at a time from the best configuration so far, after strategy and micro-batch.
-KNOB_ORDER = ("train.precision", "train.activation_checkpointing", "train.compile", "strategy.bucket_cap_mb",
-              "strategy.reshard_after_forward", "strategy.comm_hook")
-DDP_ONLY = ("strategy.bucket_cap_mb", "strategy.comm_hook")
-FSDP_ONLY = ("strategy.reshard_after_forward",)
-
-
-class OutOfMemory(RuntimeError):
-    pass
-
-
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(exc)
-
-
-# -- the search order (rank 0) -------------------------------------------------------------------
-
-Outcome = dict[str, Any]
-
-
-def plan(space: dict[str, list[Any]]) -> Generator[dict[str, Any], Outcome, None]:
-    """Candidates, likeliest winners first; each `send` returns the last candidate's outcome.
-
-    Per strategy: the largest micro-batch first, then a binary search for the largest that fits
-    (as DeepSpeed's autotuner does), then smaller ones while throughput still rises (at least
-    MIN_SIZES_SCANNED of them: one noisy profile must not end the scan). From the
-    best so far, each other knob is tried one value at a time and kept when it is faster;
-    activation checkpointing also gets the micro-batch above the one that fit without it."""
-    seen: dict[tuple, Outcome] = {}
-    knobs = {k: v[0] for k, v in space.items()}
-
-    def key(values: dict[str, Any]) -> tuple:
-        return tuple(sorted(values.items()))
-
-    def attempt(values: dict[str, Any]) -> Generator[dict[str, Any], Outcome, Outcome]:
-        if key(values) not in seen:
-            seen[key(values)] = yield dict(values)
-        return seen[key(values)]
-
-    best: tuple[float, dict[str, Any]] | None = None
-    boundary: dict[str, int] = {}
-    sizes = sorted(space["train.batch_size"], reverse=True)
-    for strategy in space["strategy.name"]:
-        values = {**knobs, "strategy.name": strategy}
-        found = yield from _largest_fitting(values, sizes, attempt)
-        if found is None:
-            continue
-        boundary[strategy] = found
-        rate = None
-        for scanned, size in enumerate(sizes[found:], 1):
-            outcome = yield from attempt({**values, "train.batch_size": size})
-            slower = rate is not None and _ok(outcome) and outcome["samples_per_s"] <= rate
-            if not _ok(outcome) or (slower and scanned >= MIN_SIZES_SCANNED):
-                break
-            rate = max(rate or 0.0, outcome["samples_per_s"])
-        for size in sizes[found:]:
-            outcome = seen.get(key({**values, "train.batch_size": size}))
-            if _ok(outcome) and (best is None or outcome["samples_per_s"] > best[0]):
-                best = (outcome["samples_per_s"], {**values, "train.batch_size": size})
-    if best is None:
-        return
-    for knob in KNOB_ORDER:
-        strategy = best[1]["strategy.name"]
-        if knob not in space or (knob in DDP_ONLY and strategy != "ddp") or (knob in FSDP_ONLY and strategy != "fsdp"):
-            continue
-        for value in space[knob]:
-            trial = {**best[1], knob: value}
-            if value == best[1][knob]:
-                continue
-            outcome = yield from attempt(trial)
-            if _ok(outcome) and outcome["samples_per_s"] > best[0]:
-                best = (outcome["samples_per_s"], trial)
-            bigger = sizes.index(trial["train.batch_size"]) - 1
-            if knob == "train.activation_checkpointing" and value and bigger >= 0:
-                outcome = yield from attempt({**trial, "train.batch_size": sizes[bigger]})
-                if _ok(outcome) and outcome["samples_per_s"] > best[0]:
-                    best = (outcome["samples_per_s"], {**trial, "train.batch_size": sizes[bigger]})
-
-
-def _largest_fitting(values: dict[str, Any], sizes: list[int], attempt) -> Generator[dict, Outcome, int | None]:
-    """Index in `sizes` (largest first) of the largest micro-batch that fits, or None."""
-    if _ok((yield from attempt({**values, "train.batch_size": sizes[0]}))):
-        return 0
-    low, high, found = 1, len(sizes) - 1, None
-    while low <= high:
-        mid = (low + high) // 2
-        if _ok((yield from attempt({**values, "train.batch_size": sizes[mid]}))):
-            found, high = mid, mid - 1
-        else:
-            low = mid + 1
-    return found
-
-
-def _ok(outcome: Outcome | None) -> bool:
-    return bool(outcome) and outcome["status"] == "ok"
 
 
 # -- profiling one candidate (every rank) --------------------------------------------------------
