@@ -83,6 +83,9 @@ class SweepSection(Section):
     reduction_factor: float = Field(2.0, gt=1)
     # PBT: epochs between exploit/explore decisions.
     perturbation_interval: int = Field(1, ge=1)
+    # PBT: every trial waits at each perturbation until all have reached it (Ray's synch PBT), so
+    # the exploit happens whatever the trials' relative speed, at the cost of pausing fast ones.
+    pbt_synchronous: bool = False
     # Rank trials by the time they take to reach an eval metric's value (sweep.metric is then
     # time_to_target_s, mode min); a trial that never reaches it ranks last.
     objective: ObjectiveSection | None = None
@@ -280,8 +283,8 @@ def settings(sweep: SweepSection, base: BaseConfig) -> dict[str, Any]:
     the base config every trial starts from. Not the storage path: the record is found under it,
     so it matches whenever there is a record to compare with, however the path was written."""
     own = sweep.model_dump(mode="json")
-    for key in ("objective", "global_batch"):  # unset: as a sweep recorded before these existed
-        if own.get(key) is None:
+    for key, unset in (("objective", None), ("global_batch", None), ("pbt_synchronous", False)):
+        if own.get(key) == unset:  # as a sweep recorded before these existed
             own.pop(key, None)
     space = own.pop("space")  # one entry per searched key: its whole domain is its value
     flat = {**flatten({"sweep": own}), **{f"sweep.space.{k}": v for k, v in space.items()}, **base.flat()}

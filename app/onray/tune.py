@@ -103,6 +103,7 @@ def _scheduler(sweep: SweepSection, base: BaseConfig):
     if sweep.scheduler == "pbt":
         return PopulationBasedTraining(time_attr="epoch", metric=sweep.metric, mode=sweep.mode,
                                        perturbation_interval=sweep.perturbation_interval,
+                                       synch=sweep.pbt_synchronous,
                                        hyperparam_mutations=_mutations(sweep))
     return FIFOScheduler()
 
@@ -159,9 +160,12 @@ def _child(client, parent: RunHandle, trial_id: str, sweep: SweepSection, cfg: B
            params: dict[str, Any]) -> str:
     found = client.search_runs([parent.experiment_id], max_results=1,
                                filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep.name}'")
-    if found:
+    if found:  # the trial restarted: after a failure, a driver's death or a PBT pause
         run_id = found[0].info.run_id
         client.update_run(run_id, status="RUNNING")
+        for tag in ("raylane.early_stopped", "raylane.stopped_at_epoch"):  # paused, not stopped
+            if tag in found[0].data.tags:
+                client.delete_tag(run_id, tag)
         return run_id
     tags = {**run_tags(cfg, cfg.scaling.num_workers), PARENT_TAG: parent.run_id, SWEEP_TAG: sweep.name,
             TRIAL_TAG: trial_id}
