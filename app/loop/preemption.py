@@ -3,7 +3,10 @@ Ctrl-C asks; every rank agrees on the same step boundary (see `raylane.loop.dist
 the loop checkpoints there and returns, so a relaunch loses no steps.
 
 The request is process-wide: a signal handler, or the launcher relaying the driver's signal, sets
-it; the Trainer reads it once per step. A signal while no loop is armed, or a second one after
+it; the Trainer reads it once per step. A request may say that only this rank's node is leaving
+(a spot reclaim's SIGTERM to a Ray worker, Ray's drain notice): the ranks still checkpoint at the
+agreed step, and a launcher that can go on without the node (an elastic run on Ray) restarts the
+group on the others from that checkpoint instead of ending the run. A signal while no loop is armed, or a second one after
 `ESCALATE_AFTER_S`, goes to the previous handler (normally: exit now). Ray-free."""
 
 from __future__ import annotations
@@ -21,13 +24,17 @@ from typing import Any
 ESCALATE_AFTER_S = 2.0
 
 _requested = threading.Event()
+_node_leaving = threading.Event()
+_signals_mean_node_leaving = False
 _reason: list[str] = []
 _armed = 0
 _first_signal_at: float | None = None
 _previous: dict[int, Any] = {}
 
 
-def request(reason: str) -> None:
+def request(reason: str, node_leaving: bool = False) -> None:
+    if node_leaving:
+        _node_leaving.set()
     if not _requested.is_set():
         _reason.append(reason)
         _requested.set()
@@ -35,6 +42,11 @@ def request(reason: str) -> None:
 
 def requested() -> bool:
     return _requested.is_set()
+
+
+def node_leaving() -> bool:
+    """Whether this process's node is going away (as opposed to the whole run being stopped)."""
+    return _node_leaving.is_set()
 
 
 def reason() -> str | None:
@@ -59,9 +71,10 @@ def _handler(signum: int, frame: Any) -> None:
         if _first_signal_at is None:
             _first_signal_at = now
             name = signal.Signals(signum).name
-            sys.stderr.write(f"raylane: {name}: checkpointing at the next step, then stopping "
+            then = "going on without this node" if _signals_mean_node_leaving else "stopping"
+            sys.stderr.write(f"raylane: {name}: checkpointing at the next step, then {then} "
                              f"(send it again after {ESCALATE_AFTER_S:.0f} s to stop at once)\n")
-            request(name)
+            request(name, node_leaving=_signals_mean_node_leaving)
         return
     previous = _previous.get(signum)
     if callable(previous):
@@ -73,8 +86,12 @@ def _handler(signum: int, frame: Any) -> None:
         signal.raise_signal(signum)
 
 
-def install(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
-    """Main thread only. Idempotent: the handler that was there first stays the fallback."""
+def install(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), *, node_leaving: bool = False) -> None:
+    """Main thread only. Idempotent: the handler that was there first stays the fallback.
+    `node_leaving`: these signals come to this process alone when its node goes away (a Ray
+    worker: the driver's own stop reaches it through the launcher, never as a signal)."""
+    global _signals_mean_node_leaving
+    _signals_mean_node_leaving = node_leaving
     for signum in signals:
         current = signal.getsignal(signum)
         if current is not _handler:

@@ -83,5 +83,7 @@ class Reporter:
         if self._metrics is not None:
             self._metrics.close()
             result = {**result, "tracking_cost_s": self._metrics.cost()}
-        self._publish({"event": "end", "time_unix": time.time(), "result": result})
+        # A group that hands over to a restart without a leaving node has not ended the run.
+        kind = "handover" if result.get("node_leaving") else "end"
+        self._publish({"event": kind, "time_unix": time.time(), "result": result})
         return result

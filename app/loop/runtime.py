@@ -21,6 +21,9 @@ class Runtime(Protocol):
     world_size: int
     device: torch.device
     node_ranks: list[int] | None  # each rank's node, where the launcher knows it
+    # The launcher restarts the group without a node that gives notice it is leaving (an elastic
+    # or fault-tolerant run on Ray): the loop then checkpoints and hands over instead of ending.
+    restarts_without_leaving_nodes: bool
 
     def latest_checkpoint(self) -> str | None:
         """Directory of the newest committed checkpoint of this run, or None."""
@@ -54,6 +57,7 @@ class LocalRuntime:
         self.store = store
         self.rank, self.local_rank, self.world_size, self.device = rank, local_rank, world_size, device
         self.node_ranks = None
+        self.restarts_without_leaving_nodes = False  # torchrun's agent restarts whole groups only
         self._publish = publish
 
     def latest_checkpoint(self) -> str | None:

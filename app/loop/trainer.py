@@ -144,7 +144,9 @@ class Trainer:
         self.state_bytes: int | None = None
         # (wall time, process CPU time, step) once the warm-up steps are done
         self._warm: tuple[float, float, int] | None = None
-        # Step-boundary decisions all ranks must share: [stop now, async save not yet committed].
+        # Step-boundary decisions all ranks must share: [stop now, async save not yet committed],
+        # and values: [rank 0's step time, ranks whose node is leaving (the stop is then for a
+        # restart without it, not the run's end)].
         self.vote = ControlVote(2, control_group)
         # Each collective outside DDP's costs a few ms on 2 busy CPU cores (one rank waits to be
         # scheduled): vote about every VOTE_INTERVAL_S, a step count agreed at each vote from
@@ -157,6 +159,8 @@ class Trainer:
         self._forward_writes_state = any(True for _ in model.buffers())
         self._saved_step: int | None = None
         self.preempted = False
+        self.node_leaving = False
+        self._leaving_ranks = 0
         # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
         # which every run pays whether saves are asynchronous or not, is left out.
         self.checkpoint_stall_s = 0.0
@@ -292,8 +296,8 @@ class Trainer:
         """Decisions every rank takes at the same step; True when the loop must stop now."""
         started, step = self._last_vote
         step_s = (time.perf_counter() - started) / max(self.step - step, 1) if self.runtime.rank == 0 else 0.0
-        (stop, save_busy), (agreed_step_s,) = self.vote.poll(preemption.requested(), self.saver.busy(),
-                                                             values=(step_s,))
+        (stop, save_busy), (agreed_step_s, leaving) = self.vote.poll(
+            preemption.requested(), self.saver.busy(), values=(step_s, float(preemption.node_leaving())))
         if self.saver.unsettled() and not save_busy:  # committed on every rank: only its outcome is left
             blocked = time.perf_counter()
             self.saver.settle()
@@ -301,6 +305,8 @@ class Trainer:
         self.next_vote = self.step + min(max(int(VOTE_INTERVAL_S / max(agreed_step_s, 1e-6)), 1), VOTE_MAX_STEPS)
         self._last_vote = (time.perf_counter(), self.step)
         self.preempted = stop
+        self._leaving_ranks = round(leaving)
+        self.node_leaving = bool(self._leaving_ranks) and getattr(self.runtime, "restarts_without_leaving_nodes", False)
         return stop
 
     def _log_train_metrics(self, until: float | None = None) -> None:
@@ -455,8 +461,16 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "failed_checkpoints": self.saver.failed,
             "preempted": self.preempted,
-            "stop_reason": (preemption.reason() or "a stop request from another rank") if self.preempted else None,
+            "node_leaving": self.node_leaving,
+            "stop_reason": self._stop_reason(),
         }
+
+    def _stop_reason(self) -> str | None:
+        if not self.preempted:
+            return None
+        if self.node_leaving:
+            return f"notice to {self._leaving_ranks} of {self.runtime.world_size} ranks that their node is leaving"
+        return preemption.reason() or "a stop request from another rank"
 
     def _epoch_speed(self, start: tuple[float, int], end: float) -> dict[str, float]:
         """Rank 0's throughput over one epoch's steps, from the end of the warm-up steps when they

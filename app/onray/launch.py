@@ -35,11 +35,18 @@ log = logging.getLogger("raylane")
 
 EVENT_POLL_S = 0.25
 DRIVER_STOP_POLL_S = 0.5
+DRAIN_POLL_S = 0.5  # Ray Train polls node drains every 5 s itself
 LISTENER_STOP_GRACE_S = 60.0
 
 
 class TrainingError(RuntimeError):
     """The run failed; the message names the failing rank(s) and their exceptions."""
+
+
+class NodeLeaving(RuntimeError):
+    """Raised on every rank once the checkpoint agreed after a node's notice is committed: Ray
+    Train restarts the group (on the nodes that remain, for an elastic run) from that checkpoint.
+    A clean return would end the run."""
 
 
 @ray.remote(num_cpus=0)
@@ -68,8 +75,10 @@ class EventSink:
 class RayRuntime:
     """The `Runtime` seen by a Ray Train worker (see raylane.loop.runtime)."""
 
-    def __init__(self, sink: Any, use_gpu: bool, streams: dict[str, int | None] | None = None) -> None:
+    def __init__(self, sink: Any, use_gpu: bool, streams: dict[str, int | None] | None = None,
+                 restarts: bool = False) -> None:
         ctx = ray.train.get_context()
+        self.restarts_without_leaving_nodes = restarts
         self._streams = streams or {}  # the Ray Datasets the driver made: name -> rows per epoch
         self.rank = ctx.get_world_rank()
         self.local_rank = ctx.get_local_rank()
@@ -81,6 +90,8 @@ class RayRuntime:
         self._store = CheckpointStore(storage.experiment_fs_path, storage.storage_filesystem, self.rank)
         if self.rank == 0:  # one rank is enough: the per-step vote spreads the request
             threading.Thread(target=self._watch_driver, name="raylane-stop-watch", daemon=True).start()
+        if restarts:
+            threading.Thread(target=self._watch_drain, name="raylane-drain-watch", daemon=True).start()
 
     def _number_nodes_by_id(self) -> list[int]:
         """Ray Train numbers nodes by IP address, raylane by Ray node id. The two agree on a real
@@ -105,6 +116,24 @@ class RayRuntime:
                 return
             time.sleep(DRIVER_STOP_POLL_S)
 
+    def _watch_drain(self) -> None:
+        """Ray's own preemption notice: Ray Train's watcher marks every worker when a node of the
+        group is draining (a cloud's spot notice, KubeRay's pod termination, `ray drain-node`).
+        Read locally, not through ray.train.get_preemption_info(): that is a barrier every rank
+        must enter, and the per-step vote already agrees on the step."""
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        while not preemption.requested():
+            try:
+                info = get_train_context().preemption_context.preemption_info
+            except Exception:  # noqa: BLE001 - an internal of Ray's that may move: no notice then
+                return
+            if info is not None:  # every worker gets it: the ranks on the leaving node announce it
+                if self.rank in info.preempted_ranks:
+                    preemption.request("Ray's preemption notice", node_leaving=True)
+                return
+            time.sleep(DRAIN_POLL_S)
+
     def latest_checkpoint(self) -> str | None:
         # raylane's store, not ray.train.get_checkpoint(): Ray records a checkpoint only when its
         # controller processes the report, which a driver killed right after the upload never
@@ -128,7 +157,7 @@ class RayRuntime:
 
     def publish(self, event: dict[str, Any]) -> None:
         ref = self._sink.put.remote(event)
-        if event.get("event") == "end":
+        if event.get("event") in ("end", "handover"):
             ray.get(ref)  # the driver reads the result after fit() returns: make sure it is there
 
     def data_stream(self, name: str, source: Any, *, batch_size: int) -> Any | None:
@@ -150,7 +179,9 @@ def _training_starts() -> None:
 
     global _process_group_unix
     _process_group_unix = time.time()  # the backend's on_start (init_process_group) came first
-    preemption.install((signal.SIGTERM,))
+    # A Ray worker gets SIGTERM from its node going away (a spot reclaim's shutdown); the
+    # driver's own stop reaches it through the event sink instead.
+    preemption.install((signal.SIGTERM,), node_leaving=True)
 
 
 class _RaylaneTorchBackend(_TorchBackend):
@@ -246,7 +277,8 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
     cfg = validate(loop_config["config"])
-    runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu, loop_config.get("streams"))
+    runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu, loop_config.get("streams"),
+                         restarts=_max_failures(cfg) > 0 and not loop_config.get("search"))
     _relay_warnings(runtime, loop_config.get("verbose", False))
     if loop_config.get("search"):  # `raylane autotune`: the whole search in this one worker group
         from raylane.loop.search import run_search
@@ -256,7 +288,10 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     metric_logger = None
     if runtime.rank == 0 and loop_config.get("run_id"):
         metric_logger = rank_zero_logger(cfg, loop_config["tracking_uri"], loop_config["run_id"])
-    run_worker(cfg, runtime, metric_logger, {k: v for k, v in startup.items() if v is not None})
+    result = run_worker(cfg, runtime, metric_logger, {k: v for k, v in startup.items() if v is not None})
+    if result.get("node_leaving"):
+        raise NodeLeaving(f"{result.get('stop_reason')}: checkpointed at step {result['steps']}, "
+                          f"restarting without the leaving node")
 
 
 class _WarningRelay(logging.Handler):

@@ -100,6 +100,10 @@ class ProgressDisplay:
             self._print(f"warning: {event['error']}")
         elif kind == "log":
             self._relayed(event)
+        elif kind == "handover":
+            r = event["result"]
+            self._print(f"{r.get('stop_reason') or 'a node is leaving'}: checkpointed at step {r['steps']}; "
+                        f"the group restarts without the leaving node")
         elif kind == "end":
             self.end_unix = event["time_unix"]
             self.result = event["result"]
