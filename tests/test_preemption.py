@@ -76,6 +76,61 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(run_cli, tmp_pa
     assert sorted(checkpoint.read_manifest(final)["files"]) == [".metadata", "__0_0.distcp", "rng_0.json", "rng_1.json"]
 
 
+STOP_AT_EPOCH_END = """
+import time
+import torch
+import raylane
+from raylane.loop import preemption
+from raylane.loop.pipeline import Pipeline
+
+
+class Config(raylane.BaseConfig):
+    def eval_metrics(self):
+        return ("loss",)
+
+
+class AsksToStop(torch.nn.Module):
+    \"\"\"Asks for a graceful stop during its 4th training step: the last of epoch 2. Steps of
+    0.3 s, so that the loop votes at every step (about every 0.5 s, at least every step).\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.steps = torch.nn.Linear(1, 1), 0
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            time.sleep(0.3)
+            if self.steps == 4:
+                preemption.request("a test")
+        return self.linear(x)
+
+
+def build(cfg):
+    from torch.utils.data import TensorDataset
+
+    x = torch.arange(8, dtype=torch.float32)[:, None]
+    return Pipeline(model=AsksToStop(), train_set=TensorDataset(x, x), eval_set=TensorDataset(x, x),
+                    loss_fn=torch.nn.functional.mse_loss,
+                    eval_sums=lambda o, t: {"loss": torch.nn.functional.mse_loss(o, t, reduction="sum")})
+"""
+
+
+def test_a_stop_at_an_epoch_end_saves_though_no_checkpoint_was_due(run_cli, tmp_path):
+    """Epochs of 2 steps and a checkpoint due every 100 epochs: a stop that lands on the end of
+    epoch 2 still checkpoints there (a stop there used to save nothing, and a node's notice then
+    lost every step since the last periodic checkpoint)."""
+    (tmp_path / "pipe.py").write_text(STOP_AT_EPOCH_END)
+    (tmp_path / "run.yaml").write_text("pipeline: ./pipe.py\n")
+    p = run_cli("train", "run.yaml", "--local", "--set", "train.batch_size=4", "--set", "train.max_epochs=10",
+                "--set", "checkpoint.every_n_epochs=100", "--set", "mlflow.enabled=false",
+                "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", "s.json", cwd=tmp_path, name="stop")
+    assert p.wait(120) == 130, p.output
+    s = read_json(tmp_path / "s.json")
+    assert s["steps"] == 4 and s["preempted"] is True
+    assert s["checkpoint"].endswith(checkpoint.checkpoint_name(4)) and checkpoint.verify(s["checkpoint"]) is None
+
+
 def _weights(path: str) -> dict[str, torch.Tensor]:
     cfg = load_config("digits")
     model = build_model(cfg.model)

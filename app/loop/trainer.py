@@ -410,8 +410,9 @@ class Trainer:
                         self._record_eval(self._evaluate())
                     self.epoch += 1
                     self.batch_in_epoch = 0
-                due = _every(self.epoch, self.cfg.checkpoint.every_n_epochs) if epoch_ended else True
-                if due or self.step >= self.total_steps:  # a stop mid-epoch always saves
+                # A stop always saves, mid-epoch or at an epoch end that no checkpoint was due at.
+                due = self.preempted or not epoch_ended or _every(self.epoch, self.cfg.checkpoint.every_n_epochs)
+                if due or self.step >= self.total_steps:
                     self._save_checkpoint()
                 if epoch_ended:
                     epoch_ends.append(round(time.perf_counter() - started, 4))
