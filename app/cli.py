@@ -254,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         prechecks.check_run(cfg, summary_json=getattr(args, "summary_json", None))
         in_process = getattr(args, "local", False) or under_torchrun()
-        for workers in [int(os.environ.get("WORLD_SIZE", "1"))] if in_process else world_sizes(cfg):
-            held_batch(cfg, workers)  # the global batch splits at every size the run may have
+        if in_process:
+            held_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        else:
+            _note_skipped_sizes(cfg, world_sizes(cfg))  # the global batch splits at min and max
         prechecks.check_global_order(cfg)
         finished = prechecks.check_resume(cfg)
     except ConfigError as exc:
@@ -271,6 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     address = _resolved_address(args.address, cfg) if use_ray else args.address
     summary = train(cfg, use_ray=use_ray, address=address, summary_path=args.summary_json, register=args.register)
     return EXIT_CODES[summary["status"]]
+
+
+def _note_skipped_sizes(cfg: Any, sizes: list[int]) -> None:
+    """An elastic run skips the sizes between min and max that do not split its global batch."""
+    skipped = sorted(set(range(sizes[0], sizes[-1] + 1)) - set(sizes))
+    if skipped and cfg.scaling.elastic:
+        shown = ", ".join(map(str, skipped[:8])) + (", ..." if len(skipped) > 8 else "")
+        print(f"raylane: elastic run on {', '.join(map(str, sizes[:8]))}{', ...' if len(sizes) > 8 else ''} "
+              f"workers: {shown} would not split the global batch, so it runs on the next size down",
+              flush=True)
 
 
 def _config_error(exc: ConfigError) -> int:

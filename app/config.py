@@ -245,10 +245,23 @@ def effective_global_batch(cfg: BaseConfig) -> int | None:
     return t.global_batch
 
 
-def world_sizes(cfg: BaseConfig) -> range:
-    """The numbers of workers a Ray run may have: one, or min..max when elastic."""
+def world_sizes(cfg: BaseConfig) -> list[int]:
+    """The numbers of workers a Ray run may have: num_workers, or for an elastic run each size
+    from min to max that splits its global batch (Ray's policy is kept to these: see
+    raylane.onray.launch). ConfigError, naming the size, when min or max does not split it."""
     s = cfg.scaling
-    return range(s.min_workers if s.elastic else s.num_workers, s.num_workers + 1)
+    held_batch(cfg, s.num_workers)
+    if not s.elastic:
+        return [s.num_workers]
+    held_batch(cfg, s.min_workers)
+    sizes = [s.min_workers]
+    for workers in range(s.min_workers + 1, s.num_workers + 1):
+        try:
+            held_batch(cfg, workers)
+        except ConfigError:
+            continue
+        sizes.append(workers)
+    return sizes
 
 
 class GlobalBatch(Section):

@@ -121,6 +121,27 @@ def test_a_global_batch_the_workers_cannot_split_exits_2(run_cli, project):
     assert "Traceback" not in bad.output
 
 
+def test_an_elastic_run_skips_the_sizes_that_cannot_split_its_global_batch(run_cli, project):
+    """[2, 4] workers with 8 samples a step of micro-batches of 2: 3 workers cannot hold it, so the
+    run says it will use 2 or 4, and Ray's elastic policy is kept to those (a real policy object:
+    the count of workers that fit, 0 to 5, rounds down to a size that splits the batch)."""
+    from ray.train import ScalingConfig
+
+    from raylane.config import load_config, world_sizes
+    from raylane.onray.launch import _HeldBatchElasticPolicy
+
+    ok = run_cli("check", "run.yaml", "--set", "scaling.num_workers=2,4", cwd=project, name="sizes")
+    assert ok.wait(60) == 0, ok.output
+    assert "elastic run on 2, 4 workers: 3 would not split the global batch" in ok.output
+    assert world_sizes(load_config(project / "run.yaml", ["scaling.num_workers=2,4"])) == [2, 4]
+    policy = _HeldBatchElasticPolicy(ScalingConfig(num_workers=(2, 4)), [2, 4])
+    assert [policy._count_possible_workers({"node": {"CPU": cpus}}) for cpus in range(6)] == [0, 1, 2, 2, 4, 4]
+    # The smallest size must split it too: the run could not start there.
+    bad = run_cli("check", "run.yaml", "--set", "scaling.num_workers=3,4", cwd=project, name="min")
+    assert bad.wait(60) == 2
+    assert "train.global_batch = 8: not a multiple of train.batch_size = 2 x scaling.num_workers = 3" in bad.output
+
+
 def test_the_global_order_splits_each_step_and_resumes_at_any_world_size_and_micro_batch():
     from raylane.loop.data import GlobalOrderSampler
 

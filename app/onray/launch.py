@@ -23,10 +23,10 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.callback import ControllerCallback
-from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, FixedScalingPolicy
 
 from raylane import logs
-from raylane.config import BaseConfig, validate
+from raylane.config import BaseConfig, validate, world_sizes
 from raylane.loop import preemption
 from raylane.loop.distributed import node_layout
 from raylane.loop.storage import CheckpointStore
@@ -205,6 +205,12 @@ class _RaylaneTorchTrainer(TorchTrainer):
     process importing Ray, ~3 s of CPU on 2 cores) on the way to the first step even when the
     trainer is given no datasets."""
 
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        sizes = self.train_loop_config.get("world_sizes")
+        if self.scaling_config.elasticity_enabled and sizes:
+            controller_init_kwargs["scaling_policy"] = _HeldBatchElasticPolicy(self.scaling_config, sizes)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
+
     def _create_default_callbacks(self):
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
 
@@ -220,6 +226,21 @@ class _ControllerStarted(ControllerCallback):
 
     def after_controller_start(self, train_run_context) -> None:
         self._sink.put.remote({"event": "startup", "startup": {"controller": time.time()}})
+
+
+class _HeldBatchElasticPolicy(ElasticScalingPolicy):
+    """Ray Train's elastic policy, kept to the sizes that split the run's global batch: Ray
+    counts the workers that fit (by whole nodes on a GPU cluster, or any number), and the group
+    starts on the largest of `sizes` at or below that count. Without it, 3 workers fitting a
+    [2, 4] run with a global batch of 8 would start a group that cannot hold it."""
+
+    def __init__(self, scaling_config: ScalingConfig, sizes: list[int]) -> None:
+        super().__init__(scaling_config)
+        self.sizes = sorted(sizes)
+
+    def _count_possible_workers(self, reserved_resources) -> int:
+        fit = super()._count_possible_workers(reserved_resources)
+        return max((n for n in self.sizes if n <= fit), default=fit)  # below min: Ray waits
 
 
 class _NoAutoscalerScalingPolicy(FixedScalingPolicy):
@@ -438,7 +459,7 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
         _train_fn,
         train_loop_config={"config": cfg.model_dump(mode="json"), "sink": sink, "streams": streams,
                            "run_id": run_id, "tracking_uri": tracking_uri, "verbose": logs.verbose(),
-                           "search": search},
+                           "search": search, "world_sizes": world_sizes(cfg) if cfg.scaling.elastic else None},
         datasets=datasets, **({"dataset_config": _stream_split()} if datasets else {}),
         scaling_config=ScalingConfig(num_workers=_workers(cfg), use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources,
