@@ -121,12 +121,14 @@ def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
     it exploits at all depends on how far apart the two trials started: it saw no exploit in CI's
     suite at stop 32, on a faster machine, with the trials 6 epochs long. Synchronous PBT pauses
     the first trial at epoch 2 until the second has reached it too, and then always exploits:
-    this also tests that a paused trial resumes its own run and is not recorded as stopped."""
+    this also tests that a paused trial resumes its own run and is not recorded as stopped.
+    One-worker trials: what is tested is the scheduler's, and they start faster (47 s, not 63 s)."""
     sweep = run_cli("tune", "digits-sweep", "--set", "sweep.scheduler=pbt", "--set", "sweep.name=digits-pbt",
                     "--set", "sweep.num_samples=1", "--set", "sweep.algorithm=grid",
                     "--set", "sweep.space={optim.lr: {grid: [0.00001, 0.01]}}",
                     "--set", "sweep.pbt_synchronous=true", "--set", "sweep.perturbation_interval=2",
-                    "--set", "train.max_epochs=3", "--summary-json", "p.json", name="pbt")
+                    "--set", "train.max_epochs=3", "--set", "scaling.num_workers=1", "--summary-json", "p.json",
+                    name="pbt")
     assert sweep.wait(500) == 0, sweep.output
     s = read_json(tmp_path / "p.json")
     assert sum(r["exploits"] for r in s["trials"]) == 1, s["trials"]
