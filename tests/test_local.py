@@ -7,7 +7,7 @@ import torch
 
 from raylane.config import load_config
 from raylane.loop import checkpoint
-from raylane.loop.trainer import clip_gradients, plain_parameters
+from raylane.loop.steps import clip_gradients, plain_parameters
 from raylane.pipelines.regression import build
 from tests.conftest import TORCHRUN, read_json
 

@@ -168,7 +168,7 @@ def test_gpt2_small_flops_per_token_and_mfu():
     """The reference count for GPT-2 124M (T=1024) is ~855 MFLOP per token: 6N plus 13% of
     attention; MFU divides achieved FLOP/s by the peak of every device."""
     from raylane.loop.devices import PEAK_TFLOPS, peak_flops
-    from raylane.loop.trainer import Throughput
+    from raylane.loop.steps import Throughput
     from raylane.pipelines.gpt import build_model, flops_per_token
 
     cfg = load_config("gpt2-124m")

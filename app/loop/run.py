@@ -26,8 +26,9 @@ from raylane.loop.distributed import default_device, env_ranks, init_process_gro
 from raylane.loop.parallel import parallelize
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import LocalRuntime, Runtime
+from raylane.loop.steps import Throughput, plan_steps
 from raylane.loop.storage import CheckpointStore, filesystem_for
-from raylane.loop.trainer import Throughput, Trainer, plan_steps
+from raylane.loop.trainer import Trainer
 
 log = logging.getLogger("raylane")
 

@@ -41,7 +41,8 @@ from raylane.loop.parallel import estimate_memory, parallelize, prepare_blocks, 
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
 from raylane.loop.search_order import Outcome, plan
-from raylane.loop.trainer import Throughput, Trainer
+from raylane.loop.steps import Throughput
+from raylane.loop.trainer import Trainer
 
 log = logging.getLogger("raylane")
 

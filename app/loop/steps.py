@@ -1,0 +1,71 @@
+"""What the loop's steps need besides the model: how many steps a run has, the gradient norm
+and its clipping, and the rates (tokens/s, MFU) derived from samples/s. Ray-free."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from raylane.config import BaseConfig
+from raylane.loop.data import EpochData
+
+
+def plan_steps(train_data: EpochData, cfg: BaseConfig) -> tuple[int, int]:
+    """(optimizer steps in the first epoch, total steps of the run), the same on every rank."""
+    accum, max_steps = cfg.train.grad_accum_steps, cfg.train.max_steps or math.inf
+    per_epoch = math.ceil(train_data.batches_in_epoch(0) / accum)
+    if train_data.epochs_alike:
+        return per_epoch, int(min(max_steps, cfg.train.max_epochs * per_epoch))
+    total = 0  # a stream's epochs differ by the share of files each rank draws
+    for epoch in range(cfg.train.max_epochs):
+        total += math.ceil(train_data.batches_in_epoch(epoch) / accum)
+        if total >= max_steps:
+            break
+    return per_epoch, int(min(max_steps, total))
+
+
+def plain_parameters(params: list[torch.nn.Parameter]) -> bool:
+    """Plain tensors of one device and dtype (DDP, one process), not FSDP's DTensors."""
+    return len({(p.device, p.dtype) for p in params}) <= 1 and not any(hasattr(p, "full_tensor") for p in params)
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float | None, *,
+                   plain: bool) -> tuple[torch.Tensor, bool] | None:
+    """(the total 2-norm of the gradients, whether it is finite); None without gradients. Clipped
+    to `max_norm` when set and the norm is finite: torch.nn.utils.clip_grad_norm_, bit for bit.
+    For `plain` parameters it skips that function's grouping by device and dtype, ~60 us a step:
+    4% of a small model's step on one core (bench B1)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
+    if plain:
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    else:
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if hasattr(norm, "full_tensor"):  # a DTensor: sharded gradients, reduced over ranks
+            norm = norm.full_tensor()
+    finite = bool(torch.isfinite(norm))  # a host sync: the caller skips the step on False
+    if max_norm and finite:
+        if plain:
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm, finite
+
+
+@dataclass
+class Throughput:
+    """What turns samples per second into tokens per second and MFU (None: not reported)."""
+    tokens_per_sample: int | None = None
+    flops_per_token: float | None = None
+    peak_flops_per_device: float | None = None
+
+    def rates(self, samples_per_s: float, world_size: int) -> dict[str, float]:
+        if not self.tokens_per_sample:
+            return {}
+        out = {"tokens_per_s": samples_per_s * self.tokens_per_sample}
+        if self.flops_per_token and self.peak_flops_per_device:
+            out["mfu"] = self.flops_per_token * out["tokens_per_s"] / (self.peak_flops_per_device * world_size)
+        return out
