@@ -407,6 +407,7 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_one_dies(tmp_pa
         resizes = summary["resizes"]
         assert [(r["from"], r["to"]) for r in resizes[:2]] == [(1, 2), (2, 1)], (resizes, log.read_text()[-6000:])
         assert all(r["time_lost_s"] > 0 for r in resizes), resizes
+        assert resizes[0]["steps_lost"] == 0, resizes  # the group handed over before it grew
         if notice:
             assert "notice to 1 of 2 ranks" in resizes[1]["reason"] and resizes[1]["steps_lost"] == 0, resizes
         assert summary["steps"] == ELASTIC_EPOCHS * 5  # 40 samples, 8 a step: every epoch whole, at any size

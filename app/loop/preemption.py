@@ -45,8 +45,17 @@ def requested() -> bool:
 
 
 def node_leaving() -> bool:
-    """Whether this process's node is going away (as opposed to the whole run being stopped)."""
+    """Whether this process's node is going away (as opposed to the whole run being stopped), or
+    the launcher asked for a handover to a larger group (`GROWING`)."""
     return _node_leaving.is_set()
+
+
+# The launcher's request to hand over to a larger group: checkpoint, then wait for the restart.
+GROWING = "more workers fit"
+
+
+def growing() -> bool:
+    return _node_leaving.is_set() and reason() == GROWING
 
 
 def reason() -> str | None:

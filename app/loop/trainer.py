@@ -84,10 +84,10 @@ class Trainer:
         self.state_bytes: int | None = None
         # (wall time, process CPU time, step) once the warm-up steps are done
         self._warm: tuple[float, float, int] | None = None
-        # Step-boundary decisions all ranks must share: [stop now, async save not yet committed],
-        # and values: [rank 0's step time, ranks whose node is leaving (the stop is then for a
-        # restart without it, not the run's end)].
-        self.vote = ControlVote(2, control_group)
+        # Step-boundary decisions all ranks must share: [stop now, async save not yet committed,
+        # the launcher asked for a handover to a larger group], and values: [rank 0's step time,
+        # ranks whose node is leaving (the stop is then for a restart without it, not the end)].
+        self.vote = ControlVote(3, control_group)
         # Each collective outside DDP's costs a few ms on 2 busy CPU cores (one rank waits to be
         # scheduled): vote about every VOTE_INTERVAL_S, a step count agreed at each vote from
         # rank 0's step time. A stop waits at most that long; nothing is lost either way.
@@ -100,7 +100,7 @@ class Trainer:
         self._saved_step: int | None = None
         self.preempted = False
         self.node_leaving = False
-        self._leaving_ranks = 0
+        self._leaving_ranks, self._growing = 0, False
         # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
         # which every run pays whether saves are asynchronous or not, is left out.
         self.checkpoint_stall_s = 0.0
@@ -236,8 +236,9 @@ class Trainer:
         """Decisions every rank takes at the same step; True when the loop must stop now."""
         started, step = self._last_vote
         step_s = (time.perf_counter() - started) / max(self.step - step, 1) if self.runtime.rank == 0 else 0.0
-        (stop, save_busy), (agreed_step_s, leaving) = self.vote.poll(
-            preemption.requested(), self.saver.busy(), values=(step_s, float(preemption.node_leaving())))
+        (stop, save_busy, growing), (agreed_step_s, leaving) = self.vote.poll(
+            preemption.requested(), self.saver.busy(), preemption.growing(),
+            values=(step_s, float(preemption.node_leaving())))
         if self.saver.unsettled() and not save_busy:  # committed on every rank: only its outcome is left
             blocked = time.perf_counter()
             self.saver.settle()
@@ -245,7 +246,7 @@ class Trainer:
         self.next_vote = self.step + min(max(int(VOTE_INTERVAL_S / max(agreed_step_s, 1e-6)), 1), VOTE_MAX_STEPS)
         self._last_vote = (time.perf_counter(), self.step)
         self.preempted = stop
-        self._leaving_ranks = round(leaving)
+        self._leaving_ranks, self._growing = round(leaving), growing
         self.node_leaving = bool(self._leaving_ranks) and getattr(self.runtime, "restarts_without_leaving_nodes", False)
         return stop
 
@@ -409,6 +410,8 @@ class Trainer:
     def _stop_reason(self) -> str | None:
         if not self.preempted:
             return None
+        if self.node_leaving and self._growing:
+            return preemption.GROWING
         if self.node_leaving:
             return f"notice to {self._leaving_ranks} of {self.runtime.world_size} ranks that their node is leaving"
         return preemption.reason() or "a stop request from another rank"

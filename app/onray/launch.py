@@ -36,6 +36,8 @@ log = logging.getLogger("raylane")
 EVENT_POLL_S = 0.25
 DRIVER_STOP_POLL_S = 0.5
 DRAIN_POLL_S = 0.5  # Ray Train polls node drains every 5 s itself
+# How long the elastic policy waits for a group to hand over before resizing it anyway.
+HANDOVER_WAIT_S = 60.0
 LISTENER_STOP_GRACE_S = 60.0
 
 
@@ -55,17 +57,31 @@ class EventSink:
 
     def __init__(self) -> None:
         self.events: list[dict[str, Any]] = []
-
         self.stop = False
+        self.handover: str | None = None  # a larger group fits: None, "requested", then "done"
 
     def put(self, event: dict[str, Any]) -> None:
         self.events.append(event)
+        if event.get("event") == "handover" and self.handover == "requested":
+            self.handover = "done"
+        elif event.get("event") == "start":  # a new group: what the last one was asked is over
+            self.handover = None
 
     def request_stop(self) -> None:
         self.stop = True
 
     def stop_requested(self) -> bool:
         return self.stop
+
+    def request_handover(self) -> None:
+        self.handover = "requested"
+
+    def control(self) -> tuple[bool, bool]:
+        """(the driver asked to stop, the elastic policy asked for a handover to a larger group)"""
+        return self.stop, self.handover == "requested"
+
+    def handed_over(self) -> bool:
+        return self.handover == "done"
 
     def drain(self) -> list[dict[str, Any]]:
         events, self.events = self.events, []
@@ -106,13 +122,18 @@ class RayRuntime:
         return node_ranks
 
     def _watch_driver(self) -> None:
-        """Relay the driver's Ctrl-C or SIGTERM as a graceful-stop request."""
+        """Relay the driver's Ctrl-C or SIGTERM as a graceful-stop request, and the elastic
+        policy's request for a handover to a larger group (see _HeldBatchElasticPolicy)."""
         while not preemption.requested():
             try:
-                if ray.get(self._sink.stop_requested.remote(), timeout=10):
-                    preemption.request("a stop request from the driver")
-                    return
+                stop, grow = ray.get(self._sink.control.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - the driver is gone; Ray tears the group down
+                return
+            if stop:
+                preemption.request("a stop request from the driver")
+                return
+            if grow and self.restarts_without_leaving_nodes:
+                preemption.request(preemption.GROWING, node_leaving=True)
                 return
             time.sleep(DRIVER_STOP_POLL_S)
 
@@ -208,7 +229,8 @@ class _RaylaneTorchTrainer(TorchTrainer):
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         sizes = self.train_loop_config.get("world_sizes")
         if self.scaling_config.elasticity_enabled and sizes:
-            controller_init_kwargs["scaling_policy"] = _HeldBatchElasticPolicy(self.scaling_config, sizes)
+            controller_init_kwargs["scaling_policy"] = _HeldBatchElasticPolicy(
+                self.scaling_config, sizes, self.train_loop_config.get("sink"))
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     def _create_default_callbacks(self):
@@ -234,13 +256,45 @@ class _HeldBatchElasticPolicy(ElasticScalingPolicy):
     starts on the largest of `sizes` at or below that count. Without it, 3 workers fitting a
     [2, 4] run with a global batch of 8 would start a group that cannot hold it."""
 
-    def __init__(self, scaling_config: ScalingConfig, sizes: list[int]) -> None:
+    def __init__(self, scaling_config: ScalingConfig, sizes: list[int], sink: Any = None) -> None:
         super().__init__(scaling_config)
         self.sizes = sorted(sizes)
+        self._sink = sink
+        self._pending: tuple[Any, float] | None = None  # (a resize up, when the handover was asked)
 
     def _count_possible_workers(self, reserved_resources) -> int:
         fit = super()._count_possible_workers(reserved_resources)
         return max((n for n in self.sizes if n <= fit), default=fit)  # below min: Ray waits
+
+    def make_decision_for_non_running_worker_group(self):
+        self._pending = None
+        return super().make_decision_for_non_running_worker_group()
+
+    def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
+        """A resize up waits for the group to hand over: checkpoint at an agreed step and wait
+        (raylane.loop.preemption.GROWING), so that growing redoes no step. Ray's own resize would
+        stop the group where it is, losing the steps since the last periodic checkpoint."""
+        from ray.train.v2._internal.execution.scaling_policy.scaling_policy import NoopDecision
+
+        if self._pending is not None:
+            decision, asked = self._pending
+            if self._handed_over() or time.monotonic() - asked > HANDOVER_WAIT_S:
+                self._pending = None
+                return decision
+            return NoopDecision()
+        decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
+        grows = getattr(decision, "num_workers", 0) > worker_group_state.num_workers
+        if grows and self._sink is not None:
+            self._sink.request_handover.remote()
+            self._pending = (decision, time.monotonic())
+            return NoopDecision()
+        return decision
+
+    def _handed_over(self) -> bool:
+        try:
+            return bool(ray.get(self._sink.handed_over.remote(), timeout=5))
+        except Exception:  # noqa: BLE001 - no answer: ask again at the next poll
+            return False
 
 
 class _NoAutoscalerScalingPolicy(FixedScalingPolicy):
@@ -310,6 +364,10 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     if runtime.rank == 0 and loop_config.get("run_id"):
         metric_logger = rank_zero_logger(cfg, loop_config["tracking_uri"], loop_config["run_id"])
     result = run_worker(cfg, runtime, metric_logger, {k: v for k, v in startup.items() if v is not None})
+    if result.get("node_leaving") and result.get("stop_reason") == preemption.GROWING:
+        # Checkpointed for a larger group: Ray's elastic policy now stops this one and starts
+        # that (a return would end the run). Should it not come, a restart does the same.
+        time.sleep(HANDOVER_WAIT_S + 60)
     if result.get("node_leaving"):
         raise NodeLeaving(f"{result.get('stop_reason')}: checkpointed at step {result['steps']}, "
                           f"restarting without the leaving node")

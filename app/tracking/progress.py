@@ -102,8 +102,9 @@ class ProgressDisplay:
             self._relayed(event)
         elif kind == "handover":
             r = event["result"]
+            then = "larger" if r.get("stop_reason") == "more workers fit" else "without the leaving node"
             self._print(f"{r.get('stop_reason') or 'a node is leaving'}: checkpointed at step {r['steps']}; "
-                        f"the group restarts without the leaving node")
+                        f"the group restarts {then}")
         elif kind == "end":
             self.end_unix = event["time_unix"]
             self.result = event["result"]
