@@ -142,6 +142,23 @@ def test_an_elastic_run_skips_the_sizes_that_cannot_split_its_global_batch(run_c
     assert "train.global_batch = 8: not a multiple of train.batch_size = 2 x scaling.num_workers = 3" in bad.output
 
 
+def test_a_handover_restarts_the_group_without_counting_as_a_failure():
+    """Ray Train's own failure policy, given what a group raises after a node's notice (every
+    rank checkpointed, then NodeLeaving): retried without using up failure.max_failures; any
+    other error, or a mix, is counted as before (here: none allowed)."""
+    from ray.train import FailureConfig
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from raylane.onray.launch import NodeLeaving, _HandoverFailurePolicy
+
+    policy = _HandoverFailurePolicy(FailureConfig(max_failures=0))
+    notice = WorkerGroupError("", {0: NodeLeaving("notice"), 1: NodeLeaving("notice")})
+    assert [policy.make_decision(notice) for _ in range(3)] == [FailureDecision.RETRY] * 3
+    crash = WorkerGroupError("", {0: NodeLeaving("notice"), 1: RuntimeError("boom")})
+    assert policy.make_decision(crash) == FailureDecision.RAISE
+
+
 def test_the_global_order_splits_each_step_and_resumes_at_any_world_size_and_micro_batch():
     from raylane.loop.data import GlobalOrderSampler
 

@@ -6,8 +6,9 @@ The request is process-wide: a signal handler, or the launcher relaying the driv
 it; the Trainer reads it once per step. A request may say that only this rank's node is leaving
 (a spot reclaim's SIGTERM to a Ray worker, Ray's drain notice): the ranks still checkpoint at the
 agreed step, and a launcher that can go on without the node (an elastic run on Ray) restarts the
-group on the others from that checkpoint instead of ending the run. A signal while no loop is armed, or a second one after
-`ESCALATE_AFTER_S`, goes to the previous handler (normally: exit now). Ray-free."""
+group on the others from that checkpoint instead of ending the run. The launcher may also ask
+for a handover to a larger group (`request_growth`). A signal while no loop is armed, or a second
+one after `ESCALATE_AFTER_S`, goes to the previous handler (normally: exit now). Ray-free."""
 
 from __future__ import annotations
 
@@ -45,17 +46,28 @@ def requested() -> bool:
 
 
 def node_leaving() -> bool:
-    """Whether this process's node is going away (as opposed to the whole run being stopped), or
-    the launcher asked for a handover to a larger group (`GROWING`)."""
+    """Whether this process's node is going away (as opposed to the whole run being stopped)."""
     return _node_leaving.is_set()
 
 
 # The launcher's request to hand over to a larger group: checkpoint, then wait for the restart.
 GROWING = "more workers fit"
+_growing = threading.Event()
+
+
+def request_growth() -> None:
+    _growing.set()
+    request(GROWING)
 
 
 def growing() -> bool:
-    return _node_leaving.is_set() and reason() == GROWING
+    return _growing.is_set()
+
+
+def signals_mean_node_leaving(flag: bool) -> None:
+    """Whether a signal to this process means its node is leaving (see `install`)."""
+    global _signals_mean_node_leaving
+    _signals_mean_node_leaving = flag
 
 
 def reason() -> str | None:
@@ -99,8 +111,7 @@ def install(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), *, node_
     """Main thread only. Idempotent: the handler that was there first stays the fallback.
     `node_leaving`: these signals come to this process alone when its node goes away (a Ray
     worker: the driver's own stop reaches it through the launcher, never as a signal)."""
-    global _signals_mean_node_leaving
-    _signals_mean_node_leaving = node_leaving
+    signals_mean_node_leaving(node_leaving)
     for signum in signals:
         current = signal.getsignal(signum)
         if current is not _handler:

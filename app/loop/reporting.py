@@ -84,6 +84,6 @@ class Reporter:
             self._metrics.close()
             result = {**result, "tracking_cost_s": self._metrics.cost()}
         # A group that hands over to a restart without a leaving node has not ended the run.
-        kind = "handover" if result.get("node_leaving") else "end"
+        kind = "handover" if result.get("node_leaving") or result.get("growing") else "end"
         self._publish({"event": kind, "time_unix": time.time(), "result": result})
         return result

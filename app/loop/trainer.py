@@ -100,7 +100,7 @@ class Trainer:
         self._saved_step: int | None = None
         self.preempted = False
         self.node_leaving = False
-        self._leaving_ranks, self._growing = 0, False
+        self._leaving_ranks, self.growing = 0, False
         # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
         # which every run pays whether saves are asynchronous or not, is left out.
         self.checkpoint_stall_s = 0.0
@@ -246,8 +246,13 @@ class Trainer:
         self.next_vote = self.step + min(max(int(VOTE_INTERVAL_S / max(agreed_step_s, 1e-6)), 1), VOTE_MAX_STEPS)
         self._last_vote = (time.perf_counter(), self.step)
         self.preempted = stop
-        self._leaving_ranks, self._growing = round(leaving), growing
-        self.node_leaving = bool(self._leaving_ranks) and getattr(self.runtime, "restarts_without_leaving_nodes", False)
+        self._leaving_ranks = round(leaving)
+        restarts = stop and getattr(self.runtime, "restarts_without_leaving_nodes", False)
+        # A notice to some of the ranks: restart without them. To every rank (a scheduler's
+        # scancel, `timeout`): the run is being stopped, as by the driver. A notice wins over a
+        # growth request in the same vote (the group that would grow is about to lose a node).
+        self.node_leaving = restarts and 0 < self._leaving_ranks < self.runtime.world_size
+        self.growing = restarts and growing and not self._leaving_ranks
         return stop
 
     def _log_train_metrics(self, until: float | None = None) -> None:
@@ -404,13 +409,14 @@ class Trainer:
             "failed_checkpoints": self.saver.failed,
             "preempted": self.preempted,
             "node_leaving": self.node_leaving,
+            "growing": self.growing,
             "stop_reason": self._stop_reason(),
         }
 
     def _stop_reason(self) -> str | None:
         if not self.preempted:
             return None
-        if self.node_leaving and self._growing:
+        if self.growing:
             return preemption.GROWING
         if self.node_leaving:
             return f"notice to {self._leaving_ranks} of {self.runtime.world_size} ranks that their node is leaving"

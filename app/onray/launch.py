@@ -23,6 +23,7 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, FixedScalingPolicy
 
 from raylane import logs
@@ -36,8 +37,12 @@ log = logging.getLogger("raylane")
 EVENT_POLL_S = 0.25
 DRIVER_STOP_POLL_S = 0.5
 DRAIN_POLL_S = 0.5  # Ray Train polls node drains every 5 s itself
-# How long the elastic policy waits for a group to hand over before resizing it anyway.
-HANDOVER_WAIT_S = 60.0
+# How long the elastic policy waits for a group to hand over before resizing it anyway: a vote,
+# the step it waits for and a checkpoint's commit (a large model's takes a minute or more).
+HANDOVER_WAIT_S = 300.0
+# Handovers (a node's notice, a growth that did not come) restart the group without counting
+# against failure.max_failures, up to this many in a run.
+MAX_HANDOVERS = 1000
 LISTENER_STOP_GRACE_S = 60.0
 
 
@@ -64,8 +69,6 @@ class EventSink:
         self.events.append(event)
         if event.get("event") == "handover" and self.handover == "requested":
             self.handover = "done"
-        elif event.get("event") == "start":  # a new group: what the last one was asked is over
-            self.handover = None
 
     def request_stop(self) -> None:
         self.stop = True
@@ -75,6 +78,10 @@ class EventSink:
 
     def request_handover(self) -> None:
         self.handover = "requested"
+
+    def clear_handover(self) -> None:
+        """The policy has resized, gave up waiting, or the group restarted: nothing is asked."""
+        self.handover = None
 
     def control(self) -> tuple[bool, bool]:
         """(the driver asked to stop, the elastic policy asked for a handover to a larger group)"""
@@ -95,6 +102,7 @@ class RayRuntime:
                  restarts: bool = False) -> None:
         ctx = ray.train.get_context()
         self.restarts_without_leaving_nodes = restarts
+        preemption.signals_mean_node_leaving(restarts)  # otherwise SIGTERM stops the run
         self._streams = streams or {}  # the Ray Datasets the driver made: name -> rows per epoch
         self.rank = ctx.get_world_rank()
         self.local_rank = ctx.get_local_rank()
@@ -127,13 +135,15 @@ class RayRuntime:
         while not preemption.requested():
             try:
                 stop, grow = ray.get(self._sink.control.remote(), timeout=10)
+            except ray.exceptions.GetTimeoutError:  # a busy driver's node: ask again
+                continue
             except Exception:  # noqa: BLE001 - the driver is gone; Ray tears the group down
                 return
             if stop:
                 preemption.request("a stop request from the driver")
                 return
             if grow and self.restarts_without_leaving_nodes:
-                preemption.request(preemption.GROWING, node_leaving=True)
+                preemption.request_growth()
                 return
             time.sleep(DRIVER_STOP_POLL_S)
 
@@ -200,9 +210,10 @@ def _training_starts() -> None:
 
     global _process_group_unix
     _process_group_unix = time.time()  # the backend's on_start (init_process_group) came first
-    # A Ray worker gets SIGTERM from its node going away (a spot reclaim's shutdown); the
-    # driver's own stop reaches it through the event sink instead.
-    preemption.install((signal.SIGTERM,), node_leaving=True)
+    # A Ray worker gets SIGTERM from its node going away (a spot reclaim's shutdown), which a run
+    # that restarts its group treats as that node's notice (RayRuntime); the driver's own stop
+    # reaches it through the event sink instead.
+    preemption.install((signal.SIGTERM,))
 
 
 class _RaylaneTorchBackend(_TorchBackend):
@@ -227,6 +238,8 @@ class _RaylaneTorchTrainer(TorchTrainer):
     trainer is given no datasets."""
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
+        failures = self.run_config.failure_config or FailureConfig()
+        controller_init_kwargs["failure_policy"] = _HandoverFailurePolicy(failures)
         sizes = self.train_loop_config.get("world_sizes")
         if self.scaling_config.elasticity_enabled and sizes:
             controller_init_kwargs["scaling_policy"] = _HeldBatchElasticPolicy(
@@ -267,8 +280,13 @@ class _HeldBatchElasticPolicy(ElasticScalingPolicy):
         return max((n for n in self.sizes if n <= fit), default=fit)  # below min: Ray waits
 
     def make_decision_for_non_running_worker_group(self):
-        self._pending = None
+        self._drop_pending()
         return super().make_decision_for_non_running_worker_group()
+
+    def _drop_pending(self) -> None:
+        if self._pending is not None and self._sink is not None:
+            self._sink.clear_handover.remote()
+        self._pending = None
 
     def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
         """A resize up waits for the group to hand over: checkpoint at an agreed step and wait
@@ -278,10 +296,14 @@ class _HeldBatchElasticPolicy(ElasticScalingPolicy):
 
         if self._pending is not None:
             decision, asked = self._pending
-            if self._handed_over() or time.monotonic() - asked > HANDOVER_WAIT_S:
-                self._pending = None
-                return decision
-            return NoopDecision()
+            if not (self._handed_over() or time.monotonic() - asked > HANDOVER_WAIT_S):
+                return NoopDecision()
+            self._drop_pending()
+            # Counted again now: the resources may have changed while the group handed over.
+            # The group waits for a restart either way, at the old size if nothing more fits.
+            reserved = self._get_reserved_resources()
+            fit = self._count_possible_workers(reserved) if reserved is not None else decision.num_workers
+            return self._get_resize_decision(max(fit, self.scaling_config.min_workers))
         decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
         grows = getattr(decision, "num_workers", 0) > worker_group_state.num_workers
         if grows and self._sink is not None:
@@ -295,6 +317,26 @@ class _HeldBatchElasticPolicy(ElasticScalingPolicy):
             return bool(ray.get(self._sink.handed_over.remote(), timeout=5))
         except Exception:  # noqa: BLE001 - no answer: ask again at the next poll
             return False
+
+
+class _HandoverFailurePolicy(DefaultFailurePolicy):
+    """Ray Train's failure policy, except that a group that raised NodeLeaving on every rank it
+    heard from (it checkpointed for a node's notice) is restarted without counting against
+    failure.max_failures: a long run on spot nodes gets many notices."""
+
+    def __init__(self, failure_config: FailureConfig) -> None:
+        super().__init__(failure_config)
+        self._handovers = 0
+
+    def make_decision(self, training_failed_error):
+        from ray.train.v2._internal.execution.failure_handling import FailureDecision
+
+        failures = getattr(training_failed_error, "worker_failures", None) or {}
+        if failures and all("NodeLeaving" in f"{type(e).__name__} {e}" for e in failures.values()):
+            self._handovers += 1
+            if self._handovers <= MAX_HANDOVERS:
+                return FailureDecision.RETRY
+        return super().make_decision(training_failed_error)
 
 
 class _NoAutoscalerScalingPolicy(FixedScalingPolicy):
@@ -353,7 +395,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
 
     cfg = validate(loop_config["config"])
     runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu, loop_config.get("streams"),
-                         restarts=_max_failures(cfg) > 0 and not loop_config.get("search"))
+                         restarts=_max_failures(cfg) != 0 and not loop_config.get("search"))
     _relay_warnings(runtime, loop_config.get("verbose", False))
     if loop_config.get("search"):  # `raylane autotune`: the whole search in this one worker group
         from raylane.loop.search import run_search
@@ -364,11 +406,11 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     if runtime.rank == 0 and loop_config.get("run_id"):
         metric_logger = rank_zero_logger(cfg, loop_config["tracking_uri"], loop_config["run_id"])
     result = run_worker(cfg, runtime, metric_logger, {k: v for k, v in startup.items() if v is not None})
-    if result.get("node_leaving") and result.get("stop_reason") == preemption.GROWING:
+    if result.get("growing"):
         # Checkpointed for a larger group: Ray's elastic policy now stops this one and starts
         # that (a return would end the run). Should it not come, a restart does the same.
         time.sleep(HANDOVER_WAIT_S + 60)
-    if result.get("node_leaving"):
+    if result.get("node_leaving") or result.get("growing"):
         raise NodeLeaving(f"{result.get('stop_reason')}: checkpointed at step {result['steps']}, "
                           f"restarting without the leaving node")
 
