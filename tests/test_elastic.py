@@ -76,7 +76,8 @@ def project(tmp_path) -> Path:
     (tmp_path / "pipe.py").write_text(textwrap.dedent(PIPELINE))
     (tmp_path / "run.yaml").write_text(
         f"pipeline: ./pipe.py\nrun: {{name: elastic, storage_path: {tmp_path / 'runs'}}}\n"
-        f"train: {{max_epochs: 3, batch_size: {MICRO}, global_batch: {GLOBAL}, global_batch_adjust: grad_accum_steps}}\n"
+        f"train: {{max_epochs: 3, batch_size: {MICRO}, global_batch: {GLOBAL},"
+        " global_batch_adjust: grad_accum_steps}\n"
         "optim: {lr: 0.001}\nmlflow: {enabled: false}\n")
     return tmp_path
 
@@ -128,13 +129,13 @@ def test_an_elastic_run_skips_the_sizes_that_cannot_split_its_global_batch(run_c
     from ray.train import ScalingConfig
 
     from raylane.config import load_config, world_sizes
-    from raylane.onray.launch import _HeldBatchElasticPolicy
+    from raylane.onray.elastic import HeldBatchElasticPolicy
 
     ok = run_cli("check", "run.yaml", "--set", "scaling.num_workers=2,4", cwd=project, name="sizes")
     assert ok.wait(60) == 0, ok.output
     assert "elastic run on 2, 4 workers: 3 would not split the global batch" in ok.output
     assert world_sizes(load_config(project / "run.yaml", ["scaling.num_workers=2,4"])) == [2, 4]
-    policy = _HeldBatchElasticPolicy(ScalingConfig(num_workers=(2, 4)), [2, 4])
+    policy = HeldBatchElasticPolicy(ScalingConfig(num_workers=(2, 4)), [2, 4])
     assert [policy._count_possible_workers({"node": {"CPU": cpus}}) for cpus in range(6)] == [0, 1, 2, 2, 4, 4]
     # The smallest size must split it too: the run could not start there.
     bad = run_cli("check", "run.yaml", "--set", "scaling.num_workers=3,4", cwd=project, name="min")
@@ -150,9 +151,9 @@ def test_a_handover_restarts_the_group_without_counting_as_a_failure():
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from raylane.onray.launch import NodeLeaving, _HandoverFailurePolicy
+    from raylane.onray.elastic import HandoverFailurePolicy, NodeLeaving
 
-    policy = _HandoverFailurePolicy(FailureConfig(max_failures=0))
+    policy = HandoverFailurePolicy(FailureConfig(max_failures=0))
     notice = WorkerGroupError("", {0: NodeLeaving("notice"), 1: NodeLeaving("notice")})
     assert [policy.make_decision(notice) for _ in range(3)] == [FailureDecision.RETRY] * 3
     crash = WorkerGroupError("", {0: NodeLeaving("notice"), 1: RuntimeError("boom")})

@@ -23,37 +23,32 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.callback import ControllerCallback
-from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
-from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, FixedScalingPolicy
 
 from raylane import logs
 from raylane.config import BaseConfig, validate, world_sizes
 from raylane.loop import preemption
 from raylane.loop.distributed import node_layout
 from raylane.loop.storage import CheckpointStore
+from raylane.onray.elastic import (
+    HANDOVER_WAIT_S,
+    HandoverFailurePolicy,
+    HeldBatchElasticPolicy,
+    NoAutoscalerScalingPolicy,
+    NodeLeaving,
+    max_failures,
+    ray_num_workers,
+)
 
 log = logging.getLogger("raylane")
 
 EVENT_POLL_S = 0.25
 DRIVER_STOP_POLL_S = 0.5
 DRAIN_POLL_S = 0.5  # Ray Train polls node drains every 5 s itself
-# How long the elastic policy waits for a group to hand over before resizing it anyway: a vote,
-# the step it waits for and a checkpoint's commit (a large model's takes a minute or more).
-HANDOVER_WAIT_S = 300.0
-# Handovers (a node's notice, a growth that did not come) restart the group without counting
-# against failure.max_failures, up to this many in a run.
-MAX_HANDOVERS = 1000
 LISTENER_STOP_GRACE_S = 60.0
 
 
 class TrainingError(RuntimeError):
     """The run failed; the message names the failing rank(s) and their exceptions."""
-
-
-class NodeLeaving(RuntimeError):
-    """Raised on every rank once the checkpoint agreed after a node's notice is committed: Ray
-    Train restarts the group (on the nodes that remain, for an elastic run) from that checkpoint.
-    A clean return would end the run."""
 
 
 @ray.remote(num_cpus=0)
@@ -131,7 +126,7 @@ class RayRuntime:
 
     def _watch_driver(self) -> None:
         """Relay the driver's Ctrl-C or SIGTERM as a graceful-stop request, and the elastic
-        policy's request for a handover to a larger group (see _HeldBatchElasticPolicy)."""
+        policy's request for a handover to a larger group (see HeldBatchElasticPolicy)."""
         while not preemption.requested():
             try:
                 stop, grow = ray.get(self._sink.control.remote(), timeout=10)
@@ -239,10 +234,10 @@ class _RaylaneTorchTrainer(TorchTrainer):
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         failures = self.run_config.failure_config or FailureConfig()
-        controller_init_kwargs["failure_policy"] = _HandoverFailurePolicy(failures)
+        controller_init_kwargs["failure_policy"] = HandoverFailurePolicy(failures)
         sizes = self.train_loop_config.get("world_sizes")
         if self.scaling_config.elasticity_enabled and sizes:
-            controller_init_kwargs["scaling_policy"] = _HeldBatchElasticPolicy(
+            controller_init_kwargs["scaling_policy"] = HeldBatchElasticPolicy(
                 self.scaling_config, sizes, self.train_loop_config.get("sink"))
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
@@ -263,98 +258,6 @@ class _ControllerStarted(ControllerCallback):
         self._sink.put.remote({"event": "startup", "startup": {"controller": time.time()}})
 
 
-class _HeldBatchElasticPolicy(ElasticScalingPolicy):
-    """Ray Train's elastic policy, kept to the sizes that split the run's global batch: Ray
-    counts the workers that fit (by whole nodes on a GPU cluster, or any number), and the group
-    starts on the largest of `sizes` at or below that count. Without it, 3 workers fitting a
-    [2, 4] run with a global batch of 8 would start a group that cannot hold it."""
-
-    def __init__(self, scaling_config: ScalingConfig, sizes: list[int], sink: Any = None) -> None:
-        super().__init__(scaling_config)
-        self.sizes = sorted(sizes)
-        self._sink = sink
-        self._pending: tuple[Any, float] | None = None  # (a resize up, when the handover was asked)
-
-    def _count_possible_workers(self, reserved_resources) -> int:
-        fit = super()._count_possible_workers(reserved_resources)
-        return max((n for n in self.sizes if n <= fit), default=fit)  # below min: Ray waits
-
-    def make_decision_for_non_running_worker_group(self):
-        self._drop_pending()
-        return super().make_decision_for_non_running_worker_group()
-
-    def _drop_pending(self) -> None:
-        if self._pending is not None and self._sink is not None:
-            self._sink.clear_handover.remote()
-        self._pending = None
-
-    def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
-        """A resize up waits for the group to hand over: checkpoint at an agreed step and wait
-        (raylane.loop.preemption.GROWING), so that growing redoes no step. Ray's own resize would
-        stop the group where it is, losing the steps since the last periodic checkpoint."""
-        from ray.train.v2._internal.execution.scaling_policy.scaling_policy import NoopDecision
-
-        if self._pending is not None:
-            decision, asked = self._pending
-            if not (self._handed_over() or time.monotonic() - asked > HANDOVER_WAIT_S):
-                return NoopDecision()
-            self._drop_pending()
-            # Counted again now: the resources may have changed while the group handed over.
-            # The group waits for a restart either way, at the old size if nothing more fits.
-            reserved = self._get_reserved_resources()
-            fit = self._count_possible_workers(reserved) if reserved is not None else decision.num_workers
-            return self._get_resize_decision(max(fit, self.scaling_config.min_workers))
-        decision = super().make_decision_for_running_worker_group(worker_group_state, worker_group_status)
-        grows = getattr(decision, "num_workers", 0) > worker_group_state.num_workers
-        if grows and self._sink is not None:
-            self._sink.request_handover.remote()
-            self._pending = (decision, time.monotonic())
-            return NoopDecision()
-        return decision
-
-    def _handed_over(self) -> bool:
-        try:
-            return bool(ray.get(self._sink.handed_over.remote(), timeout=5))
-        except Exception:  # noqa: BLE001 - no answer: ask again at the next poll
-            return False
-
-
-class _HandoverFailurePolicy(DefaultFailurePolicy):
-    """Ray Train's failure policy, except that a group that raised NodeLeaving on every rank it
-    heard from (it checkpointed for a node's notice) is restarted without counting against
-    failure.max_failures: a long run on spot nodes gets many notices."""
-
-    def __init__(self, failure_config: FailureConfig) -> None:
-        super().__init__(failure_config)
-        self._handovers = 0
-
-    def make_decision(self, training_failed_error):
-        from ray.train.v2._internal.execution.failure_handling import FailureDecision
-
-        failures = getattr(training_failed_error, "worker_failures", None) or {}
-        if failures and all("NodeLeaving" in f"{type(e).__name__} {e}" for e in failures.values()):
-            self._handovers += 1
-            if self._handovers <= MAX_HANDOVERS:
-                return FailureDecision.RETRY
-        return super().make_decision(training_failed_error)
-
-
-class _NoAutoscalerScalingPolicy(FixedScalingPolicy):
-    """Ray Train's fixed-size policy, less its resource requests to the autoscaling coordinator.
-    The first request starts the coordinator actor (another process) and blocks the controller
-    for up to 5 s until it answers, before any worker starts; an embedded cluster has no
-    autoscaler to pass the request to."""
-
-    def after_controller_start(self, train_run_context) -> None:
-        pass
-
-    def _maybe_send_resource_request(self) -> None:
-        pass
-
-    def _cancel_resource_request(self) -> None:
-        pass
-
-
 class _DriverTorchTrainer(_RaylaneTorchTrainer):
     """The run of a `raylane train` driver, without the detached placement-group cleaner actor
     (a process importing Ray Train: ~2 s of CPU and ~600 MB per run). The cleaner removes the
@@ -370,11 +273,11 @@ class _DriverTorchTrainer(_RaylaneTorchTrainer):
 
 
 class _EmbeddedTorchTrainer(_DriverTorchTrainer):
-    """On an embedded cluster, also without autoscaler requests (see _NoAutoscalerScalingPolicy)."""
+    """On an embedded cluster, also without autoscaler requests (see NoAutoscalerScalingPolicy)."""
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         if not self.scaling_config.elasticity_enabled:  # an elastic run keeps Ray's own policy, requests and all
-            controller_init_kwargs["scaling_policy"] = _NoAutoscalerScalingPolicy(self.scaling_config)
+            controller_init_kwargs["scaling_policy"] = NoAutoscalerScalingPolicy(self.scaling_config)
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
@@ -395,7 +298,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
 
     cfg = validate(loop_config["config"])
     runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu, loop_config.get("streams"),
-                         restarts=_max_failures(cfg) != 0 and not loop_config.get("search"))
+                         restarts=max_failures(cfg) != 0 and not loop_config.get("search"))
     _relay_warnings(runtime, loop_config.get("verbose", False))
     if loop_config.get("search"):  # `raylane autotune`: the whole search in this one worker group
         from raylane.loop.search import run_search
@@ -519,15 +422,6 @@ def _stream_split():
     return StreamSplit()
 
 
-# An elastic run restarts on the survivors when a worker or node is lost: it may do so this many
-# times when failure.max_failures is left at 0 (a fixed-size run fails at the first loss).
-ELASTIC_MAX_FAILURES = 10
-
-
-def _max_failures(cfg: BaseConfig) -> int:
-    return cfg.failure.max_failures or (ELASTIC_MAX_FAILURES if cfg.scaling.elastic else 0)
-
-
 def _event_sink() -> Any:
     """The driver's event sink, on the driver's own node: anywhere else, losing that node (a spot
     reclaim that an elastic run should survive) would end the run with it."""
@@ -535,12 +429,6 @@ def _event_sink() -> Any:
 
     here = ray.get_runtime_context().get_node_id()
     return EventSink.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
-
-
-def _workers(cfg: BaseConfig) -> int | tuple[int, int]:
-    """Ray Train's num_workers: (min, max) selects its elastic scaling policy."""
-    s = cfg.scaling
-    return (s.min_workers, s.num_workers) if s.elastic else s.num_workers
 
 
 def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
@@ -561,12 +449,12 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                            "run_id": run_id, "tracking_uri": tracking_uri, "verbose": logs.verbose(),
                            "search": search, "world_sizes": world_sizes(cfg) if cfg.scaling.elastic else None},
         datasets=datasets, **({"dataset_config": _stream_split()} if datasets else {}),
-        scaling_config=ScalingConfig(num_workers=_workers(cfg), use_gpu=cfg.scaling.use_gpu,
+        scaling_config=ScalingConfig(num_workers=ray_num_workers(cfg), use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources,
                                      elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s),
         torch_config=_RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s),
         run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
-                             failure_config=FailureConfig(max_failures=_max_failures(cfg))),
+                             failure_config=FailureConfig(max_failures=max_failures(cfg))),
     )
     on_event({"event": "startup", "startup": {"fit": time.time()}})
     return _fit_and_pump(trainer, sink, on_event, cfg.scaling.num_workers)
