@@ -248,7 +248,7 @@ def effective_global_batch(cfg: BaseConfig) -> int | None:
 def world_sizes(cfg: BaseConfig) -> list[int]:
     """The numbers of workers a Ray run may have: num_workers, or for an elastic run each size
     from min to max that splits its global batch (Ray's policy is kept to these: see
-    raylane.onray.launch). ConfigError, naming the size, when min or max does not split it."""
+    raylane.onray.elastic). ConfigError, naming the size, when min or max does not split it."""
     s = cfg.scaling
     held_batch(cfg, s.num_workers)
     if not s.elastic:

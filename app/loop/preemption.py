@@ -65,7 +65,8 @@ def growing() -> bool:
 
 
 def signals_mean_node_leaving(flag: bool) -> None:
-    """Whether a signal to this process means its node is leaving (see `install`)."""
+    """Whether a signal to this process means its node is leaving: a Ray worker of a run that
+    restarts its group (the driver's own stop reaches it through the launcher, not a signal)."""
     global _signals_mean_node_leaving
     _signals_mean_node_leaving = flag
 
@@ -107,11 +108,8 @@ def _handler(signum: int, frame: Any) -> None:
         signal.raise_signal(signum)
 
 
-def install(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), *, node_leaving: bool = False) -> None:
-    """Main thread only. Idempotent: the handler that was there first stays the fallback.
-    `node_leaving`: these signals come to this process alone when its node goes away (a Ray
-    worker: the driver's own stop reaches it through the launcher, never as a signal)."""
-    signals_mean_node_leaving(node_leaving)
+def install(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    """Main thread only. Idempotent: the handler that was there first stays the fallback."""
     for signum in signals:
         current = signal.getsignal(signum)
         if current is not _handler:

@@ -247,7 +247,7 @@ class Trainer:
         self._last_vote = (time.perf_counter(), self.step)
         self.preempted = stop
         self._leaving_ranks = round(leaving)
-        restarts = stop and getattr(self.runtime, "restarts_without_leaving_nodes", False)
+        restarts = stop and self.runtime.restarts_without_leaving_nodes
         # A notice to some of the ranks: restart without them. To every rank (a scheduler's
         # scancel, `timeout`): the run is being stopped, as by the driver. A notice wins over a
         # growth request in the same vote (the group that would grow is about to lose a node).
