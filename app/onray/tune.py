@@ -31,7 +31,17 @@ from ray import tune
 from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
 from raylane.onray.cluster import data_cpus
-from raylane.onray.sweep import NOT_REACHED_S, TIME_TO_TARGET, Objective, SweepSection, check_rerun, load_sweep, run_speed, trial_config, write_record
+from raylane.onray.sweep import (
+    NOT_REACHED_S,
+    TIME_TO_TARGET,
+    Objective,
+    SweepSection,
+    check_rerun,
+    load_sweep,
+    run_speed,
+    trial_config,
+    write_record,
+)
 from raylane.onray.trials import SWEEP_TAG, TRIAL_TAG, MetricReported, TrialRuns, find_child
 from raylane.tracking.progress import plural
 from raylane.tracking.records import RUN_RATES
