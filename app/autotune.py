@@ -22,7 +22,6 @@ import yaml
 from pydantic import Field, ValidationError
 
 from raylane import prechecks
-from raylane.loop.search_order import RECORD_FILE
 from raylane.config import (
     BaseConfig,
     ConfigError,
@@ -37,6 +36,7 @@ from raylane.config import (
     read_yaml,
     validate,
 )
+from raylane.loop.search_order import RECORD_FILE
 
 log = logging.getLogger("raylane")
 
