@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
@@ -23,10 +24,14 @@ def _consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]
     train_state = checkpoint.read_manifest(checkpoint_dir)["train_state"]
     cfg = validate(train_state["config"])
     pipe = pipelines_ref.build(cfg)
-    state = {"model": pipe.model.state_dict()}
-    # no_dist: a local read of every rank's shard, even where a process group exists (the torchrun
-    # driver is rank 0): as a collective it would wait for ranks that are not loading.
-    dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
+    whole = Path(checkpoint_dir) / checkpoint.STATE_FILE
+    if whole.exists():  # a replicated state, in one file
+        state = torch.load(whole, map_location="cpu", weights_only=True)
+    else:
+        state = {"model": pipe.model.state_dict()}
+        # no_dist: a local read of every rank's shard, even where a process group exists (the
+        # torchrun driver is rank 0): as a collective it would wait for ranks that are not loading.
+        dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
     pipe.model.load_state_dict(state["model"])
     return pipe, state["model"], train_state
 

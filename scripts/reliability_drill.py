@@ -143,7 +143,8 @@ def failing(work: Path, faults: str, label: str, *extra: str) -> dict:
 
 def corrupt_latest(work: Path, calm: dict) -> dict:
     first = Run(work, RAYLANE, "corrupt", "--set", "train.max_steps=60").finish()
-    shard = next(Path(first["checkpoint"]).glob("__1_*.distcp"))
+    ckpt = Path(first["checkpoint"])
+    shard = next(p for p in (ckpt / "state.pt", *ckpt.glob("__*_*.distcp")) if p.exists())
     shard.write_bytes(shard.read_bytes()[:-100])  # truncated
     again = Run(work, RAYLANE, "corrupt").finish()
     return {"fault": "latest checkpoint truncated", "survived": again["status"] == "FINISHED",

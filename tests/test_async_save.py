@@ -126,7 +126,7 @@ def test_a_crash_between_save_start_and_commit_leaves_the_previous_checkpoint_la
                           timeout=120)
     assert proc.returncode == 17, proc.stderr
     second = root / checkpoint.checkpoint_name(2)
-    assert any(second.glob("*.distcp")) and not (second / checkpoint.MANIFEST_FILE).exists()
+    assert (second / checkpoint.STATE_FILE).exists() and not (second / checkpoint.MANIFEST_FILE).exists()
     assert checkpoint.latest_valid(str(root)) == str(root / checkpoint.checkpoint_name(1))
 
 

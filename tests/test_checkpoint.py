@@ -25,14 +25,14 @@ def _save(root: Path, step: int, value: float) -> Path:
 
 
 def _shard(path: Path) -> Path:
-    return next(path.glob("__0_*.distcp"))
+    return path / checkpoint.STATE_FILE  # a replicated state: rank 0's one file
 
 
 def test_manifest_lists_every_file_with_its_checksum(tmp_path):
     path = _save(tmp_path, 10, 1.0)
     manifest = checkpoint.read_manifest(path)
     assert manifest["train_state"] == {"step": 10}
-    assert set(manifest["files"]) == {".metadata", _shard(path).name, "rng_0.json"}
+    assert set(manifest["files"]) == {"state.pt", "rng_0.json"}
     assert checkpoint.verify(str(path)) is None
 
 
@@ -172,3 +172,21 @@ def test_epoch_checkpoints_and_evaluations_follow_their_every_n_epochs(run_cli, 
     evaluations = [line for line in proc.output.splitlines() if line.startswith("[raylane] ") and " eval: " in line]
     assert len(evaluations) == 1, evaluations  # only the end of the run
     assert read_json(tmp_path / "s.json")["metrics"]["loss"] > 0
+
+
+def test_a_replicated_checkpoint_in_the_earlier_dcp_format_still_loads(tmp_path):
+    """Before the one-file format, rank 0 wrote a replicated state with DCP: such checkpoints of
+    runs started earlier must still resume."""
+    model = torch.nn.Linear(4, 2)
+    torch.nn.init.constant_(model.weight, 5.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = tmp_path / checkpoint.checkpoint_name(7)
+    path.mkdir()
+    checkpoint._dcp().save(checkpoint.live_state(model, optimizer), checkpoint_id=str(path), no_dist=True)
+    (path / checkpoint.rng_file(0)).write_text(json.dumps(checkpoint.rng_state()))
+    checkpoint.PendingSave(path, 0, {"step": 7}).commit()
+    assert {".metadata", "__0_0.distcp"} <= set(checkpoint.read_manifest(path)["files"])
+
+    fresh = torch.nn.Linear(4, 2)
+    assert checkpoint.load(path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1)) == {"step": 7}
+    assert torch.all(fresh.weight == 5.0)

@@ -122,7 +122,7 @@ def test_checkpoints_copied_as_artifacts_when_asked(run_cli, tmp_path, shared_ml
     s = read_json(tmp_path / "s.json")
     name = Path(s["checkpoint"]).name
     copied = {a.path for a in MlflowClient(shared_mlflow_server.uri).list_artifacts(s["run_id"], f"checkpoints/{name}")}
-    assert {f"checkpoints/{name}/manifest.json", f"checkpoints/{name}/.metadata"} <= copied
+    assert {f"checkpoints/{name}/manifest.json", f"checkpoints/{name}/state.pt"} <= copied
 
 
 def test_an_unreachable_server_does_not_stop_training(run_cli, tmp_path):

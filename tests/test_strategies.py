@@ -33,7 +33,8 @@ def _tag(db, run_id: str, key: str) -> str | None:
 def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_rank(run_cli, tmp_path):
     """`auto` with a device too small for a replica picks FSDP, and with room picks DDP; 20 fp32
     steps then give the same loss at every step, FSDP holds about half the state per rank, and
-    its 2-rank sharded checkpoint resumes under DDP on 1 rank with the same weights."""
+    its 2-rank sharded checkpoint resumes under DDP on 1 rank with the same weights; DDP's
+    one-file checkpoint resumes under FSDP on 2 ranks with the same weights."""
     common = ["--nproc_per_node", "2", "-m", "raylane", "train", "gpt-tiny", *GPT, "--set", "train.max_steps=20",
               "--set", "mlflow.log_every_n_steps=1", "--set", "strategy.name=auto"]
     runs = {}
@@ -78,6 +79,17 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
         x, y = torch.stack([h[0] for h in held]), torch.stack([h[1] for h in held])
         loss = pipe.eval_sums(pipe.model(x), y)["loss"].item() / len(x)
     assert loss == pytest.approx(fsdp["metrics"]["loss"], rel=1e-5)
+
+    # DDP's checkpoint is rank 0's one file; a 2-rank FSDP run starting from it takes its shard
+    # of every tensor and, with no step left to train, evaluates to the loss DDP measured.
+    assert sorted(checkpoint.read_manifest(ddp["checkpoint"])["files"]) == ["rng_0.json", "rng_1.json", "state.pt"]
+    again = run_cli(*common, "--set", "run.name=from-ddp", "--set", "strategy.name=fsdp",
+                    "--set", f"checkpoint.init_from={ddp['checkpoint']}", "--summary-json", "from-ddp.json",
+                    launcher=TORCHRUN, name="from-ddp")
+    assert again.wait(300) == 0, again.output
+    resumed = read_json(tmp_path / "from-ddp.json")
+    assert (resumed["strategy"], resumed["resumed_from_step"]) == ("fsdp", 20)
+    assert resumed["metrics"]["loss"] == pytest.approx(ddp["metrics"]["loss"], rel=1e-5)
 
     one = run_cli("train", "gpt-tiny", "--local", *GPT, "--set", "run.name=fsdp", "--set", "scaling.num_workers=1",
                   "--set", "strategy.name=ddp", "--set", "train.max_steps=25", "--summary-json", "one.json", name="one")

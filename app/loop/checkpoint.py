@@ -1,6 +1,9 @@
-"""Checkpoints with torch.distributed.checkpoint: every rank writes its own shard, rank 0 the
-metadata, so the same code serves DDP and FSDP, and loads at another world size. A replicated
-state (DDP) is written by rank 0 alone, in the same format.
+"""Checkpoints. A sharded state (FSDP) is saved with torch.distributed.checkpoint: every rank
+writes its own shard, rank 0 the metadata, and it loads at another world size. A replicated state
+(DDP, one process), the same on every rank, is written by rank 0 alone as one `state.pt`
+(`torch.save`, loaded with `weights_only=True`): DCP's planning and metadata cost several times
+the write itself for small models (bench B9). Both load into DDP, FSDP or one process, at any
+world size; checkpoints of a replicated state written by earlier versions in DCP's format still load.
 
 Each checkpoint is a fresh directory committed by `manifest.json`, written last and atomically by
 rank 0. It holds the train state (epoch, step, position in the epoch, the resolved config,
@@ -41,6 +44,7 @@ log = logging.getLogger("raylane.checkpoint")
 
 MANIFEST_FILE = "manifest.json"
 CHECKPOINT_PREFIX = "checkpoint_"
+STATE_FILE = "state.pt"  # a replicated state's model and optimizer, written by rank 0
 
 
 def checkpoint_name(step: int) -> str:
@@ -86,7 +90,7 @@ def _own_files(path: Path, rank: int) -> dict[str, dict[str, Any]]:
     """The files this rank wrote into `path` (DCP names data files `__<rank>_<n>.distcp`)."""
     names = [*path.glob(f"__{rank}_*.distcp"), path / rng_file(rank)]
     if rank == 0:
-        names.append(path / ".metadata")
+        names += [p for p in (path / ".metadata", path / STATE_FILE) if p.exists()]
     return {p.name: _digest(p) for p in names}
 
 
@@ -245,6 +249,13 @@ def _write_durably(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _save_durably(path: Path, state: dict[str, Any]) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The state DCP saves and loads: the model's and the optimizer's, keyed by parameter name."""
     model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, optimizer)
@@ -330,16 +341,15 @@ def write(path: str | os.PathLike, state: dict[str, Any], train_state: dict[str,
     part in DCP's collectives, with nothing to write. Errors are kept for `commit()`, so that
     every rank learns of them together.
 
-    With a `replicated` state, rank 0 alone writes it, in the same DCP format, without DCP's
-    collectives: every rank would write an identical copy, and DCP's planning (about a dozen
-    collectives and their pickles) cost more than the write itself for small models (bench B9).
-    Loading is unchanged, at any world size."""
+    With a `replicated` state, rank 0 alone writes it, as one `state.pt`, with no collectives:
+    every rank would write an identical copy, and DCP's planning (about a dozen collectives and
+    their pickles) and metadata cost more than the write itself for small models (bench B9)."""
     path = Path(path)
     try:
         if not replicated:
             _dcp().save({} if error else state, checkpoint_id=str(path), process_group=_group())
         elif rank == 0 and error is None:
-            _dcp().save(state, checkpoint_id=str(path), no_dist=True)
+            _save_durably(path / STATE_FILE, state)
         if error is None:
             _write_durably(path / rng_file(rank), json.dumps(rng))
     except _save_errors() as exc:  # reported on every rank by commit()
@@ -399,21 +409,29 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     """Collective. Loads in place (resharding if the world size changed); returns the train state.
     With `rank`, also restores that rank's random generators when the world size is unchanged.
 
-    DCP's `.metadata` is a pickle: only load checkpoints this project wrote (trusted storage)."""
+    A sharded checkpoint's DCP `.metadata` is a pickle: only load checkpoints this project wrote
+    (trusted storage). A replicated one's `state.pt` is read with `weights_only=True`."""
     if not (Path(path) / MANIFEST_FILE).exists():
         raise FileNotFoundError(f"{path} is not a committed checkpoint (no {MANIFEST_FILE})")
     dcp = _dcp()
     model_sd, optim_sd = dcp.state_dict.get_state_dict(model, optimizer)
     manifest = read_manifest(path)
     check_shapes(path, manifest.get("shapes"), model_sd)
-    state = {"model": model_sd, "optim": optim_sd}
-    from torch.distributed.checkpoint.api import CheckpointException
+    options = None
+    if (Path(path) / STATE_FILE).exists():
+        state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+        # Whole tensors into a sharded model (a DDP run resumed under FSDP): each rank keeps its shard.
+        options = None if replicated(model) else dcp.state_dict.StateDictOptions(full_state_dict=True)
+    else:
+        state = {"model": model_sd, "optim": optim_sd}
+        from torch.distributed.checkpoint.api import CheckpointException
 
-    try:
-        dcp.load(state, checkpoint_id=str(path))
-    except CheckpointException as exc:  # a BaseException, which the launchers' handlers would miss
-        raise CheckpointLoadError(f"checkpoint {path} cannot be loaded ({_describe(exc, rank or 0)})") from None
-    dcp.state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except CheckpointException as exc:  # a BaseException, which the launchers' handlers would miss
+            raise CheckpointLoadError(f"checkpoint {path} cannot be loaded ({_describe(exc, rank or 0)})") from None
+    dcp.state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                                  options=options)
     train_state = manifest["train_state"]
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     rng = Path(path) / rng_file(rank if rank is not None else -1)

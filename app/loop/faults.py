@@ -59,11 +59,12 @@ class FaultPlan:
     def before_save(self, step: int, path: str) -> None:
         fault = self.by_step.get(step)
         if fault and fault.kind == "diskfull":
-            # DCP names this rank's first data file `__<rank>_0.distcp`; every rank also writes its
-            # random generators' file. Both are opened for writing following the link, so the
-            # first of them this rank writes fails with ENOSPC, as on a full disk (a rank that
-            # holds no shard of a replicated state writes only the second).
-            for name in (f"__{self.rank}_0.distcp", f"rng_{self.rank}.json"):
+            # A replicated state is rank 0's `state.pt`; DCP names a rank's first shard
+            # `__<rank>_0.distcp`; every rank also writes its random generators' file. Each is
+            # opened for writing following the link, so the first of them this rank writes
+            # fails with ENOSPC, as on a full disk.
+            names = [f"__{self.rank}_0.distcp", f"rng_{self.rank}.json"] + (["state.pt"] if self.rank == 0 else [])
+            for name in names:
                 os.symlink(FULL_DEVICE, os.path.join(path, name))
 
     def corrupt_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
