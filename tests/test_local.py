@@ -110,6 +110,18 @@ def test_a_non_finite_gradient_is_reported_and_left_unclipped(plain):
     assert clip_gradients([torch.nn.Parameter(torch.zeros(2))], 0.1, plain=plain) is None  # no gradients
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
+def test_a_step_whose_norm_is_not_logged_only_checks_finiteness_and_leaves_gradients_as_they_are(bad):
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(2)]
+    params[0].grad = torch.tensor([1.0, 2.5, 2.0, 3.0] if bad is None else [1.0, bad, 2.0, 3.0])
+    params[1].grad = torch.randn(4)
+    before = [p.grad.clone() for p in params]
+    norm, finite = clip_gradients(params, None, plain=True, norm_wanted=False)
+    assert norm is None and finite == (bad is None)
+    for p, b in zip(params, before, strict=True):
+        torch.testing.assert_close(p.grad, b, rtol=0, atol=0, equal_nan=True)
+
+
 def test_mixed_dtypes_take_torchs_path():
     assert not plain_parameters([torch.nn.Parameter(torch.zeros(2)),
                                  torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])

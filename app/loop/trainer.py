@@ -133,7 +133,7 @@ class Trainer:
         self.last_checkpoint: str | None = None
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_count = 0
-        self._grad_norm = torch.zeros((), device=self.device)
+        self._grad_norm: torch.Tensor | None = None
         self._window_start = time.perf_counter()
         self._window_steps = 0
 
@@ -190,10 +190,14 @@ class Trainer:
         """The global gradient norm (over every shard under FSDP), clipped to train.grad_clip_norm;
         False when it is not finite. The gradients are already reduced, so a NaN on any rank is
         a NaN on every rank: all ranks reach the same verdict."""
-        clipped = clip_gradients(self._params, self.cfg.train.grad_clip_norm, plain=self._plain_grads)
+        upcoming = self.step + 1  # the step being taken: its norm is logged if the window ends there
+        wanted = upcoming % self.cfg.mlflow.log_every_n_steps == 0 or upcoming >= self.total_steps
+        clipped = clip_gradients(self._params, self.cfg.train.grad_clip_norm, plain=self._plain_grads,
+                                 norm_wanted=wanted)
         if clipped is None:
             return True
-        self._grad_norm = clipped[0].detach()
+        if clipped[0] is not None:
+            self._grad_norm = clipped[0].detach()
         return clipped[1]
 
     def _micro_batches(self):
@@ -265,7 +269,8 @@ class Trainer:
         metrics = {
             "loss": float(self._loss_sum) / max(self._loss_count, 1),
             "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "grad_norm": float(self._grad_norm),
+            # the window's last measured norm (a window cut short by a stop may have none)
+            **({"grad_norm": float(self._grad_norm)} if self._grad_norm is not None else {}),
             "samples_per_s": samples_per_s,
             **self.throughput.rates(samples_per_s, self.runtime.world_size),
         }
@@ -275,7 +280,7 @@ class Trainer:
     def _reset_window(self) -> None:
         self._loss_sum.zero_()
         self._loss_count = 0
-        self._grad_norm = torch.zeros((), device=self.device)
+        self._grad_norm = None
         self._window_start = time.perf_counter()
         self._window_steps = 0
 
