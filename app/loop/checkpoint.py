@@ -468,6 +468,12 @@ def committed(root: str, filesystem=None) -> list[str]:
     import pyarrow.fs as pafs
 
     fs = filesystem or pafs.LocalFileSystem()
+    if isinstance(fs, pafs.LocalFileSystem):  # listed after every save: os is ~10x cheaper here
+        try:
+            names = sorted(e.name for e in os.scandir(root) if e.name.startswith(CHECKPOINT_PREFIX) and e.is_dir())
+        except FileNotFoundError:
+            return []
+        return [p for p in (os.path.join(root, n) for n in names) if os.path.isfile(os.path.join(p, MANIFEST_FILE))]
     entries = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
     dirs = sorted(e.path for e in entries
                   if e.type == pafs.FileType.Directory and e.base_name.startswith(CHECKPOINT_PREFIX))
