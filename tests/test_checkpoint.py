@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -32,7 +35,7 @@ def test_manifest_lists_every_file_with_its_checksum(tmp_path):
     path = _save(tmp_path, 10, 1.0)
     manifest = checkpoint.read_manifest(path)
     assert manifest["train_state"] == {"step": 10}
-    assert set(manifest["files"]) == {"state.pt", "rng_0.json"}
+    assert set(manifest["files"]) == {"state.pt"}
     assert checkpoint.verify(str(path)) is None
 
 
@@ -190,3 +193,41 @@ def test_a_replicated_checkpoint_in_the_earlier_dcp_format_still_loads(tmp_path)
     fresh = torch.nn.Linear(4, 2)
     assert checkpoint.load(path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1)) == {"step": 7}
     assert torch.all(fresh.weight == 5.0)
+
+
+RANKS_RNG = textwrap.dedent("""
+    import json, random, sys
+    import numpy as np, torch, torch.distributed as dist
+    from raylane.loop import checkpoint
+
+    rank, path, init = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(100 + rank); np.random.seed(200 + rank); random.seed(300 + rank)
+    checkpoint.save(path, model, optimizer, {"step": 3, "world_size": 2}, rank=rank)
+    def draws():
+        return [torch.rand(2).tolist(), np.random.rand(2).tolist(), [random.random() for _ in range(2)]]
+    expected = draws()
+    torch.manual_seed(0); np.random.seed(0); random.seed(0)
+    checkpoint.load(path, model, optimizer, rank=rank)
+    print(json.dumps({"expected": expected, "restored": draws()}))
+    dist.destroy_process_group()
+""")
+
+
+def test_each_ranks_random_generators_come_back_from_a_replicated_checkpoint(tmp_path):
+    """A DDP checkpoint is rank 0's one file; every rank's torch, numpy and python generators
+    travel to rank 0 in the commit, and each rank gets its own back on load."""
+    path = tmp_path / checkpoint.checkpoint_name(3)
+    path.mkdir()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [subprocess.Popen([sys.executable, "-c", RANKS_RNG, str(rank), str(path), init], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert sorted(checkpoint.read_manifest(path)["files"]) == ["state.pt"]
+    for r in results:
+        assert r["restored"] == r["expected"]
+    assert results[0]["expected"] != results[1]["expected"]  # two ranks, two streams

@@ -1,8 +1,9 @@
 """Checkpoints. A sharded state (FSDP) is saved with torch.distributed.checkpoint: every rank
 writes its own shard, rank 0 the metadata, and it loads at another world size. A replicated state
 (DDP, one process), the same on every rank, is written by rank 0 alone as one `state.pt`
-(`torch.save`, loaded with `weights_only=True`): DCP's planning and metadata cost several times
-the write itself for small models (bench B9). Both load into DDP, FSDP or one process, at any
+(`torch.save`, loaded with `weights_only=True`), with every rank's random generators, which
+reach rank 0 in the commit's gather: DCP's planning and metadata, and a file per rank, cost
+several times the write itself for small models (bench B9). Both load into DDP, FSDP or one process, at any
 world size; checkpoints of a replicated state written by earlier versions in DCP's format still load.
 
 Each checkpoint is a fresh directory committed by `manifest.json`, written last and atomically by
@@ -87,11 +88,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _own_files(path: Path, rank: int) -> dict[str, dict[str, Any]]:
-    """The files this rank wrote into `path` (DCP names data files `__<rank>_<n>.distcp`)."""
+    """The files this rank wrote into a sharded checkpoint (DCP names data files
+    `__<rank>_<n>.distcp`); a replicated state's `state.pt` is written later, by the commit."""
     names = [*path.glob(f"__{rank}_*.distcp"), path / rng_file(rank)]
     if rank == 0:
-        names += [p for p in (path / ".metadata", path / STATE_FILE) if p.exists()]
-    return {p.name: _digest(p) for p in names}
+        names.append(path / ".metadata")
+    return {p.name: _digest(p) for p in names if p.is_file()}
 
 
 def _dcp():
@@ -156,12 +158,14 @@ def _describe(exc: BaseException, rank: int) -> str:
 
 class PendingSave:
     """A checkpoint whose shards are written but which is not committed yet. `commit()` is
-    collective: every rank calls it, on the same group as the write."""
+    collective: every rank calls it, on the same group as the write. A replicated state is
+    written at the commit instead: rank 0's `whole` state, with every rank's `rng`."""
 
     def __init__(self, path: Path, rank: int, train_state: dict[str, Any], error: str | None = None,
-                 shapes: dict[str, list[int]] | None = None) -> None:
+                 shapes: dict[str, list[int]] | None = None, *, whole: dict[str, Any] | None = None,
+                 rng: dict[str, Any] | None = None) -> None:
         self.path, self.rank, self.train_state, self.error = path, rank, train_state, error
-        self.shapes = shapes
+        self.shapes, self.whole, self.rng = shapes, whole, rng
 
     @property
     def step(self) -> int:
@@ -178,14 +182,18 @@ class PendingSave:
                 files = _own_files(self.path, self.rank)
         except OSError as exc:  # reported on every rank below
             error = _describe(exc, self.rank)
-        gathered = _gather({"files": files, "error": error})
+        gathered = _gather({"files": files, "error": error, "rng": self.rng})
         _fail_if(self.step, [part["error"] for part in gathered])
         manifest_error = None
         if self.rank == 0:
             try:
+                if self.whole is not None:
+                    _save_durably(self.path / STATE_FILE, {**self.whole, "rng": [part["rng"] for part in gathered]})
+                    files[STATE_FILE] = _digest(self.path / STATE_FILE)
                 _write_manifest(self.path, {"train_state": self.train_state, "shapes": self.shapes,
-                                            "files": {k: v for part in gathered for k, v in part["files"].items()}})
-            except OSError as exc:
+                                            "files": {k: v for part in [*gathered[1:], {"files": files}]
+                                                      for k, v in part["files"].items()}})
+            except _save_errors() as exc:
                 manifest_error = _describe(exc, 0)
         raise_if_any(self.step, manifest_error, only_rank_zero=True)
 
@@ -341,20 +349,21 @@ def write(path: str | os.PathLike, state: dict[str, Any], train_state: dict[str,
     part in DCP's collectives, with nothing to write. Errors are kept for `commit()`, so that
     every rank learns of them together.
 
-    With a `replicated` state, rank 0 alone writes it, as one `state.pt`, with no collectives:
-    every rank would write an identical copy, and DCP's planning (about a dozen collectives and
-    their pickles) and metadata cost more than the write itself for small models (bench B9)."""
+    A `replicated` state is written by `commit()`: rank 0 alone writes it, as one `state.pt`
+    holding every rank's generators too. Every rank would write an identical copy, and DCP's
+    planning (about a dozen collectives and their pickles) and metadata cost more than the write
+    itself for small models (bench B9)."""
     path = Path(path)
+    shapes = model_shapes(state.get("model") or {}) if rank == 0 and error is None else None
+    if replicated:
+        whole = state if rank == 0 and error is None else None
+        return PendingSave(path, rank, train_state, error=error, shapes=shapes, whole=whole, rng=rng)
     try:
-        if not replicated:
-            _dcp().save({} if error else state, checkpoint_id=str(path), process_group=_group())
-        elif rank == 0 and error is None:
-            _save_durably(path / STATE_FILE, state)
+        _dcp().save({} if error else state, checkpoint_id=str(path), process_group=_group())
         if error is None:
             _write_durably(path / rng_file(rank), json.dumps(rng))
     except _save_errors() as exc:  # reported on every rank by commit()
         error = error or _describe(exc, rank)
-    shapes = model_shapes(state.get("model") or {}) if rank == 0 and error is None else None
     return PendingSave(path, rank, train_state, error=error, shapes=shapes)
 
 
@@ -417,9 +426,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     model_sd, optim_sd = dcp.state_dict.get_state_dict(model, optimizer)
     manifest = read_manifest(path)
     check_shapes(path, manifest.get("shapes"), model_sd)
-    options = None
+    options, rngs = None, None
     if (Path(path) / STATE_FILE).exists():
         state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+        rngs = state.pop("rng", None)
         # Whole tensors into a sharded model (a DDP run resumed under FSDP): each rank keeps its shard.
         options = None if replicated(model) else dcp.state_dict.StateDictOptions(full_state_dict=True)
     else:
@@ -434,8 +444,12 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
                                   options=options)
     train_state = manifest["train_state"]
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    rng = Path(path) / rng_file(rank if rank is not None else -1)
-    if rank is not None and train_state.get("world_size") == world_size and rng.exists():
+    if rank is None or train_state.get("world_size") != world_size:
+        return train_state
+    rng = Path(path) / rng_file(rank)
+    if rngs is not None and rank < len(rngs):
+        set_rng_state(rngs[rank])
+    elif rng.exists():
         set_rng_state(json.loads(rng.read_text()))
     return train_state
 

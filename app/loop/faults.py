@@ -59,10 +59,10 @@ class FaultPlan:
     def before_save(self, step: int, path: str) -> None:
         fault = self.by_step.get(step)
         if fault and fault.kind == "diskfull":
-            # A replicated state is rank 0's `state.pt`; DCP names a rank's first shard
-            # `__<rank>_0.distcp`; every rank also writes its random generators' file. Each is
-            # opened for writing following the link, so the first of them this rank writes
-            # fails with ENOSPC, as on a full disk.
+            # A replicated state is rank 0's `state.pt` (other ranks write nothing); DCP names a
+            # rank's first shard `__<rank>_0.distcp`, and each rank of a sharded state writes its
+            # random generators' file. Each is opened for writing following the link, so the
+            # first of them this rank writes fails with ENOSPC, as on a full disk.
             names = [f"__{self.rank}_0.distcp", f"rng_{self.rank}.json"] + (["state.pt"] if self.rank == 0 else [])
             for name in names:
                 os.symlink(FULL_DEVICE, os.path.join(path, name))
