@@ -14,7 +14,6 @@ import torch
 from raylane.loop import checkpoint
 from tests.conftest import read_json
 
-
 pytestmark = pytest.mark.untracked
 
 def _save(root: Path, step: int, value: float) -> Path:

@@ -31,7 +31,6 @@ import pytest
 import yaml
 
 import raylane
-
 from tests.conftest import REPO, cli_env
 
 README = REPO / "README.md"

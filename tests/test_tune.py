@@ -15,7 +15,6 @@ import pytest
 from raylane import cli
 from tests.conftest import read_json
 
-
 # Every line a sweep prints: raylane's own, the trials table and the best trial. Not MLflow's
 # "View run" links or "Successfully registered model", nor what the raylets push to the driver.
 SWEEP_FORMATS = [re.compile(p) for p in (
