@@ -2,9 +2,10 @@
 writes its own shard, rank 0 the metadata, and it loads at another world size. A replicated state
 (DDP, one process), the same on every rank, is written by rank 0 alone as one `state.pt`
 (`torch.save`, loaded with `weights_only=True`), with every rank's random generators, which
-reach rank 0 in the commit's gather: DCP's planning and metadata, and a file per rank, cost
-several times the write itself for small models (bench B9). Both load into DDP, FSDP or one process, at any
-world size; checkpoints of a replicated state written by earlier versions in DCP's format still load.
+reach rank 0 in the commit's gather: DCP's planning and metadata cost several times the write
+itself for small models (bench B9), and a file per rank is a write per rank on object storage.
+Both load into DDP, FSDP or one process, at any world size; replicated checkpoints written by
+earlier versions in DCP's format still load.
 
 Each checkpoint is a fresh directory committed by `manifest.json`, written last and atomically by
 rank 0. It holds the train state (epoch, step, position in the epoch, the resolved config,
