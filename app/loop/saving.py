@@ -1,7 +1,7 @@
 """A run's checkpoints from the training loop's side: when to wait, what to tell the driver.
 
 With `checkpoint.async_save` the loop only takes references to the state at a step boundary.
-A background thread copies it into reused CPU buffers (raylane.loop.checkpoint.Stager) while
+A background thread copies it into reused CPU buffers (raylane.loop.staging.Stager) while
 the next step's forward and backward run, which only read it: the loop waits for the copy only
 before it changes the state (`wait_staged`: before the optimizer step, or before the forward
 when the model has buffers a forward may update). The same thread then does everything else,
@@ -26,6 +26,7 @@ from raylane.loop import checkpoint
 from raylane.loop.faults import FaultPlan
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
+from raylane.loop.staging import Stager
 
 log = logging.getLogger("raylane.checkpoint")
 
@@ -39,7 +40,7 @@ class Saver:
         self.asynchronous = cfg.async_save and (group is not None or not distributed)
         if cfg.async_save and not self.asynchronous:
             log.warning("checkpoint.async_save without a process group for saves: saving synchronously")
-        self._stager = checkpoint.Stager()
+        self._stager = Stager()
         self._in_flight: tuple[dict[str, Any], Future] | None = None  # (train state, outcome)
         self._jobs: queue.SimpleQueue | None = None
         self._staged = threading.Event()
