@@ -38,6 +38,38 @@ def check_run(cfg: BaseConfig, *, summary_json: str | None = None, local_storage
         writable_dir("run.storage_path", cfg.run.storage_path)
     if cfg.checkpoint.keep_best:  # best_metric ranks checkpoints only then
         check_metric("checkpoint.best_metric", cfg.checkpoint.best_metric, cfg)
+    if local_storage:
+        check_init_from(cfg)
+
+
+def check_init_from(cfg: BaseConfig) -> None:
+    """`checkpoint.init_from`, a local checkpoint: committed, its files the sizes its manifest
+    records (the checksums are the worker's, at load: seconds for a large model), and loadable
+    with this config. Skipped for object storage, and when the run resumes a checkpoint of its
+    own, which takes precedence over init_from."""
+    path, field = cfg.checkpoint.init_from, "checkpoint.init_from"
+    if not path or "://" in path:
+        return
+    folder = run_folder(cfg)
+    if folder is not None and folder.is_dir() and newest_manifest(folder) is not None:
+        return
+    where = Path(path).expanduser()
+    if not where.is_dir():
+        raise ConfigError(f"{field} = {path!r}: no such folder (expected runs/<name>/checkpoint_<step>)")
+    try:
+        manifest = json.loads((where / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"{field} = {path!r}: not a committed checkpoint (no readable {MANIFEST})") from None
+    for name, want in sorted(files.items()):
+        size = (where / name).stat().st_size if (where / name).is_file() else None
+        if size != want.get("size"):
+            problem = f"{name} is missing" if size is None else f"{name} has {size} bytes, the manifest says {want.get('size')}"
+            raise ConfigError(f"{field} = {path!r}: not a valid checkpoint ({problem})")
+    recorded = (manifest.get("train_state") or {}).get("config")
+    if isinstance(recorded, dict) and (key := first_unloadable(flatten(recorded), cfg.flat())) is not None:
+        raise ConfigError(f"{key} = {_shown(cfg.flat(), key)}: {field} = {path!r} was saved with {key} = "
+                          f"{_shown(flatten(recorded), key)}, which this config cannot load")
 
 
 def check_metric(field: str, metric: str, cfg: BaseConfig) -> None:

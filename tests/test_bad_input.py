@@ -43,6 +43,16 @@ def ran(name: str = "r", *sets: str) -> dict[str, str]:
     return {f"runs/{name}/checkpoint_000000003/manifest.json": json.dumps({"train_state": {"step": 3, "config": config}})}
 
 
+def committed(folder: str, files: dict[str, str], sizes: dict[str, int] | None = None) -> dict[str, str]:
+    """A checkpoint folder of a digits run holding `files`, whose manifest records `sizes` (by
+    default, each file's own)."""
+    config = load_config("digits", []).model_dump(mode="json")
+    sizes = sizes or {name: len(text) for name, text in files.items()}
+    manifest = {"train_state": {"step": 3, "config": config},
+                "files": {name: {"size": size, "sha256": "0" * 64} for name, size in sizes.items()}}
+    return {**{f"{folder}/{name}": text for name, text in files.items()}, f"{folder}/manifest.json": json.dumps(manifest)}
+
+
 def swept(*sets: str) -> dict[str, str]:
     """runs/digits-asha as the shipped sweep (with `sets`) left it: its record."""
     from raylane.onray.sweep import SWEEP_RECORD, load_sweep, settings
@@ -125,6 +135,20 @@ CASES: dict[str, Case] = {
                                      "--set run.name=r-2", files=ran()),
     "check a resume": Case(["check", "digits", "--set", "run.name=r", "--set", "model.num_layers=3"],
                            "model.num_layers = 3: run 'r'", files=ran()),
+    # init_from: someone else's checkpoint, checked before any MLflow run exists
+    "init from a missing folder": Case(["train", "digits", "--set", "checkpoint.init_from=nope"],
+                                       "checkpoint.init_from = 'nope': no such folder"),
+    "init from an uncommitted folder": Case(["train", "digits", "--set", "checkpoint.init_from=ck"],
+                                            "checkpoint.init_from = 'ck': not a committed checkpoint", files={"ck/x": ""}),
+    "init from a truncated checkpoint": Case(["train", "digits", "--set", "checkpoint.init_from=ck"],
+                                             "checkpoint.init_from = 'ck': not a valid checkpoint (state.pt has 5 bytes, "
+                                             "the manifest says 10)", files=committed("ck", {"state.pt": "12345"}, sizes={"state.pt": 10}),
+                                             subprocess=True),
+    "init from a checkpoint missing a file": Case(["train", "digits", "--local", "--set", "checkpoint.init_from=ck"],
+                                                  "(state.pt is missing)", files=committed("ck", {}, sizes={"state.pt": 10})),
+    "init from another model": Case(["train", "digits", "--set", "checkpoint.init_from=ck", "--set", "model.hidden_size=64"],
+                                    "model.hidden_size = 64: checkpoint.init_from = 'ck' was saved with model.hidden_size "
+                                    "= 128, which this config cannot load", files=committed("ck", {})),
     # tune: the sweep and its base config
     "tune a pipeline config": Case(["tune", "digits"],
                                    "sweep file 'digits': is a pipeline config (no `sweep:` section): "
