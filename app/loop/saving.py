@@ -26,7 +26,7 @@ from raylane.loop import checkpoint
 from raylane.loop.faults import FaultPlan
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
-from raylane.loop.staging import Stager
+from raylane.loop.staging import LiveState, Stager
 
 log = logging.getLogger("raylane.checkpoint")
 
@@ -41,6 +41,7 @@ class Saver:
         if cfg.async_save and not self.asynchronous:
             log.warning("checkpoint.async_save without a process group for saves: saving synchronously")
         self._stager = Stager()
+        self._live = LiveState()
         self._in_flight: tuple[dict[str, Any], Future] | None = None  # (train state, outcome)
         self._jobs: queue.SimpleQueue | None = None
         self._staged = threading.Event()
@@ -73,7 +74,8 @@ class Saver:
         replicated = checkpoint.replicated(model)
         try:
             if self.runtime.rank == 0 or not replicated:  # other ranks of DDP write no state
-                state = checkpoint.live_state(model, optimizer)  # references, and plain values copied
+                state = (self._live.take(model, optimizer, checkpoint.live_state) if replicated
+                         else checkpoint.live_state(model, optimizer))  # references, and plain values copied
         except checkpoint._save_errors() as exc:  # the write agrees on it with every rank
             error = checkpoint._describe(exc, self.runtime.rank)
         outcome: Future = Future()

@@ -74,3 +74,53 @@ def _map_tensors(obj: Any, fn, companion: Any = None) -> Any:
         items = [_map_tensors(v, fn, companion[i] if companion is not None else None) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
     return obj if isinstance(obj, (int, float, str, bool, type(None))) else copy.deepcopy(obj)
+
+
+class LiveState:
+    """References to a replicated model's and optimizer's state, in DCP's format (keyed by
+    parameter name), taken without DCP's get_state_dict: its generic path cost ~0.3 ms of the
+    training thread per save on 2 busy cores (bench B9), against ~0.03 ms for the modules' own
+    state_dict() renamed by a map built once. The first call checks the two agree, key for key
+    and tensor for tensor, and keeps to DCP for good if they do not (a wrapper or a tied weight
+    this map does not know)."""
+
+    def __init__(self) -> None:
+        self._names: list[str] | None = None  # the optimizer's parameter index -> name
+        self._checked = False
+
+    def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dcp_state) -> dict[str, Any]:
+        """`dcp_state(model, optimizer)`: DCP's way, the reference."""
+        if self._checked and self._names is None:
+            return dcp_state(model, optimizer)
+        module = getattr(model, "module", model)  # DDP's wrapped module
+        if not self._checked:
+            names = {id(p): n for n, p in module.named_parameters()}
+            ordered = [p for group in optimizer.param_groups for p in group["params"]]
+            self._names = [names.get(id(p), "") for p in ordered]
+            fast, reference = self._take(module, optimizer), dcp_state(model, optimizer)
+            self._checked = True
+            if not _same(fast, reference):
+                self._names = None
+            return reference
+        return self._take(module, optimizer)
+
+    def _take(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        names = self._names
+        packed = optimizer.state_dict()
+        # Each parameter's dict copied: the loop may rebind a plain value in it (a float `step`)
+        # while the save thread still reads it.
+        optim = {"state": {names[i]: dict(v) for i, v in packed["state"].items()},
+                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in packed["param_groups"]]}
+        return {"model": module.state_dict(), "optim": optim}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The same structure, plain values and tensors (the same memory, not only equal)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
+                and a.shape == b.shape and a.dtype == b.dtype)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
