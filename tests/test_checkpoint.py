@@ -210,14 +210,18 @@ RANKS_RNG = textwrap.dedent("""
     expected = draws()
     torch.manual_seed(0); np.random.seed(0); random.seed(0)
     checkpoint.load(path, model, optimizer, rank=rank)
-    print(json.dumps({"expected": expected, "restored": draws()}))
+    restored = draws()
+    # the commit's gather: one fixed-size round, and the general one when a rank's part is larger
+    gathered = [checkpoint._gather({"rank": rank}), checkpoint._gather("x" * (40_000 if rank else 10))]
+    print(json.dumps({"expected": expected, "restored": restored, "gathered": gathered}))
     dist.destroy_process_group()
 """)
 
 
 def test_each_ranks_random_generators_come_back_from_a_replicated_checkpoint(tmp_path):
     """A DDP checkpoint is rank 0's one file; every rank's torch, numpy and python generators
-    travel to rank 0 in the commit, and each rank gets its own back on load."""
+    travel to rank 0 in the commit, and each rank gets its own back on load. The commit's gather
+    hands every rank every part, whatever its size."""
     path = tmp_path / checkpoint.checkpoint_name(3)
     path.mkdir()
     init = f"file://{tmp_path / 'rendezvous'}"
@@ -230,3 +234,34 @@ def test_each_ranks_random_generators_come_back_from_a_replicated_checkpoint(tmp
     for r in results:
         assert r["restored"] == r["expected"]
     assert results[0]["expected"] != results[1]["expected"]  # two ranks, two streams
+    for r in results:
+        assert r["gathered"] == [[{"rank": 0}, {"rank": 1}], ["x" * 10, "x" * 40_000]]
+
+
+def _stepped(model: torch.nn.Module) -> torch.optim.Optimizer:
+    optimizer = torch.optim.AdamW([{"params": list(model[0].parameters())},
+                                   {"params": list(model[2].parameters()), "lr": 0.1}])
+    model(torch.randn(8, 3)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_a_replicated_states_references_match_dcps_or_come_from_dcp():
+    """A save takes a replicated state's references without DCP's get_state_dict once the first
+    save found both ways agree; a wrapper the name map does not know keeps DCP's way."""
+    from raylane.loop.staging import LiveState, _same
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    optimizer, live = _stepped(model), LiveState()
+    for _ in range(2):
+        assert _same(live.take(model, optimizer, checkpoint.live_state), checkpoint.live_state(model, optimizer))
+    assert live._names == ["0.weight", "0.bias", "2.weight", "2.bias"]  # the second came from the map
+    taken = live.take(model, optimizer, checkpoint.live_state)
+    optimizer.state[model[0].weight]["step"] = 99.0  # rebound by the loop after the save took its references
+    assert taken["optim"]["state"]["0.weight"]["step"] is not optimizer.state[model[0].weight]["step"]
+
+    compiled = torch.compile(model)  # DCP names its parameters without `_orig_mod.`; the map would not
+    wrapped = LiveState()
+    for _ in range(2):
+        assert _same(wrapped.take(compiled, optimizer, checkpoint.live_state), checkpoint.live_state(compiled, optimizer))
+    assert wrapped._names is None
