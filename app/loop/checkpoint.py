@@ -277,17 +277,30 @@ def _write_durably(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+class _Hashing:
+    """A file's write(), hashing what goes through it: a digest without reading the file back
+    and without holding it whole in memory."""
+
+    def __init__(self, f: io.BufferedWriter) -> None:
+        self.f, self.digest, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def _save_durably(path: Path, state: dict[str, Any]) -> dict[str, Any]:
-    """torch.save `state` to `path`, fsynced; returns its size and SHA-256, taken from the bytes
-    written rather than read back."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getbuffer()
+    """torch.save `state` to `path`, fsynced; returns its size and SHA-256."""
     with open(path, "wb") as f:
-        f.write(data)
+        hashing = _Hashing(f)
+        torch.save(state, hashing)
         f.flush()
         os.fsync(f.fileno())
-    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"size": hashing.size, "sha256": hashing.digest.hexdigest()}
 
 
 def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
