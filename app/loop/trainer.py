@@ -13,14 +13,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from raylane import __version__
 from raylane.config import BaseConfig
 from raylane.loop import preemption
 from raylane.loop.data import EpochData
 from raylane.loop.devices import peak_memory_bytes, reset_peak_memory, state_bytes
-from raylane.loop.distributed import ControlVote, all_reduce_max, all_reduce_sums, backend_name
+from raylane.loop.distributed import ControlVote, all_reduce_max, backend_name
+from raylane.loop.evaluation import Evaluator
 from raylane.loop.faults import FaultPlan
 from raylane.loop.parallel import Strategy, no_gradient_sync
 from raylane.loop.reporting import Reporter
@@ -69,8 +69,8 @@ class Trainer:
         self.train_data = train_data
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.eval_data = eval_data
-        self.eval_sums = eval_sums
+        self.evaluator = None if eval_data is None else Evaluator(eval_data, eval_sums, runtime.device,
+                                                                                runtime.world_size)
         self.runtime = runtime
         self.reporter = reporter
         self.cfg = cfg
@@ -128,7 +128,6 @@ class Trainer:
         self.speed_metrics: dict[str, float] = {}
         self._train_started = time.perf_counter()
         self._trained_before_s = 0.0  # by earlier launches of this run (from its checkpoint)
-        self._metric_names: list[str] | None = None
         self.skipped_steps = 0
         self.last_checkpoint: str | None = None
         self._loss_sum = torch.zeros((), device=self.device)
@@ -288,43 +287,11 @@ class Trainer:
         self.eval_step = self.step
         self.reporter.on_eval(epoch=self.epoch, step=self.step, metrics=metrics)
 
-    @torch.no_grad()
     def _evaluate(self) -> dict[str, float]:
-        if self.eval_data is None:
+        if self.evaluator is None:
             return {}
-        self.model.eval()
-        # DDP's forward broadcasts buffers (BatchNorm's statistics): a collective per batch, which
-        # hangs when ranks hold different numbers of held-out batches (a stream's file shares).
-        # Evaluation needs no gradient sync, so it runs the wrapped module itself.
-        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
-        sums: dict[str, torch.Tensor] = {}
-        count = 0
-        for source, targets in self.eval_data:
-            output = model(source.to(self.device))
-            for name, value in self.eval_sums(output, targets.to(self.device)).items():
-                sums[name] = sums.get(name, 0) + value
-            count += len(targets)
-        for name in self._eval_names(sums):  # a rank whose share was empty sums zeros
-            sums.setdefault(name, torch.zeros((), device=self.device))
-        sums["count"] = torch.tensor(float(count))
-        totals = all_reduce_sums(sums)
-        n = totals.pop("count")
-        self.eval_metrics = {k: v / max(n, 1.0) for k, v in totals.items()}
+        self.eval_metrics = self.evaluator(self.model)
         return self.eval_metrics
-
-    def _eval_names(self, sums: dict[str, torch.Tensor]) -> list[str]:
-        """The metric names, agreed by every rank once (all_reduce_sums needs the same keys
-        everywhere, and a stream's held-out share may be empty on some rank)."""
-        if self._metric_names is None:
-            names = [sorted(sums)]
-            if self.runtime.world_size > 1:
-                import torch.distributed as dist
-
-                gathered: list[Any] = [None] * self.runtime.world_size
-                dist.all_gather_object(gathered, names[0])
-                names = gathered
-            self._metric_names = sorted(set().union(*names))
-        return self._metric_names
 
     def _save_checkpoint(self) -> None:
         if self._saved_step == self.step:
