@@ -211,7 +211,7 @@ RANKS_RNG = textwrap.dedent("""
     torch.manual_seed(0); np.random.seed(0); random.seed(0)
     checkpoint.load(path, model, optimizer, rank=rank)
     restored = draws()
-    # the commit's gather: one fixed-size round, and the general one when a rank's part is larger
+    # the commit's gather hands every rank every part, small or large
     gathered = [checkpoint._gather({"rank": rank}), checkpoint._gather("x" * (40_000 if rank else 10))]
     print(json.dumps({"expected": expected, "restored": restored, "gathered": gathered}))
     dist.destroy_process_group()
