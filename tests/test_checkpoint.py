@@ -195,7 +195,7 @@ def test_a_replicated_checkpoint_in_the_earlier_dcp_format_still_loads(tmp_path)
 
 
 RANKS_RNG = textwrap.dedent("""
-    import json, random, sys
+    import json, os, random, sys
     import numpy as np, torch, torch.distributed as dist
     from raylane.loop import checkpoint
 
@@ -213,8 +213,9 @@ RANKS_RNG = textwrap.dedent("""
     restored = draws()
     # the commit's gather hands every rank every part, small or large
     gathered = [checkpoint._gather({"rank": rank}), checkpoint._gather("x" * (40_000 if rank else 10))]
-    print(json.dumps({"expected": expected, "restored": restored, "gathered": gathered}))
+    print(json.dumps({"expected": expected, "restored": restored, "gathered": gathered}), flush=True)
     dist.destroy_process_group()
+    os._exit(0)  # as `raylane` exits (cli.run): gloo's threads can abort the interpreter's teardown
 """)
 
 
