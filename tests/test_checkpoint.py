@@ -261,6 +261,10 @@ def test_a_replicated_states_references_match_dcps_or_come_from_dcp():
     optimizer.state[model[0].weight]["step"] = 99.0  # rebound by the loop after the save took its references
     assert taken["optim"]["state"]["0.weight"]["step"] is not optimizer.state[model[0].weight]["step"]
 
+    optimizer.add_param_group({"params": list(model[1].parameters())})  # unfreezing: the map is built again
+    assert _same(live.take(model, optimizer, checkpoint.live_state), checkpoint.live_state(model, optimizer))
+    assert live._names == ["0.weight", "0.bias", "2.weight", "2.bias", "1.weight", "1.bias"]
+
     compiled = torch.compile(model)  # DCP names its parameters without `_orig_mod.`; the map would not
     wrapped = LiveState()
     for _ in range(2):

@@ -8,6 +8,7 @@ import copy
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 
 class Stager:
@@ -92,7 +93,9 @@ class LiveState:
         """`dcp_state(model, optimizer)`: DCP's way, the reference."""
         if self._checked and self._names is None:
             return dcp_state(model, optimizer)
-        module = getattr(model, "module", model)  # DDP's wrapped module
+        module = model.module if isinstance(model, DistributedDataParallel) else model
+        if self._checked and len(self._names) != sum(len(g["params"]) for g in optimizer.param_groups):
+            self._checked = False  # a parameter group was added since (unfreezing): check again
         if not self._checked:
             names = {id(p): n for n, p in module.named_parameters()}
             ordered = [p for group in optimizer.param_groups for p in group["params"]]
