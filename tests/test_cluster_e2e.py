@@ -380,7 +380,13 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_one_dies(tmp_pa
                  "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "summary.json")],
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            assert wait_for(lambda: "worker group restarted (1)" in log.read_text() or run.poll() is not None, 240)
+            def logged(text: str, timeout_s: float) -> None:  # a timeout shows the run's own lines
+                try:
+                    wait_for(lambda: text in log.read_text() or run.poll() is not None, timeout_s)
+                except TimeoutError:
+                    raise AssertionError(f"no {text!r} within {timeout_s} s:\n{log.read_text()[-3000:]}") from None
+
+            logged("worker group restarted (1)", 240)
             assert run.poll() is None, "the run ended before it grew: " + log.read_text()[-3000:]
             raylet = _newest_raylet(temp)
             if notice == "sigterm":
@@ -393,10 +399,9 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_one_dies(tmp_pa
                                 "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
                                 "--deadline-remaining-seconds", "60"], env=env, check=True, capture_output=True)
             if notice:
-                assert wait_for(lambda: "restarts without the leaving node" in log.read_text()
-                                or run.poll() is not None, 60), log.read_text()[-3000:]
+                logged("restarts without the leaving node", 60)
             os.kill(raylet, signal.SIGKILL)
-            assert wait_for(lambda: "worker group restarted (2)" in log.read_text() or run.poll() is not None, 240)
+            logged("worker group restarted (2)", 240)
             (tmp_path / "pace").unlink()
             assert run.wait(400) == 0, log.read_text()[-4000:]
         finally:

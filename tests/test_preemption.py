@@ -131,6 +131,51 @@ def test_a_stop_at_an_epoch_end_saves_though_no_checkpoint_was_due(run_cli, tmp_
     assert s["checkpoint"].endswith(checkpoint.checkpoint_name(4)) and checkpoint.verify(s["checkpoint"]) is None
 
 
+NOTICE_DURING_BUILD = """
+import os, signal
+import torch
+import raylane
+from raylane.loop.pipeline import Pipeline
+
+
+class Config(raylane.BaseConfig):
+    def eval_metrics(self):
+        return ("loss",)
+
+
+def build(cfg):
+    from torch.utils.data import TensorDataset
+
+    if os.environ.get("RANK") == "1":  # the notice comes while this rank still builds
+        os.kill(os.getpid(), signal.SIGTERM)
+    x = torch.arange(64, dtype=torch.float32)[:, None] / 64
+    return Pipeline(model=torch.nn.Linear(1, 1), train_set=TensorDataset(x, x), eval_set=TensorDataset(x, x),
+                    loss_fn=torch.nn.functional.mse_loss,
+                    eval_sums=lambda o, t: {"loss": torch.nn.functional.mse_loss(o, t, reduction="sum")})
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.shared_ray
+def test_a_notice_before_the_loop_starts_still_stops_gracefully(run_cli, tmp_path):
+    """SIGTERM to a Ray worker while its pipeline builds (before its loop runs): Ray's own handler
+    would end the worker there and fail the run; raylane keeps the notice, and every rank stops
+    at the first agreed step with a checkpoint. (Elastic, the group would restart without that
+    node: tests/test_cluster_e2e.py sends its notice as soon as the grown group has started.)"""
+    (tmp_path / "pipe.py").write_text(NOTICE_DURING_BUILD)
+    (tmp_path / "run.yaml").write_text("pipeline: ./pipe.py\n")
+    p = run_cli("train", "run.yaml", "--set", "scaling.num_workers=2", "--set", "train.batch_size=4",
+                "--set", "train.max_epochs=50",
+                "--set", "mlflow.enabled=false", "--set", f"run.storage_path={tmp_path / 'runs'}",
+                "--summary-json", "s.json", cwd=tmp_path, name="early")
+    assert p.wait(180) == 130, p.output
+    s = read_json(tmp_path / "s.json")
+    assert s["preempted"] is True and s["restarts"] == 0, s
+    assert 0 < s["steps"] < 50 * 8, s  # stopped early, at a step every rank agreed on
+    assert "(a stop request from another rank)" in s["error"], s  # rank 1's notice, not the driver's stop
+    assert s["checkpoint"].endswith(checkpoint.checkpoint_name(s["steps"])) and checkpoint.verify(s["checkpoint"]) is None
+
+
 def _weights(path: str) -> dict[str, torch.Tensor]:
     cfg = load_config("digits")
     model = build_model(cfg.model)

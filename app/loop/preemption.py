@@ -8,7 +8,9 @@ it; the Trainer reads it once per step. A request may say that only this rank's 
 agreed step, and a launcher that can go on without the node (an elastic run on Ray) restarts the
 group on the others from that checkpoint instead of ending the run. The launcher may also ask
 for a handover to a larger group (`request_growth`). A signal while no loop is armed, or a second
-one after `ESCALATE_AFTER_S`, goes to the previous handler (normally: exit now). Ray-free."""
+one after `ESCALATE_AFTER_S`, goes to the previous handler (normally: exit now), except in a
+process installed with `early=True` (a Ray worker), which keeps a signal that comes while its
+group is still starting: the loop checkpoints at its first agreed step. Ray-free."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ _node_leaving = threading.Event()
 _signals_mean_node_leaving = False
 _reason: list[str] = []
 _armed = 0
+_early = False  # until the first loop ends: a signal before it is armed is kept, not fatal
 _first_signal_at: float | None = None
 _previous: dict[int, Any] = {}
 
@@ -78,18 +81,19 @@ def reason() -> str | None:
 @contextlib.contextmanager
 def armed() -> Iterator[None]:
     """While inside, signals ask for a graceful stop instead of taking the previous action."""
-    global _armed
+    global _armed, _early
     _armed += 1
     try:
         yield
     finally:
         _armed -= 1
+        _early = False  # the loop is over: a signal now means what it meant before install()
 
 
 def _handler(signum: int, frame: Any) -> None:
     global _first_signal_at
     now = time.monotonic()
-    if _armed and (_first_signal_at is None or now - _first_signal_at < ESCALATE_AFTER_S):
+    if (_armed or _early) and (_first_signal_at is None or now - _first_signal_at < ESCALATE_AFTER_S):
         if _first_signal_at is None:
             _first_signal_at = now
             name = signal.Signals(signum).name
@@ -108,8 +112,14 @@ def _handler(signum: int, frame: Any) -> None:
         signal.raise_signal(signum)
 
 
-def install(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
-    """Main thread only. Idempotent: the handler that was there first stays the fallback."""
+def install(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), *, early: bool = False) -> None:
+    """Main thread only. Idempotent: the handler that was there first stays the fallback.
+    `early`: from now until the first loop ends, a signal is a request even before the loop is
+    armed. For a Ray worker: a spot reclaim's SIGTERM can come while its group is still building
+    the pipeline or loading the checkpoint (seconds on a busy node), and Ray's own handler would
+    end the worker there, which an elastic run takes for a failure of the whole group."""
+    global _early
+    _early = _early or early
     for signum in signals:
         current = signal.getsignal(signum)
         if current is not _handler:

@@ -97,7 +97,6 @@ class RayRuntime:
                  restarts: bool = False) -> None:
         ctx = ray.train.get_context()
         self.restarts_without_leaving_nodes = restarts
-        preemption.signals_mean_node_leaving(restarts)  # otherwise SIGTERM stops the run
         self._streams = streams or {}  # the Ray Datasets the driver made: name -> rows per epoch
         self.rank = ctx.get_world_rank()
         self.local_rank = ctx.get_local_rank()
@@ -198,7 +197,7 @@ class RayRuntime:
 _process_group_unix: float | None = None
 
 
-def _training_starts() -> None:
+def _training_starts(restarts: bool) -> None:
     # Runs on each worker actor's main thread, the only one that may set signal handlers (the
     # training function runs on another). Ray's own handler (exit) stays the fallback.
     import signal
@@ -206,20 +205,24 @@ def _training_starts() -> None:
     global _process_group_unix
     _process_group_unix = time.time()  # the backend's on_start (init_process_group) came first
     # A Ray worker gets SIGTERM from its node going away (a spot reclaim's shutdown), which a run
-    # that restarts its group treats as that node's notice (RayRuntime); the driver's own stop
-    # reaches it through the event sink instead.
-    preemption.install((signal.SIGTERM,))
+    # that restarts its group treats as that node's notice; the driver's own stop reaches it
+    # through the event sink instead. Set here, not in RayRuntime: the notice may come before.
+    preemption.signals_mean_node_leaving(restarts)
+    preemption.install((signal.SIGTERM,), early=True)
 
 
 class _RaylaneTorchBackend(_TorchBackend):
     def on_training_start(self, worker_group, backend_config) -> None:
         super().on_training_start(worker_group, backend_config)
-        worker_group.execute(_training_starts)
+        worker_group.execute(_training_starts, backend_config.restarts)
 
 
 @dataclasses.dataclass
 class _RaylaneTorchConfig(TorchConfig):
-    """TorchConfig whose workers turn SIGTERM into a graceful stop (see raylane.loop.preemption)."""
+    """TorchConfig whose workers turn SIGTERM into a graceful stop (see raylane.loop.preemption).
+    `restarts`: the group restarts without a leaving node (see `_restarts`)."""
+
+    restarts: bool = False
 
     @property
     def backend_cls(self):
@@ -281,6 +284,11 @@ class _EmbeddedTorchTrainer(_DriverTorchTrainer):
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
+def _restarts(cfg: BaseConfig, search: dict[str, Any] | None) -> bool:
+    """Whether the group restarts without a node that leaves, rather than the run stopping."""
+    return max_failures(cfg) != 0 and not search
+
+
 def _train_fn(loop_config: dict[str, Any]) -> None:
     # Ray logs every report and checkpoint at INFO; the driver's display already shows them.
     # (One of those loggers is named after its file path, not its module.)
@@ -298,7 +306,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
 
     cfg = validate(loop_config["config"])
     runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu, loop_config.get("streams"),
-                         restarts=max_failures(cfg) != 0 and not loop_config.get("search"))
+                         restarts=_restarts(cfg, loop_config.get("search")))
     _relay_warnings(runtime, loop_config.get("verbose", False))
     if loop_config.get("search"):  # `raylane autotune`: the whole search in this one worker group
         from raylane.loop.search import run_search
@@ -452,7 +460,7 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
         scaling_config=ScalingConfig(num_workers=ray_num_workers(cfg), use_gpu=cfg.scaling.use_gpu,
                                      resources_per_worker=resources,
                                      elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s),
-        torch_config=_RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s),
+        torch_config=_RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s, restarts=_restarts(cfg, search)),
         run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
                              failure_config=FailureConfig(max_failures=max_failures(cfg))),
     )
