@@ -19,13 +19,13 @@ from typing import Any
 
 from raylane import pipelines_ref
 from raylane.config import BaseConfig, ConfigError, did_you_mean, effective_global_batch, flatten
+from raylane.loop.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, read_manifest, verify
 
 log = logging.getLogger("raylane")
 
 # Written by the driver into the run's folder when a run FINISHED: its summary. The next
 # launch of the same run.name reads it without MLflow (which may be slow, far or off).
 RUN_RECORD = "raylane_run.json"
-MANIFEST = "manifest.json"  # raylane.loop.checkpoint's commit file (that module imports torch)
 _UNSET = "(not set)"
 
 
@@ -57,15 +57,13 @@ def check_init_from(cfg: BaseConfig) -> None:
     if not where.is_dir():
         raise ConfigError(f"{field} = {path!r}: no such folder (expected runs/<name>/checkpoint_<step>)")
     try:
-        manifest = json.loads((where / MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ConfigError(f"{field} = {path!r}: not a committed checkpoint (no readable {MANIFEST})") from None
-    for name, want in sorted(files.items()):
-        size = (where / name).stat().st_size if (where / name).is_file() else None
-        if size != want.get("size"):
-            problem = f"{name} is missing" if size is None else f"{name} has {size} bytes, the manifest says {want.get('size')}"
-            raise ConfigError(f"{field} = {path!r}: not a valid checkpoint ({problem})")
+        manifest = read_manifest(where)
+    except (OSError, ValueError):
+        manifest = None
+    if not isinstance(manifest, dict):
+        raise ConfigError(f"{field} = {path!r}: not a committed checkpoint (no readable {MANIFEST_FILE})")
+    if problem := verify(str(where), checksums=False):
+        raise ConfigError(f"{field} = {path!r}: not a valid checkpoint ({problem})")
     recorded = (manifest.get("train_state") or {}).get("config")
     if isinstance(recorded, dict) and (key := first_unloadable(flatten(recorded), cfg.flat())) is not None:
         raise ConfigError(f"{key} = {_shown(cfg.flat(), key)}: {field} = {path!r} was saved with {key} = "
@@ -214,9 +212,9 @@ def _check_position(cfg: BaseConfig, state: dict[str, Any], old: dict[str, Any],
 def newest_manifest(folder: Path) -> tuple[Path, dict[str, Any]] | None:
     # Names are zero-padded steps: the newest sorts last. An unreadable manifest is skipped, as
     # the trainer skips that checkpoint too.
-    for path in sorted(folder.glob("checkpoint_*"), reverse=True):
+    for path in sorted(folder.glob(CHECKPOINT_PREFIX + "*"), reverse=True):
         try:
-            return path, json.loads((path / MANIFEST).read_text())
+            return path, read_manifest(path)
         except (OSError, ValueError):
             continue
     return None
