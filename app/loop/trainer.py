@@ -84,6 +84,18 @@ class Trainer:
         self.state_bytes: int | None = None
         # (wall time, process CPU time, step) once the warm-up steps are done
         self._warm: tuple[float, float, int] | None = None
+        self._init_vote(control_group)
+        self.saver = Saver(runtime, cfg.checkpoint, reporter, group=save_group, faults=faults)
+        # A forward in training mode may update buffers (BatchNorm's statistics) that a save in
+        # flight is still copying; parameters and optimizer state change only in the step.
+        self._forward_writes_state = any(True for _ in model.buffers())
+        self._saved_step: int | None = None
+        # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
+        # which every run pays whether saves are asynchronous or not, is left out.
+        self.checkpoint_stall_s = 0.0
+        self._init_progress(train_data, cfg, runtime.world_size)
+
+    def _init_vote(self, control_group: Any) -> None:
         # Step-boundary decisions all ranks must share: [stop now, async save not yet committed,
         # the launcher asked for a handover to a larger group], and values: [rank 0's step time,
         # ranks whose node is leaving (the stop is then for a restart without it, not the end)].
@@ -93,18 +105,9 @@ class Trainer:
         # rank 0's step time. A stop waits at most that long; nothing is lost either way.
         self.next_vote = VOTE_EVERY_N_STEPS if self.vote.distributed else 1
         self._last_vote = (time.perf_counter(), 0)
-        self.saver = Saver(runtime, cfg.checkpoint, reporter, group=save_group, faults=faults)
-        # A forward in training mode may update buffers (BatchNorm's statistics) that a save in
-        # flight is still copying; parameters and optimizer state change only in the step.
-        self._forward_writes_state = any(True for _ in model.buffers())
-        self._saved_step: int | None = None
         self.preempted = False
         self.node_leaving = False
         self._leaving_ranks, self.growing = 0, False
-        # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
-        # which every run pays whether saves are asynchronous or not, is left out.
-        self.checkpoint_stall_s = 0.0
-        self._init_progress(train_data, cfg, runtime.world_size)
 
     def _init_precision(self, precision: str) -> None:
         # FSDP casts parameters itself (MixedPrecisionPolicy); DDP and one process use autocast.
