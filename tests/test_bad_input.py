@@ -146,6 +146,9 @@ CASES: dict[str, Case] = {
                                              subprocess=True),
     "init from a checkpoint missing a file": Case(["train", "digits", "--local", "--set", "checkpoint.init_from=ck"],
                                                   "(state.pt is missing)", files=committed("ck", {}, sizes={"state.pt": 10})),
+    "init from a hand-edited manifest": Case(["train", "digits", "--set", "checkpoint.init_from=ck"],
+                                             "(state.pt has 5 bytes, the manifest says None)",
+                                             files={"ck/state.pt": "12345", "ck/manifest.json": '{"files": {"state.pt": 5}}'}),
     "init from another model": Case(["train", "digits", "--set", "checkpoint.init_from=ck", "--set", "model.hidden_size=64"],
                                     "model.hidden_size = 64: checkpoint.init_from = 'ck' was saved with model.hidden_size "
                                     "= 128, which this config cannot load", files=committed("ck", {})),
