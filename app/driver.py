@@ -58,12 +58,24 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def _torchrun_rank_done(stack: ExitStack, world_size: int, peers_finish: bool) -> None:
+    """Training is over on this torchrun rank."""
+    from raylane.loop.distributed import leave_process_group
+
+    if world_size > 1:
+        # When another rank failed, torchrun now SIGTERMs the survivors (and SIGKILLs them 30 s
+        # later): rank 0 still has to close the MLflow run and write the summary, so it finishes
+        # that first. Ctrl-C still interrupts.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    stack.callback(leave_process_group, wait_for_peers=peers_finish)  # runs last: after rank 0's summary
+
+
 def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
           summary_path: str | None = None, register: str | None = None) -> dict[str, Any]:
     """Run training to the end; returns the summary (on a torchrun rank other than 0, only its
     `status`). `EXIT_CODES[summary["status"]]` is the command's exit code."""
     from raylane.loop import preemption
-    from raylane.loop.distributed import env_ranks, init_process_group, leave_process_group
+    from raylane.loop.distributed import env_ranks, init_process_group
     from raylane.loop.startup import StartupTimes
     from raylane.tracking.records import RunRecorder
     from raylane.tracking.resizes import Resizes
@@ -99,13 +111,8 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
                                          [*listeners, startup.on_event], display)
         if use_ray:
             ray_stopper.start()  # the ranks are done; the records below need MLflow, not Ray
-        if not use_ray and world_size > 1:
-            # Training is over on this rank. When another rank failed, torchrun now SIGTERMs the
-            # survivors (and SIGKILLs them 30 s later): rank 0 still has to close the MLflow run
-            # and write the summary, so it finishes that first. Ctrl-C still interrupts.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if not use_ray:  # runs last: after rank 0's summary
-            stack.callback(leave_process_group, wait_for_peers=status == "FINISHED" or bool(result.get("preempted")))
+        else:
+            _torchrun_rank_done(stack, world_size, status == "FINISHED" or bool(result.get("preempted")))
         if not is_driver:
             return {"status": status, "error": error}
         summary = _summary(cfg, handle, status, error, result, display, launched, startup)
