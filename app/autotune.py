@@ -22,16 +22,15 @@ import yaml
 from pydantic import Field, ValidationError
 
 from raylane import prechecks
+from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import (
     BaseConfig,
     ConfigError,
-    GlobalBatch,
     Section,
     apply_overrides,
     apply_values,
     config_path,
     format_validation_error,
-    hold_global_batch,
     normalize_pipeline,
     read_yaml,
     validate,

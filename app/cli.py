@@ -17,7 +17,8 @@ from typing import Any
 import yaml
 
 from raylane import __version__, logs, prechecks
-from raylane.config import ConfigError, held_batch, load_config, world_sizes
+from raylane.batching import held_batch, world_sizes
+from raylane.config import ConfigError, load_config
 
 # Under torchrun, how long a rank other than 0 waits before exiting on a config error (see _config_error).
 CONFIG_ERROR_GRACE_S = 5.0

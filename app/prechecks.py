@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from raylane import pipelines_ref
-from raylane.config import BaseConfig, ConfigError, did_you_mean, effective_global_batch, flatten
+from raylane.batching import effective_global_batch
+from raylane.config import BaseConfig, ConfigError, did_you_mean, flatten
 from raylane.loop.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, read_manifest, verify
 
 log = logging.getLogger("raylane")

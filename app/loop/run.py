@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from raylane import pipelines_ref
-from raylane.config import BaseConfig, held_batch
+from raylane.batching import held_batch
+from raylane.config import BaseConfig
 from raylane.loop import checkpoint, faults
 from raylane.loop.data import eval_data, is_stream, train_data
 from raylane.loop.devices import peak_flops

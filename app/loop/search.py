@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from raylane import pipelines_ref
-from raylane.config import BaseConfig, GlobalBatch, apply_values, hold_global_batch
+from raylane.batching import GlobalBatch, hold_global_batch
+from raylane.config import BaseConfig, apply_values
 from raylane.loop import faults as fault_plans
 from raylane.loop.data import train_data
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops

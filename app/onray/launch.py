@@ -25,7 +25,8 @@ from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from raylane import logs
-from raylane.config import BaseConfig, validate, world_sizes
+from raylane.batching import world_sizes
+from raylane.config import BaseConfig, validate
 from raylane.loop import preemption
 from raylane.loop.distributed import node_layout
 from raylane.loop.storage import CheckpointStore

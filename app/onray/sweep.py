@@ -23,18 +23,17 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import (
     _NAME_PATTERN,
     BaseConfig,
     ConfigError,
-    GlobalBatch,
     Section,
     apply_overrides,
     apply_values,
     config_path,
     flatten,
     format_validation_error,
-    hold_global_batch,
     normalize_pipeline,
     read_yaml,
     validate,

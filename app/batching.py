@@ -1,0 +1,83 @@
+"""The global batch (samples per optimizer step = batch_size x grad_accum_steps x workers), held
+fixed while the number of workers changes (an elastic run's sizes) or a search changes how it is
+split (sweeps, autotune): each such config trains the same model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, ValidationError
+
+from raylane.config import ConfigError, Section, TrainSection
+
+if TYPE_CHECKING:
+    from raylane.config import BaseConfig
+
+
+def held_batch(cfg: BaseConfig, workers: int) -> BaseConfig:
+    """`cfg` with train.global_batch held on `workers` ranks (unchanged when it is unset and the
+    run is not elastic; an elastic run holds batch_size x grad_accum_steps x the most workers)."""
+    t = cfg.train
+    size = effective_global_batch(cfg)
+    if size != t.global_batch:
+        cfg = cfg.model_copy(update={"train": t.model_copy(update={"global_batch": size})})
+    if size is None:
+        return cfg
+    return hold_global_batch(cfg, GlobalBatch(size=size, adjust=t.global_batch_adjust), "train.global_batch", workers)
+
+
+def effective_global_batch(cfg: BaseConfig) -> int | None:
+    """train.global_batch, or for an elastic run without one, batch_size x grad_accum_steps x max."""
+    t = cfg.train
+    if t.global_batch is None and cfg.scaling.elastic:
+        return t.batch_size * t.grad_accum_steps * cfg.scaling.num_workers
+    return t.global_batch
+
+
+def world_sizes(cfg: BaseConfig) -> list[int]:
+    """The numbers of workers a Ray run may have: num_workers, or for an elastic run each size
+    from min to max that splits its global batch (Ray's policy is kept to these: see
+    raylane.onray.elastic). ConfigError, naming the size, when min or max does not split it."""
+    s = cfg.scaling
+    held_batch(cfg, s.num_workers)
+    if not s.elastic:
+        return [s.num_workers]
+    held_batch(cfg, s.min_workers)
+    sizes = [s.min_workers]
+    for workers in range(s.min_workers + 1, s.num_workers + 1):
+        try:
+            held_batch(cfg, workers)
+        except ConfigError:
+            continue
+        sizes.append(workers)
+    return sizes
+
+
+class GlobalBatch(Section):
+    """A global batch held fixed while a search changes how it is split (sweeps, autotune):
+    samples per optimizer step = batch_size x grad_accum_steps x num_workers. `adjust` names the
+    quantity computed from the others, so every candidate trains the same model."""
+    size: int = Field(ge=1, le=1_000_000_000)
+    adjust: Literal["grad_accum_steps", "batch_size"] = "grad_accum_steps"
+
+
+def hold_global_batch(cfg: BaseConfig, held: GlobalBatch | None, field: str, workers: int | None = None) -> BaseConfig:
+    """`cfg` with `held.adjust` set so that its global batch is `held.size` on `workers` ranks
+    (default scaling.num_workers); ConfigError (naming `field` and the values) when the others
+    do not divide it."""
+    if held is None:
+        return cfg
+    t, workers = cfg.train, workers or cfg.scaling.num_workers
+    other = t.batch_size if held.adjust == "grad_accum_steps" else t.grad_accum_steps
+    share, rest = divmod(held.size, other * workers)
+    if rest or share < 1:
+        fixed = (f"train.batch_size = {t.batch_size}" if held.adjust == "grad_accum_steps"
+                 else f"train.grad_accum_steps = {t.grad_accum_steps}")
+        raise ConfigError(f"{field} = {held.size}: not a multiple of {fixed} x scaling.num_workers = {workers}, "
+                          f"so train.{held.adjust} cannot hold it")
+    try:
+        train = TrainSection.model_validate({**t.model_dump(), held.adjust: share})
+    except ValidationError:
+        raise ConfigError(f"{field} = {held.size}: needs train.{held.adjust} = {share}, "
+                          "out of its range") from None
+    return cfg.model_copy(update={"train": train})
