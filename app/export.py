@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from raylane import pipelines_ref
 from raylane.config import validate
 from raylane.loop import checkpoint
+from raylane.loop.pipeline import example_batch
 
 
 def _consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
@@ -39,7 +40,7 @@ def _consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]
 def load_model(checkpoint_dir: str | Path) -> tuple[Any, Any]:
     """(the trained model, an example input batch) from a checkpoint."""
     pipe, _, _ = _consolidated(checkpoint_dir)
-    return pipe.model, pipe.example_input
+    return pipe.model, example_batch(pipe)
 
 
 def export(checkpoint_dir: str | Path, out: str | Path) -> Path:

@@ -153,3 +153,62 @@ def test_a_build_that_raises_fails_the_run_naming_the_pipeline(run_cli, tmp_path
     assert (f"pipeline {str(tmp_path / 'pipe.py')!r}: build(cfg) raised FileNotFoundError: no data in /nowhere"
             in p.output), p.output
     assert "Traceback" not in p.output
+
+
+NO_EXAMPLE = """
+import torch
+import raylane
+from raylane.loop.pipeline import Pipeline
+
+
+class Config(raylane.BaseConfig):
+    def eval_metrics(self):
+        return ("loss",)
+
+
+def build(cfg):
+    from torch.utils.data import TensorDataset
+    x = torch.linspace(0, 1, 64)[:, None]
+    return Pipeline(model=torch.nn.Linear(1, 1), train_set=TensorDataset(x, 2 * x), eval_set=TensorDataset(x, 2 * x),
+                    loss_fn=torch.nn.functional.mse_loss,
+                    eval_sums=lambda o, t: {"loss": torch.nn.functional.mse_loss(o, t, reduction="sum")})
+"""
+
+
+def test_a_pipeline_without_an_example_input_logs_its_model_from_its_first_eval_rows(run_cli, tmp_path):
+    """`example_input` is optional: the MLflow model's example and signature come from the eval
+    set's first two inputs (before, the model was not logged: 'linear(): ... not NoneType')."""
+    (tmp_path / "pipe.py").write_text(NO_EXAMPLE)
+    (tmp_path / "cfg.yaml").write_text("pipeline: ./pipe.py\ntrain: {max_epochs: 1, batch_size: 16}\n"
+                                       "mlflow: {system_metrics: false}\n")
+    p = run_cli("train", "cfg.yaml", "--local", "--set", f"run.storage_path={tmp_path / 'runs'}",
+                "--summary-json", "s.json")
+    assert p.wait(180) == 0, p.output
+    s = read_json(tmp_path / "s.json")
+    assert s["model_uri"].startswith("models:/") and "could not record" not in p.output, p.output
+    import mlflow.pyfunc
+    import numpy as np
+
+    mlflow.set_tracking_uri(s["tracking_uri"])
+    model = mlflow.pyfunc.load_model(s["model_uri"])
+    assert model.metadata.get_input_schema().inputs[0].shape == (-1, 1)  # from 2 stacked (1,) rows
+    assert np.asarray(model.predict(np.zeros((3, 1), dtype=np.float32))).shape == (3, 1)
+
+
+def test_no_example_batch_from_inputs_that_do_not_stack_names_the_field():
+    import torch
+
+    from raylane.loop.pipeline import Pipeline, example_batch
+
+    rows = [({"x": torch.zeros(1)}, torch.zeros(1))] * 4  # dict inputs: nothing to stack
+    pipe = Pipeline(model=torch.nn.Linear(1, 1), train_set=rows, eval_set=None, loss_fn=None, eval_sums=None)
+    with pytest.raises(ValueError, match="the pipeline sets no example_input"):
+        example_batch(pipe)
+    ragged = [(torch.zeros(n), torch.zeros(1)) for n in (1, 2)]
+    pipe.eval_set = ragged  # tried first, then the train set
+    with pytest.raises(ValueError, match="a batch of 2 rows or more"):
+        example_batch(pipe)
+    pipe.train_set = [(torch.ones(3), 0), (torch.zeros(3), 1)]
+    assert torch.equal(example_batch(pipe), torch.stack([torch.ones(3), torch.zeros(3)]))
+    pipe.example_input = torch.full((2, 3), 7.0)  # the pipeline's own wins
+    assert example_batch(pipe) is pipe.example_input
