@@ -7,6 +7,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Iterable
@@ -159,8 +160,10 @@ def _opened(cfg: BaseConfig, run_future: Any, tracking_uri: str) -> Any:
     try:
         handle = run_future.result()
     except Exception as exc:  # noqa: BLE001
-        log.warning("MLflow at %s cannot be reached (%s: %s): training without tracking",
-                    tracking_uri, type(exc).__name__, exc)
+        # MLflow's message runs to several hundred characters of retries and URLs: the cause is its errno's.
+        errno = re.search(r"\[Errno -?\d+\] ([^\"')]+)", str(exc))
+        cause = errno.group(1).strip() if errno else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        log.warning("MLflow at %s cannot be reached (%s): training without tracking", tracking_uri, cause)
         return None
     log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id, ", continued" if handle.resumed else "")
     return handle
