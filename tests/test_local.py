@@ -65,6 +65,37 @@ def test_relaunch_resumes_mid_epoch_and_matches_an_uninterrupted_run(run_cli, tm
         assert torch.equal(wb[name], wc[name]), name  # bit-exact: resumed at exactly the next batch
 
 
+@pytest.mark.untracked
+def test_a_resume_with_another_batch_size_still_ends_at_max_epochs(run_cli, tmp_path):
+    """At an epoch boundary the batch size may change (so the steps per epoch do): the run still
+    trains up to train.max_epochs, and a cosine schedule still ends at its last step. Before, the
+    resume counted max_epochs x the new steps per epoch from step 0 and ran to 'epoch 8' of 5."""
+    args = ["train", "regression", "--local", "--set", "run.name=b", "--set", "optim.schedule=cosine"]
+    first = run_cli(*args, "--set", "train.max_epochs=2", "--set", "train.batch_size=64", "--summary-json", "a.json")
+    assert first.wait(120) == 0, first.output
+    again = run_cli(*args, "--set", "train.max_epochs=3", "--set", "train.batch_size=16", "--summary-json", "b.json")
+    assert again.wait(120) == 0, again.output
+    a, b = read_json(tmp_path / "a.json"), read_json(tmp_path / "b.json")
+    assert a["epochs"] == 2 and b["resumed_from_step"] == a["steps"] and b["epochs"] == 3, (a, b)
+    assert b["steps_per_epoch"] == 4 * a["steps_per_epoch"]
+    assert b["steps"] == a["steps"] + b["steps_per_epoch"], b  # one more epoch, at the new batch size
+    assert f"{b['steps']} in 3 epochs" in again.output and "epoch 4" not in again.output, again.output
+    state = torch.load(f"{b['checkpoint']}/{checkpoint.STATE_FILE}", weights_only=True)
+    assert state["optim"]["param_groups"][0]["lr"] < 1e-6  # the cosine schedule reached its end
+
+
+def test_a_schedule_ends_where_a_resume_moves_the_last_step():
+    from raylane.loop.run import build_scheduler
+
+    cfg = load_config("regression", ["optim.schedule=cosine"])
+    optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
+    scheduler = build_scheduler(optimizer, cfg, total_steps=100)
+    factor = scheduler.lr_lambdas[0]
+    assert factor(50) == pytest.approx(0.5) and factor(100) == pytest.approx(0.0)
+    factor.horizon["total_steps"] = 60  # what Trainer.load_state_dict sets after such a resume
+    assert factor(30) == pytest.approx(0.5) and factor(60) == pytest.approx(0.0)
+
+
 def test_single_process_digits_logs_to_mlflow(run_cli, tmp_path):
     proc = run_cli("train", "digits", "--local", "--set", "scaling.num_workers=1", "--set", "train.max_epochs=2",
                    "--set", "run.name=d1", "--summary-json", "s.json")

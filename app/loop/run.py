@@ -56,15 +56,21 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: BaseConfig,
     o = cfg.optim
     if o.schedule == "constant" and not o.warmup_steps:
         return None
-    warmup, decay_steps = o.warmup_steps, max(total_steps - o.warmup_steps, 1)
+    warmup = o.warmup_steps
+    # Mutable: a resume whose steps per epoch changed moves the run's last step (Trainer.load_state_dict).
+    horizon = {"total_steps": total_steps}
 
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         if o.schedule == "cosine":
+            decay_steps = max(horizon["total_steps"] - warmup, 1)
             return 0.5 * (1 + math.cos(math.pi * min(step - warmup, decay_steps) / decay_steps))
         return 1.0
 
+    # On the function, not the scheduler: a scheduler's attributes go into its state_dict and a
+    # load would replace this dict; LambdaLR saves nothing of a plain function.
+    factor.horizon = horizon
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 

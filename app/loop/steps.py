@@ -14,16 +14,27 @@ from raylane.loop.data import EpochData
 
 def plan_steps(train_data: EpochData, cfg: BaseConfig) -> tuple[int, int]:
     """(optimizer steps in the first epoch, total steps of the run), the same on every rank."""
-    accum, max_steps = cfg.train.grad_accum_steps, cfg.train.max_steps or math.inf
-    per_epoch = math.ceil(train_data.batches_in_epoch(0) / accum)
+    per_epoch = math.ceil(train_data.batches_in_epoch(0) / cfg.train.grad_accum_steps)
+    return per_epoch, last_step(train_data, cfg, epoch=0, batch_in_epoch=0, step=0)
+
+
+def last_step(train_data: EpochData, cfg: BaseConfig, *, epoch: int, batch_in_epoch: int, step: int) -> int:
+    """The step the run ends at, from a position: `step`, `batch_in_epoch` micro-batches into
+    `epoch`. A resume counts from where it is, not from step 0: the steps per epoch change with
+    train.batch_size or the world size at an epoch boundary, and the run still ends at its
+    train.max_epochs (or train.max_steps)."""
+    accum, max_steps, epochs = cfg.train.grad_accum_steps, cfg.train.max_steps or math.inf, cfg.train.max_epochs
+    if epoch >= epochs:
+        return step
+    total = step + math.ceil(max(train_data.batches_in_epoch(epoch) - batch_in_epoch, 0) / accum)
     if train_data.epochs_alike:
-        return per_epoch, int(min(max_steps, cfg.train.max_epochs * per_epoch))
-    total = 0  # a stream's epochs differ by the share of files each rank draws
-    for epoch in range(cfg.train.max_epochs):
-        total += math.ceil(train_data.batches_in_epoch(epoch) / accum)
-        if total >= max_steps:
-            break
-    return per_epoch, int(min(max_steps, total))
+        total += (epochs - epoch - 1) * math.ceil(train_data.batches_in_epoch(epoch) / accum)
+    else:  # a stream's epochs differ by the share of files each rank draws
+        for later in range(epoch + 1, epochs):
+            if total >= max_steps:
+                break
+            total += math.ceil(train_data.batches_in_epoch(later) / accum)
+    return int(min(max_steps, total))
 
 
 def plain_parameters(params: list[torch.nn.Parameter]) -> bool:

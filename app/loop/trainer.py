@@ -26,7 +26,7 @@ from raylane.loop.parallel import Strategy, no_gradient_sync
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
 from raylane.loop.saving import Saver
-from raylane.loop.steps import Throughput, clip_gradients, plain_parameters, plan_steps
+from raylane.loop.steps import Throughput, clip_gradients, last_step, plain_parameters, plan_steps
 
 VOTE_EVERY_N_STEPS = 10  # the first vote; then about every VOTE_INTERVAL_S
 VOTE_INTERVAL_S = 0.5
@@ -361,6 +361,7 @@ class Trainer:
         return {
             "step_time_s": (last_step_end - started) / max(self.step - first_step, 1),
             "epochs": self.epoch,
+            "partial_epoch": round(self.batch_in_epoch / max(self.batches_per_epoch, 1), 4),  # a stop mid-epoch
             "steps": self.step,
             "metrics": self.eval_metrics,
             "samples_per_s": samples_per_s,
@@ -470,8 +471,13 @@ class Trainer:
         else:
             self.batch_in_epoch = 0
         self._trained_before_s = float(state.get("train_s_total") or 0.0)
+        self.total_steps = last_step(self.train_data, self.cfg, epoch=self.epoch, batch_in_epoch=self.batch_in_epoch,
+                                     step=self.step)
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
+        for factor in getattr(self.scheduler, "lr_lambdas", ()):  # raylane.loop.run's schedules end there too
+            if isinstance(getattr(factor, "horizon", None), dict):
+                factor.horizon["total_steps"] = self.total_steps
         if self.scaler is not None and state.get("grad_scaler"):
             self.scaler.load_state_dict(state["grad_scaler"])
         if state.get("eval_metrics"):
