@@ -220,6 +220,7 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         "world_size": result.get("world_size", cfg.scaling.num_workers),
         "backend": result.get("backend"),
         "epochs": result.get("epochs"),
+        "partial_epoch": result.get("partial_epoch"),  # of the epoch a stop left unfinished
         "steps": result.get("steps"),
         "wall_s": round(ended - launched, 3),
         "samples_per_s": result.get("samples_per_s"),

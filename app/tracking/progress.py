@@ -20,11 +20,18 @@ def plural(n: int, noun: str) -> str:
     return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
 
 
-def epochs_text(steps: int, epochs: int, steps_per_epoch: int | None) -> str:
-    """'1 epoch', '12 epochs', or the fraction a max_steps stop ran: '0.2 epoch', '2.6 epochs'."""
-    if not steps_per_epoch or steps == epochs * steps_per_epoch:
+def epochs_text(steps: int, epochs: int, steps_per_epoch: int | None, *, partial: float | None = None) -> str:
+    """'1 epoch', '12 epochs', or the fraction a max_steps stop ran: '0.2 epoch', '2.6 epochs'.
+    `partial`: the share of the last, unfinished epoch that ran, as the loop counted it (exact across a
+    resume that changed the steps per epoch); else it is worked out from `steps_per_epoch`."""
+    if partial is not None:
+        if not partial:
+            return plural(epochs, "epoch")
+        fraction = epochs + partial
+    elif not steps_per_epoch or steps == epochs * steps_per_epoch:
         return plural(epochs, "epoch")
-    fraction = steps / steps_per_epoch
+    else:
+        fraction = steps / steps_per_epoch
     if fraction < 0.01:
         return "under 0.01 epoch"
     return f"{fraction:.2f} epoch" if fraction < 1 else f"{fraction:.1f} epochs"
@@ -180,7 +187,7 @@ def outcome_text(summary: dict[str, Any], ui: str, log_file: Any = None) -> str:
     nodes = len(set(summary.get("node_ranks") or [0]))
     steps = summary["steps"]
     if steps is not None:
-        rows.append(("steps", f"{steps:,} in {epochs_text(steps, summary['epochs'] or 0, summary.get('steps_per_epoch'))}"
+        rows.append(("steps", f"{steps:,} in {epochs_text(steps, summary['epochs'] or 0, summary.get('steps_per_epoch'), partial=summary.get('partial_epoch'))}"
                               f" on {plural(summary['world_size'], 'worker')}"
                               + (f" across {plural(nodes, 'node')}" if nodes > 1 else "")))
     window = summary.get("last_window")
