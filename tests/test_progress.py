@@ -86,6 +86,8 @@ def test_the_final_block_counts_in_words():
     assert "  steps:         60 in 2.6 epochs on 4 workers across 2 nodes\n" in two
     assert plural(1, "node") == "1 node" and epochs_text(46, 2, 23) == "2 epochs"
     assert epochs_text(3, 0, 410) == "under 0.01 epoch"
+    # the loop's own count wins: after a resume that changed the steps per epoch, 154 steps of 56 were 5 epochs
+    assert epochs_text(154, 5, 56, partial=0.0) == "5 epochs" and epochs_text(182, 5, 56, partial=0.5) == "5.5 epochs"
 
 
 def test_the_reporter_names_each_window_by_its_steps():
