@@ -7,6 +7,7 @@ is rejected before either starts.
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import difflib
 import importlib
@@ -19,7 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from raylane import pipelines_ref
+from raylane import paths, pipelines_ref
+from raylane.paths import InputPath, OutputPath
 
 # Shipped pipeline name -> module. A config may also name a dotted module or a .py file of the
 # user's own (raylane.pipelines_ref).
@@ -46,7 +48,8 @@ class Section(BaseModel):
 class RunSection(Section):
     # A run's identity: relaunching the same name resumes it (checkpoints and MLflow run).
     name: str | None = Field(None, pattern=_NAME_PATTERN)
-    storage_path: str = Field("runs", min_length=1)
+    # Relative: to the working directory, beside MLflow's default store (raylane.paths).
+    storage_path: OutputPath = Field("runs", min_length=1)
 
 
 class ScalingSection(Section):
@@ -182,7 +185,7 @@ class CheckpointSection(Section):
     on_error: Literal["fail", "warn"] = "fail"
     # Start from this checkpoint (weights, optimizer, step) when the run has none of its own:
     # fine-tuning, or PBT continuing another trial's state. A local or shared path.
-    init_from: str | None = None
+    init_from: InputPath | None = None
 
 
 class FailureSection(Section):
@@ -374,27 +377,45 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
 
 
 def validate(raw: Mapping[str, Any]) -> BaseConfig:
+    """A config as read (a mapping) -> the validated config, its relative paths (those still
+    relative: `--set` values, a mapping's, defaults) made absolute from the working directory."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config: top level must be a mapping, got {_short(raw)}")
     raw = dict(raw)
     raw["pipeline"] = pipelines_ref.normalize(raw.get("pipeline"), [Path.cwd()])
     cls = pipelines_ref.load(raw["pipeline"]).Config
+    raw = paths.resolve(raw, cls, Path.cwd(), defaults=True)
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, cls)) from None
 
 
+def read_config_file(source: str | Path, raw: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A pipeline config file as read (`raw`, when it was read already): its `pipeline:` and its
+    input paths resolved from the file's folder (from the working directory for a shipped
+    config, which is a template); not validated."""
+    raw = read_yaml(source) if raw is None else raw
+    folder = config_path(source).resolve().parent
+    raw = normalize_pipeline(raw, folder)
+    try:
+        cls = pipelines_ref.load(raw["pipeline"]).Config
+    except (KeyError, ConfigError):
+        return raw  # validation names what is wrong
+    shipped = config_path(source) != Path(source)
+    return paths.resolve(raw, cls, Path.cwd() if shipped else folder, inputs_only=True)
+
+
 def load_config(source: str | Path | Mapping[str, Any], overrides: Iterable[str] = ()) -> BaseConfig:
     """The edge: file (or mapping) + overrides -> a validated config, or ConfigError."""
     if not isinstance(source, (str, Path)):
-        return validate(apply_overrides(dict(source), overrides))
+        return validate(apply_overrides(copy.deepcopy(dict(source)), overrides))
     raw = read_yaml(source)
     if "sweep" in raw:  # the file's own, not a `--set sweep.x`, which is an unknown key
         raise ConfigError(f"config file {str(source)!r}: is a sweep file (it has a `sweep:` section): "
                           f"run it with `raylane tune {source}`")
     raw.pop("autotune", None)  # `raylane autotune`'s search space: the rest trains as it is
-    raw = apply_overrides(raw, overrides)
+    raw = apply_overrides(read_config_file(source, raw), overrides)
     return validate(normalize_pipeline(raw, config_path(source).resolve().parent))
 
 

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from raylane.config import BaseConfig, Section
+from raylane.paths import InputPath
 
 HELD_OUT_FRACTION = 0.1
 BYTE_VOCAB = 256
@@ -38,7 +39,7 @@ class ModelSection(Section):
 
 class DataSection(Section):
     # A UTF-8 text file; null: Python's own help texts (pydoc_data), installed with Python.
-    text_path: str | None = None
+    text_path: InputPath | None = None
 
 
 class Config(BaseConfig):

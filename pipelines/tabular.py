@@ -13,12 +13,13 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from raylane.config import BaseConfig, Section
+from raylane.paths import InputPaths
 
 
 class DataSection(Section):
     # Files, directories or globs; local or s3://bucket/prefix.
-    train: str | list[str] = Field(min_length=1)
-    eval: str | list[str] | None = None
+    train: InputPaths = Field(min_length=1)
+    eval: InputPaths | None = None
     format: Literal["parquet", "csv"] = "parquet"
     features: list[str] = Field(min_length=1)
     target: str = Field(min_length=1)

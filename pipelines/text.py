@@ -13,13 +13,14 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from raylane.config import BaseConfig, Section
+from raylane.paths import InputPaths
 from raylane.pipelines.gpt import ModelSection
 
 
 class DataSection(Section):
     # Files, directories or globs; local or s3://bucket/prefix.
-    train: str | list[str] = Field(min_length=1)
-    eval: str | list[str] | None = None
+    train: InputPaths = Field(min_length=1)
+    eval: InputPaths | None = None
     format: Literal["text", "json"] = "text"
     # JSON Lines: the field that holds each record's text.
     text_field: str = Field("text", min_length=1)

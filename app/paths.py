@@ -1,0 +1,155 @@
+"""Config keys that hold paths, resolved once, on the driver, before any worker sees them.
+
+A config field declares that it holds a path by its type: `raylane.InputPath` (a file, folder or
+glob that must exist: data, a checkpoint to start from), `raylane.InputPaths` (one or a list of
+them) or `raylane.OutputPath` (a folder the run writes: `run.storage_path`). Ray's workers, a
+`raylane up` head's processes and Ray Data's read tasks do not run in the driver's working
+directory, so a relative path that the driver's check found would name nothing there; every such
+path is made absolute here instead:
+
+- an input written in a config file is relative to that file's folder, as `pipeline:` is (a
+  shipped config, named like `tabular`, is a template: its inputs are relative to the working
+  directory);
+- everything else, `--set` values, a mapping given to the Python API, outputs and defaults, is
+  relative to the working directory, where the command runs and where MLflow's default store
+  (`mlflow.db`) is: a run's `runs/` stays beside it.
+
+A URI (`s3://bucket/prefix`) is left as it is, and `~` is expanded. Nothing here imports torch
+or Ray."""
+
+from __future__ import annotations
+
+import glob
+import os
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel
+
+
+class PathValue:
+    """The marker in a path field's type. `must_exist`: an input, checked before the run starts
+    (the check is skipped for URIs, whose reader checks them)."""
+
+    __slots__ = ("must_exist",)
+
+    def __init__(self, *, must_exist: bool = True) -> None:
+        self.must_exist = must_exist
+
+    def __repr__(self) -> str:
+        return f"PathValue(must_exist={self.must_exist})"
+
+
+InputPath = Annotated[str, PathValue()]
+InputPaths = Annotated[str | list[str], PathValue()]
+OutputPath = Annotated[str, PathValue(must_exist=False)]
+
+
+def is_uri(value: str) -> bool:
+    return "://" in value
+
+
+def absolute(value: str, base: Path) -> str:
+    """`value` as an absolute local path (a glob stays a glob), or as it is when it is a URI."""
+    if not value or is_uri(value):
+        return value
+    expanded = os.path.expanduser(value)
+    return expanded if os.path.isabs(expanded) else os.path.normpath(os.path.join(base, expanded))
+
+
+def path_keys(model: type[BaseModel], prefix: str = "") -> dict[str, PathValue]:
+    """Dotted key -> marker, for every path field of `model` and its sections."""
+    found: dict[str, PathValue] = {}
+    for name, field in model.model_fields.items():
+        marker = _marker([*field.metadata, field.annotation])
+        if marker is not None:
+            found[prefix + name] = marker
+            continue
+        for section in _sections(field.annotation):
+            found.update(path_keys(section, f"{prefix}{name}."))
+    return found
+
+
+def _marker(candidates: list[Any]) -> PathValue | None:
+    for item in candidates:
+        if isinstance(item, PathValue):
+            return item
+        if typing.get_origin(item) is Annotated:
+            found = _marker(list(item.__metadata__))
+            if found is not None:
+                return found
+        args = typing.get_args(item)
+        if args and typing.get_origin(item) is not Annotated:
+            found = _marker(list(args))
+            if found is not None:
+                return found
+    return None
+
+
+def _sections(annotation: Any) -> Iterator[type[BaseModel]]:
+    """The section models a field's type holds (itself, or the models of an Optional or a union)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+        return
+    for arg in typing.get_args(annotation):
+        yield from _sections(arg)
+
+
+def resolve(raw: dict[str, Any], model: type[BaseModel], base: Path, *, inputs_only: bool = False,
+            defaults: bool = False) -> dict[str, Any]:
+    """`raw` (a config as read, not validated) with the relative values of `model`'s path keys
+    made absolute from `base`: all of them, or only inputs (`inputs_only`). With `defaults`, a
+    path key left out whose default is a relative path gets that path, made absolute."""
+    for key, marker in path_keys(model).items():
+        if inputs_only and not marker.must_exist:
+            continue
+        *parents, leaf = key.split(".")
+        default = _default(model, key) if defaults else None
+        fill = isinstance(default, str) and bool(default)
+        node: Any = raw
+        for part in parents:
+            if not isinstance(node, dict):
+                break
+            if fill and part not in node:
+                node[part] = {}
+            node = node.get(part)
+        if not isinstance(node, dict):
+            continue  # a section that is not a mapping: validation names it
+        if fill and leaf not in node:
+            node[leaf] = default
+        value = node.get(leaf)
+        if isinstance(value, str):
+            node[leaf] = absolute(value, base)
+        elif isinstance(value, list):
+            node[leaf] = [absolute(v, base) if isinstance(v, str) else v for v in value]
+    return raw
+
+
+def _default(model: type[BaseModel], key: str) -> Any:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        sections = list(_sections(model.model_fields[part].annotation))
+        if not sections:
+            return None
+        model = sections[0]
+    field = model.model_fields[leaf]
+    return None if field.is_required() else field.get_default(call_default_factory=True)
+
+
+def missing_inputs(cfg: Any) -> Iterator[tuple[str, str]]:
+    """(dotted key, path) of every local input path of `cfg` that names nothing: no file or
+    folder, and for a glob, no match."""
+    flat = cfg.flat()
+    for key, marker in path_keys(type(cfg)).items():
+        if not marker.must_exist:
+            continue
+        value = flat.get(key)
+        for path in value if isinstance(value, list) else [value]:
+            if isinstance(path, str) and path and not is_uri(path) and not _names_something(path):
+                yield key, path
+
+
+def _names_something(path: str) -> bool:
+    return Path(path).exists() or (glob.has_magic(path) and bool(glob.glob(path, recursive=True)))
