@@ -4,8 +4,11 @@ The public API is what this module exports:
 
 - `Pipeline`, `BaseConfig`, `Section`: what a pipeline module defines (`Config`, `build(cfg)`);
   see docs/pipelines.md.
-- `train(config, overrides=..., address=...) -> summary`, `tune(sweep, ...) -> summary` and
-  `submit(config, ...) -> job handle`: the `raylane train`, `tune` and `submit` commands as calls.
+- `check`, `train`, `tune`, `submit`, `up` and `down`: the `raylane` commands of those names as
+  calls (raylane.api, which also has `autotune` and `export`), checked by the same preparation
+  path as the CLI (raylane.prepare).
+- `InputPath`, `InputPaths`, `OutputPath`: the types of a pipeline's path-valued config keys,
+  which raylane resolves before any worker sees them (raylane.paths).
 - `ConfigError`: bad input, with a message that names the field and the value.
 
 Importing raylane imports neither torch nor Ray: the names that need them load on first use.
@@ -17,14 +20,17 @@ from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from raylane.config import BaseConfig, ConfigError, Section
-
 try:
     __version__ = version("raylane")
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["BaseConfig", "ConfigError", "Pipeline", "Section", "__version__", "submit", "train", "tune"]
+from raylane.api import check, down, submit, train, tune, up  # after __version__, which they import
+from raylane.config import BaseConfig, ConfigError, Section
+from raylane.paths import InputPath, InputPaths, OutputPath
+
+__all__ = ["BaseConfig", "ConfigError", "InputPath", "InputPaths", "OutputPath", "Pipeline", "Section", "__version__",
+           "check", "down", "submit", "train", "tune", "up"]
 
 # Names that import torch, resolved on first access (PEP 562).
 _LAZY = {"Pipeline": "raylane.loop.pipeline", "FileSource": "raylane.loop.streaming"}
@@ -34,32 +40,3 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'raylane' has no attribute {name!r}")
-
-
-def train(config, overrides=(), *, address: str | None = None, local: bool = False,
-          register: str | None = None) -> dict[str, Any]:
-    """Train a pipeline: `raylane train CONFIG --set ...` as a call. `config` is a YAML path, a
-    shipped config's name or a mapping. Returns the run's summary (`status`, `metrics`,
-    `run_id`, `checkpoint`, ...); raises ConfigError on bad input, before anything starts."""
-    from raylane.driver import run_training
-
-    return run_training(config, overrides, address=address, local=local, register=register)
-
-
-def tune(sweep, overrides=(), *, address: str | None = None, register: str | None = None) -> dict[str, Any]:
-    """Run a sweep: `raylane tune SWEEP --set ...` as a call. Returns the sweep's summary (its
-    trials and the best one); raises ConfigError on bad input, before Ray starts."""
-    from raylane.onray.localcluster import resolve_address
-
-    address = resolve_address(address)  # before Ray's import: see resolve_address
-    from raylane.onray.tune import tune_sweep
-
-    return tune_sweep(sweep, overrides, address=address, register=register)
-
-
-def submit(config, overrides=(), **options):
-    """Submit `raylane train CONFIG` as a Ray job; returns a handle with status(), logs(),
-    follow(), wait(), stop() and mlflow_run_id(). See `raylane.onray.jobs.submit`."""
-    from raylane.onray.jobs import submit as _submit
-
-    return _submit(config, overrides, **options)

@@ -32,9 +32,11 @@ from raylane.config import (
     config_path,
     format_validation_error,
     normalize_pipeline,
+    read_config_file,
     read_yaml,
     validate,
 )
+from raylane.lease import LEASE_FILES
 from raylane.loop.search_order import RECORD_FILE
 
 log = logging.getLogger("raylane")
@@ -78,7 +80,7 @@ def load(source: str, overrides: Iterable[str] = ()) -> tuple[AutotuneSection, B
         text = format_validation_error(exc, AutotuneSection, "autotune.").removeprefix("invalid config: ")
         raise ConfigError("invalid autotune section: " + "; ".join(
             p if p.startswith("autotune.") else f"autotune.{p}" for p in text.split("; "))) from None
-    raw = apply_overrides(raw, [o for o in overrides if not o.strip().startswith("autotune.")])
+    raw = apply_overrides(read_config_file(source, raw), [o for o in overrides if not o.strip().startswith("autotune.")])
     return section, validate(normalize_pipeline(raw, config_path(source).resolve().parent))
 
 
@@ -133,7 +135,8 @@ def check(section: AutotuneSection, cfg: BaseConfig, out: str, summary_json: str
     """What can fail before anything starts: the outputs (never overwritten) and the config."""
     prechecks.check_run(cfg, summary_json=summary_json)
     folder = prechecks.run_folder(cfg) if cfg.run.name else None
-    if folder is not None and folder.is_dir() and not (folder / RECORD_FILE).exists() and any(folder.iterdir()):
+    if folder is not None and folder.is_dir() and not (folder / RECORD_FILE).exists() and \
+            any(p.name not in LEASE_FILES for p in folder.iterdir()):
         raise ConfigError(f"run.name = {cfg.run.name!r}: a training run of that name exists in {str(folder)!r}; "
                           "give the search a name of its own")
     if Path(out).exists():
@@ -157,14 +160,15 @@ def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address
         init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)
         # The ranks torchrun started (or this one process), whatever scaling.num_workers says.
         cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": env_ranks()[2]})})
-    cfg = _finalize(_named(cfg))
     rank0 = use_ray or env_ranks()[0] == 0
+    leases = ExitStack()  # the search's lease on its folder, given back on every way out
+    cfg = _finalize(_named(cfg), leases, rank0)
     storage = cfg.run.storage_path
     record = None if "://" in storage else str(Path(storage) / cfg.run.name / RECORD_FILE)
     params = settings(section, cfg, record)
     tracking_uri = resolve_tracking_uri()
     recorder = Recorder(cfg, tracking_uri, launched) if rank0 else None
-    with ExitStack() as stack:
+    with leases, ExitStack() as stack:
         try:
             result = _launch(cfg, params, use_ray, address, recorder, tracking_uri, stack)
             status, error = "FINISHED", None

@@ -16,9 +16,8 @@ from typing import Any
 
 import yaml
 
-from raylane import __version__, logs, prechecks
-from raylane.batching import held_batch, world_sizes
-from raylane.config import ConfigError, load_config
+from raylane import __version__, api, logs
+from raylane.config import ConfigError
 
 # Under torchrun, how long a rank other than 0 waits before exiting on a config error (see _config_error).
 CONFIG_ERROR_GRACE_S = 5.0
@@ -91,87 +90,58 @@ def _parser() -> argparse.ArgumentParser:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
-        print(f"raylane: bench: --repeats must be at least 1, got {args.repeats}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"bench: --repeats must be at least 1, got {args.repeats}")
     from raylane.bench.harness import run_bench
 
     return run_bench(args.out.resolve(), quick=args.quick, only=args.only, repeats=args.repeats)
 
 
-def _export(args: argparse.Namespace) -> int:
-    try:
-        prechecks.check_export(args.checkpoint, args.out)  # before torch's import (seconds)
-    except ConfigError as exc:
-        return _config_error(exc)
-    from raylane.export import export
+def _check(args: argparse.Namespace) -> int:
+    cfg = api.check(args.config, args.overrides)
+    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
 
-    try:
-        config_path = export(args.checkpoint, args.out)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"raylane: export: {exc}", file=sys.stderr)
-        return 2
+
+def _train(args: argparse.Namespace) -> int:
+    summary = api.train(args.config, args.overrides, address=args.address, local=args.local,
+                        register=args.register, summary_json=args.summary_json)
+    return 0 if summary.get("already_finished") else _exit_code(summary)
+
+
+def _export(args: argparse.Namespace) -> int:
+    config_path = api.export(args.checkpoint, args.out)
     print(f"wrote {args.out} and {config_path}")
     return 0
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from raylane.onray.sweep import check_rerun, load_sweep
-
-    try:
-        sweep, base = load_sweep(args.config, args.overrides)
-        prechecks.check_run(base, summary_json=args.summary_json)
-        finished = check_rerun(sweep, base)
-    except ConfigError as exc:
-        return _config_error(exc)
-    if finished:  # its records stay as they are
-        print(finished, flush=True)
+    summary = api.tune(args.config, args.overrides, address=args.address, register=args.register,
+                       summary_json=args.summary_json)
+    if summary.get("already_finished"):
         return 0
-    address = _resolved_address(args.address, base)
-    from raylane.onray.tune import run_sweep
-
-    try:
-        summary = run_sweep(sweep, base, address=address, summary_path=args.summary_json,
-                            register=args.register)
-        if logs.log_file():
-            print(f"[raylane] library log: {logs.log_file()} (Ray, MLflow, Tune, torch; --verbose prints them)")
-        return 0 if summary["status"] == "FINISHED" else 1
-    except ConfigError as exc:  # found once the cluster is known: resources
-        return _config_error(exc)
+    if logs.log_file():
+        print(f"[raylane] library log: {logs.log_file()} (Ray, MLflow, Tune, torch; --verbose prints them)")
+    return 0 if summary["status"] == "FINISHED" else 1
 
 
 def _autotune(args: argparse.Namespace) -> int:
-    from raylane import autotune
+    summary = api.autotune(args.config, args.overrides, address=args.address, local=args.local,
+                           budget_s=args.budget_s, out=args.out, summary_json=args.summary_json)
+    return _exit_code(summary)
 
-    overrides = [*args.overrides, *([f"autotune.budget_s={args.budget_s}"] if args.budget_s is not None else [])]
-    from raylane.driver import under_torchrun
 
-    try:
-        section, cfg = autotune.load(args.config, overrides)
-        if under_torchrun():  # the ranks torchrun started, whatever scaling.num_workers says
-            workers = int(os.environ.get("WORLD_SIZE", "1"))
-            cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": workers})})
-        autotune.space(section, cfg)
-        autotune.check(section, cfg, args.out, args.summary_json)
-    except ConfigError as exc:
-        return _config_error(exc)
+def _exit_code(summary: dict[str, Any]) -> int:
     from raylane.driver import EXIT_CODES
 
-    use_ray = not (args.local or under_torchrun())
-    address = _resolved_address(args.address, cfg) if use_ray else None
-    summary = autotune.execute(section, cfg, use_ray=use_ray, address=address, out=args.out,
-                               summary_path=args.summary_json)
     return EXIT_CODES[summary["status"]]
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from raylane.onray.jobs import EXIT_CODES, submit
+    from raylane.onray.jobs import EXIT_CODES
 
-    try:
-        # The job's `raylane train` inherits it (RAYLANE_VERBOSE): its log is what --follow shows.
-        run = submit(args.config, args.overrides, address=args.address,
+    # The job's `raylane train` inherits it (RAYLANE_VERBOSE): its log is what --follow shows.
+    run = api.submit(args.config, args.overrides, address=args.address,
                      env_vars={logs.VERBOSE_ENV: "1" if logs.verbose() else "0"})
-    except ConfigError as exc:
-        return _config_error(exc)
     print(f"submitted job {run.job_id} to {run.address}", flush=True)
     if not args.follow:
         print(f"follow it with: RAY_AUTH_MODE=token ray job logs --follow --address {run.address} {run.job_id}")
@@ -202,17 +172,8 @@ def _show_job_log(chunks: Iterable[str]) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from raylane.onray import localcluster
-
-    if args.num_cpus < 1:
-        print(f"raylane: up: --num-cpus must be at least 1, got {args.num_cpus}", file=sys.stderr)
-        return 2
     try:
-        prechecks.check_token_path()
-    except ConfigError as exc:
-        return _config_error(exc)
-    try:
-        cluster, started = localcluster.up(args.num_cpus, args.port, args.dashboard_port)
+        cluster, started = api.up(args.num_cpus, args.port, args.dashboard_port)
     except RuntimeError as exc:
         print(f"raylane: up: {exc}", file=sys.stderr)
         return 1
@@ -223,67 +184,24 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _down() -> int:
-    from raylane.onray import localcluster
-
-    cluster = localcluster.down()
+def _down(args: argparse.Namespace) -> int:
+    cluster = api.down()
     print(f"stopped the local Ray head at {cluster.address}" if cluster else "no local Ray head is running")
     return 0
+
+
+COMMANDS = {"check": _check, "train": _train, "tune": _tune, "autotune": _autotune, "submit": _submit,
+            "export": _export, "bench": _bench, "up": _up, "down": _down}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if hasattr(args, "verbose"):  # the commands that start Ray, MLflow or torch
         logs.setup(args.verbose, args.command)
-    if args.command == "up":
-        return _up(args)
-    if args.command == "down":
-        return _down()
-    if args.command == "export":
-        return _export(args)
-    if args.command == "bench":
-        return _bench(args)
-    if args.command == "tune":
-        return _tune(args)
-    if args.command == "submit":
-        return _submit(args)
-    if args.command == "autotune":
-        return _autotune(args)
-    from raylane.driver import EXIT_CODES, train, under_torchrun
-
     try:
-        cfg = load_config(args.config, args.overrides)
-        prechecks.check_run(cfg, summary_json=getattr(args, "summary_json", None))
-        in_process = getattr(args, "local", False) or under_torchrun()
-        if in_process:
-            held_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        else:
-            _note_skipped_sizes(cfg, world_sizes(cfg))  # the global batch splits at min and max
-        prechecks.check_global_order(cfg)
-        finished = prechecks.check_resume(cfg)
-    except ConfigError as exc:
+        return COMMANDS[args.command](args)
+    except ConfigError as exc:  # before anything started, or found once the cluster is known
         return _config_error(exc)
-    if args.command == "check":
-        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
-        return 0
-    if finished:  # nothing is trained or logged again
-        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says so
-            print(finished.line, flush=True)
-        return 0
-    use_ray = not (args.local or under_torchrun())
-    address = _resolved_address(args.address, cfg) if use_ray else args.address
-    summary = train(cfg, use_ray=use_ray, address=address, summary_path=args.summary_json, register=args.register)
-    return EXIT_CODES[summary["status"]]
-
-
-def _note_skipped_sizes(cfg: Any, sizes: list[int]) -> None:
-    """An elastic run skips the sizes between min and max that do not split its global batch."""
-    skipped = sorted(set(range(sizes[0], sizes[-1] + 1)) - set(sizes))
-    if skipped and cfg.scaling.elastic:
-        shown = ", ".join(map(str, skipped[:8])) + (", ..." if len(skipped) > 8 else "")
-        print(f"raylane: elastic run on {', '.join(map(str, sizes[:8]))}{', ...' if len(sizes) > 8 else ''} "
-              f"workers: {shown} would not split the global batch, so it runs on the next size down",
-              flush=True)
 
 
 def _config_error(exc: ConfigError) -> int:
@@ -295,18 +213,6 @@ def _config_error(exc: ConfigError) -> int:
         # finished first had rank 0 killed before it printed, and the user saw no reason at all.
         time.sleep(CONFIG_ERROR_GRACE_S)
     return 2
-
-
-def _resolved_address(address: str | None, cfg: Any) -> str | None:
-    """The cluster a Ray run joins (None: a fresh embedded one), with a warning when an embedded
-    one would give the workers more CPUs than this machine has."""
-    from raylane.onray.localcluster import resolve_address
-
-    address = resolve_address(address)  # before Ray's import: see resolve_address
-    warning = prechecks.oversubscription(cfg, address)
-    if warning:
-        print(f"raylane: {warning}", file=sys.stderr, flush=True)
-    return address
 
 
 if __name__ == "__main__":

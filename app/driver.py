@@ -6,57 +6,58 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import os
 import re
 import signal
 import time
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from raylane.config import BaseConfig, load_config
-from raylane.prechecks import check_resume, check_run, closing_status, record_finished
+from raylane.config import BaseConfig, ConfigError
+from raylane.prechecks import closing_status, fresh_name, record_finished, run_folder
 from raylane.tracking.progress import ProgressDisplay
 
 log = logging.getLogger("raylane")
 
 
-def _finalize(cfg: BaseConfig) -> BaseConfig:
-    """Fill what the driver decides: the run name (agreed by all torchrun ranks) and absolute paths."""
+def _finalize(cfg: BaseConfig, stack: ExitStack, is_driver: bool) -> BaseConfig:
+    """Fill what the driver decides, the run name (agreed by all torchrun ranks), and take the
+    run's lease (raylane.lease): ConfigError, on every rank, when another launch holds it."""
     cfg = cfg.with_run_name()
+    error = None
+    if is_driver:
+        try:
+            _take_lease(cfg, stack)
+        except ConfigError as exc:
+            error = str(exc)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        names = [cfg.run.name]
-        dist.broadcast_object_list(names, src=0)  # rank 0's generated name wins
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": names[0]})})
+        agreed = [cfg.run.name, error]
+        dist.broadcast_object_list(agreed, src=0)  # rank 0's generated name wins
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": agreed[0]})})
+        error = agreed[1]
+    if error:
+        raise ConfigError(error)
     storage = cfg.run.storage_path
     if "://" not in storage:
         storage = str(Path(storage).expanduser().resolve())
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_path": storage})})
 
 
+def _take_lease(cfg: BaseConfig, stack: ExitStack) -> None:
+    """One writer per run: held until the driver is done (every way out gives it back)."""
+    from raylane.lease import acquire
+
+    folder = run_folder(cfg)
+    if folder is not None:
+        lease = acquire(folder, f"run {cfg.run.name!r}", "run.name", cfg.run.name, fresh_name(cfg))
+        stack.callback(lease.release)
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def run_training(source: Any, overrides: Iterable[str] = (), *, address: str | None = None,
-                 local: bool = False, register: str | None = None) -> dict[str, Any]:
-    """`raylane.train()`: check the config (ConfigError before anything starts), train on Ray (or
-    in this process with `local`, or as this torchrun rank), and return the summary."""
-    cfg = load_config(source, overrides)
-    check_run(cfg)
-    finished = check_resume(cfg)
-    if finished:  # nothing is trained or logged again
-        print(finished.line, flush=True)
-        return {**finished.summary, "already_finished": True}
-    return train(cfg, use_ray=not (local or under_torchrun()), address=address, register=register)
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
 def _torchrun_rank_done(stack: ExitStack, world_size: int, peers_finish: bool) -> None:
@@ -89,10 +90,10 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
     if not use_ray:
         init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # ranks agree on the run name first
         startup.mark("process_group")
-    cfg = _finalize(cfg)
     is_driver = use_ray or env_ranks()[0] == 0
     tracking_uri = resolve_tracking_uri()
     with ExitStack() as stack:
+        cfg = _finalize(cfg, stack, is_driver)
         # Opening the MLflow run (import + database) overlaps with starting Ray.
         pool = stack.enter_context(ThreadPoolExecutor(2, thread_name_prefix="raylane-start"))
         world_size = cfg.scaling.num_workers if use_ray else env_ranks()[2]

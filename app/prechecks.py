@@ -10,14 +10,18 @@ and the value; nothing here imports torch or Ray."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
+import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raylane import pipelines_ref
+from raylane import paths, pipelines_ref
 from raylane.batching import effective_global_batch
 from raylane.config import BaseConfig, ConfigError, did_you_mean, flatten
 from raylane.loop.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, read_manifest, verify
@@ -35,12 +39,100 @@ def check_run(cfg: BaseConfig, *, summary_json: str | None = None, local_storage
     under `raylane submit`, whose job resolves it on the cluster)."""
     if summary_json:
         writable_file("--summary-json", summary_json)
-    if local_storage and "://" not in cfg.run.storage_path:
-        writable_dir("run.storage_path", cfg.run.storage_path)
     if cfg.checkpoint.keep_best:  # best_metric ranks checkpoints only then
         check_metric("checkpoint.best_metric", cfg.checkpoint.best_metric, cfg)
     if local_storage:
+        check_storage("run.storage_path", cfg.run.storage_path)
+        check_inputs(cfg)
         check_init_from(cfg)
+
+
+def check_inputs(cfg: BaseConfig) -> None:
+    """Every input path of the config (raylane.paths) names a file, a folder or a glob's match;
+    checkpoint.init_from has a check of its own (a run's own checkpoint takes precedence)."""
+    for key, path in paths.missing_inputs(cfg):
+        if key != "checkpoint.init_from":
+            raise ConfigError(f"{key} = {path!r}: no such file or folder")
+
+
+def check_storage(field: str, path: str) -> None:
+    """Storage proven by writing there, not by permission bits, which say yes on a read-only or
+    virtual filesystem and for root: a probe file, written and removed (with any folder made
+    for it), locally; on object storage, a probe object, within PROBE_TIMEOUT_S."""
+    if paths.is_uri(path):
+        _bounded(lambda: _probe_remote(path), f"{field} = {path!r}")
+        return
+    writable_dir(field, path)
+    target = Path(path).expanduser().absolute()
+    made = [p for p in (target, *target.parents) if not p.exists()]
+    try:
+        for folder in reversed(made):
+            folder.mkdir()
+        probe = target / f".raylane-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{field} = {path!r}: cannot write there ({exc.strerror or exc})") from None
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+# How long a check may wait on a network peer (object storage) before it gives up.
+PROBE_TIMEOUT_S = 10.0
+
+
+def _probe_remote(path: str) -> None:
+    import pyarrow.fs as pafs  # not raylane.loop.storage's filesystem_for, which imports torch
+
+    fs, root = pafs.FileSystem.from_uri(path)
+    if isinstance(fs, pafs.S3FileSystem) and "?" not in path:
+        # Without the SDK's retries with backoff: a refused connection fails at once, not in ~9 s.
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        fs = pafs.S3FileSystem(region=fs.region, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2),
+                               connect_timeout=3, request_timeout=5,
+                               **({"endpoint_override": endpoint} if endpoint else {}))
+    probe = f"{root.rstrip('/')}/.raylane-probe-{uuid.uuid4().hex}"
+    with fs.open_output_stream(probe) as f:
+        f.write(b"")
+    fs.delete_file(probe)
+
+
+def _bounded(probe: Any, what: str) -> None:
+    """Run `probe` on a thread for at most PROBE_TIMEOUT_S; its failure or silence is one
+    ConfigError starting with `what`."""
+    outcome: dict[str, BaseException | None] = {}
+
+    def run() -> None:
+        try:
+            probe()
+            outcome["error"] = None
+        except BaseException as exc:  # noqa: BLE001 - reported below, as one line
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="raylane-probe", daemon=True)  # daemon: a hung peer never holds up exit
+    thread.start()
+    thread.join(PROBE_TIMEOUT_S)
+    if "error" not in outcome:
+        raise ConfigError(f"{what}: no answer within {PROBE_TIMEOUT_S:.0f} s (is the endpoint reachable? "
+                          f"AWS_ENDPOINT_URL = {os.environ.get('AWS_ENDPOINT_URL', '(not set)')!r})")
+    if outcome["error"] is not None:
+        raise ConfigError(f"{what}: cannot write a probe there ({one_line(outcome['error'])})")
+
+
+_AWS_ERROR = re.compile(r"AWS Error (\w+) during \w+ operation: (?:curlCode: \d+, )?([^;]+)")
+
+
+def one_line(exc: BaseException, limit: int = 240) -> str:
+    """An exception's message as one short line: pyarrow's S3 errors, several clauses about
+    the request, come down to the AWS error and its cause."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    aws = _AWS_ERROR.search(text)
+    if aws:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        text = f"{aws.group(1)}: {aws.group(2).strip()}" + (f", endpoint {endpoint}" if endpoint else "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_init_from(cfg: BaseConfig) -> None:

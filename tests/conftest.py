@@ -301,12 +301,10 @@ def asha_sweep(tmp_path_factory, shared_head, shared_mlflow_server):
 def no_work(monkeypatch):
     """What starts work (a cluster, a run, a sweep, a job) fails the test if reached: for inputs
     the CLI must answer before anything starts."""
-    from raylane import cli
-
     def started(*args, **kwargs):
         raise AssertionError("got past the checks: something was started")
 
-    monkeypatch.setattr(cli, "_resolved_address", started)
+    monkeypatch.setattr("raylane.prepare.resolve_address", started)
     monkeypatch.setattr("raylane.onray.jobs.job_client", started)
     monkeypatch.setattr("raylane.driver.train", started)
     monkeypatch.setattr("raylane.onray.localcluster.up", started)

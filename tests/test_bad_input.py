@@ -15,18 +15,32 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from raylane import cli, prechecks
-from raylane.config import load_config
+from raylane import api, cli, prechecks
+from raylane.config import ConfigError, load_config
 from tests.conftest import RAYLANE, REPO, TORCHRUN, cli_env
 
 OWN = "pipeline: ./pipe.py\nmodel: {}\n"
 SWEEP = "sweep: {{name: s, base: digits, space: {space}{extra}}}\n"
+# A pipeline with a path key of its own, declared as such (raylane.InputPath).
+OWN_WITH_PATH = """import raylane
+class Data(raylane.Section):
+    path: raylane.InputPath
+class Config(raylane.BaseConfig):
+    model: dict = {}
+    data: Data
+def build(cfg):
+    pass
+"""
+# An S3 endpoint where nothing listens.
+UNREACHABLE_S3 = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
+                  "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
 
 
 @dataclass
 class Case:
     argv: list[str]
-    line: str  # a part of the one line printed on stderr
+    line: str  # a part of the one line printed on stderr; {cwd}: the case's working directory (a path
+    # given relative is shown as the absolute path it was resolved to, raylane.paths)
     files: dict[str, str] = field(default_factory=dict)  # created in the working directory first
     subprocess: bool = False  # also end to end, as `python -m raylane`
     code: int = 2
@@ -96,9 +110,9 @@ CASES: dict[str, Case] = {
                                 files={"c.yaml": "pipeline: digts\n"}),
     "pipeline file missing": Case(["check", "c.yaml"], "pipeline = './pipe.py': no such file", files={"c.yaml": OWN}),
     "storage path through a file": Case(["check", "digits", "--set", "run.storage_path=afile/runs"],
-                                        "run.storage_path = 'afile/runs': ", files={"afile": ""}),
+                                        "run.storage_path = '{cwd}/afile/runs': ", files={"afile": ""}),
     "tabular data missing": Case(["check", "tabular", "--set", "data.train=none.parquet"],
-                                 "data.train = 'none.parquet': no parquet files there"),
+                                 "data.train = '{cwd}/none.parquet': no parquet files there"),
     # train: the config, and what the run will write
     "train a misspelled name": Case(["train", "digitz"], "(did you mean digits?)", subprocess=True),
     "train a sweep file": Case(["train", "digits-sweep"],
@@ -109,7 +123,7 @@ CASES: dict[str, Case] = {
                                           "--summary-json = 'out/s.json': folder 'out' does not exist", subprocess=True),
     "summary onto a folder": Case(["train", "digits", "--summary-json", "."], "--summary-json = '.': is a directory"),
     "storage path is a file": Case(["train", "digits", "--set", "run.storage_path=afile"],
-                                   "run.storage_path = 'afile': ", files={"afile": ""}),
+                                   "run.storage_path = '{cwd}/afile': ", files={"afile": ""}),
     "local, misspelled key": Case(["train", "digits", "--local", "--set", "train.max_epoch=2"],
                                   "did you mean train.max_epochs?"),
     "regression batch 0": Case(["train", "regression", "--set", "train.batch_size=0"], "train.batch_size = 0"),
@@ -135,13 +149,29 @@ CASES: dict[str, Case] = {
                                      "--set run.name=r-2", files=ran()),
     "check a resume": Case(["check", "digits", "--set", "run.name=r", "--set", "model.num_layers=3"],
                            "model.num_layers = 3: run 'r'", files=ran()),
+    "global batch the workers cannot split": Case(["train", "digits", "--set", "train.global_batch=7",
+                                                   "--set", "scaling.num_workers=2"],
+                                                  "train.global_batch = 7: not a multiple of train.batch_size = 32 x "
+                                                  "scaling.num_workers = 2"),
+    # paths: proven by writing a probe (permission bits say yes to root, and on virtual filesystems)
+    "storage on a virtual filesystem": Case(["train", "digits", "--set", "run.storage_path=/proc/raylane-runs"],
+                                            "run.storage_path = '/proc/raylane-runs': "),
+    "storage on an unreachable S3 endpoint": Case(["train", "digits", "--set", "run.storage_path=s3://raylane/runs"],
+                                                  "run.storage_path = 's3://raylane/runs': cannot write a probe there "
+                                                  "(NETWORK_CONNECTION: Could not connect to server, endpoint "
+                                                  "http://127.0.0.1:9)", env=dict(UNREACHABLE_S3)),
+    "a shipped pipeline's data file missing": Case(["train", "gpt-tiny", "--set", "data.text_path=none.txt"],
+                                                    "data.text_path = '{cwd}/none.txt': no such file or folder"),
+    "data of one's own pipeline missing": Case(["check", "c.yaml"], "data.path = '{cwd}/data/x.csv': no such file",
+                                               files={"c.yaml": OWN + "data: {path: data/x.csv}\n",
+                                                      "pipe.py": OWN_WITH_PATH}),
     # init_from: someone else's checkpoint, checked before any MLflow run exists
     "init from a missing folder": Case(["train", "digits", "--set", "checkpoint.init_from=nope"],
-                                       "checkpoint.init_from = 'nope': no such folder"),
+                                       "checkpoint.init_from = '{cwd}/nope': no such folder"),
     "init from an uncommitted folder": Case(["train", "digits", "--set", "checkpoint.init_from=ck"],
-                                            "checkpoint.init_from = 'ck': not a committed checkpoint", files={"ck/x": ""}),
+                                            "checkpoint.init_from = '{cwd}/ck': not a committed checkpoint", files={"ck/x": ""}),
     "init from a truncated checkpoint": Case(["train", "digits", "--set", "checkpoint.init_from=ck"],
-                                             "checkpoint.init_from = 'ck': not a valid checkpoint (state.pt has 5 bytes, "
+                                             "checkpoint.init_from = '{cwd}/ck': not a valid checkpoint (state.pt has 5 bytes, "
                                              "the manifest says 10)", files=committed("ck", {"state.pt": "12345"}, sizes={"state.pt": 10}),
                                              subprocess=True),
     "init from a checkpoint missing a file": Case(["train", "digits", "--local", "--set", "checkpoint.init_from=ck"],
@@ -150,7 +180,7 @@ CASES: dict[str, Case] = {
                                              "(state.pt has 5 bytes, the manifest says None)",
                                              files={"ck/state.pt": "12345", "ck/manifest.json": '{"files": {"state.pt": 5}}'}),
     "init from another model": Case(["train", "digits", "--set", "checkpoint.init_from=ck", "--set", "model.hidden_size=64"],
-                                    "model.hidden_size = 64: checkpoint.init_from = 'ck' was saved with model.hidden_size "
+                                    "model.hidden_size = 64: checkpoint.init_from = '{cwd}/ck' was saved with model.hidden_size "
                                     "= 128, which this config cannot load", files=committed("ck", {})),
     # tune: the sweep and its base config
     "tune a pipeline config": Case(["tune", "digits"],
@@ -212,6 +242,10 @@ CASES: dict[str, Case] = {
 }
 
 
+def _line(case: Case, cwd) -> str:
+    return case.line.replace("{cwd}", str(cwd.resolve()))
+
+
 def _write(tmp_path, files: dict[str, str]) -> None:
     for name, text in files.items():
         path = tmp_path / name
@@ -231,8 +265,41 @@ def test_bad_input_exits_2_with_one_line(name, tmp_path, monkeypatch, capsys, no
     assert cli.main(case.argv) == case.code
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1, err
-    assert err.startswith("raylane: ") and case.line in err, err
+    assert err.startswith("raylane: ") and _line(case, tmp_path) in err, err
     assert "Traceback" not in err
+
+
+def _through_the_api(argv: list[str]):
+    """The call a notebook makes for the command line `argv` (parsed by the CLI's own parser)."""
+    a = cli._parser().parse_args(argv)
+    calls = {
+        "check": lambda: api.check(a.config, a.overrides),
+        "train": lambda: api.train(a.config, a.overrides, address=a.address, local=a.local, register=a.register,
+                                   summary_json=a.summary_json),
+        "tune": lambda: api.tune(a.config, a.overrides, address=a.address, register=a.register,
+                                 summary_json=a.summary_json),
+        "submit": lambda: api.submit(a.config, a.overrides, address=a.address),
+        "export": lambda: api.export(a.checkpoint, a.out),
+        "up": lambda: api.up(a.num_cpus, a.port, a.dashboard_port),
+    }
+    return calls[a.command]()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_through_the_python_api_is_the_same_config_error(name, tmp_path, monkeypatch, capsys, no_work):
+    """Every door checks alike (raylane.prepare): the API raises ConfigError with the very line
+    the command prints."""
+    case = CASES[name]
+    _write(tmp_path, case.files)
+    monkeypatch.chdir(tmp_path)
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value)
+    assert cli.main(case.argv) == case.code
+    line = capsys.readouterr().err.strip().removeprefix("raylane: ")
+    with pytest.raises(ConfigError) as raised:
+        _through_the_api(case.argv)
+    assert str(raised.value) == line
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.subprocess])
@@ -244,7 +311,7 @@ def test_bad_input_end_to_end(name, tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert time.monotonic() - started < 15, "took long enough to have started something"
     assert out.returncode == case.code and out.stdout == "", out.stdout + out.stderr
-    assert out.stderr.splitlines() == [out.stderr.strip()] and case.line in out.stderr, out.stderr
+    assert out.stderr.splitlines() == [out.stderr.strip()] and _line(case, tmp_path) in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "mlflow.db").exists()
 
 

@@ -61,7 +61,7 @@ def test_a_finished_run_relaunched_trains_and_logs_nothing(finished, monkeypatch
                    f"{a['run_id']}. Nothing to train: raise train.max_epochs or train.max_steps to train it "
                    "further, or start a new run with --set run.name=r-2\n"), out + err
     # The API too: it hands back the summary the run finished with.
-    from raylane.driver import run_training
+    from raylane.api import train as run_training
 
     again = run_training("digits", [*RUN[1::2], "train.max_steps=3"], local=True)
     assert again["already_finished"] and again["run_id"] == a["run_id"] and again["steps"] == 3

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from raylane import paths, pipelines_ref
 from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import (
     _NAME_PATTERN,
@@ -35,6 +36,7 @@ from raylane.config import (
     flatten,
     format_validation_error,
     normalize_pipeline,
+    read_config_file,
     read_yaml,
     validate,
 )
@@ -172,8 +174,8 @@ def load_sweep(path: str, overrides: Iterable[str] = ()) -> tuple[SweepSection, 
     # `pipeline:` of each file from that file's directory.
     sweep_dir = config_path(path).resolve().parent
     base_file = str(sweep_dir / sweep.base) if (sweep_dir / sweep.base).is_file() else sweep.base
-    base_raw = normalize_pipeline(read_yaml(base_file), config_path(base_file).resolve().parent)
-    _merge(base_raw, normalize_pipeline(raw, sweep_dir))  # the sweep file's own sections override the base config
+    base_raw = read_config_file(base_file)
+    _merge(base_raw, _own_sections(raw, path, base_raw))  # the sweep file's own sections override the base config
     base = validate(apply_overrides(base_raw, base_sets))
     for key, domain in sweep.space.items():
         for value in representative(domain):
@@ -184,6 +186,19 @@ def load_sweep(path: str, overrides: Iterable[str] = ()) -> tuple[SweepSection, 
     _check_global_batch(sweep, base)
     _check_metric(sweep, base)
     return sweep, base
+
+
+def _own_sections(raw: dict[str, Any], path: str, base_raw: dict[str, Any]) -> dict[str, Any]:
+    """The sweep file's overrides of its base config, with the file's own `pipeline:` and input
+    paths resolved from its folder (from the working directory for a shipped sweep: a template)."""
+    sweep_dir = config_path(path).resolve().parent
+    own = normalize_pipeline(raw, sweep_dir)
+    try:
+        cls = pipelines_ref.load(own.get("pipeline") or base_raw["pipeline"]).Config
+    except (KeyError, ConfigError):
+        return own  # validation names what is wrong
+    shipped = config_path(path) != Path(path)
+    return paths.resolve(own, cls, Path.cwd() if shipped else sweep_dir, inputs_only=True)
 
 
 def _check_metric(sweep: SweepSection, base: BaseConfig) -> None:
@@ -317,7 +332,7 @@ def check_rerun(sweep: SweepSection, base: BaseConfig) -> str | None:
             raise ConfigError(
                 f"{key} = {_shown(new, key)}: sweep {sweep.name!r} already ran with {key} = {_shown(old, key)} "
                 f"({str(folder)!r}), and a sweep's settings cannot change: start a new sweep with "
-                f"--set sweep.name={_fresh(folder)}, or rerun it unchanged to continue it")
+                f"--set sweep.name={fresh_sweep_name(folder)}, or rerun it unchanged to continue it")
     if record.get("status") != "FINISHED":
         return None
     best = record.get("best") or {}
@@ -326,10 +341,10 @@ def check_rerun(sweep: SweepSection, base: BaseConfig) -> str | None:
     trials = record.get("trials")
     return (f"sweep {sweep.name}: already FINISHED ({trials} trial{'' if trials == 1 else 's'}, {outcome}); results in "
             f"{folder} and MLflow parent run {record.get('parent_run_id')}. Nothing to run: to sweep again, "
-            f"start a new sweep with --set sweep.name={_fresh(folder)}")
+            f"start a new sweep with --set sweep.name={fresh_sweep_name(folder)}")
 
 
-def _fresh(folder: Path) -> str:
+def fresh_sweep_name(folder: Path) -> str:
     n = 2
     while folder.with_name(f"{folder.name}-{n}").exists():
         n += 1

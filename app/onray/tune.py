@@ -19,7 +19,6 @@ import random
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +32,9 @@ from raylane.onray.cluster import data_cpus
 from raylane.onray.sweep import (
     Objective,
     SweepSection,
-    check_rerun,
-    load_sweep,
+    fresh_sweep_name,
     run_speed,
+    sweep_folder,
     trial_config,
     write_record,
 )
@@ -290,18 +289,6 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
 
 # -- the driver --------------------------------------------------------------------------------
 
-def tune_sweep(source: Any, overrides: Iterable[str] = (), *, address: str | None = None,
-               register: str | None = None) -> dict[str, Any]:
-    """`raylane.tune()`: load and check the sweep file (ConfigError before Ray starts), run it,
-    and return its summary."""
-    sweep, base = load_sweep(source, overrides)
-    finished = check_rerun(sweep, base)
-    if finished:  # its records stay as they are
-        print(finished, flush=True)
-        return {"status": "FINISHED", "sweep": sweep.name, "already_finished": True}
-    return run_sweep(sweep, base, address=address, summary_path=None, register=register)
-
-
 def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, summary_path: str | None,
               register: str | None) -> dict[str, Any]:
     """Run (or continue) the sweep on the cluster at `address` (as resolved by
@@ -313,12 +300,18 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
     base = base.model_copy(update={"run": base.run.model_copy(update={
         "storage_path": base.run.storage_path if "://" in base.run.storage_path
         else str(Path(base.run.storage_path).expanduser().resolve())})})
-    parent = open_parent(sweep, base, tracking_uri)
+    lease = _lease(sweep, base)  # one writer per sweep: before its records or its MLflow run
+    try:
+        parent = open_parent(sweep, base, tracking_uri)
+    except BaseException:
+        lease.release()
+        raise
     write_record(sweep, base, "RUNNING", parent_run_id=parent.run_id)
     per_trial = trial_resources(base)["CPU"]
-    embedded = init_ray(address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)),
-                        dashboard=True)
+    embedded = False
     try:
+        embedded = init_ray(address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)),
+                            dashboard=True)
         concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
         print(f"[raylane] sweep {sweep.name}: {plural(sweep.num_samples, 'sample')}, {plural(concurrency, 'trial')} "
               f"at a time, {plural(base.scaling.num_workers, 'worker')} per trial; MLflow parent run {parent.run_id}",
@@ -346,6 +339,7 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
     finally:
         if embedded:
             shutdown_ray(embedded)
+        lease.release()
     if summary_path:
         Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
     print(sweep_results.table(rows, sweep), flush=True)
@@ -354,6 +348,16 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
               flush=True)
     print(f"[raylane] MLflow UI: {ui_command(tracking_uri, parent)}", flush=True)
     return summary
+
+
+def _lease(sweep: SweepSection, base: BaseConfig) -> Any:
+    """The sweep folder's lease (raylane.lease); ConfigError when another launch holds it."""
+    from raylane.lease import NoLease, acquire
+
+    folder = sweep_folder(sweep, base)
+    if folder is None:
+        return NoLease()
+    return acquire(folder, f"sweep {sweep.name!r}", "sweep.name", sweep.name, fresh_sweep_name(folder))
 
 
 def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: int, stopper: tune.Stopper):

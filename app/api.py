@@ -1,0 +1,105 @@
+"""The Python API: every `raylane` command as a call. The CLI (raylane.cli) calls these same
+functions, so a run started from a shell and one started from a notebook are checked by one
+preparation path (raylane.prepare) and behave alike: bad input raises ConfigError, with the line
+the CLI prints, before anything starts.
+
+Importing this module imports neither torch nor Ray: each call imports what it needs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from raylane import prepare
+from raylane.config import BaseConfig, ConfigError
+
+
+def check(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
+    """`raylane check`: the validated, resolved config (ConfigError on bad input)."""
+    return prepare.prepare_train(config, overrides).cfg
+
+
+def train(config: Any, overrides: Iterable[str] = (), *, address: str | None = None, local: bool = False,
+          register: str | None = None, summary_json: str | None = None) -> dict[str, Any]:
+    """`raylane train`: check the config (ConfigError before anything starts), train on Ray (or
+    in this process with `local`, or as this torchrun rank) and return the run's summary
+    (`status`, `metrics`, `run_id`, `checkpoint`, ...). A run that already FINISHED as far as
+    the config asks is not trained again: its summary comes back with `already_finished`."""
+    run = prepare.prepare_train(config, overrides, summary_json=summary_json, local=local)
+    if run.finished:  # nothing is trained or logged again
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says so
+            print(run.finished.line, flush=True)
+        return {**run.finished.summary, "already_finished": True}
+    for note in run.notes:
+        print(note, flush=True)
+    address = prepare.resolve_address(address, run.cfg) if run.use_ray else address
+    from raylane import driver
+
+    return driver.train(run.cfg, use_ray=run.use_ray, address=address, summary_path=summary_json, register=register)
+
+
+def tune(sweep: Any, overrides: Iterable[str] = (), *, address: str | None = None, register: str | None = None,
+         summary_json: str | None = None) -> dict[str, Any]:
+    """`raylane tune`: run (or continue) a sweep; returns its summary (its trials and the best
+    one). ConfigError on bad input, before Ray starts."""
+    prepared = prepare.prepare_tune(sweep, overrides, summary_json=summary_json)
+    if prepared.finished:  # its records stay as they are
+        print(prepared.finished, flush=True)
+        return {"status": "FINISHED", "sweep": prepared.sweep.name, "already_finished": True}
+    address = prepare.resolve_address(address, prepared.base)
+    from raylane.onray.tune import run_sweep
+
+    return run_sweep(prepared.sweep, prepared.base, address=address, summary_path=summary_json, register=register)
+
+
+def autotune(config: Any, overrides: Iterable[str] = (), *, address: str | None = None, local: bool = False,
+             budget_s: float | None = None, out: str = "autotuned.yaml",
+             summary_json: str | None = None) -> dict[str, Any]:
+    """`raylane autotune`: the fastest configuration that fits, written to `out` as a YAML ready
+    to train; returns the search's summary."""
+    search = prepare.prepare_autotune(config, overrides, out=out, summary_json=summary_json, budget_s=budget_s,
+                                      local=local)
+    address = prepare.resolve_address(address, search.cfg) if search.use_ray else None
+    from raylane import autotune as search_module
+
+    return search_module.execute(search.section, search.cfg, use_ray=search.use_ray, address=address, out=out,
+                                 summary_path=summary_json)
+
+
+def submit(config: Any, overrides: Iterable[str] = (), *, address: str | None = None, working_dir: str = ".",
+           env_vars: dict[str, str] | None = None):
+    """`raylane submit`: run `raylane train CONFIG` as a Ray job; returns a handle with
+    status(), logs(), follow(), wait(), stop() and mlflow_run_id()."""
+    from raylane.onray.jobs import submit as submit_job
+
+    return submit_job(config, overrides, address=address, working_dir=working_dir, env_vars=env_vars)
+
+
+def export(checkpoint: str, out: str) -> Path:
+    """`raylane export`: a checkpoint's whole model as one safetensors file at `out`; returns the
+    config file written beside it."""
+    prepare.prepare_export(checkpoint, out)
+    from raylane.export import export as write
+
+    try:
+        return write(checkpoint, out)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"export: {exc}") from None
+
+
+def up(num_cpus: int | None = None, port: int | None = None, dashboard_port: int | None = None):
+    """`raylane up`: a persistent local Ray head (returns it, and whether this call started it)."""
+    num_cpus = max(4, os.cpu_count() or 1) if num_cpus is None else num_cpus
+    prepare.prepare_up(num_cpus)
+    from raylane.onray import localcluster
+
+    return localcluster.up(num_cpus, port, dashboard_port)
+
+
+def down():
+    """`raylane down`: stop the local Ray head `up` started; returns it, or None."""
+    from raylane.onray import localcluster
+
+    return localcluster.down()

@@ -1,0 +1,130 @@
+"""One preparation path for every door: `raylane check`, `train`, `tune`, `autotune`, `submit`,
+`export` and `up`, and the Python API's calls of the same names (`raylane.train()`, ...), check
+their input here, the same way and in the same order, before Ray, torch's workers, a job or
+MLflow start. Each mistake is one ConfigError naming the field and the value: exit 2 from the
+CLI, the exception itself from the API. What the doors then do with a prepared run differs only
+in how they report it.
+
+Nothing here imports torch or Ray."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from raylane import prechecks
+from raylane.batching import held_batch, world_sizes
+from raylane.config import BaseConfig, ConfigError, load_config
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+@dataclass
+class PreparedRun:
+    """A training run that passed every check: its config, whether it runs on Ray, and, for a
+    run that already FINISHED as far as this config asks, what to say instead of training."""
+
+    cfg: BaseConfig
+    use_ray: bool
+    finished: prechecks.Finished | None = None
+    notes: list[str] = field(default_factory=list)  # lines to show before it starts
+
+
+def prepare_train(config: Any, overrides: Iterable[str] = (), *, summary_json: str | None = None,
+                  local: bool = False) -> PreparedRun:
+    """`raylane check` and `raylane train` (on Ray, in one process with `local`, or as a torchrun
+    rank): the config, what the run writes, the global batch on its world sizes, and what an
+    earlier launch of the same run left."""
+    cfg = load_config(config, list(overrides))
+    prechecks.check_run(cfg, summary_json=summary_json)
+    in_process = local or under_torchrun()
+    notes = []
+    if in_process:
+        held_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    else:
+        notes.extend(_skipped_sizes(cfg, world_sizes(cfg)))  # the global batch splits at min and max
+    prechecks.check_global_order(cfg)
+    return PreparedRun(cfg, use_ray=not in_process, finished=prechecks.check_resume(cfg), notes=notes)
+
+
+def _skipped_sizes(cfg: BaseConfig, sizes: list[int]) -> list[str]:
+    """An elastic run skips the sizes between min and max that do not split its global batch."""
+    skipped = sorted(set(range(sizes[0], sizes[-1] + 1)) - set(sizes))
+    if not (skipped and cfg.scaling.elastic):
+        return []
+    shown = ", ".join(map(str, skipped[:8])) + (", ..." if len(skipped) > 8 else "")
+    line = (f"raylane: elastic run on {', '.join(map(str, sizes[:8]))}{', ...' if len(sizes) > 8 else ''} "
+            f"workers: {shown} would not split the global batch, so it runs on the next size down")
+    return [line]
+
+
+@dataclass
+class PreparedSweep:
+    sweep: Any  # raylane.onray.sweep.SweepSection
+    base: BaseConfig
+    finished: str | None  # the line to show instead of sweeping again
+
+
+def prepare_tune(sweep_file: Any, overrides: Iterable[str] = (), *, summary_json: str | None = None) -> PreparedSweep:
+    from raylane.onray.sweep import check_rerun, load_sweep
+
+    sweep, base = load_sweep(sweep_file, list(overrides))
+    prechecks.check_run(base, summary_json=summary_json)
+    return PreparedSweep(sweep, base, check_rerun(sweep, base))
+
+
+@dataclass
+class PreparedSearch:
+    section: Any  # raylane.autotune.AutotuneSection
+    cfg: BaseConfig
+    use_ray: bool
+
+
+def prepare_autotune(config: Any, overrides: Iterable[str] = (), *, out: str = "autotuned.yaml",
+                     summary_json: str | None = None, budget_s: float | None = None,
+                     local: bool = False) -> PreparedSearch:
+    from raylane import autotune
+
+    overrides = [*overrides, *([f"autotune.budget_s={budget_s}"] if budget_s is not None else [])]
+    section, cfg = autotune.load(config, overrides)
+    if under_torchrun():  # the ranks torchrun started, whatever scaling.num_workers says
+        workers = int(os.environ.get("WORLD_SIZE", "1"))
+        cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": workers})})
+    autotune.space(section, cfg)
+    autotune.check(section, cfg, out, summary_json)
+    return PreparedSearch(section, cfg, use_ray=not (local or under_torchrun()))
+
+
+def prepare_submit(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
+    """A job's config, checked on this machine before anything is uploaded; `run.storage_path`
+    is the cluster's to check."""
+    cfg = load_config(config, list(overrides))
+    prechecks.check_run(cfg, local_storage=False)
+    return cfg
+
+
+def prepare_export(checkpoint: str, out: str) -> None:
+    prechecks.check_export(checkpoint, out)
+
+
+def prepare_up(num_cpus: int) -> None:
+    if num_cpus < 1:
+        raise ConfigError(f"up: --num-cpus must be at least 1, got {num_cpus}")
+    prechecks.check_token_path()
+
+
+def resolve_address(address: str | None, cfg: BaseConfig) -> str | None:
+    """The cluster a Ray run joins (None: a fresh embedded one), with a warning when an embedded
+    one would give the workers more CPUs than this machine has."""
+    from raylane.onray.localcluster import resolve_address as resolve
+
+    address = resolve(address)  # before Ray's import: see resolve_address
+    warning = prechecks.oversubscription(cfg, address)
+    if warning:
+        print(f"raylane: {warning}", file=sys.stderr, flush=True)
+    return address
