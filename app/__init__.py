@@ -24,10 +24,10 @@ try:
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0+unknown"
 
-__all__ = ["BaseConfig", "ConfigError", "Pipeline", "Section", "__version__", "submit", "train", "tune"]
+__all__ = ["BaseConfig", "ConfigError", "DataError", "Pipeline", "Section", "__version__", "submit", "train", "tune"]
 
 # Names that import torch, resolved on first access (PEP 562).
-_LAZY = {"Pipeline": "raylane.loop.pipeline", "FileSource": "raylane.loop.streaming"}
+_LAZY = {"Pipeline": "raylane.loop.pipeline", "FileSource": "raylane.loop.streaming", "DataError": "raylane.loop.baddata"}
 
 
 def __getattr__(name: str) -> Any:
