@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import RAYLANE, cli_env
+from tests.conftest import RAYLANE, TORCHRUN, cli_env
 
 TABULAR = ["--set", "data.features=[a, b]", "--set", "data.target=label", "--set", "data.num_classes=2",
            "--set", "train.batch_size=16", "--set", "train.max_epochs=1"]
@@ -236,3 +236,28 @@ def test_an_error_in_the_users_code_on_ray_is_one_line_with_the_workers_tracebac
                             f"{_line_of(pipe, 'raise RuntimeError')})"), line
     log = _library_log(p.output)  # the worker's whole traceback, on the driver
     assert f'File "{pipe}", line {_line_of(pipe, "raise RuntimeError")}, in helper' in log, log
+
+
+@pytest.mark.untracked
+def test_unused_parameters_under_ddp_name_raylanes_key_and_the_parameters(run_cli, tmp_path):
+    _own_pipeline(tmp_path)
+    p = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "cfg.yaml", "--set", "model.mode=unused",
+                "--set", f"run.storage_path={tmp_path / 'runs'}", "--set", "mlflow.enabled=false", launcher=TORCHRUN)
+    assert p.wait(240) != 0, p.output
+    assert ("error:         strategy.find_unused_parameters = false: the model's spare.weight, spare.bias got no "
+            "gradient at a step on rank ") in p.output, p.output
+    assert "set strategy.find_unused_parameters: true" in p.output
+
+
+@pytest.mark.untracked
+def test_a_training_set_smaller_than_one_step_is_said_before_the_first_step(run_cli, tmp_path):
+    _own_pipeline(tmp_path)
+    p = run_cli("train", "cfg.yaml", "--local", "--set", "train.batch_size=100",
+                "--set", f"run.storage_path={tmp_path / 'runs'}")
+    assert p.wait(180) == 0, p.output
+    lines = p.output.splitlines()
+    said = [i for i, line in enumerate(lines) if line == (
+        "the training set has 64 samples, fewer than one step's 100 (train.batch_size 100 x 1 worker): "
+        "each epoch is one partial step")]
+    first_step = next(i for i, line in enumerate(lines) if "step 1/1" in line)
+    assert said and said[0] < first_step, p.output

@@ -115,6 +115,7 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
     batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed}
     train_loader = train_data(pipe.train_set, runtime, **batching, samples_per_step=cfg.train.global_batch)
     if runtime.rank == 0:
+        _note_small_epoch(pipe.train_set, train_loader, cfg, runtime.world_size)
         train_loader = _FirstBatchClock(train_loader, startup)
     eval_loader = eval_data(pipe.eval_set, runtime, **batching)
     control_group, save_group = _side_groups(cfg, runtime.world_size)
@@ -136,6 +137,19 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
             log.info("resuming from step %d (%s)", trainer.step, latest)
     startup["ready"] = time.time()
     return trainer.train()
+
+
+def _note_small_epoch(dataset: Any, loader: Any, cfg: BaseConfig, world_size: int) -> None:
+    """One line when the training set is smaller than one step's samples: each epoch is then a
+    single, partial step, which a user reading `max_epochs` would not expect."""
+    per_step = cfg.train.batch_size * world_size * cfg.train.grad_accum_steps
+    rows = getattr(loader, "rows", None)  # a stream's rows per epoch (a list per piece with pyarrow)
+    samples = (sum(rows) if isinstance(rows, list) else rows) if is_stream(dataset) else len(dataset)
+    if samples is not None and samples < per_step:
+        accum = f" x train.grad_accum_steps {cfg.train.grad_accum_steps}" if cfg.train.grad_accum_steps > 1 else ""
+        log.warning("the training set has %d samples, fewer than one step's %d (train.batch_size %d x %d "
+                    "worker%s%s): each epoch is one partial step", samples, per_step, cfg.train.batch_size,
+                    world_size, "s" if world_size > 1 else "", accum)
 
 
 def _with_startup(publish: Callable[[dict[str, Any]], None],

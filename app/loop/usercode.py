@@ -11,6 +11,7 @@ The full traceback goes to the library log (the driver's, see raylane.logs.recor
 from __future__ import annotations
 
 import contextlib
+import re
 import traceback
 from collections.abc import Callable
 from types import CodeType
@@ -23,6 +24,8 @@ from raylane.pipelines_ref import UserCodeError
 TRACEBACK_ATTR = "raylane_traceback"
 LOSS_ROLE = "loss_fn(output, target)"
 SUMS_ROLE = "eval_sums(output, target)"
+_UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
+_DDP_KEYWORD = "`find_unused_parameters=True`"  # in torch's message, which names no raylane key
 
 
 def pipeline_problem(pipe: Any) -> str | None:
@@ -92,6 +95,8 @@ def explain(exc: BaseException, cfg: Any, pipe: Any) -> BaseException:
     function and place when the user's code raised, else `exc` itself."""
     if isinstance(exc, (UserCodeError, DataError)):
         return exc
+    if pipe is not None and _DDP_KEYWORD in str(exc):
+        return _unused_parameters(exc, pipe)
     module = pipelines_ref.load(cfg.pipeline)
     roles = _roles(pipe, module)
     own = [getattr(module, "__file__", None) or ""]
@@ -157,3 +162,18 @@ def _function(fn: Any) -> Any:
         return fn
     method = getattr(type(fn), "forward", None) or type(fn).__call__
     return getattr(method, "__func__", method)
+
+
+def _unused_parameters(exc: BaseException, pipe: Any) -> UserCodeError:
+    """DDP's error for parameters that got no gradient, with raylane's key and the parameters'
+    names (torch's message gives their indices and its own keyword)."""
+    found = _UNUSED.search(str(exc))
+    which, where = "some parameters", ""
+    if found:
+        names = [name for name, p in pipe.model.named_parameters() if p.requires_grad]
+        listed = [names[int(i)] if int(i) < len(names) else f"#{i}" for i in found.group(2).split()]
+        which = ", ".join(listed[:6]) + (f" and {len(listed) - 6} more" if len(listed) > 6 else "")
+        where = f" on rank {found.group(1)}"
+    return UserCodeError(f"strategy.find_unused_parameters = false: the model's {which} got no gradient at a step"
+                         f"{where} (not used to compute the loss): set strategy.find_unused_parameters: true, or "
+                         "use every parameter in forward")
