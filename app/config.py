@@ -432,11 +432,19 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel] | None 
             lines.append(f"{field} = {_short(err['input'])}: unknown key{hint}")
         elif err["type"] == "missing":
             lines.append(f"{field}: required")
-        elif err["type"] == "value_error" and " = " in str(err.get("ctx", {}).get("error", "")):
+        elif err["type"] == "value_error" and _own_message(err.get("ctx", {}).get("error")):
             lines.append(str(err["ctx"]["error"]))  # our own checks name their field and value
         else:
             lines.append(f"{field} = {_short(err['input'])}: {err['msg']}")
     return "invalid config: " + "; ".join(lines)
+
+
+def _own_message(error: Any) -> bool:
+    """A check's error that is complete as it is: one naming its field and value, or a bad value
+    in the data (raylane.DataError: the key, the file, the row)."""
+    from raylane.loop.baddata import DataError
+
+    return isinstance(error, DataError) or " = " in str(error or "")
 
 
 def _fields_at(model: Any, path: list[str]) -> list[str]:

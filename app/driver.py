@@ -9,6 +9,7 @@ import logging
 import re
 import signal
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -199,11 +200,26 @@ def _execute(cfg: BaseConfig, use_ray: bool, embedded: bool, handle: Any, tracki
     except KeyboardInterrupt:
         return "KILLED", "interrupted", {}
     except Exception as exc:  # the launcher's message names the rank and its exception
-        text = str(exc) if type(exc).__name__ == "TrainingError" else f"{type(exc).__name__}: {exc}"
-        return "FAILED", text, {}
+        return "FAILED", _failure_text(exc), {}
     finally:
         if display:
             display.close()
+
+
+def _failure_text(exc: Exception) -> str:
+    """The one line a failed run's summary shows; the whole traceback goes to the library log
+    (on Ray, the ranks' tracebacks were logged as they arrived: raylane.onray.launch)."""
+    from raylane.logs import record_traceback
+    from raylane.loop.baddata import DataError
+    from raylane.pipelines_ref import UserCodeError
+
+    if type(exc).__name__ == "TrainingError":
+        return str(exc)
+    record_traceback("the run failed:", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    if isinstance(exc, (UserCodeError, DataError)):  # complete as they are: the function or data, and the place
+        return str(exc)
+    lines = str(exc).strip().splitlines() or [""]
+    return f"{type(exc).__name__}: {lines[0]}" + (" (the rest in the library log)" if len(lines) > 1 else "")
 
 
 def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, result: dict[str, Any],

@@ -21,6 +21,7 @@ VERBOSE_ENV = "RAYLANE_VERBOSE"
 LOG_DIR = "logs"
 KEEP_LOGS = 100  # the newest of a machine's log files; older ones go when a new one is made
 _FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+TRACEBACK_LOGGER = "traceback"
 
 _log_file: Path | None = None
 
@@ -32,6 +33,16 @@ def verbose() -> bool:
 def log_file() -> Path | None:
     """The file the libraries' messages went to, once one was written (None before, or verbose)."""
     return _log_file if _log_file is not None and _log_file.exists() else None
+
+
+def record_traceback(what: str, text: str) -> None:
+    """A failure's full traceback, which the terminal shows as one line: into the log file (and
+    with --verbose, onto the terminal). Under a logger outside raylane's own, which the console
+    leaves out by default; colour codes (a Ray task's traceback) removed."""
+    from raylane.loop.baddata import strip_colour
+
+    logging.getLogger(TRACEBACK_LOGGER).log(logging.WARNING if verbose() else logging.INFO, "%s\n%s", what,
+                                             strip_colour(text).rstrip())
 
 
 def setup(verbose_flag: bool | None, command: str) -> None:

@@ -41,8 +41,14 @@ _roots: list[str] = []  # this process's roots, in sys.path order
 _loaded: dict[str, ModuleType] = {}
 
 
-class PipelineBuildError(RuntimeError):
-    """`build(cfg)` of a pipeline raised; the message names the pipeline and the exception."""
+class UserCodeError(RuntimeError):
+    """The user's pipeline code raised, or returned what its contract does not allow: one line
+    naming the pipeline, the function, the exception and the user's innermost `file:line`."""
+
+
+class PipelineBuildError(UserCodeError):
+    """`build(cfg)` of a pipeline raised or returned no Pipeline; the message names the pipeline,
+    the exception and where it was raised."""
 
 
 def _config_error(text: str) -> Exception:
@@ -209,10 +215,32 @@ def _raised_at(exc: BaseException, path: Path | None) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<frozen")]
     if not frames:
         return "unknown location"
-    mine = [str(path.resolve())] if path else []
-    user = [f for f in frames if f.filename in mine or any(f.filename.startswith(r + os.sep) for r in roots())]
-    frame = (user or frames)[-1]
-    return f"{frame.filename}:{frame.lineno}"
+    return user_frame(exc, [str(path.resolve())] if path else []) or f"{frames[-1].filename}:{frames[-1].lineno}"
+
+
+_OWN_DIR = str(Path(__file__).resolve().parent) + os.sep  # raylane's own code: never the user's
+_LIBRARIES = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+def is_user_file(filename: str, files: Iterable[str] = ()) -> bool:
+    """Whether code in `filename` is the user's: one of `files` (a pipeline module's own, shipped
+    ones included), or under a root, and neither an installed library nor raylane."""
+    if filename in files:
+        return True
+    if filename.startswith(("<", _OWN_DIR)) or any(lib in filename for lib in _LIBRARIES):
+        return False
+    return any(filename.startswith(root + os.sep) for root in roots())
+
+
+def user_frame(exc: BaseException, files: Iterable[str] = ()) -> str | None:
+    """`file:line` of the innermost frame of `exc`'s traceback in the user's code (see
+    is_user_file), or None."""
+    files = set(files)
+    found = None
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        if is_user_file(frame.f_code.co_filename, files):
+            found = f"{frame.f_code.co_filename}:{line}"
+    return found
 
 
 def _check_contract(ref: str, module: ModuleType) -> None:
@@ -230,15 +258,69 @@ def _check_contract(ref: str, module: ModuleType) -> None:
 
 
 def build(cfg: Any) -> Any:
-    """`build(cfg)` of the config's pipeline; its exception becomes a PipelineBuildError that names
-    the pipeline, the exception and where it was raised."""
+    """`build(cfg)` of the config's pipeline, checked to be a raylane.Pipeline; its exception, or
+    a wrong return, is a PipelineBuildError that names the pipeline, what went wrong and where."""
     module = load(cfg.pipeline)
+    pipe = _call(cfg, module, "build")
+    from raylane.loop.usercode import pipeline_problem  # torch: loaded by now, on a rank
+
+    problem = pipeline_problem(pipe)
+    if problem:
+        raise PipelineBuildError(f"pipeline {cfg.pipeline!r}: build(cfg) returned {problem} "
+                                 f"(at {returned_at(module.build)})")
+    return pipe
+
+
+def sources(cfg: Any) -> dict[str, Any]:
+    """`sources(cfg)` of the config's pipeline (a streaming one), its exception named as build's."""
+    found = _call(cfg, load(cfg.pipeline), "sources")
+    if not isinstance(found, dict):
+        raise UserCodeError(f"pipeline {cfg.pipeline!r}: sources(cfg) returned {type(found).__name__}, not a dict "
+                            f"of raylane.FileSource by data set name (at {returned_at(load(cfg.pipeline).sources)})")
+    return found
+
+
+def _call(cfg: Any, module: ModuleType, name: str) -> Any:
     try:
-        return module.build(cfg)
+        return getattr(module, name)(cfg)
     except Exception as exc:
         text = " ".join(str(exc).split())
-        raise PipelineBuildError(f"pipeline {cfg.pipeline!r}: build(cfg) raised {type(exc).__name__}: {text} "
-                                 f"(at {_raised_at(exc, Path(getattr(module, '__file__', '') or '.'))})") from exc
+        error = PipelineBuildError if name == "build" else UserCodeError
+        raise error(f"pipeline {cfg.pipeline!r}: {name}(cfg) raised {type(exc).__name__}: {text} "
+                    f"(at {_raised_at(exc, Path(getattr(module, '__file__', '') or '.'))})") from exc
+
+
+def returned_at(fn: Any) -> str:
+    """`file:line` of a function's return statement when it has exactly one, else of its
+    definition: where a wrong return value came from (read from its source: nothing runs)."""
+    import ast
+    import inspect
+    import textwrap
+
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return getattr(fn, "__qualname__", repr(fn))
+    line = code.co_firstlineno
+    try:
+        source, start = inspect.getsourcelines(fn)
+        body = ast.parse(textwrap.dedent("".join(source))).body[0]
+        returns = [node for node in _own_nodes(body) if isinstance(node, ast.Return)]
+        if len(returns) == 1:
+            line = start + returns[0].lineno - 1
+    except (OSError, TypeError, SyntaxError, IndexError):
+        pass  # no source (a lambda inside an expression, an interactive session): the definition
+    return f"{code.co_filename}:{line}"
+
+
+def _own_nodes(node: Any) -> Iterable[Any]:
+    """The nodes of a function's body, not those of functions or classes defined in it."""
+    import ast
+
+    for child in ast.iter_child_nodes(node):
+        yield child
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            yield from _own_nodes(child)
 
 
 def _relocate(path: Path) -> Path | None:

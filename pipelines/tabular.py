@@ -57,39 +57,78 @@ class Config(BaseConfig):
             raise ValueError(f"data.target = {d.target!r}: also listed in data.features")
         for field, paths in (("data.train", d.train), ("data.eval", d.eval)):
             if paths is not None:
-                source(self, paths).check(field)  # the files exist and have the columns: exit 2 otherwise
-                _numeric(field, source(self, paths).sample(field), [*d.features, d.target])
+                # The files exist, have the columns, and the first file's first rows hold numbers
+                # in range: exit 2 naming the row otherwise. Later rows are checked as they are read.
+                source(self, paths, field).check(field)
+                source(self, paths, field).sample(field, transformed=True)
         return self
 
 
-def _numeric(field: str, sample: dict, columns: list[str]) -> None:
-    """Every named column holds numbers (a CSV's 'cat'/'dog' target fails here, not on a rank)."""
+def checked(d: DataSection, batch: dict):
+    """(features as float32 rows, targets) of a batch, or a DataError naming the first bad cell:
+    a missing or non-numeric value, or a class id outside 0..num_classes-1. One pass over the
+    batch when it is clean; the bad cell is looked for only once there is one."""
     import numpy as np
 
-    for column in columns:
-        values = sample.get(column)
-        if values is not None and len(values) and not (np.issubdtype(values.dtype, np.number) or values.dtype == bool):
-            raise ValueError(f"data.{'target' if column == columns[-1] else 'features'} = {column!r}: column of "
-                             f"{field} is not numeric (first value {values[0]!r}); encode it as numbers")
+    x = np.stack([_numbers(batch[c], "data.features", c, np.float32) for c in d.features], axis=1)
+    if not np.isfinite(x).all():
+        row, col = (int(i) for i in np.argwhere(~np.isfinite(x))[0])
+        _bad_value("data.features", d.features[col], row, batch[d.features[col]][row])
+    y = _numbers(batch[d.target], "data.target", d.target)
+    if y.dtype.kind == "f" and not np.isfinite(y).all():
+        row = int(np.argmin(np.isfinite(y)))
+        _bad_value("data.target", d.target, row, batch[d.target][row])
+    if d.task == "regression":
+        return x, y.astype(np.float32)
+    if len(y) and (y.min() < 0 or y.max() >= d.num_classes or (y.dtype.kind == "f" and (y != np.floor(y)).any())):
+        from raylane.loop.baddata import DataError
+
+        row = int(np.argmax((y < 0) | (y >= d.num_classes) | (y != np.floor(y))))
+        raise DataError(f"data.num_classes = {d.num_classes}", column=d.target, row=row, value=batch[d.target][row],
+                        why=f"class ids are whole numbers 0..{d.num_classes - 1}")
+    return x, y.astype(np.int64)
 
 
-def source(cfg: Config, paths):
-    """The FileSource of `paths`: the transform (Ray Data's map_batches on Ray) turns the named
-    columns into one float32 matrix `x` and the target `y`."""
+def _numbers(values, key: str, column: str, dtype=None):
+    """A column of numbers (as `dtype`, else as they are); text that is not a number is a
+    DataError naming its row."""
     import numpy as np
 
+    if values.dtype.kind in "biuf":
+        return values if dtype is None else values.astype(dtype, copy=False)
+    for row, value in enumerate(values):  # text or objects: the first cell that is not a number
+        try:
+            float(value)
+        except (TypeError, ValueError):
+            _bad_value(key, column, row, value)
+    return np.asarray(values, dtype=dtype or np.float64)
+
+
+def _bad_value(key: str, column: str, row: int, value) -> None:
+    import math
+
+    from raylane.loop.baddata import DataError
+
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        why = "fill or drop such rows (a missing value would train as NaN)"
+    elif isinstance(value, str):
+        why = "expected a number (encode categories as numbers)"
+    else:
+        why = "expected a finite number"
+    raise DataError(key, column=column, row=row, value=value, why=why)
+
+
+def source(cfg: Config, paths, key: str | None = None):
+    """The FileSource of `paths` (config key `key`): the transform (Ray Data's map_batches on
+    Ray) turns the named columns into one float32 matrix `x` and the target `y`, after checking
+    every value (raylane.DataError names a bad one's file, row and column)."""
     from raylane.loop.streaming import FileSource
 
     d = cfg.data
     classify = d.task == "classification"
 
     def transform(batch):
-        x = np.stack([np.asarray(batch[c], dtype=np.float32) for c in d.features], axis=1)
-        y = np.asarray(batch[d.target], dtype=np.int64 if classify else np.float32)
-        if classify and len(y) and (y.min() < 0 or y.max() >= d.num_classes):
-            bad = y[(y < 0) | (y >= d.num_classes)][0]
-            raise ValueError(f"data.target = {d.target!r}: class id {bad} outside 0..{d.num_classes - 1} "
-                             f"(data.num_classes = {d.num_classes})")
+        x, y = checked(d, batch)
         return {"x": x, "y": y}
 
     def to_tensors(batch):
@@ -99,13 +138,13 @@ def source(cfg: Config, paths):
         return torch.tensor(batch["x"]), (y if classify else y[:, None])
 
     return FileSource(paths=paths, format=d.format, columns=[*d.features, d.target], transform=transform,
-                      to_tensors=to_tensors, shuffle_rows=d.shuffle_rows)
+                      to_tensors=to_tensors, shuffle_rows=d.shuffle_rows, key=key)
 
 
 def sources(cfg: Config):
     """What a streaming pipeline declares for the driver (Ray Data), without building a model."""
-    return {"train": source(cfg, cfg.data.train),
-            "eval": source(cfg, cfg.data.eval) if cfg.data.eval is not None else None}
+    return {"train": source(cfg, cfg.data.train, "data.train"),
+            "eval": source(cfg, cfg.data.eval, "data.eval") if cfg.data.eval is not None else None}
 
 
 def build_model(cfg: Config):

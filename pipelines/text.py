@@ -39,11 +39,11 @@ class Config(BaseConfig):
     def _data_is_there(self) -> Config:
         for field, paths in (("data.train", self.data.train), ("data.eval", self.data.eval)):
             if paths is not None:
-                source(self, paths).check(field)  # exit 2 before anything starts
+                source(self, paths, field).check(field)  # exit 2 before anything starts
         return self
 
 
-def source(cfg: Config, paths):
+def source(cfg: Config, paths, key: str | None = None):
     import numpy as np
 
     from raylane.loop.streaming import FileSource
@@ -63,13 +63,13 @@ def source(cfg: Config, paths):
         return tokens[:, :-1], tokens[:, 1:]
 
     return FileSource(paths=paths, format=d.format, columns=[column], transform=transform, keeps_rows=False,
-                      to_tensors=to_tensors, shuffle_rows=d.shuffle_rows)
+                      to_tensors=to_tensors, shuffle_rows=d.shuffle_rows, key=key)
 
 
 def sources(cfg: Config):
     """What a streaming pipeline declares for the driver (Ray Data), without building a model."""
-    return {"train": source(cfg, cfg.data.train),
-            "eval": source(cfg, cfg.data.eval) if cfg.data.eval is not None else None}
+    return {"train": source(cfg, cfg.data.train, "data.train"),
+            "eval": source(cfg, cfg.data.eval, "data.eval") if cfg.data.eval is not None else None}
 
 
 def build(cfg: Config):

@@ -67,5 +67,5 @@ def test_tabular_rejects_a_non_numeric_column_before_training(run_cli, tmp_path)
     proc = run_cli("train", "tabular", "--local", "--set", f"data.train={tmp_path / 'pets.csv'}",
                    "--set", "data.format=csv", "--set", "data.features=[a, b]", "--set", "mlflow.enabled=false")
     assert proc.wait(60) == 2, proc.output
-    assert proc.output.strip() == ("raylane: invalid config: data.target = 'label': column of data.train is not "
-                                   "numeric (first value 'cat'); encode it as numbers")
+    assert proc.output.strip() == (f"raylane: invalid config: data.target: {tmp_path / 'pets.csv'} row 1, column "
+                                   "'label' has 'cat'; expected a number (encode categories as numbers)")

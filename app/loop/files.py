@@ -9,7 +9,7 @@ file. Pieces are what ranks share out, so a single large Parquet file still spli
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from raylane.loop import baddata
 from raylane.loop.storage import filesystem_for
 
 EXTENSIONS = {"parquet": (".parquet",), "csv": (".csv",), "json": (".json", ".jsonl"), "text": ()}
@@ -29,6 +30,7 @@ class Piece:
     path: str
     row_group: int | None = None  # Parquet only; None: the whole file
     rows: int | None = None  # known from Parquet metadata, before any transform
+    start: int = 0  # the file's rows before this piece's first (Parquet: earlier row groups)
 
 
 def list_files(paths: str | Sequence[str], fmt: str, field: str = "paths") -> tuple[pafs.FileSystem, list[str]]:
@@ -67,25 +69,62 @@ def _expand(fs: pafs.FileSystem, path: str, fmt: str) -> list[str]:
             and (not wanted or i.path.endswith(wanted))]
 
 
-def pieces(fs: pafs.FileSystem, files: Sequence[str], fmt: str) -> list[Piece]:
+def pieces(fs: pafs.FileSystem, files: Sequence[str], fmt: str, key: str = "paths") -> list[Piece]:
     """Parquet: one piece per row group, its row count from the footer (one small read per
-    file). Other formats: one piece per file, rows unknown until read."""
+    file). Other formats: one piece per file, rows unknown until read. A footer that cannot be
+    read is a DataError naming `key` and the file."""
     if fmt != "parquet":
         return [Piece(f) for f in files]
     import pyarrow.parquet as pq
 
     out = []
     for f in files:
-        meta = pq.read_metadata(f, filesystem=fs)
-        out += [Piece(f, i, meta.row_group(i).num_rows) for i in range(meta.num_row_groups)]
+        try:
+            meta = pq.read_metadata(f, filesystem=fs)
+        except (pa.ArrowException, OSError) as exc:
+            raise baddata.DataError(key, place=baddata.shown_path(fs, f), why="not a readable Parquet file "
+                                    f"({type(exc).__name__}: {' '.join(str(exc).split())})") from exc
+        start = 0
+        for i in range(meta.num_row_groups):
+            out.append(Piece(f, i, meta.row_group(i).num_rows, start))
+            start += meta.row_group(i).num_rows
     return out
 
 
-def schema_names(fs: pafs.FileSystem, path: str, fmt: str) -> list[str]:
+def checked_chunks(fs: pafs.FileSystem, piece: Piece, fmt: str, columns: Sequence[str] | None,
+                   transform: Callable[[dict], dict] | None, key: str) -> Iterator[dict[str, np.ndarray]]:
+    """read_chunks, then `transform`, with the place of any failure: a read error is a DataError
+    naming the file (and the row group), a transform's DataError gets its file and row, and
+    any other exception of the transform (the user's code) a note with the rows it was given."""
+    chunks, row = read_chunks(fs, piece, fmt, columns), 0
+    while True:
+        try:
+            chunk = next(chunks, None)
+        except Exception as exc:
+            raise baddata.read_failure(fs, piece, fmt, row, exc, key, list(columns) if columns else None) from exc
+        if chunk is None:
+            return
+        n = len(next(iter(chunk.values()))) if chunk else 0
+        if transform is not None:
+            try:
+                chunk = transform(chunk)
+            except baddata.DataError as exc:
+                baddata.locate_row(exc, fs, piece, fmt, row)
+                raise
+            except Exception as exc:
+                if hasattr(exc, "add_note"):  # Python 3.11+: raylane.loop.usercode shows it
+                    exc.add_note(f"reading {baddata.shown_path(fs, piece.path)} rows {piece.start + row + 1}-"
+                                 f"{piece.start + row + n}")
+                raise
+        yield chunk
+        row += n
+
+
+def schema_names(fs: pafs.FileSystem, path: str, fmt: str, key: str = "paths") -> list[str]:
     """The column names of one file (its first chunk for CSV and JSON)."""
     if fmt == "text":
         return ["text"]
-    first = next(read_chunks(fs, Piece(path), fmt, None), None)
+    first = next(checked_chunks(fs, Piece(path), fmt, None, None, key), None)
     return list(first) if first is not None else []
 
 

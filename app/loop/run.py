@@ -20,7 +20,7 @@ import torch.distributed as dist
 from raylane import pipelines_ref
 from raylane.batching import held_batch
 from raylane.config import BaseConfig
-from raylane.loop import checkpoint, faults
+from raylane.loop import checkpoint, faults, usercode
 from raylane.loop.data import eval_data, is_stream, train_data
 from raylane.loop.devices import peak_flops
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
@@ -32,8 +32,6 @@ from raylane.loop.storage import CheckpointStore, filesystem_for
 from raylane.loop.trainer import Trainer
 
 log = logging.getLogger("raylane")
-
-
 
 
 def seed_everything(seed: int) -> None:
@@ -89,13 +87,27 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
                startup: dict[str, float] | None = None) -> dict[str, Any]:
     """One rank's whole run. Returns the result (the same on every rank but for timings).
     `startup`: the launcher's start-up phases on this rank (see raylane.loop.startup); rank 0 adds
-    its own and sends them with its start and first-step events."""
+    its own and sends them with its start and first-step events. An exception of the user's
+    pipeline code leaves it as one line naming the function and the place (raylane.loop.usercode)."""
     startup = {} if startup is None else startup
     cfg = held_batch(cfg, runtime.world_size)  # train.global_batch on this many ranks (checked before launch)
-    publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
     seed_everything(cfg.train.seed)
-    pipe = pipelines_ref.build(cfg)  # its exception names the pipeline
-    startup["pipeline"] = time.time()
+    pipe = None
+    try:
+        pipe = pipelines_ref.build(cfg)  # its exception, or a return that is no Pipeline, names the pipeline
+        startup["pipeline"] = time.time()
+        return _train(cfg, runtime, pipe, metric_logger, startup)
+    except Exception as exc:
+        explained = usercode.explain(exc, cfg, pipe)
+        usercode.keep_traceback(explained, exc)
+        if explained is exc:
+            raise
+        raise explained from exc
+
+
+def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | None,
+           startup: dict[str, float]) -> dict[str, Any]:
+    publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
     model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size,
                                   example=_example_batch(pipe.train_set, cfg.train.batch_size), loss_fn=pipe.loss_fn)
     startup["parallelize"] = time.time()
@@ -103,6 +115,7 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
     batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed}
     train_loader = train_data(pipe.train_set, runtime, **batching, samples_per_step=cfg.train.global_batch)
     if runtime.rank == 0:
+        _note_small_epoch(pipe.train_set, train_loader, cfg, runtime.world_size)
         train_loader = _FirstBatchClock(train_loader, startup)
     eval_loader = eval_data(pipe.eval_set, runtime, **batching)
     control_group, save_group = _side_groups(cfg, runtime.world_size)
@@ -115,6 +128,7 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
         eval_sums=pipe.eval_sums, runtime=runtime, cfg=cfg, faults=faults.load(runtime.rank),
         reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger),
     )
+    usercode.check_first_calls(trainer, pipe, cfg)
     latest = runtime.latest_checkpoint() or _init_from(cfg)
     if latest:
         trainer.load_state_dict(checkpoint.load(latest, model, optimizer, rank=runtime.rank))
@@ -123,6 +137,19 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
             log.info("resuming from step %d (%s)", trainer.step, latest)
     startup["ready"] = time.time()
     return trainer.train()
+
+
+def _note_small_epoch(dataset: Any, loader: Any, cfg: BaseConfig, world_size: int) -> None:
+    """One line when the training set is smaller than one step's samples: each epoch is then a
+    single, partial step, which a user reading `max_epochs` would not expect."""
+    per_step = cfg.train.batch_size * world_size * cfg.train.grad_accum_steps
+    rows = getattr(loader, "rows", None)  # a stream's rows per epoch (a list per piece with pyarrow)
+    samples = (sum(rows) if isinstance(rows, list) else rows) if is_stream(dataset) else len(dataset)
+    if samples is not None and samples < per_step:
+        accum = f" x train.grad_accum_steps {cfg.train.grad_accum_steps}" if cfg.train.grad_accum_steps > 1 else ""
+        log.warning("the training set has %d samples, fewer than one step's %d (train.batch_size %d x %d "
+                    "worker%s%s): each epoch is one partial step", samples, per_step, cfg.train.batch_size,
+                    world_size, "s" if world_size > 1 else "", accum)
 
 
 def _with_startup(publish: Callable[[dict[str, Any]], None],

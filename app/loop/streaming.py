@@ -46,6 +46,8 @@ class FileSource:
       text, filtering): batch counts are then found by a counting pass over the files.
     - `to_tensors`: batch dict -> (inputs, targets), run on the rank for each batch.
     - `shuffle_rows`: rows of the shuffle buffer (train only), on top of a per-epoch file order.
+    - `key`: the config key its paths come from (`data.train`), for messages about its data.
+      A transform raises `raylane.DataError` for a bad value: the reader names the file and row.
     """
 
     paths: str | Sequence[str]
@@ -55,6 +57,7 @@ class FileSource:
     transform: Callable[[Batch], Batch] | None = None
     keeps_rows: bool = True
     shuffle_rows: int = 4096
+    key: str | None = None
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -66,21 +69,30 @@ class FileSource:
         """(pyarrow filesystem, sorted files); ValueError naming `field` when nothing is there."""
         return _files.list_files(self.paths, self.format, field)
 
+    @property
+    def label(self) -> str:
+        """How messages name this source's data: its config key, else its paths."""
+        return self.key or f"paths = {self.paths!r}"
+
     def check(self, field: str = "paths") -> None:
-        """For a pipeline's config validator: the files exist and have `columns` (one file read)."""
+        """For a pipeline's config validator: the files exist, the first can be read (a Parquet
+        file's footer too) and has `columns` (one chunk read); else ValueError naming `field`."""
         fs, found = self.files(field)
+        _files.pieces(fs, found[:1], self.format, field)
         if self.columns:
-            names = _files.schema_names(fs, found[0], self.format)
+            names = _files.schema_names(fs, found[0], self.format, field)
             missing = [c for c in self.columns if c not in names]
             if missing:
                 raise ValueError(f"{field} = {self.paths!r}: no column {missing[0]!r} in {found[0]} "
                                  f"(it has: {', '.join(names)})")
 
-    def sample(self, field: str = "paths") -> Batch:
-        """The first chunk of the first file, raw (before the transform): for a config validator
-        to check column types before any worker starts."""
+    def sample(self, field: str = "paths", *, transformed: bool = False) -> Batch:
+        """The first chunk of the first file, raw (or `transformed`: a DataError of the transform
+        then names its row): for a config validator to check the data before any worker starts."""
         fs, found = self.files(field)
-        return next(_files.read_chunks(fs, _files.Piece(found[0]), self.format, self.columns), {})
+        chunks = _files.checked_chunks(fs, _files.Piece(found[0]), self.format, self.columns,
+                                       self.checked_transform() if transformed else None, field)
+        return next(chunks, {})
 
     def checked_transform(self) -> Callable[[Batch], Batch] | None:
         """The transform, failing loudly when it changes the row count while keeps_rows says not:
@@ -188,14 +200,14 @@ class _Reader:
         self.source, self.batch_size = source, batch_size
         self.rank, self.world_size = rank, world_size
         self.fs, found = source.files()
-        self.pieces = _files.pieces(self.fs, found, source.format)
+        self.pieces = _files.pieces(self.fs, found, source.format, source.label)
         self._transform = source.checked_transform()
         self.opened: list[_files.Piece] = []  # pieces this rank read, in order (what tests check)
 
     def chunks(self, piece: _files.Piece) -> Iterator[Batch]:
         self.opened.append(piece)
-        for chunk in _files.read_chunks(self.fs, piece, self.source.format, self.source.columns):
-            yield self._transform(chunk) if self._transform else chunk
+        return _files.checked_chunks(self.fs, piece, self.source.format, self.source.columns, self._transform,
+                                     self.source.label)
 
 
 class FileStream(_Reader):
@@ -262,3 +274,24 @@ class FileEvalStream(_Reader):
         mine = self.pieces[self.rank :: self.world_size]
         chunks = itertools.chain.from_iterable(self.chunks(p) for p in mine)
         return prefetched(self.source.to_tensors(b) for b in rebatch(chunks, self.batch_size, None, 0))
+
+
+LOCATE_BUDGET_S = 60.0
+
+
+def locate(source: FileSource, budget_s: float = LOCATE_BUDGET_S) -> BaseException | None:
+    """The first failure reading `source` with pyarrow, piece by piece in file order, transform
+    included: what Ray Data's tasks failed on, found again with its place. None when nothing
+    fails, or when `budget_s` runs out first."""
+    import time
+
+    deadline = time.monotonic() + budget_s
+    try:
+        reader = _Reader(source, batch_size=1, rank=0, world_size=1)
+        for piece in reader.pieces:
+            for _ in reader.chunks(piece):
+                if time.monotonic() > deadline:
+                    return None
+    except Exception as exc:  # noqa: BLE001 - what was looked for
+        return exc
+    return None

@@ -25,8 +25,9 @@ from ray.train import DataConfig
 
 from raylane import pipelines_ref
 from raylane.config import BaseConfig
+from raylane.loop import baddata
 from raylane.loop import files as _files
-from raylane.loop.streaming import FileSource
+from raylane.loop.streaming import FileSource, locate
 
 READ_PREFETCH_BATCHES = 2
 
@@ -38,7 +39,7 @@ def build_datasets(cfg: BaseConfig) -> tuple[dict[str, ray.data.Dataset], dict[s
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars, ctx.print_on_execution_start = False, False
     datasets, streams = {}, {}
-    for name, source in pipelines_ref.load(cfg.pipeline).sources(cfg).items():
+    for name, source in pipelines_ref.sources(cfg).items():
         if isinstance(source, FileSource):
             datasets[name], counted = _to_dataset(source, name, train=name == "train")
             streams[name] = counted() if name == "train" else None
@@ -70,8 +71,11 @@ def _to_dataset(source: FileSource, name: str, *, train: bool):
         # Parquet footers when the transform keeps rows (no Ray Data task); else Ray Data counts,
         # reading (and transforming) the files once, in parallel.
         if source.keeps_rows and fmt == "parquet":
-            return sum(p.rows for p in _files.pieces(fs, found, fmt))
-        return (read if source.keeps_rows else ds).count()
+            return sum(p.rows for p in _files.pieces(fs, found, fmt, source.label))
+        try:
+            return (read if source.keeps_rows else ds).count()
+        except Exception as exc:
+            raise _found_again(source, exc) from exc
 
     return ds, counted
 
@@ -99,7 +103,7 @@ class RayShardStream:
     epochs_alike = True
 
     def __init__(self, shard: Any, source: FileSource, *, batch_size: int, rows: int, world_size: int) -> None:
-        self.shard, self.source, self.batch_size = shard, source, batch_size
+        self.shard, self.source, self.batch_size, self.rows = shard, source, batch_size, rows
         self.batches = math.ceil(rows // world_size / batch_size)  # the equal split's share
         self.epoch, self.skip_batches = 0, 0
 
@@ -111,9 +115,8 @@ class RayShardStream:
 
     def __iter__(self):
         seen = 0
-        for batch in self.shard.iter_batches(batch_size=self.batch_size, batch_format="numpy",
-                                             prefetch_batches=READ_PREFETCH_BATCHES,
-                                             local_shuffle_buffer_size=self.source.shuffle_rows):
+        for batch in batches(self.shard, self.source, batch_size=self.batch_size,
+                             local_shuffle_buffer_size=self.source.shuffle_rows):
             if seen == self.batches:
                 break
             seen += 1
@@ -131,9 +134,27 @@ class RayEvalStream:
         self.shard, self.source, self.batch_size = shard, source, batch_size
 
     def __iter__(self):
-        for batch in self.shard.iter_batches(batch_size=self.batch_size, batch_format="numpy",
-                                             prefetch_batches=READ_PREFETCH_BATCHES):
+        for batch in batches(self.shard, self.source, batch_size=self.batch_size):
             yield self.source.to_tensors(batch)
+
+
+def batches(shard: Any, source: FileSource, **options: Any):
+    """A shard's numpy batches. Ray Data's failure (a task's error as text, in colour, wrapped
+    in Ray's exceptions, on every rank) becomes the failure itself: a DataError with its file
+    and row, or the exception of the user's transform, with its place."""
+    try:
+        yield from shard.iter_batches(batch_format="numpy", prefetch_batches=READ_PREFETCH_BATCHES, **options)
+    except Exception as exc:
+        raise _found_again(source, exc) from exc
+
+
+def _found_again(source: FileSource, exc: BaseException) -> BaseException:
+    """What Ray Data failed on, read again with pyarrow (raylane.loop.streaming.locate), else
+    one line from Ray's text: the original exception's, without Ray's wrappers and colours."""
+    found = locate(source)
+    if found is not None:
+        return found
+    return RuntimeError(f"{source.label}: Ray Data could not read the data: {baddata.cause_line(str(exc))}")
 
 
 def shard_stream(name: str, source: FileSource, streams: dict[str, int | None], *, batch_size: int,
