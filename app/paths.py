@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +58,21 @@ def absolute(value: str, base: Path) -> str:
         return value
     expanded = os.path.expanduser(value)
     return expanded if os.path.isabs(expanded) else os.path.normpath(os.path.join(base, expanded))
+
+
+def quick_filesystem(uri: str) -> tuple[Any, str]:
+    """(pyarrow filesystem, path inside it) for a URI, for a check before the run: on S3
+    without the SDK's retries with backoff, so that an endpoint that refuses fails at once (~9 s
+    with them) and one that does not answer fails within seconds."""
+    import pyarrow.fs as pafs
+
+    fs, root = pafs.FileSystem.from_uri(uri)
+    if isinstance(fs, pafs.S3FileSystem) and "?" not in uri:  # a URI's own options are kept as they are
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        fs = pafs.S3FileSystem(region=fs.region, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2),
+                               connect_timeout=3, request_timeout=5,
+                               **({"endpoint_override": endpoint} if endpoint else {}))
+    return fs, root
 
 
 def path_keys(model: type[BaseModel], prefix: str = "") -> dict[str, PathValue]:
@@ -153,3 +169,17 @@ def missing_inputs(cfg: Any) -> Iterator[tuple[str, str]]:
 
 def _names_something(path: str) -> bool:
     return Path(path).exists() or (glob.has_magic(path) and bool(glob.glob(path, recursive=True)))
+
+
+_AWS_ERROR = re.compile(r"AWS Error (\w+) during \w+ operation: (?:curlCode: \d+, )?([^;]+)")
+
+
+def one_line(exc: BaseException, limit: int = 240) -> str:
+    """An exception's message as one short line: pyarrow's S3 errors, several clauses about
+    the request, come down to the AWS error and its cause."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    aws = _AWS_ERROR.search(text)
+    if aws:
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        text = f"{aws.group(1)}: {aws.group(2).strip()}" + (f", endpoint {endpoint}" if endpoint else "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import threading
 import uuid
 from dataclasses import dataclass
@@ -84,15 +83,7 @@ PROBE_TIMEOUT_S = 10.0
 
 
 def _probe_remote(path: str) -> None:
-    import pyarrow.fs as pafs  # not raylane.loop.storage's filesystem_for, which imports torch
-
-    fs, root = pafs.FileSystem.from_uri(path)
-    if isinstance(fs, pafs.S3FileSystem) and "?" not in path:
-        # Without the SDK's retries with backoff: a refused connection fails at once, not in ~9 s.
-        endpoint = os.environ.get("AWS_ENDPOINT_URL")
-        fs = pafs.S3FileSystem(region=fs.region, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2),
-                               connect_timeout=3, request_timeout=5,
-                               **({"endpoint_override": endpoint} if endpoint else {}))
+    fs, root = paths.quick_filesystem(path)
     probe = f"{root.rstrip('/')}/.raylane-probe-{uuid.uuid4().hex}"
     with fs.open_output_stream(probe) as f:
         f.write(b"")
@@ -118,21 +109,9 @@ def _bounded(probe: Any, what: str) -> None:
         raise ConfigError(f"{what}: no answer within {PROBE_TIMEOUT_S:.0f} s (is the endpoint reachable? "
                           f"AWS_ENDPOINT_URL = {os.environ.get('AWS_ENDPOINT_URL', '(not set)')!r})")
     if outcome["error"] is not None:
-        raise ConfigError(f"{what}: cannot write a probe there ({one_line(outcome['error'])})")
+        raise ConfigError(f"{what}: cannot write a probe there ({paths.one_line(outcome['error'])})")
 
 
-_AWS_ERROR = re.compile(r"AWS Error (\w+) during \w+ operation: (?:curlCode: \d+, )?([^;]+)")
-
-
-def one_line(exc: BaseException, limit: int = 240) -> str:
-    """An exception's message as one short line: pyarrow's S3 errors, several clauses about
-    the request, come down to the AWS error and its cause."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    aws = _AWS_ERROR.search(text)
-    if aws:
-        endpoint = os.environ.get("AWS_ENDPOINT_URL")
-        text = f"{aws.group(1)}: {aws.group(2).strip()}" + (f", endpoint {endpoint}" if endpoint else "")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_init_from(cfg: BaseConfig) -> None:

@@ -160,6 +160,10 @@ CASES: dict[str, Case] = {
                                                   "run.storage_path = 's3://raylane/runs': cannot write a probe there "
                                                   "(NETWORK_CONNECTION: Could not connect to server, endpoint "
                                                   "http://127.0.0.1:9)", env=dict(UNREACHABLE_S3)),
+    "data on an unreachable S3 endpoint": Case(["check", "tabular", "--set", "data.train=s3://raylane/t.parquet"],
+                                               "data.train = 's3://raylane/t.parquet': cannot list it "
+                                               "(NETWORK_CONNECTION: Could not connect to server",
+                                               env=dict(UNREACHABLE_S3)),
     "a shipped pipeline's data file missing": Case(["train", "gpt-tiny", "--set", "data.text_path=none.txt"],
                                                     "data.text_path = '{cwd}/none.txt': no such file or folder"),
     "data of one's own pipeline missing": Case(["check", "c.yaml"], "data.path = '{cwd}/data/x.csv': no such file",

@@ -19,6 +19,7 @@ import pyarrow.fs as pafs
 
 from raylane.loop import baddata
 from raylane.loop.storage import filesystem_for
+from raylane.paths import is_uri, one_line, quick_filesystem
 
 EXTENSIONS = {"parquet": (".parquet",), "csv": (".csv",), "json": (".json", ".jsonl"), "text": ()}
 TEXT_ROWS_PER_CHUNK = 4096
@@ -33,19 +34,24 @@ class Piece:
     start: int = 0  # the file's rows before this piece's first (Parquet: earlier row groups)
 
 
-def list_files(paths: str | Sequence[str], fmt: str, field: str = "paths") -> tuple[pafs.FileSystem, list[str]]:
+def list_files(paths: str | Sequence[str], fmt: str, field: str = "paths",
+               quick: bool = False) -> tuple[pafs.FileSystem, list[str]]:
     """(filesystem, sorted file paths inside it) for files, directories (searched recursively,
-    keeping the format's extensions) and globs. Raises ValueError naming `field` and the entry."""
+    keeping the format's extensions) and globs. Raises ValueError naming `field` and the entry.
+    `quick`: for a check before the run, object storage without the SDK's retries."""
     entries = [paths] if isinstance(paths, str) else list(paths)
     if not entries:
         raise ValueError(f"{field} = []: no files given")
-    resolved = [filesystem_for(e) for e in entries]
+    resolved = [quick_filesystem(e) if quick and is_uri(e) else filesystem_for(e) for e in entries]
     fs = resolved[0][0]
     if any(type(f) is not type(fs) for f, _ in resolved):
         raise ValueError(f"{field} = {entries!r}: all paths must be on one filesystem")
     files: list[str] = []
     for entry, (_, path) in zip(entries, resolved, strict=True):
-        found = _expand(fs, path, fmt)
+        try:
+            found = _expand(fs, path, fmt)
+        except OSError as exc:  # an endpoint that cannot be reached, credentials refused
+            raise ValueError(f"{field} = {entry!r}: cannot list it ({one_line(exc)})") from None
         if not found:
             raise ValueError(f"{field} = {entry!r}: no {fmt} files there")
         files += found

@@ -65,9 +65,10 @@ class FileSource:
         if not callable(self.to_tensors):
             raise ValueError("FileSource.to_tensors: must be a function batch -> (inputs, targets)")
 
-    def files(self, field: str = "paths"):
-        """(pyarrow filesystem, sorted files); ValueError naming `field` when nothing is there."""
-        return _files.list_files(self.paths, self.format, field)
+    def files(self, field: str = "paths", quick: bool = False):
+        """(pyarrow filesystem, sorted files); ValueError naming `field` when nothing is there.
+        `quick`: for a check before the run (object storage without the SDK's retries)."""
+        return _files.list_files(self.paths, self.format, field, quick)
 
     @property
     def label(self) -> str:
@@ -77,7 +78,7 @@ class FileSource:
     def check(self, field: str = "paths") -> None:
         """For a pipeline's config validator: the files exist, the first can be read (a Parquet
         file's footer too) and has `columns` (one chunk read); else ValueError naming `field`."""
-        fs, found = self.files(field)
+        fs, found = self.files(field, quick=True)
         _files.pieces(fs, found[:1], self.format, field)
         if self.columns:
             names = _files.schema_names(fs, found[0], self.format, field)
