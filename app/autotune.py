@@ -171,7 +171,7 @@ def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address
         except KeyboardInterrupt:
             result, status, error = {}, "KILLED", "interrupted"
         except Exception as exc:  # the launcher's message names the rank and its exception
-            text = str(exc) if type(exc).__name__ == "TrainingError" else f"{type(exc).__name__}: {exc}"
+            text = str(exc) if type(exc).__name__ in ("TrainingError", "ConfigError") else f"{type(exc).__name__}: {exc}"
             result, status, error = {}, "FAILED", text
         if not use_ray and cfg.scaling.num_workers and env_ranks()[2] > 1:
             stack.callback(leave_process_group, wait_for_peers=status == "FINISHED")

@@ -121,6 +121,8 @@ def _tune(args: argparse.Namespace) -> int:
         sweep, base = load_sweep(args.config, args.overrides)
         prechecks.check_run(base, summary_json=args.summary_json)
         finished = check_rerun(sweep, base)
+        if not finished:
+            _check_address(args.address)
     except ConfigError as exc:
         return _config_error(exc)
     if finished:  # its records stay as they are
@@ -135,8 +137,11 @@ def _tune(args: argparse.Namespace) -> int:
         if logs.log_file():
             print(f"[raylane] library log: {logs.log_file()} (Ray, MLflow, Tune, torch; --verbose prints them)")
         return 0 if summary["status"] == "FINISHED" else 1
-    except ConfigError as exc:  # found once the cluster is known: resources
+    except ConfigError as exc:  # found once the cluster is known: resources, or one that does not answer
         return _config_error(exc)
+    except KeyboardInterrupt:  # the parent run is closed KILLED
+        print(f"raylane: sweep {sweep.name} interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def _autotune(args: argparse.Namespace) -> int:
@@ -152,11 +157,13 @@ def _autotune(args: argparse.Namespace) -> int:
             cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": workers})})
         autotune.space(section, cfg)
         autotune.check(section, cfg, args.out, args.summary_json)
+        use_ray = not (args.local or under_torchrun())
+        if use_ray:
+            _check_address(args.address)
     except ConfigError as exc:
         return _config_error(exc)
     from raylane.driver import EXIT_CODES
 
-    use_ray = not (args.local or under_torchrun())
     address = _resolved_address(args.address, cfg) if use_ray else None
     summary = autotune.execute(section, cfg, use_ray=use_ray, address=address, out=args.out,
                                summary_path=args.summary_json)
@@ -261,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             _note_skipped_sizes(cfg, world_sizes(cfg))  # the global batch splits at min and max
         prechecks.check_global_order(cfg)
         finished = prechecks.check_resume(cfg)
+        if args.command == "train" and not in_process and not finished:
+            _check_address(args.address)
     except ConfigError as exc:
         return _config_error(exc)
     if args.command == "check":
@@ -272,7 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     use_ray = not (args.local or under_torchrun())
     address = _resolved_address(args.address, cfg) if use_ray else args.address
-    summary = train(cfg, use_ray=use_ray, address=address, summary_path=args.summary_json, register=args.register)
+    try:
+        summary = train(cfg, use_ray=use_ray, address=address, summary_path=args.summary_json, register=args.register)
+    except ConfigError as exc:  # found once Ray is asked: a cluster that does not answer as one
+        return _config_error(exc)
+    except KeyboardInterrupt:  # a second signal while the launch winds down; its MLflow run is closed
+        print("raylane: interrupted", file=sys.stderr, flush=True)
+        return EXIT_CODES["KILLED"]
     return EXIT_CODES[summary["status"]]
 
 
@@ -295,6 +310,13 @@ def _config_error(exc: ConfigError) -> int:
         # finished first had rank 0 killed before it printed, and the user saw no reason at all.
         time.sleep(CONFIG_ERROR_GRACE_S)
     return 2
+
+
+def _check_address(address: str | None) -> None:
+    """The cluster a Ray run joins, when one is named, answers (ConfigError, before anything starts)."""
+    from raylane.onray.addresses import check_gcs_address
+
+    check_gcs_address(address or os.environ.get("RAY_ADDRESS"))
 
 
 def _resolved_address(address: str | None, cfg: Any) -> str | None:

@@ -299,6 +299,9 @@ def tune_sweep(source: Any, overrides: Iterable[str] = (), *, address: str | Non
     if finished:  # its records stay as they are
         print(finished, flush=True)
         return {"status": "FINISHED", "sweep": sweep.name, "already_finished": True}
+    from raylane.onray.addresses import check_gcs_address
+
+    check_gcs_address(address)
     return run_sweep(sweep, base, address=address, summary_path=None, register=register)
 
 
@@ -316,9 +319,11 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
     parent = open_parent(sweep, base, tracking_uri)
     write_record(sweep, base, "RUNNING", parent_run_id=parent.run_id)
     per_trial = trial_resources(base)["CPU"]
-    embedded = init_ray(address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)),
-                        dashboard=True)
+    embedded = False
     try:
+        # Inside: a cluster that cannot be joined, or a signal while waiting for it, closes the parent run.
+        embedded = init_ray(address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)),
+                            dashboard=True)
         concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
         print(f"[raylane] sweep {sweep.name}: {plural(sweep.num_samples, 'sample')}, {plural(concurrency, 'trial')} "
               f"at a time, {plural(base.scaling.num_workers, 'worker')} per trial; MLflow parent run {parent.run_id}",
@@ -340,8 +345,8 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
         summary.update(sweep_results.record_parent(parent, sweep, rows, best, register))
         close_run(parent, "FINISHED" if not grid.errors else "FAILED")
         write_record(sweep, base, summary["status"], parent_run_id=parent.run_id, best=best, trials=len(rows))
-    except BaseException:
-        close_run(parent, "FAILED")
+    except BaseException as exc:
+        close_run(parent, "FAILED" if isinstance(exc, Exception) else "KILLED")
         raise
     finally:
         if embedded:
