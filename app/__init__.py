@@ -59,7 +59,9 @@ def tune(sweep, overrides=(), *, address: str | None = None, register: str | Non
 
 def submit(config, overrides=(), **options):
     """Submit `raylane train CONFIG` as a Ray job; returns a handle with status(), logs(),
-    follow(), wait(), stop() and mlflow_run_id(). See `raylane.onray.jobs.submit`."""
+    follow(), wait(), stop() and mlflow_run_id(), and where the job records (`tracking_uri`,
+    `experiment`, `storage_path`). Raises ConfigError on bad input (the CLI's one line). See
+    `raylane.onray.jobs.submit`."""
     from raylane.onray.jobs import submit as _submit
 
     return _submit(config, overrides, **options)
