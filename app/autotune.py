@@ -168,10 +168,18 @@ def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address
         try:
             result = _launch(cfg, params, use_ray, address, recorder, tracking_uri, stack)
             status, error = "FINISHED", None
+        except ConfigError as exc:
+            if use_ray:  # a cluster that never answered: one line and exit 2, as for train and tune
+                if recorder is not None and recorder.parent:
+                    from raylane.tracking.runs import close_run
+
+                    close_run(recorder.parent, "FAILED")
+                raise
+            result, status, error = {}, "FAILED", f"ConfigError: {exc}"
         except KeyboardInterrupt:
             result, status, error = {}, "KILLED", "interrupted"
         except Exception as exc:  # the launcher's message names the rank and its exception
-            text = str(exc) if type(exc).__name__ in ("TrainingError", "ConfigError") else f"{type(exc).__name__}: {exc}"
+            text = str(exc) if type(exc).__name__ == "TrainingError" else f"{type(exc).__name__}: {exc}"
             result, status, error = {}, "FAILED", text
         if not use_ray and cfg.scaling.num_workers and env_ranks()[2] > 1:
             stack.callback(leave_process_group, wait_for_peers=status == "FINISHED")

@@ -165,8 +165,11 @@ def _autotune(args: argparse.Namespace) -> int:
     from raylane.driver import EXIT_CODES
 
     address = _resolved_address(args.address, cfg) if use_ray else None
-    summary = autotune.execute(section, cfg, use_ray=use_ray, address=address, out=args.out,
-                               summary_path=args.summary_json)
+    try:
+        summary = autotune.execute(section, cfg, use_ray=use_ray, address=address, out=args.out,
+                                   summary_path=args.summary_json)
+    except ConfigError as exc:  # found once Ray is asked: a cluster that does not answer as one
+        return _config_error(exc)
     return EXIT_CODES[summary["status"]]
 
 

@@ -70,7 +70,7 @@ def _statuses(uri: str) -> list[str]:
     return [r.info.status for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
 
 
-@pytest.mark.parametrize("command", [["train", "digits"], ["tune", "digits-sweep"]])
+@pytest.mark.parametrize("command", [["train", "digits"], ["tune", "digits-sweep"], ["autotune", "digits"]])
 def test_a_cluster_that_never_answers_is_given_up_on_within_10_s(command, run_cli, tmp_path, silent_peer):
     env, uri = _tracked(tmp_path)
     started = time.monotonic()
@@ -83,7 +83,7 @@ def test_a_cluster_that_never_answers_is_given_up_on_within_10_s(command, run_cl
                      "(something listens on that port, but not Ray's GCS); check the address (`raylane up` prints "
                      "it) or leave --address out for a local cluster")], cli.output
     assert took < 30, f"gave up after {took:.0f} s"  # 10 s of waiting, plus start-up on a busy machine
-    assert _statuses(uri) == ["FAILED"]  # the run (or the sweep's parent) opened beside the wait
+    assert _statuses(uri) == ["FAILED"]  # the run (or the sweep's or search's parent) opened beside the wait
 
 
 def test_sigterm_while_waiting_for_the_cluster_stops_at_once_and_closes_the_run(run_cli, tmp_path, silent_peer):
