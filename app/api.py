@@ -27,7 +27,7 @@ def train(config: Any, overrides: Iterable[str] = (), *, address: str | None = N
     in this process with `local`, or as this torchrun rank) and return the run's summary
     (`status`, `metrics`, `run_id`, `checkpoint`, ...). A run that already FINISHED as far as
     the config asks is not trained again: its summary comes back with `already_finished`."""
-    run = prepare.prepare_train(config, overrides, summary_json=summary_json, local=local)
+    run = prepare.prepare_train(config, overrides, summary_json=summary_json, local=local, address=address, joins=True)
     if run.finished:  # nothing is trained or logged again
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says so
             print(run.finished.line, flush=True)
@@ -44,7 +44,7 @@ def tune(sweep: Any, overrides: Iterable[str] = (), *, address: str | None = Non
          summary_json: str | None = None) -> dict[str, Any]:
     """`raylane tune`: run (or continue) a sweep; returns its summary (its trials and the best
     one). ConfigError on bad input, before Ray starts."""
-    prepared = prepare.prepare_tune(sweep, overrides, summary_json=summary_json)
+    prepared = prepare.prepare_tune(sweep, overrides, summary_json=summary_json, address=address)
     if prepared.finished:  # its records stay as they are
         print(prepared.finished, flush=True)
         return {"status": "FINISHED", "sweep": prepared.sweep.name, "already_finished": True}
@@ -60,7 +60,7 @@ def autotune(config: Any, overrides: Iterable[str] = (), *, address: str | None 
     """`raylane autotune`: the fastest configuration that fits, written to `out` as a YAML ready
     to train; returns the search's summary."""
     search = prepare.prepare_autotune(config, overrides, out=out, summary_json=summary_json, budget_s=budget_s,
-                                      local=local)
+                                      local=local, address=address)
     address = prepare.resolve_address(address, search.cfg) if search.use_ray else None
     from raylane import autotune as search_module
 
@@ -70,8 +70,11 @@ def autotune(config: Any, overrides: Iterable[str] = (), *, address: str | None 
 
 def submit(config: Any, overrides: Iterable[str] = (), *, address: str | None = None, working_dir: str = ".",
            env_vars: dict[str, str] | None = None):
-    """`raylane submit`: run `raylane train CONFIG` as a Ray job; returns a handle with
-    status(), logs(), follow(), wait(), stop() and mlflow_run_id()."""
+    """`raylane submit`: run `raylane train CONFIG` as a Ray job that records where this machine
+    looks (raylane.onray.jobs); returns a handle with status(), logs(), follow(), wait(), stop()
+    and mlflow_run_id(), and where the job records (`tracking_uri`, `experiment`,
+    `storage_path`). ConfigError on bad input, an address that does not answer or a refused
+    token; SubmitError when the cluster does not take the job."""
     from raylane.onray.jobs import submit as submit_job
 
     return submit_job(config, overrides, address=address, working_dir=working_dir, env_vars=env_vars)

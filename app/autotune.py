@@ -172,6 +172,14 @@ def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address
         try:
             result = _launch(cfg, params, use_ray, address, recorder, tracking_uri, stack)
             status, error = "FINISHED", None
+        except ConfigError as exc:
+            if use_ray:  # a cluster that never answered: one line and exit 2, as for train and tune
+                if recorder is not None and recorder.parent:
+                    from raylane.tracking.runs import close_run
+
+                    close_run(recorder.parent, "FAILED")
+                raise
+            result, status, error = {}, "FAILED", f"ConfigError: {exc}"
         except KeyboardInterrupt:
             result, status, error = {}, "KILLED", "interrupted"
         except Exception as exc:  # the launcher's message names the rank and its exception

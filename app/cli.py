@@ -137,19 +137,46 @@ def _exit_code(summary: dict[str, Any]) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from raylane.onray.jobs import EXIT_CODES
+    from raylane.onray.jobs import EXIT_CODES, SubmitError
 
-    # The job's `raylane train` inherits it (RAYLANE_VERBOSE): its log is what --follow shows.
-    run = api.submit(args.config, args.overrides, address=args.address,
-                     env_vars={logs.VERBOSE_ENV: "1" if logs.verbose() else "0"})
+    try:
+        # The job's `raylane train` inherits it (RAYLANE_VERBOSE): its log is what --follow shows.
+        run = api.submit(args.config, args.overrides, address=args.address,
+                         env_vars={logs.VERBOSE_ENV: "1" if logs.verbose() else "0"})
+    except SubmitError as exc:  # the cluster did not take the job: not the user's input
+        print(f"raylane: submit: {exc}", file=sys.stderr, flush=True)
+        return 1
     print(f"submitted job {run.job_id} to {run.address}", flush=True)
+    print(_destinations(run), flush=True)
+    follow = f"RAY_AUTH_MODE=token ray job logs --follow --address {run.address} {run.job_id}"
     if not args.follow:
-        print(f"follow it with: RAY_AUTH_MODE=token ray job logs --follow --address {run.address} {run.job_id}")
+        print(f"follow it with: {follow}")
         return 0
-    _show_job_log(run.follow())
-    status = run.wait()
-    print(f"job {run.job_id}: {status} (MLflow run {run.mlflow_run_id()})", flush=True)
+    try:
+        _show_job_log(run.follow())
+        status = run.wait()
+        run_id = run.mlflow_run_id()
+    except KeyboardInterrupt:
+        print(f"raylane: stopped following job {run.job_id}; it goes on (follow it again with: {follow})",
+              file=sys.stderr, flush=True)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the cluster went away while following: one line
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        print(f"raylane: submit: lost job {run.job_id} at {run.address} ({type(exc).__name__}: {first})",
+              file=sys.stderr, flush=True)
+        return 1
+    print(f"job {run.job_id}: {status} (MLflow run {run_id})", flush=True)
     return EXIT_CODES.get(status, 1)
+
+
+def _destinations(run: Any) -> str:
+    """Where a submitted job records its run and checkpoints."""
+    if run.run_name:
+        checkpoints = f"checkpoints in {run.storage_path.rstrip('/')}/{run.run_name}"
+    else:
+        checkpoints = f"checkpoints under {run.storage_path.rstrip('/')}/ (in a folder named for the run)"
+    tracked = f"MLflow {run.tracking_uri}, experiment {run.experiment}" if run.tracking_uri else "MLflow off"
+    return f"{tracked}; {checkpoints}"
 
 
 # What Ray's job supervisor writes into a job's log besides the job's own output.
@@ -202,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except ConfigError as exc:  # before anything started, or found once the cluster is known
         return _config_error(exc)
+    except KeyboardInterrupt:  # a signal while a launch waits or winds down; its MLflow run is closed
+        print("raylane: interrupted", file=sys.stderr, flush=True)
+        return 130
 
 
 def _config_error(exc: ConfigError) -> int:

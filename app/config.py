@@ -376,15 +376,17 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
     return raw
 
 
-def validate(raw: Mapping[str, Any]) -> BaseConfig:
+def validate(raw: Mapping[str, Any], *, outputs: bool = True) -> BaseConfig:
     """A config as read (a mapping) -> the validated config, its relative paths (those still
-    relative: `--set` values, a mapping's, defaults) made absolute from the working directory."""
+    relative: `--set` values, a mapping's, defaults) made absolute from the working directory.
+    `outputs=False`: outputs (run.storage_path) are left as written, for a job that resolves them
+    where it runs (raylane.onray.jobs)."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config: top level must be a mapping, got {_short(raw)}")
     raw = dict(raw)
     raw["pipeline"] = pipelines_ref.normalize(raw.get("pipeline"), [Path.cwd()])
     cls = pipelines_ref.load(raw["pipeline"]).Config
-    raw = paths.resolve(raw, cls, Path.cwd(), defaults=True)
+    raw = paths.resolve(raw, cls, Path.cwd(), inputs_only=not outputs, defaults=outputs)
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:
@@ -406,17 +408,19 @@ def read_config_file(source: str | Path, raw: dict[str, Any] | None = None) -> d
     return paths.resolve(raw, cls, Path.cwd() if shipped else folder, inputs_only=True)
 
 
-def load_config(source: str | Path | Mapping[str, Any], overrides: Iterable[str] = ()) -> BaseConfig:
-    """The edge: file (or mapping) + overrides -> a validated config, or ConfigError."""
+def load_config(source: str | Path | Mapping[str, Any], overrides: Iterable[str] = (), *,
+                outputs: bool = True) -> BaseConfig:
+    """The edge: file (or mapping) + overrides -> a validated config, or ConfigError.
+    `outputs`: see validate."""
     if not isinstance(source, (str, Path)):
-        return validate(apply_overrides(copy.deepcopy(dict(source)), overrides))
+        return validate(apply_overrides(copy.deepcopy(dict(source)), overrides), outputs=outputs)
     raw = read_yaml(source)
     if "sweep" in raw:  # the file's own, not a `--set sweep.x`, which is an unknown key
         raise ConfigError(f"config file {str(source)!r}: is a sweep file (it has a `sweep:` section): "
                           f"run it with `raylane tune {source}`")
     raw.pop("autotune", None)  # `raylane autotune`'s search space: the rest trains as it is
     raw = apply_overrides(read_config_file(source, raw), overrides)
-    return validate(normalize_pipeline(raw, config_path(source).resolve().parent))
+    return validate(normalize_pipeline(raw, config_path(source).resolve().parent), outputs=outputs)
 
 
 def format_validation_error(exc: ValidationError, model: type[BaseModel] | None = None, prefix: str = "") -> str:

@@ -8,6 +8,7 @@ import json
 import logging
 import re
 import signal
+import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -100,7 +101,10 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         world_size = cfg.scaling.num_workers if use_ray else env_ranks()[2]
         tracked = is_driver and cfg.mlflow.enabled
         run_future = pool.submit(open_run, cfg, tracking_uri, world_size) if tracked else None
-        ray_stopper, embedded = _start_ray(cfg, address, pool, stack, startup) if use_ray else (None, False)
+        try:
+            ray_stopper, embedded = _start_ray(cfg, address, pool, stack, startup) if use_ray else (None, False)
+        except BaseException as exc:  # noqa: BLE001 - each way out closes the MLflow run
+            return _not_started(cfg, run_future, exc)
         # From here on, a first SIGTERM or Ctrl-C asks the ranks to checkpoint and stop.
         preemption.install()
         handle = _opened(cfg, run_future, tracking_uri)
@@ -149,6 +153,23 @@ def _start_ray(cfg: BaseConfig, address: str | None, pool: ThreadPoolExecutor, s
     stack.callback(ray_stopper.wait)  # last: after the summary is out
     signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init replaced ours
     return ray_stopper, embedded
+
+
+def _not_started(cfg: BaseConfig, run_future: Any, exc: BaseException) -> dict[str, Any]:
+    """Ray could not be started or joined, or a signal came while the launch waited for it: the
+    MLflow run opened beside it is closed, never left RUNNING. Closed by the thread that opens it,
+    once it is open, so that a second signal cannot keep it from being closed. An interrupt ends
+    the launch KILLED, as one during training does; anything else is raised again (FAILED)."""
+    from raylane.tracking.runs import close_run
+
+    interrupted = not isinstance(exc, Exception)  # KeyboardInterrupt (SIGTERM too), or Ray's SystemExit
+    status = closing_status(cfg, "KILLED" if interrupted else "FAILED")
+    if run_future is not None:
+        run_future.add_done_callback(lambda f: f.exception() is None and close_run(f.result(), status))
+    if not interrupted:
+        raise exc
+    print("raylane: interrupted while waiting for the Ray cluster; nothing was trained", file=sys.stderr, flush=True)
+    return {"status": "KILLED", "error": "interrupted before training started", "run_name": cfg.run.name}
 
 
 EXIT_CODES = {"FINISHED": 0, "FAILED": 1, "KILLED": 130}

@@ -36,10 +36,10 @@ class PreparedRun:
 
 
 def prepare_train(config: Any, overrides: Iterable[str] = (), *, summary_json: str | None = None,
-                  local: bool = False) -> PreparedRun:
+                  local: bool = False, address: str | None = None, joins: bool = False) -> PreparedRun:
     """`raylane check` and `raylane train` (on Ray, in one process with `local`, or as a torchrun
     rank): the config, what the run writes, the global batch on its world sizes, and what an
-    earlier launch of the same run left."""
+    earlier launch of the same run left; with `joins`, that the cluster it joins answers."""
     cfg = load_config(config, list(overrides))
     prechecks.check_run(cfg, summary_json=summary_json)
     in_process = local or under_torchrun()
@@ -49,7 +49,18 @@ def prepare_train(config: Any, overrides: Iterable[str] = (), *, summary_json: s
     else:
         notes.extend(_skipped_sizes(cfg, world_sizes(cfg)))  # the global batch splits at min and max
     prechecks.check_global_order(cfg)
-    return PreparedRun(cfg, use_ray=not in_process, finished=prechecks.check_resume(cfg), notes=notes)
+    run = PreparedRun(cfg, use_ray=not in_process, finished=prechecks.check_resume(cfg), notes=notes)
+    if joins and run.use_ray and not run.finished:
+        check_address(address)
+    return run
+
+
+def check_address(address: str | None) -> None:
+    """The cluster a Ray run joins, when one is named, answers as one (raylane.onray.addresses:
+    sockets only, milliseconds): Ray itself would wait for minutes."""
+    from raylane.onray.addresses import check_gcs_address
+
+    check_gcs_address(address or os.environ.get("RAY_ADDRESS"))
 
 
 def _skipped_sizes(cfg: BaseConfig, sizes: list[int]) -> list[str]:
@@ -70,12 +81,16 @@ class PreparedSweep:
     finished: str | None  # the line to show instead of sweeping again
 
 
-def prepare_tune(sweep_file: Any, overrides: Iterable[str] = (), *, summary_json: str | None = None) -> PreparedSweep:
+def prepare_tune(sweep_file: Any, overrides: Iterable[str] = (), *, summary_json: str | None = None,
+                 address: str | None = None) -> PreparedSweep:
     from raylane.onray.sweep import check_rerun, load_sweep
 
     sweep, base = load_sweep(sweep_file, list(overrides))
     prechecks.check_run(base, summary_json=summary_json)
-    return PreparedSweep(sweep, base, check_rerun(sweep, base))
+    prepared = PreparedSweep(sweep, base, check_rerun(sweep, base))
+    if not prepared.finished:
+        check_address(address)
+    return prepared
 
 
 @dataclass
@@ -87,7 +102,7 @@ class PreparedSearch:
 
 def prepare_autotune(config: Any, overrides: Iterable[str] = (), *, out: str = "autotuned.yaml",
                      summary_json: str | None = None, budget_s: float | None = None,
-                     local: bool = False) -> PreparedSearch:
+                     local: bool = False, address: str | None = None) -> PreparedSearch:
     from raylane import autotune
 
     overrides = [*overrides, *([f"autotune.budget_s={budget_s}"] if budget_s is not None else [])]
@@ -97,13 +112,16 @@ def prepare_autotune(config: Any, overrides: Iterable[str] = (), *, out: str = "
         cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": workers})})
     autotune.space(section, cfg)
     autotune.check(section, cfg, out, summary_json)
-    return PreparedSearch(section, cfg, use_ray=not (local or under_torchrun()))
+    search = PreparedSearch(section, cfg, use_ray=not (local or under_torchrun()))
+    if search.use_ray:
+        check_address(address)
+    return search
 
 
 def prepare_submit(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
     """A job's config, checked on this machine before anything is uploaded; `run.storage_path`
-    is the cluster's to check."""
-    cfg = load_config(config, list(overrides))
+    is the cluster's to check, and left as written (raylane.onray.jobs decides what the job gets)."""
+    cfg = load_config(config, list(overrides), outputs=False)
     prechecks.check_run(cfg, local_storage=False)
     return cfg
 

@@ -238,6 +238,43 @@ CASES: dict[str, Case] = {
     "submit a misspelled best metric": Case(["submit", "digits", "--set", "checkpoint.keep_best=1",
                                              "--set", "checkpoint.best_metric=f1", "--address", "http://127.0.0.1:9"],
                                             "checkpoint.best_metric = 'f1': not a metric the digits pipeline reports"),
+    # a cluster address: one line at once, where Ray itself would wait for minutes (issue 36)
+    "train at a dead address": Case(["train", "digits", "--address", "127.0.0.1:9"],
+                                    "--address = '127.0.0.1:9': no Ray cluster answers there (connection refused: "
+                                    "nothing listens on that port); check the address (`raylane up` prints it) or "
+                                    "leave --address out for a local cluster", subprocess=True),
+    "train at a typo'd address": Case(["train", "digits", "--address", "127.0.0.1:63799x"],
+                                      "--address = '127.0.0.1:63799x': not a Ray address: expected HOST:PORT",
+                                      subprocess=True),
+    "train at an unknown host": Case(["train", "digits", "--address", "nohost.invalid:6379"],
+                                     "--address = 'nohost.invalid:6379': cannot resolve host 'nohost.invalid'"),
+    "train at a dashboard URL": Case(["train", "digits", "--address", "http://127.0.0.1:9"],
+                                     "a dashboard URL (the jobs API, for `raylane submit`)"),
+    "train at a dead RAY_ADDRESS": Case(["train", "digits"], "RAY_ADDRESS = '127.0.0.1:9': no Ray cluster answers "
+                                        "there", env={"RAY_ADDRESS": "127.0.0.1:9"}),
+    "tune at a dead address": Case(["tune", "digits-sweep", "--address", "127.0.0.1:9"],
+                                   "--address = '127.0.0.1:9': no Ray cluster answers there", subprocess=True),
+    "autotune at a dead address": Case(["autotune", "digits", "--address", "127.0.0.1:9"],
+                                       "--address = '127.0.0.1:9': no Ray cluster answers there", subprocess=True),
+    "submit to a dead address": Case(["submit", "digits", "--address", "http://127.0.0.1:9"],
+                                     "--address = 'http://127.0.0.1:9': no Ray jobs API answers there (connection "
+                                     "refused", subprocess=True),
+    "submit to another scheme": Case(["submit", "digits", "--address", "ftp://127.0.0.1:9"],
+                                     "--address = 'ftp://127.0.0.1:9': not a jobs API URL: expected http://HOST:PORT"),
+    "submit to a GCS address": Case(["submit", "digits", "--address", "127.0.0.1:9"], "not a jobs API URL"),
+    "submit to an unknown host": Case(["submit", "digits", "--address", "http://nohost.invalid:8265"],
+                                      "cannot resolve host 'nohost.invalid'"),
+    # a remote cluster (TEST-NET-3: never this machine) would put the results in the job's temporary folder
+    "submit relative storage to a remote cluster": Case(
+        ["submit", "digits", "--address", "http://203.0.113.5:8265"],
+        "run.storage_path = 'runs': a job on the remote cluster at http://203.0.113.5:8265 would write its "
+        "checkpoints inside its temporary working directory; set run.storage_path to s3://... or an absolute path "
+        "the cluster shares"),
+    "submit to a remote cluster with a local MLflow store": Case(
+        ["submit", "digits", "--address", "http://203.0.113.5:8265", "--set", "run.storage_path=s3://bucket/runs"],
+        "MLFLOW_TRACKING_URI = 'sqlite:///mlflow.db': a job on the remote cluster at http://203.0.113.5:8265 would "
+        "record its MLflow run inside its temporary working directory; set MLFLOW_TRACKING_URI to the cluster's "
+        "MLflow server", env={"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}),
     # up: the token the head will require
     "up with an empty token file": Case(["up"], "RAY_AUTH_TOKEN_PATH = 'tok': the file is empty",
                                         files={"tok": "\n"}, env={"RAY_AUTH_TOKEN_PATH": "tok"}),
@@ -282,6 +319,8 @@ def _through_the_api(argv: list[str]):
                                    summary_json=a.summary_json),
         "tune": lambda: api.tune(a.config, a.overrides, address=a.address, register=a.register,
                                  summary_json=a.summary_json),
+        "autotune": lambda: api.autotune(a.config, a.overrides, address=a.address, local=a.local,
+                                         budget_s=a.budget_s, out=a.out, summary_json=a.summary_json),
         "submit": lambda: api.submit(a.config, a.overrides, address=a.address),
         "export": lambda: api.export(a.checkpoint, a.out),
         "up": lambda: api.up(a.num_cpus, a.port, a.dashboard_port),
@@ -365,4 +404,4 @@ def test_a_pipeline_that_declares_no_metrics_takes_any(tmp_path, monkeypatch):
 
 def test_the_table_covers_every_command():
     commands = {c.argv[0] for c in CASES.values()}
-    assert commands >= {"check", "train", "tune", "export", "submit"} and len(CASES) >= 40
+    assert commands >= {"check", "train", "tune", "autotune", "export", "submit"} and len(CASES) >= 40

@@ -115,19 +115,28 @@ EXAMPLE = REPO / "examples" / "own-model"
 def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_path, shared_head):
     """The session's shared head (`raylane up`: token auth on, the jobs API on its dashboard) for
     every job check: the jobs API refuses without the token; a user's own project as a `ray job
-    submit` job, the project as its working dir; a shipped pipeline through `raylane submit
-    --follow` from the checkout. (Joining a head with `raylane train --address`: test_own_pipeline.)"""
+    submit` job, the project as its working dir and its results where the README says to send
+    them; a project's config through `raylane submit --follow` with nothing set, whose MLflow run
+    and checkpoints land in the project's mlflow.db and runs/, not in the job's temporary copy of
+    the project. (Joining a head with `raylane train --address`: test_own_pipeline.)"""
     # A copy of the example project, away from raylane's checkout (it has app/ and pipelines/ of its own).
     project = Path(shutil.copytree(EXAMPLE, tmp_path / "own-model", ignore=shutil.ignore_patterns("__pycache__")))
     db = tmp_path / "mlflow.db"
     storage = ["--set", f"run.storage_path={tmp_path / 'runs'}"]
     head = shared_head.start()
     url = shared_head.cluster()["dashboard_url"]
-    # Without the token the jobs API refuses.
+    # Without the token the jobs API refuses, and `raylane submit` says so in one line.
     assert _answers(f"{url}/api/jobs/") == 401
+    env = dict(_auth_env(tmp_path), **head, RAY_ADDRESS=url)
+    (tmp_path / "wrong_token").write_text("0" * 32)
+    refused = subprocess.run([str(BIN / "raylane"), "submit", "digits", "--address", url], check=False,
+                             cwd=tmp_path, env=dict(env, RAY_AUTH_TOKEN_PATH=str(tmp_path / "wrong_token")),
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
+    assert refused.stderr.splitlines() == [(f"raylane: --address = '{url}': the cluster refused this token (HTTP "
+                                            "403); set RAY_AUTH_TOKEN_PATH to a file holding the cluster's token")]
 
     # `ray job submit` of the user's own project, with the project as the job's working dir.
-    env = dict(_auth_env(tmp_path), **head, RAY_ADDRESS=url)
     runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}}
     # Both jobs run side by side (the head has room for both), each mostly waiting on start-up.
     pool = ThreadPoolExecutor(1)
@@ -135,11 +144,15 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_pat
                                            json.dumps(runtime_env), "--", "raylane", "train", "train.yaml", *QUICK,
                                            *storage], cwd=tmp_path, env=env, timeout=300)
 
-    # `raylane submit --follow` of a shipped pipeline from the checkout, the checkout as the job's
-    # working dir (the Jobs SDK handle that `raylane.submit` returns).
-    follow = subprocess.Popen([str(BIN / "raylane"), "submit", "pipelines/digits.yaml", "--address", url, "--follow",
-                               *QUICK, *storage], cwd=REPO, env=dict(env, MLFLOW_TRACKING_URI=f"sqlite:///{db}"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # `raylane submit --follow` from a project of its own (a config file, the job's working dir),
+    # with MLflow's default store and the default run.storage_path: both relative.
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "job.yaml").write_text("pipeline: digits\ntrain: {max_epochs: 1}\n"
+                                   "mlflow: {log_model: false, system_metrics: false}\n")
+    env_here = {k: v for k, v in env.items() if k != "MLFLOW_TRACKING_URI"}
+    follow = subprocess.Popen([str(BIN / "raylane"), "submit", "job.yaml", "--address", url, "--follow"], cwd=mine,
+                              env=env_here, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = follow.communicate(timeout=400)
     finally:
@@ -154,11 +167,18 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_pat
     assert tags["raylane.ray_job_id"] == job_id  # the run knows which job it came from
 
     assert follow.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    # submit says where the results will be, before the job's own lines
+    assert f"MLflow sqlite:///{mine / 'mlflow.db'}, experiment raylane; checkpoints under {mine / 'runs'}/ " \
+           "(in a folder named for the run)" in stdout.splitlines()[1], stdout
     job_id, status, run_id = re.search(r"job (raysubmit_\w+): (\w+) \(MLflow run ([0-9a-f]{32})\)",
                                        stdout).groups()
     assert status == "SUCCEEDED"
-    status, tags = _mlflow_run(db, run_id)
-    assert status == "FINISHED" and tags["raylane.ray_job_id"] == job_id
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(f"sqlite:///{mine / 'mlflow.db'}").get_run(run_id)  # the submitter's own store
+    assert run.info.status == "FINISHED" and run.data.tags["raylane.ray_job_id"] == job_id
+    checkpoints = sorted((mine / "runs" / run.data.tags["raylane.run_name"]).glob("checkpoint_*"))
+    assert checkpoints and (checkpoints[-1] / "manifest.json").is_file()
 
 
 # Ray's fake multi-node provider: the autoscaler starts each "node" as its own raylet on this

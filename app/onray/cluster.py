@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 
 import ray
 
 from raylane import pipelines_ref
-from raylane.config import BaseConfig
+from raylane.config import BaseConfig, ConfigError
+from raylane.onray.addresses import JOIN_TIMEOUT_S, address_field, join_hint
 
 log = logging.getLogger("raylane")
 
@@ -53,7 +55,7 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
         drill = {k: v for k, v in os.environ.items() if k.startswith("RAYLANE_FAULT")}
         if drill:
             runtime_env = {**runtime_env, "env_vars": {**runtime_env.get("env_vars", {}), **drill}}
-        ray.init(address=address, logging_level=logging.WARNING, **({"runtime_env": runtime_env} if runtime_env else {}))
+        join(address, logging_level=logging.WARNING, **({"runtime_env": runtime_env} if runtime_env else {}))
         return False
     pipelines_ref.worker_environment()  # the raylet, and so every worker, inherits it
     for key, value in EMBEDDED_ENV_DEFAULTS.items():
@@ -75,6 +77,61 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
         logging_level=logging.WARNING,
     )
     return True
+
+
+def join(address: str, **init_kwargs) -> None:
+    """ray.init(address=...), given up on with a ConfigError when the cluster's GCS has not
+    answered within JOIN_TIMEOUT_S (Ray itself retries for minutes). ray.init runs on a thread of
+    its own so that this one stays free for SIGTERM and Ctrl-C, which inside ray.init wait for
+    Ray's native connect loop, 30 s at a time. Once the GCS has answered, ray.init goes on
+    unbounded here: it may be uploading the run's own pipeline."""
+    field = address_field(address)
+    done, failed = threading.Event(), []
+
+    def connect() -> None:
+        try:
+            ray.init(address=address, **init_kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    restore = _interruptible()
+    try:
+        # A daemon: a thread left waiting for a cluster that never answers must not keep the process.
+        threading.Thread(target=connect, name="raylane-ray-join", daemon=True).start()
+        if not done.wait(JOIN_TIMEOUT_S) and not _gcs_connected():
+            raise ConfigError(f"{field} = {address!r}: no Ray cluster answers there within {JOIN_TIMEOUT_S:g} s "
+                              f"(something listens on that port, but not Ray's GCS); {join_hint(field)}")
+        done.wait()
+    finally:
+        restore()
+    if failed:
+        exc = failed[0]
+        logging.getLogger("ray").warning("joining the Ray cluster at %s failed", address, exc_info=exc)  # the log file
+        if not isinstance(exc, Exception):
+            raise exc
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"{field} = {address!r}: cannot join the Ray cluster there: {first[:300]}") from None
+
+
+def _gcs_connected() -> bool:
+    # ray.init sets its node (private: Ray's worker module) once the GCS has answered.
+    return getattr(ray._private.worker, "_global_node", None) is not None
+
+
+def _interruptible():
+    """SIGTERM raises KeyboardInterrupt in this thread while it waits for Ray, where nothing else
+    (the driver's handler) would turn it into a graceful stop; returns what undoes that."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
+            signal.SIG_DFL, None):
+        return lambda: None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def data_cpus(cfg: BaseConfig) -> float:

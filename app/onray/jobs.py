@@ -2,21 +2,29 @@
 Ray's Jobs SDK (the counterpart of a cloud training estimator's `fit()`).
 
 The config is validated here first, so bad input fails on the laptop with exit 2, not on the
-cluster. This checkout is the job's working directory, minus local state."""
+cluster. This checkout is the job's working directory, minus local state. That directory is a
+temporary copy on the cluster: the MLflow tracking URI and run.storage_path are resolved here, on
+the submitter's machine, so that the run and its checkpoints land where the submitter looks."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import shlex
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from raylane.config import load_config
-from raylane.prechecks import check_run
+from raylane.config import BaseConfig, ConfigError
+from raylane.onray.addresses import JOIN_TIMEOUT_S, jobs_url, on_this_machine, unreachable
+from raylane.prechecks import writable_dir
+from raylane.prepare import prepare_submit
+from raylane.tracking.runs import DEFAULT_TRACKING_URI, absolute_tracking_uri, local_store
 
 # Uploaded with every job: never the virtualenv, local runs, MLflow stores or test output.
 EXCLUDES = [".venv", ".git", "runs", "mlflow.db", "mlruns", "mlartifacts", "mlflow-server", "test-artifacts",
@@ -32,6 +40,10 @@ class SubmittedRun:
     job_id: str
     address: str
     _client: Any = field(repr=False, default=None)
+    tracking_uri: str | None = None  # where the job records its MLflow run (None: MLflow off)
+    experiment: str | None = None
+    storage_path: str | None = None  # the run's checkpoints: storage_path/run_name
+    run_name: str | None = None  # None: named by the job's driver when it starts
 
     def status(self) -> str:
         return str(self._client.get_job_status(self.job_id).value)
@@ -69,40 +81,146 @@ class SubmittedRun:
 
 # How long a submit waits for a head's job agent to register ("No available agent").
 AGENT_WAIT_S = 60.0
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"  # Ray's
 
 
-def job_client(address: str | None):
-    # The jobs API wants the cluster's token; Ray reads the mode once, so before importing it.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    from ray.job_submission import JobSubmissionClient
-
-    from raylane.onray import localcluster
-
-    local = localcluster.running()
-    return JobSubmissionClient(address or os.environ.get("RAY_ADDRESS") or (local.dashboard_url if local else None)
-                               or "http://127.0.0.1:8265")
+class SubmitError(RuntimeError):
+    """The job could not be submitted, for a reason other than the user's input; one line."""
 
 
 def submit(config: str, overrides: Iterable[str] = (), *, address: str | None = None, working_dir: str = ".",
            env_vars: dict[str, str] | None = None) -> SubmittedRun:
-    """Validate `config` with `overrides` here, then submit `raylane train` as a Ray job.
-    MLFLOW_TRACKING_URI is passed on when set here (point it at the cluster's server)."""
+    """Validate `config` with `overrides` here, then submit `raylane train` as a Ray job that
+    records where the submitter looks: its MLflow tracking URI (MLFLOW_TRACKING_URI, from `env_vars`
+    or this environment; MLflow's default sqlite:///mlflow.db) and `run.storage_path`, resolved
+    here. For a cluster on this machine, relative paths become absolute ones of this machine; a
+    remote cluster needs a tracking server and remote or shared storage (ConfigError otherwise).
+    Bad input, an address that does not answer, or a refused token: ConfigError; any other
+    failure to submit: SubmitError. Each with a one-line message."""
     overrides = list(overrides)
-    # ConfigError before anything leaves this machine; run.storage_path is the cluster's to check.
-    check_run(load_config(config, overrides), local_storage=False)
-    entrypoint = shlex.join(["raylane", "train", config, *[x for o in overrides for x in ("--set", o)]])
+    # ConfigError before anything leaves this machine; a remote cluster's storage is its own to check.
+    cfg = prepare_submit(config, overrides)
+    address, given = _address(address)
+    url, host, port = jobs_url(address, given)
     env = {k: v for k, v in os.environ.items() if k == "MLFLOW_TRACKING_URI"}
     env.update(env_vars or {})
-    client = job_client(address)
-    runtime_env = {"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env}
+    try:
+        here = on_this_machine(host)
+    except OSError as exc:
+        raise ConfigError(f"{given} = {address!r}: cannot resolve host {host!r} ({exc.strerror}); check the "
+                          "address") from None
+    tracking_uri, storage = destinations(cfg, url, here, env.get("MLFLOW_TRACKING_URI"))
+    if tracking_uri:
+        env["MLFLOW_TRACKING_URI"] = tracking_uri
+    if storage != cfg.run.storage_path:
+        overrides.append(f"run.storage_path={storage}")
+    why = unreachable(host, port, "Ray jobs API")
+    if why:
+        raise ConfigError(f"{given} = {address!r}: {why}; check the address (`raylane up` prints its dashboard) "
+                          "and that the cluster is up")
+    entrypoint = shlex.join(["raylane", "train", config, *[x for o in overrides for x in ("--set", o)]])
+    client = job_client(url, given)
+    job_id = _submit_job(client, given, url, entrypoint, {"working_dir": working_dir, "excludes": EXCLUDES,
+                                                          "env_vars": env})
+    return SubmittedRun(job_id, client.get_address(), client, tracking_uri=tracking_uri,
+                        experiment=cfg.mlflow.experiment, storage_path=storage, run_name=cfg.run.name)
+
+
+def _address(address: str | None) -> tuple[str, str]:
+    """The jobs API a submit goes to, and what named it: --address, else RAY_ADDRESS,
+    else the head `raylane up` started, else Ray's default."""
+    from raylane.onray import localcluster
+
+    if address:
+        return address, "--address"
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"], "RAY_ADDRESS"
+    local = localcluster.running()
+    return (local.dashboard_url, "--address (`raylane up`'s)") if local else (DEFAULT_ADDRESS, "--address (default)")
+
+
+def destinations(cfg: BaseConfig, url: str, on_this_machine: bool, tracking_uri: str | None) -> tuple[str | None, str]:
+    """(MLflow tracking URI, run.storage_path) for the job: a job's working directory is a
+    temporary copy on the cluster, where a relative path would put the run and its checkpoints.
+    For a cluster on this machine, both as `raylane train` here would use them, absolute; for a
+    remote one, ConfigError unless they name a server and remote or shared storage. The tracking
+    URI is None with MLflow off."""
+    storage = cfg.run.storage_path
+    uri = tracking_uri or DEFAULT_TRACKING_URI
+    if on_this_machine:
+        if "://" not in storage:
+            storage = str(Path(storage).expanduser().resolve())
+            writable_dir("run.storage_path", storage, cfg.run.storage_path)
+        return (absolute_tracking_uri(uri) if cfg.mlflow.enabled else None), storage
+    where = f"a job on the remote cluster at {url} would"
+    if "://" not in storage and not Path(storage).is_absolute():
+        raise ConfigError(f"run.storage_path = {storage!r}: {where} write its checkpoints inside its temporary "
+                          "working directory; set run.storage_path to s3://... or an absolute path the cluster shares")
+    if cfg.mlflow.enabled and local_store(uri):
+        shown = f"{uri!r}" + ("" if tracking_uri else " (MLflow's default)")
+        place = "inside its temporary working directory" if absolute_tracking_uri(uri) != uri else "in a file there"
+        raise ConfigError(f"MLFLOW_TRACKING_URI = {shown}: {where} record its MLflow run {place}; set "
+                          "MLFLOW_TRACKING_URI to the cluster's MLflow server (http://...), or mlflow.enabled=false")
+    return (uri if cfg.mlflow.enabled else None), storage
+
+
+def job_client(url: str, given: str = "--address"):
+    """Ray's Jobs SDK client for `url`: it asks the server's version first, with no time limit of
+    its own, so that question is given JOIN_TIMEOUT_S here."""
+    # The jobs API wants the cluster's token; Ray reads the mode once, so before importing it.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    from ray.job_submission import JobSubmissionClient
+
+    made: list[Any] = []
+
+    def connect() -> None:
+        try:
+            made.append(JobSubmissionClient(url))
+        except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+            made.append(exc)
+
+    thread = threading.Thread(target=connect, name="raylane-jobs-client", daemon=True)
+    thread.start()
+    thread.join(JOIN_TIMEOUT_S)
+    if not made:
+        raise ConfigError(f"{given} = {url!r}: no Ray jobs API answers there within {JOIN_TIMEOUT_S:g} s "
+                          "(something listens on that port, but does not answer as one)")
+    if isinstance(made[0], Exception):
+        raise _one_line(made[0], given, url) from None
+    return made[0]
+
+
+def _submit_job(client: Any, given: str, url: str, entrypoint: str, runtime_env: dict[str, Any]) -> str:
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:
         try:
-            job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
-            break
-        except RuntimeError as exc:
+            return client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
+        except Exception as exc:  # noqa: BLE001 - each becomes one line
             # A head that has just started answers before its job agent has registered.
             if "No available agent" not in str(exc) or time.monotonic() > deadline:
-                raise
+                raise _one_line(exc, given, url) from None
             time.sleep(1.0)
-    return SubmittedRun(job_id, client.get_address(), client)
+
+
+def _one_line(exc: Exception, given: str, url: str) -> Exception:
+    """What the Jobs SDK raised, as one line (its whole traceback goes to the library log):
+    ConfigError where the user's input is the cause, SubmitError otherwise."""
+    from ray.exceptions import AuthenticationError
+
+    logging.getLogger("ray").warning("submitting to %s failed", url, exc_info=exc)  # the log file
+    text = str(exc).strip()
+    first = (text.splitlines() or [type(exc).__name__])[0][:300]
+    shown = f"{given} = {url!r}"
+    if isinstance(exc, AuthenticationError):
+        if text.startswith("Authentication failed"):
+            return ConfigError(f"{shown}: the cluster refused this token (HTTP 403); set RAY_AUTH_TOKEN_PATH to a "
+                               "file holding the cluster's token")
+        return ConfigError(f"{shown}: the cluster asks for its auth token (HTTP 401); set RAY_AUTH_TOKEN_PATH to a "
+                           "file holding it (`raylane up` uses ~/.ray/auth_token unless RAY_AUTH_TOKEN_PATH is set)")
+    if "Version check returned 404" in text:
+        return ConfigError(f"{shown}: something answers there, but not Ray's jobs API (HTTP 404 for /api/version)")
+    if isinstance(exc, ConnectionError):
+        return ConfigError(f"{shown}: no Ray jobs API answers there ({first})")
+    if isinstance(exc, (ValueError, FileNotFoundError)):  # from the runtime environment it was given
+        return ConfigError(f"{shown}: the job cannot be submitted: {first}")
+    return SubmitError(f"{shown}: the job could not be submitted: {type(exc).__name__}: {first}")

@@ -310,6 +310,7 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
     per_trial = trial_resources(base)["CPU"]
     embedded = False
     try:
+        # Inside: a cluster that cannot be joined, or a signal while waiting for it, closes the parent run.
         embedded = init_ray(address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)),
                             dashboard=True)
         concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
@@ -333,8 +334,8 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
         summary.update(sweep_results.record_parent(parent, sweep, rows, best, register))
         close_run(parent, "FINISHED" if not grid.errors else "FAILED")
         write_record(sweep, base, summary["status"], parent_run_id=parent.run_id, best=best, trials=len(rows))
-    except BaseException:
-        close_run(parent, "FAILED")
+    except BaseException as exc:
+        close_run(parent, "FAILED" if isinstance(exc, Exception) else "KILLED")
         raise
     finally:
         if embedded:

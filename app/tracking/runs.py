@@ -39,11 +39,24 @@ def resolve_tracking_uri() -> str:
     absolute: Ray workers do not share the driver's working directory."""
     for key, value in HTTP_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)  # inherited by Ray workers started after this
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+    return absolute_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
+
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # MLflow's own default
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """`uri` with a relative sqlite path made absolute, against this process's working directory."""
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         uri = prefix + str(Path(uri[len(prefix):]).resolve())
     return uri
+
+
+def local_store(uri: str) -> bool:
+    """A tracking URI that names a file (sqlite, a file store) rather than a server."""
+    scheme = uri.split(":", 1)[0] if ":" in uri else ""
+    return scheme in ("sqlite", "file") or (not scheme and not uri.startswith("databricks"))
 
 
 def ui_command(tracking_uri: str, handle: RunHandle | None = None) -> str:

@@ -1,0 +1,103 @@
+"""Joining a Ray cluster that never answers: a port where something accepts the connection and then
+says nothing, as a wrong port or a hung head does. (Where nothing listens at all, the command
+stops before anything starts: tests/test_bad_input.py.) Each run gives up with one line, or stops
+at once on SIGTERM, and its MLflow run (or sweep's parent run) is closed, never left RUNNING."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_env, wait_for
+
+pytestmark = pytest.mark.ray
+
+
+class SilentPeer:
+    """A TCP listener that accepts every connection and never sends a byte. On the address Ray
+    connects to: Ray turns a loopback address into the host's own, so both use that one."""
+
+    def __init__(self) -> None:
+        from ray._private.services import get_node_ip_address  # Ray's choice of the host's address
+
+        self.sock = socket.socket()
+        self.sock.bind((get_node_ip_address(), 0))
+        self.sock.listen(64)
+        host, port = self.sock.getsockname()
+        self.address = f"{host}:{port}"
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.accepted.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+@pytest.fixture
+def silent_peer():
+    peer = SilentPeer()
+    yield peer
+    peer.close()
+
+
+def _tracked(tmp_path: Path) -> tuple[dict[str, str], str]:
+    """The CLI's environment, and its MLflow store with its tables made: a new database takes
+    seconds to set up on a busy machine, so the run is open well before the wait is over."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(uri).search_experiments()
+    return cli_env(tmp_path), uri
+
+
+def _statuses(uri: str) -> list[str]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    return [r.info.status for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+
+
+@pytest.mark.parametrize("command", [["train", "digits"], ["tune", "digits-sweep"], ["autotune", "digits"]])
+def test_a_cluster_that_never_answers_is_given_up_on_within_10_s(command, run_cli, tmp_path, silent_peer):
+    env, uri = _tracked(tmp_path)
+    started = time.monotonic()
+    cli = run_cli(*command, "--address", silent_peer.address, env=env)
+    code = cli.wait(120)
+    took = time.monotonic() - started
+    mine = [line for line in cli.output.splitlines() if line.startswith("raylane")]
+    assert code == 2, cli.output
+    assert mine == [(f"raylane: --address = '{silent_peer.address}': no Ray cluster answers there within 10 s "
+                     "(something listens on that port, but not Ray's GCS); check the address (`raylane up` prints "
+                     "it) or leave --address out for a local cluster")], cli.output
+    assert took < 30, f"gave up after {took:.0f} s"  # 10 s of waiting, plus start-up on a busy machine
+    assert _statuses(uri) == ["FAILED"]  # the run (or the sweep's or search's parent) opened beside the wait
+
+
+def test_sigterm_while_waiting_for_the_cluster_stops_at_once_and_closes_the_run(run_cli, tmp_path, silent_peer):
+    env, uri = _tracked(tmp_path)
+    cli = run_cli("train", "digits", "--address", silent_peer.address, env=env)
+    # The first connection is the command's own check that something listens; then Ray's.
+    wait_for(lambda: len(silent_peer.accepted) >= 2 or cli.proc.poll() is not None, 60)
+    assert cli.proc.poll() is None, cli.output
+    signalled = time.monotonic()
+    cli.signal(signal.SIGTERM)
+    code = cli.wait(60)
+    took = time.monotonic() - signalled
+    assert code == 130, cli.output
+    assert "raylane: interrupted while waiting for the Ray cluster; nothing was trained" in cli.output
+    assert "Traceback" not in cli.output
+    assert took < 20, f"stopped {took:.0f} s after SIGTERM"
+    assert _statuses(uri) == ["KILLED"]
