@@ -75,5 +75,6 @@ def test_up_then_a_run_joins_it_and_down_stops_every_process(run_cli, tmp_path):
     assert down.wait(120) == 0 and f"stopped the local Ray head at {state['address']}" in down.output
     assert not _running(head_pids) and not _running(session_processes(state["pid"]))
     assert not (home / "cluster.json").exists()
+    assert not Path(state["temp_dir"]).exists()  # Ray's session files and the jobs' working directories
     gone = run_cli("down", env=env, name="gone")
     assert gone.wait(60) == 0 and "no local Ray head is running" in gone.output

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -130,8 +131,18 @@ def down() -> LocalCluster | None:
     path = home() / STATE_FILE
     if cluster is not None:
         _stop_session(cluster.pid)
+        _remove_temp_dir(cluster.temp_dir)
     path.unlink(missing_ok=True)
     return cluster
+
+
+def _remove_temp_dir(temp: str) -> None:
+    """The head's own temporary folder (`up` made it): Ray's session files, the jobs' copies of
+    their working directories, spilled objects. Nobody's results are there (a job records where
+    its submitter looks: raylane.onray.jobs), and it would stay under a random name for good."""
+    folder = Path(temp)
+    if folder.parent == Path("/tmp") and folder.name.startswith("raylane-"):  # only what up made
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _stop_session(sid: int) -> None:
