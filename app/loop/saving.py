@@ -79,7 +79,7 @@ class Saver:
         except checkpoint._save_errors() as exc:  # the write agrees on it with every rank
             error = checkpoint._describe(exc, self.runtime.rank)
         outcome: Future = Future()
-        job = (path, state, train_state, rng, error, replicated, outcome)
+        job = (path, state, train_state, rng, error, replicated, checkpoint.aliases(model), outcome)
         self._in_flight = (train_state, outcome)
         if self.asynchronous:
             self._staged.clear()
@@ -109,7 +109,8 @@ class Saver:
             self._jobs = None
 
     def _write_and_commit(self, path: str, state: dict[str, Any], train_state: dict[str, Any],
-                          rng: dict[str, Any], error: str | None, replicated: bool, outcome: Future) -> None:
+                          rng: dict[str, Any], error: str | None, replicated: bool, aliases: dict[str, str],
+                          outcome: Future) -> None:
         ck = self.cfg
         try:
             if self.asynchronous:
@@ -122,7 +123,7 @@ class Saver:
             with checkpoint.collectives_on(self.group if self.asynchronous else None):
                 try:
                     checkpoint.write(path, state, train_state, rank=self.runtime.rank, rng=rng,
-                                     error=error, replicated=replicated).commit()
+                                     error=error, replicated=replicated, aliases=aliases).commit()
                     outcome.set_result(self.runtime.commit_checkpoint(
                         str(path), int(train_state["step"]), train_state.get("eval_metrics") or {},
                         keep=ck.keep, keep_best=ck.keep_best, best=(ck.best_metric, ck.best_mode)))
