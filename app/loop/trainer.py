@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -27,6 +28,8 @@ from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
 from raylane.loop.saving import Saver
 from raylane.loop.steps import Throughput, clip_gradients, last_step, plain_parameters, plan_steps
+
+log = logging.getLogger("raylane")
 
 VOTE_EVERY_N_STEPS = 10  # the first vote; then about every VOTE_INTERVAL_S
 VOTE_INTERVAL_S = 0.5
@@ -296,6 +299,23 @@ class Trainer:
         self.eval_metrics = self.evaluator(self.model)
         return self.eval_metrics
 
+    def _evaluate_epoch(self) -> None:
+        """An epoch end's evaluation, measured before the epoch's checkpoint, which carries the
+        metrics checkpoint.keep_best ranks by. Should it fail (the user's eval_sums, a bad
+        held-out row: on any rank, all learn of it), the epoch is saved before the error ends the
+        run, so that no step trained since the last checkpoint is lost."""
+        try:
+            metrics = self._evaluate()
+        except Exception:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            try:
+                self._save_checkpoint()  # without metrics: none were measured
+                self.saver.settle()
+            except Exception as exc:  # noqa: BLE001 - the evaluation's error is the run's
+                log.warning("the checkpoint at step %d, after the evaluation failed, was not saved: %s", self.step, exc)
+            raise
+        self._record_eval(metrics)
+
     def _save_checkpoint(self) -> None:
         if self._saved_step == self.step:
             return
@@ -328,7 +348,7 @@ class Trainer:
                 if epoch_ended:
                     self.speed_metrics = self._epoch_speed(epoch_start, last_step_end)
                     if _every(self.epoch + 1, self.cfg.train.eval_every_n_epochs):
-                        self._record_eval(self._evaluate())
+                        self._evaluate_epoch()
                     self.epoch += 1
                     self.batch_in_epoch = 0
                 # A stop always saves, mid-epoch or at an epoch end that no checkpoint was due at.
