@@ -217,6 +217,7 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         "tracking_uri": handle.tracking_uri if handle else None,
         "experiment": cfg.mlflow.experiment,
         "checkpoint": result.get("checkpoint") or (display.checkpoints[-1]["location"] if display.checkpoints else None),
+        "skipped_checkpoints": display.skipped_checkpoints,  # newer ones the resume passed over, and why
         "world_size": result.get("world_size", cfg.scaling.num_workers),
         "backend": result.get("backend"),
         "epochs": result.get("epochs"),

@@ -1,5 +1,6 @@
-"""What a failing run keeps: an evaluation that raises at an epoch end loses no step (the epoch
-is saved first)."""
+"""What a failing run keeps and what a resume says: an evaluation that raises at an epoch end
+loses no step (the epoch is saved first); a resume that passes over a damaged checkpoint names it
+and why, and does not log the retrained steps a second time in MLflow."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +83,40 @@ def test_an_evaluation_that_raises_on_one_rank_fails_on_every_rank(tmp_path):
     assert zero[0] == "EvaluationFailed: the evaluation failed on rank 1: ValueError: a bad held-out row"
     assert one[0] == "ValueError: a bad held-out row"
     assert isinstance(zero[1], dict) and zero[1] == one[1]
+
+
+def _mlflow_steps(db: Path, run_id: str) -> dict[str, list[int]]:
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT key, step FROM metrics WHERE run_uuid = ? AND key NOT LIKE 'system/%' "
+                           "ORDER BY step", (run_id,)).fetchall()
+    steps: dict[str, list[int]] = {}
+    for key, step in rows:
+        steps.setdefault(key, []).append(step)
+    return steps
+
+
+def test_a_resume_past_a_damaged_checkpoint_says_so_and_logs_no_step_twice(run_cli, tmp_path):
+    """The newest checkpoint's manifest is gone (an unfinished save): the relaunch resumes from
+    the one before, says which it skipped and why, once, and lists it in the summary; the steps
+    it trains again (31-40) are not logged a second time in the same MLflow run. Before, nothing
+    was said, and train/* and checkpoint/step had two points at steps 40."""
+    args = ["train", "regression", "--local", "--set", "run.name=d", "--set", "checkpoint.every_n_steps=10",
+            "--set", "mlflow.system_metrics=false", "--set", "mlflow.log_model=false"]
+    first = run_cli(*args, "--set", "train.max_steps=40", "--summary-json", "a.json", name="first")
+    assert first.wait(120) == 0, first.output
+    newest = Path(read_json(tmp_path / "a.json")["checkpoint"])
+    assert newest.name == checkpoint.checkpoint_name(40)
+    (newest / checkpoint.MANIFEST_FILE).unlink()
+
+    again = run_cli(*args, "--set", "train.max_steps=50", "--summary-json", "b.json", name="again")
+    assert again.wait(120) == 0, again.output
+    b = read_json(tmp_path / "b.json")
+    assert b["resumed_from_step"] == 30 and b["steps"] == 50
+    line = "checkpoint_000000040 skipped: no manifest.json (an unfinished save); resuming from checkpoint_000000030"
+    assert again.output.count(line) == 1, again.output
+    assert b["skipped_checkpoints"] == [{"path": str(newest), "reason": "no manifest.json (an unfinished save)"}]
+    steps = _mlflow_steps(tmp_path / "mlflow.db", b["run_id"])
+    assert steps["train/loss"] == [10, 20, 30, 40, 50] and steps["checkpoint/step"] == [10, 20, 30, 40, 50], steps
+    assert all(len(s) == len(set(s)) for s in steps.values()), steps

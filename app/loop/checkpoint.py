@@ -48,6 +48,7 @@ from raylane.loop.manifest import (  # noqa: F401
     checkpoint_name,
     committed,
     latest_valid,
+    newest_valid,
     prune,
     read_manifest,
     sha256,

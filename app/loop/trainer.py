@@ -136,6 +136,9 @@ class Trainer:
         self._trained_before_s = 0.0  # by earlier launches of this run (from its checkpoint)
         self.skipped_steps = 0
         self.last_checkpoint: str | None = None
+        # Newer checkpoints the resume passed over (damaged, unfinished): {"path", "reason"}.
+        self.skipped_checkpoints: list[dict[str, str]] = []
+        self.resumed_from: str | None = None  # the checkpoint loaded, by name
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_count = 0
         self._grad_norm: torch.Tensor | None = None
@@ -329,7 +332,8 @@ class Trainer:
         self.reporter.on_start(
             total_steps=self.total_steps, steps_per_epoch=self.steps_per_epoch,
             max_epochs=self.cfg.train.max_epochs, world_size=self.runtime.world_size,
-            resumed_from_step=self.resumed_from_step, strategy=self.strategy.name,
+            resumed_from_step=self.resumed_from_step, resumed_from=self.resumed_from,
+            skipped_checkpoints=self.skipped_checkpoints, strategy=self.strategy.name,
             strategy_reason=self.strategy.reason, strategy_tags=self.strategy.tags(),
         )
         reset_peak_memory(self.device)
