@@ -1,6 +1,7 @@
 """What a failing run keeps and what a resume says: an evaluation that raises at an epoch end
 loses no step (the epoch is saved first); a resume that passes over a damaged checkpoint names it
-and why, and does not log the retrained steps a second time in MLflow."""
+and why, and does not log the retrained steps a second time in MLflow; a failed run's summary
+names its newest valid checkpoint."""
 
 from __future__ import annotations
 
@@ -120,3 +121,17 @@ def test_a_resume_past_a_damaged_checkpoint_says_so_and_logs_no_step_twice(run_c
     steps = _mlflow_steps(tmp_path / "mlflow.db", b["run_id"])
     assert steps["train/loss"] == [10, 20, 30, 40, 50] and steps["checkpoint/step"] == [10, 20, 30, 40, 50], steps
     assert all(len(s) == len(set(s)) for s in steps.values()), steps
+
+
+@pytest.mark.untracked
+def test_a_failed_run_names_its_newest_valid_checkpoint(run_cli, tmp_path):
+    """A non-finite loss at step 7 stops the run (train.on_nan: stop) while the save of step 6
+    is in flight: it commits, and the summary names it. Before, it named step 4's."""
+    p = run_cli("train", "regression", "--local", "--set", "run.name=nan", "--set", "train.on_nan=stop",
+                "--set", "checkpoint.every_n_steps=2", "--summary-json", "s.json",
+                env=cli_env(tmp_path, RAYLANE_FAULTS="nan@step=7"))
+    assert p.wait(120) == 1, p.output
+    s = read_json(tmp_path / "s.json")
+    assert s["status"] == "FAILED" and "non-finite loss" in s["error"]
+    assert s["checkpoint"] == str(tmp_path / "runs" / "nan" / checkpoint.checkpoint_name(6)), s
+    assert checkpoint.verify(s["checkpoint"]) is None

@@ -12,9 +12,11 @@ the next save, the end of the run and a stop wait for it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -132,6 +134,23 @@ class Saver:
                     outcome.set_result(exc)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread by settle()
             outcome.set_exception(exc)
+
+    @contextlib.contextmanager
+    def settled_on_failure(self, timeout_s: float) -> Iterator[None]:
+        """Around the training loop: should it fail (a non-finite loss with train.on_nan: stop,
+        an error in the user's code), the save in flight still commits, and is announced like
+        any other (the run's newest checkpoint is then the one it names), waited for at most
+        `timeout_s`. Its own errors give way to the run's."""
+        try:
+            yield
+        except Exception:
+            if self._in_flight is not None:
+                try:
+                    self._in_flight[1].result(timeout=timeout_s)
+                    self.settle()
+                except Exception as exc:  # noqa: BLE001 - the run's error is the one to report
+                    log.info("the checkpoint in flight when the run failed was not committed: %s", exc)
+            raise
 
     def settle(self) -> None:
         """Wait for the save in flight, if any, and act on its outcome: the same on every rank,

@@ -342,7 +342,7 @@ class Trainer:
         self._last_vote = (started, self.step)
         epoch_ends: list[float] = []  # seconds from the start to the end of each epoch's end work
         self._train_started = started
-        with preemption.armed():
+        with preemption.armed(), self.saver.settled_on_failure(self.cfg.dist.timeout_s):
             last_step_end = started
             while self.step < self.total_steps and not self.preempted:
                 epoch_start = (time.perf_counter(), self.step)
