@@ -254,7 +254,11 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         "run_id": handle.run_id if handle else None,
         "tracking_uri": handle.tracking_uri if handle else None,
         "experiment": cfg.mlflow.experiment,
-        "checkpoint": result.get("checkpoint") or (display.checkpoints[-1]["location"] if display.checkpoints else None),
+        # A run that failed has no result: its newest valid checkpoint is on storage (an async save
+        # committed after the last one the display heard of, or one of an earlier launch).
+        "checkpoint": result.get("checkpoint") or _newest_checkpoint(cfg)
+        or (display.checkpoints[-1]["location"] if display.checkpoints else None),
+        "skipped_checkpoints": display.skipped_checkpoints,  # newer ones the resume passed over, and why
         "world_size": result.get("world_size", cfg.scaling.num_workers),
         "backend": result.get("backend"),
         "epochs": result.get("epochs"),
@@ -300,6 +304,22 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
             "startup_origin_unix": startup.unix.get("launch"),
         },
     }
+
+
+def _newest_checkpoint(cfg: BaseConfig) -> str | None:
+    """The run's newest checkpoint whose files match its manifest (what a relaunch resumes from)."""
+    import pyarrow.fs as pafs
+
+    from raylane.loop.manifest import newest_valid
+
+    storage = cfg.run.storage_path
+    try:
+        fs, root = pafs.FileSystem.from_uri(storage) if "://" in storage else (pafs.LocalFileSystem(), storage)
+        path = newest_valid(f"{root.rstrip('/')}/{cfg.run.name}", fs)[0]
+    except (OSError, ValueError) as exc:
+        log.warning("could not look for run %s's checkpoints in %s: %s", cfg.run.name, storage, exc)
+        return None
+    return path if path is None or isinstance(fs, pafs.LocalFileSystem) else f"{fs.type_name}://{path}"
 
 
 def _print_outcome(summary: dict[str, Any], ui: str) -> None:

@@ -39,6 +39,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from raylane.loop.aliases import aliases, unexplained, without_aliases
+
 # The commit record's reading and checks live in a torch-free module; re-exported here.
 from raylane.loop.manifest import (  # noqa: F401
     CHECKPOINT_PREFIX,
@@ -46,6 +48,7 @@ from raylane.loop.manifest import (  # noqa: F401
     checkpoint_name,
     committed,
     latest_valid,
+    newest_valid,
     prune,
     read_manifest,
     sha256,
@@ -181,9 +184,10 @@ class PendingSave:
 
     def __init__(self, path: Path, rank: int, train_state: dict[str, Any], error: str | None = None,
                  shapes: dict[str, list[int]] | None = None, *, whole: dict[str, Any] | None = None,
-                 rng: str | None = None, replicated: bool = False) -> None:
+                 rng: str | None = None, replicated: bool = False, aliases: dict[str, str] | None = None) -> None:
         self.path, self.rank, self.train_state, self.error = path, rank, train_state, error
         self.shapes, self.whole, self.rng, self.replicated = shapes, whole, rng, replicated
+        self.aliases = aliases
 
     @property
     def step(self) -> int:
@@ -208,7 +212,9 @@ class PendingSave:
                 if self.whole is not None:
                     files[STATE_FILE] = _save_durably(self.path / STATE_FILE,
                                                       {**self.whole, "rng": [part["rng"] for part in gathered]})
-                _write_manifest(self.path, {"train_state": self.train_state, "shapes": self.shapes,
+                # The model's other names for tensors saved once (raylane.loop.aliases), for readers.
+                named = {"aliases": self.aliases} if self.aliases else {}
+                _write_manifest(self.path, {"train_state": self.train_state, "shapes": self.shapes, **named,
                                             "files": {k: v for part in [*gathered[1:], {"files": files}]
                                                       for k, v in part["files"].items()}})
             except _save_errors() as exc:
@@ -301,9 +307,10 @@ def _save_durably(path: Path, state: dict[str, Any]) -> dict[str, Any]:
 
 
 def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The state DCP saves and loads: the model's and the optimizer's, keyed by parameter name."""
+    """The state DCP saves and loads: the model's and the optimizer's, keyed by parameter name,
+    each tensor once (under its canonical name: raylane.loop.aliases)."""
     model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+    return {"model": without_aliases(model_sd, aliases(model)), "optim": optim_sd}
 
 
 def replicated(model: torch.nn.Module) -> bool:
@@ -313,7 +320,8 @@ def replicated(model: torch.nn.Module) -> bool:
 
 
 def write(path: str | os.PathLike, state: dict[str, Any], train_state: dict[str, Any], *, rank: int,
-          rng: dict[str, Any], error: str | None = None, replicated: bool = False) -> PendingSave:
+          rng: dict[str, Any], error: str | None = None, replicated: bool = False,
+          aliases: dict[str, str] | None = None) -> PendingSave:
     """Collective (on the group of `collectives_on`): write this rank's shard of `state` and its
     random generators into `path`. A rank that failed before (`error`: staging) still takes
     part in DCP's collectives, with nothing to write. Errors are kept for `commit()`, so that
@@ -322,21 +330,22 @@ def write(path: str | os.PathLike, state: dict[str, Any], train_state: dict[str,
     A `replicated` state is written by `commit()`: rank 0 alone writes it, as one `state.pt`
     holding every rank's generators too. Every rank would write an identical copy, and DCP's
     planning (about a dozen collectives and their pickles) and metadata cost more than the write
-    itself for small models (bench B9)."""
+    itself for small models (bench B9). `aliases`: the model's other names for tensors the state
+    holds once (recorded in the manifest)."""
     path = Path(path)
     shapes = model_shapes(state.get("model") or {}) if rank == 0 and error is None else None
     if replicated:
         whole = state if rank == 0 and error is None else None
         # As one JSON string: torch.save pickles a list of ~1,250 ints per rank in Python, ~1 ms.
         return PendingSave(path, rank, train_state, error=error, shapes=shapes, whole=whole, rng=json.dumps(rng),
-                           replicated=True)
+                           replicated=True, aliases=aliases)
     try:
         _dcp().save({} if error else state, checkpoint_id=str(path), process_group=_group())
         if error is None:
             _write_durably(path / rng_file(rank), json.dumps(rng))
     except _save_errors() as exc:  # reported on every rank by commit()
         error = error or _describe(exc, rank)
-    return PendingSave(path, rank, train_state, error=error, shapes=shapes)
+    return PendingSave(path, rank, train_state, error=error, shapes=shapes, aliases=aliases)
 
 
 def model_shapes(model_state: dict[str, Any]) -> dict[str, list[int]]:
@@ -348,12 +357,17 @@ class CheckpointLoadError(RuntimeError):
     """A committed checkpoint that this model and optimizer cannot load; raised on every rank."""
 
 
-def check_shapes(path: str | os.PathLike, recorded: dict[str, list[int]] | None, model_state: dict[str, Any]) -> None:
+def check_shapes(path: str | os.PathLike, recorded: dict[str, list[int]] | None, model_state: dict[str, Any],
+                 names: dict[str, str] | None = None) -> None:
     """The model about to load `path` has the parameters its manifest recorded (when it did):
-    one line naming the first that differs, rather than DCP's error from every rank."""
+    one line naming the first that differs, rather than DCP's error from every rank. Canonical
+    names are compared: `names` (alias -> canonical) leaves out the aliases an earlier version
+    recorded too."""
     if not recorded:
         return
-    live = model_shapes(model_state)
+    names = names or {}
+    recorded = {k: v for k, v in recorded.items() if k not in names}
+    live = {k: v for k, v in model_shapes(model_state).items() if k not in names}
     for name in sorted(set(recorded) | set(live)):
         if recorded.get(name) != live.get(name):
             was = "absent" if name not in recorded else f"shape {recorded[name]}"
@@ -372,7 +386,8 @@ def begin_save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch
         state = live_state(model, optimizer)
     except _save_errors() as exc:
         error = _describe(exc, rank)
-    return write(path, state, train_state, rank=rank, rng=rng_state(), error=error, replicated=replicated(model))
+    return write(path, state, train_state, rank=rank, rng=rng_state(), error=error, replicated=replicated(model),
+                 aliases=aliases(model))
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -391,15 +406,21 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     if not (Path(path) / MANIFEST_FILE).exists():
         raise FileNotFoundError(f"{path} is not a committed checkpoint (no {MANIFEST_FILE})")
     dcp = _dcp()
+    names = aliases(model)
     model_sd, optim_sd = dcp.state_dict.get_state_dict(model, optimizer)
+    model_sd = without_aliases(model_sd, names)
     manifest = read_manifest(path)
-    check_shapes(path, manifest.get("shapes"), model_sd)
-    options, rngs = None, None
+    check_shapes(path, manifest.get("shapes"), model_sd, names)
+    # Not strict: the aliases are loaded through their canonical tensor; what else is missing is
+    # checked below.
+    options, rngs = dcp.state_dict.StateDictOptions(strict=False), None
     if (Path(path) / STATE_FILE).exists():
         state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
         rngs = state.pop("rng", None)
+        state["model"] = without_aliases(state["model"], names)  # an earlier version saved them too
         # Whole tensors into a sharded model (a DDP run resumed under FSDP): each rank keeps its shard.
-        options = None if replicated(model) else dcp.state_dict.StateDictOptions(full_state_dict=True)
+        if not replicated(model):
+            options = dcp.state_dict.StateDictOptions(full_state_dict=True, strict=False)
     else:
         state = {"model": model_sd, "optim": optim_sd}
         from torch.distributed.checkpoint.api import CheckpointException
@@ -408,8 +429,13 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             dcp.load(state, checkpoint_id=str(path))
         except CheckpointException as exc:  # a BaseException, which the launchers' handlers would miss
             raise CheckpointLoadError(f"checkpoint {path} cannot be loaded ({_describe(exc, rank or 0)})") from None
-    dcp.state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                                  options=options)
+    loaded = dcp.state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"],
+                                           optim_state_dict=state["optim"], options=options)
+    missing, unexpected = unexplained(loaded.missing_keys, names), sorted(loaded.unexpected_keys)
+    if missing or unexpected:
+        name, where = (missing[0], "there") if missing else (unexpected[0], "here")
+        raise CheckpointLoadError(f"checkpoint {path} does not fit this run's model: {name} is absent {where} "
+                                  "(the config changed the model); start a fresh run with another run.name")
     train_state = manifest["train_state"]
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if rank is None or train_state.get("world_size") != world_size:

@@ -12,6 +12,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raylane.loop.distributed import all_reduce_sums
 
+FAILED = "raylane.failed"  # a sum every rank reduces: how many ranks' evaluation raised
+
+
+class EvaluationFailed(RuntimeError):
+    """Another rank's evaluation raised: that rank re-raises its own error, the others this one,
+    naming it."""
+
 
 class Evaluator:
     def __init__(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -29,18 +36,35 @@ class Evaluator:
         # Evaluation needs no gradient sync, so it runs the wrapped module itself.
         module = model.module if isinstance(model, DistributedDataParallel) else model
         sums: dict[str, torch.Tensor] = {}
-        count = 0
-        for source, targets in self.data:
-            output = module(source.to(self.device))
-            for name, value in self.sums(output, targets.to(self.device)).items():
-                sums[name] = sums.get(name, 0) + value
-            count += len(targets)
+        count, failure = 0, None
+        try:
+            for source, targets in self.data:
+                output = module(source.to(self.device))
+                for name, value in self.sums(output, targets.to(self.device)).items():
+                    sums[name] = sums.get(name, 0) + value
+                count += len(targets)
+        except Exception as exc:  # noqa: BLE001 - the others would wait in the reduction below: it tells them
+            failure = exc
         for name in self._agreed_names(sums):  # a rank whose share was empty sums zeros
             sums.setdefault(name, torch.zeros((), device=self.device))
         sums["count"] = torch.tensor(float(count))
+        sums[FAILED] = torch.tensor(float(failure is not None))
         totals = all_reduce_sums(sums)
+        if totals.pop(FAILED):
+            elsewhere = self._failed_rank(failure) if self.world_size > 1 else None  # collective
+            raise failure or EvaluationFailed(f"the evaluation failed on {elsewhere}")
         n = totals.pop("count")
         return {k: v / max(n, 1.0) for k, v in totals.items()}
+
+    def _failed_rank(self, failure: Exception | None = None) -> str:
+        """Collective, once evaluation failed somewhere: 'rank N: Type: message' of the first
+        rank it failed on, for the ranks where it did not (a torchrun driver is rank 0)."""
+        import torch.distributed as dist
+
+        mine = f"{type(failure).__name__}: {failure}" if failure is not None else None
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        return next(f"rank {rank}: {text}" for rank, text in enumerate(gathered) if text)
 
     def _agreed_names(self, sums: dict[str, torch.Tensor]) -> list[str]:
         """The metric names, agreed by every rank once (all_reduce_sums needs the same keys

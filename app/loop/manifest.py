@@ -61,34 +61,55 @@ def verify(path: str, fs=None, *, checksums: bool = True) -> str | None:
     return None
 
 
-def committed(root: str, filesystem=None) -> list[str]:
-    """Directories under `root` with a manifest, oldest first (names sort by step)."""
+def _listed(root: str, fs) -> list[tuple[str, bool]]:
+    """(directory, whether it has a manifest) of every checkpoint under `root`, oldest first
+    (names sort by step)."""
     import pyarrow.fs as pafs
 
-    fs = filesystem or pafs.LocalFileSystem()
     if isinstance(fs, pafs.LocalFileSystem):  # listed after every save: os is ~10x cheaper here
         try:
             names = sorted(e.name for e in os.scandir(root) if e.name.startswith(CHECKPOINT_PREFIX) and e.is_dir())
         except FileNotFoundError:
             return []
-        return [p for p in (os.path.join(root, n) for n in names) if os.path.isfile(os.path.join(p, MANIFEST_FILE))]
+        paths = [os.path.join(root, n) for n in names]
+        return [(p, os.path.isfile(os.path.join(p, MANIFEST_FILE))) for p in paths]
     entries = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
     dirs = sorted(e.path for e in entries
                   if e.type == pafs.FileType.Directory and e.base_name.startswith(CHECKPOINT_PREFIX))
-    return [d for d in dirs if fs.get_file_info(f"{d}/{MANIFEST_FILE}").type == pafs.FileType.File]
+    return [(d, fs.get_file_info(f"{d}/{MANIFEST_FILE}").type == pafs.FileType.File) for d in dirs]
 
 
-def latest_valid(root: str, filesystem=None) -> str | None:
-    """Newest checkpoint under `root` whose files match its manifest, on any pyarrow filesystem.
+def committed(root: str, filesystem=None) -> list[str]:
+    """Directories under `root` with a manifest, oldest first (names sort by step)."""
+    import pyarrow.fs as pafs
+
+    return [path for path, has_manifest in _listed(root, filesystem or pafs.LocalFileSystem()) if has_manifest]
+
+
+UNFINISHED = f"no {MANIFEST_FILE} (an unfinished save)"
+
+
+def newest_valid(root: str, filesystem=None) -> tuple[str | None, list[dict[str, str]]]:
+    """(the newest checkpoint under `root` whose files match its manifest, on any pyarrow
+    filesystem; the newer ones passed over, newest first, as {"path", "reason"}).
 
     Our own manifest decides, not a launcher's bookkeeping: a launcher killed just after a
     checkpoint was written may never have recorded it."""
-    for path in reversed(committed(root, filesystem)):
-        problem = verify(path, filesystem)
+    import pyarrow.fs as pafs
+
+    skipped = []
+    for path, has_manifest in reversed(_listed(root, filesystem or pafs.LocalFileSystem())):
+        problem = verify(path, filesystem) if has_manifest else UNFINISHED
         if problem is None:
-            return path
-        log.warning("checkpoint %s is corrupt (%s); trying the previous one", path, problem)
-    return None
+            return path, skipped
+        log.debug("checkpoint %s skipped: %s", path, problem)  # the driver says it (its display)
+        skipped.append({"path": path, "reason": problem})
+    return None, skipped
+
+
+def latest_valid(root: str, filesystem=None) -> str | None:
+    """Newest checkpoint under `root` whose files match its manifest (see newest_valid)."""
+    return newest_valid(root, filesystem)[0]
 
 
 def prune(root: str, keep: int | None, filesystem=None, *, keep_best: int | None = None,

@@ -129,10 +129,14 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
         reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger),
     )
     usercode.check_first_calls(trainer, pipe, cfg)
-    latest = runtime.latest_checkpoint() or _init_from(cfg)
+    own = runtime.latest_checkpoint()
+    trainer.skipped_checkpoints = runtime.skipped_checkpoints()  # said on the driver, with the start
+    latest = own or _init_from(cfg)
     if latest:
         trainer.load_state_dict(checkpoint.load(latest, model, optimizer, rank=runtime.rank))
         trainer.last_checkpoint = latest
+        # By name: a checkpoint on object storage was loaded from a local copy.
+        trainer.resumed_from = checkpoint.checkpoint_name(trainer.step) if own else latest
         if runtime.rank == 0:
             log.info("resuming from step %d (%s)", trainer.step, latest)
     startup["ready"] = time.time()

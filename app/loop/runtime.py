@@ -28,6 +28,10 @@ class Runtime(Protocol):
     def latest_checkpoint(self) -> str | None:
         """Directory of the newest committed checkpoint of this run, or None."""
 
+    def skipped_checkpoints(self) -> list[dict[str, str]]:
+        """The newer checkpoints latest_checkpoint() passed over (damaged, unfinished), newest
+        first: {"path", "reason"}."""
+
     def new_checkpoint_dir(self, step: int) -> str:
         """Where this rank writes its shard of the checkpoint at `step`."""
 
@@ -62,6 +66,9 @@ class LocalRuntime:
 
     def latest_checkpoint(self) -> str | None:
         return self.store.latest()
+
+    def skipped_checkpoints(self) -> list[dict[str, str]]:
+        return self.store.skipped
 
     def new_checkpoint_dir(self, step: int) -> str:
         return self.store.new_dir(step)

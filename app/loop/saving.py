@@ -12,9 +12,11 @@ the next save, the end of the run and a stop wait for it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -79,7 +81,7 @@ class Saver:
         except checkpoint._save_errors() as exc:  # the write agrees on it with every rank
             error = checkpoint._describe(exc, self.runtime.rank)
         outcome: Future = Future()
-        job = (path, state, train_state, rng, error, replicated, outcome)
+        job = (path, state, train_state, rng, error, replicated, checkpoint.aliases(model), outcome)
         self._in_flight = (train_state, outcome)
         if self.asynchronous:
             self._staged.clear()
@@ -109,7 +111,8 @@ class Saver:
             self._jobs = None
 
     def _write_and_commit(self, path: str, state: dict[str, Any], train_state: dict[str, Any],
-                          rng: dict[str, Any], error: str | None, replicated: bool, outcome: Future) -> None:
+                          rng: dict[str, Any], error: str | None, replicated: bool, aliases: dict[str, str],
+                          outcome: Future) -> None:
         ck = self.cfg
         try:
             if self.asynchronous:
@@ -122,7 +125,7 @@ class Saver:
             with checkpoint.collectives_on(self.group if self.asynchronous else None):
                 try:
                     checkpoint.write(path, state, train_state, rank=self.runtime.rank, rng=rng,
-                                     error=error, replicated=replicated).commit()
+                                     error=error, replicated=replicated, aliases=aliases).commit()
                     outcome.set_result(self.runtime.commit_checkpoint(
                         str(path), int(train_state["step"]), train_state.get("eval_metrics") or {},
                         keep=ck.keep, keep_best=ck.keep_best, best=(ck.best_metric, ck.best_mode)))
@@ -131,6 +134,23 @@ class Saver:
                     outcome.set_result(exc)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread by settle()
             outcome.set_exception(exc)
+
+    @contextlib.contextmanager
+    def settled_on_failure(self, timeout_s: float) -> Iterator[None]:
+        """Around the training loop: should it fail (a non-finite loss with train.on_nan: stop,
+        an error in the user's code), the save in flight still commits, and is announced like
+        any other (the run's newest checkpoint is then the one it names), waited for at most
+        `timeout_s`. Its own errors give way to the run's."""
+        try:
+            yield
+        except Exception:
+            if self._in_flight is not None:
+                try:
+                    self._in_flight[1].result(timeout=timeout_s)
+                    self.settle()
+                except Exception as exc:  # noqa: BLE001 - the run's error is the one to report
+                    log.info("the checkpoint in flight when the run failed was not committed: %s", exc)
+            raise
 
     def settle(self) -> None:
         """Wait for the save in flight, if any, and act on its outcome: the same on every rank,

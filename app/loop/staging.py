@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from raylane.loop.aliases import aliases, without_aliases
+
 
 class Stager:
     """Copies the state into CPU buffers allocated at the first save and reused by the next ones
@@ -82,11 +84,13 @@ class LiveState:
     parameter name), taken without DCP's get_state_dict: its generic path cost ~0.3 ms of the
     training thread per save on 2 busy cores (bench B9), against ~0.03 ms for the modules' own
     state_dict() renamed by a map built once. The first call checks the two agree, key for key
-    and tensor for tensor, and keeps to DCP for good if they do not (a wrapper or a tied weight
-    this map does not know)."""
+    and tensor for tensor, and keeps to DCP for good if they do not (a wrapper this map does not
+    know). Both hold each tensor once: a tied weight or a submodule under two names is saved
+    under its canonical name only (raylane.loop.aliases)."""
 
     def __init__(self) -> None:
         self._names: list[str] | None = None  # the optimizer's parameter index -> name
+        self._aliases: dict[str, str] = {}
         self._checked = False
 
     def take(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dcp_state) -> dict[str, Any]:
@@ -100,6 +104,7 @@ class LiveState:
             names = {id(p): n for n, p in module.named_parameters()}
             ordered = [p for group in optimizer.param_groups for p in group["params"]]
             self._names = [names.get(id(p), "") for p in ordered]
+            self._aliases = aliases(model)
             fast, reference = self._take(module, optimizer), dcp_state(model, optimizer)
             self._checked = True
             if not _same(fast, reference):
@@ -114,7 +119,7 @@ class LiveState:
         # while the save thread still reads it.
         optim = {"state": {names[i]: dict(v) for i, v in packed["state"].items()},
                  "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in packed["param_groups"]]}
-        return {"model": module.state_dict(), "optim": optim}
+        return {"model": without_aliases(module.state_dict(), self._aliases), "optim": optim}
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -46,10 +46,14 @@ class CheckpointStore:
         self.root, self.rank = root.rstrip("/"), rank
         self.fs = fs or pafs.LocalFileSystem()
         self.direct = isinstance(self.fs, pafs.LocalFileSystem)
+        self.skipped: list[dict[str, str]] = []  # by latest()
 
     def latest(self) -> str | None:
-        """A local directory holding the newest valid checkpoint (downloaded if remote), or None."""
-        path = checkpoint.latest_valid(self.root, self.fs)
+        """A local directory holding the newest valid checkpoint (downloaded if remote), or None.
+        The newer ones it passed over are kept in `skipped` ({"path", "reason"}, newest first)."""
+        path, skipped = checkpoint.newest_valid(self.root, self.fs)
+        self.skipped = [{**s, "path": s["path"] if self.direct else f"{self.fs.type_name}://{s['path']}"}
+                        for s in skipped]
         if path is None or self.direct:
             return path
         local = tempfile.mkdtemp(prefix="raylane-restore-")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -27,6 +28,8 @@ from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
 from raylane.loop.saving import Saver
 from raylane.loop.steps import Throughput, clip_gradients, last_step, plain_parameters, plan_steps
+
+log = logging.getLogger("raylane")
 
 VOTE_EVERY_N_STEPS = 10  # the first vote; then about every VOTE_INTERVAL_S
 VOTE_INTERVAL_S = 0.5
@@ -133,6 +136,9 @@ class Trainer:
         self._trained_before_s = 0.0  # by earlier launches of this run (from its checkpoint)
         self.skipped_steps = 0
         self.last_checkpoint: str | None = None
+        # Newer checkpoints the resume passed over (damaged, unfinished): {"path", "reason"}.
+        self.skipped_checkpoints: list[dict[str, str]] = []
+        self.resumed_from: str | None = None  # the checkpoint loaded, by name
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_count = 0
         self._grad_norm: torch.Tensor | None = None
@@ -296,6 +302,23 @@ class Trainer:
         self.eval_metrics = self.evaluator(self.model)
         return self.eval_metrics
 
+    def _evaluate_epoch(self) -> None:
+        """An epoch end's evaluation, measured before the epoch's checkpoint, which carries the
+        metrics checkpoint.keep_best ranks by. Should it fail (the user's eval_sums, a bad
+        held-out row: on any rank, all learn of it), the epoch is saved before the error ends the
+        run, so that no step trained since the last checkpoint is lost."""
+        try:
+            metrics = self._evaluate()
+        except Exception:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+            try:
+                self._save_checkpoint()  # without metrics: none were measured
+                self.saver.settle()
+            except Exception as exc:  # noqa: BLE001 - the evaluation's error is the run's
+                log.warning("the checkpoint at step %d, after the evaluation failed, was not saved: %s", self.step, exc)
+            raise
+        self._record_eval(metrics)
+
     def _save_checkpoint(self) -> None:
         if self._saved_step == self.step:
             return
@@ -309,7 +332,8 @@ class Trainer:
         self.reporter.on_start(
             total_steps=self.total_steps, steps_per_epoch=self.steps_per_epoch,
             max_epochs=self.cfg.train.max_epochs, world_size=self.runtime.world_size,
-            resumed_from_step=self.resumed_from_step, strategy=self.strategy.name,
+            resumed_from_step=self.resumed_from_step, resumed_from=self.resumed_from,
+            skipped_checkpoints=self.skipped_checkpoints, strategy=self.strategy.name,
             strategy_reason=self.strategy.reason, strategy_tags=self.strategy.tags(),
         )
         reset_peak_memory(self.device)
@@ -318,7 +342,7 @@ class Trainer:
         self._last_vote = (started, self.step)
         epoch_ends: list[float] = []  # seconds from the start to the end of each epoch's end work
         self._train_started = started
-        with preemption.armed():
+        with preemption.armed(), self.saver.settled_on_failure(self.cfg.dist.timeout_s):
             last_step_end = started
             while self.step < self.total_steps and not self.preempted:
                 epoch_start = (time.perf_counter(), self.step)
@@ -328,7 +352,7 @@ class Trainer:
                 if epoch_ended:
                     self.speed_metrics = self._epoch_speed(epoch_start, last_step_end)
                     if _every(self.epoch + 1, self.cfg.train.eval_every_n_epochs):
-                        self._record_eval(self._evaluate())
+                        self._evaluate_epoch()
                     self.epoch += 1
                     self.batch_in_epoch = 0
                 # A stop always saves, mid-epoch or at an epoch end that no checkpoint was due at.

@@ -169,6 +169,9 @@ class RayRuntime:
         # does. Our manifest, checked against every file, is the authority.
         return self._store.latest()
 
+    def skipped_checkpoints(self) -> list[dict[str, str]]:
+        return self._store.skipped
+
     def new_checkpoint_dir(self, step: int) -> str:
         return self._store.new_dir(step)
 

@@ -70,6 +70,7 @@ class ProgressDisplay:
         self.end_unix: float | None = None
         self.result: dict[str, Any] | None = None
         self.checkpoints: list[dict[str, Any]] = []
+        self.skipped_checkpoints: list[dict[str, str]] = []  # passed over by a resume: {"path", "reason"}
         self.starts = 0
         self.first_steps_unix: list[float] = []
         self._last_line = float("-inf")
@@ -90,6 +91,7 @@ class ProgressDisplay:
             if self.starts == 1 and event.get("strategy"):
                 self._print(f"strategy {event['strategy']} ({event.get('strategy_reason', '')})")
             self._start_bar()
+            self._skipped(event)
             if event.get("resumed_from_step"):
                 self._print(f"resumed from step {event['resumed_from_step']}")
         elif kind == "first_step":
@@ -119,6 +121,14 @@ class ProgressDisplay:
             if self.result.get("last_window"):
                 self.info["window"] = self.result["last_window"]  # the last steps', not a stale one
             self._show(force=True)
+
+    def _skipped(self, event: dict[str, Any]) -> None:
+        """Each checkpoint a resume passed over, once (every restart of the group reports it)."""
+        then = f"resuming from {event['resumed_from']}" if event.get("resumed_from") else "training from the start"
+        for skipped in event.get("skipped_checkpoints") or []:
+            if all(skipped["path"] != s["path"] for s in self.skipped_checkpoints):
+                self.skipped_checkpoints.append(skipped)
+                self._print(f"{skipped['path'].rstrip('/').rsplit('/', 1)[-1]} skipped: {skipped['reason']}; {then}")
 
     def _relayed(self, event: dict[str, Any]) -> None:
         """A worker's raylane warning; once, when every rank says the same."""

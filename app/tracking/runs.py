@@ -275,8 +275,17 @@ def rank_zero_logger(cfg: BaseConfig, tracking_uri: str, run_id: str) -> MetricL
                         system_metrics_interval_s=m.system_metrics_interval_s if m.system_metrics else None)
 
 
+def logged_steps(client, run_id: str) -> dict[str, int]:
+    """The highest step each metric of the run has a point at (MLflow keeps each metric's latest)."""
+    return {m.key: m.step for m in client.get_run(run_id).data.to_proto().metrics}
+
+
 class MetricLogger:
-    """Rank 0's metric sink: `log()` only appends to a bounded buffer; a thread sends batches."""
+    """Rank 0's metric sink: `log()` only appends to a bounded buffer; a thread sends batches.
+
+    A point at a step the run already has a point of that metric at, or before, is not sent: a
+    launch that resumes from an older checkpoint than the last one logged (the newest was
+    damaged) trains those steps again, and MLflow would show two points at each of them."""
 
     def __init__(self, tracking_uri: str, run_id: str, *, flush_interval_s: float = 5.0,
                  max_buffered: int = 100_000, system_metrics_interval_s: float | None = None) -> None:
@@ -290,6 +299,7 @@ class MetricLogger:
         self._lock = threading.Lock()
         self._warned = False
         self._tags: dict[str, str] = {}
+        self._logged: dict[str, int] | None = None  # logged_steps() when this logger started
         self._system_metrics_interval_s = system_metrics_interval_s
         self._monitor = None
         # What logging costs rank 0, for the overhead benchmark: time inside log() on the
@@ -355,6 +365,8 @@ class MetricLogger:
             except Exception:  # noqa: BLE001 - retried at the next flush
                 with self._lock:
                     self._tags = {**tags, **self._tags}
+        if not self._drop_logged(client):
+            return
         with self._lock:
             pending = list(self._buffer)
         for i in range(0, len(pending), MAX_METRICS_PER_BATCH):
@@ -372,6 +384,21 @@ class MetricLogger:
             with self._lock:
                 for _ in chunk:
                     self._buffer.popleft()
+
+    def _drop_logged(self, client) -> bool:
+        """Drop the buffered points at steps the run already had; False while the run cannot be
+        read (nothing is sent until it can)."""
+        if self._logged is None:
+            try:
+                self._logged = logged_steps(client, self.run_id)
+            except Exception:  # noqa: BLE001 - retried at the next flush, as sending is
+                return False
+        if self._logged:
+            with self._lock:
+                kept = [m for m in self._buffer if m[3] > self._logged.get(m[0], -1)]
+                if len(kept) < len(self._buffer):
+                    self._buffer = deque(kept)
+        return True
 
     def close(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
