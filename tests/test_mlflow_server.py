@@ -112,7 +112,8 @@ def test_server_down_mid_run_loses_no_metric(run_cli, tmp_path, mlflow_server):
     assert client.get_run(run_id).info.status == "KILLED"
     assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == _expected_steps(s["steps"])
     assert len(client.get_metric_history(run_id, "eval/accuracy")) == s["epochs"]
-    assert s["steps"] > logged_before + 1000  # it trained through the outage
+    # It trained through the outage: ~1,000 steps on a quiet machine, 462 with 2 cores at load 25.
+    assert s["steps"] > logged_before + 100
 
 
 def test_checkpoints_copied_as_artifacts_when_asked(run_cli, tmp_path, shared_mlflow_server):
