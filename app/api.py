@@ -18,7 +18,10 @@ from raylane.config import BaseConfig, ConfigError
 
 def check(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
     """`raylane check`: the validated, resolved config (ConfigError on bad input)."""
-    return prepare.prepare_train(config, overrides).cfg
+    run = prepare.prepare_train(config, overrides)
+    for note in run.notes:
+        print(note, flush=True)
+    return run.cfg
 
 
 def train(config: Any, overrides: Iterable[str] = (), *, address: str | None = None, local: bool = False,

@@ -138,12 +138,20 @@ def _process_start(pid: int) -> float | None:
 
 @contextlib.contextmanager
 def _locked(folder: Path) -> Iterator[None]:
-    with open(folder / LOCK_FILE, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    """The folder itself is the lock (nothing left behind); where its filesystem cannot lock a
+    folder (some network filesystems), a lock file beside the lease."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        fd = os.open(folder / LOCK_FILE, os.O_WRONLY | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def _read(folder: Path) -> Holder | None:

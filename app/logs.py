@@ -181,6 +181,11 @@ def _mlflow_prints_to_root() -> None:
     from mlflow.utils import logging_utils
 
     log = logging.getLogger("mlflow")
+    # Where MLflow configured its loggers already (imported before this set-up, with its own
+    # logging on), their handler writes to that stream: records would go round in a loop.
+    for handler in [h for h in log.handlers if getattr(h, "stream", None) is logging_utils.MLFLOW_LOGGING_STREAM]:
+        log.removeHandler(handler)
+        log.propagate = True
 
     def write(text: str) -> None:
         for line in text.splitlines():
