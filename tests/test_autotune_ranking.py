@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from raylane.loop.search_order import plan
 from raylane.loop.search_ranking import (
-    median_interval,
     merge,
     next_round,
+    rate_interval,
     simplicity,
     summarize,
     verdict,
@@ -23,21 +23,39 @@ SPACE = {"strategy.name": ["ddp", "fsdp"], "train.batch_size": [32, 1, 2, 4, 8, 
 OWN = {k: v[0] for k, v in SPACE.items()}
 
 
+def one_round(rates: list[float]) -> dict:
+    """A round of windows of 0.1 s each."""
+    return {"status": "ok", **summarize([rates], [[0.1] * len(rates)])}
+
+
 def candidate(windows: list[float], rounds: int = 1, **values) -> dict:
-    return {"values": {**OWN, **values}, "status": "ok", "rounds": rounds, **summarize(windows)}
+    return {"values": {**OWN, **values}, "rounds": rounds, **one_round(windows)}
 
 
-def test_the_interval_is_an_order_statistic_interval_for_the_median():
-    assert median_interval([5, 1, 4, 2, 3]) == (3, 1, 5)  # 5 windows: min and max (94%)
-    assert median_interval(list(range(1, 11))) == (5.5, 2, 9)  # 10 windows: 2nd and 9th (98%)
-    assert median_interval(list(range(1, 21))) == (10.5, 6, 15)  # 20: 6th and 15th (96%)
+def test_the_figure_is_samples_over_seconds_as_a_run_counts_it():
+    """A window slowed by a busy spell weighs by the time it took, as in a training run's
+    summary: 3 windows of 100 samples at 1000, 1000 and 100 samples/s are 300 samples in 1.2 s."""
+    rate, low, high = rate_interval([[1000, 1000, 100]], [[0.1, 0.1, 1.0]])
+    assert rate == 250 and low < 250 < high
+    assert rate_interval([[1000, 1000, 100]], [[0.1, 0.1, 1.0]]) == (rate, low, high)  # reproducible
 
 
-@given(st.lists(st.floats(1, 1e6, allow_nan=False), min_size=2, max_size=60))
-def test_the_interval_holds_the_median_and_narrows_with_more_windows(windows):
-    mid, low, high = median_interval(windows)
-    assert min(windows) <= low <= mid <= high <= max(windows)
-    assert low in windows and high in windows
+def test_rounds_that_disagree_widen_the_interval_more_than_their_windows_do():
+    steady = rate_interval([[100, 101, 99, 100, 100], [100, 99, 101, 100, 100]], [[0.1] * 5] * 2)
+    moved = rate_interval([[100, 101, 99, 100, 100], [150, 149, 151, 150, 150]], [[0.1] * 5] * 2)
+    assert steady[2] - steady[1] < 3
+    assert moved[1] < 105 and moved[2] > 145  # one round alone may stand for the candidate
+
+
+@given(st.lists(st.lists(st.tuples(st.floats(1, 1e6), st.floats(1e-3, 10)), min_size=1, max_size=8),
+                min_size=1, max_size=4))
+@settings(max_examples=50, deadline=None)
+def test_the_interval_holds_the_rate_within_the_windows(rounds):
+    rates = [[r for r, _ in w] for w in rounds]
+    seconds = [[t for _, t in w] for w in rounds]
+    rate, low, high = rate_interval(rates, seconds)
+    flat = [r for w in rates for r in w]
+    assert min(flat) * (1 - 1e-9) <= low <= rate <= high <= max(flat) * (1 + 1e-9)
 
 
 def test_overlapping_intervals_are_a_tie_won_by_the_simplest():
@@ -73,9 +91,9 @@ def test_a_simpler_candidate_beaten_on_one_round_is_measured_again_with_the_lead
     lead = candidate([100, 104, 98, 101, 99], **{"strategy.bucket_cap_mb": 100.0})
     less_simple = candidate([40, 41, 42, 39, 40], **{"train.precision": "bf16"})
     assert next_round([own, lead, less_simple], OWN, SPACE, min_rounds=2, max_rounds=4) == [1, 0]
-    again = merge(own, candidate([101, 99, 103, 100, 98]))  # the busy spell is gone
-    assert again["rounds"] == 2 and len(again["windows"]) == 10
-    assert verdict([again, merge(lead, candidate([100, 103, 97, 99, 102])), less_simple], OWN, SPACE)["winner"] == 0
+    again = merge(own, one_round([101, 99, 103, 100, 98]))  # the busy spell is gone
+    assert again["rounds"] == 2 and [len(w) for w in again["windows"]] == [5, 5]
+    assert verdict([again, merge(lead, one_round([100, 103, 97, 99, 102])), less_simple], OWN, SPACE)["winner"] == 0
 
 
 def test_a_clear_leader_is_measured_until_min_rounds_and_then_no_more():
@@ -122,7 +140,7 @@ def test_rounds_end_and_the_winner_is_the_simplest_of_those_tied_with_the_leader
     while wanted := next_round(outcomes, OWN, SPACE, min_rounds=min_rounds, max_rounds=max_rounds):
         assert len(set(wanted)) == len(wanted)
         for i in wanted:
-            outcomes[i] = merge(outcomes[i], {"status": "ok", **summarize(data.draw(windows))})
+            outcomes[i] = merge(outcomes[i], one_round(data.draw(windows)))
             measured += 1
         assert measured <= len(outcomes) * max_rounds
     found = verdict(outcomes, OWN, SPACE)
@@ -152,6 +170,6 @@ def test_the_search_order_keeps_the_simpler_value_within_the_noise():
             break
         tried.append(values)
         rate = noise[values["strategy.bucket_cap_mb"]]
-        outcome = {"status": "ok", **summarize(rate if values["strategy.comm_hook"] == "none" else [50] * 5)}
+        outcome = one_round(rate if values["strategy.comm_hook"] == "none" else [50] * 5)
     assert [(v["strategy.bucket_cap_mb"], v["strategy.comm_hook"]) for v in tried] == \
         [(25.0, "none"), (5.0, "none"), (25.0, "bf16")]

@@ -332,8 +332,8 @@ class Search:
         eval_s = self._eval_cost(cfg, model, trainer) if every else 0.0
         per_step = eval_s / (trainer.steps_per_epoch * every) if every else 0.0
         samples = trainer.samples_per_step
-        measured = summarize([size * samples / max(t + size * per_step, 1e-9)
-                              for size, t in zip(sizes, times, strict=True)])
+        spans = [t + size * per_step for size, t in zip(sizes, times, strict=True)]
+        measured = summarize([[size * samples / max(t, 1e-9) for size, t in zip(sizes, spans, strict=True)]], [spans])
         return {**measured, "rounds": 1, "samples_per_step": samples,
                 "step_time_s": samples / measured["samples_per_s"], "peak_memory_bytes": self._max(sampler.peak),
                 "profile_s": sum(times), "setup_s": began - setup, "eval_s": eval_s,

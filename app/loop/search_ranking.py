@@ -3,19 +3,22 @@ leader, the candidates tied with it, the simplest of those, and which candidates
 again. Pure Python (no torch, no Ray), used on rank 0 by the search and on the driver.
 
 A candidate is measured in rounds (a fresh build each time, at a different moment: a busy machine
-slows a whole round at once), each round in windows of steps. Its figure is the median of every
-window's samples/s, its interval a distribution-free confidence interval for that median: the
-order statistics [x_(j), x_(n+1-j)] with j the largest for which P(Binomial(n, 1/2) < j) is at
-most (1 - CONFIDENCE) / 2 (five windows: their min and max, 94%). Two candidates whose intervals
+slows a whole round at once), each round in windows of steps. Its figure is its rate over all
+its windows, samples over seconds, as a training run's summary counts its whole run (a median
+of the windows would read a busy spell's slow windows as outliers, which a run pays in full).
+Its interval is a 90% two-stage bootstrap interval of that rate: rounds drawn with replacement,
+then windows within each, so that the spread between rounds (the machine's load from one moment
+to the next) widens it as much as the spread within a round. Two candidates whose intervals
 overlap differ by less than the noise: a tie."""
 
 from __future__ import annotations
 
-import math
+import random
 from collections.abc import Sequence
 from typing import Any
 
 CONFIDENCE = 0.9
+BOOTSTRAP_DRAWS = 2000
 # Which knob decides between tied candidates that depart from the config equally often: the
 # first in this order whose value differs (most of a training setup's behaviour first).
 SIMPLICITY_ORDER = ("train.compile", "train.activation_checkpointing", "train.precision", "strategy.name",
@@ -23,28 +26,36 @@ SIMPLICITY_ORDER = ("train.compile", "train.activation_checkpointing", "train.pr
                     "strategy.bucket_cap_mb")
 
 Outcome = dict[str, Any]
+Rounds = Sequence[Sequence[float]]
 
 
-def median_interval(windows: Sequence[float]) -> tuple[float, float, float]:
-    """(median, low, high) of the windows' samples/s; the interval is [min, max] when there are
-    too few windows for CONFIDENCE (four windows: 87.5%)."""
-    x = sorted(windows)
-    n = len(x)
-    if n == 0:
+def rate_interval(rates: Rounds, seconds: Rounds) -> tuple[float, float, float]:
+    """(rate, low, high): samples over seconds of every window, and its bootstrap interval;
+    `rates` and `seconds` hold each round's windows (samples/s, and the seconds each lasted)."""
+    rounds = [[(r * t, t) for r, t in zip(rs, ts, strict=True)] for rs, ts in zip(rates, seconds, strict=True) if rs]
+    if not rounds:
         raise ValueError("no windows measured")
-    mid = x[n // 2] if n % 2 else (x[n // 2 - 1] + x[n // 2]) / 2
-    j, below = 1, 1 / 2 ** n  # below: P(Binomial(n, 1/2) < j)
-    while j < (n + 1) / 2:
-        below_next = below + math.comb(n, j) / 2 ** n
-        if 1 - 2 * below_next < CONFIDENCE:
-            break
-        j, below = j + 1, below_next
-    return mid, x[j - 1], x[n - j]
+    rate = sum(n for w in rounds for n, _ in w) / sum(t for w in rounds for _, t in w)
+    draw = random.Random(0)  # the same measurements give the same interval
+    stats = []
+    for _ in range(BOOTSTRAP_DRAWS):
+        samples = seconds_total = 0.0
+        for _ in rounds:
+            windows = rounds[draw.randrange(len(rounds))]
+            for _ in windows:
+                n, t = windows[draw.randrange(len(windows))]
+                samples, seconds_total = samples + n, seconds_total + t
+        stats.append(samples / seconds_total)
+    stats.sort()
+    tail = (1 - CONFIDENCE) / 2
+    low, high = stats[int(tail * len(stats))], stats[min(int((1 - tail) * len(stats)), len(stats) - 1)]
+    return rate, min(low, rate), max(high, rate)
 
 
-def summarize(windows: Sequence[float]) -> dict[str, Any]:
-    mid, low, high = median_interval(windows)
-    return {"samples_per_s": mid, "interval": [low, high], "windows": list(windows)}
+def summarize(rates: Rounds, seconds: Rounds) -> dict[str, Any]:
+    rate, low, high = rate_interval(rates, seconds)
+    return {"samples_per_s": rate, "interval": [low, high], "windows": [list(r) for r in rates],
+            "window_s": [list(t) for t in seconds]}
 
 
 def ok(outcome: Outcome | None) -> bool:
@@ -87,7 +98,7 @@ def simplicity(values: dict[str, Any], own: dict[str, Any], space: dict[str, lis
 
 
 def verdict(outcomes: Sequence[Outcome], own: dict[str, Any], space: dict[str, list[Any]]) -> dict[str, Any] | None:
-    """{"leader": the highest median, "ties": the candidates whose interval overlaps the
+    """{"leader": the highest rate, "ties": the candidates whose interval overlaps the
     leader's (the leader among them), simplest first, "winner": the simplest of them}, as
     indices; None when no candidate ran."""
     measured = [i for i, o in enumerate(outcomes) if ok(o)]
@@ -141,8 +152,8 @@ def merge(outcome: Outcome, again: Outcome) -> Outcome:
     if not ok(again) or not again.get("windows"):
         note = again.get("error") or again.get("status")
         return {**outcome, "final": True, "round_error": note}
-    windows = [*outcome.get("windows", []), *again["windows"]]
-    merged = {**outcome, **summarize(windows), "rounds": outcome.get("rounds", 1) + 1,
+    rates, seconds = [*outcome["windows"], *again["windows"]], [*outcome["window_s"], *again["window_s"]]
+    merged = {**outcome, **summarize(rates, seconds), "rounds": outcome.get("rounds", 1) + 1,
               "profile_s": (outcome.get("profile_s") or 0) + (again.get("profile_s") or 0),
               "peak_memory_bytes": max(outcome.get("peak_memory_bytes") or 0, again.get("peak_memory_bytes") or 0)}
     scale = merged["samples_per_s"] / outcome["samples_per_s"] if outcome.get("samples_per_s") else None
