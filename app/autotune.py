@@ -68,7 +68,7 @@ class AutotuneSection(Section):
     reshard_after_forward: list[bool] | None = None
     comm_hooks: list[Literal["none", "fp16", "bf16", "powersgd"]] | None = None
     warmup_steps: int = Field(2, ge=1, le=1000)
-    # Steps measured per round, in `windows` windows: a candidate's figure is its rate over the
+    # Steps measured per round, in `windows` windows: a candidate's figure is the median of the
     # windows of every round, with an interval (raylane.loop.search_ranking).
     profile_steps: int = Field(10, ge=1, le=100_000)
     windows: int = Field(5, ge=2, le=1000)

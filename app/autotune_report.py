@@ -1,6 +1,6 @@
 """What `raylane autotune` shows and writes of its candidates: a line each, the table, the plot,
-the summary's rows, the MLflow metrics and the winner's YAML. Each ok candidate's figure is its
-rate over its measured windows with an interval (raylane.loop.search_ranking); its verdict is
+the summary's rows, the MLflow metrics and the winner's YAML. Each ok candidate's figure is the
+median of its measured windows with an interval (raylane.loop.search_ranking); its verdict is
 `winner`, `tie` (its interval overlaps the leader's) or `slower`."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import yaml
 from raylane.config import BaseConfig
 
 METRIC_KEYS = ("samples_per_s", "tokens_per_s", "mfu", "step_time_s", "peak_memory_bytes", "estimated_bytes",
-               "eval_s", "rounds")
+               "eval_s", "save_s", "rounds")
 
 
 def _describe(c: dict[str, Any]) -> str:
@@ -34,7 +34,7 @@ def _describe(c: dict[str, Any]) -> str:
 
 
 def rate(c: dict[str, Any]) -> str:
-    """'1234.5 [1100.2-1302.7]': the rate and its interval."""
+    """'1234.5 [1100.2-1302.7]': the median and its interval."""
     low, high = c.get("interval") or (None, None)
     return f"{c['samples_per_s']:.1f}" + (f" [{low:.1f}-{high:.1f}]" if low is not None else "")
 
@@ -54,7 +54,7 @@ def chosen_line(candidates: list[dict[str, Any]], ranking: dict[str, Any]) -> st
     if not others:
         return f"fastest: {text}; clearly (no other interval overlaps its)"
     return (f"chosen: {text}; the simplest of {len(others) + 1} candidates tied within the noise "
-            f"(with {', '.join(map(str, others))}; the highest rate: {ranking['leader']})")
+            f"(with {', '.join(map(str, others))}; the highest median: {ranking['leader']})")
 
 
 def row(c: dict[str, Any], index: int, ranking: dict[str, Any] | None, run_id: str | None) -> dict[str, Any]:
@@ -62,7 +62,7 @@ def row(c: dict[str, Any], index: int, ranking: dict[str, Any] | None, run_id: s
     return {"config": c["values"], "status": c["status"], "samples_per_s": c.get("samples_per_s"),
             "interval": c.get("interval"), "rounds": c.get("rounds"), "windows": c.get("windows"),
             "window_s": c.get("window_s"),
-            "verdict": verdict_of(index, c, ranking), "eval_s": c.get("eval_s"),
+            "verdict": verdict_of(index, c, ranking), "eval_s": c.get("eval_s"), "save_s": c.get("save_s"),
             "tokens_per_s": c.get("tokens_per_s"), "grad_accum_steps": c.get("grad_accum_steps"),
             "peak_memory_bytes": c.get("peak_memory_bytes"), "estimated_bytes": c.get("estimated_bytes"),
             "profile_s": c.get("profile_s"), "setup_s": c.get("setup_s"),
@@ -88,7 +88,7 @@ def write_yaml(path: str, cfg: BaseConfig, best: dict[str, Any], ties: list[int]
     how = "the fastest of its candidates" if len(ties) <= 1 else \
         f"the simplest of the {len(ties)} candidates tied within the noise for the fastest"
     header = (f"# Written by `raylane autotune`: {how}, {rate(best)} samples/s on {cfg.scaling.num_workers} workers\n"
-              f"# (its rate over its measured windows [interval], evaluation at epoch ends included).\n"
+              f"# (the median of its measured windows [interval], epoch ends' evaluation and checkpoint included).\n"
               f"# Train it with: raylane train {path}\n")
     Path(path).write_text(header + yaml.safe_dump(tree, sort_keys=False))
 
@@ -111,7 +111,7 @@ def table(candidates: list[dict[str, Any]], space_keys: list[str], ranking: dict
 
 
 def plot(path: Path, candidates: list[dict[str, Any]]) -> None:
-    """Throughput (the rate, its interval as an error bar) against peak memory; infeasible
+    """Throughput (the median, its interval as an error bar) against peak memory; infeasible
     candidates marked at their estimate."""
     import matplotlib
 
@@ -125,7 +125,7 @@ def plot(path: Path, candidates: list[dict[str, Any]]) -> None:
     spans = [c.get("interval") or (c["samples_per_s"], c["samples_per_s"]) for _, c in ok]
     ax.errorbar(x, y, yerr=[[m - s[0] for m, s in zip(y, spans, strict=True)],
                             [s[1] - m for m, s in zip(y, spans, strict=True)]],
-                fmt="o", capsize=3, label="fits (rate, interval)")
+                fmt="o", capsize=3, label="fits (median, interval)")
     for (i, _), xi, yi in zip(ok, x, y, strict=True):
         ax.annotate(str(i), (xi, yi), fontsize=8)
     bad = [c for c in candidates if c["status"] != "ok"]

@@ -98,15 +98,15 @@ def test_autotune_of_an_own_pipeline_on_ray_runs_in_one_worker_group(run_cli, tm
 
 
 def _assert_ranked(s: dict) -> None:
-    """Every candidate that ran has a rate and an interval over its windows (5 a round); the
-    leader has the highest rate; the winner is the simplest of those whose interval overlaps
+    """Every candidate that ran has a median and an interval over its windows (5 a round); the
+    leader has the highest median; the winner is the simplest of those whose interval overlaps
     the leader's, and these are reported as ties."""
-    from raylane.loop.search_ranking import rate_interval
+    from raylane.loop.search_ranking import median_interval
 
     ok = [c for c in s["candidates"] if c["status"] == "ok"]
     for c in ok:
         assert c["rounds"] >= 1 and [len(w) for w in c["windows"]] == [5] * c["rounds"], c
-        assert [c["samples_per_s"], *c["interval"]] == list(rate_interval(c["windows"], c["window_s"]))
+        assert [c["samples_per_s"], *c["interval"]] == list(median_interval(c["windows"]))
         assert c["interval"][0] <= c["samples_per_s"] <= c["interval"][1], c
     ranking, candidates = s["ranking"], s["candidates"]
     lead = candidates[ranking["leader"]]

@@ -37,19 +37,18 @@ from raylane import pipelines_ref
 from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import BaseConfig, apply_values
 from raylane.loop import faults as fault_plans
-from raylane.loop.data import eval_data, is_stream, train_data
+from raylane.loop.data import train_data
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
 from raylane.loop.parallel import estimate_memory, parallelize, prepare_blocks, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
+from raylane.loop.search_costs import eval_seconds, per_step_seconds, save_seconds
 from raylane.loop.search_order import Outcome, plan, read_record
 from raylane.loop.search_ranking import merge, next_round, summarize
 from raylane.loop.steps import Throughput
 from raylane.loop.trainer import Trainer
 
 log = logging.getLogger("raylane")
-# Held-out batches timed (after one untimed) to estimate a candidate's evaluation at an epoch end.
-EVAL_BATCHES = 4
 MAX_WINDOW_STEPS = 100_000
 
 
@@ -70,6 +69,7 @@ class Search:
         self.faults = fault_plans.load(self.rank)
         self.held = GlobalBatch(**settings["global_batch"])
         self.margin = float(settings.get("safety_margin", 0.1))
+        self._saved_once = False
         self.record_path = Path(settings["record"]) if settings.get("record") else None
         # What an earlier launch's record must match to be replayed: the config and the space.
         same = {k: v for k, v in cfg.flat().items() if not k.startswith("run.")}
@@ -327,16 +327,21 @@ class Search:
             if self.settings["warmup_steps"] > 1 else warmed - began
         sizes, times = self._windows(trainer, groups, sampler, step_s)
         sampler.close()
-        # An epoch end's evaluation, as training pays it, spread over the epoch's steps.
-        every = cfg.train.eval_every_n_epochs
-        eval_s = self._eval_cost(cfg, model, trainer) if every else 0.0
-        per_step = eval_s / (trainer.steps_per_epoch * every) if every else 0.0
+        # Epoch ends, as training pays them, spread over the steps between them.
+        clock = trainer._step_clock
+        eval_s = eval_seconds(cfg, model, self.pipe, self.runtime, clock)
+        state = trainer.state_dict()
+        if not self._saved_once:  # the process's first save imports and warms up what the rest reuse
+            save_seconds(cfg, model, optimizer, state, self.rank, clock, self.group)
+            self._saved_once = bool(cfg.checkpoint.every_n_epochs or cfg.checkpoint.every_n_steps)
+        save_s = save_seconds(cfg, model, optimizer, state, self.rank, clock, self.group)
+        per_step = per_step_seconds(cfg, trainer.steps_per_epoch, eval_s, save_s)
         samples = trainer.samples_per_step
         spans = [t + size * per_step for size, t in zip(sizes, times, strict=True)]
         measured = summarize([[size * samples / max(t, 1e-9) for size, t in zip(sizes, spans, strict=True)]], [spans])
         return {**measured, "rounds": 1, "samples_per_step": samples,
                 "step_time_s": samples / measured["samples_per_s"], "peak_memory_bytes": self._max(sampler.peak),
-                "profile_s": sum(times), "setup_s": began - setup, "eval_s": eval_s,
+                "profile_s": sum(times), "setup_s": began - setup, "eval_s": eval_s, "save_s": save_s,
                 "steps_per_epoch": trainer.steps_per_epoch, "pid": os.getpid(),
                 **throughput.rates(measured["samples_per_s"], self.world_size)}
 
@@ -359,31 +364,6 @@ class Search:
             times.append(ended - mark)
             mark = ended
         return sizes, times
-
-    def _eval_cost(self, cfg: BaseConfig, model: torch.nn.Module, trainer: Trainer) -> float:
-        """Seconds this candidate's evaluation of the held-out set takes at an epoch end: the
-        forward of EVAL_BATCHES batches timed (after one untimed) and scaled to rank 0's share,
-        as the Evaluator runs it (DDP's own module, no autocast). 0 without a held-out set, or for
-        a stream, whose share is not known ahead."""
-        dataset = self.pipe.eval_set
-        if dataset is None or is_stream(dataset):
-            return 0.0
-        size = cfg.train.batch_size
-        timed = min(EVAL_BATCHES, len(dataset) // self.world_size // size - 1)  # every rank has them in full
-        if timed < 1:
-            return 0.0
-        loader = eval_data(dataset, self.runtime, batch_size=size, seed=cfg.train.seed)
-        module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        module.eval()
-        with torch.no_grad():
-            batches = iter(loader)
-            module(next(batches)[0].to(self.device))
-            began = trainer._step_clock()
-            for _ in range(timed):
-                module(next(batches)[0].to(self.device))
-            elapsed = trainer._step_clock() - began
-        module.train()
-        return elapsed / timed * len(loader)
 
     def _max(self, value: int) -> int:
         if not self.distributed:

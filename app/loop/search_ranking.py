@@ -3,17 +3,19 @@ leader, the candidates tied with it, the simplest of those, and which candidates
 again. Pure Python (no torch, no Ray), used on rank 0 by the search and on the driver.
 
 A candidate is measured in rounds (a fresh build each time, at a different moment: a busy machine
-slows a whole round at once), each round in windows of steps. Its figure is its rate over all
-its windows, samples over seconds, as a training run's summary counts its whole run (a median
-of the windows would read a busy spell's slow windows as outliers, which a run pays in full).
-Its interval is a 90% two-stage bootstrap interval of that rate: rounds drawn with replacement,
-then windows within each, so that the spread between rounds (the machine's load from one moment
-to the next) widens it as much as the spread within a round. Two candidates whose intervals
-overlap differ by less than the noise: a tie."""
+slows a whole round at once), each round in windows of steps. Its figure is the median samples/s
+of all its windows: on a machine shared with other work a window can stall for seconds, and
+samples over seconds would let one stall decide (two searches of examples/own-model under load,
+by that figure, disagreed: one put the config's own values, measured in three loaded rounds,
+clearly behind). Its interval is a 90% two-stage bootstrap interval of that median: rounds drawn
+with replacement, then windows within each, so that the spread between rounds (the machine's
+load from one moment to the next) widens it as much as the spread within a round. Two candidates
+whose intervals overlap differ by less than the noise: a tie."""
 
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,32 +31,30 @@ Outcome = dict[str, Any]
 Rounds = Sequence[Sequence[float]]
 
 
-def rate_interval(rates: Rounds, seconds: Rounds) -> tuple[float, float, float]:
-    """(rate, low, high): samples over seconds of every window, and its bootstrap interval;
-    `rates` and `seconds` hold each round's windows (samples/s, and the seconds each lasted)."""
-    rounds = [[(r * t, t) for r, t in zip(rs, ts, strict=True)] for rs, ts in zip(rates, seconds, strict=True) if rs]
+def median_interval(rates: Rounds) -> tuple[float, float, float]:
+    """(median, low, high) of the windows' samples/s, `rates` holding each round's windows."""
+    rounds = [list(r) for r in rates if r]
     if not rounds:
         raise ValueError("no windows measured")
-    rate = sum(n for w in rounds for n, _ in w) / sum(t for w in rounds for _, t in w)
+    mid = statistics.median(x for r in rounds for x in r)
     draw = random.Random(0)  # the same measurements give the same interval
     stats = []
     for _ in range(BOOTSTRAP_DRAWS):
-        samples = seconds_total = 0.0
+        picked = []
         for _ in rounds:
             windows = rounds[draw.randrange(len(rounds))]
-            for _ in windows:
-                n, t = windows[draw.randrange(len(windows))]
-                samples, seconds_total = samples + n, seconds_total + t
-        stats.append(samples / seconds_total)
+            picked.extend(windows[draw.randrange(len(windows))] for _ in windows)
+        stats.append(statistics.median(picked))
     stats.sort()
     tail = (1 - CONFIDENCE) / 2
     low, high = stats[int(tail * len(stats))], stats[min(int((1 - tail) * len(stats)), len(stats) - 1)]
-    return rate, min(low, rate), max(high, rate)
+    return mid, min(low, mid), max(high, mid)
 
 
 def summarize(rates: Rounds, seconds: Rounds) -> dict[str, Any]:
-    rate, low, high = rate_interval(rates, seconds)
-    return {"samples_per_s": rate, "interval": [low, high], "windows": [list(r) for r in rates],
+    """The figures of windows measured in rounds: samples/s, and the seconds each lasted."""
+    mid, low, high = median_interval(rates)
+    return {"samples_per_s": mid, "interval": [low, high], "windows": [list(r) for r in rates],
             "window_s": [list(t) for t in seconds]}
 
 
@@ -98,7 +98,7 @@ def simplicity(values: dict[str, Any], own: dict[str, Any], space: dict[str, lis
 
 
 def verdict(outcomes: Sequence[Outcome], own: dict[str, Any], space: dict[str, list[Any]]) -> dict[str, Any] | None:
-    """{"leader": the highest rate, "ties": the candidates whose interval overlaps the
+    """{"leader": the highest median, "ties": the candidates whose interval overlaps the
     leader's (the leader among them), simplest first, "winner": the simplest of them}, as
     indices; None when no candidate ran."""
     measured = [i for i, o in enumerate(outcomes) if ok(o)]
