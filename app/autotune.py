@@ -18,10 +18,19 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from raylane import prechecks
+from raylane.autotune_report import (
+    _describe,
+    _metrics,
+    chosen_line,
+    estimate_error,
+    plot,
+    row,
+    table,
+    write_yaml,
+)
 from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import (
     BaseConfig,
@@ -38,6 +47,7 @@ from raylane.config import (
 )
 from raylane.lease import LEASE_FILES
 from raylane.loop.search_order import RECORD_FILE
+from raylane.loop.search_ranking import CONFIDENCE, verdict
 
 log = logging.getLogger("raylane")
 
@@ -60,11 +70,30 @@ class AutotuneSection(Section):
     reshard_after_forward: list[bool] | None = None
     comm_hooks: list[Literal["none", "fp16", "bf16", "powersgd"]] | None = None
     warmup_steps: int = Field(2, ge=1, le=1000)
-    profile_steps: int = Field(6, ge=1, le=100_000)
+    # Steps measured per round, in `windows` windows: a candidate's figure is the median of the
+    # windows of every round, with an interval (raylane.loop.search_ranking).
+    profile_steps: int = Field(10, ge=1, le=100_000)
+    windows: int = Field(5, ge=2, le=1000)
+    # A window lasts at least this long: tiny steps are measured over more of them.
+    min_window_s: float = Field(0.1, ge=0, le=60)
+    # Rounds per candidate (each a fresh build, at another moment): the leader and the candidates
+    # simpler than it get at least min_rounds; those tied with the leader up to max_rounds.
+    min_rounds: int = Field(2, ge=1, le=100)
+    max_rounds: int = Field(4, ge=1, le=100)
     max_candidates: int = Field(32, ge=1, le=1000)
     budget_s: float | None = Field(None, gt=0)
     # Added to the memory estimate before pruning (0.1: 10% more than estimated must fit).
     safety_margin: float = Field(0.1, ge=0, le=10)
+
+    @model_validator(mode="after")
+    def _rounds_and_windows(self) -> AutotuneSection:
+        if self.profile_steps < self.windows:
+            raise ValueError(f"autotune.profile_steps = {self.profile_steps}: fewer than autotune.windows = "
+                             f"{self.windows} (each window needs a step)")
+        if self.min_rounds > self.max_rounds:
+            raise ValueError(f"autotune.min_rounds = {self.min_rounds}: more than autotune.max_rounds = "
+                             f"{self.max_rounds}")
+        return self
 
 
 def load(source: str, overrides: Iterable[str] = ()) -> tuple[AutotuneSection, BaseConfig]:
@@ -253,6 +282,13 @@ class Recorder:
             if self.parent:
                 run_id = (self._earlier_child(event["index"]) if event.get("replayed") else None) or self._child(event)
             self.run_ids.append(run_id)
+        elif kind == "round":
+            index = event["index"]
+            print(f"[autotune] {index} again (round {event.get('rounds')}): {_describe(event)}"
+                  + (" (recorded)" if event.get("replayed") else ""), flush=True)
+            run_id = self.run_ids[index] if index < len(self.run_ids) else None
+            if run_id and not event.get("replayed"):  # a replayed round is in its child already
+                self.client.log_batch(run_id, metrics=_metrics(event, step=event.get("rounds") or 0))
         elif kind == "log" and event.get("level") in ("warning", "error"):
             print(f"raylane: warning: {event.get('message')}", flush=True)
 
@@ -264,17 +300,13 @@ class Recorder:
         return found[0].info.run_id if found else None
 
     def _child(self, c: dict[str, Any]) -> str:
-        from mlflow.entities import Metric, Param, RunTag
+        from mlflow.entities import Param, RunTag
 
         tags = {PARENT_TAG: self.parent.run_id, "mlflow.runName": f"candidate-{c['index']}",
                 "raylane.autotune.status": c["status"]}
         run_id = self.client.create_run(self.parent.experiment_id, tags=tags).info.run_id
-        stamp = int(time.time() * 1000)
-        metrics = [Metric(k, float(c[k]), stamp, 0) for k in
-                   ("samples_per_s", "tokens_per_s", "mfu", "step_time_s", "peak_memory_bytes", "estimated_bytes")
-                   if isinstance(c.get(k), (int, float))]
         params = [Param(k, str(v)) for k, v in {**c["values"], "train.grad_accum_steps": c.get("grad_accum_steps")}.items()]
-        self.client.log_batch(run_id, metrics=metrics, params=params,
+        self.client.log_batch(run_id, metrics=_metrics(c, step=1), params=params,
                               tags=[RunTag("raylane.autotune.error", c["error"])] if c.get("error") else [])
         self.client.set_terminated(run_id, CHILD_STATUS[c["status"]])
         return run_id
@@ -285,48 +317,54 @@ class Recorder:
 
         candidates = result.get("candidates", [])
         self.device = result.get("device")
-        ok = [c for c in candidates if c["status"] == "ok"]
-        best = max(ok, key=lambda c: c["samples_per_s"], default=None)
+        ranking = verdict(candidates, params["own"], params["space"])
+        best = candidates[ranking["winner"]] if ranking else None
         if status == "FINISHED" and best is None:
             status, error = "FAILED", "no candidate fitted in memory"
-        summary = self._summary(candidates, best, status, error, params, out)
+        summary = self._summary(candidates, ranking, status, error, params, out)
         if best is not None:
-            write_yaml(out, winner_config(self.cfg, params["global_batch"], best["values"]), best)
+            write_yaml(out, winner_config(self.cfg, params["global_batch"], best["values"]), best, ranking["ties"])
         if candidates:
-            print(table(candidates, list(params["space"])), flush=True)
+            print(table(candidates, list(params["space"]), ranking), flush=True)
         self._artifacts(candidates, summary)
         if self.parent:
+            self._tag_verdicts(summary["candidates"])
             close_run(self.parent, "FINISHED" if status == "FINISHED" else "FAILED")
         if summary_path:
             Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         if best is not None:
-            print(f"[raylane] fastest: candidate {candidates.index(best)}, {_describe(best)}; wrote {out} "
-                  f"(raylane train {out})", flush=True)
+            print(f"[raylane] {chosen_line(candidates, ranking)}; wrote {out} (raylane train {out})", flush=True)
         if error:
             print(f"raylane: autotune {status.lower()}: {error}", flush=True)
         if self.parent:
             print(f"[raylane] MLflow: {ui_command(self.tracking_uri, self.parent)}", flush=True)
         return summary
 
-    def _summary(self, candidates, best, status, error, params, out) -> dict[str, Any]:
+    def _tag_verdicts(self, rows: list[dict[str, Any]]) -> None:
+        for r in rows:
+            if r["run_id"] and r["verdict"]:
+                self.client.set_tag(r["run_id"], "raylane.autotune.verdict", r["verdict"])
+
+    def _summary(self, candidates, ranking, status, error, params, out) -> dict[str, Any]:
         ended = time.time()
         startup = (self.search_started - self.launched) if self.search_started else None
-        rows = [{"config": c["values"], "status": c["status"], "samples_per_s": c.get("samples_per_s"),
-                 "tokens_per_s": c.get("tokens_per_s"), "grad_accum_steps": c.get("grad_accum_steps"),
-                 "peak_memory_bytes": c.get("peak_memory_bytes"), "estimated_bytes": c.get("estimated_bytes"),
-                 "profile_s": c.get("profile_s"), "setup_s": c.get("setup_s"), "error": c.get("error"),
-                 "pid": c.get("pid"),
-                 "run_id": run_id} for c, run_id in zip(candidates, self.run_ids + [None] * len(candidates), strict=False)]
+        best = candidates[ranking["winner"]] if ranking else None
+        run_ids = self.run_ids + [None] * len(candidates)
         return {
             "status": status, "error": error, "run_name": self.cfg.run.name,
             "parent_run_id": self.parent.run_id if self.parent else None, "tracking_uri": self.tracking_uri,
             "global_batch": params["global_batch"]["size"], "world_size": self.cfg.scaling.num_workers,
             "best": None if best is None else {
+                "candidate": ranking["winner"],
                 "config": {**best["values"], "train.grad_accum_steps": best.get("grad_accum_steps")},
-                "samples_per_s": best["samples_per_s"], "tokens_per_s": best.get("tokens_per_s"),
-                "mfu": best.get("mfu"), "peak_memory_bytes": best.get("peak_memory_bytes"),
-                "yaml": str(Path(out).resolve())},
-            "candidates": rows,
+                "samples_per_s": best["samples_per_s"], "interval": best.get("interval"),
+                "rounds": best.get("rounds"), "tied_with": ranking["ties"][1:],
+                "tokens_per_s": best.get("tokens_per_s"), "mfu": best.get("mfu"),
+                "peak_memory_bytes": best.get("peak_memory_bytes"), "yaml": str(Path(out).resolve())},
+            "ranking": ranking and {**ranking, "clear": len(ranking["ties"]) == 1,
+                                    "confidence": CONFIDENCE, "windows": params["windows"],
+                                    "min_rounds": params["min_rounds"], "max_rounds": params["max_rounds"]},
+            "candidates": [row(c, i, ranking, run_ids[i]) for i, c in enumerate(candidates)],
             "device": self.device,
             "estimate_error": estimate_error(candidates, self.device),
             "timing": {"wall_s": ended - self.launched, "startup_s": startup,
@@ -348,25 +386,14 @@ class Recorder:
             self.client.log_metric(self.parent.run_id, "best/samples_per_s", summary["best"]["samples_per_s"])
 
 
-def _describe(c: dict[str, Any]) -> str:
-    v = c["values"]
-    text = (f"{v.get('strategy.name')}, micro-batch {v.get('train.batch_size')} x {c.get('grad_accum_steps')}, "
-            f"{v.get('train.precision')}")
-    extras = [k.split(".")[-1] + ("" if val is True else f"={val}") for k, val in v.items()
-              if k not in ("strategy.name", "train.batch_size", "train.precision") and val not in (False, None)]
-    extras = [e for e in extras if not e.startswith(("bucket_cap_mb=25.0", "reshard_after_forward", "comm_hook=none"))]
-    text += "".join(f", {e}" for e in extras)
-    if c["status"] != "ok":
-        return f"{text}: {c['status']}" + (f" ({c['error']})" if c.get("error") else "")
-    peak = c.get("peak_memory_bytes")
-    return f"{text}: {c['samples_per_s']:.1f} samples/s" + (f", peak {peak / 2**20:.0f} MiB" if peak else "")
-
-
 def settings(section: AutotuneSection, cfg: BaseConfig, record: str | None) -> dict[str, Any]:
     knobs, held = space(section, cfg)
-    return {"space": knobs, "global_batch": held.model_dump(), "warmup_steps": section.warmup_steps,
-            "profile_steps": section.profile_steps, "max_candidates": section.max_candidates,
-            "budget_s": section.budget_s, "safety_margin": section.safety_margin, "record": record}
+    flat = cfg.flat()
+    return {"space": knobs, "own": {k: flat[k] for k in knobs}, "global_batch": held.model_dump(),
+            "warmup_steps": section.warmup_steps, "profile_steps": section.profile_steps,
+            "windows": section.windows, "min_window_s": section.min_window_s, "min_rounds": section.min_rounds, "max_rounds": section.max_rounds,
+            "max_candidates": section.max_candidates, "budget_s": section.budget_s,
+            "safety_margin": section.safety_margin, "record": record}
 
 
 def winner_config(cfg: BaseConfig, held: dict[str, Any], values: dict[str, Any]) -> BaseConfig:
@@ -377,60 +404,3 @@ def winner_config(cfg: BaseConfig, held: dict[str, Any], values: dict[str, Any])
         return won
     return won.model_copy(update={"train": won.train.model_copy(update={
         "global_batch": held["size"], "global_batch_adjust": "grad_accum_steps"})})
-
-
-def write_yaml(path: str, cfg: BaseConfig, best: dict[str, Any]) -> None:
-    tree = cfg.model_dump(mode="json")
-    tree["run"]["name"] = None  # a new run each time it is trained
-    header = (f"# Written by `raylane autotune`: the fastest of its candidates, "
-              f"{best['samples_per_s']:.1f} samples/s on {cfg.scaling.num_workers} workers.\n"
-              f"# Train it with: raylane train {path}\n")
-    Path(path).write_text(header + yaml.safe_dump(tree, sort_keys=False))
-
-
-def table(candidates: list[dict[str, Any]], space_keys: list[str]) -> str:
-    varied = [k for k in space_keys if len({json.dumps(c["values"].get(k)) for c in candidates}) > 1]
-    header = ["#", *["strategy" if k == "strategy.name" else k.split(".")[-1] for k in varied], "accum", "status",
-              "samples/s", "peak MiB", "est. MiB"]
-    lines = [" | ".join(header), " | ".join("---" for _ in header)]
-    for i, c in enumerate(candidates):
-        mib = [f"{c[k] / 2**20:.0f}" if isinstance(c.get(k), (int, float)) else "-"
-               for k in ("peak_memory_bytes", "estimated_bytes")]
-        rate = f"{c['samples_per_s']:.1f}" if c.get("samples_per_s") else "-"
-        lines.append(" | ".join([str(i), *[str(c["values"].get(k)) for k in varied],
-                                 str(c.get("grad_accum_steps", "-")), c["status"], rate, *mib]))
-    return "\n".join(lines)
-
-
-def plot(path: Path, candidates: list[dict[str, Any]]) -> None:
-    """Throughput against peak memory; infeasible candidates marked at their estimate."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ok = [(i, c) for i, c in enumerate(candidates) if c["status"] == "ok"]
-    ax.scatter([c["peak_memory_bytes"] / 2**20 for _, c in ok], [c["samples_per_s"] for _, c in ok], label="fits")
-    for i, c in ok:
-        ax.annotate(str(i), (c["peak_memory_bytes"] / 2**20, c["samples_per_s"]), fontsize=8)
-    bad = [c for c in candidates if c["status"] != "ok"]
-    if bad:
-        ax.scatter([(c.get("estimated_bytes") or 0) / 2**20 for c in bad], [0] * len(bad), marker="x", color="red",
-                   label="out of memory, pruned or failed (at its estimate)")
-    ax.set_xlabel("peak memory per rank (MiB)")
-    ax.set_ylabel("samples/s")
-    ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def estimate_error(candidates: list[dict[str, Any]], device: str | None) -> float | None:
-    """Median of measured peak / estimate - 1 over the candidates that ran; None when none did,
-    or on CPU, whose measured figure is the resident set's growth, not the tensors' peak."""
-    if device != "cuda":
-        return None
-    ratios = sorted(c["peak_memory_bytes"] / c["estimated_bytes"] - 1 for c in candidates
-                    if c["status"] == "ok" and c.get("estimated_bytes") and c.get("peak_memory_bytes"))
-    return ratios[len(ratios) // 2] if ratios else None

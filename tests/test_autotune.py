@@ -30,6 +30,7 @@ def test_autotune_under_torchrun_agrees_on_one_ranks_oom_and_its_winner_trains(r
     env = cli_env(tmp_path, RAYLANE_FAULTS="oom@rank=1,batch=16")
     p = run_cli("--nproc_per_node", "2", "-m", "raylane", "autotune", "gpt-tiny", "--set", "run.name=tiny-at",
                 "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "a.json"),
+                "--set", "autotune.max_rounds=2", "--set", "autotune.profile_steps=5", "--set", "autotune.min_window_s=0",
                 launcher=TORCHRUN, env=env, name="autotune")
     assert p.wait(300) == 0, p.output
     s = read_json(tmp_path / "a.json")
@@ -41,7 +42,7 @@ def test_autotune_under_torchrun_agrees_on_one_ranks_oom_and_its_winner_trains(r
     assert {c["config"]["strategy.name"] for c in ok} == {"ddp", "fsdp"}
     for c in candidates:  # the global batch is held: 32 samples a step, however they are split
         assert c["status"] != "ok" or c["config"]["train.batch_size"] * c["grad_accum_steps"] * 2 == 32, c
-    assert s["best"]["samples_per_s"] == max(c["samples_per_s"] for c in ok)
+    _assert_ranked(s)
     assert s["timing"]["profiling_s"] > 0 and s["timing"]["wall_s"] > s["timing"]["startup_s"] > 0
     children = _children(tmp_path / "mlflow.db", s["parent_run_id"])
     assert sorted(c["run_id"] for c in candidates) == sorted(children)
@@ -67,12 +68,26 @@ def test_autotune_of_an_own_pipeline_on_ray_runs_in_one_worker_group(run_cli, tm
     p = run_cli("autotune", str(EXAMPLE / "train.yaml"), "--set", "scaling.num_workers=2",
                 "--set", "autotune.strategies=[ddp]", "--set", "autotune.precisions=[fp32]",
                 "--set", "autotune.activation_checkpointing=[false]", "--set", "autotune.bucket_cap_mb=[25, 1]",
+                "--set", "autotune.max_rounds=3", "--set", "autotune.profile_steps=5", "--set", "autotune.min_window_s=0",
                 "--set", f"run.storage_path={tmp_path / 'runs'}", "--out", str(tmp_path / "best.yaml"),
                 "--summary-json", str(tmp_path / "a.json"), name="autotune")
     assert p.wait(300) == 0, p.output
     s = read_json(tmp_path / "a.json")
     ok = [c for c in s["candidates"] if c["status"] == "ok"]
     assert len(ok) >= 3 and len({c["config"]["train.batch_size"] for c in ok}) >= 2, s["candidates"]
+    _assert_ranked(s)
+    # The leader and the config's own values are measured at least twice (autotune.min_rounds).
+    assert s["candidates"][s["ranking"]["leader"]]["rounds"] >= 2 and s["candidates"][0]["rounds"] >= 2
+    assert "| samples/s | interval | rounds | verdict |" in p.output
+    best = s["candidates"][s["best"]["candidate"]]
+    assert f"{best['samples_per_s']:.1f} [{best['interval'][0]:.1f}-{best['interval'][1]:.1f}] samples/s" in p.output
+    # Each child run has the interval, logged again at each later round.
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:
+        steps = con.execute("SELECT step FROM metrics WHERE run_uuid = ? AND key = 'samples_per_s_low'",
+                            (best["run_id"],)).fetchall()
+        verdicts = dict(con.execute("SELECT run_uuid, value FROM tags WHERE key = 'raylane.autotune.verdict'"))
+    assert sorted(step for (step,) in steps) == list(range(1, best["rounds"] + 1))
+    assert verdicts[best["run_id"]] == "winner" and {c["run_id"]: c["verdict"] for c in ok} == verdicts
     assert (tmp_path / "best.yaml").exists() and s["best"]["yaml"] == str(tmp_path / "best.yaml")
     # Start-up was paid once: every candidate ran in the same rank-0 worker process.
     assert len({c["pid"] for c in s["candidates"] if c["status"] == "ok"}) == 1
@@ -80,6 +95,31 @@ def test_autotune_of_an_own_pipeline_on_ray_runs_in_one_worker_group(run_cli, tm
     again = run_cli("autotune", str(EXAMPLE / "train.yaml"), "--out", str(tmp_path / "best.yaml"), name="again")
     assert again.wait(60) == 2
     assert "--out = " in again.output and "already exists" in again.output and "Traceback" not in again.output
+
+
+def _assert_ranked(s: dict) -> None:
+    """Every candidate that ran has a median and an interval over its windows (5 a round); the
+    leader has the highest median; the winner is the simplest of those whose interval overlaps
+    the leader's, and these are reported as ties."""
+    from raylane.loop.search_ranking import median_interval
+
+    ok = [c for c in s["candidates"] if c["status"] == "ok"]
+    for c in ok:
+        assert c["rounds"] >= 1 and [len(w) for w in c["windows"]] == [5] * c["rounds"], c
+        assert [c["samples_per_s"], *c["interval"]] == list(median_interval(c["windows"]))
+        assert c["interval"][0] <= c["samples_per_s"] <= c["interval"][1], c
+    ranking, candidates = s["ranking"], s["candidates"]
+    lead = candidates[ranking["leader"]]
+    assert lead["samples_per_s"] == max(c["samples_per_s"] for c in ok)
+    ties = [i for i, c in enumerate(candidates) if c["status"] == "ok"
+            and not (c["interval"][1] < lead["interval"][0] or c["interval"][0] > lead["interval"][1])]
+    assert sorted(ranking["ties"]) == ties and ranking["clear"] == (len(ties) == 1)
+    assert ranking["winner"] == ranking["ties"][0]  # simplest first (tests/test_autotune_ranking.py)
+    assert [c["verdict"] for c in candidates] == [
+        None if c["status"] != "ok" else "winner" if i == ranking["winner"] else "tie" if i in ties else "slower"
+        for i, c in enumerate(candidates)]
+    assert s["best"]["candidate"] == ranking["winner"] and s["best"]["interval"] == candidates[ranking["winner"]]["interval"]
+    assert s["best"]["tied_with"] == ranking["ties"][1:]
 
 
 def test_the_search_order_finds_the_largest_micro_batch_that_fits_then_tries_each_knob():
@@ -111,6 +151,8 @@ def test_the_search_order_finds_the_largest_micro_batch_that_fits_then_tries_eac
 @pytest.mark.parametrize("bad, message", [
     ("autotune.batch_sizes=[3]", "autotune.batch_sizes = [3]: 3 does not divide the 16 samples"),
     ("autotune.profile_steps=0", "autotune.profile_steps = 0"),
+    ("autotune.profile_steps=3", "autotune.profile_steps = 3: fewer than autotune.windows = 5"),
+    ("autotune.min_rounds=5", "autotune.min_rounds = 5: more than autotune.max_rounds = 4"),
     ("autotune.global_batch=33", "autotune.global_batch = 33: not a multiple of scaling.num_workers = 2"),
 ])
 def test_bad_autotune_input_exits_2_naming_the_field(run_cli, bad, message):

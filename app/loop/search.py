@@ -23,6 +23,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -41,11 +42,15 @@ from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flo
 from raylane.loop.parallel import estimate_memory, parallelize, prepare_blocks, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
-from raylane.loop.search_order import Outcome, plan
+from raylane.loop.search_costs import eval_seconds, per_step_seconds, save_seconds
+from raylane.loop.search_order import Outcome, plan, read_record
+from raylane.loop.search_ranking import merge, next_round, summarize
 from raylane.loop.steps import Throughput
 from raylane.loop.trainer import Trainer
 
 log = logging.getLogger("raylane")
+MAX_WINDOW_STEPS = 100_000
+
 
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(exc)
@@ -64,24 +69,30 @@ class Search:
         self.faults = fault_plans.load(self.rank)
         self.held = GlobalBatch(**settings["global_batch"])
         self.margin = float(settings.get("safety_margin", 0.1))
+        self._saved_once = False
         self.record_path = Path(settings["record"]) if settings.get("record") else None
         # What an earlier launch's record must match to be replayed: the config and the space.
         same = {k: v for k, v in cfg.flat().items() if not k.startswith("run.")}
         self.fingerprint = hashlib.sha256(json.dumps(
-            [same, settings["space"], settings["global_batch"], settings["warmup_steps"], settings["profile_steps"]],
+            [same, settings["space"], settings["global_batch"], settings["warmup_steps"], settings["profile_steps"],
+             settings.get("windows", 1), settings.get("min_window_s", 0)],
             sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
         self.pipe = pipe = pipelines_ref.build(self.cfg)  # the data, and the model every candidate copies
         pipe.model.to("cpu")
+        # Each candidate's teardown collects garbage: leave what lives the whole search (imports,
+        # the data) out of those collections (a full one took ~0.7 s on 2 busy cores).
+        gc.collect()
+        gc.freeze()
         # On CPU a candidate's peak is the resident set above this: the allocator keeps the pages
         # earlier candidates freed, so growth from each candidate's own start would read ~0.
         self.rss_at_start = _rss()
         if self.rank == 0:
             self.publish({"event": "search_start", "time_unix": time.time()})
-        planner = plan(self.settings["space"]) if self.rank == 0 else None
-        replay = self._recorded() if self.rank == 0 else []
+        planner = plan(self.settings["space"], self.settings.get("own")) if self.rank == 0 else None
+        replay, rounds_replay = self._recorded() if self.rank == 0 else ([], [])
         deadline = started + self.settings["budget_s"] if self.settings.get("budget_s") else None
         outcome: Outcome | None = None
         outcomes: list[Outcome] = []
@@ -99,11 +110,52 @@ class Search:
             outcomes.append(outcome)
             if self.rank == 0:
                 self.publish({"event": "candidate", "index": len(outcomes) - 1, **outcome})
+        self._measure_again(outcomes, rounds_replay, deadline)
         result = {"candidates": outcomes, "wall_s": time.perf_counter() - started, "world_size": self.world_size,
                   "estimate_margin": self.margin, "device": self.device.type}
         if self.rank == 0:
             self.publish({"event": "end", "time_unix": time.time(), "result": result})
+        gc.unfreeze()
         return result
+
+    def _measure_again(self, outcomes: list[Outcome], replay: list[tuple[int, Outcome]], deadline: float | None) -> None:
+        """Rounds after the search order's: the candidates whose ranking against the leader is
+        not clear yet (search_ranking.next_round) are measured once more each, the leader first,
+        until it is clear, or each has `max_rounds`, or the budget is spent."""
+        queue: list[int] = []
+        while True:
+            message = self._next_round(outcomes, queue, replay, deadline) if self.rank == 0 else None
+            message = self._broadcast(message)
+            if message is None:
+                return
+            index = message["index"]
+            if message.get("replayed"):
+                again = message["replayed"]
+            else:
+                self._record({"started_round": index})
+                again = self.profile(message["values"], self.pipe, again=True)
+                self._record({"round_of": index, "outcome": again})
+            outcomes[index] = merge(outcomes[index], again)
+            if self.rank == 0:
+                self.publish({"event": "round", "index": index, **outcomes[index],
+                              "replayed": bool(message.get("replayed"))})
+
+    def _next_round(self, outcomes: list[Outcome], queue: list[int], replay: list[tuple[int, Outcome]],
+                    deadline: float | None) -> dict[str, Any] | None:
+        if deadline and time.perf_counter() > deadline:
+            return None
+        if not queue:
+            queue.extend(next_round(outcomes, self.settings.get("own") or {}, self.settings["space"],
+                                    min_rounds=self.settings.get("min_rounds", 1),
+                                    max_rounds=self.settings.get("max_rounds", 1)))
+            if not queue:
+                return None
+        index = queue.pop(0)
+        message = {"index": index, "values": outcomes[index]["values"]}
+        if replay and replay[0][0] == index:
+            return {**message, "replayed": replay.pop(0)[1]}
+        replay.clear()  # the earlier launch went another way from here
+        return message
 
     def _next(self, planner, outcome, replay, deadline, done: int) -> dict[str, Any] | None:
         if done >= self.settings["max_candidates"] or (deadline and time.perf_counter() > deadline):
@@ -148,7 +200,8 @@ class Search:
     def candidate_config(self, values: dict[str, Any]) -> BaseConfig:
         return hold_global_batch(apply_values(self.cfg, values), self.held, "autotune.global_batch")
 
-    def profile(self, values: dict[str, Any], pipe: Any) -> Outcome:
+    def profile(self, values: dict[str, Any], pipe: Any, again: bool = False) -> Outcome:
+        """One round of a candidate; `again`: a later round (it fitted: no memory estimate)."""
         cfg = self.candidate_config(values)
         out: Outcome = {"values": values, "status": "ok", "grad_accum_steps": cfg.train.grad_accum_steps,
                         "samples_per_s": None, "peak_memory_bytes": None, "estimated_bytes": None, "error": None}
@@ -156,7 +209,7 @@ class Search:
         setup = time.perf_counter()
         baseline = _memory_now(self.device) if self.device.type == "cuda" else self.rss_at_start
         try:
-            failed, prune = self._prepare(cfg, pipe, live, out)
+            failed, prune = self._prepare(cfg, pipe, live, out, estimate=not again)
             oom_rank, failure, prune, estimate = self._agree(failed, prune, out["estimated_bytes"] or 0)
             if oom_rank is None and failure is None and not prune:
                 oom_rank, failure, _, _ = self._agree(self._probe(cfg, pipe, live, estimate))
@@ -185,14 +238,15 @@ class Search:
             if freed is not None:
                 out["unreleased_bytes"] = freed
 
-    def _prepare(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any], out: Outcome) -> tuple[bool | str, bool]:
+    def _prepare(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any], out: Outcome,
+                 estimate: bool = True) -> tuple[bool | str, bool]:
         """A fresh model and, on rank 0, its memory estimate: no collective yet. Returns (True on
         out of memory, or another error's message; whether the estimate prunes it)."""
         try:
             live["model"] = copy.deepcopy(pipe.model)
         except Exception as exc:
             return (True if _is_oom(exc) else f"{type(exc).__name__}: {exc}"), False
-        if self.rank != 0:
+        if self.rank != 0 or not estimate:
             return False, False
         try:
             example = _example(pipe.train_set, cfg.train.batch_size)
@@ -239,7 +293,7 @@ class Search:
                                       blocks_prepared=True)
         live["model"], live["strategy"] = model, strategy
         live["loader"] = loader = train_data(pipe.train_set, self.runtime, batch_size=cfg.train.batch_size,
-                                             seed=cfg.train.seed)
+                                             seed=cfg.train.seed, samples_per_step=cfg.train.global_batch)
         live["batches"] = _forever(loader)
 
     def _measure(self, cfg: BaseConfig, live: dict[str, Any], baseline: int, setup: float) -> dict[str, Any]:
@@ -258,28 +312,58 @@ class Search:
         sampler = _PeakSampler(self.device, baseline, model)
         # The first step allocates the optimizer's state: an OOM there is local (after the
         # gradients' all-reduce), so it is agreed like the probe's.
+        began = trainer._step_clock()
         oom_rank, failure, _, _ = self._agree(_attempt(lambda: trainer._run_batch(next(groups))))
         if failure is not None:
             return {"status": "failed", "error": f"rank {failure[0]}: {failure[1]}"}
         if oom_rank is not None:
             return {"status": "oom", "error": f"out of memory on rank {oom_rank}"}
         sampler.sample()
+        warmed = trainer._step_clock()
         for _ in range(self.settings["warmup_steps"] - 1):
             trainer._run_batch(next(groups))
             sampler.sample()
-        began = trainer._step_clock()
-        for _ in range(self.settings["profile_steps"]):
-            trainer._run_batch(next(groups))
-            sampler.sample()
-        ended = trainer._step_clock()
+        step_s = (trainer._step_clock() - warmed) / (self.settings["warmup_steps"] - 1) \
+            if self.settings["warmup_steps"] > 1 else warmed - began
+        sizes, times = self._windows(trainer, groups, sampler, step_s)
         sampler.close()
-        profile_s = ended - began
-        steps = self.settings["profile_steps"]
-        samples_per_s = steps * trainer.samples_per_step / max(profile_s, 1e-9)
-        peak = self._max(sampler.peak)
-        return {"samples_per_s": samples_per_s, "step_time_s": profile_s / steps, "peak_memory_bytes": peak,
-                "profile_s": profile_s, "setup_s": began - setup, "pid": os.getpid(),
-                **throughput.rates(samples_per_s, self.world_size)}
+        # Epoch ends, as training pays them, spread over the steps between them.
+        clock = trainer._step_clock
+        eval_s = eval_seconds(cfg, model, self.pipe, self.runtime, clock)
+        state = trainer.state_dict()
+        if not self._saved_once:  # the process's first save imports and warms up what the rest reuse
+            save_seconds(cfg, model, optimizer, state, self.rank, clock, self.group)
+            self._saved_once = bool(cfg.checkpoint.every_n_epochs or cfg.checkpoint.every_n_steps)
+        save_s = save_seconds(cfg, model, optimizer, state, self.rank, clock, self.group)
+        per_step = per_step_seconds(cfg, trainer.steps_per_epoch, eval_s, save_s)
+        samples = trainer.samples_per_step
+        spans = [t + size * per_step for size, t in zip(sizes, times, strict=True)]
+        measured = summarize([[size * samples / max(t, 1e-9) for size, t in zip(sizes, spans, strict=True)]], [spans])
+        return {**measured, "rounds": 1, "samples_per_step": samples,
+                "step_time_s": samples / measured["samples_per_s"], "peak_memory_bytes": self._max(sampler.peak),
+                "profile_s": sum(times), "setup_s": began - setup, "eval_s": eval_s, "save_s": save_s,
+                "steps_per_epoch": trainer.steps_per_epoch, "pid": os.getpid(),
+                **throughput.rates(measured["samples_per_s"], self.world_size)}
+
+    def _windows(self, trainer: Trainer, groups: Iterator[list[Any]], sampler: _PeakSampler,
+                 step_s: float) -> tuple[list[int], list[float]]:
+        """(steps, seconds) of each measured window. A window lasts at least `min_window_s` (by
+        the warm-up's step time; the ranks agree on the largest count): tiny steps on a busy
+        machine are otherwise timed within one slice of the scheduler."""
+        sizes = _window_sizes(self.settings["profile_steps"], self.settings.get("windows", 1))
+        needed = math.ceil(self.settings.get("min_window_s", 0) / max(step_s, 1e-6))
+        needed = self._max(min(needed, MAX_WINDOW_STEPS))
+        sizes = [max(size, needed) for size in sizes]
+        times = []
+        mark = trainer._step_clock()
+        for size in sizes:
+            for _ in range(size):
+                trainer._run_batch(next(groups))
+                sampler.sample()
+            ended = trainer._step_clock()
+            times.append(ended - mark)
+            mark = ended
+        return sizes, times
 
     def _max(self, value: int) -> int:
         if not self.distributed:
@@ -290,31 +374,24 @@ class Search:
 
     # -- the search's record, for a relaunch -------------------------------------------------
 
-    def _recorded(self) -> list[Outcome]:
-        """Outcomes of an earlier launch of this search; a candidate it started but never
-        finished (its group died) is recorded failed, so it is not tried again."""
+    def _recorded(self) -> tuple[list[Outcome], list[tuple[int, Outcome]]]:
+        """What an earlier launch of this search measured: each candidate's first outcome, and
+        the later rounds in order, as (candidate index, that round's outcome). A candidate it
+        started but never finished (its group died) is recorded failed, so it is not tried
+        again; a round that never finished ends that candidate's rounds."""
         if self.record_path is None or not self.record_path.exists():
-            return []
-        done: list[Outcome] = []
-        started: dict[str, Any] | None = None
-        for line in self.record_path.read_text().splitlines():
-            try:
-                entry = json.loads(line)
-            except ValueError:  # a line cut short when the group died: the candidate is redone
-                continue
-            if entry.get("fingerprint") != self.fingerprint:
-                continue  # an earlier search of this name over another config or space
-            if "started" in entry:
-                started = entry["started"]
-            else:
-                done.append(entry)
-                started = None
+            return [], []
+        done, rounds, started, round_started = read_record(self.record_path, self.fingerprint)
+        died = "the worker group died while profiling it"
         if started is not None:
             failed = {"values": started, "status": "failed", "samples_per_s": None, "peak_memory_bytes": None,
-                      "estimated_bytes": None, "error": "the worker group died while profiling it"}
+                      "estimated_bytes": None, "error": died}
             self._append(failed)
             done.append(failed)
-        return done
+        if round_started is not None:
+            self._append({"round_of": round_started, "outcome": {"status": "failed", "error": died}})
+            rounds.append((round_started, {"status": "failed", "error": died}))
+        return done, rounds
 
     def _mark_started(self, values: dict[str, Any]) -> None:
         if self.rank == 0:
@@ -350,6 +427,12 @@ def _example(dataset: Any, batch_size: int):
     from raylane.loop.run import _example_batch
 
     return _example_batch(dataset, batch_size)
+
+
+def _window_sizes(steps: int, windows: int) -> list[int]:
+    """`steps` split into `windows` windows as even as can be (the larger first)."""
+    windows = max(1, min(windows, steps))
+    return [steps // windows + (i < steps % windows) for i in range(windows)]
 
 
 def _forever(loader: Any) -> Iterator[Any]:

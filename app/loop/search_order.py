@@ -3,8 +3,12 @@ Pure Python (no torch, no Ray): `raylane.loop.search` runs each candidate it yie
 
 from __future__ import annotations
 
+import json
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
+
+from raylane.loop.search_ranking import beats
 
 # The search's record in the run's folder: what a relaunch replays.
 RECORD_FILE = "autotune.jsonl"
@@ -19,16 +23,23 @@ FSDP_ONLY = ("strategy.reshard_after_forward",)
 Outcome = dict[str, Any]
 
 
-def plan(space: dict[str, list[Any]]) -> Generator[dict[str, Any], Outcome, None]:
+def plan(space: dict[str, list[Any]],
+         own: dict[str, Any] | None = None) -> Generator[dict[str, Any], Outcome, None]:
     """Candidates, likeliest winners first; each `send` returns the last candidate's outcome.
 
     Per strategy: the largest micro-batch first, then a binary search for the largest that fits
     (as DeepSpeed's autotuner does), then smaller ones while throughput still rises (at least
     MIN_SIZES_SCANNED of them: one noisy profile must not end the scan). From the
-    best so far, each other knob is tried one value at a time and kept when it is faster;
-    activation checkpointing also gets the micro-batch above the one that fit without it."""
+    best so far, each other knob is tried one value at a time and kept when it is clearly faster
+    (its interval above the best's; within the noise, the simpler is kept: see search_ranking);
+    activation checkpointing also gets the micro-batch above the one that fit without it. `own`:
+    the config's own values (the simplest); default, each list's first value."""
     seen: dict[tuple, Outcome] = {}
     knobs = {k: v[0] for k, v in space.items()}
+    own = knobs if own is None else own
+
+    def better(outcome: Outcome | None, values: dict[str, Any]) -> bool:
+        return _ok(outcome) and (best is None or beats(outcome, values, best[0], best[1], own, space))
 
     def key(values: dict[str, Any]) -> tuple:
         return tuple(sorted(values.items()))
@@ -38,7 +49,7 @@ def plan(space: dict[str, list[Any]]) -> Generator[dict[str, Any], Outcome, None
             seen[key(values)] = yield dict(values)
         return seen[key(values)]
 
-    best: tuple[float, dict[str, Any]] | None = None
+    best: tuple[Outcome, dict[str, Any]] | None = None
     boundary: dict[str, int] = {}
     sizes = sorted(space["train.batch_size"], reverse=True)
     for strategy in space["strategy.name"]:
@@ -56,8 +67,8 @@ def plan(space: dict[str, list[Any]]) -> Generator[dict[str, Any], Outcome, None
             rate = max(rate or 0.0, outcome["samples_per_s"])
         for size in sizes[found:]:
             outcome = seen.get(key({**values, "train.batch_size": size}))
-            if _ok(outcome) and (best is None or outcome["samples_per_s"] > best[0]):
-                best = (outcome["samples_per_s"], {**values, "train.batch_size": size})
+            if better(outcome, {**values, "train.batch_size": size}):
+                best = (outcome, {**values, "train.batch_size": size})
     if best is None:
         return
     for knob in KNOB_ORDER:
@@ -69,13 +80,14 @@ def plan(space: dict[str, list[Any]]) -> Generator[dict[str, Any], Outcome, None
             if value == best[1][knob]:
                 continue
             outcome = yield from attempt(trial)
-            if _ok(outcome) and outcome["samples_per_s"] > best[0]:
-                best = (outcome["samples_per_s"], trial)
+            if better(outcome, trial):
+                best = (outcome, trial)
             bigger = sizes.index(trial["train.batch_size"]) - 1
             if knob == "train.activation_checkpointing" and value and bigger >= 0:
-                outcome = yield from attempt({**trial, "train.batch_size": sizes[bigger]})
-                if _ok(outcome) and outcome["samples_per_s"] > best[0]:
-                    best = (outcome["samples_per_s"], {**trial, "train.batch_size": sizes[bigger]})
+                larger = {**trial, "train.batch_size": sizes[bigger]}
+                outcome = yield from attempt(larger)
+                if better(outcome, larger):
+                    best = (outcome, larger)
 
 
 def _largest_fitting(values: dict[str, Any], sizes: list[int], attempt) -> Generator[dict, Outcome, int | None]:
@@ -94,3 +106,32 @@ def _largest_fitting(values: dict[str, Any], sizes: list[int], attempt) -> Gener
 
 def _ok(outcome: Outcome | None) -> bool:
     return bool(outcome) and outcome["status"] == "ok"
+
+
+def read_record(path: Path, fingerprint: str) -> tuple[list[Outcome], list[tuple[int, Outcome]],
+                                                        dict[str, Any] | None, int | None]:
+    """An earlier launch's record (its lines of `fingerprint`): (each candidate's first outcome;
+    the later rounds in order, as (candidate index, that round's outcome); the values of a
+    candidate started and never finished, or None; the index of such a round, or None)."""
+    done: list[Outcome] = []
+    rounds: list[tuple[int, Outcome]] = []
+    started: dict[str, Any] | None = None
+    round_started: int | None = None
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:  # a line cut short when the group died: the candidate is redone
+            continue
+        if entry.get("fingerprint") != fingerprint:
+            continue  # an earlier search of this name over another config or space
+        if "started" in entry:
+            started = entry["started"]
+        elif "started_round" in entry:
+            round_started = entry["started_round"]
+        elif "round_of" in entry:
+            rounds.append((entry["round_of"], entry["outcome"]))
+            round_started = None
+        else:
+            done.append(entry)
+            started = None
+    return done, rounds, started, round_started
