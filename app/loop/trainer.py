@@ -35,7 +35,8 @@ VOTE_EVERY_N_STEPS = 10  # the first vote; then about every VOTE_INTERVAL_S
 VOTE_INTERVAL_S = 0.5
 VOTE_MAX_STEPS = 1000
 # Throughput in the result leaves out this launch's first steps (compilation, allocator and
-# cache warm-up) when the run is long enough to do without them.
+# cache warm-up), and any before rank 0's MLflow logger has started, when the run is long
+# enough to do without them.
 WARMUP_STEPS = 3
 
 
@@ -226,7 +227,8 @@ class Trainer:
                 self.state_bytes = state_bytes(self.model, self.optimizer)
             self.step += 1
             self.batch_in_epoch += len(micro_batches)
-            if self._warm is None and self.step - (self.resumed_from_step or 0) == WARMUP_STEPS:
+            if self._warm is None and self.step - (self.resumed_from_step or 0) >= WARMUP_STEPS \
+                    and not self.reporter.warming():
                 self._warm = (time.perf_counter(), time.process_time(), self.step)
             self._window_steps += 1
             if loss is not None:  # accumulated on the device: no host sync per step

@@ -307,7 +307,8 @@ class MetricLogger:
         self._log_call_s = 0.0
         self._thread_cpu_s = 0.0
         self._monitor_cpu_s = 0.0
-        # mlflow's import (~1.5 s) happens on this thread, off the training path.
+        # mlflow's import (~1.5 s) happens on this thread, off the training path; set once it has.
+        self.ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="raylane-mlflow", daemon=True)
         self._thread.start()
 
@@ -333,9 +334,12 @@ class MetricLogger:
             self._tags.update({k: str(v) for k, v in tags.items()})
 
     def _loop(self) -> None:
-        client = mlflow_client(self.tracking_uri)
-        if self._system_metrics_interval_s:
-            self._start_system_metrics()
+        try:
+            client = mlflow_client(self.tracking_uri)
+            if self._system_metrics_interval_s:
+                self._start_system_metrics()
+        finally:
+            self.ready.set()
         while not self._stop.wait(self.flush_interval_s):
             self._flush(client)
         self._flush(client)
