@@ -180,8 +180,8 @@ def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address
     a torchrun rank other than 0, only its status)."""
     from contextlib import ExitStack
 
-    from raylane.driver import _finalize
-    from raylane.loop.distributed import env_ranks, init_process_group, leave_process_group
+    from raylane.driver import finalize_run
+    from raylane.loop.distributed import env_ranks, init_process_group
     from raylane.tracking.runs import resolve_tracking_uri
 
     launched = time.time()
@@ -190,14 +190,23 @@ def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address
         # The ranks torchrun started (or this one process), whatever scaling.num_workers says.
         cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": env_ranks()[2]})})
     rank0 = use_ray or env_ranks()[0] == 0
-    leases = ExitStack()  # the search's lease on its folder, given back on every way out
-    cfg = _finalize(_named(cfg), leases, rank0)
-    storage = cfg.run.storage_path
-    record = None if "://" in storage else str(Path(storage) / cfg.run.name / RECORD_FILE)
-    params = settings(section, cfg, record)
-    tracking_uri = resolve_tracking_uri()
-    recorder = Recorder(cfg, tracking_uri, launched) if rank0 else None
-    with leases, ExitStack() as stack:
+    with ExitStack() as leases:  # the search's lease on its folder, given back on every way out
+        cfg = finalize_run(_named(cfg), leases, rank0)
+        storage = cfg.run.storage_path
+        record = None if "://" in storage else str(Path(storage) / cfg.run.name / RECORD_FILE)
+        params = settings(section, cfg, record)
+        tracking_uri = resolve_tracking_uri()
+        recorder = Recorder(cfg, tracking_uri, launched) if rank0 else None
+        return _search(cfg, params, use_ray, address, recorder, tracking_uri, out, summary_path)
+
+
+def _search(cfg: BaseConfig, params: dict[str, Any], use_ray: bool, address: str | None, recorder: Any,
+            tracking_uri: str, out: str, summary_path: str | None) -> dict[str, Any]:
+    from contextlib import ExitStack
+
+    from raylane.loop.distributed import env_ranks, leave_process_group
+
+    with ExitStack() as stack:
         try:
             result = _launch(cfg, params, use_ray, address, recorder, tracking_uri, stack)
             status, error = "FINISHED", None

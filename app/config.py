@@ -393,18 +393,23 @@ def validate(raw: Mapping[str, Any], *, outputs: bool = True) -> BaseConfig:
         raise ConfigError(format_validation_error(exc, cls)) from None
 
 
-def read_config_file(source: str | Path, raw: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A pipeline config file as read (`raw`, when it was read already): its `pipeline:` and its
-    input paths resolved from the file's folder (from the working directory for a shipped
-    config, which is a template); not validated."""
+def read_config_file(source: str | Path, raw: dict[str, Any] | None = None,
+                     pipeline: str | None = None) -> dict[str, Any]:
+    """A config file as read (`raw`, when it was read already): its `pipeline:` and its input
+    paths (those of `pipeline`'s Config when the file names none: a sweep file's overrides)
+    resolved from the file's folder, or from the working directory for a shipped config, which
+    is a template however it is named; not validated."""
     raw = read_yaml(source) if raw is None else raw
     folder = config_path(source).resolve().parent
     raw = normalize_pipeline(raw, folder)
+    ref = raw.get("pipeline") or pipeline
     try:
-        cls = pipelines_ref.load(raw["pipeline"]).Config
-    except (KeyError, ConfigError):
+        cls = pipelines_ref.load(ref).Config if isinstance(ref, str) else None
+    except ConfigError:
+        cls = None
+    if cls is None:
         return raw  # validation names what is wrong
-    shipped = config_path(source) != Path(source)
+    shipped = folder == Path(importlib.import_module("raylane.pipelines").__file__).resolve().parent
     return paths.resolve(raw, cls, Path.cwd() if shipped else folder, inputs_only=True)
 
 

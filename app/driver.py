@@ -23,7 +23,7 @@ from raylane.tracking.progress import ProgressDisplay
 log = logging.getLogger("raylane")
 
 
-def _finalize(cfg: BaseConfig, stack: ExitStack, is_driver: bool) -> BaseConfig:
+def finalize_run(cfg: BaseConfig, stack: ExitStack, is_driver: bool) -> BaseConfig:
     """Fill what the driver decides, the run name (agreed by all torchrun ranks), and take the
     run's lease (raylane.lease): ConfigError, on every rank, when another launch holds it."""
     cfg = cfg.with_run_name()
@@ -54,7 +54,7 @@ def _take_lease(cfg: BaseConfig, stack: ExitStack) -> None:
 
     folder = run_folder(cfg)
     if folder is not None:
-        lease = acquire(folder, f"run {cfg.run.name!r}", "run.name", cfg.run.name, fresh_name(cfg))
+        lease = acquire(folder, f"run {cfg.run.name!r}", "run.name", cfg.run.name, lambda: fresh_name(cfg))
         stack.callback(lease.release)
 
 
@@ -83,7 +83,7 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
     from raylane.loop.startup import StartupTimes
     from raylane.tracking.records import RunRecorder
     from raylane.tracking.resizes import Resizes
-    from raylane.tracking.runs import close_run, open_run, resolve_tracking_uri, ui_command
+    from raylane.tracking.runs import open_run, resolve_tracking_uri, ui_command
 
     launched = time.time()
     startup = StartupTimes()
@@ -95,16 +95,17 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
     is_driver = use_ray or env_ranks()[0] == 0
     tracking_uri = resolve_tracking_uri()
     with ExitStack() as stack:
-        cfg = _finalize(cfg, stack, is_driver)
+        cfg = finalize_run(cfg, stack, is_driver)
         # Opening the MLflow run (import + database) overlaps with starting Ray.
         pool = stack.enter_context(ThreadPoolExecutor(2, thread_name_prefix="raylane-start"))
         world_size = cfg.scaling.num_workers if use_ray else env_ranks()[2]
         tracked = is_driver and cfg.mlflow.enabled
         run_future = pool.submit(open_run, cfg, tracking_uri, world_size) if tracked else None
+        closer = stack.enter_context(_RunCloser(cfg, run_future))
         try:
             ray_stopper, embedded = _start_ray(cfg, address, pool, stack, startup) if use_ray else (None, False)
         except BaseException as exc:  # noqa: BLE001 - each way out closes the MLflow run
-            return _not_started(cfg, run_future, exc)
+            return _not_started(cfg, closer, exc)
         # From here on, a first SIGTERM or Ctrl-C asks the ranks to checkpoint and stop.
         preemption.install()
         handle = _opened(cfg, run_future, tracking_uri)
@@ -127,7 +128,7 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         if recorder:
             recorder.record_resizes(resizes.resizes)
             summary.update(recorder.finish(status, summary["checkpoint"], register))
-            close_run(handle, closing_status(cfg, status))
+            closer.close(status)
         record_finished(cfg, summary)
         if summary_path:
             Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -155,17 +156,40 @@ def _start_ray(cfg: BaseConfig, address: str | None, pool: ThreadPoolExecutor, s
     return ray_stopper, embedded
 
 
-def _not_started(cfg: BaseConfig, run_future: Any, exc: BaseException) -> dict[str, Any]:
-    """Ray could not be started or joined, or a signal came while the launch waited for it: the
-    MLflow run opened beside it is closed, never left RUNNING. Closed by the thread that opens it,
-    once it is open, so that a second signal cannot keep it from being closed. An interrupt ends
-    the launch KILLED, as one during training does; anything else is raised again (FAILED)."""
-    from raylane.tracking.runs import close_run
+class _RunCloser:
+    """This launch's MLflow run, closed exactly once on every way out: with the launch's status
+    at its end, or KILLED or FAILED when a signal or an error cuts it short (while Ray starts, or
+    while the end-of-run records, seconds of them, are written). A run still being opened is
+    closed by the thread opening it, once it is open, so that a second signal cannot keep it
+    from being closed."""
 
+    def __init__(self, cfg: BaseConfig, run_future: Any) -> None:
+        self.cfg, self.future, self.closed = cfg, run_future, False
+
+    def close(self, status: str) -> None:
+        if self.closed or self.future is None:
+            return
+        from raylane.tracking.runs import close_run
+
+        self.closed = True
+        final = closing_status(self.cfg, status)
+        self.future.add_done_callback(lambda f: f.exception() is None and close_run(f.result(), final))
+
+    def __enter__(self) -> _RunCloser:  # noqa: PYI034 - a private class, never subclassed
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> bool:
+        if kind is not None:
+            self.close("FAILED" if issubclass(kind, Exception) else "KILLED")
+        return False
+
+
+def _not_started(cfg: BaseConfig, closer: _RunCloser, exc: BaseException) -> dict[str, Any]:
+    """Ray could not be started or joined, or a signal came while the launch waited for it. An
+    interrupt ends the launch KILLED, as one during training does; anything else is raised again
+    (FAILED)."""
     interrupted = not isinstance(exc, Exception)  # KeyboardInterrupt (SIGTERM too), or Ray's SystemExit
-    status = closing_status(cfg, "KILLED" if interrupted else "FAILED")
-    if run_future is not None:
-        run_future.add_done_callback(lambda f: f.exception() is None and close_run(f.result(), status))
+    closer.close("KILLED" if interrupted else "FAILED")
     if not interrupted:
         raise exc
     print("raylane: interrupted while waiting for the Ray cluster; nothing was trained", file=sys.stderr, flush=True)
@@ -307,7 +331,9 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
 
 
 def _newest_checkpoint(cfg: BaseConfig) -> str | None:
-    """The run's newest checkpoint whose files match its manifest (what a relaunch resumes from)."""
+    """The run's newest checkpoint whose files have its manifest's sizes (the name for the
+    summary: a relaunch checks their checksums too, which would mean reading, or downloading,
+    the whole checkpoint here)."""
     import pyarrow.fs as pafs
 
     from raylane.loop.manifest import newest_valid
@@ -315,7 +341,7 @@ def _newest_checkpoint(cfg: BaseConfig) -> str | None:
     storage = cfg.run.storage_path
     try:
         fs, root = pafs.FileSystem.from_uri(storage) if "://" in storage else (pafs.LocalFileSystem(), storage)
-        path = newest_valid(f"{root.rstrip('/')}/{cfg.run.name}", fs)[0]
+        path = newest_valid(f"{root.rstrip('/')}/{cfg.run.name}", fs, checksums=False)[0]
     except (OSError, ValueError) as exc:
         log.warning("could not look for run %s's checkpoints in %s: %s", cfg.run.name, storage, exc)
         return None

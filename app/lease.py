@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,9 +103,9 @@ class NoLease:
         pass
 
 
-def acquire(folder: Path, what: str, field: str, value: str, fresh: str) -> RunLease:
+def acquire(folder: Path, what: str, field: str, value: str, fresh: Callable[[], str]) -> RunLease:
     """The lease on `folder` (made if missing) for `what` ("run 'x'"), or ConfigError naming the
-    live holder: `field = value` is what the user set, `fresh` another value to use instead."""
+    live holder: `field = value` is what the user set, `fresh()` another value to use instead."""
     folder.mkdir(parents=True, exist_ok=True)
     now = time.time()
     me = Holder(host=socket.gethostname(), pid=os.getpid(), started_unix=_process_start(os.getpid()) or now,
@@ -114,7 +114,7 @@ def acquire(folder: Path, what: str, field: str, value: str, fresh: str) -> RunL
         current = _read(folder)
         if current is not None and current.token != me.token and _alive(current):
             raise ConfigError(f"{field} = {value!r}: {what} is already running ({current.describe()}; "
-                              f"{current.command!r}); wait for it to end, or start another with --set {field}={fresh}")
+                              f"{current.command!r}); wait for it to end, or start another with --set {field}={fresh()}")
         if current is not None:
             log.warning("%s: took over the lease of %s, which is no longer running", what, current.describe())
         _write(folder, me)
@@ -122,11 +122,16 @@ def acquire(folder: Path, what: str, field: str, value: str, fresh: str) -> RunL
 
 
 def _alive(holder: Holder) -> bool:
-    if holder.host == socket.gethostname():
-        started = _process_start(holder.pid)
-        # A pid reused by another process since: its start time differs from the holder's.
-        return started is not None and abs(started - holder.started_unix) < 1.0
-    return time.time() - holder.heartbeat_unix < STALE_S
+    if holder.host != socket.gethostname():
+        return time.time() - holder.heartbeat_unix < STALE_S
+    try:
+        started = psutil.Process(holder.pid).create_time()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:  # another user's process: there, so alive
+        return True
+    # A pid reused by another process since: its start time differs from the holder's.
+    return abs(started - holder.started_unix) < 1.0
 
 
 def _process_start(pid: int) -> float | None:
@@ -146,7 +151,11 @@ def _locked(folder: Path) -> Iterator[None]:
     except OSError:
         os.close(fd)
         fd = os.open(folder / LOCK_FILE, os.O_WRONLY | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            os.close(fd)
+            raise
     try:
         yield
     finally:

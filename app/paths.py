@@ -123,7 +123,7 @@ def resolve(raw: dict[str, Any], model: type[BaseModel], base: Path, *, inputs_o
             continue
         *parents, leaf = key.split(".")
         default = _default(model, key) if defaults else None
-        fill = isinstance(default, str) and bool(default)
+        fill = isinstance(default, str) and bool(default) and _sections_exist(model, parents, raw)
         node: Any = raw
         for part in parents:
             if not isinstance(node, dict):
@@ -141,6 +141,23 @@ def resolve(raw: dict[str, Any], model: type[BaseModel], base: Path, *, inputs_o
         elif isinstance(value, list):
             node[leaf] = [absolute(v, base) if isinstance(v, str) else v for v in value]
     return raw
+
+
+def _sections_exist(model: type[BaseModel], parents: list[str], raw: dict[str, Any]) -> bool:
+    """Every section on the way to a key is in `raw` or exists by default: an optional section
+    left out (`extra: Extra | None = None`) stays out, rather than being made by its default path."""
+    node: Any = raw
+    for part in parents:
+        field = model.model_fields[part]
+        present = isinstance(node, dict) and part in node
+        if not present and not field.is_required() and field.get_default(call_default_factory=True) is None:
+            return False
+        node = node.get(part) if isinstance(node, dict) else None
+        sections = list(_sections(field.annotation))
+        if not sections:
+            return False
+        model = sections[0]
+    return True
 
 
 def _default(model: type[BaseModel], key: str) -> Any:

@@ -90,28 +90,42 @@ def _probe_remote(path: str) -> None:
     fs.delete_file(probe)
 
 
-def _bounded(probe: Any, what: str) -> None:
-    """Run `probe` on a thread for at most PROBE_TIMEOUT_S; its failure or silence is one
-    ConfigError starting with `what`."""
-    outcome: dict[str, BaseException | None] = {}
+class NoAnswer(Exception):
+    """`within`: the call did not return in time (it goes on, on a daemon thread)."""
+
+
+def within(call: Any, timeout_s: float, name: str) -> Any:
+    """`call()`'s result, run on a thread of its own for at most `timeout_s`: its exception is
+    raised here, its silence is NoAnswer. The thread is a daemon: a peer that never answers
+    never holds up the process's exit."""
+    outcome: list[Any] = []
 
     def run() -> None:
         try:
-            probe()
-            outcome["error"] = None
-        except BaseException as exc:  # noqa: BLE001 - reported below, as one line
-            outcome["error"] = exc
+            outcome.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - raised again on the waiting thread
+            outcome.append((False, exc))
 
-    thread = threading.Thread(target=run, name="raylane-probe", daemon=True)  # daemon: a hung peer never holds up exit
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    thread.join(PROBE_TIMEOUT_S)
-    if "error" not in outcome:
+    thread.join(timeout_s)
+    if not outcome:
+        raise NoAnswer
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _bounded(probe: Any, what: str) -> None:
+    """`probe()` within PROBE_TIMEOUT_S; its failure or silence is one ConfigError starting with `what`."""
+    try:
+        within(probe, PROBE_TIMEOUT_S, "raylane-probe")
+    except NoAnswer:
         raise ConfigError(f"{what}: no answer within {PROBE_TIMEOUT_S:.0f} s (is the endpoint reachable? "
-                          f"AWS_ENDPOINT_URL = {os.environ.get('AWS_ENDPOINT_URL', '(not set)')!r})")
-    if outcome["error"] is not None:
-        raise ConfigError(f"{what}: cannot write a probe there ({paths.one_line(outcome['error'])})")
-
-
+                          f"AWS_ENDPOINT_URL = {os.environ.get('AWS_ENDPOINT_URL', '(not set)')!r})") from None
+    except Exception as exc:  # noqa: BLE001 - one line
+        raise ConfigError(f"{what}: cannot write a probe there ({paths.one_line(exc)})") from None
 
 
 def check_init_from(cfg: BaseConfig) -> None:

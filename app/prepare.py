@@ -121,6 +121,9 @@ def prepare_autotune(config: Any, overrides: Iterable[str] = (), *, out: str = "
 def prepare_submit(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
     """A job's config, checked on this machine before anything is uploaded; `run.storage_path`
     is the cluster's to check, and left as written (raylane.onray.jobs decides what the job gets)."""
+    if not isinstance(config, (str, os.PathLike)):
+        raise ConfigError(f"config = {type(config).__name__}: a job reads its config on the cluster; give the path "
+                          "of a config file (or a shipped config's name), not a mapping")
     cfg = load_config(config, list(overrides), outputs=False)
     prechecks.check_run(cfg, local_storage=False)
     return cfg

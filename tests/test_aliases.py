@@ -69,8 +69,14 @@ def _train(run_cli, launch: str, kind: str, name: str, steps: int) -> dict:
     return read_json(Path(proc.log_path).parent / f"{name}-{steps}.json")
 
 
-@pytest.mark.parametrize("kind", ["aliased", "tied"])
-@pytest.mark.parametrize("launch", ["local", "ddp", "fsdp"])
+# In make test: both models in one process, and the issue's own failure (the aliased model under
+# DDP). The other three launch two torchrun ranks twice each (~8 s apiece): make test-all.
+@pytest.mark.parametrize("launch, kind", [
+    ("local", "aliased"), ("local", "tied"), ("ddp", "aliased"),
+    pytest.param("ddp", "tied", marks=pytest.mark.slow),
+    pytest.param("fsdp", "aliased", marks=pytest.mark.slow),
+    pytest.param("fsdp", "tied", marks=pytest.mark.slow),
+])
 def test_a_model_with_shared_tensors_resumes_bit_exact(run_cli, project, launch, kind):
     """Train 7 steps straight; a run that stopped after the straight run's checkpoint at step 6
     (mid-epoch, saved asynchronously) resumes from it to 7: the same weights and optimizer state,

@@ -297,7 +297,7 @@ def _write(tmp_path, files: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_exits_2_with_one_line(name, tmp_path, monkeypatch, capsys, no_work):
+def test_bad_input_exits_2_with_one_line_from_the_cli_and_the_api(name, tmp_path, monkeypatch, capsys, no_work):
     case = CASES[name]
     _write(tmp_path, case.files)
     monkeypatch.chdir(tmp_path)
@@ -308,6 +308,11 @@ def test_bad_input_exits_2_with_one_line(name, tmp_path, monkeypatch, capsys, no
     assert out == "" and len(err.splitlines()) == 1, err
     assert err.startswith("raylane: ") and _line(case, tmp_path) in err, err
     assert "Traceback" not in err
+    # Every door checks alike (raylane.prepare): the Python API raises ConfigError with that line.
+    with pytest.raises(ConfigError) as raised:
+        _through_the_api(case.argv)
+    assert str(raised.value) == err.strip().removeprefix("raylane: ")
+    assert capsys.readouterr().out == ""
 
 
 def _through_the_api(argv: list[str]):
@@ -326,23 +331,6 @@ def _through_the_api(argv: list[str]):
         "up": lambda: api.up(a.num_cpus, a.port, a.dashboard_port),
     }
     return calls[a.command]()
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_through_the_python_api_is_the_same_config_error(name, tmp_path, monkeypatch, capsys, no_work):
-    """Every door checks alike (raylane.prepare): the API raises ConfigError with the very line
-    the command prints."""
-    case = CASES[name]
-    _write(tmp_path, case.files)
-    monkeypatch.chdir(tmp_path)
-    for key, value in case.env.items():
-        monkeypatch.setenv(key, value)
-    assert cli.main(case.argv) == case.code
-    line = capsys.readouterr().err.strip().removeprefix("raylane: ")
-    with pytest.raises(ConfigError) as raised:
-        _through_the_api(case.argv)
-    assert str(raised.value) == line
-    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.subprocess])

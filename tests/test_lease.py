@@ -33,7 +33,7 @@ def _leased(folder, **changes) -> None:
 def test_a_live_holder_refuses_a_second_launch(tmp_path):
     _leased(tmp_path / "r")
     with pytest.raises(ConfigError) as refused:
-        lease.acquire(tmp_path / "r", "run 'r'", "run.name", "r", "r-2")
+        lease.acquire(tmp_path / "r", "run 'r'", "run.name", "r", lambda: "r-2")
     text = str(refused.value)
     assert text.startswith(f"run.name = 'r': run 'r' is already running (pid {os.getpid()} on {socket.gethostname()}")
     assert "'raylane train digits'" in text and text.endswith("or start another with --set run.name=r-2")
@@ -47,7 +47,7 @@ def test_a_live_holder_refuses_a_second_launch(tmp_path):
 def test_a_lease_whose_holder_is_gone_is_taken_over_with_a_line(tmp_path, caplog, gone):
     _leased(tmp_path / "r", **gone)
     with caplog.at_level("WARNING", logger="raylane"):
-        held = lease.acquire(tmp_path / "r", "run 'r'", "run.name", "r", "r-2")
+        held = lease.acquire(tmp_path / "r", "run 'r'", "run.name", "r", lambda: "r-2")
     assert "run 'r': took over the lease of pid" in caplog.text and "which is no longer running" in caplog.text
     assert json.loads((tmp_path / "r" / lease.LEASE_FILE).read_text())["pid"] == os.getpid()
     held.release()
@@ -57,11 +57,11 @@ def test_a_lease_whose_holder_is_gone_is_taken_over_with_a_line(tmp_path, caplog
 def test_another_hosts_fresh_heartbeat_holds(tmp_path):
     _leased(tmp_path / "r", host="another-host", pid=1)
     with pytest.raises(ConfigError, match="already running .pid 1 on another-host"):
-        lease.acquire(tmp_path / "r", "run 'r'", "run.name", "r", "r-2")
+        lease.acquire(tmp_path / "r", "run 'r'", "run.name", "r", lambda: "r-2")
 
 
 def test_release_leaves_a_lease_taken_over_since(tmp_path):
-    held = lease.acquire(tmp_path / "r", "run 'r'", "run.name", "r", "r-2")
+    held = lease.acquire(tmp_path / "r", "run 'r'", "run.name", "r", lambda: "r-2")
     _leased(tmp_path / "r", token="x" * 32)  # another launch took it over (this one was thought gone)
     held.release()
     assert json.loads((tmp_path / "r" / lease.LEASE_FILE).read_text())["token"] == "x" * 32

@@ -20,8 +20,7 @@ _found: weakref.WeakKeyDictionary[nn.Module, dict[str, str]] = weakref.WeakKeyDi
 
 
 def _plain(name: str) -> str:
-    """A name as DCP's state dicts spell it: without DDP's `module.` or torch.compile's `_orig_mod.`."""
-    name = name.removeprefix("module.")
+    """A name as DCP's state dicts spell it: without torch.compile's `_orig_mod.`."""
     return name.replace("_orig_mod.", "")
 
 
@@ -56,4 +55,4 @@ def with_aliases(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]
 
 def unexplained(missing: Iterable[str], names: dict[str, str]) -> list[str]:
     """The keys a non-strict load reported missing that are not aliases (DDP prefixes them)."""
-    return sorted(k for k in (_plain(m) for m in missing) if k not in names)
+    return sorted(k for k in (_plain(m.removeprefix("module.")) for m in missing) if k not in names)

@@ -89,7 +89,7 @@ def committed(root: str, filesystem=None) -> list[str]:
 UNFINISHED = f"no {MANIFEST_FILE} (an unfinished save)"
 
 
-def newest_valid(root: str, filesystem=None) -> tuple[str | None, list[dict[str, str]]]:
+def newest_valid(root: str, filesystem=None, *, checksums: bool = True) -> tuple[str | None, list[dict[str, str]]]:
     """(the newest checkpoint under `root` whose files match its manifest, on any pyarrow
     filesystem; the newer ones passed over, newest first, as {"path", "reason"}).
 
@@ -99,7 +99,7 @@ def newest_valid(root: str, filesystem=None) -> tuple[str | None, list[dict[str,
 
     skipped = []
     for path, has_manifest in reversed(_listed(root, filesystem or pafs.LocalFileSystem())):
-        problem = verify(path, filesystem) if has_manifest else UNFINISHED
+        problem = verify(path, filesystem, checksums=checksums) if has_manifest else UNFINISHED
         if problem is None:
             return path, skipped
         log.debug("checkpoint %s skipped: %s", path, problem)  # the driver says it (its display)

@@ -34,6 +34,8 @@ log = logging.getLogger("raylane")
 VOTE_EVERY_N_STEPS = 10  # the first vote; then about every VOTE_INTERVAL_S
 VOTE_INTERVAL_S = 0.5
 VOTE_MAX_STEPS = 1000
+# A failing run waits this long at most for the save in flight: a peer that died never commits it.
+FAILED_RUN_SAVE_WAIT_S = 60.0
 # Throughput in the result leaves out this launch's first steps (compilation, allocator and
 # cache warm-up), and any before rank 0's MLflow logger has started, when the run is long
 # enough to do without them.
@@ -344,7 +346,7 @@ class Trainer:
         self._last_vote = (started, self.step)
         epoch_ends: list[float] = []  # seconds from the start to the end of each epoch's end work
         self._train_started = started
-        with preemption.armed(), self.saver.settled_on_failure(self.cfg.dist.timeout_s):
+        with preemption.armed(), self.saver.settled_on_failure(min(self.cfg.dist.timeout_s, FAILED_RUN_SAVE_WAIT_S)):
             last_step_end = started
             while self.step < self.total_steps and not self.preempted:
                 epoch_start = (time.perf_counter(), self.step)

@@ -97,6 +97,8 @@ def explain(exc: BaseException, cfg: Any, pipe: Any) -> BaseException:
         return exc
     if pipe is not None and _DDP_KEYWORD in str(exc):
         return _unused_parameters(exc, pipe)
+    if _not_the_users(exc):
+        return exc
     module = pipelines_ref.load(cfg.pipeline)
     roles = _roles(pipe, module)
     own = [getattr(module, "__file__", None) or ""]
@@ -107,6 +109,15 @@ def explain(exc: BaseException, cfg: Any, pipe: Any) -> BaseException:
     text = " ".join(str(exc).split())
     notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))  # the data's place (baddata)
     return UserCodeError(f"pipeline {cfg.pipeline!r}: {role} raised {type(exc).__name__}: {text} (at {at}{notes})")
+
+
+def _not_the_users(exc: BaseException) -> bool:
+    """Errors that surface inside the user's forward but are the machine's or the group's: out of
+    memory, and a collective that failed or timed out in a hook (FSDP's all-gathers)."""
+    import torch
+
+    distributed = getattr(torch.distributed, "DistError", ())
+    return isinstance(exc, (torch.OutOfMemoryError, *((distributed,) if distributed else ())))
 
 
 def keep_traceback(error: BaseException, exc: BaseException) -> None:

@@ -5,10 +5,12 @@ on another thread while `init_ray` starts Ray's processes here."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
+from collections.abc import Iterator
 
 import ray
 
@@ -79,13 +81,22 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
     return True
 
 
+# (address, thread) of a join given up on whose ray.init still waits (the Python API's next call).
+_given_up: tuple[str, threading.Thread] | None = None
+
+
 def join(address: str, **init_kwargs) -> None:
     """ray.init(address=...), given up on with a ConfigError when the cluster's GCS has not
     answered within JOIN_TIMEOUT_S (Ray itself retries for minutes). ray.init runs on a thread of
     its own so that this one stays free for SIGTERM and Ctrl-C, which inside ray.init wait for
     Ray's native connect loop, 30 s at a time. Once the GCS has answered, ray.init goes on
     unbounded here: it may be uploading the run's own pipeline."""
+    global _given_up
     field = address_field(address)
+    if _given_up is not None and _given_up[1].is_alive():
+        # ray.init cannot be cancelled: a second one in this process would race the first.
+        raise ConfigError(f"{field} = {address!r}: this process still waits in ray.init for the cluster at "
+                          f"{_given_up[0]!r}, given up on earlier; start a new Python process to join a cluster")
     done, failed = threading.Event(), []
 
     def connect() -> None:
@@ -99,8 +110,10 @@ def join(address: str, **init_kwargs) -> None:
     restore = _interruptible()
     try:
         # A daemon: a thread left waiting for a cluster that never answers must not keep the process.
-        threading.Thread(target=connect, name="raylane-ray-join", daemon=True).start()
+        thread = threading.Thread(target=connect, name="raylane-ray-join", daemon=True)
+        thread.start()
         if not done.wait(JOIN_TIMEOUT_S) and not _gcs_connected():
+            _given_up = (address, thread)
             raise ConfigError(f"{field} = {address!r}: no Ray cluster answers there within {JOIN_TIMEOUT_S:g} s "
                               f"(something listens on that port, but not Ray's GCS); {join_hint(field)}")
         done.wait()
@@ -118,6 +131,26 @@ def join(address: str, **init_kwargs) -> None:
 def _gcs_connected() -> bool:
     # ray.init sets its node (private: Ray's worker module) once the GCS has answered.
     return getattr(ray._private.worker, "_global_node", None) is not None
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the main thread while inside, as Ctrl-C does, so that a
+    driver's `except`/`finally` close its MLflow run: a cluster joined from a thread (`join`)
+    installs no handler of Ray's, and the default one ends the process on the spot. (An embedded
+    cluster's ray.init replaces it with Ray's, whose SystemExit does the same.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _interruptible():

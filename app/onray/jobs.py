@@ -9,11 +9,11 @@ the submitter's machine, so that the run and its checkpoints land where the subm
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
 import shlex
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -22,7 +22,7 @@ from typing import Any
 
 from raylane.config import BaseConfig, ConfigError
 from raylane.onray.addresses import JOIN_TIMEOUT_S, jobs_url, on_this_machine, unreachable
-from raylane.prechecks import writable_dir
+from raylane.prechecks import NoAnswer, within, writable_dir
 from raylane.prepare import prepare_submit
 from raylane.tracking.runs import DEFAULT_TRACKING_URI, absolute_tracking_uri, local_store
 
@@ -100,6 +100,7 @@ def submit(config: str, overrides: Iterable[str] = (), *, address: str | None = 
     overrides = list(overrides)
     # ConfigError before anything leaves this machine; a remote cluster's storage is its own to check.
     cfg = prepare_submit(config, overrides)
+    config = str(config)
     address, given = _address(address)
     url, host, port = jobs_url(address, given)
     env = {k: v for k, v in os.environ.items() if k == "MLFLOW_TRACKING_URI"}
@@ -114,6 +115,8 @@ def submit(config: str, overrides: Iterable[str] = (), *, address: str | None = 
         env["MLFLOW_TRACKING_URI"] = tracking_uri
     if storage != cfg.run.storage_path:
         overrides.append(f"run.storage_path={storage}")
+    if here:
+        overrides.extend(_paths_here(config, overrides))
     why = unreachable(host, port, "Ray jobs API")
     if why:
         raise ConfigError(f"{given} = {address!r}: {why}; check the address (`raylane up` prints its dashboard) "
@@ -124,6 +127,22 @@ def submit(config: str, overrides: Iterable[str] = (), *, address: str | None = 
                                                           "env_vars": env})
     return SubmittedRun(job_id, client.get_address(), client, tracking_uri=tracking_uri,
                         experiment=cfg.mlflow.experiment, storage_path=storage, run_name=cfg.run.name)
+
+
+def _paths_here(config: str, overrides: list[str]) -> list[str]:
+    """For a cluster on this machine: the config resolved and checked as `raylane train` here
+    would (its storage probed, its inputs found: raylane.paths), and its input paths as absolute
+    `--set`s for the job, whose working directory is Ray's temporary copy of this one (and whose
+    upload would carry data that sits inside it)."""
+    from raylane.config import load_config
+    from raylane.paths import path_keys
+    from raylane.prechecks import check_run
+
+    cfg = load_config(config, overrides)
+    check_run(cfg)
+    flat = cfg.flat()
+    return [f"{key}={json.dumps(flat[key])}" for key, marker in path_keys(type(cfg)).items()
+            if marker.must_exist and flat.get(key) is not None]
 
 
 def _address(address: str | None) -> tuple[str, str]:
@@ -171,23 +190,13 @@ def job_client(url: str, given: str = "--address"):
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     from ray.job_submission import JobSubmissionClient
 
-    made: list[Any] = []
-
-    def connect() -> None:
-        try:
-            made.append(JobSubmissionClient(url))
-        except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
-            made.append(exc)
-
-    thread = threading.Thread(target=connect, name="raylane-jobs-client", daemon=True)
-    thread.start()
-    thread.join(JOIN_TIMEOUT_S)
-    if not made:
+    try:
+        return within(lambda: JobSubmissionClient(url), JOIN_TIMEOUT_S, "raylane-jobs-client")
+    except NoAnswer:
         raise ConfigError(f"{given} = {url!r}: no Ray jobs API answers there within {JOIN_TIMEOUT_S:g} s "
-                          "(something listens on that port, but does not answer as one)")
-    if isinstance(made[0], Exception):
-        raise _one_line(made[0], given, url) from None
-    return made[0]
+                          "(something listens on that port, but does not answer as one)") from None
+    except Exception as exc:  # noqa: BLE001 - each becomes one line
+        raise _one_line(exc, given, url) from None
 
 
 def _submit_job(client: Any, given: str, url: str, entrypoint: str, runtime_env: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from raylane import paths, pipelines_ref
+from raylane import paths
 from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import (
     _NAME_PATTERN,
@@ -35,7 +35,6 @@ from raylane.config import (
     config_path,
     flatten,
     format_validation_error,
-    normalize_pipeline,
     read_config_file,
     read_yaml,
     validate,
@@ -175,7 +174,8 @@ def load_sweep(path: str, overrides: Iterable[str] = ()) -> tuple[SweepSection, 
     sweep_dir = config_path(path).resolve().parent
     base_file = str(sweep_dir / sweep.base) if (sweep_dir / sweep.base).is_file() else sweep.base
     base_raw = read_config_file(base_file)
-    _merge(base_raw, _own_sections(raw, path, base_raw))  # the sweep file's own sections override the base config
+    # The sweep file's own sections override the base config's.
+    _merge(base_raw, read_config_file(path, raw, pipeline=base_raw.get("pipeline")))
     base = validate(apply_overrides(base_raw, base_sets))
     for key, domain in sweep.space.items():
         for value in representative(domain):
@@ -186,19 +186,6 @@ def load_sweep(path: str, overrides: Iterable[str] = ()) -> tuple[SweepSection, 
     _check_global_batch(sweep, base)
     _check_metric(sweep, base)
     return sweep, base
-
-
-def _own_sections(raw: dict[str, Any], path: str, base_raw: dict[str, Any]) -> dict[str, Any]:
-    """The sweep file's overrides of its base config, with the file's own `pipeline:` and input
-    paths resolved from its folder (from the working directory for a shipped sweep: a template)."""
-    sweep_dir = config_path(path).resolve().parent
-    own = normalize_pipeline(raw, sweep_dir)
-    try:
-        cls = pipelines_ref.load(own.get("pipeline") or base_raw["pipeline"]).Config
-    except (KeyError, ConfigError):
-        return own  # validation names what is wrong
-    shipped = config_path(path) != Path(path)
-    return paths.resolve(own, cls, Path.cwd() if shipped else sweep_dir, inputs_only=True)
 
 
 def _check_metric(sweep: SweepSection, base: BaseConfig) -> None:
@@ -326,7 +313,7 @@ def check_rerun(sweep: SweepSection, base: BaseConfig) -> str | None:
     record = read_record(sweep, base)
     if record is None:
         return None
-    folder, old, new = sweep_folder(sweep, base), record["settings"], settings(sweep, base)
+    folder, old, new = sweep_folder(sweep, base), _absolute_paths(record["settings"], base), settings(sweep, base)
     for key in dict.fromkeys([*new, *old]):  # the sweep's own keys first, then the base config's
         if (key in old, old.get(key)) != (key in new, new.get(key)):
             raise ConfigError(
@@ -342,6 +329,19 @@ def check_rerun(sweep: SweepSection, base: BaseConfig) -> str | None:
     return (f"sweep {sweep.name}: already FINISHED ({trials} trial{'' if trials == 1 else 's'}, {outcome}); results in "
             f"{folder} and MLflow parent run {record.get('parent_run_id')}. Nothing to run: to sweep again, "
             f"start a new sweep with --set sweep.name={fresh_sweep_name(folder)}")
+
+
+def _absolute_paths(recorded: dict[str, Any], base: BaseConfig) -> dict[str, Any]:
+    """A record's settings with the relative paths of a sweep recorded before raylane resolved
+    them (raylane.paths) made absolute as they were then, from the working directory."""
+    out = dict(recorded)
+    for key in paths.path_keys(type(base)):
+        value = out.get(key)
+        if isinstance(value, str):
+            out[key] = paths.absolute(value, Path.cwd())
+        elif isinstance(value, list):
+            out[key] = [paths.absolute(v, Path.cwd()) if isinstance(v, str) else v for v in value]
+    return out
 
 
 def fresh_sweep_name(folder: Path) -> str:

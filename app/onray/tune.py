@@ -33,6 +33,7 @@ from raylane.onray.sweep import (
     Objective,
     SweepSection,
     fresh_sweep_name,
+    resolved,
     run_speed,
     sweep_folder,
     trial_config,
@@ -293,49 +294,25 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
               register: str | None) -> dict[str, Any]:
     """Run (or continue) the sweep on the cluster at `address` (as resolved by
     raylane.onray.localcluster.resolve_address; None: an embedded one); returns its summary, whose
-    `status` is FINISHED when every trial ended cleanly and FAILED otherwise."""
-    from raylane.onray.cluster import init_ray, shutdown_ray
+    `status` is FINISHED when every trial ended cleanly and FAILED otherwise. Every way out closes
+    the sweep's MLflow parent run (KILLED on SIGTERM or Ctrl-C) and gives its lease back."""
+    from raylane.onray.cluster import init_ray, shutdown_ray, sigterm_interrupts
 
     tracking_uri = resolve_tracking_uri()
-    base = base.model_copy(update={"run": base.run.model_copy(update={
-        "storage_path": base.run.storage_path if "://" in base.run.storage_path
-        else str(Path(base.run.storage_path).expanduser().resolve())})})
+    base = resolved(base)
     lease = _lease(sweep, base)  # one writer per sweep: before its records or its MLflow run
+    parent, embedded = None, False
     try:
-        parent = open_parent(sweep, base, tracking_uri)
-    except BaseException:
-        lease.release()
-        raise
-    write_record(sweep, base, "RUNNING", parent_run_id=parent.run_id)
-    per_trial = trial_resources(base)["CPU"]
-    embedded = False
-    try:
-        # Inside: a cluster that cannot be joined, or a signal while waiting for it, closes the parent run.
-        embedded = init_ray(address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)),
-                            dashboard=True)
-        concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
-        print(f"[raylane] sweep {sweep.name}: {plural(sweep.num_samples, 'sample')}, {plural(concurrency, 'trial')} "
-              f"at a time, {plural(base.scaling.num_workers, 'worker')} per trial; MLflow parent run {parent.run_id}",
-              flush=True)
-        random.seed(sweep.seed)  # PBT's explore draws from Python's generator
-        started = time.monotonic()
-        stopper = MetricReported(sweep.metric)
-        grid = _fit(sweep, base, parent, concurrency, stopper)
-        stopper.check()
-        wall_s = time.monotonic() - started
-        rows = sweep_results.rows(grid, sweep, parent)
-        best = sweep_results.best(grid, sweep, rows)
-        trial_s = sum(r["time_s"] or 0 for r in rows)
-        # The ideal: every trial's own time, perfectly packed `concurrency` at a time.
-        summary = {"status": "FAILED" if grid.errors else "FINISHED",
-                   "parent_run_id": parent.run_id, "tracking_uri": tracking_uri, "sweep": sweep.name,
-                   "best": best, "trials": rows, "concurrency": concurrency,
-                   "timing": {"wall_s": wall_s, "trial_s_sum": trial_s, "ideal_s": trial_s / concurrency}}
-        summary.update(sweep_results.record_parent(parent, sweep, rows, best, register))
-        close_run(parent, "FINISHED" if not grid.errors else "FAILED")
-        write_record(sweep, base, summary["status"], parent_run_id=parent.run_id, best=best, trials=len(rows))
+        with sigterm_interrupts():  # a joined cluster installs no handler of Ray's: ours, throughout
+            parent = open_parent(sweep, base, tracking_uri)
+            write_record(sweep, base, "RUNNING", parent_run_id=parent.run_id)
+            per_trial = trial_resources(base)["CPU"]
+            embedded = init_ray(address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)),
+                                dashboard=True)
+            summary, rows, best = _sweep(sweep, base, parent, embedded, tracking_uri, register)
     except BaseException as exc:
-        close_run(parent, "FAILED" if isinstance(exc, Exception) else "KILLED")
+        if parent is not None:
+            close_run(parent, "FAILED" if isinstance(exc, Exception) else "KILLED")
         raise
     finally:
         if embedded:
@@ -351,6 +328,34 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
     return summary
 
 
+def _sweep(sweep: SweepSection, base: BaseConfig, parent: RunHandle, embedded: bool, tracking_uri: str,
+           register: str | None) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+    """The trials on the cluster Ray joined, and their results on the parent run: (summary,
+    rows, best trial)."""
+    concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
+    print(f"[raylane] sweep {sweep.name}: {plural(sweep.num_samples, 'sample')}, {plural(concurrency, 'trial')} "
+          f"at a time, {plural(base.scaling.num_workers, 'worker')} per trial; MLflow parent run {parent.run_id}",
+          flush=True)
+    random.seed(sweep.seed)  # PBT's explore draws from Python's generator
+    started = time.monotonic()
+    stopper = MetricReported(sweep.metric)
+    grid = _fit(sweep, base, parent, concurrency, stopper)
+    stopper.check()
+    wall_s = time.monotonic() - started
+    rows = sweep_results.rows(grid, sweep, parent)
+    best = sweep_results.best(grid, sweep, rows)
+    trial_s = sum(r["time_s"] or 0 for r in rows)
+    # The ideal: every trial's own time, perfectly packed `concurrency` at a time.
+    summary = {"status": "FAILED" if grid.errors else "FINISHED",
+               "parent_run_id": parent.run_id, "tracking_uri": tracking_uri, "sweep": sweep.name,
+               "best": best, "trials": rows, "concurrency": concurrency,
+               "timing": {"wall_s": wall_s, "trial_s_sum": trial_s, "ideal_s": trial_s / concurrency}}
+    summary.update(sweep_results.record_parent(parent, sweep, rows, best, register))
+    close_run(parent, "FINISHED" if not grid.errors else "FAILED")
+    write_record(sweep, base, summary["status"], parent_run_id=parent.run_id, best=best, trials=len(rows))
+    return summary, rows, best
+
+
 def _lease(sweep: SweepSection, base: BaseConfig) -> Any:
     """The sweep folder's lease (raylane.lease); ConfigError when another launch holds it."""
     from raylane.lease import NoLease, acquire
@@ -358,7 +363,7 @@ def _lease(sweep: SweepSection, base: BaseConfig) -> Any:
     folder = sweep_folder(sweep, base)
     if folder is None:
         return NoLease()
-    return acquire(folder, f"sweep {sweep.name!r}", "sweep.name", sweep.name, fresh_sweep_name(folder))
+    return acquire(folder, f"sweep {sweep.name!r}", "sweep.name", sweep.name, lambda: fresh_sweep_name(folder))
 
 
 def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: int, stopper: tune.Stopper):

@@ -46,10 +46,15 @@ DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # MLflow's own default
 
 
 def absolute_tracking_uri(uri: str) -> str:
-    """`uri` with a relative sqlite path made absolute, against this process's working directory."""
+    """`uri` with a relative local store (a sqlite file, a file store: `mlruns`, `file:mlruns`)
+    made absolute, against this process's working directory."""
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        uri = prefix + str(Path(uri[len(prefix):]).resolve())
+        return prefix + str(Path(uri[len(prefix):]).resolve())
+    if uri.startswith("file:") and not uri.startswith("file:/"):
+        return Path(uri[len("file:"):]).resolve().as_uri()
+    if ":" not in uri and not uri.startswith("databricks"):  # a plain path: MLflow's file store
+        return Path(uri).expanduser().resolve().as_uri()
     return uri
 
 
@@ -402,6 +407,10 @@ class MetricLogger:
                 kept = [m for m in self._buffer if m[3] > self._logged.get(m[0], -1)]
                 if len(kept) < len(self._buffer):
                     self._buffer = deque(kept)
+                # Steps only grow: once training is past every step logged before, no later point
+                # can repeat one, and the filter (a pass over the buffer under the lock) ends.
+                if self._buffer and self._buffer[-1][3] > max(self._logged.values()):
+                    self._logged = {}
         return True
 
     def close(self, timeout_s: float = 30.0) -> None:
