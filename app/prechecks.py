@@ -10,7 +10,6 @@ and the value; nothing here imports torch or Ray."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -56,26 +55,22 @@ def check_inputs(cfg: BaseConfig) -> None:
 
 def check_storage(field: str, path: str) -> None:
     """Storage proven by writing there, not by permission bits, which say yes on a read-only or
-    virtual filesystem and for root: a probe file, written and removed (with any folder made
-    for it), locally; on object storage, a probe object, within PROBE_TIMEOUT_S."""
+    virtual filesystem and for root: a probe file, written and removed, in the folder (made if
+    missing); on object storage, a probe object, within PROBE_TIMEOUT_S."""
     if paths.is_uri(path):
         _bounded(lambda: _probe_remote(path), f"{field} = {path!r}")
         return
     writable_dir(field, path)
     target = Path(path).expanduser().absolute()
-    made = [p for p in (target, *target.parents) if not p.exists()]
     try:
-        for folder in reversed(made):
-            folder.mkdir()
-        probe = target / f".raylane-probe-{os.getpid()}"
+        # Made and kept (the run writes there): removing it again raced other launches checking
+        # the same path at once, every torchrun rank among them.
+        target.mkdir(parents=True, exist_ok=True)
+        probe = target / f".raylane-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
         raise ConfigError(f"{field} = {path!r}: cannot write there ({exc.strerror or exc})") from None
-    finally:
-        for folder in made:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
 
 
 # How long a check may wait on a network peer (object storage) before it gives up.
