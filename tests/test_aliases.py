@@ -100,6 +100,7 @@ def test_a_model_with_shared_tensors_resumes_bit_exact(run_cli, project, launch,
 
 @pytest.mark.ray
 @pytest.mark.shared_ray
+@pytest.mark.slow  # the same load as the DDP case above, under Ray: ~30 s
 def test_ctrl_c_and_a_relaunch_of_the_aliased_model_on_ray(run_cli, project):
     """The user's way on Ray: train on 2 DDP workers, Ctrl-C once a checkpoint exists, relaunch
     the same run.name; it resumes and finishes."""

@@ -70,7 +70,9 @@ def _statuses(uri: str) -> list[str]:
     return [r.info.status for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
 
 
-@pytest.mark.parametrize("command", [["train", "digits"], ["tune", "digits-sweep"], ["autotune", "digits"]])
+# tune and autotune join through the same code as train (onray.cluster.join): make test-all.
+@pytest.mark.parametrize("command", [["train", "digits"], pytest.param(["tune", "digits-sweep"], marks=pytest.mark.slow),
+                                     pytest.param(["autotune", "digits"], marks=pytest.mark.slow)])
 def test_a_cluster_that_never_answers_is_given_up_on_within_10_s(command, run_cli, tmp_path, silent_peer):
     env, uri = _tracked(tmp_path)
     started = time.monotonic()
