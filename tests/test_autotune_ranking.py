@@ -126,7 +126,7 @@ def test_simplicity_departs_least_from_the_config_then_by_knob():
 windows = st.lists(st.floats(1, 1000, allow_nan=False), min_size=2, max_size=8)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=40, deadline=None)  # each example bootstraps intervals: ~0.1 s
 @given(st.lists(st.tuples(st.sampled_from(list(SPACE["strategy.bucket_cap_mb"])),
                           st.sampled_from(SPACE["train.precision"]), windows), min_size=1, max_size=5),
        st.data(), st.integers(1, 3), st.integers(0, 2))

@@ -67,6 +67,7 @@ def test_release_leaves_a_lease_taken_over_since(tmp_path):
     assert json.loads((tmp_path / "r" / lease.LEASE_FILE).read_text())["token"] == "x" * 32
 
 
+@pytest.mark.untracked
 def test_the_second_of_two_launches_of_one_run_name_exits_2(run_cli, tmp_path):
     """Two terminals, one run.name. Before, the second printed 'continued' and both trained into
     the same checkpoint folder and MLflow run."""

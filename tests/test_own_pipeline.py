@@ -60,6 +60,7 @@ def test_example_trains_under_torchrun_as_a_dotted_module(run_cli, project, tmp_
 
 
 @pytest.mark.shared_ray
+@pytest.mark.slow  # ~45 s; the example on Ray and ASHA's stops are in make test on their own (test_tune's ASHA sweep)
 def test_example_throughput_sweep_from_the_repo_root_stops_the_slow_trials_early(run_cli, project, tmp_path):
     """From raylane's checkout, whose app/ and pipelines/ folders come first on a Ray worker's
     sys.path (Ray puts the driver's working directory there): the project's own must win.

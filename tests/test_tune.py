@@ -112,6 +112,7 @@ def _draw(sweep_file: str, n: int) -> list[dict]:
 
 
 @pytest.mark.shared_ray
+@pytest.mark.slow  # ~45 s of epochs for an exploit to happen: make test-all
 def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
     """Two trials, one with a learning rate far too small: at the perturbation PBT makes the worse
     one continue from the better one's checkpoint with perturbed values.

@@ -16,7 +16,8 @@ from raylane.config import ConfigError
 
 # How long joining a cluster waits for it to answer: this module's connect, then (cluster.join)
 # ray.init's connection to the cluster's GCS.
-JOIN_TIMEOUT_S = 10.0
+# RAYLANE_JOIN_TIMEOUT_S: longer for a cluster across a slow link, shorter for tests.
+JOIN_TIMEOUT_S = float(os.environ.get("RAYLANE_JOIN_TIMEOUT_S", "10"))
 
 
 def address_field(address: str | None) -> str:
