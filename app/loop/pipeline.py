@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,18 +12,43 @@ from torch.utils.data import Dataset
 
 @dataclass
 class Pipeline:
+    """The model and data of a run, and what of the loop a pipeline replaces. Only `model` and
+    `train_set` are required; docs/pipelines.md has the three forms of a step (a pair and
+    `loss_fn`, a batch and the model's own loss, a `step` of the pipeline's own)."""
+
     model: torch.nn.Module
-    train_set: Dataset
-    eval_set: Dataset | None
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    # (output, target) -> {metric: sum over the batch}; divided by the sample count after the
-    # all-reduce, so every metric is exact whatever the world size.
-    eval_sums: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
+    train_set: Dataset | Any  # a map-style Dataset, or a raylane.FileSource
+    # None, a dataset, or {name: dataset}: named held-out sets, each logged under its own prefix.
+    eval_set: Dataset | dict[str, Any] | Any | None = None
+    # (output, target) for an (input, target) batch; (output, batch) for any other batch. None:
+    # the model's own loss (output.loss, output["loss"], or a scalar output).
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    # (output, target or batch) -> {metric: sum over the batch}; divided by the sample count (or
+    # eval_count's units) after the all-reduce, so every metric is exact whatever the world size.
+    # None: the loss, averaged exactly over the held-out samples.
+    eval_sums: Callable[..., dict[str, torch.Tensor]] | None = None
     example_input: Any = None
     # Language models: tokens in one sample, and model FLOPs per token (forward and backward),
     # for tokens_per_s and MFU.
     tokens_per_sample: int | None = None
     flops_per_token: float | None = None
+    # step(model, batch) -> loss, or (loss, {metric: value}): the whole forward and loss, for
+    # what loss_fn cannot express (several outputs, a frozen teacher, a contrastive pair).
+    step: Callable[..., Any] | None = None
+    # The units a held-out batch's metrics are averaged over (tokens, say): batch -> int or tensor.
+    # None: samples.
+    eval_count: Callable[[Any], Any] | None = None
+    # Turns a list of dataset items into a batch (variable-length items, padding).
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    # optimizer(model, cfg) -> torch.optim.Optimizer, and scheduler(optimizer, cfg, total_steps)
+    # -> an LRScheduler or None, in place of raylane's (cfg.optim).
+    optimizer: Callable[..., Any] | None = None
+    scheduler: Callable[..., Any] | None = None
+    # Callbacks at step ends, evaluation ends and checkpoints (raylane.loop.hooks).
+    hooks: Sequence[Any] = ()
+    # The model's repeated layers, the unit of FSDP sharding, activation checkpointing and
+    # compile: a list or ModuleList of its modules. None: found (raylane.loop.parallel).
+    blocks: Any = None
 
 
 def example_batch(pipe: Pipeline, rows: int = 2) -> Any:
