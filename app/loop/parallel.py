@@ -1,5 +1,7 @@
-"""The one place that decides how a model is distributed. Models know nothing of it: at most they
-expose their repeated layers as `model.blocks`, the unit of sharding, recompute and compilation.
+"""The one place that decides how a model is distributed. Models know nothing of it: their
+repeated layers, the unit of sharding, recompute and compilation, are the pipeline's `blocks`, or
+else found in the model (raylane.loop.blocks: `model.blocks`, a Hugging Face model's
+`_no_split_modules`, its largest repeated ModuleList). A model with none is sharded as one unit.
 
 Order matters and follows torchtitan: activation checkpointing, then compile, then DDP or FSDP2."""
 
@@ -17,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raylane.config import BaseConfig
+from raylane.loop.blocks import Blocks, blocks_of, find_blocks
 from raylane.loop.devices import GIB, device_memory_bytes, local_world_size
 
 log = logging.getLogger("raylane")
@@ -33,22 +36,15 @@ class Strategy:
     mesh_shape: tuple[int, ...] = ()
     reason: str = ""
     estimate: dict[str, int] | None = None
+    blocks: str = ""  # the blocks FSDP, activation checkpointing or compile took, where any found and used
 
     def tags(self) -> dict[str, str]:
         tags = {"raylane.strategy": self.name, "raylane.strategy.reason": self.reason}
+        if self.blocks:
+            tags["raylane.strategy.blocks"] = self.blocks
         if self.estimate:
             tags.update({f"raylane.memory_estimate.{k}_gb": f"{v / GIB:.3f}" for k, v in self.estimate.items()})
         return tags
-
-
-def blocks_of(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated layers: `model.blocks`, or a Sequential's layers that hold weights."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
-        return list(blocks)
-    if isinstance(model, nn.Sequential):
-        return [m for m in model if any(True for _ in m.parameters(recurse=False))]
-    return []
 
 
 def _nbytes(params) -> int:
@@ -56,11 +52,13 @@ def _nbytes(params) -> int:
 
 
 def activation_bytes(model: nn.Module, example: tuple[Any, Any], loss_fn,
-                     checkpointed: bool = False) -> int:
+                     checkpointed: bool = False, blocks: Any = None) -> int:
     """Bytes autograd keeps for backward from one forward at the example's batch size, measured
     on a copy on the meta device: shapes only, no memory, no compute. With activation
-    checkpointing, each block keeps only its input, and one block's are rebuilt at a time."""
-    meta = copy.deepcopy(model).to("meta")
+    checkpointing, each block keeps only its input, and one block's are rebuilt at a time.
+    `blocks`: the pipeline's (raylane.loop.blocks), or None to find them."""
+    meta, blocks = copy.deepcopy((model, blocks_of(model, blocks)))  # one copy: the blocks are the copy's
+    meta.to("meta")
     source, targets = (x.to("meta") for x in example)
     params = {id(p) for p in meta.parameters()}
     saved: dict[int, tuple[int, int]] = {}  # tensor id -> (bytes, block index or -1)
@@ -80,7 +78,6 @@ def activation_bytes(model: nn.Module, example: tuple[Any, Any], loss_fn,
             inputs.append(sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)))
         return hook
 
-    blocks = blocks_of(meta)
     for i, block in enumerate(blocks):
         block.register_forward_pre_hook(enter(i))
         block.register_forward_hook(lambda *_: where.__setitem__(0, -1))
@@ -94,7 +91,7 @@ def activation_bytes(model: nn.Module, example: tuple[Any, Any], loss_fn,
 
 
 def estimate_memory(model: nn.Module, cfg: BaseConfig, world_size: int,
-                    example: tuple[Any, Any] | None, loss_fn) -> dict[str, int]:
+                    example: tuple[Any, Any] | None, loss_fn, blocks: Any = None) -> dict[str, int]:
     """Per-rank bytes under DDP and under FSDP: parameters, gradients, optimizer state and the
     activations of one micro-batch (plus DDP's gradient buckets, FSDP's gathered blocks)."""
     params = _nbytes(model.parameters())
@@ -102,11 +99,12 @@ def estimate_memory(model: nn.Module, cfg: BaseConfig, world_size: int,
     states = OPTIMIZER_STATES.get(o.name, 1 if o.momentum else 0)
     state = params * (2 + states)  # parameters, gradients, optimizer state
     acts = 0
+    blocks = blocks_of(model, blocks)
     if example is not None:
-        acts = activation_bytes(model, example, loss_fn, checkpointed=cfg.train.activation_checkpointing)
+        acts = activation_bytes(model, example, loss_fn, checkpointed=cfg.train.activation_checkpointing,
+                                blocks=blocks)
     if cfg.train.precision != "fp32":
         acts //= 2  # roughly: autocast keeps most activations in 16 bits
-    blocks = blocks_of(model)
     largest_block = max((_nbytes(b.parameters()) for b in blocks), default=params)
     buckets = 0 if cfg.strategy.gradient_as_bucket_view else params
     return {
@@ -117,7 +115,7 @@ def estimate_memory(model: nn.Module, cfg: BaseConfig, world_size: int,
 
 
 def choose_strategy(cfg: BaseConfig, device: torch.device, world_size: int, model: nn.Module,
-                    example: tuple[Any, Any] | None, loss_fn) -> Strategy:
+                    example: tuple[Any, Any] | None, loss_fn, blocks: Any = None) -> Strategy:
     if world_size == 1:
         return Strategy("single", reason="one rank")
     nodes = _nodes(world_size)
@@ -126,7 +124,7 @@ def choose_strategy(cfg: BaseConfig, device: torch.device, world_size: int, mode
         return Strategy("ddp", (world_size,), reason="strategy.name: ddp")
     if cfg.strategy.name == "fsdp":
         return Strategy(*sharded, reason="strategy.name: fsdp")
-    estimate = estimate_memory(model, cfg, world_size, example, loss_fn)
+    estimate = estimate_memory(model, cfg, world_size, example, loss_fn, blocks=blocks)
     budget = device_memory_bytes(device, cfg.scaling.device_memory_gb, local_world_size())
     estimate["device"] = budget
     fits = estimate["ddp"] <= AUTO_MARGIN * budget
@@ -151,10 +149,10 @@ def _agreed(strategy: Strategy) -> Strategy:
     return strategy
 
 
-def prepare_blocks(model: nn.Module, cfg: BaseConfig) -> None:
+def prepare_blocks(model: nn.Module, cfg: BaseConfig, blocks: Any = None) -> None:
     """In place, before any wrapping: activation checkpointing, then compile, on the model's
-    blocks (or the whole model when it has none)."""
-    blocks = blocks_of(model)
+    blocks (the pipeline's, or found; compile takes the whole model when it has none)."""
+    blocks = blocks_of(model, blocks)
     if cfg.train.activation_checkpointing:
         for block in blocks:
             _checkpoint_activations(block)
@@ -164,20 +162,45 @@ def prepare_blocks(model: nn.Module, cfg: BaseConfig) -> None:
 
 
 def parallelize(model: nn.Module, cfg: BaseConfig, device: torch.device, world_size: int, *,
-                example: tuple[Any, Any] | None = None, loss_fn=None,
+                example: tuple[Any, Any] | None = None, loss_fn=None, blocks: Any = None,
                 blocks_prepared: bool = False) -> tuple[nn.Module, Strategy]:
-    """(the model ready to train on this rank, the strategy chosen). `blocks_prepared`: the
-    caller already ran prepare_blocks on it."""
-    strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn))
-    blocks = blocks_of(model)
+    """(the model ready to train on this rank, the strategy chosen). `blocks`: the pipeline's
+    (None: found in the model). `blocks_prepared`: the caller already ran prepare_blocks on it."""
+    found = find_blocks(model, blocks)
+    blocks = found.modules
+    strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn, blocks=blocks))
+    _note_blocks(model, found, strategy, cfg)
     if not blocks_prepared:
-        prepare_blocks(model, cfg)
+        prepare_blocks(model, cfg, blocks)
     if strategy.name in ("fsdp", "hsdp"):
         return _fully_shard(model, blocks, cfg, device, strategy), strategy
     model = model.to(device)
     if strategy.name == "single":
         return model, strategy  # DDP on one rank only adds hooks and a broadcast
     return _ddp(model, cfg, device), strategy
+
+
+_noted: set[str] = set()
+
+
+def _note_blocks(model: nn.Module, found: Blocks, strategy: Strategy, cfg: BaseConfig) -> None:
+    """The blocks on the strategy (its tags, the terminal's strategy line) where anything uses
+    them; with none, one line on rank 0 saying what that means instead, once per process."""
+    effects = {"FSDP shards the whole model as one unit": strategy.name in ("fsdp", "hsdp"),
+               "activation checkpointing recomputes nothing": cfg.train.activation_checkpointing,
+               "compile takes the whole model as one graph": cfg.train.compile}
+    uses = [what for what, used in effects.items() if used]
+    if not uses:
+        return
+    if found.modules:
+        strategy.blocks = found.describe()
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    note = (f"no repeated blocks found in {type(model).__name__}: {', '.join(uses)} (give the pipeline "
+            f"blocks=[...] or blocks='path.to.layers' to choose them; docs/pipelines.md, Blocks)")
+    if rank == 0 and note not in _noted:
+        _noted.add(note)
+        log.warning(note)
 
 
 def _checkpoint_activations(block: nn.Module) -> None:

@@ -109,7 +109,8 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
            startup: dict[str, float]) -> dict[str, Any]:
     publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
     model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size,
-                                  example=_example_batch(pipe.train_set, cfg.train.batch_size), loss_fn=pipe.loss_fn)
+                                  example=_example_batch(pipe.train_set, cfg.train.batch_size), loss_fn=pipe.loss_fn,
+                                  blocks=pipe.blocks)
     startup["parallelize"] = time.time()
     optimizer = build_optimizer(model, cfg)
     batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed}

@@ -243,14 +243,16 @@ class Search:
         """A fresh model and, on rank 0, its memory estimate: no collective yet. Returns (True on
         out of memory, or another error's message; whether the estimate prunes it)."""
         try:
-            live["model"] = copy.deepcopy(pipe.model)
+            # One copy: the pipeline's blocks (modules of its model) become the copy's.
+            live["model"], live["blocks"] = copy.deepcopy((pipe.model, pipe.blocks))
         except Exception as exc:
             return (True if _is_oom(exc) else f"{type(exc).__name__}: {exc}"), False
         if self.rank != 0 or not estimate:
             return False, False
         try:
             example = _example(pipe.train_set, cfg.train.batch_size)
-            estimate = estimate_memory(live["model"], cfg, self.world_size, example, pipe.loss_fn)
+            estimate = estimate_memory(live["model"], cfg, self.world_size, example, pipe.loss_fn,
+                                       blocks=live["blocks"])
         except Exception as exc:  # a model the meta device cannot run: no estimate, nothing pruned
             log.debug("no memory estimate: %s: %s", type(exc).__name__, exc)
             return False, False
@@ -269,7 +271,7 @@ class Search:
             source, targets = _example(pipe.train_set, cfg.train.batch_size)
             if self.faults:
                 self.faults.before_forward(cfg.train.batch_size)
-            prepare_blocks(live["model"], cfg)  # recompute and compile as trained (a compile error shows here)
+            prepare_blocks(live["model"], cfg, live["blocks"])  # recompute and compile as trained (a compile error shows here)
             if cfg.strategy.name == "fsdp" and self.world_size > 1:
                 if self.device.type == "cuda":
                     torch.empty(estimate, dtype=torch.uint8, device=self.device).fill_(0)  # freed at once
@@ -290,7 +292,7 @@ class Search:
     def _wrap(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any]) -> None:
         """DDP or FSDP (collective: every rank is known to fit by now), the loader, its batches."""
         model, strategy = parallelize(live.pop("model"), cfg, self.device, self.world_size, loss_fn=pipe.loss_fn,
-                                      blocks_prepared=True)
+                                      blocks=live.pop("blocks"), blocks_prepared=True)
         live["model"], live["strategy"] = model, strategy
         live["loader"] = loader = train_data(pipe.train_set, self.runtime, batch_size=cfg.train.batch_size,
                                              seed=cfg.train.seed, samples_per_step=cfg.train.global_batch)

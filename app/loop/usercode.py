@@ -43,6 +43,18 @@ def pipeline_problem(pipe: Any) -> str | None:
     for name in ("loss_fn", "eval_sums"):
         if not callable(getattr(pipe, name)):
             return f"a Pipeline whose {name} is {type(getattr(pipe, name)).__name__}, not a function"
+    return _blocks_problem(pipe)
+
+
+def _blocks_problem(pipe: Any) -> str | None:
+    from raylane.loop.blocks import given_blocks
+
+    if pipe.blocks is None:
+        return None
+    try:
+        given_blocks(pipe.model, pipe.blocks)
+    except (TypeError, ValueError) as exc:
+        return f"a Pipeline whose {exc}"
     return None
 
 

@@ -89,7 +89,9 @@ class ProgressDisplay:
                 self._print(f"worker group restarted ({self.starts - 1})")
             self.info.update({k: v for k, v in event.items() if k != "event"})
             if self.starts == 1 and event.get("strategy"):
-                self._print(f"strategy {event['strategy']} ({event.get('strategy_reason', '')})")
+                blocks = (event.get("strategy_tags") or {}).get("raylane.strategy.blocks", "")
+                blocks = f"; blocks: {blocks}" if blocks else ""
+                self._print(f"strategy {event['strategy']} ({event.get('strategy_reason', '')}){blocks}")
             self._start_bar()
             self._skipped(event)
             if event.get("resumed_from_step"):
