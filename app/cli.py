@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a config and print it resolved")
     add_config_args(check)
+    check.add_argument("--blocks", action="store_true",
+                       help="also build the pipeline here (runs its build(cfg) on this machine's CPU) and print the "
+                            "model's blocks: what FSDP shards, activation checkpointing recomputes and compile takes")
 
     train = sub.add_parser("train", help="train a pipeline on Ray (or under torchrun / in-process)")
     add_config_args(train)
@@ -99,6 +102,14 @@ def _bench(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     cfg = api.check(args.config, args.overrides)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    if args.blocks:
+        from raylane.loop.blocks import pipeline_blocks
+        from raylane.pipelines_ref import UserCodeError
+
+        try:
+            print(f"blocks: {pipeline_blocks(cfg).describe()}", flush=True)
+        except UserCodeError as exc:  # build(cfg) raised, or returned no Pipeline (its blocks included)
+            raise ConfigError(str(exc)) from None
     return 0
 
 
