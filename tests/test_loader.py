@@ -1,5 +1,6 @@
 """The map-style loader: the pipeline's collate_fn, worker processes and pinned memory from the
-config's `loader` section, and an exact resume with workers (random augmentations included)."""
+config's `loader` section, an exact resume with workers (random augmentations included), and a
+collate_fn that raises, named in one line with and without workers."""
 
 from __future__ import annotations
 
@@ -69,6 +70,24 @@ def test_a_collate_fn_over_ragged_items_trains_with_workers_and_resumes_bit_exac
 
     run = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(s["run_id"])
     assert run.info.status == "FINISHED" and run.data.params["loader.num_workers"] == "2"
+
+
+@pytest.mark.untracked
+def test_a_collate_fn_that_raises_names_itself_and_its_line(run_cli, tmp_path):
+    """In the rank's own process, and in a loader worker, whose exception torch re-raises with
+    the worker's traceback as text: one line naming collate_fn and the pipeline's file:line."""
+    _project(tmp_path)
+    env = cli_env(tmp_path, COLLATE_RAISES="2")  # the 1st call is the example batch, before training
+    runs = {w: run_cli("train", "cfg.yaml", "--local", "--set", f"loader.num_workers={w}", "--set", f"run.name=w{w}",
+                       "--summary-json", f"w{w}.json", env=env, name=f"w{w}") for w in (0, 2)}
+    line = next(n for n, text in enumerate(HELPER.read_text().splitlines(), 1) if "raise ValueError" in text)
+    expected = (f"pipeline {str(tmp_path / 'pipe.py')!r}: collate_fn(items) raised ValueError: a ragged batch of "
+                f"8 items (at {tmp_path / 'pipe.py'}:{line})")
+    for w, proc in runs.items():
+        assert proc.wait(120) == 1, proc.output
+        assert read_json(tmp_path / f"w{w}.json")["error"] == expected, w
+        assert [x for x in proc.output.splitlines() if "ragged batch" in x] == [f"  error:         {expected}"], w
+        assert "Traceback" not in proc.output, w
 
 
 @pytest.mark.parametrize(("override", "says"), [
