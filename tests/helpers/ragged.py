@@ -44,7 +44,7 @@ CALLS = [0]
 
 def pad(items: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     CALLS[0] += 1
-    if CALLS[0] >= int(os.environ.get("COLLATE_RAISES", 0) or 1e9):
+    if CALLS[0] >= int(os.environ.get("COLLATE_RAISES") or 10**9):
         raise ValueError(f"a ragged batch of {len(items)} items")
     if (marks := os.environ.get("WORKER_MARKS")) and torch.utils.data.get_worker_info() is not None:
         (Path(marks) / str(os.getpid())).touch()
