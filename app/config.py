@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raylane import paths, pipelines_ref
 from raylane.paths import InputPath, OutputPath
@@ -154,6 +154,38 @@ class TrainSection(Section):
     global_batch_adjust: Literal["grad_accum_steps", "batch_size"] = "grad_accum_steps"
 
 
+class LoaderSection(Section):
+    """The DataLoader of a map-style dataset (a FileSource streams its own batches)."""
+
+    # Processes loading batches beside each rank. 0: in the rank's own process, as the HF Trainer
+    # and Accelerate default to (in-memory tensors gain nothing from workers, which only add
+    # start-up time). auto: min(4, this rank's share of the host's cores - 1) on a GPU, 0 on CPU,
+    # where the rank's compute already uses the cores.
+    num_workers: int | Literal["auto"] = 0
+    # Batches in page-locked memory, copied to the GPU without blocking. null: true on a GPU.
+    pin_memory: bool | None = None
+    # Keep the workers between epochs (and evaluations). null: true when there are workers.
+    persistent_workers: bool | None = None
+    # Batches each worker loads ahead. null: torch's default (2); needs workers.
+    prefetch_factor: int | None = Field(None, ge=1, le=1024)
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 256):
+            return value
+        raise ValueError(f"loader.num_workers = {_short(value)}: expected a number of workers from 0 to 256, or auto")
+
+    @model_validator(mode="after")
+    def _needs_workers(self) -> LoaderSection:
+        if self.num_workers == 0:
+            for key in ("prefetch_factor", "persistent_workers"):
+                if getattr(self, key):
+                    raise ValueError(f"loader.{key} = {getattr(self, key)}: needs loader.num_workers > 0 "
+                                     "(it sets the worker processes, and there are none)")
+        return self
+
+
 class OptimSection(Section):
     name: Literal["sgd", "adam", "adamw"] = "sgd"
     lr: float = Field(1e-3, gt=0, le=10)
@@ -237,6 +269,7 @@ class BaseConfig(Section):
     strategy: StrategySection = StrategySection()
     train: TrainSection = TrainSection()
     optim: OptimSection = OptimSection()
+    loader: LoaderSection = LoaderSection()
     checkpoint: CheckpointSection = CheckpointSection()
     failure: FailureSection = FailureSection()
     dist: DistSection = DistSection()
@@ -252,6 +285,9 @@ class BaseConfig(Section):
         if self.strategy.cpu_offload and (self.strategy.name == "ddp" or not self.scaling.use_gpu):
             raise ValueError("strategy.cpu_offload = True needs strategy.name: fsdp or auto, "
                              "and scaling.use_gpu: true (on CPU there is nothing to offload to)")
+        if self.loader.pin_memory and not self.scaling.use_gpu:
+            raise ValueError("loader.pin_memory = True needs scaling.use_gpu: true (pinned memory speeds up copies "
+                             "to a GPU; on CPU there are none)")
         return self
 
     def eval_metrics(self) -> tuple[str, ...] | None:

@@ -10,12 +10,18 @@ Ray Data's shard on Ray)."""
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable, Iterator
+import os
+import random
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler, Subset
+
+from raylane.loop.devices import local_world_size
 
 
 class EpochData(Protocol):
@@ -92,20 +98,97 @@ class GlobalOrderSampler(Sampler[int]):
 
 class EpochLoader(DataLoader):
     """A DataLoader over a ResumableSampler (or a GlobalOrderSampler): EpochData for map-style
-    datasets. Iterating it is plain DataLoader iteration (the per-step hot path is unchanged)."""
+    datasets. Iterating it is plain DataLoader iteration (the per-step hot path is unchanged).
+
+    With worker processes, each batch is loaded with the random generators of its worker seeded
+    from (seed, rank, epoch, batch): a random augmentation in `__getitem__` or `collate_fn` draws
+    the same numbers in a resumed epoch as in an uninterrupted one, whichever worker loads the
+    batch. In the rank's own process (no workers) it draws from the rank's generators, which the
+    checkpoint holds."""
 
     epochs_alike = True
 
+    def __init__(self, dataset: Dataset, *, sampler: Sampler[int], batch_size: int, seed: int, rank: int,
+                 **options: Any) -> None:
+        super().__init__(**_batching(dataset, sampler, batch_size, (seed, rank, 0), options))
+        self.order, self.rows_per_batch = sampler, batch_size
+        self.batches = self.batch_sampler if isinstance(self.batch_sampler, _SeededBatches) else None
+
     def batches_in_epoch(self, epoch: int) -> int:
-        return math.ceil(self.sampler.num_samples / self.batch_size)
+        return math.ceil(self.order.num_samples / self.rows_per_batch)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
-        self.sampler.set_epoch(epoch, skip_batches=skip_batches)
+        self.order.set_epoch(epoch, skip_batches=skip_batches)
+        if self.batches is not None:
+            self.batches.set_epoch(epoch, skip_batches)
+
+
+def _batching(dataset: Dataset, sampler: Sampler[int], batch_size: int, key: tuple[int, ...],
+              options: dict[str, Any]) -> dict[str, Any]:
+    """DataLoader keywords: with workers, batches tagged with `key` (seed, rank, train or
+    held-out), the epoch and their place in it, for the worker to seed its generators from."""
+    if not options.get("num_workers"):
+        return {"dataset": dataset, "batch_size": batch_size, "sampler": sampler, **options}
+    return {"dataset": _SeededItems(dataset), "batch_sampler": _SeededBatches(sampler, batch_size, key), **options}
+
+
+class _Batch(list):
+    """A batch's indices, and the seed of the worker's generators while it is loaded."""
+
+    seed: tuple[int, ...] = ()
+
+
+class _SeededBatches(Sampler[list[int]]):
+    """The sampler's indices in batches, each tagged with the key, the epoch and its place in the
+    epoch: iterated in the rank's own process, so set_epoch holds with persistent workers."""
+
+    def __init__(self, sampler: Sampler[int], batch_size: int, key: tuple[int, ...]) -> None:
+        self.sampler, self.batch_size, self.key = sampler, batch_size, key
+        self.epoch, self.skip_batches = 0, 0
+
+    def set_epoch(self, epoch: int, skip_batches: int) -> None:
+        self.epoch, self.skip_batches = epoch, skip_batches
+
+    def __iter__(self) -> Iterator[_Batch]:
+        indices = iter(self.sampler)
+        for place in itertools.count(self.skip_batches):
+            batch = _Batch(itertools.islice(indices, self.batch_size))
+            if not batch:
+                return
+            batch.seed = (*self.key, self.epoch, place)
+            yield batch
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+
+class _SeededItems(Dataset):
+    """The dataset as a worker reads it: a batch's items, after seeding the worker's torch,
+    numpy and python generators from the batch's tag (DataLoader's fetcher calls __getitems__)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, batch: list[int]) -> list[Any]:
+        if seed := getattr(batch, "seed", None):
+            state = np.random.SeedSequence(list(seed)).generate_state(2, dtype=np.uint64)
+            torch.manual_seed(int(state[0]))
+            np.random.seed(int(state[1]) % 2**32)
+            random.seed(int(state[1]))
+        many = getattr(self.dataset, "__getitems__", None)
+        return many(list(batch)) if many else [self.dataset[i] for i in batch]
 
 
 def build_loader(
     dataset: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool,
-    samples_per_step: int | None = None,
+    samples_per_step: int | None = None, collate_fn: Callable[[list[Any]], Any] | None = None,
+    options: dict[str, Any] | None = None,
 ) -> EpochLoader:
     sampler: Sampler[int]
     if samples_per_step:
@@ -115,7 +198,8 @@ def build_loader(
         sampler = ResumableSampler(
             dataset, batch_size=batch_size, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
         )
-    return EpochLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_options(seed))
+    return EpochLoader(dataset, batch_size=batch_size, sampler=sampler, seed=seed, rank=rank,
+                       **loader_options(seed, collate_fn, options))
 
 
 def is_stream(data: Any) -> bool:
@@ -124,14 +208,18 @@ def is_stream(data: Any) -> bool:
     return isinstance(data, FileSource)
 
 
-def train_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int,
-               samples_per_step: int | None = None) -> EpochData:
+def train_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int, samples_per_step: int | None = None,
+               collate_fn: Callable[[list[Any]], Any] | None = None,
+               options: dict[str, Any] | None = None) -> EpochData:
     """The training batches of this rank: a map-style dataset's loader, or a FileSource's stream
     (the launcher's, when it made one: Ray Data on Ray; else read here with pyarrow). With
-    `samples_per_step` (train.global_batch), the epoch's order is the same at any world size."""
+    `samples_per_step` (train.global_batch), the epoch's order is the same at any world size.
+    `collate_fn` (the pipeline's) and `options` (`worker_options`) apply to a map-style dataset;
+    a stream makes its batches with its FileSource's to_tensors."""
     if not is_stream(dataset):
         return build_loader(dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size,
-                            seed=seed, shuffle=True, samples_per_step=samples_per_step)
+                            seed=seed, shuffle=True, samples_per_step=samples_per_step, collate_fn=collate_fn,
+                            options=options)
     if samples_per_step:
         raise ValueError("train.global_batch: a streaming source's epochs are shared out by file, not by sample; "
                          "leave train.global_batch unset for it")
@@ -141,7 +229,9 @@ def train_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int,
         dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size, seed=seed)
 
 
-def eval_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int) -> Iterable | None:
+def eval_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int,
+              collate_fn: Callable[[list[Any]], Any] | None = None,
+              options: dict[str, Any] | None = None) -> Iterable | None:
     """This rank's share of the held-out set, every sample in exactly one rank's share."""
     if dataset is None:
         return None
@@ -151,14 +241,44 @@ def eval_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int) -> Iter
         return runtime.data_stream("eval", dataset, batch_size=batch_size) or FileEvalStream(
             dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size)
     shard = Subset(dataset, shard_indices(len(dataset), runtime.rank, runtime.world_size))
-    return DataLoader(shard, batch_size=batch_size, **loader_options(seed))
+    # With workers, every evaluation loads the same batches alike (random augmentations too),
+    # whatever ran before it: a resumed run's evaluations match an uninterrupted run's.
+    return DataLoader(**_batching(shard, SequentialSampler(shard), batch_size, (seed, runtime.rank, 1),
+                                  loader_options(seed, collate_fn, options)))
 
 
-def loader_options(seed: int) -> dict:
-    # In-memory tensors: worker processes would only add start-up time and nondeterminism. Every
-    # iter() of a DataLoader draws a seed from its generator: a private one keeps the global RNG
-    # (dropout) on the same sequence whether or not an epoch was resumed part-way.
-    return {"num_workers": 0, "generator": torch.Generator().manual_seed(seed)}
+def loader_options(seed: int, collate_fn: Callable[[list[Any]], Any] | None = None,
+                   options: dict[str, Any] | None = None) -> dict[str, Any]:
+    # Every iter() of a DataLoader draws a seed from its generator: a private one keeps the global
+    # RNG (dropout) on the same sequence whether or not an epoch was resumed part-way. No options:
+    # batches are loaded in the rank's own process.
+    return {"num_workers": 0, **(options or {}), "collate_fn": collate_fn,
+            "generator": torch.Generator().manual_seed(seed)}
+
+
+def worker_options(loader: Any, device: torch.device) -> dict[str, Any]:
+    """DataLoader keywords from the config's `loader` section, its nulls and auto chosen for
+    `device`: workers on a GPU only (on CPU the rank's compute already uses the cores), pinned
+    memory on a GPU, persistent workers when there are workers; prefetch_factor torch's own."""
+    gpu = device.type == "cuda"
+    workers = loader.num_workers
+    if workers == "auto":
+        workers = min(4, max(0, cores() // local_world_size() - 1)) if gpu else 0
+    options: dict[str, Any] = {"num_workers": workers,
+                               "pin_memory": gpu if loader.pin_memory is None else loader.pin_memory}
+    if workers:
+        options["persistent_workers"] = True if loader.persistent_workers is None else loader.persistent_workers
+        if loader.prefetch_factor is not None:
+            options["prefetch_factor"] = loader.prefetch_factor
+    return options
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity: a container's or a scheduler's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def shard_indices(n: int, rank: int, world_size: int) -> list[int]:

@@ -21,7 +21,7 @@ from raylane import pipelines_ref
 from raylane.batching import held_batch
 from raylane.config import BaseConfig
 from raylane.loop import checkpoint, faults, usercode
-from raylane.loop.data import eval_data, is_stream, train_data
+from raylane.loop.data import eval_data, is_stream, train_data, worker_options
 from raylane.loop.devices import peak_flops
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
 from raylane.loop.parallel import parallelize
@@ -109,11 +109,12 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
            startup: dict[str, float]) -> dict[str, Any]:
     publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
     model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size,
-                                  example=_example_batch(pipe.train_set, cfg.train.batch_size), loss_fn=pipe.loss_fn,
-                                  blocks=pipe.blocks)
+                                  example=_example_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn),
+                                  loss_fn=pipe.loss_fn, blocks=pipe.blocks)
     startup["parallelize"] = time.time()
     optimizer = build_optimizer(model, cfg)
-    batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed}
+    batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed, "collate_fn": pipe.collate_fn,
+                "options": worker_options(cfg.loader, runtime.device)}
     train_loader = train_data(pipe.train_set, runtime, **batching, samples_per_step=cfg.train.global_batch)
     if runtime.rank == 0:
         _note_small_epoch(pipe.train_set, train_loader, cfg, runtime.world_size)
@@ -198,15 +199,16 @@ def _init_from(cfg: BaseConfig) -> str | None:
     return path
 
 
-def _example_batch(dataset, batch_size: int):
-    """One micro-batch, read without touching any random generator (for the memory estimate);
-    None for a stream, which has no batch to spare before its first epoch."""
+def _example_batch(dataset, batch_size: int, collate_fn: Callable[[list[Any]], Any] | None = None):
+    """One micro-batch, collated as the loader does (the pipeline's collate_fn), read without
+    touching any random generator (for the memory estimate); None for a stream, which has no
+    batch to spare before its first epoch."""
     from torch.utils.data import default_collate
 
     if is_stream(dataset):
         return None
 
-    return default_collate([dataset[i] for i in range(min(batch_size, len(dataset)))])
+    return (collate_fn or default_collate)([dataset[i] for i in range(min(batch_size, len(dataset)))])
 
 
 def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,

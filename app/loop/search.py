@@ -37,7 +37,7 @@ from raylane import pipelines_ref
 from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import BaseConfig, apply_values
 from raylane.loop import faults as fault_plans
-from raylane.loop.data import train_data
+from raylane.loop.data import train_data, worker_options
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
 from raylane.loop.parallel import estimate_memory, parallelize, prepare_blocks, unwrap
 from raylane.loop.reporting import Reporter
@@ -250,7 +250,7 @@ class Search:
         if self.rank != 0 or not estimate:
             return False, False
         try:
-            example = _example(pipe.train_set, cfg.train.batch_size)
+            example = _example(pipe.train_set, cfg.train.batch_size, pipe.collate_fn)
             estimate = estimate_memory(live["model"], cfg, self.world_size, example, pipe.loss_fn,
                                        blocks=live["blocks"])
         except Exception as exc:  # a model the meta device cannot run: no estimate, nothing pruned
@@ -268,7 +268,7 @@ class Search:
         every rank, a reservation of the estimated bytes. True on out of memory, another error's
         message, or False."""
         try:
-            source, targets = _example(pipe.train_set, cfg.train.batch_size)
+            source, targets = _example(pipe.train_set, cfg.train.batch_size, pipe.collate_fn)
             if self.faults:
                 self.faults.before_forward(cfg.train.batch_size)
             prepare_blocks(live["model"], cfg, live["blocks"])  # recompute and compile as trained (a compile error shows here)
@@ -295,7 +295,9 @@ class Search:
                                       blocks=live.pop("blocks"), blocks_prepared=True)
         live["model"], live["strategy"] = model, strategy
         live["loader"] = loader = train_data(pipe.train_set, self.runtime, batch_size=cfg.train.batch_size,
-                                             seed=cfg.train.seed, samples_per_step=cfg.train.global_batch)
+                                             seed=cfg.train.seed, samples_per_step=cfg.train.global_batch,
+                                             collate_fn=pipe.collate_fn,
+                                             options=worker_options(cfg.loader, self.device))
         live["batches"] = _forever(loader)
 
     def _measure(self, cfg: BaseConfig, live: dict[str, Any], baseline: int, setup: float) -> dict[str, Any]:
@@ -425,10 +427,10 @@ def _attempt(step: Callable[[], Any]) -> bool | str:
         return True if _is_oom(exc) else f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
-def _example(dataset: Any, batch_size: int):
+def _example(dataset: Any, batch_size: int, collate_fn: Callable[[list[Any]], Any] | None = None):
     from raylane.loop.run import _example_batch
 
-    return _example_batch(dataset, batch_size)
+    return _example_batch(dataset, batch_size, collate_fn)
 
 
 def _window_sizes(steps: int, windows: int) -> list[int]:

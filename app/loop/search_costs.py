@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from raylane.config import BaseConfig
 from raylane.loop import checkpoint
-from raylane.loop.data import eval_data, is_stream
+from raylane.loop.data import eval_data, is_stream, worker_options
 from raylane.loop.evaluation import Evaluator
 
 # Held-out batches timed (after one untimed) to estimate an evaluation of the whole share.
@@ -49,7 +49,8 @@ def eval_seconds(cfg: BaseConfig, model: torch.nn.Module, pipe: Any, runtime: An
     timed = min(EVAL_BATCHES, len(dataset) // world // size - 1)  # every rank has these in full
     if timed < 1:
         return 0.0
-    loader = eval_data(dataset, runtime, batch_size=size, seed=cfg.train.seed)
+    loader = eval_data(dataset, runtime, batch_size=size, seed=cfg.train.seed, collate_fn=pipe.collate_fn,
+                       options=worker_options(cfg.loader, runtime.device))
     batches = list(itertools.islice(loader, timed + 1))
     Evaluator(batches[:1], pipe.eval_sums, runtime.device, world)(model)  # compiles, agrees on names
     began = clock()

@@ -1,7 +1,8 @@
 """An error in the user's pipeline code, said in one line: which of the pipeline's functions
-raised or returned what its contract does not allow (build(cfg), loss_fn, eval_sums, the model's
-forward, a dataset's __getitem__ or __len__, a FileSource's transform or to_tensors), the
-exception, and the innermost `file:line` of the user's own code.
+raised or returned what its contract does not allow (build(cfg), loss_fn, eval_sums, collate_fn,
+the model's forward, a dataset's __getitem__ or __len__, a FileSource's transform or to_tensors),
+the exception, and the innermost `file:line` of the user's own code; in a DataLoader worker too,
+from the traceback torch passes on as text.
 
 Nothing here costs a training step: an exception is explained from its traceback once it has
 left the rank's run (`explain`), and the return values the loop relies on are checked at the
@@ -24,6 +25,12 @@ from raylane.pipelines_ref import UserCodeError
 TRACEBACK_ATTR = "raylane_traceback"
 LOSS_ROLE = "loss_fn(output, target)"
 SUMS_ROLE = "eval_sums(output, target)"
+COLLATE_ROLE = "collate_fn(items)"
+# How torch re-raises an exception of a DataLoader worker (torch.utils._utils.ExceptionWrapper):
+# the original traceback, as text, in the message of an exception of the same type.
+_WORKER = re.compile(r"\ACaught \S+ in (?:DataLoader worker process \d+|pin memory thread[^\n]*)\.\n"
+                     r"Original Traceback \(most recent call last\):\n")
+_FRAME = re.compile(r'^  File "(.+)", line (\d+), in (\S+)$', re.MULTILINE)
 _UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
 _DDP_KEYWORD = "`find_unused_parameters=True`"  # in torch's message, which names no raylane key
 
@@ -114,13 +121,31 @@ def explain(exc: BaseException, cfg: Any, pipe: Any) -> BaseException:
     module = pipelines_ref.load(cfg.pipeline)
     roles = _roles(pipe, module)
     own = [getattr(module, "__file__", None) or ""]
-    at = pipelines_ref.user_frame(exc, own)
-    role = _role(exc, roles, own)
-    if at is None or role is None:
+    frames = [(f.f_code.co_filename, line, f.f_code) for f, line in traceback.walk_tb(exc.__traceback__)]
+    text = str(exc)
+    if worker := _WORKER.match(text):  # raised in a loader worker: its frames are in the message
+        frames, text = _worker_traceback(text[worker.end():])
+    mine = [(file, line, name) for file, line, name in frames if pipelines_ref.is_user_file(file, own)]
+    role = _role(frames, roles, mine)
+    if not mine or role is None:
         return exc
-    text = " ".join(str(exc).split())
+    text = " ".join(text.split())
     notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", ()))  # the data's place (baddata)
+    at = f"{mine[-1][0]}:{mine[-1][1]}"
     return UserCodeError(f"pipeline {cfg.pipeline!r}: {role} raised {type(exc).__name__}: {text} (at {at}{notes})")
+
+
+def _worker_traceback(text: str) -> tuple[list[tuple[str, int, str]], str]:
+    """A worker's traceback, as torch passes it on: its frames (file, line, function name), and
+    the exception's own message (after the frames, less the type's name)."""
+    last = text.split("\nTraceback (most recent call last):\n")[-1]  # a chained exception's own
+    frames = [(file, int(line), name) for file, line, name in _FRAME.findall(last)]
+    lines = last.rstrip("\n").split("\n")
+    tail = len(lines)
+    while tail and not lines[tail - 1].startswith(" "):
+        tail -= 1
+    message = "\n".join(lines[tail:])
+    return frames, message.split(": ", 1)[1] if ": " in message.split("\n")[0] else ""
 
 
 def _not_the_users(exc: BaseException) -> bool:
@@ -140,15 +165,24 @@ def keep_traceback(error: BaseException, exc: BaseException) -> None:
         setattr(error, TRACEBACK_ATTR, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
 
-def _role(exc: BaseException, roles: dict[CodeType, str], own: list[str]) -> str | None:
-    """The contract function the exception left: the outermost frame that is one of them, else
-    the outermost frame of the user's code, by its name."""
-    frames = [frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)]
-    named = next((roles[code] for code in frames if code in roles), None)
+def _role(frames: list[tuple[str, int, Any]], roles: dict[CodeType, str],
+          mine: list[tuple[str, int, Any]]) -> str | None:
+    """The contract function the exception left: the outermost frame (file, line, and its code,
+    or its function's name when read from a worker's text) that is one of them, else the
+    outermost frame of the user's code, by its name."""
+    named = next((role for frame in frames if (role := _role_of(frame, roles))), None)
     if named:
         return named
-    mine = next((code for code in frames if pipelines_ref.is_user_file(code.co_filename, own)), None)
-    return f"{mine.co_name}()" if mine else None
+    first = mine[0][2] if mine else None
+    return f"{getattr(first, 'co_name', first)}()" if mine else None
+
+
+def _role_of(frame: tuple[str, int, Any], roles: dict[CodeType, str]) -> str | None:
+    file, line, code = frame
+    if not isinstance(code, str):
+        return roles.get(code)
+    return next((role for own, role in roles.items() if own.co_filename == file and own.co_name == code
+                 and own.co_firstlineno <= line <= max((end for *_, end in own.co_lines() if end), default=0)), None)
 
 
 def _roles(pipe: Any, module: Any) -> dict[CodeType, str]:
@@ -156,7 +190,7 @@ def _roles(pipe: Any, module: Any) -> dict[CodeType, str]:
     named: list[tuple[str, Any]] = [("build(cfg)", getattr(module, "build", None)),
                                     ("sources(cfg)", getattr(module, "sources", None))]
     if pipe is not None:
-        named += [(LOSS_ROLE, pipe.loss_fn), (SUMS_ROLE, pipe.eval_sums),
+        named += [(LOSS_ROLE, pipe.loss_fn), (SUMS_ROLE, pipe.eval_sums), (COLLATE_ROLE, pipe.collate_fn),
                   ("the model's forward", getattr(type(pipe.model), "forward", None))]
         for name in ("train_set", "eval_set"):
             data = getattr(pipe, name)
