@@ -1,6 +1,7 @@
 """An error in the user's pipeline code, said in one line: which of the pipeline's functions
 raised or returned what its contract does not allow (build(cfg), loss_fn, eval_sums, the model's
-forward, a dataset's __getitem__ or __len__, a FileSource's transform or to_tensors), the
+forward, a dataset's __getitem__ or __len__, a FileSource's transform or to_tensors, optimizer
+and scheduler), the
 exception, and the innermost `file:line` of the user's own code.
 
 Nothing here costs a training step: an exception is explained from its traceback once it has
@@ -24,6 +25,8 @@ from raylane.pipelines_ref import UserCodeError
 TRACEBACK_ATTR = "raylane_traceback"
 LOSS_ROLE = "loss_fn(output, target)"
 SUMS_ROLE = "eval_sums(output, target)"
+OPTIMIZER_ROLE = "optimizer(model, cfg)"
+SCHEDULER_ROLE = "scheduler(optimizer, cfg, total_steps)"
 _UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
 _DDP_KEYWORD = "`find_unused_parameters=True`"  # in torch's message, which names no raylane key
 
@@ -43,6 +46,9 @@ def pipeline_problem(pipe: Any) -> str | None:
     for name in ("loss_fn", "eval_sums"):
         if not callable(getattr(pipe, name)):
             return f"a Pipeline whose {name} is {type(getattr(pipe, name)).__name__}, not a function"
+    for name in ("optimizer", "scheduler"):
+        if getattr(pipe, name) is not None and not callable(getattr(pipe, name)):
+            return f"a Pipeline whose {name} is {type(getattr(pipe, name)).__name__}, not a function or None"
     return None
 
 
@@ -59,11 +65,39 @@ def _once(owner: Any, attr: str, fn: Callable, problem: Callable[[Any], str | No
         setattr(owner, attr, fn)
         out = fn(*args)
         if (text := problem(out)) is not None:
-            raise UserCodeError(f"pipeline {cfg.pipeline!r}: {role} returned {text} "
-                                f"(at {pipelines_ref.returned_at(_function(fn))})")
+            raise wrong_return(cfg, role, fn, text)
         return out
 
     setattr(owner, attr, first)
+
+
+def wrong_return(cfg: Any, role: str, fn: Callable, text: str) -> UserCodeError:
+    """The error for a pipeline function `fn` that returned `text` (what came and what is expected)."""
+    return UserCodeError(f"pipeline {cfg.pipeline!r}: {role} returned {text} "
+                         f"(at {pipelines_ref.returned_at(_function(fn))})")
+
+
+def optimizer_problem(optimizer: Any) -> str | None:
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return f"{type(optimizer).__name__}: it must return a torch.optim.Optimizer over the model's parameters"
+    return None
+
+
+def scheduler_problem(scheduler: Any, optimizer: Any) -> str | None:
+    """None is allowed (a constant lr). raylane steps the schedule once per optimizer step, with no
+    metric, and checkpoints it with its optimizer."""
+    from torch.optim import lr_scheduler
+
+    if scheduler is None:
+        return None
+    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau) or not isinstance(scheduler, lr_scheduler.LRScheduler):
+        return (f"{type(scheduler).__name__}: it must return a torch.optim.lr_scheduler.LRScheduler stepped once per "
+                "optimizer step with no metric (not ReduceLROnPlateau), or None")
+    if scheduler.optimizer is not optimizer:
+        return f"a {type(scheduler).__name__} of another optimizer: it must schedule the optimizer it is given"
+    return None
 
 
 def _loss_problem(loss: Any) -> str | None:
@@ -144,7 +178,8 @@ def _roles(pipe: Any, module: Any) -> dict[CodeType, str]:
     named: list[tuple[str, Any]] = [("build(cfg)", getattr(module, "build", None)),
                                     ("sources(cfg)", getattr(module, "sources", None))]
     if pipe is not None:
-        named += [(LOSS_ROLE, pipe.loss_fn), (SUMS_ROLE, pipe.eval_sums),
+        named += [(LOSS_ROLE, pipe.loss_fn), (SUMS_ROLE, pipe.eval_sums), (OPTIMIZER_ROLE, pipe.optimizer),
+                  (SCHEDULER_ROLE, pipe.scheduler),
                   ("the model's forward", getattr(type(pipe.model), "forward", None))]
         for name in ("train_set", "eval_set"):
             data = getattr(pipe, name)
