@@ -191,9 +191,18 @@ class OptimSection(Section):
     lr: float = Field(1e-3, gt=0, le=10)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
-    # Linear warmup from 0 over warmup_steps, then constant or cosine decay to 0 at the last step.
-    schedule: Literal["constant", "cosine"] = "constant"
+    # With weight_decay: decay biases and normalization weights too. false (the default): no decay
+    # on 1-D parameters and on any parameter of a norm layer (LayerNorm, RMSNorm, BatchNorm, ...).
+    decay_norm_and_bias: bool = False
+    # A linear warmup over warmup_steps (from lr/warmup_steps to lr), then: constant; cosine or
+    # linear decay to lr x min_lr_ratio at the last step; or wsd (warmup-stable-decay): lr held,
+    # then a linear decay to lr x min_lr_ratio over the last decay_fraction of the steps (starting
+    # no earlier than the warmup's end: a run too short for both says so and shortens the decay).
+    # The last step follows train.max_steps / max_epochs, on a relaunch too.
+    schedule: Literal["constant", "cosine", "linear", "wsd"] = "constant"
     warmup_steps: int = Field(0, ge=0)
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
 
 
 class CheckpointSection(Section):

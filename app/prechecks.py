@@ -148,7 +148,7 @@ def check_init_from(cfg: BaseConfig) -> None:
     recorded = (manifest.get("train_state") or {}).get("config")
     if isinstance(recorded, dict) and (key := first_unloadable(flatten(recorded), cfg.flat())) is not None:
         raise ConfigError(f"{key} = {_shown(cfg.flat(), key)}: {field} = {path!r} was saved with {key} = "
-                          f"{_shown(flatten(recorded), key)}, which this config cannot load")
+                          f"{_shown(_as_saved(flatten(recorded)), key)}, which this config cannot load")
 
 
 def check_metric(field: str, metric: str, cfg: BaseConfig) -> None:
@@ -304,10 +304,19 @@ def newest_manifest(folder: Path) -> tuple[Path, dict[str, Any]] | None:
 def _optimizer_state(flat: dict[str, Any]) -> tuple[Any, ...]:
     """What shapes the optimizer's saved state: DCP cannot load a state that lacks an entry the
     new optimizer has (SGD has no `step`, Adam no `momentum`; SGD keeps a momentum buffer only
-    with momentum; a schedule adds `initial_lr`)."""
+    with momentum; a schedule adds `initial_lr`), and its parameter groups (raylane.loop.optim:
+    two with weight decay unless decay_norm_and_bias, which a config from before the key lacks:
+    it had one group)."""
     name = flat.get("optim.name")
     return ("sgd" if name == "sgd" else "adam", name == "sgd" and bool(flat.get("optim.momentum")),
-            flat.get("optim.schedule") != "constant" or bool(flat.get("optim.warmup_steps")))
+            flat.get("optim.schedule") != "constant" or bool(flat.get("optim.warmup_steps")),
+            bool(flat.get("optim.weight_decay")) and flat.get("optim.decay_norm_and_bias", True) is False)
+
+
+def _as_saved(flat: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's flat config, with what a key added since meant then: before
+    optim.decay_norm_and_bias, every parameter was decayed."""
+    return {"optim.decay_norm_and_bias": True, **flat} if "optim.weight_decay" in flat else flat
 
 
 def first_unloadable(old: dict[str, Any], new: dict[str, Any]) -> str | None:
@@ -315,6 +324,7 @@ def first_unloadable(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     loading under `new`: the pipeline, any model key (even dropout renames the layers after it),
     then the optimizer's state. Anything else (epochs, steps, workers, MLflow, checkpoint
     cadence, learning rate) may change on resume."""
+    old = _as_saved(old)
     model = dict.fromkeys(k for k in [*old, *new] if k.startswith("model."))
     for key in ("pipeline", *model):
         if old.get(key, _UNSET) != new.get(key, _UNSET):
@@ -326,11 +336,14 @@ def first_unloadable(old: dict[str, Any], new: dict[str, Any]) -> str | None:
         return "optim.momentum"
     if now[2] and not was[2]:
         return "optim.schedule" if old.get("optim.schedule") != new.get("optim.schedule") else "optim.warmup_steps"
+    if now[3] != was[3]:
+        return "optim.weight_decay" if bool(old.get("optim.weight_decay")) != bool(new.get("optim.weight_decay")) \
+            else "optim.decay_norm_and_bias"
     return None
 
 
 def _check_loadable(cfg: BaseConfig, old: dict[str, Any], checkpoint: Path) -> None:
-    new = cfg.flat()
+    new, old = cfg.flat(), _as_saved(old)
     key = first_unloadable(old, new)
     if key is None:
         return

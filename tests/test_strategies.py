@@ -12,6 +12,7 @@ import torch
 
 from raylane.config import load_config
 from raylane.loop import checkpoint
+from raylane.loop.optim import build_optimizer
 from raylane.loop.parallel import activation_bytes, choose_strategy, estimate_memory
 from tests.conftest import REPO, TORCHRUN, read_json
 
@@ -72,7 +73,7 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
 
     cfg = load_config("gpt-tiny")
     pipe = build(cfg)
-    checkpoint.load(fsdp["checkpoint"], pipe.model, torch.optim.AdamW(pipe.model.parameters()))
+    checkpoint.load(fsdp["checkpoint"], pipe.model, build_optimizer(pipe.model, cfg))  # its parameter groups
     pipe.model.eval()
     with torch.no_grad():
         held = [pipe.eval_set[i] for i in range(len(pipe.eval_set))]

@@ -414,6 +414,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     # Not strict: the aliases are loaded through their canonical tensor; what else is missing is
     # checked below.
     options, rngs = dcp.state_dict.StateDictOptions(strict=False), None
+    groups = group_layout(optim_sd, names)  # before a DCP load replaces them with the checkpoint's
     if (Path(path) / STATE_FILE).exists():
         state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
         rngs = state.pop("rng", None)
@@ -425,10 +426,12 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         state = {"model": model_sd, "optim": optim_sd}
         from torch.distributed.checkpoint.api import CheckpointException
 
+        _check_groups(path, groups, _saved_group_count(path))
         try:
             dcp.load(state, checkpoint_id=str(path))
         except CheckpointException as exc:  # a BaseException, which the launchers' handlers would miss
             raise CheckpointLoadError(f"checkpoint {path} cannot be loaded ({_describe(exc, rank or 0)})") from None
+    _check_groups(path, groups, group_layout(state["optim"], names))
     loaded = dcp.state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"],
                                            optim_state_dict=state["optim"], options=options)
     missing, unexpected = unexplained(loaded.missing_keys, names), sorted(loaded.unexpected_keys)
@@ -446,3 +449,29 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     elif rng.exists():
         set_rng_state(json.loads(rng.read_text()))
     return train_state
+
+
+def group_layout(optim_state: dict[str, Any], names: dict[str, str]) -> list[tuple[str, ...]]:
+    """An optimizer state's parameter groups, as the canonical names of their parameters."""
+    return sorted(tuple(sorted({names.get(p, p) for p in g["params"]})) for g in optim_state.get("param_groups", ()))
+
+
+def _saved_group_count(path: str | os.PathLike) -> int:
+    """The parameter groups of a sharded checkpoint's optimizer, from DCP's metadata (its keys
+    are `optim.param_groups.<index>.<key>`)."""
+    keys = _dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return len({k.split(".")[2] for k in keys if k.startswith("optim.param_groups.")})
+
+
+def _check_groups(path: str | os.PathLike, here: list[tuple[str, ...]], there: list[tuple[str, ...]] | int) -> None:
+    """The checkpoint's optimizer groups its parameters as this run's does (`there`: the groups,
+    or only their count): torch would load another grouping without a word and fail at the next
+    step, or train with the wrong group's settings."""
+    if there == (len(here) if isinstance(there, int) else here):
+        return
+    count = there if isinstance(there, int) else len(there)
+    raise CheckpointLoadError(
+        f"checkpoint {path} does not fit this run's optimizer: it groups the parameters differently ({count} "
+        f"parameter group{'s' if count != 1 else ''} there, {len(here)} here: optim.weight_decay or "
+        "optim.decay_norm_and_bias changed, or the pipeline's optimizer); keep them to resume it, or start a "
+        "fresh run with another run.name")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from raylane.loop import checkpoint, faults, usercode
 from raylane.loop.data import eval_data, is_stream, train_data, worker_options
 from raylane.loop.devices import peak_flops
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
+from raylane.loop.optim import build_optimizer, build_scheduler, schedule_note
 from raylane.loop.parallel import parallelize
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import LocalRuntime, Runtime
@@ -39,37 +39,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: BaseConfig) -> torch.optim.Optimizer:
-    o = cfg.optim
-    if o.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
-    return cls(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: BaseConfig,
-                    total_steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
-    o = cfg.optim
-    if o.schedule == "constant" and not o.warmup_steps:
-        return None
-    warmup = o.warmup_steps
-    # Mutable: a resume whose steps per epoch changed moves the run's last step (Trainer.load_state_dict).
-    horizon = {"total_steps": total_steps}
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if o.schedule == "cosine":
-            decay_steps = max(horizon["total_steps"] - warmup, 1)
-            return 0.5 * (1 + math.cos(math.pi * min(step - warmup, decay_steps) / decay_steps))
-        return 1.0
-
-    # On the function, not the scheduler: a scheduler's attributes go into its state_dict and a
-    # load would replace this dict; LambdaLR saves nothing of a plain function.
-    factor.horizon = horizon
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def _side_groups(cfg: BaseConfig, world_size: int) -> tuple[Any, Any]:
@@ -112,7 +81,7 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
                                   example=_example_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn),
                                   loss_fn=pipe.loss_fn, blocks=pipe.blocks)
     startup["parallelize"] = time.time()
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(model, cfg, pipe)  # over the wrapped model's parameters (DTensors under FSDP)
     batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed, "collate_fn": pipe.collate_fn,
                 "options": worker_options(cfg.loader, runtime.device)}
     train_loader = train_data(pipe.train_set, runtime, **batching, samples_per_step=cfg.train.global_batch)
@@ -121,9 +90,12 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
         train_loader = _FirstBatchClock(train_loader, startup)
     eval_loader = eval_data(pipe.eval_set, runtime, **batching)
     control_group, save_group = _side_groups(cfg, runtime.world_size)
+    total_steps = plan_steps(train_loader, cfg)[1]
+    if runtime.rank == 0 and (note := schedule_note(cfg, total_steps, pipe)):
+        log.warning("%s", note)
     trainer = Trainer(
         model, train_loader, optimizer, loss_fn=pipe.loss_fn, eval_data=eval_loader,
-        scheduler=build_scheduler(optimizer, cfg, plan_steps(train_loader, cfg)[1]),
+        scheduler=build_scheduler(optimizer, cfg, total_steps, pipe),
         control_group=control_group, save_group=save_group, strategy=strategy,
         throughput=Throughput(pipe.tokens_per_sample, pipe.flops_per_token,
                               peak_flops(runtime.device, cfg.train.precision, cfg.scaling.peak_tflops)),

@@ -301,10 +301,10 @@ class Search:
         live["batches"] = _forever(loader)
 
     def _measure(self, cfg: BaseConfig, live: dict[str, Any], baseline: int, setup: float) -> dict[str, Any]:
-        from raylane.loop.run import build_optimizer
+        from raylane.loop.optim import build_optimizer
 
         model = live["model"]
-        optimizer = live["optimizer"] = build_optimizer(model, cfg)
+        optimizer = live["optimizer"] = build_optimizer(model, cfg, self.pipe)  # the pipeline's own state too
         throughput = Throughput(self.pipe.tokens_per_sample, self.pipe.flops_per_token,
                                 peak_flops(self.device, cfg.train.precision, cfg.scaling.peak_tflops))
         trainer = live["trainer"] = Trainer(

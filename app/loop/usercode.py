@@ -1,8 +1,8 @@
 """An error in the user's pipeline code, said in one line: which of the pipeline's functions
 raised or returned what its contract does not allow (build(cfg), loss_fn, eval_sums, collate_fn,
-the model's forward, a dataset's __getitem__ or __len__, a FileSource's transform or to_tensors),
-the exception, and the innermost `file:line` of the user's own code; in a DataLoader worker too,
-from the traceback torch passes on as text.
+the model's forward, a dataset's __getitem__ or __len__, a FileSource's transform or to_tensors,
+optimizer and scheduler), the exception, and the innermost `file:line` of the user's own code; in
+a DataLoader worker too, from the traceback torch passes on as text.
 
 Nothing here costs a training step: an exception is explained from its traceback once it has
 left the rank's run (`explain`), and the return values the loop relies on are checked at the
@@ -31,6 +31,8 @@ COLLATE_ROLE = "collate_fn(items)"
 _WORKER = re.compile(r"\ACaught \S+ in (?:DataLoader worker process \d+|pin memory thread[^\n]*)\.\n"
                      r"Original Traceback \(most recent call last\):\n")
 _FRAME = re.compile(r'^  File "(.+)", line (\d+), in (\S+)$', re.MULTILINE)
+OPTIMIZER_ROLE = "optimizer(model, cfg)"
+SCHEDULER_ROLE = "scheduler(optimizer, cfg, total_steps)"
 _UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
 _DDP_KEYWORD = "`find_unused_parameters=True`"  # in torch's message, which names no raylane key
 
@@ -50,6 +52,9 @@ def pipeline_problem(pipe: Any) -> str | None:
     for name in ("loss_fn", "eval_sums"):
         if not callable(getattr(pipe, name)):
             return f"a Pipeline whose {name} is {type(getattr(pipe, name)).__name__}, not a function"
+    for name in ("optimizer", "scheduler"):
+        if getattr(pipe, name) is not None and not callable(getattr(pipe, name)):
+            return f"a Pipeline whose {name} is {type(getattr(pipe, name)).__name__}, not a function or None"
     return _blocks_problem(pipe)
 
 
@@ -78,11 +83,39 @@ def _once(owner: Any, attr: str, fn: Callable, problem: Callable[[Any], str | No
         setattr(owner, attr, fn)
         out = fn(*args)
         if (text := problem(out)) is not None:
-            raise UserCodeError(f"pipeline {cfg.pipeline!r}: {role} returned {text} "
-                                f"(at {pipelines_ref.returned_at(_function(fn))})")
+            raise wrong_return(cfg, role, fn, text)
         return out
 
     setattr(owner, attr, first)
+
+
+def wrong_return(cfg: Any, role: str, fn: Callable, text: str) -> UserCodeError:
+    """The error for a pipeline function `fn` that returned `text` (what came and what is expected)."""
+    return UserCodeError(f"pipeline {cfg.pipeline!r}: {role} returned {text} "
+                         f"(at {pipelines_ref.returned_at(_function(fn))})")
+
+
+def optimizer_problem(optimizer: Any) -> str | None:
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return f"{type(optimizer).__name__}: it must return a torch.optim.Optimizer over the model's parameters"
+    return None
+
+
+def scheduler_problem(scheduler: Any, optimizer: Any) -> str | None:
+    """None is allowed (a constant lr). raylane steps the schedule once per optimizer step, with no
+    metric, and checkpoints it with its optimizer."""
+    from torch.optim import lr_scheduler
+
+    if scheduler is None:
+        return None
+    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau) or not isinstance(scheduler, lr_scheduler.LRScheduler):
+        return (f"{type(scheduler).__name__}: it must return a torch.optim.lr_scheduler.LRScheduler stepped once per "
+                "optimizer step with no metric (not ReduceLROnPlateau), or None")
+    if scheduler.optimizer is not optimizer:
+        return f"a {type(scheduler).__name__} of another optimizer: it must schedule the optimizer it is given"
+    return None
 
 
 def _loss_problem(loss: Any) -> str | None:
@@ -191,6 +224,7 @@ def _roles(pipe: Any, module: Any) -> dict[CodeType, str]:
                                     ("sources(cfg)", getattr(module, "sources", None))]
     if pipe is not None:
         named += [(LOSS_ROLE, pipe.loss_fn), (SUMS_ROLE, pipe.eval_sums), (COLLATE_ROLE, pipe.collate_fn),
+                  (OPTIMIZER_ROLE, pipe.optimizer), (SCHEDULER_ROLE, pipe.scheduler),
                   ("the model's forward", getattr(type(pipe.model), "forward", None))]
         for name in ("train_set", "eval_set"):
             data = getattr(pipe, name)
