@@ -397,9 +397,11 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         rank: int | None = None) -> dict[str, Any]:
+         rank: int | None = None, hooks: dict[str, Any] | None = None) -> dict[str, Any]:
     """Collective. Loads in place (resharding if the world size changed); returns the train state.
     With `rank`, also restores that rank's random generators when the world size is unchanged.
+    `hooks`: the hooks' states by key as they are now (raylane.loop.hooks), which a sharded
+    checkpoint loads into in place; the train state's "hook_states" holds what was saved of them.
 
     A sharded checkpoint's DCP `.metadata` is a pickle: only load checkpoints this project wrote
     (trusted storage). A replicated one's `state.pt` is read with `weights_only=True`."""
@@ -414,6 +416,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     # Not strict: the aliases are loaded through their canonical tensor; what else is missing is
     # checked below.
     options, rngs = dcp.state_dict.StateDictOptions(strict=False), None
+    saved_hooks = set((manifest.get("train_state") or {}).get("hooks") or ())
     if (Path(path) / STATE_FILE).exists():
         state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
         rngs = state.pop("rng", None)
@@ -423,6 +426,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             options = dcp.state_dict.StateDictOptions(full_state_dict=True, strict=False)
     else:
         state = {"model": model_sd, "optim": optim_sd}
+        if wanted := {k: v for k, v in (hooks or {}).items() if k in saved_hooks}:
+            state["hooks"] = wanted
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
@@ -436,7 +441,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         name, where = (missing[0], "there") if missing else (unexpected[0], "here")
         raise CheckpointLoadError(f"checkpoint {path} does not fit this run's model: {name} is absent {where} "
                                   "(the config changed the model); start a fresh run with another run.name")
-    train_state = manifest["train_state"]
+    train_state = {**manifest["train_state"], "hook_states": state.get("hooks") or {}}
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if rank is None or train_state.get("world_size") != world_size:
         return train_state

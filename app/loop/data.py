@@ -11,7 +11,7 @@ Ray Data's shard on Ray)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -141,14 +141,19 @@ def train_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int,
         dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size, seed=seed)
 
 
-def eval_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int) -> Iterable | None:
-    """This rank's share of the held-out set, every sample in exactly one rank's share."""
+def eval_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int, stream: str = "eval") -> Any:
+    """This rank's share of the held-out set, every sample in exactly one rank's share; for
+    named sets ({name: dataset}), {name: its share}. `stream`: the launcher's name for a
+    streaming set (named sets: "eval.<name>", see raylane.onray.datasets)."""
     if dataset is None:
         return None
+    if isinstance(dataset, dict):
+        return {name: eval_data(data, runtime, batch_size=batch_size, seed=seed, stream=f"eval.{name}")
+                for name, data in dataset.items()}
     if is_stream(dataset):
         from raylane.loop.streaming import FileEvalStream
 
-        return runtime.data_stream("eval", dataset, batch_size=batch_size) or FileEvalStream(
+        return runtime.data_stream(stream, dataset, batch_size=batch_size) or FileEvalStream(
             dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size)
     shard = Subset(dataset, shard_indices(len(dataset), runtime.rank, runtime.world_size))
     return DataLoader(shard, batch_size=batch_size, **loader_options(seed))
