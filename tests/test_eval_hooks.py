@@ -187,3 +187,77 @@ def test_the_docs_quote_the_tested_ema_hook_verbatim():
     example = source.split("# -- the docs' example: begin")[1].split("\n", 1)[1].split("# -- the docs' example: end")[0]
     docs = (REPO / "docs" / "pipelines.md").read_text()
     assert example.strip() in docs
+
+
+STREAMING = '''
+import os
+import raylane
+
+
+class DataSection(raylane.Section):
+    root: str
+
+
+class Config(raylane.BaseConfig):
+    data: DataSection
+
+    def eval_metrics(self):
+        return ("val/row", "test/row")
+
+
+def _source(cfg, name):
+    def transform(batch):
+        # Where the files are read: a Ray Data task, or a rank's own reader (pyarrow).
+        who = "task" if "RAY_RAYLET_PID" in os.environ else os.environ.get("RANK", "0")
+        open(os.path.join(cfg.data.root, f"read-{name}-{who}"), "a").close()
+        return batch
+
+    def to_tensors(batch):
+        import torch
+        rows = torch.tensor(batch["row"], dtype=torch.float32)[:, None]
+        return rows / 100, rows
+
+    return raylane.FileSource(paths=os.path.join(cfg.data.root, name), columns=["row"], transform=transform,
+                              to_tensors=to_tensors)
+
+
+def sources(cfg):
+    return {"train": _source(cfg, "train"), "eval": {"val": _source(cfg, "val"), "test": _source(cfg, "test")}}
+
+
+def build(cfg):
+    import torch
+    found = sources(cfg)
+    return raylane.Pipeline(model=torch.nn.Linear(1, 1), train_set=found["train"], eval_set=found["eval"],
+                            loss_fn=lambda out, rows: torch.nn.functional.mse_loss(out, rows / 100),
+                            eval_sums=lambda out, rows: {"row": rows.sum()})
+'''
+
+
+@pytest.mark.ray
+@pytest.mark.shared_ray
+@pytest.mark.untracked
+@pytest.mark.slow  # a Ray run with Ray Data: 40 s and more on 2 busy cores (the rest of this file runs in make test)
+def test_named_streaming_held_out_sets_are_ray_datasets_of_their_own(run_cli, tmp_path):
+    """sources(cfg) with two named held-out FileSources, on 2 Ray workers: each is read by Ray
+    Data (not by the ranks) and split so that every row counts once: the mean row id of each
+    set, exactly, under its own prefix."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "stream.py").write_text(STREAMING)
+    (tmp_path / "stream.yaml").write_text("pipeline: ./stream.py\ntrain: {batch_size: 4, max_epochs: 1}\n")
+    for name, rows in (("train", range(32)), ("val", range(0, 24)), ("test", range(100, 140))):
+        (tmp_path / name).mkdir()
+        for part in (0, 1):
+            ids = [r for i, r in enumerate(rows) if i % 2 == part]
+            pq.write_table(pa.table({"row": ids}), tmp_path / name / f"part-{part}.parquet")
+    proc = run_cli("train", "stream.yaml", "--set", f"data.root={tmp_path}", "--set", "scaling.num_workers=2",
+                   "--set", "run.name=named", "--summary-json", "s.json")
+    assert proc.wait(300) == 0, proc.output
+    summary = read_json(tmp_path / "s.json")
+    assert summary["status"] == "FINISHED"
+    assert summary["metrics"] == {"val/row": pytest.approx(11.5), "test/row": pytest.approx(119.5)}
+    read = sorted(p.name for p in tmp_path.glob("read-*"))
+    assert {"read-val-task", "read-test-task"} <= set(read) and not [r for r in read if r.startswith(
+        ("read-val-", "read-test-")) and not r.endswith("-task")], read
