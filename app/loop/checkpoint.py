@@ -441,7 +441,9 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         name, where = (missing[0], "there") if missing else (unexpected[0], "here")
         raise CheckpointLoadError(f"checkpoint {path} does not fit this run's model: {name} is absent {where} "
                                   "(the config changed the model); start a fresh run with another run.name")
-    train_state = {**manifest["train_state"], "hook_states": state.get("hooks") or {}}
+    train_state = manifest["train_state"]
+    if state.get("hooks"):
+        train_state = {**train_state, "hook_states": state["hooks"]}
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if rank is None or train_state.get("world_size") != world_size:
         return train_state

@@ -21,7 +21,7 @@ from raylane.loop import preemption
 from raylane.loop.data import EpochData
 from raylane.loop.devices import peak_memory_bytes, reset_peak_memory, state_bytes
 from raylane.loop.distributed import ControlVote, all_reduce_max, backend_name
-from raylane.loop.early_stop import EarlyStopping
+from raylane.loop.early_stop import EarlyStopping, EvalSchedule
 from raylane.loop.evaluation import EvalSets, Evaluator
 from raylane.loop.faults import FaultPlan
 from raylane.loop.hooks import Hooks
@@ -49,7 +49,7 @@ def _every(count: int, n: int) -> bool:
     return n > 0 and count % n == 0
 
 
-class Trainer:
+class Trainer(EvalSchedule):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -310,48 +310,6 @@ class Trainer:
         self._grad_norm = None
         self._window_start = time.perf_counter()
         self._window_steps = 0
-
-    def _record_eval(self, metrics: dict[str, float], *, epoch_end: bool = True, decide: bool = True) -> None:
-        """`decide`: an evaluation of the loop, which early stopping counts (not the run's last)."""
-        self.eval_step = self.step
-        self.reporter.on_eval(epoch=self.epoch, step=self.step, metrics=metrics, epoch_end=epoch_end)
-        if decide:
-            self.early_stop.update(metrics, self.step)  # all-reduced metrics: every rank decides alike
-        self.hooks.call("on_eval_end", metrics=metrics)
-
-    def _evaluate(self) -> dict[str, float]:
-        self.eval_metrics = self.evaluate_now()
-        return self.eval_metrics
-
-    def evaluate_now(self) -> dict[str, float]:
-        """Collective. The model as it is, on the held-out sets ({} without one); back in train mode after."""
-        if self.evaluator is None:
-            return {}
-        try:
-            return self.evaluator(self.model)
-        finally:
-            self.model.train()
-            if callable(reshard := getattr(self.model, "reshard", None)):  # FSDP's root keeps its gathered
-                reshard()  # parameters after a forward: sharded again, as hooks and saves expect
-
-    def _evaluate_at_step(self, *, epoch_end: bool = True) -> None:
-        """An evaluation measured before the checkpoint of its step (an epoch end's, or one of
-        train.eval_every_n_steps), which carries the metrics checkpoint.keep_best ranks by.
-        Should it fail (the user's eval_sums, a bad held-out row: on any rank, all learn of
-        it), the step is saved before the error ends the run, so that no step trained since the
-        last checkpoint is lost."""
-        try:
-            metrics = self._evaluate()
-        except Exception:
-            if epoch_end:
-                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-            try:
-                self._save_checkpoint()  # without metrics: none were measured
-                self.saver.settle()
-            except Exception as exc:  # noqa: BLE001 - the evaluation's error is the run's
-                log.warning("the checkpoint at step %d, after the evaluation failed, was not saved: %s", self.step, exc)
-            raise
-        self._record_eval(metrics, epoch_end=epoch_end)
 
     def _save_checkpoint(self) -> None:
         if self._saved_step == self.step:

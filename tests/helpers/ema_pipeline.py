@@ -19,7 +19,7 @@ import raylane
 
 class Model(raylane.Section):
     named_sets: bool = False
-    hooks: list[str] = []
+    hooks: tuple[str, ...] = ()
     ema_decay: float = 0.9
 
 
