@@ -224,12 +224,22 @@ def sources(cfg):
     return {"train": _source(cfg, "train"), "eval": {"val": _source(cfg, "val"), "test": _source(cfg, "test")}}
 
 
+class Seen(raylane.Hook):
+    def on_eval_end(self, ctx):
+        with open(os.path.join(ctx_root[0], f"eval-end-{ctx.rank}-of-{ctx.world_size}"), "a") as f:
+            f.write(f"{ctx.step} {sorted(ctx.metrics)}\\n")
+
+
+ctx_root = []
+
+
 def build(cfg):
     import torch
     found = sources(cfg)
+    ctx_root.append(cfg.data.root)
     return raylane.Pipeline(model=torch.nn.Linear(1, 1), train_set=found["train"], eval_set=found["eval"],
                             loss_fn=lambda out, rows: torch.nn.functional.mse_loss(out, rows / 100),
-                            eval_sums=lambda out, rows: {"row": rows.sum()})
+                            eval_sums=lambda out, rows: {"row": rows.sum()}, hooks=[Seen()])
 '''
 
 
@@ -240,7 +250,7 @@ def build(cfg):
 def test_named_streaming_held_out_sets_are_ray_datasets_of_their_own(run_cli, tmp_path):
     """sources(cfg) with two named held-out FileSources, on 2 Ray workers: each is read by Ray
     Data (not by the ranks) and split so that every row counts once: the mean row id of each
-    set, exactly, under its own prefix."""
+    set, exactly, under its own prefix. The pipeline's hook runs on both Ray workers."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -257,6 +267,8 @@ def test_named_streaming_held_out_sets_are_ray_datasets_of_their_own(run_cli, tm
     summary = read_json(tmp_path / "s.json")
     assert summary["status"] == "FINISHED"
     assert summary["metrics"] == {"val/row": pytest.approx(11.5), "test/row": pytest.approx(119.5)}
+    for rank in (0, 1):
+        assert (tmp_path / f"eval-end-{rank}-of-2").read_text() == f"{summary['steps']} ['test/row', 'val/row']\n"
     read = sorted(p.name for p in tmp_path.glob("read-*"))
     assert {"read-val-task", "read-test-task"} <= set(read) and not [r for r in read if r.startswith(
         ("read-val-", "read-test-")) and not r.endswith("-task")], read
