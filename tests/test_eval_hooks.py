@@ -141,13 +141,26 @@ def test_a_hook_that_raises_fails_the_run_naming_it_and_its_line(run_cli, projec
     assert "Traceback" not in proc.output
 
 
+def _whole(location: str, tmp: Path) -> dict:
+    """A checkpoint's state in one dict: its state.pt, or a sharded one's DCP files gathered."""
+    if (Path(location) / checkpoint.STATE_FILE).exists():
+        return torch.load(Path(location) / checkpoint.STATE_FILE, weights_only=True)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(location, tmp)
+    return torch.load(tmp, weights_only=False)  # written just now from this run's checkpoint
+
+
 @pytest.mark.untracked
-def test_the_ema_hook_resumes_from_its_state_in_the_checkpoint_under_ddp(run_cli, project):
-    """2 DDP ranks, 7 steps straight, checkpoints every 4 steps; a run resumed from the straight
-    run's checkpoint at step 4 (mid-epoch) ends at step 7 with the same weights and the same
-    averaged weights, bit for bit: the hook's state was saved and loaded. Both ranks' hooks were
-    called at the same steps with the same held-out metrics (rank 1 gets no train metrics)."""
-    common = ["model.hooks=[ema,record]", "train.max_steps=7", "train.max_epochs=3", "checkpoint.every_n_steps=4"]
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_the_ema_hook_resumes_from_its_state_in_the_checkpoint(run_cli, project, strategy):
+    """2 DDP (or FSDP) ranks, 7 steps straight, checkpoints every 4 steps; a run resumed from the
+    straight run's checkpoint at step 4 (mid-epoch) ends at step 7 with the same weights and the
+    same averaged weights, bit for bit: the hook's state was saved and loaded (under FSDP, each
+    rank's shard of it). Both ranks' hooks were called at the same steps with the same held-out
+    metrics (rank 1 gets no train metrics)."""
+    common = ["model.hooks=[ema,record]", "train.max_steps=7", "train.max_epochs=3", "checkpoint.every_n_steps=4",
+              f"strategy.name={strategy}"]
     _train(run_cli, "straight", *common, ranks=2)
     straight = read_json(project / "straight.json")
     resumed_dir = project / "runs" / "resumed"
@@ -163,7 +176,7 @@ def test_the_ema_hook_resumes_from_its_state_in_the_checkpoint_under_ddp(run_cli
     _train(run_cli, "resumed", *common, ranks=2)
     resumed = read_json(project / "resumed.json")
     assert resumed["resumed_from_step"] == 4 and resumed["steps"] == 7
-    a, b = (torch.load(Path(r["checkpoint"]) / checkpoint.STATE_FILE, weights_only=True) for r in (straight, resumed))
+    a, b = (_whole(r["checkpoint"], project / f"{i}.pt") for i, r in enumerate((straight, resumed)))
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     shadow = a["hooks"]["0.EMA"]["shadow"]
