@@ -3,7 +3,7 @@
 The public API is what this module exports:
 
 - `Pipeline`, `BaseConfig`, `Section`: what a pipeline module defines (`Config`, `build(cfg)`);
-  see docs/pipelines.md.
+  see docs/pipelines.md. `Hook` and `HookContext`: a pipeline's hooks (raylane.loop.hooks).
 - `check`, `train`, `tune`, `submit`, `up` and `down`: the `raylane` commands of those names as
   calls (raylane.api, which also has `autotune` and `export`), checked by the same preparation
   path as the CLI (raylane.prepare).
@@ -29,11 +29,12 @@ from raylane.api import check, down, submit, train, tune, up  # after __version_
 from raylane.config import BaseConfig, ConfigError, Section
 from raylane.paths import InputPath, InputPaths, OutputPath
 
-__all__ = ["BaseConfig", "ConfigError", "DataError", "InputPath", "InputPaths", "OutputPath", "Pipeline", "Section",
+__all__ = ["BaseConfig", "ConfigError", "DataError", "Hook", "HookContext", "InputPath", "InputPaths", "OutputPath", "Pipeline", "Section",
            "__version__", "check", "down", "submit", "train", "tune", "up"]
 
 # Names that import torch, resolved on first access (PEP 562).
-_LAZY = {"Pipeline": "raylane.loop.pipeline", "FileSource": "raylane.loop.streaming", "DataError": "raylane.loop.baddata"}
+_LAZY = {"Pipeline": "raylane.loop.pipeline", "FileSource": "raylane.loop.streaming", "DataError": "raylane.loop.baddata",
+         "Hook": "raylane.loop.hooks", "HookContext": "raylane.loop.hooks"}
 
 
 def __getattr__(name: str) -> Any:

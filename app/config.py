@@ -125,6 +125,16 @@ class StrategySection(Section):
     powersgd_rank: int = Field(1, ge=1, le=1024)
 
 
+class EarlyStoppingSection(Section):
+    # A held-out metric, named as checkpoint.best_metric names it (`loss`; `val/loss` for a
+    # named held-out set). The run ends FINISHED, with a checkpoint, once `patience`
+    # evaluations in a row have not improved on the best by more than `min_delta`.
+    metric: str = Field("loss", min_length=1)
+    mode: Literal["min", "max"] = "min"
+    patience: int = Field(3, ge=1, le=1_000_000)
+    min_delta: float = Field(0.0, ge=0)
+
+
 class TrainSection(Section):
     max_epochs: int = Field(1, ge=1, le=1_000_000)
     max_steps: int | None = Field(None, ge=1)
@@ -145,6 +155,11 @@ class TrainSection(Section):
     # Evaluate on the held-out set every N epochs; 0: only at the end of the run (which always
     # has an evaluation).
     eval_every_n_epochs: int = Field(1, ge=0)
+    # Also every N optimizer steps (0: off), for runs of few, long epochs; an epoch end that is
+    # also such a step is evaluated once. A checkpoint due at that step carries the metrics.
+    eval_every_n_steps: int = Field(0, ge=0)
+    # Stop when a held-out metric stops improving (null: off): see EarlyStoppingSection.
+    early_stopping: EarlyStoppingSection | None = None
     # Samples per optimizer step, held at any number of workers: global_batch_adjust is computed
     # from the others, and each epoch is one permutation of the samples taken a step at a time,
     # so a checkpoint resumed on another world size continues the same epoch at the same sample

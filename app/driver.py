@@ -314,6 +314,9 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         "skipped_steps": result.get("skipped_steps", 0),
         "failed_checkpoints": result.get("failed_checkpoints", 0),
         "preempted": bool(result.get("preempted")),
+        # Why training ended before its last step: a stop request, or train.early_stopping (FINISHED).
+        "stop_reason": result.get("stop_reason"),
+        "early_stopped": bool(result.get("early_stopped")),
         "tracking_cost_s": result.get("tracking_cost_s"),
         "timing": {
             "launched_unix": launched,

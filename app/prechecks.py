@@ -39,6 +39,8 @@ def check_run(cfg: BaseConfig, *, summary_json: str | None = None, local_storage
         writable_file("--summary-json", summary_json)
     if cfg.checkpoint.keep_best:  # best_metric ranks checkpoints only then
         check_metric("checkpoint.best_metric", cfg.checkpoint.best_metric, cfg)
+    if cfg.train.early_stopping is not None:
+        check_metric("train.early_stopping.metric", cfg.train.early_stopping.metric, cfg)
     if local_storage:
         check_storage("run.storage_path", cfg.run.storage_path)
         check_inputs(cfg)
@@ -382,15 +384,18 @@ def _finished(cfg: BaseConfig, folder: Path) -> Finished | None:
     steps, epochs = int(summary.get("steps") or 0), int(summary.get("epochs") or 0)
     t = cfg.train
     # More steps or epochs than were trained: the run continues from its last checkpoint (its
-    # MLflow run too), as a longer schedule of the same run. Only within both limits is it done.
-    if (t.max_steps is None or t.max_steps > steps) and t.max_epochs > epochs:
+    # MLflow run too), as a longer schedule of the same run. Only within both limits is it done;
+    # a run that stopped early (train.early_stopping) is done whatever the limits.
+    early = summary.get("stop_reason") if summary.get("early_stopped") else None
+    if not early and (t.max_steps is None or t.max_steps > steps) and t.max_epochs > epochs:
         return None
     newest = newest_manifest(folder)
     where = str(newest[0]) if newest else summary.get("checkpoint")
     tracked = f"MLflow run {summary['run_id']}" if summary.get("run_id") else "not tracked in MLflow"
-    line = (f"run {cfg.run.name}: already FINISHED at step {steps} (epoch {epochs}); checkpoint {where}; "
-            f"{tracked}. Nothing to train: raise train.max_epochs or train.max_steps to train it further, "
-            f"or start a new run with --set run.name={fresh_name(cfg)}")
+    further = "" if early else "raise train.max_epochs or train.max_steps to train it further, or "
+    line = (f"run {cfg.run.name}: already FINISHED at step {steps} (epoch {epochs}"
+            f"{f'; {early}' if early else ''}); checkpoint {where}; {tracked}. Nothing to train: "
+            f"{further}start a new run with --set run.name={fresh_name(cfg)}")
     return Finished(line, summary)
 
 

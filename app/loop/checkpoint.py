@@ -397,9 +397,11 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
 
 
 def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         rank: int | None = None) -> dict[str, Any]:
+         rank: int | None = None, hooks: dict[str, Any] | None = None) -> dict[str, Any]:
     """Collective. Loads in place (resharding if the world size changed); returns the train state.
     With `rank`, also restores that rank's random generators when the world size is unchanged.
+    `hooks`: the hooks' states by key as they are now (raylane.loop.hooks), which a sharded
+    checkpoint loads into in place; the train state's "hook_states" holds what was saved of them.
 
     A sharded checkpoint's DCP `.metadata` is a pickle: only load checkpoints this project wrote
     (trusted storage). A replicated one's `state.pt` is read with `weights_only=True`."""
@@ -415,6 +417,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     # checked below.
     options, rngs = dcp.state_dict.StateDictOptions(strict=False), None
     groups = group_layout(optim_sd, names)  # before a DCP load replaces them with the checkpoint's
+    saved_hooks = set((manifest.get("train_state") or {}).get("hooks") or ())
     if (Path(path) / STATE_FILE).exists():
         state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
         rngs = state.pop("rng", None)
@@ -424,6 +427,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
             options = dcp.state_dict.StateDictOptions(full_state_dict=True, strict=False)
     else:
         state = {"model": model_sd, "optim": optim_sd}
+        if wanted := {k: v for k, v in (hooks or {}).items() if k in saved_hooks}:
+            state["hooks"] = wanted
         from torch.distributed.checkpoint.api import CheckpointException
 
         _check_groups(path, groups, _saved_group_count(path))
@@ -440,6 +445,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         raise CheckpointLoadError(f"checkpoint {path} does not fit this run's model: {name} is absent {where} "
                                   "(the config changed the model); start a fresh run with another run.name")
     train_state = manifest["train_state"]
+    if state.get("hooks"):
+        train_state = {**train_state, "hook_states": state["hooks"]}
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if rank is None or train_state.get("world_size") != world_size:
         return train_state

@@ -231,14 +231,20 @@ def train_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int, sample
 
 def eval_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int,
               collate_fn: Callable[[list[Any]], Any] | None = None,
-              options: dict[str, Any] | None = None) -> Iterable | None:
-    """This rank's share of the held-out set, every sample in exactly one rank's share."""
+              options: dict[str, Any] | None = None, stream: str = "eval") -> Any:
+    """This rank's share of the held-out set, every sample in exactly one rank's share; for
+    named sets ({name: dataset}), {name: its share}. `stream`: the launcher's name for a
+    streaming set (named sets: "eval.<name>", see raylane.onray.datasets)."""
     if dataset is None:
         return None
+    if isinstance(dataset, dict):
+        return {name: eval_data(data, runtime, batch_size=batch_size, seed=seed, collate_fn=collate_fn,
+                                options=options, stream=f"eval.{name}")
+                for name, data in dataset.items()}
     if is_stream(dataset):
         from raylane.loop.streaming import FileEvalStream
 
-        return runtime.data_stream("eval", dataset, batch_size=batch_size) or FileEvalStream(
+        return runtime.data_stream(stream, dataset, batch_size=batch_size) or FileEvalStream(
             dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size)
     shard = Subset(dataset, shard_indices(len(dataset), runtime.rank, runtime.world_size))
     # With workers, every evaluation loads the same batches alike (random augmentations too),

@@ -4,6 +4,7 @@ their shares."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -12,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raylane.loop.distributed import all_reduce_sums
 
+SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a named held-out set
 FAILED = "raylane.failed"  # a sum every rank reduces: how many ranks' evaluation raised
 
 
@@ -79,3 +81,35 @@ class Evaluator:
                 names = gathered
             self._names = sorted(set().union(*names))
         return self._names
+
+
+class EvalSets:
+    """The held-out sets by name, one Evaluator each (`make(data)`), evaluated in turn: a named
+    set's metrics as `<name>/<metric>` (`val/loss`), the one unnamed set's (name None) as they
+    are (`loss`). Every name is the same on every rank, so the collectives line up."""
+
+    def __init__(self, data: Any, make: Callable[[Iterable], Evaluator]) -> None:
+        sets = data if isinstance(data, dict) else {None: data}
+        self.evaluators = {name: make(loader) for name, loader in sets.items()}
+
+    def __call__(self, model: torch.nn.Module) -> dict[str, float]:
+        """Collective. Leaves `model` in eval mode, as Evaluator does."""
+        metrics: dict[str, float] = {}
+        for name, evaluator in self.evaluators.items():
+            metrics.update({k if name is None else f"{name}/{k}": v for k, v in evaluator(model).items()})
+        return metrics
+
+
+def set_names_problem(eval_set: Any) -> str | None:
+    """What is wrong with a Pipeline's `eval_set` given as {name: dataset}, or None."""
+    if not isinstance(eval_set, dict):
+        return None
+    if not eval_set:
+        return "an empty dict as eval_set: give None for no held-out set, or {name: dataset}"
+    for name, data in eval_set.items():
+        if not isinstance(name, str) or not SET_NAME.fullmatch(name):
+            return (f"an eval_set named {name!r}: a held-out set's name is letters, digits, '_' or '-' "
+                    "(its metrics are logged as <name>/<metric>)")
+        if data is None:
+            return f"an eval_set whose set {name!r} is None"
+    return None

@@ -58,12 +58,18 @@ class Reporter:
         if self._metrics is not None:
             self._metrics.log({f"train/{k}": v for k, v in metrics.items()}, step)
 
-    def on_eval(self, *, epoch: int, step: int, metrics: dict[str, float]) -> None:
+    def on_eval(self, *, epoch: int, step: int, metrics: dict[str, float], epoch_end: bool = True) -> None:
+        """`epoch_end`: False for an evaluation part-way through an epoch (train.eval_every_n_steps)."""
         if not self.active:
             return
         if self._metrics is not None:
             self._metrics.log({f"eval/{k}": v for k, v in metrics.items()}, step)
-        self._publish({"event": "eval", "epoch": epoch, "step": step, "metrics": metrics})
+        self._publish({"event": "eval", "epoch": epoch, "step": step, "metrics": metrics, "epoch_end": epoch_end})
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """A hook's own metrics, to MLflow under the names given (raylane.loop.hooks)."""
+        if self._metrics is not None:
+            self._metrics.log(metrics, step)
 
     def on_checkpoint(self, *, step: int, location: str, epoch: int, metrics: dict[str, float],
                       speed: dict[str, float] | None = None) -> None:

@@ -99,7 +99,7 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
         control_group=control_group, save_group=save_group, strategy=strategy,
         throughput=Throughput(pipe.tokens_per_sample, pipe.flops_per_token,
                               peak_flops(runtime.device, cfg.train.precision, cfg.scaling.peak_tflops)),
-        eval_sums=pipe.eval_sums, runtime=runtime, cfg=cfg, faults=faults.load(runtime.rank),
+        eval_sums=pipe.eval_sums, runtime=runtime, cfg=cfg, faults=faults.load(runtime.rank), hooks=pipe.hooks,
         reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger),
     )
     usercode.check_first_calls(trainer, pipe, cfg)
@@ -107,7 +107,8 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
     trainer.skipped_checkpoints = runtime.skipped_checkpoints()  # said on the driver, with the start
     latest = own or _init_from(cfg)
     if latest:
-        trainer.load_state_dict(checkpoint.load(latest, model, optimizer, rank=runtime.rank))
+        trainer.load_state_dict(checkpoint.load(latest, model, optimizer, rank=runtime.rank,
+                                                hooks=trainer.hooks.state_dict()))
         trainer.last_checkpoint = latest
         # By name: a checkpoint on object storage was loaded from a local copy.
         trainer.resumed_from = checkpoint.checkpoint_name(trainer.step) if own else latest

@@ -50,6 +50,8 @@ class Saver:
         self._staged.set()
         self.last_checkpoint: str | None = None
         self.failed = 0
+        # Called with (step, location) once a save is committed, on every rank (hooks' on_checkpoint).
+        self.on_committed: Any = None
 
     def busy(self) -> bool:
         """This rank's save in flight has not finished (its commit included)."""
@@ -65,9 +67,13 @@ class Saver:
     def wait_staged(self) -> None:
         self._staged.wait()
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any]) -> None:
-        """Collective. Returns once the state is staged (async) or committed (sync)."""
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
+             hooks: dict[str, Any] | None = None) -> None:
+        """Collective. Returns once the state is staged (async) or committed (sync). `hooks`: the
+        pipeline's hooks' states by key (raylane.loop.hooks), saved with the model's."""
         self.settle()  # at most one save in flight, and the staging buffers are free again
+        if hooks:
+            train_state = {**train_state, "hooks": sorted(hooks)}  # what a load asks the checkpoint for
         step = int(train_state["step"])
         path = self.runtime.new_checkpoint_dir(step)
         if self.faults:
@@ -80,6 +86,8 @@ class Saver:
                          else checkpoint.live_state(model, optimizer))  # references, and plain values copied
         except checkpoint._save_errors() as exc:  # the write agrees on it with every rank
             error = checkpoint._describe(exc, self.runtime.rank)
+        if hooks and state:
+            state = {**state, "hooks": hooks}
         outcome: Future = Future()
         job = (path, state, train_state, rng, error, replicated, checkpoint.aliases(model), outcome)
         self._in_flight = (train_state, outcome)
@@ -169,3 +177,5 @@ class Saver:
         self.last_checkpoint = result
         self.reporter.on_checkpoint(step=step, location=result, epoch=state["epoch"],
                                     metrics=state.get("eval_metrics") or {}, speed=state.get("speed_metrics") or {})
+        if self.on_committed is not None:
+            self.on_committed(step, result)

@@ -12,6 +12,7 @@ import itertools
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -44,6 +45,8 @@ def eval_seconds(cfg: BaseConfig, model: torch.nn.Module, pipe: Any, runtime: An
     scaled to the share. 0 without evaluation or a held-out set, and for a stream, whose share
     is not known ahead."""
     dataset, world, size = pipe.eval_set, runtime.world_size, cfg.train.batch_size
+    if isinstance(dataset, dict):  # named held-out sets, evaluated in turn
+        return sum(eval_seconds(cfg, model, replace(pipe, eval_set=data), runtime, clock) for data in dataset.values())
     if not cfg.train.eval_every_n_epochs or dataset is None or is_stream(dataset):
         return 0.0
     timed = min(EVAL_BATCHES, len(dataset) // world // size - 1)  # every rank has these in full

@@ -21,8 +21,10 @@ from raylane.loop import preemption
 from raylane.loop.data import EpochData
 from raylane.loop.devices import peak_memory_bytes, reset_peak_memory, state_bytes
 from raylane.loop.distributed import ControlVote, all_reduce_max, backend_name
-from raylane.loop.evaluation import Evaluator
+from raylane.loop.early_stop import EarlyStopping, EvalSchedule
+from raylane.loop.evaluation import EvalSets, Evaluator
 from raylane.loop.faults import FaultPlan
+from raylane.loop.hooks import Hooks
 from raylane.loop.parallel import Strategy, no_gradient_sync
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
@@ -47,7 +49,7 @@ def _every(count: int, n: int) -> bool:
     return n > 0 and count % n == 0
 
 
-class Trainer:
+class Trainer(EvalSchedule):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -55,7 +57,7 @@ class Trainer:
         optimizer: torch.optim.Optimizer,
         *,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        eval_data: Iterable[tuple[torch.Tensor, torch.Tensor]] | None,
+        eval_data: Iterable[Any] | dict[str, Iterable[Any]] | None,  # {name: ...}: named held-out sets
         eval_sums: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
         runtime: Runtime,
         reporter: Reporter,
@@ -66,6 +68,7 @@ class Trainer:
         save_group: Any = None,
         throughput: Throughput | None = None,
         strategy: Strategy | None = None,
+        hooks: Iterable[Any] = (),
     ) -> None:
         self.model = model
         # Walking the module tree costs ~70 us a step on a small model (7% of a digits step on one
@@ -75,8 +78,8 @@ class Trainer:
         self.train_data = train_data
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.evaluator = None if eval_data is None else Evaluator(eval_data, eval_sums, runtime.device,
-                                                                                runtime.world_size)
+        self.evaluator = None if eval_data is None else EvalSets(
+            eval_data, lambda data: Evaluator(data, eval_sums, runtime.device, runtime.world_size))
         self.runtime = runtime
         self.reporter = reporter
         self.cfg = cfg
@@ -100,6 +103,10 @@ class Trainer:
         # which every run pays whether saves are asynchronous or not, is left out.
         self.checkpoint_stall_s = 0.0
         self._init_progress(train_data, cfg, runtime.world_size)
+        self.early_stop = EarlyStopping(cfg.train.early_stopping)
+        self.hooks = Hooks(hooks, self)
+        self.saver.on_committed = lambda step, where: self.hooks.call("on_checkpoint", step=step, checkpoint=where)
+        self.hooks.call("setup")  # before a resume loads the hooks' state into what setup made
 
     def _init_vote(self, control_group: Any) -> None:
         # Step-boundary decisions all ranks must share: [stop now, async save not yet committed,
@@ -238,14 +245,19 @@ class Trainer:
                 self._loss_count += 1
             self.reporter.on_step(epoch=epoch, step=self.step,
                                   first=self.step == (self.resumed_from_step or 0) + 1)
-            if self.step % self.cfg.mlflow.log_every_n_steps == 0:
-                self._log_train_metrics()
+            logged = self._log_train_metrics() if self.step % self.cfg.mlflow.log_every_n_steps == 0 else {}
+            if self.hooks:
+                self.hooks.call("on_step_end", metrics=logged)
+            epoch_end = self.batch_in_epoch >= self.batches_per_epoch  # evaluated by train(), with the epoch's
+            if _every(self.step, self.cfg.train.eval_every_n_steps) and not epoch_end:
+                self._evaluate_at_step(epoch_end=False)  # before the checkpoint due at this step
             every = self.cfg.checkpoint.every_n_steps
             # The last batch of an epoch, or of the run, is saved by train() after evaluation.
-            last_batch = self.batch_in_epoch >= self.batches_per_epoch or self.step >= self.total_steps
+            last_batch = epoch_end or self.step >= self.total_steps
             if every and self.step % every == 0 and not last_batch:
                 self._save_checkpoint()
-            if self.step >= self.total_steps or (self.step >= self.next_vote and self._step_boundary()):
+            if self.step >= self.total_steps or self.early_stop.stopped or \
+                    (self.step >= self.next_vote and self._step_boundary()):
                 break
 
     def _step_boundary(self) -> bool:
@@ -271,11 +283,13 @@ class Trainer:
         self.growing = restarts and growing and not self._leaving_ranks
         return stop
 
-    def _log_train_metrics(self, until: float | None = None) -> None:
+    def _log_train_metrics(self, until: float | None = None) -> dict[str, float]:
         """Rank 0's own training loss, as Lightning logs it by default: an all-reduce here would
-        cost as much as the vote, every few steps (the held-out metrics are exact over all ranks)."""
+        cost as much as the vote, every few steps (the held-out metrics are exact over all ranks).
+        Returns what was logged ({} on other ranks)."""
         if not self.reporter.active:
-            return self._reset_window()
+            self._reset_window()
+            return {}
         elapsed = (until or time.perf_counter()) - self._window_start
         samples_per_s = self._window_steps * self.samples_per_step / max(elapsed, 1e-9)
         metrics = {
@@ -288,6 +302,7 @@ class Trainer:
         }
         self.reporter.on_train_metrics(self.step, metrics)
         self._reset_window()
+        return metrics
 
     def _reset_window(self) -> None:
         self._loss_sum.zero_()
@@ -296,38 +311,11 @@ class Trainer:
         self._window_start = time.perf_counter()
         self._window_steps = 0
 
-    def _record_eval(self, metrics: dict[str, float]) -> None:
-        self.eval_step = self.step
-        self.reporter.on_eval(epoch=self.epoch, step=self.step, metrics=metrics)
-
-    def _evaluate(self) -> dict[str, float]:
-        if self.evaluator is None:
-            return {}
-        self.eval_metrics = self.evaluator(self.model)
-        return self.eval_metrics
-
-    def _evaluate_epoch(self) -> None:
-        """An epoch end's evaluation, measured before the epoch's checkpoint, which carries the
-        metrics checkpoint.keep_best ranks by. Should it fail (the user's eval_sums, a bad
-        held-out row: on any rank, all learn of it), the epoch is saved before the error ends the
-        run, so that no step trained since the last checkpoint is lost."""
-        try:
-            metrics = self._evaluate()
-        except Exception:
-            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-            try:
-                self._save_checkpoint()  # without metrics: none were measured
-                self.saver.settle()
-            except Exception as exc:  # noqa: BLE001 - the evaluation's error is the run's
-                log.warning("the checkpoint at step %d, after the evaluation failed, was not saved: %s", self.step, exc)
-            raise
-        self._record_eval(metrics)
-
     def _save_checkpoint(self) -> None:
         if self._saved_step == self.step:
             return
         blocked = time.perf_counter()
-        self.saver.save(self.model, self.optimizer, self.state_dict())
+        self.saver.save(self.model, self.optimizer, self.state_dict(), hooks=self.hooks.state_dict())
         self._saved_step = self.step
         if self.step < self.total_steps:
             self.checkpoint_stall_s += time.perf_counter() - blocked
@@ -348,19 +336,22 @@ class Trainer:
         self._train_started = started
         with preemption.armed(), self.saver.settled_on_failure(min(self.cfg.dist.timeout_s, FAILED_RUN_SAVE_WAIT_S)):
             last_step_end = started
-            while self.step < self.total_steps and not self.preempted:
+            while self.step < self.total_steps and not self.preempted and not self.early_stop.stopped:
                 epoch_start = (time.perf_counter(), self.step)
                 self._run_epoch(self.epoch)
                 last_step_end = self._step_clock()
                 epoch_ended = self.batch_in_epoch >= self.batches_per_epoch  # not a max_steps stop or a stop
                 if epoch_ended:
                     self.speed_metrics = self._epoch_speed(epoch_start, last_step_end)
-                    if _every(self.epoch + 1, self.cfg.train.eval_every_n_epochs):
-                        self._evaluate_epoch()
+                    if _every(self.epoch + 1, self.cfg.train.eval_every_n_epochs) or \
+                            _every(self.step, self.cfg.train.eval_every_n_steps):
+                        self._evaluate_at_step()
                     self.epoch += 1
                     self.batch_in_epoch = 0
-                # A stop always saves, mid-epoch or at an epoch end that no checkpoint was due at.
-                due = self.preempted or not epoch_ended or _every(self.epoch, self.cfg.checkpoint.every_n_epochs)
+                # A stop (an early one too) always saves, mid-epoch or at an epoch end that no
+                # checkpoint was due at.
+                due = self.preempted or self.early_stop.stopped or not epoch_ended or \
+                    _every(self.epoch, self.cfg.checkpoint.every_n_epochs)
                 if due or self.step >= self.total_steps:
                     self._save_checkpoint()
                 if epoch_ended:
@@ -372,7 +363,7 @@ class Trainer:
             self._log_train_metrics(until=last_step_end)  # not the end-of-run save and evaluation
         # A max_steps stop mid-epoch, an epoch left unevaluated, or resumed at the end.
         if self.eval_step != self.step and not self.preempted:
-            self._record_eval(self._evaluate())
+            self._record_eval(self._evaluate(), decide=False)
         return self.reporter.on_end({**self._result((started, started_cpu, first_step), last_step_end),
                                      "epoch_end_s": epoch_ends})
 
@@ -415,11 +406,12 @@ class Trainer:
             "node_leaving": self.node_leaving,
             "growing": self.growing,
             "stop_reason": self._stop_reason(),
+            "early_stopped": self.early_stop.stopped and not self.preempted,
         }
 
     def _stop_reason(self) -> str | None:
         if not self.preempted:
-            return None
+            return self.early_stop.reason
         if self.growing:
             return preemption.GROWING
         if self.node_leaving:
@@ -478,6 +470,7 @@ class Trainer:
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             # Metrics measured at this very step (an epoch end), for checkpoint.keep_best.
             "eval_metrics": self.eval_metrics if self.eval_step == self.step else None,
+            "early_stopping": self.early_stop.state_dict(),
             "speed_metrics": self.speed_metrics if self.eval_step == self.step else None,
             "config": self.cfg.model_dump(mode="json"),
             "raylane_version": __version__,
@@ -510,4 +503,6 @@ class Trainer:
             self.scaler.load_state_dict(state["grad_scaler"])
         if state.get("eval_metrics"):
             self.eval_metrics, self.eval_step = dict(state["eval_metrics"]), self.step
+        self.early_stop.load_state_dict(state.get("early_stopping"))
+        self.hooks.load_state_dict(state.get("hook_states") or {})
         self.resumed_from_step = self.step

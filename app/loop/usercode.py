@@ -1,8 +1,8 @@
 """An error in the user's pipeline code, said in one line: which of the pipeline's functions
 raised or returned what its contract does not allow (build(cfg), loss_fn, eval_sums, collate_fn,
 the model's forward, a dataset's __getitem__ or __len__, a FileSource's transform or to_tensors,
-optimizer and scheduler), the exception, and the innermost `file:line` of the user's own code; in
-a DataLoader worker too, from the traceback torch passes on as text.
+optimizer and scheduler, a hook's methods), the exception, and the innermost `file:line` of the
+user's own code; in a DataLoader worker too, from the traceback torch passes on as text.
 
 Nothing here costs a training step: an exception is explained from its traceback once it has
 left the rank's run (`explain`), and the return values the loop relies on are checked at the
@@ -12,6 +12,7 @@ The full traceback goes to the library log (the driver's, see raylane.logs.recor
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import traceback
 from collections.abc import Callable
@@ -55,7 +56,9 @@ def pipeline_problem(pipe: Any) -> str | None:
     for name in ("optimizer", "scheduler"):
         if getattr(pipe, name) is not None and not callable(getattr(pipe, name)):
             return f"a Pipeline whose {name} is {type(getattr(pipe, name)).__name__}, not a function or None"
-    return _blocks_problem(pipe)
+    from raylane.loop.evaluation import set_names_problem
+
+    return set_names_problem(pipe.eval_set) or _hooks_problem(pipe.hooks) or _blocks_problem(pipe)
 
 
 def _blocks_problem(pipe: Any) -> str | None:
@@ -70,12 +73,24 @@ def _blocks_problem(pipe: Any) -> str | None:
     return None
 
 
+def _hooks_problem(hooks: Any) -> str | None:
+    from raylane.loop.hooks import METHODS
+
+    if isinstance(hooks, (str, bytes, dict)) or not hasattr(hooks, "__iter__"):
+        return f"a Pipeline whose hooks is {type(hooks).__name__}, not a list of hooks (raylane.Hook)"
+    for hook in hooks:
+        if isinstance(hook, type) or not any(callable(getattr(hook, m, None)) for m in METHODS):
+            what = f"the class {hook.__name__} (not an instance of it)" if isinstance(hook, type) else type(hook).__name__
+            return f"a Pipeline whose hooks hold {what}: a hook is an object with raylane.Hook's methods"
+    return None
+
+
 def check_first_calls(trainer: Any, pipe: Any, cfg: Any) -> None:
     """Check what loss_fn and eval_sums return, at their first call; later calls go straight to
     the user's functions (the wrappers put them back)."""
     _once(trainer, "loss_fn", pipe.loss_fn, _loss_problem, LOSS_ROLE, cfg)
-    if trainer.evaluator is not None:
-        _once(trainer.evaluator, "sums", pipe.eval_sums, _sums_problem, SUMS_ROLE, cfg)
+    for evaluator in trainer.evaluator.evaluators.values() if trainer.evaluator is not None else ():
+        _once(evaluator, "sums", pipe.eval_sums, _sums_problem, SUMS_ROLE, cfg)
 
 
 def _once(owner: Any, attr: str, fn: Callable, problem: Callable[[Any], str | None], role: str, cfg: Any) -> None:
@@ -226,8 +241,11 @@ def _roles(pipe: Any, module: Any) -> dict[CodeType, str]:
         named += [(LOSS_ROLE, pipe.loss_fn), (SUMS_ROLE, pipe.eval_sums), (COLLATE_ROLE, pipe.collate_fn),
                   (OPTIMIZER_ROLE, pipe.optimizer), (SCHEDULER_ROLE, pipe.scheduler),
                   ("the model's forward", getattr(type(pipe.model), "forward", None))]
-        for name in ("train_set", "eval_set"):
-            data = getattr(pipe, name)
+        named += _hook_roles(pipe.hooks)
+        sets = [("train_set", pipe.train_set)]
+        sets += [(f"eval_set[{k!r}]", v) for k, v in pipe.eval_set.items()] if isinstance(pipe.eval_set, dict) \
+            else [("eval_set", pipe.eval_set)]
+        for name, data in sets:
             if data is None:
                 continue
             if hasattr(data, "to_tensors"):  # a FileSource
@@ -242,6 +260,20 @@ def _roles(pipe: Any, module: Any) -> dict[CodeType, str]:
         if code is not None:
             roles.setdefault(code, role)
     return roles
+
+
+def _hook_roles(hooks: Any) -> list[tuple[str, Any]]:
+    """Each hook's own methods (not raylane.Hook's empty ones), named `hook Class.method`."""
+    from raylane.loop.hooks import METHODS, Hook
+
+    named = []
+    for hook in hooks or ():
+        for method in METHODS:
+            fn = getattr(type(hook), method, None)
+            if fn is not None and fn is not getattr(Hook, method, None):
+                # Unwrapped: decorators (torch.no_grad) share one wrapper's code between methods.
+                named.append((f"hook {type(hook).__name__}.{method}", inspect.unwrap(fn)))
+    return named
 
 
 def _function(fn: Any) -> Any:

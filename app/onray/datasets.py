@@ -39,11 +39,20 @@ def build_datasets(cfg: BaseConfig) -> tuple[dict[str, ray.data.Dataset], dict[s
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars, ctx.print_on_execution_start = False, False
     datasets, streams = {}, {}
-    for name, source in pipelines_ref.sources(cfg).items():
+    for name, source in _named(pipelines_ref.sources(cfg)).items():
         if isinstance(source, FileSource):
             datasets[name], counted = _to_dataset(source, name, train=name == "train")
             streams[name] = counted() if name == "train" else None
     return datasets, streams
+
+
+def _named(sources: dict[str, Any]) -> dict[str, Any]:
+    """Named held-out sets ("eval": {name: FileSource}) as datasets "eval.<name>", each split
+    on its own (raylane.loop.data.eval_data asks for them by that name)."""
+    out = {k: v for k, v in sources.items() if not (k == "eval" and isinstance(v, dict))}
+    for name, source in (sources.get("eval") if isinstance(sources.get("eval"), dict) else {}).items():
+        out[f"eval.{name}"] = source
+    return out
 
 
 def _to_dataset(source: FileSource, name: str, *, train: bool):

@@ -189,6 +189,8 @@ def load_sweep(path: str, overrides: Iterable[str] = ()) -> tuple[SweepSection, 
 
 
 def _check_metric(sweep: SweepSection, base: BaseConfig) -> None:
+    if base.train.early_stopping is not None:
+        check_metric("train.early_stopping.metric", base.train.early_stopping.metric, base)
     if sweep.objective is not None:
         check_metric("sweep.objective.time_to.metric", sweep.objective.time_to.metric, base)
     elif sweep.metric == "mfu" and not (base.scaling.use_gpu or base.scaling.peak_tflops):

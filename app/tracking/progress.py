@@ -104,7 +104,8 @@ class ProgressDisplay:
             self._show()
         elif kind == "eval":
             shown = " ".join(f"{k} {v:.4f}" for k, v in sorted(event["metrics"].items()))
-            self._print(f"epoch {event['epoch'] + 1} eval: {shown}")
+            at = f"epoch {event['epoch'] + 1}" if event.get("epoch_end", True) else f"step {event['step']}"
+            self._print(f"{at} eval: {shown}")
         elif kind == "checkpoint":
             self.checkpoints.append(event)
         elif kind == "checkpoint_failed":
@@ -212,6 +213,8 @@ def outcome_text(summary: dict[str, Any], ui: str, log_file: Any = None) -> str:
         rows.append(("throughput", ", ".join(rates)))
     metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted(summary["metrics"].items()))
     rows.append(("eval", metrics or "-"))
+    if summary.get("early_stopped"):
+        rows.append(("stopped", summary.get("stop_reason") or "early stopping"))
     if summary["run_id"]:
         rows.append(("MLflow run id", summary["run_id"]))
     else:

@@ -44,6 +44,8 @@ class RunRecorder:
             self._logger.set_tags({"raylane.host": event.get("host", "?"), **(event.get("strategy_tags") or {})})
         elif kind == "end":
             self._log_run_rates(event["result"])
+            if event["result"].get("stop_reason"):  # an early stop (FINISHED), or a stop request
+                self._logger.set_tags({"raylane.stop_reason": event["result"]["stop_reason"]})
         elif kind == "checkpoint":
             record = {k: event.get(k) for k in ("step", "location", "metrics", "time_unix")}
             self.checkpoints.append(record)
