@@ -40,17 +40,22 @@ def pipeline_problem(pipe: Any) -> str | None:
         return f"a Pipeline whose model is {type(pipe.model).__name__}, not a torch.nn.Module"
     if pipe.train_set is None:
         return "a Pipeline without a train_set"
-    for name in ("loss_fn", "eval_sums"):
-        if not callable(getattr(pipe, name)):
-            return f"a Pipeline whose {name} is {type(getattr(pipe, name)).__name__}, not a function"
+    for name in ("loss_fn", "eval_sums", "step", "eval_count"):  # each optional
+        value = getattr(pipe, name)
+        if value is not None and not callable(value):
+            return f"a Pipeline whose {name} is {type(value).__name__}, not a function"
     return None
 
 
 def check_first_calls(trainer: Any, pipe: Any, cfg: Any) -> None:
     """Check what loss_fn and eval_sums return, at their first call; later calls go straight to
-    the user's functions (the wrappers put them back)."""
-    _once(trainer, "loss_fn", pipe.loss_fn, _loss_problem, LOSS_ROLE, cfg)
-    if trainer.evaluator is not None:
+    the user's functions (the wrappers put them back). The batch's form, the model's own loss and
+    a step's return are checked by the trainer's Forward at the first batch (raylane.loop.batches)."""
+    from raylane.loop.batches import loss_problem
+
+    if pipe.loss_fn is not None:
+        _once(trainer.forward, "loss_fn", pipe.loss_fn, loss_problem, LOSS_ROLE, cfg)
+    if trainer.evaluator is not None and pipe.eval_sums is not None:
         _once(trainer.evaluator, "sums", pipe.eval_sums, _sums_problem, SUMS_ROLE, cfg)
 
 
@@ -64,18 +69,6 @@ def _once(owner: Any, attr: str, fn: Callable, problem: Callable[[Any], str | No
         return out
 
     setattr(owner, attr, first)
-
-
-def _loss_problem(loss: Any) -> str | None:
-    import torch
-
-    if not isinstance(loss, torch.Tensor):
-        return f"{type(loss).__name__}: it must return the batch's loss as a tensor (not .item())"
-    if loss.numel() != 1:
-        return f"a tensor of shape {tuple(loss.shape)}: it must return one number, the batch's loss"
-    if torch.is_grad_enabled() and not loss.requires_grad:
-        return "a tensor that does not require grad: it must be computed from the model's output (not detached)"
-    return None
 
 
 def _sums_problem(sums: Any) -> str | None:
@@ -93,8 +86,12 @@ def _sums_problem(sums: Any) -> str | None:
 def explain(exc: BaseException, cfg: Any, pipe: Any) -> BaseException:
     """The exception a rank's run ends with, for `exc` that left it: one line naming the user's
     function and place when the user's code raised, else `exc` itself."""
+    from raylane.loop.batches import BatchFormError  # torch: loaded by now, on a rank
+
     if isinstance(exc, (UserCodeError, DataError)):
         return exc
+    if isinstance(exc, BatchFormError):  # a batch, output or step return of the wrong form (one line)
+        return UserCodeError(f"pipeline {cfg.pipeline!r}: {exc}")
     if pipe is not None and _DDP_KEYWORD in str(exc):
         return _unused_parameters(exc, pipe)
     if _not_the_users(exc):
@@ -141,10 +138,13 @@ def _role(exc: BaseException, roles: dict[CodeType, str], own: list[str]) -> str
 
 def _roles(pipe: Any, module: Any) -> dict[CodeType, str]:
     """The code of each function of the pipeline's contract -> how a message names it."""
+    from raylane.loop.batches import STEP_ROLE
+
     named: list[tuple[str, Any]] = [("build(cfg)", getattr(module, "build", None)),
                                     ("sources(cfg)", getattr(module, "sources", None))]
     if pipe is not None:
-        named += [(LOSS_ROLE, pipe.loss_fn), (SUMS_ROLE, pipe.eval_sums),
+        named += [(LOSS_ROLE, pipe.loss_fn), (SUMS_ROLE, pipe.eval_sums), (STEP_ROLE, pipe.step),
+                  ("eval_count(batch)", pipe.eval_count),
                   ("the model's forward", getattr(type(pipe.model), "forward", None))]
         for name in ("train_set", "eval_set"):
             data = getattr(pipe, name)
