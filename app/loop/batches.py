@@ -159,12 +159,12 @@ class Forward:
                 loss, metrics = self.loss_fn(output, batch[1] if form == "pair" else batch), None
             else:
                 loss, metrics = checked_own_loss(output, model), None
-        self.run = self._specialised(form)
+        self.run = self._specialised(form, plain=form == "pair" and isinstance(batch[1], torch.Tensor))
         return loss, metrics
 
-    def _specialised(self, form: str) -> Callable[[Any, Any], tuple[Any, dict[str, Any] | None]]:
+    def _specialised(self, form: str, plain: bool) -> Callable[[Any, Any], tuple[Any, dict[str, Any] | None]]:
         device, non_blocking = self.device, self.device.type == "cuda"
-        if form == "pair":  # the classic pair costs what it cost before: two .to() and two calls
+        if plain:  # a pair of tensors costs what it cost before: two .to() and two calls
             def pair(model: Any, batch: Any) -> tuple[Any, None]:
                 source, target = batch
                 output = model(source.to(device, non_blocking=non_blocking))
@@ -180,7 +180,9 @@ class Forward:
         def other(model: Any, batch: Any) -> tuple[Any, None]:
             batch = _moved(batch, device, non_blocking)
             output = call_model(model, batch, form)
-            return (self.loss_fn(output, batch) if self.loss_fn is not None else own_loss(output)), None
+            if self.loss_fn is not None:
+                return self.loss_fn(output, batch[1] if form == "pair" else batch), None
+            return own_loss(output), None
         return other
 
 
