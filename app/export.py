@@ -6,7 +6,9 @@ tensors); the config and the file's metadata list the other names (`aliases`).""
 
 from __future__ import annotations
 
+import inspect
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +68,62 @@ def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
                                        # alias -> the name it is stored under in the weights
                                        **({"aliases": names} if names else {})}, indent=2))
     return config_path
+
+
+def servable(model: torch.nn.Module, example: Any) -> tuple[torch.nn.Module, tuple[Any, ...], list[str] | None]:
+    """(a module that takes the example's tensors positionally and returns one tensor, those
+    tensors, their names or None): what MLflow's PyTorch flavour logs (torch.export, one output
+    tensor). A tensor example and a model returning a tensor are the model itself. A dict example
+    (a dict batch's inputs) is passed to the model as keywords, in the example's key order; a
+    tuple, positionally; an output that is a dict or has fields (a Hugging Face ModelOutput)
+    gives its first tensor that is not the loss (the logits)."""
+    with torch.no_grad():
+        if isinstance(example, torch.Tensor):
+            if isinstance(model(example), torch.Tensor):
+                return model, (example,), None
+            return _adapter(model, None, 1), (example,), None
+        if isinstance(example, Mapping):
+            names = [str(k) for k in example]
+            return _adapter(model, names, len(names)), tuple(example.values()), names
+        if isinstance(example, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in example):
+            return _adapter(model, None, len(example)), tuple(example), None
+    raise ValueError(f"the example input is {type(example).__name__}: a tensor, a dict or a tuple of tensors "
+                     "is what an MLflow model can take")
+
+
+class _Served(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, names: list[str] | None) -> None:
+        super().__init__()
+        self.model, self.names = model, names
+
+    def _call(self, *inputs: torch.Tensor) -> torch.Tensor:
+        output = self.model(**dict(zip(self.names, inputs, strict=True))) if self.names else self.model(*inputs)
+        return _first_tensor(output)
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        values = [v for k, v in output.items() if k != "loss"]
+    elif isinstance(output, (tuple, list)):
+        values = list(output)
+    else:
+        values = [v for k, v in vars(output).items() if k != "loss"]
+    found = next((v for v in values if isinstance(v, torch.Tensor)), None)
+    if found is None:
+        raise ValueError(f"the model's output ({type(output).__name__}) holds no tensor besides the loss")
+    return found
+
+
+def _adapter(model: torch.nn.Module, names: list[str] | None, count: int) -> torch.nn.Module:
+    """A _Served whose forward has one named parameter per input: torch.export binds inputs by
+    forward's signature, and a *args forward reads as one input."""
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+              for n in ["self", *(names or [f"input_{i}" for i in range(count)])]]
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self._call(*inputs)
+
+    forward.__signature__ = inspect.Signature(params)
+    return type("ServedModel", (_Served,), {"forward": forward})(model, names)

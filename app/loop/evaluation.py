@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from raylane.loop.batches import batch_size, call_model, checked_own_loss, form_of, forward_loss, to_device
 from raylane.loop.distributed import all_reduce_sums
 
 SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a named held-out set
@@ -23,10 +24,16 @@ class EvaluationFailed(RuntimeError):
 
 
 class Evaluator:
-    def __init__(self, data: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                 sums: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
-                 device: torch.device, world_size: int) -> None:
+    """`sums(output, target or batch)` (the pipeline's eval_sums) over each batch; without it, the
+    loss (the model's own, loss_fn's, or step's, with step's metrics) times the batch's count, so
+    that dividing by the total count gives the exact average. The count is the batch's samples,
+    or `count(batch)`'s units (the pipeline's eval_count: tokens, say)."""
+
+    def __init__(self, data: Iterable[Any], sums: Callable[..., dict[str, torch.Tensor]] | None,
+                 device: torch.device, world_size: int, *, loss_fn: Callable | None = None,
+                 step: Callable | None = None, count: Callable[[Any], Any] | None = None) -> None:
         self.data, self.sums, self.device, self.world_size = data, sums, device, world_size
+        self.loss_fn, self.step, self.count = loss_fn, step, count
         self._names: list[str] | None = None
 
     @torch.no_grad()
@@ -37,19 +44,21 @@ class Evaluator:
         # hangs when ranks hold different numbers of held-out batches (a stream's file shares).
         # Evaluation needs no gradient sync, so it runs the wrapped module itself.
         module = model.module if isinstance(model, DistributedDataParallel) else model
-        sums: dict[str, torch.Tensor] = {}
+        sums: dict[str, Any] = {}
         count, failure = 0, None
         try:
-            for source, targets in self.data:
-                output = module(source.to(self.device))
-                for name, value in self.sums(output, targets.to(self.device)).items():
+            for batch in self.data:
+                batch = to_device(batch, self.device)
+                n = self.count(batch) if self.count is not None else batch_size(batch)
+                for name, value in self._batch_sums(module, batch, n).items():
                     sums[name] = sums.get(name, 0) + value
-                count += len(targets)
+                count = count + n
         except Exception as exc:  # noqa: BLE001 - the others would wait in the reduction below: it tells them
             failure = exc
         for name in self._agreed_names(sums):  # a rank whose share was empty sums zeros
             sums.setdefault(name, torch.zeros((), device=self.device))
-        sums["count"] = torch.tensor(float(count))
+        sums = {k: v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for k, v in sums.items()}
+        sums["count"] = count if isinstance(count, torch.Tensor) else torch.tensor(float(count))
         sums[FAILED] = torch.tensor(float(failure is not None))
         totals = all_reduce_sums(sums)
         if totals.pop(FAILED):
@@ -57,6 +66,17 @@ class Evaluator:
             raise failure or EvaluationFailed(f"the evaluation failed on {elsewhere}")
         n = totals.pop("count")
         return {k: v / max(n, 1.0) for k, v in totals.items()}
+
+    def _batch_sums(self, module: torch.nn.Module, batch: Any, n: Any) -> dict[str, Any]:
+        if self.sums is not None:
+            form = form_of(batch, None)
+            return self.sums(call_model(module, batch, form), batch[1] if form == "pair" else batch)
+        loss, output, metrics = forward_loss(module, batch, self.loss_fn, self.step)
+        if loss is None:
+            checked_own_loss(output, module)  # the output has no loss: say so
+        return {"loss": loss.detach().float() * n,
+                **{k: (v.detach().float() if isinstance(v, torch.Tensor) else float(v)) * n
+                   for k, v in metrics.items()}}
 
     def _failed_rank(self, failure: Exception | None = None) -> str:
         """Collective, once evaluation failed somewhere: 'rank N: Type: message' of the first

@@ -51,15 +51,18 @@ def _nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def activation_bytes(model: nn.Module, example: tuple[Any, Any], loss_fn,
-                     checkpointed: bool = False, blocks: Any = None) -> int:
-    """Bytes autograd keeps for backward from one forward at the example's batch size, measured
-    on a copy on the meta device: shapes only, no memory, no compute. With activation
-    checkpointing, each block keeps only its input, and one block's are rebuilt at a time.
-    `blocks`: the pipeline's (raylane.loop.blocks), or None to find them."""
+def activation_bytes(model: nn.Module, example: Any, loss_fn, checkpointed: bool = False, step=None,
+                     blocks: Any = None) -> int:
+    """Bytes autograd keeps for backward from one forward and loss at the example batch's size
+    (any of the three forms, raylane.loop.batches), measured on a copy on the meta device:
+    shapes only, no memory, no compute. With activation checkpointing, each block keeps only its
+    input, and one block's are rebuilt at a time. `blocks`: the pipeline's (raylane.loop.blocks),
+    or None to find them."""
+    from raylane.loop.batches import forward_loss, to_device
+
     meta, blocks = copy.deepcopy((model, blocks_of(model, blocks)))  # one copy: the blocks are the copy's
     meta.to("meta")
-    source, targets = (x.to("meta") for x in example)
+    batch = to_device(example, torch.device("meta"))
     params = {id(p) for p in meta.parameters()}
     saved: dict[int, tuple[int, int]] = {}  # tensor id -> (bytes, block index or -1)
     keep: list[torch.Tensor] = []  # alive until the end, so an id is never reused
@@ -82,7 +85,7 @@ def activation_bytes(model: nn.Module, example: tuple[Any, Any], loss_fn,
         block.register_forward_pre_hook(enter(i))
         block.register_forward_hook(lambda *_: where.__setitem__(0, -1))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_fn(meta(source), targets)
+        forward_loss(meta, batch, loss_fn, step)
     outside = sum(n for n, b in saved.values() if b < 0)
     per_block = [sum(n for n, b in saved.values() if b == i) for i in range(len(blocks))]
     if checkpointed and blocks:
@@ -91,9 +94,10 @@ def activation_bytes(model: nn.Module, example: tuple[Any, Any], loss_fn,
 
 
 def estimate_memory(model: nn.Module, cfg: BaseConfig, world_size: int,
-                    example: tuple[Any, Any] | None, loss_fn, blocks: Any = None) -> dict[str, int]:
+                    example: Any, loss_fn, step=None, blocks: Any = None) -> dict[str, int]:
     """Per-rank bytes under DDP and under FSDP: parameters, gradients, optimizer state and the
-    activations of one micro-batch (plus DDP's gradient buckets, FSDP's gathered blocks)."""
+    activations of one micro-batch (plus DDP's gradient buckets, FSDP's gathered blocks). A
+    model or step the meta device cannot run is estimated without its activations."""
     params = _nbytes(model.parameters())
     o = cfg.optim
     states = OPTIMIZER_STATES.get(o.name, 1 if o.momentum else 0)
@@ -101,8 +105,12 @@ def estimate_memory(model: nn.Module, cfg: BaseConfig, world_size: int,
     acts = 0
     blocks = blocks_of(model, blocks)
     if example is not None:
-        acts = activation_bytes(model, example, loss_fn, checkpointed=cfg.train.activation_checkpointing,
-                                blocks=blocks)
+        try:
+            acts = activation_bytes(model, example, loss_fn, checkpointed=cfg.train.activation_checkpointing,
+                                    step=step, blocks=blocks)
+        except Exception as exc:  # noqa: BLE001 - an op with no meta kernel, a step that reads values
+            log.debug("the memory estimate leaves out activations: the model does not run on the meta device "
+                      "(%s: %s)", type(exc).__name__, exc)
     if cfg.train.precision != "fp32":
         acts //= 2  # roughly: autocast keeps most activations in 16 bits
     largest_block = max((_nbytes(b.parameters()) for b in blocks), default=params)
@@ -115,7 +123,7 @@ def estimate_memory(model: nn.Module, cfg: BaseConfig, world_size: int,
 
 
 def choose_strategy(cfg: BaseConfig, device: torch.device, world_size: int, model: nn.Module,
-                    example: tuple[Any, Any] | None, loss_fn, blocks: Any = None) -> Strategy:
+                    example: Any, loss_fn, step=None, blocks: Any = None) -> Strategy:
     if world_size == 1:
         return Strategy("single", reason="one rank")
     nodes = _nodes(world_size)
@@ -124,7 +132,7 @@ def choose_strategy(cfg: BaseConfig, device: torch.device, world_size: int, mode
         return Strategy("ddp", (world_size,), reason="strategy.name: ddp")
     if cfg.strategy.name == "fsdp":
         return Strategy(*sharded, reason="strategy.name: fsdp")
-    estimate = estimate_memory(model, cfg, world_size, example, loss_fn, blocks=blocks)
+    estimate = estimate_memory(model, cfg, world_size, example, loss_fn, step, blocks=blocks)
     budget = device_memory_bytes(device, cfg.scaling.device_memory_gb, local_world_size())
     estimate["device"] = budget
     fits = estimate["ddp"] <= AUTO_MARGIN * budget
@@ -162,13 +170,13 @@ def prepare_blocks(model: nn.Module, cfg: BaseConfig, blocks: Any = None) -> Non
 
 
 def parallelize(model: nn.Module, cfg: BaseConfig, device: torch.device, world_size: int, *,
-                example: tuple[Any, Any] | None = None, loss_fn=None, blocks: Any = None,
+                example: Any = None, loss_fn=None, step=None, blocks: Any = None,
                 blocks_prepared: bool = False) -> tuple[nn.Module, Strategy]:
     """(the model ready to train on this rank, the strategy chosen). `blocks`: the pipeline's
     (None: found in the model). `blocks_prepared`: the caller already ran prepare_blocks on it."""
     found = find_blocks(model, blocks)
     blocks = found.modules
-    strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn, blocks=blocks))
+    strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn, step, blocks=blocks))
     _note_blocks(model, found, strategy, cfg)
     if not blocks_prepared:
         prepare_blocks(model, cfg, blocks)

@@ -51,19 +51,45 @@ class Pipeline:
     blocks: Any = None
 
 
+# Keys of a dict batch that hold targets, not the model's inputs: left out of a dict example.
+LABEL_KEYS = ("labels", "label")
+
+
 def example_batch(pipe: Pipeline, rows: int = 2) -> Any:
-    """The pipeline's `example_input`, or else the first `rows` inputs of its eval set (or its
-    train set) stacked into a batch: what an MLflow model's signature and input example are made
-    from. ValueError when neither gives one (a streaming set, inputs that are not tensors)."""
+    """The pipeline's `example_input`, or else the model's inputs in the first `rows` items of its
+    eval set (or its train set), collated as the loader does: what an MLflow model's signature and
+    input example are made from. An (input, target) pair gives its input; a dict batch its tensors
+    but the labels; a tensor or a tuple of tensors itself. ValueError when neither set gives one
+    (a streaming set, inputs that are not tensors)."""
+    from torch.utils.data import default_collate
+
     if pipe.example_input is not None:
         return pipe.example_input
+    if pipe.step is not None:  # the step alone knows which of a batch's items the model takes
+        raise ValueError("the pipeline gives a step and no example_input: give build(cfg)'s Pipeline an "
+                         f"example_input (the model's inputs for a batch of {rows} rows or more)")
     for data in (pipe.eval_set, pipe.train_set):
         try:
             items = [data[i] for i in range(rows)]
-        except (TypeError, IndexError, KeyError, NotImplementedError):  # None, iterable-only, too short
+            batch = (pipe.collate_fn or default_collate)(items)
+        except Exception:  # noqa: BLE001, S112 - None, iterable-only, too short, items of several shapes
             continue
-        inputs = [x[0] if isinstance(x, (tuple, list)) else x for x in items]
-        if all(isinstance(x, torch.Tensor) for x in inputs) and len({x.shape for x in inputs}) == 1:
-            return torch.stack(inputs)
+        if (inputs := _model_inputs(batch)) is not None:
+            return inputs
     raise ValueError("the pipeline sets no example_input, and its datasets' first inputs are not tensors of one "
                      f"shape: give build(cfg)'s Pipeline an example_input (a batch of {rows} rows or more)")
+
+
+def _model_inputs(batch: Any) -> Any:
+    from collections.abc import Mapping
+
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor):
+        return batch[0]
+    if isinstance(batch, Mapping):
+        inputs = {k: v for k, v in batch.items() if k not in LABEL_KEYS and isinstance(v, torch.Tensor)}
+        return inputs or None
+    if isinstance(batch, (tuple, list)) and batch and all(isinstance(x, torch.Tensor) for x in batch):
+        return tuple(batch)
+    return None

@@ -79,7 +79,7 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
     publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
     model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size,
                                   example=_example_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn),
-                                  loss_fn=pipe.loss_fn, blocks=pipe.blocks)
+                                  loss_fn=pipe.loss_fn, step=pipe.step, blocks=pipe.blocks)
     startup["parallelize"] = time.time()
     optimizer = build_optimizer(model, cfg, pipe)  # over the wrapped model's parameters (DTensors under FSDP)
     batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed, "collate_fn": pipe.collate_fn,
@@ -99,7 +99,8 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
         control_group=control_group, save_group=save_group, strategy=strategy,
         throughput=Throughput(pipe.tokens_per_sample, pipe.flops_per_token,
                               peak_flops(runtime.device, cfg.train.precision, cfg.scaling.peak_tflops)),
-        eval_sums=pipe.eval_sums, runtime=runtime, cfg=cfg, faults=faults.load(runtime.rank), hooks=pipe.hooks,
+        eval_sums=pipe.eval_sums, step=pipe.step, eval_count=pipe.eval_count, runtime=runtime, cfg=cfg,
+        faults=faults.load(runtime.rank), hooks=pipe.hooks,
         reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger),
     )
     usercode.check_first_calls(trainer, pipe, cfg)
@@ -173,14 +174,13 @@ def _init_from(cfg: BaseConfig) -> str | None:
 
 
 def _example_batch(dataset, batch_size: int, collate_fn: Callable[[list[Any]], Any] | None = None):
-    """One micro-batch, collated as the loader does (the pipeline's collate_fn), read without
-    touching any random generator (for the memory estimate); None for a stream, which has no
-    batch to spare before its first epoch."""
+    """One micro-batch, read without touching any random generator (for the memory estimate),
+    collated as the loader does (the pipeline's collate_fn, else torch's default_collate, which
+    keeps dicts and tuples); None for a stream, which has no batch to spare before its first epoch."""
     from torch.utils.data import default_collate
 
     if is_stream(dataset):
         return None
-
     return (collate_fn or default_collate)([dataset[i] for i in range(min(batch_size, len(dataset)))])
 
 

@@ -37,6 +37,7 @@ from raylane import pipelines_ref
 from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import BaseConfig, apply_values
 from raylane.loop import faults as fault_plans
+from raylane.loop.batches import forward_loss, to_device
 from raylane.loop.data import train_data, worker_options
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
 from raylane.loop.parallel import estimate_memory, parallelize, prepare_blocks, unwrap
@@ -250,8 +251,8 @@ class Search:
         if self.rank != 0 or not estimate:
             return False, False
         try:
-            example = _example(pipe.train_set, cfg.train.batch_size, pipe.collate_fn)
-            estimate = estimate_memory(live["model"], cfg, self.world_size, example, pipe.loss_fn,
+            example = _example(pipe, cfg.train.batch_size)
+            estimate = estimate_memory(live["model"], cfg, self.world_size, example, pipe.loss_fn, pipe.step,
                                        blocks=live["blocks"])
         except Exception as exc:  # a model the meta device cannot run: no estimate, nothing pruned
             log.debug("no memory estimate: %s: %s", type(exc).__name__, exc)
@@ -268,7 +269,7 @@ class Search:
         every rank, a reservation of the estimated bytes. True on out of memory, another error's
         message, or False."""
         try:
-            source, targets = _example(pipe.train_set, cfg.train.batch_size, pipe.collate_fn)
+            batch = _example(pipe, cfg.train.batch_size)
             if self.faults:
                 self.faults.before_forward(cfg.train.batch_size)
             prepare_blocks(live["model"], cfg, live["blocks"])  # recompute and compile as trained (a compile error shows here)
@@ -279,7 +280,7 @@ class Search:
             model = live["model"] = live["model"].to(self.device)
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
             with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                pipe.loss_fn(model(source.to(self.device)), targets.to(self.device)).backward()
+                forward_loss(model, to_device(batch, self.device), pipe.loss_fn, pipe.step)[0].backward()
             for p in model.parameters():
                 p.grad = None
             return False
@@ -292,7 +293,7 @@ class Search:
     def _wrap(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any]) -> None:
         """DDP or FSDP (collective: every rank is known to fit by now), the loader, its batches."""
         model, strategy = parallelize(live.pop("model"), cfg, self.device, self.world_size, loss_fn=pipe.loss_fn,
-                                      blocks=live.pop("blocks"), blocks_prepared=True)
+                                      step=pipe.step, blocks=live.pop("blocks"), blocks_prepared=True)
         live["model"], live["strategy"] = model, strategy
         live["loader"] = loader = train_data(pipe.train_set, self.runtime, batch_size=cfg.train.batch_size,
                                              seed=cfg.train.seed, samples_per_step=cfg.train.global_batch,
@@ -308,8 +309,8 @@ class Search:
         throughput = Throughput(self.pipe.tokens_per_sample, self.pipe.flops_per_token,
                                 peak_flops(self.device, cfg.train.precision, cfg.scaling.peak_tflops))
         trainer = live["trainer"] = Trainer(
-            model, live["loader"], optimizer, loss_fn=self.pipe.loss_fn, eval_data=None,
-            eval_sums=lambda o, t: {}, runtime=self.runtime, strategy=live["strategy"],
+            model, live["loader"], optimizer, loss_fn=self.pipe.loss_fn, step=self.pipe.step, eval_data=None,
+            eval_sums=None, runtime=self.runtime, strategy=live["strategy"],
             cfg=cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"async_save": False})}),
             reporter=Reporter(is_rank_zero=False, publish=lambda e: None), throughput=throughput)
         groups = _steps(live["batches"], cfg.train.grad_accum_steps)
@@ -427,10 +428,10 @@ def _attempt(step: Callable[[], Any]) -> bool | str:
         return True if _is_oom(exc) else f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
 
 
-def _example(dataset: Any, batch_size: int, collate_fn: Callable[[list[Any]], Any] | None = None):
+def _example(pipe: Any, batch_size: int):
     from raylane.loop.run import _example_batch
 
-    return _example_batch(dataset, batch_size, collate_fn)
+    return _example_batch(pipe.train_set, batch_size, pipe.collate_fn)
 
 
 def _window_sizes(steps: int, windows: int) -> list[int]:

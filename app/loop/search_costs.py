@@ -55,9 +55,13 @@ def eval_seconds(cfg: BaseConfig, model: torch.nn.Module, pipe: Any, runtime: An
     loader = eval_data(dataset, runtime, batch_size=size, seed=cfg.train.seed, collate_fn=pipe.collate_fn,
                        options=worker_options(cfg.loader, runtime.device))
     batches = list(itertools.islice(loader, timed + 1))
-    Evaluator(batches[:1], pipe.eval_sums, runtime.device, world)(model)  # compiles, agrees on names
+    def evaluator(data: list[Any]) -> Evaluator:
+        return Evaluator(data, pipe.eval_sums, runtime.device, world, loss_fn=pipe.loss_fn, step=pipe.step,
+                         count=pipe.eval_count)
+
+    evaluator(batches[:1])(model)  # compiles, agrees on names
     began = clock()
-    Evaluator(batches[1:], pipe.eval_sums, runtime.device, world)(model)
+    evaluator(batches[1:])(model)
     elapsed = clock() - began
     model.train()
     return elapsed / timed * len(loader)

@@ -18,6 +18,7 @@ import torch
 from raylane import __version__
 from raylane.config import BaseConfig
 from raylane.loop import preemption
+from raylane.loop.batches import Forward, StepMetrics
 from raylane.loop.data import EpochData
 from raylane.loop.devices import peak_memory_bytes, reset_peak_memory, state_bytes
 from raylane.loop.distributed import ControlVote, all_reduce_max, backend_name
@@ -56,9 +57,9 @@ class Trainer(EvalSchedule):
         train_data: EpochData,
         optimizer: torch.optim.Optimizer,
         *,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[..., torch.Tensor] | None,
         eval_data: Iterable[Any] | dict[str, Iterable[Any]] | None,  # {name: ...}: named held-out sets
-        eval_sums: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
+        eval_sums: Callable[..., dict[str, torch.Tensor]] | None,
         runtime: Runtime,
         reporter: Reporter,
         cfg: BaseConfig,
@@ -69,6 +70,8 @@ class Trainer(EvalSchedule):
         throughput: Throughput | None = None,
         strategy: Strategy | None = None,
         hooks: Iterable[Any] = (),
+        step: Callable[..., Any] | None = None,
+        eval_count: Callable[[Any], Any] | None = None,
     ) -> None:
         self.model = model
         # Walking the module tree costs ~70 us a step on a small model (7% of a digits step on one
@@ -77,9 +80,10 @@ class Trainer(EvalSchedule):
         self._plain_grads = plain_parameters(self._params)
         self.train_data = train_data
         self.optimizer = optimizer
-        self.loss_fn = loss_fn
+        self.forward = Forward(loss_fn, step, runtime.device)  # in the pipeline's form (raylane.loop.batches)
         self.evaluator = None if eval_data is None else EvalSets(
-            eval_data, lambda data: Evaluator(data, eval_sums, runtime.device, runtime.world_size))
+            eval_data, lambda data: Evaluator(data, eval_sums, runtime.device, runtime.world_size, loss_fn=loss_fn,
+                                              step=step, count=eval_count))
         self.runtime = runtime
         self.reporter = reporter
         self.cfg = cfg
@@ -151,13 +155,14 @@ class Trainer(EvalSchedule):
         self.resumed_from: str | None = None  # the checkpoint loaded, by name
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_count = 0
+        self._step_metrics = StepMetrics(self.device)  # a step's own, averaged over the window
         self._grad_norm: torch.Tensor | None = None
         self._window_start = time.perf_counter()
         self._window_steps = 0
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def _run_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+    def _run_batch(self, micro_batches: list[Any]) -> torch.Tensor | None:
         """One optimizer step over its micro-batches; returns the mean loss, or None when a
         non-finite update was skipped. Gradients are reduced on the last micro-batch only."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -165,10 +170,12 @@ class Trainer(EvalSchedule):
             self._wait_for_staging()
         n = len(micro_batches)
         losses = []
-        for i, (source, targets) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
             last = i == n - 1
             with contextlib.nullcontext() if last else no_gradient_sync(self.model), self._autocast():
-                loss = self.loss_fn(self.model(source.to(self.device)), targets.to(self.device))
+                loss, metrics = self.forward.run(self.model, batch)
+                if metrics:
+                    self._step_metrics.add(metrics)
                 if self.faults:
                     loss = self.faults.corrupt_loss(self.step + 1, loss)
                 scaled = loss / n if n > 1 else loss  # each op dispatched costs µs on tiny steps
@@ -299,6 +306,7 @@ class Trainer(EvalSchedule):
             **({"grad_norm": float(self._grad_norm)} if self._grad_norm is not None else {}),
             "samples_per_s": samples_per_s,
             **self.throughput.rates(samples_per_s, self.runtime.world_size),
+            **self._step_metrics.means(),
         }
         self.reporter.on_train_metrics(self.step, metrics)
         self._reset_window()
@@ -307,6 +315,7 @@ class Trainer(EvalSchedule):
     def _reset_window(self) -> None:
         self._loss_sum.zero_()
         self._loss_count = 0
+        self._step_metrics.reset()
         self._grad_norm = None
         self._window_start = time.perf_counter()
         self._window_steps = 0

@@ -50,9 +50,10 @@ def pipeline_problem(pipe: Any) -> str | None:
         return f"a Pipeline whose model is {type(pipe.model).__name__}, not a torch.nn.Module"
     if pipe.train_set is None:
         return "a Pipeline without a train_set"
-    for name in ("loss_fn", "eval_sums"):
-        if not callable(getattr(pipe, name)):
-            return f"a Pipeline whose {name} is {type(getattr(pipe, name)).__name__}, not a function"
+    for name in ("loss_fn", "eval_sums", "step", "eval_count"):  # each optional
+        value = getattr(pipe, name)
+        if value is not None and not callable(value):
+            return f"a Pipeline whose {name} is {type(value).__name__}, not a function"
     for name in ("optimizer", "scheduler"):
         if getattr(pipe, name) is not None and not callable(getattr(pipe, name)):
             return f"a Pipeline whose {name} is {type(getattr(pipe, name)).__name__}, not a function or None"
@@ -87,10 +88,15 @@ def _hooks_problem(hooks: Any) -> str | None:
 
 def check_first_calls(trainer: Any, pipe: Any, cfg: Any) -> None:
     """Check what loss_fn and eval_sums return, at their first call; later calls go straight to
-    the user's functions (the wrappers put them back)."""
-    _once(trainer, "loss_fn", pipe.loss_fn, _loss_problem, LOSS_ROLE, cfg)
+    the user's functions (the wrappers put them back). The batch's form, the model's own loss and
+    a step's return are checked by the trainer's Forward at the first batch (raylane.loop.batches)."""
+    from raylane.loop.batches import loss_problem
+
+    if pipe.loss_fn is not None:
+        _once(trainer.forward, "loss_fn", pipe.loss_fn, loss_problem, LOSS_ROLE, cfg)
     for evaluator in trainer.evaluator.evaluators.values() if trainer.evaluator is not None else ():
-        _once(evaluator, "sums", pipe.eval_sums, _sums_problem, SUMS_ROLE, cfg)
+        if pipe.eval_sums is not None:
+            _once(evaluator, "sums", pipe.eval_sums, _sums_problem, SUMS_ROLE, cfg)
 
 
 def _once(owner: Any, attr: str, fn: Callable, problem: Callable[[Any], str | None], role: str, cfg: Any) -> None:
@@ -133,18 +139,6 @@ def scheduler_problem(scheduler: Any, optimizer: Any) -> str | None:
     return None
 
 
-def _loss_problem(loss: Any) -> str | None:
-    import torch
-
-    if not isinstance(loss, torch.Tensor):
-        return f"{type(loss).__name__}: it must return the batch's loss as a tensor (not .item())"
-    if loss.numel() != 1:
-        return f"a tensor of shape {tuple(loss.shape)}: it must return one number, the batch's loss"
-    if torch.is_grad_enabled() and not loss.requires_grad:
-        return "a tensor that does not require grad: it must be computed from the model's output (not detached)"
-    return None
-
-
 def _sums_problem(sums: Any) -> str | None:
     import torch
 
@@ -160,8 +154,12 @@ def _sums_problem(sums: Any) -> str | None:
 def explain(exc: BaseException, cfg: Any, pipe: Any) -> BaseException:
     """The exception a rank's run ends with, for `exc` that left it: one line naming the user's
     function and place when the user's code raised, else `exc` itself."""
+    from raylane.loop.batches import BatchFormError  # torch: loaded by now, on a rank
+
     if isinstance(exc, (UserCodeError, DataError)):
         return exc
+    if isinstance(exc, BatchFormError):  # a batch, output or step return of the wrong form (one line)
+        return UserCodeError(f"pipeline {cfg.pipeline!r}: {exc}")
     if pipe is not None and _DDP_KEYWORD in str(exc):
         return _unused_parameters(exc, pipe)
     if _not_the_users(exc):
@@ -235,10 +233,13 @@ def _role_of(frame: tuple[str, int, Any], roles: dict[CodeType, str]) -> str | N
 
 def _roles(pipe: Any, module: Any) -> dict[CodeType, str]:
     """The code of each function of the pipeline's contract -> how a message names it."""
+    from raylane.loop.batches import STEP_ROLE
+
     named: list[tuple[str, Any]] = [("build(cfg)", getattr(module, "build", None)),
                                     ("sources(cfg)", getattr(module, "sources", None))]
     if pipe is not None:
-        named += [(LOSS_ROLE, pipe.loss_fn), (SUMS_ROLE, pipe.eval_sums), (COLLATE_ROLE, pipe.collate_fn),
+        named += [(LOSS_ROLE, pipe.loss_fn), (SUMS_ROLE, pipe.eval_sums), (STEP_ROLE, pipe.step),
+                  ("eval_count(batch)", pipe.eval_count), (COLLATE_ROLE, pipe.collate_fn),
                   (OPTIMIZER_ROLE, pipe.optimizer), (SCHEDULER_ROLE, pipe.scheduler),
                   ("the model's forward", getattr(type(pipe.model), "forward", None))]
         named += _hook_roles(pipe.hooks)

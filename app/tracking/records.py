@@ -140,21 +140,26 @@ def log_model(handle: RunHandle, location: str, register: str | None) -> dict[st
     import torch
     from mlflow.models import infer_signature
 
-    from raylane.export import load_model
+    from raylane.export import load_model, servable
     from raylane.loop.storage import local_copy
 
     with local_copy(location) as path:
         model, example = load_model(path)
     model.eval()
+    # A dict batch's model takes its inputs by name: the signature names them, in the order the
+    # logged model takes them positionally (MLflow's PyTorch flavour has no dict input).
+    model, inputs, names = servable(model, example)
     with torch.no_grad():
-        output = model(example)
-    signature = infer_signature(example.numpy(), output.numpy())
+        output = model(*inputs)
+    arrays = [x.numpy() for x in inputs]
+    named = names or (None if len(arrays) == 1 else [f"input_{i}" for i in range(len(arrays))])
+    signature = infer_signature(dict(zip(named, arrays, strict=True)) if named else arrays[0], output.numpy())
     mlflow.set_tracking_uri(handle.tracking_uri)
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # our summary prints the run
     # The context marks the run FINISHED on exit; the driver sets its real status right after.
     with mlflow.start_run(run_id=handle.run_id):
         info = mlflow.pytorch.log_model(
-            model, name="model", signature=signature, input_example=example.numpy(),
+            model, name="model", signature=signature, input_example=arrays[0] if len(arrays) == 1 else tuple(arrays),
             registered_model_name=register,
             # Explicit: inferring requirements imports the model in a subprocess (seconds).
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
