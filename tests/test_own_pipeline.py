@@ -50,13 +50,20 @@ def test_example_trains_on_two_ray_workers_from_its_own_directory(run_cli, proje
     assert list(Path(head["temp_dir"]).glob(f"session_latest/logs/python-core-driver-*_{p.proc.pid}.log")), p.output
 
 
-def test_example_trains_under_torchrun_as_a_dotted_module(run_cli, project, tmp_path):
-    p = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "train.yaml", "--set", "pipeline=pipelines.shapes",
-                *QUICK, "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "t.json"),
+@pytest.mark.parametrize("config, module", [("train.yaml", "pipelines.shapes"), ("train-records.yaml", "pipelines.records")])
+def test_example_trains_under_torchrun_as_a_dotted_module(run_cli, project, tmp_path, config, module):
+    """Both of the example's pipelines: `shapes` ((input, target) pairs and a loss_fn) and
+    `records` (dict batches passed as model(**batch), the model's own loss, no loss_fn)."""
+    records = module == "pipelines.records"
+    p = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", config, "--set", f"pipeline={module}",
+                *QUICK, *(["--set", "mlflow.log_model=true"] if records else []),
+                "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "t.json"),
                 launcher=TORCHRUN, cwd=project)
     assert p.wait(180) == 0, p.output
     s = _finished(tmp_path, "t.json")
-    assert s["world_size"] == 2 and s["tags"]["raylane.pipeline"] == "pipelines.shapes"
+    assert s["world_size"] == 2 and s["tags"]["raylane.pipeline"] == module
+    if records:  # the MLflow model, logged from the dict batch's inputs
+        assert s["model_uri"].startswith("models:/"), s
 
 
 @pytest.mark.shared_ray

@@ -60,6 +60,13 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         out.append(("B10", "plain run of the winner ÷ the throughput autotune measured for it",
                     _m(r["plain_over_autotune"], fmt="{:.3f}"), "0.90–1.10",
                     _met(0.9 <= r["plain_over_autotune"]["median"] <= 1.1)))
+    if "B11" in results:
+        r = results["B11"]
+        out.append(("B11", "dict batch through model(**batch), own loss ÷ (input, target) pair + loss_fn, 2 ranks "
+                    "(CPU ms per step)", f"{r['cpu_step_ms_dict_over_pair']:.3f} ({_m(r['cpu_step_ms']['dict'], fmt='{:.2f}')}"
+                    f" vs {_m(r['cpu_step_ms']['pair'], fmt='{:.2f}')} ms; pair runs spread "
+                    f"{r['cpu_step_ms_pair_spread']:.0%})", "within noise",
+                    _met(abs(r["cpu_step_ms_dict_over_pair"] - 1) <= max(r["cpu_step_ms_pair_spread"], 0.02))))
     for name, error in results.get("failed", {}).items():
         first = error.strip().splitlines()[0] if error.strip() else "unknown error"
         out.append((name, "did not finish (results.json has the error)", first[:200].replace("|", "/"), "—", "**failed**"))

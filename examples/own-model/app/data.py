@@ -32,3 +32,16 @@ def make_shapes(n: int, noise: float, seed: int) -> tuple[torch.Tensor, torch.Te
     images = torch.stack([_stamp(int(k), int(r), int(c)) for k, (r, c) in zip(labels, places, strict=True)])
     images = images + noise * torch.randn(images.shape, generator=gen)
     return images.unsqueeze(1), labels
+
+
+class ShapeRecords(torch.utils.data.Dataset):
+    """The same images as dicts, the shape most modern datasets give: {"pixels", "labels"}."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixels": self.images[i], "labels": self.labels[i]}

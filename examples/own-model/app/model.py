@@ -15,3 +15,19 @@ class ShapeNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
+
+
+class ShapeClassifier(nn.Module):
+    """ShapeNet the way models of the Hugging Face ecosystem are written: named inputs, and the
+    model computes its own loss when it is given labels."""
+
+    def __init__(self, channels: int = 8, hidden: int = 32, num_classes: int = 4) -> None:
+        super().__init__()
+        self.net = ShapeNet(channels, hidden, num_classes)
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        logits = self.net(pixels)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits, labels)
+        return out
