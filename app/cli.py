@@ -110,6 +110,10 @@ def _check(args: argparse.Namespace) -> int:
             print(f"blocks: {pipeline_blocks(cfg).describe()}", flush=True)
         except UserCodeError as exc:  # build(cfg) raised, or returned no Pipeline (its blocks included)
             raise ConfigError(str(exc)) from None
+    elif cfg.strategy.name != "ddp" or cfg.train.activation_checkpointing or cfg.train.compile:
+        # Blocks matter to this run; finding them means building the model, which check does not.
+        print("# blocks: `raylane check --blocks` builds the model and lists the blocks FSDP shards, "
+              "activation checkpointing recomputes and compile takes", flush=True)
     return 0
 
 

@@ -173,6 +173,11 @@ def test_check_prints_the_blocks_it_found(project, capsys):
     assert err.startswith(f"raylane: pipeline '{pipe}': build(cfg) returned a Pipeline whose blocks = "
                           f"'encoder.layer' names no module of the model (at {pipe}:"), err
     assert len(err.splitlines()) == 1
+    # Without --blocks nothing is built; where blocks matter to the run, check says how to see them.
+    assert main(["check", str(project / "cfg.yaml"), "--set", "strategy.name=fsdp"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("# blocks: `raylane check --blocks` builds the model")
+    assert main(["check", str(project / "cfg.yaml")]) == 0
+    assert "# blocks" not in capsys.readouterr().out
 
 
 @pytest.mark.untracked
