@@ -168,6 +168,14 @@ class TrainSection(Section):
     global_batch: int | None = Field(None, ge=1, le=1_000_000_000)
     global_batch_adjust: Literal["grad_accum_steps", "batch_size"] = "grad_accum_steps"
 
+    @model_validator(mode="after")
+    def _early_stopping_needs_evaluations(self) -> TrainSection:
+        if self.early_stopping is not None and not (self.eval_every_n_epochs or self.eval_every_n_steps):
+            raise ValueError(f"train.early_stopping.metric = {self.early_stopping.metric!r}: early stopping counts "
+                             "evaluations, and train.eval_every_n_epochs and train.eval_every_n_steps are both 0 "
+                             "(the run would never stop early); set one of them")
+        return self
+
 
 class LoaderSection(Section):
     """The DataLoader of a map-style dataset (a FileSource streams its own batches)."""

@@ -168,3 +168,30 @@ def test_to_device_moves_every_tensor_of_any_nesting_and_keeps_the_containers():
     assert type(moved["item"]) is Item and moved["item"].x.is_meta and moved["item"].name == "n"
     assert moved["t"][0].is_meta and moved["t"][1] == "s"
     assert not batch["enc"]["input_ids"].is_meta  # the batch itself is left as it was
+
+
+def test_a_pipeline_with_both_step_and_eval_sums_or_a_collate_fn_that_is_no_function_is_refused():
+    """At build(cfg), in one line (before: the held-out batch went to the model in the batch's
+    generic form and failed with a TypeError naming no pipeline; a str collate_fn failed in the
+    loader)."""
+    from raylane import Pipeline
+    from raylane.loop.usercode import pipeline_problem
+
+    data = [(torch.zeros(2), torch.zeros(1))]
+    model = torch.nn.Linear(2, 1)
+    both = Pipeline(model=model, train_set=data, step=lambda m, b: m(b[0]).sum(), eval_sums=lambda o, b: {})
+    assert pipeline_problem(both).startswith("a Pipeline with both step and eval_sums: with a step, the held-out "
+                                             "metrics are its loss and metrics")
+    assert pipeline_problem(Pipeline(model=model, train_set=data, collate_fn="pad")) == \
+        "a Pipeline whose collate_fn is str, not a function"
+
+
+def test_autotune_counts_the_evaluations_every_n_steps_in_a_steps_cost():
+    from raylane.config import load_config
+    from raylane.loop.search_costs import per_step_seconds
+
+    epochs_only = load_config("digits", ["train.eval_every_n_epochs=0", "checkpoint.every_n_epochs=0"])
+    every_10 = load_config("digits", ["train.eval_every_n_epochs=0", "checkpoint.every_n_epochs=0",
+                                      "train.eval_every_n_steps=10"])
+    assert per_step_seconds(epochs_only, steps_per_epoch=50, eval_s=2.0, save_s=0.0) == 0.0
+    assert per_step_seconds(every_10, steps_per_epoch=50, eval_s=2.0, save_s=0.0) == pytest.approx(0.2)

@@ -130,6 +130,12 @@ def test_early_stopping_ends_the_run_finished_with_its_reason_and_a_relaunch_tra
     assert resumed["steps"] == 6 and resumed["resumed_from_step"] == 6 and resumed["stop_reason"] == reason
     assert max(p.name for p in (project / "runs" / "early").glob("checkpoint_*")) == checkpoint.checkpoint_name(6)
 
+    # Another run started from that checkpoint (PBT's donor, a fine-tune) is not stopped by it.
+    _train(run_cli, "child", *stop[:-1], "train.max_epochs=2", "mlflow.enabled=false",
+           f"checkpoint.init_from={summary['checkpoint']}")
+    child = read_json(project / "child.json")
+    assert child["resumed_from_step"] == 6 and child["steps"] == 12 and not child["early_stopped"], child
+
 
 @pytest.mark.untracked
 def test_a_hook_that_raises_fails_the_run_naming_it_and_its_line(run_cli, project):
@@ -192,6 +198,62 @@ def test_an_early_stopping_metric_the_pipeline_does_not_report_is_refused_before
         check_run(cfg)
     assert str(err.value) == ("train.early_stopping.metric = 'val/los': not a metric the pipe pipeline reports "
                               "(did you mean val/loss?); it reports: val/loss, test/loss")
+
+
+def test_early_stopping_with_no_evaluation_to_count_is_refused_before_the_run(project, monkeypatch):
+    monkeypatch.chdir(project)
+    with pytest.raises(ConfigError) as err:
+        load_config("cfg.yaml", ["train.early_stopping.metric=loss", "train.eval_every_n_epochs=0"])
+    assert str(err.value).endswith("train.early_stopping.metric = 'loss': early stopping counts evaluations, and "
+                                   "train.eval_every_n_epochs and train.eval_every_n_steps are both 0 (the run would "
+                                   "never stop early); set one of them")
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
+def test_a_replicated_checkpoint_gives_an_fsdp_run_its_hooks_state_sharded(tmp_path, monkeypatch, optimizer_class):
+    """The EMA hook's averages saved by a DDP (or one-process) run, resumed under FSDP: each rank
+    gets its shard (before: a plain tensor copied into the hook's DTensor, a RuntimeError). With
+    SGD, whose optimizer has no state, too (before: torch's full-state-dict load failed on it:
+    'Expected device to be set')."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    spec = importlib.util.spec_from_file_location("ema_helper", HELPER)
+    ema = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ema)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(__import__("tests.conftest", fromlist=["free_port"]).free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        def make(shard: bool):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+            if shard:
+                fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+            optimizer = optimizer_class(model.parameters(), lr=0.1)
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            hook = ema.EMA()
+            hook.setup(SimpleNamespace(model=model))
+            return model, optimizer, hook
+
+        model, optimizer, hook = make(False)
+        path = tmp_path / checkpoint.checkpoint_name(1)
+        path.mkdir()
+        state = {**checkpoint.live_state(model, optimizer), "hooks": {"0.EMA": hook.state_dict()}}
+        checkpoint.write(str(path), state, {"step": 1, "hooks": ["0.EMA"], "world_size": 1, "epoch": 0}, rank=0,
+                         rng=checkpoint.rng_state(), replicated=True).commit()
+        sharded, optimizer2, hook2 = make(True)
+        loaded = checkpoint.load(str(path), sharded, optimizer2, rank=0, hooks={"0.EMA": hook2.state_dict()})
+        hook2.load_state_dict(loaded["hook_states"]["0.EMA"])
+        for name, value in hook.state_dict()["shadow"].items():
+            assert torch.equal(hook2.state_dict()["shadow"][name].full_tensor(), value)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_docs_quote_the_tested_ema_hook_verbatim():

@@ -425,6 +425,8 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         # Whole tensors into a sharded model (a DDP run resumed under FSDP): each rank keeps its shard.
         if not replicated(model):
             options = dcp.state_dict.StateDictOptions(full_state_dict=True, strict=False)
+            if state.get("hooks") and hooks:  # the hooks' own tensors, sharded as the hooks hold them now
+                state["hooks"] = _sharded_like(hooks, state["hooks"])
     else:
         state = {"model": model_sd, "optim": optim_sd}
         if wanted := {k: v for k, v in (hooks or {}).items() if k in saved_hooks}:
@@ -437,8 +439,16 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         except CheckpointException as exc:  # a BaseException, which the launchers' handlers would miss
             raise CheckpointLoadError(f"checkpoint {path} cannot be loaded ({_describe(exc, rank or 0)})") from None
     _check_groups(path, groups, group_layout(state["optim"], names))
-    loaded = dcp.state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"],
-                                           optim_state_dict=state["optim"], options=options)
+    if options.full_state_dict and not state["optim"].get("state"):
+        # Whole tensors into a sharded model, and an optimizer with no state (SGD without
+        # momentum): torch's full-state-dict load needs a state tensor to find the device, so
+        # the model is loaded alone and the groups' settings copied.
+        loaded = dcp.state_dict.set_model_state_dict(model, state["model"], options=options)
+        for group, saved in zip(optimizer.param_groups, state["optim"].get("param_groups") or (), strict=False):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    else:
+        loaded = dcp.state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"],
+                                               optim_state_dict=state["optim"], options=options)
     missing, unexpected = unexplained(loaded.missing_keys, names), sorted(loaded.unexpected_keys)
     if missing or unexpected:
         name, where = (missing[0], "there") if missing else (unexpected[0], "here")
@@ -482,3 +492,18 @@ def _check_groups(path: str | os.PathLike, here: list[tuple[str, ...]], there: l
         f"parameter group{'s' if count != 1 else ''} there, {len(here)} here: optim.weight_decay or "
         "optim.decay_norm_and_bias changed, or the pipeline's optimizer); keep them to resume it, or start a "
         "fresh run with another run.name")
+
+
+def _sharded_like(template: Any, full: Any) -> Any:
+    """`full` (whole tensors, from a replicated checkpoint) with each tensor that `template`
+    holds as a DTensor distributed the same way: a hook's state saved under DDP, resumed under
+    FSDP (each rank keeps its shard)."""
+    if isinstance(full, dict) and isinstance(template, dict):
+        return {k: _sharded_like(template.get(k), v) for k, v in full.items()}
+    if isinstance(full, (list, tuple)) and isinstance(template, (list, tuple)) and len(full) == len(template):
+        return type(full)(_sharded_like(t, v) for t, v in zip(template, full, strict=True))
+    if isinstance(full, torch.Tensor) and hasattr(template, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.to(template.device), template.device_mesh, template.placements)
+    return full

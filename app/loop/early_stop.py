@@ -13,6 +13,10 @@ from typing import Any
 log = logging.getLogger("raylane")
 
 
+class EarlyStoppingMetricError(ValueError):
+    """The metric early stopping watches is not among those the evaluation reports."""
+
+
 class EarlyStopping:
     def __init__(self, cfg: Any) -> None:
         """`cfg`: a raylane.config.EarlyStoppingSection, or None (never stops)."""
@@ -29,8 +33,12 @@ class EarlyStopping:
     def update(self, metrics: dict[str, float], step: int) -> bool:
         """After an evaluation at `step`: True when the run must stop now."""
         c = self.cfg
-        if c is None or self.stopped or c.metric not in metrics:
+        if c is None or self.stopped:
             return self.stopped
+        if c.metric not in metrics:  # the same metrics on every rank (all-reduced): every rank raises
+            reported = ", ".join(sorted(metrics)) or "none: the pipeline gives no eval_set"
+            raise EarlyStoppingMetricError(f"train.early_stopping.metric = {c.metric!r}: not a held-out metric of "
+                                           f"this run; the evaluation at step {step} reported {reported}")
         value = float(metrics[c.metric])
         better = math.isfinite(value) and (
             self.best is None or (value < self.best - c.min_delta if c.mode == "min" else value > self.best + c.min_delta))

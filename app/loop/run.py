@@ -77,8 +77,10 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
 def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | None,
            startup: dict[str, float]) -> dict[str, Any]:
     publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
-    model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size,
-                                  example=_example_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn),
+    # Only strategy.name auto estimates memory: the user's collate_fn runs no more than needed.
+    estimating = cfg.strategy.name == "auto" and runtime.world_size > 1
+    example = _example_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn) if estimating else None
+    model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size, example=example,
                                   loss_fn=pipe.loss_fn, step=pipe.step, blocks=pipe.blocks)
     startup["parallelize"] = time.time()
     optimizer = build_optimizer(model, cfg, pipe)  # over the wrapped model's parameters (DTensors under FSDP)
@@ -108,8 +110,10 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
     trainer.skipped_checkpoints = runtime.skipped_checkpoints()  # said on the driver, with the start
     latest = own or _init_from(cfg)
     if latest:
-        trainer.load_state_dict(checkpoint.load(latest, model, optimizer, rank=runtime.rank,
-                                                hooks=trainer.hooks.state_dict()))
+        state = checkpoint.load(latest, model, optimizer, rank=runtime.rank, hooks=trainer.hooks.state_dict())
+        if not own:  # another run's early stop (a PBT donor's, say) is not this run's
+            state.pop("early_stopping", None)
+        trainer.load_state_dict(state)
         trainer.last_checkpoint = latest
         # By name: a checkpoint on object storage was loaded from a local copy.
         trainer.resumed_from = checkpoint.checkpoint_name(trainer.step) if own else latest

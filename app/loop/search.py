@@ -37,7 +37,7 @@ from raylane import pipelines_ref
 from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import BaseConfig, apply_values
 from raylane.loop import faults as fault_plans
-from raylane.loop.batches import forward_loss, to_device
+from raylane.loop.batches import checked_own_loss, forward_loss, to_device
 from raylane.loop.data import train_data, worker_options
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
 from raylane.loop.parallel import estimate_memory, parallelize, prepare_blocks, unwrap
@@ -280,7 +280,8 @@ class Search:
             model = live["model"] = live["model"].to(self.device)
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
             with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                forward_loss(model, to_device(batch, self.device), pipe.loss_fn, pipe.step)[0].backward()
+                loss, output, _ = forward_loss(model, to_device(batch, self.device), pipe.loss_fn, pipe.step)
+                (checked_own_loss(output, model) if loss is None else loss).backward()
             for p in model.parameters():
                 p.grad = None
             return False

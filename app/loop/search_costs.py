@@ -31,6 +31,8 @@ def per_step_seconds(cfg: BaseConfig, steps_per_epoch: int, eval_s: float, save_
     """Epoch-end work spread over training's steps, at the config's frequencies."""
     t, ck = cfg.train, cfg.checkpoint
     out = eval_s / (steps_per_epoch * t.eval_every_n_epochs) if t.eval_every_n_epochs else 0.0
+    if t.eval_every_n_steps:
+        out += eval_s / t.eval_every_n_steps
     if ck.every_n_epochs:
         out += save_s / (steps_per_epoch * ck.every_n_epochs)
     if ck.every_n_steps:
@@ -47,7 +49,7 @@ def eval_seconds(cfg: BaseConfig, model: torch.nn.Module, pipe: Any, runtime: An
     dataset, world, size = pipe.eval_set, runtime.world_size, cfg.train.batch_size
     if isinstance(dataset, dict):  # named held-out sets, evaluated in turn
         return sum(eval_seconds(cfg, model, replace(pipe, eval_set=data), runtime, clock) for data in dataset.values())
-    if not cfg.train.eval_every_n_epochs or dataset is None or is_stream(dataset):
+    if not (cfg.train.eval_every_n_epochs or cfg.train.eval_every_n_steps) or dataset is None or is_stream(dataset):
         return 0.0
     timed = min(EVAL_BATCHES, len(dataset) // world // size - 1)  # every rank has these in full
     if timed < 1:

@@ -254,6 +254,7 @@ class Trainer(EvalSchedule):
                                   first=self.step == (self.resumed_from_step or 0) + 1)
             logged = self._log_train_metrics() if self.step % self.cfg.mlflow.log_every_n_steps == 0 else {}
             if self.hooks:
+                self._wait_for_staging()  # a skipped step did not wait, and a hook may change its saved state
                 self.hooks.call("on_step_end", metrics=logged)
             epoch_end = self.batch_in_epoch >= self.batches_per_epoch  # evaluated by train(), with the epoch's
             if _every(self.step, self.cfg.train.eval_every_n_steps) and not epoch_end:

@@ -50,10 +50,14 @@ def pipeline_problem(pipe: Any) -> str | None:
         return f"a Pipeline whose model is {type(pipe.model).__name__}, not a torch.nn.Module"
     if pipe.train_set is None:
         return "a Pipeline without a train_set"
-    for name in ("loss_fn", "eval_sums", "step", "eval_count"):  # each optional
+    for name in ("loss_fn", "eval_sums", "step", "eval_count", "collate_fn"):  # each optional
         value = getattr(pipe, name)
         if value is not None and not callable(value):
             return f"a Pipeline whose {name} is {type(value).__name__}, not a function"
+    if pipe.step is not None and pipe.eval_sums is not None:
+        # eval_sums takes the model's output, and with a step there is none the loop makes.
+        return ("a Pipeline with both step and eval_sums: with a step, the held-out metrics are its loss and "
+                "metrics, averaged over the held-out samples; return them from step and drop eval_sums")
     for name in ("optimizer", "scheduler"):
         if getattr(pipe, name) is not None and not callable(getattr(pipe, name)):
             return f"a Pipeline whose {name} is {type(getattr(pipe, name)).__name__}, not a function or None"
