@@ -29,8 +29,8 @@ from raylane.api import check, down, submit, train, tune, up  # after __version_
 from raylane.config import BaseConfig, ConfigError, Section
 from raylane.paths import InputPath, InputPaths, OutputPath
 
-__all__ = ["BaseConfig", "ConfigError", "DataError", "Hook", "HookContext", "InputPath", "InputPaths", "OutputPath", "Pipeline", "Section",
-           "__version__", "check", "down", "submit", "train", "tune", "up"]
+__all__ = ["BaseConfig", "ConfigError", "DataError", "Hook", "HookContext", "InputPath", "InputPaths", "OutputPath",
+           "Pipeline", "Section", "__version__", "check", "down", "submit", "train", "tune", "up"]
 
 # Names that import torch, resolved on first access (PEP 562).
 _LAZY = {"Pipeline": "raylane.loop.pipeline", "FileSource": "raylane.loop.streaming", "DataError": "raylane.loop.baddata",

@@ -50,7 +50,7 @@ def _held_out_loss(weights: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.shared_ray
 def test_a_dict_batch_model_with_its_own_loss_on_ray_resumes_bit_exact_after_kill_9_and_logs_its_model(
-        run_cli, project, tmp_path):
+        run_cli, project, tmp_path, monkeypatch):
     """On 2 Ray workers, rank 1 kills its own process with SIGKILL after a committed checkpoint
     (model.kill_mark); Ray restarts the group, which resumes and ends bit-identical to the same
     run under torchrun on 2 ranks, FINISHED in MLflow with its model logged."""
@@ -81,7 +81,8 @@ def test_a_dict_batch_model_with_its_own_loss_on_ray_resumes_bit_exact_after_kil
     assert client.get_run(hit["run_id"]).info.status == "FINISHED"
     import mlflow.pytorch
 
-    mlflow.set_tracking_uri(hit["tracking_uri"])
+    # Where models:/ URIs resolve; not mlflow.set_tracking_uri, which would outlive this test.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", hit["tracking_uri"])
 
     served = mlflow.pytorch.load_model(hit["model_uri"])  # inputs named by the signature, in its order
     signature = mlflow.models.get_model_info(hit["model_uri"]).signature

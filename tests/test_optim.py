@@ -234,6 +234,7 @@ def test_a_checkpoint_grouped_otherwise_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.untracked
+@pytest.mark.slow  # ~20 s of torchrun; make test resumes every schedule and the groups exactly in one process
 def test_fsdp_on_two_ranks_resumes_its_parameter_groups_exactly(run_cli, pipe_file, tmp_path):
     """FSDP2 (DTensor parameters, fused AdamW), 2 gloo ranks: a run started from another's step-10
     checkpoint ends bit for bit where that one did at step 16, and the sharded checkpoint loads into

@@ -183,7 +183,7 @@ def build(cfg):
 """
 
 
-def test_a_pipeline_without_an_example_input_logs_its_model_from_its_first_eval_rows(run_cli, tmp_path):
+def test_a_pipeline_without_an_example_input_logs_its_model_from_its_first_eval_rows(run_cli, tmp_path, monkeypatch):
     """`example_input` is optional: the MLflow model's example and signature come from the eval
     set's first two inputs (before, the model was not logged: 'linear(): ... not NoneType')."""
     (tmp_path / "pipe.py").write_text(NO_EXAMPLE)
@@ -197,7 +197,7 @@ def test_a_pipeline_without_an_example_input_logs_its_model_from_its_first_eval_
     import mlflow.pyfunc
     import numpy as np
 
-    mlflow.set_tracking_uri(s["tracking_uri"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", s["tracking_uri"])  # set_tracking_uri would outlive this test
     model = mlflow.pyfunc.load_model(s["model_uri"])
     assert model.metadata.get_input_schema().inputs[0].shape == (-1, 1)  # from 2 stacked (1,) rows
     assert np.asarray(model.predict(np.zeros((3, 1), dtype=np.float32))).shape == (3, 1)
