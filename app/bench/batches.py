@@ -1,4 +1,4 @@
-"""B11: the per-step cost of a dict batch passed as `model(**batch)`, with the model's own loss,
+"""B1b: the per-step cost of a dict batch passed as `model(**batch)`, with the model's own loss,
 against the same model fed `(input, target)` pairs and a `loss_fn` (raylane.bench.batchform), on
 2 torchrun ranks. Slopes between a short and a long run, both forms interleaved."""
 
@@ -11,13 +11,13 @@ PIPELINE = "raylane.bench.batchform"
 FORMS = ("pair", "dict")
 
 
-def b11(bench: Any) -> dict[str, Any]:
+def b1b(bench: Any) -> dict[str, Any]:
     from raylane.bench.harness import QUIET, stats
 
     short, long = (30, 90) if bench.quick else (100, 600)
-    print(f"[bench] B11 dict batches against pairs: {short} and {long} steps", flush=True)
+    print(f"[bench] B1b dict batches against pairs: {short} and {long} steps", flush=True)
 
-    config = bench.work / "b11.yaml"  # `raylane train` takes a config file or a shipped name
+    config = bench.work / "b1b.yaml"  # `raylane train` takes a config file or a shipped name
     config.write_text(f"pipeline: {PIPELINE}\n")
 
     def run(form: str, steps: int) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""B11's pipeline: one model fed two ways, so that the cost of raylane's batch forms is measured
+"""B1b's pipeline: one model fed two ways, so that the cost of raylane's batch forms is measured
 alone. `model.form: pair` gives `(input, target)` batches and `loss_fn`; `dict` gives
 `{"features": ..., "labels": ...}` batches passed as `model(**batch)`, and the model returns
 its own loss. The same weights, data and arithmetic either way (`pipeline:

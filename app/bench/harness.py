@@ -275,7 +275,7 @@ def machine() -> dict[str, Any]:
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
-ALL = ("B1", "B2", "B2b", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11")
+ALL = ("B1", "B1b", "B2", "B2b", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10")
 
 
 def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | None) -> int:
@@ -296,7 +296,7 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
     steps += [(name, lambda fn=fn, name=name: {name: fn()}) for name, fn in
               (("B3", bench.b3), ("B4", lambda: b4(bench)), ("B5", bench.b5), ("B6", bench.b6),
                ("B7", bench.b7), ("B8", b8), ("B9", lambda: _epoch_end(bench)), ("B2b", lambda: b2b(bench)),
-               ("B10", lambda: b10(bench)), ("B11", lambda: b11(bench)))
+               ("B10", lambda: b10(bench)), ("B1b", lambda: b1b(bench)))
               if name in chosen]
     for name, step in steps:
         # One failed benchmark must not throw away the hour of figures around it: its error is
@@ -356,10 +356,10 @@ def b8() -> dict[str, Any]:
     return {"exit_code": out.returncode, "output": out.stdout[-2000:]}
 
 
-def b11(bench: Bench) -> dict[str, Any]:
-    from raylane.bench.batches import b11 as run_b11
+def b1b(bench: Bench) -> dict[str, Any]:
+    from raylane.bench.batches import b1b as run_b1b
 
-    return run_b11(bench)
+    return run_b1b(bench)
 
 
 def b10(bench: Bench) -> dict[str, Any]:

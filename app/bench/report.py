@@ -60,9 +60,9 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         out.append(("B10", "plain run of the winner ÷ the throughput autotune measured for it",
                     _m(r["plain_over_autotune"], fmt="{:.3f}"), "0.90–1.10",
                     _met(0.9 <= r["plain_over_autotune"]["median"] <= 1.1)))
-    if "B11" in results:
-        r = results["B11"]
-        out.append(("B11", "dict batch through model(**batch), own loss ÷ (input, target) pair + loss_fn, 2 ranks "
+    if "B1b" in results:
+        r = results["B1b"]
+        out.append(("B1b", "dict batch through model(**batch), own loss ÷ (input, target) pair + loss_fn, 2 ranks "
                     "(CPU ms per step)", f"{r['cpu_step_ms_dict_over_pair']:.3f} ({_m(r['cpu_step_ms']['dict'], fmt='{:.2f}')}"
                     f" vs {_m(r['cpu_step_ms']['pair'], fmt='{:.2f}')} ms; pair runs spread "
                     f"{r['cpu_step_ms_pair_spread']:.0%})", "within noise",
