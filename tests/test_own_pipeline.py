@@ -50,7 +50,11 @@ def test_example_trains_on_two_ray_workers_from_its_own_directory(run_cli, proje
     assert list(Path(head["temp_dir"]).glob(f"session_latest/logs/python-core-driver-*_{p.proc.pid}.log")), p.output
 
 
-@pytest.mark.parametrize("config, module", [("train.yaml", "pipelines.shapes"), ("train-records.yaml", "pipelines.records")])
+@pytest.mark.parametrize("config, module", [
+    # shapes trains on Ray in make test; records covers torchrun and a dotted module here
+    pytest.param("train.yaml", "pipelines.shapes", marks=pytest.mark.slow),
+    ("train-records.yaml", "pipelines.records"),
+])
 def test_example_trains_under_torchrun_as_a_dotted_module(run_cli, project, tmp_path, config, module):
     """Both of the example's pipelines: `shapes` ((input, target) pairs and a loss_fn) and
     `records` (dict batches passed as model(**batch), the model's own loss, no loss_fn)."""
