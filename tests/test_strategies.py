@@ -198,3 +198,44 @@ def test_gpt2_small_flops_per_token_and_mfu():
     assert rates["tokens_per_s"] == 512_000
     assert rates["mfu"] == pytest.approx(855e6 * 512_000 / (2 * 989e12))
     assert Throughput().rates(500, 1) == {}
+
+
+UNEVEN = '''
+import raylane
+import torch
+from torch.utils.data import TensorDataset
+
+
+class Config(raylane.BaseConfig):
+    pass
+
+
+def build(cfg):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    x = torch.randn(32, 4)
+    held_x, held_y = torch.randn(5, 4), torch.arange(5.0)[:, None]  # 3 rows on rank 0, 2 on rank 1
+
+    def eval_sums(output, target):
+        return {"loss": torch.nn.functional.mse_loss(output, target, reduction="sum"), "target": target.sum(),
+                "rows": torch.ones(len(target)).sum()}
+
+    return raylane.Pipeline(model=model, train_set=TensorDataset(x, x.sum(1, keepdim=True)),
+                            eval_set=TensorDataset(held_x, held_y), loss_fn=torch.nn.functional.mse_loss,
+                            eval_sums=eval_sums)
+'''
+
+
+@pytest.mark.untracked
+def test_fsdp_evaluates_held_out_shares_of_unequal_batch_counts(run_cli, tmp_path):
+    """5 held-out rows on 2 ranks at batch 2: rank 0 has 2 batches, rank 1 one. FSDP's forward
+    gathers parameters from every rank, so rank 1 runs its last batch again, uncounted (before,
+    the ranks' collectives stopped matching: the run failed or hung). The metrics stay exact."""
+    (tmp_path / "pipe.py").write_text(UNEVEN)
+    (tmp_path / "cfg.yaml").write_text("pipeline: ./pipe.py\ntrain: {batch_size: 2, max_epochs: 1}\n")
+    p = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "cfg.yaml", "--set", "strategy.name=fsdp",
+                "--summary-json", "s.json", launcher=TORCHRUN)
+    assert p.wait(120) == 0, p.output
+    s = read_json(tmp_path / "s.json")
+    assert s["status"] == "FINISHED" and s["strategy"] == "fsdp"
+    assert s["metrics"]["rows"] == 1.0 and s["metrics"]["target"] == pytest.approx(2.0), s["metrics"]  # mean of 0..4

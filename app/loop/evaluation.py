@@ -5,14 +5,14 @@ their shares."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from raylane.loop.batches import batch_size, call_model, checked_own_loss, form_of, forward_loss, to_device
-from raylane.loop.distributed import all_reduce_sums
+from raylane.loop.distributed import all_reduce_max, all_reduce_sums
 
 SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a named held-out set
 FAILED = "raylane.failed"  # a sum every rank reduces: how many ranks' evaluation raised
@@ -21,6 +21,13 @@ FAILED = "raylane.failed"  # a sum every rank reduces: how many ranks' evaluatio
 class EvaluationFailed(RuntimeError):
     """Another rank's evaluation raised: that rank re-raises its own error, the others this one,
     naming it."""
+
+
+class _Repeat:
+    """A batch run again for FSDP's collectives only, by a rank whose share has run out."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
 
 
 class Evaluator:
@@ -46,15 +53,20 @@ class Evaluator:
         module = model.module if isinstance(model, DistributedDataParallel) else model
         sums: dict[str, Any] = {}
         count, failure = 0, None
-        try:
-            for batch in self.data:
-                batch = to_device(batch, self.device)
+        for batch in self._batches(module):
+            try:
+                if isinstance(batch, _Repeat):  # FSDP's collectives only: nothing is counted
+                    self._batch_sums(module, batch.batch, 0)
+                    continue
                 n = self.count(batch) if self.count is not None else batch_size(batch)
                 for name, value in self._batch_sums(module, batch, n).items():
                     sums[name] = sums.get(name, 0) + value
                 count = count + n
-        except Exception as exc:  # noqa: BLE001 - the others would wait in the reduction below: it tells them
-            failure = exc
+            except Exception as exc:  # noqa: BLE001 - the others would wait in the reduction below: it tells them
+                self._share_failure = exc
+                if not self._sharded:  # under FSDP, the next batch's vote stops every rank
+                    break
+        failure = self._share_failure
         for name in self._agreed_names(sums):  # a rank whose share was empty sums zeros
             sums.setdefault(name, torch.zeros((), device=self.device))
         sums = {k: v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for k, v in sums.items()}
@@ -66,6 +78,38 @@ class Evaluator:
             raise failure or EvaluationFailed(f"the evaluation failed on {elsewhere}")
         n = totals.pop("count")
         return {k: v / max(n, 1.0) for k, v in totals.items()}
+
+    def _batches(self, module: torch.nn.Module) -> Iterator[Any]:
+        """This rank's held-out batches, on the device. A sharded model (FSDP2) gathers its
+        parameters from every rank in each forward, so ranks must run as many forwards: shares
+        differ (a stream's files, an uneven split), and a rank whose share has run out repeats
+        its last batch, uncounted, until every rank's has. One vote a batch, under FSDP only."""
+        self._share_failure: Exception | None = None
+        self._sharded = sharded = self.world_size > 1 and hasattr(module, "set_requires_gradient_sync")
+        batches, last = iter(self.data), None
+        while True:
+            try:
+                batch = next(batches, None) if self._share_failure is None else None
+            except Exception as exc:  # noqa: BLE001 - reading the data failed: every rank must learn of it
+                batch, self._share_failure = None, exc
+            if sharded:
+                vote = all_reduce_max({"more": float(batch is not None), "failed": float(self._share_failure is not None)},
+                                      self.device)
+                if not vote["more"] or vote["failed"]:
+                    return
+                if batch is None:
+                    if last is None:
+                        self._share_failure = EvaluationFailed(
+                            "this rank's share of the held-out set is empty while another's is not: a sharded "
+                            "model (FSDP) needs a batch on every rank; give the held-out set at least as many "
+                            "files (or rows) as there are ranks")
+                        continue  # the next vote, which says so, stops every rank
+                    yield _Repeat(last)
+                    continue
+            elif batch is None:
+                return
+            last = to_device(batch, self.device)
+            yield last
 
     def _batch_sums(self, module: torch.nn.Module, batch: Any, n: Any) -> dict[str, Any]:
         if self.sums is not None:
