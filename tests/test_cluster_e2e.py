@@ -212,6 +212,7 @@ def _worker_nodes(gcs: str, env: dict[str, str]) -> int | None:
     return sum(int(n) for n, kind in re.findall(r"(\d+) (\S+)", active) if kind == "cpu_node")
 
 
+@pytest.mark.slow  # ~45 s soak; cluster.yaml's checks stay in make test (test_cluster_config)
 def test_autoscaler_adds_nodes_for_a_two_worker_run_and_removes_them_after(tmp_path):
     import yaml
 
@@ -354,7 +355,9 @@ def _train_workers(raylet: int) -> list[int]:
 
 
 @pytest.mark.parametrize("notice", [
-    "sigterm",  # a spot reclaim: SIGTERM to the node's worker, then the node goes
+    # a spot reclaim: SIGTERM to the node's worker, then the node goes (~80 s: make test resizes
+    # elastic runs under torchrun in test_elastic)
+    pytest.param("sigterm", marks=pytest.mark.slow),
     pytest.param("drain", marks=pytest.mark.slow),  # Ray's own notice (`ray drain-node`): `make test-all`
     pytest.param(None, marks=pytest.mark.slow),  # the node dies unannounced
 ])

@@ -38,6 +38,7 @@ def _usage(address: str, env: dict[str, str]) -> str:
     return out.split("Total Usage:", 1)[-1].split("\n", 2)[1] if "Total Usage:" in out else ""
 
 
+@pytest.mark.slow  # ~45 s; make test's shared head is started by raylane up and stopped by raylane down
 def test_up_then_a_run_joins_it_and_down_stops_every_process(run_cli, tmp_path):
     token = tmp_path / "auth_token"
     token.write_text(uuid.uuid4().hex)

@@ -116,6 +116,7 @@ def test_server_down_mid_run_loses_no_metric(run_cli, tmp_path, mlflow_server):
     assert s["steps"] > logged_before + 100
 
 
+@pytest.mark.slow  # an option's copy; make test records checkpoints by location (the first test here)
 def test_checkpoints_copied_as_artifacts_when_asked(run_cli, tmp_path, shared_mlflow_server):
     proc = run_cli("train", "regression", "--local", "--set", "run.name=copies", "--set", "mlflow.log_checkpoints=artifacts",
                    "--summary-json", "s.json", env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri))
@@ -126,6 +127,7 @@ def test_checkpoints_copied_as_artifacts_when_asked(run_cli, tmp_path, shared_ml
     assert {f"checkpoints/{name}/manifest.json", f"checkpoints/{name}/state.pt"} <= copied
 
 
+@pytest.mark.slow  # make test trains through a server that goes down mid-run (test_server_down_mid_run_loses_no_metric)
 def test_an_unreachable_server_does_not_stop_training(run_cli, tmp_path):
     from tests.conftest import free_port
 

@@ -100,6 +100,7 @@ def _rows(path: Path) -> list[int]:
     return [r for batch in _batches(path) for r in batch]
 
 
+@pytest.mark.slow  # ~70 s; Ray Data streams on Ray in make test: test_paths, test_failures; stream resume: the torchrun tests here
 @pytest.mark.ray
 @pytest.mark.shared_ray
 def test_ray_data_splits_rows_across_ranks_and_resumes_at_the_next_epoch(run_cli, tmp_path):

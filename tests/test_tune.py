@@ -167,6 +167,7 @@ CHANGES = [  # a setting, and the one line that refuses it
 ]
 
 
+@pytest.mark.slow  # ~75 s; make test keeps a sweep's lease and results (test_lease, test_tune's ASHA sweep)
 @pytest.mark.shared_ray
 def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path, monkeypatch, capsys, no_work):
     """Kill -9 the driver once a trial has finished; the same command continues the sweep under
