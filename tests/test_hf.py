@@ -171,3 +171,26 @@ def test_raylane_hf_not_installed_exits_2_naming_the_extra(tmp_path, tiny, capsy
                      "--set", f"data.train={tiny / 'train'}"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "needs raylane[hf] (transformers not installed)" in err, err
+
+
+@pytest.mark.slow  # ~3 min on 2 busy cores: Ray Data's tokenizing tasks beside the 2 workers
+@pytest.mark.shared_ray
+def test_the_shipped_hf_pipeline_fine_tunes_on_2_ray_workers_tokenizing_in_ray_data(run_cli, tmp_path, tiny):
+    """`pipeline: hf` on Ray: the files are read and tokenized by Ray Data's tasks (the module's
+    sources(cfg)), the model is replicated on 2 workers, its held-out loss falls, FINISHED in MLflow.
+    (DDP: under FSDP, Ray's unequal split of a held-out stream gives the ranks different numbers of
+    evaluation forwards, whose all-gathers then do not match; a loop issue, not this pipeline's.)"""
+    (tmp_path / "cfg.yaml").write_text(
+        "pipeline: hf\n"
+        f"model: {{name_or_path: {tiny / 'model'}, seq_len: 64}}\n"
+        f"data: {{train: {tiny / 'train'}, eval: {tiny / 'eval'}}}\n"
+        "scaling: {num_workers: 2}\nstrategy: {name: ddp}\n"
+        "train: {max_steps: 16, batch_size: 8, eval_every_n_steps: 8}\n"
+        "optim: {name: adamw, lr: 0.003}\nmlflow: {log_model: false}\n")
+    p = run_cli("train", "cfg.yaml", "--summary-json", "ray.json", name="ray")
+    assert p.wait(300) == 0, p.output
+    run = read_json(tmp_path / "ray.json")
+    assert run["strategy"] == "ddp" and run["world_size"] == 2
+    losses = _eval_losses(tmp_path / "mlflow.db", run["run_id"])
+    assert len(losses) == 2 and losses[-1] < losses[0] - 0.2, losses
+    assert _status(tmp_path / "mlflow.db", run["run_id"]) == "FINISHED"
