@@ -116,7 +116,7 @@ def test_a_classifier_trains_from_a_datasets_dataset_handed_over_by_a_users_pipe
         "pipeline: tests.helpers.hf_classifier\n"
         f"model: {{task: sequence-classification, name_or_path: {tiny / 'model'}, seq_len: 64, num_labels: 2}}\n"
         f"source: {{rows: {tiny}}}\n"
-        "train: {max_steps: 30, batch_size: 16, eval_every_n_steps: 15}\n"
+        "train: {max_steps: 20, batch_size: 16, eval_every_n_steps: 10}\n"
         "optim: {name: adamw, lr: 0.003}\nmlflow: {log_model: false}\n")
     p = run_cli("train", "cfg.yaml", "--local", "--summary-json", "cls.json",
                 env=cli_env(tmp_path, PYTHONPATH=str(REPO)), name="cls")
