@@ -32,6 +32,7 @@ SHIPPED: dict[str, str] = {
     "gpt": "raylane.pipelines.gpt",
     "tabular": "raylane.pipelines.tabular",
     "text": "raylane.pipelines.text",
+    "hf": "raylane.pipelines.hf",
 }
 ROOTS_ENV = "RAYLANE_PIPELINE_ROOTS"
 FILE_MODULE_PREFIX = "raylane_pipeline_file_"

@@ -26,7 +26,8 @@ def test_the_wheel_installs_raylane_alone_with_the_shipped_pipelines(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"raylane"}
     assert {"raylane/pipelines/digits.py", "raylane/pipelines/digits.yaml", "raylane/loop/trainer.py",
-            "raylane/onray/launch.py", "raylane/tracking/runs.py", "raylane/bench/harness.py"} <= set(names)
+            "raylane/onray/launch.py", "raylane/tracking/runs.py", "raylane/bench/harness.py",
+            "raylane/hf/weights.py", "raylane/pipelines/hf.py", "raylane/pipelines/hf.yaml"} <= set(names)
 
 
 def test_installed_package_imports_as_raylane_and_not_as_app(wheel, tmp_path):
@@ -39,7 +40,8 @@ def test_installed_package_imports_as_raylane_and_not_as_app(wheel, tmp_path):
             "print(raylane.__file__)\n"
             "print([n for n in ('app', 'pipelines') if importlib.util.find_spec(n)])\n"
             "print(sorted(raylane.__all__))\n"
-            "print('torch' in sys.modules, 'ray' in sys.modules)\n")
+            "import raylane.hf\n"
+            "print('torch' in sys.modules, 'ray' in sys.modules, 'transformers' in sys.modules)\n")
     # -I: isolated mode, so neither the repo nor the editable install is on sys.path; the venv's
     # site-packages still provide the dependencies (pydantic, yaml).
     site = subprocess.run([sys.executable, "-c", "import site; print(site.getsitepackages()[0])"],
@@ -54,7 +56,7 @@ def test_installed_package_imports_as_raylane_and_not_as_app(wheel, tmp_path):
     assert eval(exported) == ["BaseConfig", "ConfigError", "DataError", "Hook", "HookContext", "InputPath",
                               "InputPaths", "OutputPath",
                               "Pipeline", "Section", "__version__", "check", "down", "submit", "train", "tune", "up"]
-    assert heavy == "False False"  # `import raylane` pays for neither torch nor Ray
+    assert heavy == "False False False"  # `import raylane` (and raylane.hf) pays for neither torch, Ray nor transformers
 
 
 def test_python_api_trains_and_returns_the_summary(tmp_path):

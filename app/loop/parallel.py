@@ -182,7 +182,7 @@ def parallelize(model: nn.Module, cfg: BaseConfig, device: torch.device, world_s
         prepare_blocks(model, cfg, blocks)
     if strategy.name in ("fsdp", "hsdp"):
         return _fully_shard(model, blocks, cfg, device, strategy), strategy
-    model = model.to(device)
+    model = materialize(model, device) if on_meta(model) else model.to(device)
     if strategy.name == "single":
         return model, strategy  # DDP on one rank only adds hooks and a broadcast
     return _ddp(model, cfg, device), strategy
@@ -252,15 +252,51 @@ def _fully_shard(model: nn.Module, blocks: list[nn.Module], cfg: BaseConfig, dev
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
     }
+    meta = on_meta(model)
     if cfg.strategy.cpu_offload:
         options["offload_policy"] = CPUOffloadPolicy()
-    else:
+    elif not meta:
         model = model.to(device)
     for block in blocks:
         fully_shard(block, reshard_after_forward=cfg.strategy.reshard_after_forward, **options)
     # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **options)
+    if meta:  # sharded first: each rank allocates its own shards only
+        materialize(model, torch.device("cpu") if cfg.strategy.cpu_offload else device)
     return model
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether the model was built on the meta device (shapes, no memory): its weights come
+    from the pipeline's init_weights or a checkpoint, after it is parallelized."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """A meta model's storage on `device`, uninitialized (`to_empty`), keeping what to_empty
+    loses: buffers built real (a model made with accelerate's `init_empty_weights(include_buffers=
+    False)` keeps non-persistent buffers such as rotary frequencies, which no state dict holds),
+    and parameters shared under several names (tied embeddings), which to_empty would split."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    ties = _shared_parameters(model)
+    model.to_empty(device=device)
+    for names in ties:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            if model.get_parameter(name) is not first:
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, first)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+    return model
+
+
+def _shared_parameters(model: nn.Module) -> list[list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -49,6 +49,10 @@ class Pipeline:
     # The model's repeated layers, the unit of FSDP sharding, activation checkpointing and
     # compile: a list or ModuleList of its modules. None: found (raylane.loop.parallel).
     blocks: Any = None
+    # init_weights(model): fills the weights of a model built on the meta device (shapes, no
+    # memory), on every rank once it is parallelized and given storage: raylane.hf.load_pretrained
+    # reads them on rank 0 and broadcasts. Not called when the run resumes from a checkpoint.
+    init_weights: Callable[[torch.nn.Module], None] | None = None
 
 
 # Keys of a dict batch that hold targets, not the model's inputs: left out of a dict example.

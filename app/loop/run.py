@@ -24,7 +24,7 @@ from raylane.loop.data import eval_data, is_stream, train_data, worker_options
 from raylane.loop.devices import peak_flops
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
 from raylane.loop.optim import build_optimizer, build_scheduler, schedule_note
-from raylane.loop.parallel import parallelize
+from raylane.loop.parallel import on_meta, parallelize, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import LocalRuntime, Runtime
 from raylane.loop.steps import Throughput, plan_steps
@@ -80,9 +80,14 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
     # Only strategy.name auto estimates memory: the user's collate_fn runs no more than needed.
     estimating = cfg.strategy.name == "auto" and runtime.world_size > 1
     example = _example_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn) if estimating else None
+    meta = on_meta(pipe.model)
     model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size, example=example,
                                   loss_fn=pipe.loss_fn, step=pipe.step, blocks=pipe.blocks)
     startup["parallelize"] = time.time()
+    own = runtime.latest_checkpoint()
+    latest = own or _init_from(cfg)
+    if not latest:  # a checkpoint loaded below holds every weight: nothing to read twice
+        _init_weights(pipe, model, meta)
     optimizer = build_optimizer(model, cfg, pipe)  # over the wrapped model's parameters (DTensors under FSDP)
     batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed, "collate_fn": pipe.collate_fn,
                 "options": worker_options(cfg.loader, runtime.device)}
@@ -106,9 +111,7 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
         reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger),
     )
     usercode.check_first_calls(trainer, pipe, cfg)
-    own = runtime.latest_checkpoint()
     trainer.skipped_checkpoints = runtime.skipped_checkpoints()  # said on the driver, with the start
-    latest = own or _init_from(cfg)
     if latest:
         state = checkpoint.load(latest, model, optimizer, rank=runtime.rank, hooks=trainer.hooks.state_dict())
         if not own:  # another run's early stop (a PBT donor's, say) is not this run's
@@ -121,6 +124,15 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
             log.info("resuming from step %d (%s)", trainer.step, latest)
     startup["ready"] = time.time()
     return trainer.train()
+
+
+def _init_weights(pipe: Any, model: torch.nn.Module, meta: bool) -> None:
+    """The pipeline's init_weights, on every rank (it may be a collective: a broadcast from rank 0)."""
+    if pipe.init_weights is not None:
+        pipe.init_weights(unwrap(model))
+    elif meta:
+        raise ValueError("the model was built on the meta device (no weights) and the pipeline gives no init_weights "
+                         "to fill it: give build(cfg)'s Pipeline init_weights=..., e.g. raylane.hf.load_pretrained")
 
 
 def _note_small_epoch(dataset: Any, loader: Any, cfg: BaseConfig, world_size: int) -> None:

@@ -40,7 +40,7 @@ from raylane.loop import faults as fault_plans
 from raylane.loop.batches import checked_own_loss, forward_loss, to_device
 from raylane.loop.data import train_data, worker_options
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
-from raylane.loop.parallel import estimate_memory, parallelize, prepare_blocks, unwrap
+from raylane.loop.parallel import estimate_memory, materialize, on_meta, parallelize, prepare_blocks, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
 from raylane.loop.search_costs import eval_seconds, per_step_seconds, save_seconds
@@ -82,7 +82,8 @@ class Search:
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
         self.pipe = pipe = pipelines_ref.build(self.cfg)  # the data, and the model every candidate copies
-        pipe.model.to("cpu")
+        if not on_meta(pipe.model):  # a meta model gets memory in each candidate
+            pipe.model.to("cpu")
         # Each candidate's teardown collects garbage: leave what lives the whole search (imports,
         # the data) out of those collections (a full one took ~0.7 s on 2 busy cores).
         gc.collect()
@@ -277,7 +278,9 @@ class Search:
                 if self.device.type == "cuda":
                     torch.empty(estimate, dtype=torch.uint8, device=self.device).fill_(0)  # freed at once
                 return False
-            model = live["model"] = live["model"].to(self.device)
+            model = live["model"]
+            # A meta model (raylane.hf) gets uninitialized memory: the probe measures memory, not the loss.
+            model = live["model"] = materialize(model, self.device) if on_meta(model) else model.to(self.device)
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
             with torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                 loss, output, _ = forward_loss(model, to_device(batch, self.device), pipe.loss_fn, pipe.step)
@@ -296,6 +299,8 @@ class Search:
         model, strategy = parallelize(live.pop("model"), cfg, self.device, self.world_size, loss_fn=pipe.loss_fn,
                                       step=pipe.step, blocks=live.pop("blocks"), blocks_prepared=True)
         live["model"], live["strategy"] = model, strategy
+        if pipe.init_weights is not None:  # the weights the run would start from (a collective)
+            pipe.init_weights(unwrap(model))
         live["loader"] = loader = train_data(pipe.train_set, self.runtime, batch_size=cfg.train.batch_size,
                                              seed=cfg.train.seed, samples_per_step=cfg.train.global_batch,
                                              collate_fn=pipe.collate_fn,

@@ -67,7 +67,8 @@ def _to_dataset(source: FileSource, name: str, *, train: bool):
         ds = ray.data.read_csv(found, convert_options=pacsv.ConvertOptions(include_columns=columns) if columns else None,
                                **common)
     elif fmt == "json":
-        ds = ray.data.read_json(found, lines=True, **common)
+        # pyarrow reads JSON Lines (one object per line); lines=True (Ray 2.60) refuses a filesystem.
+        ds = ray.data.read_json(found, **common)
         ds = ds.select_columns(columns) if columns else ds
     else:
         ds = ray.data.read_text(found, **common)

@@ -1,0 +1,28 @@
+"""Hugging Face models in raylane (`pip install 'raylane[hf]'`): the shipped `hf` pipeline is built
+on these, and a pipeline of your own can be too (docs/hf.md).
+
+- `Config`, `ModelSection`, `DataSection`: the config of a fine-tune (`model.name_or_path`,
+  `model.task`, `data.text_column`, ...), checked before anything starts.
+- `pipeline(cfg, train=..., eval=...)`: the `raylane.Pipeline` of a fine-tune, from files or from
+  `datasets.Dataset`s your `build(cfg)` hands over.
+- `empty_model(path, task)` and `load_pretrained(model, path)`: a model built on the meta device
+  and its pretrained weights, read on rank 0 only and broadcast (for `Pipeline(init_weights=...)`).
+
+Importing raylane.hf imports neither torch nor transformers."""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from raylane.hf.config import Config, DataSection, ModelSection
+
+__all__ = ["Config", "DataSection", "ModelSection", "empty_model", "load_pretrained", "pipeline"]
+
+_LAZY = {"pipeline": "raylane.hf.build", "empty_model": "raylane.hf.weights", "load_pretrained": "raylane.hf.weights"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'raylane.hf' has no attribute {name!r}")

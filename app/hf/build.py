@@ -1,0 +1,79 @@
+"""`raylane.hf.pipeline(cfg, train=..., eval=...)`: the Pipeline of a Hugging Face fine-tune, for the
+shipped `hf` pipeline and for a user's own `build(cfg)` that hands over `datasets.Dataset`s."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from raylane.hf.config import Config
+
+
+def flops_per_token(model: Any, seq_len: int) -> float:
+    """Forward and backward FLOPs per token, PaLM's count: 6N + 12·L·H·Q·T, N the parameters
+    (a tied embedding counted once, as the output head; an untied input embedding, a lookup,
+    not at all), from the model's config and its parameters (meta tensors have a numel)."""
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())  # deduplicated: a tied weight counts once
+    embedding = model.get_input_embeddings()
+    if embedding is not None and not getattr(c, "tie_word_embeddings", False):
+        n -= embedding.weight.numel()
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return float(6 * n + 12 * c.num_hidden_layers * heads * head_dim * seq_len)
+
+
+def pipeline(cfg: Config, train: Any = None, eval: Any = None):
+    """The Pipeline for `cfg` (a `raylane.hf.Config`): the model of `model.name_or_path` built on
+    the meta device and filled from its files once it is parallelized (rank 0 reads them), and the
+    data: `train` and `eval` when given (a `datasets.Dataset`, or `{name: Dataset}` for eval),
+    tokenized here, else the files of `data.train` and `data.eval`, streamed."""
+    from raylane.config import ConfigError
+    from raylane.hf import data
+    from raylane.hf.weights import empty_model, load_pretrained
+    from raylane.loop.pipeline import Pipeline
+
+    m = cfg.model
+    causal = m.task == "causal-lm"
+    tok = data.tokenizer(data.tokenizer_path(cfg))
+    overrides = {} if causal else {"num_labels": m.num_labels, "pad_token_id": data.pad_id(tok)}
+    model = empty_model(m.name_or_path, m.task, **overrides)
+    if train is None and cfg.data.train is None:
+        raise ConfigError("data.train = None: give data.train (files), or hand a dataset to raylane.hf.pipeline(cfg, "
+                          "train=...)")
+    train_set = (data.from_dataset(cfg, train, "train") if train is not None
+                 else data.file_source(cfg, cfg.data.train, "data.train"))
+    if isinstance(eval, dict):
+        eval_set = {name: data.from_dataset(cfg, ds, name) for name, ds in eval.items()}
+    elif eval is not None:
+        eval_set = data.from_dataset(cfg, eval, "eval")
+    elif cfg.data.eval is not None:
+        eval_set = data.file_source(cfg, cfg.data.eval, "data.eval")
+    else:
+        eval_set = None
+    example = {"input_ids": _zeros(2, m.seq_len)}
+    if causal:
+        extra = {"eval_count": _predicted_tokens, "tokens_per_sample": m.seq_len,
+                 "flops_per_token": flops_per_token(model, m.seq_len)}
+    else:
+        example["attention_mask"] = _zeros(2, m.seq_len) + 1
+        extra = {"collate_fn": data.collate, "eval_sums": _classification_sums}
+    return Pipeline(model=model, train_set=train_set, eval_set=eval_set, example_input=example,
+                    init_weights=functools.partial(load_pretrained, path=m.name_or_path), **extra)
+
+
+def _zeros(*shape: int):
+    import torch
+
+    return torch.zeros(shape, dtype=torch.long)
+
+
+def _predicted_tokens(batch: dict[str, Any]) -> Any:
+    """The tokens a causal LM's loss averages over: every label but each row's first (shifted
+    out) and the masked ones (-100)."""
+    return (batch["labels"][:, 1:] != -100).sum()
+
+
+def _classification_sums(output: Any, batch: dict[str, Any]) -> dict[str, Any]:
+    labels = batch["labels"]
+    return {"loss": output.loss * len(labels), "accuracy": (output.logits.argmax(-1) == labels).sum().float()}

@@ -1,0 +1,151 @@
+"""The config of a Hugging Face fine-tune (the shipped `hf` pipeline, and a user's pipeline built on
+`raylane.hf.pipeline`), and its checks before anything starts. Importing it imports neither torch
+nor transformers: a missing `raylane[hf]` is found with importlib.util.find_spec."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from raylane.config import BaseConfig, Section
+from raylane.paths import InputPath, InputPaths
+
+TASKS = ("causal-lm", "sequence-classification")
+HF_PACKAGES = ("transformers", "tokenizers", "accelerate", "safetensors")
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+class ModelSection(Section):
+    task: Literal["causal-lm", "sequence-classification"] = "causal-lm"
+    # A folder written by save_pretrained (config.json and safetensors weights).
+    name_or_path: InputPath
+    # The tokenizer's save_pretrained folder; null: the model's folder.
+    tokenizer_path: InputPath | None = None
+    # causal-lm: tokens in one packed sequence; sequence-classification: the longest input (longer
+    # ones are truncated).
+    seq_len: int = Field(256, ge=2, le=1_048_576)
+    # sequence-classification: the number of classes (labels are 0..num_labels-1).
+    num_labels: int = Field(2, ge=1, le=1_000_000)
+
+
+class DataSection(Section):
+    # Files, folders or globs, local or s3://; null when the pipeline hands over a datasets.Dataset.
+    train: InputPaths | None = None
+    eval: InputPaths | None = None
+    format: Literal["parquet", "csv", "json", "text"] = "json"
+    text_column: str = Field("text", min_length=1)
+    # sequence-classification: the column of class ids.
+    label_column: str = Field("label", min_length=1)
+    shuffle_rows: int = Field(4096, ge=1, le=100_000_000)
+
+
+class Config(BaseConfig):
+    """Subclass it in a pipeline of your own (docs/hf.md)."""
+
+    model: ModelSection
+    data: DataSection = DataSection()
+
+    def eval_metrics(self) -> tuple[str, ...]:
+        return ("loss", "accuracy") if self.model.task == "sequence-classification" else ("loss",)
+
+    @model_validator(mode="after")
+    def _hf_is_usable(self) -> Config:
+        check_installed()
+        check_model(self.model)
+        for field in ("train", "eval"):
+            if getattr(self.data, field) is not None:
+                check_columns(self, field)
+        return self
+
+
+def check_installed() -> None:
+    missing = [p for p in HF_PACKAGES if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ValueError(f"pipeline 'hf' needs raylane[hf] ({', '.join(missing)} not installed): "
+                         "pip install 'raylane[hf]'")
+
+
+def check_model(m: ModelSection) -> None:
+    """The folder holds a model the task can load and its weights, and the tokenizer's vocabulary
+    fits the model's embedding."""
+    key = f"model.name_or_path = {m.name_or_path!r}"
+    folder = Path(m.name_or_path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{key}: not a model directory (no config.json; save_pretrained writes one)")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{key}: config.json cannot be read ({exc})") from None
+    if not weight_files(folder):
+        raise ValueError(f"{key}: no weights (model.safetensors, or model.safetensors.index.json and its shards)")
+    _check_task(key, m.task, config.get("model_type"))
+    _check_vocabulary(m, config)
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a save_pretrained folder (one, or the shards its index lists)."""
+    path = Path(path)
+    if (path / WEIGHTS).is_file():
+        return [path / WEIGHTS]
+    if (path / WEIGHTS_INDEX).is_file():
+        shards = json.loads((path / WEIGHTS_INDEX).read_text())["weight_map"].values()
+        return [path / name for name in sorted(set(shards))]
+    return []
+
+
+def _check_task(key: str, task: str, model_type: str | None) -> None:
+    from transformers.models.auto import modeling_auto
+
+    mapping = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if task == "causal-lm"
+               else modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+    if model_type not in mapping:
+        raise ValueError(f"{key}: a {model_type!r} model, which transformers cannot load for model.task = {task!r}")
+
+
+def _check_vocabulary(m: ModelSection, config: dict) -> None:
+    where = m.tokenizer_path or m.name_or_path
+    key = f"model.tokenizer_path = {m.tokenizer_path!r}" if m.tokenizer_path else f"model.name_or_path = {where!r}"
+    size = tokenizer_size(where)
+    if size is None:
+        raise ValueError(f"{key}: no tokenizer there (tokenizer.json or tokenizer_config.json; "
+                         "set model.tokenizer_path)")
+    vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if vocab is not None and size > vocab:
+        raise ValueError(f"{key}: the tokenizer has {size} tokens, more than the model's vocab_size {vocab} "
+                         f"(model.name_or_path = {m.name_or_path!r}): not this model's tokenizer")
+
+
+def tokenizer_size(path: str) -> int | None:
+    """Tokens in the tokenizer saved in `path`, added ones included; None when there is none."""
+    folder = Path(path)
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    if (folder / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(path))
+    return None
+
+
+def check_columns(cfg: Config, field: str) -> None:
+    """The first file of data.<field> has the text column (and the label column for a classifier)."""
+    from raylane.loop import files
+
+    d = cfg.data
+    paths = getattr(d, field)
+    fs, found = files.list_files(paths, d.format, f"data.{field}", True)
+    names = files.schema_names(fs, found[0], d.format, f"data.{field}")
+    wanted = [("data.text_column", d.text_column)]
+    if cfg.model.task == "sequence-classification":
+        wanted.append(("data.label_column", d.label_column))
+    for key, column in wanted:
+        if column not in names:
+            raise ValueError(f"{key} = {column!r}: no such column in {found[0]} (data.{field}; it has: "
+                             f"{', '.join(names)})")

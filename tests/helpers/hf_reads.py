@@ -1,0 +1,32 @@
+"""The shipped `hf` pipeline, counting each rank's reads of weight files: every call of
+safetensors.torch.load_file (the one way raylane.hf reads them) appends a line to
+$RAYLANE_TEST_READS/rank<RANK>. Test-only: the counting is this module's, not raylane's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from raylane.pipelines import hf
+
+
+class Config(hf.Config):
+    pipeline: str  # this file, not the shipped name
+
+
+def build(cfg):
+    import safetensors.torch
+
+    import raylane.hf
+
+    real = safetensors.torch.load_file
+    reads = Path(os.environ["RAYLANE_TEST_READS"]) / f"rank{os.environ.get('RANK', '0')}"
+
+    def counted(filename, *args, **kwargs):
+        with open(reads, "a") as f:
+            f.write(f"{filename}\n")
+        return real(filename, *args, **kwargs)
+
+    reads.touch()
+    safetensors.torch.load_file = counted
+    return raylane.hf.pipeline(cfg)

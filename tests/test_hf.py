@@ -1,0 +1,196 @@
+"""Hugging Face fine-tunes (raylane[hf]): a tiny LLaMA-architecture model made by the example's
+make_model.py (random weights, a BPE tokenizer trained on pydoc_data, JSON Lines data), trained
+on 2 gloo ranks under torchrun; its pretrained weights read by rank 0 alone and broadcast; a
+classifier trained from datasets.Dataset a user's pipeline hands over; each bad input's line."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sqlite3
+import sys
+
+import pytest
+
+from raylane import cli
+from tests.conftest import REPO, TORCHRUN, cli_env, read_json
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("make_model", REPO / "examples/hf-finetune/make_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make(tmp_path_factory.mktemp("hf-tiny"))
+
+
+def _train_args(tmp_path, tiny, name: str, *extra: str) -> list[str]:
+    (tmp_path / "cfg.yaml").write_text(f"pipeline: {REPO / 'tests/helpers/hf_reads.py'}\n")
+    return ["--nproc_per_node", "2", "-m", "raylane", "train", "cfg.yaml", "--set", f"model.name_or_path={tiny / 'model'}", "--set", f"data.train={tiny / 'train'}",
+            "--set", f"data.eval={tiny / 'eval'}", "--set", "model.seq_len=64", "--set", "train.batch_size=8",
+            "--set", "optim.name=adamw", "--set", "optim.lr=0.003", "--set", "train.eval_every_n_steps=8",
+            "--set", "mlflow.log_model=false", "--set", "scaling.peak_tflops=1", "--set", f"run.name={name}", "--summary-json", f"{name}.json", *extra]
+
+
+def _eval_losses(db, run_id: str) -> list[float]:
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT step, value FROM metrics WHERE run_uuid = ? AND key = 'eval/loss' ORDER BY step",
+                           (run_id,))
+        return [value for _, value in rows]
+
+
+def _status(db, run_id: str) -> str:
+    with sqlite3.connect(db) as con:
+        return con.execute("SELECT status FROM runs WHERE run_uuid = ?", (run_id,)).fetchone()[0]
+
+
+def _reads(folder) -> dict[str, int]:
+    return {p.name: len(p.read_text().splitlines()) for p in sorted(folder.iterdir())}
+
+
+def _fine_tune(run_cli, tmp_path, tiny, name: str, strategy: str, steps: int,
+               launch: str = "first") -> tuple[dict, dict[str, int], str]:
+    """(the run's summary, each rank's reads of weight files, its output)."""
+    reads = tmp_path / f"reads-{name}-{launch}"
+    reads.mkdir()
+    env = cli_env(tmp_path, RAYLANE_TEST_READS=str(reads), PYTHONPATH=str(REPO))
+    p = run_cli(*_train_args(tmp_path, tiny, name, "--set", f"strategy.name={strategy}", "--set",
+                             f"train.max_steps={steps}"), launcher=TORCHRUN, name=f"{name}-{launch}", env=env)
+    assert p.wait(300) == 0, p.output
+    summary = read_json(tmp_path / f"{name}.json")
+    assert summary["strategy"] == strategy
+    return summary, _reads(reads), p.output
+
+
+def test_causal_lm_fine_tunes_under_fsdp_reading_the_weights_on_rank_0_only(run_cli, tmp_path, tiny):
+    """A full fine-tune on 2 ranks: the held-out loss falls, the run ends FINISHED in MLflow with
+    tokens/s and MFU from the model's config, and only rank 0 opens the weight files (counted)."""
+    run, reads, _ = _fine_tune(run_cli, tmp_path, tiny, "fsdp", "fsdp", 16)
+    db = tmp_path / "mlflow.db"
+    losses = _eval_losses(db, run["run_id"])
+    assert len(losses) == 2 and losses[-1] < losses[0] - 0.2, losses
+    assert _status(db, run["run_id"]) == "FINISHED"
+    assert reads == {"rank0": 1, "rank1": 0}
+    with sqlite3.connect(db) as con:
+        keys = {k for (k,) in con.execute("SELECT DISTINCT key FROM metrics WHERE run_uuid = ?", (run["run_id"],))}
+    assert {"train/tokens_per_s", "train/mfu"} <= keys, sorted(keys)
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_fine_tunes_fsdp_holds_half_and_a_relaunch_reads_no_weights(run_cli, tmp_path, tiny):
+    """DDP and FSDP fine-tunes both learn and read the weights on rank 0 only; FSDP's state per
+    rank is about half of DDP's; a relaunch resumes from its checkpoint and reads no weight file."""
+    runs = {}
+    for name in ("ddp", "fsdp"):
+        runs[name], reads, _ = _fine_tune(run_cli, tmp_path, tiny, name, name, 16)
+        losses = _eval_losses(tmp_path / "mlflow.db", runs[name]["run_id"])
+        assert losses[-1] < losses[0] - 0.2 and reads == {"rank0": 1, "rank1": 0}, (name, losses, reads)
+    ratio = runs["fsdp"]["memory"]["state_bytes_per_rank"] / runs["ddp"]["memory"]["state_bytes_per_rank"]
+    assert 0.4 <= ratio <= 0.6, ratio
+    (tmp_path / "fsdp.json").unlink()
+    _, reads, output = _fine_tune(run_cli, tmp_path, tiny, "fsdp", "fsdp", 24, "again")  # the same run, more steps
+    assert "resuming from step 16" in output, output
+    assert reads == {"rank0": 0, "rank1": 0}
+
+
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
+def test_pretrained_weights_are_identical_on_every_rank_and_equal_to_the_saved_ones(run_cli, tmp_path, tiny, strategy):
+    """Built on the meta device, parallelized, loaded by broadcast from rank 0: each rank's full
+    state equals the saved tensors, the embeddings stay tied, the logits are from_pretrained's
+    to the bit (non-persistent rotary buffers kept), and rank 1 read no file."""
+    p = run_cli("--nproc_per_node", "2", str(REPO / "tests/helpers/hf_load.py"), str(tiny / "model"), strategy,
+                str(tmp_path), launcher=TORCHRUN, name=strategy, env=cli_env(tmp_path, PYTHONPATH=str(REPO)))
+    assert p.wait(180) == 0, p.output
+    ranks = [read_json(tmp_path / f"rank{r}.json") for r in (0, 1)]
+    assert [len(r["reads"]) for r in ranks] == [1, 0]
+    for r in ranks:
+        assert r["tied"] and r["keys"]
+        assert r["weights_diff"] == 0.0 and r["logits_diff"] == 0.0, r
+
+
+def test_a_classifier_trains_from_a_datasets_dataset_handed_over_by_a_users_pipeline(run_cli, tmp_path, tiny):
+    (tmp_path / "cfg.yaml").write_text(
+        "pipeline: tests.helpers.hf_classifier\n"
+        f"model: {{task: sequence-classification, name_or_path: {tiny / 'model'}, seq_len: 64, num_labels: 2}}\n"
+        f"source: {{rows: {tiny}}}\n"
+        "train: {max_steps: 20, batch_size: 16, eval_every_n_steps: 10}\n"
+        "optim: {name: adamw, lr: 0.003}\nmlflow: {log_model: false}\n")
+    p = run_cli("train", "cfg.yaml", "--local", "--summary-json", "cls.json",
+                env=cli_env(tmp_path, PYTHONPATH=str(REPO)), name="cls")
+    assert p.wait(300) == 0, p.output
+    summary = read_json(tmp_path / "cls.json")
+    assert summary["status"] == "FINISHED"
+    losses = _eval_losses(tmp_path / "mlflow.db", summary["run_id"])
+    assert len(losses) == 2 and losses[-1] < losses[0], losses
+    assert 0 <= summary["metrics"]["accuracy"] <= 1
+
+
+def _bad_model(bad, tiny, **config):
+    """A copy of the tiny model whose config.json says otherwise."""
+    shutil.copytree(tiny / "model", bad)
+    saved = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**saved, **config}))
+    return bad
+
+
+BAD = {
+    "no model": ([], "model.name_or_path: required"),
+    "not a model directory": (["model.name_or_path={tiny}"], "model.name_or_path = '{tiny}': not a model directory"),
+    "a model the task cannot load": (["model.name_or_path={bad}", "model.task=causal-lm"],
+                                     ("model.name_or_path = '{bad}': a 'vit' model, which transformers cannot load "
+                                      "for model.task = 'causal-lm'")),
+    "a tokenizer larger than the vocabulary": (["model.name_or_path={small}"],
+                                               "the tokenizer has 512 tokens, more than the model's vocab_size 100"),
+    "no text column": (["model.name_or_path={tiny}/model", "data.text_column=body"],
+                       "data.text_column = 'body': no such column in {tiny}/train/part-0.jsonl"),
+    "no label column": (["model.name_or_path={tiny}/model", "model.task=sequence-classification",
+                         "data.label_column=y"], "data.label_column = 'y': no such column"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_exits_2_with_one_line(case, tmp_path, tiny, capsys, no_work):
+    sets, line = BAD[case]
+    where = {"tiny": tiny, "bad": _bad_model(tmp_path / "vit", tiny, model_type="vit"),
+             "small": _bad_model(tmp_path / "small", tiny, vocab_size=100)}
+    argv = ["check", "hf", "--set", f"data.train={tiny / 'train'}"]
+    for s in sets:
+        argv += ["--set", s.format(**where)]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert line.format(**where) in err and "Traceback" not in err, err
+
+
+def test_raylane_hf_not_installed_exits_2_naming_the_extra(tmp_path, tiny, capsys, monkeypatch, no_work):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # find_spec: not installed
+    assert cli.main(["check", "hf", "--set", f"model.name_or_path={tiny / 'model'}",
+                     "--set", f"data.train={tiny / 'train'}"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "needs raylane[hf] (transformers not installed)" in err, err
+
+
+@pytest.mark.slow  # ~3 min on 2 busy cores: Ray Data's tokenizing tasks beside the 2 workers
+@pytest.mark.shared_ray
+def test_the_shipped_hf_pipeline_fine_tunes_on_2_ray_workers_tokenizing_in_ray_data(run_cli, tmp_path, tiny):
+    """`pipeline: hf` on Ray: the files are read and tokenized by Ray Data's tasks (the module's
+    sources(cfg)), the model is replicated on 2 workers, its held-out loss falls, FINISHED in MLflow.
+    (DDP: under FSDP, Ray's unequal split of a held-out stream gives the ranks different numbers of
+    evaluation forwards, whose all-gathers then do not match; a loop issue, not this pipeline's.)"""
+    (tmp_path / "cfg.yaml").write_text(
+        "pipeline: hf\n"
+        f"model: {{name_or_path: {tiny / 'model'}, seq_len: 64}}\n"
+        f"data: {{train: {tiny / 'train'}, eval: {tiny / 'eval'}}}\n"
+        "scaling: {num_workers: 2}\nstrategy: {name: ddp}\n"
+        "train: {max_steps: 16, batch_size: 8, eval_every_n_steps: 8}\n"
+        "optim: {name: adamw, lr: 0.003}\nmlflow: {log_model: false}\n")
+    p = run_cli("train", "cfg.yaml", "--summary-json", "ray.json", name="ray")
+    assert p.wait(300) == 0, p.output
+    run = read_json(tmp_path / "ray.json")
+    assert run["strategy"] == "ddp" and run["world_size"] == 2
+    losses = _eval_losses(tmp_path / "mlflow.db", run["run_id"])
+    assert len(losses) == 2 and losses[-1] < losses[0] - 0.2, losses
+    assert _status(tmp_path / "mlflow.db", run["run_id"]) == "FINISHED"
