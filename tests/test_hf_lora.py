@@ -1,0 +1,289 @@
+"""A Hugging Face causal LM (a tiny LLaMA made and saved here) fine-tuned with LoRA through peft
+(raylane.hf.lora) and in full, from a pipeline of the test's own (tests/helpers/hf_lm.py: dict
+batches with labels, the model's own loss): a LoRA checkpoint holds the adapter, its optimizer
+state and the loop's state but no base weight; it resumes bit-exact after a stop and relaunch
+(one process here, FSDP on 2 torchrun ranks in make test-all); a relaunch on another base
+exits 2 naming both; `raylane export --format hf` writes what `from_pretrained` and
+`PeftModel.from_pretrained` load."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import torch  # noqa: E402
+
+from raylane.loop import checkpoint  # noqa: E402
+from tests.conftest import REPO, TORCHRUN, cli_env, read_json  # noqa: E402
+
+pytestmark = pytest.mark.untracked
+
+HELPER = REPO / "tests" / "helpers" / "hf_lm.py"
+CONFIG = """pipeline: ./pipe.py
+model: {name_or_path: ./base}
+train: {batch_size: 8, max_epochs: 2}
+optim: {name: adamw, lr: 0.01}
+checkpoint: {every_n_steps: 2}
+mlflow: {enabled: false}
+"""
+LORA = "lora: {r: 4, alpha: 8}\n"
+
+
+def _make_base(folder: Path, seed: int) -> None:
+    sys.path.insert(0, str(HELPER.parent))
+    try:
+        import hf_lm
+    finally:
+        sys.path.remove(str(HELPER.parent))
+    hf_lm.make_base(folder, seed)
+
+
+def _train(project: Path, name: str, steps: int, *extra: str, launcher: list[str] | None = None,
+           config: str = "lora.yaml") -> subprocess.CompletedProcess:
+    args = ["train", config, "--set", f"run.name={name}", "--set", f"train.max_steps={steps}",
+            "--summary-json", f"{name}-{steps}.json", *extra]
+    argv = [*launcher, "-m", "raylane", *args] if launcher else [sys.executable, "-m", "raylane", *args, "--local"]
+    # A process of its own, killed by subprocess.run when it overstays (its id, nothing broader).
+    return subprocess.run(argv, cwd=project, env=cli_env(project), capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A base model, the pipeline, and a LoRA run of 4 steps (checkpoints at 2 and 4) and a full
+    fine-tune of 2, trained once for the module's tests."""
+    root = tmp_path_factory.mktemp("hf")
+    _make_base(root / "base", seed=0)
+    shutil.copy(HELPER, root / "pipe.py")
+    (root / "full.yaml").write_text(CONFIG)
+    (root / "lora.yaml").write_text(CONFIG + LORA)
+    for name, steps, config in (("lora", 4, "lora.yaml"), ("full", 2, "full.yaml")):
+        proc = _train(root, name, steps, config=config)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root
+
+
+def _state(path: str | Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model and optimizer tensors and values, flat, read in this process (a
+    sharded one through DCP's converter)."""
+    path = Path(path)
+    if (path / checkpoint.STATE_FILE).exists():
+        state = torch.load(path / checkpoint.STATE_FILE, weights_only=True)
+        state.pop("rng", None)
+    else:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(path), f"{tmp}/state.pt")
+            state = torch.load(f"{tmp}/state.pt", weights_only=True)
+
+    def flat(tree, prefix=""):
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+        out = {}
+        for k, v in items:
+            if isinstance(v, (dict, list)):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    return flat({"model": state["model"], "optim": state["optim"]})
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, b[key]), key
+        else:
+            assert value == b[key], key
+
+
+def _adapter_numel(project: Path) -> int:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(project / "base"),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only(project):
+    ck = read_json(project / "lora-4.json")["checkpoint"]
+    state = _state(ck)
+    weights = [k.removeprefix("model.") for k in state if k.startswith("model.")]
+    # The adapter on every attention projection (the default target_modules), nothing of the base.
+    assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), weights
+    assert {k.split(".")[-4] for k in weights} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    # The optimizer holds the adapter alone: no group lists a frozen weight.
+    grouped = [v for k, v in state.items() if k.startswith("optim.param_groups.") and ".params." in k]
+    assert sorted(grouped) == sorted(weights)
+    tensor_bytes = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    adapter = _adapter_numel(project) * 4  # float32
+    # The adapter, AdamW's two moments of it, and a step count per tensor.
+    assert 3 * adapter <= tensor_bytes <= 3 * adapter + 8 * len(weights)
+    base_bytes = sum(f.stat().st_size for f in (project / "base").glob("*.safetensors"))
+    assert tensor_bytes < base_bytes / 3
+    manifest = checkpoint.read_manifest(ck)
+    assert manifest["base"]["path"] == str(project / "base") and manifest["base"]["key"] == "model.name_or_path"
+    assert len(manifest["base"]["fingerprint"]) == 64
+    # The full fine-tune's checkpoint is the whole model, with no base recorded.
+    full = checkpoint.read_manifest(read_json(project / "full-2.json")["checkpoint"])
+    assert "base" not in full and "model.embed_tokens.weight" in full["shapes"]
+
+
+def test_a_lora_run_resumes_bit_exact_and_not_on_another_base(project):
+    """A run stopped after the straight run's checkpoint at step 2 resumes to 4 with the same
+    adapter and optimizer state, bit for bit. Relaunched with another base (another seed, the
+    same shapes), it exits 2 before anything starts, naming both bases; the same base in another
+    folder resumes, and that folder's files replaced by another base's exit 2 (the path alone
+    would not tell)."""
+    straight = read_json(project / "lora-4.json")
+    shutil.copytree(Path(straight["checkpoint"]).parent / checkpoint.checkpoint_name(2),
+                    project / "runs" / "resumed" / checkpoint.checkpoint_name(2))
+    proc = _train(project, "resumed", 4)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    resumed = read_json(project / "resumed-4.json")
+    assert resumed["resumed_from_step"] == 2 and resumed["steps"] == 4
+    _assert_same(_state(resumed["checkpoint"]), _state(straight["checkpoint"]))
+
+    _make_base(project / "other", seed=1)
+    proc = _train(project, "resumed", 6, "--set", "model.name_or_path=./other")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert f"model.name_or_path = '{project / 'other'}'" in line, line
+    assert f"trained on base '{project / 'base'}'" in line and "fingerprint" in line, line
+    assert "Traceback" not in proc.stderr
+
+    # The same check in this process (what a launch runs before anything starts): the base
+    # copied to another folder passes; that folder's files replaced by another base's do not.
+    from raylane import api, prechecks
+    from raylane.config import ConfigError
+
+    shutil.copytree(project / "base", project / "moved")
+    sets = [f"run.storage_path={project / 'runs'}", "run.name=resumed", f"model.name_or_path={project / 'moved'}"]
+    prechecks.check_resume(api.check(str(project / "lora.yaml"), sets))
+    shutil.rmtree(project / "moved")
+    shutil.copytree(project / "other", project / "moved")
+    with pytest.raises(ConfigError, match="this base is") as refused:
+        prechecks.check_resume(api.check(str(project / "lora.yaml"), sets))
+    assert str(refused.value).count(repr(str(project / "moved"))) == 2  # the key's value, and this base
+
+
+def test_a_checkpoint_loads_only_into_a_model_on_its_base(project):
+    """The worker's own check (a pipeline with no config key for its base): a model marked with
+    another base's fingerprint, or with none, is refused naming both."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from raylane.loop.frozen import set_base
+
+    ck = read_json(project / "lora-4.json")["checkpoint"]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(project / "base"),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    with pytest.raises(checkpoint.CheckpointLoadError, match="holds an adapter only, and this run's model is whole"):
+        checkpoint.load(ck, model, optimizer)
+    set_base(model, {"path": "elsewhere", "fingerprint": "ab" * 32})
+    with pytest.raises(checkpoint.CheckpointLoadError,
+                       match=rf"trained on base '{project / 'base'}' \(fingerprint \w{{12}}\); this run's base is "
+                             r"'elsewhere' \(fingerprint abababababab\)"):
+        checkpoint.load(ck, model, optimizer)
+    set_base(model, checkpoint.read_manifest(ck)["base"])
+    assert checkpoint.load(ck, model, optimizer)["step"] == 4
+
+
+def test_the_fingerprint_tells_a_retrained_base_of_the_same_shape(tmp_path):
+    from raylane.loop.frozen import fingerprint
+
+    _make_base(tmp_path / "a", seed=0)
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    _make_base(tmp_path / "b", seed=1)
+    assert fingerprint(tmp_path / "a") == fingerprint(tmp_path / "copy") != fingerprint(tmp_path / "b")
+    assert fingerprint(tmp_path / "missing") is None and fingerprint("org/model-id") is None
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_export_hf_of_a_full_and_a_lora_run_loads_and_generates(project):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raylane import api
+    from raylane.export import consolidated
+
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    full_ck = read_json(project / "full-2.json")["checkpoint"]
+    proc = subprocess.run([sys.executable, "-m", "raylane", "export", full_ck, "--format", "hf", "--out", "full-hf"],
+                          cwd=project, env=cli_env(project), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "wrote a save_pretrained model to full-hf" in proc.stdout
+    full = AutoModelForCausalLM.from_pretrained(project / "full-hf")
+    trained, _, _ = consolidated(full_ck)
+    assert torch.equal(_logits(full, ids), _logits(trained.model, ids))
+    assert full.generate(ids[:1], max_new_tokens=4, do_sample=False).shape == (1, 12)
+    assert AutoTokenizer.from_pretrained(project / "full-hf").convert_tokens_to_ids("w5") == 5
+
+    lora_ck = read_json(project / "lora-4.json")["checkpoint"]
+    api.export(lora_ck, str(project / "merged"), format="hf")
+    api.export(lora_ck, str(project / "adapter"), format="hf", adapter_only=True)
+    assert not list((project / "merged").glob("adapter*")) and (project / "adapter" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(project / "merged")
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(project / "base"), project / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(project / "base")
+    trained, _, _ = consolidated(lora_ck)
+    expected = _logits(trained.model, ids)
+    assert not torch.allclose(_logits(base, ids), expected)  # the adapter trained
+    assert torch.allclose(_logits(merged, ids), expected, atol=1e-5)
+    assert torch.equal(_logits(adapter, ids), expected)
+    assert merged.generate(ids[:1], max_new_tokens=4, do_sample=False).shape == (1, 12)
+
+
+def test_export_hf_refuses_what_it_cannot_write(project, tmp_path):
+    from raylane import api
+    from raylane.config import ConfigError
+
+    full_ck = read_json(project / "full-2.json")["checkpoint"]
+    with pytest.raises(ConfigError, match=r"--adapter-only: checkpoint .* holds a whole model"):
+        api.export(full_ck, str(tmp_path / "a"), format="hf", adapter_only=True)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    with pytest.raises(ConfigError, match=r"--out = .*taken.*: is not empty"):
+        api.export(full_ck, str(tmp_path / "taken"), format="hf")
+    with pytest.raises(ConfigError, match=r"--adapter-only: only with --format hf"):
+        api.export(full_ck, str(tmp_path / "m.safetensors"), adapter_only=True)
+
+
+@pytest.mark.slow  # two launches of 2 torchrun ranks: ~50 s on 2 cores
+def test_a_lora_run_under_fsdp_resumes_bit_exact(project):
+    """The frozen base is sharded with the adapter in each FSDP2 unit (mixed requires_grad);
+    the checkpoint (DCP, a shard per rank) holds the adapter alone and resumes bit for bit."""
+    fsdp = ["--set", "strategy.name=fsdp"]
+    launcher = [*TORCHRUN, "--nproc_per_node", "2"]
+    proc = _train(project, "fsdp", 4, *fsdp, launcher=launcher)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    straight = read_json(project / "fsdp-4.json")
+    assert list(Path(straight["checkpoint"]).glob("*.distcp"))  # sharded, not one state.pt
+    shutil.copytree(Path(straight["checkpoint"]).parent / checkpoint.checkpoint_name(2),
+                    project / "runs" / "fsdp-resumed" / checkpoint.checkpoint_name(2))
+    proc = _train(project, "fsdp-resumed", 4, *fsdp, launcher=launcher)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    resumed = read_json(project / "fsdp-resumed-4.json")
+    assert resumed["resumed_from_step"] == 2
+    state = _state(resumed["checkpoint"])
+    _assert_same(state, _state(straight["checkpoint"]))
+    assert all(".lora_" in k for k in state if k.startswith("model."))
+    # The FSDP run's adapter checkpoint loads in one process as the export reads it.
+    assert os.path.exists(Path(resumed["checkpoint"]) / checkpoint.MANIFEST_FILE)
