@@ -20,10 +20,10 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-import torch  # noqa: E402
+import torch
 
-from raylane.loop import checkpoint  # noqa: E402
-from tests.conftest import REPO, TORCHRUN, cli_env, read_json  # noqa: E402
+from raylane.loop import checkpoint
+from tests.conftest import REPO, TORCHRUN, cli_env, read_json
 
 pytestmark = pytest.mark.untracked
 
@@ -53,7 +53,8 @@ def _train(project: Path, name: str, steps: int, *extra: str, launcher: list[str
             "--summary-json", f"{name}-{steps}.json", *extra]
     argv = [*launcher, "-m", "raylane", *args] if launcher else [sys.executable, "-m", "raylane", *args, "--local"]
     # A process of its own, killed by subprocess.run when it overstays (its id, nothing broader).
-    return subprocess.run(argv, cwd=project, env=cli_env(project), capture_output=True, text=True, timeout=240)
+    return subprocess.run(argv, check=False, cwd=project, env=cli_env(project), capture_output=True, text=True,
+                          timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +228,7 @@ def test_export_hf_of_a_full_and_a_lora_run_loads_and_generates(project):
     ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     full_ck = read_json(project / "full-2.json")["checkpoint"]
     proc = subprocess.run([sys.executable, "-m", "raylane", "export", full_ck, "--format", "hf", "--out", "full-hf"],
-                          cwd=project, env=cli_env(project), capture_output=True, text=True, timeout=120)
+                          check=False, cwd=project, env=cli_env(project), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "wrote a save_pretrained model to full-hf" in proc.stdout
     full = AutoModelForCausalLM.from_pretrained(project / "full-hf")
@@ -287,3 +288,28 @@ def test_a_lora_run_under_fsdp_resumes_bit_exact(project):
     assert all(".lora_" in k for k in state if k.startswith("model."))
     # The FSDP run's adapter checkpoint loads in one process as the export reads it.
     assert os.path.exists(Path(resumed["checkpoint"]) / checkpoint.MANIFEST_FILE)
+
+
+def test_the_mlflow_model_of_a_lora_run_is_the_merged_transformers_model_and_generates(project, tmp_path,
+                                                                                      monkeypatch):
+    """What the driver logs at the end of an hf run (raylane.tracking.records.log_model): the
+    transformers flavour with the run's tokenizer, which predicts text through pyfunc."""
+    import mlflow
+    import mlflow.pyfunc
+    import mlflow.tracking._tracking_service.utils as tracking
+
+    # log_model sets the process's tracking URI (as the driver's end of run does): not beyond this test.
+    monkeypatch.setattr(tracking, "_tracking_uri", tracking._tracking_uri)
+
+    from raylane.tracking.records import log_model
+    from raylane.tracking.runs import RunHandle
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    run = client.create_run(client.create_experiment("hf"))
+    handle = RunHandle(run.info.run_id, run.info.experiment_id, uri, resumed=False)
+    logged = log_model(handle, read_json(project / "lora-4.json")["checkpoint"], None)
+    model = mlflow.pyfunc.load_model(logged["model_uri"])
+    assert model.metadata.flavors["transformers"]["task"] == "text-generation"
+    out = model.predict(["w5 w6 w7"])
+    assert isinstance(out[0], str) and out[0].startswith("w5 w6 w7") and len(out[0].split()) > 3

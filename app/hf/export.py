@@ -7,7 +7,9 @@ are transformers' own save_pretrained's to handle."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +85,60 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, adapter_o
 
     cfg = validate(train_state["config"])
     return export_hf(pipe.model, tokenizer_for(cfg), out_dir, adapter_only=adapter_only)
+
+
+# What a logged text-generation model generates per call by default (the pipeline's own default,
+# the model's max_length, can exceed a small model's positions).
+GENERATE_TOKENS = 32
+
+
+def _task(model: Any) -> str | None:
+    name = type(model).__name__
+    if name.endswith("ForCausalLM"):
+        return "text-generation"
+    if name.endswith("ForSequenceClassification"):
+        return "text-classification"
+    return None
+
+
+@contextlib.contextmanager
+def _hub_offline() -> Iterator[None]:
+    """MLflow's transformers flavour looks the model's name up on the Hugging Face Hub for its
+    card and license (retrying for about a minute where the hub cannot be reached). A fine-tuned
+    model is not the hub's: offline mode, which huggingface_hub reads from its constants (the
+    environment variable only counts at its import)."""
+    import huggingface_hub.constants as hub
+
+    was, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, True
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE = was
+
+
+def log_mlflow_model(model: Any, tokenizer: Any, example: Any, *, name: str = "model",
+                     registered_model_name: str | None = None) -> Any:
+    """Log `model` (a LoRA run merged into its base) with its tokenizer into the active MLflow
+    run with the transformers flavour, which `mlflow.pyfunc.load_model(uri).predict([text])`
+    serves: text-generation for a causal LM, text-classification for a classifier. Returns the
+    ModelInfo, or None when the model has no such task or no tokenizer (the caller logs it
+    otherwise). `example`: the model's inputs for two rows (input_ids), decoded into the input
+    example."""
+    task = _task(model.get_base_model() if is_peft(model) else model)
+    if task is None or tokenizer is None:
+        return None
+    import mlflow.transformers
+    import torch
+    import transformers
+
+    if is_peft(model):
+        model = model.merge_and_unload()
+    ids = example.get("input_ids") if isinstance(example, dict) else None
+    texts = tokenizer.batch_decode(ids[:2], skip_special_tokens=True) if ids is not None else ["Hello"]
+    config = {"max_new_tokens": GENERATE_TOKENS} if task == "text-generation" else None
+    with _hub_offline():
+        return mlflow.transformers.log_model(
+            {"model": model, "tokenizer": tokenizer}, name=name, task=task, input_example=texts,
+            model_config=config, registered_model_name=registered_model_name,
+            # Explicit: inferring requirements imports the model in a subprocess (seconds).
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"])
