@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,13 +39,13 @@ mlflow: {enabled: false}
 LORA = "lora: {r: 4, alpha: 8}\n"
 
 
-def _make_base(folder: Path, seed: int) -> None:
+def _make_base(folder: Path, seed: int, tied: bool = False) -> None:
     sys.path.insert(0, str(HELPER.parent))
     try:
         import hf_lm
     finally:
         sys.path.remove(str(HELPER.parent))
-    hf_lm.make_base(folder, seed)
+    hf_lm.make_base(folder, seed, tied=tied)
 
 
 def _train(project: Path, name: str, steps: int, *extra: str, launcher: list[str] | None = None,
@@ -60,15 +61,19 @@ def _train(project: Path, name: str, steps: int, *extra: str, launcher: list[str
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     """A base model, the pipeline, and a LoRA run of 4 steps (checkpoints at 2 and 4) and a full
-    fine-tune of 2, trained once for the module's tests."""
+    fine-tune of 2 of a base with tied embeddings, trained once for the module's tests."""
     root = tmp_path_factory.mktemp("hf")
     _make_base(root / "base", seed=0)
+    _make_base(root / "tied", seed=2, tied=True)
     shutil.copy(HELPER, root / "pipe.py")
-    (root / "full.yaml").write_text(CONFIG)
+    (root / "full.yaml").write_text(CONFIG.replace("./base", "./tied"))
     (root / "lora.yaml").write_text(CONFIG + LORA)
-    for name, steps, config in (("lora", 4, "lora.yaml"), ("full", 2, "full.yaml")):
-        proc = _train(root, name, steps, config=config)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The two at once: each is mostly one core's start-up (imports).
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_train, root, name, steps, config=config)
+                for name, steps, config in (("lora", 4, "lora.yaml"), ("full", 2, "full.yaml"))]
+        for run in runs:
+            assert run.result().returncode == 0, run.result().stdout + run.result().stderr
     return root
 
 
@@ -139,6 +144,7 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only(projec
     # The full fine-tune's checkpoint is the whole model, with no base recorded.
     full = checkpoint.read_manifest(read_json(project / "full-2.json")["checkpoint"])
     assert "base" not in full and "model.embed_tokens.weight" in full["shapes"]
+    assert full["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 def test_a_lora_run_resumes_bit_exact_and_not_on_another_base(project):
@@ -232,6 +238,7 @@ def test_export_hf_of_a_full_and_a_lora_run_loads_and_generates(project):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "wrote a save_pretrained model to full-hf" in proc.stdout
     full = AutoModelForCausalLM.from_pretrained(project / "full-hf")
+    assert full.lm_head.weight is full.model.embed_tokens.weight  # still tied
     trained, _, _ = consolidated(full_ck)
     assert torch.equal(_logits(full, ids), _logits(trained.model, ids))
     assert full.generate(ids[:1], max_new_tokens=4, do_sample=False).shape == (1, 12)
@@ -313,3 +320,16 @@ def test_the_mlflow_model_of_a_lora_run_is_the_merged_transformers_model_and_gen
     assert model.metadata.flavors["transformers"]["task"] == "text-generation"
     out = model.predict(["w5 w6 w7"])
     assert isinstance(out[0], str) and out[0].startswith("w5 w6 w7") and len(out[0].split()) > 3
+
+
+def test_lora_targets_the_attention_projections_by_default_and_names_a_wrong_module(project):
+    from raylane.config import ConfigError
+    from raylane.hf.lora import LoraSection, check_lora
+
+    base = str(project / "base")
+    assert sorted(check_lora(base, LoraSection())) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert check_lora(base, LoraSection(target_modules=["gate_proj"])) == ["gate_proj"]
+    with pytest.raises(ConfigError, match=r"^lora.target_modules = \['q_proj', 'nope'\]: LlamaForCausalLM has no "
+                                          r"module named 'nope' \(its attention projections: k_proj, o_proj, q_proj, "
+                                          r"v_proj\)$"):
+        check_lora(base, LoraSection(target_modules=["q_proj", "nope"]))

@@ -98,3 +98,17 @@ def _task_type(model: Any) -> str | None:
     if name.endswith("ForSequenceClassification"):
         return "SEQ_CLS"
     return None
+
+
+def check_lora(name_or_path: str, lora: LoraSection, model_class: str = "AutoModelForCausalLM") -> list[str]:
+    """Before a launch: the modules `lora` adapts in the model at `name_or_path` (a
+    `save_pretrained` folder), found in a model built on the meta device from its config (no
+    weight read, no memory); ConfigError naming lora.target_modules when they name no module.
+    `model_class`: the transformers Auto class the pipeline loads the model with."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(name_or_path)
+    with torch.device("meta"):
+        model = getattr(transformers, model_class).from_config(config)
+    return _targets(model, lora)

@@ -33,13 +33,15 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
-def make_base(folder, seed: int = 0, tokenizer: bool = True) -> None:
-    """A tiny LLaMA with random weights (and a word-level tokenizer of its 128 ids), saved."""
+def make_base(folder, seed: int = 0, tokenizer: bool = True, tied: bool = False) -> None:
+    """A tiny LLaMA with random weights (and a word-level tokenizer of its 128 ids), saved;
+    `tied`: its output projection is its input embedding."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=tied)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     if tokenizer:
         from tokenizers import Tokenizer, models, pre_tokenizers
