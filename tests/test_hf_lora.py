@@ -333,3 +333,28 @@ def test_lora_targets_the_attention_projections_by_default_and_names_a_wrong_mod
                                           r"module named 'nope' \(its attention projections: k_proj, o_proj, q_proj, "
                                           r"v_proj\)$"):
         check_lora(base, LoraSection(target_modules=["q_proj", "nope"]))
+
+
+def test_an_adapter_made_on_the_meta_device_is_initialized_as_peft_does(tmp_path):
+    """What a pipeline that builds on the meta device and loads the base from rank 0 does
+    (issue 38's loading): apply_lora on meta, to_empty, then init_adapter gives every rank the
+    same adapter from the same seed, lora_B zeros (the model starts as its base)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from raylane.hf.lora import LoraSection, apply_lora, init_adapter
+
+    _make_base(tmp_path / "base", seed=0)
+
+    def made(seed: int) -> dict[str, torch.Tensor]:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "base"))
+        model = apply_lora(model, LoraSection(r=4), base=str(tmp_path / "base"))
+        model.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        assert init_adapter(model) == 8  # 4 projections x 2 layers
+        return {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+
+    first, again = made(0), made(0)
+    assert sorted(first) == sorted(again) and all(torch.equal(first[k], again[k]) for k in first)
+    assert all(not v.any() for k, v in first.items() if ".lora_B." in k)
+    assert all(v.abs().sum() > 0 for k, v in first.items() if ".lora_A." in k)

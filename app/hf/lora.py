@@ -112,3 +112,21 @@ def check_lora(name_or_path: str, lora: LoraSection, model_class: str = "AutoMod
     with torch.device("meta"):
         model = getattr(transformers, model_class).from_config(config)
     return _targets(model, lora)
+
+
+def init_adapter(model: Any) -> int:
+    """The adapter's weights as peft initializes them (lora_A random, lora_B zeros, so that the
+    adapted model starts as its base), for a model wrapped by `apply_lora` on the meta device
+    and then given memory (`to_empty`), which leaves them garbage: the base's weights come from
+    its files, the adapter's from here. Call it before sharding, on every rank alike (raylane
+    seeds every rank with train.seed before build), or on rank 0 before its state is broadcast.
+    Returns the number of adapted modules."""
+    from peft.tuners.lora import LoraLayer
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for adapter in module.lora_A:
+                module.reset_lora_parameters(adapter, True)
+            count += 1
+    return count
