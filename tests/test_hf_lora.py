@@ -8,7 +8,6 @@ exits 2 naming both; `raylane export --format hf` writes what `from_pretrained` 
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -293,8 +292,16 @@ def test_a_lora_run_under_fsdp_resumes_bit_exact(project):
     state = _state(resumed["checkpoint"])
     _assert_same(state, _state(straight["checkpoint"]))
     assert all(".lora_" in k for k in state if k.startswith("model."))
-    # The FSDP run's adapter checkpoint loads in one process as the export reads it.
-    assert os.path.exists(Path(resumed["checkpoint"]) / checkpoint.MANIFEST_FILE)
+    # The sharded adapter checkpoint exports (read in one process) merged, as the replicated one does.
+    from transformers import AutoModelForCausalLM
+
+    from raylane import api
+
+    api.export(resumed["checkpoint"], str(project / "fsdp-merged"), format="hf")
+    merged = AutoModelForCausalLM.from_pretrained(project / "fsdp-merged")
+    base = AutoModelForCausalLM.from_pretrained(project / "base")
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight)
+    assert torch.equal(merged.model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)
 
 
 def test_the_mlflow_model_of_a_lora_run_is_the_merged_transformers_model_and_generates(project, tmp_path,

@@ -78,8 +78,12 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, adapter_o
     """`raylane export CKPT --format hf --out DIR`: the pipeline rebuilt from the checkpoint's
     config (its base weights loaded as the run loaded them), the checkpoint loaded into it, and
     the result written by export_hf."""
+    from transformers.utils import logging as hf_logging
+
     from raylane.export import consolidated
 
+    # Its progress bars (loading, writing shards) are library chatter on raylane's terminal.
+    hf_logging.disable_progress_bar()
     pipe, _, train_state = consolidated(checkpoint_dir)
     from raylane.config import validate
 
