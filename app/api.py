@@ -83,10 +83,18 @@ def submit(config: Any, overrides: Iterable[str] = (), *, address: str | None = 
     return submit_job(config, overrides, address=address, working_dir=working_dir, env_vars=env_vars)
 
 
-def export(checkpoint: str, out: str) -> Path:
+def export(checkpoint: str, out: str, *, format: str = "safetensors", adapter_only: bool = False) -> Path:
     """`raylane export`: a checkpoint's whole model as one safetensors file at `out`; returns the
-    config file written beside it."""
-    prepare.prepare_export(checkpoint, out)
+    config file written beside it. `format="hf"`: a Hugging Face model's `save_pretrained` folder
+    at `out` (a LoRA run merged, or its adapter alone with `adapter_only`); returns the folder."""
+    prepare.prepare_export(checkpoint, out, format, adapter_only)
+    if format == "hf":
+        from raylane.hf.export import export_checkpoint as write_hf
+
+        try:
+            return write_hf(checkpoint, out, adapter_only=adapter_only)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(f"export: {exc}") from None
     from raylane.export import export as write
 
     try:

@@ -79,7 +79,13 @@ def _parser() -> argparse.ArgumentParser:
     job.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP + "; for the job too")
     export = sub.add_parser("export", help="write a checkpoint's full model weights as safetensors")
     export.add_argument("checkpoint", help="a checkpoint directory (runs/<name>/checkpoint_<step>)")
-    export.add_argument("--out", required=True, help="output .safetensors file (config JSON goes beside it)")
+    export.add_argument("--out", required=True, help="output .safetensors file (config JSON goes beside it); with "
+                                                     "--format hf, a new or empty folder")
+    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="safetensors: one file, raylane's names; hf: a Hugging Face model's save_pretrained "
+                             "folder, which from_pretrained loads (needs raylane[hf]; a LoRA run is merged)")
+    export.add_argument("--adapter-only", action="store_true",
+                        help="with --format hf: a LoRA run's adapter alone, which PeftModel.from_pretrained loads")
     export.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
     bench = sub.add_parser("bench", help="benchmark against hand-written torchrun DDP and plain Ray (B1-B10)")
     bench.add_argument("--quick", action="store_true", help="one repeat, short runs, fewer cases: checks the harness")
@@ -124,8 +130,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    config_path = api.export(args.checkpoint, args.out)
-    print(f"wrote {args.out} and {config_path}")
+    written = api.export(args.checkpoint, args.out, format=args.format, adapter_only=args.adapter_only)
+    if args.format == "hf":
+        what = "a peft adapter" if args.adapter_only else "a save_pretrained model"
+        print(f"wrote {what} to {written}: {', '.join(sorted(p.name for p in Path(written).iterdir()))}")
+    else:
+        print(f"wrote {args.out} and {written}")
     return 0
 
 

@@ -19,42 +19,53 @@ from safetensors.torch import save_file
 from raylane import pipelines_ref
 from raylane.config import validate
 from raylane.loop import checkpoint
-from raylane.loop.aliases import aliases, with_aliases, without_aliases
+from raylane.loop.aliases import aliases, unexplained, with_aliases, without_aliases
+from raylane.loop.frozen import base_mismatch, base_of, frozen_names, saved_part
 from raylane.loop.pipeline import example_batch
 
 
-def _consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
+def consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     """(pipeline, its model with the checkpoint's full weights, train state), in one process.
-    The weights hold each tensor once (canonical names); the model has every name back."""
+    The weights hold each tensor once (canonical names); the model has every name back. A
+    checkpoint of a model on a frozen base (LoRA) holds what trained: the rest is the base the
+    pipeline loaded, which must be the one the checkpoint records (raylane.loop.frozen)."""
     problem = checkpoint.verify(str(checkpoint_dir))
     if problem:
         raise ValueError(f"{checkpoint_dir}: not a valid checkpoint ({problem})")
-    train_state = checkpoint.read_manifest(checkpoint_dir)["train_state"]
+    manifest = checkpoint.read_manifest(checkpoint_dir)
+    train_state = manifest["train_state"]
     cfg = validate(train_state["config"])
     pipe = pipelines_ref.build(cfg)
     names = aliases(pipe.model)
+    if problem := base_mismatch(checkpoint_dir, manifest.get("base"), pipe.model):
+        raise ValueError(problem)
     whole = Path(checkpoint_dir) / checkpoint.STATE_FILE
     if whole.exists():  # a replicated state, in one file
         state = torch.load(whole, map_location="cpu", weights_only=True)
     else:
-        state = {"model": without_aliases(pipe.model.state_dict(), names)}
+        state = {"model": saved_part(pipe.model, without_aliases(pipe.model.state_dict(), names))}
         # no_dist: a local read of every rank's shard, even where a process group exists (the
         # torchrun driver is rank 0): as a collective it would wait for ranks that are not loading.
         dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
     weights = without_aliases(state["model"], names)  # an earlier version saved the aliases too
-    pipe.model.load_state_dict(with_aliases(weights, names))
+    if base_of(pipe.model) is None:
+        pipe.model.load_state_dict(with_aliases(weights, names))
+        return pipe, weights, train_state
+    missing = pipe.model.load_state_dict(with_aliases(weights, names), strict=False).missing_keys
+    if not_frozen := sorted(set(unexplained(missing, names)) - frozen_names(pipe.model)):
+        raise ValueError(f"{checkpoint_dir}: {not_frozen[0]} trains in this model and is not in the checkpoint")
     return pipe, weights, train_state
 
 
 def load_model(checkpoint_dir: str | Path) -> tuple[Any, Any]:
     """(the trained model, an example input batch) from a checkpoint."""
-    pipe, _, _ = _consolidated(checkpoint_dir)
+    pipe, _, _ = consolidated(checkpoint_dir)
     return pipe.model, example_batch(pipe)
 
 
 def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
     """Consolidate a (possibly sharded) checkpoint; returns the config file written beside `out`."""
-    pipe, weights, train_state = _consolidated(checkpoint_dir)
+    pipe, weights, train_state = consolidated(checkpoint_dir)
     cfg = validate(train_state["config"])
     tensors = {k: v.contiguous() for k, v in weights.items()}
     out = Path(out)

@@ -199,6 +199,31 @@ def check_export(checkpoint: str, out: str) -> None:
     writable_dir("--out", target.parent, out)
 
 
+def check_export_hf(checkpoint: str, out: str, adapter_only: bool) -> None:
+    """`raylane export --format hf`'s arguments: `--out` a folder that is new or empty (nothing
+    written is overwritten), transformers and peft installed, and with `--adapter-only` a
+    checkpoint that holds an adapter (a model trained on a frozen base)."""
+    if not Path(checkpoint).is_dir():
+        raise ConfigError(f"checkpoint = {checkpoint!r}: no such folder (expected runs/<name>/checkpoint_<step>)")
+    target = Path(out).expanduser()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ConfigError(f"--out = {out!r}: {'is a file' if not target.is_dir() else 'is not empty'}; "
+                          "name a new or empty folder for the save_pretrained files")
+    writable_dir("--out", target, out)
+    import importlib.util
+
+    if missing := [m for m in ("transformers", "peft") if importlib.util.find_spec(m) is None]:
+        raise ConfigError(f"--format hf: {missing[0]} is not installed; pip install 'raylane[hf]'")
+    if adapter_only:
+        try:
+            manifest = read_manifest(checkpoint)
+        except (OSError, ValueError):
+            return  # the export says what is wrong with it
+        if not manifest.get("base"):
+            raise ConfigError(f"--adapter-only: checkpoint {checkpoint!r} holds a whole model (fine-tuned in full, "
+                              "not with lora:); export it without --adapter-only")
+
+
 def check_token_path() -> None:
     """RAY_AUTH_TOKEN_PATH, when set, names a readable file holding a token: Ray otherwise fails
     in the head's start-up, with a traceback in its log."""
@@ -259,9 +284,35 @@ def check_resume(cfg: BaseConfig) -> Finished | None:
         state = manifest.get("train_state") or {}
         recorded = state.get("config")
         if isinstance(recorded, dict):
+            recorded = _check_base(cfg, manifest.get("base"), recorded, path)
             _check_loadable(cfg, flatten(recorded), path)
             _check_position(cfg, state, flatten(recorded), path)
     return _finished(cfg, folder)
+
+
+def _check_base(cfg: BaseConfig, base: Any, recorded: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
+    """A checkpoint of a model trained on a frozen base (LoRA: raylane.loop.frozen) resumes only
+    on that base: the config key that names it must name files of the same fingerprint. Returns
+    the recorded config with that key as it is now when the base only moved (same fingerprint)."""
+    if not isinstance(base, dict) or not base.get("key") or not base.get("fingerprint"):
+        return recorded
+    from raylane.loop.frozen import describe, fingerprint
+
+    key, flat = base["key"], cfg.flat()
+    if key not in flat:
+        return recorded
+    now = fingerprint(str(flat[key]))
+    if now is None:
+        return recorded
+    if now != base["fingerprint"]:
+        raise ConfigError(f"{key} = {_shown(flat, key)}: run {cfg.run.name!r} has a checkpoint ({str(checkpoint)!r}) "
+                          f"trained on base {describe(base)}; this base is "
+                          f"{describe({'path': flat[key], 'fingerprint': now})}. Resume it on the base it was "
+                          f"trained on, or start a fresh run with --set run.name={fresh_name(cfg)}")
+    section, _, field = key.partition(".")
+    if isinstance(recorded.get(section), dict) and field in recorded[section]:
+        recorded = {**recorded, section: {**recorded[section], field: flat[key]}}
+    return recorded
 
 
 def check_global_order(cfg: BaseConfig) -> None:
@@ -327,7 +378,8 @@ def first_unloadable(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     then the optimizer's state. Anything else (epochs, steps, workers, MLflow, checkpoint
     cadence, learning rate) may change on resume."""
     old = _as_saved(old)
-    model = dict.fromkeys(k for k in [*old, *new] if k.startswith("model."))
+    # lora.* shapes the adapter (raylane.hf.lora) as model.* shapes the model.
+    model = dict.fromkeys(k for k in [*old, *new] if k.startswith(("model.", "lora.")))
     for key in ("pipeline", *model):
         if old.get(key, _UNSET) != new.get(key, _UNSET):
             return key

@@ -129,7 +129,12 @@ def prepare_submit(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
     return cfg
 
 
-def prepare_export(checkpoint: str, out: str) -> None:
+def prepare_export(checkpoint: str, out: str, fmt: str = "safetensors", adapter_only: bool = False) -> None:
+    if fmt == "hf":
+        prechecks.check_export_hf(checkpoint, out, adapter_only)
+        return
+    if adapter_only:
+        raise ConfigError("--adapter-only: only with --format hf (a peft adapter folder)")
     prechecks.check_export(checkpoint, out)
 
 

@@ -7,6 +7,8 @@ on these, and a pipeline of your own can be too (docs/hf.md).
   `datasets.Dataset`s your `build(cfg)` hands over.
 - `empty_model(path, task)` and `load_pretrained(model, path)`: a model built on the meta device
   and its pretrained weights, read on rank 0 only and broadcast (for `Pipeline(init_weights=...)`).
+- `raylane.hf.lora`: LoRA through peft (`LoraSection`, `apply_lora`, `check_lora`).
+- `raylane.hf.export`: a checkpoint as a `save_pretrained` folder (`raylane export --format hf`).
 
 Importing raylane.hf imports neither torch nor transformers."""
 

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from raylane.loop.aliases import aliases, unexplained, without_aliases
+from raylane.loop.frozen import base_mismatch, base_of, frozen_names, saved_part
 
 # The commit record's reading and checks live in a torch-free module; re-exported here.
 from raylane.loop.manifest import (  # noqa: F401
@@ -184,10 +185,11 @@ class PendingSave:
 
     def __init__(self, path: Path, rank: int, train_state: dict[str, Any], error: str | None = None,
                  shapes: dict[str, list[int]] | None = None, *, whole: dict[str, Any] | None = None,
-                 rng: str | None = None, replicated: bool = False, aliases: dict[str, str] | None = None) -> None:
+                 rng: str | None = None, replicated: bool = False, aliases: dict[str, str] | None = None,
+                 base: dict[str, Any] | None = None) -> None:
         self.path, self.rank, self.train_state, self.error = path, rank, train_state, error
         self.shapes, self.whole, self.rng, self.replicated = shapes, whole, rng, replicated
-        self.aliases = aliases
+        self.aliases, self.base = aliases, base
 
     @property
     def step(self) -> int:
@@ -214,6 +216,9 @@ class PendingSave:
                                                       {**self.whole, "rng": [part["rng"] for part in gathered]})
                 # The model's other names for tensors saved once (raylane.loop.aliases), for readers.
                 named = {"aliases": self.aliases} if self.aliases else {}
+                # A model on a frozen base (raylane.loop.frozen): the state holds no base weight.
+                if self.base:
+                    named["base"] = self.base
                 _write_manifest(self.path, {"train_state": self.train_state, "shapes": self.shapes, **named,
                                             "files": {k: v for part in [*gathered[1:], {"files": files}]
                                                       for k, v in part["files"].items()}})
@@ -308,9 +313,10 @@ def _save_durably(path: Path, state: dict[str, Any]) -> dict[str, Any]:
 
 def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The state DCP saves and loads: the model's and the optimizer's, keyed by parameter name,
-    each tensor once (under its canonical name: raylane.loop.aliases)."""
+    each tensor once (under its canonical name: raylane.loop.aliases), and without the frozen
+    base of a model trained on one (raylane.loop.frozen)."""
     model_sd, optim_sd = _dcp().state_dict.get_state_dict(model, optimizer)
-    return {"model": without_aliases(model_sd, aliases(model)), "optim": optim_sd}
+    return {"model": saved_part(model, without_aliases(model_sd, aliases(model))), "optim": optim_sd}
 
 
 def replicated(model: torch.nn.Module) -> bool:
@@ -321,7 +327,7 @@ def replicated(model: torch.nn.Module) -> bool:
 
 def write(path: str | os.PathLike, state: dict[str, Any], train_state: dict[str, Any], *, rank: int,
           rng: dict[str, Any], error: str | None = None, replicated: bool = False,
-          aliases: dict[str, str] | None = None) -> PendingSave:
+          aliases: dict[str, str] | None = None, base: dict[str, Any] | None = None) -> PendingSave:
     """Collective (on the group of `collectives_on`): write this rank's shard of `state` and its
     random generators into `path`. A rank that failed before (`error`: staging) still takes
     part in DCP's collectives, with nothing to write. Errors are kept for `commit()`, so that
@@ -331,21 +337,21 @@ def write(path: str | os.PathLike, state: dict[str, Any], train_state: dict[str,
     holding every rank's generators too. Every rank would write an identical copy, and DCP's
     planning (about a dozen collectives and their pickles) and metadata cost more than the write
     itself for small models (bench B9). `aliases`: the model's other names for tensors the state
-    holds once (recorded in the manifest)."""
+    holds once (recorded in the manifest); `base`: the frozen base the state leaves out (idem)."""
     path = Path(path)
     shapes = model_shapes(state.get("model") or {}) if rank == 0 and error is None else None
     if replicated:
         whole = state if rank == 0 and error is None else None
         # As one JSON string: torch.save pickles a list of ~1,250 ints per rank in Python, ~1 ms.
         return PendingSave(path, rank, train_state, error=error, shapes=shapes, whole=whole, rng=json.dumps(rng),
-                           replicated=True, aliases=aliases)
+                           replicated=True, aliases=aliases, base=base)
     try:
         _dcp().save({} if error else state, checkpoint_id=str(path), process_group=_group())
         if error is None:
             _write_durably(path / rng_file(rank), json.dumps(rng))
     except _save_errors() as exc:  # reported on every rank by commit()
         error = error or _describe(exc, rank)
-    return PendingSave(path, rank, train_state, error=error, shapes=shapes, aliases=aliases)
+    return PendingSave(path, rank, train_state, error=error, shapes=shapes, aliases=aliases, base=base)
 
 
 def model_shapes(model_state: dict[str, Any]) -> dict[str, list[int]]:
@@ -387,7 +393,7 @@ def begin_save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch
     except _save_errors() as exc:
         error = _describe(exc, rank)
     return write(path, state, train_state, rank=rank, rng=rng_state(), error=error, replicated=replicated(model),
-                 aliases=aliases(model))
+                 aliases=aliases(model), base=base_of(model))
 
 
 def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -410,8 +416,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     dcp = _dcp()
     names = aliases(model)
     model_sd, optim_sd = dcp.state_dict.get_state_dict(model, optimizer)
-    model_sd = without_aliases(model_sd, names)
+    model_sd = saved_part(model, without_aliases(model_sd, names))
     manifest = read_manifest(path)
+    if problem := base_mismatch(path, manifest.get("base"), model):
+        raise CheckpointLoadError(problem)
     check_shapes(path, manifest.get("shapes"), model_sd, names)
     # Not strict: the aliases are loaded through their canonical tensor; what else is missing is
     # checked below.
@@ -449,7 +457,10 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
     else:
         loaded = dcp.state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"],
                                                optim_state_dict=state["optim"], options=options)
-    missing, unexpected = unexplained(loaded.missing_keys, names), sorted(loaded.unexpected_keys)
+    # A frozen base is not in the checkpoint: its weights are the ones the pipeline loaded.
+    frozen = frozen_names(model) if base_of(model) is not None else set()
+    missing = [k for k in unexplained(loaded.missing_keys, names) if k not in frozen]
+    unexpected = sorted(loaded.unexpected_keys)
     if missing or unexpected:
         name, where = (missing[0], "there") if missing else (unexpected[0], "here")
         raise CheckpointLoadError(f"checkpoint {path} does not fit this run's model: {name} is absent {where} "

@@ -36,12 +36,13 @@ def _is_norm(module: torch.nn.Module) -> bool:
 
 def param_groups(model: torch.nn.Module, weight_decay: float, decay_norm_and_bias: bool = False) -> list[dict]:
     """The optimizer's parameter groups over `model.named_parameters()` (each tensor once, however
-    many names a tied weight has). Without decay, or with `decay_norm_and_bias`, one group of every
-    parameter. Else two: decay on the parameters of 2 dimensions or more (weights, embeddings),
-    none on 1-D ones (biases, norms' scales) and on any parameter of a normalization layer, the
-    rule of nanoGPT and Hugging Face's Trainer. An empty group is left out (DCP cannot place one
+    many names a tied weight has) that train (requires_grad). Without decay, or with
+    `decay_norm_and_bias`, one group of every parameter. Else two: decay on the parameters of 2
+    dimensions or more (weights, embeddings), none on 1-D ones (biases, norms' scales) and on any
+    parameter of a normalization layer, the rule of nanoGPT and Hugging Face's Trainer. An empty group is left out (DCP cannot place one
     in a checkpoint)."""
-    params = [p for _, p in model.named_parameters()]
+    # Frozen parameters (a LoRA run's base) are left out: no optimizer state, nothing in its checkpoint.
+    params = [p for _, p in model.named_parameters() if p.requires_grad]
     if not weight_decay or decay_norm_and_bias:
         return [{"params": params, "weight_decay": weight_decay}]
     of_norms = {id(p) for m in model.modules() if _is_norm(m) for p in m.parameters(recurse=False)}

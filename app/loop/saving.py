@@ -89,7 +89,8 @@ class Saver:
         if hooks and state:
             state = {**state, "hooks": hooks}
         outcome: Future = Future()
-        job = (path, state, train_state, rng, error, replicated, checkpoint.aliases(model), outcome)
+        job = (path, state, train_state, rng, error, replicated, checkpoint.aliases(model), checkpoint.base_of(model),
+               outcome)
         self._in_flight = (train_state, outcome)
         if self.asynchronous:
             self._staged.clear()
@@ -120,7 +121,7 @@ class Saver:
 
     def _write_and_commit(self, path: str, state: dict[str, Any], train_state: dict[str, Any],
                           rng: dict[str, Any], error: str | None, replicated: bool, aliases: dict[str, str],
-                          outcome: Future) -> None:
+                          base: dict[str, Any] | None, outcome: Future) -> None:
         ck = self.cfg
         try:
             if self.asynchronous:
@@ -133,7 +134,7 @@ class Saver:
             with checkpoint.collectives_on(self.group if self.asynchronous else None):
                 try:
                     checkpoint.write(path, state, train_state, rank=self.runtime.rank, rng=rng,
-                                     error=error, replicated=replicated, aliases=aliases).commit()
+                                     error=error, replicated=replicated, aliases=aliases, base=base).commit()
                     outcome.set_result(self.runtime.commit_checkpoint(
                         str(path), int(train_state["step"]), train_state.get("eval_metrics") or {},
                         keep=ck.keep, keep_best=ck.keep_best, best=(ck.best_metric, ck.best_mode)))

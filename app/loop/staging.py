@@ -11,6 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from raylane.loop.aliases import aliases, without_aliases
+from raylane.loop.frozen import saved_part
 
 
 class Stager:
@@ -119,7 +120,7 @@ class LiveState:
         # while the save thread still reads it.
         optim = {"state": {names[i]: dict(v) for i, v in packed["state"].items()},
                  "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in packed["param_groups"]]}
-        return {"model": without_aliases(module.state_dict(), self._aliases), "optim": optim}
+        return {"model": saved_part(module, without_aliases(module.state_dict(), self._aliases)), "optim": optim}
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -145,6 +145,9 @@ def log_model(handle: RunHandle, location: str, register: str | None) -> dict[st
 
     with local_copy(location) as path:
         model, example = load_model(path)
+        hf = _log_hf_model(handle, path, model, example, register)
+    if hf is not None:
+        return hf
     model.eval()
     # A dict batch's model takes its inputs by name: the signature names them, in the order the
     # logged model takes them positionally (MLflow's PyTorch flavour has no dict input).
@@ -164,6 +167,36 @@ def log_model(handle: RunHandle, location: str, register: str | None) -> dict[st
             # Explicit: inferring requirements imports the model in a subprocess (seconds).
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
         )
+    out = {"model_uri": info.model_uri}
+    if register:
+        out["registered_model"] = {"name": register, "version": info.registered_model_version}
+    return out
+
+
+def _log_hf_model(handle: RunHandle, checkpoint: str, model: Any, example: Any,
+                  register: str | None) -> dict[str, Any] | None:
+    """A transformers model (or a LoRA run's, merged) as MLflow's transformers flavour, with the
+    run's tokenizer (raylane.hf.export); None for any other model, or one without a task or a
+    tokenizer, which the PyTorch flavour logs."""
+    import sys
+
+    if "transformers" not in sys.modules:  # a pipeline that built one has imported it
+        return None
+    import mlflow
+
+    from raylane.config import validate
+    from raylane.hf.export import is_transformers, log_mlflow_model, tokenizer_for
+    from raylane.loop import checkpoint as ck
+
+    if not is_transformers(model):
+        return None
+    tokenizer = tokenizer_for(validate(ck.read_manifest(checkpoint)["train_state"]["config"]))
+    mlflow.set_tracking_uri(handle.tracking_uri)
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    with mlflow.start_run(run_id=handle.run_id):
+        info = log_mlflow_model(model, tokenizer, example, registered_model_name=register)
+    if info is None:
+        return None
     out = {"model_uri": info.model_uri}
     if register:
         out["registered_model"] = {"name": register, "version": info.registered_model_version}

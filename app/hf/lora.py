@@ -1,0 +1,132 @@
+"""LoRA through peft: the `lora:` config section and `apply_lora(model, cfg.lora)`.
+
+Only the adapter's parameters train (peft freezes the rest), so raylane's optimizer holds state
+for them alone (raylane.loop.optim leaves frozen parameters out), and a checkpoint of the run
+holds them, their optimizer state and the loop's state, not the base weights
+(raylane.loop.frozen): `apply_lora` marks the model with the base it was built on (its path and
+a fingerprint), which the checkpoint's manifest records, and a resume on another base is refused
+naming both."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field
+
+from raylane.config import ConfigError, Section
+from raylane.loop.frozen import fingerprint, set_base
+
+# Names of a model's attention projections, when no module class says "Attention" (the
+# fallback after the projections of its attention modules, then peft's own defaults).
+_ATTENTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "query", "key", "value", "qkv_proj", "c_attn", "Wqkv")
+
+
+class LoraSection(Section):
+    """`lora:` in a pipeline's Config (`lora: LoraSection | None = None`: no LoRA by default)."""
+
+    r: int = Field(8, ge=1)  # the adapter's rank
+    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / r
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input
+    # Module names (the last part of a dotted name, as peft matches them). None: the model's
+    # attention projections (the Linear layers of its attention modules: q/k/v/o_proj for LLaMA).
+    target_modules: list[str] | None = None
+
+
+def attention_projections(model: Any) -> list[str]:
+    """The last names of the Linear (or GPT-2's Conv1D) layers directly under the model's
+    attention modules (a class whose name has "Attention"), else those of `_ATTENTION_NAMES` the
+    model has, else peft's defaults for its model type. Empty when none is found."""
+    import torch
+
+    def projection(module: Any) -> bool:
+        return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+    found: dict[str, None] = {}
+    for module in model.modules():
+        if "Attention" in type(module).__name__:
+            found.update((name, None) for name, child in module.named_children() if projection(child))
+    if found:
+        return list(found)
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if projection(m)}
+    if own := [n for n in _ATTENTION_NAMES if n in names]:
+        return own
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return list(defaults.get(model_type) or ())
+
+
+def _targets(model: Any, lora: LoraSection) -> list[str]:
+    if lora.target_modules is None:
+        targets = attention_projections(model)
+        if not targets:
+            raise ConfigError(f"lora.target_modules = None: found no attention projection in {type(model).__name__}; "
+                              "name the modules to adapt, e.g. lora.target_modules=[q_proj,v_proj]")
+        return targets
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    if missing := [t for t in lora.target_modules if t not in names]:
+        ours = sorted(attention_projections(model))
+        hint = f" (its attention projections: {', '.join(ours)})" if ours else ""
+        raise ConfigError(f"lora.target_modules = {lora.target_modules!r}: {type(model).__name__} has no module "
+                          f"named {missing[0]!r}{hint}")
+    return list(lora.target_modules)
+
+
+def apply_lora(model: Any, lora: LoraSection, *, base: str | None = None,
+               key: str | None = "model.name_or_path") -> Any:
+    """`model` (a transformers PreTrainedModel with its base weights, or on the meta device)
+    wrapped by peft with a LoRA adapter on `lora.target_modules`; every other parameter frozen.
+    `base`: where the base weights come from (default: the model's `name_or_path`, which
+    `from_pretrained` sets), recorded with a fingerprint in the run's checkpoints; `key`: the
+    config key that names it, so that a relaunch on another base exits 2 before it starts."""
+    from peft import LoraConfig, get_peft_model
+
+    base = base if base is not None else str(getattr(model, "name_or_path", "") or "")
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=_targets(model, lora), task_type=_task_type(model))
+    wrapped = get_peft_model(model, config)
+    set_base(wrapped, {"path": base, "fingerprint": fingerprint(base), **({"key": key} if key else {})})
+    return wrapped
+
+
+def _task_type(model: Any) -> str | None:
+    """peft's task type for the model's class: its PeftModel subclass then saves and merges as
+    the class's own (a classifier's head stays trainable: peft's modules_to_save)."""
+    name = type(model).__name__
+    if name.endswith("ForCausalLM"):
+        return "CAUSAL_LM"
+    if name.endswith("ForSequenceClassification"):
+        return "SEQ_CLS"
+    return None
+
+
+def check_lora(name_or_path: str, lora: LoraSection, model_class: str = "AutoModelForCausalLM") -> list[str]:
+    """Before a launch: the modules `lora` adapts in the model at `name_or_path` (a
+    `save_pretrained` folder), found in a model built on the meta device from its config (no
+    weight read, no memory); ConfigError naming lora.target_modules when they name no module.
+    `model_class`: the transformers Auto class the pipeline loads the model with."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(name_or_path)
+    with torch.device("meta"):
+        model = getattr(transformers, model_class).from_config(config)
+    return _targets(model, lora)
+
+
+def init_adapter(model: Any) -> int:
+    """The adapter's weights as peft initializes them (lora_A random, lora_B zeros, so that the
+    adapted model starts as its base), for a model wrapped by `apply_lora` on the meta device
+    and then given memory (`to_empty`), which leaves them garbage: the base's weights come from
+    its files, the adapter's from here. Call it before sharding, on every rank alike (raylane
+    seeds every rank with train.seed before build), or on rank 0 before its state is broadcast.
+    Returns the number of adapted modules."""
+    from peft.tuners.lora import LoraLayer
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            for adapter in module.lora_A:
+                module.reset_lora_parameters(adapter, True)
+            count += 1
+    return count

@@ -1,0 +1,102 @@
+"""Models trained on a frozen base (LoRA, say): a checkpoint of such a run holds the trainable
+parameters, the buffers, the optimizer's state and the loop's state, not the base weights,
+which the pipeline loads again from where they came from. The model carries a record of that
+base (`set_base`: its path and a fingerprint of its files); the checkpoint's manifest keeps it,
+and a load on a model whose base differs is refused naming both. Nothing here imports torch at
+module level: the prechecks compute fingerprints before torch starts."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+_ATTR = "_raylane_base"
+# Read whole into the fingerprint: small files that say what the weights are.
+_DESCRIBING = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
+_SAMPLE = 1 << 20  # bytes read at each end of a weights file
+
+
+def fingerprint(path: str | os.PathLike) -> str | None:
+    """A cheap identity of a `save_pretrained` folder: SHA-256 of its config and weights index,
+    and of the name, size, first and last MiB of every weights file (milliseconds, whatever the
+    model's size; the sizes alone would not tell a retrained base of the same shape). None for
+    what is not a local folder (a hub id): it is not checked."""
+    folder = Path(path).expanduser() if str(path) else None
+    if folder is None or not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for name in _DESCRIBING:
+        if (folder / name).is_file():
+            digest.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
+    for file in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in _WEIGHTS):
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(_SAMPLE))
+            f.seek(max(size - _SAMPLE, 0))
+            digest.update(f.read(_SAMPLE))
+    return digest.hexdigest()
+
+
+def _unwrapped(model: Any) -> Any:
+    """The user's module under DDP's wrapper and torch.compile's (FSDP2 keeps the module itself)."""
+    for attr in ("module", "_orig_mod"):
+        inner = getattr(model, attr, None)
+        if inner is not None and type(model).__name__ in ("DistributedDataParallel", "OptimizedModule"):
+            model = inner
+    return model
+
+
+def set_base(model: Any, base: dict[str, Any]) -> None:
+    """Mark `model` as trained on a frozen base: {"path", "fingerprint", and optionally "key",
+    the config key naming the path}. Its checkpoints then hold only what trains (and buffers)."""
+    object.__setattr__(model, _ATTR, {k: v for k, v in base.items() if v is not None})
+
+
+def base_of(model: Any) -> dict[str, Any] | None:
+    """The record `set_base` left on `model` (wrapped or not), or None."""
+    return getattr(_unwrapped(model), _ATTR, None)
+
+
+def _plain(name: str) -> str:
+    return name.replace("_orig_mod.", "").removeprefix("module.")
+
+
+def trainable_names(model: Any) -> set[str]:
+    """The names (as DCP's state dicts spell them) of the parameters that train."""
+    return {_plain(n) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def frozen_names(model: Any) -> set[str]:
+    return {_plain(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def saved_part(model: Any, model_state: dict[str, Any]) -> dict[str, Any]:
+    """What of `model_state` a checkpoint holds: all of it, or, for a model on a frozen base,
+    everything but the frozen parameters."""
+    if base_of(model) is None:
+        return model_state
+    frozen = frozen_names(model)
+    return {k: v for k, v in model_state.items() if k not in frozen}
+
+
+def base_mismatch(path: str | os.PathLike, recorded: dict[str, Any] | None, model: Any) -> str | None:
+    """Why the checkpoint at `path`, whose manifest records `recorded` as its base, cannot be
+    loaded into `model`: it has another base, or one has a base and the other not. None if fine."""
+    here = base_of(model)
+    if recorded is None and here is None:
+        return None
+    if recorded is None or here is None:
+        return (f"checkpoint {path} holds {'a whole model' if recorded is None else 'an adapter only'}, and this "
+                f"run's model {'is trained on a frozen base' if recorded is None else 'is whole'}")
+    if recorded.get("fingerprint") == here.get("fingerprint"):
+        return None
+    return f"checkpoint {path} was trained on base {describe(recorded)}; this run's base is {describe(here)}"
+
+
+def describe(base: dict[str, Any]) -> str:
+    fp = base.get("fingerprint")
+    return f"{base.get('path')!r} (fingerprint {fp[:12] if fp else 'none'})"
