@@ -87,7 +87,7 @@ def export(checkpoint: str, out: str, *, format: str = "safetensors", adapter_on
     """`raylane export`: a checkpoint's whole model as one safetensors file at `out`; returns the
     config file written beside it. `format="hf"`: a Hugging Face model's `save_pretrained` folder
     at `out` (a LoRA run merged, or its adapter alone with `adapter_only`); returns the folder."""
-    prepare.prepare_export(checkpoint, out, format, adapter_only)
+    checkpoint = prepare.prepare_export(checkpoint, out, format, adapter_only)
     if format == "hf":
         from raylane.hf.export import export_checkpoint as write_hf
 

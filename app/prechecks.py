@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any
 from raylane import paths, pipelines_ref
 from raylane.batching import effective_global_batch
 from raylane.config import BaseConfig, ConfigError, did_you_mean, flatten
-from raylane.loop.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, read_manifest, verify
+from raylane.loop.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, newest_valid, read_manifest, verify
 
 log = logging.getLogger("raylane")
 
@@ -188,11 +189,33 @@ def writable_dir(field: str, path: str | Path, value: str | None = None) -> None
         raise ConfigError(f"{field} = {shown}: folder {str(existing)!r} is not writable")
 
 
+def newest_in_run(path: str) -> str:
+    """`path` itself, or for a run's folder (runs/<name>, which holds checkpoint_<step> folders
+    and no manifest of its own) its newest valid checkpoint, named in one line."""
+    folder = Path(path)
+    if not folder.is_dir() or (folder / MANIFEST_FILE).exists() or not any(folder.glob(CHECKPOINT_PREFIX + "*")):
+        return path
+    newest, _ = newest_valid(str(folder.resolve()))
+    if newest is None:
+        raise ConfigError(f"checkpoint = {path!r}: a run folder with no valid checkpoint (every checkpoint_<step> "
+                          "in it is incomplete or damaged)")
+    print(f"raylane: exporting {newest}, the run's newest checkpoint", file=sys.stderr, flush=True)
+    return newest
+
+
 def check_export(checkpoint: str, out: str) -> None:
     """`raylane export`'s arguments. A missing folder of `--out` is fine: export makes it (the
     user named where the file goes), after the checkpoint has loaded."""
     if not Path(checkpoint).is_dir():
         raise ConfigError(f"checkpoint = {checkpoint!r}: no such folder (expected runs/<name>/checkpoint_<step>)")
+    try:
+        base = read_manifest(checkpoint).get("base")
+    except (OSError, ValueError):
+        base = None  # the export says what is wrong with it
+    if base:
+        raise ConfigError(f"checkpoint = {checkpoint!r}: holds a LoRA adapter on the base {base.get('path')!r}, "
+                          "not a whole model; export it with --format hf (merged into its base) or --format hf "
+                          "--adapter-only")
     target = Path(out).expanduser()
     if target.is_dir():
         raise ConfigError(f"--out = {out!r}: is a directory; name the file, e.g. {str(target / 'model.safetensors')!r}")

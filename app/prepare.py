@@ -129,13 +129,17 @@ def prepare_submit(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
     return cfg
 
 
-def prepare_export(checkpoint: str, out: str, fmt: str = "safetensors", adapter_only: bool = False) -> None:
+def prepare_export(checkpoint: str, out: str, fmt: str = "safetensors", adapter_only: bool = False) -> str:
+    """The checkpoint to export (a run's folder: its newest valid checkpoint, said in one line),
+    after checking the arguments."""
+    checkpoint = prechecks.newest_in_run(checkpoint)
     if fmt == "hf":
         prechecks.check_export_hf(checkpoint, out, adapter_only)
-        return
+        return checkpoint
     if adapter_only:
         raise ConfigError("--adapter-only: only with --format hf (a peft adapter folder)")
     prechecks.check_export(checkpoint, out)
+    return checkpoint
 
 
 def prepare_up(num_cpus: int) -> None:

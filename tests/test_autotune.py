@@ -23,6 +23,7 @@ def _children(db: Path, parent_id: str) -> dict[str, tuple[str, str]]:
                                           (run, "raylane.autotune.status")).fetchone()[0]) for run, status in rows}
 
 
+@pytest.mark.slow  # ~37 s; autotune on Ray and the search order stay in make test
 @pytest.mark.shared_ray
 def test_autotune_under_torchrun_agrees_on_one_ranks_oom_and_its_winner_trains(run_cli, tmp_path):
     """Rank 1 alone runs out of memory (injected: a CPU has no device memory to exhaust) at a

@@ -78,6 +78,7 @@ def test_async_checkpoints_resume_bit_exact(run_cli, tmp_path):
         assert torch.equal(resumed[name], reference[name]), name
 
 
+@pytest.mark.slow  # ~13 s; resizes resume exactly in test_elastic (2 -> 1 -> 2 ranks) in make test
 def test_two_ranks_resume_on_one_and_back(run_cli, tmp_path):
     """DCP reshards on load: 2 → 1 → 2 ranks. The step count goes on; the position inside the
     epoch restarts, because a different world size splits the data differently."""

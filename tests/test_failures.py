@@ -125,6 +125,7 @@ def test_bad_data_found_while_training_in_one_process_is_one_line_with_its_place
         assert "Traceback" in _library_log(p.output)
 
 
+@pytest.mark.slow  # Ray Data beside the workers (~36 s); the same one line for bad rows stays in make test in one process
 @pytest.mark.shared_ray
 @pytest.mark.untracked
 def test_bad_data_read_by_ray_data_is_one_line_with_its_place(run_cli, tmp_path):

@@ -24,6 +24,7 @@ import torch
 
 from raylane.loop import checkpoint
 from tests.conftest import REPO, TORCHRUN, cli_env, read_json
+from tests.helpers.hf_lm import checkpoint_tensors
 
 pytestmark = pytest.mark.untracked
 
@@ -76,33 +77,6 @@ def project(tmp_path_factory) -> Path:
     return root
 
 
-def _state(path: str | Path) -> dict[str, torch.Tensor]:
-    """A checkpoint's model and optimizer tensors and values, flat, read in this process (a
-    sharded one through DCP's converter)."""
-    path = Path(path)
-    if (path / checkpoint.STATE_FILE).exists():
-        state = torch.load(path / checkpoint.STATE_FILE, weights_only=True)
-        state.pop("rng", None)
-    else:
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(str(path), f"{tmp}/state.pt")
-            state = torch.load(f"{tmp}/state.pt", weights_only=True)
-
-    def flat(tree, prefix=""):
-        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
-        out = {}
-        for k, v in items:
-            if isinstance(v, (dict, list)):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = v
-        return out
-
-    return flat({"model": state["model"], "optim": state["optim"]})
-
-
 def _assert_same(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)
     for key, value in a.items():
@@ -123,7 +97,7 @@ def _adapter_numel(project: Path) -> int:
 
 def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only(project):
     ck = read_json(project / "lora-4.json")["checkpoint"]
-    state = _state(ck)
+    state = checkpoint_tensors(ck)
     weights = [k.removeprefix("model.") for k in state if k.startswith("model.")]
     # The adapter on every attention projection (the default target_modules), nothing of the base.
     assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), weights
@@ -159,7 +133,7 @@ def test_a_lora_run_resumes_bit_exact_and_not_on_another_base(project):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = read_json(project / "resumed-4.json")
     assert resumed["resumed_from_step"] == 2 and resumed["steps"] == 4
-    _assert_same(_state(resumed["checkpoint"]), _state(straight["checkpoint"]))
+    _assert_same(checkpoint_tensors(resumed["checkpoint"]), checkpoint_tensors(straight["checkpoint"]))
 
     _make_base(project / "other", seed=1)
     proc = _train(project, "resumed", 6, "--set", "model.name_or_path=./other")
@@ -289,8 +263,8 @@ def test_a_lora_run_under_fsdp_resumes_bit_exact(project):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = read_json(project / "fsdp-resumed-4.json")
     assert resumed["resumed_from_step"] == 2
-    state = _state(resumed["checkpoint"])
-    _assert_same(state, _state(straight["checkpoint"]))
+    state = checkpoint_tensors(resumed["checkpoint"])
+    _assert_same(state, checkpoint_tensors(straight["checkpoint"]))
     assert all(".lora_" in k for k in state if k.startswith("model."))
     # The sharded adapter checkpoint exports (read in one process) merged, as the replicated one does.
     from transformers import AutoModelForCausalLM

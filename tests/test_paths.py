@@ -71,6 +71,8 @@ def test_uris_home_and_mappings(tmp_path, monkeypatch):
     assert given["run"]["storage_path"] == "out"  # the caller's mapping is left as it was
 
 
+@pytest.mark.slow  # Ray Data beside the workers (~45 s); make test launches Ray runs from another folder than
+# their config's, with relative model and data paths, in test_hf.py (map-style data, no Ray Data)
 @pytest.mark.ray
 @pytest.mark.shared_ray
 @pytest.mark.untracked

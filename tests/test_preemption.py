@@ -60,6 +60,8 @@ def test_sigterm_to_the_driver_checkpoints_and_relaunch_loses_nothing(run_cli, t
     _relaunch_loses_no_steps(run_cli, tmp_path, "pd", s, "train", "digits")
 
 
+@pytest.mark.slow  # a Ray cluster of its own (~23 s); a worker's notice stopping every rank at one agreed step,
+# with its checkpoint, stays in make test (test_a_notice_before_the_loop_starts_still_stops_gracefully)
 @pytest.mark.ray
 def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(run_cli, tmp_path):
     first = run_cli("train", "digits", "--set", "run.name=pw", "--summary-json", "first.json", *LONG, name="first")
@@ -183,6 +185,7 @@ def _weights(path: str) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+@pytest.mark.slow  # 3 torchrun launches; the graceful stop and relaunch stay in make test on Ray (SIGTERM to the driver)
 def test_ctrl_c_under_torchrun_then_relaunch_is_bit_exact(run_cli, tmp_path):
     """Ctrl-C in a terminal reaches every process of the foreground group: torchrun and both
     ranks. The ranks stop at one agreed step; the resumed run ends bit-identical to a calm one."""

@@ -133,6 +133,7 @@ def test_the_last_progress_line_the_summary_and_mlflow_agree(default_run):
 
 @pytest.mark.shared_ray
 @pytest.mark.untracked
+@pytest.mark.slow  # another Ray run (~15 s); the quiet default is checked by every Ray run's output in make test
 def test_verbose_shows_what_ray_prints(run_cli):
     proc = run_cli("train", "digits", "--verbose", "--set", "train.max_steps=2")
     assert proc.wait(300) == 0, proc.output

@@ -153,6 +153,7 @@ def test_auto_estimate_and_choice():
     assert estimate_memory(pipe.model, ac_cfg, 2, example, pipe.loss_fn)["activations"] < est["activations"]
 
 
+@pytest.mark.slow  # ~22 s; HSDP over fake nodes also in test_elastic (make test-all)
 def test_two_nodes_shard_inside_a_node_and_replicate_across(run_cli, tmp_path):
     """Two torchrun "nodes" of 2 ranks on loopback: FSDP becomes HSDP on a (2 nodes x 2 ranks)
     mesh, each rank holds half the state (sharded with its node's peer), and training matches

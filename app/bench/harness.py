@@ -275,7 +275,7 @@ def machine() -> dict[str, Any]:
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
-ALL = ("B1", "B1b", "B2", "B2b", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10")
+ALL = ("B1", "B1b", "B2", "B2b", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11", "B12")
 
 
 def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | None) -> int:
@@ -296,7 +296,8 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
     steps += [(name, lambda fn=fn, name=name: {name: fn()}) for name, fn in
               (("B3", bench.b3), ("B4", lambda: b4(bench)), ("B5", bench.b5), ("B6", bench.b6),
                ("B7", bench.b7), ("B8", b8), ("B9", lambda: _epoch_end(bench)), ("B2b", lambda: b2b(bench)),
-               ("B10", lambda: b10(bench)), ("B1b", lambda: b1b(bench)))
+               ("B10", lambda: b10(bench)), ("B1b", lambda: b1b(bench)), ("B11", lambda: hf_bench(bench, "b11")),
+               ("B12", lambda: hf_bench(bench, "b12")))
               if name in chosen]
     for name, step in steps:
         # One failed benchmark must not throw away the hour of figures around it: its error is
@@ -366,3 +367,14 @@ def b10(bench: Bench) -> dict[str, Any]:
     from raylane.bench.tune import b10 as run_b10
 
     return run_b10(bench)
+
+
+def hf_bench(bench: Bench, name: str) -> dict[str, Any]:
+    """B11 and B12 need raylane[hf]; without it they are skipped, saying why."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return {"skipped": "raylane[hf] is not installed (pip install 'raylane[hf]')"}
+    from raylane.bench import hf
+
+    return getattr(hf, name)(bench)

@@ -67,9 +67,33 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     f" vs {_m(r['cpu_step_ms']['pair'], fmt='{:.2f}')} ms; pair runs spread "
                     f"{r['cpu_step_ms_pair_spread']:.0%})", "within noise",
                     _met(abs(r["cpu_step_ms_dict_over_pair"] - 1) <= max(r["cpu_step_ms_pair_spread"], 0.02))))
+    out += _hf_rows(results.get("B11"), results.get("B12"))
     for name, error in results.get("failed", {}).items():
         first = error.strip().splitlines()[0] if error.strip() else "unknown error"
         out.append((name, "did not finish (results.json has the error)", first[:200].replace("|", "/"), "—", "**failed**"))
+    return out
+
+
+def _hf_rows(b11: dict[str, Any] | None, b12: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]:
+    out = []
+    if b11 and "step_ms" in b11:
+        ms = b11["step_ms"]
+        noise = max(b11["step_trainer_spread"], b11["step_raylane_spread"], 0.02)
+        ratio = b11["step_raylane_over_trainer"]
+        out.append(("B11", f"raylane's hf pipeline ÷ the HF Trainer, 2 torchrun ranks, {b11['precision']}: time per step",
+                    f"{ratio:.3f} ({_m(ms['raylane'], fmt='{:.1f}')} vs {_m(ms['hf_trainer'], fmt='{:.1f}')} ms; "
+                    f"spread between identical runs {noise:.0%})", "≤ 1.05 or within noise", _met(ratio <= 1.05 + noise)))
+        peaks = b11["peak_raylane_over_trainer"]
+        out.append(("B11", f"raylane ÷ the HF Trainer: peak memory per rank ({b11['memory']})",
+                    " / ".join(f"rank {r}: {v:.2f}" for r, v in enumerate(peaks)), "≤ 1.10", _met(max(peaks) <= 1.10)))
+    if b12 and "load_bytes_per_rank" in b12:
+        loads = b12["load_bytes_per_rank"]
+        mb = 1 << 20
+        out.append(("B12", f"peak host memory per rank while loading {b12['weights_bytes'] / mb:.0f} MB of weights: "
+                    "raylane FSDP (rank 0 reads, broadcast) ÷ from_pretrained on every rank",
+                    " / ".join(f"rank {r}: {a / mb:.0f} vs {b / mb:.0f} MB" for r, (a, b) in
+                               enumerate(zip(loads["raylane"], loads["from_pretrained"], strict=True))),
+                    "rank ≥ 1 ≤ 0.75", _met(b12["load_raylane_over_from_pretrained"][1] <= 0.75)))
     return out
 
 

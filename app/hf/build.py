@@ -38,6 +38,10 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
     tok = data.tokenizer(data.tokenizer_path(cfg))
     overrides = {} if causal else {"num_labels": m.num_labels, "pad_token_id": data.pad_id(tok)}
     model = empty_model(m.name_or_path, m.task, **overrides)
+    if cfg.lora is not None:  # on the meta device: load_pretrained fills the base and starts the adapter
+        from raylane.hf.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora, base=str(m.name_or_path))
     if train is None and cfg.data.train is None:
         raise ConfigError("data.train = None: give data.train (files), or hand a dataset to raylane.hf.pipeline(cfg, "
                           "train=...)")

@@ -12,12 +12,15 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from raylane.config import BaseConfig, Section
+from raylane.hf.lora import LoraSection
 from raylane.paths import InputPath, InputPaths
 
 TASKS = ("causal-lm", "sequence-classification")
 HF_PACKAGES = ("transformers", "tokenizers", "accelerate", "safetensors")
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+# model.task -> the transformers Auto class that loads it.
+AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
 
 
 class ModelSection(Section):
@@ -49,6 +52,8 @@ class Config(BaseConfig):
 
     model: ModelSection
     data: DataSection = DataSection()
+    # LoRA (peft) on the model's attention projections by default; null: a full fine-tune.
+    lora: LoraSection | None = None
 
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "accuracy") if self.model.task == "sequence-classification" else ("loss",)
@@ -57,6 +62,10 @@ class Config(BaseConfig):
     def _hf_is_usable(self) -> Config:
         check_installed()
         check_model(self.model)
+        if self.lora is not None:
+            from raylane.hf.lora import check_lora
+
+            check_lora(self.model.name_or_path, self.lora, AUTO_CLASSES[self.model.task])
         for field in ("train", "eval"):
             if getattr(self.data, field) is not None:
                 check_columns(self, field)

@@ -18,12 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raylane.hf.config import weight_files
+from raylane.hf.config import AUTO_CLASSES, weight_files
 
 log = logging.getLogger("raylane")
 
-# model.task -> the transformers Auto class that loads it.
-AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
 
 
 def empty_model(path: str | Path, task: str = "causal-lm", **config: Any) -> nn.Module:
@@ -69,10 +67,34 @@ def load_pretrained(model: nn.Module, path: str | Path) -> None:
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
+# A peft model's names for its base's tensors: "base_model.model." before, ".base_layer" inside
+# an adapted layer.
+_PEFT_PREFIX = "base_model.model."
+
+
+def _file_name(name: str) -> str:
+    """The name under which the base's files hold the tensor `name` of the (peft) model."""
+    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def _adapter_init(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """A LoRA adapter's tensor as peft initializes it: lora_A as nn.Linear (Kaiming uniform),
+    lora_B zeros, so that the adapted model starts as its base. None for any other name."""
+    if ".lora_B." in name:
+        return torch.zeros(shape, dtype=dtype)
+    if ".lora_A." in name:
+        weight = torch.empty(shape, dtype=dtype)
+        nn.init.kaiming_uniform_(weight, a=5 ** 0.5)
+        return weight
+    return None
+
+
 def _full_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tensor]:
     """The model's whole state dict from the files: every key the model has, tied names given
-    the one tensor, missing weights initialized."""
-    saved = read_weights(path)
+    the one tensor, a LoRA adapter as peft starts it, other missing weights initialized."""
+    saved = {(_PEFT_PREFIX + k if _is_peft(model) else k): v for k, v in read_weights(path).items()}
+    saved.update({name: saved[_PEFT_PREFIX + _file_name(name)] for name in model.state_dict()
+                  if ".base_layer." in name and _PEFT_PREFIX + _file_name(name) in saved})
     std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
     ties = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -87,6 +109,9 @@ def _full_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tensor]:
             full[name] = saved[alias]
             continue
         shape = tuple(value.shape)  # a DTensor's is the whole tensor's
+        if (adapter := _adapter_init(name, shape, value.dtype)) is not None:
+            full[name] = adapter
+            continue
         fresh = torch.zeros(shape, dtype=value.dtype)
         if name.endswith("weight") and len(shape) > 1:
             fresh.normal_(0.0, std)
@@ -97,3 +122,7 @@ def _full_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tensor]:
     if drawn:
         log.info("pretrained weights in %s have no %s: initialized", path, ", ".join(drawn))
     return full
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return type(model).__module__.startswith("peft.")

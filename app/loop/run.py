@@ -19,7 +19,7 @@ import torch.distributed as dist
 from raylane import pipelines_ref
 from raylane.batching import held_batch
 from raylane.config import BaseConfig
-from raylane.loop import checkpoint, faults, usercode
+from raylane.loop import checkpoint, faults, frozen, usercode
 from raylane.loop.data import eval_data, is_stream, train_data, worker_options
 from raylane.loop.devices import peak_flops
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
@@ -86,7 +86,9 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
     startup["parallelize"] = time.time()
     own = runtime.latest_checkpoint()
     latest = own or _init_from(cfg)
-    if not latest:  # a checkpoint loaded below holds every weight: nothing to read twice
+    # A checkpoint loaded below holds every weight, nothing to read twice; except a model on a
+    # frozen base (LoRA), whose checkpoints hold what trains: its base comes from its files again.
+    if not latest or frozen.base_of(model) is not None:
         _init_weights(pipe, model, meta)
     optimizer = build_optimizer(model, cfg, pipe)  # over the wrapped model's parameters (DTensors under FSDP)
     batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed, "collate_fn": pipe.collate_fn,

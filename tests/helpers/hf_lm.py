@@ -4,9 +4,13 @@ as dicts with labels (the model's own loss). `make_base(dir, seed)` writes such 
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import torch
 
 import raylane
+from raylane.loop import checkpoint
 from raylane.hf.lora import LoraSection, apply_lora
 
 
@@ -62,3 +66,30 @@ def build(cfg: Config) -> raylane.Pipeline:
         model = apply_lora(model, cfg.lora)
     return raylane.Pipeline(model=model, train_set=Tokens(64, cfg.model.seq_len, 1),
                             eval_set=Tokens(16, cfg.model.seq_len, 2))
+
+
+def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model and optimizer tensors and values, flat, read in this process (a
+    sharded one through DCP's converter)."""
+    path = Path(path)
+    if (path / checkpoint.STATE_FILE).exists():
+        state = torch.load(path / checkpoint.STATE_FILE, weights_only=True)
+        state.pop("rng", None)
+    else:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(path), f"{tmp}/state.pt")
+            state = torch.load(f"{tmp}/state.pt", weights_only=True)
+
+    def flat(tree, prefix=""):
+        items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+        out = {}
+        for k, v in items:
+            if isinstance(v, (dict, list)):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    return flat({"model": state["model"], "optim": state["optim"]})
