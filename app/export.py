@@ -36,6 +36,7 @@ def consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     train_state = manifest["train_state"]
     cfg = validate(train_state["config"])
     pipe = pipelines_ref.build(cfg)
+    _give_memory(pipe)
     names = aliases(pipe.model)
     if problem := base_mismatch(checkpoint_dir, manifest.get("base"), pipe.model):
         raise ValueError(problem)
@@ -55,6 +56,19 @@ def consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     if not_frozen := sorted(set(unexplained(missing, names)) - frozen_names(pipe.model)):
         raise ValueError(f"{checkpoint_dir}: {not_frozen[0]} trains in this model and is not in the checkpoint")
     return pipe, weights, train_state
+
+
+def _give_memory(pipe: Any) -> None:
+    """A model built on the meta device (the hf pipeline's) gets memory here, in this process; a
+    model on a frozen base gets its base weights from the pipeline (read from its files: the
+    checkpoint holds what trained), any other's come whole from the checkpoint."""
+    from raylane.loop.parallel import materialize, on_meta
+
+    if not on_meta(pipe.model):
+        return
+    materialize(pipe.model, torch.device("cpu"))
+    if base_of(pipe.model) is not None and pipe.init_weights is not None:
+        pipe.init_weights(pipe.model)
 
 
 def load_model(checkpoint_dir: str | Path) -> tuple[Any, Any]:

@@ -79,6 +79,7 @@ def setup(verbose_flag: bool | None, command: str) -> None:
     for name in ("alembic", "sqlalchemy.engine"):  # MLflow's own set-up keeps these quiet too
         logging.getLogger(name).setLevel(logging.WARNING)
     _after_import("ray", _ray_to_root)
+    _after_import("ray.data", _ray_data_to_root)
     _after_import("torch", _torch_to_root)
     _after_import("mlflow", _mlflow_prints_to_root)
 
@@ -167,6 +168,17 @@ def _ray_to_root() -> None:
 
     if hasattr(worker, "print_to_stdstream"):
         worker.print_to_stdstream = _ray_lines_to_root
+
+
+def _ray_data_to_root() -> None:
+    # Ray Data's import gives its "ray.data" logger a console handler and stops it propagating:
+    # its lines ("Progress bars disabled", "Dataset ... execution finished") reached the terminal.
+    # Its session-file handler stays; the console's goes, and the records reach ours.
+    data_logger = logging.getLogger("ray.data")
+    for handler in [h for h in data_logger.handlers if type(h) is not logging.FileHandler
+                    and getattr(h, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)]:
+        data_logger.removeHandler(handler)
+    data_logger.propagate = True
 
 
 def _ray_lines_to_root(data: dict, ignore_prefix: bool = False) -> None:

@@ -102,13 +102,16 @@ def test_ddp_and_fsdp_fine_tunes_fsdp_holds_half_and_a_relaunch_reads_no_weights
     assert reads == {"rank0": 0, "rank1": 0}
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp", "fsdp-lora"])
 def test_pretrained_weights_are_identical_on_every_rank_and_equal_to_the_saved_ones(run_cli, tmp_path, tiny, strategy):
     """Built on the meta device, parallelized, loaded by broadcast from rank 0: each rank's full
     state equals the saved tensors, the embeddings stay tied, the logits are from_pretrained's
-    to the bit (non-persistent rotary buffers kept), and rank 1 read no file."""
-    p = run_cli("--nproc_per_node", "2", str(REPO / "tests/helpers/hf_load.py"), str(tiny / "model"), strategy,
-                str(tmp_path), launcher=TORCHRUN, name=strategy, env=cli_env(tmp_path, PYTHONPATH=str(REPO)))
+    to the bit (non-persistent rotary buffers kept), and rank 1 read no file. With a LoRA
+    adapter (fsdp-lora), the same under peft's names, the adapter starting at zero: before, FSDP's
+    own class for the peft model hid its names, and the base was drawn at random instead."""
+    base, *lora = strategy.split("-")
+    p = run_cli("--nproc_per_node", "2", str(REPO / "tests/helpers/hf_load.py"), str(tiny / "model"), base,
+                str(tmp_path), *lora, launcher=TORCHRUN, name=strategy, env=cli_env(tmp_path, PYTHONPATH=str(REPO)))
     assert p.wait(180) == 0, p.output
     ranks = [read_json(tmp_path / f"rank{r}.json") for r in (0, 1)]
     assert [len(r["reads"]) for r in ranks] == [1, 0]

@@ -134,6 +134,9 @@ def log_mlflow_model(model: Any, tokenizer: Any, example: Any, *, name: str = "m
     import mlflow.transformers
     import torch
     import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # saving and loading shards: library chatter on raylane's terminal
 
     if is_peft(model):
         model = model.merge_and_unload()

@@ -92,8 +92,11 @@ def _adapter_init(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torc
 def _full_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tensor]:
     """The model's whole state dict from the files: every key the model has, tied names given
     the one tensor, a LoRA adapter as peft starts it, other missing weights initialized."""
-    saved = {(_PEFT_PREFIX + k if _is_peft(model) else k): v for k, v in read_weights(path).items()}
-    saved.update({name: saved[_PEFT_PREFIX + _file_name(name)] for name in model.state_dict()
+    names = list(model.state_dict())
+    # A peft model's names (by name, not class: FSDP2 makes the class one of its own).
+    peft = any(name.startswith(_PEFT_PREFIX) for name in names)
+    saved = {(_PEFT_PREFIX + k if peft else k): v for k, v in read_weights(path).items()}
+    saved.update({name: saved[_PEFT_PREFIX + _file_name(name)] for name in names
                   if ".base_layer." in name and _PEFT_PREFIX + _file_name(name) in saved})
     std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
     ties = {}
@@ -122,7 +125,3 @@ def _full_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tensor]:
     if drawn:
         log.info("pretrained weights in %s have no %s: initialized", path, ", ".join(drawn))
     return full
-
-
-def _is_peft(model: nn.Module) -> bool:
-    return type(model).__module__.startswith("peft.")

@@ -121,7 +121,10 @@ def _attempt(what: str, action):
     try:
         return action()
     except Exception as exc:  # noqa: BLE001 - records are best effort; the run's result stands
-        log.warning("MLflow: could not record the %s: %s: %s", what, type(exc).__name__, exc)
+        # One line: some errors (torch.distributed.checkpoint's) carry whole tracebacks in their text.
+        first = (str(exc).strip().splitlines() or [""])[0]
+        log.warning("MLflow: could not record the %s: %s: %s", what, type(exc).__name__, first)
+        log.debug("the %s's record failed", what, exc_info=exc)
         return None
 
 
