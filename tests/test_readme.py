@@ -139,7 +139,8 @@ def check_raylane(argv: list[str], cwd: Path) -> None:
         return
     args = parse(_parser(), argv, "raylane")
     if args.command == "export" and "$" not in args.checkpoint:  # else computed when the block runs
-        assert resolve(cwd, args.checkpoint).is_dir(), f"raylane export {args.checkpoint}: no such checkpoint"
+        where = resolve(cwd, args.checkpoint)
+        assert where.is_dir() or _created(where), f"raylane export {args.checkpoint}: no such checkpoint"
     config = getattr(args, "config", None)
     if config is None:
         return
@@ -153,9 +154,13 @@ def check_raylane(argv: list[str], cwd: Path) -> None:
 
         autotune.space(*autotune.load(source, args.overrides))
     else:
-        from raylane.config import load_config
+        from raylane.config import ConfigError, load_config
 
-        load_config(source, args.overrides)
+        try:
+            load_config(source, args.overrides)
+        except ConfigError as exc:  # a path the block makes first (its model, its data)
+            if not any(str(c) in str(exc) for c in _CREATED):
+                raise
 
 
 def check_command(argv: list[str], cwd: Path) -> Path:
@@ -193,9 +198,21 @@ def check_command(argv: list[str], cwd: Path) -> Path:
     return cwd
 
 
+# Paths a block's own commands make before later ones use them (a marker's "creates A, B"): what
+# names them is checked once they exist, not before.
+_CREATED: list[Path] = []
+CREATES = re.compile(r"creates\s+([^;]+)")
+
+
+def _created(path: Path) -> bool:
+    return any(path.resolve().is_relative_to(c) for c in _CREATED)
+
+
 def check_block(block: Block) -> None:
     parsed = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True)
     assert parsed.returncode == 0, f"{block.id}: {parsed.stderr}"
+    found = CREATES.search(block.reason)
+    _CREATED[:] = [(REPO / p.strip()).resolve() for p in found.group(1).split(",")] if found else []
     cwd = REPO
     for argv in commands(block):
         cwd = check_command(argv, cwd)
