@@ -32,7 +32,7 @@ run: install
 	@echo
 	@echo "raylane is installed in $(VENV): run 'source $(VENV)/bin/activate' once in this shell, then the README's raylane commands work as written ('raylane --version' checks it)."
 
-# Over 20 minutes on a fresh clone on 2 cores (25:54 with issue 37's tests, before ten soaks moved to test-all; to be trimmed): Ray runs that need no cluster of their own share one `raylane up`
+# Under 20 minutes on a fresh clone on 2 cores (measured in the closing notes): Ray runs that need no cluster of their own share one `raylane up`
 # head (tests marked shared_ray). `make test-all` adds the `slow` soaks (the quick bench).
 test: install browser
 	$(VENV)/bin/pytest tests -m "not slow and not gpu" --durations=15
