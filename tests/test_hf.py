@@ -157,6 +157,8 @@ BAD = {
                        "data.text_column = 'body': no such column in {tiny}/train/part-0.jsonl"),
     "no label column": (["model.name_or_path={tiny}/model", "model.task=sequence-classification",
                          "data.label_column=y"], "data.label_column = 'y': no such column"),
+    "lora on no module": (["model.name_or_path={tiny}/model", "lora.target_modules=[q_proj,qkv]"],
+                          "lora.target_modules = ['q_proj', 'qkv']: LlamaForCausalLM has no module named 'qkv'"),
 }
 
 
