@@ -164,7 +164,7 @@ def _ray_to_root() -> None:
     # A driver prints what the raylets push to it (a worker start-up warning, a worker's death)
     # with print_to_stdstream, whatever log_to_driver says. The workers' own output is already
     # not relayed (RAY_LOG_TO_DRIVER=0), so what still comes this way is that channel.
-    from ray._private import worker
+    from raylane.onray.internals import ray_worker as worker
 
     if hasattr(worker, "print_to_stdstream"):
         worker.print_to_stdstream = _ray_lines_to_root

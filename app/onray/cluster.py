@@ -130,7 +130,9 @@ def join(address: str, **init_kwargs) -> None:
 
 def _gcs_connected() -> bool:
     # ray.init sets its node (private: Ray's worker module) once the GCS has answered.
-    return getattr(ray._private.worker, "_global_node", None) is not None
+    from raylane.onray.internals import ray_worker
+
+    return getattr(ray_worker, "_global_node", None) is not None
 
 
 @contextlib.contextmanager
@@ -183,7 +185,9 @@ def shutdown_ray(embedded: bool) -> None:
     never autoscales, so its monitor is killed outright first; the rest stops as Ray does it."""
     if embedded:
         try:
-            node = ray._private.worker._global_node  # private: checked, with a plain shutdown as fallback
+            from raylane.onray.internals import ray_worker
+
+            node = ray_worker._global_node  # private: checked, with a plain shutdown as fallback
             monitors = node.all_processes.get("monitor", []) if node is not None else []
             for info in monitors:
                 info.process.kill()

@@ -10,10 +10,8 @@ from typing import Any
 
 import ray
 from ray.train import FailureConfig, ScalingConfig
-from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
-from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, FixedScalingPolicy
-
 from raylane.config import BaseConfig
+from raylane.onray.internals import DefaultFailurePolicy, ElasticScalingPolicy, FixedScalingPolicy
 
 # How long the elastic policy waits for a group to hand over before resizing it anyway: a vote,
 # the step it waits for and a checkpoint's commit (a large model's takes a minute or more).
@@ -58,7 +56,7 @@ class HeldBatchElasticPolicy(ElasticScalingPolicy):
         """A resize up waits for the group to hand over: checkpoint at an agreed step and wait
         (raylane.loop.preemption.GROWING), so that growing redoes no step. Ray's own resize would
         stop the group where it is, losing the steps since the last periodic checkpoint."""
-        from ray.train.v2._internal.execution.scaling_policy.scaling_policy import NoopDecision
+        from raylane.onray.internals import NoopDecision
 
         if self._pending is not None:
             decision, asked = self._pending
@@ -95,7 +93,7 @@ class HandoverFailurePolicy(DefaultFailurePolicy):
         self._handovers = 0
 
     def make_decision(self, training_failed_error):
-        from ray.train.v2._internal.execution.failure_handling import FailureDecision
+        from raylane.onray.internals import FailureDecision
 
         failures = getattr(training_failed_error, "worker_failures", None) or {}
         if failures and all("NodeLeaving" in f"{type(e).__name__} {e}" for e in failures.values()):

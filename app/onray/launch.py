@@ -21,8 +21,6 @@ import ray.train
 import torch
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
-from ray.train.torch.config import _TorchBackend
-from ray.train.v2._internal.execution.callback import ControllerCallback
 
 from raylane import logs
 from raylane.batching import world_sizes
@@ -32,6 +30,7 @@ from raylane.loop.baddata import DataError
 from raylane.loop.distributed import node_layout
 from raylane.loop.storage import CheckpointStore
 from raylane.loop.usercode import TRACEBACK_ATTR
+from raylane.onray.internals import ControllerCallback, TorchBackend
 from raylane.onray.elastic import (
     HANDOVER_WAIT_S,
     HandoverFailurePolicy,
@@ -150,7 +149,7 @@ class RayRuntime:
         group is draining (a cloud's spot notice, KubeRay's pod termination, `ray drain-node`).
         Read locally, not through ray.train.get_preemption_info(): that is a barrier every rank
         must enter, and the per-step vote already agrees on the step."""
-        from ray.train.v2._internal.execution.context import get_train_context
+        from raylane.onray.internals import get_train_context
 
         while not preemption.requested():
             try:
@@ -218,7 +217,7 @@ def _training_starts(restarts: bool) -> None:
     preemption.install((signal.SIGTERM,), early=True)
 
 
-class _RaylaneTorchBackend(_TorchBackend):
+class _RaylaneTorchBackend(TorchBackend):
     def on_training_start(self, worker_group, backend_config) -> None:
         super().on_training_start(worker_group, backend_config)
         worker_group.execute(_training_starts, backend_config.restarts)
@@ -252,7 +251,7 @@ class _RaylaneTorchTrainer(TorchTrainer):
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     def _create_default_callbacks(self):
-        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+        from raylane.onray.internals import DatasetsCallback
 
         callbacks = [*super()._create_default_callbacks(), _ControllerStarted(self.train_loop_config["sink"])]
         return callbacks if self.datasets else [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
@@ -276,7 +275,7 @@ class _DriverTorchTrainer(_RaylaneTorchTrainer):
     job's placement groups when the job ends."""
 
     def _create_default_callbacks(self):
-        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+        from raylane.onray.internals import PlacementGroupCleanerCallback
 
         return [cb for cb in super()._create_default_callbacks()
                 if not isinstance(cb, PlacementGroupCleanerCallback)]
@@ -299,7 +298,7 @@ def _restarts(cfg: BaseConfig, search: dict[str, Any] | None) -> bool:
 def _train_fn(loop_config: dict[str, Any]) -> None:
     # Ray logs every report and checkpoint at INFO; the driver's display already shows them.
     # (One of those loggers is named after its file path, not its module.)
-    from ray.train.v2._internal.execution import context as ray_train_context
+    from raylane.onray.internals import train_context_module as ray_train_context
 
     from raylane.loop.run import run_worker
     from raylane.loop.startup import process_start_unix
