@@ -34,6 +34,15 @@ def test_each_private_member_raylane_overrides_or_reads_exists(member):
         pytest.fail(f"Ray {_ray_version()} has no {module}.{dotted} ({why}): {exc}")
 
 
+@pytest.mark.parametrize("entry", internals.SET_BY, ids=[e[2] for e in internals.SET_BY])
+def test_each_private_attribute_raylane_reads_is_still_set(entry):
+    import inspect
+
+    module, method, attribute, why = entry
+    source = inspect.getsource(internals.resolve(module, method))
+    assert f"self.{attribute} =" in source, f"Ray {_ray_version()}: {module}.{method} no longer sets {attribute} ({why})"
+
+
 def test_no_other_module_names_rays_internals():
     found = [f"{path.relative_to(APP)}:{n}: {line.strip()}"
              for path in sorted(APP.rglob("*.py")) if path.name != "internals.py"

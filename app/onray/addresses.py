@@ -104,3 +104,28 @@ def on_this_machine(host: str) -> bool:
         except OSError:
             continue
     return False
+
+
+def version_mismatch(field: str, address: str, cluster_ray: str | None, here_ray: str,
+                     cluster_python: str | None = None, here_python: str | None = None) -> str | None:
+    """The one line for a cluster whose Ray differs from this client's (a job, a run's driver and
+    its workers must all run the same Ray), or None when they match or the cluster's is unknown."""
+    if not cluster_ray or cluster_ray == here_ray:
+        return None
+    pythons = f" (Python {cluster_python} there, {here_python} here)" if cluster_python and here_python else ""
+    return (f"{field} = {address!r}: the cluster runs Ray {cluster_ray}, this raylane Ray {here_ray}{pythons}; "
+            f"install ray=={cluster_ray} here, or start the cluster with Ray {here_ray}")
+
+
+def reported_versions(text: str) -> tuple[str, str, str, str] | None:
+    """(cluster's Ray, cluster's Python, this process's Ray, its Python) from the error ray.init
+    raises on a version mismatch ("Version mismatch: The cluster was started with: Ray: ...");
+    None for any other error."""
+    import re
+
+    if "Version mismatch" not in text:
+        return None
+    rays, pythons = re.findall(r"Ray: (\S+)", text), re.findall(r"Python: (\S+)", text)
+    if len(rays) < 2 or len(pythons) < 2:
+        return None
+    return rays[0], pythons[0], rays[1], pythons[1]

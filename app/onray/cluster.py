@@ -16,7 +16,7 @@ import ray
 
 from raylane import pipelines_ref
 from raylane.config import BaseConfig, ConfigError
-from raylane.onray.addresses import JOIN_TIMEOUT_S, address_field, join_hint
+from raylane.onray.addresses import JOIN_TIMEOUT_S, address_field, join_hint, reported_versions, version_mismatch
 
 log = logging.getLogger("raylane")
 
@@ -124,6 +124,8 @@ def join(address: str, **init_kwargs) -> None:
         logging.getLogger("ray").warning("joining the Ray cluster at %s failed", address, exc_info=exc)  # the log file
         if not isinstance(exc, Exception):
             raise exc
+        if versions := reported_versions(str(exc)):
+            raise ConfigError(version_mismatch(field, address, versions[0], versions[2], versions[1], versions[3])) from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"{field} = {address!r}: cannot join the Ray cluster there: {first[:300]}") from None
 

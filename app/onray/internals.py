@@ -79,6 +79,13 @@ MEMBERS: tuple[tuple[str, str, str], ...] = (
     ("ray._private.worker", "print_to_stdstream", "replaced: the raylets' lines go to raylane's log"),
 )
 
+# Instance attributes set by a method (module, class.method, attribute, why): the test reads the
+# method's source for the assignment.
+SET_BY: tuple[tuple[str, str, str, str], ...] = (
+    ("ray.dashboard.modules.dashboard_sdk", "SubmissionClient._check_connection_and_version_with_url",
+     "_server_ray_version", "the cluster's Ray, compared with this client's before `raylane submit` submits"),
+)
+
 
 def __getattr__(name: str) -> Any:
     if name not in NAMES:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from raylane.config import BaseConfig, ConfigError
-from raylane.onray.addresses import JOIN_TIMEOUT_S, jobs_url, on_this_machine, unreachable
+from raylane.onray.addresses import JOIN_TIMEOUT_S, jobs_url, on_this_machine, unreachable, version_mismatch
 from raylane.prechecks import NoAnswer, within, writable_dir
 from raylane.prepare import prepare_submit
 from raylane.tracking.runs import DEFAULT_TRACKING_URI, absolute_tracking_uri, local_store
@@ -123,6 +123,11 @@ def submit(config: str, overrides: Iterable[str] = (), *, address: str | None = 
                           "and that the cluster is up")
     entrypoint = shlex.join(["raylane", "train", config, *[x for o in overrides for x in ("--set", o)]])
     client = job_client(url, given)
+    from ray import __version__ as here
+
+    # The Jobs SDK keeps the version the server reported (raylane.onray.internals lists it).
+    if why := version_mismatch(given, address, getattr(client, "_server_ray_version", None), here):
+        raise ConfigError(why)  # before the job: its driver would run the cluster's Ray, not this one's
     job_id = _submit_job(client, given, url, entrypoint, {"working_dir": working_dir, "excludes": EXCLUDES,
                                                           "env_vars": env})
     return SubmittedRun(job_id, client.get_address(), client, tracking_uri=tracking_uri,
