@@ -3,15 +3,18 @@
 The public API is what this module exports:
 
 - `Pipeline`, `BaseConfig`, `Section`: what a pipeline module defines (`Config`, `build(cfg)`);
-  see docs/pipelines.md. `Hook` and `HookContext`: a pipeline's hooks (raylane.loop.hooks).
-- `check`, `train`, `tune`, `submit`, `up` and `down`: the `raylane` commands of those names as
-  calls (raylane.api, which also has `autotune` and `export`), checked by the same preparation
+  see docs/pipelines.md. `FileSource`: files streamed as a pipeline's data. `StepFn`: the type
+  of a pipeline's `step`. `Hook` and `HookContext`: a pipeline's hooks. `DataError`: a bad row.
+- `check`, `train`, `tune`, `autotune`, `submit`, `up` and `down`: the `raylane` commands of
+  those names as calls (raylane.api, which also has `export`), checked by the same preparation
   path as the CLI (raylane.prepare).
 - `InputPath`, `InputPaths`, `OutputPath`: the types of a pipeline's path-valued config keys,
   which raylane resolves before any worker sees them (raylane.paths).
 - `ConfigError`: bad input, with a message that names the field and the value.
 
 Importing raylane imports neither torch nor Ray: the names that need them load on first use.
+Everything else (raylane.loop, raylane.onray, raylane.tracking, raylane.bench and the modules
+beside this one) is internal and may change in any release; raylane.hf has its own `__all__`.
 """
 
 from __future__ import annotations
@@ -25,16 +28,18 @@ try:
 except PackageNotFoundError:  # running from a source tree that was not installed
     __version__ = "0.0.0+unknown"
 
-from raylane.api import check, down, submit, train, tune, up  # after __version__, which they import
+from raylane.api import autotune, check, down, submit, train, tune, up  # after __version__, which they import
 from raylane.config import BaseConfig, ConfigError, Section
 from raylane.paths import InputPath, InputPaths, OutputPath
 
-__all__ = ["BaseConfig", "ConfigError", "DataError", "Hook", "HookContext", "InputPath", "InputPaths", "OutputPath",
-           "Pipeline", "Section", "__version__", "check", "down", "submit", "train", "tune", "up"]
+# tests/test_public_api.py holds this list too: a name that disappears from it fails there.
+__all__ = ["BaseConfig", "ConfigError", "DataError", "FileSource", "Hook", "HookContext", "InputPath", "InputPaths",
+           "OutputPath", "Pipeline", "Section", "StepFn", "__version__", "autotune", "check", "down", "submit",
+           "train", "tune", "up"]
 
 # Names that import torch, resolved on first access (PEP 562).
 _LAZY = {"Pipeline": "raylane.loop.pipeline", "FileSource": "raylane.loop.streaming", "DataError": "raylane.loop.baddata",
-         "Hook": "raylane.loop.hooks", "HookContext": "raylane.loop.hooks"}
+         "Hook": "raylane.loop.hooks", "HookContext": "raylane.loop.hooks", "StepFn": "raylane.loop.pipeline"}
 
 
 def __getattr__(name: str) -> Any:

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from raylane.config import BaseConfig, Section
+from raylane import BaseConfig, Section
 
 SPLIT_SEED = 0
 HELD_OUT_FRACTION = 0.2
@@ -73,7 +73,7 @@ def build(cfg: Config):
     import torch
     import torch.nn.functional as F
 
-    from raylane.loop.pipeline import Pipeline
+    from raylane import Pipeline
 
     train, held_out = load_split()
 

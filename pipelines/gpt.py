@@ -14,8 +14,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from raylane.config import BaseConfig, Section
-from raylane.paths import InputPath
+from raylane import BaseConfig, InputPath, Section
 
 HELD_OUT_FRACTION = 0.1
 BYTE_VOCAB = 256
@@ -140,7 +139,7 @@ def build(cfg: Config):
     import torch.nn.functional as F
     from torch.utils.data import Dataset
 
-    from raylane.loop.pipeline import Pipeline
+    from raylane import Pipeline
 
     m = cfg.model
     data = torch.frombuffer(bytearray(load_text(cfg.data.text_path)), dtype=torch.uint8)
@@ -169,7 +168,7 @@ def build(cfg: Config):
 
     train_set, held_out = Windows(data[:split]), Windows(data[split:])
     if not len(train_set) or not len(held_out):
-        from raylane.config import ConfigError
+        from raylane import ConfigError
 
         raise ConfigError(f"model.block_size = {m.block_size}: longer than the text ({len(data)} bytes)")
     model = build_model(m)

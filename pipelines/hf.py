@@ -26,10 +26,8 @@ class Config(raylane.hf.Config):
 
 def sources(cfg: Config):
     """What the Ray driver streams (Ray Data), without building a model."""
-    from raylane.hf.data import file_source
-
-    return {"train": file_source(cfg, cfg.data.train, "data.train"),
-            "eval": file_source(cfg, cfg.data.eval, "data.eval") if cfg.data.eval is not None else None}
+    return {"train": raylane.hf.file_source(cfg, cfg.data.train, "data.train"),
+            "eval": raylane.hf.file_source(cfg, cfg.data.eval, "data.eval") if cfg.data.eval is not None else None}
 
 
 def build(cfg: Config):

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from raylane.config import BaseConfig, Section
+from raylane import BaseConfig, Section
 
 
 class ModelSection(Section):
@@ -29,7 +29,7 @@ def build(cfg: Config):
     import torch
     from torch.utils.data import TensorDataset
 
-    from raylane.loop.pipeline import Pipeline
+    from raylane import Pipeline
 
     m = cfg.model
     # The data is fixed (seed 0) whatever train.seed is, so runs with different seeds compare.

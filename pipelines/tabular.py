@@ -12,8 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from raylane.config import BaseConfig, Section
-from raylane.paths import InputPaths
+from raylane import BaseConfig, InputPaths, Section
 
 
 class DataSection(Section):
@@ -81,7 +80,7 @@ def checked(d: DataSection, batch: dict):
     if d.task == "regression":
         return x, y.astype(np.float32)
     if len(y) and (y.min() < 0 or y.max() >= d.num_classes or (y.dtype.kind == "f" and (y != np.floor(y)).any())):
-        from raylane.loop.baddata import DataError
+        from raylane import DataError
 
         row = int(np.argmax((y < 0) | (y >= d.num_classes) | (y != np.floor(y))))
         raise DataError(f"data.num_classes = {d.num_classes}", column=d.target, row=row, value=batch[d.target][row],
@@ -107,7 +106,7 @@ def _numbers(values, key: str, column: str, dtype=None):
 def _bad_value(key: str, column: str, row: int, value) -> None:
     import math
 
-    from raylane.loop.baddata import DataError
+    from raylane import DataError
 
     if value is None or (isinstance(value, float) and math.isnan(value)):
         why = "fill or drop such rows (a missing value would train as NaN)"
@@ -122,7 +121,7 @@ def source(cfg: Config, paths, key: str | None = None):
     """The FileSource of `paths` (config key `key`): the transform (Ray Data's map_batches on
     Ray) turns the named columns into one float32 matrix `x` and the target `y`, after checking
     every value (raylane.DataError names a bad one's file, row and column)."""
-    from raylane.loop.streaming import FileSource
+    from raylane import FileSource
 
     d = cfg.data
     classify = d.task == "classification"
@@ -186,7 +185,7 @@ def build(cfg: Config):
     import torch
     import torch.nn.functional as F
 
-    from raylane.loop.pipeline import Pipeline
+    from raylane import Pipeline
 
     classify = cfg.data.task == "classification"
     loss_fn = F.cross_entropy if classify else F.mse_loss

@@ -12,8 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from raylane.config import BaseConfig, Section
-from raylane.paths import InputPaths
+from raylane import BaseConfig, InputPaths, Section
 from raylane.pipelines.gpt import ModelSection
 
 
@@ -46,7 +45,7 @@ class Config(BaseConfig):
 def source(cfg: Config, paths, key: str | None = None):
     import numpy as np
 
-    from raylane.loop.streaming import FileSource
+    from raylane import FileSource
 
     d, width = cfg.data, cfg.model.block_size + 1
     column = "text" if d.format == "text" else d.text_field
@@ -76,7 +75,7 @@ def build(cfg: Config):
     import torch
     import torch.nn.functional as F
 
-    from raylane.loop.pipeline import Pipeline
+    from raylane import Pipeline
     from raylane.pipelines.gpt import build_model, flops_per_token
 
     m = cfg.model

@@ -53,9 +53,9 @@ def test_installed_package_imports_as_raylane_and_not_as_app(wheel, tmp_path):
     where, shadows, exported, heavy = out.stdout.splitlines()
     assert where.startswith(str(target))
     assert shadows == "[]"
-    assert eval(exported) == ["BaseConfig", "ConfigError", "DataError", "Hook", "HookContext", "InputPath",
-                              "InputPaths", "OutputPath",
-                              "Pipeline", "Section", "__version__", "check", "down", "submit", "train", "tune", "up"]
+    assert eval(exported) == ["BaseConfig", "ConfigError", "DataError", "FileSource", "Hook", "HookContext",
+                              "InputPath", "InputPaths", "OutputPath", "Pipeline", "Section", "StepFn", "__version__",
+                              "autotune", "check", "down", "submit", "train", "tune", "up"]
     assert heavy == "False False False"  # `import raylane` (and raylane.hf) pays for neither torch, Ray nor transformers
 
 

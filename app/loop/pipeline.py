@@ -9,6 +9,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+# A pipeline's `step` (raylane.StepFn): step(model, batch) -> loss, or (loss, {metric: value}).
+StepFn = Callable[[torch.nn.Module, Any], torch.Tensor | tuple[torch.Tensor, dict[str, Any]]]
+
 
 @dataclass
 class Pipeline:
@@ -34,7 +37,7 @@ class Pipeline:
     flops_per_token: float | None = None
     # step(model, batch) -> loss, or (loss, {metric: value}): the whole forward and loss, for
     # what loss_fn cannot express (several outputs, a frozen teacher, a contrastive pair).
-    step: Callable[..., Any] | None = None
+    step: StepFn | None = None
     # The units a held-out batch's metrics are averaged over (tokens, say): batch -> int or tensor.
     # None: samples.
     eval_count: Callable[[Any], Any] | None = None

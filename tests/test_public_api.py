@@ -1,0 +1,83 @@
+"""raylane's public API: the names users build on stay, and the shipped pipelines use only them,
+as a user's pipeline would (everything else, raylane.loop and the rest, may change)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import raylane
+import raylane.hf
+from tests.conftest import REPO
+
+# The promise, written out: removing or renaming one of these breaks users' code.
+PUBLIC = {"BaseConfig", "ConfigError", "DataError", "FileSource", "Hook", "HookContext", "InputPath", "InputPaths",
+          "OutputPath", "Pipeline", "Section", "StepFn", "__version__", "autotune", "check", "down", "submit", "train",
+          "tune", "up"}
+PUBLIC_HF = {"Config", "DataSection", "ModelSection", "empty_model", "file_source", "load_pretrained", "pipeline"}
+PIPELINES = sorted((REPO / "pipelines").glob("*.py"))
+# A shipped pipeline's module is public too: one may build on another (text on gpt's model).
+SHIPPED = {f"raylane.pipelines.{p.stem}" for p in PIPELINES if p.stem != "__init__"}
+
+
+@pytest.mark.parametrize(("module", "promised"), [(raylane, PUBLIC), (raylane.hf, PUBLIC_HF)],
+                         ids=["raylane", "raylane.hf"])
+def test_every_public_name_is_exported_and_resolves(module, promised):
+    missing = sorted(promised - set(module.__all__))
+    assert not missing, f"{module.__name__}.__all__ lost public names: {missing}"
+    unlisted = sorted(set(module.__all__) - promised)
+    assert not unlisted, f"{module.__name__}.__all__ has {unlisted}: add them to this test's list (and the docs)"
+    unresolved = [name for name in sorted(promised) if not hasattr(module, name)]
+    assert not unresolved, f"{module.__name__} does not resolve {unresolved}"
+
+
+def test_no_submodule_shadows_a_public_name():
+    # Importing raylane.X sets the package's attribute X to the module: a function of that name
+    # (raylane.autotune) would become the module once anything imported it.
+    folder = Path(raylane.__file__).parent
+    shadowed = [n for n in sorted(PUBLIC) if (folder / f"{n}.py").exists() or (folder / n / "__init__.py").exists()]
+    assert not shadowed, f"modules of raylane named like public names: {shadowed}"
+
+
+def non_public_imports(path: Path) -> list[str]:
+    """`line: import` for each use of a raylane module or name outside the public set."""
+    exported = {"raylane": set(raylane.__all__), "raylane.hf": set(raylane.hf.__all__)}
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            uses = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            uses = [(node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "raylane":
+            uses = [("raylane", node.attr)] if node.attr != "hf" else []
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "hf"
+              and isinstance(node.value.value, ast.Name) and node.value.value.id == "raylane"):
+            uses = [("raylane.hf", node.attr)]
+        else:
+            continue
+        for module, name in uses:
+            if module != "raylane" and not module.startswith("raylane."):
+                continue
+            if module in exported and (name is None or name in exported[module]):
+                continue
+            if module in SHIPPED and (name is None or not name.startswith("_")):
+                continue
+            what = f"from {module} import {name}" if isinstance(node, ast.ImportFrom) else (
+                f"import {module}" if name is None else f"{module}.{name}")
+            bad.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{node.lineno}: {what}")
+    return bad
+
+
+def test_shipped_pipelines_import_only_public_names():
+    assert {p.stem for p in PIPELINES} >= {"digits", "gpt", "regression", "tabular", "text", "hf"}
+    bad = [line for path in PIPELINES for line in sorted(non_public_imports(path), key=lambda s: int(s.split(":")[1]))]
+    assert not bad, "shipped pipelines use raylane's internals:\n" + "\n".join(bad)
+
+
+def test_the_check_names_an_internal_import(tmp_path):
+    pipeline = tmp_path / "mine.py"
+    pipeline.write_text("import raylane\nfrom raylane.loop.pipeline import Pipeline\nx = raylane.prepare\n")
+    lines = [line.split(": ", 1)[1] for line in non_public_imports(pipeline)]
+    assert lines == ["from raylane.loop.pipeline import Pipeline", "raylane.prepare"]
