@@ -8,7 +8,7 @@ PYTHON ?= python3
 # Some package mirrors print one warning per package; keep the install log readable.
 QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: install run test test-all bench browser check mlflow clean
+.PHONY: install run test test-all test-ray-oldest bench browser check mlflow clean
 
 install: $(STAMP)
 
@@ -40,6 +40,21 @@ test: install browser
 test-all: install browser
 	$(VENV)/bin/pytest tests -m "not gpu" --durations=15
 
+# The oldest Ray the dependency allows (pyproject.toml: ray>=2.59,<2.61), in an environment of its
+# own: the Ray internals' check and every test that starts or joins a Ray cluster (not the soaks).
+RAY_OLDEST = 2.59.0
+OLDEST = .venv-ray-oldest
+test-ray-oldest: browser
+	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
+	if [ -n "$(CPU_TORCH)" ] && $(OLDEST)/bin/python -m pip install -q uv 2>&1 | $(QUIET_PIP) && [ -x $(OLDEST)/bin/uv ]; then \
+	  $(OLDEST)/bin/uv pip install -q --compile-bytecode --python $(OLDEST)/bin/python $(addprefix --find-links ,$(FIND_LINKS)) -c constraints-cpu.txt -e '.[dev]' 'ray[default,data,train,tune]==$(RAY_OLDEST)'; \
+	else \
+	  $(OLDEST)/bin/python -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e '.[dev]' 'ray[default,data,train,tune]==$(RAY_OLDEST)' 2>&1 | $(QUIET_PIP); \
+	fi
+	$(OLDEST)/bin/python -c "import ray; assert ray.__version__ == '$(RAY_OLDEST)', ray.__version__"
+	$(OLDEST)/bin/pytest tests/test_ray_internals.py tests/test_versions.py
+	$(OLDEST)/bin/pytest tests -m "(ray or shared_ray) and not slow and not gpu" --durations=15
+
 # B1-B9 against hand-written torchrun DDP and plain Ray Tune: bench/results.json, results.md and
 # charts (about an hour on 2 cores). `raylane bench --quick` checks the harness in a few minutes.
 bench: install
@@ -61,4 +76,4 @@ check: install
 	$(VENV)/bin/raylane check pipelines/digits.yaml
 
 clean:
-	rm -rf $(VENV) runs mlflow.db mlflow.db.lock mlartifacts mlflow-server test-artifacts .pytest_cache
+	rm -rf $(VENV) $(OLDEST) runs mlflow.db mlflow.db.lock mlartifacts mlflow-server test-artifacts .pytest_cache

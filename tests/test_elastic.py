@@ -137,7 +137,13 @@ def test_an_elastic_run_skips_the_sizes_that_cannot_split_its_global_batch(run_c
     assert "elastic run on 2, 4 workers: 3 would not split the global batch" in ok.output
     assert world_sizes(load_config(project / "run.yaml", ["scaling.num_workers=2,4"])) == [2, 4]
     policy = HeldBatchElasticPolicy(ScalingConfig(num_workers=(2, 4)), [2, 4])
-    assert [policy._count_possible_workers({"node": {"CPU": cpus}}) for cpus in range(6)] == [0, 1, 2, 2, 4, 4]
+    # Ray's reserved resources per node: a list of them on 2.59, a dict by node on 2.60.
+    import ray
+
+    def node(cpus):
+        return [{"CPU": cpus}] if ray.__version__.startswith("2.59.") else {"node": {"CPU": cpus}}
+
+    assert [policy._count_possible_workers(node(cpus)) for cpus in range(6)] == [0, 1, 2, 2, 4, 4]
     # The smallest size must split it too: the run could not start there.
     bad = run_cli("check", "run.yaml", "--set", "scaling.num_workers=3,4", cwd=project, name="min")
     assert bad.wait(60) == 2

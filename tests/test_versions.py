@@ -14,7 +14,7 @@ import ray
 
 from raylane.onray.addresses import reported_versions, version_mismatch
 
-OTHER_RAY = "2.59.0"
+OTHER_RAY = "2.40.0"  # not the installed Ray (either end of the supported range)
 
 
 class _OldJobsApi(BaseHTTPRequestHandler):

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time, __getattr__ below
     from ray.train.v2._internal.execution.scaling_policy.scaling_policy import NoopDecision
 
 # The Ray releases every name below was checked on (tests/test_ray_internals.py on each).
-CHECKED_ON = ("2.60.0",)
+CHECKED_ON = ("2.59.0", "2.60.0")
 
 # The name raylane's code uses -> (module, attribute or None for the module itself, why).
 NAMES: dict[str, tuple[str, str | None, str]] = {
