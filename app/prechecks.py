@@ -207,7 +207,7 @@ def check_export(checkpoint: str, out: str) -> None:
     """`raylane export`'s arguments. A missing folder of `--out` is fine: export makes it (the
     user named where the file goes), after the checkpoint has loaded."""
     if not Path(checkpoint).is_dir():
-        raise ConfigError(f"checkpoint = {checkpoint!r}: no such folder (expected runs/<name>/checkpoint_<step>)")
+        raise ConfigError(f"checkpoint = {checkpoint!r}: no such folder (expected a run folder, runs/<name>, or one of its checkpoints, runs/<name>/checkpoint_<step>)")
     try:
         base = read_manifest(checkpoint).get("base")
     except (OSError, ValueError):
@@ -227,7 +227,7 @@ def check_export_hf(checkpoint: str, out: str, adapter_only: bool) -> None:
     written is overwritten), transformers and peft installed, and with `--adapter-only` a
     checkpoint that holds an adapter (a model trained on a frozen base)."""
     if not Path(checkpoint).is_dir():
-        raise ConfigError(f"checkpoint = {checkpoint!r}: no such folder (expected runs/<name>/checkpoint_<step>)")
+        raise ConfigError(f"checkpoint = {checkpoint!r}: no such folder (expected a run folder, runs/<name>, or one of its checkpoints, runs/<name>/checkpoint_<step>)")
     target = Path(out).expanduser()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ConfigError(f"--out = {out!r}: {'is a file' if not target.is_dir() else 'is not empty'}; "

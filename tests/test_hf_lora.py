@@ -206,10 +206,12 @@ def test_export_hf_of_a_full_and_a_lora_run_loads_and_generates(project):
 
     ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     full_ck = read_json(project / "full-2.json")["checkpoint"]
-    proc = subprocess.run([sys.executable, "-m", "raylane", "export", full_ck, "--format", "hf", "--out", "full-hf"],
+    run_folder = str(Path(full_ck).parent)  # a run's folder: its newest checkpoint, said in one line
+    proc = subprocess.run([sys.executable, "-m", "raylane", "export", run_folder, "--format", "hf", "--out", "full-hf"],
                           check=False, cwd=project, env=cli_env(project), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "wrote a save_pretrained model to full-hf" in proc.stdout
+    assert proc.stderr.strip() == f"raylane: exporting {full_ck}, the run's newest checkpoint", proc.stderr
     full = AutoModelForCausalLM.from_pretrained(project / "full-hf")
     assert full.lm_head.weight is full.model.embed_tokens.weight  # still tied
     trained, _, _ = consolidated(full_ck)
@@ -245,6 +247,12 @@ def test_export_hf_refuses_what_it_cannot_write(project, tmp_path):
         api.export(full_ck, str(tmp_path / "taken"), format="hf")
     with pytest.raises(ConfigError, match=r"--adapter-only: only with --format hf"):
         api.export(full_ck, str(tmp_path / "m.safetensors"), adapter_only=True)
+    lora_ck = read_json(project / "lora-4.json")["checkpoint"]
+    with pytest.raises(ConfigError, match=r"holds a LoRA adapter on the base .*; export it with --format hf"):
+        api.export(lora_ck, str(tmp_path / "m.safetensors"))
+    (tmp_path / "run" / "checkpoint_000000002").mkdir(parents=True)  # never committed
+    with pytest.raises(ConfigError, match=r"a run folder with no valid checkpoint"):
+        api.export(str(tmp_path / "run"), str(tmp_path / "n"), format="hf")
 
 
 @pytest.mark.slow  # two launches of 2 torchrun ranks: ~50 s on 2 cores
