@@ -8,7 +8,7 @@ PYTHON ?= python3
 # Some package mirrors print one warning per package; keep the install log readable.
 QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: install run test test-all test-ray-oldest bench browser check mlflow clean
+.PHONY: install run test test-all test-ray-oldest bench browser check mlflow clean docs
 
 install: $(STAMP)
 
@@ -77,3 +77,8 @@ check: install
 
 clean:
 	rm -rf $(VENV) $(OLDEST) runs mlflow.db mlflow.db.lock mlartifacts mlflow-server test-artifacts .pytest_cache
+
+# The pages generated from the code: docs/summary.md and docs/summary.schema.json (app/results.py).
+# tests/test_results.py fails when the committed ones differ.
+docs: install
+	$(PY) scripts/summary_docs.py

@@ -11,6 +11,9 @@ The public API is what this module exports:
 - `InputPath`, `InputPaths`, `OutputPath`: the types of a pipeline's path-valued config keys,
   which raylane resolves before any worker sees them (raylane.paths).
 - `ConfigError`: bad input, with a message that names the field and the value.
+- `TrainSummary`, `SweepSummary`, `AutotuneSummary`, `SubmitSummary`, `ExportSummary`, `Status`
+  and `read_summary`: what the calls return and `--summary-json` writes, typed and versioned
+  (raylane.results; docs/summary.md describes every field).
 
 Importing raylane imports neither torch nor Ray: the names that need them load on first use.
 Everything else (raylane.loop, raylane.onray, raylane.tracking, raylane.bench and the modules
@@ -31,11 +34,21 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 from raylane.api import autotune, check, down, submit, train, tune, up  # after __version__, which they import
 from raylane.config import BaseConfig, ConfigError, Section
 from raylane.paths import InputPath, InputPaths, OutputPath
+from raylane.results import (
+    AutotuneSummary,
+    ExportSummary,
+    Status,
+    SubmitSummary,
+    SweepSummary,
+    TrainSummary,
+    read_summary,
+)
 
 # tests/test_public_api.py holds this list too: a name that disappears from it fails there.
-__all__ = ["BaseConfig", "ConfigError", "DataError", "FileSource", "Hook", "HookContext", "InputPath", "InputPaths",
-           "OutputPath", "Pipeline", "Section", "StepFn", "__version__", "autotune", "check", "down", "submit",
-           "train", "tune", "up"]
+__all__ = ["AutotuneSummary", "BaseConfig", "ConfigError", "DataError", "ExportSummary", "FileSource", "Hook",
+           "HookContext", "InputPath", "InputPaths", "OutputPath", "Pipeline", "Section", "Status", "StepFn",
+           "SubmitSummary", "SweepSummary", "TrainSummary", "__version__", "autotune", "check", "down", "read_summary",
+           "submit", "train", "tune", "up"]
 
 # Names that import torch, resolved on first access (PEP 562).
 _LAZY = {"Pipeline": "raylane.loop.pipeline", "FileSource": "raylane.loop.streaming", "DataError": "raylane.loop.baddata",

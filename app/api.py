@@ -14,6 +14,7 @@ from typing import Any
 
 from raylane import prepare
 from raylane.config import BaseConfig, ConfigError
+from raylane.results import AutotuneSummary, ExportSummary, Status, SweepSummary, TrainSummary
 
 
 def check(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
@@ -25,16 +26,21 @@ def check(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
 
 
 def train(config: Any, overrides: Iterable[str] = (), *, address: str | None = None, local: bool = False,
-          register: str | None = None, summary_json: str | None = None) -> dict[str, Any]:
+          register: str | None = None, summary_json: str | None = None) -> TrainSummary:
     """`raylane train`: check the config (ConfigError before anything starts), train on Ray (or
     in this process with `local`, or as this torchrun rank) and return the run's summary
-    (`status`, `metrics`, `run_id`, `checkpoint`, ...). A run that already FINISHED as far as
-    the config asks is not trained again: its summary comes back with `already_finished`."""
+    (`status`, `metrics`, `run_id`, `checkpoint`, ...: raylane.results.TrainSummary). A run that
+    already FINISHED as far as the config asks is not trained again: its summary comes back with
+    `already_finished`."""
     run = prepare.prepare_train(config, overrides, summary_json=summary_json, local=local, address=address, joins=True)
     if run.finished:  # nothing is trained or logged again
+        earlier = run.finished.summary
+        summary = TrainSummary.model_validate(
+            {**{k: v for k, v in earlier.items() if k in TrainSummary.model_fields}, "already_finished": True})
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says so
             print(run.finished.line, flush=True)
-        return {**run.finished.summary, "already_finished": True}
+            summary.write(summary_json)
+        return summary
     for note in run.notes:
         print(note, flush=True)
     address = prepare.resolve_address(address, run.cfg) if run.use_ray else address
@@ -44,13 +50,15 @@ def train(config: Any, overrides: Iterable[str] = (), *, address: str | None = N
 
 
 def tune(sweep: Any, overrides: Iterable[str] = (), *, address: str | None = None, register: str | None = None,
-         summary_json: str | None = None) -> dict[str, Any]:
+         summary_json: str | None = None) -> SweepSummary:
     """`raylane tune`: run (or continue) a sweep; returns its summary (its trials and the best
     one). ConfigError on bad input, before Ray starts."""
     prepared = prepare.prepare_tune(sweep, overrides, summary_json=summary_json, address=address)
     if prepared.finished:  # its records stay as they are
         print(prepared.finished, flush=True)
-        return {"status": "FINISHED", "sweep": prepared.sweep.name, "already_finished": True}
+        summary = SweepSummary(status=Status.FINISHED, sweep=prepared.sweep.name, already_finished=True)
+        summary.write(summary_json)
+        return summary
     address = prepare.resolve_address(address, prepared.base)
     from raylane.onray.tune import run_sweep
 
@@ -59,7 +67,7 @@ def tune(sweep: Any, overrides: Iterable[str] = (), *, address: str | None = Non
 
 def autotune(config: Any, overrides: Iterable[str] = (), *, address: str | None = None, local: bool = False,
              budget_s: float | None = None, out: str = "autotuned.yaml",
-             summary_json: str | None = None) -> dict[str, Any]:
+             summary_json: str | None = None) -> AutotuneSummary:
     """`raylane autotune`: the fastest configuration that fits, written to `out` as a YAML ready
     to train; returns the search's summary."""
     search = prepare.prepare_autotune(config, overrides, out=out, summary_json=summary_json, budget_s=budget_s,
@@ -83,24 +91,28 @@ def submit(config: Any, overrides: Iterable[str] = (), *, address: str | None = 
     return submit_job(config, overrides, address=address, working_dir=working_dir, env_vars=env_vars)
 
 
-def export(checkpoint: str, out: str, *, format: str = "safetensors", adapter_only: bool = False) -> Path:
-    """`raylane export`: a checkpoint's whole model as one safetensors file at `out`; returns the
-    config file written beside it. `format="hf"`: a Hugging Face model's `save_pretrained` folder
-    at `out` (a LoRA run merged, or its adapter alone with `adapter_only`); returns the folder."""
-    checkpoint = prepare.prepare_export(checkpoint, out, format, adapter_only)
-    if format == "hf":
-        from raylane.hf.export import export_checkpoint as write_hf
-
-        try:
-            return write_hf(checkpoint, out, adapter_only=adapter_only)
-        except (ValueError, FileNotFoundError) as exc:
-            raise ConfigError(f"export: {exc}") from None
-    from raylane.export import export as write
-
+def export(checkpoint: str, out: str, *, format: str = "safetensors", adapter_only: bool = False,
+           summary_json: str | None = None) -> ExportSummary:
+    """`raylane export`: a checkpoint's whole model as one safetensors file at `out`, with its
+    config JSON beside it. `format="hf"`: a Hugging Face model's `save_pretrained` folder at `out`
+    (a LoRA run merged, or its adapter alone with `adapter_only`). Returns what was written."""
+    checkpoint = prepare.prepare_export(checkpoint, out, format, adapter_only, summary_json)
     try:
-        return write(checkpoint, out)
+        if format == "hf":
+            from raylane.hf.export import export_checkpoint as write_hf
+
+            folder = write_hf(checkpoint, out, adapter_only=adapter_only)
+            files = sorted(str(p.resolve()) for p in Path(folder).iterdir())
+        else:
+            from raylane.export import export as write
+
+            files = [str(Path(out).resolve()), str(Path(write(checkpoint, out)).resolve())]
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"export: {exc}") from None
+    summary = ExportSummary(status=Status.FINISHED, checkpoint=str(checkpoint), format=format,
+                            adapter_only=adapter_only, out=str(Path(out).resolve()), files=files)
+    summary.write(summary_json)
+    return summary
 
 
 def up(num_cpus: int | None = None, port: int | None = None, dashboard_port: int | None = None):

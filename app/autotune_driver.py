@@ -11,7 +11,6 @@ plot of throughput against memory, the winner as a ready-to-train YAML and the s
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable
@@ -48,6 +47,7 @@ from raylane.config import (
 from raylane.lease import LEASE_FILES
 from raylane.loop.search_order import RECORD_FILE
 from raylane.loop.search_ranking import CONFIDENCE, verdict
+from raylane.results import AutotuneSummary, Candidate, Status
 
 log = logging.getLogger("raylane")
 
@@ -175,7 +175,7 @@ def check(section: AutotuneSection, cfg: BaseConfig, out: str, summary_json: str
 
 
 def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address: str | None, out: str,
-            summary_path: str | None) -> dict[str, Any]:
+            summary_path: str | None) -> AutotuneSummary:
     """Run the search on Ray, as this torchrun rank, or in this process; returns the summary (on
     a torchrun rank other than 0, only its status)."""
     from contextlib import ExitStack
@@ -201,7 +201,7 @@ def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address
 
 
 def _search(cfg: BaseConfig, params: dict[str, Any], use_ray: bool, address: str | None, recorder: Any,
-            tracking_uri: str, out: str, summary_path: str | None) -> dict[str, Any]:
+            tracking_uri: str, out: str, summary_path: str | None) -> AutotuneSummary:
     from contextlib import ExitStack
 
     from raylane.loop.distributed import env_ranks, leave_process_group
@@ -209,24 +209,24 @@ def _search(cfg: BaseConfig, params: dict[str, Any], use_ray: bool, address: str
     with ExitStack() as stack:
         try:
             result = _launch(cfg, params, use_ray, address, recorder, tracking_uri, stack)
-            status, error = "FINISHED", None
+            status, error = Status.FINISHED, None
         except ConfigError as exc:
             if use_ray:  # a cluster that never answered: one line and exit 2, as for train and tune
                 if recorder is not None and recorder.parent:
                     from raylane.tracking.runs import close_run
 
-                    close_run(recorder.parent, "FAILED")
+                    close_run(recorder.parent, Status.FAILED)
                 raise
-            result, status, error = {}, "FAILED", f"ConfigError: {exc}"
+            result, status, error = {}, Status.FAILED, f"ConfigError: {exc}"
         except KeyboardInterrupt:
-            result, status, error = {}, "KILLED", "interrupted"
+            result, status, error = {}, Status.KILLED, "interrupted"
         except Exception as exc:  # the launcher's message names the rank and its exception
             text = str(exc) if type(exc).__name__ == "TrainingError" else f"{type(exc).__name__}: {exc}"
-            result, status, error = {}, "FAILED", text
+            result, status, error = {}, Status.FAILED, text
         if not use_ray and cfg.scaling.num_workers and env_ranks()[2] > 1:
-            stack.callback(leave_process_group, wait_for_peers=status == "FINISHED")
+            stack.callback(leave_process_group, wait_for_peers=status == Status.FINISHED)
         if recorder is None:
-            return {"status": status}
+            return AutotuneSummary(status=status, error=error, run_name=cfg.run.name)
         return recorder.finish(result, status, error, params, out, summary_path)
 
 
@@ -320,27 +320,26 @@ class Recorder:
         self.client.set_terminated(run_id, CHILD_STATUS[c["status"]])
         return run_id
 
-    def finish(self, result: dict[str, Any], status: str, error: str | None, params: dict[str, Any], out: str,
-               summary_path: str | None) -> dict[str, Any]:
+    def finish(self, result: dict[str, Any], status: Status, error: str | None, params: dict[str, Any], out: str,
+               summary_path: str | None) -> AutotuneSummary:
         from raylane.tracking.runs import close_run, ui_command
 
         candidates = result.get("candidates", [])
         self.device = result.get("device")
         ranking = verdict(candidates, params["own"], params["space"])
         best = candidates[ranking["winner"]] if ranking else None
-        if status == "FINISHED" and best is None:
-            status, error = "FAILED", "no candidate fitted in memory"
-        summary = self._summary(candidates, ranking, status, error, params, out)
+        if status == Status.FINISHED and best is None:
+            status, error = Status.FAILED, "no candidate fitted in memory"
+        summary = AutotuneSummary.model_validate(self._summary(candidates, ranking, status, error, params, out))
         if best is not None:
             write_yaml(out, winner_config(self.cfg, params["global_batch"], best["values"]), best, ranking["ties"])
         if candidates:
             print(table(candidates, list(params["space"]), ranking), flush=True)
         self._artifacts(candidates, summary)
         if self.parent:
-            self._tag_verdicts(summary["candidates"])
-            close_run(self.parent, "FINISHED" if status == "FINISHED" else "FAILED")
-        if summary_path:
-            Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+            self._tag_verdicts(summary.candidates)
+            close_run(self.parent, Status.FINISHED if status == Status.FINISHED else Status.FAILED)
+        summary.write(summary_path)
         if best is not None:
             print(f"[raylane] {chosen_line(candidates, ranking)}; wrote {out} (raylane train {out})", flush=True)
         if error:
@@ -349,10 +348,10 @@ class Recorder:
             print(f"[raylane] MLflow: {ui_command(self.tracking_uri, self.parent)}", flush=True)
         return summary
 
-    def _tag_verdicts(self, rows: list[dict[str, Any]]) -> None:
+    def _tag_verdicts(self, rows: list[Candidate]) -> None:
         for r in rows:
-            if r["run_id"] and r["verdict"]:
-                self.client.set_tag(r["run_id"], "raylane.autotune.verdict", r["verdict"])
+            if r.run_id and r.verdict:
+                self.client.set_tag(r.run_id, "raylane.autotune.verdict", r.verdict)
 
     def _summary(self, candidates, ranking, status, error, params, out) -> dict[str, Any]:
         ended = time.time()
@@ -380,7 +379,7 @@ class Recorder:
                        "profiling_s": sum(c.get("profile_s") or 0 for c in candidates)},
         }
 
-    def _artifacts(self, candidates: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    def _artifacts(self, candidates: list[dict[str, Any]], summary: AutotuneSummary) -> None:
         if not (self.parent and candidates):
             return
         import tempfile
@@ -388,11 +387,11 @@ class Recorder:
         with tempfile.TemporaryDirectory() as d:
             png = Path(d) / "autotune.png"
             plot(png, candidates)
-            (Path(d) / "autotune.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+            (Path(d) / "autotune.json").write_text(summary.to_json())
             self.client.log_artifact(self.parent.run_id, str(png), "plots")
             self.client.log_artifact(self.parent.run_id, str(Path(d) / "autotune.json"))
-        if summary["best"]:
-            self.client.log_metric(self.parent.run_id, "best/samples_per_s", summary["best"]["samples_per_s"])
+        if summary.best:
+            self.client.log_metric(self.parent.run_id, "best/samples_per_s", summary.best.samples_per_s)
 
 
 def settings(section: AutotuneSection, cfg: BaseConfig, record: str | None) -> dict[str, Any]:

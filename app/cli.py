@@ -76,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--dashboard-port", type=int, help="dashboard and jobs API port (default: a free one)")
     sub.add_parser("down", help="stop the local Ray head `raylane up` started")
     job.add_argument("--follow", action="store_true", help="stream the job's logs and exit with its result")
+    job.add_argument("--summary-json", metavar="PATH", help="with --follow: write the job's summary here")
     job.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP + "; for the job too")
     export = sub.add_parser("export", help="write a checkpoint's full model weights as safetensors")
     export.add_argument("checkpoint", help="a checkpoint directory (runs/<name>/checkpoint_<step>)")
@@ -86,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
                              "folder, which from_pretrained loads (needs raylane[hf]; a LoRA run is merged)")
     export.add_argument("--adapter-only", action="store_true",
                         help="with --format hf: a LoRA run's adapter alone, which PeftModel.from_pretrained loads")
+    export.add_argument("--summary-json", metavar="PATH", help="write what was exported here")
     export.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
     bench = sub.add_parser("bench", help="benchmark against hand-written torchrun DDP and plain Ray (B1-B10)")
     bench.add_argument("--quick", action="store_true", help="one repeat, short runs, fewer cases: checks the harness")
@@ -126,44 +128,45 @@ def _check(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     summary = api.train(args.config, args.overrides, address=args.address, local=args.local,
                         register=args.register, summary_json=args.summary_json)
-    return 0 if summary.get("already_finished") else _exit_code(summary)
+    return 0 if summary.already_finished else summary.exit_code
 
 
 def _export(args: argparse.Namespace) -> int:
-    written = api.export(args.checkpoint, args.out, format=args.format, adapter_only=args.adapter_only)
+    summary = api.export(args.checkpoint, args.out, format=args.format, adapter_only=args.adapter_only,
+                         summary_json=args.summary_json)
     if args.format == "hf":
         what = "a peft adapter" if args.adapter_only else "a save_pretrained model"
-        print(f"wrote {what} to {written}: {', '.join(sorted(p.name for p in Path(written).iterdir()))}")
+        print(f"wrote {what} to {args.out}: {', '.join(Path(f).name for f in summary.files)}")
     else:
-        print(f"wrote {args.out} and {written}")
+        print(f"wrote {args.out} and {Path(args.out).with_suffix('.config.json')}")
     return 0
 
 
 def _tune(args: argparse.Namespace) -> int:
     summary = api.tune(args.config, args.overrides, address=args.address, register=args.register,
                        summary_json=args.summary_json)
-    if summary.get("already_finished"):
+    if summary.already_finished:
         return 0
     if logs.log_file():
         print(f"[raylane] library log: {logs.log_file()} (Ray, MLflow, Tune, torch; --verbose prints them)")
-    return 0 if summary["status"] == "FINISHED" else 1
+    return summary.exit_code
 
 
 def _autotune(args: argparse.Namespace) -> int:
     summary = api.autotune(args.config, args.overrides, address=args.address, local=args.local,
                            budget_s=args.budget_s, out=args.out, summary_json=args.summary_json)
-    return _exit_code(summary)
-
-
-def _exit_code(summary: dict[str, Any]) -> int:
-    from raylane.driver import EXIT_CODES
-
-    return EXIT_CODES[summary["status"]]
+    return summary.exit_code
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from raylane.onray.jobs import EXIT_CODES, SubmitError
+    from raylane.onray.jobs import SubmitError
 
+    if args.summary_json:
+        if not args.follow:
+            raise ConfigError(f"--summary-json = {args.summary_json!r}: needs --follow (the summary is the job's end)")
+        from raylane.prechecks import writable_file
+
+        writable_file("--summary-json", args.summary_json)
     try:
         # The job's `raylane train` inherits it (RAYLANE_VERBOSE): its log is what --follow shows.
         run = api.submit(args.config, args.overrides, address=args.address,
@@ -179,19 +182,20 @@ def _submit(args: argparse.Namespace) -> int:
         return 0
     try:
         _show_job_log(run.follow())
-        status = run.wait()
-        run_id = run.mlflow_run_id()
-    except KeyboardInterrupt:
+        summary = run.summary(run.wait())
+    except KeyboardInterrupt:  # the job goes on: it has no end to summarise yet
         print(f"raylane: stopped following job {run.job_id}; it goes on (follow it again with: {follow})",
               file=sys.stderr, flush=True)
         return 130
     except Exception as exc:  # noqa: BLE001 - the cluster went away while following: one line
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        print(f"raylane: submit: lost job {run.job_id} at {run.address} ({type(exc).__name__}: {first})",
-              file=sys.stderr, flush=True)
-        return 1
-    print(f"job {run.job_id}: {status} (MLflow run {run_id})", flush=True)
-    return EXIT_CODES.get(status, 1)
+        summary = run.summary(None, f"lost job {run.job_id} at {run.address} ({type(exc).__name__}: {first})")
+        print(f"raylane: submit: {summary.error}", file=sys.stderr, flush=True)
+        summary.write(args.summary_json)
+        return summary.exit_code
+    summary.write(args.summary_json)
+    print(f"job {run.job_id}: {summary.job_status} (MLflow run {summary.run_id})", flush=True)
+    return summary.exit_code
 
 
 def _destinations(run: Any) -> str:

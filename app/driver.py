@@ -4,7 +4,6 @@ run, show progress, close the run with the right status and write the summary.""
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import re
 import signal
@@ -18,6 +17,7 @@ from typing import Any
 
 from raylane.config import BaseConfig, ConfigError
 from raylane.prechecks import closing_status, fresh_name, record_finished, run_folder
+from raylane.results import Status, TrainSummary
 from raylane.tracking.progress import ProgressDisplay
 
 log = logging.getLogger("raylane")
@@ -75,9 +75,9 @@ def _torchrun_rank_done(stack: ExitStack, world_size: int, peers_finish: bool) -
 
 
 def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
-          summary_path: str | None = None, register: str | None = None) -> dict[str, Any]:
+          summary_path: str | None = None, register: str | None = None) -> TrainSummary:
     """Run training to the end; returns the summary (on a torchrun rank other than 0, only its
-    `status`). `EXIT_CODES[summary["status"]]` is the command's exit code."""
+    `status` and `error`), whose `exit_code` is the command's."""
     from raylane.loop import preemption
     from raylane.loop.distributed import env_ranks, init_process_group
     from raylane.loop.startup import StartupTimes
@@ -120,18 +120,18 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         if use_ray:
             ray_stopper.start()  # the ranks are done; the records below need MLflow, not Ray
         else:
-            _torchrun_rank_done(stack, world_size, status == "FINISHED" or bool(result.get("preempted")))
+            _torchrun_rank_done(stack, world_size, status == Status.FINISHED or bool(result.get("preempted")))
         if not is_driver:
-            return {"status": status, "error": error}
-        summary = _summary(cfg, handle, status, error, result, display, launched, startup)
-        summary["resizes"] = resizes.resizes
+            return TrainSummary(status=status, error=error, run_name=cfg.run.name)
+        fields = _summary(cfg, handle, status, error, result, display, launched, startup)
+        fields["resizes"] = resizes.resizes
         if recorder:
             recorder.record_resizes(resizes.resizes)
-            summary.update(recorder.finish(status, summary["checkpoint"], register))
+            fields.update(recorder.finish(status, fields["checkpoint"], register))
             closer.close(status)
+        summary = TrainSummary.model_validate(fields)
         record_finished(cfg, summary)
-        if summary_path:
-            Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        summary.write(summary_path)
         _print_outcome(summary, ui_command(tracking_uri, handle))
         return summary
 
@@ -180,23 +180,20 @@ class _RunCloser:
 
     def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> bool:
         if kind is not None:
-            self.close("FAILED" if issubclass(kind, Exception) else "KILLED")
+            self.close(Status.FAILED if issubclass(kind, Exception) else Status.KILLED)
         return False
 
 
-def _not_started(cfg: BaseConfig, closer: _RunCloser, exc: BaseException) -> dict[str, Any]:
+def _not_started(cfg: BaseConfig, closer: _RunCloser, exc: BaseException) -> TrainSummary:
     """Ray could not be started or joined, or a signal came while the launch waited for it. An
     interrupt ends the launch KILLED, as one during training does; anything else is raised again
     (FAILED)."""
     interrupted = not isinstance(exc, Exception)  # KeyboardInterrupt (SIGTERM too), or Ray's SystemExit
-    closer.close("KILLED" if interrupted else "FAILED")
+    closer.close(Status.KILLED if interrupted else Status.FAILED)
     if not interrupted:
         raise exc
     print("raylane: interrupted while waiting for the Ray cluster; nothing was trained", file=sys.stderr, flush=True)
-    return {"status": "KILLED", "error": "interrupted before training started", "run_name": cfg.run.name}
-
-
-EXIT_CODES = {"FINISHED": 0, "FAILED": 1, "KILLED": 130}
+    return TrainSummary(status=Status.KILLED, error="interrupted before training started", run_name=cfg.run.name)
 
 
 def _opened(cfg: BaseConfig, run_future: Any, tracking_uri: str) -> Any:
@@ -217,7 +214,7 @@ def _opened(cfg: BaseConfig, run_future: Any, tracking_uri: str) -> Any:
 
 
 def _execute(cfg: BaseConfig, use_ray: bool, embedded: bool, handle: Any, tracking_uri: str,
-             listeners: list[Any], display: ProgressDisplay | None) -> tuple[str, str | None, dict[str, Any]]:
+             listeners: list[Any], display: ProgressDisplay | None) -> tuple[Status, str | None, dict[str, Any]]:
     """Run the ranks, passing rank 0's events to `listeners`; returns (MLflow status, error
     message, result)."""
     run_id = handle.run_id if handle else None
@@ -239,13 +236,13 @@ def _execute(cfg: BaseConfig, use_ray: bool, embedded: bool, handle: Any, tracki
 
                 result = launch_local(cfg, run_id, tracking_uri, on_event)
         if result.get("preempted"):
-            return "KILLED", (f"stopped at step {result['steps']} ({result.get('stop_reason')}); "
+            return Status.KILLED, (f"stopped at step {result['steps']} ({result.get('stop_reason')}); "
                               f"checkpoint saved: relaunch with run.name={cfg.run.name} to resume"), result
-        return "FINISHED", None, result
+        return Status.FINISHED, None, result
     except KeyboardInterrupt:
-        return "KILLED", "interrupted", {}
+        return Status.KILLED, "interrupted", {}
     except Exception as exc:  # the launcher's message names the rank and its exception
-        return "FAILED", _failure_text(exc), {}
+        return Status.FAILED, _failure_text(exc), {}
     finally:
         if display:
             display.close()
@@ -267,14 +264,17 @@ def _failure_text(exc: Exception) -> str:
     return f"{type(exc).__name__}: {lines[0]}" + (" (the rest in the library log)" if len(lines) > 1 else "")
 
 
-def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, result: dict[str, Any],
+def _summary(cfg: BaseConfig, handle: Any, status: Status, error: str | None, result: dict[str, Any],
              display: ProgressDisplay, launched: float, startup: Any) -> dict[str, Any]:
-    ended = time.time()
+    """The fields of the run's TrainSummary (raylane.results describes each)."""
     first = display.first_step_unix
+    copied = ("world_size", "backend", "epochs", "partial_epoch", "steps", "samples_per_s", "train_s", "train_cpu_s",
+              "checkpoint_stall_s", "epoch_end_s", "tokens_per_s", "mfu", "memory", "strategy", "mesh", "node_ranks",
+              "last_window", "steps_per_epoch", "resumed_from_step", "stop_reason", "tracking_cost_s")
     return {
-        "status": status,
-        "error": error,
-        "run_name": cfg.run.name,
+        **{key: result.get(key) for key in copied},
+        "world_size": result.get("world_size", cfg.scaling.num_workers),
+        "status": status, "error": error, "run_name": cfg.run.name,
         "run_id": handle.run_id if handle else None,
         "tracking_uri": handle.tracking_uri if handle else None,
         "experiment": cfg.mlflow.experiment,
@@ -282,51 +282,21 @@ def _summary(cfg: BaseConfig, handle: Any, status: str, error: str | None, resul
         # committed after the last one the display heard of, or one of an earlier launch).
         "checkpoint": result.get("checkpoint") or _newest_checkpoint(cfg)
         or (display.checkpoints[-1]["location"] if display.checkpoints else None),
-        "skipped_checkpoints": display.skipped_checkpoints,  # newer ones the resume passed over, and why
-        "world_size": result.get("world_size", cfg.scaling.num_workers),
-        "backend": result.get("backend"),
-        "epochs": result.get("epochs"),
-        "partial_epoch": result.get("partial_epoch"),  # of the epoch a stop left unfinished
-        "steps": result.get("steps"),
-        "wall_s": round(ended - launched, 3),
-        "samples_per_s": result.get("samples_per_s"),
-        "train_s": result.get("train_s"),  # rank 0, from the start of training to the end of its loop
-        "train_cpu_s": result.get("train_cpu_s"),  # rank 0's process, over the same span
-        "checkpoint_stall_s": result.get("checkpoint_stall_s"),  # rank 0's loop, waiting on saves
-        # From the start of training to the end of each epoch's evaluation and save (bench B9).
-        "epoch_end_s": result.get("epoch_end_s"),
-        "tokens_per_s": result.get("tokens_per_s"),
-        "mfu": result.get("mfu"),
-        # The largest over the ranks: parameters + gradients + optimizer state one rank holds,
-        # and peak device memory (GPU) or peak resident memory of the process (CPU).
-        "memory": result.get("memory"),
-        "strategy": result.get("strategy"),
-        "mesh": result.get("mesh"),
-        # Each rank's node, numbered in rank order (Ray runs; torchrun's ranks leave it out).
-        "node_ranks": result.get("node_ranks"),
+        "skipped_checkpoints": display.skipped_checkpoints,
+        "wall_s": round(time.time() - launched, 3),
         "metrics": result.get("metrics", {}),
-        # Rank 0's train loss and throughput over the run's last logged steps (MLflow's last train/*).
-        "last_window": result.get("last_window"),
-        "steps_per_epoch": result.get("steps_per_epoch"),
-        "resumed_from_step": result.get("resumed_from_step"),
         # Every (re)start of the worker group announces itself; the first one is not a restart.
         "restarts": max(display.starts - 1, 0),
         "skipped_steps": result.get("skipped_steps", 0),
         "failed_checkpoints": result.get("failed_checkpoints", 0),
         "preempted": bool(result.get("preempted")),
-        # Why training ended before its last step: a stop request, or train.early_stopping (FINISHED).
-        "stop_reason": result.get("stop_reason"),
         "early_stopped": bool(result.get("early_stopped")),
-        "tracking_cost_s": result.get("tracking_cost_s"),
         "timing": {
             "launched_unix": launched,
             "first_step_unix": first,
             "last_step_unix": display.end_unix,
             "launch_to_first_step_s": round(first - launched, 3) if first else None,
-            # When each restarted worker group took its first step: recovery time after a failure.
             "restart_first_step_unix": display.first_steps_unix[1:],
-            # Seconds from the launch (the `raylane` process, or torchrun's agent, starting) to
-            # the end of each start-up phase, in raylane.loop.startup.PHASES order.
             "startup": startup.seconds(),
             "startup_origin_unix": startup.unix.get("launch"),
         },
@@ -351,7 +321,7 @@ def _newest_checkpoint(cfg: BaseConfig) -> str | None:
     return path if path is None or isinstance(fs, pafs.LocalFileSystem) else f"{fs.type_name}://{path}"
 
 
-def _print_outcome(summary: dict[str, Any], ui: str) -> None:
+def _print_outcome(summary: TrainSummary, ui: str) -> None:
     from raylane.logs import log_file
     from raylane.tracking.progress import outcome_text
 

@@ -24,6 +24,7 @@ from raylane import paths, pipelines_ref
 from raylane.batching import effective_global_batch
 from raylane.config import BaseConfig, ConfigError, did_you_mean, flatten
 from raylane.loop.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, newest_valid, read_manifest, verify
+from raylane.results import Status, TrainSummary
 
 log = logging.getLogger("raylane")
 
@@ -474,14 +475,15 @@ def _finished(cfg: BaseConfig, folder: Path) -> Finished | None:
     return Finished(line, summary)
 
 
-def record_finished(cfg: BaseConfig, summary: dict[str, Any]) -> None:
+def record_finished(cfg: BaseConfig, summary: TrainSummary) -> None:
     """The driver, after a run FINISHED (its MLflow run closed): the record the next launch reads."""
     folder = run_folder(cfg)
-    if folder is None or summary.get("status") != "FINISHED" or not folder.is_dir():
+    if folder is None or summary.status != Status.FINISHED or not folder.is_dir():
         return
     tmp = folder / (RUN_RECORD + ".tmp")
+    record = {"status": "FINISHED", "summary": summary.model_dump(mode="json", by_alias=True)}
     try:
-        tmp.write_text(json.dumps({"status": "FINISHED", "summary": summary}, indent=2, sort_keys=True, default=str))
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
         os.replace(tmp, folder / RUN_RECORD)  # whole or not at all: a torn record would hide the run's end
     except OSError as exc:
         log.warning("could not record run %s as finished in %s: %s", cfg.run.name, folder, exc)

@@ -129,9 +129,12 @@ def prepare_submit(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
     return cfg
 
 
-def prepare_export(checkpoint: str, out: str, fmt: str = "safetensors", adapter_only: bool = False) -> str:
+def prepare_export(checkpoint: str, out: str, fmt: str = "safetensors", adapter_only: bool = False,
+                   summary_json: str | None = None) -> str:
     """The checkpoint to export (a run's folder: its newest valid checkpoint, said in one line),
     after checking the arguments."""
+    if summary_json:
+        prechecks.writable_file("--summary-json", summary_json)
     checkpoint = prechecks.newest_in_run(checkpoint)
     if fmt == "hf":
         prechecks.check_export_hf(checkpoint, out, adapter_only)

@@ -4,6 +4,7 @@ by process-group id if it outlives the test."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -176,7 +177,35 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.2):
 
 
 def read_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())
+    """A JSON file; a command's summary (any dict with a `status`) is first checked against the
+    documented schema, docs/summary.schema.json, and read back as its raylane type: every
+    summary a test reads is validated."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict) and "status" in data:
+        check_summary(data)
+    return data
+
+
+@functools.cache
+def _summary_validator(command: str):
+    """The documented schema's part for one command (its `oneOf` would report only that none matched)."""
+    import jsonschema
+
+    from raylane.results import SUMMARIES
+
+    schema = json.loads((REPO / "docs" / "summary.schema.json").read_text())
+    assert command in SUMMARIES, f"summary of an unknown command {command!r}"
+    return jsonschema.Draft202012Validator({"$defs": schema["$defs"], "$ref": f"#/$defs/{SUMMARIES[command].__name__}"})
+
+
+def check_summary(data: dict) -> None:
+    from raylane.results import SUMMARIES
+
+    assert "command" in data, f"summary without a command: {sorted(data)}"
+    errors = sorted(_summary_validator(data["command"]).iter_errors(data), key=lambda e: list(e.absolute_path))
+    assert not errors, "summary does not match docs/summary.schema.json: " + "; ".join(
+        f"{'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message[:200]}" for e in errors[:5])
+    SUMMARIES[data["command"]].model_validate(data)
 
 
 def free_port() -> int:

@@ -130,8 +130,11 @@ def test_export_from_two_rank_checkpoint_loads_with_safetensors_alone(run_cli, t
                    "--set", "train.max_epochs=1", "--summary-json", "s.json", launcher=TORCHRUN)
     assert proc.wait(180) == 0, proc.output
     s = read_json(tmp_path / "s.json")
-    out = run_cli("export", s["checkpoint"], "--out", "model.safetensors")
+    out = run_cli("export", s["checkpoint"], "--out", "model.safetensors", "--summary-json", "export.json")
     assert out.wait(120) == 0, out.output
+    exported = read_json(tmp_path / "export.json")
+    assert (exported["command"], exported["checkpoint"], exported["files"]) == \
+        ("export", s["checkpoint"], [str(tmp_path / "model.safetensors"), str(tmp_path / "model.config.json")])
     # A fresh interpreter with neither torch nor Ray: safetensors and numpy only.
     code = ("import sys, json; from safetensors.numpy import load_file\n"
             "w = load_file('model.safetensors'); assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, descendants, free_port, session_processes, wait_for
+from tests.conftest import REPO, descendants, free_port, read_json, session_processes, wait_for
 
 pytestmark = pytest.mark.ray
 BIN = Path(sys.executable).parent
@@ -151,7 +151,8 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_pat
     (mine / "job.yaml").write_text("pipeline: digits\ntrain: {max_epochs: 1}\n"
                                    "mlflow: {log_model: false, system_metrics: false}\n")
     env_here = {k: v for k, v in env.items() if k != "MLFLOW_TRACKING_URI"}
-    follow = subprocess.Popen([str(BIN / "raylane"), "submit", "job.yaml", "--address", url, "--follow"], cwd=mine,
+    follow = subprocess.Popen([str(BIN / "raylane"), "submit", "job.yaml", "--address", url, "--follow",
+                               "--summary-json", "job.json"], cwd=mine,
                               env=env_here, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = follow.communicate(timeout=400)
@@ -173,6 +174,9 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_pat
     job_id, status, run_id = re.search(r"job (raysubmit_\w+): (\w+) \(MLflow run ([0-9a-f]{32})\)",
                                        stdout).groups()
     assert status == "SUCCEEDED"
+    job = read_json(mine / "job.json")  # the job's end, as the schema documents it
+    assert (job["command"], job["status"], job["job_status"], job["job_id"], job["run_id"]) == \
+        ("submit", "FINISHED", "SUCCEEDED", job_id, run_id)
     from mlflow.tracking import MlflowClient
 
     run = MlflowClient(f"sqlite:///{mine / 'mlflow.db'}").get_run(run_id)  # the submitter's own store
@@ -233,7 +237,7 @@ def test_autoscaler_adds_nodes_for_a_two_worker_run_and_removes_them_after(tmp_p
              "--summary-json", str(tmp_path / "summary.json")],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-        summary = json.loads((tmp_path / "summary.json").read_text())
+        summary = read_json(tmp_path / "summary.json")
         assert summary["status"] == "FINISHED" and summary["metrics"]["accuracy"] > 0.8
         # One worker on each added node. Ray Train, which numbers nodes by IP address, calls them
         # both node 0 here; raylane numbers them by Ray node id, and shards HSDP within a node.
@@ -430,7 +434,7 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_one_dies(tmp_pa
         finally:
             if run.poll() is None:
                 os.killpg(run.pid, signal.SIGKILL)
-        summary = json.loads((tmp_path / "summary.json").read_text())
+        summary = read_json(tmp_path / "summary.json")
         assert summary["status"] == "FINISHED", summary
         resizes = summary["resizes"]
         assert [(r["from"], r["to"]) for r in resizes[:2]] == [(1, 2), (2, 1)], (resizes, log.read_text()[-6000:])

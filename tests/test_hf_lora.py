@@ -207,10 +207,13 @@ def test_export_hf_of_a_full_and_a_lora_run_loads_and_generates(project):
     ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     full_ck = read_json(project / "full-2.json")["checkpoint"]
     run_folder = str(Path(full_ck).parent)  # a run's folder: its newest checkpoint, said in one line
-    proc = subprocess.run([sys.executable, "-m", "raylane", "export", run_folder, "--format", "hf", "--out", "full-hf"],
-                          check=False, cwd=project, env=cli_env(project), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "raylane", "export", run_folder, "--format", "hf", "--out", "full-hf",
+                           "--summary-json", "export.json"], check=False, cwd=project, env=cli_env(project), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "wrote a save_pretrained model to full-hf" in proc.stdout
+    exported = read_json(project / "export.json")
+    assert exported["checkpoint"] == full_ck and exported["format"] == "hf"
+    assert str(project / "full-hf" / "config.json") in exported["files"]
     assert proc.stderr.strip() == f"raylane: exporting {full_ck}, the run's newest checkpoint", proc.stderr
     full = AutoModelForCausalLM.from_pretrained(project / "full-hf")
     assert full.lm_head.weight is full.model.embed_tokens.weight  # still tied

@@ -60,10 +60,11 @@ def test_installed_package_imports_as_raylane_and_not_as_app(wheel, tmp_path):
 
 
 def test_python_api_trains_and_returns_the_summary(tmp_path):
-    code = ("import json, raylane\n"
+    code = ("import raylane\n"
             "s = raylane.train('regression', ['train.max_steps=6', 'mlflow.enabled=false', "
             f"'run.storage_path={tmp_path / 'runs'}', 'run.name=api'], local=True)\n"
-            "print('SUMMARY', json.dumps(s))\n"
+            "assert isinstance(s, raylane.TrainSummary) and s.exit_code == 0, s\n"
+            "print('SUMMARY', s.model_dump_json())\n"
             "try:\n    raylane.train('regression', ['train.batch_size=0'])\n"
             "except raylane.ConfigError as e:\n    print('ERROR', e)\n"
             "try:\n    raylane.tune('no-such-sweep.yaml')\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 from raylane.loop.reporting import Reporter
+from raylane.results import TrainSummary
 from raylane.tracking.progress import ProgressDisplay, epochs_text, outcome_text, plural
 
 
@@ -66,7 +67,7 @@ def _summary(**changes):
                "metrics": {"accuracy": 0.9}, "run_id": "a" * 32, "checkpoint": "/c", "samples_per_s": 884.2,
                "tokens_per_s": None,
                "last_window": {"first_step": 21, "last_step": 23, "loss": 0.88968, "samples_per_s": 551.49}}
-    return {**summary, **changes}
+    return TrainSummary.model_validate({**summary, **changes})
 
 
 def test_the_final_block_names_what_each_figure_measures():

@@ -273,7 +273,7 @@ def scratch(tmp_path_factory) -> Path:
     # In this process, where the checks above have imported torch already: seconds less than a CLI run.
     summary = raylane.train("regression", ["train.max_steps=2", "mlflow.enabled=false",
                                            f"run.storage_path={root / 'runs'}"], local=True)
-    assert summary["status"] == "FINISHED", summary
+    assert summary.status == raylane.Status.FINISHED, summary
     return root
 
 

@@ -24,12 +24,12 @@ from raylane.config import BaseConfig, ConfigError
 from raylane.onray.addresses import JOIN_TIMEOUT_S, jobs_url, on_this_machine, unreachable, version_mismatch
 from raylane.prechecks import NoAnswer, within, writable_dir
 from raylane.prepare import prepare_submit
+from raylane.results import JOB_STATUSES, Status, SubmitSummary
 from raylane.tracking.runs import DEFAULT_TRACKING_URI, absolute_tracking_uri, local_store
 
 # Uploaded with every job: never the virtualenv, local runs, MLflow stores or test output.
 EXCLUDES = [".venv", ".git", "runs", "mlflow.db", "mlruns", "mlartifacts", "mlflow-server", "test-artifacts",
             "**/__pycache__", "*.pyc"]
-EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 130}
 _RUN_ID = re.compile(r"MLflow run id:\s+([0-9a-f]{32})")
 
 
@@ -66,9 +66,19 @@ class SubmittedRun:
 
     def wait(self, timeout_s: float = float("inf"), poll_s: float = 1.0) -> str:
         deadline = time.monotonic() + timeout_s
-        while (status := self.status()) not in EXIT_CODES and time.monotonic() < deadline:
+        while (status := self.status()) not in JOB_STATUSES and time.monotonic() < deadline:
             time.sleep(poll_s)
         return status
+
+    def summary(self, job_status: str | None, error: str | None = None) -> SubmitSummary:
+        """The job's end as `raylane submit --follow` reports it (`job_status` None: it was lost)."""
+        status = JOB_STATUSES.get(job_status or "", Status.FAILED)
+        if error is None and status != Status.FINISHED:
+            error = f"job {self.job_id} ended {job_status}: its log above (or `ray job logs {self.job_id}`) says why"
+        return SubmitSummary(status=status, error=error, job_id=self.job_id, address=self.address,
+                             job_status=job_status, run_id=self.mlflow_run_id() if job_status else None,
+                             run_name=self.run_name, tracking_uri=self.tracking_uri, experiment=self.experiment,
+                             storage_path=self.storage_path)
 
     def mlflow_run_id(self) -> str | None:
         """The run id the job's driver printed (None until it has)."""

@@ -40,6 +40,7 @@ from raylane.onray.sweep import (
     write_record,
 )
 from raylane.onray.trials import SWEEP_TAG, TRIAL_TAG, MetricReported, TrialRuns
+from raylane.results import Status, SweepSummary
 from raylane.tracking.progress import plural
 from raylane.tracking.records import RUN_RATES
 from raylane.tracking.runs import (
@@ -291,7 +292,7 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
 # -- the driver --------------------------------------------------------------------------------
 
 def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, summary_path: str | None,
-              register: str | None) -> dict[str, Any]:
+              register: str | None) -> SweepSummary:
     """Run (or continue) the sweep on the cluster at `address` (as resolved by
     raylane.onray.localcluster.resolve_address; None: an embedded one); returns its summary, whose
     `status` is FINISHED when every trial ended cleanly and FAILED otherwise. Every way out closes
@@ -318,8 +319,7 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
         if embedded:
             shutdown_ray(embedded)
         lease.release()
-    if summary_path:
-        Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    summary.write(summary_path)
     print(sweep_results.table(rows, sweep), flush=True)
     if best:
         print(f"best trial {best['trial_id']}: {sweep.metric} {best['metric']:.4f} (MLflow run {best['run_id']})",
@@ -329,7 +329,7 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
 
 
 def _sweep(sweep: SweepSection, base: BaseConfig, parent: RunHandle, embedded: bool, tracking_uri: str,
-           register: str | None) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+           register: str | None) -> tuple[SweepSummary, list[dict[str, Any]], dict[str, Any] | None]:
     """The trials on the cluster Ray joined, and their results on the parent run: (summary,
     rows, best trial)."""
     concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
@@ -346,13 +346,16 @@ def _sweep(sweep: SweepSection, base: BaseConfig, parent: RunHandle, embedded: b
     best = sweep_results.best(grid, sweep, rows)
     trial_s = sum(r["time_s"] or 0 for r in rows)
     # The ideal: every trial's own time, perfectly packed `concurrency` at a time.
-    summary = {"status": "FAILED" if grid.errors else "FINISHED",
-               "parent_run_id": parent.run_id, "tracking_uri": tracking_uri, "sweep": sweep.name,
-               "best": best, "trials": rows, "concurrency": concurrency,
-               "timing": {"wall_s": wall_s, "trial_s_sum": trial_s, "ideal_s": trial_s / concurrency}}
-    summary.update(sweep_results.record_parent(parent, sweep, rows, best, register))
-    close_run(parent, "FINISHED" if not grid.errors else "FAILED")
-    write_record(sweep, base, summary["status"], parent_run_id=parent.run_id, best=best, trials=len(rows))
+    status = Status.FAILED if grid.errors else Status.FINISHED
+    failed = [r["trial_id"] for r in rows if r["error"]]
+    summary = SweepSummary.model_validate({
+        "status": status, "parent_run_id": parent.run_id, "tracking_uri": tracking_uri, "sweep": sweep.name,
+        "error": f"{len(grid.errors)} of {len(rows)} trials failed ({', '.join(failed)})" if grid.errors else None,
+        "best": best, "trials": rows, "concurrency": concurrency,
+        "timing": {"wall_s": wall_s, "trial_s_sum": trial_s, "ideal_s": trial_s / concurrency},
+        **sweep_results.record_parent(parent, sweep, rows, best, register)})
+    close_run(parent, status)
+    write_record(sweep, base, status, parent_run_id=parent.run_id, best=best, trials=len(rows))
     return summary, rows, best
 
 

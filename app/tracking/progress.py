@@ -12,6 +12,8 @@ import sys
 import time
 from typing import IO, Any
 
+from raylane.results import TrainSummary
+
 LINE_INTERVAL_S = 10.0
 LABEL_WIDTH = 15
 
@@ -188,44 +190,42 @@ class ProgressDisplay:
             self._bar = None
 
 
-def outcome_text(summary: dict[str, Any], ui: str, log_file: Any = None) -> str:
+def outcome_text(summary: TrainSummary, ui: str, log_file: Any = None) -> str:
     """The block a run ends with. Each figure names what it measures: the eval metrics the step
     they were taken at, train loss and throughput the window of steps they cover (the last line of
     the progress display, and MLflow's train/* at that step), the run's throughput the whole run."""
+    s = summary
     rows: list[tuple[str, str]] = []
-    if summary["error"]:
-        rows.append(("error", summary["error"]))
-    if summary["resumed_from_step"]:
-        rows.append(("resumed from", f"step {summary['resumed_from_step']}"))
-    nodes = len(set(summary.get("node_ranks") or [0]))
-    steps = summary["steps"]
-    if steps is not None:
-        rows.append(("steps", f"{steps:,} in {epochs_text(steps, summary['epochs'] or 0, summary.get('steps_per_epoch'), partial=summary.get('partial_epoch'))}"
-                              f" on {plural(summary['world_size'], 'worker')}"
+    if s.error:
+        rows.append(("error", s.error))
+    if s.resumed_from_step:
+        rows.append(("resumed from", f"step {s.resumed_from_step}"))
+    nodes = len(set(s.node_ranks or [0]))
+    if s.steps is not None:
+        rows.append(("steps", f"{s.steps:,} in {epochs_text(s.steps, s.epochs or 0, s.steps_per_epoch, partial=s.partial_epoch)}"
+                              f" on {plural(s.world_size or 0, 'worker')}"
                               + (f" across {plural(nodes, 'node')}" if nodes > 1 else "")))
-    window = summary.get("last_window")
+    window = s.last_window.model_dump(exclude_none=True) if s.last_window else None
     if window and "loss" in window:
         rows.append(("train loss", f"{window['loss']:.4f} ({window_span(window)}, rank 0)"))
     rates = [f"{figures(window, with_loss=False)} ({window_span(window)})"] if window and "samples_per_s" in window else []
-    whole = figures({k: summary[k] for k in ("samples_per_s", "tokens_per_s") if summary.get(k) is not None})
+    whole = figures({k: v for k, v in (("samples_per_s", s.samples_per_s), ("tokens_per_s", s.tokens_per_s))
+                     if v is not None})
     rates += [f"{whole} (whole run)"] if whole else []
     if rates:
         rows.append(("throughput", ", ".join(rates)))
-    metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted(summary["metrics"].items()))
+    metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted(s.metrics.items()))
     rows.append(("eval", metrics or "-"))
-    if summary.get("early_stopped"):
-        rows.append(("stopped", summary.get("stop_reason") or "early stopping"))
-    if summary["run_id"]:
-        rows.append(("MLflow run id", summary["run_id"]))
-    else:
-        rows.append(("MLflow", "not recorded"))
-    rows.append(("checkpoint", summary["checkpoint"] or "none"))
-    if summary.get("model_uri"):
-        rows.append(("model", summary["model_uri"]))
-    if summary["run_id"]:
+    if s.early_stopped:
+        rows.append(("stopped", s.stop_reason or "early stopping"))
+    rows.append(("MLflow run id", s.run_id) if s.run_id else ("MLflow", "not recorded"))
+    rows.append(("checkpoint", s.checkpoint or "none"))
+    if s.model_uri:
+        rows.append(("model", s.model_uri))
+    if s.run_id:
         rows.append(("MLflow UI", ui))
     if log_file:
         rows.append(("library log", f"{log_file} (Ray, MLflow, torch; --verbose prints them)"))
-    lines = [f"run {summary['run_name']}: {summary['status']}"]
+    lines = [f"run {s.run_name}: {s.status}"]
     lines += [f"  {label + ':':<{LABEL_WIDTH}}{text}" for label, text in rows]
     return "\n".join(lines)
