@@ -64,7 +64,7 @@ def test_a_finished_run_relaunched_trains_and_logs_nothing(finished, monkeypatch
     from raylane.api import train as run_training
 
     again = run_training("digits", [*RUN[1::2], "train.max_steps=3"], local=True)
-    assert again["already_finished"] and again["run_id"] == a["run_id"] and again["steps"] == 3
+    assert again.already_finished and again.run_id == a["run_id"] and again.steps == 3
     assert _hashes(finished) == before  # not one byte of the run, its database or its model
 
 
