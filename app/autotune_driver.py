@@ -45,6 +45,7 @@ from raylane.config import (
     validate,
 )
 from raylane.lease import LEASE_FILES
+from raylane.loop.events import Candidate, Event, Log, Round, SearchStart
 from raylane.loop.search_order import RECORD_FILE
 from raylane.loop.search_ranking import CONFIDENCE, verdict
 from raylane.results import AutotuneSummary, Candidate, Status
@@ -280,26 +281,24 @@ class Recorder:
         print(f"[raylane] autotune {cfg.run.name}: {cfg.scaling.num_workers} workers"
               + (f"; MLflow parent run {self.parent.run_id}" if self.parent else ""), flush=True)
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "search_start":
-            self.search_started = event["time_unix"]
-        elif kind == "candidate":
-            print(f"[autotune] {event['index']}: {_describe(event)}" + (" (recorded)" if event.get("replayed") else ""),
-                  flush=True)
-            run_id = None
-            if self.parent:
-                run_id = (self._earlier_child(event["index"]) if event.get("replayed") else None) or self._child(event)
-            self.run_ids.append(run_id)
-        elif kind == "round":
-            index = event["index"]
-            print(f"[autotune] {index} again (round {event.get('rounds')}): {_describe(event)}"
-                  + (" (recorded)" if event.get("replayed") else ""), flush=True)
-            run_id = self.run_ids[index] if index < len(self.run_ids) else None
-            if run_id and not event.get("replayed"):  # a replayed round is in its child already
-                self.client.log_batch(run_id, metrics=_metrics(event, step=event.get("rounds") or 0))
-        elif kind == "log" and event.get("level") in ("warning", "error"):
-            print(f"raylane: warning: {event.get('message')}", flush=True)
+    def on_event(self, event: Event) -> None:
+        match event:
+            case SearchStart():
+                self.search_started = event.time_unix
+            case Candidate(index=index, outcome=c):
+                print(f"[autotune] {index}: {_describe(c)}" + (" (recorded)" if event.replayed else ""), flush=True)
+                run_id = None
+                if self.parent:
+                    run_id = (self._earlier_child(index) if event.replayed else None) or self._child(index, c)
+                self.run_ids.append(run_id)
+            case Round(index=index, outcome=c):
+                print(f"[autotune] {index} again (round {event.rounds}): {_describe(c)}"
+                      + (" (recorded)" if event.replayed else ""), flush=True)
+                run_id = self.run_ids[index] if index < len(self.run_ids) else None
+                if run_id and not event.replayed:  # a replayed round is in its child already
+                    self.client.log_batch(run_id, metrics=_metrics(c, step=event.rounds or 0))
+            case Log() if event.level in ("warning", "error"):
+                print(f"raylane: warning: {event.message}", flush=True)
 
     def _earlier_child(self, index: int) -> str | None:
         """The child an earlier launch of this search recorded for candidate `index`."""
@@ -308,10 +307,10 @@ class Recorder:
             filter_string=f"tags.`{PARENT_TAG}` = '{self.parent.run_id}' and tags.`mlflow.runName` = 'candidate-{index}'")
         return found[0].info.run_id if found else None
 
-    def _child(self, c: dict[str, Any]) -> str:
+    def _child(self, index: int, c: dict[str, Any]) -> str:
         from mlflow.entities import Param, RunTag
 
-        tags = {PARENT_TAG: self.parent.run_id, "mlflow.runName": f"candidate-{c['index']}",
+        tags = {PARENT_TAG: self.parent.run_id, "mlflow.runName": f"candidate-{index}",
                 "raylane.autotune.status": c["status"]}
         run_id = self.client.create_run(self.parent.experiment_id, tags=tags).info.run_id
         params = [Param(k, str(v)) for k, v in {**c["values"], "train.grad_accum_steps": c.get("grad_accum_steps")}.items()]

@@ -10,12 +10,14 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from raylane.config import BaseConfig, ConfigError
+from raylane.loop.events import Event
 from raylane.prechecks import closing_status, fresh_name, record_finished, run_folder
 from raylane.results import Status, TrainSummary
 from raylane.tracking.progress import ProgressDisplay
@@ -214,12 +216,13 @@ def _opened(cfg: BaseConfig, run_future: Any, tracking_uri: str) -> Any:
 
 
 def _execute(cfg: BaseConfig, use_ray: bool, embedded: bool, handle: Any, tracking_uri: str,
-             listeners: list[Any], display: ProgressDisplay | None) -> tuple[Status, str | None, dict[str, Any]]:
+             listeners: list[Callable[[Event], None]],
+             display: ProgressDisplay | None) -> tuple[Status, str | None, dict[str, Any]]:
     """Run the ranks, passing rank 0's events to `listeners`; returns (MLflow status, error
     message, result)."""
     run_id = handle.run_id if handle else None
 
-    def on_event(event: dict[str, Any]) -> None:
+    def on_event(event: Event) -> None:
         for listener in listeners:
             listener(event)
 
@@ -281,7 +284,7 @@ def _summary(cfg: BaseConfig, handle: Any, status: Status, error: str | None, re
         # A run that failed has no result: its newest valid checkpoint is on storage (an async save
         # committed after the last one the display heard of, or one of an earlier launch).
         "checkpoint": result.get("checkpoint") or _newest_checkpoint(cfg)
-        or (display.checkpoints[-1]["location"] if display.checkpoints else None),
+        or (display.checkpoints[-1].location if display.checkpoints else None),
         "skipped_checkpoints": display.skipped_checkpoints,
         "wall_s": round(time.time() - launched, 3),
         "metrics": result.get("metrics", {}),

@@ -15,6 +15,7 @@ import torch
 
 from raylane.config import CheckpointSection
 from raylane.loop import checkpoint
+from raylane.loop.events import Checkpoint, CheckpointFailed, Event
 from raylane.loop.faults import Fault, FaultPlan
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import LocalRuntime
@@ -26,7 +27,7 @@ def _setup(tmp_path: Path, **section):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    events: list[dict] = []
+    events: list[Event] = []
     runtime = LocalRuntime(CheckpointStore(str(tmp_path / "run"), None, 0), 0, 0, 1, torch.device("cpu"))
     saver = Saver(runtime, CheckpointSection(**section), Reporter(is_rank_zero=True, publish=events.append))
     return model, optimizer, saver, events
@@ -68,7 +69,7 @@ def test_staged_copy_is_unaffected_by_later_steps(tmp_path, monkeypatch):
     assert not torch.equal(_state(model, optimizer)["model.0.weight"], at_save["model.0.weight"])
     release.set()
     saver.settle()
-    assert [e["event"] for e in events] == ["checkpoint"] and events[0]["step"] == 2
+    assert [type(e) for e in events] == [Checkpoint] and events[0].step == 2
 
     fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
@@ -138,9 +139,8 @@ def test_a_failed_save_is_reported_or_raised_when_settled(tmp_path, async_save):
         _step(model, optimizer, saver)
         saver.save(model, optimizer, {"step": step, "epoch": 0})
     saver.settle()
-    assert [(e["event"], e["step"]) for e in events] == [
-        ("checkpoint", 1), ("checkpoint_failed", 2), ("checkpoint", 3)]
-    assert "No space left on device" in events[1]["error"] and saver.failed == 1
+    assert [(type(e), e.step) for e in events] == [(Checkpoint, 1), (CheckpointFailed, 2), (Checkpoint, 3)]
+    assert "No space left on device" in events[1].error and saver.failed == 1
     assert [Path(p).name for p in checkpoint.committed(str(tmp_path / "run"))] == [
         checkpoint.checkpoint_name(1), checkpoint.checkpoint_name(3)]
     assert not (tmp_path / "run" / checkpoint.checkpoint_name(2)).exists()

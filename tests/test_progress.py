@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import io
 
+from raylane.loop.events import Checkpoint, End, Eval, FirstStep, Log, Progress, Start
 from raylane.loop.reporting import Reporter
 from raylane.results import TrainSummary
 from raylane.tracking.progress import ProgressDisplay, epochs_text, outcome_text, plural
 
 
 def _feed(display: ProgressDisplay) -> None:
-    display.handle({"event": "start", "total_steps": 100, "steps_per_epoch": 50, "max_epochs": 2,
-                    "world_size": 2, "resumed_from_step": 40})
-    display.handle({"event": "first_step", "step": 41, "time_unix": 1000.0})
+    display.handle(Start(total_steps=100, steps_per_epoch=50, max_epochs=2, world_size=2, host="h",
+                         resumed_from_step=40))
+    display.handle(FirstStep(step=41, time_unix=1000.0))
     window = {"first_step": 41, "last_step": 41, "loss": 0.5, "samples_per_s": 1234.0}
     for step in range(41, 60):
-        display.handle({"event": "progress", "epoch": 0, "step": step, "window": window})
-    display.handle({"event": "eval", "epoch": 0, "step": 50, "metrics": {"accuracy": 0.9, "loss": 0.3}})
-    display.handle({"event": "checkpoint", "step": 50, "location": "/x/checkpoint_000000050"})
+        display.handle(Progress(epoch=0, step=step, window=window))
+    display.handle(Eval(epoch=0, step=50, metrics={"accuracy": 0.9, "loss": 0.3}))
+    display.handle(Checkpoint(step=50, location="/x/checkpoint_000000050", epoch=0, metrics={}, speed={},
+                              time_unix=1005.0))
     # The last steps' figures come with the end: the last line must not show the window above.
-    display.handle({"event": "end", "time_unix": 1010.0,
-                    "result": {"steps": 100, "epochs": 2, "metrics": {"accuracy": 0.95},
+    display.handle(End(time_unix=1010.0,
+                       result={"steps": 100, "epochs": 2, "metrics": {"accuracy": 0.95},
                                "last_window": {"first_step": 91, "last_step": 100, "loss": 0.25,
-                                               "samples_per_s": 2000.4, "tokens_per_s": 64012.0}}})
+                                               "samples_per_s": 2000.4, "tokens_per_s": 64012.0}}))
 
 
 def test_log_output_is_plain_and_rate_limited():
@@ -40,7 +42,7 @@ def test_log_output_is_plain_and_rate_limited():
     assert len(progress) == 2
     assert display.first_step_unix == 1000.0 and display.end_unix == 1010.0
     assert display.result["metrics"] == {"accuracy": 0.95}
-    assert display.checkpoints[-1]["location"].endswith("checkpoint_000000050")
+    assert display.checkpoints[-1].location.endswith("checkpoint_000000050")
 
 
 def test_terminal_output_is_a_live_bar():
@@ -55,9 +57,9 @@ def test_terminal_output_is_a_live_bar():
 def test_workers_warnings_are_shown_once_as_raylane_lines():
     out = io.StringIO()
     display = ProgressDisplay(stream=out, live=False)
-    display.handle({"event": "start", "total_steps": 10, "world_size": 2})
+    display.handle(Start(total_steps=10, steps_per_epoch=10, max_epochs=1, world_size=2, host="h"))
     for rank in (0, 1):
-        display.handle({"event": "log", "rank": rank, "level": "warning", "message": "checkpoint x is corrupt"})
+        display.handle(Log(rank=rank, level="warning", message="checkpoint x is corrupt"))
     assert out.getvalue().splitlines() == ["[raylane] warning (rank 0): checkpoint x is corrupt"]
 
 
@@ -94,9 +96,9 @@ def test_the_final_block_counts_in_words():
 def test_the_reporter_names_each_window_by_its_steps():
     events = []
     reporter = Reporter(is_rank_zero=True, publish=events.append)
-    reporter.on_start(total_steps=53, steps_per_epoch=30, resumed_from_step=40)
+    reporter.on_start(total_steps=53, steps_per_epoch=30, max_epochs=2, world_size=1, resumed_from_step=40)
     reporter.on_train_metrics(50, {"loss": 1.0, "samples_per_s": 10.0, "lr": 0.1})
     reporter.on_train_metrics(53, {"loss": 0.5, "samples_per_s": 20.0, "lr": 0.1})
     result = reporter.on_end({"steps": 53})
     assert result["last_window"] == {"first_step": 51, "last_step": 53, "loss": 0.5, "samples_per_s": 20.0}
-    assert result["steps_per_epoch"] == 30 and events[-1]["result"] == result
+    assert result["steps_per_epoch"] == 30 and events[-1].result == result

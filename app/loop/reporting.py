@@ -10,13 +10,25 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from raylane.loop.events import (
+    Checkpoint,
+    CheckpointFailed,
+    End,
+    Eval,
+    Event,
+    FirstStep,
+    Handover,
+    Progress,
+    Start,
+)
+
 PROGRESS_INTERVAL_S = 0.5
 # The training figures of one window of steps, as MLflow records them at the window's last step.
 WINDOW_KEYS = ("loss", "samples_per_s", "tokens_per_s")
 
 
 class Reporter:
-    def __init__(self, *, is_rank_zero: bool, publish: Callable[[dict[str, Any]], None],
+    def __init__(self, *, is_rank_zero: bool, publish: Callable[[Event], None],
                  metric_logger: Any | None = None) -> None:
         self.active = is_rank_zero
         self._publish = publish
@@ -35,17 +47,18 @@ class Reporter:
         if self.active:
             self._state.update(info)
             self._window_from = (info.get("resumed_from_step") or 0) + 1
-            self._publish({"event": "start", "host": socket.gethostname(), **info})
+            self._publish(Start(host=socket.gethostname(), **info))
 
     def on_step(self, *, epoch: int, step: int, first: bool) -> None:
         if not self.active:
             return
         now = time.monotonic()
         if first:
-            self._publish({"event": "first_step", "step": step, "time_unix": time.time()})
+            self._publish(FirstStep(step=step, time_unix=time.time()))
         if now - self._last_publish >= PROGRESS_INTERVAL_S:
             self._last_publish = now
-            self._publish({"event": "progress", "epoch": epoch, "step": step, **self._state})
+            state = dict(self._state)
+            self._publish(Progress(epoch=epoch, step=step, window=state.pop("window", None), state=state))
 
     def on_train_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """`metrics` cover the steps since the previous call (a window), and go to MLflow at `step`."""
@@ -64,7 +77,7 @@ class Reporter:
             return
         if self._metrics is not None:
             self._metrics.log({f"eval/{k}": v for k, v in metrics.items()}, step)
-        self._publish({"event": "eval", "epoch": epoch, "step": step, "metrics": metrics, "epoch_end": epoch_end})
+        self._publish(Eval(epoch=epoch, step=step, metrics=metrics, epoch_end=epoch_end))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """A hook's own metrics, to MLflow under the names given (raylane.loop.hooks)."""
@@ -76,13 +89,12 @@ class Reporter:
         """`metrics` are the eval metrics measured at this step (an epoch end), else empty; `speed`
         rank 0's throughput over that epoch (Trainer._epoch_speed)."""
         if self.active:
-            self._publish({"event": "checkpoint", "step": step, "location": location, "metrics": metrics,
-                           "epoch": epoch, "speed": speed or {},
-                           "time_unix": time.time()})
+            self._publish(Checkpoint(step=step, location=location, epoch=epoch, metrics=metrics, speed=speed or {},
+                                     time_unix=time.time()))
 
     def on_checkpoint_failed(self, *, step: int, error: str) -> None:
         if self.active:
-            self._publish({"event": "checkpoint_failed", "step": step, "error": error})
+            self._publish(CheckpointFailed(step=step, error=error))
 
     def on_end(self, result: dict[str, Any]) -> dict[str, Any]:
         """Publish the result; returns it with rank 0's logging cost added."""
@@ -96,6 +108,6 @@ class Reporter:
             self._metrics.close()
             result = {**result, "tracking_cost_s": self._metrics.cost()}
         # A group that hands over to a restart without a leaving node has not ended the run.
-        kind = "handover" if result.get("node_leaving") or result.get("growing") else "end"
-        self._publish({"event": kind, "time_unix": time.time(), "result": result})
+        kind = Handover if result.get("node_leaving") or result.get("growing") else End
+        self._publish(kind(time_unix=time.time(), result=result))
         return result

@@ -5,6 +5,7 @@ torchrun or in a single process by `launch_local` below. It never imports Ray.""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -23,6 +24,7 @@ from raylane.loop import checkpoint, faults, frozen, usercode
 from raylane.loop.data import eval_data, is_stream, train_data, worker_options
 from raylane.loop.devices import peak_flops
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
+from raylane.loop.events import Event, FirstStep, Start
 from raylane.loop.optim import build_optimizer, build_scheduler, schedule_note
 from raylane.loop.parallel import on_meta, parallelize, unwrap
 from raylane.loop.reporting import Reporter
@@ -150,13 +152,12 @@ def _note_small_epoch(dataset: Any, loader: Any, cfg: BaseConfig, world_size: in
                     world_size, "s" if world_size > 1 else "", accum)
 
 
-def _with_startup(publish: Callable[[dict[str, Any]], None],
-                  startup: dict[str, float]) -> Callable[[dict[str, Any]], None]:
+def _with_startup(publish: Callable[[Event], None], startup: dict[str, float]) -> Callable[[Event], None]:
     """`publish`, with the start-up phases so far on the start and first-step events (the
     start event leaves before the first batch is read)."""
-    def send(event: dict[str, Any]) -> None:
-        if event.get("event") in ("start", "first_step"):
-            event = {**event, "startup": dict(startup)}
+    def send(event: Event) -> None:
+        if isinstance(event, (Start, FirstStep)):
+            event = dataclasses.replace(event, startup=dict(startup))
         publish(event)
 
     return send
@@ -203,7 +204,7 @@ def _example_batch(dataset, batch_size: int, collate_fn: Callable[[list[Any]], A
 
 
 def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
-                 on_event: Callable[[dict[str, Any]], None], search: dict[str, Any] | None = None) -> dict[str, Any]:
+                 on_event: Callable[[Event], None], search: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run this process as one rank: a single process, or a torchrun rank (env vars say which).
     The caller leaves the process group (`raylane.loop.distributed.leave_process_group`). With
     `search`, the rank runs `raylane autotune`'s search (raylane.loop.search) instead of training."""

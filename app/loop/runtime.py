@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from raylane.loop.events import Event
 from raylane.loop.storage import CheckpointStore
 
 
@@ -44,7 +45,7 @@ class Runtime(Protocol):
     def discard_checkpoint(self, path: str) -> None:
         """Collective: remove what a failed save left behind (it was never committed)."""
 
-    def publish(self, event: dict[str, Any]) -> None:
+    def publish(self, event: Event) -> None:
         """Rank 0 only, must not block: progress and results for the driver."""
 
     def data_stream(self, name: str, source: Any, *, batch_size: int) -> Any | None:
@@ -57,7 +58,7 @@ class LocalRuntime:
     or shared directory, or object storage; see raylane.loop.storage)."""
 
     def __init__(self, store: CheckpointStore, rank: int, local_rank: int, world_size: int,
-                 device: torch.device, publish: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 device: torch.device, publish: Callable[[Event], None] | None = None) -> None:
         self.store = store
         self.rank, self.local_rank, self.world_size, self.device = rank, local_rank, world_size, device
         self.node_ranks = None
@@ -80,7 +81,7 @@ class LocalRuntime:
     def discard_checkpoint(self, path: str) -> None:
         self.store.discard(path)
 
-    def publish(self, event: dict[str, Any]) -> None:
+    def publish(self, event: Event) -> None:
         if self._publish is not None:
             self._publish(event)
 

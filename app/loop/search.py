@@ -40,6 +40,7 @@ from raylane.loop import faults as fault_plans
 from raylane.loop.batches import checked_own_loss, forward_loss, to_device
 from raylane.loop.data import train_data, worker_options
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
+from raylane.loop.events import Candidate, End, Event, Round, SearchStart
 from raylane.loop.parallel import estimate_memory, materialize, on_meta, parallelize, prepare_blocks, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
@@ -61,7 +62,7 @@ def _is_oom(exc: BaseException) -> bool:
 
 class Search:
     def __init__(self, cfg: BaseConfig, runtime: Runtime, settings: dict[str, Any],
-                 publish: Callable[[dict[str, Any]], None]) -> None:
+                 publish: Callable[[Event], None]) -> None:
         self.cfg, self.runtime, self.settings, self.publish = cfg, runtime, settings, publish
         self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
         self.distributed = dist.is_initialized() and self.world_size > 1
@@ -92,7 +93,7 @@ class Search:
         # earlier candidates freed, so growth from each candidate's own start would read ~0.
         self.rss_at_start = _rss()
         if self.rank == 0:
-            self.publish({"event": "search_start", "time_unix": time.time()})
+            self.publish(SearchStart(time_unix=time.time()))
         planner = plan(self.settings["space"], self.settings.get("own")) if self.rank == 0 else None
         replay, rounds_replay = self._recorded() if self.rank == 0 else ([], [])
         deadline = started + self.settings["budget_s"] if self.settings.get("budget_s") else None
@@ -111,12 +112,13 @@ class Search:
                 self._record(outcome)
             outcomes.append(outcome)
             if self.rank == 0:
-                self.publish({"event": "candidate", "index": len(outcomes) - 1, **outcome})
+                self.publish(Candidate(index=len(outcomes) - 1, replayed=bool(outcome.get("replayed")),
+                                       outcome=dict(outcome)))
         self._measure_again(outcomes, rounds_replay, deadline)
         result = {"candidates": outcomes, "wall_s": time.perf_counter() - started, "world_size": self.world_size,
                   "estimate_margin": self.margin, "device": self.device.type}
         if self.rank == 0:
-            self.publish({"event": "end", "time_unix": time.time(), "result": result})
+            self.publish(End(time_unix=time.time(), result=result))
         gc.unfreeze()
         return result
 
@@ -139,8 +141,8 @@ class Search:
                 self._record({"round_of": index, "outcome": again})
             outcomes[index] = merge(outcomes[index], again)
             if self.rank == 0:
-                self.publish({"event": "round", "index": index, **outcomes[index],
-                              "replayed": bool(message.get("replayed"))})
+                self.publish(Round(index=index, rounds=outcomes[index].get("rounds"),
+                                   replayed=bool(message.get("replayed")), outcome=dict(outcomes[index])))
 
     def _next_round(self, outcomes: list[Outcome], queue: list[int], replay: list[tuple[int, Outcome]],
                     deadline: float | None) -> dict[str, Any] | None:

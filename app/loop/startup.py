@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+
+from raylane.loop.events import Event, FirstStep, Start, Startup
 
 # In the order they end on Ray (without Ray, the process group comes before tracking:
 # TORCHRUN_PHASES). On Ray the worker's process may also start before the controller: a raylet
@@ -74,15 +75,21 @@ class StartupTimes:
     def mark(self, phase: str) -> None:
         self._set(phase, time.time())
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "start":
-            self._starts += 1
-        if kind == "startup" or (kind in ("start", "first_step") and self._starts == 1):
-            for phase, unix in (event.get("startup") or {}).items():
-                self._set(phase, unix)
-            if kind == "first_step":
-                self._set("first_step", event.get("time_unix"))
+    def on_event(self, event: Event) -> None:
+        match event:
+            case Startup():
+                self._set_all(event.phases)
+            case Start():
+                self._starts += 1
+                if self._starts == 1:
+                    self._set_all(event.startup)
+            case FirstStep() if self._starts == 1:
+                self._set_all(event.startup)
+                self._set("first_step", event.time_unix)
+
+    def _set_all(self, phases: dict[str, float]) -> None:
+        for phase, unix in phases.items():
+            self._set(phase, unix)
 
     def seconds(self) -> dict[str, float]:
         """Each phase seen: seconds since the launch (or since the first phase seen, where the

@@ -28,6 +28,7 @@ from raylane.config import BaseConfig, validate
 from raylane.loop import baddata, preemption
 from raylane.loop.baddata import DataError
 from raylane.loop.distributed import node_layout
+from raylane.loop.events import End, Event, Handover, Log, Startup
 from raylane.loop.storage import CheckpointStore
 from raylane.loop.usercode import TRACEBACK_ATTR
 from raylane.onray.internals import ControllerCallback, TorchBackend
@@ -59,13 +60,13 @@ class EventSink:
     """Holds rank 0's events until the driver drains them, and the driver's stop request."""
 
     def __init__(self) -> None:
-        self.events: list[dict[str, Any]] = []
+        self.events: list[Event] = []
         self.stop = False
         self.handover: str | None = None  # a larger group fits: None, "requested", then "done"
 
-    def put(self, event: dict[str, Any]) -> None:
+    def put(self, event: Event) -> None:
         self.events.append(event)
-        if event.get("event") == "handover" and self.handover == "requested":
+        if isinstance(event, Handover) and self.handover == "requested":
             self.handover = "done"
 
     def request_stop(self) -> None:
@@ -88,7 +89,7 @@ class EventSink:
     def handed_over(self) -> bool:
         return self.handover == "done"
 
-    def drain(self) -> list[dict[str, Any]]:
+    def drain(self) -> list[Event]:
         events, self.events = self.events, []
         return events
 
@@ -186,9 +187,9 @@ class RayRuntime:
     def discard_checkpoint(self, path: str) -> None:
         self._store.discard(path)
 
-    def publish(self, event: dict[str, Any]) -> None:
+    def publish(self, event: Event) -> None:
         ref = self._sink.put.remote(event)
-        if event.get("event") in ("end", "handover"):
+        if isinstance(event, (End, Handover)):
             ray.get(ref)  # the driver reads the result after fit() returns: make sure it is there
 
     def data_stream(self, name: str, source: Any, *, batch_size: int) -> Any | None:
@@ -264,7 +265,7 @@ class _ControllerStarted(ControllerCallback):
         self._sink = sink
 
     def after_controller_start(self, train_run_context) -> None:
-        self._sink.put.remote({"event": "startup", "startup": {"controller": time.time()}})
+        self._sink.put.remote(Startup(phases={"controller": time.time()}))
 
 
 class _DriverTorchTrainer(_RaylaneTorchTrainer):
@@ -343,8 +344,8 @@ class _WarningRelay(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         # When the driver is gone, the worker's own log file still has the warning.
         with contextlib.suppress(Exception):
-            self._runtime.publish({"event": "log", "rank": self._runtime.rank, "level": record.levelname.lower(),
-                                   "message": record.getMessage()})
+            self._runtime.publish(Log(rank=self._runtime.rank, level=record.levelname.lower(),
+                                      message=record.getMessage()))
 
 
 def _relay_warnings(runtime: RayRuntime, verbose: bool) -> None:
@@ -393,7 +394,7 @@ def _one_line(err: BaseException) -> str:
     return _SOURCE_LOCATION.sub("", lines[0]) + (" (the rest in the library log)" if len(lines) > 1 else "")
 
 
-def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str, Any]], None],
+def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[Event], None],
                   world_size: int) -> dict[str, Any]:
     """fit() runs on a helper thread so that this (main) thread keeps Ctrl-C and SIGTERM: Ray
     installs its own SIGINT handler only from the main thread. Here we relay rank 0's events."""
@@ -416,8 +417,8 @@ def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[dict[str
             relayed = True
         try:
             for event in ray.get(sink.drain.remote()):
-                if event.get("event") == "end":
-                    result_fields.update(event["result"])
+                if isinstance(event, End):
+                    result_fields.update(event.result)
                 on_event(event)
         except BaseException:
             # A listener gave up on the run (a Tune scheduler stopping this trial): stop the
@@ -464,7 +465,7 @@ def _event_sink() -> Any:
 
 
 def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
-                  on_event: Callable[[dict[str, Any]], None], *, embedded: bool,
+                  on_event: Callable[[Event], None], *, embedded: bool,
                   in_trial: bool = False, search: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train on the connected cluster (see `raylane.onray.cluster.init_ray`); the caller shuts Ray
     down. `in_trial`: a Tune trial's run, whose controller Tune may kill while the sweep goes on.
@@ -488,5 +489,5 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
         run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
                              failure_config=FailureConfig(max_failures=max_failures(cfg))),
     )
-    on_event({"event": "startup", "startup": {"fit": time.time()}})
+    on_event(Startup(phases={"fit": time.time()}))
     return _fit_and_pump(trainer, sink, on_event, cfg.scaling.num_workers)

@@ -27,6 +27,7 @@ from ray import tune
 
 from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
+from raylane.loop.events import Checkpoint, Event
 from raylane.onray import sweep_results
 from raylane.onray.cluster import data_cpus
 from raylane.onray.sweep import (
@@ -258,13 +259,12 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
 
     objective = Objective(sweep)
 
-    def on_event(event: dict[str, Any]) -> None:
+    def on_event(event: Event) -> None:
         # Tune sees epoch ends only: every trial reports at the same points. Not the last one,
         # reported once the run has returned (below): a scheduler's stop there (ASHA at max_t)
         # would tear the finished run down before its end-of-run records.
-        if event.get("event") == "checkpoint" and event.get("metrics") and event["epoch"] < cfg.train.max_epochs:
-            report(objective({**event.get("speed", {}), **event["metrics"]}), event["epoch"], event["step"],
-                   event["location"])
+        if isinstance(event, Checkpoint) and event.metrics and event.epoch < cfg.train.max_epochs:
+            report(objective({**event.speed, **event.metrics}), event.epoch, event.step, event.location)
 
     handle = RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False)
     try:

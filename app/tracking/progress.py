@@ -1,17 +1,30 @@
 """The driver's live display: a bar on a terminal, periodic plain lines in a log (`ray job logs`),
 and the block a finished run ends with.
 
-It consumes the events rank 0 publishes (see raylane.loop.reporting) and remembers what the summary needs
+It consumes the events rank 0 publishes (raylane.loop.events) and remembers what the summary needs
 (first and last step times, the final result). Training figures are always shown with the steps
 they cover: the display, the summary and MLflow's train/* metrics give the same window the same
 numbers, and the whole run's throughput is named as such."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from typing import IO, Any
 
+from raylane.loop.events import (
+    Checkpoint,
+    CheckpointFailed,
+    End,
+    Eval,
+    Event,
+    FirstStep,
+    Handover,
+    Log,
+    Progress,
+    Start,
+)
 from raylane.results import TrainSummary
 
 LINE_INTERVAL_S = 10.0
@@ -71,7 +84,7 @@ class ProgressDisplay:
         self.first_step_unix: float | None = None
         self.end_unix: float | None = None
         self.result: dict[str, Any] | None = None
-        self.checkpoints: list[dict[str, Any]] = []
+        self.checkpoints: list[Checkpoint] = []
         self.skipped_checkpoints: list[dict[str, str]] = []  # passed over by a resume: {"path", "reason"}
         self.starts = 0
         self.first_steps_unix: list[float] = []
@@ -83,65 +96,70 @@ class ProgressDisplay:
 
     # Events from rank 0 ---------------------------------------------------------------------
 
-    def handle(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "start":
-            self.starts += 1
-            if self.starts > 1:
-                self._print(f"worker group restarted ({self.starts - 1})")
-            self.info.update({k: v for k, v in event.items() if k != "event"})
-            if self.starts == 1 and event.get("strategy"):
-                blocks = (event.get("strategy_tags") or {}).get("raylane.strategy.blocks", "")
-                blocks = f"; blocks: {blocks}" if blocks else ""
-                self._print(f"strategy {event['strategy']} ({event.get('strategy_reason', '')}){blocks}")
-            self._start_bar()
-            self._skipped(event)
-            if event.get("resumed_from_step"):
-                self._print(f"resumed from step {event['resumed_from_step']}")
-        elif kind == "first_step":
-            self.first_step_unix = self.first_step_unix or event["time_unix"]
-            self.first_steps_unix.append(event["time_unix"])  # one per (re)start of the group
-        elif kind == "progress":
-            self.info.update({k: v for k, v in event.items() if k != "event"})
-            self._show()
-        elif kind == "eval":
-            shown = " ".join(f"{k} {v:.4f}" for k, v in sorted(event["metrics"].items()))
-            at = f"epoch {event['epoch'] + 1}" if event.get("epoch_end", True) else f"step {event['step']}"
-            self._print(f"{at} eval: {shown}")
-        elif kind == "checkpoint":
-            self.checkpoints.append(event)
-        elif kind == "checkpoint_failed":
-            self._print(f"warning: {event['error']}")
-        elif kind == "log":
-            self._relayed(event)
-        elif kind == "handover":
-            r = event["result"]
-            then = "larger" if r.get("stop_reason") == "more workers fit" else "without the leaving node"
-            self._print(f"{r.get('stop_reason') or 'a node is leaving'}: checkpointed at step {r['steps']}; "
-                        f"the group restarts {then}")
-        elif kind == "end":
-            self.end_unix = event["time_unix"]
-            self.result = event["result"]
-            self.info.update(step=self.result["steps"], epoch=max(self.result["epochs"] - 1, 0))
-            if self.result.get("last_window"):
-                self.info["window"] = self.result["last_window"]  # the last steps', not a stale one
-            self._show(force=True)
+    def handle(self, event: Event) -> None:
+        match event:
+            case Start():
+                self._started(event)
+            case FirstStep():
+                self.first_step_unix = self.first_step_unix or event.time_unix
+                self.first_steps_unix.append(event.time_unix)  # one per (re)start of the group
+            case Progress():
+                self.info.update(event.state, epoch=event.epoch, step=event.step)
+                if event.window is not None:
+                    self.info["window"] = event.window
+                self._show()
+            case Eval():
+                shown = " ".join(f"{k} {v:.4f}" for k, v in sorted(event.metrics.items()))
+                at = f"epoch {event.epoch + 1}" if event.epoch_end else f"step {event.step}"
+                self._print(f"{at} eval: {shown}")
+            case Checkpoint():
+                self.checkpoints.append(event)
+            case CheckpointFailed():
+                self._print(f"warning: {event.error}")
+            case Log():
+                self._relayed(event)
+            case Handover():
+                r = event.result
+                then = "larger" if r.get("stop_reason") == "more workers fit" else "without the leaving node"
+                self._print(f"{r.get('stop_reason') or 'a node is leaving'}: checkpointed at step {r['steps']}; "
+                            f"the group restarts {then}")
+            case End():
+                self.end_unix = event.time_unix
+                self.result = event.result
+                self.info.update(step=self.result["steps"], epoch=max(self.result["epochs"] - 1, 0))
+                if self.result.get("last_window"):
+                    self.info["window"] = self.result["last_window"]  # the last steps', not a stale one
+                self._show(force=True)
 
-    def _skipped(self, event: dict[str, Any]) -> None:
+    def _started(self, event: Start) -> None:
+        self.starts += 1
+        if self.starts > 1:
+            self._print(f"worker group restarted ({self.starts - 1})")
+        self.info.update((f.name, getattr(event, f.name)) for f in dataclasses.fields(event))
+        if self.starts == 1 and event.strategy:
+            blocks = event.strategy_tags.get("raylane.strategy.blocks", "")
+            blocks = f"; blocks: {blocks}" if blocks else ""
+            self._print(f"strategy {event.strategy} ({event.strategy_reason}){blocks}")
+        self._start_bar()
+        self._skipped(event)
+        if event.resumed_from_step:
+            self._print(f"resumed from step {event.resumed_from_step}")
+
+    def _skipped(self, event: Start) -> None:
         """Each checkpoint a resume passed over, once (every restart of the group reports it)."""
-        then = f"resuming from {event['resumed_from']}" if event.get("resumed_from") else "training from the start"
-        for skipped in event.get("skipped_checkpoints") or []:
+        then = f"resuming from {event.resumed_from}" if event.resumed_from else "training from the start"
+        for skipped in event.skipped_checkpoints:
             if all(skipped["path"] != s["path"] for s in self.skipped_checkpoints):
                 self.skipped_checkpoints.append(skipped)
                 self._print(f"{skipped['path'].rstrip('/').rsplit('/', 1)[-1]} skipped: {skipped['reason']}; {then}")
 
-    def _relayed(self, event: dict[str, Any]) -> None:
+    def _relayed(self, event: Log) -> None:
         """A worker's raylane warning; once, when every rank says the same."""
-        if event["message"] in self._warned:
+        if event.message in self._warned:
             return
-        self._warned.add(event["message"])
-        rank = f" (rank {event['rank']})" if self.info.get("world_size", 1) > 1 else ""
-        self._print(f"{event['level']}{rank}: {event['message']}")
+        self._warned.add(event.message)
+        rank = f" (rank {event.rank})" if self.info.get("world_size", 1) > 1 else ""
+        self._print(f"{event.level}{rank}: {event.message}")
 
     # Rendering ------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from raylane.config import BaseConfig
+from raylane.loop.events import Checkpoint, End, Event, FirstStep, Start
 from raylane.tracking.runs import MetricLogger, RunHandle, mlflow_client
 
 log = logging.getLogger("raylane.tracking")
@@ -33,25 +34,26 @@ class RunRecorder:
         self._prewarm = prewarm
         self._prewarming: threading.Thread | None = None
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "first_step" and self._prewarm:
-            self._prewarm = False
-            # After the first step, so that start-up does not wait for it either.
-            self._prewarming = threading.Thread(target=_import_record_modules, name="raylane-prewarm", daemon=True)
-            self._prewarming.start()
-        elif kind == "start":
-            self._logger.set_tags({"raylane.host": event.get("host", "?"), **(event.get("strategy_tags") or {})})
-        elif kind == "end":
-            self._log_run_rates(event["result"])
-            if event["result"].get("stop_reason"):  # an early stop (FINISHED), or a stop request
-                self._logger.set_tags({"raylane.stop_reason": event["result"]["stop_reason"]})
-        elif kind == "checkpoint":
-            record = {k: event.get(k) for k in ("step", "location", "metrics", "time_unix")}
-            self.checkpoints.append(record)
-            self._logger.log({"checkpoint/step": event["step"]}, event["step"])
-            self._logger.set_tags({"raylane.checkpoint.latest": event["location"],
-                                   "raylane.checkpoint.count": len(self.checkpoints)})
+    def on_event(self, event: Event) -> None:
+        match event:
+            case FirstStep() if self._prewarm:
+                self._prewarm = False
+                # After the first step, so that start-up does not wait for it either.
+                self._prewarming = threading.Thread(target=_import_record_modules, name="raylane-prewarm",
+                                                    daemon=True)
+                self._prewarming.start()
+            case Start():
+                self._logger.set_tags({"raylane.host": event.host, **event.strategy_tags})
+            case End():
+                self._log_run_rates(event.result)
+                if event.result.get("stop_reason"):  # an early stop (FINISHED), or a stop request
+                    self._logger.set_tags({"raylane.stop_reason": event.result["stop_reason"]})
+            case Checkpoint():
+                self.checkpoints.append({"step": event.step, "location": event.location, "metrics": event.metrics,
+                                         "time_unix": event.time_unix})
+                self._logger.log({"checkpoint/step": event.step}, event.step)
+                self._logger.set_tags({"raylane.checkpoint.latest": event.location,
+                                       "raylane.checkpoint.count": len(self.checkpoints)})
 
     def record_resizes(self, resizes: list[dict[str, Any]]) -> None:
         """An elastic run's resizes: `run/world_size` at each resize's step, and the list as a tag."""

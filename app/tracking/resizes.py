@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from raylane.loop.events import Checkpoint, CheckpointFailed, Eval, Event, FirstStep, Handover, Progress, Start
+
 
 class Resizes:
     """`on_event` for the driver's listeners; `resizes` for the summary and MLflow. Time lost is
@@ -22,26 +24,27 @@ class Resizes:
         self._last_step = 0  # the furthest step the current group reported
         self._notice: str | None = None  # why the last group handed over, when it was told
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        kind, now = event.get("event"), time.time()
-        if kind == "start":
-            world = event.get("world_size")
-            resumed = event.get("resumed_from_step") or 0
-            if self._world is not None and world is not None and world != self._world:
-                reason = ("more workers fit" if world > self._world else
-                          self._notice or "a worker or node was lost")
-                self._pending = {"step": resumed, "from": self._world, "to": world, "reason": reason,
-                                 "steps_lost": max(self._last_step - resumed, 0), "group_lost_unix": self._last_event}
-            self._world = world if world is not None else self._world
-            self._notice, self._last_step = None, resumed
-        elif kind == "handover":
-            self._notice = event["result"].get("stop_reason")
-            self._last_step = max(self._last_step, event["result"].get("steps") or 0)
-        elif kind == "first_step" and self._pending is not None:
-            resize, self._pending = self._pending, None
-            resize["time_lost_s"] = round(event.get("time_unix", now) - resize.pop("group_lost_unix"), 3)
-            self.resizes.append(resize)
-        if kind in ("progress", "checkpoint", "eval", "first_step", "handover"):
+    def on_event(self, event: Event) -> None:
+        now = time.time()
+        match event:
+            case Start():
+                world, resumed = event.world_size, event.resumed_from_step or 0
+                if self._world is not None and world != self._world:
+                    reason = ("more workers fit" if world > self._world else
+                              self._notice or "a worker or node was lost")
+                    self._pending = {"step": resumed, "from": self._world, "to": world, "reason": reason,
+                                     "steps_lost": max(self._last_step - resumed, 0),
+                                     "group_lost_unix": self._last_event}
+                self._world = world
+                self._notice, self._last_step = None, resumed
+            case Handover():
+                self._notice = event.result.get("stop_reason")
+                self._last_step = max(self._last_step, event.result.get("steps") or 0)
+            case FirstStep() if self._pending is not None:
+                resize, self._pending = self._pending, None
+                resize["time_lost_s"] = round(event.time_unix - resize.pop("group_lost_unix"), 3)
+                self.resizes.append(resize)
+        if isinstance(event, (Progress, Checkpoint, Eval, FirstStep, Handover)):
             self._last_event = now
-        if isinstance(event.get("step"), int):
-            self._last_step = max(self._last_step, event["step"])
+        if isinstance(event, (FirstStep, Progress, Eval, Checkpoint, CheckpointFailed)):
+            self._last_step = max(self._last_step, event.step)

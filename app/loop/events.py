@@ -1,0 +1,148 @@
+"""What rank 0 and the launchers tell the driver while a run goes on: one class per kind of event.
+
+Senders, through `Runtime.publish` (Ray: raylane.onray.launch's EventSink actor; torchrun and one
+process: the driver's listeners, called directly):
+- raylane.loop.reporting.Reporter (rank 0's Trainer): Start, FirstStep, Progress, Eval,
+  Checkpoint, CheckpointFailed, and at the end End, or Handover when the group restarts without
+  a leaving node or for a larger group.
+- raylane.loop.search (rank 0 of `raylane autotune`): SearchStart, Candidate, Round, End.
+- raylane.onray.launch: Log (a worker's raylane warning), Startup (Ray's start-up phases, from
+  the driver and Ray Train's controller).
+
+Readers, on the driver: raylane.tracking.progress.ProgressDisplay, raylane.tracking.records.
+RunRecorder, raylane.tracking.resizes.Resizes, raylane.loop.startup.StartupTimes, Tune's trial
+(raylane.onray.tune: Checkpoint), autotune's Recorder (raylane.autotune_driver), and the Ray
+launcher itself (End's result, Handover).
+
+Plain frozen dataclasses: on Ray they cross the event actor by pickling, and this module, like
+the rest of the loop, imports neither Ray nor torch (the driver reads startup events before
+either is loaded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """A worker group started training (each restart sends one again)."""
+
+    total_steps: int
+    steps_per_epoch: int
+    max_epochs: int
+    world_size: int
+    host: str  # rank 0's
+    resumed_from_step: int | None = None
+    resumed_from: str | None = None  # the checkpoint's name
+    skipped_checkpoints: list[dict[str, str]] = field(default_factory=list)  # newer ones passed over: path, reason
+    strategy: str | None = None
+    strategy_reason: str = ""
+    strategy_tags: dict[str, str] = field(default_factory=dict)  # MLflow tags
+    startup: dict[str, float] = field(default_factory=dict)  # start-up phase -> unix time (raylane.loop.startup)
+
+
+@dataclass(frozen=True, slots=True)
+class FirstStep:
+    """The group's first optimizer step is done."""
+
+    step: int
+    time_unix: float
+    startup: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Rate-limited (raylane.loop.reporting.PROGRESS_INTERVAL_S)."""
+
+    epoch: int
+    step: int
+    window: dict[str, Any] | None = None  # the last train metrics' steps and figures: first_step, last_step, loss, ...
+    # The rest of rank 0's state as the display keeps it: Start's figures and the latest train metrics (loss, lr, ...).
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Eval:
+    epoch: int
+    step: int
+    metrics: dict[str, float]
+    epoch_end: bool = True  # False part-way through an epoch (train.eval_every_n_steps)
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A checkpoint committed to storage."""
+
+    step: int
+    location: str
+    epoch: int
+    metrics: dict[str, float]  # the eval metrics measured at this step, else empty
+    speed: dict[str, float]  # rank 0's throughput over the epoch, else empty
+    time_unix: float
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointFailed:
+    step: int
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    """A worker's raylane warning (Ray relays no worker output to a driver that shows only raylane's lines)."""
+
+    rank: int
+    level: str  # "warning", "error", ...
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """The group checkpointed and stops for a restart: a node is leaving, or a larger group fits."""
+
+    time_unix: float
+    result: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """Rank 0's result: training's (Trainer.train) or autotune's search (raylane.loop.search)."""
+
+    time_unix: float
+    result: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Startup:
+    """Start-up phases that end outside rank 0: on Ray, `fit` (the driver) and `controller`."""
+
+    phases: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class SearchStart:
+    time_unix: float
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One autotune candidate measured (or replayed from an earlier launch's record)."""
+
+    index: int
+    replayed: bool
+    outcome: dict[str, Any]  # raylane.loop.search_order.Outcome, as End's result lists it
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """Candidate `index` measured once more; `outcome` is its rounds merged."""
+
+    index: int
+    rounds: int | None
+    replayed: bool
+    outcome: dict[str, Any]
+
+
+Event = (Start | FirstStep | Progress | Eval | Checkpoint | CheckpointFailed | Log | Handover | End | Startup
+         | SearchStart | Candidate | Round)
