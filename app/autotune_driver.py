@@ -48,7 +48,8 @@ from raylane.lease import LEASE_FILES
 from raylane.loop.events import Candidate, Event, Log, Round, SearchStart
 from raylane.loop.search_order import RECORD_FILE
 from raylane.loop.search_ranking import CONFIDENCE, verdict
-from raylane.results import AutotuneSummary, Candidate, Status
+from raylane.results import AutotuneSummary, Status
+from raylane.results import Candidate as CandidateRow
 
 log = logging.getLogger("raylane")
 
@@ -347,7 +348,7 @@ class Recorder:
             print(f"[raylane] MLflow: {ui_command(self.tracking_uri, self.parent)}", flush=True)
         return summary
 
-    def _tag_verdicts(self, rows: list[Candidate]) -> None:
+    def _tag_verdicts(self, rows: list[CandidateRow]) -> None:
         for r in rows:
             if r.run_id and r.verdict:
                 self.client.set_tag(r.run_id, "raylane.autotune.verdict", r.verdict)
