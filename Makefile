@@ -78,7 +78,7 @@ check: install
 clean:
 	rm -rf $(VENV) $(OLDEST) runs mlflow.db mlflow.db.lock mlartifacts mlflow-server test-artifacts .pytest_cache
 
-# The pages generated from the code: docs/summary.md and docs/summary.schema.json (app/results.py).
+# The pages generated from the code: docs/summary.md and docs/summary.schema.json (app/raylane/results.py).
 # tests/test_results.py fails when the committed ones differ.
 docs: install
 	$(PY) scripts/summary_docs.py

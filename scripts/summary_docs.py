@@ -16,7 +16,7 @@ from raylane import results
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 INTRO = f"""# Summaries: what each command returns and writes
 
-<!-- Generated from app/results.py by `make docs` (scripts/summary_docs.py); do not edit. -->
+<!-- Generated from app/raylane/results.py by `make docs` (scripts/summary_docs.py); do not edit. -->
 
 Every command that runs something writes its summary with `--summary-json PATH`, and the Python
 API returns the same thing as a typed object (`raylane.train()` a `TrainSummary`, and so on).
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     stale = [path for path, text in pages().items() if not path.exists() or path.read_text() != text]
     if "--check" in argv:
         for path in stale:
-            print(f"{path} differs from what app/results.py generates: run `make docs`", file=sys.stderr)
+            print(f"{path} differs from what app/raylane/results.py generates: run `make docs`", file=sys.stderr)
         return 1 if stale else 0
     for path, text in pages().items():
         path.write_text(text)

@@ -28,7 +28,7 @@ def test_a_schema_change_needs_a_new_version():
     assert results.SCHEMA_VERSION == max(RELEASED), "SCHEMA_VERSION is not the newest released version"
     assert fingerprint() == RELEASED[results.SCHEMA_VERSION], (
         f"the summaries' schema changed but SCHEMA_VERSION is still {results.SCHEMA_VERSION}: bump it in "
-        f"app/results.py, add {{{results.SCHEMA_VERSION + 1}: {fingerprint()!r}}} to RELEASED here, run `make docs`")
+        f"app/raylane/results.py, add {{{results.SCHEMA_VERSION + 1}: {fingerprint()!r}}} to RELEASED here, run `make docs`")
 
 
 def test_the_docs_are_what_the_code_generates():

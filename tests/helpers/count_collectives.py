@@ -50,7 +50,7 @@ if __name__ == "__main__":
     assert sep == "--"
     code = run(out, rest)
     # As `python -m raylane` does on torchrun ranks: no interpreter teardown, where gloo's threads
-    # can abort the process after the run is done (see app/__main__.py).
+    # can abort the process after the run is done (see app/raylane/__main__.py).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
