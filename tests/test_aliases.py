@@ -193,10 +193,10 @@ def test_shared_tensors_load_across_ddp_and_fsdp(tmp_path):
 def _old_format(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, sharded: bool) -> None:
     """A checkpoint as raylane wrote it before: every name of a shared tensor in the model state
     and in the manifest's shapes (in one state.pt, or in DCP's format)."""
-    state = {"model": model.state_dict(), "optim": checkpoint._dcp().state_dict.get_state_dict(model, optimizer)[1]}
+    state = {"model": model.state_dict(), "optim": checkpoint.state._dcp().state_dict.get_state_dict(model, optimizer)[1]}
     path.mkdir()
     if sharded:
-        checkpoint._dcp().save(state, checkpoint_id=str(path), no_dist=True)
+        checkpoint.state._dcp().save(state, checkpoint_id=str(path), no_dist=True)
     else:
         torch.save({**state, "rng": [json.dumps(checkpoint.rng_state())]}, path / checkpoint.STATE_FILE)
     manifest = {"train_state": {"step": 1}, "shapes": checkpoint.model_shapes(model.state_dict()), "files": {}}

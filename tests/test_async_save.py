@@ -19,8 +19,8 @@ from raylane.loop.events import Checkpoint, CheckpointFailed, Event
 from raylane.loop.faults import Fault, FaultPlan
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import LocalRuntime
-from raylane.loop.saving import Saver
-from raylane.loop.storage import CheckpointStore
+from raylane.loop.checkpoint.saving import Saver
+from raylane.loop.checkpoint.storage import CheckpointStore
 
 
 def _setup(tmp_path: Path, **section):
@@ -102,8 +102,8 @@ CRASH = textwrap.dedent("""
     from raylane.loop import checkpoint
     from raylane.loop.reporting import Reporter
     from raylane.loop.runtime import LocalRuntime
-    from raylane.loop.saving import Saver
-    from raylane.loop.storage import CheckpointStore
+    from raylane.loop.checkpoint.saving import Saver
+    from raylane.loop.checkpoint.storage import CheckpointStore
 
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -115,7 +115,7 @@ CRASH = textwrap.dedent("""
     def crash(path, manifest):  # every file of step 2 is written; the process dies before the commit
         os._exit(17)
 
-    checkpoint._write_manifest = crash
+    checkpoint.state._write_manifest = crash
     saver.save(model, optimizer, {"step": 2, "epoch": 0})
     saver.settle()
 """)

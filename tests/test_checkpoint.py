@@ -190,7 +190,7 @@ def test_a_replicated_checkpoint_in_the_earlier_dcp_format_still_loads(tmp_path)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / checkpoint.checkpoint_name(7)
     path.mkdir()
-    checkpoint._dcp().save(checkpoint.live_state(model, optimizer), checkpoint_id=str(path), no_dist=True)
+    checkpoint.state._dcp().save(checkpoint.live_state(model, optimizer), checkpoint_id=str(path), no_dist=True)
     (path / checkpoint.rng_file(0)).write_text(json.dumps(checkpoint.rng_state()))
     checkpoint.PendingSave(path, 0, {"step": 7}).commit()
     assert {".metadata", "__0_0.distcp"} <= set(checkpoint.read_manifest(path)["files"])
@@ -218,7 +218,7 @@ RANKS_RNG = textwrap.dedent("""
     checkpoint.load(path, model, optimizer, rank=rank)
     restored = draws()
     # the commit's gather hands every rank every part, small or large
-    gathered = [checkpoint._gather({"rank": rank}), checkpoint._gather("x" * (40_000 if rank else 10))]
+    gathered = [checkpoint.state._gather({"rank": rank}), checkpoint.state._gather("x" * (40_000 if rank else 10))]
     print(json.dumps({"expected": expected, "restored": restored, "gathered": gathered}), flush=True)
     dist.destroy_process_group()
     os._exit(0)  # as `raylane` exits (cli.run): gloo's threads can abort the interpreter's teardown
@@ -256,7 +256,7 @@ def _stepped(model: torch.nn.Module) -> torch.optim.Optimizer:
 def test_a_replicated_states_references_match_dcps_or_come_from_dcp():
     """A save takes a replicated state's references without DCP's get_state_dict once the first
     save found both ways agree; a wrapper the name map does not know keeps DCP's way."""
-    from raylane.loop.staging import LiveState, _same
+    from raylane.loop.checkpoint.staging import LiveState, _same
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
     optimizer, live = _stepped(model), LiveState()

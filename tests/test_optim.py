@@ -16,7 +16,7 @@ from raylane.loop import checkpoint, faults
 from raylane.loop.optim import build_optimizer, build_scheduler, lr_factor, param_groups, schedule_note
 from raylane.loop.run import run_worker
 from raylane.loop.runtime import LocalRuntime
-from raylane.loop.storage import CheckpointStore, filesystem_for
+from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.pipelines_ref import UserCodeError
 from tests.conftest import REPO, TORCHRUN, read_json
 

@@ -312,7 +312,7 @@ def _newest_checkpoint(cfg: BaseConfig) -> str | None:
     the whole checkpoint here)."""
     import pyarrow.fs as pafs
 
-    from raylane.loop.manifest import newest_valid
+    from raylane.loop.checkpoint.manifest import newest_valid
 
     storage = cfg.run.storage_path
     try:

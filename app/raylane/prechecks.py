@@ -23,7 +23,7 @@ from typing import Any
 from raylane import paths, pipelines_ref
 from raylane.batching import effective_global_batch
 from raylane.config import BaseConfig, ConfigError, did_you_mean, flatten
-from raylane.loop.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, newest_valid, read_manifest, verify
+from raylane.loop.checkpoint.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, newest_valid, read_manifest, verify
 from raylane.results import Status, TrainSummary
 
 log = logging.getLogger("raylane")

@@ -1,6 +1,6 @@
 """Files a streaming source names, listed and read with pyarrow alone (no Ray): local paths or
 `s3://` (pyarrow's S3 filesystem; `AWS_ENDPOINT_URL` points it at an S3-compatible server, as for
-checkpoints in `raylane.loop.storage`).
+checkpoints in `raylane.loop.checkpoint.storage`).
 
 The unit a rank reads is a *piece*: a Parquet row group, or a whole CSV, JSON Lines or text
 file. Pieces are what ranks share out, so a single large Parquet file still splits across ranks.
@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from raylane.loop import baddata
-from raylane.loop.storage import filesystem_for
+from raylane.loop.checkpoint.storage import filesystem_for
 from raylane.paths import is_uri, one_line, quick_filesystem
 
 EXTENSIONS = {"parquet": (".parquet",), "csv": (".csv",), "json": (".json", ".jsonl"), "text": ()}

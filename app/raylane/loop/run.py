@@ -30,7 +30,7 @@ from raylane.loop.parallel import on_meta, parallelize, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import LocalRuntime, Runtime
 from raylane.loop.steps import Throughput, plan_steps
-from raylane.loop.storage import CheckpointStore, filesystem_for
+from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.loop.trainer import Trainer
 
 log = logging.getLogger("raylane")

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from raylane.loop.events import Event
-from raylane.loop.storage import CheckpointStore
+from raylane.loop.checkpoint.storage import CheckpointStore
 
 
 class Runtime(Protocol):
@@ -55,7 +55,7 @@ class Runtime(Protocol):
 
 class LocalRuntime:
     """A single process, or one rank under torchrun: checkpoints go straight to storage (a local
-    or shared directory, or object storage; see raylane.loop.storage)."""
+    or shared directory, or object storage; see raylane.loop.checkpoint.storage)."""
 
     def __init__(self, store: CheckpointStore, rank: int, local_rank: int, world_size: int,
                  device: torch.device, publish: Callable[[Event], None] | None = None) -> None:

@@ -29,7 +29,7 @@ from raylane.loop.hooks import Hooks
 from raylane.loop.parallel import Strategy, no_gradient_sync
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
-from raylane.loop.saving import Saver
+from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.steps import Throughput, clip_gradients, last_step, plain_parameters, plan_steps
 
 log = logging.getLogger("raylane")

@@ -29,7 +29,7 @@ from raylane.loop import baddata, preemption
 from raylane.loop.baddata import DataError
 from raylane.loop.distributed import node_layout
 from raylane.loop.events import End, Event, Handover, Log, Startup
-from raylane.loop.storage import CheckpointStore
+from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.usercode import TRACEBACK_ATTR
 from raylane.onray.internals import ControllerCallback, TorchBackend
 from raylane.onray.elastic import (

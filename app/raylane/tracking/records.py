@@ -131,7 +131,7 @@ def _attempt(what: str, action):
 
 
 def _log_checkpoint_files(client, handle: RunHandle, location: str) -> None:
-    from raylane.loop.storage import local_copy
+    from raylane.loop.checkpoint.storage import local_copy
 
     with local_copy(location) as path:
         client.log_artifacts(handle.run_id, path, f"checkpoints/{Path(location).name}")
@@ -146,7 +146,7 @@ def log_model(handle: RunHandle, location: str, register: str | None) -> dict[st
     from mlflow.models import infer_signature
 
     from raylane.export import load_model, servable
-    from raylane.loop.storage import local_copy
+    from raylane.loop.checkpoint.storage import local_copy
 
     with local_copy(location) as path:
         model, example = load_model(path)

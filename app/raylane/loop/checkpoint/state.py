@@ -10,11 +10,11 @@ earlier versions in DCP's format still load.
 Each checkpoint is a fresh directory committed by `manifest.json`, written last and atomically by
 rank 0. It holds the train state (epoch, step, position in the epoch, the resolved config,
 raylane's version), the shape of every model parameter and buffer, and the size and SHA-256 of
-every file of every rank (read and checked by raylane.loop.manifest). A directory without a
+every file of every rank (read and checked by raylane.loop.checkpoint.manifest). A directory without a
 manifest, or whose files do not match it (truncated, bit-flipped, missing), is never loaded:
 the newest valid one is used instead.
 
-A checkpoint is saved in two halves. `raylane.loop.staging.Stager.stage` copies the state into
+A checkpoint is saved in two halves. `raylane.loop.checkpoint.staging.Stager.stage` copies the state into
 CPU buffers kept from one save to the next: the only part that must happen between two optimizer
 steps. `write` and `PendingSave.commit` (DCP's collectives, the files, the checksums, the
 manifest) can then run on a background thread, whose collectives go to the group given to
@@ -43,7 +43,7 @@ from raylane.loop.aliases import aliases, unexplained, without_aliases
 from raylane.loop.frozen import base_mismatch, base_of, frozen_names, saved_part
 
 # The commit record's reading and checks live in a torch-free module; re-exported here.
-from raylane.loop.manifest import (  # noqa: F401
+from raylane.loop.checkpoint.manifest import (  # noqa: F401
     CHECKPOINT_PREFIX,
     MANIFEST_FILE,
     checkpoint_name,

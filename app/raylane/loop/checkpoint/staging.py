@@ -1,6 +1,6 @@
 """The staging copy of an asynchronous save: the state copied into CPU buffers kept from one
 save to the next, the only part of a save that must happen between two optimizer steps
-(raylane.loop.saving runs it on the save thread)."""
+(raylane.loop.checkpoint.saving runs it on the save thread)."""
 
 from __future__ import annotations
 

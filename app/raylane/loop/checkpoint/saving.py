@@ -1,7 +1,7 @@
 """A run's checkpoints from the training loop's side: when to wait, what to tell the driver.
 
 With `checkpoint.async_save` the loop only takes references to the state at a step boundary.
-A background thread copies it into reused CPU buffers (raylane.loop.staging.Stager) while
+A background thread copies it into reused CPU buffers (raylane.loop.checkpoint.staging.Stager) while
 the next step's forward and backward run, which only read it: the loop waits for the copy only
 before it changes the state (`wait_staged`: before the optimizer step, or before the forward
 when the model has buffers a forward may update). The same thread then does everything else,
@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from raylane.config import CheckpointSection
-from raylane.loop import checkpoint
+from raylane.loop.checkpoint import state as checkpoint
 from raylane.loop.faults import FaultPlan
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
-from raylane.loop.staging import LiveState, Stager
+from raylane.loop.checkpoint.staging import LiveState, Stager
 
 log = logging.getLogger("raylane.checkpoint")
 

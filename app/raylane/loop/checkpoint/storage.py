@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raylane.loop import checkpoint
+from raylane.loop.checkpoint import state as checkpoint
 
 
 def filesystem_for(storage_path: str) -> tuple[pafs.FileSystem, str]:
