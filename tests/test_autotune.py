@@ -102,7 +102,7 @@ def _assert_ranked(s: dict) -> None:
     """Every candidate that ran has a median and an interval over its windows (5 a round); the
     leader has the highest median; the winner is the simplest of those whose interval overlaps
     the leader's, and these are reported as ties."""
-    from raylane.loop.search_ranking import median_interval
+    from raylane.autotuning.ranking import median_interval
 
     ok = [c for c in s["candidates"] if c["status"] == "ok"]
     for c in ok:
@@ -124,7 +124,7 @@ def _assert_ranked(s: dict) -> None:
 
 
 def test_the_search_order_finds_the_largest_micro_batch_that_fits_then_tries_each_knob():
-    from raylane.loop.search_order import plan
+    from raylane.autotuning.order import plan
 
     space = {"strategy.name": ["ddp"], "train.batch_size": [1, 2, 4, 8, 16, 32],
              "train.precision": ["fp32", "bf16"], "train.activation_checkpointing": [False, True]}

@@ -1,4 +1,4 @@
-"""`raylane autotune`'s verdict from measurement windows (raylane.loop.search_ranking): an
+"""`raylane autotune`'s verdict from measurement windows (raylane.autotuning.ranking): an
 interval per candidate, ties within the noise won by the simplest candidate, more rounds while
 the ranking is unclear. Pure Python: no Ray, no torch, no timing."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raylane.loop.search_order import plan
-from raylane.loop.search_ranking import (
+from raylane.autotuning.order import plan
+from raylane.autotuning.ranking import (
     median_interval,
     merge,
     next_round,

@@ -150,7 +150,7 @@ def check_raylane(argv: list[str], cwd: Path) -> None:
 
         load_sweep(source, args.overrides)
     elif args.command == "autotune":
-        from raylane import autotune_driver as autotune
+        from raylane.autotuning import driver as autotune
 
         autotune.space(*autotune.load(source, args.overrides))
     else:

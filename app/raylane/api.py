@@ -73,7 +73,7 @@ def autotune(config: Any, overrides: Iterable[str] = (), *, address: str | None 
     search = prepare.prepare_autotune(config, overrides, out=out, summary_json=summary_json, budget_s=budget_s,
                                       local=local, address=address)
     address = prepare.resolve_address(address, search.cfg) if search.use_ray else None
-    from raylane import autotune_driver as search_module
+    from raylane.autotuning import driver as search_module
 
     return search_module.execute(search.section, search.cfg, use_ray=search.use_ray, address=address, out=out,
                                  summary_path=summary_json)

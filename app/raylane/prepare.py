@@ -95,7 +95,7 @@ def prepare_tune(sweep_file: Any, overrides: Iterable[str] = (), *, summary_json
 
 @dataclass
 class PreparedSearch:
-    section: Any  # raylane.autotune_driver.AutotuneSection
+    section: Any  # raylane.autotuning.driver.AutotuneSection
     cfg: BaseConfig
     use_ray: bool
 
@@ -103,7 +103,7 @@ class PreparedSearch:
 def prepare_autotune(config: Any, overrides: Iterable[str] = (), *, out: str = "autotuned.yaml",
                      summary_json: str | None = None, budget_s: float | None = None,
                      local: bool = False, address: str | None = None) -> PreparedSearch:
-    from raylane import autotune_driver as autotune
+    from raylane.autotuning import driver as autotune
 
     overrides = [*overrides, *([f"autotune.budget_s={budget_s}"] if budget_s is not None else [])]
     section, cfg = autotune.load(config, overrides)

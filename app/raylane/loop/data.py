@@ -290,3 +290,14 @@ def cores() -> int:
 def shard_indices(n: int, rank: int, world_size: int) -> list[int]:
     """Evaluation shard without padding, so summed metrics count every sample exactly once."""
     return list(range(rank, n, world_size))
+
+
+def first_batch(dataset, batch_size: int, collate_fn: Callable[[list[Any]], Any] | None = None):
+    """One micro-batch, read without touching any random generator (for the memory estimate),
+    collated as the loader does (the pipeline's collate_fn, else torch's default_collate, which
+    keeps dicts and tuples); None for a stream, which has no batch to spare before its first epoch."""
+    from torch.utils.data import default_collate
+
+    if is_stream(dataset):
+        return None
+    return (collate_fn or default_collate)([dataset[i] for i in range(min(batch_size, len(dataset)))])

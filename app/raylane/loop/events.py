@@ -5,13 +5,13 @@ process: the driver's listeners, called directly):
 - raylane.loop.reporting.Reporter (rank 0's Trainer): Start, FirstStep, Progress, Eval,
   Checkpoint, CheckpointFailed, and at the end End, or Handover when the group restarts without
   a leaving node or for a larger group.
-- raylane.loop.search (rank 0 of `raylane autotune`): SearchStart, Candidate, Round, End.
+- raylane.autotuning.search (rank 0 of `raylane autotune`): SearchStart, Candidate, Round, End.
 - raylane.onray.launch: Log (a worker's raylane warning), Startup (Ray's start-up phases, from
   the driver and Ray Train's controller).
 
 Readers, on the driver: raylane.tracking.progress.ProgressDisplay, raylane.tracking.records.
 RunRecorder, raylane.tracking.resizes.Resizes, raylane.loop.startup.StartupTimes, Tune's trial
-(raylane.onray.tune: Checkpoint), autotune's Recorder (raylane.autotune_driver), and the Ray
+(raylane.onray.tune: Checkpoint), autotune's Recorder (raylane.autotuning.driver), and the Ray
 launcher itself (End's result, Handover).
 
 Plain frozen dataclasses: on Ray they cross the event actor by pickling, and this module, like
@@ -107,7 +107,7 @@ class Handover:
 
 @dataclass(frozen=True, slots=True)
 class End:
-    """Rank 0's result: training's (Trainer.train) or autotune's search (raylane.loop.search)."""
+    """Rank 0's result: training's (Trainer.train) or autotune's search (raylane.autotuning.search)."""
 
     time_unix: float
     result: dict[str, Any]
@@ -131,7 +131,7 @@ class Candidate:
 
     index: int
     replayed: bool
-    outcome: dict[str, Any]  # raylane.loop.search_order.Outcome, as End's result lists it
+    outcome: dict[str, Any]  # raylane.autotuning.order.Outcome, as End's result lists it
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from raylane import pipelines_ref
 from raylane.batching import held_batch
 from raylane.config import BaseConfig
 from raylane.loop import checkpoint, faults, frozen, usercode
-from raylane.loop.data import eval_data, is_stream, train_data, worker_options
+from raylane.loop.data import eval_data, first_batch, is_stream, train_data, worker_options
 from raylane.loop.devices import peak_flops
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
 from raylane.loop.events import Event, FirstStep, Start
@@ -81,7 +81,7 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
     publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
     # Only strategy.name auto estimates memory: the user's collate_fn runs no more than needed.
     estimating = cfg.strategy.name == "auto" and runtime.world_size > 1
-    example = _example_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn) if estimating else None
+    example = first_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn) if estimating else None
     meta = on_meta(pipe.model)
     model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size, example=example,
                                   loss_fn=pipe.loss_fn, step=pipe.step, blocks=pipe.blocks)
@@ -192,22 +192,11 @@ def _init_from(cfg: BaseConfig) -> str | None:
     return path
 
 
-def _example_batch(dataset, batch_size: int, collate_fn: Callable[[list[Any]], Any] | None = None):
-    """One micro-batch, read without touching any random generator (for the memory estimate),
-    collated as the loader does (the pipeline's collate_fn, else torch's default_collate, which
-    keeps dicts and tuples); None for a stream, which has no batch to spare before its first epoch."""
-    from torch.utils.data import default_collate
-
-    if is_stream(dataset):
-        return None
-    return (collate_fn or default_collate)([dataset[i] for i in range(min(batch_size, len(dataset)))])
-
-
 def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                  on_event: Callable[[Event], None], search: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run this process as one rank: a single process, or a torchrun rank (env vars say which).
     The caller leaves the process group (`raylane.loop.distributed.leave_process_group`). With
-    `search`, the rank runs `raylane autotune`'s search (raylane.loop.search) instead of training."""
+    `search`, the rank runs `raylane autotune`'s search (raylane.autotuning.search) instead of training."""
     startup = {"worker_imports": time.time()}
     rank, local_rank, world_size = env_ranks()
     init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # normally done already by the driver
@@ -217,7 +206,7 @@ def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
         default_device(cfg.scaling.use_gpu, local_rank), publish=on_event if rank == 0 else None,
     )
     if search is not None:
-        from raylane.loop.search import run_search
+        from raylane.autotuning.search import run_search
 
         return run_search(cfg, runtime, search)
     metric_logger = None

@@ -162,6 +162,11 @@ class Trainer(EvalSchedule):
 
     # -- the loop ------------------------------------------------------------------------------
 
+    def run_step(self, micro_batches: list[Any]) -> torch.Tensor | None:
+        """One optimizer step over `micro_batches`, exactly as training takes it (autotune times
+        it); the step count, schedule and checkpoints are left to the caller."""
+        return self._run_batch(micro_batches)
+
     def _run_batch(self, micro_batches: list[Any]) -> torch.Tensor | None:
         """One optimizer step over its micro-batches; returns the mean loss, or None when a
         non-finite update was skipped. Gradients are reduced on the last micro-batch only."""
@@ -349,7 +354,7 @@ class Trainer(EvalSchedule):
             while self.step < self.total_steps and not self.preempted and not self.early_stop.stopped:
                 epoch_start = (time.perf_counter(), self.step)
                 self._run_epoch(self.epoch)
-                last_step_end = self._step_clock()
+                last_step_end = self.step_clock()
                 epoch_ended = self.batch_in_epoch >= self.batches_per_epoch  # not a max_steps stop or a stop
                 if epoch_ended:
                     self.speed_metrics = self._epoch_speed(epoch_start, last_step_end)
@@ -447,7 +452,7 @@ class Trainer(EvalSchedule):
                 "train_s": self._trained_before_s + end - self._train_started,
                 **self.throughput.rates(samples_per_s, self.runtime.world_size)}
 
-    def _step_clock(self) -> float:
+    def step_clock(self) -> float:
         """Now, once the device has finished the steps queued so far."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -316,7 +316,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
                          restarts=_restarts(cfg, loop_config.get("search")))
     _relay_warnings(runtime, loop_config.get("verbose", False))
     if loop_config.get("search"):  # `raylane autotune`: the whole search in this one worker group
-        from raylane.loop.search import run_search
+        from raylane.autotuning.search import run_search
 
         run_search(cfg, runtime, loop_config["search"])
         return
@@ -469,7 +469,7 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
                   in_trial: bool = False, search: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train on the connected cluster (see `raylane.onray.cluster.init_ray`); the caller shuts Ray
     down. `in_trial`: a Tune trial's run, whose controller Tune may kill while the sweep goes on.
-    `search`: run `raylane autotune`'s search in the worker group instead (raylane.loop.search)."""
+    `search`: run `raylane autotune`'s search in the worker group instead (raylane.autotuning.search)."""
     sink = _event_sink()
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:

@@ -8,9 +8,15 @@
   buffers and writes it on a thread of its own while training goes on.
 - `storage`: where checkpoints live (a local or shared folder, or object storage) and which to keep.
 
-This module holds what the rest of raylane calls; the Trainer saves through `saving.Saver`."""
+This module holds what the rest of raylane calls; the Trainer saves through `saving.Saver`.
+Importing it imports no torch (the driver's checks read manifests): `state`'s names load on
+first use."""
 
-from raylane.loop.checkpoint import state
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from raylane.loop.checkpoint.manifest import (
     CHECKPOINT_PREFIX,
     MANIFEST_FILE,
@@ -23,24 +29,38 @@ from raylane.loop.checkpoint.manifest import (
     sha256,
     verify,
 )
-from raylane.loop.checkpoint.state import (
-    STATE_FILE,
-    CheckpointLoadError,
-    CheckpointSaveError,
-    PendingSave,
-    collectives_on,
-    live_state,
-    load,
-    model_shapes,
-    raise_if_any,
-    replicated,
-    rng_file,
-    rng_state,
-    save,
-    write,
-)
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time, __getattr__ below
+    from raylane.loop.checkpoint import state
+    from raylane.loop.checkpoint.state import (
+        STATE_FILE,
+        CheckpointLoadError,
+        CheckpointSaveError,
+        PendingSave,
+        collectives_on,
+        live_state,
+        load,
+        model_shapes,
+        raise_if_any,
+        replicated,
+        rng_file,
+        rng_state,
+        save,
+        write,
+    )
 
 __all__ = ["CHECKPOINT_PREFIX", "MANIFEST_FILE", "STATE_FILE", "CheckpointLoadError", "CheckpointSaveError",
            "PendingSave", "checkpoint_name", "collectives_on", "committed", "latest_valid", "live_state", "load",
            "model_shapes", "newest_valid", "prune", "raise_if_any", "read_manifest", "replicated", "rng_file",
            "rng_state", "save", "sha256", "state", "verify", "write"]
+
+_STATE_NAMES = {"STATE_FILE", "CheckpointLoadError", "CheckpointSaveError", "PendingSave", "collectives_on",
+                "live_state", "load", "model_shapes", "raise_if_any", "replicated", "rng_file", "rng_state", "save",
+                "write"}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "state" or name in _STATE_NAMES:
+        state = import_module("raylane.loop.checkpoint.state")
+        return state if name == "state" else getattr(state, name)
+    raise AttributeError(f"module 'raylane.loop.checkpoint' has no attribute {name!r}")

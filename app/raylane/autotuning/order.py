@@ -1,5 +1,5 @@
 """`raylane autotune`'s search order, on rank 0: which candidate next, from the outcomes so far.
-Pure Python (no torch, no Ray): `raylane.loop.search` runs each candidate it yields."""
+Pure Python (no torch, no Ray): `raylane.autotuning.search` runs each candidate it yields."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
-from raylane.loop.search_ranking import beats
+from raylane.autotuning.ranking import beats
 
 # The search's record in the run's folder: what a relaunch replays.
 RECORD_FILE = "autotune.jsonl"

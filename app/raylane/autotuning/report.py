@@ -1,6 +1,6 @@
 """What `raylane autotune` shows and writes of its candidates: a line each, the table, the plot,
 the summary's rows, the MLflow metrics and the winner's YAML. Each ok candidate's figure is the
-median of its measured windows with an interval (raylane.loop.search_ranking); its verdict is
+median of its measured windows with an interval (raylane.autotuning.ranking); its verdict is
 `winner`, `tie` (its interval overlaps the leader's) or `slower`."""
 
 from __future__ import annotations

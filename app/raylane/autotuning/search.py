@@ -38,15 +38,15 @@ from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import BaseConfig, apply_values
 from raylane.loop import faults as fault_plans
 from raylane.loop.batches import checked_own_loss, forward_loss, to_device
-from raylane.loop.data import train_data, worker_options
+from raylane.loop.data import first_batch, train_data, worker_options
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
 from raylane.loop.events import Candidate, End, Event, Round, SearchStart
 from raylane.loop.parallel import estimate_memory, materialize, on_meta, parallelize, prepare_blocks, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
-from raylane.loop.search_costs import eval_seconds, per_step_seconds, save_seconds
-from raylane.loop.search_order import Outcome, plan, read_record
-from raylane.loop.search_ranking import merge, next_round, summarize
+from raylane.autotuning.costs import eval_seconds, per_step_seconds, save_seconds
+from raylane.autotuning.order import Outcome, plan, read_record
+from raylane.autotuning.ranking import merge, next_round, summarize
 from raylane.loop.steps import Throughput
 from raylane.loop.trainer import Trainer
 
@@ -325,23 +325,23 @@ class Search:
         sampler = _PeakSampler(self.device, baseline, model)
         # The first step allocates the optimizer's state: an OOM there is local (after the
         # gradients' all-reduce), so it is agreed like the probe's.
-        began = trainer._step_clock()
-        oom_rank, failure, _, _ = self._agree(_attempt(lambda: trainer._run_batch(next(groups))))
+        began = trainer.step_clock()
+        oom_rank, failure, _, _ = self._agree(_attempt(lambda: trainer.run_step(next(groups))))
         if failure is not None:
             return {"status": "failed", "error": f"rank {failure[0]}: {failure[1]}"}
         if oom_rank is not None:
             return {"status": "oom", "error": f"out of memory on rank {oom_rank}"}
         sampler.sample()
-        warmed = trainer._step_clock()
+        warmed = trainer.step_clock()
         for _ in range(self.settings["warmup_steps"] - 1):
-            trainer._run_batch(next(groups))
+            trainer.run_step(next(groups))
             sampler.sample()
-        step_s = (trainer._step_clock() - warmed) / (self.settings["warmup_steps"] - 1) \
+        step_s = (trainer.step_clock() - warmed) / (self.settings["warmup_steps"] - 1) \
             if self.settings["warmup_steps"] > 1 else warmed - began
         sizes, times = self._windows(trainer, groups, sampler, step_s)
         sampler.close()
         # Epoch ends, as training pays them, spread over the steps between them.
-        clock = trainer._step_clock
+        clock = trainer.step_clock
         eval_s = eval_seconds(cfg, model, self.pipe, self.runtime, clock)
         state = trainer.state_dict()
         if not self._saved_once:  # the process's first save imports and warms up what the rest reuse
@@ -368,12 +368,12 @@ class Search:
         needed = self._max(min(needed, MAX_WINDOW_STEPS))
         sizes = [max(size, needed) for size in sizes]
         times = []
-        mark = trainer._step_clock()
+        mark = trainer.step_clock()
         for size in sizes:
             for _ in range(size):
-                trainer._run_batch(next(groups))
+                trainer.run_step(next(groups))
                 sampler.sample()
-            ended = trainer._step_clock()
+            ended = trainer.step_clock()
             times.append(ended - mark)
             mark = ended
         return sizes, times
@@ -437,9 +437,8 @@ def _attempt(step: Callable[[], Any]) -> bool | str:
 
 
 def _example(pipe: Any, batch_size: int):
-    from raylane.loop.run import _example_batch
 
-    return _example_batch(pipe.train_set, batch_size, pipe.collate_fn)
+    return first_batch(pipe.train_set, batch_size, pipe.collate_fn)
 
 
 def _window_sizes(steps: int, windows: int) -> list[int]:

@@ -4,7 +4,7 @@ config asks for.
 The search space is the config's optional `autotune:` section (each knob a list of values,
 narrowing the defaults below). The global batch is held: every candidate trains the same model,
 changing only how the batch is split (micro-batch x accumulation x workers). One worker group
-runs the whole search (`raylane.loop.search`: the order, the memory estimate's pruning, the agreed
+runs the whole search (`raylane.autotuning.search`: the order, the memory estimate's pruning, the agreed
 out-of-memory); this module is the driver's side: validate, launch (Ray, torchrun or one
 process), record every candidate as a child of one MLflow parent run, and write the table, a
 plot of throughput against memory, the winner as a ready-to-train YAML and the summary."""
@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from raylane import prechecks
-from raylane.autotune_report import (
+from raylane.autotuning.report import (
     _describe,
     _metrics,
     chosen_line,
@@ -46,8 +46,8 @@ from raylane.config import (
 )
 from raylane.lease import LEASE_FILES
 from raylane.loop.events import Candidate, Event, Log, Round, SearchStart
-from raylane.loop.search_order import RECORD_FILE
-from raylane.loop.search_ranking import CONFIDENCE, verdict
+from raylane.autotuning.order import RECORD_FILE
+from raylane.autotuning.ranking import CONFIDENCE, verdict
 from raylane.results import AutotuneSummary, Status
 from raylane.results import Candidate as CandidateRow
 
@@ -73,7 +73,7 @@ class AutotuneSection(Section):
     comm_hooks: list[Literal["none", "fp16", "bf16", "powersgd"]] | None = None
     warmup_steps: int = Field(2, ge=1, le=1000)
     # Steps measured per round, in `windows` windows: a candidate's figure is the median of the
-    # windows of every round, with an interval (raylane.loop.search_ranking).
+    # windows of every round, with an interval (raylane.autotuning.ranking).
     profile_steps: int = Field(10, ge=1, le=100_000)
     windows: int = Field(5, ge=2, le=1000)
     # A window lasts at least this long: tiny steps are measured over more of them.
