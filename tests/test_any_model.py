@@ -188,8 +188,8 @@ def test_a_pipeline_with_both_step_and_eval_sums_or_a_collate_fn_that_is_no_func
 
 
 def test_autotune_counts_the_evaluations_every_n_steps_in_a_steps_cost():
-    from raylane.config import load_config
     from raylane.autotuning.costs import per_step_seconds
+    from raylane.config import load_config
 
     epochs_only = load_config("digits", ["train.eval_every_n_epochs=0", "checkpoint.every_n_epochs=0"])
     every_10 = load_config("digits", ["train.eval_every_n_epochs=0", "checkpoint.every_n_epochs=0",

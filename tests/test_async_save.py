@@ -15,12 +15,12 @@ import torch
 
 from raylane.config import CheckpointSection
 from raylane.loop import checkpoint
+from raylane.loop.checkpoint.saving import Saver
+from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.events import Checkpoint, CheckpointFailed, Event
 from raylane.loop.faults import Fault, FaultPlan
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import LocalRuntime
-from raylane.loop.checkpoint.saving import Saver
-from raylane.loop.checkpoint.storage import CheckpointStore
 
 
 def _setup(tmp_path: Path, **section):

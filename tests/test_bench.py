@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from raylane.bench.report import rows, startup_table
+from scripts.benchmarks.report import rows, startup_table
 
 pytestmark = pytest.mark.ray
 

@@ -93,7 +93,7 @@ def test_ddp_and_fsdp_fine_tunes_fsdp_holds_half_and_a_relaunch_reads_no_weights
         assert losses[-1] < losses[0] - 0.2 and reads == {"rank0": 1, "rank1": 0}, (name, losses, reads)
     ratio = runs["fsdp"]["memory"]["state_bytes_per_rank"] / runs["ddp"]["memory"]["state_bytes_per_rank"]
     assert 0.4 <= ratio <= 0.6, ratio
-    with sqlite3.connect(db) as con:  # from the model's config: parameters and shape
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:  # from the model's config: parameters and shape
         keys = {k for (k,) in con.execute("SELECT DISTINCT key FROM metrics WHERE run_uuid = ?", (runs["fsdp"]["run_id"],))}
     assert {"train/tokens_per_s", "train/mfu"} <= keys, sorted(keys)
     (tmp_path / "fsdp.json").unlink()
@@ -266,7 +266,7 @@ def test_full_and_lora_fine_tunes_on_2_ray_workers_and_lora_resumes_bit_exact_af
         assert (reads.get("rank0"), reads.get("rank1", 0)) == (1 + runs[name]["restarts"], 0), (name, reads)
     ratio = runs["fsdp"]["memory"]["state_bytes_per_rank"] / runs["ddp"]["memory"]["state_bytes_per_rank"]
     assert 0.4 <= ratio <= 0.6, ratio
-    with sqlite3.connect(db) as con:  # from the model's config: parameters and shape
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:  # from the model's config: parameters and shape
         keys = {k for (k,) in con.execute("SELECT DISTINCT key FROM metrics WHERE run_uuid = ?", (runs["fsdp"]["run_id"],))}
     assert {"train/tokens_per_s", "train/mfu"} <= keys, sorted(keys)
 

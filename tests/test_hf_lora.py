@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 

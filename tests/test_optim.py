@@ -13,10 +13,10 @@ import torch
 
 from raylane.config import load_config
 from raylane.loop import checkpoint, faults
+from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.loop.optim import build_optimizer, build_scheduler, lr_factor, param_groups, schedule_note
 from raylane.loop.run import run_worker
 from raylane.loop.runtime import LocalRuntime
-from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.pipelines_ref import UserCodeError
 from tests.conftest import REPO, TORCHRUN, read_json
 

@@ -16,7 +16,7 @@ The public API is what this module exports:
   (raylane.results; docs/summary.md describes every field).
 
 Importing raylane imports neither torch nor Ray: the names that need them load on first use.
-Everything else (raylane.loop, raylane.onray, raylane.tracking, raylane.bench and the modules
+Everything else (raylane.loop, raylane.autotuning, raylane.onray, raylane.tracking and the modules
 beside this one) is internal and may change in any release; raylane.hf has its own `__all__`.
 """
 

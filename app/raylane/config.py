@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raylane import paths, pipelines_ref
+from raylane.errors import ConfigError
 from raylane.paths import InputPath, OutputPath
 
 # Shipped pipeline name -> module. A config may also name a dotted module or a .py file of the
@@ -29,10 +30,6 @@ PIPELINES: dict[str, str] = pipelines_ref.SHIPPED
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-
-
-class ConfigError(ValueError):
-    """Bad user input. The message is complete and meant for the user as is."""
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -356,7 +353,16 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def config_class(pipeline: Any) -> type[BaseConfig]:
     """The `Config` of a pipeline reference (see raylane.pipelines_ref); relative references are
     looked up from the working directory."""
-    return pipelines_ref.load(pipelines_ref.normalize(pipeline, [Path.cwd()])).Config
+    return pipeline_config(pipelines_ref.normalize(pipeline, [Path.cwd()]))
+
+
+def pipeline_config(ref: str) -> type[BaseConfig]:
+    """The `Config` class of a normalized pipeline reference, checked to be a BaseConfig."""
+    config = pipelines_ref.load(ref).Config
+    if not (isinstance(config, type) and issubclass(config, BaseConfig)):
+        raise ConfigError(f"pipeline = {ref!r}: Config is {config!r}, not a subclass of raylane.BaseConfig "
+                          f"({pipelines_ref.CONTRACT})")
+    return config
 
 
 def config_path(path: str | Path) -> Path:
@@ -453,7 +459,7 @@ def validate(raw: Mapping[str, Any], *, outputs: bool = True) -> BaseConfig:
         raise ConfigError(f"config: top level must be a mapping, got {_short(raw)}")
     raw = dict(raw)
     raw["pipeline"] = pipelines_ref.normalize(raw.get("pipeline"), [Path.cwd()])
-    cls = pipelines_ref.load(raw["pipeline"]).Config
+    cls = pipeline_config(raw["pipeline"])
     raw = paths.resolve(raw, cls, Path.cwd(), inputs_only=not outputs, defaults=outputs)
     try:
         return cls.model_validate(raw)
@@ -472,7 +478,7 @@ def read_config_file(source: str | Path, raw: dict[str, Any] | None = None,
     raw = normalize_pipeline(raw, folder)
     ref = raw.get("pipeline") or pipeline
     try:
-        cls = pipelines_ref.load(ref).Config if isinstance(ref, str) else None
+        cls = pipeline_config(ref) if isinstance(ref, str) else None
     except ConfigError:
         cls = None
     if cls is None:

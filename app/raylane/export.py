@@ -16,9 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from raylane import pipelines_ref
 from raylane.config import validate
-from raylane.loop import checkpoint
+from raylane.loop import checkpoint, usercode
 from raylane.loop.aliases import aliases, unexplained, with_aliases, without_aliases
 from raylane.loop.frozen import base_mismatch, base_of, frozen_names, saved_part
 from raylane.loop.pipeline import example_batch
@@ -35,7 +34,7 @@ def consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     manifest = checkpoint.read_manifest(checkpoint_dir)
     train_state = manifest["train_state"]
     cfg = validate(train_state["config"])
-    pipe = pipelines_ref.build(cfg)
+    pipe = usercode.build_pipeline(cfg)
     _give_memory(pipe)
     names = aliases(pipe.model)
     if problem := base_mismatch(checkpoint_dir, manifest.get("base"), pipe.model):

@@ -26,6 +26,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from raylane.errors import ConfigError
+
 SHIPPED: dict[str, str] = {
     "regression": "raylane.pipelines.regression",
     "digits": "raylane.pipelines.digits",
@@ -53,8 +55,6 @@ class PipelineBuildError(UserCodeError):
 
 
 def _config_error(text: str) -> Exception:
-    from raylane.config import ConfigError  # config imports this module
-
     return ConfigError(text)
 
 
@@ -244,44 +244,29 @@ def user_frame(exc: BaseException, files: Iterable[str] = ()) -> str | None:
     return found
 
 
+CONTRACT = "a pipeline module defines Config (a raylane.BaseConfig subclass with a `model` section) and build(cfg)"
+
+
 def _check_contract(ref: str, module: ModuleType) -> None:
-    from raylane.config import BaseConfig
-
+    """What a module must define; that its Config is a BaseConfig, raylane.config checks."""
     where = f"pipeline = {ref!r}"
-    contract = "a pipeline module defines Config (a raylane.BaseConfig subclass with a `model` section) and build(cfg)"
-    config = getattr(module, "Config", None)
-    if config is None:
-        raise _config_error(f"{where}: the module defines no Config class ({contract})")
-    if not (isinstance(config, type) and issubclass(config, BaseConfig)):
-        raise _config_error(f"{where}: Config is {config!r}, not a subclass of raylane.BaseConfig ({contract})")
+    if getattr(module, "Config", None) is None:
+        raise _config_error(f"{where}: the module defines no Config class ({CONTRACT})")
     if not callable(getattr(module, "build", None)):
-        raise _config_error(f"{where}: the module defines no build(cfg) function ({contract})")
-
-
-def build(cfg: Any) -> Any:
-    """`build(cfg)` of the config's pipeline, checked to be a raylane.Pipeline; its exception, or
-    a wrong return, is a PipelineBuildError that names the pipeline, what went wrong and where."""
-    module = load(cfg.pipeline)
-    pipe = _call(cfg, module, "build")
-    from raylane.loop.usercode import pipeline_problem  # torch: loaded by now, on a rank
-
-    problem = pipeline_problem(pipe)
-    if problem:
-        raise PipelineBuildError(f"pipeline {cfg.pipeline!r}: build(cfg) returned {problem} "
-                                 f"(at {returned_at(module.build)})")
-    return pipe
+        raise _config_error(f"{where}: the module defines no build(cfg) function ({CONTRACT})")
 
 
 def sources(cfg: Any) -> dict[str, Any]:
     """`sources(cfg)` of the config's pipeline (a streaming one), its exception named as build's."""
-    found = _call(cfg, load(cfg.pipeline), "sources")
+    found = call(cfg, load(cfg.pipeline), "sources")
     if not isinstance(found, dict):
         raise UserCodeError(f"pipeline {cfg.pipeline!r}: sources(cfg) returned {type(found).__name__}, not a dict "
                             f"of raylane.FileSource by data set name (at {returned_at(load(cfg.pipeline).sources)})")
     return found
 
 
-def _call(cfg: Any, module: ModuleType, name: str) -> Any:
+def call(cfg: Any, module: ModuleType, name: str) -> Any:
+    """`name(cfg)` of a pipeline module, its exception one line naming the function and the place."""
     try:
         return getattr(module, name)(cfg)
     except Exception as exc:

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 import raylane
-from raylane.loop import checkpoint
 from raylane.hf.lora import LoraSection, apply_lora
+from raylane.loop import checkpoint
 
 
 class ModelSection(raylane.Section):

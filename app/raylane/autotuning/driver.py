@@ -20,6 +20,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from raylane import prechecks
+from raylane.autotuning.order import RECORD_FILE
+from raylane.autotuning.ranking import CONFIDENCE, verdict
 from raylane.autotuning.report import (
     _describe,
     _metrics,
@@ -46,8 +48,6 @@ from raylane.config import (
 )
 from raylane.lease import LEASE_FILES
 from raylane.loop.events import Candidate, Event, Log, Round, SearchStart
-from raylane.autotuning.order import RECORD_FILE
-from raylane.autotuning.ranking import CONFIDENCE, verdict
 from raylane.results import AutotuneSummary, Status
 from raylane.results import Candidate as CandidateRow
 

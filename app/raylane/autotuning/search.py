@@ -33,10 +33,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raylane import pipelines_ref
+from raylane.autotuning.costs import eval_seconds, per_step_seconds, save_seconds
+from raylane.autotuning.order import Outcome, plan, read_record
+from raylane.autotuning.ranking import merge, next_round, summarize
 from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import BaseConfig, apply_values
 from raylane.loop import faults as fault_plans
+from raylane.loop import usercode
 from raylane.loop.batches import checked_own_loss, forward_loss, to_device
 from raylane.loop.data import first_batch, train_data, worker_options
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
@@ -44,9 +47,6 @@ from raylane.loop.events import Candidate, End, Event, Round, SearchStart
 from raylane.loop.parallel import estimate_memory, materialize, on_meta, parallelize, prepare_blocks, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
-from raylane.autotuning.costs import eval_seconds, per_step_seconds, save_seconds
-from raylane.autotuning.order import Outcome, plan, read_record
-from raylane.autotuning.ranking import merge, next_round, summarize
 from raylane.loop.steps import Throughput
 from raylane.loop.trainer import Trainer
 
@@ -82,7 +82,7 @@ class Search:
 
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
-        self.pipe = pipe = pipelines_ref.build(self.cfg)  # the data, and the model every candidate copies
+        self.pipe = pipe = usercode.build_pipeline(self.cfg)  # the data, and the model every candidate copies
         if not on_meta(pipe.model):  # a meta model gets memory in each candidate
             pipe.model.to("cpu")
         # Each candidate's teardown collects garbage: leave what lives the whole search (imports,

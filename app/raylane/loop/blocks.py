@@ -81,14 +81,6 @@ def find_blocks(model: nn.Module, given: Any = None) -> Blocks:
     return Blocks([])
 
 
-def pipeline_blocks(cfg: Any) -> Blocks:
-    """`raylane check --blocks`: the blocks of the config's pipeline, built in this process."""
-    from raylane import pipelines_ref
-
-    pipe = pipelines_ref.build(cfg)
-    return find_blocks(pipe.model, pipe.blocks)
-
-
 def blocks_of(model: nn.Module, given: Any = None) -> list[nn.Module]:
     return find_blocks(model, given).modules
 

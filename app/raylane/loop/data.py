@@ -14,7 +14,7 @@ import itertools
 import math
 import os
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raylane import pipelines_ref
 from raylane.batching import held_batch
 from raylane.config import BaseConfig
 from raylane.loop import checkpoint, faults, frozen, usercode
+from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.loop.data import eval_data, first_batch, is_stream, train_data, worker_options
 from raylane.loop.devices import peak_flops
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
@@ -30,7 +30,6 @@ from raylane.loop.parallel import on_meta, parallelize, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import LocalRuntime, Runtime
 from raylane.loop.steps import Throughput, plan_steps
-from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.loop.trainer import Trainer
 
 log = logging.getLogger("raylane")
@@ -65,7 +64,7 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
     seed_everything(cfg.train.seed)
     pipe = None
     try:
-        pipe = pipelines_ref.build(cfg)  # its exception, or a return that is no Pipeline, names the pipeline
+        pipe = usercode.build_pipeline(cfg)  # its exception, or a return that is no Pipeline, names the pipeline
         startup["pipeline"] = time.time()
         return _train(cfg, runtime, pipe, metric_logger, startup)
     except Exception as exc:

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from raylane.loop.events import Event
 from raylane.loop.checkpoint.storage import CheckpointStore
+from raylane.loop.events import Event
 
 
 class Runtime(Protocol):

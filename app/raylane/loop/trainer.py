@@ -19,6 +19,7 @@ from raylane import __version__
 from raylane.config import BaseConfig
 from raylane.loop import preemption
 from raylane.loop.batches import Forward, StepMetrics
+from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.data import EpochData
 from raylane.loop.devices import peak_memory_bytes, reset_peak_memory, state_bytes
 from raylane.loop.distributed import ControlVote, all_reduce_max, backend_name
@@ -29,7 +30,6 @@ from raylane.loop.hooks import Hooks
 from raylane.loop.parallel import Strategy, no_gradient_sync
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
-from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.steps import Throughput, clip_gradients, last_step, plain_parameters, plan_steps
 
 log = logging.getLogger("raylane")

@@ -21,7 +21,7 @@ from typing import Any
 
 from raylane import pipelines_ref
 from raylane.loop.baddata import DataError
-from raylane.pipelines_ref import UserCodeError
+from raylane.pipelines_ref import PipelineBuildError, UserCodeError
 
 TRACEBACK_ATTR = "raylane_traceback"
 LOSS_ROLE = "loss_fn(output, target)"
@@ -305,3 +305,24 @@ def _unused_parameters(exc: BaseException, pipe: Any) -> UserCodeError:
     return UserCodeError(f"strategy.find_unused_parameters = false: the model's {which} got no gradient at a step"
                          f"{where} (not used to compute the loss): set strategy.find_unused_parameters: true, or "
                          "use every parameter in forward")
+
+
+def build_pipeline(cfg: Any) -> Any:
+    """`build(cfg)` of the config's pipeline, checked to be a raylane.Pipeline; its exception, or
+    a wrong return, is a PipelineBuildError that names the pipeline, what went wrong and where."""
+    module = pipelines_ref.load(cfg.pipeline)
+    pipe = pipelines_ref.call(cfg, module, "build")
+    problem = pipeline_problem(pipe)
+    if problem:
+        raise PipelineBuildError(f"pipeline {cfg.pipeline!r}: build(cfg) returned {problem} "
+                                 f"(at {pipelines_ref.returned_at(module.build)})")
+    return pipe
+
+
+def pipeline_blocks(cfg: Any) -> Any:
+    """`raylane check --blocks`: the blocks of the config's pipeline (raylane.loop.blocks.Blocks),
+    built in this process."""
+    from raylane.loop.blocks import find_blocks
+
+    pipe = build_pipeline(cfg)
+    return find_blocks(pipe.model, pipe.blocks)

@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 from ray.train import FailureConfig, ScalingConfig
+
 from raylane.config import BaseConfig
 from raylane.onray.internals import DefaultFailurePolicy, ElasticScalingPolicy, FixedScalingPolicy
 

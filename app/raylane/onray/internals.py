@@ -14,16 +14,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time, __getattr__ below
-    from ray._private import worker as ray_worker
-    from ray.train.torch.config import _TorchBackend as TorchBackend
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-    from ray.train.v2._internal.execution import context as train_context_module
-    from ray.train.v2._internal.execution.callback import ControllerCallback
-    from ray.train.v2._internal.execution.context import get_train_context
-    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
-    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, FixedScalingPolicy
-    from ray.train.v2._internal.execution.scaling_policy.scaling_policy import NoopDecision
+    pass
 
 # The Ray releases every name below was checked on (tests/test_ray_internals.py on each).
 CHECKED_ON = ("2.59.0", "2.60.0")

@@ -27,11 +27,10 @@ from raylane.batching import world_sizes
 from raylane.config import BaseConfig, validate
 from raylane.loop import baddata, preemption
 from raylane.loop.baddata import DataError
+from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.distributed import node_layout
 from raylane.loop.events import End, Event, Handover, Log, Startup
-from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.usercode import TRACEBACK_ATTR
-from raylane.onray.internals import ControllerCallback, TorchBackend
 from raylane.onray.elastic import (
     HANDOVER_WAIT_S,
     HandoverFailurePolicy,
@@ -41,6 +40,7 @@ from raylane.onray.elastic import (
     max_failures,
     ray_num_workers,
 )
+from raylane.onray.internals import ControllerCallback, TorchBackend
 from raylane.pipelines_ref import UserCodeError
 
 log = logging.getLogger("raylane")
@@ -299,10 +299,9 @@ def _restarts(cfg: BaseConfig, search: dict[str, Any] | None) -> bool:
 def _train_fn(loop_config: dict[str, Any]) -> None:
     # Ray logs every report and checkpoint at INFO; the driver's display already shows them.
     # (One of those loggers is named after its file path, not its module.)
-    from raylane.onray.internals import train_context_module as ray_train_context
-
     from raylane.loop.run import run_worker
     from raylane.loop.startup import process_start_unix
+    from raylane.onray.internals import train_context_module as ray_train_context
     from raylane.tracking.runs import rank_zero_logger
 
     startup = {"worker_process": process_start_unix(), "process_group": _process_group_unix,

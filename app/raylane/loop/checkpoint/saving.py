@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from raylane.config import CheckpointSection
 from raylane.loop.checkpoint import state as checkpoint
+from raylane.loop.checkpoint.staging import LiveState, Stager
 from raylane.loop.faults import FaultPlan
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
-from raylane.loop.checkpoint.staging import LiveState, Stager
 
 log = logging.getLogger("raylane.checkpoint")
 

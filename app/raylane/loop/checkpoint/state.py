@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from raylane.loop.aliases import aliases, unexplained, without_aliases
-from raylane.loop.frozen import base_mismatch, base_of, frozen_names, saved_part
 
 # The commit record's reading and checks live in a torch-free module; re-exported here.
 from raylane.loop.checkpoint.manifest import (  # noqa: F401
@@ -55,6 +54,7 @@ from raylane.loop.checkpoint.manifest import (  # noqa: F401
     sha256,
     verify,
 )
+from raylane.loop.frozen import base_mismatch, base_of, frozen_names, saved_part
 
 # A single process without a process group is a supported DCP mode, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

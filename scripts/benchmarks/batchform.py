@@ -2,7 +2,7 @@
 alone. `model.form: pair` gives `(input, target)` batches and `loss_fn`; `dict` gives
 `{"features": ..., "labels": ...}` batches passed as `model(**batch)`, and the model returns
 its own loss. The same weights, data and arithmetic either way (`pipeline:
-raylane.bench.batchform`)."""
+scripts.benchmarks.batchform`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """B1b: the per-step cost of a dict batch passed as `model(**batch)`, with the model's own loss,
-against the same model fed `(input, target)` pairs and a `loss_fn` (raylane.bench.batchform), on
+against the same model fed `(input, target)` pairs and a `loss_fn` (scripts.benchmarks.batchform), on
 2 torchrun ranks. Slopes between a short and a long run, both forms interleaved."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-PIPELINE = "raylane.bench.batchform"
+PIPELINE = "scripts.benchmarks.batchform"
 FORMS = ("pair", "dict")
 
 
 def b1b(bench: Any) -> dict[str, Any]:
-    from raylane.bench.harness import QUIET, stats
+    from scripts.benchmarks.common import QUIET, stats
 
     short, long = (30, 90) if bench.quick else (100, 600)
     print(f"[bench] B1b dict batches against pairs: {short} and {long} steps", flush=True)

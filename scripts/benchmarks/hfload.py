@@ -9,7 +9,7 @@ reset after the imports, so it is the load's) and the resident set before it.
 
 Then every weight is written once, as the first optimizer step will (see `_as_training_will`).
 
-    torchrun --nproc_per_node 2 -m raylane.bench.hfload MODE MODEL_DIR OUT"""
+    torchrun --nproc_per_node 2 -m scripts.benchmarks.hfload MODE MODEL_DIR OUT"""
 
 from __future__ import annotations
 

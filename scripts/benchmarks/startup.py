@@ -1,4 +1,4 @@
-"""Benchmark B2b (see raylane.bench.harness): launch → first step, phase by phase.
+"""Benchmark B2b (see scripts.benchmarks.harness): launch → first step, phase by phase.
 
 Four ways to start the same short run of `regression` on 2 ranks: raylane on a fresh embedded Ray
 (cold), raylane joining a Ray head that is already up (warm: `raylane up`, or a `ray start --head`
@@ -29,7 +29,7 @@ HEAD_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMP
 
 
 def b2b(bench) -> dict[str, Any]:
-    from raylane.bench.harness import QUIET, stats
+    from scripts.benchmarks.common import QUIET, stats
 
     print("[bench] B2b launch to first step, phase by phase", flush=True)
     steps = 5
@@ -91,7 +91,7 @@ def _warm_head(bench) -> Iterator[tuple[str | None, dict[str, str]]]:
 
 
 def _raylane_cmd() -> list[str]:
-    from raylane.bench.harness import RAYLANE
+    from scripts.benchmarks.common import RAYLANE
 
     return RAYLANE
 
@@ -104,7 +104,7 @@ def _address(bench, env: dict[str, str]) -> str:
 def _own_head(bench) -> Iterator[tuple[str, dict[str, str]]]:
     """`ray start --head --block` in a session of its own, token auth on, stopped by killing that
     session's processes (never `ray stop`: it stops every Ray on the machine)."""
-    from raylane.bench.harness import PY
+    from scripts.benchmarks.common import PY
 
     token = bench.work / "auth_token"
     token.write_text(uuid.uuid4().hex)

@@ -1,4 +1,4 @@
-"""The markdown table and PNG charts of `raylane bench` (see raylane.bench.harness), from results.json alone."""
+"""The markdown table and PNG charts of `raylane bench` (see scripts.benchmarks.harness), from results.json alone."""
 
 from __future__ import annotations
 

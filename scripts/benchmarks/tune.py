@@ -1,4 +1,4 @@
-"""Benchmark B4 (see raylane.bench.harness): a `raylane tune` sweep against its ideal (every trial's own
+"""Benchmark B4 (see scripts.benchmarks.harness): a `raylane tune` sweep against its ideal (every trial's own
 time, perfectly packed) and against plain Ray Tune running the same training
 (scripts/plain_tune.py), interleaved."""
 
@@ -15,7 +15,7 @@ EPOCHS, CONCURRENCY = 2, 2
 
 
 def b4(bench) -> dict[str, Any]:
-    from raylane.bench.harness import PY, REPO, stats
+    from scripts.benchmarks.common import PY, REPO, stats
 
     print("[bench] B4 Tune sweep against its ideal and plain Ray Tune", flush=True)
     lrs = LRS[:2] if bench.quick else LRS
@@ -63,7 +63,7 @@ def b10(bench) -> dict[str, Any]:
     """Autotune of gpt-tiny on 2 Ray workers: its wall time against one cold start plus the
     candidates' profiling; then a plain `raylane train` of the winner's YAML, whose throughput
     should match what the search measured for it."""
-    from raylane.bench.harness import PY, stats
+    from scripts.benchmarks.common import PY, stats
 
     print("[bench] B10 autotune of gpt-tiny, and a plain run of its choice", flush=True)
     sets = B10_SETS if not bench.quick else [*B10_SETS[:-2], "autotune.profile_steps=10", B10_SETS[-1]]

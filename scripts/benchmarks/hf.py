@@ -7,7 +7,7 @@
   resident set on CPU, CUDA's peak allocation on a GPU), each as raylane ÷ Trainer.
 - B12: the peak host memory per rank while loading pretrained weights of a model of a few
   hundred MB, raylane under FSDP on 2 ranks (rank 0 reads, the other receives its shard) against
-  every rank calling `from_pretrained` (raylane.bench.hfload)."""
+  every rank calling `from_pretrained` (scripts.benchmarks.hfload)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from raylane.bench.harness import QUIET, REPO, TORCHRUN, stats
+from scripts.benchmarks.common import QUIET, REPO, TORCHRUN, stats
 
 PEAK = str(REPO / "scripts" / "peak_memory.py")
 TRAINER = str(REPO / "scripts" / "hf_trainer_baseline.py")
@@ -106,7 +106,7 @@ def b12(bench: Any) -> dict[str, Any]:
     for i in range(bench.repeats):
         for mode in loads:
             out = bench.work / f"b12-{mode}-{i}"
-            bench.run([*TORCHRUN, "-m", "raylane.bench.hfload", mode, str(model), str(out)])
+            bench.run([*TORCHRUN, "-m", "scripts.benchmarks.hfload", mode, str(model), str(out)])
             loads[mode].append([json.loads((out / f"rank{r}.json").read_text()) for r in range(2)])
     per_rank = {mode: [statistics.median(run[r]["load_bytes"] for run in runs) for r in range(2)]
                 for mode, runs in loads.items()}

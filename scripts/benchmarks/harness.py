@@ -4,7 +4,7 @@ Every figure is the median of `repeats` runs with its [min, max]; the sides of a
 interleaved (A B A B ...) in one process, all with OMP_NUM_THREADS=1 and 2 gloo ranks unless
 said otherwise. Step costs are slopes between a short and a long run, so start-up and the end of
 the run cancel out. Results go to `<out>/results.json`, `<out>/results.md` and PNG charts
-(raylane.bench.report). Benchmarks are measurements, not tests: nothing here asserts a target."""
+(scripts.benchmarks.report). Benchmarks are measurements, not tests: nothing here asserts a target."""
 
 from __future__ import annotations
 
@@ -22,15 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[3]
-PY = sys.executable
-TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-RAYLANE = [PY, "-m", "raylane"]
+from scripts.benchmarks.common import PY, QUIET, RAYLANE, REPO, TORCHRUN, stats
+
 BASELINE = str(REPO / "scripts" / "ddp_baseline.py")
 RUN_TIMEOUT_S = 900
-# Steady-state training only: no per-epoch evaluation or checkpoint, no tracking (B5 prices it).
-QUIET = ["mlflow.enabled=false", "checkpoint.every_n_steps=0", "checkpoint.every_n_epochs=0",
-         "train.eval_every_n_epochs=0"]
 # (pipeline, short and long run in steps, overrides); quick runs use the first only, shorter.
 B1_CASES = [("regression", (100, 600), []), ("digits", (50, 300), []), ("gpt-tiny", (20, 80), [])]
 B1_SIDES = ("raylane on Ray", "raylane under torchrun", "hand-written torchrun DDP")
@@ -262,11 +257,6 @@ def _slopes(pairs: dict[str, list[tuple[Any, Any]]], key: str, prefix: str) -> d
             f"{prefix}ratio_vs_hand_written": {side: statistics.median(v) / base for side, v in slopes.items()}}
 
 
-def stats(values: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
-            "values": values}
-
-
 def machine() -> dict[str, Any]:
     import torch
 
@@ -322,7 +312,7 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
 
 def _write(bench: Bench, out: Path, only: list[str] | None, chosen: list[str], started: float,
            results: dict[str, Any], *, final: bool) -> str:
-    from raylane.bench import report as bench_report
+    from scripts.benchmarks import report as bench_report
 
     report = {"machine": machine(), "quick": bench.quick, "repeats": bench.repeats, "started_unix": started,
               "wall_s": time.time() - started, "complete": final,
@@ -335,13 +325,13 @@ def _write(bench: Bench, out: Path, only: list[str] | None, chosen: list[str], s
 
 
 def b2b(bench: Bench) -> dict[str, Any]:
-    from raylane.bench.startup import b2b as run_b2b
+    from scripts.benchmarks.startup import b2b as run_b2b
 
     return run_b2b(bench)
 
 
 def b4(bench: Bench) -> dict[str, Any]:
-    from raylane.bench.tune import b4 as run_b4
+    from scripts.benchmarks.tune import b4 as run_b4
 
     return run_b4(bench)
 
@@ -358,13 +348,13 @@ def b8() -> dict[str, Any]:
 
 
 def b1b(bench: Bench) -> dict[str, Any]:
-    from raylane.bench.batches import b1b as run_b1b
+    from scripts.benchmarks.batches import b1b as run_b1b
 
     return run_b1b(bench)
 
 
 def b10(bench: Bench) -> dict[str, Any]:
-    from raylane.bench.tune import b10 as run_b10
+    from scripts.benchmarks.tune import b10 as run_b10
 
     return run_b10(bench)
 
@@ -375,6 +365,6 @@ def hf_bench(bench: Bench, name: str) -> dict[str, Any]:
 
     if importlib.util.find_spec("transformers") is None:
         return {"skipped": "raylane[hf] is not installed (pip install 'raylane[hf]')"}
-    from raylane.bench import hf
+    from scripts.benchmarks import hf
 
     return getattr(hf, name)(bench)
