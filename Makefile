@@ -8,7 +8,7 @@ PYTHON ?= python3
 # Some package mirrors print one warning per package; keep the install log readable.
 QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: install run test test-all test-ray-oldest bench browser check mlflow clean docs
+.PHONY: install run test test-fast test-all test-ray-oldest lint bench browser check mlflow clean docs
 
 install: $(STAMP)
 
@@ -34,8 +34,14 @@ run: install
 
 # Under 20 minutes on a fresh clone on 2 cores (measured in the closing notes): Ray runs that need no cluster of their own share one `raylane up`
 # head (tests marked shared_ray). `make test-all` adds the `slow` soaks (the quick bench).
-test: install browser
+test: install browser lint
 	$(VENV)/bin/pytest tests -m "not slow and not gpu" --durations=15
+
+# Lint, format and types: no new finding may land (scripts/typecheck.py keeps mypy's baseline).
+lint: install
+	$(VENV)/bin/ruff check app scripts tests pipelines
+	$(VENV)/bin/ruff format --check app scripts tests pipelines
+	$(PY) scripts/typecheck.py
 
 test-all: install browser
 	$(VENV)/bin/pytest tests -m "not gpu" --durations=15
