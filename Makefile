@@ -35,7 +35,11 @@ run: install
 # Under 20 minutes on a fresh clone on 2 cores (measured in the closing notes): Ray runs that need no cluster of their own share one `raylane up`
 # head (tests marked shared_ray). `make test-all` adds the `slow` soaks (the quick bench).
 test: install browser lint
-	$(VENV)/bin/pytest tests -m "not slow and not gpu" --durations=15
+	$(VENV)/bin/pytest tests/unit tests/e2e -m "not slow and not gpu" --durations=15
+
+# The unit tests alone (no Ray, no subprocess; under two minutes): the first feedback on a change.
+test-fast: install
+	$(VENV)/bin/pytest tests/unit -q
 
 # Lint, format and types: no new finding may land (scripts/typecheck.py keeps mypy's baseline).
 lint: install
@@ -58,7 +62,7 @@ test-ray-oldest: browser
 	  $(OLDEST)/bin/python -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e '.[dev]' 'ray[default,data,train,tune]==$(RAY_OLDEST)' 2>&1 | $(QUIET_PIP); \
 	fi
 	$(OLDEST)/bin/python -c "import ray; assert ray.__version__ == '$(RAY_OLDEST)', ray.__version__"
-	$(OLDEST)/bin/pytest tests/test_ray_internals.py tests/test_versions.py
+	$(OLDEST)/bin/pytest tests/unit/test_ray_internals.py tests/e2e/test_versions.py
 	$(OLDEST)/bin/pytest tests -m "(ray or shared_ray) and not slow and not gpu" --durations=15
 
 # B1-B9 against hand-written torchrun DDP and plain Ray Tune: bench/results.json, results.md and
@@ -85,6 +89,6 @@ clean:
 	rm -rf $(VENV) $(OLDEST) runs mlflow.db mlflow.db.lock mlartifacts mlflow-server test-artifacts .pytest_cache
 
 # The pages generated from the code: docs/summary.md and docs/summary.schema.json (app/raylane/results.py).
-# tests/test_results.py fails when the committed ones differ.
+# tests/unit/test_results.py fails when the committed ones differ.
 docs: install
 	$(PY) scripts/summary_docs.py

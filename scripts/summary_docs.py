@@ -1,5 +1,5 @@
 """Write docs/summary.md and docs/summary.schema.json from raylane.results (`make docs`), or with
-`--check` exit 1 when the committed pages differ from what the code generates (tests/test_results.py
+`--check` exit 1 when the committed pages differ from what the code generates (tests/unit/test_results.py
 runs the same comparison)."""
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from raylane.results import (
     read_summary,
 )
 
-# tests/test_public_api.py holds this list too: a name that disappears from it fails there.
+# tests/unit/test_public_api.py holds this list too: a name that disappears from it fails there.
 __all__ = ["AutotuneSummary", "BaseConfig", "ConfigError", "DataError", "ExportSummary", "FileSource", "Hook",
            "HookContext", "InputPath", "InputPaths", "OutputPath", "Pipeline", "Section", "Status", "StepFn",
            "SubmitSummary", "SweepSummary", "TrainSummary", "__version__", "autotune", "check", "down", "read_summary",

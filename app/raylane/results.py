@@ -1,7 +1,7 @@
 """What each command returns and writes with `--summary-json`: typed, documented and versioned.
 
 Scripts and CI read these files, so a field is never renamed, retyped or dropped without a new
-`SCHEMA_VERSION` (tests/test_results.py holds each released version's fingerprint). Every
+`SCHEMA_VERSION` (tests/unit/test_results.py holds each released version's fingerprint). Every
 summary carries its `schema_version` and its `command`; `docs/summary.md` and
 `docs/summary.schema.json` are generated from the models below (`make docs`)."""
 
@@ -321,7 +321,7 @@ def read_summary(path: str | Path) -> _Summary:
 
 def outline() -> dict[str, dict[str, str]]:
     """Every summary's fields and those of the models they hold: name -> type and default. What a
-    schema version fixes (tests/test_results.py fingerprints it), independent of pydantic's own
+    schema version fixes (tests/unit/test_results.py fingerprints it), independent of pydantic's own
     JSON Schema output, which may change between its releases."""
     out: dict[str, dict[str, str]] = {}
     queue: list[type[BaseModel]] = list(SUMMARIES.values())

@@ -4,7 +4,7 @@ sets (`val`, `test`) rather than one. `model.hooks`: which hooks it gives, from 
 exponential moving average docs/pipelines.md quotes), `record` (writes each call it gets to
 calls-<rank>.json in the working directory) and `boom` (raises at step 2).
 
-The class `EMA` is quoted verbatim in docs/pipelines.md (tests/test_eval_hooks.py checks it)."""
+The class `EMA` is quoted verbatim in docs/pipelines.md (tests/e2e/test_eval_hooks.py checks it)."""
 
 from __future__ import annotations
 

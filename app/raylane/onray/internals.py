@@ -1,5 +1,5 @@
 """Every name raylane takes from Ray's internals, in one place, with why and the Ray releases it
-was checked on. Ray promises nothing for these; tests/test_ray_internals.py resolves each (and
+was checked on. Ray promises nothing for these; tests/unit/test_ray_internals.py resolves each (and
 fails naming it), so that a Ray upgrade that moves one fails in the suite, not in a user's run,
 and no other module of raylane may name `_internal` or `_private` (the same test reads them).
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time, __getattr__ below
     pass
 
-# The Ray releases every name below was checked on (tests/test_ray_internals.py on each).
+# The Ray releases every name below was checked on (tests/unit/test_ray_internals.py on each).
 CHECKED_ON = ("2.59.0", "2.60.0")
 
 # The name raylane's code uses -> (module, attribute or None for the module itself, why).

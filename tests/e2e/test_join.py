@@ -1,6 +1,6 @@
 """Joining a Ray cluster that never answers: a port where something accepts the connection and then
 says nothing, as a wrong port or a hung head does. (Where nothing listens at all, the command
-stops before anything starts: tests/test_bad_input.py.) Each run gives up with one line, or stops
+stops before anything starts: tests/e2e/test_bad_input.py.) Each run gives up with one line, or stops
 at once on SIGTERM, and its MLflow run (or sweep's parent run) is closed, never left RUNNING."""
 
 from __future__ import annotations

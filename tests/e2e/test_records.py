@@ -2,7 +2,7 @@
 logs nothing, a run relaunched with a model its checkpoint cannot fit is refused before anything
 starts, a longer schedule continues the run and, if it fails, leaves the finished MLflow run
 FINISHED. (A sweep rerun with changed settings is refused and leaves every file of the earlier
-sweep byte-identical: tests/test_tune.py checks it on the sweep its resume test finishes.)
+sweep byte-identical: tests/e2e/test_tune.py checks it on the sweep its resume test finishes.)
 
 One real run makes the records once; the relaunches that must not start anything run in this
 process through `raylane.cli.main`, with what would start work replaced by a failure."""

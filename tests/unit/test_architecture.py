@@ -1,6 +1,6 @@
 """The layout's rules, read from the source (nothing runs): no import cycle between raylane's
 modules, the training loop and autotune's search free of Ray, and the Trainer's private methods
-called by the Trainer alone. `python tests/test_architecture.py` prints which package imports which."""
+called by the Trainer alone. `python tests/unit/test_architecture.py` prints which package imports which."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parent.parent / "app" / "raylane"
+SRC = Path(__file__).resolve().parents[2] / "app" / "raylane"
 # Modules that run on the ranks under torchrun or in one process too: Ray may not be imported.
 RAY_FREE = ("raylane.loop", "raylane.autotuning.search", "raylane.autotuning.order", "raylane.autotuning.ranking",
             "raylane.autotuning.costs", "raylane.pipelines")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, cli_env
-from tests.test_public_api import PUBLIC
+from tests.unit.test_public_api import PUBLIC
 
 
 @pytest.fixture(scope="module")

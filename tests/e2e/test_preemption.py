@@ -163,7 +163,7 @@ def test_a_notice_before_the_loop_starts_still_stops_gracefully(run_cli, tmp_pat
     """SIGTERM to a Ray worker while its pipeline builds (before its loop runs): Ray's own handler
     would end the worker there and fail the run; raylane keeps the notice, and every rank stops
     at the first agreed step with a checkpoint. (Elastic, the group would restart without that
-    node: tests/test_cluster_e2e.py sends its notice as soon as the grown group has started.)"""
+    node: tests/e2e/test_cluster_e2e.py sends its notice as soon as the grown group has started.)"""
     (tmp_path / "pipe.py").write_text(NOTICE_DURING_BUILD)
     (tmp_path / "run.yaml").write_text("pipeline: ./pipe.py\n")
     p = run_cli("train", "run.yaml", "--set", "scaling.num_workers=2", "--set", "train.batch_size=4",

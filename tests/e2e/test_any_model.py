@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from raylane.loop import checkpoint
 from tests.conftest import REPO, TORCHRUN, read_json
-from tests.test_failures import _error_line, _library_log
+from tests.e2e.test_failures import _error_line, _library_log
 
 HELPER = REPO / "tests" / "helpers" / "any_model.py"
 CONFIG = "pipeline: ./pipe.py\ntrain: {batch_size: 8, max_epochs: 3}\noptim: {name: adamw, lr: 0.05}\n"

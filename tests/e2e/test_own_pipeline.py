@@ -1,7 +1,7 @@
 """A pipeline of the user's own, outside the package (examples/own-model, which has folders named
 `app/` and `pipelines/` of its own), trained everywhere a shipped pipeline trains: on Ray workers
 joining a token-authenticated head with `raylane train --address`, under torchrun and in a Tune
-sweep. As a `ray job submit` job it runs in tests/test_cluster_e2e.py. Bad references exit 2 with
+sweep. As a `ray job submit` job it runs in tests/e2e/test_cluster_e2e.py. Bad references exit 2 with
 one line naming the pipeline; a failing build(cfg) fails the run (exit 1)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, TORCHRUN, cli_env, read_json
-from tests.test_cluster_e2e import BIN, EXAMPLE, QUICK, _mlflow_run
+from tests.e2e.test_cluster_e2e import BIN, EXAMPLE, QUICK, _mlflow_run
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import yaml
 from raylane import api
 from raylane.config import ConfigError, load_config
 from raylane.paths import path_keys
-from tests.conftest import REPO, read_json
+from tests.conftest import REPO
 
 CSV = "a,b,label\n" + "".join(f"{i % 5 / 5:.2f},{(i * 7) % 3 / 3:.2f},{i % 2}\n" for i in range(256))
 
@@ -71,21 +71,3 @@ def test_uris_home_and_mappings(tmp_path, monkeypatch):
     assert given["run"]["storage_path"] == "out"  # the caller's mapping is left as it was
 
 
-@pytest.mark.slow  # Ray Data beside the workers (~45 s); make test launches Ray runs from another folder than
-# their config's, with relative model and data paths, in test_hf.py (map-style data, no Ray Data)
-@pytest.mark.ray
-@pytest.mark.shared_ray
-@pytest.mark.untracked
-def test_tabular_trains_on_ray_from_another_working_directory(run_cli, tmp_path):
-    """The issue's case: a relative data path in a project's tabular.yaml. Before, it passed the
-    driver's check (relative to wherever the command ran) and failed ~40 s later on Ray's
-    workers, whose working directory is not the driver's."""
-    _project(tmp_path)
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    proc = run_cli("train", "../project/tabular.yaml", "--set", "train.max_epochs=1", "--set", "run.name=rel",
-                   "--summary-json", "s.json", cwd=elsewhere)
-    assert proc.wait(240) == 0, proc.output
-    summary = read_json(elsewhere / "s.json")
-    assert summary["status"] == "FINISHED" and summary["epochs"] == 1 and summary["steps"] >= 1
-    assert (elsewhere / "runs" / "rel").is_dir()

@@ -64,7 +64,7 @@ def test_autotune_under_torchrun_agrees_on_one_ranks_oom_and_its_winner_trains(r
 
 @pytest.mark.shared_ray
 def test_autotune_of_an_own_pipeline_on_ray_runs_in_one_worker_group(run_cli, tmp_path):
-    from tests.test_cluster_e2e import EXAMPLE
+    from tests.e2e.test_cluster_e2e import EXAMPLE
 
     p = run_cli("autotune", str(EXAMPLE / "train.yaml"), "--set", "scaling.num_workers=2",
                 "--set", "autotune.strategies=[ddp]", "--set", "autotune.precisions=[fp32]",
@@ -115,7 +115,7 @@ def _assert_ranked(s: dict) -> None:
     ties = [i for i, c in enumerate(candidates) if c["status"] == "ok"
             and not (c["interval"][1] < lead["interval"][0] or c["interval"][0] > lead["interval"][1])]
     assert sorted(ranking["ties"]) == ties and ranking["clear"] == (len(ties) == 1)
-    assert ranking["winner"] == ranking["ties"][0]  # simplest first (tests/test_autotune_ranking.py)
+    assert ranking["winner"] == ranking["ties"][0]  # simplest first (tests/unit/test_autotune_ranking.py)
     assert [c["verdict"] for c in candidates] == [
         None if c["status"] != "ok" else "winner" if i == ranking["winner"] else "tie" if i in ties else "slower"
         for i, c in enumerate(candidates)]
