@@ -100,7 +100,7 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
         train_loader = _FirstBatchClock(train_loader, startup)
     eval_loader = eval_data(pipe.eval_set, runtime, **batching)
     control_group, save_group = _side_groups(cfg, runtime.world_size)
-    total_steps = plan_steps(train_loader, cfg)[1]
+    total_steps = plan_steps(train_loader, cfg.train)[1]
     if runtime.rank == 0 and (note := schedule_note(cfg, total_steps, pipe)):
         log.warning("%s", note)
     trainer = Trainer(

@@ -8,22 +8,22 @@ from dataclasses import dataclass
 
 import torch
 
-from raylane.config import BaseConfig
+from raylane.config import TrainSection
 from raylane.loop.data import EpochData
 
 
-def plan_steps(train_data: EpochData, cfg: BaseConfig) -> tuple[int, int]:
+def plan_steps(train_data: EpochData, train: TrainSection) -> tuple[int, int]:
     """(optimizer steps in the first epoch, total steps of the run), the same on every rank."""
-    per_epoch = math.ceil(train_data.batches_in_epoch(0) / cfg.train.grad_accum_steps)
-    return per_epoch, last_step(train_data, cfg, epoch=0, batch_in_epoch=0, step=0)
+    per_epoch = math.ceil(train_data.batches_in_epoch(0) / train.grad_accum_steps)
+    return per_epoch, last_step(train_data, train, epoch=0, batch_in_epoch=0, step=0)
 
 
-def last_step(train_data: EpochData, cfg: BaseConfig, *, epoch: int, batch_in_epoch: int, step: int) -> int:
+def last_step(train_data: EpochData, train: TrainSection, *, epoch: int, batch_in_epoch: int, step: int) -> int:
     """The step the run ends at, from a position: `step`, `batch_in_epoch` micro-batches into
     `epoch`. A resume counts from where it is, not from step 0: the steps per epoch change with
     train.batch_size or the world size at an epoch boundary, and the run still ends at its
     train.max_epochs (or train.max_steps)."""
-    accum, max_steps, epochs = cfg.train.grad_accum_steps, cfg.train.max_steps or math.inf, cfg.train.max_epochs
+    accum, max_steps, epochs = train.grad_accum_steps, train.max_steps or math.inf, train.max_epochs
     if epoch >= epochs:
         return step
     total = step + math.ceil(max(train_data.batches_in_epoch(epoch) - batch_in_epoch, 0) / accum)

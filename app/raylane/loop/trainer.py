@@ -139,7 +139,7 @@ class Trainer(EvalSchedule):
         self.step = 0
         self.batch_in_epoch = 0
         self.resumed_from_step: int | None = None
-        self.steps_per_epoch, self.total_steps = plan_steps(train_data, cfg)
+        self.steps_per_epoch, self.total_steps = plan_steps(train_data, cfg.train)
         self.batches_per_epoch = train_data.batches_in_epoch(0)  # of the epoch running; see _run_epoch
         self.samples_per_step = cfg.train.batch_size * world_size * self.accum
         self.eval_metrics: dict[str, float] = {}
@@ -507,7 +507,7 @@ class Trainer(EvalSchedule):
         else:
             self.batch_in_epoch = 0
         self._trained_before_s = float(state.get("train_s_total") or 0.0)
-        self.total_steps = last_step(self.train_data, self.cfg, epoch=self.epoch, batch_in_epoch=self.batch_in_epoch,
+        self.total_steps = last_step(self.train_data, self.cfg.train, epoch=self.epoch, batch_in_epoch=self.batch_in_epoch,
                                      step=self.step)
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
