@@ -1,6 +1,6 @@
-"""README.md's command blocks, as a newcomer copies them.
+"""The command blocks of README.md and of every page under docs/, as a newcomer copies them.
 
-Every shell block is checked without running it: bash parses it, every `raylane` subcommand and
+Every shell block (of every page, each written to run from the repo root) is checked without running it: bash parses it, every `raylane` subcommand and
 flag is one the parser knows, every config loads with its `--set` keys, every file, script,
 make target and `scripts/cluster.sh` verb it names exists. Blocks with no marker are then run
 for real, each in a scratch folder that sees the repo's tracked files through links, so nothing
@@ -34,6 +34,7 @@ import raylane
 from tests.conftest import REPO, cli_env
 
 README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 MARK = re.compile(r"<!--\s*readme-test:\s*(slow|skip)\s*:?\s*(.*?)\s*-->")
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
@@ -52,14 +53,15 @@ class Block:
     text: str
     mark: str | None = None  # slow | skip
     reason: str = ""
+    page: str = "README.md"  # relative to the repo
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.page}:{self.line}"
 
 
-def blocks() -> list[Block]:
-    lines, found, i = README.read_text().splitlines(), [], 0
+def blocks(page: Path = README) -> list[Block]:
+    lines, found, i = page.read_text().splitlines(), [], 0
     while i < len(lines):
         m = FENCE.match(lines[i])
         if not m:
@@ -73,12 +75,14 @@ def blocks() -> list[Block]:
         start = i - len(body)
         before = next((ln for ln in reversed(lines[:start - 1]) if ln.strip()), "")
         mark = MARK.search(before)
-        found.append(Block(start, lang, "\n".join(body) + "\n", *(mark.groups() if mark else ())))
+        found.append(Block(start, lang, "\n".join(body) + "\n", *(mark.groups() if mark else ()),
+                           page=str(page.relative_to(REPO))))
         i += 1
     return found
 
 
-SHELL = [b for b in blocks() if b.lang in SHELL_LANGS]
+BLOCKS = [b for page in PAGES for b in blocks(page)]
+SHELL = [b for b in BLOCKS if b.lang in SHELL_LANGS]
 
 
 def commands(block: Block) -> list[list[str]]:
@@ -248,10 +252,13 @@ def test_the_checks_catch_what_a_reader_could_not_run(text, error):
 def test_markers_and_other_blocks(tmp_path):
     """Every marker sits on a shell block; the YAML blocks parse (a sweep loads) and the Python
     blocks compile."""
-    marked = sum(1 for ln in README.read_text().splitlines() if MARK.search(ln))
-    assert marked == sum(1 for b in SHELL if b.mark), "a readme-test marker not right before a shell block"
-    assert len(SHELL) >= 10 and any(not b.mark for b in SHELL)
-    for b in blocks():
+    for page in PAGES:
+        name = str(page.relative_to(REPO))
+        marked = sum(1 for ln in page.read_text().splitlines() if MARK.search(ln))
+        assert marked == sum(1 for b in SHELL if b.mark and b.page == name), \
+            f"{name}: a readme-test marker not right before a shell block"
+    assert len(SHELL) >= 15 and any(not b.mark for b in SHELL)
+    for b in BLOCKS:
         if b.lang == "python":
             compile(b.text, b.id, "exec")
         elif b.lang == "yaml" and "sweep" in yaml.safe_load(b.text):
@@ -304,8 +311,12 @@ def test_block_runs(block: Block, scratch: Path):
             for flag, path in zip(argv, argv[1:]):
                 assert flag not in ("--out", "--summary-json") or (scratch / path).is_file(), f"{block.id}: no {path}"
         return
-    fast = [argv for argv in commands(block) if _fast(argv)]
-    for argv in fast:
-        _run(shlex.join(argv), scratch, f"{block.id}: {shlex.join(argv)}")
+    fast, where = [], []  # a fast command runs in the folder the block's `cd`s took it to
+    for argv in commands(block):
+        if split_env(argv)[1][:1] == ["cd"]:
+            where.append(shlex.join(split_env(argv)[1]))
+        elif _fast(argv):
+            fast.append(argv)
+            _run(" && ".join([*where, shlex.join(argv)]), scratch, f"{block.id}: {shlex.join(argv)}")
     ran = f"; ran its {len(fast)} fast command(s)" if fast else ""
     pytest.skip(f"{block.id} {block.mark}: {block.reason}{ran}")
