@@ -1,6 +1,6 @@
 """The benchmark harness runs end to end (`raylane bench --quick`): real runs of raylane on Ray,
 under torchrun, and the hand-written DDP loop under torchrun and in a plain TorchTrainer, then results.json, results.md and the charts.
-No speed is asserted here: targets live in `make bench` (README, Performance)."""
+No speed is asserted here: targets live in `make bench` (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

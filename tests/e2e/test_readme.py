@@ -1,6 +1,6 @@
-"""README.md's command blocks, as a newcomer copies them.
+"""The command blocks of README.md and of every page under docs/, as a newcomer copies them.
 
-Every shell block is checked without running it: bash parses it, every `raylane` subcommand and
+Every shell block (of every page, each written to run from the repo root) is checked without running it: bash parses it, every `raylane` subcommand and
 flag is one the parser knows, every config loads with its `--set` keys, every file, script,
 make target and `scripts/cluster.sh` verb it names exists. Blocks with no marker are then run
 for real, each in a scratch folder that sees the repo's tracked files through links, so nothing
@@ -24,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import raylane
 from tests.conftest import REPO, cli_env
 
 README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 MARK = re.compile(r"<!--\s*readme-test:\s*(slow|skip)\s*:?\s*(.*?)\s*-->")
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
@@ -52,14 +54,15 @@ class Block:
     text: str
     mark: str | None = None  # slow | skip
     reason: str = ""
+    page: str = "README.md"  # relative to the repo
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.page}:{self.line}"
 
 
-def blocks() -> list[Block]:
-    lines, found, i = README.read_text().splitlines(), [], 0
+def blocks(page: Path = README) -> list[Block]:
+    lines, found, i = page.read_text().splitlines(), [], 0
     while i < len(lines):
         m = FENCE.match(lines[i])
         if not m:
@@ -73,12 +76,14 @@ def blocks() -> list[Block]:
         start = i - len(body)
         before = next((ln for ln in reversed(lines[:start - 1]) if ln.strip()), "")
         mark = MARK.search(before)
-        found.append(Block(start, lang, "\n".join(body) + "\n", *(mark.groups() if mark else ())))
+        found.append(Block(start, lang, "\n".join(body) + "\n", *(mark.groups() if mark else ()),
+                           page=str(page.relative_to(REPO))))
         i += 1
     return found
 
 
-SHELL = [b for b in blocks() if b.lang in SHELL_LANGS]
+BLOCKS = [b for page in PAGES for b in blocks(page)]
+SHELL = [b for b in BLOCKS if b.lang in SHELL_LANGS]
 
 
 def commands(block: Block) -> list[list[str]]:
@@ -248,17 +253,101 @@ def test_the_checks_catch_what_a_reader_could_not_run(text, error):
 def test_markers_and_other_blocks(tmp_path):
     """Every marker sits on a shell block; the YAML blocks parse (a sweep loads) and the Python
     blocks compile."""
-    marked = sum(1 for ln in README.read_text().splitlines() if MARK.search(ln))
-    assert marked == sum(1 for b in SHELL if b.mark), "a readme-test marker not right before a shell block"
-    assert len(SHELL) >= 10 and any(not b.mark for b in SHELL)
-    for b in blocks():
+    for page in PAGES:
+        name = str(page.relative_to(REPO))
+        marked = sum(1 for ln in page.read_text().splitlines() if MARK.match(ln.strip()))  # not one quoted in prose
+        assert marked == sum(1 for b in SHELL if b.mark and b.page == name), \
+            f"{name}: a readme-test marker not right before a shell block"
+    assert len(SHELL) >= 20 and any(not b.mark for b in SHELL)  # 13 in the README before docs/ took most
+    for b in BLOCKS:
         if b.lang == "python":
-            compile(b.text, b.id, "exec")
+            try:
+                compile(b.text, b.id, "exec")
+            except SyntaxError as exc:  # a fragment of build()'s body, as docs/pipelines.md shows some
+                if "'return' outside function" not in str(exc):
+                    raise
+                compile("def build(cfg):\n" + textwrap.indent(b.text, "    "), b.id, "exec")
         elif b.lang == "yaml" and "sweep" in yaml.safe_load(b.text):
             from raylane.onray.sweep import load_sweep
 
             (tmp_path / "sweep.yaml").write_text(b.text)
             load_sweep(str(tmp_path / "sweep.yaml"))
+
+
+README_MAX_LINES = 260
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto: are not checked
+
+
+def _outside_code(page: Path) -> list[str]:
+    lines, fenced = [], False
+    for line in page.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def links(page: Path) -> list[str]:
+    """The page's link targets, leaving out code blocks and `code spans`."""
+    return LINK.findall(re.sub(r"`[^`]*`", "", "\n".join(_outside_code(page))))
+
+
+def anchors(page: Path) -> set[str]:
+    """The heading anchors GitHub makes: lower case, punctuation dropped, spaces to hyphens, -N on repeats."""
+    found, seen = set(), {}
+    for line in _outside_code(page):
+        m = re.match(r"^#{1,6}\s+(.+?)\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            n, seen[slug] = seen.get(slug, 0), seen.get(slug, 0) + 1
+            found.add(slug if n == 0 else f"{slug}-{n}")
+    return found
+
+
+def broken_links(page: Path) -> list[str]:
+    broken = []
+    for target in links(page):
+        if SCHEME.match(target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading #{anchor} in {dest.name}")
+    return broken
+
+
+def test_the_readme_is_a_front_page():
+    """The README stays a front page; what it does not hold belongs on a page under docs/."""
+    n = len(README.read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move the detail to docs/"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
+def test_relative_links_resolve(page: Path):
+    """Every relative link of the README and the docs pages names a file that exists, and a
+    heading of it where it names one."""
+    assert not broken_links(page), f"{page.relative_to(REPO)}: " + "; ".join(broken_links(page))
+
+
+def test_the_link_check_catches_a_missing_file_and_a_missing_heading(tmp_path):
+    (tmp_path / "other.md").write_text("# Other\n\n## Sweeps: `raylane tune`\n")
+    page = tmp_path / "page.md"
+    page.write_text("[a](other.md#sweeps-raylane-tune) [b](other.md#sweeps) [c](gone.md) `[d](gone.md)`\n"
+                    "[e](#here) [f](https://example.com/x)\n\n## Here\n\n```bash\necho [g](gone.md)\n```\n")
+    assert broken_links(page) == ["other.md#sweeps: no heading #sweeps in other.md", "gone.md: no such file"]
+
+
+def test_every_docs_page_is_linked_from_the_readme_or_the_index():
+    """A page nobody links to is a page nobody finds."""
+    linked = {(page.parent / t.partition("#")[0]).resolve()
+              for page in (README, REPO / "docs" / "README.md") if page.exists() for t in links(page)
+              if not SCHEME.match(t) and t.partition("#")[0]}
+    orphans = [str(p.relative_to(REPO)) for p in PAGES[1:] if p.resolve() not in linked]
+    assert not orphans, f"not linked from README.md or docs/README.md: {orphans}"
 
 
 @pytest.fixture(scope="module")
@@ -304,8 +393,12 @@ def test_block_runs(block: Block, scratch: Path):
             for flag, path in zip(argv, argv[1:]):
                 assert flag not in ("--out", "--summary-json") or (scratch / path).is_file(), f"{block.id}: no {path}"
         return
-    fast = [argv for argv in commands(block) if _fast(argv)]
-    for argv in fast:
-        _run(shlex.join(argv), scratch, f"{block.id}: {shlex.join(argv)}")
+    fast, where = [], []  # a fast command runs in the folder the block's `cd`s took it to
+    for argv in commands(block):
+        if split_env(argv)[1][:1] == ["cd"]:
+            where.append(shlex.join(split_env(argv)[1]))
+        elif _fast(argv):
+            fast.append(argv)
+            _run(" && ".join([*where, shlex.join(argv)]), scratch, f"{block.id}: {shlex.join(argv)}")
     ran = f"; ran its {len(fast)} fast command(s)" if fast else ""
     pytest.skip(f"{block.id} {block.mark}: {block.reason}{ran}")
