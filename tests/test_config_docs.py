@@ -1,13 +1,40 @@
-"""The config reference: every key's type, default, range and description read from its field, and
-`raylane check --explain KEY` printing one key. In-process, no Ray."""
+"""The config reference: docs/configuration.md is what the config models generate, every key carries
+a description where it is declared, and `raylane check --explain KEY` prints one key. In-process,
+no Ray."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 
 from raylane import config_keys
 from raylane.cli import main
 from raylane.config import BaseConfig
+from tests.conftest import REPO
+
+
+def generator():
+    spec = importlib.util.spec_from_file_location("config_docs", REPO / "scripts" / "config_docs.py")
+    docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(docs)
+    return docs
+
+
+def test_the_page_is_what_the_code_generates():
+    page = REPO / "docs" / "configuration.md"
+    assert page.read_text() == generator().pages()[page], "docs/configuration.md is stale: run `make docs`"
+
+
+def test_every_key_of_every_model_has_a_description_and_a_row():
+    page = (REPO / "docs" / "configuration.md").read_text()
+    models = dict(config_keys.all_models())
+    assert {"base", "sweep", "autotune", "digits", "gpt", "hf", "regression", "tabular", "text"} <= set(models)
+    for name, model in models.items():
+        prefix = f"{name}." if name in ("sweep", "autotune") else ""
+        for key in config_keys.keys(model, prefix):
+            assert key.description.strip(), f"{name}: {key.key} has no description (Field(description=...))"
+            assert f"| `{key.key}` |" in page, f"{name}: {key.key} is not in docs/configuration.md"
 
 
 def test_a_key_reads_its_type_default_range_and_values_from_its_field():
@@ -54,3 +81,15 @@ def test_explain_an_unknown_key_exits_2_naming_it(key, hint, capsys):
     assert out == ""
     assert err == f"raylane: --explain {key}: not a key of the digits config, a sweep file or autotune " \
                   f"(did you mean {hint}?)\n"
+
+
+def test_the_page_fails_when_a_default_changes(monkeypatch):
+    """The comparison above is not vacuous: a field whose default changes changes the page."""
+    from raylane.config import TrainSection
+
+    docs = generator()
+    before = docs.markdown()
+    field = TrainSection.model_fields["batch_size"]
+    monkeypatch.setattr(field, "default", field.default + 1)
+    after = docs.markdown()
+    assert before != after and f"| `train.batch_size` | `int` | `{field.default}` |" in after
