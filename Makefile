@@ -88,7 +88,9 @@ check: install
 clean:
 	rm -rf $(VENV) $(OLDEST) runs mlflow.db mlflow.db.lock mlartifacts mlflow-server test-artifacts .pytest_cache
 
-# The pages generated from the code: docs/summary.md and docs/summary.schema.json (app/raylane/results.py).
-# tests/unit/test_results.py fails when the committed ones differ.
+# The pages generated from the code: docs/summary.md and docs/summary.schema.json (app/raylane/results.py),
+# and docs/configuration.md (the config models). tests/unit/test_results.py and tests/unit/test_config_docs.py
+# fail when the committed ones differ.
 docs: install
 	$(PY) scripts/summary_docs.py
+	$(PY) scripts/config_docs.py

@@ -16,9 +16,11 @@ HELD_OUT_FRACTION = 0.2
 
 
 class ModelSection(Section):
-    hidden_size: int = Field(128, ge=1, le=65_536)
-    num_layers: int = Field(2, ge=1, le=64)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    """The MLP classifier of 8x8 images (64 inputs, 10 classes)."""
+
+    hidden_size: int = Field(128, ge=1, le=65_536, description="Width of each hidden layer.")
+    num_layers: int = Field(2, ge=1, le=64, description="Hidden layers, each Linear then ReLU.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout after each hidden layer (0: none).")
 
 
 class Config(BaseConfig):

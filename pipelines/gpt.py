@@ -21,13 +21,18 @@ BYTE_VOCAB = 256
 
 
 class ModelSection(Section):
-    vocab_size: int = Field(BYTE_VOCAB, ge=BYTE_VOCAB, le=1_000_000)
-    block_size: int = Field(64, ge=2, le=65_536, description="tokens per sample (context length)")
-    n_layer: int = Field(2, ge=1, le=1024)
-    n_head: int = Field(2, ge=1, le=1024)
-    n_embd: int = Field(64, ge=1, le=65_536)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    bias: bool = True
+    """A GPT-2-style decoder (nanoGPT's shape) over bytes."""
+
+    vocab_size: int = Field(
+        BYTE_VOCAB, ge=BYTE_VOCAB, le=1_000_000,
+        description="Rows of the embedding: 256 byte ids, more only pad it (GPT-2 small's 50304 keeps its shape).")
+    block_size: int = Field(64, ge=2, le=65_536, description="Tokens per sample (the context length).")
+    n_layer: int = Field(2, ge=1, le=1024, description="Transformer blocks.")
+    n_head: int = Field(2, ge=1, le=1024, description="Attention heads per block; must divide `n_embd`.")
+    n_embd: int = Field(64, ge=1, le=65_536, description="Width of the embedding and of each block.")
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the embeddings, in attention and after each MLP (0: none).")
+    bias: bool = Field(True, description="Biases in the Linear and LayerNorm layers.")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSection:
@@ -37,8 +42,10 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
-    # A UTF-8 text file; null: Python's own help texts (pydoc_data), installed with Python.
-    text_path: InputPath | None = None
+    """The text the model learns."""
+
+    text_path: InputPath | None = Field(
+        None, description="A UTF-8 text file. null: Python's own help texts (pydoc_data), installed with Python.")
 
 
 class Config(BaseConfig):

@@ -12,9 +12,11 @@ from raylane import BaseConfig, Section
 
 
 class ModelSection(Section):
-    in_features: int = Field(20, ge=1, le=100_000)
-    num_samples: int = Field(2048, ge=1, le=10_000_000)
-    num_eval_samples: int = Field(512, ge=1, le=10_000_000)
+    """A Linear(in_features, 1) and its random data (the same whatever train.seed is)."""
+
+    in_features: int = Field(20, ge=1, le=100_000, description="Inputs of the linear model.")
+    num_samples: int = Field(2048, ge=1, le=10_000_000, description="Random training samples.")
+    num_eval_samples: int = Field(512, ge=1, le=10_000_000, description="Random held-out samples.")
 
 
 class Config(BaseConfig):

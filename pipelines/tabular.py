@@ -16,27 +16,33 @@ from raylane import BaseConfig, InputPaths, Section
 
 
 class DataSection(Section):
-    # Files, directories or globs; local or s3://bucket/prefix.
-    train: InputPaths = Field(min_length=1)
-    eval: InputPaths | None = None
-    format: Literal["parquet", "csv"] = "parquet"
-    features: list[str] = Field(min_length=1)
-    target: str = Field(min_length=1)
-    task: Literal["classification", "regression"] = "classification"
-    # Classification: targets are integers 0..num_classes-1.
-    num_classes: int | None = Field(None, ge=2, le=1_000_000)
-    # Rows of the per-rank shuffle buffer.
-    shuffle_rows: int = Field(4096, ge=1, le=100_000_000)
+    """The table: its files, its columns and the task."""
+
+    train: InputPaths = Field(
+        min_length=1, description="Training files, directories or globs; local or `s3://bucket/prefix`.")
+    eval: InputPaths | None = Field(None, description="Held-out files, directories or globs, with the same columns.")
+    format: Literal["parquet", "csv"] = Field("parquet", description="The files' format.")
+    features: list[str] = Field(min_length=1, description="The numeric feature columns.")
+    target: str = Field(min_length=1, description="The target column: class ids, or a number to regress.")
+    task: Literal["classification", "regression"] = Field(
+        "classification", description="Cross-entropy on class ids (with accuracy), or MSE on a number.")
+    num_classes: int | None = Field(
+        None, ge=2, le=1_000_000,
+        description="Classification: the number of classes (targets are integers 0..num_classes-1); required there.")
+    shuffle_rows: int = Field(4096, ge=1, le=100_000_000, description="Rows in each rank's shuffle buffer.")
 
 
 class ModelSection(Section):
-    hidden_size: int = Field(64, ge=1, le=65_536)
-    num_layers: int = Field(2, ge=1, le=64)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    # Standardize the features by their running mean and variance, updated while training (and
-    # saved with the weights): raw columns of very different scales train poorly, and a stream
-    # has no up-front pass to measure them.
-    input_norm: bool = True
+    """The MLP."""
+
+    hidden_size: int = Field(64, ge=1, le=65_536, description="Width of each hidden layer.")
+    num_layers: int = Field(2, ge=1, le=64, description="Hidden layers.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout after each hidden layer (0: none).")
+    # A stream has no up-front pass to measure the columns' scales, hence running statistics.
+    input_norm: bool = Field(
+        True,
+        description="Standardize the features by their running mean and variance, updated while training and saved "
+                    "with the weights (raw columns of very different scales train poorly).")
 
 
 class Config(BaseConfig):

@@ -17,13 +17,15 @@ from raylane.pipelines.gpt import ModelSection
 
 
 class DataSection(Section):
-    # Files, directories or globs; local or s3://bucket/prefix.
-    train: InputPaths = Field(min_length=1)
-    eval: InputPaths | None = None
-    format: Literal["text", "json"] = "text"
-    # JSON Lines: the field that holds each record's text.
-    text_field: str = Field("text", min_length=1)
-    shuffle_rows: int = Field(4096, ge=1, le=100_000_000)
+    """The text files, streamed."""
+
+    train: InputPaths = Field(
+        min_length=1, description="Training files, directories or globs; local or `s3://bucket/prefix`.")
+    eval: InputPaths | None = Field(None, description="Held-out files, directories or globs.")
+    format: Literal["text", "json"] = Field(
+        "text", description="`text`: one row per non-empty line; `json`: JSON Lines, the text in `text_field`.")
+    text_field: str = Field("text", min_length=1, description="JSON Lines: the field that holds each record's text.")
+    shuffle_rows: int = Field(4096, ge=1, le=100_000_000, description="Rows in each rank's shuffle buffer.")
 
 
 class Config(BaseConfig):

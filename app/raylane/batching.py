@@ -57,8 +57,12 @@ class GlobalBatch(Section):
     """A global batch held fixed while a search changes how it is split (sweeps, autotune):
     samples per optimizer step = batch_size x grad_accum_steps x num_workers. `adjust` names the
     quantity computed from the others, so every candidate trains the same model."""
-    size: int = Field(ge=1, le=1_000_000_000)
-    adjust: Literal["grad_accum_steps", "batch_size"] = "grad_accum_steps"
+
+    size: int = Field(ge=1, le=1_000_000_000, description="Samples per optimizer step, held by every trial.")
+    adjust: Literal["grad_accum_steps", "batch_size"] = Field(
+        "grad_accum_steps",
+        description="The key computed from the others (batch_size x grad_accum_steps x num_workers = size); a "
+                    "combination that does not divide it exits 2 before anything starts.")
 
 
 def hold_global_batch(cfg: BaseConfig, held: GlobalBatch | None, field: str, workers: int | None = None) -> BaseConfig:

@@ -39,9 +39,14 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a config and print it resolved")
     add_config_args(check)
-    check.add_argument("--blocks", action="store_true",
+    shown = check.add_mutually_exclusive_group()
+    shown.add_argument("--blocks", action="store_true",
                        help="also build the pipeline here (runs its build(cfg) on this machine's CPU) and print the "
                             "model's blocks: what FSDP shards, activation checkpointing recomputes and compile takes")
+    shown.add_argument("--explain", metavar="KEY",
+                       help="print one key (e.g. train.batch_size) instead of the whole config: its description, "
+                            "type, default, allowed values and the value this config resolves it to "
+                            "(docs/configuration.md lists every key)")
 
     train = sub.add_parser("train", help="train a pipeline on Ray (or under torchrun / in-process)")
     add_config_args(train)
@@ -118,6 +123,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     cfg = api.check(args.config, args.overrides)
+    if args.explain:
+        from raylane.config_keys import explain
+
+        print(explain(cfg, args.explain))
+        return 0
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
     if args.blocks:
         from raylane.loop.usercode import pipeline_blocks

@@ -43,25 +43,40 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    # A run's identity: relaunching the same name resumes it (checkpoints and MLflow run).
-    name: str | None = Field(None, pattern=_NAME_PATTERN)
-    # Relative: to the working directory, beside MLflow's default store (raylane.paths).
-    storage_path: OutputPath = Field("runs", min_length=1)
+    """A run's identity and where it writes."""
+
+    name: str | None = Field(
+        None, pattern=_NAME_PATTERN,
+        description="The run's identity: relaunching the same name resumes it (its checkpoints and its MLflow run). "
+                    "null: `<pipeline>-<timestamp>`.")
+    storage_path: OutputPath = Field(
+        "runs", min_length=1,
+        description="Where checkpoints go, in `<storage_path>/<run.name>/`: a folder (one all nodes share, on a "
+                    "cluster) or `s3://bucket/prefix`. A relative path is taken from the working directory, beside "
+                    "MLflow's default store.")
 
 
 class ScalingSection(Section):
-    # An int, or [min, max] (`--set scaling.num_workers=1,2`): an elastic run on Ray starts once
-    # `min` workers fit, grows to `max` as nodes join and shrinks to the survivors when one is
-    # lost, holding train.global_batch (by default batch_size x grad_accum_steps x max).
-    num_workers: int = Field(1, ge=1, le=4096)
-    min_workers: int | None = Field(None, ge=1, le=4096)
-    # Elastic: how often a healthy group checks whether more workers fit now.
-    resize_check_s: float = Field(60.0, gt=0, le=86_400)
-    use_gpu: bool = False
-    cpus_per_worker: float = Field(1.0, gt=0, le=1024)
-    # With use_gpu: a fraction packs several small Tune trials onto one GPU (one worker each:
-    # NCCL cannot run two ranks of one group on the same GPU).
-    gpus_per_worker: float = Field(1.0, gt=0, le=64)
+    """How many workers, on what."""
+
+    num_workers: int = Field(
+        1, ge=1, le=4096,
+        description="Training workers (ranks), one per GPU with `use_gpu`. Or `[min, max]` (`--set "
+                    "scaling.num_workers=1,2`): an elastic run on Ray, which starts once `min` workers fit, grows to "
+                    "`max` as nodes join and goes on with the survivors when one is lost.")
+    min_workers: int | None = Field(
+        None, ge=1, le=4096,
+        description="An elastic run's smallest group, set through `num_workers: [min, max]`. null: not elastic.")
+    resize_check_s: float = Field(
+        60.0, gt=0, le=86_400,
+        description="Elastic runs: seconds between two checks, by a healthy group, of whether more workers fit now.")
+    use_gpu: bool = Field(False, description="One worker per GPU, on NCCL. false: CPU workers, on gloo.")
+    cpus_per_worker: float = Field(1.0, gt=0, le=1024, description="CPUs Ray reserves for each worker (fractions "
+                                                                     "allowed).")
+    gpus_per_worker: float = Field(
+        1.0, gt=0, le=64,
+        description="GPUs per worker with `use_gpu`. A fraction packs several small Tune trials onto one GPU, one "
+                    "worker each (NCCL cannot run two ranks of one group on the same GPU).")
     @model_validator(mode="before")
     @classmethod
     def _range(cls, data: Any) -> Any:
@@ -94,76 +109,109 @@ class ScalingSection(Section):
     def elastic(self) -> bool:
         return self.min_workers is not None and self.min_workers < self.num_workers
 
-    # Memory of one device, for strategy.name: auto; null detects it (GPU memory, or this host's
-    # RAM shared by its ranks on CPU).
-    device_memory_gb: float | None = Field(None, gt=0, le=1_000_000)
-    # Dense peak FLOP/s of one device at train.precision, for MFU; null looks the GPU up in a
-    # table (raylane.loop.devices). No MFU on CPU unless given.
-    peak_tflops: float | None = Field(None, gt=0, le=1_000_000)
+    device_memory_gb: float | None = Field(
+        None, gt=0, le=1_000_000,
+        description="One device's memory in GB, for `strategy.name: auto`. null: detected (the GPU's memory, or on "
+                    "CPU this host's RAM shared by its ranks).")
+    peak_tflops: float | None = Field(
+        None, gt=0, le=1_000_000,
+        description="One device's dense peak TFLOP/s at `train.precision`, for MFU. null: the GPU looked up in "
+                    "raylane's table (raylane.loop.devices); no MFU on CPU unless given.")
 
 
 class StrategySection(Section):
-    # ddp: a full replica per rank. fsdp: FSDP2, parameters, gradients and optimizer state
-    # sharded (HSDP across nodes). auto: estimate memory, DDP when it fits with margin.
-    name: Literal["ddp", "fsdp", "auto"] = "ddp"
-    # FSDP: free the gathered parameters after each block's forward (less memory, one more
-    # all-gather in backward).
-    reshard_after_forward: bool = True
-    # FSDP: keep sharded parameters, gradients and optimizer state in host memory.
-    cpu_offload: bool = False
-    # DDP, from the PyTorch DDP paper: gradient bucket size, buckets as gradient views (saves one
-    # copy of the gradients), a graph that never changes between steps, unused parameters.
-    bucket_cap_mb: float = Field(25.0, gt=0, le=100_000)
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-    find_unused_parameters: bool = False
-    # DDP: compress gradients before the all-reduce.
-    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = "none"
-    powersgd_rank: int = Field(1, ge=1, le=1024)
+    """How the model is spread over the workers: DDP or FSDP, and their settings."""
+
+    name: Literal["ddp", "fsdp", "auto"] = Field(
+        "ddp",
+        description="`ddp`: a full replica per rank. `fsdp`: FSDP2, with parameters, gradients and optimizer state "
+                    "sharded (HSDP across nodes). `auto`: estimates the memory and picks DDP when a replica fits "
+                    "with margin, else FSDP.")
+    reshard_after_forward: bool = Field(
+        True, description="FSDP: free the gathered parameters after each block's forward (less memory, one more "
+                          "all-gather in backward).")
+    cpu_offload: bool = Field(
+        False, description="FSDP: keep the sharded parameters, gradients and optimizer state in host memory (needs "
+                           "`scaling.use_gpu`).")
+    # The DDP settings below are those of the PyTorch DDP paper.
+    bucket_cap_mb: float = Field(25.0, gt=0, le=100_000, description="DDP: the size of a gradient bucket, in MB.")
+    gradient_as_bucket_view: bool = Field(
+        False, description="DDP: gradients as views into the buckets, which saves one copy of the gradients.")
+    static_graph: bool = Field(False, description="DDP: the model's graph never changes between steps.")
+    find_unused_parameters: bool = Field(
+        False, description="DDP: look for parameters that get no gradient in a step (slower; needed when some do).")
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none", description="DDP: compress gradients before the all-reduce (`bf16` needs `scaling.use_gpu`).")
+    powersgd_rank: int = Field(
+        1, ge=1, le=1024, description="DDP with `comm_hook: powersgd`: the rank of PowerSGD's low-rank approximation.")
 
 
 class EarlyStoppingSection(Section):
-    # A held-out metric, named as checkpoint.best_metric names it (`loss`; `val/loss` for a
-    # named held-out set). The run ends FINISHED, with a checkpoint, once `patience`
-    # evaluations in a row have not improved on the best by more than `min_delta`.
-    metric: str = Field("loss", min_length=1)
-    mode: Literal["min", "max"] = "min"
-    patience: int = Field(3, ge=1, le=1_000_000)
-    min_delta: float = Field(0.0, ge=0)
+    """Ends the run FINISHED, with a checkpoint, once a held-out metric stops improving."""
+
+    metric: str = Field(
+        "loss", min_length=1,
+        description="The held-out metric watched, named as `checkpoint.best_metric` names it (`loss`; `val/loss` "
+                    "for a named held-out set).")
+    mode: Literal["min", "max"] = Field("min", description="`min`: lower is better; `max`: higher is better.")
+    patience: int = Field(
+        3, ge=1, le=1_000_000,
+        description="Evaluations in a row without improvement after which the run stops.")
+    min_delta: float = Field(
+        0.0, ge=0, description="An evaluation improves only when it beats the best so far by more than this.")
 
 
 class TrainSection(Section):
-    max_epochs: int = Field(1, ge=1, le=1_000_000)
-    max_steps: int | None = Field(None, ge=1)
-    batch_size: int = Field(32, ge=1, le=1_000_000, description="samples per worker per step")
-    seed: int = Field(0, ge=0, lt=2**32)
-    # A non-finite loss or gradient: stop with an error naming the step, or skip that update.
-    on_nan: Literal["stop", "skip"] = "stop"
-    # Micro-batches of batch_size per optimizer step; gradients are reduced on the last only.
-    grad_accum_steps: int = Field(1, ge=1, le=65_536)
-    # Autocast (DDP, one process) or FSDP's parameter dtype; fp16 adds a gradient scaler.
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    # Clip the global gradient norm (over all shards) to this value; null: no clipping.
-    grad_clip_norm: float | None = Field(None, gt=0)
-    # Recompute each block's activations in backward instead of keeping them.
-    activation_checkpointing: bool = False
-    # torch.compile each block (or the whole model when it has no blocks).
-    compile: bool = False
-    # Evaluate on the held-out set every N epochs; 0: only at the end of the run (which always
-    # has an evaluation).
-    eval_every_n_epochs: int = Field(1, ge=0)
-    # Also every N optimizer steps (0: off), for runs of few, long epochs; an epoch end that is
-    # also such a step is evaluated once. A checkpoint due at that step carries the metrics.
-    eval_every_n_steps: int = Field(0, ge=0)
-    # Stop when a held-out metric stops improving (null: off): see EarlyStoppingSection.
-    early_stopping: EarlyStoppingSection | None = None
-    # Samples per optimizer step, held at any number of workers: global_batch_adjust is computed
-    # from the others, and each epoch is one permutation of the samples taken a step at a time,
-    # so a checkpoint resumed on another world size continues the same epoch at the same sample
-    # (none skipped or repeated). null: batch_size x grad_accum_steps x workers, and each
-    # rank's own shard of the epoch (a resume on another world size restarts the epoch).
-    global_batch: int | None = Field(None, ge=1, le=1_000_000_000)
-    global_batch_adjust: Literal["grad_accum_steps", "batch_size"] = "grad_accum_steps"
+    """How long and how: epochs, steps, batches, precision, evaluation."""
+
+    max_epochs: int = Field(1, ge=1, le=1_000_000, description="Passes over the training set.")
+    max_steps: int | None = Field(
+        None, ge=1, description="Stop after this many optimizer steps, mid-epoch if need be. null: `max_epochs` "
+                                "decides.")
+    batch_size: int = Field(
+        32, ge=1, le=1_000_000,
+        description="Samples per worker per micro-batch: an optimizer step takes batch_size x grad_accum_steps x "
+                    "workers samples.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seeds the weights (every rank, before the pipeline's `build`) "
+                                                     "and the data order.")
+    on_nan: Literal["stop", "skip"] = Field(
+        "stop", description="A non-finite loss or gradient: `stop` with an error naming the step, or `skip` that "
+                            "update.")
+    grad_accum_steps: int = Field(
+        1, ge=1, le=65_536,
+        description="Micro-batches per optimizer step; gradients are reduced across workers on the last one only.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="Autocast (DDP, one process) or FSDP's parameter dtype. `fp16` adds a gradient scaler and needs "
+                    "`strategy.name: ddp`.")
+    grad_clip_norm: float | None = Field(
+        None, gt=0, description="Clip the global gradient norm (over all shards) to this value. null: no clipping.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in backward instead of keeping them: less memory, "
+                           "more compute.")
+    compile: bool = Field(False, description="`torch.compile` each block (or the whole model when it has no "
+                                             "blocks).")
+    eval_every_n_epochs: int = Field(
+        1, ge=0,
+        description="Evaluate on the held-out set every N epochs. 0: only at the end of the run, which is always "
+                    "evaluated.")
+    eval_every_n_steps: int = Field(
+        0, ge=0,
+        description="Also evaluate every N optimizer steps (0: off), for runs of few, long epochs; a checkpoint due "
+                    "at such a step carries the metrics.")
+    early_stopping: EarlyStoppingSection | None = Field(
+        None, description="Stop when a held-out metric stops improving: `{metric, mode, patience, min_delta}`. "
+                          "null: off.")
+    global_batch: int | None = Field(
+        None, ge=1, le=1_000_000_000,
+        description="Samples per optimizer step, held at any number of workers (`global_batch_adjust` is computed "
+                    "from the others): a resume on another world size continues the epoch at the next sample. "
+                    "null: batch_size x grad_accum_steps x workers, and a resume on another world size restarts "
+                    "the epoch.")
+    global_batch_adjust: Literal["grad_accum_steps", "batch_size"] = Field(
+        "grad_accum_steps",
+        description="With `global_batch`: the key computed so that batch_size x grad_accum_steps x workers equals "
+                    "it.")
 
     @model_validator(mode="after")
     def _early_stopping_needs_evaluations(self) -> TrainSection:
@@ -177,17 +225,21 @@ class TrainSection(Section):
 class LoaderSection(Section):
     """The DataLoader of a map-style dataset (a FileSource streams its own batches)."""
 
-    # Processes loading batches beside each rank. 0: in the rank's own process, as the HF Trainer
-    # and Accelerate default to (in-memory tensors gain nothing from workers, which only add
-    # start-up time). auto: min(4, this rank's share of the host's cores - 1) on a GPU, 0 on CPU,
-    # where the rank's compute already uses the cores.
-    num_workers: int | Literal["auto"] = 0
-    # Batches in page-locked memory, copied to the GPU without blocking. null: true on a GPU.
-    pin_memory: bool | None = None
-    # Keep the workers between epochs (and evaluations). null: true when there are workers.
-    persistent_workers: bool | None = None
-    # Batches each worker loads ahead. null: torch's default (2); needs workers.
-    prefetch_factor: int | None = Field(None, ge=1, le=1024)
+    # 0 by default, as the HF Trainer and Accelerate: in-memory tensors gain nothing from workers,
+    # which only add start-up time; on CPU the rank's compute already uses the cores.
+    num_workers: int | Literal["auto"] = Field(
+        0,
+        description="Processes loading batches beside each rank, 0 to 256. 0: in the rank's own process. `auto`: "
+                    "min(4, the rank's share of the host's cores - 1) on a GPU, 0 on CPU.")
+    pin_memory: bool | None = Field(
+        None, description="Batches in page-locked memory, copied to the GPU without blocking (needs "
+                          "`scaling.use_gpu`). null: true on a GPU.")
+    persistent_workers: bool | None = Field(
+        None, description="Keep the loader's workers between epochs and evaluations (needs `num_workers` > 0). "
+                          "null: true when there are workers.")
+    prefetch_factor: int | None = Field(
+        None, ge=1, le=1024,
+        description="Batches each loader worker loads ahead (needs `num_workers` > 0). null: torch's default, 2.")
 
     @field_validator("num_workers", mode="before")
     @classmethod
@@ -207,70 +259,102 @@ class LoaderSection(Section):
 
 
 class OptimSection(Section):
-    name: Literal["sgd", "adam", "adamw"] = "sgd"
-    lr: float = Field(1e-3, gt=0, le=10)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0, le=1)
-    # With weight_decay: decay biases and normalization weights too. false (the default): no decay
-    # on 1-D parameters and on any parameter of a norm layer (LayerNorm, RMSNorm, BatchNorm, ...).
-    decay_norm_and_bias: bool = False
-    # A linear warmup over warmup_steps (from lr/warmup_steps to lr), then: constant; cosine or
-    # linear decay to lr x min_lr_ratio at the last step; or wsd (warmup-stable-decay): lr held,
-    # then a linear decay to lr x min_lr_ratio over the last decay_fraction of the steps (starting
-    # no earlier than the warmup's end: a run too short for both says so and shortens the decay).
-    # The last step follows train.max_steps / max_epochs, on a relaunch too.
-    schedule: Literal["constant", "cosine", "linear", "wsd"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    decay_fraction: float = Field(0.2, gt=0, le=1)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """The optimizer and its learning-rate schedule (a pipeline may bring its own: docs/pipelines.md)."""
+
+    name: Literal["sgd", "adam", "adamw"] = Field(
+        "sgd", description="The optimizer; Adam and AdamW use the fused kernel where the device has one.")
+    lr: float = Field(1e-3, gt=0, le=10, description="The learning rate (the peak, after any warmup).")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD's momentum.")
+    weight_decay: float = Field(
+        0.0, ge=0, le=1, description="Weight decay; not applied to biases and norm layers unless "
+                                     "`decay_norm_and_bias`.")
+    decay_norm_and_bias: bool = Field(
+        False,
+        description="With `weight_decay`: decay biases and normalization weights too. false: no decay on 1-D "
+                    "parameters and on any parameter of a norm layer (LayerNorm, RMSNorm, BatchNorm, ...).")
+    schedule: Literal["constant", "cosine", "linear", "wsd"] = Field(
+        "constant",
+        description="After the warmup: `constant`; `cosine` or `linear` decay to lr x `min_lr_ratio` at the last "
+                    "step; or `wsd` (warmup-stable-decay): lr held, then a linear decay over the last "
+                    "`decay_fraction` of the steps. The last step follows `train.max_steps` or `max_epochs`, on a "
+                    "relaunch too.")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup, from lr/warmup_steps to lr.")
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1,
+        description="`wsd`: the last fraction of the steps over which lr decays (starting no earlier than the "
+                    "warmup's end: a run too short for both says so and shortens the decay).")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="The final lr as a fraction of `lr` (`cosine`, `linear`, `wsd`).")
 
 
 class CheckpointSection(Section):
-    # 0 means only at the end of each epoch.
-    every_n_steps: int = Field(0, ge=0)
-    # Also at the end of every N epochs; 0: not at epoch ends. The end of the run, and a stop
-    # (preemption), always checkpoint.
-    every_n_epochs: int = Field(1, ge=0)
-    # Keep only the newest N committed checkpoints (plus, with keep_best, the N best by
-    # best_metric, measured at epoch ends); null keeps all. 3, not all: a 40-epoch run would
-    # otherwise leave 50 folders, and resume only needs the latest (the others cover a bad one).
-    keep: int | None = Field(3, ge=1)
-    keep_best: int | None = Field(None, ge=1)
-    best_metric: str = Field("loss", min_length=1)
-    best_mode: Literal["min", "max"] = "min"
-    # Only a copy of the state is taken between two steps; the files, their checksums and the
-    # commit (agreed by every rank) are done on a background thread while training goes on.
-    # false: the whole save and commit on the training thread.
-    async_save: bool = True
-    # A save that fails (disk full, I/O error): fail the run, or warn and train on.
-    on_error: Literal["fail", "warn"] = "fail"
-    # Start from this checkpoint (weights, optimizer, step) when the run has none of its own:
-    # fine-tuning, or PBT continuing another trial's state. A local or shared path.
-    init_from: InputPath | None = None
+    """When checkpoints are saved, which are kept, and where a run starts from."""
+
+    every_n_steps: int = Field(0, ge=0, description="Save every N optimizer steps. 0: only at epoch ends.")
+    every_n_epochs: int = Field(
+        1, ge=0,
+        description="Also save at the end of every N epochs; 0: not at epoch ends. The end of the run and a stop "
+                    "(preemption) always save.")
+    # 3, not all: a 40-epoch run would otherwise leave 50 folders, and resume only needs the
+    # latest (the others cover a bad one).
+    keep: int | None = Field(
+        3, ge=1, description="Keep only the newest N committed checkpoints (and the `keep_best`). null: keep all.")
+    keep_best: int | None = Field(
+        None, ge=1, description="Also keep the N best checkpoints by `best_metric`, measured at epoch ends. null: "
+                                "none kept for that.")
+    best_metric: str = Field(
+        "loss", min_length=1,
+        description="The held-out metric `keep_best` ranks by (`loss`; `val/loss` for a named held-out set).")
+    best_mode: Literal["min", "max"] = Field("min", description="`min`: a lower `best_metric` is better; `max`: a "
+                                                                "higher one.")
+    async_save: bool = Field(
+        True,
+        description="Copy the state between two steps, then write, checksum and commit it (agreed by every rank) on "
+                    "a background thread while training goes on. false: the whole save on the training thread.")
+    on_error: Literal["fail", "warn"] = Field(
+        "fail", description="A save that fails (disk full, an I/O error): `fail` the run, or `warn` and train on.")
+    init_from: InputPath | None = Field(
+        None,
+        description="Start from this checkpoint (weights, optimizer, step) when the run has none of its own: "
+                    "fine-tuning, or PBT continuing another trial's state. A local or shared path.")
 
 
 class FailureSection(Section):
-    # Worker-group restarts (from the latest committed checkpoint) before the run fails; -1: no limit.
-    max_failures: int = Field(0, ge=-1)
+    """What a lost worker or node costs the run."""
+
+    max_failures: int = Field(
+        0, ge=-1,
+        description="Worker-group restarts, from the newest committed checkpoint, before the run fails; -1: no "
+                    "limit.")
 
 
 class DistSection(Section):
-    # A rank stuck in a collective fails the run after this long (Ray's default is 1800 s).
-    timeout_s: float = Field(300.0, gt=0, le=86_400)
+    """The process group."""
+
+    timeout_s: float = Field(
+        300.0, gt=0, le=86_400,
+        description="Seconds a collective may wait: a rank stuck outside one fails the run after this long, naming "
+                    "it (Ray's default is 1800 s).")
 
 
 class MlflowSection(Section):
-    # Off: no MLflow run at all (benchmarks, quick experiments); the summary still has the results.
-    enabled: bool = True
-    experiment: str = Field("raylane", min_length=1, max_length=256)
-    log_every_n_steps: int = Field(10, ge=1)
-    # Checkpoints are recorded on the run by location (`uri`), or copied as artifacts.
-    log_checkpoints: Literal["uri", "artifacts"] = "uri"
-    # At the end of a finished run: the final model as an MLflow PyTorch model, and plots.
-    log_model: bool = True
-    # CPU, memory (and GPU) of rank 0's node, through MLflow's system metrics.
-    system_metrics: bool = True
-    system_metrics_interval_s: float = Field(10.0, ge=1, le=3600)
+    """What the run records in MLflow."""
+
+    enabled: bool = Field(
+        True, description="false: no MLflow run at all (benchmarks, quick experiments); the summary still has the "
+                          "results.")
+    experiment: str = Field("raylane", min_length=1, max_length=256, description="The MLflow experiment of the run.")
+    log_every_n_steps: int = Field(
+        10, ge=1, description="Log rank 0's training loss, lr and samples/s every N steps, over the steps since "
+                              "the last.")
+    log_checkpoints: Literal["uri", "artifacts"] = Field(
+        "uri", description="Record checkpoints on the run by location (`uri`), or copy them as `artifacts`.")
+    log_model: bool = Field(
+        True, description="At the end of a finished run, log the final model as an MLflow PyTorch model, and plots.")
+    system_metrics: bool = Field(
+        True, description="CPU, memory (and GPU) of rank 0's node, through MLflow's system metrics.")
+    system_metrics_interval_s: float = Field(
+        10.0, ge=1, le=3600, description="Seconds between two samples of the system metrics.")
 
 
 def apply_values(cfg: BaseConfig, values: Mapping[str, Any]) -> BaseConfig:
@@ -292,7 +376,9 @@ def apply_values(cfg: BaseConfig, values: Mapping[str, Any]) -> BaseConfig:
 class BaseConfig(Section):
     """Sections shared by every pipeline; each pipeline adds its own `model` section."""
 
-    pipeline: str
+    pipeline: str = Field(
+        description="The pipeline: a shipped one's name (regression, digits, gpt, tabular, text, hf), a dotted "
+                    "module, or a `.py` file (relative to the config file's folder).")
     run: RunSection = RunSection()
     scaling: ScalingSection = ScalingSection()
     strategy: StrategySection = StrategySection()

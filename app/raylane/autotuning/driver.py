@@ -60,32 +60,51 @@ CHILD_STATUS = {"ok": "FINISHED", "oom": "FAILED", "failed": "FAILED", "pruned":
 class AutotuneSection(Section):
     """Each knob: the values to try (null: raylane's default for this machine). The config's own
     value of a knob is tried first."""
-    strategies: list[Literal["ddp", "fsdp"]] | None = None
-    # Micro-batch per worker; null: the powers of two that divide the per-worker global batch.
-    batch_sizes: list[int] | None = Field(None, min_length=1)
-    # Samples per optimizer step; null: the config's batch_size x grad_accum_steps x num_workers.
-    global_batch: int | None = Field(None, ge=1)
-    precisions: list[Literal["fp32", "bf16", "fp16"]] | None = None
-    activation_checkpointing: list[bool] | None = None
-    compile: list[bool] | None = None
-    bucket_cap_mb: list[float] | None = None
-    reshard_after_forward: list[bool] | None = None
-    comm_hooks: list[Literal["none", "fp16", "bf16", "powersgd"]] | None = None
-    warmup_steps: int = Field(2, ge=1, le=1000)
-    # Steps measured per round, in `windows` windows: a candidate's figure is the median of the
-    # windows of every round, with an interval (raylane.autotuning.ranking).
-    profile_steps: int = Field(10, ge=1, le=100_000)
-    windows: int = Field(5, ge=2, le=1000)
-    # A window lasts at least this long: tiny steps are measured over more of them.
-    min_window_s: float = Field(0.1, ge=0, le=60)
-    # Rounds per candidate (each a fresh build, at another moment): the leader and the candidates
-    # simpler than it get at least min_rounds; those tied with the leader up to max_rounds.
-    min_rounds: int = Field(2, ge=1, le=100)
-    max_rounds: int = Field(4, ge=1, le=100)
-    max_candidates: int = Field(32, ge=1, le=1000)
-    budget_s: float | None = Field(None, gt=0)
-    # Added to the memory estimate before pruning (0.1: 10% more than estimated must fit).
-    safety_margin: float = Field(0.1, ge=0, le=10)
+
+    strategies: list[Literal["ddp", "fsdp"]] | None = Field(
+        None, description="Strategies to try. null: DDP and FSDP on more than one worker, else the config's.")
+    batch_sizes: list[int] | None = Field(
+        None, min_length=1,
+        description="Micro-batches per worker to try (accumulation makes up the rest of the global batch). null: "
+                    "the powers of two that divide the per-worker share.")
+    global_batch: int | None = Field(
+        None, ge=1,
+        description="Samples per optimizer step, held by every candidate. null: the config's `train.global_batch`, "
+                    "else batch_size x grad_accum_steps x num_workers.")
+    precisions: list[Literal["fp32", "bf16", "fp16"]] | None = Field(
+        None, description="`train.precision` values to try. null: fp32 and bf16.")
+    activation_checkpointing: list[bool] | None = Field(
+        None, description="`train.activation_checkpointing` values to try. null: false and true.")
+    compile: list[bool] | None = Field(
+        None, description="`train.compile` values to try. null: false and true on a GPU, false on CPU.")
+    bucket_cap_mb: list[float] | None = Field(
+        None, description="DDP's `strategy.bucket_cap_mb` values to try. null: the config's, 5 and 100.")
+    reshard_after_forward: list[bool] | None = Field(
+        None, description="FSDP's `strategy.reshard_after_forward` values to try. null: true and false.")
+    comm_hooks: list[Literal["none", "fp16", "bf16", "powersgd"]] | None = Field(
+        None, description="DDP's `strategy.comm_hook` values to try. null: none and bf16 on a GPU, none on CPU.")
+    warmup_steps: int = Field(2, ge=1, le=1000, description="Steps per round before timing starts.")
+    profile_steps: int = Field(
+        10, ge=1, le=100_000,
+        description="Steps timed per round, in `windows` windows: a candidate's figure is the median of the "
+                    "windows of all its rounds, with an interval.")
+    windows: int = Field(5, ge=2, le=1000, description="Windows a round's timed steps are split into.")
+    min_window_s: float = Field(
+        0.1, ge=0, le=60, description="A window lasts at least this long: tiny steps are measured over more of them.")
+    min_rounds: int = Field(
+        2, ge=1, le=100,
+        description="Rounds (each a fresh build, at another moment) for the leader and the candidates simpler than "
+                    "it.")
+    max_rounds: int = Field(
+        4, ge=1, le=100, description="Rounds at most for a candidate still tied with the leader.")
+    max_candidates: int = Field(32, ge=1, le=1000, description="Candidates measured at most.")
+    budget_s: float | None = Field(
+        None, gt=0, description="Stop after this many seconds with the best so far (also `--budget-s`). null: no "
+                                "limit.")
+    safety_margin: float = Field(
+        0.1, ge=0, le=10,
+        description="Added to the memory estimate before pruning a candidate (0.1: 10% more than estimated must "
+                    "fit).")
 
     @model_validator(mode="after")
     def _rounds_and_windows(self) -> AutotuneSection:

@@ -24,27 +24,37 @@ AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": 
 
 
 class ModelSection(Section):
-    task: Literal["causal-lm", "sequence-classification"] = "causal-lm"
-    # A folder written by save_pretrained (config.json and safetensors weights).
-    name_or_path: InputPath
-    # The tokenizer's save_pretrained folder; null: the model's folder.
-    tokenizer_path: InputPath | None = None
-    # causal-lm: tokens in one packed sequence; sequence-classification: the longest input (longer
-    # ones are truncated).
-    seq_len: int = Field(256, ge=2, le=1_048_576)
-    # sequence-classification: the number of classes (labels are 0..num_labels-1).
-    num_labels: int = Field(2, ge=1, le=1_000_000)
+    """The pretrained model and what it is fine-tuned for."""
+
+    task: Literal["causal-lm", "sequence-classification"] = Field(
+        "causal-lm", description="`causal-lm`: next-token prediction; `sequence-classification`: a class per text "
+                                 "(with `data.label_column` and `num_labels`).")
+    name_or_path: InputPath = Field(
+        description="A folder written by `save_pretrained`: config.json and safetensors weights.")
+    tokenizer_path: InputPath | None = Field(
+        None, description="The tokenizer's `save_pretrained` folder. null: the model's folder.")
+    seq_len: int = Field(
+        256, ge=2, le=1_048_576,
+        description="`causal-lm`: tokens in one packed sequence; `sequence-classification`: the longest input "
+                    "(longer ones are truncated).")
+    num_labels: int = Field(
+        2, ge=1, le=1_000_000, description="`sequence-classification`: the number of classes (labels are "
+                                           "0..num_labels-1).")
 
 
 class DataSection(Section):
-    # Files, folders or globs, local or s3://; null when the pipeline hands over a datasets.Dataset.
-    train: InputPaths | None = None
-    eval: InputPaths | None = None
-    format: Literal["parquet", "csv", "json", "text"] = "json"
-    text_column: str = Field("text", min_length=1)
-    # sequence-classification: the column of class ids.
-    label_column: str = Field("label", min_length=1)
-    shuffle_rows: int = Field(4096, ge=1, le=100_000_000)
+    """The text files a fine-tune reads, streamed and tokenized where they are read."""
+
+    train: InputPaths | None = Field(
+        None, description="Training files, folders or globs, local or `s3://`. null: the pipeline hands over a "
+                          "`datasets.Dataset`.")
+    eval: InputPaths | None = Field(None, description="Held-out files, folders or globs, with the same columns.")
+    format: Literal["parquet", "csv", "json", "text"] = Field(
+        "json", description="The files' format (`json`: JSON Lines; `text`: one row per line).")
+    text_column: str = Field("text", min_length=1, description="The column holding the text.")
+    label_column: str = Field(
+        "label", min_length=1, description="`sequence-classification`: the column of class ids.")
+    shuffle_rows: int = Field(4096, ge=1, le=100_000_000, description="Rows in each rank's shuffle buffer.")
 
 
 class Config(BaseConfig):
@@ -52,8 +62,9 @@ class Config(BaseConfig):
 
     model: ModelSection
     data: DataSection = DataSection()
-    # LoRA (peft) on the model's attention projections by default; null: a full fine-tune.
-    lora: LoraSection | None = None
+    lora: LoraSection | None = Field(
+        None, description="LoRA (peft) adapters, by default on the model's attention projections: `{r, alpha, "
+                          "dropout, target_modules}`. null: a full fine-tune.")
 
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "accuracy") if self.model.task == "sequence-classification" else ("loss",)

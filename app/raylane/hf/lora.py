@@ -24,12 +24,14 @@ _ATTENTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "query", "key", "val
 class LoraSection(Section):
     """`lora:` in a pipeline's Config (`lora: LoraSection | None = None`: no LoRA by default)."""
 
-    r: int = Field(8, ge=1)  # the adapter's rank
-    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / r
-    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input
-    # Module names (the last part of a dotted name, as peft matches them). None: the model's
-    # attention projections (the Linear layers of its attention modules: q/k/v/o_proj for LLaMA).
-    target_modules: list[str] | None = None
+    r: int = Field(8, ge=1, description="The adapter's rank.")
+    alpha: float = Field(16.0, gt=0, description="The update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] | None = Field(
+        None,
+        description="Modules to adapt, by the last part of their dotted name (as peft matches them). null: the "
+                    "model's attention projections (the Linear layers of its attention modules: q/k/v/o_proj for "
+                    "LLaMA).")
 
 
 def attention_projections(model: Any) -> list[str]:

@@ -54,43 +54,65 @@ NOT_REACHED_S = 1e9
 
 
 class TimeTo(Section):
-    metric: str = Field(min_length=1, description="an eval metric of the pipeline")
-    value: float
-    mode: Literal["min", "max"] = Field(description="max: reached at >= value; min: at <= value")
+    """Seconds of training (rank 0's, from the first step) until an eval metric reaches a value."""
+
+    metric: str = Field(min_length=1, description="An eval metric of the pipeline.")
+    value: float = Field(description="The value the metric must reach.")
+    mode: Literal["min", "max"] = Field(description="`max`: reached at >= value; `min`: at <= value.")
 
 
 class ObjectiveSection(Section):
-    # Seconds of training (rank 0's, from the first step) until time_to.metric reaches its value.
-    time_to: TimeTo
+    """What a sweep ranks trials by, other than a metric's last value."""
+
+    time_to: TimeTo = Field(
+        description="Rank trials by the training seconds until `metric` reaches `value`: `{metric, value, mode}`.")
 
 
 class SweepSection(Section):
-    name: str = Field(pattern=_NAME_PATTERN)
-    base: str = Field(min_length=1, description="a pipeline config file, or a shipped config's name")
-    # dotted config key -> {choice: [..]} | {grid: [..]} | {uniform: [lo, hi]} | {loguniform: [lo, hi]}
-    # | {randint: [lo, hi]} (hi excluded)
-    space: dict[str, dict[str, Any]] = Field(min_length=1)
-    algorithm: Literal["random", "grid", "optuna"] = "random"
-    scheduler: Literal["fifo", "asha", "pbt"] = "fifo"
-    num_samples: int = Field(1, ge=1, le=100_000)
-    # null: as many trials at once as the cluster's CPUs (or GPUs) hold.
-    max_concurrent_trials: int | None = Field(None, ge=1, le=10_000)
-    metric: str = Field("loss", min_length=1, description="an eval metric of the pipeline")
-    mode: Literal["min", "max"] = "min"
-    seed: int = Field(0, ge=0, lt=2**32)
-    # ASHA: epochs before a trial may be stopped, and the fraction kept at each rung (1/factor).
-    grace_period: int = Field(1, ge=1)
-    reduction_factor: float = Field(2.0, gt=1)
-    # PBT: epochs between exploit/explore decisions.
-    perturbation_interval: int = Field(1, ge=1)
-    # PBT: every trial waits at each perturbation until all have reached it (Ray's synch PBT), so
-    # the exploit happens whatever the trials' relative speed, at the cost of pausing fast ones.
-    pbt_synchronous: bool = False
-    # Rank trials by the time they take to reach an eval metric's value (sweep.metric is then
-    # time_to_target_s, mode min); a trial that never reaches it ranks last.
-    objective: ObjectiveSection | None = None
-    # Hold the global batch fixed over a space of batch sizes, accumulation or workers.
-    global_batch: GlobalBatch | None = None
+    """A sweep file's `sweep:` section (`raylane tune`); the rest of the file overrides the base config for every
+    trial."""
+
+    name: str = Field(
+        pattern=_NAME_PATTERN,
+        description="The sweep's identity: its folder is `<run.storage_path>/<name>`, and rerunning the same name "
+                    "with the same settings continues it.")
+    base: str = Field(min_length=1, description="The base pipeline config: a file (relative to the sweep file), or "
+                                                "a shipped config's name.")
+    space: dict[str, dict[str, Any]] = Field(
+        min_length=1,
+        description="Dotted config key -> `{choice: [..]}`, `{grid: [..]}`, `{uniform: [lo, hi]}`, "
+                    "`{loguniform: [lo, hi]}` or `{randint: [lo, hi]}` (hi excluded). Every key and range is checked "
+                    "against the base config before anything starts.")
+    algorithm: Literal["random", "grid", "optuna"] = Field(
+        "random", description="How trials' values are drawn: `grid` needs listed values (choice or grid).")
+    scheduler: Literal["fifo", "asha", "pbt"] = Field(
+        "fifo", description="`fifo`: every trial runs to its end; `asha`: bad trials stop early; `pbt`: worse trials "
+                            "continue from better ones' checkpoints with perturbed values.")
+    num_samples: int = Field(1, ge=1, le=100_000, description="Trials to run (a grid's values are repeated this "
+                                                              "many times).")
+    max_concurrent_trials: int | None = Field(
+        None, ge=1, le=10_000, description="Trials at once. null: as many as the cluster's CPUs (or GPUs) hold.")
+    metric: str = Field(
+        "loss", min_length=1,
+        description="What ranks trials: an eval metric of the pipeline, or a throughput (`samples_per_s`, "
+                    "`tokens_per_s`, `mfu`, `step_time_s`, `peak_memory_bytes`).")
+    mode: Literal["min", "max"] = Field(
+        "min", description="`min`: a lower metric is better; `max`: higher. Inferred for throughput metrics.")
+    seed: int = Field(0, ge=0, lt=2**32, description="The search's seed: the same seed draws the same trials.")
+    grace_period: int = Field(1, ge=1, description="ASHA: epochs before a trial may be stopped.")
+    reduction_factor: float = Field(2.0, gt=1, description="ASHA: 1/factor of the trials is kept at each rung.")
+    perturbation_interval: int = Field(1, ge=1, description="PBT: epochs between exploit/explore decisions.")
+    pbt_synchronous: bool = Field(
+        False,
+        description="PBT: every trial waits at each perturbation until all have reached it (Ray's synchronous PBT): "
+                    "an exploit at every interval, at the cost of pausing fast trials.")
+    objective: ObjectiveSection | None = Field(
+        None,
+        description="Rank trials by the time they take to reach an eval metric's value (`sweep.metric` is then "
+                    "`time_to_target_s`, mode min); a trial that never reaches it ranks last.")
+    global_batch: GlobalBatch | None = Field(
+        None, description="Hold the global batch fixed over a space of batch sizes, accumulation or workers: "
+                          "`{size, adjust}`.")
 
     @model_validator(mode="after")
     def _direction(self) -> SweepSection:
