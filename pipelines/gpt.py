@@ -24,14 +24,18 @@ class ModelSection(Section):
     """A GPT-2-style decoder (nanoGPT's shape) over bytes."""
 
     vocab_size: int = Field(
-        BYTE_VOCAB, ge=BYTE_VOCAB, le=1_000_000,
-        description="Rows of the embedding: 256 byte ids, more only pad it (GPT-2 small's 50304 keeps its shape).")
+        BYTE_VOCAB,
+        ge=BYTE_VOCAB,
+        le=1_000_000,
+        description="Rows of the embedding: 256 byte ids, more only pad it (GPT-2 small's 50304 keeps its shape).",
+    )
     block_size: int = Field(64, ge=2, le=65_536, description="Tokens per sample (the context length).")
     n_layer: int = Field(2, ge=1, le=1024, description="Transformer blocks.")
     n_head: int = Field(2, ge=1, le=1024, description="Attention heads per block; must divide `n_embd`.")
     n_embd: int = Field(64, ge=1, le=65_536, description="Width of the embedding and of each block.")
     dropout: float = Field(
-        0.0, ge=0, lt=1, description="Dropout on the embeddings, in attention and after each MLP (0: none).")
+        0.0, ge=0, lt=1, description="Dropout on the embeddings, in attention and after each MLP (0: none)."
+    )
     bias: bool = Field(True, description="Biases in the Linear and LayerNorm layers.")
 
     @model_validator(mode="after")
@@ -45,7 +49,8 @@ class DataSection(Section):
     """The text the model learns."""
 
     text_path: InputPath | None = Field(
-        None, description="A UTF-8 text file. null: Python's own help texts (pydoc_data), installed with Python.")
+        None, description="A UTF-8 text file. null: Python's own help texts (pydoc_data), installed with Python."
+    )
 
 
 class Config(BaseConfig):
@@ -72,10 +77,10 @@ def build_model(m: ModelSection):
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             b, t, c = x.shape
-            q, k, v = (z.view(b, t, m.n_head, c // m.n_head).transpose(1, 2)
-                       for z in self.c_attn(x).split(m.n_embd, dim=2))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=m.dropout if self.training else 0.0)
+            q, k, v = (
+                z.view(b, t, m.n_head, c // m.n_head).transpose(1, 2) for z in self.c_attn(x).split(m.n_embd, dim=2)
+            )
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=m.dropout if self.training else 0.0)
             return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
 
     class Block(nn.Module):
@@ -84,8 +89,12 @@ def build_model(m: ModelSection):
             self.ln_1 = nn.LayerNorm(m.n_embd, bias=m.bias)
             self.attn = SelfAttention()
             self.ln_2 = nn.LayerNorm(m.n_embd, bias=m.bias)
-            self.mlp = nn.Sequential(nn.Linear(m.n_embd, 4 * m.n_embd, bias=m.bias), nn.GELU(),
-                                     nn.Linear(4 * m.n_embd, m.n_embd, bias=m.bias), nn.Dropout(m.dropout))
+            self.mlp = nn.Sequential(
+                nn.Linear(m.n_embd, 4 * m.n_embd, bias=m.bias),
+                nn.GELU(),
+                nn.Linear(4 * m.n_embd, m.n_embd, bias=m.bias),
+                nn.Dropout(m.dropout),
+            )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = x + self.attn(self.ln_1(x))
@@ -180,7 +189,12 @@ def build(cfg: Config):
         raise ConfigError(f"model.block_size = {m.block_size}: longer than the text ({len(data)} bytes)")
     model = build_model(m)
     return Pipeline(
-        model=model, train_set=train_set, eval_set=held_out, loss_fn=loss_fn, eval_sums=eval_sums,
-        example_input=held_out[0][0][None], tokens_per_sample=m.block_size,
+        model=model,
+        train_set=train_set,
+        eval_set=held_out,
+        loss_fn=loss_fn,
+        eval_sums=eval_sums,
+        example_input=held_out[0][0][None],
+        tokens_per_sample=m.block_size,
         flops_per_token=flops_per_token(model, m),
     )

@@ -26,8 +26,10 @@ class Config(raylane.hf.Config):
 
 def sources(cfg: Config):
     """What the Ray driver streams (Ray Data), without building a model."""
-    return {"train": raylane.hf.file_source(cfg, cfg.data.train, "data.train"),
-            "eval": raylane.hf.file_source(cfg, cfg.data.eval, "data.eval") if cfg.data.eval is not None else None}
+    return {
+        "train": raylane.hf.file_source(cfg, cfg.data.train, "data.train"),
+        "eval": raylane.hf.file_source(cfg, cfg.data.eval, "data.eval") if cfg.data.eval is not None else None,
+    }
 
 
 def build(cfg: Config):

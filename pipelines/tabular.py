@@ -19,16 +19,21 @@ class DataSection(Section):
     """The table: its files, its columns and the task."""
 
     train: InputPaths = Field(
-        min_length=1, description="Training files, directories or globs; local or `s3://bucket/prefix`.")
+        min_length=1, description="Training files, directories or globs; local or `s3://bucket/prefix`."
+    )
     eval: InputPaths | None = Field(None, description="Held-out files, directories or globs, with the same columns.")
     format: Literal["parquet", "csv"] = Field("parquet", description="The files' format.")
     features: list[str] = Field(min_length=1, description="The numeric feature columns.")
     target: str = Field(min_length=1, description="The target column: class ids, or a number to regress.")
     task: Literal["classification", "regression"] = Field(
-        "classification", description="Cross-entropy on class ids (with accuracy), or MSE on a number.")
+        "classification", description="Cross-entropy on class ids (with accuracy), or MSE on a number."
+    )
     num_classes: int | None = Field(
-        None, ge=2, le=1_000_000,
-        description="Classification: the number of classes (targets are integers 0..num_classes-1); required there.")
+        None,
+        ge=2,
+        le=1_000_000,
+        description="Classification: the number of classes (targets are integers 0..num_classes-1); required there.",
+    )
     shuffle_rows: int = Field(4096, ge=1, le=100_000_000, description="Rows in each rank's shuffle buffer.")
 
 
@@ -42,7 +47,8 @@ class ModelSection(Section):
     input_norm: bool = Field(
         True,
         description="Standardize the features by their running mean and variance, updated while training and saved "
-                    "with the weights (raw columns of very different scales train poorly).")
+        "with the weights (raw columns of very different scales train poorly).",
+    )
 
 
 class Config(BaseConfig):
@@ -89,8 +95,13 @@ def checked(d: DataSection, batch: dict):
         from raylane import DataError
 
         row = int(np.argmax((y < 0) | (y >= d.num_classes) | (y != np.floor(y))))
-        raise DataError(f"data.num_classes = {d.num_classes}", column=d.target, row=row, value=batch[d.target][row],
-                        why=f"class ids are whole numbers 0..{d.num_classes - 1}")
+        raise DataError(
+            f"data.num_classes = {d.num_classes}",
+            column=d.target,
+            row=row,
+            value=batch[d.target][row],
+            why=f"class ids are whole numbers 0..{d.num_classes - 1}",
+        )
     return x, y.astype(np.int64)
 
 
@@ -142,14 +153,23 @@ def source(cfg: Config, paths, key: str | None = None):
         y = torch.tensor(batch["y"])  # a copy: arrays read from Arrow are read-only
         return torch.tensor(batch["x"]), (y if classify else y[:, None])
 
-    return FileSource(paths=paths, format=d.format, columns=[*d.features, d.target], transform=transform,
-                      to_tensors=to_tensors, shuffle_rows=d.shuffle_rows, key=key)
+    return FileSource(
+        paths=paths,
+        format=d.format,
+        columns=[*d.features, d.target],
+        transform=transform,
+        to_tensors=to_tensors,
+        shuffle_rows=d.shuffle_rows,
+        key=key,
+    )
 
 
 def sources(cfg: Config):
     """What a streaming pipeline declares for the driver (Ray Data), without building a model."""
-    return {"train": source(cfg, cfg.data.train, "data.train"),
-            "eval": source(cfg, cfg.data.eval, "data.eval") if cfg.data.eval is not None else None}
+    return {
+        "train": source(cfg, cfg.data.train, "data.train"),
+        "eval": source(cfg, cfg.data.eval, "data.eval") if cfg.data.eval is not None else None,
+    }
 
 
 def build_model(cfg: Config):
@@ -171,7 +191,9 @@ def build_model(cfg: Config):
                     n, seen = x.shape[0], self.count.clone()
                     total = seen + n
                     delta = x.mean(0) - self.mean
-                    self.var.copy_((self.var * seen + x.var(0, unbiased=False) * n + delta**2 * seen * n / total) / total)
+                    self.var.copy_(
+                        (self.var * seen + x.var(0, unbiased=False) * n + delta**2 * seen * n / total) / total
+                    )
                     self.mean.add_(delta * n / total)
                     self.count.copy_(total)
             return (x - self.mean) / (self.var.sqrt() + 1e-5)
@@ -199,11 +221,19 @@ def build(cfg: Config):
     def eval_sums(output, target):
         if not classify:
             return {"loss": F.mse_loss(output, target, reduction="sum")}
-        return {"loss": F.cross_entropy(output, target, reduction="sum"),
-                "accuracy": (output.argmax(dim=1) == target).sum().to(torch.float32)}
+        return {
+            "loss": F.cross_entropy(output, target, reduction="sum"),
+            "accuracy": (output.argmax(dim=1) == target).sum().to(torch.float32),
+        }
 
     data = sources(cfg)
     # The logged model's signature and torch.export need an input; a stream has none to spare.
     example = torch.zeros(2, len(cfg.data.features))
-    return Pipeline(model=build_model(cfg), train_set=data["train"], eval_set=data["eval"],
-                    loss_fn=loss_fn, eval_sums=eval_sums, example_input=example)
+    return Pipeline(
+        model=build_model(cfg),
+        train_set=data["train"],
+        eval_set=data["eval"],
+        loss_fn=loss_fn,
+        eval_sums=eval_sums,
+        example_input=example,
+    )

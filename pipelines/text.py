@@ -20,10 +20,12 @@ class DataSection(Section):
     """The text files, streamed."""
 
     train: InputPaths = Field(
-        min_length=1, description="Training files, directories or globs; local or `s3://bucket/prefix`.")
+        min_length=1, description="Training files, directories or globs; local or `s3://bucket/prefix`."
+    )
     eval: InputPaths | None = Field(None, description="Held-out files, directories or globs.")
     format: Literal["text", "json"] = Field(
-        "text", description="`text`: one row per non-empty line; `json`: JSON Lines, the text in `text_field`.")
+        "text", description="`text`: one row per non-empty line; `json`: JSON Lines, the text in `text_field`."
+    )
     text_field: str = Field("text", min_length=1, description="JSON Lines: the field that holds each record's text.")
     shuffle_rows: int = Field(4096, ge=1, le=100_000_000, description="Rows in each rank's shuffle buffer.")
 
@@ -63,14 +65,24 @@ def source(cfg: Config, paths, key: str | None = None):
         tokens = torch.tensor(batch["tokens"], dtype=torch.long)
         return tokens[:, :-1], tokens[:, 1:]
 
-    return FileSource(paths=paths, format=d.format, columns=[column], transform=transform, keeps_rows=False,
-                      to_tensors=to_tensors, shuffle_rows=d.shuffle_rows, key=key)
+    return FileSource(
+        paths=paths,
+        format=d.format,
+        columns=[column],
+        transform=transform,
+        keeps_rows=False,
+        to_tensors=to_tensors,
+        shuffle_rows=d.shuffle_rows,
+        key=key,
+    )
 
 
 def sources(cfg: Config):
     """What a streaming pipeline declares for the driver (Ray Data), without building a model."""
-    return {"train": source(cfg, cfg.data.train, "data.train"),
-            "eval": source(cfg, cfg.data.eval, "data.eval") if cfg.data.eval is not None else None}
+    return {
+        "train": source(cfg, cfg.data.train, "data.train"),
+        "eval": source(cfg, cfg.data.eval, "data.eval") if cfg.data.eval is not None else None,
+    }
 
 
 def build(cfg: Config):
@@ -93,6 +105,13 @@ def build(cfg: Config):
     data = sources(cfg)
     # The logged model's signature and torch.export need an input; a stream has none to spare.
     example = torch.zeros(1, m.block_size, dtype=torch.long)
-    return Pipeline(model=model, train_set=data["train"], eval_set=data["eval"], loss_fn=loss_fn,
-                    eval_sums=eval_sums, example_input=example, tokens_per_sample=m.block_size,
-                    flops_per_token=flops_per_token(model, m))
+    return Pipeline(
+        model=model,
+        train_set=data["train"],
+        eval_set=data["eval"],
+        loss_fn=loss_fn,
+        eval_sums=eval_sums,
+        example_input=example,
+        tokens_per_sample=m.block_size,
+        flops_per_token=flops_per_token(model, m),
+    )

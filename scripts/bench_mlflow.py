@@ -45,10 +45,16 @@ def _free_port() -> int:
 
 def start_server(data: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    env = dict(os.environ, MLFLOW_PORT=str(port), MLFLOW_DATA=str(data),
-               MLFLOW_BIN=str(Path(sys.executable).parent / "mlflow"))
-    proc = subprocess.Popen([str(REPO / "scripts/mlflow-server.sh")], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = dict(
+        os.environ, MLFLOW_PORT=str(port), MLFLOW_DATA=str(data), MLFLOW_BIN=str(Path(sys.executable).parent / "mlflow")
+    )
+    proc = subprocess.Popen(
+        [str(REPO / "scripts/mlflow-server.sh")],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -110,15 +116,24 @@ def main() -> None:
             server.wait()
     base = statistics.median(samples["off"])
     result = {}
-    print(f"| tracking | ms per step (median [min-max] of {args.repeats}) | end to end vs off "
-          "| logging ms per step (rank 0) | attributed cost |\n|---|---|---|---|---|")
+    print(
+        f"| tracking | ms per step (median [min-max] of {args.repeats}) | end to end vs off "
+        "| logging ms per step (rank 0) | attributed cost |\n|---|---|---|---|---|"
+    )
     for mode in modes:
         med = statistics.median(samples[mode])
         log_med = statistics.median(logging_ms[mode])
-        result[mode] = {"step_ms": samples[mode], "median_ms": med, "cost_pct": 100 * (med / base - 1),
-                        "logging_ms_per_step": logging_ms[mode], "attributed_cost_pct": 100 * log_med / base}
-        print(f"| {mode} | {med:.3f} [{min(samples[mode]):.3f}-{max(samples[mode]):.3f}] | "
-              f"{result[mode]['cost_pct']:+.2f}% | {log_med:.4f} | {result[mode]['attributed_cost_pct']:.2f}% |")
+        result[mode] = {
+            "step_ms": samples[mode],
+            "median_ms": med,
+            "cost_pct": 100 * (med / base - 1),
+            "logging_ms_per_step": logging_ms[mode],
+            "attributed_cost_pct": 100 * log_med / base,
+        }
+        print(
+            f"| {mode} | {med:.3f} [{min(samples[mode]):.3f}-{max(samples[mode]):.3f}] | "
+            f"{result[mode]['cost_pct']:+.2f}% | {log_med:.4f} | {result[mode]['attributed_cost_pct']:.2f}% |"
+        )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 

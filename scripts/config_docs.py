@@ -78,8 +78,11 @@ def base_sections() -> list[str]:
             continue
         model = field.annotation
         parts += [f"## `{name}`", "", doc(model), "", *table(config_keys.keys(model, f"{name}.")), ""]
-    intros = {"sweep": "", "autotune": "A pipeline config's optional `autotune:` section, read by `raylane autotune` "
-                                       "(`--set autotune.KEY=VALUE` there sets it too; the other commands ignore it). "}
+    intros = {
+        "sweep": "",
+        "autotune": "A pipeline config's optional `autotune:` section, read by `raylane autotune` "
+        "(`--set autotune.KEY=VALUE` there sets it too; the other commands ignore it). ",
+    }
     for name, model in config_keys.other_sections().items():
         parts += [f"## `{name}`", "", intros[name] + doc(model), "", *table(config_keys.keys(model, f"{name}.")), ""]
     return parts
@@ -110,8 +113,12 @@ def config_values(name: str, raw: dict, model: type[BaseModel]) -> list[str]:
     if "sweep" in raw:
         entries = config_keys.keys(config_keys.other_sections()["sweep"], "sweep.") + entries
         command = "tune"
-    lines = [f"`{name}` (`raylane {command} {Path(name).stem}`) sets:", "",
-             "| key | value | default |", "| --- | --- | --- |"]
+    lines = [
+        f"`{name}` (`raylane {command} {Path(name).stem}`) sets:",
+        "",
+        "| key | value | default |",
+        "| --- | --- | --- |",
+    ]
     for k in entries:
         present, value = lookup(raw, k.key)
         if present and not (k.section and isinstance(value, dict)) and value != k.default:
@@ -121,10 +128,12 @@ def config_values(name: str, raw: dict, model: type[BaseModel]) -> list[str]:
 
 
 def pipeline_sections() -> list[str]:
-    intro = ("Each shipped pipeline's own keys (those it adds to the sections above, or narrows), then its shipped "
-             "configs: the values each sets other than the defaults. A pipeline of your own declares its keys the "
-             "same way (docs/pipelines.md); `raylane.hf.Config` gives one built on `raylane.hf.pipeline` the keys of "
-             "`hf`.")
+    intro = (
+        "Each shipped pipeline's own keys (those it adds to the sections above, or narrows), then its shipped "
+        "configs: the values each sets other than the defaults. A pipeline of your own declares its keys the "
+        "same way (docs/pipelines.md); `raylane.hf.Config` gives one built on `raylane.hf.pipeline` the keys of "
+        "`hf`."
+    )
     parts = ["## Pipelines", "", intro, ""]
     base = {k.key: k for k in config_keys.keys(BaseConfig)}
     configs = shipped_configs()
@@ -146,8 +155,9 @@ def explained() -> str:
 
 def markdown() -> str:
     names = [name for name in BaseConfig.model_fields] + list(config_keys.other_sections())
-    intro = INTRO.format(example=" ".join(EXAMPLE), explained=explained(),
-                         sections=", ".join(f"[{n}](#{n})" for n in names))
+    intro = INTRO.format(
+        example=" ".join(EXAMPLE), explained=explained(), sections=", ".join(f"[{n}](#{n})" for n in names)
+    )
     return "\n".join([intro, *base_sections(), *pipeline_sections()]).rstrip() + "\n"
 
 

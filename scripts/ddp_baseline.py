@@ -30,8 +30,18 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 
 class Trainer:
-    def __init__(self, model, train_data, optimizer, loss_fn, max_steps: int, clip: float | None,
-                 snapshot_path: str, max_epochs: int | None = None, save_every_epoch: bool = False) -> None:
+    def __init__(
+        self,
+        model,
+        train_data,
+        optimizer,
+        loss_fn,
+        max_steps: int,
+        clip: float | None,
+        snapshot_path: str,
+        max_epochs: int | None = None,
+        save_every_epoch: bool = False,
+    ) -> None:
         self.rank = dist.get_rank()
         self.model = DDP(model)
         self.train_data, self.optimizer, self.loss_fn = train_data, optimizer, loss_fn
@@ -72,9 +82,14 @@ class Trainer:
             epoch_ends.append(round(time.perf_counter() - started, 4))
         if self.rank == 0 and not self.save_every_epoch:
             self._save_snapshot()
-        return {"train_s": time.perf_counter() - started, "train_cpu_s": time.process_time() - started_cpu,
-                "steps": self.step, "first_step_unix": self.first_step_unix, "last_step_unix": time.time(),
-                "epoch_end_s": epoch_ends}
+        return {
+            "train_s": time.perf_counter() - started,
+            "train_cpu_s": time.process_time() - started_cpu,
+            "steps": self.step,
+            "first_step_unix": self.first_step_unix,
+            "last_step_unix": time.time(),
+            "epoch_end_s": epoch_ends,
+        }
 
 
 def build_optimizer(model, o) -> torch.optim.Optimizer:
@@ -85,8 +100,15 @@ def build_optimizer(model, o) -> torch.optim.Optimizer:
     return cls(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
 
-def run(pipeline: str, max_steps: int, overrides: list[str], json_path: str, max_epochs: int | None = None,
-        save_every_epoch: bool = False, startup: dict[str, float] | None = None) -> None:
+def run(
+    pipeline: str,
+    max_steps: int,
+    overrides: list[str],
+    json_path: str,
+    max_epochs: int | None = None,
+    save_every_epoch: bool = False,
+    startup: dict[str, float] | None = None,
+) -> None:
     """Train on the process group already set up (by torchrun or Ray Train); rank 0 writes --json."""
     from raylane.config import PIPELINES, load_config  # the same YAML and model as raylane, nothing else
 
@@ -99,8 +121,17 @@ def run(pipeline: str, max_steps: int, overrides: list[str], json_path: str, max
     loader = DataLoader(pipe.train_set, batch_size=cfg.train.batch_size, sampler=sampler)
     optimizer = build_optimizer(pipe.model, cfg.optim)
     snapshot = os.path.join(os.path.dirname(os.path.abspath(json_path)), "baseline-snapshot.pt")
-    trainer = Trainer(pipe.model, loader, optimizer, pipe.loss_fn, max_steps, cfg.train.grad_clip_norm,
-                      snapshot, max_epochs, save_every_epoch)
+    trainer = Trainer(
+        pipe.model,
+        loader,
+        optimizer,
+        pipe.loss_fn,
+        max_steps,
+        cfg.train.grad_clip_norm,
+        snapshot,
+        max_epochs,
+        save_every_epoch,
+    )
     startup["parallelize"] = time.time()
     result = trainer.train()
     result["startup"] = {**startup, "first_batch": trainer.first_batch_unix, "first_step": trainer.first_step_unix}
@@ -112,8 +143,13 @@ def run(pipeline: str, max_steps: int, overrides: list[str], json_path: str, max
 def _ray_loop(config: dict) -> None:
     from raylane.loop.startup import process_start_unix
 
-    run(config["pipeline"], config["max_steps"], config["overrides"], config["json"],
-        startup={**config["startup"], "worker_process": process_start_unix()})
+    run(
+        config["pipeline"],
+        config["max_steps"],
+        config["overrides"],
+        config["json"],
+        startup={**config["startup"], "worker_process": process_start_unix()},
+    )
 
 
 def run_on_plain_ray(args: argparse.Namespace) -> None:
@@ -129,10 +165,17 @@ def run_on_plain_ray(args: argparse.Namespace) -> None:
         ray.init(address="local", num_cpus=max(args.workers, os.cpu_count() or 1), logging_level="WARNING")
     startup = {**args.startup, "ray_init": time.time()}
     trainer = TorchTrainer(
-        _ray_loop, train_loop_config={"pipeline": args.pipeline, "max_steps": args.max_steps, "startup": startup,
-                                      "overrides": args.overrides, "json": os.path.abspath(args.json)},
+        _ray_loop,
+        train_loop_config={
+            "pipeline": args.pipeline,
+            "max_steps": args.max_steps,
+            "startup": startup,
+            "overrides": args.overrides,
+            "json": os.path.abspath(args.json),
+        },
         scaling_config=ScalingConfig(num_workers=args.workers),
-        run_config=RunConfig(storage_path=os.path.join(os.path.dirname(os.path.abspath(args.json)), "plain-ray")))
+        run_config=RunConfig(storage_path=os.path.join(os.path.dirname(os.path.abspath(args.json)), "plain-ray")),
+    )
     startup["fit"] = time.time()  # read by the workers after this: the train loop config is a live dict
     trainer.fit()
     ray.shutdown()
@@ -143,8 +186,11 @@ def main() -> None:
     parser.add_argument("--pipeline", required=True)
     parser.add_argument("--max-steps", type=int, default=10**12)
     parser.add_argument("--max-epochs", type=int, help="stop after this many epochs too")
-    parser.add_argument("--save-every-epoch", action="store_true",
-                        help="rank 0 saves a snapshot at each epoch end (the tutorial's save_every=1)")
+    parser.add_argument(
+        "--save-every-epoch",
+        action="store_true",
+        help="rank 0 saves a snapshot at each epoch end (the tutorial's save_every=1)",
+    )
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--json", required=True)
     parser.add_argument("--ray", action="store_true", help="run in a plain Ray TorchTrainer, not under torchrun")

@@ -21,8 +21,11 @@ def _packed(data: Path, model: str, seq_len: int):
 
     from raylane.hf.data import pack
 
-    texts = [json.loads(line)["text"] for f in sorted((data / "train").glob("*.jsonl"))
-             for line in f.read_text().splitlines()]
+    texts = [
+        json.loads(line)["text"]
+        for f in sorted((data / "train").glob("*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
     ids = pack(texts, model, seq_len)["input_ids"]
     return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
@@ -62,15 +65,31 @@ def main() -> None:
     clock = Clock()
     with tempfile.TemporaryDirectory() as out:
         training = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-            learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-            optim="adamw_torch", max_grad_norm=1.0, save_strategy="no", eval_strategy="no",
-            logging_strategy="no", report_to="none", disable_tqdm=True, dataloader_drop_last=True,
-            dataloader_num_workers=0, seed=0, bf16=args.bf16, use_cpu=not cuda,
-            ddp_backend=None if cuda else "gloo")
+            output_dir=out,
+            per_device_train_batch_size=args.batch_size,
+            max_steps=args.steps,
+            learning_rate=args.lr,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            optim="adamw_torch",
+            max_grad_norm=1.0,
+            save_strategy="no",
+            eval_strategy="no",
+            logging_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            dataloader_drop_last=True,
+            dataloader_num_workers=0,
+            seed=0,
+            bf16=args.bf16,
+            use_cpu=not cuda,
+            ddp_backend=None if cuda else "gloo",
+        )
         model = AutoModelForCausalLM.from_pretrained(args.model)
-        trainer = Trainer(model=model, args=training, train_dataset=_packed(args.data, args.model, args.seq_len),
-                          callbacks=[clock])
+        trainer = Trainer(
+            model=model, args=training, train_dataset=_packed(args.data, args.model, args.seq_len), callbacks=[clock]
+        )
         trainer.train()
         if trainer.is_world_process_zero():
             Path(args.json).write_text(json.dumps({"steps": clock.steps, "train_s": clock.last - clock.began}))

@@ -28,8 +28,11 @@ def main(pipeline: str, max_steps: int) -> None:
     torch.manual_seed(cfg.train.seed)
     pipe = importlib.import_module(PIPELINES[cfg.pipeline]).build(cfg)
     # raylane samples through a DistributedSampler on one rank too: the same order, the same cost.
-    loader = DataLoader(pipe.train_set, batch_size=cfg.train.batch_size,
-                        sampler=DistributedSampler(pipe.train_set, num_replicas=1, rank=0, seed=cfg.train.seed))
+    loader = DataLoader(
+        pipe.train_set,
+        batch_size=cfg.train.batch_size,
+        sampler=DistributedSampler(pipe.train_set, num_replicas=1, rank=0, seed=cfg.train.seed),
+    )
     optimizer = build_optimizer(pipe.model, cfg.optim)
     steps, epoch = 0, 0
     started, started_cpu = time.perf_counter(), time.process_time()
@@ -43,8 +46,11 @@ def main(pipeline: str, max_steps: int) -> None:
             if steps >= max_steps:
                 break
         epoch += 1
-    print(json.dumps({"train_s": time.perf_counter() - started, "train_cpu_s": time.process_time() - started_cpu,
-                      "steps": steps}))
+    print(
+        json.dumps(
+            {"train_s": time.perf_counter() - started, "train_cpu_s": time.process_time() - started_cpu, "steps": steps}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,16 @@ from pathlib import Path
 ARGS = ["train", "regression", "--set", "train.max_epochs=1", "--set", "checkpoint.every_n_steps=0"]
 LAUNCHERS = {
     "raylane (embedded Ray)": [sys.executable, "-m", "raylane"],
-    "torchrun (same loop)": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc_per_node", "2", "-m", "raylane"],
+    "torchrun (same loop)": [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+    ],
 }
 
 
@@ -32,14 +40,22 @@ def measure_once(argv: list[str], workdir: Path) -> dict[str, float]:
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{workdir / 'mlflow.db'}")
     env.pop("RAY_ADDRESS", None)
     launched = time.time()
-    proc = subprocess.run([*argv, *ARGS, "--summary-json", str(summary)], cwd=workdir, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.run(
+        [*argv, *ARGS, "--summary-json", str(summary)],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     exited = time.time()
     if proc.returncode != 0:
         raise RuntimeError(f"{argv} exited {proc.returncode}")
     timing = json.loads(summary.read_text())["timing"]
-    return {"launch_to_first_step_s": timing["first_step_unix"] - launched,
-            "last_step_to_exit_s": exited - timing["last_step_unix"]}
+    return {
+        "launch_to_first_step_s": timing["first_step_unix"] - launched,
+        "last_step_to_exit_s": exited - timing["last_step_unix"],
+    }
 
 
 def main() -> None:

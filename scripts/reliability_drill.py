@@ -31,8 +31,18 @@ from raylane.loop.run import build_optimizer  # noqa: E402
 from raylane.pipelines.digits import build_model  # noqa: E402
 
 RAYLANE = [sys.executable, "-m", "raylane", "train", "digits"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "-m", "raylane", "train", "digits"]
+TORCHRUN = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc_per_node",
+    "2",
+    "-m",
+    "raylane",
+    "train",
+    "digits",
+]
 EVERY = 20
 COMMON = ["--set", "train.max_epochs=30", "--set", f"checkpoint.every_n_steps={EVERY}"]
 STARTED: list = []  # every run, stopped by id at the end whatever happens
@@ -45,10 +55,14 @@ class Run:
         env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{work / 'mlflow.db'}", RAYLANE_FAULTS=faults)
         env.pop("RAY_ADDRESS", None)
         self.log = open(work / f"{name}.log", "a")
-        self.proc = subprocess.Popen([*argv, "--set", f"run.name={name}", *COMMON, *extra,
-                                      "--summary-json", str(self.summary_path)],
-                                     cwd=work, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [*argv, "--set", f"run.name={name}", *COMMON, *extra, "--summary-json", str(self.summary_path)],
+            cwd=work,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         STARTED.append(self)
 
     def manifest(self, step: int) -> Path:
@@ -66,9 +80,15 @@ class Run:
         torchrun, each in a session of its own)."""
         out = subprocess.run(["ps", "-eo", "pid=,ppid=,sid=,args="], capture_output=True, text=True).stdout
         rows = [line.split(None, 3) for line in out.splitlines()]
-        return [int(r[0]) for r in rows if len(r) == 4 and (
-            (int(r[2]) == self.proc.pid and r[3].startswith("ray::RayTrainWorker"))
-            or (int(r[1]) == self.proc.pid and " -m raylane train" in r[3]))]
+        return [
+            int(r[0])
+            for r in rows
+            if len(r) == 4
+            and (
+                (int(r[2]) == self.proc.pid and r[3].startswith("ray::RayTrainWorker"))
+                or (int(r[1]) == self.proc.pid and " -m raylane train" in r[3])
+            )
+        ]
 
     def stop(self) -> None:
         """Kill by id whatever is left of this run (after a failed scenario)."""
@@ -108,10 +128,15 @@ def kill_worker(work: Path, calm: dict) -> dict:
     os.kill(run.workers()[-1], signal.SIGKILL)
     s = run.finish()
     first_after = s["timing"]["restart_first_step_unix"][0]
-    return {"fault": "worker process killed (kill -9), failure.max_failures=1", "survived": s["status"] == "FINISHED",
-            "restarts": s["restarts"], "resumed_from_step": s["resumed_from_step"],
-            "steps_lost": f"<= {EVERY} (the checkpoint interval)", "recover_s": round(first_after - killed_at, 1),
-            "bit_exact": _same(s, calm)}
+    return {
+        "fault": "worker process killed (kill -9), failure.max_failures=1",
+        "survived": s["status"] == "FINISHED",
+        "restarts": s["restarts"],
+        "resumed_from_step": s["resumed_from_step"],
+        "steps_lost": f"<= {EVERY} (the checkpoint interval)",
+        "recover_s": round(first_after - killed_at, 1),
+        "bit_exact": _same(s, calm),
+    }
 
 
 def preempt(work: Path, calm: dict, argv: list[str], who: str) -> dict:
@@ -124,21 +149,30 @@ def preempt(work: Path, calm: dict, argv: list[str], who: str) -> dict:
     stopped = run.finish()
     stop_s = time.time() - signalled_at
     again = Run(work, argv, name).finish()
-    return {"fault": f"SIGTERM to the {who}" + (" (torchrun)" if argv is TORCHRUN else ""),
-            "survived": stopped["status"] == "KILLED" and again["status"] == "FINISHED",
-            "restarts": 0, "resumed_from_step": again["resumed_from_step"],
-            "steps_lost": stopped["steps"] - again["resumed_from_step"],
-            "recover_s": f"stopped {stop_s:.1f} s after the signal; relaunch to first step "
-                         f"{again['timing']['launch_to_first_step_s']:.1f} s",
-            "bit_exact": _same(again, calm)}
+    return {
+        "fault": f"SIGTERM to the {who}" + (" (torchrun)" if argv is TORCHRUN else ""),
+        "survived": stopped["status"] == "KILLED" and again["status"] == "FINISHED",
+        "restarts": 0,
+        "resumed_from_step": again["resumed_from_step"],
+        "steps_lost": stopped["steps"] - again["resumed_from_step"],
+        "recover_s": f"stopped {stop_s:.1f} s after the signal; relaunch to first step "
+        f"{again['timing']['launch_to_first_step_s']:.1f} s",
+        "bit_exact": _same(again, calm),
+    }
 
 
 def failing(work: Path, faults: str, label: str, *extra: str) -> dict:
     s = Run(work, RAYLANE, faults.split("@")[0], *extra, faults=faults).finish()
     detected = s["timing"]["launched_unix"] + s["wall_s"] - s["timing"]["first_step_unix"]
-    return {"fault": label, "survived": "fails cleanly: " + s["error"][:110], "restarts": s["restarts"],
-            "resumed_from_step": None, "steps_lost": "-", "recover_s": f"run ended {detected:.1f} s after its first step",
-            "bit_exact": "-"}
+    return {
+        "fault": label,
+        "survived": "fails cleanly: " + s["error"][:110],
+        "restarts": s["restarts"],
+        "resumed_from_step": None,
+        "steps_lost": "-",
+        "recover_s": f"run ended {detected:.1f} s after its first step",
+        "bit_exact": "-",
+    }
 
 
 def corrupt_latest(work: Path, calm: dict) -> dict:
@@ -147,17 +181,30 @@ def corrupt_latest(work: Path, calm: dict) -> dict:
     shard = next(p for p in (ckpt / "state.pt", *ckpt.glob("__*_*.distcp")) if p.exists())
     shard.write_bytes(shard.read_bytes()[:-100])  # truncated
     again = Run(work, RAYLANE, "corrupt").finish()
-    return {"fault": "latest checkpoint truncated", "survived": again["status"] == "FINISHED",
-            "restarts": 0, "resumed_from_step": again["resumed_from_step"],
-            "steps_lost": 60 - again["resumed_from_step"], "recover_s": "-", "bit_exact": _same(again, calm)}
+    return {
+        "fault": "latest checkpoint truncated",
+        "survived": again["status"] == "FINISHED",
+        "restarts": 0,
+        "resumed_from_step": again["resumed_from_step"],
+        "steps_lost": 60 - again["resumed_from_step"],
+        "recover_s": "-",
+        "bit_exact": _same(again, calm),
+    }
 
 
 def disk_full(work: Path) -> dict:
-    s = Run(work, TORCHRUN, "diskfull", "--set", "checkpoint.on_error=warn",
-            faults=f"diskfull@rank=1,step={2 * EVERY}").finish()
-    return {"fault": "disk full while saving (ENOSPC), on_error=warn, torchrun", "survived": s["status"] == "FINISHED",
-            "restarts": 0, "resumed_from_step": None, "steps_lost": 0,
-            "recover_s": f"{s['failed_checkpoints']} checkpoint skipped, previous one kept", "bit_exact": "-"}
+    s = Run(
+        work, TORCHRUN, "diskfull", "--set", "checkpoint.on_error=warn", faults=f"diskfull@rank=1,step={2 * EVERY}"
+    ).finish()
+    return {
+        "fault": "disk full while saving (ENOSPC), on_error=warn, torchrun",
+        "survived": s["status"] == "FINISHED",
+        "restarts": 0,
+        "resumed_from_step": None,
+        "steps_lost": 0,
+        "recover_s": f"{s['failed_checkpoints']} checkpoint skipped, previous one kept",
+        "bit_exact": "-",
+    }
 
 
 def main() -> None:
@@ -175,7 +222,9 @@ def main() -> None:
         rows.append(preempt(work, calm, TORCHRUN, "rank"))
         rows.append(corrupt_latest(work, calm))
         rows.append(failing(work, "raise@rank=1,step=50", "a rank raises"))
-        rows.append(failing(work, "hang@rank=0,step=50", "a rank hangs (dist.timeout_s=10)", "--set", "dist.timeout_s=10"))
+        rows.append(
+            failing(work, "hang@rank=0,step=50", "a rank hangs (dist.timeout_s=10)", "--set", "dist.timeout_s=10")
+        )
         rows.append(disk_full(work))
     columns = ["fault", "survived", "restarts", "resumed_from_step", "steps_lost", "recover_s", "bit_exact"]
     print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))

@@ -68,8 +68,10 @@ def markdown() -> str:
 
 
 def pages() -> dict[Path, str]:
-    return {DOCS / "summary.md": markdown(),
-            DOCS / "summary.schema.json": json.dumps(results.json_schema(), indent=2, sort_keys=True) + "\n"}
+    return {
+        DOCS / "summary.md": markdown(),
+        DOCS / "summary.schema.json": json.dumps(results.json_schema(), indent=2, sort_keys=True) + "\n",
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -44,8 +44,9 @@ class CliProcess:
     def __init__(self, argv: list[str], cwd: Path, env: dict[str, str], log_path: Path) -> None:
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def wait(self, timeout: float) -> int:
         try:
@@ -115,13 +116,17 @@ class SharedHead:
             token = self.root / "auth_token"
             token.write_text(uuid.uuid4().hex)
             token.chmod(0o600)
-            env = {"RAYLANE_HOME": str(self.root / "home"), "RAY_AUTH_MODE": "token",
-                   "RAY_AUTH_TOKEN_PATH": str(token)}
+            env = {"RAYLANE_HOME": str(self.root / "home"), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
             # The venv's bin on PATH, as in a user's activated shell: a job's entrypoint (`raylane
             # train ...`) runs in the head's environment.
             path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-            out = subprocess.run([*RAYLANE, "up", "--num-cpus", "6"], env={**os.environ, **env, "PATH": path},
-                                 capture_output=True, text=True, timeout=180)
+            out = subprocess.run(
+                [*RAYLANE, "up", "--num-cpus", "6"],
+                env={**os.environ, **env, "PATH": path},
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
             assert out.returncode == 0, out.stdout + out.stderr
             self.env = env
         return self.env
@@ -152,12 +157,21 @@ def run_cli(tmp_path, request, shared_head):
     shared = shared_head.start() if request.node.get_closest_marker("shared_ray") else {}
     untracked = request.node.get_closest_marker("untracked") is not None
 
-    def start(*args: str, env: dict[str, str] | None = None, name: str = "cli",
-              launcher: list[str] = RAYLANE, cwd: Path | None = None) -> CliProcess:
+    def start(
+        *args: str,
+        env: dict[str, str] | None = None,
+        name: str = "cli",
+        launcher: list[str] = RAYLANE,
+        cwd: Path | None = None,
+    ) -> CliProcess:
         if untracked and "train" in args:
             args = (*args, "--set", "mlflow.enabled=false")
-        p = CliProcess([*launcher, *args], cwd or tmp_path, {**(env or cli_env(tmp_path)), **shared},
-                       tmp_path / f"{name}-{len(started)}.log")
+        p = CliProcess(
+            [*launcher, *args],
+            cwd or tmp_path,
+            {**(env or cli_env(tmp_path)), **shared},
+            tmp_path / f"{name}-{len(started)}.log",
+        )
         started.append(p)
         return p
 
@@ -204,7 +218,8 @@ def check_summary(data: dict) -> None:
     assert "command" in data, f"summary without a command: {sorted(data)}"
     errors = sorted(_summary_validator(data["command"]).iter_errors(data), key=lambda e: list(e.absolute_path))
     assert not errors, "summary does not match docs/summary.schema.json: " + "; ".join(
-        f"{'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message[:200]}" for e in errors[:5])
+        f"{'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message[:200]}" for e in errors[:5]
+    )
     SUMMARIES[data["command"]].model_validate(data)
 
 
@@ -223,14 +238,22 @@ def s3_endpoint(tmp_path):
     import urllib.request
 
     port = free_port()
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=open(tmp_path / "moto.log", "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=open(tmp_path / "moto.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _answers(url, urllib.request), timeout_s=60)
-        env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+        env = {
+            "AWS_ENDPOINT_URL": url,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
         urllib.request.urlopen(urllib.request.Request(f"{url}/raylane", method="PUT"), timeout=10).close()
         yield env
     finally:
@@ -257,10 +280,19 @@ class MlflowServer:
 
     def start(self) -> None:
         self.data.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, MLFLOW_PORT=str(self.port), MLFLOW_DATA=str(self.data),
-                   MLFLOW_BIN=str(Path(sys.executable).parent / "mlflow"))
-        self.proc = subprocess.Popen([str(REPO / "scripts" / "mlflow-server.sh")], env=env, start_new_session=True,
-                                     stdout=open(self.data / "server.log", "a"), stderr=subprocess.STDOUT)
+        env = dict(
+            os.environ,
+            MLFLOW_PORT=str(self.port),
+            MLFLOW_DATA=str(self.data),
+            MLFLOW_BIN=str(Path(sys.executable).parent / "mlflow"),
+        )
+        self.proc = subprocess.Popen(
+            [str(REPO / "scripts" / "mlflow-server.sh")],
+            env=env,
+            start_new_session=True,
+            stdout=open(self.data / "server.log", "a"),
+            stderr=subprocess.STDOUT,
+        )
         import urllib.request
 
         wait_for(lambda: _answers(f"{self.uri}/health", urllib.request), timeout_s=90)
@@ -296,8 +328,18 @@ def shared_mlflow_server(tmp_path_factory):
 
 # The ASHA sweep of test_tune.py, as a user runs it: the shipped digits-sweep (4 trials of 2 workers,
 # 2 at a time, ASHA after the first epoch), 3 epochs, its best model registered.
-ASHA_SWEEP = ["tune", "digits-sweep", "--set", "train.max_epochs=3", "--set", "mlflow.log_every_n_steps=5",
-              "--register", "digits-best", "--summary-json", "a.json"]
+ASHA_SWEEP = [
+    "tune",
+    "digits-sweep",
+    "--set",
+    "train.max_epochs=3",
+    "--set",
+    "mlflow.log_every_n_steps=5",
+    "--register",
+    "digits-best",
+    "--summary-json",
+    "a.json",
+]
 
 
 @dataclass
@@ -330,6 +372,7 @@ def asha_sweep(tmp_path_factory, shared_head, shared_mlflow_server):
 def no_work(monkeypatch):
     """What starts work (a cluster, a run, a sweep, a job) fails the test if reached: for inputs
     the CLI must answer before anything starts."""
+
     def started(*args, **kwargs):
         raise AssertionError("got past the checks: something was started")
 

@@ -45,14 +45,45 @@ from raylane.results import (
 )
 
 # tests/unit/test_public_api.py holds this list too: a name that disappears from it fails there.
-__all__ = ["AutotuneSummary", "BaseConfig", "ConfigError", "DataError", "ExportSummary", "FileSource", "Hook",
-           "HookContext", "InputPath", "InputPaths", "OutputPath", "Pipeline", "Section", "Status", "StepFn",
-           "SubmitSummary", "SweepSummary", "TrainSummary", "__version__", "autotune", "check", "down", "read_summary",
-           "submit", "train", "tune", "up"]
+__all__ = [
+    "AutotuneSummary",
+    "BaseConfig",
+    "ConfigError",
+    "DataError",
+    "ExportSummary",
+    "FileSource",
+    "Hook",
+    "HookContext",
+    "InputPath",
+    "InputPaths",
+    "OutputPath",
+    "Pipeline",
+    "Section",
+    "Status",
+    "StepFn",
+    "SubmitSummary",
+    "SweepSummary",
+    "TrainSummary",
+    "__version__",
+    "autotune",
+    "check",
+    "down",
+    "read_summary",
+    "submit",
+    "train",
+    "tune",
+    "up",
+]
 
 # Names that import torch, resolved on first access (PEP 562).
-_LAZY = {"Pipeline": "raylane.loop.pipeline", "FileSource": "raylane.loop.streaming", "DataError": "raylane.loop.baddata",
-         "Hook": "raylane.loop.hooks", "HookContext": "raylane.loop.hooks", "StepFn": "raylane.loop.pipeline"}
+_LAZY = {
+    "Pipeline": "raylane.loop.pipeline",
+    "FileSource": "raylane.loop.streaming",
+    "DataError": "raylane.loop.baddata",
+    "Hook": "raylane.loop.hooks",
+    "HookContext": "raylane.loop.hooks",
+    "StepFn": "raylane.loop.pipeline",
+}
 
 
 def __getattr__(name: str) -> Any:

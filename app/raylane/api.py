@@ -25,8 +25,15 @@ def check(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
     return run.cfg
 
 
-def train(config: Any, overrides: Iterable[str] = (), *, address: str | None = None, local: bool = False,
-          register: str | None = None, summary_json: str | None = None) -> TrainSummary:
+def train(
+    config: Any,
+    overrides: Iterable[str] = (),
+    *,
+    address: str | None = None,
+    local: bool = False,
+    register: str | None = None,
+    summary_json: str | None = None,
+) -> TrainSummary:
     """`raylane train`: check the config (ConfigError before anything starts), train on Ray (or
     in this process with `local`, or as this torchrun rank) and return the run's summary
     (`status`, `metrics`, `run_id`, `checkpoint`, ...: raylane.results.TrainSummary). A run that
@@ -36,7 +43,8 @@ def train(config: Any, overrides: Iterable[str] = (), *, address: str | None = N
     if run.finished:  # nothing is trained or logged again
         earlier = run.finished.summary
         summary = TrainSummary.model_validate(
-            {**{k: v for k, v in earlier.items() if k in TrainSummary.model_fields}, "already_finished": True})
+            {**{k: v for k, v in earlier.items() if k in TrainSummary.model_fields}, "already_finished": True}
+        )
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says so
             print(run.finished.line, flush=True)
             summary.write(summary_json)
@@ -49,8 +57,14 @@ def train(config: Any, overrides: Iterable[str] = (), *, address: str | None = N
     return driver.train(run.cfg, use_ray=run.use_ray, address=address, summary_path=summary_json, register=register)
 
 
-def tune(sweep: Any, overrides: Iterable[str] = (), *, address: str | None = None, register: str | None = None,
-         summary_json: str | None = None) -> SweepSummary:
+def tune(
+    sweep: Any,
+    overrides: Iterable[str] = (),
+    *,
+    address: str | None = None,
+    register: str | None = None,
+    summary_json: str | None = None,
+) -> SweepSummary:
     """`raylane tune`: run (or continue) a sweep; returns its summary (its trials and the best
     one). ConfigError on bad input, before Ray starts."""
     prepared = prepare.prepare_tune(sweep, overrides, summary_json=summary_json, address=address)
@@ -65,22 +79,37 @@ def tune(sweep: Any, overrides: Iterable[str] = (), *, address: str | None = Non
     return run_sweep(prepared.sweep, prepared.base, address=address, summary_path=summary_json, register=register)
 
 
-def autotune(config: Any, overrides: Iterable[str] = (), *, address: str | None = None, local: bool = False,
-             budget_s: float | None = None, out: str = "autotuned.yaml",
-             summary_json: str | None = None) -> AutotuneSummary:
+def autotune(
+    config: Any,
+    overrides: Iterable[str] = (),
+    *,
+    address: str | None = None,
+    local: bool = False,
+    budget_s: float | None = None,
+    out: str = "autotuned.yaml",
+    summary_json: str | None = None,
+) -> AutotuneSummary:
     """`raylane autotune`: the fastest configuration that fits, written to `out` as a YAML ready
     to train; returns the search's summary."""
-    search = prepare.prepare_autotune(config, overrides, out=out, summary_json=summary_json, budget_s=budget_s,
-                                      local=local, address=address)
+    search = prepare.prepare_autotune(
+        config, overrides, out=out, summary_json=summary_json, budget_s=budget_s, local=local, address=address
+    )
     address = prepare.resolve_address(address, search.cfg) if search.use_ray else None
     from raylane.autotuning import driver as search_module
 
-    return search_module.execute(search.section, search.cfg, use_ray=search.use_ray, address=address, out=out,
-                                 summary_path=summary_json)
+    return search_module.execute(
+        search.section, search.cfg, use_ray=search.use_ray, address=address, out=out, summary_path=summary_json
+    )
 
 
-def submit(config: Any, overrides: Iterable[str] = (), *, address: str | None = None, working_dir: str = ".",
-           env_vars: dict[str, str] | None = None):
+def submit(
+    config: Any,
+    overrides: Iterable[str] = (),
+    *,
+    address: str | None = None,
+    working_dir: str = ".",
+    env_vars: dict[str, str] | None = None,
+):
     """`raylane submit`: run `raylane train CONFIG` as a Ray job that records where this machine
     looks (raylane.onray.jobs); returns a handle with status(), logs(), follow(), wait(), stop()
     and mlflow_run_id(), and where the job records (`tracking_uri`, `experiment`,
@@ -91,8 +120,14 @@ def submit(config: Any, overrides: Iterable[str] = (), *, address: str | None = 
     return submit_job(config, overrides, address=address, working_dir=working_dir, env_vars=env_vars)
 
 
-def export(checkpoint: str, out: str, *, format: str = "safetensors", adapter_only: bool = False,
-           summary_json: str | None = None) -> ExportSummary:
+def export(
+    checkpoint: str,
+    out: str,
+    *,
+    format: str = "safetensors",
+    adapter_only: bool = False,
+    summary_json: str | None = None,
+) -> ExportSummary:
     """`raylane export`: a checkpoint's whole model as one safetensors file at `out`, with its
     config JSON beside it. `format="hf"`: a Hugging Face model's `save_pretrained` folder at `out`
     (a LoRA run merged, or its adapter alone with `adapter_only`). Returns what was written."""
@@ -109,8 +144,14 @@ def export(checkpoint: str, out: str, *, format: str = "safetensors", adapter_on
             files = [str(Path(out).resolve()), str(Path(write(checkpoint, out)).resolve())]
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"export: {exc}") from None
-    summary = ExportSummary(status=Status.FINISHED, checkpoint=str(checkpoint), format=format,
-                            adapter_only=adapter_only, out=str(Path(out).resolve()), files=files)
+    summary = ExportSummary(
+        status=Status.FINISHED,
+        checkpoint=str(checkpoint),
+        format=format,
+        adapter_only=adapter_only,
+        out=str(Path(out).resolve()),
+        files=files,
+    )
     summary.write(summary_json)
     return summary
 

@@ -62,7 +62,8 @@ class GlobalBatch(Section):
     adjust: Literal["grad_accum_steps", "batch_size"] = Field(
         "grad_accum_steps",
         description="The key computed from the others (batch_size x grad_accum_steps x num_workers = size); a "
-                    "combination that does not divide it exits 2 before anything starts.")
+        "combination that does not divide it exits 2 before anything starts.",
+    )
 
 
 def hold_global_batch(cfg: BaseConfig, held: GlobalBatch | None, field: str, workers: int | None = None) -> BaseConfig:
@@ -75,13 +76,17 @@ def hold_global_batch(cfg: BaseConfig, held: GlobalBatch | None, field: str, wor
     other = t.batch_size if held.adjust == "grad_accum_steps" else t.grad_accum_steps
     share, rest = divmod(held.size, other * workers)
     if rest or share < 1:
-        fixed = (f"train.batch_size = {t.batch_size}" if held.adjust == "grad_accum_steps"
-                 else f"train.grad_accum_steps = {t.grad_accum_steps}")
-        raise ConfigError(f"{field} = {held.size}: not a multiple of {fixed} x scaling.num_workers = {workers}, "
-                          f"so train.{held.adjust} cannot hold it")
+        fixed = (
+            f"train.batch_size = {t.batch_size}"
+            if held.adjust == "grad_accum_steps"
+            else f"train.grad_accum_steps = {t.grad_accum_steps}"
+        )
+        raise ConfigError(
+            f"{field} = {held.size}: not a multiple of {fixed} x scaling.num_workers = {workers}, "
+            f"so train.{held.adjust} cannot hold it"
+        )
     try:
         train = TrainSection.model_validate({**t.model_dump(), held.adjust: share})
     except ValidationError:
-        raise ConfigError(f"{field} = {held.size}: needs train.{held.adjust} = {share}, "
-                          "out of its range") from None
+        raise ConfigError(f"{field} = {held.size}: needs train.{held.adjust} = {share}, out of its range") from None
     return cfg.model_copy(update={"train": train})

@@ -21,10 +21,14 @@ from raylane.config import ConfigError
 
 # Under torchrun, how long a rank other than 0 waits before exiting on a config error (see _config_error).
 CONFIG_ERROR_GRACE_S = 5.0
-VERBOSE_HELP = ("also show what Ray, MLflow, Tune and torch print (by default they go to a log file "
-                "under $RAYLANE_HOME/logs, named at the end of a run)")
-ADDRESS_HELP = ("Ray cluster to join (default: RAY_ADDRESS, else the head `raylane up` started, else a fresh "
-                "embedded one; `local` for a fresh embedded one in any case)")
+VERBOSE_HELP = (
+    "also show what Ray, MLflow, Tune and torch print (by default they go to a log file "
+    "under $RAYLANE_HOME/logs, named at the end of a run)"
+)
+ADDRESS_HELP = (
+    "Ray cluster to join (default: RAY_ADDRESS, else the head `raylane up` started, else a fresh "
+    "embedded one; `local` for a fresh embedded one in any case)"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,51 +36,80 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"raylane {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def add_config_args(sp: argparse.ArgumentParser, what: str = "pipeline config YAML (or a shipped config's name: digits, gpt-tiny, ...)") -> None:
+    def add_config_args(
+        sp: argparse.ArgumentParser,
+        what: str = "pipeline config YAML (or a shipped config's name: digits, gpt-tiny, ...)",
+    ) -> None:
         sp.add_argument("config", help=what)
-        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, e.g. --set train.batch_size=64 (repeatable)")
+        sp.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config value, e.g. --set train.batch_size=64 (repeatable)",
+        )
 
     check = sub.add_parser("check", help="validate a config and print it resolved")
     add_config_args(check)
     shown = check.add_mutually_exclusive_group()
-    shown.add_argument("--blocks", action="store_true",
-                       help="also build the pipeline here (runs its build(cfg) on this machine's CPU) and print the "
-                            "model's blocks: what FSDP shards, activation checkpointing recomputes and compile takes")
-    shown.add_argument("--explain", metavar="KEY",
-                       help="print one key (e.g. train.batch_size) instead of the whole config: its description, "
-                            "type, default, allowed values and the value this config resolves it to "
-                            "(docs/configuration.md lists every key)")
+    shown.add_argument(
+        "--blocks",
+        action="store_true",
+        help="also build the pipeline here (runs its build(cfg) on this machine's CPU) and print the "
+        "model's blocks: what FSDP shards, activation checkpointing recomputes and compile takes",
+    )
+    shown.add_argument(
+        "--explain",
+        metavar="KEY",
+        help="print one key (e.g. train.batch_size) instead of the whole config: its description, "
+        "type, default, allowed values and the value this config resolves it to "
+        "(docs/configuration.md lists every key)",
+    )
 
     train = sub.add_parser("train", help="train a pipeline on Ray (or under torchrun / in-process)")
     add_config_args(train)
     train.add_argument("--address", help=ADDRESS_HELP)
     train.add_argument("--summary-json", metavar="PATH", help="write the run's summary here")
-    train.add_argument("--register", metavar="NAME",
-                       help="register the final model in the MLflow model registry under NAME")
-    train.add_argument("--local", action="store_true",
-                       help="run in this process without Ray (implied under torchrun)")
+    train.add_argument(
+        "--register", metavar="NAME", help="register the final model in the MLflow model registry under NAME"
+    )
+    train.add_argument("--local", action="store_true", help="run in this process without Ray (implied under torchrun)")
     train.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
     sweep = sub.add_parser("tune", help="run a Ray Tune sweep of multi-worker trials (nested MLflow runs)")
-    add_config_args(sweep, "sweep YAML: a `sweep:` section naming its base pipeline config (or a shipped sweep's name: digits-sweep)")
+    add_config_args(
+        sweep,
+        "sweep YAML: a `sweep:` section naming its base pipeline config (or a shipped sweep's name: digits-sweep)",
+    )
     sweep.add_argument("--address", help=ADDRESS_HELP)
     sweep.add_argument("--summary-json", metavar="PATH", help="write the sweep's summary here")
     sweep.add_argument("--register", metavar="NAME", help="register the best trial's model under NAME")
     sweep.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
-    tuner = sub.add_parser("autotune", help="find the fastest configuration of a pipeline that fits, in one worker group")
+    tuner = sub.add_parser(
+        "autotune", help="find the fastest configuration of a pipeline that fits, in one worker group"
+    )
     add_config_args(tuner)
     tuner.add_argument("--address", help=ADDRESS_HELP)
     tuner.add_argument("--local", action="store_true", help="search in this one process, without Ray")
     tuner.add_argument("--budget-s", type=float, metavar="N", help="stop after N seconds with the best so far")
     tuner.add_argument("--summary-json", metavar="PATH", help="write the search's summary here")
-    tuner.add_argument("--out", default="autotuned.yaml", help="the winner's ready-to-train YAML (default: %(default)s)")
+    tuner.add_argument(
+        "--out", default="autotuned.yaml", help="the winner's ready-to-train YAML (default: %(default)s)"
+    )
     tuner.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
     job = sub.add_parser("submit", help="run `raylane train` as a Ray job on a cluster (Jobs SDK)")
     add_config_args(job)
-    job.add_argument("--address", help="the cluster's dashboard URL (default: RAY_ADDRESS, else `raylane up`'s, else http://127.0.0.1:8265)")
+    job.add_argument(
+        "--address",
+        help="the cluster's dashboard URL (default: RAY_ADDRESS, else `raylane up`'s, else http://127.0.0.1:8265)",
+    )
     start = sub.add_parser("up", help="start a persistent local Ray head that later runs on this machine join")
-    start.add_argument("--num-cpus", type=int, default=max(4, os.cpu_count() or 1),
-                       help="logical CPUs the head offers (default: max(4, cores))")
+    start.add_argument(
+        "--num-cpus",
+        type=int,
+        default=max(4, os.cpu_count() or 1),
+        help="logical CPUs the head offers (default: max(4, cores))",
+    )
     start.add_argument("--port", type=int, help="GCS port (default: a free one)")
     start.add_argument("--dashboard-port", type=int, help="dashboard and jobs API port (default: a free one)")
     sub.add_parser("down", help="stop the local Ray head `raylane up` started")
@@ -85,13 +118,23 @@ def _parser() -> argparse.ArgumentParser:
     job.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP + "; for the job too")
     export = sub.add_parser("export", help="write a checkpoint's full model weights as safetensors")
     export.add_argument("checkpoint", help="a checkpoint directory (runs/<name>/checkpoint_<step>)")
-    export.add_argument("--out", required=True, help="output .safetensors file (config JSON goes beside it); with "
-                                                     "--format hf, a new or empty folder")
-    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                        help="safetensors: one file, raylane's names; hf: a Hugging Face model's save_pretrained "
-                             "folder, which from_pretrained loads (needs raylane[hf]; a LoRA run is merged)")
-    export.add_argument("--adapter-only", action="store_true",
-                        help="with --format hf: a LoRA run's adapter alone, which PeftModel.from_pretrained loads")
+    export.add_argument(
+        "--out",
+        required=True,
+        help="output .safetensors file (config JSON goes beside it); with --format hf, a new or empty folder",
+    )
+    export.add_argument(
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="safetensors: one file, raylane's names; hf: a Hugging Face model's save_pretrained "
+        "folder, which from_pretrained loads (needs raylane[hf]; a LoRA run is merged)",
+    )
+    export.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="with --format hf: a LoRA run's adapter alone, which PeftModel.from_pretrained loads",
+    )
     export.add_argument("--summary-json", metavar="PATH", help="write what was exported here")
     export.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
     bench = sub.add_parser("bench", help="benchmark against hand-written torchrun DDP and plain Ray (B1-B10)")
@@ -99,8 +142,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--only", type=lambda s: s.split(","), metavar="B1,B2,...", help="run only these benchmarks")
     bench.add_argument("--repeats", type=int, help="runs per figure (default 5, or 1 with --quick)")
     bench.add_argument("--out", type=Path, default=Path("bench"), help="results.json, results.md and charts go here")
-    bench.add_argument("--verbose", action="store_true", default=None,
-                       help=VERBOSE_HELP + "; the runs it starts log to files under --out either way")
+    bench.add_argument(
+        "--verbose",
+        action="store_true",
+        default=None,
+        help=VERBOSE_HELP + "; the runs it starts log to files under --out either way",
+    )
     return p
 
 
@@ -111,9 +158,11 @@ def _bench(args: argparse.Namespace) -> int:
     # from a source checkout and are not in the wheel.
     checkout = Path(__file__).resolve().parents[2]
     if not (checkout / "scripts" / "benchmarks" / "harness.py").is_file():
-        raise ConfigError("bench: the benchmarks run from raylane's source checkout (scripts/benchmarks, beside "
-                          "hand-written baselines), which this install has none of: clone the repo, `make install` "
-                          "and run `raylane bench` there")
+        raise ConfigError(
+            "bench: the benchmarks run from raylane's source checkout (scripts/benchmarks, beside "
+            "hand-written baselines), which this install has none of: clone the repo, `make install` "
+            "and run `raylane bench` there"
+        )
     if str(checkout) not in sys.path:
         sys.path.insert(0, str(checkout))
     from scripts.benchmarks.harness import run_bench
@@ -139,20 +188,30 @@ def _check(args: argparse.Namespace) -> int:
             raise ConfigError(str(exc)) from None
     elif cfg.strategy.name != "ddp" or cfg.train.activation_checkpointing or cfg.train.compile:
         # Blocks matter to this run; finding them means building the model, which check does not.
-        print("# blocks: `raylane check --blocks` builds the model and lists the blocks FSDP shards, "
-              "activation checkpointing recomputes and compile takes", flush=True)
+        print(
+            "# blocks: `raylane check --blocks` builds the model and lists the blocks FSDP shards, "
+            "activation checkpointing recomputes and compile takes",
+            flush=True,
+        )
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
-    summary = api.train(args.config, args.overrides, address=args.address, local=args.local,
-                        register=args.register, summary_json=args.summary_json)
+    summary = api.train(
+        args.config,
+        args.overrides,
+        address=args.address,
+        local=args.local,
+        register=args.register,
+        summary_json=args.summary_json,
+    )
     return 0 if summary.already_finished else summary.exit_code
 
 
 def _export(args: argparse.Namespace) -> int:
-    summary = api.export(args.checkpoint, args.out, format=args.format, adapter_only=args.adapter_only,
-                         summary_json=args.summary_json)
+    summary = api.export(
+        args.checkpoint, args.out, format=args.format, adapter_only=args.adapter_only, summary_json=args.summary_json
+    )
     if args.format == "hf":
         what = "a peft adapter" if args.adapter_only else "a save_pretrained model"
         print(f"wrote {what} to {args.out}: {', '.join(Path(f).name for f in summary.files)}")
@@ -162,8 +221,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    summary = api.tune(args.config, args.overrides, address=args.address, register=args.register,
-                       summary_json=args.summary_json)
+    summary = api.tune(
+        args.config, args.overrides, address=args.address, register=args.register, summary_json=args.summary_json
+    )
     if summary.already_finished:
         return 0
     if logs.log_file():
@@ -172,8 +232,15 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _autotune(args: argparse.Namespace) -> int:
-    summary = api.autotune(args.config, args.overrides, address=args.address, local=args.local,
-                           budget_s=args.budget_s, out=args.out, summary_json=args.summary_json)
+    summary = api.autotune(
+        args.config,
+        args.overrides,
+        address=args.address,
+        local=args.local,
+        budget_s=args.budget_s,
+        out=args.out,
+        summary_json=args.summary_json,
+    )
     return summary.exit_code
 
 
@@ -188,8 +255,12 @@ def _submit(args: argparse.Namespace) -> int:
         writable_file("--summary-json", args.summary_json)
     try:
         # The job's `raylane train` inherits it (RAYLANE_VERBOSE): its log is what --follow shows.
-        run = api.submit(args.config, args.overrides, address=args.address,
-                         env_vars={logs.VERBOSE_ENV: "1" if logs.verbose() else "0"})
+        run = api.submit(
+            args.config,
+            args.overrides,
+            address=args.address,
+            env_vars={logs.VERBOSE_ENV: "1" if logs.verbose() else "0"},
+        )
     except SubmitError as exc:  # the cluster did not take the job: not the user's input
         print(f"raylane: submit: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -203,8 +274,11 @@ def _submit(args: argparse.Namespace) -> int:
         _show_job_log(run.follow())
         summary = run.summary(run.wait())
     except KeyboardInterrupt:  # the job goes on: it has no end to summarise yet
-        print(f"raylane: stopped following job {run.job_id}; it goes on (follow it again with: {follow})",
-              file=sys.stderr, flush=True)
+        print(
+            f"raylane: stopped following job {run.job_id}; it goes on (follow it again with: {follow})",
+            file=sys.stderr,
+            flush=True,
+        )
         return 130
     except Exception as exc:  # noqa: BLE001 - the cluster went away while following: one line
         first = (str(exc).strip().splitlines() or [""])[0][:300]
@@ -253,9 +327,12 @@ def _up(args: argparse.Namespace) -> int:
         print(f"raylane: up: {exc}", file=sys.stderr)
         return 1
     took = f" in {time.time() - cluster.started_unix:.1f} s" if started else ""
-    print(f"{'started' if started else 'already running:'} a local Ray head at {cluster.address}{took} "
-          f"({cluster.num_cpus} CPUs, dashboard {cluster.dashboard_url}, log {cluster.log}).\n"
-          f"raylane train/tune/bench/submit on this machine join it; `raylane down` stops it.", flush=True)
+    print(
+        f"{'started' if started else 'already running:'} a local Ray head at {cluster.address}{took} "
+        f"({cluster.num_cpus} CPUs, dashboard {cluster.dashboard_url}, log {cluster.log}).\n"
+        f"raylane train/tune/bench/submit on this machine join it; `raylane down` stops it.",
+        flush=True,
+    )
     return 0
 
 
@@ -265,8 +342,17 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"check": _check, "train": _train, "tune": _tune, "autotune": _autotune, "submit": _submit,
-            "export": _export, "bench": _bench, "up": _up, "down": _down}
+COMMANDS = {
+    "check": _check,
+    "train": _train,
+    "tune": _tune,
+    "autotune": _autotune,
+    "submit": _submit,
+    "export": _export,
+    "bench": _bench,
+    "up": _up,
+    "down": _down,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

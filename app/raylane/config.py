@@ -46,37 +46,55 @@ class RunSection(Section):
     """A run's identity and where it writes."""
 
     name: str | None = Field(
-        None, pattern=_NAME_PATTERN,
+        None,
+        pattern=_NAME_PATTERN,
         description="The run's identity: relaunching the same name resumes it (its checkpoints and its MLflow run). "
-                    "null: `<pipeline>-<timestamp>`.")
+        "null: `<pipeline>-<timestamp>`.",
+    )
     storage_path: OutputPath = Field(
-        "runs", min_length=1,
+        "runs",
+        min_length=1,
         description="Where checkpoints go, in `<storage_path>/<run.name>/`: a folder (one all nodes share, on a "
-                    "cluster) or `s3://bucket/prefix`. A relative path is taken from the working directory, beside "
-                    "MLflow's default store.")
+        "cluster) or `s3://bucket/prefix`. A relative path is taken from the working directory, beside "
+        "MLflow's default store.",
+    )
 
 
 class ScalingSection(Section):
     """How many workers, on what."""
 
     num_workers: int = Field(
-        1, ge=1, le=4096,
+        1,
+        ge=1,
+        le=4096,
         description="Training workers (ranks), one per GPU with `use_gpu`. Or `[min, max]` (`--set "
-                    "scaling.num_workers=1,2`): an elastic run on Ray, which starts once `min` workers fit, grows to "
-                    "`max` as nodes join and goes on with the survivors when one is lost.")
+        "scaling.num_workers=1,2`): an elastic run on Ray, which starts once `min` workers fit, grows to "
+        "`max` as nodes join and goes on with the survivors when one is lost.",
+    )
     min_workers: int | None = Field(
-        None, ge=1, le=4096,
-        description="An elastic run's smallest group, set through `num_workers: [min, max]`. null: not elastic.")
+        None,
+        ge=1,
+        le=4096,
+        description="An elastic run's smallest group, set through `num_workers: [min, max]`. null: not elastic.",
+    )
     resize_check_s: float = Field(
-        60.0, gt=0, le=86_400,
-        description="Elastic runs: seconds between two checks, by a healthy group, of whether more workers fit now.")
+        60.0,
+        gt=0,
+        le=86_400,
+        description="Elastic runs: seconds between two checks, by a healthy group, of whether more workers fit now.",
+    )
     use_gpu: bool = Field(False, description="One worker per GPU, on NCCL. false: CPU workers, on gloo.")
-    cpus_per_worker: float = Field(1.0, gt=0, le=1024, description="CPUs Ray reserves for each worker (fractions "
-                                                                     "allowed).")
+    cpus_per_worker: float = Field(
+        1.0, gt=0, le=1024, description="CPUs Ray reserves for each worker (fractions allowed)."
+    )
     gpus_per_worker: float = Field(
-        1.0, gt=0, le=64,
+        1.0,
+        gt=0,
+        le=64,
         description="GPUs per worker with `use_gpu`. A fraction packs several small Tune trials onto one GPU, one "
-                    "worker each (NCCL cannot run two ranks of one group on the same GPU).")
+        "worker each (NCCL cannot run two ranks of one group on the same GPU).",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _range(cls, data: Any) -> Any:
@@ -101,8 +119,9 @@ class ScalingSection(Section):
     @model_validator(mode="after")
     def _min_at_most_max(self) -> ScalingSection:
         if self.min_workers is not None and self.min_workers > self.num_workers:
-            raise ValueError(f"scaling.min_workers = {self.min_workers}: more than scaling.num_workers = "
-                             f"{self.num_workers}")
+            raise ValueError(
+                f"scaling.min_workers = {self.min_workers}: more than scaling.num_workers = {self.num_workers}"
+            )
         return self
 
     @property
@@ -110,13 +129,19 @@ class ScalingSection(Section):
         return self.min_workers is not None and self.min_workers < self.num_workers
 
     device_memory_gb: float | None = Field(
-        None, gt=0, le=1_000_000,
+        None,
+        gt=0,
+        le=1_000_000,
         description="One device's memory in GB, for `strategy.name: auto`. null: detected (the GPU's memory, or on "
-                    "CPU this host's RAM shared by its ranks).")
+        "CPU this host's RAM shared by its ranks).",
+    )
     peak_tflops: float | None = Field(
-        None, gt=0, le=1_000_000,
+        None,
+        gt=0,
+        le=1_000_000,
         description="One device's dense peak TFLOP/s at `train.precision`, for MFU. null: the GPU looked up in "
-                    "raylane's table (raylane.loop.devices); no MFU on CPU unless given.")
+        "raylane's table (raylane.loop.devices); no MFU on CPU unless given.",
+    )
 
 
 class StrategySection(Section):
@@ -125,40 +150,52 @@ class StrategySection(Section):
     name: Literal["ddp", "fsdp", "auto"] = Field(
         "ddp",
         description="`ddp`: a full replica per rank. `fsdp`: FSDP2, with parameters, gradients and optimizer state "
-                    "sharded (HSDP across nodes). `auto`: estimates the memory and picks DDP when a replica fits "
-                    "with margin, else FSDP.")
+        "sharded (HSDP across nodes). `auto`: estimates the memory and picks DDP when a replica fits "
+        "with margin, else FSDP.",
+    )
     reshard_after_forward: bool = Field(
-        True, description="FSDP: free the gathered parameters after each block's forward (less memory, one more "
-                          "all-gather in backward).")
+        True,
+        description="FSDP: free the gathered parameters after each block's forward (less memory, one more "
+        "all-gather in backward).",
+    )
     cpu_offload: bool = Field(
-        False, description="FSDP: keep the sharded parameters, gradients and optimizer state in host memory (needs "
-                           "`scaling.use_gpu`).")
+        False,
+        description="FSDP: keep the sharded parameters, gradients and optimizer state in host memory (needs "
+        "`scaling.use_gpu`).",
+    )
     # The DDP settings below are those of the PyTorch DDP paper.
     bucket_cap_mb: float = Field(25.0, gt=0, le=100_000, description="DDP: the size of a gradient bucket, in MB.")
     gradient_as_bucket_view: bool = Field(
-        False, description="DDP: gradients as views into the buckets, which saves one copy of the gradients.")
+        False, description="DDP: gradients as views into the buckets, which saves one copy of the gradients."
+    )
     static_graph: bool = Field(False, description="DDP: the model's graph never changes between steps.")
     find_unused_parameters: bool = Field(
-        False, description="DDP: look for parameters that get no gradient in a step (slower; needed when some do).")
+        False, description="DDP: look for parameters that get no gradient in a step (slower; needed when some do)."
+    )
     comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field(
-        "none", description="DDP: compress gradients before the all-reduce (`bf16` needs `scaling.use_gpu`).")
+        "none", description="DDP: compress gradients before the all-reduce (`bf16` needs `scaling.use_gpu`)."
+    )
     powersgd_rank: int = Field(
-        1, ge=1, le=1024, description="DDP with `comm_hook: powersgd`: the rank of PowerSGD's low-rank approximation.")
+        1, ge=1, le=1024, description="DDP with `comm_hook: powersgd`: the rank of PowerSGD's low-rank approximation."
+    )
 
 
 class EarlyStoppingSection(Section):
     """Ends the run FINISHED, with a checkpoint, once a held-out metric stops improving."""
 
     metric: str = Field(
-        "loss", min_length=1,
+        "loss",
+        min_length=1,
         description="The held-out metric watched, named as `checkpoint.best_metric` names it (`loss`; `val/loss` "
-                    "for a named held-out set).")
+        "for a named held-out set).",
+    )
     mode: Literal["min", "max"] = Field("min", description="`min`: lower is better; `max`: higher is better.")
     patience: int = Field(
-        3, ge=1, le=1_000_000,
-        description="Evaluations in a row without improvement after which the run stops.")
+        3, ge=1, le=1_000_000, description="Evaluations in a row without improvement after which the run stops."
+    )
     min_delta: float = Field(
-        0.0, ge=0, description="An evaluation improves only when it beats the best so far by more than this.")
+        0.0, ge=0, description="An evaluation improves only when it beats the best so far by more than this."
+    )
 
 
 class TrainSection(Section):
@@ -166,59 +203,85 @@ class TrainSection(Section):
 
     max_epochs: int = Field(1, ge=1, le=1_000_000, description="Passes over the training set.")
     max_steps: int | None = Field(
-        None, ge=1, description="Stop after this many optimizer steps, mid-epoch if need be. null: `max_epochs` "
-                                "decides.")
+        None,
+        ge=1,
+        description="Stop after this many optimizer steps, mid-epoch if need be. null: `max_epochs` decides.",
+    )
     batch_size: int = Field(
-        32, ge=1, le=1_000_000,
+        32,
+        ge=1,
+        le=1_000_000,
         description="Samples per worker per micro-batch: an optimizer step takes batch_size x grad_accum_steps x "
-                    "workers samples.")
-    seed: int = Field(0, ge=0, lt=2**32, description="Seeds the weights (every rank, before the pipeline's `build`) "
-                                                     "and the data order.")
+        "workers samples.",
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        lt=2**32,
+        description="Seeds the weights (every rank, before the pipeline's `build`) and the data order.",
+    )
     on_nan: Literal["stop", "skip"] = Field(
-        "stop", description="A non-finite loss or gradient: `stop` with an error naming the step, or `skip` that "
-                            "update.")
+        "stop",
+        description="A non-finite loss or gradient: `stop` with an error naming the step, or `skip` that update.",
+    )
     grad_accum_steps: int = Field(
-        1, ge=1, le=65_536,
-        description="Micro-batches per optimizer step; gradients are reduced across workers on the last one only.")
+        1,
+        ge=1,
+        le=65_536,
+        description="Micro-batches per optimizer step; gradients are reduced across workers on the last one only.",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
         description="Autocast (DDP, one process) or FSDP's parameter dtype. `fp16` adds a gradient scaler and needs "
-                    "`strategy.name: ddp`.")
+        "`strategy.name: ddp`.",
+    )
     grad_clip_norm: float | None = Field(
-        None, gt=0, description="Clip the global gradient norm (over all shards) to this value. null: no clipping.")
+        None, gt=0, description="Clip the global gradient norm (over all shards) to this value. null: no clipping."
+    )
     activation_checkpointing: bool = Field(
-        False, description="Recompute each block's activations in backward instead of keeping them: less memory, "
-                           "more compute.")
-    compile: bool = Field(False, description="`torch.compile` each block (or the whole model when it has no "
-                                             "blocks).")
+        False,
+        description="Recompute each block's activations in backward instead of keeping them: less memory, "
+        "more compute.",
+    )
+    compile: bool = Field(False, description="`torch.compile` each block (or the whole model when it has no blocks).")
     eval_every_n_epochs: int = Field(
-        1, ge=0,
+        1,
+        ge=0,
         description="Evaluate on the held-out set every N epochs. 0: only at the end of the run, which is always "
-                    "evaluated.")
+        "evaluated.",
+    )
     eval_every_n_steps: int = Field(
-        0, ge=0,
+        0,
+        ge=0,
         description="Also evaluate every N optimizer steps (0: off), for runs of few, long epochs; a checkpoint due "
-                    "at such a step carries the metrics.")
+        "at such a step carries the metrics.",
+    )
     early_stopping: EarlyStoppingSection | None = Field(
-        None, description="Stop when a held-out metric stops improving: `{metric, mode, patience, min_delta}`. "
-                          "null: off.")
+        None,
+        description="Stop when a held-out metric stops improving: `{metric, mode, patience, min_delta}`. null: off.",
+    )
     global_batch: int | None = Field(
-        None, ge=1, le=1_000_000_000,
+        None,
+        ge=1,
+        le=1_000_000_000,
         description="Samples per optimizer step, held at any number of workers (`global_batch_adjust` is computed "
-                    "from the others): a resume on another world size continues the epoch at the next sample. "
-                    "null: batch_size x grad_accum_steps x workers, and a resume on another world size restarts "
-                    "the epoch.")
+        "from the others): a resume on another world size continues the epoch at the next sample. "
+        "null: batch_size x grad_accum_steps x workers, and a resume on another world size restarts "
+        "the epoch.",
+    )
     global_batch_adjust: Literal["grad_accum_steps", "batch_size"] = Field(
         "grad_accum_steps",
-        description="With `global_batch`: the key computed so that batch_size x grad_accum_steps x workers equals "
-                    "it.")
+        description="With `global_batch`: the key computed so that batch_size x grad_accum_steps x workers equals it.",
+    )
 
     @model_validator(mode="after")
     def _early_stopping_needs_evaluations(self) -> TrainSection:
         if self.early_stopping is not None and not (self.eval_every_n_epochs or self.eval_every_n_steps):
-            raise ValueError(f"train.early_stopping.metric = {self.early_stopping.metric!r}: early stopping counts "
-                             "evaluations, and train.eval_every_n_epochs and train.eval_every_n_steps are both 0 "
-                             "(the run would never stop early); set one of them")
+            raise ValueError(
+                f"train.early_stopping.metric = {self.early_stopping.metric!r}: early stopping counts "
+                "evaluations, and train.eval_every_n_epochs and train.eval_every_n_steps are both 0 "
+                "(the run would never stop early); set one of them"
+            )
         return self
 
 
@@ -230,16 +293,24 @@ class LoaderSection(Section):
     num_workers: int | Literal["auto"] = Field(
         0,
         description="Processes loading batches beside each rank, 0 to 256. 0: in the rank's own process. `auto`: "
-                    "min(4, the rank's share of the host's cores - 1) on a GPU, 0 on CPU.")
+        "min(4, the rank's share of the host's cores - 1) on a GPU, 0 on CPU.",
+    )
     pin_memory: bool | None = Field(
-        None, description="Batches in page-locked memory, copied to the GPU without blocking (needs "
-                          "`scaling.use_gpu`). null: true on a GPU.")
+        None,
+        description="Batches in page-locked memory, copied to the GPU without blocking (needs "
+        "`scaling.use_gpu`). null: true on a GPU.",
+    )
     persistent_workers: bool | None = Field(
-        None, description="Keep the loader's workers between epochs and evaluations (needs `num_workers` > 0). "
-                          "null: true when there are workers.")
+        None,
+        description="Keep the loader's workers between epochs and evaluations (needs `num_workers` > 0). "
+        "null: true when there are workers.",
+    )
     prefetch_factor: int | None = Field(
-        None, ge=1, le=1024,
-        description="Batches each loader worker loads ahead (needs `num_workers` > 0). null: torch's default, 2.")
+        None,
+        ge=1,
+        le=1024,
+        description="Batches each loader worker loads ahead (needs `num_workers` > 0). null: torch's default, 2.",
+    )
 
     @field_validator("num_workers", mode="before")
     @classmethod
@@ -253,8 +324,10 @@ class LoaderSection(Section):
         if self.num_workers == 0:
             for key in ("prefetch_factor", "persistent_workers"):
                 if getattr(self, key):
-                    raise ValueError(f"loader.{key} = {getattr(self, key)}: needs loader.num_workers > 0 "
-                                     "(it sets the worker processes, and there are none)")
+                    raise ValueError(
+                        f"loader.{key} = {getattr(self, key)}: needs loader.num_workers > 0 "
+                        "(it sets the worker processes, and there are none)"
+                    )
         return self
 
 
@@ -262,29 +335,36 @@ class OptimSection(Section):
     """The optimizer and its learning-rate schedule (a pipeline may bring its own: docs/pipelines.md)."""
 
     name: Literal["sgd", "adam", "adamw"] = Field(
-        "sgd", description="The optimizer; Adam and AdamW use the fused kernel where the device has one.")
+        "sgd", description="The optimizer; Adam and AdamW use the fused kernel where the device has one."
+    )
     lr: float = Field(1e-3, gt=0, le=10, description="The learning rate (the peak, after any warmup).")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD's momentum.")
     weight_decay: float = Field(
-        0.0, ge=0, le=1, description="Weight decay; not applied to biases and norm layers unless "
-                                     "`decay_norm_and_bias`.")
+        0.0, ge=0, le=1, description="Weight decay; not applied to biases and norm layers unless `decay_norm_and_bias`."
+    )
     decay_norm_and_bias: bool = Field(
         False,
         description="With `weight_decay`: decay biases and normalization weights too. false: no decay on 1-D "
-                    "parameters and on any parameter of a norm layer (LayerNorm, RMSNorm, BatchNorm, ...).")
+        "parameters and on any parameter of a norm layer (LayerNorm, RMSNorm, BatchNorm, ...).",
+    )
     schedule: Literal["constant", "cosine", "linear", "wsd"] = Field(
         "constant",
         description="After the warmup: `constant`; `cosine` or `linear` decay to lr x `min_lr_ratio` at the last "
-                    "step; or `wsd` (warmup-stable-decay): lr held, then a linear decay over the last "
-                    "`decay_fraction` of the steps. The last step follows `train.max_steps` or `max_epochs`, on a "
-                    "relaunch too.")
+        "step; or `wsd` (warmup-stable-decay): lr held, then a linear decay over the last "
+        "`decay_fraction` of the steps. The last step follows `train.max_steps` or `max_epochs`, on a "
+        "relaunch too.",
+    )
     warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup, from lr/warmup_steps to lr.")
     decay_fraction: float = Field(
-        0.2, gt=0, le=1,
+        0.2,
+        gt=0,
+        le=1,
         description="`wsd`: the last fraction of the steps over which lr decays (starting no earlier than the "
-                    "warmup's end: a run too short for both says so and shortens the decay).")
+        "warmup's end: a run too short for both says so and shortens the decay).",
+    )
     min_lr_ratio: float = Field(
-        0.0, ge=0, le=1, description="The final lr as a fraction of `lr` (`cosine`, `linear`, `wsd`).")
+        0.0, ge=0, le=1, description="The final lr as a fraction of `lr` (`cosine`, `linear`, `wsd`)."
+    )
 
 
 class CheckpointSection(Section):
@@ -292,69 +372,92 @@ class CheckpointSection(Section):
 
     every_n_steps: int = Field(0, ge=0, description="Save every N optimizer steps. 0: only at epoch ends.")
     every_n_epochs: int = Field(
-        1, ge=0,
+        1,
+        ge=0,
         description="Also save at the end of every N epochs; 0: not at epoch ends. The end of the run and a stop "
-                    "(preemption) always save.")
+        "(preemption) always save.",
+    )
     # 3, not all: a 40-epoch run would otherwise leave 50 folders, and resume only needs the
     # latest (the others cover a bad one).
     keep: int | None = Field(
-        3, ge=1, description="Keep only the newest N committed checkpoints (and the `keep_best`). null: keep all.")
+        3, ge=1, description="Keep only the newest N committed checkpoints (and the `keep_best`). null: keep all."
+    )
     keep_best: int | None = Field(
-        None, ge=1, description="Also keep the N best checkpoints by `best_metric`, measured at epoch ends. null: "
-                                "none kept for that.")
+        None,
+        ge=1,
+        description="Also keep the N best checkpoints by `best_metric`, measured at epoch ends. null: "
+        "none kept for that.",
+    )
     best_metric: str = Field(
-        "loss", min_length=1,
-        description="The held-out metric `keep_best` ranks by (`loss`; `val/loss` for a named held-out set).")
-    best_mode: Literal["min", "max"] = Field("min", description="`min`: a lower `best_metric` is better; `max`: a "
-                                                                "higher one.")
+        "loss",
+        min_length=1,
+        description="The held-out metric `keep_best` ranks by (`loss`; `val/loss` for a named held-out set).",
+    )
+    best_mode: Literal["min", "max"] = Field(
+        "min", description="`min`: a lower `best_metric` is better; `max`: a higher one."
+    )
     async_save: bool = Field(
         True,
         description="Copy the state between two steps, then write, checksum and commit it (agreed by every rank) on "
-                    "a background thread while training goes on. false: the whole save on the training thread.")
+        "a background thread while training goes on. false: the whole save on the training thread.",
+    )
     on_error: Literal["fail", "warn"] = Field(
-        "fail", description="A save that fails (disk full, an I/O error): `fail` the run, or `warn` and train on.")
+        "fail", description="A save that fails (disk full, an I/O error): `fail` the run, or `warn` and train on."
+    )
     init_from: InputPath | None = Field(
         None,
         description="Start from this checkpoint (weights, optimizer, step) when the run has none of its own: "
-                    "fine-tuning, or PBT continuing another trial's state. A local or shared path.")
+        "fine-tuning, or PBT continuing another trial's state. A local or shared path.",
+    )
 
 
 class FailureSection(Section):
     """What a lost worker or node costs the run."""
 
     max_failures: int = Field(
-        0, ge=-1,
-        description="Worker-group restarts, from the newest committed checkpoint, before the run fails; -1: no "
-                    "limit.")
+        0,
+        ge=-1,
+        description="Worker-group restarts, from the newest committed checkpoint, before the run fails; -1: no limit.",
+    )
 
 
 class DistSection(Section):
     """The process group."""
 
     timeout_s: float = Field(
-        300.0, gt=0, le=86_400,
+        300.0,
+        gt=0,
+        le=86_400,
         description="Seconds a collective may wait: a rank stuck outside one fails the run after this long, naming "
-                    "it (Ray's default is 1800 s).")
+        "it (Ray's default is 1800 s).",
+    )
 
 
 class MlflowSection(Section):
     """What the run records in MLflow."""
 
     enabled: bool = Field(
-        True, description="false: no MLflow run at all (benchmarks, quick experiments); the summary still has the "
-                          "results.")
+        True,
+        description="false: no MLflow run at all (benchmarks, quick experiments); the summary still has the results.",
+    )
     experiment: str = Field("raylane", min_length=1, max_length=256, description="The MLflow experiment of the run.")
     log_every_n_steps: int = Field(
-        10, ge=1, description="Log rank 0's training loss, lr and samples/s every N steps, over the steps since "
-                              "the last.")
+        10,
+        ge=1,
+        description="Log rank 0's training loss, lr and samples/s every N steps, over the steps since the last.",
+    )
     log_checkpoints: Literal["uri", "artifacts"] = Field(
-        "uri", description="Record checkpoints on the run by location (`uri`), or copy them as `artifacts`.")
+        "uri", description="Record checkpoints on the run by location (`uri`), or copy them as `artifacts`."
+    )
     log_model: bool = Field(
-        True, description="At the end of a finished run, log the final model as an MLflow PyTorch model, and plots.")
+        True, description="At the end of a finished run, log the final model as an MLflow PyTorch model, and plots."
+    )
     system_metrics: bool = Field(
-        True, description="CPU, memory (and GPU) of rank 0's node, through MLflow's system metrics.")
+        True, description="CPU, memory (and GPU) of rank 0's node, through MLflow's system metrics."
+    )
     system_metrics_interval_s: float = Field(
-        10.0, ge=1, le=3600, description="Seconds between two samples of the system metrics.")
+        10.0, ge=1, le=3600, description="Seconds between two samples of the system metrics."
+    )
 
 
 def apply_values(cfg: BaseConfig, values: Mapping[str, Any]) -> BaseConfig:
@@ -378,7 +481,8 @@ class BaseConfig(Section):
 
     pipeline: str = Field(
         description="The pipeline: a shipped one's name (regression, digits, gpt, tabular, text, hf), a dotted "
-                    "module, or a `.py` file (relative to the config file's folder).")
+        "module, or a `.py` file (relative to the config file's folder)."
+    )
     run: RunSection = RunSection()
     scaling: ScalingSection = ScalingSection()
     strategy: StrategySection = StrategySection()
@@ -393,16 +497,22 @@ class BaseConfig(Section):
     @model_validator(mode="after")
     def _compatible(self) -> BaseConfig:
         if self.train.precision == "fp16" and self.strategy.name != "ddp":
-            raise ValueError(f"train.precision = 'fp16' with strategy.name = {self.strategy.name!r}: "
-                             "the gradient scaler does not handle sharded gradients; use bf16")
+            raise ValueError(
+                f"train.precision = 'fp16' with strategy.name = {self.strategy.name!r}: "
+                "the gradient scaler does not handle sharded gradients; use bf16"
+            )
         if self.strategy.comm_hook == "bf16" and not self.scaling.use_gpu:
             raise ValueError("strategy.comm_hook = 'bf16' needs scaling.use_gpu: true (NCCL); on CPU use fp16")
         if self.strategy.cpu_offload and (self.strategy.name == "ddp" or not self.scaling.use_gpu):
-            raise ValueError("strategy.cpu_offload = True needs strategy.name: fsdp or auto, "
-                             "and scaling.use_gpu: true (on CPU there is nothing to offload to)")
+            raise ValueError(
+                "strategy.cpu_offload = True needs strategy.name: fsdp or auto, "
+                "and scaling.use_gpu: true (on CPU there is nothing to offload to)"
+            )
         if self.loader.pin_memory and not self.scaling.use_gpu:
-            raise ValueError("loader.pin_memory = True needs scaling.use_gpu: true (pinned memory speeds up copies "
-                             "to a GPU; on CPU there are none)")
+            raise ValueError(
+                "loader.pin_memory = True needs scaling.use_gpu: true (pinned memory speeds up copies "
+                "to a GPU; on CPU there are none)"
+            )
         return self
 
     def eval_metrics(self) -> tuple[str, ...] | None:
@@ -446,8 +556,9 @@ def pipeline_config(ref: str) -> type[BaseConfig]:
     """The `Config` class of a normalized pipeline reference, checked to be a BaseConfig."""
     config = pipelines_ref.load(ref).Config
     if not (isinstance(config, type) and issubclass(config, BaseConfig)):
-        raise ConfigError(f"pipeline = {ref!r}: Config is {config!r}, not a subclass of raylane.BaseConfig "
-                          f"({pipelines_ref.CONTRACT})")
+        raise ConfigError(
+            f"pipeline = {ref!r}: Config is {config!r}, not a subclass of raylane.BaseConfig ({pipelines_ref.CONTRACT})"
+        )
     return config
 
 
@@ -502,8 +613,7 @@ def _not_found(path: str) -> str:
         return f"config file {path!r}: no such file"
     shipped = shipped_configs()
     hint = did_you_mean(path, shipped)
-    return (f"config = {path!r}: no such file, and no shipped config of that name{hint}; "
-            f"shipped: {', '.join(shipped)}")
+    return f"config = {path!r}: no such file, and no shipped config of that name{hint}; shipped: {', '.join(shipped)}"
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -553,8 +663,9 @@ def validate(raw: Mapping[str, Any], *, outputs: bool = True) -> BaseConfig:
         raise ConfigError(format_validation_error(exc, cls)) from None
 
 
-def read_config_file(source: str | Path, raw: dict[str, Any] | None = None,
-                     pipeline: str | None = None) -> dict[str, Any]:
+def read_config_file(
+    source: str | Path, raw: dict[str, Any] | None = None, pipeline: str | None = None
+) -> dict[str, Any]:
     """A config file as read (`raw`, when it was read already): its `pipeline:` and its input
     paths (those of `pipeline`'s Config when the file names none: a sweep file's overrides)
     resolved from the file's folder, or from the working directory for a shipped config, which
@@ -573,16 +684,19 @@ def read_config_file(source: str | Path, raw: dict[str, Any] | None = None,
     return paths.resolve(raw, cls, Path.cwd() if shipped else folder, inputs_only=True)
 
 
-def load_config(source: str | Path | Mapping[str, Any], overrides: Iterable[str] = (), *,
-                outputs: bool = True) -> BaseConfig:
+def load_config(
+    source: str | Path | Mapping[str, Any], overrides: Iterable[str] = (), *, outputs: bool = True
+) -> BaseConfig:
     """The edge: file (or mapping) + overrides -> a validated config, or ConfigError.
     `outputs`: see validate."""
     if not isinstance(source, (str, Path)):
         return validate(apply_overrides(copy.deepcopy(dict(source)), overrides), outputs=outputs)
     raw = read_yaml(source)
     if "sweep" in raw:  # the file's own, not a `--set sweep.x`, which is an unknown key
-        raise ConfigError(f"config file {str(source)!r}: is a sweep file (it has a `sweep:` section): "
-                          f"run it with `raylane tune {source}`")
+        raise ConfigError(
+            f"config file {str(source)!r}: is a sweep file (it has a `sweep:` section): "
+            f"run it with `raylane tune {source}`"
+        )
     raw.pop("autotune", None)  # `raylane autotune`'s search space: the rest trains as it is
     raw = apply_overrides(read_config_file(source, raw), overrides)
     return validate(normalize_pipeline(raw, config_path(source).resolve().parent), outputs=outputs)

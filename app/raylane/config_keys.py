@@ -6,6 +6,7 @@ imports torch or Ray."""
 
 from __future__ import annotations
 
+import builtins
 import textwrap
 import types
 import typing
@@ -41,7 +42,7 @@ class Key:
     allowed: str
     description: str
     section: bool = False
-    model: type[BaseModel] | None = None
+    model: builtins.type[BaseModel] | None = None  # `type` above is the key's type, as text
 
 
 def keys(model: type[BaseModel], prefix: str = "", *, sections: bool = False) -> list[Key]:
@@ -57,8 +58,17 @@ def keys(model: type[BaseModel], prefix: str = "", *, sections: bool = False) ->
         nullable = _nullable(field.annotation)
         if nullable or sections:
             default = _default(field) if nullable else REQUIRED if field.is_required() else "{...}"
-            found.append(Key(dotted, "section | null" if nullable else "section", default, "",
-                             description(model, name) or _doc(sub), section=True, model=sub))
+            found.append(
+                Key(
+                    dotted,
+                    "section | null" if nullable else "section",
+                    default,
+                    "",
+                    description(model, name) or _doc(sub),
+                    section=True,
+                    model=sub,
+                )
+            )
         found.extend(keys(sub, dotted + ".", sections=sections))
     return found
 
@@ -117,10 +127,22 @@ def allowed_text(field: FieldInfo) -> str:
     literal = _literal_values(field.annotation)
     if literal:
         parts.append(", ".join(map(str, literal)))
-    low = next((f"{_number(m.ge)} <=" if isinstance(m, at.Ge) else f"{_number(m.gt)} <"
-                for m in field.metadata if isinstance(m, (at.Ge, at.Gt))), "")
-    high = next((f"<= {_number(m.le)}" if isinstance(m, at.Le) else f"< {_number(m.lt)}"
-                 for m in field.metadata if isinstance(m, (at.Le, at.Lt))), "")
+    low = next(
+        (
+            f"{_number(m.ge)} <=" if isinstance(m, at.Ge) else f"{_number(m.gt)} <"
+            for m in field.metadata
+            if isinstance(m, (at.Ge, at.Gt))
+        ),
+        "",
+    )
+    high = next(
+        (
+            f"<= {_number(m.le)}" if isinstance(m, at.Le) else f"< {_number(m.lt)}"
+            for m in field.metadata
+            if isinstance(m, (at.Le, at.Lt))
+        ),
+        "",
+    )
     if low or high:
         parts.append(" ".join(p for p in (low, "x", high) if p))
     lengths = [m for m in field.metadata if isinstance(m, (at.MinLen, at.MaxLen))]
@@ -224,16 +246,20 @@ def explain(cfg: BaseConfig, key: str) -> str:
     """What `raylane check --explain KEY` prints: the key's description, type, default, allowed
     values, and the value `cfg` resolves it to. ConfigError for a key of no section."""
     found = {k.key: k for k in keys(type(cfg), sections=True)}
-    others = {k.key: k for name, model in other_sections().items()
-              for k in [Key(name, "section", "{...}", "", _doc(model), True, model), *keys(model, name + ".")]}
+    others = {
+        k.key: k
+        for name, model in other_sections().items()
+        for k in [Key(name, "section", "{...}", "", _doc(model), True, model), *keys(model, name + ".")]
+    }
     entry = found.get(key) or others.get(key)
     if entry is None:
         where = f"the {pipelines_ref.label(cfg.pipeline)} config"
-        raise ConfigError(f"--explain {key}: not a key of {where}, a sweep file or autotune"
-                          f"{did_you_mean(key, [*found, *others])}")
+        raise ConfigError(
+            f"--explain {key}: not a key of {where}, a sweep file or autotune{did_you_mean(key, [*found, *others])}"
+        )
     lines = [key, *textwrap.wrap(entry.description, 96, initial_indent="  ", subsequent_indent="  ")]
     rows = [("type", entry.type), ("allowed", entry.allowed), ("default", value_text(entry.default))]
-    if entry.section:
+    if entry.section and entry.model is not None:
         rows.append(("keys", ", ".join(k.key.removeprefix(key + ".") for k in keys(entry.model))))
     rows.append(_resolved(cfg, key, key in found))
     lines += [f"  {name + ':':10}{text}" for name, text in rows if text]

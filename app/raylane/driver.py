@@ -76,8 +76,14 @@ def _torchrun_rank_done(stack: ExitStack, world_size: int, peers_finish: bool) -
     stack.callback(leave_process_group, wait_for_peers=peers_finish)  # runs last: after rank 0's summary
 
 
-def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
-          summary_path: str | None = None, register: str | None = None) -> TrainSummary:
+def train(
+    cfg: BaseConfig,
+    *,
+    use_ray: bool,
+    address: str | None = None,
+    summary_path: str | None = None,
+    register: str | None = None,
+) -> TrainSummary:
     """Run training to the end; returns the summary (on a torchrun rank other than 0, only its
     `status` and `error`), whose `exit_code` is the command's."""
     from raylane.loop import preemption
@@ -117,8 +123,9 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         recorder = RunRecorder(handle, cfg, prewarm=use_ray) if handle else None
         resizes = Resizes()
         listeners = [x.handle if x is display else x.on_event for x in (resizes, display, recorder) if x is not None]
-        status, error, result = _execute(cfg, use_ray, embedded, handle, tracking_uri,
-                                         [*listeners, startup.on_event], display)
+        status, error, result = _execute(
+            cfg, use_ray, embedded, handle, tracking_uri, [*listeners, startup.on_event], display
+        )
         if use_ray:
             ray_stopper.start()  # the ranks are done; the records below need MLflow, not Ray
         else:
@@ -138,8 +145,9 @@ def train(cfg: BaseConfig, *, use_ray: bool, address: str | None = None,
         return summary
 
 
-def _start_ray(cfg: BaseConfig, address: str | None, pool: ThreadPoolExecutor, stack: ExitStack,
-               startup: Any) -> tuple[Any, bool]:
+def _start_ray(
+    cfg: BaseConfig, address: str | None, pool: ThreadPoolExecutor, stack: ExitStack, startup: Any
+) -> tuple[Any, bool]:
     """Join or start the cluster; returns (the RayStopper that `stack` calls last, whether this
     process started the cluster)."""
     from raylane.onray.localcluster import resolve_address
@@ -215,9 +223,15 @@ def _opened(cfg: BaseConfig, run_future: Any, tracking_uri: str) -> Any:
     return handle
 
 
-def _execute(cfg: BaseConfig, use_ray: bool, embedded: bool, handle: Any, tracking_uri: str,
-             listeners: list[Callable[[Event], None]],
-             display: ProgressDisplay | None) -> tuple[Status, str | None, dict[str, Any]]:
+def _execute(
+    cfg: BaseConfig,
+    use_ray: bool,
+    embedded: bool,
+    handle: Any,
+    tracking_uri: str,
+    listeners: list[Callable[[Event], None]],
+    display: ProgressDisplay | None,
+) -> tuple[Status, str | None, dict[str, Any]]:
     """Run the ranks, passing rank 0's events to `listeners`; returns (MLflow status, error
     message, result)."""
     run_id = handle.run_id if handle else None
@@ -239,8 +253,14 @@ def _execute(cfg: BaseConfig, use_ray: bool, embedded: bool, handle: Any, tracki
 
                 result = launch_local(cfg, run_id, tracking_uri, on_event)
         if result.get("preempted"):
-            return Status.KILLED, (f"stopped at step {result['steps']} ({result.get('stop_reason')}); "
-                              f"checkpoint saved: relaunch with run.name={cfg.run.name} to resume"), result
+            return (
+                Status.KILLED,
+                (
+                    f"stopped at step {result['steps']} ({result.get('stop_reason')}); "
+                    f"checkpoint saved: relaunch with run.name={cfg.run.name} to resume"
+                ),
+                result,
+            )
         return Status.FINISHED, None, result
     except KeyboardInterrupt:
         return Status.KILLED, "interrupted", {}
@@ -267,23 +287,54 @@ def _failure_text(exc: Exception) -> str:
     return f"{type(exc).__name__}: {lines[0]}" + (" (the rest in the library log)" if len(lines) > 1 else "")
 
 
-def _summary(cfg: BaseConfig, handle: Any, status: Status, error: str | None, result: dict[str, Any],
-             display: ProgressDisplay, launched: float, startup: Any) -> dict[str, Any]:
+def _summary(
+    cfg: BaseConfig,
+    handle: Any,
+    status: Status,
+    error: str | None,
+    result: dict[str, Any],
+    display: ProgressDisplay,
+    launched: float,
+    startup: Any,
+) -> dict[str, Any]:
     """The fields of the run's TrainSummary (raylane.results describes each)."""
     first = display.first_step_unix
-    copied = ("world_size", "backend", "epochs", "partial_epoch", "steps", "samples_per_s", "train_s", "train_cpu_s",
-              "checkpoint_stall_s", "epoch_end_s", "tokens_per_s", "mfu", "memory", "strategy", "mesh", "node_ranks",
-              "last_window", "steps_per_epoch", "resumed_from_step", "stop_reason", "tracking_cost_s")
+    copied = (
+        "world_size",
+        "backend",
+        "epochs",
+        "partial_epoch",
+        "steps",
+        "samples_per_s",
+        "train_s",
+        "train_cpu_s",
+        "checkpoint_stall_s",
+        "epoch_end_s",
+        "tokens_per_s",
+        "mfu",
+        "memory",
+        "strategy",
+        "mesh",
+        "node_ranks",
+        "last_window",
+        "steps_per_epoch",
+        "resumed_from_step",
+        "stop_reason",
+        "tracking_cost_s",
+    )
     return {
         **{key: result.get(key) for key in copied},
         "world_size": result.get("world_size", cfg.scaling.num_workers),
-        "status": status, "error": error, "run_name": cfg.run.name,
+        "status": status,
+        "error": error,
+        "run_name": cfg.run.name,
         "run_id": handle.run_id if handle else None,
         "tracking_uri": handle.tracking_uri if handle else None,
         "experiment": cfg.mlflow.experiment,
         # A run that failed has no result: its newest valid checkpoint is on storage (an async save
         # committed after the last one the display heard of, or one of an earlier launch).
-        "checkpoint": result.get("checkpoint") or _newest_checkpoint(cfg)
+        "checkpoint": result.get("checkpoint")
+        or _newest_checkpoint(cfg)
         or (display.checkpoints[-1].location if display.checkpoints else None),
         "skipped_checkpoints": display.skipped_checkpoints,
         "wall_s": round(time.time() - launched, 3),

@@ -87,10 +87,18 @@ def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
     listed = {"aliases": json.dumps(names, sort_keys=True)} if names else {}
     save_file(tensors, str(out), metadata={"pipeline": cfg.pipeline, "step": str(train_state["step"]), **listed})
     config_path = out.with_suffix(".config.json")
-    config_path.write_text(json.dumps({"config": train_state["config"], "step": train_state["step"],
-                                       "raylane_version": train_state.get("raylane_version"),
-                                       # alias -> the name it is stored under in the weights
-                                       **({"aliases": names} if names else {})}, indent=2))
+    config_path.write_text(
+        json.dumps(
+            {
+                "config": train_state["config"],
+                "step": train_state["step"],
+                "raylane_version": train_state.get("raylane_version"),
+                # alias -> the name it is stored under in the weights
+                **({"aliases": names} if names else {}),
+            },
+            indent=2,
+        )
+    )
     return config_path
 
 
@@ -111,8 +119,10 @@ def servable(model: torch.nn.Module, example: Any) -> tuple[torch.nn.Module, tup
             return _adapter(model, names, len(names)), tuple(example.values()), names
         if isinstance(example, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in example):
             return _adapter(model, None, len(example)), tuple(example), None
-    raise ValueError(f"the example input is {type(example).__name__}: a tensor, a dict or a tuple of tensors "
-                     "is what an MLflow model can take")
+    raise ValueError(
+        f"the example input is {type(example).__name__}: a tensor, a dict or a tuple of tensors "
+        "is what an MLflow model can take"
+    )
 
 
 class _Served(torch.nn.Module):
@@ -143,8 +153,10 @@ def _first_tensor(output: Any) -> torch.Tensor:
 def _adapter(model: torch.nn.Module, names: list[str] | None, count: int) -> torch.nn.Module:
     """A _Served whose forward has one named parameter per input: torch.export binds inputs by
     forward's signature, and a *args forward reads as one input."""
-    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-              for n in ["self", *(names or [f"input_{i}" for i in range(count)])]]
+    params = [
+        inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for n in ["self", *(names or [f"input_{i}" for i in range(count)])]
+    ]
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self._call(*inputs)

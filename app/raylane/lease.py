@@ -75,8 +75,11 @@ class RunLease:
                 with _locked(self.folder):
                     current = _read(self.folder)
                     if current is None or current.token != self.holder.token:
-                        log.warning("the lease on %s was taken by %s: this launch no longer holds it",
-                                    self.folder, current.describe() if current else "nobody")
+                        log.warning(
+                            "the lease on %s was taken by %s: this launch no longer holds it",
+                            self.folder,
+                            current.describe() if current else "nobody",
+                        )
                         return
                     self.holder.heartbeat_unix = time.time()
                     _write(self.folder, self.holder)
@@ -108,13 +111,22 @@ def acquire(folder: Path, what: str, field: str, value: str, fresh: Callable[[],
     live holder: `field = value` is what the user set, `fresh()` another value to use instead."""
     folder.mkdir(parents=True, exist_ok=True)
     now = time.time()
-    me = Holder(host=socket.gethostname(), pid=os.getpid(), started_unix=_process_start(os.getpid()) or now,
-                taken_unix=now, heartbeat_unix=now, command=" ".join(sys.argv)[:300], token=uuid.uuid4().hex)
+    me = Holder(
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        started_unix=_process_start(os.getpid()) or now,
+        taken_unix=now,
+        heartbeat_unix=now,
+        command=" ".join(sys.argv)[:300],
+        token=uuid.uuid4().hex,
+    )
     with _locked(folder):
         current = _read(folder)
         if current is not None and current.token != me.token and _alive(current):
-            raise ConfigError(f"{field} = {value!r}: {what} is already running ({current.describe()}; "
-                              f"{current.command!r}); wait for it to end, or start another with --set {field}={fresh()}")
+            raise ConfigError(
+                f"{field} = {value!r}: {what} is already running ({current.describe()}; "
+                f"{current.command!r}); wait for it to end, or start another with --set {field}={fresh()}"
+            )
         if current is not None:
             log.warning("%s: took over the lease of %s, which is no longer running", what, current.describe())
         _write(folder, me)

@@ -41,8 +41,9 @@ def record_traceback(what: str, text: str) -> None:
     leaves out by default; colour codes (a Ray task's traceback) removed."""
     from raylane.loop.baddata import strip_colour
 
-    logging.getLogger(TRACEBACK_LOGGER).log(logging.WARNING if verbose() else logging.INFO, "%s\n%s", what,
-                                             strip_colour(text).rstrip())
+    logging.getLogger(TRACEBACK_LOGGER).log(
+        logging.WARNING if verbose() else logging.INFO, "%s\n%s", what, strip_colour(text).rstrip()
+    )
 
 
 def setup(verbose_flag: bool | None, command: str) -> None:
@@ -175,8 +176,12 @@ def _ray_data_to_root() -> None:
     # its lines ("Progress bars disabled", "Dataset ... execution finished") reached the terminal.
     # Its session-file handler stays; the console's goes, and the records reach ours.
     data_logger = logging.getLogger("ray.data")
-    for handler in [h for h in data_logger.handlers if type(h) is not logging.FileHandler
-                    and getattr(h, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)]:
+    for handler in [
+        h
+        for h in data_logger.handlers
+        if type(h) is not logging.FileHandler
+        and getattr(h, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+    ]:
         data_logger.removeHandler(handler)
     data_logger.propagate = True
 
@@ -212,8 +217,11 @@ def _torch_to_root() -> None:
     # torch's import gives each of its registered loggers (torch.export's among them) a stderr
     # handler of its own and stops propagation. Its trace log, a file when asked for, stays.
     for name, logger in list(logging.root.manager.loggerDict.items()):
-        if (name == "torch" or name.startswith("torch.")) and name != "torch.__trace" \
-                and isinstance(logger, logging.Logger):
+        if (
+            (name == "torch" or name.startswith("torch."))
+            and name != "torch.__trace"
+            and isinstance(logger, logging.Logger)
+        ):
             for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
                 logger.removeHandler(handler)
             logger.propagate = True

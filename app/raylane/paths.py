@@ -69,9 +69,13 @@ def quick_filesystem(uri: str) -> tuple[Any, str]:
     fs, root = pafs.FileSystem.from_uri(uri)
     if isinstance(fs, pafs.S3FileSystem) and "?" not in uri:  # a URI's own options are kept as they are
         endpoint = os.environ.get("AWS_ENDPOINT_URL")
-        fs = pafs.S3FileSystem(region=fs.region, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2),
-                               connect_timeout=3, request_timeout=5,
-                               **({"endpoint_override": endpoint} if endpoint else {}))
+        fs = pafs.S3FileSystem(
+            region=fs.region,
+            retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=2),
+            connect_timeout=3,
+            request_timeout=5,
+            **({"endpoint_override": endpoint} if endpoint else {}),
+        )
     return fs, root
 
 
@@ -113,8 +117,9 @@ def _sections(annotation: Any) -> Iterator[type[BaseModel]]:
         yield from _sections(arg)
 
 
-def resolve(raw: dict[str, Any], model: type[BaseModel], base: Path, *, inputs_only: bool = False,
-            defaults: bool = False) -> dict[str, Any]:
+def resolve(
+    raw: dict[str, Any], model: type[BaseModel], base: Path, *, inputs_only: bool = False, defaults: bool = False
+) -> dict[str, Any]:
     """`raw` (a config as read, not validated) with the relative values of `model`'s path keys
     made absolute from `base`: all of them, or only inputs (`inputs_only`). With `defaults`, a
     path key left out whose default is a relative path gets that path, made absolute."""

@@ -90,8 +90,10 @@ def normalize(ref: Any, base_dirs: Iterable[str | Path]) -> str:
     close = difflib.get_close_matches(ref, list(SHIPPED), n=1) if "." not in ref else []
     hint = f"did you mean {close[0]!r}? " if close else ""
     where = ", ".join(str(d) for d in dirs)
-    raise _config_error(f"pipeline = {ref!r}: unknown pipeline: {hint}no shipped pipeline of that name, and no "
-                        f"module {top!r} in {where} or installed ({_expected()})")
+    raise _config_error(
+        f"pipeline = {ref!r}: unknown pipeline: {hint}no shipped pipeline of that name, and no "
+        f"module {top!r} in {where} or installed ({_expected()})"
+    )
 
 
 def _normalize_file(ref: str, dirs: list[Path]) -> str:
@@ -193,8 +195,9 @@ def _import_module(ref: str) -> ModuleType:
     except ModuleNotFoundError as exc:
         if exc.name and (ref == exc.name or ref.startswith(exc.name + ".")):
             searched = ", ".join(roots()) or "the installed packages"
-            raise _config_error(f"pipeline = {ref!r}: no module named {exc.name!r} (searched {searched} "
-                                "and the installed packages)") from None
+            raise _config_error(
+                f"pipeline = {ref!r}: no module named {exc.name!r} (searched {searched} and the installed packages)"
+            ) from None
         raise _config_error(_import_failure(ref, exc)) from None
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - any failure of the user's import is one ConfigError
         raise _config_error(_import_failure(ref, exc)) from None
@@ -260,8 +263,10 @@ def sources(cfg: Any) -> dict[str, Any]:
     """`sources(cfg)` of the config's pipeline (a streaming one), its exception named as build's."""
     found = call(cfg, load(cfg.pipeline), "sources")
     if not isinstance(found, dict):
-        raise UserCodeError(f"pipeline {cfg.pipeline!r}: sources(cfg) returned {type(found).__name__}, not a dict "
-                            f"of raylane.FileSource by data set name (at {returned_at(load(cfg.pipeline).sources)})")
+        raise UserCodeError(
+            f"pipeline {cfg.pipeline!r}: sources(cfg) returned {type(found).__name__}, not a dict "
+            f"of raylane.FileSource by data set name (at {returned_at(load(cfg.pipeline).sources)})"
+        )
     return found
 
 
@@ -272,8 +277,10 @@ def call(cfg: Any, module: ModuleType, name: str) -> Any:
     except Exception as exc:
         text = " ".join(str(exc).split())
         error = PipelineBuildError if name == "build" else UserCodeError
-        raise error(f"pipeline {cfg.pipeline!r}: {name}(cfg) raised {type(exc).__name__}: {text} "
-                    f"(at {_raised_at(exc, Path(getattr(module, '__file__', '') or '.'))})") from exc
+        raise error(
+            f"pipeline {cfg.pipeline!r}: {name}(cfg) raised {type(exc).__name__}: {text} "
+            f"(at {_raised_at(exc, Path(getattr(module, '__file__', '') or '.'))})"
+        ) from exc
 
 
 def returned_at(fn: Any) -> str:

@@ -121,8 +121,10 @@ def _bounded(probe: Any, what: str) -> None:
     try:
         within(probe, PROBE_TIMEOUT_S, "raylane-probe")
     except NoAnswer:
-        raise ConfigError(f"{what}: no answer within {PROBE_TIMEOUT_S:.0f} s (is the endpoint reachable? "
-                          f"AWS_ENDPOINT_URL = {os.environ.get('AWS_ENDPOINT_URL', '(not set)')!r})") from None
+        raise ConfigError(
+            f"{what}: no answer within {PROBE_TIMEOUT_S:.0f} s (is the endpoint reachable? "
+            f"AWS_ENDPOINT_URL = {os.environ.get('AWS_ENDPOINT_URL', '(not set)')!r})"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - one line
         raise ConfigError(f"{what}: cannot write a probe there ({paths.one_line(exc)})") from None
 
@@ -151,8 +153,10 @@ def check_init_from(cfg: BaseConfig) -> None:
         raise ConfigError(f"{field} = {path!r}: not a valid checkpoint ({problem})")
     recorded = (manifest.get("train_state") or {}).get("config")
     if isinstance(recorded, dict) and (key := first_unloadable(flatten(recorded), cfg.flat())) is not None:
-        raise ConfigError(f"{key} = {_shown(cfg.flat(), key)}: {field} = {path!r} was saved with {key} = "
-                          f"{_shown(_as_saved(flatten(recorded)), key)}, which this config cannot load")
+        raise ConfigError(
+            f"{key} = {_shown(cfg.flat(), key)}: {field} = {path!r} was saved with {key} = "
+            f"{_shown(_as_saved(flatten(recorded)), key)}, which this config cannot load"
+        )
 
 
 def check_metric(field: str, metric: str, cfg: BaseConfig) -> None:
@@ -162,8 +166,10 @@ def check_metric(field: str, metric: str, cfg: BaseConfig) -> None:
     if declared is None or metric in declared:
         return
     hint = did_you_mean(metric, declared)
-    raise ConfigError(f"{field} = {metric!r}: not a metric the {pipelines_ref.label(cfg.pipeline)} pipeline "
-                      f"reports{hint}; it reports: {', '.join(declared)}")
+    raise ConfigError(
+        f"{field} = {metric!r}: not a metric the {pipelines_ref.label(cfg.pipeline)} pipeline "
+        f"reports{hint}; it reports: {', '.join(declared)}"
+    )
 
 
 def writable_file(field: str, path: str | Path) -> None:
@@ -198,8 +204,10 @@ def newest_in_run(path: str) -> str:
         return path
     newest, _ = newest_valid(str(folder.resolve()))
     if newest is None:
-        raise ConfigError(f"checkpoint = {path!r}: a run folder with no valid checkpoint (every checkpoint_<step> "
-                          "in it is incomplete or damaged)")
+        raise ConfigError(
+            f"checkpoint = {path!r}: a run folder with no valid checkpoint (every checkpoint_<step> "
+            "in it is incomplete or damaged)"
+        )
     print(f"raylane: exporting {newest}, the run's newest checkpoint", file=sys.stderr, flush=True)
     return newest
 
@@ -208,15 +216,19 @@ def check_export(checkpoint: str, out: str) -> None:
     """`raylane export`'s arguments. A missing folder of `--out` is fine: export makes it (the
     user named where the file goes), after the checkpoint has loaded."""
     if not Path(checkpoint).is_dir():
-        raise ConfigError(f"checkpoint = {checkpoint!r}: no such folder (expected a run folder, runs/<name>, or one of its checkpoints, runs/<name>/checkpoint_<step>)")
+        raise ConfigError(
+            f"checkpoint = {checkpoint!r}: no such folder (expected a run folder, runs/<name>, or one of its checkpoints, runs/<name>/checkpoint_<step>)"
+        )
     try:
         base = read_manifest(checkpoint).get("base")
     except (OSError, ValueError):
         base = None  # the export says what is wrong with it
     if base:
-        raise ConfigError(f"checkpoint = {checkpoint!r}: holds a LoRA adapter on the base {base.get('path')!r}, "
-                          "not a whole model; export it with --format hf (merged into its base) or --format hf "
-                          "--adapter-only")
+        raise ConfigError(
+            f"checkpoint = {checkpoint!r}: holds a LoRA adapter on the base {base.get('path')!r}, "
+            "not a whole model; export it with --format hf (merged into its base) or --format hf "
+            "--adapter-only"
+        )
     target = Path(out).expanduser()
     if target.is_dir():
         raise ConfigError(f"--out = {out!r}: is a directory; name the file, e.g. {str(target / 'model.safetensors')!r}")
@@ -228,11 +240,15 @@ def check_export_hf(checkpoint: str, out: str, adapter_only: bool) -> None:
     written is overwritten), transformers and peft installed, and with `--adapter-only` a
     checkpoint that holds an adapter (a model trained on a frozen base)."""
     if not Path(checkpoint).is_dir():
-        raise ConfigError(f"checkpoint = {checkpoint!r}: no such folder (expected a run folder, runs/<name>, or one of its checkpoints, runs/<name>/checkpoint_<step>)")
+        raise ConfigError(
+            f"checkpoint = {checkpoint!r}: no such folder (expected a run folder, runs/<name>, or one of its checkpoints, runs/<name>/checkpoint_<step>)"
+        )
     target = Path(out).expanduser()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ConfigError(f"--out = {out!r}: {'is a file' if not target.is_dir() else 'is not empty'}; "
-                          "name a new or empty folder for the save_pretrained files")
+        raise ConfigError(
+            f"--out = {out!r}: {'is a file' if not target.is_dir() else 'is not empty'}; "
+            "name a new or empty folder for the save_pretrained files"
+        )
     writable_dir("--out", target, out)
     import importlib.util
 
@@ -244,8 +260,10 @@ def check_export_hf(checkpoint: str, out: str, adapter_only: bool) -> None:
         except (OSError, ValueError):
             return  # the export says what is wrong with it
         if not manifest.get("base"):
-            raise ConfigError(f"--adapter-only: checkpoint {checkpoint!r} holds a whole model (fine-tuned in full, "
-                              "not with lora:); export it without --adapter-only")
+            raise ConfigError(
+                f"--adapter-only: checkpoint {checkpoint!r} holds a whole model (fine-tuned in full, "
+                "not with lora:); export it without --adapter-only"
+            )
 
 
 def check_token_path() -> None:
@@ -259,8 +277,10 @@ def check_token_path() -> None:
     except OSError as exc:
         raise ConfigError(f"RAY_AUTH_TOKEN_PATH = {path!r}: cannot read it ({exc.strerror})") from None
     if not token:
-        raise ConfigError(f"RAY_AUTH_TOKEN_PATH = {path!r}: the file is empty; it must hold the cluster's "
-                          "token (`ray get-auth-token --generate` writes one to ~/.ray/auth_token)")
+        raise ConfigError(
+            f"RAY_AUTH_TOKEN_PATH = {path!r}: the file is empty; it must hold the cluster's "
+            "token (`ray get-auth-token --generate` writes one to ~/.ray/auth_token)"
+        )
 
 
 def oversubscription(cfg: BaseConfig, address: str | None) -> str | None:
@@ -271,12 +291,15 @@ def oversubscription(cfg: BaseConfig, address: str | None) -> str | None:
     wanted = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
     if address is not None or wanted <= cores:
         return None
-    return (f"warning: scaling.num_workers = {cfg.scaling.num_workers} x scaling.cpus_per_worker = "
-            f"{cfg.scaling.cpus_per_worker:g} oversubscribes this machine's {cores} cores: "
-            f"the workers will share them (slower, not wrong)")
+    return (
+        f"warning: scaling.num_workers = {cfg.scaling.num_workers} x scaling.cpus_per_worker = "
+        f"{cfg.scaling.cpus_per_worker:g} oversubscribes this machine's {cores} cores: "
+        f"the workers will share them (slower, not wrong)"
+    )
 
 
 # -- an earlier launch of the same run ---------------------------------------------------------
+
 
 @dataclass
 class Finished:
@@ -329,10 +352,12 @@ def _check_base(cfg: BaseConfig, base: Any, recorded: dict[str, Any], checkpoint
     if now is None:
         return recorded
     if now != base["fingerprint"]:
-        raise ConfigError(f"{key} = {_shown(flat, key)}: run {cfg.run.name!r} has a checkpoint ({str(checkpoint)!r}) "
-                          f"trained on base {describe(base)}; this base is "
-                          f"{describe({'path': flat[key], 'fingerprint': now})}. Resume it on the base it was "
-                          f"trained on, or start a fresh run with --set run.name={fresh_name(cfg)}")
+        raise ConfigError(
+            f"{key} = {_shown(flat, key)}: run {cfg.run.name!r} has a checkpoint ({str(checkpoint)!r}) "
+            f"trained on base {describe(base)}; this base is "
+            f"{describe({'path': flat[key], 'fingerprint': now})}. Resume it on the base it was "
+            f"trained on, or start a fresh run with --set run.name={fresh_name(cfg)}"
+        )
     section, _, field = key.partition(".")
     if isinstance(recorded.get(section), dict) and field in recorded[section]:
         recorded = {**recorded, section: {**recorded[section], field: flat[key]}}
@@ -349,9 +374,11 @@ def check_global_order(cfg: BaseConfig) -> None:
     if declares_sources(cfg):
         field = "train.global_batch" if cfg.train.global_batch else "scaling.num_workers"
         value = cfg.train.global_batch if cfg.train.global_batch else [cfg.scaling.min_workers, cfg.scaling.num_workers]
-        raise ConfigError(f"{field} = {value!r}: the {pipelines_ref.label(cfg.pipeline)} pipeline streams its data "
-                          "(sources), whose epochs are shared out by file, not by sample: a held global batch "
-                          "and elastic runs need a map-style dataset")
+        raise ConfigError(
+            f"{field} = {value!r}: the {pipelines_ref.label(cfg.pipeline)} pipeline streams its data "
+            "(sources), whose epochs are shared out by file, not by sample: a held global batch "
+            "and elastic runs need a map-style dataset"
+        )
 
 
 def _check_position(cfg: BaseConfig, state: dict[str, Any], old: dict[str, Any], checkpoint: Path) -> None:
@@ -361,10 +388,12 @@ def _check_position(cfg: BaseConfig, state: dict[str, Any], old: dict[str, Any],
         return  # at an epoch boundary: nothing to continue
     was, now = old.get("train.global_batch"), effective_global_batch(cfg)
     if was != now:
-        raise ConfigError(f"train.global_batch = {now!r}: run {cfg.run.name!r} has a checkpoint part-way through "
-                          f"an epoch saved with train.global_batch = {was!r} ({str(checkpoint)!r}); keep "
-                          f"train.global_batch={json.dumps(was)} to continue it at the same sample, or start a fresh "
-                          f"run with --set run.name={fresh_name(cfg)}")
+        raise ConfigError(
+            f"train.global_batch = {now!r}: run {cfg.run.name!r} has a checkpoint part-way through "
+            f"an epoch saved with train.global_batch = {was!r} ({str(checkpoint)!r}); keep "
+            f"train.global_batch={json.dumps(was)} to continue it at the same sample, or start a fresh "
+            f"run with --set run.name={fresh_name(cfg)}"
+        )
 
 
 def newest_manifest(folder: Path) -> tuple[Path, dict[str, Any]] | None:
@@ -385,9 +414,12 @@ def _optimizer_state(flat: dict[str, Any]) -> tuple[Any, ...]:
     two with weight decay unless decay_norm_and_bias, which a config from before the key lacks:
     it had one group)."""
     name = flat.get("optim.name")
-    return ("sgd" if name == "sgd" else "adam", name == "sgd" and bool(flat.get("optim.momentum")),
-            flat.get("optim.schedule") != "constant" or bool(flat.get("optim.warmup_steps")),
-            bool(flat.get("optim.weight_decay")) and flat.get("optim.decay_norm_and_bias", True) is False)
+    return (
+        "sgd" if name == "sgd" else "adam",
+        name == "sgd" and bool(flat.get("optim.momentum")),
+        flat.get("optim.schedule") != "constant" or bool(flat.get("optim.warmup_steps")),
+        bool(flat.get("optim.weight_decay")) and flat.get("optim.decay_norm_and_bias", True) is False,
+    )
 
 
 def _as_saved(flat: dict[str, Any]) -> dict[str, Any]:
@@ -415,8 +447,11 @@ def first_unloadable(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     if now[2] and not was[2]:
         return "optim.schedule" if old.get("optim.schedule") != new.get("optim.schedule") else "optim.warmup_steps"
     if now[3] != was[3]:
-        return "optim.weight_decay" if bool(old.get("optim.weight_decay")) != bool(new.get("optim.weight_decay")) \
+        return (
+            "optim.weight_decay"
+            if bool(old.get("optim.weight_decay")) != bool(new.get("optim.weight_decay"))
             else "optim.decay_norm_and_bias"
+        )
     return None
 
 
@@ -427,9 +462,11 @@ def _check_loadable(cfg: BaseConfig, old: dict[str, Any], checkpoint: Path) -> N
         return
     was = old.get(key)
     keep = f"keep {key}={was if isinstance(was, str) else json.dumps(was)}" if key in old else f"drop {key}"
-    raise ConfigError(f"{key} = {_shown(new, key)}: run {cfg.run.name!r} has a checkpoint saved with {key} = "
-                      f"{_shown(old, key)} ({str(checkpoint)!r}) that this config cannot load; {keep} to resume "
-                      f"it, or start a fresh run with --set run.name={fresh_name(cfg)}")
+    raise ConfigError(
+        f"{key} = {_shown(new, key)}: run {cfg.run.name!r} has a checkpoint saved with {key} = "
+        f"{_shown(old, key)} ({str(checkpoint)!r}) that this config cannot load; {keep} to resume "
+        f"it, or start a fresh run with --set run.name={fresh_name(cfg)}"
+    )
 
 
 def _shown(flat: dict[str, Any], key: str) -> str:
@@ -469,9 +506,11 @@ def _finished(cfg: BaseConfig, folder: Path) -> Finished | None:
     where = str(newest[0]) if newest else summary.get("checkpoint")
     tracked = f"MLflow run {summary['run_id']}" if summary.get("run_id") else "not tracked in MLflow"
     further = "" if early else "raise train.max_epochs or train.max_steps to train it further, or "
-    line = (f"run {cfg.run.name}: already FINISHED at step {steps} (epoch {epochs}"
-            f"{f'; {early}' if early else ''}); checkpoint {where}; {tracked}. Nothing to train: "
-            f"{further}start a new run with --set run.name={fresh_name(cfg)}")
+    line = (
+        f"run {cfg.run.name}: already FINISHED at step {steps} (epoch {epochs}"
+        f"{f'; {early}' if early else ''}); checkpoint {where}; {tracked}. Nothing to train: "
+        f"{further}start a new run with --set run.name={fresh_name(cfg)}"
+    )
     return Finished(line, summary)
 
 
@@ -495,7 +534,8 @@ def closing_status(cfg: BaseConfig, status: str) -> str:
     code and summary; the finished result is still there and must not read as lost."""
     folder = run_folder(cfg)
     if status != "FINISHED" and folder is not None and (read_record(folder) or {}).get("status") == "FINISHED":
-        log.warning("run %s: this launch ended %s; its MLflow run stays FINISHED (the earlier result)",
-                    cfg.run.name, status)
+        log.warning(
+            "run %s: this launch ended %s; its MLflow run stays FINISHED (the earlier result)", cfg.run.name, status
+        )
         return "FINISHED"
     return status

@@ -35,8 +35,15 @@ class PreparedRun:
     notes: list[str] = field(default_factory=list)  # lines to show before it starts
 
 
-def prepare_train(config: Any, overrides: Iterable[str] = (), *, summary_json: str | None = None,
-                  local: bool = False, address: str | None = None, joins: bool = False) -> PreparedRun:
+def prepare_train(
+    config: Any,
+    overrides: Iterable[str] = (),
+    *,
+    summary_json: str | None = None,
+    local: bool = False,
+    address: str | None = None,
+    joins: bool = False,
+) -> PreparedRun:
     """`raylane check` and `raylane train` (on Ray, in one process with `local`, or as a torchrun
     rank): the config, what the run writes, the global batch on its world sizes, and what an
     earlier launch of the same run left; with `joins`, that the cluster it joins answers."""
@@ -69,8 +76,10 @@ def _skipped_sizes(cfg: BaseConfig, sizes: list[int]) -> list[str]:
     if not (skipped and cfg.scaling.elastic):
         return []
     shown = ", ".join(map(str, skipped[:8])) + (", ..." if len(skipped) > 8 else "")
-    line = (f"raylane: elastic run on {', '.join(map(str, sizes[:8]))}{', ...' if len(sizes) > 8 else ''} "
-            f"workers: {shown} would not split the global batch, so it runs on the next size down")
+    line = (
+        f"raylane: elastic run on {', '.join(map(str, sizes[:8]))}{', ...' if len(sizes) > 8 else ''} "
+        f"workers: {shown} would not split the global batch, so it runs on the next size down"
+    )
     return [line]
 
 
@@ -81,8 +90,9 @@ class PreparedSweep:
     finished: str | None  # the line to show instead of sweeping again
 
 
-def prepare_tune(sweep_file: Any, overrides: Iterable[str] = (), *, summary_json: str | None = None,
-                 address: str | None = None) -> PreparedSweep:
+def prepare_tune(
+    sweep_file: Any, overrides: Iterable[str] = (), *, summary_json: str | None = None, address: str | None = None
+) -> PreparedSweep:
     from raylane.onray.sweep import check_rerun, load_sweep
 
     sweep, base = load_sweep(sweep_file, list(overrides))
@@ -100,9 +110,16 @@ class PreparedSearch:
     use_ray: bool
 
 
-def prepare_autotune(config: Any, overrides: Iterable[str] = (), *, out: str = "autotuned.yaml",
-                     summary_json: str | None = None, budget_s: float | None = None,
-                     local: bool = False, address: str | None = None) -> PreparedSearch:
+def prepare_autotune(
+    config: Any,
+    overrides: Iterable[str] = (),
+    *,
+    out: str = "autotuned.yaml",
+    summary_json: str | None = None,
+    budget_s: float | None = None,
+    local: bool = False,
+    address: str | None = None,
+) -> PreparedSearch:
     from raylane.autotuning import driver as autotune
 
     overrides = [*overrides, *([f"autotune.budget_s={budget_s}"] if budget_s is not None else [])]
@@ -122,15 +139,18 @@ def prepare_submit(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
     """A job's config, checked on this machine before anything is uploaded; `run.storage_path`
     is the cluster's to check, and left as written (raylane.onray.jobs decides what the job gets)."""
     if not isinstance(config, (str, os.PathLike)):
-        raise ConfigError(f"config = {type(config).__name__}: a job reads its config on the cluster; give the path "
-                          "of a config file (or a shipped config's name), not a mapping")
+        raise ConfigError(
+            f"config = {type(config).__name__}: a job reads its config on the cluster; give the path "
+            "of a config file (or a shipped config's name), not a mapping"
+        )
     cfg = load_config(config, list(overrides), outputs=False)
     prechecks.check_run(cfg, local_storage=False)
     return cfg
 
 
-def prepare_export(checkpoint: str, out: str, fmt: str = "safetensors", adapter_only: bool = False,
-                   summary_json: str | None = None) -> str:
+def prepare_export(
+    checkpoint: str, out: str, fmt: str = "safetensors", adapter_only: bool = False, summary_json: str | None = None
+) -> str:
     """The checkpoint to export (a run's folder: its newest valid checkpoint, said in one line),
     after checking the arguments."""
     if summary_json:

@@ -63,6 +63,7 @@ class _Summary(_Model):
 
 # -- raylane train ----------------------------------------------------------------------------
 
+
 class SkippedCheckpoint(_Model):
     path: str = Field(description="A checkpoint newer than the one the run resumed from.")
     reason: str = Field(description="Why the resume passed it over (a missing or damaged file).")
@@ -93,10 +94,13 @@ class Timing(_Model):
     last_step_unix: float | None = Field(None, description="When rank 0 took the run's last step.")
     launch_to_first_step_s: float | None = Field(None, description="Seconds from the launch to the first step.")
     restart_first_step_unix: list[float] = Field(
-        default_factory=list, description="When each restarted worker group took its first step.")
+        default_factory=list, description="When each restarted worker group took its first step."
+    )
     startup: dict[str, float] = Field(
-        default_factory=dict, description="Seconds from the launch to the end of each start-up phase "
-                                          "(raylane.loop.startup.PHASES: ray_init, worker_imports, first_step, ...).")
+        default_factory=dict,
+        description="Seconds from the launch to the end of each start-up phase "
+        "(raylane.loop.startup.PHASES: ray_init, worker_imports, first_step, ...).",
+    )
     startup_origin_unix: float | None = Field(None, description="The instant `startup`'s seconds count from.")
 
 
@@ -118,15 +122,18 @@ class TrainSummary(_Summary):
     """`raylane train --summary-json`, and what `raylane.train()` returns."""
 
     command: Literal["train"] = Field("train", description="The command that wrote it.")
-    already_finished: bool = Field(False, description="The run had already reached the end asked for: "
-                                                      "nothing was trained, this is its earlier summary.")
+    already_finished: bool = Field(
+        False,
+        description="The run had already reached the end asked for: nothing was trained, this is its earlier summary.",
+    )
     run_name: str = Field(description="run.name: the run's folder under run.storage_path and its MLflow run name.")
     run_id: str | None = Field(None, description="The MLflow run id (null: MLflow off or unreachable).")
     tracking_uri: str | None = Field(None, description="The MLflow tracking URI the run was recorded at.")
     experiment: str | None = Field(None, description="The MLflow experiment.")
     checkpoint: str | None = Field(None, description="The newest valid checkpoint: the one a relaunch resumes from.")
     skipped_checkpoints: list[SkippedCheckpoint] = Field(
-        default_factory=list, description="Newer checkpoints a resume passed over, and why.")
+        default_factory=list, description="Newer checkpoints a resume passed over, and why."
+    )
     world_size: int | None = Field(None, description="Workers (ranks) at the end.")
     backend: str | None = Field(None, description="The process group's backend: nccl or gloo.")
     strategy: str | None = Field(None, description="ddp or fsdp.")
@@ -138,24 +145,31 @@ class TrainSummary(_Summary):
     steps_per_epoch: int | None = Field(None, description="Optimizer steps in one epoch.")
     resumed_from_step: int | None = Field(None, description="The checkpoint's step this launch resumed from.")
     metrics: dict[str, float] = Field(default_factory=dict, description="The last evaluation's metrics (eval/*).")
-    last_window: Window | None = Field(None, description="Train loss and throughput over the last logged steps "
-                                                         "(MLflow's last train/* values).")
+    last_window: Window | None = Field(
+        None, description="Train loss and throughput over the last logged steps (MLflow's last train/* values)."
+    )
     wall_s: float | None = Field(None, description="Seconds from the launch to the summary.")
     samples_per_s: float | None = Field(None, description="Samples a second over the whole training, whole group.")
     tokens_per_s: float | None = Field(None, description="Tokens a second over the whole training.")
     mfu: float | None = Field(None, description="Model FLOPs utilisation (GPU runs with a known peak).")
-    train_s: float | None = Field(None, description="Rank 0's seconds from the start of training to the end of its loop.")
+    train_s: float | None = Field(
+        None, description="Rank 0's seconds from the start of training to the end of its loop."
+    )
     train_cpu_s: float | None = Field(None, description="Rank 0's process CPU seconds over the same span.")
     checkpoint_stall_s: float | None = Field(None, description="Seconds rank 0's loop waited on checkpoint saves.")
-    epoch_end_s: list[float] | None = Field(None, description="Seconds from the start of training to the end of "
-                                                              "each epoch's evaluation and save.")
+    epoch_end_s: list[float] | None = Field(
+        None, description="Seconds from the start of training to the end of each epoch's evaluation and save."
+    )
     memory: Memory | None = Field(None, description="The largest figures over the ranks.")
     restarts: int = Field(0, description="Restarts of the worker group (a failure, a resize).")
     resizes: list[Resize] = Field(default_factory=list, description="An elastic run's changes of world size.")
     skipped_steps: int = Field(0, description="Steps skipped for a non-finite loss (train.on_nan: skip).")
-    failed_checkpoints: int = Field(0, description="Checkpoint saves that failed (checkpoint.on_error: warn; the run went on).")
-    preempted: bool = Field(False, description="Stopped on request (a signal, a node's notice) with a checkpoint "
-                                               "to resume from.")
+    failed_checkpoints: int = Field(
+        0, description="Checkpoint saves that failed (checkpoint.on_error: warn; the run went on)."
+    )
+    preempted: bool = Field(
+        False, description="Stopped on request (a signal, a node's notice) with a checkpoint to resume from."
+    )
     stop_reason: str | None = Field(None, description="Why training ended before its last step.")
     early_stopped: bool = Field(False, description="train.early_stopping ended the run (FINISHED).")
     tracking_cost_s: TrackingCost | None = Field(None, description="What logging to MLflow cost rank 0.")
@@ -165,6 +179,7 @@ class TrainSummary(_Summary):
 
 
 # -- raylane tune -----------------------------------------------------------------------------
+
 
 class Trial(_Model):
     trial_id: str = Field(description="Ray Tune's trial id.")
@@ -211,10 +226,12 @@ class SweepSummary(_Summary):
 
 # -- raylane autotune -------------------------------------------------------------------------
 
+
 class Candidate(_Model):
     config: dict[str, Any] = Field(description="The candidate's values of the searched keys.")
     status: Literal["ok", "oom", "pruned", "failed"] = Field(
-        description="ok; oom (out of memory); pruned (its memory estimate did not fit: never run); failed.")
+        description="ok; oom (out of memory); pruned (its memory estimate did not fit: never run); failed."
+    )
     verdict: Literal["winner", "tie", "slower"] | None = Field(None, description="Its place in the ranking.")
     samples_per_s: float | None = Field(None, description="Median samples a second over its windows.")
     interval: list[float] | None = Field(None, description="The median's bootstrap interval [low, high].")
@@ -283,6 +300,7 @@ class AutotuneSummary(_Summary):
 
 # -- raylane submit and raylane export --------------------------------------------------------
 
+
 class SubmitSummary(_Summary):
     """`raylane submit --follow --summary-json`: the job's end."""
 
@@ -309,8 +327,12 @@ class ExportSummary(_Summary):
 
 
 SUMMARIES: dict[str, type[_Summary]] = {
-    "train": TrainSummary, "tune": SweepSummary, "autotune": AutotuneSummary,
-    "submit": SubmitSummary, "export": ExportSummary}
+    "train": TrainSummary,
+    "tune": SweepSummary,
+    "autotune": AutotuneSummary,
+    "submit": SubmitSummary,
+    "export": ExportSummary,
+}
 
 
 def read_summary(path: str | Path) -> _Summary:
@@ -331,8 +353,9 @@ def outline() -> dict[str, dict[str, str]]:
             continue
         out[model.__name__] = {
             field.alias or name: f"{_type_name(field.annotation)} = "
-                                 f"{'required' if field.is_required() else repr(field.get_default(call_default_factory=True))}"
-            for name, field in model.model_fields.items()}
+            f"{'required' if field.is_required() else repr(field.get_default(call_default_factory=True))}"
+            for name, field in model.model_fields.items()
+        }
         queue += [m for f in model.model_fields.values() for m in _models_in(f.annotation)]
     return out
 
@@ -361,5 +384,8 @@ def json_schema() -> dict[str, Any]:
 
     union = Annotated[Union[tuple(SUMMARIES.values())], Field(discriminator="command")]  # noqa: UP007
     schema = TypeAdapter(union).json_schema(by_alias=True, mode="serialization")
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema",
-            "title": f"raylane summary, schema version {SCHEMA_VERSION}", **schema}
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": f"raylane summary, schema version {SCHEMA_VERSION}",
+        **schema,
+    }

@@ -21,8 +21,13 @@ def b1b(bench: Any) -> dict[str, Any]:
     config.write_text(f"pipeline: {PIPELINE}\n")
 
     def run(form: str, steps: int) -> dict[str, Any]:
-        sets = [*QUIET, f"model.form={form}", f"train.max_steps={steps}", "train.max_epochs=1000000",
-                "scaling.num_workers=2"]
+        sets = [
+            *QUIET,
+            f"model.form={form}",
+            f"train.max_steps={steps}",
+            "train.max_epochs=1000000",
+            "scaling.num_workers=2",
+        ]
         return bench.raylane(str(config), sets, launcher="torchrun")
 
     pairs: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {form: [] for form in FORMS}
@@ -31,8 +36,9 @@ def b1b(bench: Any) -> dict[str, Any]:
             pairs[form].append((run(form, short), run(form, long)))
     out: dict[str, Any] = {"steps": [short, long]}
     for key, label in (("train_s", "step_ms"), ("train_cpu_s", "cpu_step_ms")):
-        slopes = {form: [(b[key] - a[key]) / (b["steps"] - a["steps"]) * 1e3 for a, b in runs]
-                  for form, runs in pairs.items()}
+        slopes = {
+            form: [(b[key] - a[key]) / (b["steps"] - a["steps"]) * 1e3 for a, b in runs] for form, runs in pairs.items()
+        }
         out[label] = {form: stats(v) for form, v in slopes.items()}
         out[f"{label}_dict_over_pair"] = statistics.median(slopes["dict"]) / statistics.median(slopes["pair"])
         # The spread between identical runs: what a difference must exceed to be seen.

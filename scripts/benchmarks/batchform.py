@@ -61,8 +61,13 @@ def build(cfg: Config) -> raylane.Pipeline:
     y = torch.randint(0, m.classes, (m.num_samples,), generator=gen)
     split = m.num_samples * 7 // 8
     if m.form == "pair":
-        return raylane.Pipeline(model=Classifier(), train_set=TensorDataset(x[:split], y[:split]),
-                                eval_set=TensorDataset(x[split:], y[split:]), loss_fn=F.cross_entropy,
-                                example_input=x[:2])
-    return raylane.Pipeline(model=Classifier(), train_set=Named(x[:split], y[:split]),
-                            eval_set=Named(x[split:], y[split:]))
+        return raylane.Pipeline(
+            model=Classifier(),
+            train_set=TensorDataset(x[:split], y[:split]),
+            eval_set=TensorDataset(x[split:], y[split:]),
+            loss_fn=F.cross_entropy,
+            example_input=x[:2],
+        )
+    return raylane.Pipeline(
+        model=Classifier(), train_set=Named(x[:split], y[:split]), eval_set=Named(x[split:], y[split:])
+    )

@@ -53,24 +53,71 @@ def b11(bench: Any) -> dict[str, Any]:
     config.write_text("pipeline: hf\n")
 
     def raylane(steps: int, peaks: Path) -> dict[str, Any]:
-        sets = [*QUIET, f"model.name_or_path={tiny / 'model'}", f"data.train={tiny / 'train'}",
-                f"model.seq_len={B11_MODEL['seq_len']}", f"train.batch_size={B11_BATCH}", f"train.max_steps={steps}",
-                "train.max_epochs=1000000", "optim.name=adamw", f"optim.lr={B11_LR}", "optim.schedule=constant",
-                "optim.warmup_steps=0", "optim.weight_decay=0", "train.grad_clip_norm=1.0", "strategy.name=ddp",
-                f"train.precision={'bf16' if bf16 else 'fp32'}", "scaling.num_workers=2", "mlflow.enabled=false"]
+        sets = [
+            *QUIET,
+            f"model.name_or_path={tiny / 'model'}",
+            f"data.train={tiny / 'train'}",
+            f"model.seq_len={B11_MODEL['seq_len']}",
+            f"train.batch_size={B11_BATCH}",
+            f"train.max_steps={steps}",
+            "train.max_epochs=1000000",
+            "optim.name=adamw",
+            f"optim.lr={B11_LR}",
+            "optim.schedule=constant",
+            "optim.warmup_steps=0",
+            "optim.weight_decay=0",
+            "train.grad_clip_norm=1.0",
+            "strategy.name=ddp",
+            f"train.precision={'bf16' if bf16 else 'fp32'}",
+            "scaling.num_workers=2",
+            "mlflow.enabled=false",
+        ]
         summary = bench.work / f"b11-raylane-{bench._n + 1}.json"
-        argv = [*TORCHRUN, PEAK, str(peaks), "-m", "raylane", "train", str(config),
-                *[x for s in sets for x in ("--set", s)], "--set", f"run.storage_path={bench.work / 'runs'}",
-                "--set", f"run.name=b11-{bench._n + 1}", "--summary-json", str(summary)]
+        argv = [
+            *TORCHRUN,
+            PEAK,
+            str(peaks),
+            "-m",
+            "raylane",
+            "train",
+            str(config),
+            *[x for s in sets for x in ("--set", s)],
+            "--set",
+            f"run.storage_path={bench.work / 'runs'}",
+            "--set",
+            f"run.name=b11-{bench._n + 1}",
+            "--summary-json",
+            str(summary),
+        ]
         bench.run(argv)
         s = json.loads(summary.read_text())
         return {"train_s": s["train_s"], "steps": s["steps"]}
 
     def trainer(steps: int, peaks: Path) -> dict[str, Any]:
         out = bench.work / f"b11-trainer-{bench._n + 1}.json"
-        bench.run([*TORCHRUN, PEAK, str(peaks), TRAINER, "--model", str(tiny / "model"), "--data", str(tiny),
-                   "--seq-len", str(B11_MODEL["seq_len"]), "--batch-size", str(B11_BATCH), "--steps", str(steps),
-                   "--lr", str(B11_LR), "--json", str(out), *(["--bf16"] if bf16 else [])])
+        bench.run(
+            [
+                *TORCHRUN,
+                PEAK,
+                str(peaks),
+                TRAINER,
+                "--model",
+                str(tiny / "model"),
+                "--data",
+                str(tiny),
+                "--seq-len",
+                str(B11_MODEL["seq_len"]),
+                "--batch-size",
+                str(B11_BATCH),
+                "--steps",
+                str(steps),
+                "--lr",
+                str(B11_LR),
+                "--json",
+                str(out),
+                *(["--bf16"] if bf16 else []),
+            ]
+        )
         return json.loads(out.read_text())
 
     sides = {"raylane": raylane, "hf_trainer": trainer}
@@ -85,13 +132,20 @@ def b11(bench: Any) -> dict[str, Any]:
             peaks[name].append(_peaks(folder))
             print(f"[bench]   {name}: {step_ms[name][-1]:.1f} ms/step", flush=True)
     per_rank = {name: [statistics.median(run[r] for run in runs) for r in range(2)] for name, runs in peaks.items()}
-    return {"steps": [short, long], "precision": "bf16" if bf16 else "fp32", "model": B11_MODEL, "batch": B11_BATCH,
-            "step_ms": {name: stats(v) for name, v in step_ms.items()},
-            "step_raylane_over_trainer": statistics.median(step_ms["raylane"]) / statistics.median(step_ms["hf_trainer"]),
-            # The spread between identical runs: what a difference must exceed to be seen.
-            "step_trainer_spread": _spread(step_ms["hf_trainer"]), "step_raylane_spread": _spread(step_ms["raylane"]),
-            "peak_bytes_per_rank": per_rank, "memory": "cuda" if bf16 else "rss",
-            "peak_raylane_over_trainer": [per_rank["raylane"][r] / per_rank["hf_trainer"][r] for r in range(2)]}
+    return {
+        "steps": [short, long],
+        "precision": "bf16" if bf16 else "fp32",
+        "model": B11_MODEL,
+        "batch": B11_BATCH,
+        "step_ms": {name: stats(v) for name, v in step_ms.items()},
+        "step_raylane_over_trainer": statistics.median(step_ms["raylane"]) / statistics.median(step_ms["hf_trainer"]),
+        # The spread between identical runs: what a difference must exceed to be seen.
+        "step_trainer_spread": _spread(step_ms["hf_trainer"]),
+        "step_raylane_spread": _spread(step_ms["raylane"]),
+        "peak_bytes_per_rank": per_rank,
+        "memory": "cuda" if bf16 else "rss",
+        "peak_raylane_over_trainer": [per_rank["raylane"][r] / per_rank["hf_trainer"][r] for r in range(2)],
+    }
 
 
 def _spread(values: list[float]) -> float:
@@ -108,10 +162,18 @@ def b12(bench: Any) -> dict[str, Any]:
             out = bench.work / f"b12-{mode}-{i}"
             bench.run([*TORCHRUN, "-m", "scripts.benchmarks.hfload", mode, str(model), str(out)])
             loads[mode].append([json.loads((out / f"rank{r}.json").read_text()) for r in range(2)])
-    per_rank = {mode: [statistics.median(run[r]["load_bytes"] for run in runs) for r in range(2)]
-                for mode, runs in loads.items()}
-    return {"weights_bytes": size, "load_bytes_per_rank": per_rank,
-            "peak_bytes_per_rank": {mode: [statistics.median(run[r]["peak_bytes"] for run in runs) for r in range(2)]
-                                    for mode, runs in loads.items()},
-            "load_raylane_over_from_pretrained": [per_rank["raylane"][r] / per_rank["from_pretrained"][r]
-                                                  for r in range(2)]}
+    per_rank = {
+        mode: [statistics.median(run[r]["load_bytes"] for run in runs) for r in range(2)]
+        for mode, runs in loads.items()
+    }
+    return {
+        "weights_bytes": size,
+        "load_bytes_per_rank": per_rank,
+        "peak_bytes_per_rank": {
+            mode: [statistics.median(run[r]["peak_bytes"] for run in runs) for r in range(2)]
+            for mode, runs in loads.items()
+        },
+        "load_raylane_over_from_pretrained": [
+            per_rank["raylane"][r] / per_rank["from_pretrained"][r] for r in range(2)
+        ],
+    }

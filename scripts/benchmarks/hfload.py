@@ -65,8 +65,9 @@ def main() -> None:
     dist.barrier()
     peak = _status("VmHWM")
     Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"before_bytes": before, "peak_bytes": peak,
-                                                            "load_bytes": peak - before}))
+    (Path(out) / f"rank{rank}.json").write_text(
+        json.dumps({"before_bytes": before, "peak_bytes": peak, "load_bytes": peak - before})
+    )
     dist.destroy_process_group()
 
 

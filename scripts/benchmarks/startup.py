@@ -20,12 +20,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-SIDES = ("raylane, Ray cold", "raylane, Ray warm", "raylane under torchrun", "bare TorchTrainer, cold",
-         "bare TorchTrainer, warm")
+SIDES = (
+    "raylane, Ray cold",
+    "raylane, Ray warm",
+    "raylane under torchrun",
+    "bare TorchTrainer, cold",
+    "bare TorchTrainer, warm",
+)
 HEAD_START_TIMEOUT_S = 120
 # What `raylane up` and an embedded cluster set for Ray Train's controller (raylane.onray.cluster).
-HEAD_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-            "RAY_TRAIN_METRICS_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+HEAD_ENV = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "token",
+}
 
 
 def b2b(bench) -> dict[str, Any]:
@@ -48,12 +58,17 @@ def b2b(bench) -> dict[str, Any]:
         sides[SIDES[1]]()  # the head's first run starts its first workers: later runs find it settled
         runs = bench.interleaved(sides)
     phases = {side: _phase_stats(rs, stats) for side, rs in runs.items()}
-    return {"steps": steps, "workers": 2, "warm_head": "raylane up" if _has_up() else "ray start --head",
-            "phases_s": phases}
+    return {
+        "steps": steps,
+        "workers": 2,
+        "warm_head": "raylane up" if _has_up() else "ray start --head",
+        "phases_s": phases,
+    }
 
 
-def _raylane(bench, sets: list[str], *, env: dict[str, str], args: list[str] = (),
-             launcher: str = "ray") -> dict[str, float]:
+def _raylane(
+    bench, sets: list[str], *, env: dict[str, str], args: list[str] = (), launcher: str = "ray"
+) -> dict[str, float]:
     run = bench.raylane("regression", sets, launcher=launcher, env=env, args=list(args))
     return run["summary"]["timing"]["startup"]
 
@@ -113,10 +128,24 @@ def _own_head(bench) -> Iterator[tuple[str, dict[str, str]]]:
     port, log = _free_port(), bench.work / "head.log"
     ray = str(Path(PY).parent / "ray")
     with open(log, "w") as f:
-        head = subprocess.Popen([ray, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-                                 "--num-cpus=4", "--include-dashboard=false", "--disable-usage-stats",
-                                 f"--temp-dir={bench.work / 'ray'}"],
-                                env={**bench.env, **env}, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        head = subprocess.Popen(
+            [
+                ray,
+                "start",
+                "--head",
+                "--block",
+                "--node-ip-address=127.0.0.1",
+                f"--port={port}",
+                "--num-cpus=4",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+                f"--temp-dir={bench.work / 'ray'}",
+            ],
+            env={**bench.env, **env},
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + HEAD_START_TIMEOUT_S
         while "Ray runtime started" not in log.read_text(errors="replace"):

@@ -58,25 +58,49 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 
 def _train(run_cli, launch: str, kind: str, name: str, steps: int) -> dict:
-    args = ["train", "cfg.yaml", "--set", f"model.kind={kind}", "--set", f"run.name={name}",
-            "--set", f"train.max_steps={steps}", "--summary-json", f"{name}-{steps}.json"]
+    args = [
+        "train",
+        "cfg.yaml",
+        "--set",
+        f"model.kind={kind}",
+        "--set",
+        f"run.name={name}",
+        "--set",
+        f"train.max_steps={steps}",
+        "--summary-json",
+        f"{name}-{steps}.json",
+    ]
     if launch == "local":
         proc = run_cli(*args, "--local", name=name)
     else:
-        proc = run_cli("--nproc_per_node", "2", "-m", "raylane", *args, "--set", f"strategy.name={launch}",
-                       launcher=TORCHRUN, name=name)
+        proc = run_cli(
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "raylane",
+            *args,
+            "--set",
+            f"strategy.name={launch}",
+            launcher=TORCHRUN,
+            name=name,
+        )
     assert proc.wait(180) == 0, proc.output
     return read_json(Path(proc.log_path).parent / f"{name}-{steps}.json")
 
 
 # In make test: the tied model in one process, and the issue's own failure (the aliased model
 # under DDP); the rest (two torchrun ranks twice each: ~8 s apiece) in make test-all.
-@pytest.mark.parametrize("launch, kind", [
-    ("local", "tied"), ("ddp", "aliased"), pytest.param("local", "aliased", marks=pytest.mark.slow),
-    pytest.param("ddp", "tied", marks=pytest.mark.slow),
-    pytest.param("fsdp", "aliased", marks=pytest.mark.slow),
-    pytest.param("fsdp", "tied", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "launch, kind",
+    [
+        ("local", "tied"),
+        ("ddp", "aliased"),
+        pytest.param("local", "aliased", marks=pytest.mark.slow),
+        pytest.param("ddp", "tied", marks=pytest.mark.slow),
+        pytest.param("fsdp", "aliased", marks=pytest.mark.slow),
+        pytest.param("fsdp", "tied", marks=pytest.mark.slow),
+    ],
+)
 def test_a_model_with_shared_tensors_resumes_bit_exact(run_cli, project, launch, kind):
     """Train 7 steps straight; a run that stopped after the straight run's checkpoint at step 6
     (mid-epoch, saved asynchronously) resumes from it to 7: the same weights and optimizer state,
@@ -93,8 +117,9 @@ def test_a_model_with_shared_tensors_resumes_bit_exact(run_cli, project, launch,
     if kind == "tied":
         assert manifest["aliases"] == {"out.weight": "emb.weight"}
     else:
-        assert manifest["aliases"] == {f"blocks.{i}.{p}": f"inner.blocks.{i}.{p}" for i in (0, 1)
-                                       for p in ("weight", "bias")}
+        assert manifest["aliases"] == {
+            f"blocks.{i}.{p}": f"inner.blocks.{i}.{p}" for i in (0, 1) for p in ("weight", "bias")
+        }
     assert not set(manifest["aliases"]) & set(manifest["shapes"])
 
 
@@ -104,16 +129,25 @@ def test_a_model_with_shared_tensors_resumes_bit_exact(run_cli, project, launch,
 def test_ctrl_c_and_a_relaunch_of_the_aliased_model_on_ray(run_cli, project):
     """The user's way on Ray: train on 2 DDP workers, Ctrl-C once a checkpoint exists, relaunch
     the same run.name; it resumes and finishes."""
-    args = ["train", "cfg.yaml", "--set", "run.name=ray", "--set", "scaling.num_workers=2",
-            "--set", f"run.storage_path={project / 'runs'}"]
+    args = [
+        "train",
+        "cfg.yaml",
+        "--set",
+        "run.name=ray",
+        "--set",
+        "scaling.num_workers=2",
+        "--set",
+        f"run.storage_path={project / 'runs'}",
+    ]
     first = run_cli(*args, "--set", "train.max_epochs=500", "--summary-json", "first.json", name="first")
     wait_for(lambda: checkpoint.committed(str(project / "runs" / "ray")), timeout_s=240, interval_s=0.5)
     first.signal(signal.SIGINT)
     assert first.wait(180) == 130, first.output
     stopped = read_json(project / "first.json")
     assert stopped["preempted"] and stopped["checkpoint"], stopped
-    again = run_cli(*args, "--set", f"train.max_steps={stopped['steps'] + 2}", "--summary-json", "again.json",
-                    name="again")
+    again = run_cli(
+        *args, "--set", f"train.max_steps={stopped['steps'] + 2}", "--summary-json", "again.json", name="again"
+    )
     assert again.wait(240) == 0, again.output
     s = read_json(project / "again.json")
     assert s["status"] == "FINISHED" and s["resumed_from_step"] == stopped["steps"], again.output
@@ -180,8 +214,16 @@ def test_shared_tensors_load_across_ddp_and_fsdp(tmp_path):
     """A DDP checkpoint (rank 0's state.pt) loads into FSDP and an FSDP one (DCP shards) into DDP,
     and each into its own kind, for both models: weights and optimizer state exactly as saved."""
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [subprocess.Popen([sys.executable, "-c", CROSS, str(rank), str(tmp_path), init], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CROSS, str(rank), str(tmp_path), init],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outs = [p.communicate(timeout=240) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
     differ = json.loads(outs[0][0].strip().splitlines()[-1])
@@ -193,7 +235,10 @@ def test_shared_tensors_load_across_ddp_and_fsdp(tmp_path):
 def _old_format(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, sharded: bool) -> None:
     """A checkpoint as raylane wrote it before: every name of a shared tensor in the model state
     and in the manifest's shapes (in one state.pt, or in DCP's format)."""
-    state = {"model": model.state_dict(), "optim": checkpoint.state._dcp().state_dict.get_state_dict(model, optimizer)[1]}
+    state = {
+        "model": model.state_dict(),
+        "optim": checkpoint.state._dcp().state_dict.get_state_dict(model, optimizer)[1],
+    }
     path.mkdir()
     if sharded:
         checkpoint.state._dcp().save(state, checkpoint_id=str(path), no_dist=True)

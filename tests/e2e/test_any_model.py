@@ -50,18 +50,46 @@ def _held_out_loss(weights: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.shared_ray
 def test_a_dict_batch_model_with_its_own_loss_on_ray_resumes_bit_exact_after_kill_9_and_logs_its_model(
-        run_cli, project, tmp_path, monkeypatch):
+    run_cli, project, tmp_path, monkeypatch
+):
     """On 2 Ray workers, rank 1 kills its own process with SIGKILL after a committed checkpoint
     (model.kill_mark); Ray restarts the group, which resumes and ends bit-identical to the same
     run under torchrun on 2 ranks, FINISHED in MLflow with its model logged."""
     runs = tmp_path / "runs"
     common = ["--set", f"run.storage_path={runs}", "--set", "checkpoint.every_n_steps=2"]
-    victim = run_cli("train", "cfg.yaml", "--set", "run.name=victim", "--set", "scaling.num_workers=2",
-                     "--set", "failure.max_failures=1", "--set", f"model.kill_mark={tmp_path / 'killed'}",
-                     "--summary-json", "victim.json", *common, name="victim")
-    calm = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "cfg.yaml", "--set", "run.name=calm",
-                   "--set", "mlflow.enabled=false", "--summary-json", "calm.json", *common, name="calm",
-                   launcher=TORCHRUN)
+    victim = run_cli(
+        "train",
+        "cfg.yaml",
+        "--set",
+        "run.name=victim",
+        "--set",
+        "scaling.num_workers=2",
+        "--set",
+        "failure.max_failures=1",
+        "--set",
+        f"model.kill_mark={tmp_path / 'killed'}",
+        "--summary-json",
+        "victim.json",
+        *common,
+        name="victim",
+    )
+    calm = run_cli(
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+        "train",
+        "cfg.yaml",
+        "--set",
+        "run.name=calm",
+        "--set",
+        "mlflow.enabled=false",
+        "--summary-json",
+        "calm.json",
+        *common,
+        name="calm",
+        launcher=TORCHRUN,
+    )
     assert calm.wait(300) == 0, calm.output
     assert victim.wait(300) == 0, victim.output
     hit, ref = read_json(tmp_path / "victim.json"), read_json(tmp_path / "calm.json")
@@ -92,8 +120,19 @@ def test_a_dict_batch_model_with_its_own_loss_on_ray_resumes_bit_exact_after_kil
 
 
 def test_a_step_with_a_metric_of_its_own_trains_to_finished_and_logs_the_metric(run_cli, project, tmp_path):
-    p = run_cli("train", "cfg.yaml", "--local", "--set", "model.mode=step", "--set", "mlflow.log_every_n_steps=4",
-                "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", "s.json")
+    p = run_cli(
+        "train",
+        "cfg.yaml",
+        "--local",
+        "--set",
+        "model.mode=step",
+        "--set",
+        "mlflow.log_every_n_steps=4",
+        "--set",
+        f"run.storage_path={tmp_path / 'runs'}",
+        "--summary-json",
+        "s.json",
+    )
     assert p.wait(180) == 0, p.output
     s = read_json(tmp_path / "s.json")
     assert s["status"] == "FINISHED" and s["steps"] == 24
@@ -109,13 +148,13 @@ def test_a_step_with_a_metric_of_its_own_trains_to_finished_and_logs_the_metric(
 
 ERRORS = {
     "bad keys": "the batch is a dict, passed as model(**batch), and the model's forward takes no 'token_type_ids': "
-                "the batch's keys are [input_ids, attention_mask, labels, token_type_ids], forward's parameters "
-                "(input_ids, attention_mask, labels) (at {pipe}:{forward})",
+    "the batch's keys are [input_ids, attention_mask, labels, token_type_ids], forward's parameters "
+    "(input_ids, attention_mask, labels) (at {pipe}:{forward})",
     "no loss": "the model's output is dict with keys [logits], with no loss, and the pipeline gives no loss_fn: "
-               "expected output.loss, output['loss'] or a one-number tensor, or give loss_fn(output, batch) "
-               "(the model's forward at {pipe}:{forward})",
+    "expected output.loss, output['loss'] or a one-number tensor, or give loss_fn(output, batch) "
+    "(the model's forward at {pipe}:{forward})",
     "bad step": "step(model, batch) returned dict with keys [loss]: expected the loss (a one-number tensor) or "
-                "(loss, {{metric: value}}) (at {pipe}:{bad_return})",
+    "(loss, {{metric: value}}) (at {pipe}:{bad_return})",
 }
 
 
@@ -127,11 +166,23 @@ def test_a_batch_output_or_step_of_the_wrong_form_is_one_line_at_the_first_step(
     lines = pipe.read_text().splitlines()
     forward = next(i for i, line in enumerate(lines, 1) if "def forward(self, input_ids" in line)
     bad_return = next(i for i, line in enumerate(lines, 1) if 'return {"loss": ((model(a, b)' in line)
-    runs = {mode: run_cli("train", "cfg.yaml", "--local", "--set", f"model.mode={mode}",  # at once: start-up overlaps
-                          "--set", f"run.name=case{i}", "--set", f"run.storage_path={tmp_path / 'runs'}",
-                          "--summary-json", f"{i}.json",
-                          name=f"case{i}")
-            for i, mode in enumerate(ERRORS)}
+    runs = {
+        mode: run_cli(
+            "train",
+            "cfg.yaml",
+            "--local",
+            "--set",
+            f"model.mode={mode}",  # at once: start-up overlaps
+            "--set",
+            f"run.name=case{i}",
+            "--set",
+            f"run.storage_path={tmp_path / 'runs'}",
+            "--summary-json",
+            f"{i}.json",
+            name=f"case{i}",
+        )
+        for i, mode in enumerate(ERRORS)
+    }
     for i, (mode, expected) in enumerate(ERRORS.items()):
         p = runs[mode]
         assert p.wait(240) == 1, (mode, p.output)
@@ -160,8 +211,12 @@ def test_to_device_moves_every_tensor_of_any_nesting_and_keeps_the_containers():
     class Encoding(collections.UserDict):
         pass
 
-    batch = {"enc": Encoding(input_ids=torch.ones(2, 3)), "pair": Pair(torch.ones(2), [torch.ones(1), 7]),
-             "item": Item(torch.ones(2), "n"), "t": (torch.ones(1), "s")}
+    batch = {
+        "enc": Encoding(input_ids=torch.ones(2, 3)),
+        "pair": Pair(torch.ones(2), [torch.ones(1), 7]),
+        "item": Item(torch.ones(2), "n"),
+        "t": (torch.ones(1), "s"),
+    }
     moved = to_device(batch, torch.device("meta"))
     assert type(moved["enc"]) is Encoding and moved["enc"]["input_ids"].is_meta
     assert type(moved["pair"]) is Pair and moved["pair"].a.is_meta and moved["pair"].b[0].is_meta
@@ -181,10 +236,13 @@ def test_a_pipeline_with_both_step_and_eval_sums_or_a_collate_fn_that_is_no_func
     data = [(torch.zeros(2), torch.zeros(1))]
     model = torch.nn.Linear(2, 1)
     both = Pipeline(model=model, train_set=data, step=lambda m, b: m(b[0]).sum(), eval_sums=lambda o, b: {})
-    assert pipeline_problem(both).startswith("a Pipeline with both step and eval_sums: with a step, the held-out "
-                                             "metrics are its loss and metrics")
-    assert pipeline_problem(Pipeline(model=model, train_set=data, collate_fn="pad")) == \
-        "a Pipeline whose collate_fn is str, not a function"
+    assert pipeline_problem(both).startswith(
+        "a Pipeline with both step and eval_sums: with a step, the held-out metrics are its loss and metrics"
+    )
+    assert (
+        pipeline_problem(Pipeline(model=model, train_set=data, collate_fn="pad"))
+        == "a Pipeline whose collate_fn is str, not a function"
+    )
 
 
 def test_autotune_counts_the_evaluations_every_n_steps_in_a_steps_cost():
@@ -192,7 +250,8 @@ def test_autotune_counts_the_evaluations_every_n_steps_in_a_steps_cost():
     from raylane.config import load_config
 
     epochs_only = load_config("digits", ["train.eval_every_n_epochs=0", "checkpoint.every_n_epochs=0"])
-    every_10 = load_config("digits", ["train.eval_every_n_epochs=0", "checkpoint.every_n_epochs=0",
-                                      "train.eval_every_n_steps=10"])
+    every_10 = load_config(
+        "digits", ["train.eval_every_n_epochs=0", "checkpoint.every_n_epochs=0", "train.eval_every_n_steps=10"]
+    )
     assert per_step_seconds(epochs_only, steps_per_epoch=50, eval_s=2.0, save_s=0.0) == 0.0
     assert per_step_seconds(every_10, steps_per_epoch=50, eval_s=2.0, save_s=0.0) == pytest.approx(0.2)

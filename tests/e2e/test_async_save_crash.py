@@ -37,11 +37,10 @@ CRASH = textwrap.dedent("""
 
 def test_a_crash_between_save_start_and_commit_leaves_the_previous_checkpoint_latest(tmp_path):
     root = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", CRASH, str(root)], check=False, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASH, str(root)], check=False, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 17, proc.stderr
     second = root / checkpoint.checkpoint_name(2)
     assert (second / checkpoint.STATE_FILE).exists() and not (second / checkpoint.MANIFEST_FILE).exists()
     assert checkpoint.latest_valid(str(root)) == str(root / checkpoint.checkpoint_name(1))
-
-

@@ -32,8 +32,13 @@ def build(cfg):
     pass
 """
 # An S3 endpoint where nothing listens.
-UNREACHABLE_S3 = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
-                  "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+UNREACHABLE_S3 = {
+    "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+    "AWS_ACCESS_KEY_ID": "x",
+    "AWS_SECRET_ACCESS_KEY": "y",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
 
 @dataclass
@@ -54,7 +59,9 @@ def sweep(space: str = "{optim.lr: {grid: [0.1]}}", extra: str = "") -> dict[str
 def ran(name: str = "r", *sets: str) -> dict[str, str]:
     """runs/<name> as a digits run (with `sets`) left it: a committed checkpoint's manifest."""
     config = load_config("digits", [f"run.name={name}", *sets]).model_dump(mode="json")
-    return {f"runs/{name}/checkpoint_000000003/manifest.json": json.dumps({"train_state": {"step": 3, "config": config}})}
+    return {
+        f"runs/{name}/checkpoint_000000003/manifest.json": json.dumps({"train_state": {"step": 3, "config": config}})
+    }
 
 
 def committed(folder: str, files: dict[str, str], sizes: dict[str, int] | None = None) -> dict[str, str]:
@@ -62,9 +69,14 @@ def committed(folder: str, files: dict[str, str], sizes: dict[str, int] | None =
     default, each file's own)."""
     config = load_config("digits", []).model_dump(mode="json")
     sizes = sizes or {name: len(text) for name, text in files.items()}
-    manifest = {"train_state": {"step": 3, "config": config},
-                "files": {name: {"size": size, "sha256": "0" * 64} for name, size in sizes.items()}}
-    return {**{f"{folder}/{name}": text for name, text in files.items()}, f"{folder}/manifest.json": json.dumps(manifest)}
+    manifest = {
+        "train_state": {"step": 3, "config": config},
+        "files": {name: {"size": size, "sha256": "0" * 64} for name, size in sizes.items()},
+    }
+    return {
+        **{f"{folder}/{name}": text for name, text in files.items()},
+        f"{folder}/manifest.json": json.dumps(manifest),
+    }
 
 
 def swept(*sets: str) -> dict[str, str]:
@@ -78,14 +90,19 @@ def swept(*sets: str) -> dict[str, str]:
 CASES: dict[str, Case] = {
     # check: the config alone
     "batch size 0": Case(["check", "digits", "--set", "train.batch_size=0"], "train.batch_size = 0: Input should be"),
-    "misspelled key": Case(["check", "digits", "--set", "train.max_epoch=3"],
-                           "train.max_epoch = 3: unknown key (did you mean train.max_epochs?)"),
-    "misspelled model key": Case(["check", "digits", "--set", "model.hiden_size=8"],
-                                 "unknown key (did you mean model.hidden_size?)"),
+    "misspelled key": Case(
+        ["check", "digits", "--set", "train.max_epoch=3"],
+        "train.max_epoch = 3: unknown key (did you mean train.max_epochs?)",
+    ),
+    "misspelled model key": Case(
+        ["check", "digits", "--set", "model.hiden_size=8"], "unknown key (did you mean model.hidden_size?)"
+    ),
     "misspelled section": Case(["check", "digits", "--set", "trian.max_epochs=3"], "unknown key (did you mean train?)"),
-    "misspelled shipped config": Case(["check", "digitz"],
-                                      "config = 'digitz': no such file, and no shipped config of that name "
-                                      "(did you mean digits?); shipped: digits, digits-sweep"),
+    "misspelled shipped config": Case(
+        ["check", "digitz"],
+        "config = 'digitz': no such file, and no shipped config of that name "
+        "(did you mean digits?); shipped: digits, digits-sweep",
+    ),
     "missing file": Case(["check", "missing.yaml"], "config file 'missing.yaml': no such file"),
     "unknown optimizer": Case(["check", "digits", "--set", "optim.name=lion"], "optim.name = 'lion'"),
     "lr not a number": Case(["check", "digits", "--set", "optim.lr=abc"], "optim.lr = 'abc'"),
@@ -94,191 +111,335 @@ CASES: dict[str, Case] = {
     "run name escapes": Case(["check", "digits", "--set", "run.name=../x"], "run.name = '../x'"),
     "through a scalar": Case(["check", "digits", "--set", "train.seed.x=1"], "train.seed is 0, not a section"),
     "override without =": Case(["check", "digits", "--set", "noequals"], "'noequals': expected dotted.key=value"),
-    "invalid YAML": Case(["check", "bad.yaml"], "config file 'bad.yaml': invalid YAML at line 2",
-                         files={"bad.yaml": "a: [\n"}),
+    "invalid YAML": Case(
+        ["check", "bad.yaml"], "config file 'bad.yaml': invalid YAML at line 2", files={"bad.yaml": "a: [\n"}
+    ),
     "YAML list": Case(["check", "list.yaml"], "top level must be a mapping", files={"list.yaml": "- 1\n"}),
-    "fp16 with fsdp": Case(["check", "digits", "--set", "train.precision=fp16", "--set", "strategy.name=fsdp"],
-                           "train.precision = 'fp16' with strategy.name = 'fsdp'"),
-    "bf16 hook on CPU": Case(["check", "digits", "--set", "strategy.comm_hook=bf16"],
-                             "strategy.comm_hook = 'bf16' needs scaling.use_gpu: true"),
+    "fp16 with fsdp": Case(
+        ["check", "digits", "--set", "train.precision=fp16", "--set", "strategy.name=fsdp"],
+        "train.precision = 'fp16' with strategy.name = 'fsdp'",
+    ),
+    "bf16 hook on CPU": Case(
+        ["check", "digits", "--set", "strategy.comm_hook=bf16"],
+        "strategy.comm_hook = 'bf16' needs scaling.use_gpu: true",
+    ),
     "keep 0": Case(["check", "digits", "--set", "checkpoint.keep=0"], "checkpoint.keep = 0"),
-    "best metric misspelled": Case(["check", "digits", "--set", "checkpoint.keep_best=2",
-                                    "--set", "checkpoint.best_metric=acuracy"],
-                                   "checkpoint.best_metric = 'acuracy': not a metric the digits pipeline reports "
-                                   "(did you mean accuracy?); it reports: loss, accuracy"),
-    "misspelled pipeline": Case(["check", "c.yaml"], "pipeline = 'digts': unknown pipeline: did you mean 'digits'?",
-                                files={"c.yaml": "pipeline: digts\n"}),
+    "best metric misspelled": Case(
+        ["check", "digits", "--set", "checkpoint.keep_best=2", "--set", "checkpoint.best_metric=acuracy"],
+        "checkpoint.best_metric = 'acuracy': not a metric the digits pipeline reports "
+        "(did you mean accuracy?); it reports: loss, accuracy",
+    ),
+    "misspelled pipeline": Case(
+        ["check", "c.yaml"],
+        "pipeline = 'digts': unknown pipeline: did you mean 'digits'?",
+        files={"c.yaml": "pipeline: digts\n"},
+    ),
     "pipeline file missing": Case(["check", "c.yaml"], "pipeline = './pipe.py': no such file", files={"c.yaml": OWN}),
-    "storage path through a file": Case(["check", "digits", "--set", "run.storage_path=afile/runs"],
-                                        "run.storage_path = '{cwd}/afile/runs': ", files={"afile": ""}),
-    "tabular data missing": Case(["check", "tabular", "--set", "data.train=none.parquet"],
-                                 "data.train = '{cwd}/none.parquet': no parquet files there"),
+    "storage path through a file": Case(
+        ["check", "digits", "--set", "run.storage_path=afile/runs"],
+        "run.storage_path = '{cwd}/afile/runs': ",
+        files={"afile": ""},
+    ),
+    "tabular data missing": Case(
+        ["check", "tabular", "--set", "data.train=none.parquet"],
+        "data.train = '{cwd}/none.parquet': no parquet files there",
+    ),
     # train: the config, and what the run will write
     "train a misspelled name": Case(["train", "digitz"], "(did you mean digits?)", subprocess=True),
-    "train a sweep file": Case(["train", "digits-sweep"],
-                               "config file 'digits-sweep': is a sweep file (it has a `sweep:` section): "
-                               "run it with `raylane tune digits-sweep`"),
-    "train with a sweep key": Case(["train", "digits", "--set", "sweep.metric=loss"], "sweep = {'metric': 'loss'}: unknown key"),
-    "summary into a missing folder": Case(["train", "digits", "--summary-json", "out/s.json"],
-                                          "--summary-json = 'out/s.json': folder 'out' does not exist", subprocess=True),
+    "train a sweep file": Case(
+        ["train", "digits-sweep"],
+        "config file 'digits-sweep': is a sweep file (it has a `sweep:` section): "
+        "run it with `raylane tune digits-sweep`",
+    ),
+    "train with a sweep key": Case(
+        ["train", "digits", "--set", "sweep.metric=loss"], "sweep = {'metric': 'loss'}: unknown key"
+    ),
+    "summary into a missing folder": Case(
+        ["train", "digits", "--summary-json", "out/s.json"],
+        "--summary-json = 'out/s.json': folder 'out' does not exist",
+        subprocess=True,
+    ),
     "summary onto a folder": Case(["train", "digits", "--summary-json", "."], "--summary-json = '.': is a directory"),
-    "storage path is a file": Case(["train", "digits", "--set", "run.storage_path=afile"],
-                                   "run.storage_path = '{cwd}/afile': ", files={"afile": ""}),
-    "local, misspelled key": Case(["train", "digits", "--local", "--set", "train.max_epoch=2"],
-                                  "did you mean train.max_epochs?"),
+    "storage path is a file": Case(
+        ["train", "digits", "--set", "run.storage_path=afile"],
+        "run.storage_path = '{cwd}/afile': ",
+        files={"afile": ""},
+    ),
+    "local, misspelled key": Case(
+        ["train", "digits", "--local", "--set", "train.max_epoch=2"], "did you mean train.max_epochs?"
+    ),
     "regression batch 0": Case(["train", "regression", "--set", "train.batch_size=0"], "train.batch_size = 0"),
-    "own pipeline without build": Case(["train", "c.yaml"], "defines no build(cfg) function",
-                                       files={"c.yaml": OWN, "pipe.py": "import raylane\nclass Config(raylane.BaseConfig):\n"
-                                              "    model: dict = {}\n"}),
-    "resume with another model": Case(["train", "digits", "--set", "run.name=r", "--set", "model.hidden_size=64"],
-                                      "model.hidden_size = 64: run 'r' has a checkpoint saved with model.hidden_size "
-                                      "= 128 (", files=ran(), subprocess=True),
-    "resume with dropout": Case(["train", "digits", "--local", "--set", "run.name=r", "--set", "model.dropout=0.1"],
-                                "model.dropout = 0.1: run 'r' has a checkpoint saved with model.dropout = 0.0",
-                                files=ran()),
-    "resume another pipeline": Case(["train", "regression", "--set", "run.name=r"], "pipeline = 'regression': ",
-                                    files=ran()),
-    "resume with another optimizer": Case(["train", "digits", "--set", "run.name=r", "--set", "optim.name=sgd"],
-                                          "optim.name = 'sgd': run 'r' has a checkpoint saved with optim.name = "
-                                          "'adam' (", files=ran()),
-    "resume adding momentum": Case(["train", "digits", "--set", "run.name=r", "--set", "optim.name=sgd",
-                                    "--set", "optim.momentum=0.9"],
-                                   "optim.momentum = 0.9: ", files=ran("r", "optim.name=sgd", "optim.momentum=0")),
-    "resume adding a schedule": Case(["train", "digits", "--set", "run.name=r", "--set", "optim.schedule=cosine"],
-                                     "keep optim.schedule=constant to resume it, or start a fresh run with "
-                                     "--set run.name=r-2", files=ran()),
-    "check a resume": Case(["check", "digits", "--set", "run.name=r", "--set", "model.num_layers=3"],
-                           "model.num_layers = 3: run 'r'", files=ran()),
-    "global batch the workers cannot split": Case(["train", "digits", "--set", "train.global_batch=7",
-                                                   "--set", "scaling.num_workers=2"],
-                                                  "train.global_batch = 7: not a multiple of train.batch_size = 32 x "
-                                                  "scaling.num_workers = 2"),
+    "own pipeline without build": Case(
+        ["train", "c.yaml"],
+        "defines no build(cfg) function",
+        files={"c.yaml": OWN, "pipe.py": "import raylane\nclass Config(raylane.BaseConfig):\n    model: dict = {}\n"},
+    ),
+    "resume with another model": Case(
+        ["train", "digits", "--set", "run.name=r", "--set", "model.hidden_size=64"],
+        "model.hidden_size = 64: run 'r' has a checkpoint saved with model.hidden_size = 128 (",
+        files=ran(),
+        subprocess=True,
+    ),
+    "resume with dropout": Case(
+        ["train", "digits", "--local", "--set", "run.name=r", "--set", "model.dropout=0.1"],
+        "model.dropout = 0.1: run 'r' has a checkpoint saved with model.dropout = 0.0",
+        files=ran(),
+    ),
+    "resume another pipeline": Case(
+        ["train", "regression", "--set", "run.name=r"], "pipeline = 'regression': ", files=ran()
+    ),
+    "resume with another optimizer": Case(
+        ["train", "digits", "--set", "run.name=r", "--set", "optim.name=sgd"],
+        "optim.name = 'sgd': run 'r' has a checkpoint saved with optim.name = 'adam' (",
+        files=ran(),
+    ),
+    "resume adding momentum": Case(
+        ["train", "digits", "--set", "run.name=r", "--set", "optim.name=sgd", "--set", "optim.momentum=0.9"],
+        "optim.momentum = 0.9: ",
+        files=ran("r", "optim.name=sgd", "optim.momentum=0"),
+    ),
+    "resume adding a schedule": Case(
+        ["train", "digits", "--set", "run.name=r", "--set", "optim.schedule=cosine"],
+        "keep optim.schedule=constant to resume it, or start a fresh run with --set run.name=r-2",
+        files=ran(),
+    ),
+    "check a resume": Case(
+        ["check", "digits", "--set", "run.name=r", "--set", "model.num_layers=3"],
+        "model.num_layers = 3: run 'r'",
+        files=ran(),
+    ),
+    "global batch the workers cannot split": Case(
+        ["train", "digits", "--set", "train.global_batch=7", "--set", "scaling.num_workers=2"],
+        "train.global_batch = 7: not a multiple of train.batch_size = 32 x scaling.num_workers = 2",
+    ),
     # paths: proven by writing a probe (permission bits say yes to root, and on virtual filesystems)
-    "storage on a virtual filesystem": Case(["train", "digits", "--set", "run.storage_path=/proc/raylane-runs"],
-                                            "run.storage_path = '/proc/raylane-runs': "),
-    "storage on an unreachable S3 endpoint": Case(["train", "digits", "--set", "run.storage_path=s3://raylane/runs"],
-                                                  "run.storage_path = 's3://raylane/runs': cannot write a probe there "
-                                                  "(NETWORK_CONNECTION: Could not connect to server, endpoint "
-                                                  "http://127.0.0.1:9)", env=dict(UNREACHABLE_S3)),
-    "data on an unreachable S3 endpoint": Case(["check", "tabular", "--set", "data.train=s3://raylane/t.parquet"],
-                                               "data.train = 's3://raylane/t.parquet': cannot list it "
-                                               "(NETWORK_CONNECTION: Could not connect to server",
-                                               env=dict(UNREACHABLE_S3)),
-    "a shipped pipeline's data file missing": Case(["train", "gpt-tiny", "--set", "data.text_path=none.txt"],
-                                                    "data.text_path = '{cwd}/none.txt': no such file or folder"),
-    "data of one's own pipeline missing": Case(["check", "c.yaml"], "data.path = '{cwd}/data/x.csv': no such file",
-                                               files={"c.yaml": OWN + "data: {path: data/x.csv}\n",
-                                                      "pipe.py": OWN_WITH_PATH}),
+    "storage on a virtual filesystem": Case(
+        ["train", "digits", "--set", "run.storage_path=/proc/raylane-runs"], "run.storage_path = '/proc/raylane-runs': "
+    ),
+    "storage on an unreachable S3 endpoint": Case(
+        ["train", "digits", "--set", "run.storage_path=s3://raylane/runs"],
+        "run.storage_path = 's3://raylane/runs': cannot write a probe there "
+        "(NETWORK_CONNECTION: Could not connect to server, endpoint "
+        "http://127.0.0.1:9)",
+        env=dict(UNREACHABLE_S3),
+    ),
+    "data on an unreachable S3 endpoint": Case(
+        ["check", "tabular", "--set", "data.train=s3://raylane/t.parquet"],
+        "data.train = 's3://raylane/t.parquet': cannot list it (NETWORK_CONNECTION: Could not connect to server",
+        env=dict(UNREACHABLE_S3),
+    ),
+    "a shipped pipeline's data file missing": Case(
+        ["train", "gpt-tiny", "--set", "data.text_path=none.txt"],
+        "data.text_path = '{cwd}/none.txt': no such file or folder",
+    ),
+    "data of one's own pipeline missing": Case(
+        ["check", "c.yaml"],
+        "data.path = '{cwd}/data/x.csv': no such file",
+        files={"c.yaml": OWN + "data: {path: data/x.csv}\n", "pipe.py": OWN_WITH_PATH},
+    ),
     # init_from: someone else's checkpoint, checked before any MLflow run exists
-    "init from a missing folder": Case(["train", "digits", "--set", "checkpoint.init_from=nope"],
-                                       "checkpoint.init_from = '{cwd}/nope': no such folder"),
-    "init from an uncommitted folder": Case(["train", "digits", "--set", "checkpoint.init_from=ck"],
-                                            "checkpoint.init_from = '{cwd}/ck': not a committed checkpoint", files={"ck/x": ""}),
-    "init from a truncated checkpoint": Case(["train", "digits", "--set", "checkpoint.init_from=ck"],
-                                             "checkpoint.init_from = '{cwd}/ck': not a valid checkpoint (state.pt has 5 bytes, "
-                                             "the manifest says 10)", files=committed("ck", {"state.pt": "12345"}, sizes={"state.pt": 10}),
-                                             subprocess=True),
-    "init from a checkpoint missing a file": Case(["train", "digits", "--local", "--set", "checkpoint.init_from=ck"],
-                                                  "(state.pt is missing)", files=committed("ck", {}, sizes={"state.pt": 10})),
-    "init from a hand-edited manifest": Case(["train", "digits", "--set", "checkpoint.init_from=ck"],
-                                             "(state.pt has 5 bytes, the manifest says None)",
-                                             files={"ck/state.pt": "12345", "ck/manifest.json": '{"files": {"state.pt": 5}}'}),
-    "init from another model": Case(["train", "digits", "--set", "checkpoint.init_from=ck", "--set", "model.hidden_size=64"],
-                                    "model.hidden_size = 64: checkpoint.init_from = '{cwd}/ck' was saved with model.hidden_size "
-                                    "= 128, which this config cannot load", files=committed("ck", {})),
+    "init from a missing folder": Case(
+        ["train", "digits", "--set", "checkpoint.init_from=nope"], "checkpoint.init_from = '{cwd}/nope': no such folder"
+    ),
+    "init from an uncommitted folder": Case(
+        ["train", "digits", "--set", "checkpoint.init_from=ck"],
+        "checkpoint.init_from = '{cwd}/ck': not a committed checkpoint",
+        files={"ck/x": ""},
+    ),
+    "init from a truncated checkpoint": Case(
+        ["train", "digits", "--set", "checkpoint.init_from=ck"],
+        "checkpoint.init_from = '{cwd}/ck': not a valid checkpoint (state.pt has 5 bytes, the manifest says 10)",
+        files=committed("ck", {"state.pt": "12345"}, sizes={"state.pt": 10}),
+        subprocess=True,
+    ),
+    "init from a checkpoint missing a file": Case(
+        ["train", "digits", "--local", "--set", "checkpoint.init_from=ck"],
+        "(state.pt is missing)",
+        files=committed("ck", {}, sizes={"state.pt": 10}),
+    ),
+    "init from a hand-edited manifest": Case(
+        ["train", "digits", "--set", "checkpoint.init_from=ck"],
+        "(state.pt has 5 bytes, the manifest says None)",
+        files={"ck/state.pt": "12345", "ck/manifest.json": '{"files": {"state.pt": 5}}'},
+    ),
+    "init from another model": Case(
+        ["train", "digits", "--set", "checkpoint.init_from=ck", "--set", "model.hidden_size=64"],
+        "model.hidden_size = 64: checkpoint.init_from = '{cwd}/ck' was saved with model.hidden_size "
+        "= 128, which this config cannot load",
+        files=committed("ck", {}),
+    ),
     # tune: the sweep and its base config
-    "tune a pipeline config": Case(["tune", "digits"],
-                                   "sweep file 'digits': is a pipeline config (no `sweep:` section): "
-                                   "train it with `raylane train digits`"),
-    "metric misspelled": Case(["tune", "digits-sweep", "--set", "sweep.metric=acuracy"],
-                              "sweep.metric = 'acuracy': not a metric the digits pipeline reports (did you mean accuracy?)",
-                              subprocess=True),
-    "metric of another pipeline": Case(["tune", "s.yaml"], "sweep.metric = 'bits_per_byte': not a metric",
-                                       files=sweep(extra=", metric: bits_per_byte")),
-    "sweep key misspelled": Case(["tune", "digits-sweep", "--set", "sweep.num_sample=3"],
-                                 "sweep.num_sample = 3: unknown key (did you mean sweep.num_samples?)"),
+    "tune a pipeline config": Case(
+        ["tune", "digits"],
+        "sweep file 'digits': is a pipeline config (no `sweep:` section): train it with `raylane train digits`",
+    ),
+    "metric misspelled": Case(
+        ["tune", "digits-sweep", "--set", "sweep.metric=acuracy"],
+        "sweep.metric = 'acuracy': not a metric the digits pipeline reports (did you mean accuracy?)",
+        subprocess=True,
+    ),
+    "metric of another pipeline": Case(
+        ["tune", "s.yaml"], "sweep.metric = 'bits_per_byte': not a metric", files=sweep(extra=", metric: bits_per_byte")
+    ),
+    "sweep key misspelled": Case(
+        ["tune", "digits-sweep", "--set", "sweep.num_sample=3"],
+        "sweep.num_sample = 3: unknown key (did you mean sweep.num_samples?)",
+    ),
     "no samples": Case(["tune", "digits-sweep", "--set", "sweep.num_samples=0"], "sweep.num_samples = 0"),
     "unknown algorithm": Case(["tune", "digits-sweep", "--set", "sweep.algorithm=bayes"], "sweep.algorithm = 'bayes'"),
     "base lr negative": Case(["tune", "digits-sweep", "--set", "optim.lr=-1"], "optim.lr = -1"),
-    "space key misspelled": Case(["tune", "s.yaml"], "optim.lrr: not a key of the digits config (did you mean optim.lr?)",
-                                 files=sweep("{optim.lrr: {grid: [0.1]}}")),
-    "space range reversed": Case(["tune", "s.yaml"], "sweep.space.optim.lr.uniform = [1, 0]: needs low < high",
-                                 files=sweep("{optim.lr: {uniform: [1, 0]}}")),
-    "grid over a range": Case(["tune", "s.yaml"], "sweep.algorithm = 'grid' needs listed values",
-                              files=sweep("{optim.lr: {uniform: [0.1, 1]}}", ", algorithm: grid")),
-    "space value out of range": Case(["tune", "s.yaml"], "sweep.space.train.batch_size: invalid config: train.batch_size = 0",
-                                     files=sweep("{train.batch_size: {choice: [0, 8]}}")),
-    "no sweep section": Case(["tune", "t.yaml"], "sweep file 't.yaml': needs a `sweep:` section", files={"t.yaml": "train: {}\n"}),
-    "sweep summary into a missing folder": Case(["tune", "digits-sweep", "--summary-json", "out/s.json"],
-                                                "--summary-json = 'out/s.json': folder 'out' does not exist"),
-    "sweep rerun with another metric": Case(["tune", "digits-sweep", "--set", "sweep.metric=loss"],
-                                            "sweep.metric = 'loss': sweep 'digits-asha' already ran with sweep.metric "
-                                            "= 'accuracy' (", files=swept(), subprocess=True),
-    "sweep rerun with more samples": Case(["tune", "digits-sweep", "--set", "sweep.num_samples=8"],
-                                          "sweep.num_samples = 8: ", files=swept()),
-    "sweep rerun with another base": Case(["tune", "digits-sweep", "--set", "train.max_epochs=2"],
-                                          "train.max_epochs = 2: sweep 'digits-asha' already ran with train.max_epochs "
-                                          "= 4", files=swept()),
-    "sweep rerun with another space": Case(["tune", "digits-sweep", "--set", "sweep.space={optim.lr: {grid: [0.1]}}"],
-                                           "start a new sweep with --set sweep.name=digits-asha-2", files=swept()),
+    "space key misspelled": Case(
+        ["tune", "s.yaml"],
+        "optim.lrr: not a key of the digits config (did you mean optim.lr?)",
+        files=sweep("{optim.lrr: {grid: [0.1]}}"),
+    ),
+    "space range reversed": Case(
+        ["tune", "s.yaml"],
+        "sweep.space.optim.lr.uniform = [1, 0]: needs low < high",
+        files=sweep("{optim.lr: {uniform: [1, 0]}}"),
+    ),
+    "grid over a range": Case(
+        ["tune", "s.yaml"],
+        "sweep.algorithm = 'grid' needs listed values",
+        files=sweep("{optim.lr: {uniform: [0.1, 1]}}", ", algorithm: grid"),
+    ),
+    "space value out of range": Case(
+        ["tune", "s.yaml"],
+        "sweep.space.train.batch_size: invalid config: train.batch_size = 0",
+        files=sweep("{train.batch_size: {choice: [0, 8]}}"),
+    ),
+    "no sweep section": Case(
+        ["tune", "t.yaml"], "sweep file 't.yaml': needs a `sweep:` section", files={"t.yaml": "train: {}\n"}
+    ),
+    "sweep summary into a missing folder": Case(
+        ["tune", "digits-sweep", "--summary-json", "out/s.json"],
+        "--summary-json = 'out/s.json': folder 'out' does not exist",
+    ),
+    "sweep rerun with another metric": Case(
+        ["tune", "digits-sweep", "--set", "sweep.metric=loss"],
+        "sweep.metric = 'loss': sweep 'digits-asha' already ran with sweep.metric = 'accuracy' (",
+        files=swept(),
+        subprocess=True,
+    ),
+    "sweep rerun with more samples": Case(
+        ["tune", "digits-sweep", "--set", "sweep.num_samples=8"], "sweep.num_samples = 8: ", files=swept()
+    ),
+    "sweep rerun with another base": Case(
+        ["tune", "digits-sweep", "--set", "train.max_epochs=2"],
+        "train.max_epochs = 2: sweep 'digits-asha' already ran with train.max_epochs = 4",
+        files=swept(),
+    ),
+    "sweep rerun with another space": Case(
+        ["tune", "digits-sweep", "--set", "sweep.space={optim.lr: {grid: [0.1]}}"],
+        "start a new sweep with --set sweep.name=digits-asha-2",
+        files=swept(),
+    ),
     # export: the checkpoint and where the weights go
-    "export a missing checkpoint": Case(["export", "runs/x/checkpoint_1", "--out", "m.safetensors"],
-                                        "checkpoint = 'runs/x/checkpoint_1': no such folder"),
-    "export onto a folder": Case(["export", "ck", "--out", "ck"], "--out = 'ck': is a directory; name the file",
-                                 files={"ck/x": ""}),
-    "export through a file": Case(["export", "ck", "--out", "afile/m.safetensors"],
-                                  "--out = 'afile/m.safetensors': ", files={"ck/x": "", "afile": ""}),
-    "export not a checkpoint": Case(["export", "ck", "--out", "new/m.safetensors"],
-                                    "export: ck: not a valid checkpoint", files={"ck/x": ""}),
+    "export a missing checkpoint": Case(
+        ["export", "runs/x/checkpoint_1", "--out", "m.safetensors"],
+        "checkpoint = 'runs/x/checkpoint_1': no such folder",
+    ),
+    "export onto a folder": Case(
+        ["export", "ck", "--out", "ck"], "--out = 'ck': is a directory; name the file", files={"ck/x": ""}
+    ),
+    "export through a file": Case(
+        ["export", "ck", "--out", "afile/m.safetensors"],
+        "--out = 'afile/m.safetensors': ",
+        files={"ck/x": "", "afile": ""},
+    ),
+    "export not a checkpoint": Case(
+        ["export", "ck", "--out", "new/m.safetensors"], "export: ck: not a valid checkpoint", files={"ck/x": ""}
+    ),
     # submit: checked on this machine before anything is uploaded
-    "submit a misspelled key": Case(["submit", "digits", "--set", "train.max_epoch=2", "--address", "http://127.0.0.1:9"],
-                                    "did you mean train.max_epochs?", subprocess=True),
+    "submit a misspelled key": Case(
+        ["submit", "digits", "--set", "train.max_epoch=2", "--address", "http://127.0.0.1:9"],
+        "did you mean train.max_epochs?",
+        subprocess=True,
+    ),
     "submit a misspelled name": Case(["submit", "digitz", "--address", "http://127.0.0.1:9"], "(did you mean digits?)"),
     "submit a sweep file": Case(["submit", "digits-sweep", "--address", "http://127.0.0.1:9"], "is a sweep file"),
-    "submit a misspelled best metric": Case(["submit", "digits", "--set", "checkpoint.keep_best=1",
-                                             "--set", "checkpoint.best_metric=f1", "--address", "http://127.0.0.1:9"],
-                                            "checkpoint.best_metric = 'f1': not a metric the digits pipeline reports"),
+    "submit a misspelled best metric": Case(
+        [
+            "submit",
+            "digits",
+            "--set",
+            "checkpoint.keep_best=1",
+            "--set",
+            "checkpoint.best_metric=f1",
+            "--address",
+            "http://127.0.0.1:9",
+        ],
+        "checkpoint.best_metric = 'f1': not a metric the digits pipeline reports",
+    ),
     # a cluster address: one line at once, where Ray itself would wait for minutes (issue 36)
-    "train at a dead address": Case(["train", "digits", "--address", "127.0.0.1:9"],
-                                    "--address = '127.0.0.1:9': no Ray cluster answers there (connection refused: "
-                                    "nothing listens on that port); check the address (`raylane up` prints it) or "
-                                    "leave --address out for a local cluster", subprocess=True),
-    "train at a typo'd address": Case(["train", "digits", "--address", "127.0.0.1:63799x"],
-                                      "--address = '127.0.0.1:63799x': not a Ray address: expected HOST:PORT"),
-    "train at an unknown host": Case(["train", "digits", "--address", "nohost.invalid:6379"],
-                                     "--address = 'nohost.invalid:6379': cannot resolve host 'nohost.invalid'"),
-    "train at a dashboard URL": Case(["train", "digits", "--address", "http://127.0.0.1:9"],
-                                     "a dashboard URL (the jobs API, for `raylane submit`)"),
-    "train at a dead RAY_ADDRESS": Case(["train", "digits"], "RAY_ADDRESS = '127.0.0.1:9': no Ray cluster answers "
-                                        "there", env={"RAY_ADDRESS": "127.0.0.1:9"}),
-    "tune at a dead address": Case(["tune", "digits-sweep", "--address", "127.0.0.1:9"],
-                                   "--address = '127.0.0.1:9': no Ray cluster answers there"),
-    "autotune at a dead address": Case(["autotune", "digits", "--address", "127.0.0.1:9"],
-                                       "--address = '127.0.0.1:9': no Ray cluster answers there"),
-    "submit to a dead address": Case(["submit", "digits", "--address", "http://127.0.0.1:9"],
-                                     "--address = 'http://127.0.0.1:9': no Ray jobs API answers there (connection "
-                                     "refused", subprocess=True),
-    "submit to another scheme": Case(["submit", "digits", "--address", "ftp://127.0.0.1:9"],
-                                     "--address = 'ftp://127.0.0.1:9': not a jobs API URL: expected http://HOST:PORT"),
+    "train at a dead address": Case(
+        ["train", "digits", "--address", "127.0.0.1:9"],
+        "--address = '127.0.0.1:9': no Ray cluster answers there (connection refused: "
+        "nothing listens on that port); check the address (`raylane up` prints it) or "
+        "leave --address out for a local cluster",
+        subprocess=True,
+    ),
+    "train at a typo'd address": Case(
+        ["train", "digits", "--address", "127.0.0.1:63799x"],
+        "--address = '127.0.0.1:63799x': not a Ray address: expected HOST:PORT",
+    ),
+    "train at an unknown host": Case(
+        ["train", "digits", "--address", "nohost.invalid:6379"],
+        "--address = 'nohost.invalid:6379': cannot resolve host 'nohost.invalid'",
+    ),
+    "train at a dashboard URL": Case(
+        ["train", "digits", "--address", "http://127.0.0.1:9"], "a dashboard URL (the jobs API, for `raylane submit`)"
+    ),
+    "train at a dead RAY_ADDRESS": Case(
+        ["train", "digits"],
+        "RAY_ADDRESS = '127.0.0.1:9': no Ray cluster answers there",
+        env={"RAY_ADDRESS": "127.0.0.1:9"},
+    ),
+    "tune at a dead address": Case(
+        ["tune", "digits-sweep", "--address", "127.0.0.1:9"], "--address = '127.0.0.1:9': no Ray cluster answers there"
+    ),
+    "autotune at a dead address": Case(
+        ["autotune", "digits", "--address", "127.0.0.1:9"], "--address = '127.0.0.1:9': no Ray cluster answers there"
+    ),
+    "submit to a dead address": Case(
+        ["submit", "digits", "--address", "http://127.0.0.1:9"],
+        "--address = 'http://127.0.0.1:9': no Ray jobs API answers there (connection refused",
+        subprocess=True,
+    ),
+    "submit to another scheme": Case(
+        ["submit", "digits", "--address", "ftp://127.0.0.1:9"],
+        "--address = 'ftp://127.0.0.1:9': not a jobs API URL: expected http://HOST:PORT",
+    ),
     "submit to a GCS address": Case(["submit", "digits", "--address", "127.0.0.1:9"], "not a jobs API URL"),
-    "submit to an unknown host": Case(["submit", "digits", "--address", "http://nohost.invalid:8265"],
-                                      "cannot resolve host 'nohost.invalid'"),
+    "submit to an unknown host": Case(
+        ["submit", "digits", "--address", "http://nohost.invalid:8265"], "cannot resolve host 'nohost.invalid'"
+    ),
     # a remote cluster (TEST-NET-3: never this machine) would put the results in the job's temporary folder
     "submit relative storage to a remote cluster": Case(
         ["submit", "digits", "--address", "http://203.0.113.5:8265"],
         "run.storage_path = 'runs': a job on the remote cluster at http://203.0.113.5:8265 would write its "
         "checkpoints inside its temporary working directory; set run.storage_path to s3://... or an absolute path "
-        "the cluster shares"),
+        "the cluster shares",
+    ),
     "submit to a remote cluster with a local MLflow store": Case(
         ["submit", "digits", "--address", "http://203.0.113.5:8265", "--set", "run.storage_path=s3://bucket/runs"],
         "MLFLOW_TRACKING_URI = 'sqlite:///mlflow.db': a job on the remote cluster at http://203.0.113.5:8265 would "
         "record its MLflow run inside its temporary working directory; set MLFLOW_TRACKING_URI to the cluster's "
-        "MLflow server", env={"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"}),
+        "MLflow server",
+        env={"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"},
+    ),
     # up: the token the head will require
-    "up with an empty token file": Case(["up"], "RAY_AUTH_TOKEN_PATH = 'tok': the file is empty",
-                                        files={"tok": "\n"}, env={"RAY_AUTH_TOKEN_PATH": "tok"}),
-    "up with no token file": Case(["up"], "RAY_AUTH_TOKEN_PATH = 'nope': cannot read it (No such file or directory)",
-                                  env={"RAY_AUTH_TOKEN_PATH": "nope"}),
+    "up with an empty token file": Case(
+        ["up"],
+        "RAY_AUTH_TOKEN_PATH = 'tok': the file is empty",
+        files={"tok": "\n"},
+        env={"RAY_AUTH_TOKEN_PATH": "tok"},
+    ),
+    "up with no token file": Case(
+        ["up"],
+        "RAY_AUTH_TOKEN_PATH = 'nope': cannot read it (No such file or directory)",
+        env={"RAY_AUTH_TOKEN_PATH": "nope"},
+    ),
 }
 
 
@@ -291,8 +452,6 @@ def _write(tmp_path, files: dict[str, str]) -> None:
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-
-
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -319,12 +478,21 @@ def _through_the_api(argv: list[str]):
     a = cli._parser().parse_args(argv)
     calls = {
         "check": lambda: api.check(a.config, a.overrides),
-        "train": lambda: api.train(a.config, a.overrides, address=a.address, local=a.local, register=a.register,
-                                   summary_json=a.summary_json),
-        "tune": lambda: api.tune(a.config, a.overrides, address=a.address, register=a.register,
-                                 summary_json=a.summary_json),
-        "autotune": lambda: api.autotune(a.config, a.overrides, address=a.address, local=a.local,
-                                         budget_s=a.budget_s, out=a.out, summary_json=a.summary_json),
+        "train": lambda: api.train(
+            a.config, a.overrides, address=a.address, local=a.local, register=a.register, summary_json=a.summary_json
+        ),
+        "tune": lambda: api.tune(
+            a.config, a.overrides, address=a.address, register=a.register, summary_json=a.summary_json
+        ),
+        "autotune": lambda: api.autotune(
+            a.config,
+            a.overrides,
+            address=a.address,
+            local=a.local,
+            budget_s=a.budget_s,
+            out=a.out,
+            summary_json=a.summary_json,
+        ),
         "submit": lambda: api.submit(a.config, a.overrides, address=a.address),
         "export": lambda: api.export(a.checkpoint, a.out),
         "up": lambda: api.up(a.num_cpus, a.port, a.dashboard_port),
@@ -337,25 +505,42 @@ def test_bad_input_end_to_end(name, tmp_path):
     case = CASES[name]
     _write(tmp_path, case.files)
     started = time.monotonic()
-    out = subprocess.run([*RAYLANE, *case.argv], check=False, cwd=tmp_path, env=cli_env(tmp_path),
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*RAYLANE, *case.argv],
+        check=False,
+        cwd=tmp_path,
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert time.monotonic() - started < 15, "took long enough to have started something"
     assert out.returncode == case.code and out.stdout == "", out.stdout + out.stderr
     assert out.stderr.splitlines() == [out.stderr.strip()] and _line(case, tmp_path) in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "mlflow.db").exists()
 
 
-@pytest.mark.parametrize("argv, line", [
-    (["train", "digits", "--set", "train.max_epoch=2"], "did you mean train.max_epochs?"),
-    (["train", "digits", "--summary-json", "out/s.json"], "folder 'out' does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["train", "digits", "--set", "train.max_epoch=2"], "did you mean train.max_epochs?"),
+        (["train", "digits", "--summary-json", "out/s.json"], "folder 'out' does not exist"),
+    ],
+)
 def test_bad_input_under_torchrun(argv, line, tmp_path):
     """Each rank finds the mistake before its process group starts; rank 0 alone prints it, and
     every rank exits 2. torchrun then reports the failed child in a block of its own and exits 1:
     a launcher's output that a rank cannot silence (see the closing note of issue 21)."""
     started = time.monotonic()
-    out = subprocess.run([*TORCHRUN, "--nproc_per_node", "2", "-m", "raylane", *argv], check=False,
-                         cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*TORCHRUN, "--nproc_per_node", "2", "-m", "raylane", *argv],
+        check=False,
+        cwd=tmp_path,
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert time.monotonic() - started < 15
     mine = [x for x in (out.stdout + out.stderr).splitlines() if x.startswith("raylane: ")]
     assert len(mine) == 1 and line in mine[0], out.stdout + out.stderr
@@ -382,8 +567,9 @@ def test_export_makes_the_folder_it_writes_into(tmp_path):
 
 def test_a_pipeline_that_declares_no_metrics_takes_any(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "pipe.py").write_text("import raylane\nclass Config(raylane.BaseConfig):\n    model: dict = {}\n"
-                                      "def build(cfg):\n    pass\n")
+    (tmp_path / "pipe.py").write_text(
+        "import raylane\nclass Config(raylane.BaseConfig):\n    model: dict = {}\ndef build(cfg):\n    pass\n"
+    )
     cfg = load_config({"pipeline": "./pipe.py", "checkpoint": {"keep_best": 1, "best_metric": "anything"}})
     prechecks.check_run(cfg)  # no error
     prechecks.check_metric("sweep.metric", "f1", cfg)

@@ -45,7 +45,10 @@ class DecoderLayer(nn.Module):
 
 
 class Base(nn.Module):
-    _no_split_modules: ClassVar[list[str]] = ["DecoderLayer", "Attention"]  # as a Hugging Face PreTrainedModel declares it
+    _no_split_modules: ClassVar[list[str]] = [
+        "DecoderLayer",
+        "Attention",
+    ]  # as a Hugging Face PreTrainedModel declares it
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,17 +91,21 @@ def test_the_pipeline_names_its_blocks_as_modules_or_a_dotted_path():
     path = find_blocks(model, "encoder.layers")
     assert path.modules == layers and path.describe() == "2 x Layer at encoder.layers (the pipeline's blocks)"
     # What is wrong with it is said when build(cfg) returns, naming the field.
-    cases = {"encoder.nope": "blocks = 'encoder.nope' names no module of the model",
-             "head": "blocks = 'head' is a Linear, not a ModuleList or Sequential",
-             3: "blocks is int, not a list of the model's modules",
-             (model.head, "x"): "blocks[1] is str, not a torch.nn.Module",
-             (Layer(),): "blocks[0] (Layer) is not a module of the model",
-             (model,): "blocks[0] is the model itself"}
+    cases = {
+        "encoder.nope": "blocks = 'encoder.nope' names no module of the model",
+        "head": "blocks = 'head' is a Linear, not a ModuleList or Sequential",
+        3: "blocks is int, not a list of the model's modules",
+        (model.head, "x"): "blocks[1] is str, not a torch.nn.Module",
+        (Layer(),): "blocks[0] (Layer) is not a module of the model",
+        (model,): "blocks[0] is the model itself",
+    }
     for blocks, expected in cases.items():
         problem = pipeline_problem(Pipeline(model=model, train_set=[1], loss_fn=len, eval_sums=len, blocks=blocks))
         assert problem is not None and problem.startswith(f"a Pipeline whose {expected}"), (blocks, problem)
-    assert pipeline_problem(Pipeline(model=model, train_set=[1], loss_fn=len, eval_sums=len,
-                                     blocks="encoder.layers")) is None
+    assert (
+        pipeline_problem(Pipeline(model=model, train_set=[1], loss_fn=len, eval_sums=len, blocks="encoder.layers"))
+        is None
+    )
 
 
 def test_found_at_model_blocks_in_no_split_modules_or_the_largest_repeated_list():
@@ -139,7 +146,9 @@ def test_found_at_model_blocks_in_no_split_modules_or_the_largest_repeated_list(
 def test_the_estimate_and_activation_checkpointing_use_the_found_blocks(caplog):
     """The memory estimate's largest gathered block is a layer's, not the whole model's; with no
     blocks, activation checkpointing says (once) that it recomputes nothing."""
-    cfg = load_config(str(REPO / "pipelines/regression.yaml"), ["train.activation_checkpointing=true", "optim.name=adamw"])
+    cfg = load_config(
+        str(REPO / "pipelines/regression.yaml"), ["train.activation_checkpointing=true", "optim.name=adamw"]
+    )
     model = Net()
     params = sum(p.numel() * 4 for p in model.parameters())
     layer = sum(p.numel() * 4 for p in model.encoder.layers[0].parameters())
@@ -150,8 +159,12 @@ def test_the_estimate_and_activation_checkpointing_use_the_found_blocks(caplog):
         for _ in range(2):
             parallelize(flat, cfg, torch.device("cpu"), 1)
     notes = [r.getMessage() for r in caplog.records if "no repeated blocks" in r.getMessage()]
-    assert notes == [("no repeated blocks found in Sequential: activation checkpointing recomputes nothing (give the "
-                      "pipeline blocks=[...] or blocks='path.to.layers' to choose them; docs/pipelines.md, Blocks)")]
+    assert notes == [
+        (
+            "no repeated blocks found in Sequential: activation checkpointing recomputes nothing (give the "
+            "pipeline blocks=[...] or blocks='path.to.layers' to choose them; docs/pipelines.md, Blocks)"
+        )
+    ]
 
 
 @pytest.fixture
@@ -163,15 +176,19 @@ def project(tmp_path) -> Path:
 
 def test_check_prints_the_blocks_it_found(project, capsys):
     assert main(["check", str(project / "cfg.yaml"), "--blocks"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == \
-        "blocks: 2 x Layer at encoder.layers (the largest repeated ModuleList)"
+    assert (
+        capsys.readouterr().out.splitlines()[-1]
+        == "blocks: 2 x Layer at encoder.layers (the largest repeated ModuleList)"
+    )
     assert main(["check", str(project / "cfg.yaml"), "--blocks", "--set", "model.kind=flat"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "blocks: none found (FSDP shards the whole model as one unit)"
     assert main(["check", str(project / "cfg.yaml"), "--blocks", "--set", "model.blocks_at=encoder.layer"]) == 2
     err = capsys.readouterr().err
     pipe = project / "pipe.py"
-    assert err.startswith(f"raylane: pipeline '{pipe}': build(cfg) returned a Pipeline whose blocks = "
-                          f"'encoder.layer' names no module of the model (at {pipe}:"), err
+    assert err.startswith(
+        f"raylane: pipeline '{pipe}': build(cfg) returned a Pipeline whose blocks = "
+        f"'encoder.layer' names no module of the model (at {pipe}:"
+    ), err
     assert len(err.splitlines()) == 1
     # Without --blocks nothing is built; where blocks matter to the run, check says how to see them.
     assert main(["check", str(project / "cfg.yaml"), "--set", "strategy.name=fsdp"]) == 0
@@ -189,14 +206,54 @@ def test_fsdp_shards_layers_not_at_model_blocks_per_layer_with_half_the_state(ru
     common = ["train", "cfg.yaml", "--set", "mlflow.log_model=false", "--set", "checkpoint.every_n_steps=0"]
     fsdp_counts = project / "fsdp-counts"
     runs = {
-        "ddp": run_cli("--nproc_per_node", "2", "-m", "raylane", *common, "--set", "strategy.name=ddp",
-                       "--set", "run.name=ddp", "--summary-json", "ddp.json", launcher=TORCHRUN, name="ddp"),
-        "fsdp": run_cli("--nproc_per_node", "2", str(REPO / "tests/helpers/count_collectives.py"), str(fsdp_counts),
-                        "--", *common, "--set", "strategy.name=fsdp", "--set", "run.name=fsdp",
-                        "--summary-json", "fsdp.json", launcher=TORCHRUN, name="fsdp"),
-        "flat": run_cli("--nproc_per_node", "2", "-m", "raylane", *common, "--set", "strategy.name=fsdp",
-                        "--set", "model.kind=flat", "--set", "run.name=flat", "--summary-json", "flat.json",
-                        launcher=TORCHRUN, name="flat"),
+        "ddp": run_cli(
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "raylane",
+            *common,
+            "--set",
+            "strategy.name=ddp",
+            "--set",
+            "run.name=ddp",
+            "--summary-json",
+            "ddp.json",
+            launcher=TORCHRUN,
+            name="ddp",
+        ),
+        "fsdp": run_cli(
+            "--nproc_per_node",
+            "2",
+            str(REPO / "tests/helpers/count_collectives.py"),
+            str(fsdp_counts),
+            "--",
+            *common,
+            "--set",
+            "strategy.name=fsdp",
+            "--set",
+            "run.name=fsdp",
+            "--summary-json",
+            "fsdp.json",
+            launcher=TORCHRUN,
+            name="fsdp",
+        ),
+        "flat": run_cli(
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "raylane",
+            *common,
+            "--set",
+            "strategy.name=fsdp",
+            "--set",
+            "model.kind=flat",
+            "--set",
+            "run.name=flat",
+            "--summary-json",
+            "flat.json",
+            launcher=TORCHRUN,
+            name="flat",
+        ),
     }
     for p in runs.values():
         assert p.wait(300) == 0, p.output
@@ -208,10 +265,13 @@ def test_fsdp_shards_layers_not_at_model_blocks_per_layer_with_half_the_state(ru
     assert len(steps) == 4
     # The root once (kept gathered), each layer in forward and again in backward.
     assert {s["_allgather_base_"] for s in steps} == {1 + 2 * 2}, steps
-    assert ("strategy fsdp (strategy.name: fsdp); blocks: 2 x Layer at encoder.layers "
-            "(the largest repeated ModuleList)") in runs["fsdp"].output
+    assert (
+        "strategy fsdp (strategy.name: fsdp); blocks: 2 x Layer at encoder.layers (the largest repeated ModuleList)"
+    ) in runs["fsdp"].output
 
     assert flat["status"] == "FINISHED"
-    note = ("no repeated blocks found in Flat: FSDP shards the whole model as one unit (give the pipeline "
-            "blocks=[...] or blocks='path.to.layers' to choose them; docs/pipelines.md, Blocks)")
+    note = (
+        "no repeated blocks found in Flat: FSDP shards the whole model as one unit (give the pipeline "
+        "blocks=[...] or blocks='path.to.layers' to choose them; docs/pipelines.md, Blocks)"
+    )
     assert runs["flat"].output.count(note) == 1, runs["flat"].output

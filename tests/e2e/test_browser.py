@@ -23,8 +23,9 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = REPO / "test-artifacts"
 UI_WAIT_MS = 60_000
 
-needs_chromium = pytest.mark.skipif(CHROMIUM is None,
-                                    reason="Debian's chromium is not installed (make test installs it as root)")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it as root)"
+)
 
 
 def _printed_link(output: str) -> str:
@@ -69,9 +70,20 @@ def _assert_row_shows(page, run_name: str, run, metrics: tuple[str, ...]) -> Non
 def test_mlflow_ui_shows_the_run_its_columns_and_its_charts(run_cli, tmp_path, shared_mlflow_server):
     from playwright.sync_api import expect, sync_playwright
 
-    proc = run_cli("train", "digits", "--local", "--set", "run.name=seen-in-chromium", "--set", "train.max_epochs=3",
-                   "--set", "mlflow.log_model=false", "--summary-json", "s.json",
-                   env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri))
+    proc = run_cli(
+        "train",
+        "digits",
+        "--local",
+        "--set",
+        "run.name=seen-in-chromium",
+        "--set",
+        "train.max_epochs=3",
+        "--set",
+        "mlflow.log_model=false",
+        "--summary-json",
+        "s.json",
+        env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri),
+    )
     assert proc.wait(180) == 0, proc.output
     s = read_json(tmp_path / "s.json")
     client = MlflowClient(shared_mlflow_server.uri)
@@ -151,7 +163,7 @@ def _view_columns(client, experiment_id: str) -> list[str]:
     view = json.loads(client.get_experiment(experiment_id).tags[VIEW_TAG])
     state = view["state"]
     if state.startswith("deflate;"):
-        state = zlib.decompress(base64.b64decode(state[len("deflate;"):])).decode()
+        state = zlib.decompress(base64.b64decode(state[len("deflate;") :])).decode()
     return json.loads(state)["selectedColumns"]
 
 
@@ -169,8 +181,11 @@ def test_an_experiment_keeps_the_kind_and_the_view_columns_someone_chose(shared_
     assert client.get_experiment(own).tags[EXPERIMENT_KIND_TAG] == "genai_development"
     assert _view_columns(client, own) == ["params.`optim.lr`", "metrics.`eval/loss`", "metrics.`run/samples_per_s`"]
     use_experiment(client, name, ["eval/accuracy", "eval/loss"])
-    assert _view_columns(client, own)[1:] == ["metrics.`eval/loss`", "metrics.`run/samples_per_s`",
-                                              "metrics.`eval/accuracy`"]
+    assert _view_columns(client, own)[1:] == [
+        "metrics.`eval/loss`",
+        "metrics.`run/samples_per_s`",
+        "metrics.`eval/accuracy`",
+    ]
 
     client.set_experiment_tag(own, VIEW_TAG, "a view of someone else's")
     use_experiment(client, name, ["eval/f1"])

@@ -16,6 +16,7 @@ from tests.conftest import read_json
 
 pytestmark = pytest.mark.untracked
 
+
 def _save(root: Path, step: int, value: float) -> Path:
     model = torch.nn.Linear(4, 2)
     torch.nn.init.constant_(model.weight, value)
@@ -64,7 +65,9 @@ def test_prune_keeps_the_newest(tmp_path):
         _save(tmp_path, step, float(step))
     checkpoint.prune(str(tmp_path), keep=2)
     assert [Path(p).name for p in checkpoint.committed(str(tmp_path))] == [
-        checkpoint.checkpoint_name(3), checkpoint.checkpoint_name(4)]
+        checkpoint.checkpoint_name(3),
+        checkpoint.checkpoint_name(4),
+    ]
 
 
 def test_relaunch_after_a_truncated_latest_checkpoint_uses_the_previous(run_cli, tmp_path):
@@ -81,14 +84,29 @@ def test_relaunch_after_a_truncated_latest_checkpoint_uses_the_previous(run_cli,
     assert again.wait(120) == 0, again.output
     b = read_json(tmp_path / "b.json")
     assert b["resumed_from_step"] == 20 and b["steps"] == 40
-    line = (f"checkpoint_000000030 skipped: state.pt has {size // 2} bytes, the manifest says {size}; "
-            "resuming from checkpoint_000000020")
+    line = (
+        f"checkpoint_000000030 skipped: state.pt has {size // 2} bytes, the manifest says {size}; "
+        "resuming from checkpoint_000000020"
+    )
     assert again.output.count(line) == 1, again.output
 
 
 def test_keep_limits_checkpoints_on_disk(run_cli, tmp_path):
-    proc = run_cli("train", "regression", "--local", "--set", "run.name=k", "--set", "checkpoint.every_n_steps=5",
-                   "--set", "checkpoint.keep=2", "--set", "train.max_steps=30", "--summary-json", "s.json")
+    proc = run_cli(
+        "train",
+        "regression",
+        "--local",
+        "--set",
+        "run.name=k",
+        "--set",
+        "checkpoint.every_n_steps=5",
+        "--set",
+        "checkpoint.keep=2",
+        "--set",
+        "train.max_steps=30",
+        "--summary-json",
+        "s.json",
+    )
     assert proc.wait(120) == 0, proc.output
     names = sorted(p.name for p in (tmp_path / "runs" / "k").glob("checkpoint_*"))
     assert names == [checkpoint.checkpoint_name(25), checkpoint.checkpoint_name(30)]
@@ -100,8 +118,17 @@ def test_keep_limits_checkpoints_on_disk(run_cli, tmp_path):
 
 def test_resume_with_dropout_is_bit_exact(run_cli, tmp_path):
     """Dropout draws from torch's generator: resuming must restore it, not just the weights."""
-    args = ["train", "digits", "--local", "--set", "scaling.num_workers=1", "--set", "model.dropout=0.3",
-            "--set", "checkpoint.every_n_steps=10"]
+    args = [
+        "train",
+        "digits",
+        "--local",
+        "--set",
+        "scaling.num_workers=1",
+        "--set",
+        "model.dropout=0.3",
+        "--set",
+        "checkpoint.every_n_steps=10",
+    ]
     first = run_cli(*args, "--set", "run.name=r", "--set", "train.max_steps=30", "--summary-json", "a.json")
     assert first.wait(120) == 0, first.output
     again = run_cli(*args, "--set", "run.name=r", "--set", "train.max_steps=60", "--summary-json", "b.json")
@@ -126,26 +153,51 @@ def test_resume_with_dropout_is_bit_exact(run_cli, tmp_path):
 def test_export_from_two_rank_checkpoint_loads_with_safetensors_alone(run_cli, tmp_path):
     from tests.conftest import TORCHRUN
 
-    proc = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "digits", "--set", "run.name=e",
-                   "--set", "train.max_epochs=1", "--summary-json", "s.json", launcher=TORCHRUN)
+    proc = run_cli(
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+        "train",
+        "digits",
+        "--set",
+        "run.name=e",
+        "--set",
+        "train.max_epochs=1",
+        "--summary-json",
+        "s.json",
+        launcher=TORCHRUN,
+    )
     assert proc.wait(180) == 0, proc.output
     s = read_json(tmp_path / "s.json")
     out = run_cli("export", s["checkpoint"], "--out", "model.safetensors", "--summary-json", "export.json")
     assert out.wait(120) == 0, out.output
     exported = read_json(tmp_path / "export.json")
-    assert (exported["command"], exported["checkpoint"], exported["files"]) == \
-        ("export", s["checkpoint"], [str(tmp_path / "model.safetensors"), str(tmp_path / "model.config.json")])
+    assert (exported["command"], exported["checkpoint"], exported["files"]) == (
+        "export",
+        s["checkpoint"],
+        [str(tmp_path / "model.safetensors"), str(tmp_path / "model.config.json")],
+    )
     # A fresh interpreter with neither torch nor Ray: safetensors and numpy only.
-    code = ("import sys, json; from safetensors.numpy import load_file\n"
-            "w = load_file('model.safetensors'); assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"
-            "print(json.dumps({k: list(v.shape) for k, v in w.items()}))")
+    code = (
+        "import sys, json; from safetensors.numpy import load_file\n"
+        "w = load_file('model.safetensors'); assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"
+        "print(json.dumps({k: list(v.shape) for k, v in w.items()}))"
+    )
     import subprocess
     import sys
 
-    shapes = json.loads(subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                                       text=True, check=True).stdout)
-    assert shapes == {"0.weight": [128, 64], "0.bias": [128], "2.weight": [128, 128], "2.bias": [128],
-                      "4.weight": [10, 128], "4.bias": [10]}
+    shapes = json.loads(
+        subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    )
+    assert shapes == {
+        "0.weight": [128, 64],
+        "0.bias": [128],
+        "2.weight": [128, 128],
+        "2.bias": [128],
+        "4.weight": [10, 128],
+        "4.bias": [10],
+    }
     config = json.loads((tmp_path / "model.config.json").read_text())
     assert config["step"] == s["steps"] and config["config"]["pipeline"] == "digits"
     # The exported weights are the trained ones: the same held-out accuracy.
@@ -171,9 +223,21 @@ def test_export_refuses_a_corrupt_checkpoint(run_cli, tmp_path):
 
 def test_epoch_checkpoints_and_evaluations_follow_their_every_n_epochs(run_cli, tmp_path):
     # regression: 64 steps per epoch in one process.
-    proc = run_cli("train", "regression", "--local", "--set", "run.name=e", "--set", "train.max_epochs=5",
-                   "--set", "checkpoint.every_n_epochs=2", "--set", "train.eval_every_n_epochs=0",
-                   "--summary-json", "s.json")
+    proc = run_cli(
+        "train",
+        "regression",
+        "--local",
+        "--set",
+        "run.name=e",
+        "--set",
+        "train.max_epochs=5",
+        "--set",
+        "checkpoint.every_n_epochs=2",
+        "--set",
+        "train.eval_every_n_epochs=0",
+        "--summary-json",
+        "s.json",
+    )
     assert proc.wait(120) == 0, proc.output
     names = sorted(p.name for p in (tmp_path / "runs" / "e").glob("checkpoint_*"))
     assert names == [checkpoint.checkpoint_name(s) for s in (128, 256, 320)]  # epochs 2, 4 and the end
@@ -232,8 +296,15 @@ def test_each_ranks_random_generators_come_back_from_a_replicated_checkpoint(tmp
     path = tmp_path / checkpoint.checkpoint_name(3)
     path.mkdir()
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [subprocess.Popen([sys.executable, "-c", RANKS_RNG, str(rank), str(path), init], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANKS_RNG, str(rank), str(path), init],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
@@ -246,8 +317,9 @@ def test_each_ranks_random_generators_come_back_from_a_replicated_checkpoint(tmp
 
 
 def _stepped(model: torch.nn.Module) -> torch.optim.Optimizer:
-    optimizer = torch.optim.AdamW([{"params": list(model[0].parameters())},
-                                   {"params": list(model[2].parameters()), "lr": 0.1}])
+    optimizer = torch.optim.AdamW(
+        [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "lr": 0.1}]
+    )
     model(torch.randn(8, 3)).sum().backward()
     optimizer.step()
     return optimizer
@@ -274,5 +346,7 @@ def test_a_replicated_states_references_match_dcps_or_come_from_dcp():
     compiled = torch.compile(model)  # DCP names its parameters without `_orig_mod.`; the map would not
     wrapped = LiveState()
     for _ in range(2):
-        assert _same(wrapped.take(compiled, optimizer, checkpoint.live_state), checkpoint.live_state(compiled, optimizer))
+        assert _same(
+            wrapped.take(compiled, optimizer, checkpoint.live_state), checkpoint.live_state(compiled, optimizer)
+        )
     assert wrapped._names is None

@@ -32,9 +32,21 @@ def _weights(path: str) -> dict[str, torch.Tensor]:
 
 def test_disk_full_fails_the_run_and_keeps_the_previous_checkpoint(run_cli, tmp_path):
     """Under FSDP every rank writes its own shard: rank 1's full disk fails the save on both."""
-    proc = run_cli(*TWO_RANKS, "--set", "run.name=full", "--set", "checkpoint.every_n_steps=10",
-                   "--set", "strategy.name=fsdp", "--set", "train.max_steps=40", "--summary-json", "s.json",
-                   launcher=TORCHRUN, env=cli_env(tmp_path, RAYLANE_FAULTS="diskfull@rank=1,step=20"))
+    proc = run_cli(
+        *TWO_RANKS,
+        "--set",
+        "run.name=full",
+        "--set",
+        "checkpoint.every_n_steps=10",
+        "--set",
+        "strategy.name=fsdp",
+        "--set",
+        "train.max_steps=40",
+        "--summary-json",
+        "s.json",
+        launcher=TORCHRUN,
+        env=cli_env(tmp_path, RAYLANE_FAULTS="diskfull@rank=1,step=20"),
+    )
     assert proc.wait(180) != 0
     s = read_json(tmp_path / "s.json")
     assert s["status"] == "FAILED" and s["error"] == f"CheckpointSaveError: {ENOSPC.format(1)}"
@@ -45,10 +57,25 @@ def test_disk_full_fails_the_run_and_keeps_the_previous_checkpoint(run_cli, tmp_
 
 def test_disk_full_with_on_error_warn_trains_on(run_cli, tmp_path):
     """Under DDP rank 0 writes the one file: its full disk is the save's failure on both ranks."""
-    proc = run_cli(*TWO_RANKS, "--set", "run.name=warn", "--set", "checkpoint.every_n_steps=10",
-                   "--set", "train.max_steps=40", "--set", "checkpoint.on_error=warn",
-                   "--set", "checkpoint.async_save=true", "--set", "checkpoint.keep=null", "--summary-json", "s.json",
-                   launcher=TORCHRUN, env=cli_env(tmp_path, RAYLANE_FAULTS="diskfull@rank=0,step=20"))
+    proc = run_cli(
+        *TWO_RANKS,
+        "--set",
+        "run.name=warn",
+        "--set",
+        "checkpoint.every_n_steps=10",
+        "--set",
+        "train.max_steps=40",
+        "--set",
+        "checkpoint.on_error=warn",
+        "--set",
+        "checkpoint.async_save=true",
+        "--set",
+        "checkpoint.keep=null",
+        "--summary-json",
+        "s.json",
+        launcher=TORCHRUN,
+        env=cli_env(tmp_path, RAYLANE_FAULTS="diskfull@rank=0,step=20"),
+    )
     assert proc.wait(180) == 0, proc.output
     s = read_json(tmp_path / "s.json")
     assert s["status"] == "FINISHED" and s["failed_checkpoints"] == 1 and s["steps"] == 40
@@ -60,16 +87,47 @@ def test_async_checkpoints_resume_bit_exact(run_cli, tmp_path):
     """Async saves stage a copy of the state before training changes it: a run stopped and resumed
     from async checkpoints ends bit-identical to an uninterrupted run with synchronous saves."""
     common = ["--set", "checkpoint.every_n_steps=5", "--set", "optim.lr=0.05", "--set", "checkpoint.keep=null"]
-    first = run_cli(*TWO_RANKS, "--set", "run.name=a", "--set", "train.max_steps=27", *common,
-                    "--set", "checkpoint.async_save=true", "--summary-json", "a.json", launcher=TORCHRUN)
+    first = run_cli(
+        *TWO_RANKS,
+        "--set",
+        "run.name=a",
+        "--set",
+        "train.max_steps=27",
+        *common,
+        "--set",
+        "checkpoint.async_save=true",
+        "--summary-json",
+        "a.json",
+        launcher=TORCHRUN,
+    )
     assert first.wait(180) == 0, first.output
     a = read_json(tmp_path / "a.json")
     assert _steps_on_disk(tmp_path / "runs/a") == [5, 10, 15, 20, 25, 27]
     assert all(checkpoint.verify(p) is None for p in checkpoint.committed(str(tmp_path / "runs/a")))
-    again = run_cli(*TWO_RANKS, "--set", "run.name=a", "--set", "train.max_steps=50", *common,
-                    "--set", "checkpoint.async_save=true", "--summary-json", "b.json", launcher=TORCHRUN)
-    sync = run_cli(*TWO_RANKS, "--set", "run.name=s", "--set", "train.max_steps=50", *common,
-                   "--summary-json", "s.json", launcher=TORCHRUN)
+    again = run_cli(
+        *TWO_RANKS,
+        "--set",
+        "run.name=a",
+        "--set",
+        "train.max_steps=50",
+        *common,
+        "--set",
+        "checkpoint.async_save=true",
+        "--summary-json",
+        "b.json",
+        launcher=TORCHRUN,
+    )
+    sync = run_cli(
+        *TWO_RANKS,
+        "--set",
+        "run.name=s",
+        "--set",
+        "train.max_steps=50",
+        *common,
+        "--summary-json",
+        "s.json",
+        launcher=TORCHRUN,
+    )
     assert again.wait(180) == 0 and sync.wait(180) == 0
     b, s = read_json(tmp_path / "b.json"), read_json(tmp_path / "s.json")
     assert a["steps"] == 27 and b["resumed_from_step"] == 27
@@ -83,16 +141,15 @@ def test_two_ranks_resume_on_one_and_back(run_cli, tmp_path):
     """DCP reshards on load: 2 → 1 → 2 ranks. The step count goes on; the position inside the
     epoch restarts, because a different world size splits the data differently."""
     common = ["--set", "run.name=w", "--set", "checkpoint.every_n_steps=10", "--set", "optim.lr=0.05"]
-    two = run_cli(*TWO_RANKS, *common, "--set", "train.max_steps=20", "--summary-json", "two.json",
-                  launcher=TORCHRUN)
+    two = run_cli(*TWO_RANKS, *common, "--set", "train.max_steps=20", "--summary-json", "two.json", launcher=TORCHRUN)
     assert two.wait(180) == 0, two.output
     # DDP's state is the same on every rank: rank 0 alone wrote it, with each rank's generators.
     assert sorted(checkpoint.read_manifest(read_json(tmp_path / "two.json")["checkpoint"])["files"]) == ["state.pt"]
-    one = run_cli("train", "regression", "--local", *common, "--set", "train.max_steps=40",
-                  "--summary-json", "one.json")
+    one = run_cli(
+        "train", "regression", "--local", *common, "--set", "train.max_steps=40", "--summary-json", "one.json"
+    )
     assert one.wait(120) == 0, one.output
-    back = run_cli(*TWO_RANKS, *common, "--set", "train.max_steps=60", "--summary-json", "back.json",
-                   launcher=TORCHRUN)
+    back = run_cli(*TWO_RANKS, *common, "--set", "train.max_steps=60", "--summary-json", "back.json", launcher=TORCHRUN)
     assert back.wait(180) == 0, back.output
     s2, s1, s3 = (read_json(tmp_path / f) for f in ("two.json", "one.json", "back.json"))
     assert (s1["world_size"], s1["resumed_from_step"], s1["steps"]) == (1, 20, 40)
@@ -108,8 +165,9 @@ def _save_with_metrics(root: Path, step: int, accuracy: float | None) -> None:
     path = root / checkpoint.checkpoint_name(step)
     path.mkdir(parents=True)
     metrics = None if accuracy is None else {"accuracy": accuracy}
-    checkpoint.save(path, model, torch.optim.SGD(model.parameters(), lr=0.1),
-                    {"step": step, "eval_metrics": metrics}, rank=0)
+    checkpoint.save(
+        path, model, torch.optim.SGD(model.parameters(), lr=0.1), {"step": step, "eval_metrics": metrics}, rank=0
+    )
 
 
 def test_keep_best_retains_the_best_and_the_latest(tmp_path):

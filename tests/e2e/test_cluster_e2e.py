@@ -60,8 +60,14 @@ def ray_job_submit(args: list[str], *, cwd: Path, env: dict[str, str], timeout: 
     to submit job, please try again later" (its job agent registers after the dashboard is up)."""
     deadline = time.monotonic() + 120
     while True:
-        out = subprocess.run([str(BIN / "ray"), "job", "submit", *args], cwd=cwd, env=env, capture_output=True,
-                             text=True, timeout=timeout)
+        out = subprocess.run(
+            [str(BIN / "ray"), "job", "submit", *args],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if out.returncode == 0 or "No available agent" not in out.stderr or time.monotonic() > deadline:
             return out
         time.sleep(2)
@@ -76,10 +82,24 @@ def _head(tmp_path: Path, *extra: str, env: dict[str, str] | None = None, gcs_po
     env = {**_auth_env(tmp_path), "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
     log = open(tmp_path / "head.log", "w")
     proc = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", f"--temp-dir={temp}",
-         "--include-dashboard=true", *extra],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs_port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard_port}",
+            f"--temp-dir={temp}",
+            "--include-dashboard=true",
+            *extra,
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{dashboard_port}"
     try:
         deadline = time.monotonic() + 120
@@ -129,31 +149,62 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_pat
     assert _answers(f"{url}/api/jobs/") == 401
     env = dict(_auth_env(tmp_path), **head, RAY_ADDRESS=url)
     (tmp_path / "wrong_token").write_text("0" * 32)
-    refused = subprocess.run([str(BIN / "raylane"), "submit", "digits", "--address", url], check=False,
-                             cwd=tmp_path, env=dict(env, RAY_AUTH_TOKEN_PATH=str(tmp_path / "wrong_token")),
-                             capture_output=True, text=True, timeout=60)
+    refused = subprocess.run(
+        [str(BIN / "raylane"), "submit", "digits", "--address", url],
+        check=False,
+        cwd=tmp_path,
+        env=dict(env, RAY_AUTH_TOKEN_PATH=str(tmp_path / "wrong_token")),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 2 and refused.stdout == "", refused.stdout + refused.stderr
-    assert refused.stderr.splitlines() == [(f"raylane: --address = '{url}': the cluster refused this token (HTTP "
-                                            "403); set RAY_AUTH_TOKEN_PATH to a file holding the cluster's token")]
+    assert refused.stderr.splitlines() == [
+        (
+            f"raylane: --address = '{url}': the cluster refused this token (HTTP "
+            "403); set RAY_AUTH_TOKEN_PATH to a file holding the cluster's token"
+        )
+    ]
 
     # `ray job submit` of the user's own project, with the project as the job's working dir.
     runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}}
     # Both jobs run side by side (the head has room for both), each mostly waiting on start-up.
     pool = ThreadPoolExecutor(1)
-    own_job = pool.submit(ray_job_submit, ["--working-dir", str(project), "--runtime-env-json",
-                                           json.dumps(runtime_env), "--", "raylane", "train", "train.yaml", *QUICK,
-                                           *storage], cwd=tmp_path, env=env, timeout=300)
+    own_job = pool.submit(
+        ray_job_submit,
+        [
+            "--working-dir",
+            str(project),
+            "--runtime-env-json",
+            json.dumps(runtime_env),
+            "--",
+            "raylane",
+            "train",
+            "train.yaml",
+            *QUICK,
+            *storage,
+        ],
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
 
     # `raylane submit --follow` from a project of its own (a config file, the job's working dir),
     # with MLflow's default store and the default run.storage_path: both relative.
     mine = tmp_path / "project"
     mine.mkdir()
-    (mine / "job.yaml").write_text("pipeline: digits\ntrain: {max_epochs: 1}\n"
-                                   "mlflow: {log_model: false, system_metrics: false}\n")
+    (mine / "job.yaml").write_text(
+        "pipeline: digits\ntrain: {max_epochs: 1}\nmlflow: {log_model: false, system_metrics: false}\n"
+    )
     env_here = {k: v for k, v in env.items() if k != "MLFLOW_TRACKING_URI"}
-    follow = subprocess.Popen([str(BIN / "raylane"), "submit", "job.yaml", "--address", url, "--follow",
-                               "--summary-json", "job.json"], cwd=mine,
-                              env=env_here, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    follow = subprocess.Popen(
+        [str(BIN / "raylane"), "submit", "job.yaml", "--address", url, "--follow", "--summary-json", "job.json"],
+        cwd=mine,
+        env=env_here,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         stdout, stderr = follow.communicate(timeout=400)
     finally:
@@ -169,14 +220,20 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_pat
 
     assert follow.returncode == 0, stdout[-4000:] + stderr[-4000:]
     # submit says where the results will be, before the job's own lines
-    assert f"MLflow sqlite:///{mine / 'mlflow.db'}, experiment raylane; checkpoints under {mine / 'runs'}/ " \
-           "(in a folder named for the run)" in stdout.splitlines()[1], stdout
-    job_id, status, run_id = re.search(r"job (raysubmit_\w+): (\w+) \(MLflow run ([0-9a-f]{32})\)",
-                                       stdout).groups()
+    assert (
+        f"MLflow sqlite:///{mine / 'mlflow.db'}, experiment raylane; checkpoints under {mine / 'runs'}/ "
+        "(in a folder named for the run)" in stdout.splitlines()[1]
+    ), stdout
+    job_id, status, run_id = re.search(r"job (raysubmit_\w+): (\w+) \(MLflow run ([0-9a-f]{32})\)", stdout).groups()
     assert status == "SUCCEEDED"
     job = read_json(mine / "job.json")  # the job's end, as the schema documents it
-    assert (job["command"], job["status"], job["job_status"], job["job_id"], job["run_id"]) == \
-        ("submit", "FINISHED", "SUCCEEDED", job_id, run_id)
+    assert (job["command"], job["status"], job["job_status"], job["job_id"], job["run_id"]) == (
+        "submit",
+        "FINISHED",
+        "SUCCEEDED",
+        job_id,
+        run_id,
+    )
     from mlflow.tracking import MlflowClient
 
     run = MlflowClient(f"sqlite:///{mine / 'mlflow.db'}").get_run(run_id)  # the submitter's own store
@@ -188,18 +245,37 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_pat
 # Ray's fake multi-node provider: the autoscaler starts each "node" as its own raylet on this
 # machine. The head has no CPUs, so every training worker needs a node the autoscaler adds.
 FAKE_CLUSTER = {
-    "cluster_name": "raylane-fake", "max_workers": 3, "upscaling_speed": 1.0, "idle_timeout_minutes": 0.2,
-    "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
-                 "disable_launch_config_check": True, "launch_multiple": True},
+    "cluster_name": "raylane-fake",
+    "max_workers": 3,
+    "upscaling_speed": 1.0,
+    "idle_timeout_minutes": 0.2,
+    "provider": {
+        "type": "fake_multinode",
+        "use_node_id_as_ip": True,
+        "disable_node_updaters": True,
+        "disable_launch_config_check": True,
+        "launch_multiple": True,
+    },
     "auth": {"ssh_user": "ubuntu"},
     "available_node_types": {
         "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
         "cpu_node": {"resources": {"CPU": 1}, "node_config": {}, "min_workers": 0, "max_workers": 3},
     },
     "head_node_type": "ray.head.default",
-    **{k: [] for k in ("cluster_synced_files", "initialization_commands", "setup_commands", "head_setup_commands",
-                       "worker_setup_commands", "head_start_ray_commands", "worker_start_ray_commands")},
-    "file_mounts": {}, "file_mounts_sync_continuously": False,
+    **{
+        k: []
+        for k in (
+            "cluster_synced_files",
+            "initialization_commands",
+            "setup_commands",
+            "head_setup_commands",
+            "worker_setup_commands",
+            "head_start_ray_commands",
+            "worker_start_ray_commands",
+        )
+    },
+    "file_mounts": {},
+    "file_mounts_sync_continuously": False,
 }
 # Every raylet here shares one host: without this, Ray resolves 127.0.0.1 to the host's network
 # address, where nothing listens, in the fake nodes and in the driver alike.
@@ -208,8 +284,9 @@ ONE_HOST = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 def _worker_nodes(gcs: str, env: dict[str, str]) -> int | None:
     """Active worker nodes as the autoscaler reports them; None before its first report."""
-    out = subprocess.run([str(BIN / "ray"), "status", "--address", gcs], env=env, capture_output=True, text=True,
-                         timeout=60).stdout
+    out = subprocess.run(
+        [str(BIN / "ray"), "status", "--address", gcs], env=env, capture_output=True, text=True, timeout=60
+    ).stdout
     if "Active:" not in out:
         return None
     active = out.split("Active:", 1)[1].split("Pending:", 1)[0]
@@ -224,18 +301,39 @@ def test_autoscaler_adds_nodes_for_a_two_worker_run_and_removes_them_after(tmp_p
     config = {**FAKE_CLUSTER, "provider": {**FAKE_CLUSTER["provider"], "gcs_address": f"127.0.0.1:{gcs_port}"}}
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))
     head_env = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", **ONE_HOST}
-    with _head(tmp_path, "--num-cpus=0", f"--autoscaling-config={tmp_path / 'cluster.yaml'}", env=head_env,
-               gcs_port=gcs_port) as (_, gcs, temp):
+    with _head(
+        tmp_path, "--num-cpus=0", f"--autoscaling-config={tmp_path / 'cluster.yaml'}", env=head_env, gcs_port=gcs_port
+    ) as (_, gcs, temp):
         env = dict(_auth_env(tmp_path), **ONE_HOST)
         assert wait_for(lambda: _worker_nodes(gcs, env) is not None, 60)
         assert _worker_nodes(gcs, env) == 0
 
         out = subprocess.run(
-            [str(BIN / "raylane"), "train", "pipelines/digits.yaml", "--address", gcs,
-             "--set", "scaling.num_workers=2", "--set", "train.max_epochs=2", "--set", "strategy.name=fsdp",
-             "--set", "mlflow.enabled=false", "--set", f"run.storage_path={tmp_path / 'runs'}",
-             "--summary-json", str(tmp_path / "summary.json")],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+            [
+                str(BIN / "raylane"),
+                "train",
+                "pipelines/digits.yaml",
+                "--address",
+                gcs,
+                "--set",
+                "scaling.num_workers=2",
+                "--set",
+                "train.max_epochs=2",
+                "--set",
+                "strategy.name=fsdp",
+                "--set",
+                "mlflow.enabled=false",
+                "--set",
+                f"run.storage_path={tmp_path / 'runs'}",
+                "--summary-json",
+                str(tmp_path / "summary.json"),
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
         summary = read_json(tmp_path / "summary.json")
         assert summary["status"] == "FINISHED" and summary["metrics"]["accuracy"] > 0.8
@@ -264,8 +362,11 @@ def _newest_raylet(temp: Path) -> int:
     raylet there: the one that was up at launch, not this one.)"""
     import psutil
 
-    raylets = [p for p in psutil.process_iter(["name", "cmdline", "create_time"])
-               if p.info["name"] == "raylet" and str(temp) in " ".join(p.info["cmdline"] or [])]
+    raylets = [
+        p
+        for p in psutil.process_iter(["name", "cmdline", "create_time"])
+        if p.info["name"] == "raylet" and str(temp) in " ".join(p.info["cmdline"] or [])
+    ]
     return max(raylets, key=lambda p: p.info["create_time"]).pid
 
 
@@ -319,8 +420,9 @@ def build(cfg):
 ELASTIC_EPOCHS = 600
 
 
-def _recorded_steps(record: Path, resumed: list[int], *, held: int, micro: int,
-                    trained: dict[int, int] | None = None) -> dict[int, list[int]]:
+def _recorded_steps(
+    record: Path, resumed: list[int], *, held: int, micro: int, trained: dict[int, int] | None = None
+) -> dict[int, list[int]]:
     """step -> its samples over all ranks, the last group's where a step was redone. A group is
     the processes of one start of the worker group: rank 0's process tells them apart, and
     another rank's process belongs to the group that rank 0 started last by (at most 2 s after:
@@ -354,17 +456,19 @@ def _train_workers(raylet: int) -> list[int]:
     """The Ray Train worker processes under a raylet (the processes it started)."""
     import psutil
 
-    return [p.pid for p in psutil.Process(raylet).children(recursive=True)
-            if "TrainWorker" in " ".join(p.cmdline())]
+    return [p.pid for p in psutil.Process(raylet).children(recursive=True) if "TrainWorker" in " ".join(p.cmdline())]
 
 
-@pytest.mark.parametrize("notice", [
-    # a spot reclaim: SIGTERM to the node's worker, then the node goes (~80 s: make test resizes
-    # elastic runs under torchrun in test_elastic)
-    pytest.param("sigterm", marks=pytest.mark.slow),
-    pytest.param("drain", marks=pytest.mark.slow),  # Ray's own notice (`ray drain-node`): `make test-all`
-    pytest.param(None, marks=pytest.mark.slow),  # the node dies unannounced
-])
+@pytest.mark.parametrize(
+    "notice",
+    [
+        # a spot reclaim: SIGTERM to the node's worker, then the node goes (~80 s: make test resizes
+        # elastic runs under torchrun in test_elastic)
+        pytest.param("sigterm", marks=pytest.mark.slow),
+        pytest.param("drain", marks=pytest.mark.slow),  # Ray's own notice (`ray drain-node`): `make test-all`
+        pytest.param(None, marks=pytest.mark.slow),  # the node dies unannounced
+    ],
+)
 def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_one_dies(tmp_path, notice):
     """`scaling.num_workers: [1, 2]` on Ray's fake multi-node provider: the run starts on the one
     node there is, grows to two when the autoscaler adds one, and goes on with one when a node's
@@ -378,17 +482,30 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_one_dies(tmp_pa
     import yaml
 
     gcs_port = free_port()
-    nodes = {**FAKE_CLUSTER["available_node_types"],
-             "cpu_node": {"resources": {"CPU": 1}, "node_config": {}, "min_workers": 1, "max_workers": 2}}
-    config = {**FAKE_CLUSTER, "max_workers": 2, "available_node_types": nodes,
-              "provider": {**FAKE_CLUSTER["provider"], "gcs_address": f"127.0.0.1:{gcs_port}"}}
+    nodes = {
+        **FAKE_CLUSTER["available_node_types"],
+        "cpu_node": {"resources": {"CPU": 1}, "node_config": {}, "min_workers": 1, "max_workers": 2},
+    }
+    config = {
+        **FAKE_CLUSTER,
+        "max_workers": 2,
+        "available_node_types": nodes,
+        "provider": {**FAKE_CLUSTER["provider"], "gcs_address": f"127.0.0.1:{gcs_port}"},
+    }
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))
     # A dead node is noticed after ~3 s instead of Ray's ~30 s default; a group that cannot start
     # at the old size (Ray's elastic policy tries that first) gives up after 10 s instead of 60.
-    head_env = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_health_check_period_ms": "1000",
-                "RAY_health_check_failure_threshold": "3", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10", **ONE_HOST}
-    with _head(tmp_path, "--num-cpus=0", f"--autoscaling-config={tmp_path / 'cluster.yaml'}", env=head_env,
-               gcs_port=gcs_port) as (_, gcs, temp):
+    head_env = {
+        "RAY_FAKE_CLUSTER": "1",
+        "AUTOSCALER_UPDATE_INTERVAL_S": "1",
+        "RAY_health_check_period_ms": "1000",
+        "RAY_health_check_failure_threshold": "3",
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10",
+        **ONE_HOST,
+    }
+    with _head(
+        tmp_path, "--num-cpus=0", f"--autoscaling-config={tmp_path / 'cluster.yaml'}", env=head_env, gcs_port=gcs_port
+    ) as (_, gcs, temp):
         env = dict(_auth_env(tmp_path), **ONE_HOST, MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
         assert wait_for(lambda: _worker_nodes(gcs, env) == 1, 120)
         log = tmp_path / "run.log"
@@ -397,16 +514,45 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_one_dies(tmp_pa
         (tmp_path / "run.yaml").write_text("pipeline: ./pipe.py\n")
         with open(log, "w") as out:
             run = subprocess.Popen(
-                [str(BIN / "raylane"), "train", str(tmp_path / "run.yaml"), "--address", gcs,
-                 "--set", f"model.record={tmp_path / 'seen'}", "--set", f"model.pace={tmp_path / 'pace'}",
-                 "--set", "train.batch_size=4",
-                 "--set", "scaling.num_workers=1,2", "--set", "scaling.resize_check_s=2",
-                 "--set", f"train.max_epochs={ELASTIC_EPOCHS}", "--set", "mlflow.log_model=false",
-                 "--set", "mlflow.system_metrics=false", "--set", "checkpoint.every_n_epochs=5",
-                 "--set", "train.eval_every_n_epochs=100",
-                 "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "summary.json")],
-                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    str(BIN / "raylane"),
+                    "train",
+                    str(tmp_path / "run.yaml"),
+                    "--address",
+                    gcs,
+                    "--set",
+                    f"model.record={tmp_path / 'seen'}",
+                    "--set",
+                    f"model.pace={tmp_path / 'pace'}",
+                    "--set",
+                    "train.batch_size=4",
+                    "--set",
+                    "scaling.num_workers=1,2",
+                    "--set",
+                    "scaling.resize_check_s=2",
+                    "--set",
+                    f"train.max_epochs={ELASTIC_EPOCHS}",
+                    "--set",
+                    "mlflow.log_model=false",
+                    "--set",
+                    "mlflow.system_metrics=false",
+                    "--set",
+                    "checkpoint.every_n_epochs=5",
+                    "--set",
+                    "train.eval_every_n_epochs=100",
+                    "--set",
+                    f"run.storage_path={tmp_path / 'runs'}",
+                    "--summary-json",
+                    str(tmp_path / "summary.json"),
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
+
             def logged(text: str, timeout_s: float) -> None:  # a timeout shows the run's own lines
                 try:
                     wait_for(lambda: text in log.read_text() or run.poll() is not None, timeout_s)
@@ -422,9 +568,25 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_one_dies(tmp_pa
                     os.kill(pid, signal.SIGTERM)
             elif notice == "drain":
                 node_id = re.search(r"--node_id=(\w+)", " ".join(psutil.Process(raylet).cmdline())).group(1)
-                subprocess.run([str(BIN / "ray"), "drain-node", "--address", gcs, "--node-id", node_id,
-                                "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaim",
-                                "--deadline-remaining-seconds", "60"], env=env, check=True, capture_output=True)
+                subprocess.run(
+                    [
+                        str(BIN / "ray"),
+                        "drain-node",
+                        "--address",
+                        gcs,
+                        "--node-id",
+                        node_id,
+                        "--reason",
+                        "DRAIN_NODE_REASON_PREEMPTION",
+                        "--reason-message",
+                        "spot reclaim",
+                        "--deadline-remaining-seconds",
+                        "60",
+                    ],
+                    env=env,
+                    check=True,
+                    capture_output=True,
+                )
             if notice:
                 logged("restarts without the leaving node", 60)
             os.kill(raylet, signal.SIGKILL)
@@ -454,5 +616,6 @@ def test_an_elastic_run_grows_when_a_node_joins_and_shrinks_when_one_dies(tmp_pa
             seen = [i for k in range(epoch * 5 + 1, epoch * 5 + 6) for i in steps[k]]
             assert sorted(seen) == list(range(40)), (epoch, seen)  # each sample once, across both resizes
         _, tags = _mlflow_run(tmp_path / "mlflow.db", summary["run_id"])
-        assert [(r["from"], r["to"]) for r in json.loads(tags["raylane.resizes"])] == \
-            [(r["from"], r["to"]) for r in resizes]
+        assert [(r["from"], r["to"]) for r in json.loads(tags["raylane.resizes"])] == [
+            (r["from"], r["to"]) for r in resizes
+        ]

@@ -27,4 +27,3 @@ def test_train_rejects_bad_batch_size_before_ray_or_torch_starts(tmp_path):
 
 
 # -- property-based: random YAML documents and overrides ------------------------------------------
-

@@ -78,14 +78,29 @@ def project(tmp_path) -> Path:
         f"pipeline: ./pipe.py\nrun: {{name: elastic, storage_path: {tmp_path / 'runs'}}}\n"
         f"train: {{max_epochs: 3, batch_size: {MICRO}, global_batch: {GLOBAL},"
         " global_batch_adjust: grad_accum_steps}\n"
-        "optim: {lr: 0.001}\nmlflow: {enabled: false}\n")
+        "optim: {lr: 0.001}\nmlflow: {enabled: false}\n"
+    )
     return tmp_path
 
 
 def _segment(run_cli, project: Path, world: int, limit: str, name: str, extra: tuple[str, ...] = ()) -> dict:
     env = cli_env(project, SEEN=str(project / name))
-    p = run_cli(f"--nproc_per_node={world}", "-m", "raylane", "train", "run.yaml", "--set", limit, *extra,
-                "--summary-json", str(project / f"{name}.json"), launcher=TORCHRUN, env=env, cwd=project, name=name)
+    p = run_cli(
+        f"--nproc_per_node={world}",
+        "-m",
+        "raylane",
+        "train",
+        "run.yaml",
+        "--set",
+        limit,
+        *extra,
+        "--summary-json",
+        str(project / f"{name}.json"),
+        launcher=TORCHRUN,
+        env=env,
+        cwd=project,
+        name=name,
+    )
     assert p.wait(180) == 0, p.output
     return read_json(project / f"{name}.json")
 
@@ -93,11 +108,24 @@ def _segment(run_cli, project: Path, world: int, limit: str, name: str, extra: t
 def test_resumes_2_to_1_to_2_ranks_see_every_sample_once_per_epoch(run_cli, project):
     a = _segment(run_cli, project, 2, "train.max_steps=3", "a")  # part-way through epoch 0
     # Another global batch cannot continue that epoch: refused before anything starts.
-    p = run_cli("train", "run.yaml", "--local", "--set", "train.max_steps=6", "--set", "train.global_batch=4",
-                cwd=project, name="changed")
+    p = run_cli(
+        "train",
+        "run.yaml",
+        "--local",
+        "--set",
+        "train.max_steps=6",
+        "--set",
+        "train.global_batch=4",
+        cwd=project,
+        name="changed",
+    )
     assert p.wait(60) == 2
-    assert "train.global_batch = 4: run 'elastic' has a checkpoint part-way through an epoch saved with " \
-           "train.global_batch = 8" in p.output and "Traceback" not in p.output
+    assert (
+        "train.global_batch = 4: run 'elastic' has a checkpoint part-way through an epoch saved with "
+        "train.global_batch = 8"
+        in p.output
+        and "Traceback" not in p.output
+    )
     b = _segment(run_cli, project, 1, "train.max_steps=7", "b")  # the rest of epoch 0, part of epoch 1
     c = _segment(run_cli, project, 2, "train.max_epochs=3", "c")  # to the end of epoch 2
     assert (a["steps"], b["steps"], c["steps"]) == (3, 7, 15) and b["resumed_from_step"] == 3
@@ -180,23 +208,26 @@ def test_the_global_order_splits_each_step_and_resumes_at_any_world_size_and_mic
 
     whole = epoch(2, 2)
     assert sorted(whole[0] + whole[1]) == list(range(40))  # every sample once
-    steps = [sorted(whole[0][4 * k:4 * k + 4] + whole[1][4 * k:4 * k + 4]) for k in range(5)]
+    steps = [sorted(whole[0][4 * k : 4 * k + 4] + whole[1][4 * k : 4 * k + 4]) for k in range(5)]
     # Two steps in, on 1 rank with micro-batches of 4, then on 4 ranks with 1: the same steps.
     for world, batch in ((1, 4), (4, 1), (2, 4)):
         rest = epoch(world, batch, skip_samples=16)
         per_rank = 8 // world
-        assert [sorted(i for r in rest for i in r[per_rank * k:per_rank * (k + 1)]) for k in range(3)] == steps[2:]
+        assert [sorted(i for r in rest for i in r[per_rank * k : per_rank * (k + 1)]) for k in range(3)] == steps[2:]
     with pytest.raises(ValueError, match="train.global_batch = 64: more than the 40 training samples"):
         GlobalOrderSampler(40, samples_per_step=64, batch_size=8, rank=0, world_size=2, seed=0)
 
 
-BLOCKS_PIPELINE = PIPELINE.replace('''        self.linear = torch.nn.Linear(1, 1)
+BLOCKS_PIPELINE = (
+    PIPELINE.replace(
+        """        self.linear = torch.nn.Linear(1, 1)
 
     def forward(self, x):
         if self.training:
             with open(f"{os.environ['SEEN']}.{os.environ.get('RANK', '0')}", "a") as f:
                 f.write(json.dumps([int(i) for i in x[:, 0].tolist()]) + "\\n")
-        return self.linear(x)''', '''        # Blocks, the unit FSDP shards (raylane.loop.parallel.blocks_of).
+        return self.linear(x)""",
+        """        # Blocks, the unit FSDP shards (raylane.loop.parallel.blocks_of).
         self.blocks = torch.nn.ModuleList([torch.nn.Linear(1, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)])
 
     def forward(self, x):
@@ -206,7 +237,11 @@ BLOCKS_PIPELINE = PIPELINE.replace('''        self.linear = torch.nn.Linear(1, 1
         x = x / 256  # the index, scaled: a plain MLP diverges on inputs up to 240
         for block in self.blocks:
             x = block(x)
-        return x''').replace("x * 0.5", "x / 512").replace("x[:8] * 0.5", "x[:8] / 512")
+        return x""",
+    )
+    .replace("x * 0.5", "x / 512")
+    .replace("x[:8] * 0.5", "x[:8] / 512")
+)
 
 
 def _fake_nodes(run_cli, project: Path, nodes: int, limit: str, name: str) -> dict:
@@ -216,10 +251,28 @@ def _fake_nodes(run_cli, project: Path, nodes: int, limit: str, name: str) -> di
 
     port = free_port()
     env = cli_env(project, SEEN=str(project / name))
-    agents = [run_cli(f"--nnodes={nodes}", "--nproc_per_node=2", f"--node_rank={i}", "--master_addr=127.0.0.1",
-                      f"--master_port={port}", "-m", "raylane", "train", "run.yaml", "--set", limit,
-                      "--summary-json", str(project / f"{name}.json"),
-                      launcher=TORCHRUN[:-1], env=env, cwd=project, name=f"{name}-node{i}") for i in range(nodes)]
+    agents = [
+        run_cli(
+            f"--nnodes={nodes}",
+            "--nproc_per_node=2",
+            f"--node_rank={i}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            "-m",
+            "raylane",
+            "train",
+            "run.yaml",
+            "--set",
+            limit,
+            "--summary-json",
+            str(project / f"{name}.json"),
+            launcher=TORCHRUN[:-1],
+            env=env,
+            cwd=project,
+            name=f"{name}-node{i}",
+        )
+        for i in range(nodes)
+    ]
     for agent in agents:
         assert agent.wait(400) == 0, agent.output
     return read_json(project / f"{name}.json")
@@ -236,12 +289,16 @@ def test_hsdp_on_8_ranks_over_4_fake_nodes_resized_to_6_and_back(run_cli, tmp_pa
         f"pipeline: ./pipe.py\nrun: {{name: hsdp, storage_path: {tmp_path / 'runs'}}}\n"
         f"model: {{samples: {samples}}}\nstrategy: {{name: fsdp}}\n"
         f"train: {{max_epochs: 2, batch_size: {MICRO}, global_batch: {held}}}\noptim: {{lr: 0.001}}\n"
-        "mlflow: {enabled: false}\n")
+        "mlflow: {enabled: false}\n"
+    )
     a = _fake_nodes(run_cli, tmp_path, 4, "train.max_steps=2", "a")
     b = _fake_nodes(run_cli, tmp_path, 3, "train.max_steps=6", "b")
     c = _fake_nodes(run_cli, tmp_path, 4, "train.max_steps=10", "c")
-    assert [(s["strategy"], s["mesh"], s["world_size"]) for s in (a, b, c)] == \
-        [("hsdp", [4, 2], 8), ("hsdp", [3, 2], 6), ("hsdp", [4, 2], 8)]
+    assert [(s["strategy"], s["mesh"], s["world_size"]) for s in (a, b, c)] == [
+        ("hsdp", [4, 2], 8),
+        ("hsdp", [3, 2], 6),
+        ("hsdp", [4, 2], 8),
+    ]
     assert (a["steps"], b["steps"], c["steps"]) == (2, 6, 10) and b["resumed_from_step"] == 2
 
     def steps(name: str, world: int, first: int) -> dict[int, list[int]]:
@@ -257,5 +314,4 @@ def test_hsdp_on_8_ranks_over_4_fake_nodes_resized_to_6_and_back(run_cli, tmp_pa
     for epoch in range(2):
         assert sorted(i for k in range(epoch * 5 + 1, epoch * 5 + 6) for i in seen[k]) == list(range(samples))
     # Figures for docs/scale.md: launch to first step of each segment (8 processes on 2 cores).
-    print("hsdp segments, launch to first step (s):",
-          [s["timing"]["launch_to_first_step_s"] for s in (a, b, c)])
+    print("hsdp segments, launch to first step (s):", [s["timing"]["launch_to_first_step_s"] for s in (a, b, c)])

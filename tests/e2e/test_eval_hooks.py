@@ -48,8 +48,9 @@ def _train(run_cli, name: str, *sets: str, ranks: int = 1, code: int = 0):
 
 def _history(project: Path, run_id: str, key: str) -> list[tuple[int, float]]:
     with sqlite3.connect(project / "mlflow.db") as con:
-        rows = con.execute("SELECT step, value FROM metrics WHERE run_uuid = ? AND key = ? ORDER BY step",
-                           (run_id, key)).fetchall()
+        rows = con.execute(
+            "SELECT step, value FROM metrics WHERE run_uuid = ? AND key = ? ORDER BY step", (run_id, key)
+        ).fetchall()
     return [(step, value) for step, value in rows]
 
 
@@ -65,8 +66,15 @@ def test_evaluation_every_n_steps_of_two_named_sets_reaches_mlflow_checkpoints_a
     summary; the checkpoints due at steps 4 and 8 (mid-epoch) carry the metrics; the hooks are
     called at every step end (train metrics at the logged steps), every evaluation end and
     every committed checkpoint, and the EMA hook's evaluation is logged as ema/<set>/loss."""
-    proc = _train(run_cli, "every", "model.named_sets=true", "model.hooks=[record,ema]",
-                  "train.eval_every_n_steps=4", "checkpoint.every_n_steps=4", "checkpoint.keep=null")
+    proc = _train(
+        run_cli,
+        "every",
+        "model.named_sets=true",
+        "model.hooks=[record,ema]",
+        "train.eval_every_n_steps=4",
+        "checkpoint.every_n_steps=4",
+        "checkpoint.keep=null",
+    )
     summary = read_json(project / "every.json")
     assert summary["status"] == "FINISHED" and summary["steps"] == 12
     assert set(summary["metrics"]) == {"val/loss", "test/loss"}
@@ -83,10 +91,13 @@ def test_evaluation_every_n_steps_of_two_named_sets_reaches_mlflow_checkpoints_a
     calls = json.loads((project / "calls-0.json").read_text())
     assert calls["setup"] == [0]
     assert [step for step, _ in calls["step_end"]] == list(range(1, 13))
-    assert {step: keys for step, keys in calls["step_end"] if keys} == {5: ["grad_norm", "loss", "lr", "samples_per_s"],
-                                                                       10: ["grad_norm", "loss", "lr", "samples_per_s"]}
-    assert [(step, metrics) for step, metrics in calls["eval_end"]] == \
-        [(step, dict(_history_at(project, run, step))) for step in (4, 6, 8, 12)]
+    assert {step: keys for step, keys in calls["step_end"] if keys} == {
+        5: ["grad_norm", "loss", "lr", "samples_per_s"],
+        10: ["grad_norm", "loss", "lr", "samples_per_s"],
+    }
+    assert [(step, metrics) for step, metrics in calls["eval_end"]] == [
+        (step, dict(_history_at(project, run, step))) for step in (4, 6, 8, 12)
+    ]
     assert calls["checkpoint"] == [[step, str(folder / checkpoint.checkpoint_name(step))] for step in (4, 6, 8, 12)]
 
 
@@ -106,15 +117,23 @@ def test_early_stopping_ends_the_run_finished_with_its_reason_and_a_relaunch_tra
     the run at step 6, with a checkpoint there, FINISHED; the reason is in the summary, on the
     terminal and in MLflow's tag. A relaunch with more epochs trains nothing (the run finished),
     even with the run's record gone (the checkpoint's early-stopping state says so)."""
-    stop = ["optim.lr=1e-9", "train.max_epochs=20", "train.eval_every_n_steps=2", "train.eval_every_n_epochs=0",
-            "model.named_sets=true", "train.early_stopping={metric: val/loss, patience: 2, min_delta: 0.01}"]
+    stop = [
+        "optim.lr=1e-9",
+        "train.max_epochs=20",
+        "train.eval_every_n_steps=2",
+        "train.eval_every_n_epochs=0",
+        "model.named_sets=true",
+        "train.early_stopping={metric: val/loss, patience: 2, min_delta: 0.01}",
+    ]
     proc = _train(run_cli, "early", *stop)
     summary = read_json(project / "early.json")
     assert summary["status"] == "FINISHED" and summary["steps"] == 6 and summary["early_stopped"]
     best = _history(project, summary["run_id"], "eval/val/loss")
     assert [step for step, _ in best] == [2, 4, 6]
-    reason = (f"early stopping: val/loss did not decrease by more than 0.01 for 2 evaluations "
-              f"(best {best[0][1]:.4g} at step 2)")
+    reason = (
+        f"early stopping: val/loss did not decrease by more than 0.01 for 2 evaluations "
+        f"(best {best[0][1]:.4g} at step 2)"
+    )
     assert summary["stop_reason"] == reason
     assert f"  stopped:       {reason}\n" in proc.output
     assert _tag(project, summary["run_id"], "raylane.stop_reason") == reason
@@ -131,8 +150,14 @@ def test_early_stopping_ends_the_run_finished_with_its_reason_and_a_relaunch_tra
     assert max(p.name for p in (project / "runs" / "early").glob("checkpoint_*")) == checkpoint.checkpoint_name(6)
 
     # Another run started from that checkpoint (PBT's donor, a fine-tune) is not stopped by it.
-    _train(run_cli, "child", *stop[:-1], "train.max_epochs=2", "mlflow.enabled=false",
-           f"checkpoint.init_from={summary['checkpoint']}")
+    _train(
+        run_cli,
+        "child",
+        *stop[:-1],
+        "train.max_epochs=2",
+        "mlflow.enabled=false",
+        f"checkpoint.init_from={summary['checkpoint']}",
+    )
     child = read_json(project / "child.json")
     assert child["resumed_from_step"] == 6 and child["steps"] == 12 and not child["early_stopped"], child
 
@@ -140,10 +165,13 @@ def test_early_stopping_ends_the_run_finished_with_its_reason_and_a_relaunch_tra
 @pytest.mark.untracked
 def test_a_hook_that_raises_fails_the_run_naming_it_and_its_line(run_cli, project):
     proc = _train(run_cli, "boom", "model.hooks=[boom]", code=1)
-    line = next(n for n, text in enumerate((project / "pipe.py").read_text().splitlines(), 1)
-                if "raise ValueError" in text)
-    assert (f"error:         pipeline '{project / 'pipe.py'}': hook Boom.on_step_end raised ValueError: the hook "
-            f"broke at step 2 (at {project / 'pipe.py'}:{line})") in proc.output
+    line = next(
+        n for n, text in enumerate((project / "pipe.py").read_text().splitlines(), 1) if "raise ValueError" in text
+    )
+    assert (
+        f"error:         pipeline '{project / 'pipe.py'}': hook Boom.on_step_end raised ValueError: the hook "
+        f"broke at step 2 (at {project / 'pipe.py'}:{line})"
+    ) in proc.output
     assert "Traceback" not in proc.output
 
 
@@ -165,14 +193,20 @@ def test_the_ema_hook_resumes_from_its_state_in_the_checkpoint(run_cli, project,
     same averaged weights, bit for bit: the hook's state was saved and loaded (under FSDP, each
     rank's shard of it). Both ranks' hooks were called at the same steps with the same held-out
     metrics (rank 1 gets no train metrics)."""
-    common = ["model.hooks=[ema,record]", "train.max_steps=7", "train.max_epochs=3", "checkpoint.every_n_steps=4",
-              f"strategy.name={strategy}"]
+    common = [
+        "model.hooks=[ema,record]",
+        "train.max_steps=7",
+        "train.max_epochs=3",
+        "checkpoint.every_n_steps=4",
+        f"strategy.name={strategy}",
+    ]
     _train(run_cli, "straight", *common, ranks=2)
     straight = read_json(project / "straight.json")
     resumed_dir = project / "runs" / "resumed"
     resumed_dir.mkdir(parents=True)
-    shutil.copytree(Path(straight["checkpoint"]).parent / checkpoint.checkpoint_name(4),
-                    resumed_dir / checkpoint.checkpoint_name(4))
+    shutil.copytree(
+        Path(straight["checkpoint"]).parent / checkpoint.checkpoint_name(4), resumed_dir / checkpoint.checkpoint_name(4)
+    )
     zero, one = (json.loads((project / f"calls-{rank}.json").read_text()) for rank in (0, 1))
     assert [s for s, _ in zero["step_end"]] == [s for s, _ in one["step_end"]] == list(range(1, 8))
     assert not any(keys for _, keys in one["step_end"]) and zero["eval_end"] == one["eval_end"]
@@ -196,17 +230,21 @@ def test_an_early_stopping_metric_the_pipeline_does_not_report_is_refused_before
     cfg = load_config("cfg.yaml", ["model.named_sets=true", "train.early_stopping.metric=val/los"])
     with pytest.raises(ConfigError) as err:
         check_run(cfg)
-    assert str(err.value) == ("train.early_stopping.metric = 'val/los': not a metric the pipe pipeline reports "
-                              "(did you mean val/loss?); it reports: val/loss, test/loss")
+    assert str(err.value) == (
+        "train.early_stopping.metric = 'val/los': not a metric the pipe pipeline reports "
+        "(did you mean val/loss?); it reports: val/loss, test/loss"
+    )
 
 
 def test_early_stopping_with_no_evaluation_to_count_is_refused_before_the_run(project, monkeypatch):
     monkeypatch.chdir(project)
     with pytest.raises(ConfigError) as err:
         load_config("cfg.yaml", ["train.early_stopping.metric=loss", "train.eval_every_n_epochs=0"])
-    assert str(err.value).endswith("train.early_stopping.metric = 'loss': early stopping counts evaluations, and "
-                                   "train.eval_every_n_epochs and train.eval_every_n_steps are both 0 (the run would "
-                                   "never stop early); set one of them")
+    assert str(err.value).endswith(
+        "train.early_stopping.metric = 'loss': early stopping counts evaluations, and "
+        "train.eval_every_n_epochs and train.eval_every_n_steps are both 0 (the run would "
+        "never stop early); set one of them"
+    )
 
 
 @pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
@@ -229,6 +267,7 @@ def test_a_replicated_checkpoint_gives_an_fsdp_run_its_hooks_state_sharded(tmp_p
     monkeypatch.setenv("MASTER_PORT", str(__import__("tests.conftest", fromlist=["free_port"]).free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
+
         def make(shard: bool):
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
@@ -245,8 +284,14 @@ def test_a_replicated_checkpoint_gives_an_fsdp_run_its_hooks_state_sharded(tmp_p
         path = tmp_path / checkpoint.checkpoint_name(1)
         path.mkdir()
         state = {**checkpoint.live_state(model, optimizer), "hooks": {"0.EMA": hook.state_dict()}}
-        checkpoint.write(str(path), state, {"step": 1, "hooks": ["0.EMA"], "world_size": 1, "epoch": 0}, rank=0,
-                         rng=checkpoint.rng_state(), replicated=True).commit()
+        checkpoint.write(
+            str(path),
+            state,
+            {"step": 1, "hooks": ["0.EMA"], "world_size": 1, "epoch": 0},
+            rank=0,
+            rng=checkpoint.rng_state(),
+            replicated=True,
+        ).commit()
         sharded, optimizer2, hook2 = make(True)
         loaded = checkpoint.load(str(path), sharded, optimizer2, rank=0, hooks={"0.EMA": hook2.state_dict()})
         hook2.load_state_dict(loaded["hook_states"]["0.EMA"])
@@ -263,7 +308,7 @@ def test_the_docs_quote_the_tested_ema_hook_verbatim():
     assert example.strip() in docs
 
 
-STREAMING = '''
+STREAMING = """
 import os
 import raylane
 
@@ -315,7 +360,7 @@ def build(cfg):
     return raylane.Pipeline(model=torch.nn.Linear(1, 1), train_set=found["train"], eval_set=found["eval"],
                             loss_fn=lambda out, rows: torch.nn.functional.mse_loss(out, rows / 100),
                             eval_sums=lambda out, rows: {"row": rows.sum()}, hooks=[Seen()])
-'''
+"""
 
 
 @pytest.mark.ray
@@ -336,8 +381,18 @@ def test_named_streaming_held_out_sets_are_ray_datasets_of_their_own(run_cli, tm
         for part in (0, 1):
             ids = [r for i, r in enumerate(rows) if i % 2 == part]
             pq.write_table(pa.table({"row": ids}), tmp_path / name / f"part-{part}.parquet")
-    proc = run_cli("train", "stream.yaml", "--set", f"data.root={tmp_path}", "--set", "scaling.num_workers=2",
-                   "--set", "run.name=named", "--summary-json", "s.json")
+    proc = run_cli(
+        "train",
+        "stream.yaml",
+        "--set",
+        f"data.root={tmp_path}",
+        "--set",
+        "scaling.num_workers=2",
+        "--set",
+        "run.name=named",
+        "--summary-json",
+        "s.json",
+    )
     assert proc.wait(300) == 0, proc.output
     summary = read_json(tmp_path / "s.json")
     assert summary["status"] == "FINISHED"
@@ -345,5 +400,6 @@ def test_named_streaming_held_out_sets_are_ray_datasets_of_their_own(run_cli, tm
     for rank in (0, 1):
         assert (tmp_path / f"eval-end-{rank}-of-2").read_text() == f"{summary['steps']} ['test/row', 'val/row']\n"
     read = sorted(p.name for p in tmp_path.glob("read-*"))
-    assert {"read-val-task", "read-test-task"} <= set(read) and not [r for r in read if r.startswith(
-        ("read-val-", "read-test-")) and not r.endswith("-task")], read
+    assert {"read-val-task", "read-test-task"} <= set(read) and not [
+        r for r in read if r.startswith(("read-val-", "read-test-")) and not r.endswith("-task")
+    ], read

@@ -17,8 +17,18 @@ import pytest
 
 from tests.conftest import RAYLANE, TORCHRUN, cli_env
 
-TABULAR = ["--set", "data.features=[a, b]", "--set", "data.target=label", "--set", "data.num_classes=2",
-           "--set", "train.batch_size=16", "--set", "train.max_epochs=1"]
+TABULAR = [
+    "--set",
+    "data.features=[a, b]",
+    "--set",
+    "data.target=label",
+    "--set",
+    "data.num_classes=2",
+    "--set",
+    "train.batch_size=16",
+    "--set",
+    "train.max_epochs=1",
+]
 
 
 def _rows(n: int, seed: int) -> list[str]:
@@ -33,14 +43,15 @@ def _csv(path: Path, rows: list[str]) -> Path:
 
 
 def _with(rows: list[str], index: int, row: str) -> list[str]:
-    return [*rows[:index], row, *rows[index + 1:]]
+    return [*rows[:index], row, *rows[index + 1 :]]
 
 
 def _parquet(path: Path, n: int = 400) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     x = np.random.default_rng(0).normal(size=(n, 2))
-    pq.write_table(pa.table({"a": x[:, 0], "b": x[:, 1], "label": (x[:, 0] > 0).astype(np.int64)}), path,
-                   row_group_size=100)
+    pq.write_table(
+        pa.table({"a": x[:, 0], "b": x[:, 1], "label": (x[:, 0] > 0).astype(np.int64)}), path, row_group_size=100
+    )
     return path
 
 
@@ -48,7 +59,7 @@ def _corrupt_row_group(path: Path, group: int) -> None:
     """Zeros over the start of one row group's column data: its page header cannot be read."""
     data = bytearray(path.read_bytes())
     offset = pq.read_metadata(path).row_group(group).column(1).data_page_offset
-    data[offset:offset + 40] = bytes(40)
+    data[offset : offset + 40] = bytes(40)
     path.write_bytes(bytes(data))
 
 
@@ -67,6 +78,7 @@ def _library_log(output: str) -> str:
 
 # -- bad data -----------------------------------------------------------------------------------
 
+
 def _bad_first_files(tmp: Path) -> dict[str, tuple[Path, str, str]]:
     """case -> (file, format, the line's expected text: file, row, column, value)."""
     good = _rows(40, 1)
@@ -75,23 +87,41 @@ def _bad_first_files(tmp: Path) -> dict[str, tuple[Path, str, str]]:
     corrupt = _parquet(tmp / "corrupt.parquet")
     _corrupt_row_group(corrupt, 0)
     return {
-        "null": (_csv(tmp / "null.csv", _with(good, 16, "0.5,n/a,1")), "csv",
-                 f"data.features: {tmp / 'null.csv'} row 17, column 'b' has no value ('n/a')"),
-        "not a number": (_csv(tmp / "text.csv", _with(good, 16, "0.5,abc,1")), "csv",
-                         f"data.features: {tmp / 'text.csv'} row 17, column 'b' has 'abc'; expected a number"),
-        "class id out of range": (_csv(tmp / "label.csv", _with(good, 16, "0.5,0.3,5")), "csv",
-                                  f"data.num_classes = 2: {tmp / 'label.csv'} row 17, column 'label' has 5"),
-        "truncated parquet": (truncated, "parquet",
-                              f"data.train: {truncated}: not a readable Parquet file (ArrowInvalid: Parquet magic"),
+        "null": (
+            _csv(tmp / "null.csv", _with(good, 16, "0.5,n/a,1")),
+            "csv",
+            f"data.features: {tmp / 'null.csv'} row 17, column 'b' has no value ('n/a')",
+        ),
+        "not a number": (
+            _csv(tmp / "text.csv", _with(good, 16, "0.5,abc,1")),
+            "csv",
+            f"data.features: {tmp / 'text.csv'} row 17, column 'b' has 'abc'; expected a number",
+        ),
+        "class id out of range": (
+            _csv(tmp / "label.csv", _with(good, 16, "0.5,0.3,5")),
+            "csv",
+            f"data.num_classes = 2: {tmp / 'label.csv'} row 17, column 'label' has 5",
+        ),
+        "truncated parquet": (
+            truncated,
+            "parquet",
+            f"data.train: {truncated}: not a readable Parquet file (ArrowInvalid: Parquet magic",
+        ),
         "corrupt parquet": (corrupt, "parquet", f"data.train: {corrupt}: cannot be read (OSError: "),
     }
 
 
 def test_bad_data_in_the_first_rows_exits_2_naming_its_file_row_column_and_value(tmp_path):
     for case, (path, fmt, expected) in _bad_first_files(tmp_path / "data").items():
-        out = subprocess.run([*RAYLANE, "check", "tabular", "--set", f"data.train={path}", "--set", f"data.format={fmt}",
-                              *TABULAR], cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True,
-                             timeout=120, check=False)
+        out = subprocess.run(
+            [*RAYLANE, "check", "tabular", "--set", f"data.train={path}", "--set", f"data.format={fmt}", *TABULAR],
+            cwd=tmp_path,
+            env=cli_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert out.returncode == 2, (case, out.stdout + out.stderr)
         line = _error_line(out.stderr)
         assert line.startswith("raylane: invalid config: ") and expected in line, (case, line)
@@ -102,22 +132,46 @@ def test_bad_data_found_while_training_in_one_process_is_one_line_with_its_place
     """Past what the check reads (a second file, a later CSV block, a later row group), each
     rank's pyarrow reader names the place; a null cell no longer trains as a NaN loss."""
     cases = {
-        "null": (_csv(tmp_path / "null" / "b.csv", _with(_rows(100, 2), 41, "0.5,n/a,1")), "csv",
-                 (f"data.features: {tmp_path / 'null' / 'b.csv'} row 42, column 'b' has no value ('n/a'); "
-                  "fill or drop such rows")),
+        "null": (
+            _csv(tmp_path / "null" / "b.csv", _with(_rows(100, 2), 41, "0.5,n/a,1")),
+            "csv",
+            (
+                f"data.features: {tmp_path / 'null' / 'b.csv'} row 42, column 'b' has no value ('n/a'); "
+                "fill or drop such rows"
+            ),
+        ),
         # pyarrow reads a CSV in 1 MB blocks and types a column from the first: its error names no row.
-        "text past the first block": (_csv(tmp_path / "big" / "a.csv", _with(_rows(100_000, 3), 90_000, "0.5,abc,1")),
-                                      "csv", (f"data.train: {tmp_path / 'big' / 'a.csv'} row 90001, column 'b' "
-                                              "has 'abc'; expected a number, as in the rows before it")),
-        "corrupt row group": (_parquet(tmp_path / "pq" / "b.parquet"), "parquet",
-                              f"data.train: {tmp_path / 'pq' / 'b.parquet'} row group 2 (rows 201-300): cannot be read"),
+        "text past the first block": (
+            _csv(tmp_path / "big" / "a.csv", _with(_rows(100_000, 3), 90_000, "0.5,abc,1")),
+            "csv",
+            (
+                f"data.train: {tmp_path / 'big' / 'a.csv'} row 90001, column 'b' "
+                "has 'abc'; expected a number, as in the rows before it"
+            ),
+        ),
+        "corrupt row group": (
+            _parquet(tmp_path / "pq" / "b.parquet"),
+            "parquet",
+            f"data.train: {tmp_path / 'pq' / 'b.parquet'} row group 2 (rows 201-300): cannot be read",
+        ),
     }
     _csv(tmp_path / "null" / "a.csv", _rows(100, 1))
     _parquet(tmp_path / "pq" / "a.parquet")
     _corrupt_row_group(tmp_path / "pq" / "b.parquet", 2)
     for case, (path, fmt, expected) in cases.items():
-        p = run_cli("train", "tabular", "--local", "--set", f"data.train={path.parent}", "--set", f"data.format={fmt}",
-                    *TABULAR, "--set", f"run.storage_path={tmp_path / 'runs'}", name=case.replace(" ", "-"))
+        p = run_cli(
+            "train",
+            "tabular",
+            "--local",
+            "--set",
+            f"data.train={path.parent}",
+            "--set",
+            f"data.format={fmt}",
+            *TABULAR,
+            "--set",
+            f"run.storage_path={tmp_path / 'runs'}",
+            name=case.replace(" ", "-"),
+        )
         assert p.wait(180) == 1, (case, p.output)
         line = _error_line(p.output)
         assert expected in line, (case, line)
@@ -134,20 +188,33 @@ def test_bad_data_read_by_ray_data_is_one_line_with_its_place(run_cli, tmp_path)
     folder = tmp_path / "data"
     _csv(folder / "a.csv", _rows(100, 1))
     _csv(folder / "b.csv", _with(_rows(100, 2), 41, "0.5,0.3,5"))
-    p = run_cli("train", "tabular", "--set", f"data.train={folder}", "--set", "data.format=csv", *TABULAR,
-                "--set", "scaling.num_workers=2", "--set", f"run.storage_path={tmp_path / 'runs'}")
+    p = run_cli(
+        "train",
+        "tabular",
+        "--set",
+        f"data.train={folder}",
+        "--set",
+        "data.format=csv",
+        *TABULAR,
+        "--set",
+        "scaling.num_workers=2",
+        "--set",
+        f"run.storage_path={tmp_path / 'runs'}",
+    )
     assert p.wait(300) == 1, p.output
     line = _error_line(p.output)
-    assert re.search(r"training failed on ranks? [0-9, ]+: data.num_classes = 2: "
-                     + re.escape(f"{folder / 'b.csv'} row 42, column 'label' has 5; class ids are whole numbers 0..1"),
-                     line), line
+    assert re.search(
+        r"training failed on ranks? [0-9, ]+: data.num_classes = 2: "
+        + re.escape(f"{folder / 'b.csv'} row 42, column 'label' has 5; class ids are whole numbers 0..1"),
+        line,
+    ), line
     log = _library_log(p.output)
     assert "Traceback" in log and "raise DataError" in log
 
 
 # -- the user's code ------------------------------------------------------------------------
 
-PIPELINE = '''
+PIPELINE = """
 import torch
 import raylane
 from torch.utils.data import TensorDataset
@@ -188,7 +255,7 @@ def build(cfg):
         sums = lambda output, target: {"loss": torch.nn.functional.mse_loss(output, target, reduction="sum")}
     return raylane.Pipeline(model=Net(cfg.model.mode), train_set=data, eval_set=data,
                             loss_fn=torch.nn.functional.mse_loss, eval_sums=sums)
-'''
+"""
 
 
 def _line_of(pipe: Path, text: str) -> int:
@@ -208,15 +275,23 @@ def test_an_error_in_the_users_code_is_one_line_naming_the_function_and_its_line
     float_sums = _line_of(pipe, "float(torch.nn.functional.mse_loss")
     cases = {
         "dict": f"pipeline {str(pipe)!r}: build(cfg) returned dict, not raylane.Pipeline "
-                f"(at {pipe}:{_line_of(pipe, 'def build(cfg)')})",
+        f"(at {pipe}:{_line_of(pipe, 'def build(cfg)')})",
         "float sums": f"pipeline {str(pipe)!r}: eval_sums(output, target) returned {{'loss': float}}: it must return "
-                      f"tensors (sums over the batch) (at {pipe}:{float_sums})",
+        f"tensors (sums over the batch) (at {pipe}:{float_sums})",
         "forward raises": f"pipeline {str(pipe)!r}: the model's forward raised RuntimeError: my layer got the wrong "
-                          f"shape (at {pipe}:{_line_of(pipe, 'raise RuntimeError')})",
+        f"shape (at {pipe}:{_line_of(pipe, 'raise RuntimeError')})",
     }
     for mode, expected in cases.items():
-        p = run_cli("train", "cfg.yaml", "--local", "--set", f"model.mode={mode}",
-                    "--set", f"run.storage_path={tmp_path / 'runs'}", name=mode.replace(" ", "-"))
+        p = run_cli(
+            "train",
+            "cfg.yaml",
+            "--local",
+            "--set",
+            f"model.mode={mode}",
+            "--set",
+            f"run.storage_path={tmp_path / 'runs'}",
+            name=mode.replace(" ", "-"),
+        )
         assert p.wait(180) == 1, (mode, p.output)
         line = _error_line(p.output)
         assert line.strip() == f"error:         {expected}", (mode, line)
@@ -228,13 +303,23 @@ def test_an_error_in_the_users_code_is_one_line_naming_the_function_and_its_line
 @pytest.mark.untracked
 def test_an_error_in_the_users_code_on_ray_is_one_line_with_the_workers_traceback_in_the_log(run_cli, tmp_path):
     pipe = _own_pipeline(tmp_path)
-    p = run_cli("train", "cfg.yaml", "--set", "model.mode=forward raises", "--set", "scaling.num_workers=1",
-                "--set", f"run.storage_path={tmp_path / 'runs'}")
+    p = run_cli(
+        "train",
+        "cfg.yaml",
+        "--set",
+        "model.mode=forward raises",
+        "--set",
+        "scaling.num_workers=1",
+        "--set",
+        f"run.storage_path={tmp_path / 'runs'}",
+    )
     assert p.wait(300) == 1, p.output
     line = _error_line(p.output)
-    assert line.strip() == (f"error:         training failed on rank 0: pipeline {str(pipe)!r}: the model's forward "
-                            f"raised RuntimeError: my layer got the wrong shape (at {pipe}:"
-                            f"{_line_of(pipe, 'raise RuntimeError')})"), line
+    assert line.strip() == (
+        f"error:         training failed on rank 0: pipeline {str(pipe)!r}: the model's forward "
+        f"raised RuntimeError: my layer got the wrong shape (at {pipe}:"
+        f"{_line_of(pipe, 'raise RuntimeError')})"
+    ), line
     log = _library_log(p.output)  # the worker's whole traceback, on the driver
     assert f'File "{pipe}", line {_line_of(pipe, "raise RuntimeError")}, in helper' in log, log
 
@@ -242,23 +327,51 @@ def test_an_error_in_the_users_code_on_ray_is_one_line_with_the_workers_tracebac
 @pytest.mark.untracked
 def test_unused_parameters_under_ddp_name_raylanes_key_and_the_parameters(run_cli, tmp_path):
     _own_pipeline(tmp_path)
-    p = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "cfg.yaml", "--set", "model.mode=unused",
-                "--set", f"run.storage_path={tmp_path / 'runs'}", "--set", "mlflow.enabled=false", launcher=TORCHRUN)
+    p = run_cli(
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+        "train",
+        "cfg.yaml",
+        "--set",
+        "model.mode=unused",
+        "--set",
+        f"run.storage_path={tmp_path / 'runs'}",
+        "--set",
+        "mlflow.enabled=false",
+        launcher=TORCHRUN,
+    )
     assert p.wait(240) != 0, p.output
-    assert ("error:         strategy.find_unused_parameters = false: the model's spare.weight, spare.bias got no "
-            "gradient at a step on rank ") in p.output, p.output
+    assert (
+        "error:         strategy.find_unused_parameters = false: the model's spare.weight, spare.bias got no "
+        "gradient at a step on rank "
+    ) in p.output, p.output
     assert "set strategy.find_unused_parameters: true" in p.output
 
 
 @pytest.mark.untracked
 def test_a_training_set_smaller_than_one_step_is_said_before_the_first_step(run_cli, tmp_path):
     _own_pipeline(tmp_path)
-    p = run_cli("train", "cfg.yaml", "--local", "--set", "train.batch_size=100",
-                "--set", f"run.storage_path={tmp_path / 'runs'}")
+    p = run_cli(
+        "train",
+        "cfg.yaml",
+        "--local",
+        "--set",
+        "train.batch_size=100",
+        "--set",
+        f"run.storage_path={tmp_path / 'runs'}",
+    )
     assert p.wait(180) == 0, p.output
     lines = p.output.splitlines()
-    said = [i for i, line in enumerate(lines) if line == (
-        "the training set has 64 samples, fewer than one step's 100 (train.batch_size 100 x 1 worker): "
-        "each epoch is one partial step")]
+    said = [
+        i
+        for i, line in enumerate(lines)
+        if line
+        == (
+            "the training set has 64 samples, fewer than one step's 100 (train.batch_size 100 x 1 worker): "
+            "each epoch is one partial step"
+        )
+    ]
     first_step = next(i for i, line in enumerate(lines) if "step 1/1" in line)
     assert said and said[0] < first_step, p.output

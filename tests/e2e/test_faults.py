@@ -25,8 +25,16 @@ def test_fault_plan_parsing():
 
 
 def test_nan_stops_with_the_step_named(run_cli, tmp_path):
-    proc = run_cli("train", "regression", "--local", "--set", "run.name=n", "--summary-json", "s.json",
-                   env=cli_env(tmp_path, RAYLANE_FAULTS="nan@step=7"))
+    proc = run_cli(
+        "train",
+        "regression",
+        "--local",
+        "--set",
+        "run.name=n",
+        "--summary-json",
+        "s.json",
+        env=cli_env(tmp_path, RAYLANE_FAULTS="nan@step=7"),
+    )
     assert proc.wait(120) == 1
     s = read_json(tmp_path / "s.json")
     assert s["status"] == "FAILED"
@@ -38,9 +46,24 @@ def test_nan_stops_with_the_step_named(run_cli, tmp_path):
 def test_nan_on_one_rank_is_skipped_on_both(run_cli, tmp_path):
     """Only rank 1's loss is NaN; DDP's all-reduce spreads it, so both ranks skip the same update
     (no divergence, no hang) and the run finishes."""
-    proc = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "regression", "--set", "run.name=skip",
-                   "--set", "train.on_nan=skip", "--set", "train.max_epochs=1", "--summary-json", "s.json",
-                   env=cli_env(tmp_path, RAYLANE_FAULTS="nan@rank=1,step=3"), launcher=TORCHRUN)
+    proc = run_cli(
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+        "train",
+        "regression",
+        "--set",
+        "run.name=skip",
+        "--set",
+        "train.on_nan=skip",
+        "--set",
+        "train.max_epochs=1",
+        "--summary-json",
+        "s.json",
+        env=cli_env(tmp_path, RAYLANE_FAULTS="nan@rank=1,step=3"),
+        launcher=TORCHRUN,
+    )
     assert proc.wait(180) == 0, proc.output
     s = read_json(tmp_path / "s.json")
     assert s["status"] == "FINISHED" and s["skipped_steps"] == 1 and s["steps"] == 32
@@ -50,8 +73,15 @@ def test_nan_on_one_rank_is_skipped_on_both(run_cli, tmp_path):
 @pytest.mark.ray
 @pytest.mark.shared_ray
 def test_raising_rank_fails_the_run_in_seconds_naming_the_rank(run_cli, tmp_path):
-    proc = run_cli("train", "regression", "--set", "run.name=boom", "--summary-json", "s.json",
-                   env=cli_env(tmp_path, RAYLANE_FAULTS="raise@rank=1,step=5"))
+    proc = run_cli(
+        "train",
+        "regression",
+        "--set",
+        "run.name=boom",
+        "--summary-json",
+        "s.json",
+        env=cli_env(tmp_path, RAYLANE_FAULTS="raise@rank=1,step=5"),
+    )
     assert proc.wait(180) == 1, proc.output
     s = read_json(tmp_path / "s.json")
     assert s["error"] == "training failed on rank 1: InjectedFault: injected failure on rank 1 at step 5"
@@ -75,10 +105,17 @@ def _weights(summary: dict) -> dict[str, torch.Tensor]:
 def test_killed_worker_restarts_and_ends_bit_identical(run_cli, tmp_path):
     # Long enough (~5 s of steps after the first checkpoint) that the kill lands mid-run.
     epochs = 15
-    common = ["--set", f"train.max_epochs={epochs}", "--set", "checkpoint.every_n_steps=20",
-              "--set", "failure.max_failures=1"]
-    victim = run_cli("train", "digits", "--set", "run.name=victim", "--summary-json", "victim.json", *common,
-                     name="victim")
+    common = [
+        "--set",
+        f"train.max_epochs={epochs}",
+        "--set",
+        "checkpoint.every_n_steps=20",
+        "--set",
+        "failure.max_failures=1",
+    ]
+    victim = run_cli(
+        "train", "digits", "--set", "run.name=victim", "--summary-json", "victim.json", *common, name="victim"
+    )
     # Any committed checkpoint: step 20's own can be pruned (checkpoint.keep) between two polls.
     wait_for(lambda: checkpoint.committed(str(tmp_path / "runs/victim")), timeout_s=240)
     pids = wait_for(lambda: session_processes(victim.proc.pid, "ray::RayTrainWorker"), timeout_s=30)
@@ -87,8 +124,21 @@ def test_killed_worker_restarts_and_ends_bit_identical(run_cli, tmp_path):
     # The uninterrupted reference, under torchrun: the same two gloo ranks, seeds and data order as
     # on Ray (the loop knows nothing of its launcher), in a third of the start-up time; started
     # while Ray restarts the victim's workers, which mostly waits.
-    calm = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "digits", "--set", "run.name=calm",
-                   "--summary-json", "calm.json", *common, name="calm", launcher=TORCHRUN)
+    calm = run_cli(
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+        "train",
+        "digits",
+        "--set",
+        "run.name=calm",
+        "--summary-json",
+        "calm.json",
+        *common,
+        name="calm",
+        launcher=TORCHRUN,
+    )
     assert victim.wait(300) == 0, victim.output
     assert calm.wait(300) == 0, calm.output
 

@@ -16,8 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_gpu_check_script_reports_tokens_mfu_and_memory(tmp_path):
     env = dict(os.environ, STEPS="20", NPROC="1", OUT=str(tmp_path))
-    out = subprocess.run(["bash", str(REPO / "scripts/gpu-check.sh")], env=env, capture_output=True, text=True,
-                         timeout=900)
+    out = subprocess.run(
+        ["bash", str(REPO / "scripts/gpu-check.sh")], env=env, capture_output=True, text=True, timeout=900
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     s = json.loads((tmp_path / "gpu-check.json").read_text())
     assert s["status"] == "FINISHED" and s["steps"] == 20

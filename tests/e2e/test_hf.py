@@ -31,16 +31,46 @@ def tiny(tmp_path_factory):
 
 def _train_args(tmp_path, tiny, name: str, *extra: str) -> list[str]:
     (tmp_path / "cfg.yaml").write_text(f"pipeline: {REPO / 'tests/helpers/hf_reads.py'}\n")
-    return ["--nproc_per_node", "2", "-m", "raylane", "train", "cfg.yaml", "--set", f"model.name_or_path={tiny / 'model'}", "--set", f"data.train={tiny / 'train'}",
-            "--set", f"data.eval={tiny / 'eval'}", "--set", "model.seq_len=64", "--set", "train.batch_size=8",
-            "--set", "optim.name=adamw", "--set", "optim.lr=0.003", "--set", "train.eval_every_n_steps=8",
-            "--set", "mlflow.log_model=false", "--set", "scaling.peak_tflops=1", "--set", f"run.name={name}", "--summary-json", f"{name}.json", *extra]
+    return [
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+        "train",
+        "cfg.yaml",
+        "--set",
+        f"model.name_or_path={tiny / 'model'}",
+        "--set",
+        f"data.train={tiny / 'train'}",
+        "--set",
+        f"data.eval={tiny / 'eval'}",
+        "--set",
+        "model.seq_len=64",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "optim.name=adamw",
+        "--set",
+        "optim.lr=0.003",
+        "--set",
+        "train.eval_every_n_steps=8",
+        "--set",
+        "mlflow.log_model=false",
+        "--set",
+        "scaling.peak_tflops=1",
+        "--set",
+        f"run.name={name}",
+        "--summary-json",
+        f"{name}.json",
+        *extra,
+    ]
 
 
 def _eval_losses(db, run_id: str) -> list[float]:
     with sqlite3.connect(db) as con:
-        rows = con.execute("SELECT step, value FROM metrics WHERE run_uuid = ? AND key = 'eval/loss' ORDER BY step",
-                           (run_id,))
+        rows = con.execute(
+            "SELECT step, value FROM metrics WHERE run_uuid = ? AND key = 'eval/loss' ORDER BY step", (run_id,)
+        )
         return [value for _, value in rows]
 
 
@@ -53,14 +83,19 @@ def _reads(folder) -> dict[str, int]:
     return {p.name: len(p.read_text().splitlines()) for p in sorted(folder.iterdir())}
 
 
-def _fine_tune(run_cli, tmp_path, tiny, name: str, strategy: str, steps: int,
-               launch: str = "first") -> tuple[dict, dict[str, int], str]:
+def _fine_tune(
+    run_cli, tmp_path, tiny, name: str, strategy: str, steps: int, launch: str = "first"
+) -> tuple[dict, dict[str, int], str]:
     """(the run's summary, each rank's reads of weight files, its output)."""
     reads = tmp_path / f"reads-{name}-{launch}"
     reads.mkdir()
     env = cli_env(tmp_path, RAYLANE_TEST_READS=str(reads), PYTHONPATH=str(REPO))
-    p = run_cli(*_train_args(tmp_path, tiny, name, "--set", f"strategy.name={strategy}", "--set",
-                             f"train.max_steps={steps}"), launcher=TORCHRUN, name=f"{name}-{launch}", env=env)
+    p = run_cli(
+        *_train_args(tmp_path, tiny, name, "--set", f"strategy.name={strategy}", "--set", f"train.max_steps={steps}"),
+        launcher=TORCHRUN,
+        name=f"{name}-{launch}",
+        env=env,
+    )
     assert p.wait(300) == 0, p.output
     summary = read_json(tmp_path / f"{name}.json")
     assert summary["strategy"] == strategy
@@ -94,7 +129,9 @@ def test_ddp_and_fsdp_fine_tunes_fsdp_holds_half_and_a_relaunch_reads_no_weights
     ratio = runs["fsdp"]["memory"]["state_bytes_per_rank"] / runs["ddp"]["memory"]["state_bytes_per_rank"]
     assert 0.4 <= ratio <= 0.6, ratio
     with sqlite3.connect(tmp_path / "mlflow.db") as con:  # from the model's config: parameters and shape
-        keys = {k for (k,) in con.execute("SELECT DISTINCT key FROM metrics WHERE run_uuid = ?", (runs["fsdp"]["run_id"],))}
+        keys = {
+            k for (k,) in con.execute("SELECT DISTINCT key FROM metrics WHERE run_uuid = ?", (runs["fsdp"]["run_id"],))
+        }
     assert {"train/tokens_per_s", "train/mfu"} <= keys, sorted(keys)
     (tmp_path / "fsdp.json").unlink()
     _, reads, output = _fine_tune(run_cli, tmp_path, tiny, "fsdp", "fsdp", 24, "again")  # the same run, more steps
@@ -110,8 +147,18 @@ def test_pretrained_weights_are_identical_on_every_rank_and_equal_to_the_saved_o
     adapter (fsdp-lora), the same under peft's names, the adapter starting at zero: before, FSDP's
     own class for the peft model hid its names, and the base was drawn at random instead."""
     base, *lora = strategy.split("-")
-    p = run_cli("--nproc_per_node", "2", str(REPO / "tests/helpers/hf_load.py"), str(tiny / "model"), base,
-                str(tmp_path), *lora, launcher=TORCHRUN, name=strategy, env=cli_env(tmp_path, PYTHONPATH=str(REPO)))
+    p = run_cli(
+        "--nproc_per_node",
+        "2",
+        str(REPO / "tests/helpers/hf_load.py"),
+        str(tiny / "model"),
+        base,
+        str(tmp_path),
+        *lora,
+        launcher=TORCHRUN,
+        name=strategy,
+        env=cli_env(tmp_path, PYTHONPATH=str(REPO)),
+    )
     assert p.wait(180) == 0, p.output
     ranks = [read_json(tmp_path / f"rank{r}.json") for r in (0, 1)]
     assert [len(r["reads"]) for r in ranks] == [1, 0]
@@ -126,9 +173,17 @@ def test_a_classifier_trains_from_a_datasets_dataset_handed_over_by_a_users_pipe
         f"model: {{task: sequence-classification, name_or_path: {tiny / 'model'}, seq_len: 64, num_labels: 2}}\n"
         f"source: {{rows: {tiny}}}\n"
         "train: {max_steps: 20, batch_size: 16, eval_every_n_steps: 10}\n"
-        "optim: {name: adamw, lr: 0.003}\nmlflow: {log_model: false}\n")
-    p = run_cli("train", "cfg.yaml", "--local", "--summary-json", "cls.json",
-                env=cli_env(tmp_path, PYTHONPATH=str(REPO)), name="cls")
+        "optim: {name: adamw, lr: 0.003}\nmlflow: {log_model: false}\n"
+    )
+    p = run_cli(
+        "train",
+        "cfg.yaml",
+        "--local",
+        "--summary-json",
+        "cls.json",
+        env=cli_env(tmp_path, PYTHONPATH=str(REPO)),
+        name="cls",
+    )
     assert p.wait(300) == 0, p.output
     summary = read_json(tmp_path / "cls.json")
     assert summary["status"] == "FINISHED"
@@ -148,25 +203,37 @@ def _bad_model(bad, tiny, **config):
 BAD = {
     "no model": ([], "model.name_or_path: required"),
     "not a model directory": (["model.name_or_path={tiny}"], "model.name_or_path = '{tiny}': not a model directory"),
-    "a model the task cannot load": (["model.name_or_path={bad}", "model.task=causal-lm"],
-                                     ("model.name_or_path = '{bad}': a 'vit' model, which transformers cannot load "
-                                      "for model.task = 'causal-lm'")),
-    "a tokenizer larger than the vocabulary": (["model.name_or_path={small}"],
-                                               "the tokenizer has 512 tokens, more than the model's vocab_size 100"),
-    "no text column": (["model.name_or_path={tiny}/model", "data.text_column=body"],
-                       "data.text_column = 'body': no such column in {tiny}/train/part-0.jsonl"),
-    "no label column": (["model.name_or_path={tiny}/model", "model.task=sequence-classification",
-                         "data.label_column=y"], "data.label_column = 'y': no such column"),
-    "lora on no module": (["model.name_or_path={tiny}/model", "lora.target_modules=[q_proj,qkv]"],
-                          "lora.target_modules = ['q_proj', 'qkv']: LlamaForCausalLM has no module named 'qkv'"),
+    "a model the task cannot load": (
+        ["model.name_or_path={bad}", "model.task=causal-lm"],
+        ("model.name_or_path = '{bad}': a 'vit' model, which transformers cannot load for model.task = 'causal-lm'"),
+    ),
+    "a tokenizer larger than the vocabulary": (
+        ["model.name_or_path={small}"],
+        "the tokenizer has 512 tokens, more than the model's vocab_size 100",
+    ),
+    "no text column": (
+        ["model.name_or_path={tiny}/model", "data.text_column=body"],
+        "data.text_column = 'body': no such column in {tiny}/train/part-0.jsonl",
+    ),
+    "no label column": (
+        ["model.name_or_path={tiny}/model", "model.task=sequence-classification", "data.label_column=y"],
+        "data.label_column = 'y': no such column",
+    ),
+    "lora on no module": (
+        ["model.name_or_path={tiny}/model", "lora.target_modules=[q_proj,qkv]"],
+        "lora.target_modules = ['q_proj', 'qkv']: LlamaForCausalLM has no module named 'qkv'",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_exits_2_with_one_line(case, tmp_path, tiny, capsys, no_work):
     sets, line = BAD[case]
-    where = {"tiny": tiny, "bad": _bad_model(tmp_path / "vit", tiny, model_type="vit"),
-             "small": _bad_model(tmp_path / "small", tiny, vocab_size=100)}
+    where = {
+        "tiny": tiny,
+        "bad": _bad_model(tmp_path / "vit", tiny, model_type="vit"),
+        "small": _bad_model(tmp_path / "small", tiny, vocab_size=100),
+    }
     argv = ["check", "hf", "--set", f"data.train={tiny / 'train'}"]
     for s in sets:
         argv += ["--set", s.format(**where)]
@@ -178,8 +245,12 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, tiny, capsys, no_work):
 
 def test_raylane_hf_not_installed_exits_2_naming_the_extra(tmp_path, tiny, capsys, monkeypatch, no_work):
     monkeypatch.setitem(sys.modules, "transformers", None)  # find_spec: not installed
-    assert cli.main(["check", "hf", "--set", f"model.name_or_path={tiny / 'model'}",
-                     "--set", f"data.train={tiny / 'train'}"]) == 2
+    assert (
+        cli.main(
+            ["check", "hf", "--set", f"model.name_or_path={tiny / 'model'}", "--set", f"data.train={tiny / 'train'}"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "needs raylane[hf] (transformers not installed)" in err, err
 
@@ -197,7 +268,8 @@ def test_the_shipped_hf_pipeline_fine_tunes_on_2_ray_workers_tokenizing_in_ray_d
         f"data: {{train: {tiny / 'train'}, eval: {tiny / 'eval'}}}\n"
         "scaling: {num_workers: 2}\nstrategy: {name: ddp}\n"
         "train: {max_steps: 16, batch_size: 8, eval_every_n_steps: 8}\n"
-        "optim: {name: adamw, lr: 0.003}\nmlflow: {log_model: false}\n")
+        "optim: {name: adamw, lr: 0.003}\nmlflow: {log_model: false}\n"
+    )
     p = run_cli("train", "cfg.yaml", "--summary-json", "ray.json", name="ray")
     assert p.wait(300) == 0, p.output
     run = read_json(tmp_path / "ray.json")
@@ -213,8 +285,19 @@ def _ray_fine_tune(run_cli, tmp_path, name: str, strategy: str, *extra: str, lau
     under `launcher` (torchrun) when given."""
     reads = tmp_path / f"reads-{name}"
     reads.mkdir()
-    args = ["train", "../project/ray.yaml", "--set", f"run.name={name}", "--set", f"strategy.name={strategy}",
-            "--set", f"source.reads={reads}", "--summary-json", f"{name}.json", *extra]
+    args = [
+        "train",
+        "../project/ray.yaml",
+        "--set",
+        f"run.name={name}",
+        "--set",
+        f"strategy.name={strategy}",
+        "--set",
+        f"source.reads={reads}",
+        "--summary-json",
+        f"{name}.json",
+        *extra,
+    ]
     how = {"name": name, "env": cli_env(tmp_path, PYTHONPATH=str(REPO)), "cwd": tmp_path / "elsewhere"}
     if launcher is not None:
         return run_cli("--nproc_per_node", "2", "-m", "raylane", *args, launcher=launcher, **how)
@@ -241,13 +324,16 @@ def test_full_and_lora_fine_tunes_on_2_ray_workers_and_lora_resumes_bit_exact_af
         "model: {name_or_path: data/model, seq_len: 64}\n"
         f"run: {{storage_path: {tmp_path / 'runs'}}}\nscaling: {{num_workers: 2, peak_tflops: 1}}\n"
         "train: {max_steps: 8, batch_size: 8, eval_every_n_steps: 4}\ncheckpoint: {every_n_steps: 2}\n"
-        "optim: {name: adamw, lr: 0.003}\nmlflow: {log_model: false, log_every_n_steps: 4}\n")
+        "optim: {name: adamw, lr: 0.003}\nmlflow: {log_model: false, log_every_n_steps: 4}\n"
+    )
     lora = ["--set", "lora.r=4", "--set", "optim.lr=0.01"]
     # One after another: runs started together on one machine can race for a port (a process
     # group's store took one another run's socket had just been given, EADDRINUSE; seen in 1 of 5).
-    launches = {"ddp": ("ddp",), "fsdp": ("fsdp",),
-                "lora": ("fsdp", *lora, "--set", f"source.kill_mark={tmp_path / 'killed'}", "--set",
-                         "failure.max_failures=1")}
+    launches = {
+        "ddp": ("ddp",),
+        "fsdp": ("fsdp",),
+        "lora": ("fsdp", *lora, "--set", f"source.kill_mark={tmp_path / 'killed'}", "--set", "failure.max_failures=1"),
+    }
     for name, args in launches.items():
         p = _ray_fine_tune(run_cli, tmp_path, name, *args)
         assert p.wait(300) == 0, (name, p.output)
@@ -267,7 +353,9 @@ def test_full_and_lora_fine_tunes_on_2_ray_workers_and_lora_resumes_bit_exact_af
     ratio = runs["fsdp"]["memory"]["state_bytes_per_rank"] / runs["ddp"]["memory"]["state_bytes_per_rank"]
     assert 0.4 <= ratio <= 0.6, ratio
     with sqlite3.connect(tmp_path / "mlflow.db") as con:  # from the model's config: parameters and shape
-        keys = {k for (k,) in con.execute("SELECT DISTINCT key FROM metrics WHERE run_uuid = ?", (runs["fsdp"]["run_id"],))}
+        keys = {
+            k for (k,) in con.execute("SELECT DISTINCT key FROM metrics WHERE run_uuid = ?", (runs["fsdp"]["run_id"],))
+        }
     assert {"train/tokens_per_s", "train/mfu"} <= keys, sorted(keys)
 
     hit, ref = runs["lora"], runs["calm"]

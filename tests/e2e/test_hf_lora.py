@@ -47,14 +47,25 @@ def _make_base(folder: Path, seed: int, tied: bool = False) -> None:
     hf_lm.make_base(folder, seed, tied=tied)
 
 
-def _train(project: Path, name: str, steps: int, *extra: str, launcher: list[str] | None = None,
-           config: str = "lora.yaml") -> subprocess.CompletedProcess:
-    args = ["train", config, "--set", f"run.name={name}", "--set", f"train.max_steps={steps}",
-            "--summary-json", f"{name}-{steps}.json", *extra]
+def _train(
+    project: Path, name: str, steps: int, *extra: str, launcher: list[str] | None = None, config: str = "lora.yaml"
+) -> subprocess.CompletedProcess:
+    args = [
+        "train",
+        config,
+        "--set",
+        f"run.name={name}",
+        "--set",
+        f"train.max_steps={steps}",
+        "--summary-json",
+        f"{name}-{steps}.json",
+        *extra,
+    ]
     argv = [*launcher, "-m", "raylane", *args] if launcher else [sys.executable, "-m", "raylane", *args, "--local"]
     # A process of its own, killed by subprocess.run when it overstays (its id, nothing broader).
-    return subprocess.run(argv, check=False, cwd=project, env=cli_env(project), capture_output=True, text=True,
-                          timeout=240)
+    return subprocess.run(
+        argv, check=False, cwd=project, env=cli_env(project), capture_output=True, text=True, timeout=240
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +80,10 @@ def project(tmp_path_factory) -> Path:
     (root / "lora.yaml").write_text(CONFIG + LORA)
     # The two at once: each is mostly one core's start-up (imports).
     with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(_train, root, name, steps, config=config)
-                for name, steps, config in (("lora", 4, "lora.yaml"), ("full", 2, "full.yaml"))]
+        runs = [
+            pool.submit(_train, root, name, steps, config=config)
+            for name, steps, config in (("lora", 4, "lora.yaml"), ("full", 2, "full.yaml"))
+        ]
         for run in runs:
             assert run.result().returncode == 0, run.result().stdout + run.result().stderr
     return root
@@ -89,8 +102,10 @@ def _adapter_numel(project: Path) -> int:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(project / "base"),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(project / "base"),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    )
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -126,8 +141,10 @@ def test_a_lora_run_resumes_bit_exact_and_not_on_another_base(project):
     folder resumes, and that folder's files replaced by another base's exit 2 (the path alone
     would not tell)."""
     straight = read_json(project / "lora-4.json")
-    shutil.copytree(Path(straight["checkpoint"]).parent / checkpoint.checkpoint_name(2),
-                    project / "runs" / "resumed" / checkpoint.checkpoint_name(2))
+    shutil.copytree(
+        Path(straight["checkpoint"]).parent / checkpoint.checkpoint_name(2),
+        project / "runs" / "resumed" / checkpoint.checkpoint_name(2),
+    )
     proc = _train(project, "resumed", 4)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = read_json(project / "resumed-4.json")
@@ -166,15 +183,19 @@ def test_a_checkpoint_loads_only_into_a_model_on_its_base(project):
     from raylane.loop.frozen import set_base
 
     ck = read_json(project / "lora-4.json")["checkpoint"]
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(project / "base"),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(project / "base"),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     with pytest.raises(checkpoint.CheckpointLoadError, match="holds an adapter only, and this run's model is whole"):
         checkpoint.load(ck, model, optimizer)
     set_base(model, {"path": "elsewhere", "fingerprint": "ab" * 32})
-    with pytest.raises(checkpoint.CheckpointLoadError,
-                       match=rf"trained on base '{project / 'base'}' \(fingerprint \w{{12}}\); this run's base is "
-                             r"'elsewhere' \(fingerprint abababababab\)"):
+    with pytest.raises(
+        checkpoint.CheckpointLoadError,
+        match=rf"trained on base '{project / 'base'}' \(fingerprint \w{{12}}\); this run's base is "
+        r"'elsewhere' \(fingerprint abababababab\)",
+    ):
         checkpoint.load(ck, model, optimizer)
     set_base(model, checkpoint.read_manifest(ck)["base"])
     assert checkpoint.load(ck, model, optimizer)["step"] == 4
@@ -206,8 +227,27 @@ def test_export_hf_of_a_full_and_a_lora_run_loads_and_generates(project):
     ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     full_ck = read_json(project / "full-2.json")["checkpoint"]
     run_folder = str(Path(full_ck).parent)  # a run's folder: its newest checkpoint, said in one line
-    proc = subprocess.run([sys.executable, "-m", "raylane", "export", run_folder, "--format", "hf", "--out", "full-hf",
-                           "--summary-json", "export.json"], check=False, cwd=project, env=cli_env(project), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "raylane",
+            "export",
+            run_folder,
+            "--format",
+            "hf",
+            "--out",
+            "full-hf",
+            "--summary-json",
+            "export.json",
+        ],
+        check=False,
+        cwd=project,
+        env=cli_env(project),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "wrote a save_pretrained model to full-hf" in proc.stdout
     exported = read_json(project / "export.json")
@@ -267,8 +307,10 @@ def test_a_lora_run_under_fsdp_resumes_bit_exact(project):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     straight = read_json(project / "fsdp-4.json")
     assert list(Path(straight["checkpoint"]).glob("*.distcp"))  # sharded, not one state.pt
-    shutil.copytree(Path(straight["checkpoint"]).parent / checkpoint.checkpoint_name(2),
-                    project / "runs" / "fsdp-resumed" / checkpoint.checkpoint_name(2))
+    shutil.copytree(
+        Path(straight["checkpoint"]).parent / checkpoint.checkpoint_name(2),
+        project / "runs" / "fsdp-resumed" / checkpoint.checkpoint_name(2),
+    )
     proc = _train(project, "fsdp-resumed", 4, *fsdp, launcher=launcher)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = read_json(project / "fsdp-resumed-4.json")
@@ -288,8 +330,7 @@ def test_a_lora_run_under_fsdp_resumes_bit_exact(project):
     assert torch.equal(merged.model.layers[0].mlp.up_proj.weight, base.model.layers[0].mlp.up_proj.weight)
 
 
-def test_the_mlflow_model_of_a_lora_run_is_the_merged_transformers_model_and_generates(project, tmp_path,
-                                                                                      monkeypatch):
+def test_the_mlflow_model_of_a_lora_run_is_the_merged_transformers_model_and_generates(project, tmp_path, monkeypatch):
     """What the driver logs at the end of an hf run (raylane.tracking.records.log_model): the
     transformers flavour with the run's tokenizer, which predicts text through pyfunc."""
     import mlflow
@@ -320,9 +361,12 @@ def test_lora_targets_the_attention_projections_by_default_and_names_a_wrong_mod
     base = str(project / "base")
     assert sorted(check_lora(base, LoraSection())) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     assert check_lora(base, LoraSection(target_modules=["gate_proj"])) == ["gate_proj"]
-    with pytest.raises(ConfigError, match=r"^lora.target_modules = \['q_proj', 'nope'\]: LlamaForCausalLM has no "
-                                          r"module named 'nope' \(its attention projections: k_proj, o_proj, q_proj, "
-                                          r"v_proj\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^lora.target_modules = \['q_proj', 'nope'\]: LlamaForCausalLM has no "
+        r"module named 'nope' \(its attention projections: k_proj, o_proj, q_proj, "
+        r"v_proj\)$",
+    ):
         check_lora(base, LoraSection(target_modules=["q_proj", "nope"]))
 
 

@@ -71,8 +71,14 @@ def _statuses(uri: str) -> list[str]:
 
 
 # tune and autotune join through the same code as train (onray.cluster.join): make test-all.
-@pytest.mark.parametrize("command", [["train", "digits"], pytest.param(["tune", "digits-sweep"], marks=pytest.mark.slow),
-                                     pytest.param(["autotune", "digits"], marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train", "digits"],
+        pytest.param(["tune", "digits-sweep"], marks=pytest.mark.slow),
+        pytest.param(["autotune", "digits"], marks=pytest.mark.slow),
+    ],
+)
 def test_a_cluster_that_never_answers_is_given_up_on_within_the_join_timeout(command, run_cli, tmp_path, silent_peer):
     env, uri = _tracked(tmp_path)
     env["RAYLANE_JOIN_TIMEOUT_S"] = "3"  # 10 by default: the same code, 7 s sooner
@@ -82,9 +88,13 @@ def test_a_cluster_that_never_answers_is_given_up_on_within_the_join_timeout(com
     took = time.monotonic() - started
     mine = [line for line in cli.output.splitlines() if line.startswith("raylane")]
     assert code == 2, cli.output
-    assert mine == [(f"raylane: --address = '{silent_peer.address}': no Ray cluster answers there within 3 s "
-                     "(something listens on that port, but not Ray's GCS); check the address (`raylane up` prints "
-                     "it) or leave --address out for a local cluster")], cli.output
+    assert mine == [
+        (
+            f"raylane: --address = '{silent_peer.address}': no Ray cluster answers there within 3 s "
+            "(something listens on that port, but not Ray's GCS); check the address (`raylane up` prints "
+            "it) or leave --address out for a local cluster"
+        )
+    ], cli.output
     # 3 s of waiting plus start-up; before, it waited for good. A loose bound: the machine may be busy.
     assert took < 60, f"gave up after {took:.0f} s"
     assert _statuses(uri) == ["FAILED"]  # the run (or the sweep's or search's parent) opened beside the wait
@@ -111,8 +121,7 @@ def test_sigterm_to_a_sweep_on_a_joined_cluster_closes_its_parent_run(run_cli, t
     the sweep's own handler turns the signal into an interrupt that closes the parent run KILLED
     and gives the sweep's lease back, rather than the process ending on the spot."""
     env, uri = _tracked(tmp_path)
-    sweep = run_cli("tune", "digits-sweep", "--set", "sweep.num_samples=1", "--set", "train.max_epochs=1000",
-                    env=env)
+    sweep = run_cli("tune", "digits-sweep", "--set", "sweep.num_samples=1", "--set", "train.max_epochs=1000", env=env)
     wait_for(lambda: "[raylane] sweep digits-asha" in sweep.output or sweep.proc.poll() is not None, 240)
     assert sweep.proc.poll() is None, sweep.output
     sweep.signal(signal.SIGTERM)

@@ -23,7 +23,9 @@ def test_the_second_of_two_launches_of_one_run_name_exits_2(run_cli, tmp_path):
     assert first.proc.poll() is None, first.output
     second = run_cli(*args, name="second")
     assert second.wait(60) == 2, second.output
-    line = f"raylane: run.name = 'twice': run 'twice' is already running (pid {first.proc.pid} on {socket.gethostname()}"
+    line = (
+        f"raylane: run.name = 'twice': run 'twice' is already running (pid {first.proc.pid} on {socket.gethostname()}"
+    )
     assert second.output.startswith(line) and len(second.output.strip().splitlines()) == 1, second.output
     # The holder crashes (no way out runs): its lease stays, naming a process that is gone.
     os.killpg(first.proc.pid, signal.SIGKILL)

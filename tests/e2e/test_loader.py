@@ -20,8 +20,9 @@ QUIET = ["--set", "mlflow.enabled=false"]
 
 def _project(tmp_path):
     shutil.copy(HELPER, tmp_path / "pipe.py")
-    (tmp_path / "cfg.yaml").write_text("pipeline: ./pipe.py\ntrain: {batch_size: 8, max_epochs: 2}\n"
-                                       "optim: {lr: 0.05}\n")
+    (tmp_path / "cfg.yaml").write_text(
+        "pipeline: ./pipe.py\ntrain: {batch_size: 8, max_epochs: 2}\noptim: {lr: 0.05}\n"
+    )
     sys.path.insert(0, str(tmp_path))
     try:
         import pipe
@@ -51,8 +52,18 @@ def test_a_collate_fn_over_ragged_items_trains_with_workers_and_resumes_bit_exac
     env = cli_env(tmp_path, WORKER_MARKS=str(tmp_path / "marks"))
     args = ["train", "cfg.yaml", "--local", "--set", "loader.num_workers=2"]
     straight = run_cli(*args, "--set", "run.name=s", "--summary-json", "s.json", env=env, name="straight")
-    first = run_cli(*args, *QUIET, "--set", "run.name=r", "--set", "train.max_steps=17", "--summary-json", "a.json",
-                    env=env, name="first")
+    first = run_cli(
+        *args,
+        *QUIET,
+        "--set",
+        "run.name=r",
+        "--set",
+        "train.max_steps=17",
+        "--summary-json",
+        "a.json",
+        env=env,
+        name="first",
+    )
     assert first.wait(120) == 0, first.output
     again = run_cli(*args, *QUIET, "--set", "run.name=r", "--summary-json", "b.json", env=env, name="again")
     assert straight.wait(120) == 0, straight.output
@@ -78,11 +89,27 @@ def test_a_collate_fn_that_raises_names_itself_and_its_line(run_cli, tmp_path):
     the worker's traceback as text: one line naming collate_fn and the pipeline's file:line."""
     _project(tmp_path)
     env = cli_env(tmp_path, COLLATE_RAISES="2")  # the 1st call is the example batch, before training
-    runs = {w: run_cli("train", "cfg.yaml", "--local", "--set", f"loader.num_workers={w}", "--set", f"run.name=w{w}",
-                       "--summary-json", f"w{w}.json", env=env, name=f"w{w}") for w in (0, 2)}
+    runs = {
+        w: run_cli(
+            "train",
+            "cfg.yaml",
+            "--local",
+            "--set",
+            f"loader.num_workers={w}",
+            "--set",
+            f"run.name=w{w}",
+            "--summary-json",
+            f"w{w}.json",
+            env=env,
+            name=f"w{w}",
+        )
+        for w in (0, 2)
+    }
     line = next(n for n, text in enumerate(HELPER.read_text().splitlines(), 1) if "raise ValueError" in text)
-    expected = (f"pipeline {str(tmp_path / 'pipe.py')!r}: collate_fn(items) raised ValueError: a ragged batch of "
-                f"8 items (at {tmp_path / 'pipe.py'}:{line})")
+    expected = (
+        f"pipeline {str(tmp_path / 'pipe.py')!r}: collate_fn(items) raised ValueError: a ragged batch of "
+        f"8 items (at {tmp_path / 'pipe.py'}:{line})"
+    )
     for w, proc in runs.items():
         assert proc.wait(120) == 1, proc.output
         assert read_json(tmp_path / f"w{w}.json")["error"] == expected, w
@@ -90,13 +117,16 @@ def test_a_collate_fn_that_raises_names_itself_and_its_line(run_cli, tmp_path):
         assert "Traceback" not in proc.output, w
 
 
-@pytest.mark.parametrize(("override", "says"), [
-    ("loader.prefetch_factor=4", "loader.prefetch_factor = 4: needs loader.num_workers > 0"),
-    ("loader.persistent_workers=true", "loader.persistent_workers = True: needs loader.num_workers > 0"),
-    ("loader.pin_memory=true", "loader.pin_memory = True needs scaling.use_gpu: true"),
-    ("loader.num_workers=many", "loader.num_workers = 'many': expected a number of workers from 0 to 256, or auto"),
-    ("loader.num_workers=-1", "loader.num_workers = -1: expected"),
-])
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("loader.prefetch_factor=4", "loader.prefetch_factor = 4: needs loader.num_workers > 0"),
+        ("loader.persistent_workers=true", "loader.persistent_workers = True: needs loader.num_workers > 0"),
+        ("loader.pin_memory=true", "loader.pin_memory = True needs scaling.use_gpu: true"),
+        ("loader.num_workers=many", "loader.num_workers = 'many': expected a number of workers from 0 to 256, or auto"),
+        ("loader.num_workers=-1", "loader.num_workers = -1: expected"),
+    ],
+)
 def test_loader_settings_that_cannot_work_are_refused_before_the_run(override, says):
     """torch itself raises only when the DataLoader is made, on every rank, after the workers
     and the MLflow run have started (prefetch_factor), or warns and pins nothing (pin_memory)."""
@@ -106,8 +136,15 @@ def test_loader_settings_that_cannot_work_are_refused_before_the_run(override, s
 
 
 def test_the_cli_exits_2_on_a_loader_setting_without_workers(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "raylane", "check", "regression", "--set", "loader.prefetch_factor=2"],
-                         check=False, cwd=tmp_path, env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "raylane", "check", "regression", "--set", "loader.prefetch_factor=2"],
+        check=False,
+        cwd=tmp_path,
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     assert "loader.prefetch_factor = 2: needs loader.num_workers > 0" in out.stderr
     assert "Traceback" not in out.stderr
@@ -128,18 +165,42 @@ def test_the_loader_options_follow_the_device_and_reach_the_dataloader(tmp_path)
     auto = min(4, max(0, cores() // local_world_size() - 1))
     assert options("cuda", "loader.num_workers=auto")["num_workers"] == auto
     assert options("cuda", "loader.num_workers=2", "loader.prefetch_factor=3") == {
-        "num_workers": 2, "pin_memory": True, "persistent_workers": True, "prefetch_factor": 3}
-    assert options("cuda", "loader.num_workers=2", "loader.persistent_workers=false",
-                   "loader.pin_memory=false", "scaling.use_gpu=true")["persistent_workers"] is False
+        "num_workers": 2,
+        "pin_memory": True,
+        "persistent_workers": True,
+        "prefetch_factor": 3,
+    }
+    assert (
+        options(
+            "cuda",
+            "loader.num_workers=2",
+            "loader.persistent_workers=false",
+            "loader.pin_memory=false",
+            "scaling.use_gpu=true",
+        )["persistent_workers"]
+        is False
+    )
 
     pipe = _project(tmp_path)
     chosen = {"num_workers": 2, "pin_memory": True, "persistent_workers": True, "prefetch_factor": 3}
-    train = build_loader(pipe.Sequences(10, 0), batch_size=4, rank=0, world_size=1, seed=0, shuffle=True,
-                         collate_fn=pipe.pad, options=chosen)
+    train = build_loader(
+        pipe.Sequences(10, 0),
+        batch_size=4,
+        rank=0,
+        world_size=1,
+        seed=0,
+        shuffle=True,
+        collate_fn=pipe.pad,
+        options=chosen,
+    )
     runtime = type("Runtime", (), {"rank": 0, "world_size": 1})()
     held = eval_data(pipe.Sequences(10, 0), runtime, batch_size=4, seed=0, collate_fn=pipe.pad, options=chosen)
     for loader in (train, held):
-        assert (loader.num_workers, loader.pin_memory, loader.persistent_workers, loader.prefetch_factor) == (2, True,
-                                                                                                               True, 3)
+        assert (loader.num_workers, loader.pin_memory, loader.persistent_workers, loader.prefetch_factor) == (
+            2,
+            True,
+            True,
+            3,
+        )
         assert loader.collate_fn is pipe.pad
     assert train.batches_in_epoch(0) == 3

@@ -26,11 +26,35 @@ def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(run_cli, tmp_path):
     """DDP averages gradients, and the sampler gives 2 ranks exactly the halves of 1 rank's batch:
     the weights after training must agree up to float summation order."""
     common = ["--set", "train.max_epochs=2", "--set", "optim.lr=0.05", "--set", "checkpoint.every_n_steps=0"]
-    two = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "regression", "--set", "run.name=two",
-                  "--set", "train.batch_size=32", "--summary-json", "two.json", *common, launcher=TORCHRUN)
+    two = run_cli(
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+        "train",
+        "regression",
+        "--set",
+        "run.name=two",
+        "--set",
+        "train.batch_size=32",
+        "--summary-json",
+        "two.json",
+        *common,
+        launcher=TORCHRUN,
+    )
     assert two.wait(180) == 0, two.output
-    one = run_cli("train", "regression", "--local", "--set", "run.name=one", "--set", "train.batch_size=64",
-                  "--summary-json", "one.json", *common)
+    one = run_cli(
+        "train",
+        "regression",
+        "--local",
+        "--set",
+        "run.name=one",
+        "--set",
+        "train.batch_size=64",
+        "--summary-json",
+        "one.json",
+        *common,
+    )
     assert one.wait(120) == 0, one.output
 
     s2, s1 = read_json(tmp_path / "two.json"), read_json(tmp_path / "one.json")
@@ -97,8 +121,19 @@ def test_a_schedule_ends_where_a_resume_moves_the_last_step():
 
 
 def test_single_process_digits_logs_to_mlflow(run_cli, tmp_path):
-    proc = run_cli("train", "digits", "--local", "--set", "scaling.num_workers=1", "--set", "train.max_epochs=2",
-                   "--set", "run.name=d1", "--summary-json", "s.json")
+    proc = run_cli(
+        "train",
+        "digits",
+        "--local",
+        "--set",
+        "scaling.num_workers=1",
+        "--set",
+        "train.max_epochs=2",
+        "--set",
+        "run.name=d1",
+        "--summary-json",
+        "s.json",
+    )
     assert proc.wait(120) == 0, proc.output
     s = read_json(tmp_path / "s.json")
     from mlflow.tracking import MlflowClient
@@ -115,8 +150,9 @@ def test_gradient_clipping_is_torchs_bit_for_bit(plain, max_norm):
     """The trainer's norm and clipping (its fast path for plain tensors, and torch's own for
     FSDP's DTensors) give exactly torch.nn.utils.clip_grad_norm_'s norm and gradients."""
     torch.manual_seed(0)
-    ours, theirs = ([torch.nn.Parameter(torch.zeros(shape)) for shape in [(64, 128), (128,), (3, 3, 8)]]
-                    for _ in range(2))
+    ours, theirs = (
+        [torch.nn.Parameter(torch.zeros(shape)) for shape in [(64, 128), (128,), (3, 3, 8)]] for _ in range(2)
+    )
     for a, b in zip(ours, theirs, strict=True):
         a.grad = torch.randn(a.shape) * 5
         b.grad = a.grad.clone()
@@ -154,5 +190,6 @@ def test_a_step_whose_norm_is_not_logged_only_checks_finiteness_and_leaves_gradi
 
 
 def test_mixed_dtypes_take_torchs_path():
-    assert not plain_parameters([torch.nn.Parameter(torch.zeros(2)),
-                                 torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
+    assert not plain_parameters(
+        [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
+    )

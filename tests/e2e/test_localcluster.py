@@ -33,8 +33,14 @@ def _running(pids: list[int]) -> list[int]:
 
 def _usage(address: str, env: dict[str, str]) -> str:
     """The head's resource usage line, as `ray status` prints it (e.g. " 2.0/3.0 CPU ...")."""
-    out = subprocess.run([str(Path(sys.executable).parent / "ray"), "status", "--address", address], check=False,
-                         env={**os.environ, **env}, capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "ray"), "status", "--address", address],
+        check=False,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     return out.split("Total Usage:", 1)[-1].split("\n", 2)[1] if "Total Usage:" in out else ""
 
 
@@ -56,8 +62,18 @@ def test_up_then_a_run_joins_it_and_down_stops_every_process(run_cli, tmp_path):
     again = run_cli("up", env=env, name="again")
     assert again.wait(60) == 0 and f"already running: a local Ray head at {state['address']}" in again.output
 
-    run = run_cli("train", "regression", "--set", "train.max_steps=3", "--set", "mlflow.enabled=false",
-                  "--summary-json", "s.json", env=env, name="joined")
+    run = run_cli(
+        "train",
+        "regression",
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "mlflow.enabled=false",
+        "--summary-json",
+        "s.json",
+        env=env,
+        name="joined",
+    )
     assert run.wait(300) == 0, run.output
     assert f"joining the local Ray head at {state['address']}" in run.output
     assert read_json(tmp_path / "s.json")["status"] == "FINISHED"
@@ -65,8 +81,18 @@ def test_up_then_a_run_joins_it_and_down_stops_every_process(run_cli, tmp_path):
 
     # A joined driver killed mid-run leaves no resources held: its job ends, and Ray removes the
     # job's placement group (a `raylane train` run starts no placement-group cleaner actor).
-    killed = run_cli("train", "regression", "--set", "train.max_epochs=100000", "--set", "mlflow.enabled=false",
-                     "--set", "run.name=killed", env=env, name="killed")
+    killed = run_cli(
+        "train",
+        "regression",
+        "--set",
+        "train.max_epochs=100000",
+        "--set",
+        "mlflow.enabled=false",
+        "--set",
+        "run.name=killed",
+        env=env,
+        name="killed",
+    )
     wait_for(lambda: "epoch 1 eval" in killed.output, timeout_s=240)
     assert "2.0/3.0 CPU" in _usage(state["address"], env)
     os.kill(killed.proc.pid, signal.SIGKILL)

@@ -25,9 +25,19 @@ def _expected_steps(total: int, every: int = 10) -> list[int]:
 @pytest.mark.ray
 @pytest.mark.shared_ray
 def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, shared_mlflow_server, monkeypatch):
-    proc = run_cli("train", "digits", "--set", "run.name=full", "--set", "mlflow.system_metrics_interval_s=1",
-                   "--register", "digits-mlp", "--summary-json", "s.json",
-                   env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri))
+    proc = run_cli(
+        "train",
+        "digits",
+        "--set",
+        "run.name=full",
+        "--set",
+        "mlflow.system_metrics_interval_s=1",
+        "--register",
+        "digits-mlp",
+        "--summary-json",
+        "s.json",
+        env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri),
+    )
     assert proc.wait(300) == 0, proc.output
     s = read_json(tmp_path / "s.json")
     assert s["tracking_uri"] == shared_mlflow_server.uri
@@ -36,10 +46,22 @@ def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, shared_mlflow
     assert run.info.status == "FINISHED" and run.info.run_name == "full"
 
     tags = run.data.tags
-    assert {k: tags[k] for k in ("raylane.strategy", "raylane.world_size", "raylane.backend",
-                                 "raylane.device_type", "raylane.pipeline")} == {
-        "raylane.strategy": "ddp", "raylane.world_size": "2", "raylane.backend": "gloo",
-        "raylane.device_type": "cpu", "raylane.pipeline": "digits"}
+    assert {
+        k: tags[k]
+        for k in (
+            "raylane.strategy",
+            "raylane.world_size",
+            "raylane.backend",
+            "raylane.device_type",
+            "raylane.pipeline",
+        )
+    } == {
+        "raylane.strategy": "ddp",
+        "raylane.world_size": "2",
+        "raylane.backend": "gloo",
+        "raylane.device_type": "cpu",
+        "raylane.pipeline": "digits",
+    }
     assert tags["raylane.version"] and tags["raylane.host"]
     assert run.data.params["optim.lr"] == "0.003" and run.data.params["scaling.num_workers"] == "2"
 
@@ -50,8 +72,9 @@ def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, shared_mlflow
     assert any(k.startswith("system/cpu_utilization") for k in run.data.metrics)  # rank 0's node
 
     # Every committed checkpoint: in the run's metrics, and listed with its location and metrics.
-    records = json.loads(Path(client.download_artifacts(s["run_id"], "checkpoints.json", str(tmp_path)))
-                         .read_text())["checkpoints"]
+    records = json.loads(Path(client.download_artifacts(s["run_id"], "checkpoints.json", str(tmp_path))).read_text())[
+        "checkpoints"
+    ]
     steps_per_epoch = s["steps"] // 12
     expected = sorted({*range(100, s["steps"], 100), *range(steps_per_epoch, s["steps"] + 1, steps_per_epoch)})
     assert [r["step"] for r in records] == expected
@@ -73,11 +96,29 @@ def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, shared_mlflow
 
 
 def test_failed_and_interrupted_runs_are_closed_with_their_status(run_cli, tmp_path, shared_mlflow_server):
-    failed = run_cli("train", "regression", "--local", "--set", "run.name=nan", "--summary-json", "f.json",
-                     env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri, RAYLANE_FAULTS="nan@step=5"))
+    failed = run_cli(
+        "train",
+        "regression",
+        "--local",
+        "--set",
+        "run.name=nan",
+        "--summary-json",
+        "f.json",
+        env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri, RAYLANE_FAULTS="nan@step=5"),
+    )
     # Side by side: each is one process, and the machine has two cores.
-    stopped = run_cli("train", "regression", "--local", "--set", "run.name=stop", "--set", "train.max_epochs=100000",
-                      "--summary-json", "k.json", env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri))
+    stopped = run_cli(
+        "train",
+        "regression",
+        "--local",
+        "--set",
+        "run.name=stop",
+        "--set",
+        "train.max_epochs=100000",
+        "--summary-json",
+        "k.json",
+        env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri),
+    )
     assert failed.wait(120) == 1, failed.output
     wait_for(lambda: "[raylane] epoch" in stopped.output, timeout_s=120)
     stopped.signal(signal.SIGINT)
@@ -90,13 +131,29 @@ def test_failed_and_interrupted_runs_are_closed_with_their_status(run_cli, tmp_p
 
 
 def test_server_down_mid_run_loses_no_metric(run_cli, tmp_path, mlflow_server):
-    proc = run_cli("train", "digits", "--local", "--set", "run.name=outage", "--set", "train.max_epochs=100000",
-                   "--set", "mlflow.system_metrics=false", "--summary-json", "s.json",
-                   env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri))
+    proc = run_cli(
+        "train",
+        "digits",
+        "--local",
+        "--set",
+        "run.name=outage",
+        "--set",
+        "train.max_epochs=100000",
+        "--set",
+        "mlflow.system_metrics=false",
+        "--summary-json",
+        "s.json",
+        env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri),
+    )
     client = MlflowClient(mlflow_server.uri)
-    run_id = wait_for(lambda: [r.info.run_id for r in client.search_runs(
-        [client.get_experiment_by_name("raylane").experiment_id])] if client.get_experiment_by_name("raylane") else [],
-        timeout_s=120)[0]
+    run_id = wait_for(
+        lambda: (
+            [r.info.run_id for r in client.search_runs([client.get_experiment_by_name("raylane").experiment_id])]
+            if client.get_experiment_by_name("raylane")
+            else []
+        ),
+        timeout_s=120,
+    )[0]
     logged_before = wait_for(lambda: client.get_metric_history(run_id, "train/loss"), timeout_s=60)[-1].step
     mlflow_server.stop()
     # Longer than the client's whole retry cycle (3 retries, backoff 1 s: ~7 s), so at least one
@@ -118,8 +175,18 @@ def test_server_down_mid_run_loses_no_metric(run_cli, tmp_path, mlflow_server):
 
 @pytest.mark.slow  # an option's copy; make test records checkpoints by location (the first test here)
 def test_checkpoints_copied_as_artifacts_when_asked(run_cli, tmp_path, shared_mlflow_server):
-    proc = run_cli("train", "regression", "--local", "--set", "run.name=copies", "--set", "mlflow.log_checkpoints=artifacts",
-                   "--summary-json", "s.json", env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri))
+    proc = run_cli(
+        "train",
+        "regression",
+        "--local",
+        "--set",
+        "run.name=copies",
+        "--set",
+        "mlflow.log_checkpoints=artifacts",
+        "--summary-json",
+        "s.json",
+        env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri),
+    )
     assert proc.wait(120) == 0, proc.output
     s = read_json(tmp_path / "s.json")
     name = Path(s["checkpoint"]).name
@@ -131,8 +198,16 @@ def test_checkpoints_copied_as_artifacts_when_asked(run_cli, tmp_path, shared_ml
 def test_an_unreachable_server_does_not_stop_training(run_cli, tmp_path):
     from tests.conftest import free_port
 
-    proc = run_cli("train", "regression", "--local", "--set", "run.name=alone", "--summary-json", "s.json",
-                   env=cli_env(tmp_path, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}"))
+    proc = run_cli(
+        "train",
+        "regression",
+        "--local",
+        "--set",
+        "run.name=alone",
+        "--summary-json",
+        "s.json",
+        env=cli_env(tmp_path, MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}"),
+    )
     assert proc.wait(180) == 0, proc.output
     s = read_json(tmp_path / "s.json")
     assert s["status"] == "FINISHED" and s["run_id"] is None

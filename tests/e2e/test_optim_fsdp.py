@@ -17,6 +17,8 @@ from tests.conftest import REPO, TORCHRUN, read_json
 
 HELPER = REPO / "tests" / "helpers" / "optim_pipe.py"
 STEPS = 16  # 64 rows, 8 a step, 2 epochs
+
+
 @pytest.fixture
 def pipe_file(tmp_path) -> Path:
     shutil.copy(HELPER, tmp_path / "pipe.py")
@@ -46,14 +48,24 @@ def test_fsdp_on_two_ranks_resumes_its_parameter_groups_exactly(run_cli, pipe_fi
     (tmp_path / "cfg.yaml").write_text(
         "pipeline: ./pipe.py\ntrain: {batch_size: 4, max_epochs: 2, eval_every_n_epochs: 0}\nstrategy: {name: fsdp}\n"
         "optim: {name: adamw, lr: 0.05, weight_decay: 0.1, schedule: wsd, warmup_steps: 3, decay_fraction: 0.5}\n"
-        "checkpoint: {every_n_steps: 10, every_n_epochs: 0}\n")
+        "checkpoint: {every_n_steps: 10, every_n_epochs: 0}\n"
+    )
     common = ["--nproc_per_node", "2", "-m", "raylane", "train", "cfg.yaml"]
     first = run_cli(*common, "--set", "run.name=s", "--summary-json", "s.json", launcher=TORCHRUN, name="s")
     assert first.wait(300) == 0, first.output
     straight = read_json(tmp_path / "s.json")
     mid = str(Path(straight["checkpoint"]).parent / checkpoint.checkpoint_name(10))
-    again = run_cli(*common, "--set", "run.name=r", "--set", f"checkpoint.init_from={mid}", "--summary-json",
-                    "r.json", launcher=TORCHRUN, name="r")
+    again = run_cli(
+        *common,
+        "--set",
+        "run.name=r",
+        "--set",
+        f"checkpoint.init_from={mid}",
+        "--summary-json",
+        "r.json",
+        launcher=TORCHRUN,
+        name="r",
+    )
     assert again.wait(300) == 0, again.output
     resumed = read_json(tmp_path / "r.json")
     assert (resumed["strategy"], resumed["resumed_from_step"], resumed["steps"]) == ("fsdp", 10, STEPS)
@@ -71,5 +83,7 @@ def test_fsdp_on_two_ranks_resumes_its_parameter_groups_exactly(run_cli, pipe_fi
         assert torch.equal(p, q), name
         assert torch.equal(opt_a.state[p]["exp_avg_sq"], opt_b.state[q]["exp_avg_sq"]), name
     assert [g["weight_decay"] for g in opt_b.param_groups] == [0.1, 0.0]
-    assert _names(b, opt_b.param_groups) == [{"emb.weight", "blocks.0.weight"},
-                                             {"blocks.0.bias", "norm.weight", "norm.bias"}]
+    assert _names(b, opt_b.param_groups) == [
+        {"emb.weight", "blocks.0.weight"},
+        {"blocks.0.bias", "norm.weight", "norm.bias"},
+    ]

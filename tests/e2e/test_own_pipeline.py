@@ -39,9 +39,21 @@ def test_example_trains_on_two_ray_workers_from_its_own_directory(run_cli, proje
     head's workers get the project with the run."""
     head = shared_head.cluster()
     token = {k: v for k, v in shared_head.start().items() if k.startswith("RAY_AUTH")}
-    p = run_cli("train", "train.yaml", "--address", head["address"], "--set", "scaling.num_workers=2", *QUICK,
-                "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "s.json"),
-                cwd=project, env=cli_env(tmp_path, **token))
+    p = run_cli(
+        "train",
+        "train.yaml",
+        "--address",
+        head["address"],
+        "--set",
+        "scaling.num_workers=2",
+        *QUICK,
+        "--set",
+        f"run.storage_path={tmp_path / 'runs'}",
+        "--summary-json",
+        str(tmp_path / "s.json"),
+        cwd=project,
+        env=cli_env(tmp_path, **token),
+    )
     assert p.wait(300) == 0, p.output
     s = _finished(tmp_path, "s.json")
     assert s["world_size"] == 2 and s["run_name"].startswith("shapes-")
@@ -50,19 +62,36 @@ def test_example_trains_on_two_ray_workers_from_its_own_directory(run_cli, proje
     assert list(Path(head["temp_dir"]).glob(f"session_latest/logs/python-core-driver-*_{p.proc.pid}.log")), p.output
 
 
-@pytest.mark.parametrize("config, module", [
-    # shapes trains on Ray in make test; records covers torchrun and a dotted module here
-    pytest.param("train.yaml", "pipelines.shapes", marks=pytest.mark.slow),
-    ("train-records.yaml", "pipelines.records"),
-])
+@pytest.mark.parametrize(
+    "config, module",
+    [
+        # shapes trains on Ray in make test; records covers torchrun and a dotted module here
+        pytest.param("train.yaml", "pipelines.shapes", marks=pytest.mark.slow),
+        ("train-records.yaml", "pipelines.records"),
+    ],
+)
 def test_example_trains_under_torchrun_as_a_dotted_module(run_cli, project, tmp_path, config, module):
     """Both of the example's pipelines: `shapes` ((input, target) pairs and a loss_fn) and
     `records` (dict batches passed as model(**batch), the model's own loss, no loss_fn)."""
     records = module == "pipelines.records"
-    p = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", config, "--set", f"pipeline={module}",
-                *QUICK, *(["--set", "mlflow.log_model=true"] if records else []),
-                "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "t.json"),
-                launcher=TORCHRUN, cwd=project)
+    p = run_cli(
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+        "train",
+        config,
+        "--set",
+        f"pipeline={module}",
+        *QUICK,
+        *(["--set", "mlflow.log_model=true"] if records else []),
+        "--set",
+        f"run.storage_path={tmp_path / 'runs'}",
+        "--summary-json",
+        str(tmp_path / "t.json"),
+        launcher=TORCHRUN,
+        cwd=project,
+    )
     assert p.wait(180) == 0, p.output
     s = _finished(tmp_path, "t.json")
     assert s["world_size"] == 2 and s["tags"]["raylane.pipeline"] == module
@@ -77,12 +106,30 @@ def test_example_throughput_sweep_from_the_repo_root_stops_the_slow_trials_early
     sys.path (Ray puts the driver's working directory there): the project's own must win.
     `sweep.metric: samples_per_s` (mode max): each trial reports its epoch's
     throughput after warm-up, and ASHA stops trials whose small batches run slower."""
-    p = run_cli("tune", str(project / "sweep.yaml"), "--set", "scaling.num_workers=1",
-                "--set", "sweep.max_concurrent_trials=2", "--set", "sweep.scheduler=asha",
-                "--set", "sweep.metric=samples_per_s", "--set", "sweep.space={train.batch_size: {grid: [250, 4]}}",
-                "--set", "sweep.num_samples=2", *QUICK, "--set", "train.max_epochs=2",
-                "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", str(tmp_path / "sweep.json"),
-                cwd=REPO)
+    p = run_cli(
+        "tune",
+        str(project / "sweep.yaml"),
+        "--set",
+        "scaling.num_workers=1",
+        "--set",
+        "sweep.max_concurrent_trials=2",
+        "--set",
+        "sweep.scheduler=asha",
+        "--set",
+        "sweep.metric=samples_per_s",
+        "--set",
+        "sweep.space={train.batch_size: {grid: [250, 4]}}",
+        "--set",
+        "sweep.num_samples=2",
+        *QUICK,
+        "--set",
+        "train.max_epochs=2",
+        "--set",
+        f"run.storage_path={tmp_path / 'runs'}",
+        "--summary-json",
+        str(tmp_path / "sweep.json"),
+        cwd=REPO,
+    )
     assert p.wait(300) == 0, p.output
     s = read_json(tmp_path / "sweep.json")
     trials = s["trials"]
@@ -100,7 +147,7 @@ def test_example_throughput_sweep_from_the_repo_root_stops_the_slow_trials_early
 
 
 CONFIG = "pipeline: ./pipe.py\nmodel: {width: 4}\n"
-GOOD_CONFIG = '''
+GOOD_CONFIG = """
 import raylane
 
 class Model(raylane.Section):
@@ -108,20 +155,29 @@ class Model(raylane.Section):
 
 class Config(raylane.BaseConfig):
     model: Model = Model()
-'''
+"""
 BAD = {
     "module missing": ("pipeline: no_such_pkg.pipes\n", None, "pipeline = 'no_such_pkg.pipes': unknown pipeline"),
     "file missing": ("pipeline: ./nowhere.py\n", None, "pipeline = './nowhere.py': no such file"),
     "misspelled": ("pipeline: digts\n", None, "did you mean 'digits'?"),
     "no build": (CONFIG, GOOD_CONFIG, "defines no build(cfg) function"),
     "no Config": (CONFIG, "def build(cfg):\n    pass\n", "defines no Config class"),
-    "Config not BaseConfig": (CONFIG, "class Config:\n    pass\ndef build(cfg):\n    pass\n",
-                              "not a subclass of raylane.BaseConfig"),
-    "import error": (CONFIG, "import os\nimport no_such_module_xyz\n",
-                     "ModuleNotFoundError: No module named 'no_such_module_xyz' (at {pipe}:2)"),
+    "Config not BaseConfig": (
+        CONFIG,
+        "class Config:\n    pass\ndef build(cfg):\n    pass\n",
+        "not a subclass of raylane.BaseConfig",
+    ),
+    "import error": (
+        CONFIG,
+        "import os\nimport no_such_module_xyz\n",
+        "ModuleNotFoundError: No module named 'no_such_module_xyz' (at {pipe}:2)",
+    ),
     "syntax error": (CONFIG, "import os\n\ndef build(cfg:\n", "SyntaxError: '(' was never closed (at {pipe}:3)"),
-    "raises at import": (CONFIG, "x = 1\nraise RuntimeError('no GPU here')\n",
-                         "RuntimeError: no GPU here (at {pipe}:2)"),
+    "raises at import": (
+        CONFIG,
+        "x = 1\nraise RuntimeError('no GPU here')\n",
+        "RuntimeError: no GPU here (at {pipe}:2)",
+    ),
 }
 
 
@@ -133,8 +189,14 @@ def test_a_bad_reference_exits_2_naming_the_pipeline(tmp_path, case):
     (folder / "cfg.yaml").write_text(config)
     if module is not None:
         (folder / "pipe.py").write_text(module)
-    out = subprocess.run([str(BIN / "raylane"), "check", str(folder / "cfg.yaml")], cwd=tmp_path,
-                         env=cli_env(tmp_path), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(BIN / "raylane"), "check", str(folder / "cfg.yaml")],
+        cwd=tmp_path,
+        env=cli_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
@@ -145,9 +207,19 @@ def test_train_tune_and_submit_reject_a_bad_pipeline_before_starting_anything(tm
     (tmp_path / "cfg.yaml").write_text(CONFIG)
     (tmp_path / "pipe.py").write_text("import no_such_module_xyz\n")
     (tmp_path / "sweep.yaml").write_text("sweep: {name: s, base: cfg.yaml, space: {optim.lr: {grid: [0.1]}}}\n")
-    for argv in (["train", "cfg.yaml"], ["tune", "sweep.yaml"], ["submit", "cfg.yaml", "--address", "http://127.0.0.1:9"]):
-        out = subprocess.run([str(BIN / "raylane"), *argv], cwd=tmp_path, env=cli_env(tmp_path),
-                             capture_output=True, text=True, timeout=60)
+    for argv in (
+        ["train", "cfg.yaml"],
+        ["tune", "sweep.yaml"],
+        ["submit", "cfg.yaml", "--address", "http://127.0.0.1:9"],
+    ):
+        out = subprocess.run(
+            [str(BIN / "raylane"), *argv],
+            cwd=tmp_path,
+            env=cli_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 2, (argv, out.stdout + out.stderr)
         assert f"pipeline = {str(tmp_path / 'pipe.py')!r}" in out.stderr and "no_such_module_xyz" in out.stderr
         assert "Traceback" not in out.stderr
@@ -156,14 +228,18 @@ def test_train_tune_and_submit_reject_a_bad_pipeline_before_starting_anything(tm
 @pytest.mark.untracked
 def test_a_build_that_raises_fails_the_run_naming_the_pipeline(run_cli, tmp_path):
     (tmp_path / "cfg.yaml").write_text(CONFIG)
-    (tmp_path / "pipe.py").write_text(GOOD_CONFIG + textwrap.dedent('''
+    (tmp_path / "pipe.py").write_text(
+        GOOD_CONFIG
+        + textwrap.dedent("""
         def build(cfg):
             raise FileNotFoundError("no data in /nowhere")
-    '''))
+    """)
+    )
     p = run_cli("train", "cfg.yaml", "--local", *QUICK, "--set", f"run.storage_path={tmp_path / 'runs'}")
     assert p.wait(120) == 1, p.output
-    assert (f"pipeline {str(tmp_path / 'pipe.py')!r}: build(cfg) raised FileNotFoundError: no data in /nowhere"
-            in p.output), p.output
+    assert (
+        f"pipeline {str(tmp_path / 'pipe.py')!r}: build(cfg) raised FileNotFoundError: no data in /nowhere" in p.output
+    ), p.output
     assert "Traceback" not in p.output
 
 
@@ -191,10 +267,12 @@ def test_a_pipeline_without_an_example_input_logs_its_model_from_its_first_eval_
     """`example_input` is optional: the MLflow model's example and signature come from the eval
     set's first two inputs (before, the model was not logged: 'linear(): ... not NoneType')."""
     (tmp_path / "pipe.py").write_text(NO_EXAMPLE)
-    (tmp_path / "cfg.yaml").write_text("pipeline: ./pipe.py\ntrain: {max_epochs: 1, batch_size: 16}\n"
-                                       "mlflow: {system_metrics: false}\n")
-    p = run_cli("train", "cfg.yaml", "--local", "--set", f"run.storage_path={tmp_path / 'runs'}",
-                "--summary-json", "s.json")
+    (tmp_path / "cfg.yaml").write_text(
+        "pipeline: ./pipe.py\ntrain: {max_epochs: 1, batch_size: 16}\nmlflow: {system_metrics: false}\n"
+    )
+    p = run_cli(
+        "train", "cfg.yaml", "--local", "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", "s.json"
+    )
     assert p.wait(180) == 0, p.output
     s = read_json(tmp_path / "s.json")
     assert s["model_uri"].startswith("models:/") and "could not record" not in p.output, p.output

@@ -35,8 +35,17 @@ def test_tabular_trains_on_ray_from_another_working_directory(run_cli, tmp_path)
     _project(tmp_path)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = run_cli("train", "../project/tabular.yaml", "--set", "train.max_epochs=1", "--set", "run.name=rel",
-                   "--summary-json", "s.json", cwd=elsewhere)
+    proc = run_cli(
+        "train",
+        "../project/tabular.yaml",
+        "--set",
+        "train.max_epochs=1",
+        "--set",
+        "run.name=rel",
+        "--summary-json",
+        "s.json",
+        cwd=elsewhere,
+    )
     assert proc.wait(240) == 0, proc.output
     summary = read_json(elsewhere / "s.json")
     assert summary["status"] == "FINISHED" and summary["epochs"] == 1 and summary["steps"] >= 1

@@ -25,8 +25,10 @@ LONG = ["--set", "train.max_epochs=400", "--set", "checkpoint.every_n_steps=20"]
 def _committed(tmp_path, name: str, step: int) -> bool:
     """A checkpoint at `step` or later is committed. Not one step's own: on a fast machine a
     whole run of `keep` checkpoints can pass between two polls, and the step's is pruned."""
-    return any(int(m.parent.name.rsplit("_", 1)[-1]) >= step
-               for m in (tmp_path / "runs" / name).glob(f"checkpoint_*/{checkpoint.MANIFEST_FILE}"))
+    return any(
+        int(m.parent.name.rsplit("_", 1)[-1]) >= step
+        for m in (tmp_path / "runs" / name).glob(f"checkpoint_*/{checkpoint.MANIFEST_FILE}")
+    )
 
 
 def _assert_stopped_cleanly(proc, summary: dict) -> None:
@@ -38,8 +40,19 @@ def _assert_stopped_cleanly(proc, summary: dict) -> None:
 
 
 def _relaunch_loses_no_steps(run_cli, tmp_path, name: str, stopped: dict, *launch: str, **how) -> dict:
-    again = run_cli(*launch, "--set", f"run.name={name}", "--set", f"train.max_steps={stopped['steps'] + 5}",
-                    "--set", "checkpoint.every_n_steps=20", "--summary-json", "again.json", name="again", **how)
+    again = run_cli(
+        *launch,
+        "--set",
+        f"run.name={name}",
+        "--set",
+        f"train.max_steps={stopped['steps'] + 5}",
+        "--set",
+        "checkpoint.every_n_steps=20",
+        "--summary-json",
+        "again.json",
+        name="again",
+        **how,
+    )
     assert again.wait(300) == 0, again.output
     s = read_json(tmp_path / "again.json")
     assert s["resumed_from_step"] == stopped["steps"]  # 0 steps lost
@@ -124,9 +137,25 @@ def test_a_stop_at_an_epoch_end_saves_though_no_checkpoint_was_due(run_cli, tmp_
     lost every step since the last periodic checkpoint)."""
     (tmp_path / "pipe.py").write_text(STOP_AT_EPOCH_END)
     (tmp_path / "run.yaml").write_text("pipeline: ./pipe.py\n")
-    p = run_cli("train", "run.yaml", "--local", "--set", "train.batch_size=4", "--set", "train.max_epochs=10",
-                "--set", "checkpoint.every_n_epochs=100", "--set", "mlflow.enabled=false",
-                "--set", f"run.storage_path={tmp_path / 'runs'}", "--summary-json", "s.json", cwd=tmp_path, name="stop")
+    p = run_cli(
+        "train",
+        "run.yaml",
+        "--local",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.max_epochs=10",
+        "--set",
+        "checkpoint.every_n_epochs=100",
+        "--set",
+        "mlflow.enabled=false",
+        "--set",
+        f"run.storage_path={tmp_path / 'runs'}",
+        "--summary-json",
+        "s.json",
+        cwd=tmp_path,
+        name="stop",
+    )
     assert p.wait(120) == 130, p.output
     s = read_json(tmp_path / "s.json")
     assert s["steps"] == 4 and s["preempted"] is True
@@ -166,16 +195,32 @@ def test_a_notice_before_the_loop_starts_still_stops_gracefully(run_cli, tmp_pat
     node: tests/e2e/test_cluster_e2e.py sends its notice as soon as the grown group has started.)"""
     (tmp_path / "pipe.py").write_text(NOTICE_DURING_BUILD)
     (tmp_path / "run.yaml").write_text("pipeline: ./pipe.py\n")
-    p = run_cli("train", "run.yaml", "--set", "scaling.num_workers=2", "--set", "train.batch_size=4",
-                "--set", "train.max_epochs=50",
-                "--set", "mlflow.enabled=false", "--set", f"run.storage_path={tmp_path / 'runs'}",
-                "--summary-json", "s.json", cwd=tmp_path, name="early")
+    p = run_cli(
+        "train",
+        "run.yaml",
+        "--set",
+        "scaling.num_workers=2",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.max_epochs=50",
+        "--set",
+        "mlflow.enabled=false",
+        "--set",
+        f"run.storage_path={tmp_path / 'runs'}",
+        "--summary-json",
+        "s.json",
+        cwd=tmp_path,
+        name="early",
+    )
     assert p.wait(180) == 130, p.output
     s = read_json(tmp_path / "s.json")
     assert s["preempted"] is True and s["restarts"] == 0, s
     assert 0 < s["steps"] < 50 * 8, s  # stopped early, at a step every rank agreed on
     assert "(a stop request from another rank)" in s["error"], s  # rank 1's notice, not the driver's stop
-    assert s["checkpoint"].endswith(checkpoint.checkpoint_name(s["steps"])) and checkpoint.verify(s["checkpoint"]) is None
+    assert (
+        s["checkpoint"].endswith(checkpoint.checkpoint_name(s["steps"])) and checkpoint.verify(s["checkpoint"]) is None
+    )
 
 
 def _weights(path: str) -> dict[str, torch.Tensor]:
@@ -190,8 +235,9 @@ def test_ctrl_c_under_torchrun_then_relaunch_is_bit_exact(run_cli, tmp_path):
     """Ctrl-C in a terminal reaches every process of the foreground group: torchrun and both
     ranks. The ranks stop at one agreed step; the resumed run ends bit-identical to a calm one."""
     torchrun = ["--nproc_per_node", "2", "-m", "raylane", "train", "digits"]
-    first = run_cli(*torchrun, "--set", "run.name=pt", "--summary-json", "first.json", *LONG,
-                    launcher=TORCHRUN, name="first")
+    first = run_cli(
+        *torchrun, "--set", "run.name=pt", "--summary-json", "first.json", *LONG, launcher=TORCHRUN, name="first"
+    )
     wait_for(lambda: _committed(tmp_path, "pt", 40), timeout_s=120)
     os.killpg(first.proc.pid, signal.SIGINT)
     first.wait(120)
@@ -199,9 +245,19 @@ def test_ctrl_c_under_torchrun_then_relaunch_is_bit_exact(run_cli, tmp_path):
     _assert_stopped_cleanly(first, s)
     total = s["steps"] + 5
     resumed = _relaunch_loses_no_steps(run_cli, tmp_path, "pt", s, *torchrun, launcher=TORCHRUN)
-    calm = run_cli(*torchrun, "--set", "run.name=calm", "--set", f"train.max_steps={total}",
-                   "--set", "checkpoint.every_n_steps=20", "--summary-json", "calm.json",
-                   launcher=TORCHRUN, name="calm")
+    calm = run_cli(
+        *torchrun,
+        "--set",
+        "run.name=calm",
+        "--set",
+        f"train.max_steps={total}",
+        "--set",
+        "checkpoint.every_n_steps=20",
+        "--summary-json",
+        "calm.json",
+        launcher=TORCHRUN,
+        name="calm",
+    )
     assert calm.wait(120) == 0, calm.output
     reference = _weights(read_json(tmp_path / "calm.json")["checkpoint"])
     for name, tensor in _weights(resumed["checkpoint"]).items():
@@ -211,8 +267,16 @@ def test_ctrl_c_under_torchrun_then_relaunch_is_bit_exact(run_cli, tmp_path):
 def test_a_second_signal_stops_at_once(run_cli, tmp_path):
     """A rank hung outside any collective never reaches the next step boundary: the first Ctrl-C
     cannot be honoured gracefully, the second (after the grace) aborts."""
-    proc = run_cli("train", "regression", "--local", "--set", "run.name=esc", "--summary-json", "s.json",
-                   env=cli_env(tmp_path, RAYLANE_FAULTS="hang@step=3"))
+    proc = run_cli(
+        "train",
+        "regression",
+        "--local",
+        "--set",
+        "run.name=esc",
+        "--summary-json",
+        "s.json",
+        env=cli_env(tmp_path, RAYLANE_FAULTS="hang@step=3"),
+    )
     wait_for(lambda: "hangs at step 3" in proc.output, timeout_s=60)
     proc.signal(signal.SIGINT)
     with pytest.raises(subprocess.TimeoutExpired):
@@ -227,8 +291,17 @@ def test_a_second_signal_stops_at_once(run_cli, tmp_path):
 @pytest.mark.ray
 @pytest.mark.shared_ray
 def test_a_rank_stuck_outside_a_collective_is_reported_within_the_timeout(run_cli, tmp_path):
-    proc = run_cli("train", "regression", "--set", "run.name=hang", "--set", "dist.timeout_s=5",
-                   "--summary-json", "s.json", env=cli_env(tmp_path, RAYLANE_FAULTS="hang@rank=0,step=3"))
+    proc = run_cli(
+        "train",
+        "regression",
+        "--set",
+        "run.name=hang",
+        "--set",
+        "dist.timeout_s=5",
+        "--summary-json",
+        "s.json",
+        env=cli_env(tmp_path, RAYLANE_FAULTS="hang@rank=0,step=3"),
+    )
     assert proc.wait(180) == 1, proc.output
     s = read_json(tmp_path / "s.json")
     assert s["status"] == "FAILED"

@@ -22,19 +22,22 @@ pytestmark = pytest.mark.ray
 
 # Every line raylane itself prints in a run (raylane.tracking.progress, raylane.driver, raylane.cli).
 FIGURES = r"loss [\d.]+ [\d,]+ samples/s( [\d,]+ tokens/s)? \(steps? \d+(-\d+)?\)"
-OWN_FORMATS = [re.compile(p) for p in (
-    r"run \S+ \(MLflow run [0-9a-f]{32}(, continued)?\)",
-    r"joining the local Ray head at \S+ .*",
-    r"raylane: (warning: )?.+",
-    r"\[raylane\] strategy \w+ \(.+\)",
-    rf"\[raylane\] epoch \d+/\d+ step \d+/\d+ \(\d+%\)( {FIGURES})? eta [\d:?]+",
-    r"\[raylane\] epoch \d+ eval: (\w+ [\d.]+ ?)+",
-    r"\[raylane\] (warning|error)( \(rank \d+\))?: .+",
-    r"\[raylane\] (resumed from step \d+|worker group restarted \(\d+\))",
-    r"run \S+: (FINISHED|FAILED|KILLED)",
-    r"  (error|resumed from|steps|train loss|throughput|eval|MLflow run id|MLflow|checkpoint|model|MLflow UI|"
-    + r"library log): +\S.*",
-)]
+OWN_FORMATS = [
+    re.compile(p)
+    for p in (
+        r"run \S+ \(MLflow run [0-9a-f]{32}(, continued)?\)",
+        r"joining the local Ray head at \S+ .*",
+        r"raylane: (warning: )?.+",
+        r"\[raylane\] strategy \w+ \(.+\)",
+        rf"\[raylane\] epoch \d+/\d+ step \d+/\d+ \(\d+%\)( {FIGURES})? eta [\d:?]+",
+        r"\[raylane\] epoch \d+ eval: (\w+ [\d.]+ ?)+",
+        r"\[raylane\] (warning|error)( \(rank \d+\))?: .+",
+        r"\[raylane\] (resumed from step \d+|worker group restarted \(\d+\))",
+        r"run \S+: (FINISHED|FAILED|KILLED)",
+        r"  (error|resumed from|steps|train loss|throughput|eval|MLflow run id|MLflow|checkpoint|model|MLflow UI|"
+        + r"library log): +\S.*",
+    )
+]
 
 
 def _foreign(output: str) -> list[str]:
@@ -48,8 +51,22 @@ def default_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("default-run")
     env = cli_env(tmp)
     env.pop("RAYLANE_VERBOSE", None)  # as a newcomer's shell has it (the CLI's main, run in-process, sets it)
-    proc = CliProcess([*RAYLANE, "train", str(REPO / "pipelines" / "digits.yaml"), "--set", "scaling.num_workers=2",
-                       "--set", "run.name=digits2", "--summary-json", "s.json"], tmp, env, tmp / "out.log")
+    proc = CliProcess(
+        [
+            *RAYLANE,
+            "train",
+            str(REPO / "pipelines" / "digits.yaml"),
+            "--set",
+            "scaling.num_workers=2",
+            "--set",
+            "run.name=digits2",
+            "--summary-json",
+            "s.json",
+        ],
+        tmp,
+        env,
+        tmp / "out.log",
+    )
     try:
         assert proc.wait(300) == 0, proc.output
         yield tmp, proc
@@ -120,8 +137,12 @@ def test_the_last_progress_line_the_summary_and_mlflow_agree(default_run):
 
     # MLflow's own table of logged values, read without importing MLflow (seconds on 2 busy cores).
     with sqlite3.connect(tmp / "mlflow.db") as db:
-        logged = {(key, at): value for key, at, value in db.execute(
-            "SELECT key, step, value FROM metrics WHERE run_uuid = ?", (summary["run_id"],))}
+        logged = {
+            (key, at): value
+            for key, at, value in db.execute(
+                "SELECT key, step, value FROM metrics WHERE run_uuid = ?", (summary["run_id"],)
+            )
+        }
 
     def at_last_step(key: str) -> float:
         return logged[(key, int(step))]

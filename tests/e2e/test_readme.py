@@ -41,8 +41,19 @@ MARK = re.compile(r"<!--\s*readme-test:\s*(slow|skip)\s*:?\s*(.*?)\s*-->")
 FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 # The repo's own files a block may read; a run's outputs (runs/, mlflow.db, s.json, exported/)
 # land in the scratch folder beside these links, never in the repo.
-TRACKED = ["app", "pipelines", "examples", "scripts", "docs", "bench", "Makefile", "pyproject.toml",
-           "constraints-cpu.txt", "cluster.yaml", "README.md"]
+TRACKED = [
+    "app",
+    "pipelines",
+    "examples",
+    "scripts",
+    "docs",
+    "bench",
+    "Makefile",
+    "pyproject.toml",
+    "constraints-cpu.txt",
+    "cluster.yaml",
+    "README.md",
+]
 SEPARATORS = {"&&", "||", ";", "|", "&"}
 VENV_BIN = Path(sys.prefix) / "bin"
 
@@ -74,10 +85,13 @@ def blocks(page: Path = README) -> list[Block]:
             body.append(lines[i][indent:])
             i += 1
         start = i - len(body)
-        before = next((ln for ln in reversed(lines[:start - 1]) if ln.strip()), "")
+        before = next((ln for ln in reversed(lines[: start - 1]) if ln.strip()), "")
         mark = MARK.search(before)
-        found.append(Block(start, lang, "\n".join(body) + "\n", *(mark.groups() if mark else ()),
-                           page=str(page.relative_to(REPO))))
+        found.append(
+            Block(
+                start, lang, "\n".join(body) + "\n", *(mark.groups() if mark else ()), page=str(page.relative_to(REPO))
+            )
+        )
         i += 1
     return found
 
@@ -229,21 +243,24 @@ def test_block_is_valid(block: Block):
     check_block(block)
 
 
-@pytest.mark.parametrize("text, error", [
-    ("raylane train digits --sett train.max_epochs=1\n", "unrecognized arguments: --sett"),
-    ("raylane trian digits\n", "invalid choice: 'trian'"),
-    ("raylane check digits --set train.max_epoch=1\n", "train.max_epoch"),
-    ("raylane tune pipelines/digits-sweep.yaml --set sweep.metrc=accuracy\n", "sweep.metrc"),
-    ("raylane train pipelines/digitz.yaml\n", "digitz"),
-    ("cd examples/own-modle\n", "no such folder"),
-    ("make runn\n", "no such target"),
-    ("scripts/cluster.sh uup\n", "no such verb"),
-    ("scripts/clusterr.sh up\n", "no such executable"),
-    ("torchrun --standalone --nproc_per_node 2 --max-restart 1 -m raylane trian digits\n", "invalid choice"),
-    ("torchrun --nprocs 2 -m raylane train digits\n", "unrecognized arguments: --nprocs"),
-    ("raylane export runs/<run name>/checkpoint_<step> --out m.safetensors\n", "raylane export"),
-    ("raylane train digits && (\n", "syntax error"),
-])
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("raylane train digits --sett train.max_epochs=1\n", "unrecognized arguments: --sett"),
+        ("raylane trian digits\n", "invalid choice: 'trian'"),
+        ("raylane check digits --set train.max_epoch=1\n", "train.max_epoch"),
+        ("raylane tune pipelines/digits-sweep.yaml --set sweep.metrc=accuracy\n", "sweep.metrc"),
+        ("raylane train pipelines/digitz.yaml\n", "digitz"),
+        ("cd examples/own-modle\n", "no such folder"),
+        ("make runn\n", "no such target"),
+        ("scripts/cluster.sh uup\n", "no such verb"),
+        ("scripts/clusterr.sh up\n", "no such executable"),
+        ("torchrun --standalone --nproc_per_node 2 --max-restart 1 -m raylane trian digits\n", "invalid choice"),
+        ("torchrun --nprocs 2 -m raylane train digits\n", "unrecognized arguments: --nprocs"),
+        ("raylane export runs/<run name>/checkpoint_<step> --out m.safetensors\n", "raylane export"),
+        ("raylane train digits && (\n", "syntax error"),
+    ],
+)
 def test_the_checks_catch_what_a_reader_could_not_run(text, error):
     with pytest.raises(Exception) as caught:
         check_block(Block(1, "bash", text))
@@ -256,8 +273,9 @@ def test_markers_and_other_blocks(tmp_path):
     for page in PAGES:
         name = str(page.relative_to(REPO))
         marked = sum(1 for ln in page.read_text().splitlines() if MARK.match(ln.strip()))  # not one quoted in prose
-        assert marked == sum(1 for b in SHELL if b.mark and b.page == name), \
+        assert marked == sum(1 for b in SHELL if b.mark and b.page == name), (
             f"{name}: a readme-test marker not right before a shell block"
+        )
     assert len(SHELL) >= 20 and any(not b.mark for b in SHELL)  # 13 in the README before docs/ took most
     for b in BLOCKS:
         if b.lang == "python":
@@ -336,16 +354,22 @@ def test_relative_links_resolve(page: Path):
 def test_the_link_check_catches_a_missing_file_and_a_missing_heading(tmp_path):
     (tmp_path / "other.md").write_text("# Other\n\n## Sweeps: `raylane tune`\n")
     page = tmp_path / "page.md"
-    page.write_text("[a](other.md#sweeps-raylane-tune) [b](other.md#sweeps) [c](gone.md) `[d](gone.md)`\n"
-                    "[e](#here) [f](https://example.com/x)\n\n## Here\n\n```bash\necho [g](gone.md)\n```\n")
+    page.write_text(
+        "[a](other.md#sweeps-raylane-tune) [b](other.md#sweeps) [c](gone.md) `[d](gone.md)`\n"
+        "[e](#here) [f](https://example.com/x)\n\n## Here\n\n```bash\necho [g](gone.md)\n```\n"
+    )
     assert broken_links(page) == ["other.md#sweeps: no heading #sweeps in other.md", "gone.md: no such file"]
 
 
 def test_every_docs_page_is_linked_from_the_readme_or_the_index():
     """A page nobody links to is a page nobody finds."""
-    linked = {(page.parent / t.partition("#")[0]).resolve()
-              for page in (README, REPO / "docs" / "README.md") if page.exists() for t in links(page)
-              if not SCHEME.match(t) and t.partition("#")[0]}
+    linked = {
+        (page.parent / t.partition("#")[0]).resolve()
+        for page in (README, REPO / "docs" / "README.md")
+        if page.exists()
+        for t in links(page)
+        if not SCHEME.match(t) and t.partition("#")[0]
+    }
     orphans = [str(p.relative_to(REPO)) for p in PAGES[1:] if p.resolve() not in linked]
     assert not orphans, f"not linked from README.md or docs/README.md: {orphans}"
 
@@ -360,8 +384,9 @@ def scratch(tmp_path_factory) -> Path:
             (root / name).symlink_to(REPO / name)
     (root / ".venv").symlink_to(Path(sys.prefix))
     # In this process, where the checks above have imported torch already: seconds less than a CLI run.
-    summary = raylane.train("regression", ["train.max_steps=2", "mlflow.enabled=false",
-                                           f"run.storage_path={root / 'runs'}"], local=True)
+    summary = raylane.train(
+        "regression", ["train.max_steps=2", "mlflow.enabled=false", f"run.storage_path={root / 'runs'}"], local=True
+    )
     assert summary.status == raylane.Status.FINISHED, summary
     return root
 
@@ -374,8 +399,14 @@ def _env(root: Path) -> dict[str, str]:
 
 
 def _run(script: str, root: Path, what: str) -> None:
-    out = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=root, env=_env(root),
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", script],
+        cwd=root,
+        env=_env(root),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, f"{what} exited {out.returncode}:\n{out.stdout}{out.stderr}"
 
 
@@ -390,7 +421,7 @@ def test_block_runs(block: Block, scratch: Path):
     if not block.mark:
         _run(block.text, scratch, block.id)
         for argv in commands(block):  # what it says it writes is there
-            for flag, path in zip(argv, argv[1:]):
+            for flag, path in zip(argv, argv[1:], strict=False):
                 assert flag not in ("--out", "--summary-json") or (scratch / path).is_file(), f"{block.id}: no {path}"
         return
     fast, where = [], []  # a fast command runs in the folder the block's `cd`s took it to

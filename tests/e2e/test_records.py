@@ -22,24 +22,41 @@ from raylane.config import load_config
 from raylane.loop import checkpoint
 from tests.conftest import RAYLANE, cli_env, read_json
 
-RUN = ["--set", "run.name=r", "--set", "scaling.num_workers=1", "--set", "mlflow.system_metrics=false",
-       "--set", "mlflow.log_model=false"]
+RUN = [
+    "--set",
+    "run.name=r",
+    "--set",
+    "scaling.num_workers=1",
+    "--set",
+    "mlflow.system_metrics=false",
+    "--set",
+    "mlflow.log_model=false",
+]
 
 
 def _hashes(root: Path) -> dict[str, str]:
     """Every file under `root` but the test's own logs: the run's folder, MLflow's database and
     artifacts."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.suffix != ".log"}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.suffix != ".log"
+    }
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
     """A digits run of 3 steps, FINISHED, tracked in MLflow (sqlite) with its model logged."""
     root = tmp_path_factory.mktemp("finished")
-    out = subprocess.run([*RAYLANE, "train", "digits", "--local", *RUN, "--set", "train.max_steps=3",
-                          "--summary-json", "a.json"], cwd=root, env=cli_env(root), capture_output=True,
-                         text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [*RAYLANE, "train", "digits", "--local", *RUN, "--set", "train.max_steps=3", "--summary-json", "a.json"],
+        cwd=root,
+        env=cli_env(root),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert (root / "runs/r" / prechecks.RUN_RECORD).is_file()
     return root
@@ -57,9 +74,11 @@ def test_a_finished_run_relaunched_trains_and_logs_nothing(finished, monkeypatch
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{finished / 'mlflow.db'}")
     assert cli.main(["train", "digits", "--local", *RUN, "--set", "train.max_steps=3"]) == 0
     out, err = capsys.readouterr()
-    assert out == (f"run r: already FINISHED at step 3 (epoch 0); checkpoint {a['checkpoint']}; MLflow run "
-                   f"{a['run_id']}. Nothing to train: raise train.max_epochs or train.max_steps to train it "
-                   "further, or start a new run with --set run.name=r-2\n"), out + err
+    assert out == (
+        f"run r: already FINISHED at step 3 (epoch 0); checkpoint {a['checkpoint']}; MLflow run "
+        f"{a['run_id']}. Nothing to train: raise train.max_epochs or train.max_steps to train it "
+        "further, or start a new run with --set run.name=r-2\n"
+    ), out + err
     # The API too: it hands back the summary the run finished with.
     from raylane.api import train as run_training
 
@@ -73,9 +92,11 @@ def test_a_changed_model_is_refused_before_anything_starts(finished, monkeypatch
     monkeypatch.chdir(finished)
     assert cli.main(["train", "digits", *RUN, "--set", "model.hidden_size=64"]) == 2
     out, err = capsys.readouterr()
-    line = (f"raylane: model.hidden_size = 64: run 'r' has a checkpoint saved with model.hidden_size = 128 "
-            f"('{finished}/runs/r/{checkpoint.checkpoint_name(3)}') that this config cannot load; keep "
-            "model.hidden_size=128 to resume it, or start a fresh run with --set run.name=r-2")
+    line = (
+        f"raylane: model.hidden_size = 64: run 'r' has a checkpoint saved with model.hidden_size = 128 "
+        f"('{finished}/runs/r/{checkpoint.checkpoint_name(3)}') that this config cannot load; keep "
+        "model.hidden_size=128 to resume it, or start a fresh run with --set run.name=r-2"
+    )
     assert out == "" and err.splitlines() == [line]
     assert _hashes(finished) == before
     assert _status(finished, read_json(finished / "a.json")["run_id"]) == "FINISHED"
@@ -85,12 +106,20 @@ def test_a_longer_schedule_continues_and_its_failure_keeps_the_run_finished(fini
     """Runs last in this module: it adds steps to the run."""
     a = read_json(finished / "a.json")
     record = (finished / "runs/r" / prechecks.RUN_RECORD).read_bytes()
-    out = subprocess.run([*RAYLANE, "train", "digits", "--local", *RUN, "--set", "train.max_steps=6",
-                          "--summary-json", "b.json"], cwd=finished, capture_output=True, text=True, timeout=300, check=False,
-                         env=cli_env(finished, RAYLANE_FAULTS="raise@step=5"))
+    out = subprocess.run(
+        [*RAYLANE, "train", "digits", "--local", *RUN, "--set", "train.max_steps=6", "--summary-json", "b.json"],
+        cwd=finished,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=cli_env(finished, RAYLANE_FAULTS="raise@step=5"),
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     b = read_json(finished / "b.json")
-    assert b["status"] == "FAILED" and "injected failure" in b["error"] and b["run_id"] == a["run_id"], out.stdout + out.stderr
+    assert b["status"] == "FAILED" and "injected failure" in b["error"] and b["run_id"] == a["run_id"], (
+        out.stdout + out.stderr
+    )
     assert "resumed from step 3" in out.stdout  # it did continue the run
     assert _status(finished, a["run_id"]) == "FINISHED"
     assert (finished / "runs/r" / prechecks.RUN_RECORD).read_bytes() == record
@@ -100,11 +129,27 @@ def test_what_may_change_on_resume():
     saved = ["optim.name=sgd", "optim.momentum=0.9", "optim.schedule=cosine"]
 
     def change(*sets: str) -> str | None:
-        return prechecks.first_unloadable(load_config("digits", saved).flat(), load_config("digits", [*saved, *sets]).flat())
+        return prechecks.first_unloadable(
+            load_config("digits", saved).flat(), load_config("digits", [*saved, *sets]).flat()
+        )
 
-    assert change("train.max_epochs=40", "train.max_steps=7", "scaling.num_workers=3", "optim.lr=0.5",
-                  "mlflow.enabled=false", "checkpoint.every_n_steps=5", "checkpoint.keep=1", "strategy.name=fsdp",
-                  "train.precision=bf16", "optim.momentum=0", "optim.schedule=constant", "train.batch_size=8") is None
+    assert (
+        change(
+            "train.max_epochs=40",
+            "train.max_steps=7",
+            "scaling.num_workers=3",
+            "optim.lr=0.5",
+            "mlflow.enabled=false",
+            "checkpoint.every_n_steps=5",
+            "checkpoint.keep=1",
+            "strategy.name=fsdp",
+            "train.precision=bf16",
+            "optim.momentum=0",
+            "optim.schedule=constant",
+            "train.batch_size=8",
+        )
+        is None
+    )
     assert change("model.num_layers=3") == "model.num_layers"
     assert change("optim.name=adamw") == "optim.name"
     adam = load_config("digits", ["optim.name=adam"]).flat()

@@ -33,7 +33,8 @@ def test_an_evaluation_that_raises_at_an_epoch_end_loses_no_step(run_cli, tmp_pa
     error = f"pipeline {str(tmp_path / 'pipe.py')!r}: eval_sums(output, target) raised ValueError: a bad held-out row"
     assert a["status"] == "FAILED" and a["error"].startswith(error), a
     assert [line for line in failed.output.splitlines() if "a bad held-out row" in line] == [
-        f"  error:         {a['error']}"], failed.output  # one line, no traceback
+        f"  error:         {a['error']}"
+    ], failed.output  # one line, no traceback
     newest = checkpoint.latest_valid(str(tmp_path / "runs" / "ev"))
     assert newest.endswith(checkpoint.checkpoint_name(8)) and a["checkpoint"] == newest
     state = checkpoint.read_manifest(newest)["train_state"]
@@ -77,8 +78,16 @@ def test_an_evaluation_that_raises_on_one_rank_fails_on_every_rank(tmp_path):
     that follows a failed evaluation is collective: every rank learns of it in that reduction,
     and the next evaluation works again."""
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [subprocess.Popen([sys.executable, "-c", EVAL_ON_ONE_RANK, str(rank), init], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", EVAL_ON_ONE_RANK, str(rank), init],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     zero, one = (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)
@@ -91,8 +100,9 @@ def _mlflow_steps(db: Path, run_id: str) -> dict[str, list[int]]:
     import sqlite3
 
     with sqlite3.connect(db) as con:
-        rows = con.execute("SELECT key, step FROM metrics WHERE run_uuid = ? AND key NOT LIKE 'system/%' "
-                           "ORDER BY step", (run_id,)).fetchall()
+        rows = con.execute(
+            "SELECT key, step FROM metrics WHERE run_uuid = ? AND key NOT LIKE 'system/%' ORDER BY step", (run_id,)
+        ).fetchall()
     steps: dict[str, list[int]] = {}
     for key, step in rows:
         steps.setdefault(key, []).append(step)
@@ -104,8 +114,19 @@ def test_a_resume_past_a_damaged_checkpoint_says_so_and_logs_no_step_twice(run_c
     the one before, says which it skipped and why, once, and lists it in the summary; the steps
     it trains again (31-40) are not logged a second time in the same MLflow run. Before, nothing
     was said, and train/* and checkpoint/step had two points at steps 40."""
-    args = ["train", "regression", "--local", "--set", "run.name=d", "--set", "checkpoint.every_n_steps=10",
-            "--set", "mlflow.system_metrics=false", "--set", "mlflow.log_model=false"]
+    args = [
+        "train",
+        "regression",
+        "--local",
+        "--set",
+        "run.name=d",
+        "--set",
+        "checkpoint.every_n_steps=10",
+        "--set",
+        "mlflow.system_metrics=false",
+        "--set",
+        "mlflow.log_model=false",
+    ]
     first = run_cli(*args, "--set", "train.max_steps=40", "--summary-json", "a.json", name="first")
     assert first.wait(120) == 0, first.output
     newest = Path(read_json(tmp_path / "a.json")["checkpoint"])
@@ -128,9 +149,20 @@ def test_a_resume_past_a_damaged_checkpoint_says_so_and_logs_no_step_twice(run_c
 def test_a_failed_run_names_its_newest_valid_checkpoint(run_cli, tmp_path):
     """A non-finite loss at step 7 stops the run (train.on_nan: stop) while the save of step 6
     is in flight: it commits, and the summary names it. Before, it named step 4's."""
-    p = run_cli("train", "regression", "--local", "--set", "run.name=nan", "--set", "train.on_nan=stop",
-                "--set", "checkpoint.every_n_steps=2", "--summary-json", "s.json",
-                env=cli_env(tmp_path, RAYLANE_FAULTS="nan@step=7"))
+    p = run_cli(
+        "train",
+        "regression",
+        "--local",
+        "--set",
+        "run.name=nan",
+        "--set",
+        "train.on_nan=stop",
+        "--set",
+        "checkpoint.every_n_steps=2",
+        "--summary-json",
+        "s.json",
+        env=cli_env(tmp_path, RAYLANE_FAULTS="nan@step=7"),
+    )
     assert p.wait(120) == 1, p.output
     s = read_json(tmp_path / "s.json")
     assert s["status"] == "FAILED" and "non-finite loss" in s["error"]

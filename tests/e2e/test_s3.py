@@ -16,22 +16,48 @@ pytestmark = pytest.mark.ray
 
 def test_checkpoints_on_s3_and_resume_from_there(run_cli, tmp_path, s3_endpoint):
     env = cli_env(tmp_path, **s3_endpoint)
-    args = ["train", "regression", "--set", "run.name=s3run", "--set", "run.storage_path=s3://raylane/runs",
-            "--set", "checkpoint.every_n_steps=10", "--set", "checkpoint.keep=2"]
+    args = [
+        "train",
+        "regression",
+        "--set",
+        "run.name=s3run",
+        "--set",
+        "run.storage_path=s3://raylane/runs",
+        "--set",
+        "checkpoint.every_n_steps=10",
+        "--set",
+        "checkpoint.keep=2",
+    ]
     first = run_cli(*args, "--set", "train.max_steps=30", "--summary-json", "a.json", env=env, name="first")
     assert first.wait(300) == 0, first.output
     a = read_json(tmp_path / "a.json")
     assert a["status"] == "FINISHED" and a["steps"] == 30
 
-    fs = pafs.S3FileSystem(endpoint_override=s3_endpoint["AWS_ENDPOINT_URL"], access_key="testing",
-                           secret_key="testing", region="us-east-1")
+    fs = pafs.S3FileSystem(
+        endpoint_override=s3_endpoint["AWS_ENDPOINT_URL"],
+        access_key="testing",
+        secret_key="testing",
+        region="us-east-1",
+    )
     stored = checkpoint.committed("raylane/runs/s3run", fs)
     assert [p.rsplit("/", 1)[1] for p in stored] == [checkpoint.checkpoint_name(s) for s in (20, 30)]
     assert checkpoint.verify(stored[-1], fs) is None  # every rank's shard, checksummed, in the bucket
     assert not (tmp_path / "runs").exists()  # nothing went to local disk instead
 
-    again = run_cli("--nproc_per_node", "2", "-m", "raylane", *args, "--set", "train.max_steps=50",
-                    "--summary-json", "b.json", env=env, name="again", launcher=TORCHRUN)
+    again = run_cli(
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+        *args,
+        "--set",
+        "train.max_steps=50",
+        "--summary-json",
+        "b.json",
+        env=env,
+        name="again",
+        launcher=TORCHRUN,
+    )
     assert again.wait(300) == 0, again.output
     b = read_json(tmp_path / "b.json")
     assert b["resumed_from_step"] == 30 and b["steps"] == 50 and b["run_id"] == a["run_id"]

@@ -7,8 +7,21 @@ from tests.conftest import TORCHRUN, read_json
 
 
 def test_startup_phases_in_order_under_torchrun(run_cli, tmp_path):
-    p = run_cli("--nproc_per_node", "1", "-m", "raylane", "train", "regression", "--set", "train.max_steps=1",
-                "--set", "checkpoint.every_n_epochs=0", "--summary-json", "s.json", launcher=TORCHRUN)
+    p = run_cli(
+        "--nproc_per_node",
+        "1",
+        "-m",
+        "raylane",
+        "train",
+        "regression",
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "checkpoint.every_n_epochs=0",
+        "--summary-json",
+        "s.json",
+        launcher=TORCHRUN,
+    )
     assert p.wait(180) == 0, p.output
     timing = read_json(tmp_path / "s.json")["timing"]
     startup = timing["startup"]

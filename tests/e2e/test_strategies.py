@@ -36,13 +36,37 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
     steps then give the same loss at every step, FSDP holds about half the state per rank, and
     its 2-rank sharded checkpoint resumes under DDP on 1 rank with the same weights; DDP's
     one-file checkpoint resumes under FSDP on 2 ranks with the same weights."""
-    common = ["--nproc_per_node", "2", "-m", "raylane", "train", "gpt-tiny", *GPT, "--set", "train.max_steps=20",
-              "--set", "mlflow.log_every_n_steps=1", "--set", "strategy.name=auto"]
+    common = [
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+        "train",
+        "gpt-tiny",
+        *GPT,
+        "--set",
+        "train.max_steps=20",
+        "--set",
+        "mlflow.log_every_n_steps=1",
+        "--set",
+        "strategy.name=auto",
+    ]
     runs = {}
     # Side by side, on one new MLflow database: both runs are tracked (the tags below).
-    started = {name: run_cli(*common, "--set", f"run.name={name}", "--set", f"scaling.device_memory_gb={memory_gb}",
-                             "--summary-json", f"{name}.json", launcher=TORCHRUN, name=name)
-               for name, memory_gb in (("ddp", 64), ("fsdp", 0.001))}
+    started = {
+        name: run_cli(
+            *common,
+            "--set",
+            f"run.name={name}",
+            "--set",
+            f"scaling.device_memory_gb={memory_gb}",
+            "--summary-json",
+            f"{name}.json",
+            launcher=TORCHRUN,
+            name=name,
+        )
+        for name, memory_gb in (("ddp", 64), ("fsdp", 0.001))
+    }
     for name, p in started.items():
         assert p.wait(300) == 0, p.output
         assert "training without tracking" not in p.output, p.output
@@ -84,16 +108,41 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
     # DDP's checkpoint is rank 0's one file; a 2-rank FSDP run starting from it takes its shard
     # of every tensor and, with no step left to train, evaluates to the loss DDP measured.
     assert sorted(checkpoint.read_manifest(ddp["checkpoint"])["files"]) == ["state.pt"]
-    again = run_cli(*common, "--set", "run.name=from-ddp", "--set", "strategy.name=fsdp",
-                    "--set", f"checkpoint.init_from={ddp['checkpoint']}", "--summary-json", "from-ddp.json",
-                    launcher=TORCHRUN, name="from-ddp")
+    again = run_cli(
+        *common,
+        "--set",
+        "run.name=from-ddp",
+        "--set",
+        "strategy.name=fsdp",
+        "--set",
+        f"checkpoint.init_from={ddp['checkpoint']}",
+        "--summary-json",
+        "from-ddp.json",
+        launcher=TORCHRUN,
+        name="from-ddp",
+    )
     assert again.wait(300) == 0, again.output
     resumed = read_json(tmp_path / "from-ddp.json")
     assert (resumed["strategy"], resumed["resumed_from_step"]) == ("fsdp", 20)
     assert resumed["metrics"]["loss"] == pytest.approx(ddp["metrics"]["loss"], rel=1e-5)
 
-    one = run_cli("train", "gpt-tiny", "--local", *GPT, "--set", "run.name=fsdp", "--set", "scaling.num_workers=1",
-                  "--set", "strategy.name=ddp", "--set", "train.max_steps=25", "--summary-json", "one.json", name="one")
+    one = run_cli(
+        "train",
+        "gpt-tiny",
+        "--local",
+        *GPT,
+        "--set",
+        "run.name=fsdp",
+        "--set",
+        "scaling.num_workers=1",
+        "--set",
+        "strategy.name=ddp",
+        "--set",
+        "train.max_steps=25",
+        "--summary-json",
+        "one.json",
+        name="one",
+    )
     assert one.wait(180) == 0, one.output
     resumed = read_json(tmp_path / "one.json")
     assert (resumed["status"], resumed["resumed_from_step"], resumed["steps"]) == ("FINISHED", 20, 25)
@@ -108,10 +157,28 @@ def test_accumulation_reduces_gradients_once_per_optimizer_step(run_cli, tmp_pat
     counts = {}
     for accum in (1, 4):
         out = tmp_path / f"counts-{accum}"
-        p = run_cli("--nproc_per_node", "2", str(REPO / "tests/helpers/count_collectives.py"), str(out), "--",
-                    "train", "gpt-tiny", *GPT, "--set", f"strategy.name={strategy}", "--set", "train.max_steps=3",
-                    "--set", f"train.grad_accum_steps={accum}", "--set", f"run.name=a{accum}",
-                    "--set", "mlflow.enabled=false", launcher=TORCHRUN, name=f"accum{accum}")
+        p = run_cli(
+            "--nproc_per_node",
+            "2",
+            str(REPO / "tests/helpers/count_collectives.py"),
+            str(out),
+            "--",
+            "train",
+            "gpt-tiny",
+            *GPT,
+            "--set",
+            f"strategy.name={strategy}",
+            "--set",
+            "train.max_steps=3",
+            "--set",
+            f"train.grad_accum_steps={accum}",
+            "--set",
+            f"run.name=a{accum}",
+            "--set",
+            "mlflow.enabled=false",
+            launcher=TORCHRUN,
+            name=f"accum{accum}",
+        )
         assert p.wait(300) == 0, p.output
         counts[accum] = [json.loads((tmp_path / f"counts-{accum}.{rank}.json").read_text()) for rank in (0, 1)]
     reduction = "allreduce_" if strategy == "ddp" else "_reduce_scatter_base_"
@@ -148,7 +215,9 @@ def test_auto_estimate_and_choice():
         assert chosen.name == expected and "DDP needs" in chosen.reason
     # Twice the batch, about twice the activations; recompute keeps far fewer.
     big_cfg, big_pipe, big_example = _tiny_gpt(**{"train.batch_size": 32})
-    assert activation_bytes(big_pipe.model, big_example, big_pipe.loss_fn) == pytest.approx(2 * est["activations"], rel=0.05)
+    assert activation_bytes(big_pipe.model, big_example, big_pipe.loss_fn) == pytest.approx(
+        2 * est["activations"], rel=0.05
+    )
     ac_cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"activation_checkpointing": True})})
     assert estimate_memory(pipe.model, ac_cfg, 2, example, pipe.loss_fn)["activations"] < est["activations"]
 
@@ -160,16 +229,59 @@ def test_two_nodes_shard_inside_a_node_and_replicate_across(run_cli, tmp_path):
     DDP on the same 4 ranks."""
     from tests.conftest import free_port
 
-    args = ["-m", "raylane", "train", "gpt-tiny", *GPT, "--set", "train.max_steps=10", "--set", "train.batch_size=8",
-            "--set", "mlflow.enabled=false"]
+    args = [
+        "-m",
+        "raylane",
+        "train",
+        "gpt-tiny",
+        *GPT,
+        "--set",
+        "train.max_steps=10",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "mlflow.enabled=false",
+    ]
     port = free_port()
-    nodes = [run_cli("--nnodes", "2", "--node_rank", str(n), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                     "--master_port", str(port), *args, "--set", "strategy.name=fsdp", "--set", "run.name=hsdp",
-                     "--summary-json", f"hsdp{n}.json", launcher=TORCHRUN[:-1], name=f"node{n}") for n in (0, 1)]
+    nodes = [
+        run_cli(
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(n),
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            *args,
+            "--set",
+            "strategy.name=fsdp",
+            "--set",
+            "run.name=hsdp",
+            "--summary-json",
+            f"hsdp{n}.json",
+            launcher=TORCHRUN[:-1],
+            name=f"node{n}",
+        )
+        for n in (0, 1)
+    ]
     for p in nodes:
         assert p.wait(300) == 0, p.output
-    ddp = run_cli("--nproc_per_node", "4", *args, "--set", "strategy.name=ddp", "--set", "run.name=ddp4",
-                  "--summary-json", "ddp4.json", launcher=TORCHRUN, name="ddp4")
+    ddp = run_cli(
+        "--nproc_per_node",
+        "4",
+        *args,
+        "--set",
+        "strategy.name=ddp",
+        "--set",
+        "run.name=ddp4",
+        "--summary-json",
+        "ddp4.json",
+        launcher=TORCHRUN,
+        name="ddp4",
+    )
     assert ddp.wait(300) == 0, ddp.output
     hsdp, replicated = read_json(tmp_path / "hsdp0.json"), read_json(tmp_path / "ddp4.json")
     assert (hsdp["strategy"], hsdp["world_size"], replicated["strategy"]) == ("hsdp", 4, "ddp")
@@ -201,7 +313,7 @@ def test_gpt2_small_flops_per_token_and_mfu():
     assert Throughput().rates(500, 1) == {}
 
 
-UNEVEN = '''
+UNEVEN = """
 import raylane
 import torch
 from torch.utils.data import TensorDataset
@@ -224,7 +336,7 @@ def build(cfg):
     return raylane.Pipeline(model=model, train_set=TensorDataset(x, x.sum(1, keepdim=True)),
                             eval_set=TensorDataset(held_x, held_y), loss_fn=torch.nn.functional.mse_loss,
                             eval_sums=eval_sums)
-'''
+"""
 
 
 @pytest.mark.untracked
@@ -234,8 +346,19 @@ def test_fsdp_evaluates_held_out_shares_of_unequal_batch_counts(run_cli, tmp_pat
     the ranks' collectives stopped matching: the run failed or hung). The metrics stay exact."""
     (tmp_path / "pipe.py").write_text(UNEVEN)
     (tmp_path / "cfg.yaml").write_text("pipeline: ./pipe.py\ntrain: {batch_size: 2, max_epochs: 1}\n")
-    p = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "cfg.yaml", "--set", "strategy.name=fsdp",
-                "--summary-json", "s.json", launcher=TORCHRUN)
+    p = run_cli(
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+        "train",
+        "cfg.yaml",
+        "--set",
+        "strategy.name=fsdp",
+        "--summary-json",
+        "s.json",
+        launcher=TORCHRUN,
+    )
     assert p.wait(120) == 0, p.output
     s = read_json(tmp_path / "s.json")
     assert s["status"] == "FINISHED" and s["strategy"] == "fsdp"

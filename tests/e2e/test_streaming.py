@@ -19,7 +19,7 @@ FILES, ROWS_PER_FILE, BATCH = 4, 24, 8
 
 pytestmark = pytest.mark.untracked
 
-PIPELINE = '''
+PIPELINE = """
 import os
 import numpy as np
 from pydantic import Field
@@ -67,7 +67,7 @@ def build(cfg):
 
     return raylane.Pipeline(model=torch.nn.Linear(2, 1), train_set=sources(cfg)["train"], eval_set=None,
                             loss_fn=loss_fn, eval_sums=lambda o, t: {})
-'''
+"""
 
 
 def _project(tmp_path: Path, record: str = "rec") -> list[str]:
@@ -80,8 +80,18 @@ def _project(tmp_path: Path, record: str = "rec") -> list[str]:
         rows = np.arange(f * ROWS_PER_FILE, (f + 1) * ROWS_PER_FILE)
         pq.write_table(pa.table({"row": rows, "file": np.full(len(rows), f)}), data / f"part-{f}.parquet")
     (tmp_path / record).mkdir(exist_ok=True)
-    return ["--set", f"data.train={data}", "--set", f"data.record={tmp_path / record}",
-            "--set", f"train.batch_size={BATCH}", "--set", "mlflow.enabled=false", "--set", "optim.lr=0.01"]
+    return [
+        "--set",
+        f"data.train={data}",
+        "--set",
+        f"data.record={tmp_path / record}",
+        "--set",
+        f"train.batch_size={BATCH}",
+        "--set",
+        "mlflow.enabled=false",
+        "--set",
+        "optim.lr=0.01",
+    ]
 
 
 def _config(tmp_path: Path) -> Path:
@@ -107,8 +117,15 @@ def test_ray_data_splits_rows_across_ranks_and_resumes_at_the_next_epoch(run_cli
     """Ray Data streams the files through Ray Train's split: each epoch, the two ranks' rows are
     disjoint and together every row; a run resumed from an epoch-end checkpoint starts at the
     next epoch, which again sees every row exactly once."""
-    args = ["train", str(_config(tmp_path)), *_project(tmp_path), "--set", "scaling.num_workers=2",
-            "--set", "run.name=rd"]
+    args = [
+        "train",
+        str(_config(tmp_path)),
+        *_project(tmp_path),
+        "--set",
+        "scaling.num_workers=2",
+        "--set",
+        "run.name=rd",
+    ]
     first = run_cli(*args, "--set", "train.max_epochs=1", "--summary-json", "a.json")
     assert first.wait(300) == 0, first.output
     a = read_json(tmp_path / "a.json")
@@ -121,8 +138,17 @@ def test_ray_data_splits_rows_across_ranks_and_resumes_at_the_next_epoch(run_cli
     assert (tmp_path / "rec/read-task.txt").exists() and not list((tmp_path / "rec").glob("read-[01].txt"))
 
     (tmp_path / "rec2").mkdir()
-    again = run_cli(*args[:-2], "--set", "run.name=rd", "--set", f"data.record={tmp_path / 'rec2'}",
-                    "--set", "train.max_epochs=2", "--summary-json", "b.json")
+    again = run_cli(
+        *args[:-2],
+        "--set",
+        "run.name=rd",
+        "--set",
+        f"data.record={tmp_path / 'rec2'}",
+        "--set",
+        "train.max_epochs=2",
+        "--summary-json",
+        "b.json",
+    )
     assert again.wait(300) == 0, again.output
     b = read_json(tmp_path / "b.json")
     assert (b["resumed_from_step"], b["steps"], b["epochs"]) == (per_epoch, 2 * per_epoch, 2)
@@ -134,9 +160,22 @@ def test_torchrun_ranks_read_only_their_own_files(run_cli, tmp_path):
     """Each rank opens only the files dealt to it for the epoch (its transform, which sees every
     chunk it reads, saw no other file), trains on exactly their rows, and the deal changes with
     the epoch; both ranks run the same number of steps."""
-    proc = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", str(_config(tmp_path)), *_project(tmp_path),
-                   "--set", "run.name=tr", "--set", "train.max_epochs=2", "--summary-json", "s.json",
-                   launcher=TORCHRUN)
+    proc = run_cli(
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "raylane",
+        "train",
+        str(_config(tmp_path)),
+        *_project(tmp_path),
+        "--set",
+        "run.name=tr",
+        "--set",
+        "train.max_epochs=2",
+        "--summary-json",
+        "s.json",
+        launcher=TORCHRUN,
+    )
     assert proc.wait(180) == 0, proc.output
     s = read_json(tmp_path / "s.json")
     per_rank = FILES // 2 * ROWS_PER_FILE // BATCH
@@ -159,10 +198,25 @@ def test_mid_epoch_resume_replays_exactly_the_remaining_batches(run_cli, tmp_pat
     """pyarrow's stream depends only on (seed, epoch, rank, world size): a run stopped mid-epoch
     and resumed trains on exactly the batches an uninterrupted run trains on, in the same order,
     and ends with bit-identical weights."""
-    args = ["train", str(_config(tmp_path)), "--local", "--set", "checkpoint.every_n_steps=5",
-            "--set", "train.max_epochs=2"]
-    first = run_cli(*args, *_project(tmp_path, "cut"), "--set", "run.name=cut", "--set", "train.max_steps=5",
-                    "--summary-json", "a.json")
+    args = [
+        "train",
+        str(_config(tmp_path)),
+        "--local",
+        "--set",
+        "checkpoint.every_n_steps=5",
+        "--set",
+        "train.max_epochs=2",
+    ]
+    first = run_cli(
+        *args,
+        *_project(tmp_path, "cut"),
+        "--set",
+        "run.name=cut",
+        "--set",
+        "train.max_steps=5",
+        "--summary-json",
+        "a.json",
+    )
     assert first.wait(120) == 0, first.output
     again = run_cli(*args, *_project(tmp_path, "cut"), "--set", "run.name=cut", "--summary-json", "b.json")
     straight = run_cli(*args, *_project(tmp_path, "whole"), "--set", "run.name=whole", "--summary-json", "c.json")

@@ -17,13 +17,16 @@ from tests.conftest import read_json
 
 # Every line a sweep prints: raylane's own, the trials table and the best trial. Not MLflow's
 # "View run" links or "Successfully registered model", nor what the raylets push to the driver.
-SWEEP_FORMATS = [re.compile(p) for p in (
-    r"joining the local Ray head at \S+ .*",
-    r"raylane: (warning: )?.+",
-    r"\[raylane\] .+",
-    r"[^|]+( \| [^|]+)+",
-    r"best trial \S+: .+",
-)]
+SWEEP_FORMATS = [
+    re.compile(p)
+    for p in (
+        r"joining the local Ray head at \S+ .*",
+        r"raylane: (warning: )?.+",
+        r"\[raylane\] .+",
+        r"[^|]+( \| [^|]+)+",
+        r"best trial \S+: .+",
+    )
+]
 
 
 def _trial_order(row: dict) -> int:
@@ -34,7 +37,9 @@ def _runs(db, parent_id: str) -> list[tuple[str, str]]:
     with sqlite3.connect(db) as con:
         return con.execute(
             "SELECT r.run_uuid, r.status FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
-            "WHERE t.key = 'mlflow.parentRunId' AND t.value = ?", (parent_id,)).fetchall()
+            "WHERE t.key = 'mlflow.parentRunId' AND t.value = ?",
+            (parent_id,),
+        ).fetchall()
 
 
 def _tags(db, run_id: str) -> dict[str, str]:
@@ -45,8 +50,11 @@ def _tags(db, run_id: str) -> dict[str, str]:
 def _hashes(root: Path) -> dict[str, str]:
     """Every file under `root` but the test's own logs: the sweep's folder, MLflow's database and
     artifacts."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.suffix != ".log"}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.suffix != ".log"
+    }
 
 
 @pytest.mark.shared_ray
@@ -60,8 +68,9 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(asha_sweep):
     assert len(s["trials"]) == 4
     parent_run = client.get_run(s["parent_run_id"])
     assert parent_run.info.run_name == s["sweep"] == "digits-asha"
-    children = client.search_runs([parent_run.info.experiment_id],
-                                  filter_string=f"tags.`mlflow.parentRunId` = '{s['parent_run_id']}'")
+    children = client.search_runs(
+        [parent_run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{s['parent_run_id']}'"
+    )
     assert len(children) == 4
     assert {c.info.status for c in children} <= {"FINISHED", "KILLED"}
     assert {r["run_id"] for r in s["trials"]} == {c.info.run_id for c in children}
@@ -106,8 +115,9 @@ def _draw(sweep_file: str, n: int) -> list[dict]:
 
     sweep, _ = load_sweep(sweep_file, [])
     search = _search_alg(sweep, concurrency=n)
-    search.add_configurations([Experiment("draw", run=lambda config: None, config=param_space(sweep),
-                                          num_samples=sweep.num_samples)])
+    search.add_configurations(
+        [Experiment("draw", run=lambda config: None, config=param_space(sweep), num_samples=sweep.num_samples)]
+    )
     return [search.next_trial().config for _ in range(n)]
 
 
@@ -123,12 +133,31 @@ def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
     the first trial at epoch 2 until the second has reached it too, and then always exploits:
     this also tests that a paused trial resumes its own run and is not recorded as stopped.
     One-worker trials: what is tested is the scheduler's, and they start faster (47 s, not 63 s)."""
-    sweep = run_cli("tune", "digits-sweep", "--set", "sweep.scheduler=pbt", "--set", "sweep.name=digits-pbt",
-                    "--set", "sweep.num_samples=1", "--set", "sweep.algorithm=grid",
-                    "--set", "sweep.space={optim.lr: {grid: [0.00001, 0.01]}}",
-                    "--set", "sweep.pbt_synchronous=true", "--set", "sweep.perturbation_interval=2",
-                    "--set", "train.max_epochs=3", "--set", "scaling.num_workers=1", "--summary-json", "p.json",
-                    name="pbt")
+    sweep = run_cli(
+        "tune",
+        "digits-sweep",
+        "--set",
+        "sweep.scheduler=pbt",
+        "--set",
+        "sweep.name=digits-pbt",
+        "--set",
+        "sweep.num_samples=1",
+        "--set",
+        "sweep.algorithm=grid",
+        "--set",
+        "sweep.space={optim.lr: {grid: [0.00001, 0.01]}}",
+        "--set",
+        "sweep.pbt_synchronous=true",
+        "--set",
+        "sweep.perturbation_interval=2",
+        "--set",
+        "train.max_epochs=3",
+        "--set",
+        "scaling.num_workers=1",
+        "--summary-json",
+        "p.json",
+        name="pbt",
+    )
     assert sweep.wait(500) == 0, sweep.output
     s = read_json(tmp_path / "p.json")
     assert sum(r["exploits"] for r in s["trials"]) == 1, s["trials"]
@@ -137,33 +166,62 @@ def test_pbt_sweep_exploits_a_better_trial(run_cli, tmp_path):
     assert all(r["status"] == "FINISHED" and not r["early_stopped"] for r in s["trials"]), s["trials"]
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("sweep.num_samples=0", "sweep.num_samples = 0"),
-    ("sweep.algorithm=bayes", "sweep.algorithm = 'bayes'"),
-    ("optim.lr=-1", "optim.lr = -1"),
-    ("sweep.metric=samples_per_s --set sweep.mode=min",
-     "sweep.mode = 'min': samples_per_s is better higher (use sweep.mode: max)"),
-    ("sweep.global_batch={size: 100} --set sweep.space={train.batch_size: {grid: [16, 32]}}",
-     "sweep.global_batch.size = 100: not a multiple of train.batch_size = 16 x scaling.num_workers = 2"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("sweep.num_samples=0", "sweep.num_samples = 0"),
+        ("sweep.algorithm=bayes", "sweep.algorithm = 'bayes'"),
+        ("optim.lr=-1", "optim.lr = -1"),
+        (
+            "sweep.metric=samples_per_s --set sweep.mode=min",
+            "sweep.mode = 'min': samples_per_s is better higher (use sweep.mode: max)",
+        ),
+        (
+            "sweep.global_batch={size: 100} --set sweep.space={train.batch_size: {grid: [16, 32]}}",
+            "sweep.global_batch.size = 100: not a multiple of train.batch_size = 16 x scaling.num_workers = 2",
+        ),
+    ],
+)
 def test_bad_sweep_input_exits_2_naming_the_field(run_cli, tmp_path, bad, message):
     p = run_cli("tune", "digits-sweep", *[a for part in bad.split(" --set ") for a in ("--set", part)], name="bad")
     assert p.wait(60) == 2
     assert message in p.output and "Traceback" not in p.output
 
 
-RESUME = ["tune", "digits-sweep", "--set", "sweep.scheduler=fifo", "--set", "sweep.name=digits-resume",
-          "--set", "sweep.max_concurrent_trials=1", "--set", "sweep.num_samples=2", "--set", "train.max_epochs=1",
-          "--set", "scaling.num_workers=1"]  # one worker a trial: what is tested is the sweep's record
+RESUME = [
+    "tune",
+    "digits-sweep",
+    "--set",
+    "sweep.scheduler=fifo",
+    "--set",
+    "sweep.name=digits-resume",
+    "--set",
+    "sweep.max_concurrent_trials=1",
+    "--set",
+    "sweep.num_samples=2",
+    "--set",
+    "train.max_epochs=1",
+    "--set",
+    "scaling.num_workers=1",
+]  # one worker a trial: what is tested is the sweep's record
 
 
 CHANGES = [  # a setting, and the one line that refuses it
-    (["--set", "sweep.metric=loss"],
-     "sweep.metric = 'loss': sweep 'digits-resume' already ran with sweep.metric = 'accuracy'"),
-    (["--set", "train.max_epochs=2"], "train.max_epochs = 2: sweep 'digits-resume' already ran with train.max_epochs = 1"),
-    (["--set", "sweep.space={optim.lr: {grid: [0.1]}}"],
-     ("sweep.space.optim.lr = {'grid': [0.1]}: sweep 'digits-resume' already ran with sweep.space.optim.lr = "
-      "{'loguniform': [0.0003, 0.03]}")),
+    (
+        ["--set", "sweep.metric=loss"],
+        "sweep.metric = 'loss': sweep 'digits-resume' already ran with sweep.metric = 'accuracy'",
+    ),
+    (
+        ["--set", "train.max_epochs=2"],
+        "train.max_epochs = 2: sweep 'digits-resume' already ran with train.max_epochs = 1",
+    ),
+    (
+        ["--set", "sweep.space={optim.lr: {grid: [0.1]}}"],
+        (
+            "sweep.space.optim.lr = {'grid': [0.1]}: sweep 'digits-resume' already ran with sweep.space.optim.lr = "
+            "{'loguniform': [0.0003, 0.03]}"
+        ),
+    ),
 ]
 
 
@@ -184,8 +242,7 @@ def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path,
 
     args = RESUME
     first = run_cli(*args, name="first")
-    wait_for(lambda: "[raylane] trial " in first.output or first.proc.poll() is not None,
-             timeout_s=300)
+    wait_for(lambda: "[raylane] trial " in first.output or first.proc.poll() is not None, timeout_s=300)
     assert first.proc.poll() is None, first.output
     os.kill(first.proc.pid, signal.SIGKILL)
     first.kill_group()
@@ -196,8 +253,10 @@ def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path,
     assert len(s["trials"]) == 2 and all(r["status"] == "FINISHED" for r in s["trials"])
     db = tmp_path / "mlflow.db"
     with sqlite3.connect(db) as con:
-        parents = con.execute("SELECT COUNT(*) FROM tags WHERE key = 'raylane.sweep' AND value = 'digits-resume' "
-                              "AND run_uuid NOT IN (SELECT run_uuid FROM tags WHERE key = 'raylane.trial_id')").fetchone()
+        parents = con.execute(
+            "SELECT COUNT(*) FROM tags WHERE key = 'raylane.sweep' AND value = 'digits-resume' "
+            "AND run_uuid NOT IN (SELECT run_uuid FROM tags WHERE key = 'raylane.trial_id')"
+        ).fetchone()
     assert parents == (1,)
     assert len(_runs(db, s["parent_run_id"])) == 2
     with sqlite3.connect(db) as con:  # each trial's eval metric and whole-run throughput (the runs table's columns)
@@ -226,8 +285,15 @@ def test_trial_resources_pack_fractional_gpus_and_refuse_what_cannot_fit():
     from raylane.onray.sweep import load_sweep
     from raylane.onray.tune import check_resources, trial_resources
 
-    sweep, base = load_sweep("digits-sweep", ["scaling.use_gpu=true", "scaling.gpus_per_worker=0.25",
-                                              "scaling.num_workers=1", "sweep.max_concurrent_trials=null"])
+    sweep, base = load_sweep(
+        "digits-sweep",
+        [
+            "scaling.use_gpu=true",
+            "scaling.gpus_per_worker=0.25",
+            "scaling.num_workers=1",
+            "sweep.max_concurrent_trials=null",
+        ],
+    )
     assert trial_resources(base)["GPU"] == 0.25
     assert check_resources(base, sweep, {"CPU": 16, "GPU": 1}, embedded=True) == 4  # four trials on one GPU
     with pytest.raises(ConfigError, match="scaling.num_workers = 1: one trial needs CPU 1.01, GPU 0.25"):
@@ -249,8 +315,18 @@ def test_a_metric_no_trial_reports_ends_the_sweep_at_the_first_report():
     ok.check()
 
     typo = MetricReported("acuracy")
-    assert typo("t1", {"accuracy": 0.9, "loss": 0.3, "epoch": 1, "step": 10, "time_total_s": 2.0,
-                       "run_id": "x", "should_checkpoint": True})
+    assert typo(
+        "t1",
+        {
+            "accuracy": 0.9,
+            "loss": 0.3,
+            "epoch": 1,
+            "step": 10,
+            "time_total_s": 2.0,
+            "run_id": "x",
+            "should_checkpoint": True,
+        },
+    )
     assert typo.stop_all()
     with pytest.raises(ConfigError, match=r"sweep.metric = 'acuracy': .*\(they report: accuracy, loss\)"):
         typo.check()
@@ -274,10 +350,16 @@ def test_throughput_metrics_take_their_direction_and_a_held_global_batch_sets_ea
     for batch, workers in [(8, 1), (8, 2), (16, 2), (32, 1)]:
         cfg = trial_config(base, {"train.batch_size": batch, "scaling.num_workers": workers}, sweep.global_batch)
         assert cfg.train.batch_size * cfg.train.grad_accum_steps * cfg.scaling.num_workers == 64
-    sweep, base = load_sweep("digits-sweep", ["sweep.space={train.grad_accum_steps: {grid: [1, 2, 4]}}",
-                                              "sweep.global_batch={size: 64, adjust: batch_size}"])
-    assert [trial_config(base, {"train.grad_accum_steps": a}, sweep.global_batch).train.batch_size
-            for a in (1, 2, 4)] == [32, 16, 8]
+    sweep, base = load_sweep(
+        "digits-sweep",
+        [
+            "sweep.space={train.grad_accum_steps: {grid: [1, 2, 4]}}",
+            "sweep.global_batch={size: 64, adjust: batch_size}",
+        ],
+    )
+    assert [
+        trial_config(base, {"train.grad_accum_steps": a}, sweep.global_batch).train.batch_size for a in (1, 2, 4)
+    ] == [32, 16, 8]
 
 
 def test_a_time_to_target_objective_ranks_by_the_first_time_the_metric_reached_it(tmp_path):

@@ -57,8 +57,10 @@ def test_joining_a_cluster_on_another_ray_names_both_versions():
     versions = reported_versions(str(raised.value))
     assert versions is not None and versions[0] == OTHER_RAY and versions[2] == ray.__version__
     line = version_mismatch("--address", "10.0.0.7:6379", versions[0], versions[2], versions[1], versions[3])
-    assert line == (f"--address = '10.0.0.7:6379': the cluster runs Ray {OTHER_RAY}, this raylane Ray "
-                    f"{ray.__version__} (Python 3.10.4 there, {versions[3]} here); install ray=={OTHER_RAY} here, "
-                    f"or start the cluster with Ray {ray.__version__}")
+    assert line == (
+        f"--address = '10.0.0.7:6379': the cluster runs Ray {OTHER_RAY}, this raylane Ray "
+        f"{ray.__version__} (Python 3.10.4 there, {versions[3]} here); install ray=={OTHER_RAY} here, "
+        f"or start the cluster with Ray {ray.__version__}"
+    )
     assert reported_versions("Connection refused") is None
     assert version_mismatch("--address", "x:1", ray.__version__, ray.__version__) is None

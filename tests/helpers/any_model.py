@@ -43,7 +43,11 @@ class Words(torch.utils.data.Dataset):
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        item = {"input_ids": self.ids[i], "attention_mask": torch.ones(6), "labels": (self.ids[i, 0] + self.ids[i, 1]) % 3}
+        item = {
+            "input_ids": self.ids[i],
+            "attention_mask": torch.ones(6),
+            "labels": (self.ids[i, 0] + self.ids[i, 1]) % 3,
+        }
         if self.extra:
             item["token_type_ids"] = torch.zeros(6, dtype=torch.long)
         return item
@@ -112,8 +116,16 @@ def build(cfg):
     mode = cfg.model.mode
     if mode in ("step", "bad step"):
         train = pairs(64, 0)
-        return raylane.Pipeline(model=TwoInputs(), train_set=train, eval_set=pairs(32, 1),
-                                step=my_step if mode == "step" else bad_step, example_input=train[:2][:2])
+        return raylane.Pipeline(
+            model=TwoInputs(),
+            train_set=train,
+            eval_set=pairs(32, 1),
+            step=my_step if mode == "step" else bad_step,
+            example_input=train[:2][:2],
+        )
     kill = (cfg.model.kill_mark, f"{cfg.run.storage_path}/{cfg.run.name}") if cfg.model.kill_mark else None
-    return raylane.Pipeline(model=Classifier(own_loss=mode != "no loss", kill=kill),
-                            train_set=Words(64, 0, mode == "bad keys"), eval_set=Words(24, 1))
+    return raylane.Pipeline(
+        model=Classifier(own_loss=mode != "no loss", kill=kill),
+        train_set=Words(64, 0, mode == "bad keys"),
+        eval_set=Words(24, 1),
+    )

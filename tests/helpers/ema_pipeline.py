@@ -68,6 +68,8 @@ class EMA(raylane.Hook):
     def load_state_dict(self, state: dict) -> None:
         for name, tensor in state["shadow"].items():
             self.shadow[name].copy_(tensor)
+
+
 # -- the docs' example: end --------------------------------------------------------------------
 
 
@@ -111,7 +113,10 @@ def build(cfg: Config) -> raylane.Pipeline:
     hooks = {"ema": lambda: EMA(m.ema_decay), "record": Record, "boom": Boom}
     eval_set = {"val": data(16, 1), "test": data(24, 2)} if m.named_sets else data(16, 1)
     return raylane.Pipeline(
-        model=torch.nn.Linear(4, 1), train_set=data(48, 0), eval_set=eval_set,
+        model=torch.nn.Linear(4, 1),
+        train_set=data(48, 0),
+        eval_set=eval_set,
         loss_fn=torch.nn.functional.mse_loss,
         eval_sums=lambda out, y: {"loss": torch.nn.functional.mse_loss(out, y, reduction="sum")},
-        hooks=[hooks[name]() for name in m.hooks])
+        hooks=[hooks[name]() for name in m.hooks],
+    )

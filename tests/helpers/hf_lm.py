@@ -43,9 +43,16 @@ def make_base(folder, seed: int = 0, tokenizer: bool = True, tied: bool = False)
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=tied)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     if tokenizer:
         from tokenizers import Tokenizer, models, pre_tokenizers
@@ -54,8 +61,9 @@ def make_base(folder, seed: int = 0, tokenizer: bool = True, tied: bool = False)
         vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 128)}}
         tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                pad_token="</s>").save_pretrained(folder)
+        PreTrainedTokenizerFast(
+            tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
+        ).save_pretrained(folder)
 
 
 def build(cfg: Config) -> raylane.Pipeline:
@@ -64,8 +72,9 @@ def build(cfg: Config) -> raylane.Pipeline:
     model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path)
     if cfg.lora is not None:
         model = apply_lora(model, cfg.lora)
-    return raylane.Pipeline(model=model, train_set=Tokens(64, cfg.model.seq_len, 1),
-                            eval_set=Tokens(16, cfg.model.seq_len, 2))
+    return raylane.Pipeline(
+        model=model, train_set=Tokens(64, cfg.model.seq_len, 1), eval_set=Tokens(16, cfg.model.seq_len, 2)
+    )
 
 
 def checkpoint_tensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -40,18 +40,29 @@ full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True
 saved = real(f"{path}/model.safetensors")
 if lora:
     assert all((v == 0).all() for k, v in full.items() if ".lora_B." in k)
-    full = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in full.items()
-            if ".lora_" not in k}
+    full = {
+        k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
+        for k, v in full.items()
+        if ".lora_" not in k
+    }
 weights = max((full[k].float() - v.float()).abs().max().item() for k, v in saved.items())
 safetensors.torch.load_file = real
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM  # noqa: E402 - after the count above, which patches safetensors
 
 reference = AutoModelForCausalLM.from_pretrained(path)
 ids = torch.randint(0, reference.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
     logits = (model(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max().item()
 with open(f"{out}/rank{rank}.json", "w") as f:
-    json.dump({"reads": reads, "tied": inner.lm_head.weight is inner.model.embed_tokens.weight,
-               "weights_diff": weights, "logits_diff": logits, "keys": sorted(full) == sorted(
-                   k.replace(".base_layer.", ".") for k in inner.state_dict() if ".lora_" not in k)}, f)
+    json.dump(
+        {
+            "reads": reads,
+            "tied": inner.lm_head.weight is inner.model.embed_tokens.weight,
+            "weights_diff": weights,
+            "logits_diff": logits,
+            "keys": sorted(full)
+            == sorted(k.replace(".base_layer.", ".") for k in inner.state_dict() if ".lora_" not in k),
+        },
+        f,
+    )
 dist.destroy_process_group()

@@ -79,5 +79,11 @@ def build(cfg: Config) -> raylane.Pipeline:
     x = torch.randn(96, 4, generator=g)
     y = x.sum(dim=1, keepdim=True)
     model = Net() if cfg.model.kind == "nested" else Flat()
-    return raylane.Pipeline(model=model, train_set=TensorDataset(x[:64], y[:64]), eval_set=TensorDataset(x[64:], y[64:]),
-                            loss_fn=mse, eval_sums=eval_sums, blocks=cfg.model.blocks_at or None)
+    return raylane.Pipeline(
+        model=model,
+        train_set=TensorDataset(x[:64], y[:64]),
+        eval_set=TensorDataset(x[64:], y[64:]),
+        loss_fn=mse,
+        eval_sums=eval_sums,
+        blocks=cfg.model.blocks_at or None,
+    )

@@ -83,6 +83,12 @@ SCHEDULERS = {"own": own_scheduler, "wrong": wrong_scheduler}
 
 
 def build(cfg: Config) -> raylane.Pipeline:
-    return raylane.Pipeline(model=Net(), train_set=tokens(64), eval_set=tokens(16, seed=1), loss_fn=lm_loss,
-                            eval_sums=eval_sums, optimizer=OPTIMIZERS.get(cfg.model.optimizer),
-                            scheduler=SCHEDULERS.get(cfg.model.scheduler))
+    return raylane.Pipeline(
+        model=Net(),
+        train_set=tokens(64),
+        eval_set=tokens(16, seed=1),
+        loss_fn=lm_loss,
+        eval_sums=eval_sums,
+        optimizer=OPTIMIZERS.get(cfg.model.optimizer),
+        scheduler=SCHEDULERS.get(cfg.model.scheduler),
+    )

@@ -73,6 +73,12 @@ def build(cfg: Config) -> raylane.Pipeline:
     def eval_sums(output, target):
         return {"loss": ((output - target) ** 2).sum()}
 
-    return raylane.Pipeline(model=Net(cfg.model.width), train_set=Sequences(96, 1), eval_set=Sequences(16, 2),
-                            loss_fn=loss_fn, eval_sums=eval_sums, collate_fn=pad,
-                            example_input=torch.zeros(2, LONGEST, 1))
+    return raylane.Pipeline(
+        model=Net(cfg.model.width),
+        train_set=Sequences(96, 1),
+        eval_set=Sequences(16, 2),
+        loss_fn=loss_fn,
+        eval_sums=eval_sums,
+        collate_fn=pad,
+        example_input=torch.zeros(2, LONGEST, 1),
+    )

@@ -96,5 +96,10 @@ def eval_sums(output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Ten
 
 def build(cfg: Config) -> raylane.Pipeline:
     data = tokens()
-    return raylane.Pipeline(model=MODELS[cfg.model.kind](), train_set=TensorDataset(*data[:64]),
-                            eval_set=TensorDataset(*data[64:]), loss_fn=lm_loss, eval_sums=eval_sums)
+    return raylane.Pipeline(
+        model=MODELS[cfg.model.kind](),
+        train_set=TensorDataset(*data[:64]),
+        eval_set=TensorDataset(*data[64:]),
+        loss_fn=lm_loss,
+        eval_sums=eval_sums,
+    )

@@ -10,8 +10,14 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "app" / "raylane"
 # Modules that run on the ranks under torchrun or in one process too: Ray may not be imported.
-RAY_FREE = ("raylane.loop", "raylane.autotuning.search", "raylane.autotuning.order", "raylane.autotuning.ranking",
-            "raylane.autotuning.costs", "raylane.pipelines")
+RAY_FREE = (
+    "raylane.loop",
+    "raylane.autotuning.search",
+    "raylane.autotuning.order",
+    "raylane.autotuning.ranking",
+    "raylane.autotuning.costs",
+    "raylane.pipelines",
+)
 
 
 def modules() -> dict[str, Path]:
@@ -102,8 +108,12 @@ def test_the_loop_and_autotunes_search_never_import_ray():
         if m not in reached:
             reached.add(m)
             todo += edges[m]
-    offenders = sorted(f"{name} imports {imported}" for name in reached for imported in imports(mods[name])
-                       if imported.split(".")[0] == "ray" or imported.startswith("raylane.onray"))
+    offenders = sorted(
+        f"{name} imports {imported}"
+        for name in reached
+        for imported in imports(mods[name])
+        if imported.split(".")[0] == "ray" or imported.startswith("raylane.onray")
+    )
     assert not offenders, offenders
 
 
@@ -111,8 +121,11 @@ def test_nothing_outside_the_trainer_calls_its_private_methods():
     trainer = SRC / "loop" / "trainer.py"
     tree = ast.parse(trainer.read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
-    private = {f.name for f in cls.body if isinstance(f, ast.FunctionDef) and f.name.startswith("_")
-               and not f.name.startswith("__")}
+    private = {
+        f.name
+        for f in cls.body
+        if isinstance(f, ast.FunctionDef) and f.name.startswith("_") and not f.name.startswith("__")
+    }
     assert {"_run_batch", "_run_epoch", "_save_checkpoint"} <= private  # the tutorial Trainer's shape
     calls = []
     for name, path in modules().items():
@@ -126,6 +139,7 @@ def test_nothing_outside_the_trainer_calls_its_private_methods():
 
 def layers(edges: dict[str, set[str]]) -> dict[str, set[str]]:
     """Which package imports which (a top-level module counts as its own package)."""
+
     def package(m: str) -> str:
         parts = m.split(".")
         return ".".join(parts[:2])

@@ -88,8 +88,11 @@ def test_buffers_are_reused_and_each_save_has_its_own_step(tmp_path):
     saver.settle()
     for step, want in states.items():
         fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-        checkpoint.load(str(tmp_path / "run" / checkpoint.checkpoint_name(step)), fresh,
-                        torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9))
+        checkpoint.load(
+            str(tmp_path / "run" / checkpoint.checkpoint_name(step)),
+            fresh,
+            torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9),
+        )
         assert torch.equal(fresh[0].weight, want["model.0.weight"]), step
 
 
@@ -104,7 +107,9 @@ def test_a_failed_save_is_reported_or_raised_when_settled(tmp_path, async_save):
     assert [(type(e), e.step) for e in events] == [(Checkpoint, 1), (CheckpointFailed, 2), (Checkpoint, 3)]
     assert "No space left on device" in events[1].error and saver.failed == 1
     assert [Path(p).name for p in checkpoint.committed(str(tmp_path / "run"))] == [
-        checkpoint.checkpoint_name(1), checkpoint.checkpoint_name(3)]
+        checkpoint.checkpoint_name(1),
+        checkpoint.checkpoint_name(3),
+    ]
     assert not (tmp_path / "run" / checkpoint.checkpoint_name(2)).exists()
 
     model, optimizer, failing, _ = _setup(tmp_path / "fail", async_save=async_save, on_error="fail")

@@ -17,9 +17,14 @@ from raylane.autotuning.ranking import (
     verdict,
 )
 
-SPACE = {"strategy.name": ["ddp", "fsdp"], "train.batch_size": [32, 1, 2, 4, 8, 16],
-         "train.precision": ["fp32", "bf16"], "train.activation_checkpointing": [False, True],
-         "train.compile": [False], "strategy.bucket_cap_mb": [25.0, 5.0, 100.0]}
+SPACE = {
+    "strategy.name": ["ddp", "fsdp"],
+    "train.batch_size": [32, 1, 2, 4, 8, 16],
+    "train.precision": ["fp32", "bf16"],
+    "train.activation_checkpointing": [False, True],
+    "train.compile": [False],
+    "strategy.bucket_cap_mb": [25.0, 5.0, 100.0],
+}
 OWN = {k: v[0] for k, v in SPACE.items()}
 
 
@@ -110,14 +115,17 @@ def test_a_round_that_fails_keeps_the_measurement_and_ends_the_rounds():
 
 
 def test_simplicity_departs_least_from_the_config_then_by_knob():
-    key = lambda **v: simplicity({**OWN, **v}, OWN, SPACE)
+    def key(**v):
+        return simplicity({**OWN, **v}, OWN, SPACE)
+
     assert key() < key(**{"strategy.bucket_cap_mb": 5.0}) < key(**{"strategy.bucket_cap_mb": 100.0})
     assert key(**{"train.batch_size": 16}) < key(**{"train.batch_size": 8})  # fewer accumulation steps
     assert key(**{"strategy.bucket_cap_mb": 5.0}) < key(**{"train.precision": "bf16"})
     assert key(**{"train.precision": "bf16"}) < key(**{"train.activation_checkpointing": True})
     # Two departures are less simple than one, whichever knobs.
-    assert key(**{"train.activation_checkpointing": True}) < key(**{"strategy.bucket_cap_mb": 5.0,
-                                                                    "train.batch_size": 16})
+    assert key(**{"train.activation_checkpointing": True}) < key(
+        **{"strategy.bucket_cap_mb": 5.0, "train.batch_size": 16}
+    )
     # The config's own value is the simplest, whatever raylane's default.
     mixed_own = {**OWN, "train.precision": "bf16"}
     assert simplicity(mixed_own, mixed_own, SPACE) < simplicity(OWN, mixed_own, SPACE)
@@ -127,9 +135,18 @@ windows = st.lists(st.floats(1, 1000, allow_nan=False), min_size=2, max_size=8)
 
 
 @settings(max_examples=40, deadline=None)  # each example bootstraps intervals: ~0.1 s
-@given(st.lists(st.tuples(st.sampled_from(list(SPACE["strategy.bucket_cap_mb"])),
-                          st.sampled_from(SPACE["train.precision"]), windows), min_size=1, max_size=5),
-       st.data(), st.integers(1, 3), st.integers(0, 2))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(list(SPACE["strategy.bucket_cap_mb"])), st.sampled_from(SPACE["train.precision"]), windows
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    st.data(),
+    st.integers(1, 3),
+    st.integers(0, 2),
+)
 def test_rounds_end_and_the_winner_is_the_simplest_of_those_tied_with_the_leader(first, data, min_rounds, extra):
     max_rounds = min_rounds + extra
     outcomes = [candidate(w, **{"strategy.bucket_cap_mb": b, "train.precision": p}) for b, p, w in first]
@@ -155,9 +172,14 @@ def test_rounds_end_and_the_winner_is_the_simplest_of_those_tied_with_the_leader
 def test_the_search_order_keeps_the_simpler_value_within_the_noise():
     """A knob value measured a little faster but within the noise is not kept: the next knobs
     are tried from the config's own value."""
-    space = {"strategy.name": ["ddp"], "train.batch_size": [16], "train.precision": ["fp32"],
-             "train.activation_checkpointing": [False], "strategy.bucket_cap_mb": [25.0, 5.0],
-             "strategy.comm_hook": ["none", "bf16"]}
+    space = {
+        "strategy.name": ["ddp"],
+        "train.batch_size": [16],
+        "train.precision": ["fp32"],
+        "train.activation_checkpointing": [False],
+        "strategy.bucket_cap_mb": [25.0, 5.0],
+        "strategy.comm_hook": ["none", "bf16"],
+    }
     noise = {25.0: [100, 120, 110, 90, 105], 5.0: [108, 125, 115, 95, 112]}
     search, outcome, tried = plan(space), None, []
     while True:
@@ -168,5 +190,8 @@ def test_the_search_order_keeps_the_simpler_value_within_the_noise():
         tried.append(values)
         rate = noise[values["strategy.bucket_cap_mb"]]
         outcome = one_round(rate if values["strategy.comm_hook"] == "none" else [50] * 5)
-    assert [(v["strategy.bucket_cap_mb"], v["strategy.comm_hook"]) for v in tried] == \
-        [(25.0, "none"), (5.0, "none"), (25.0, "bf16")]
+    assert [(v["strategy.bucket_cap_mb"], v["strategy.comm_hook"]) for v in tried] == [
+        (25.0, "none"),
+        (5.0, "none"),
+        (25.0, "bf16"),
+    ]

@@ -10,15 +10,25 @@ def test_targets_are_judged_from_the_measured_medians():
     def s(m):
         return {"median": m, "min": m, "max": m, "n": 1, "values": [m]}
 
-    results = {"B3": {"efficiency": s(0.95)}, "B6": {"fsdp_over_ddp": s(0.6)},
-               "B7": {"async_over_sync": 0.05, "stall_ms_per_checkpoint": {"sync": s(100), "async": s(5)}},
-               "failed": {"B5": "scripts/bench_mlflow.py exited 1; its output:\nTraceback ..."}}
+    results = {
+        "B3": {"efficiency": s(0.95)},
+        "B6": {"fsdp_over_ddp": s(0.6)},
+        "B7": {"async_over_sync": 0.05, "stall_ms_per_checkpoint": {"sync": s(100), "async": s(5)}},
+        "failed": {"B5": "scripts/bench_mlflow.py exited 1; its output:\nTraceback ..."},
+    }
     sides = ("raylane on Ray", "raylane under torchrun", "hand-written torchrun DDP")
-    results["B9"] = {"epoch_ms": {k: s(v) for k, v in zip(sides, (105, 114, 81), strict=True)},
-                     "ratio_vs_hand_written": dict(zip(sides, (105 / 81, 114 / 81, 1.0), strict=True)),
-                     "stall_ms_per_checkpoint": {sides[0]: s(39), sides[1]: s(21)}}
-    results["B10"] = {"search_over_profiling": s(1.2), "median_of": 13, "wall_s": s(40), "startup_s": s(12),
-                      "plain_over_autotune": s(0.85)}
+    results["B9"] = {
+        "epoch_ms": {k: s(v) for k, v in zip(sides, (105, 114, 81), strict=True)},
+        "ratio_vs_hand_written": dict(zip(sides, (105 / 81, 114 / 81, 1.0), strict=True)),
+        "stall_ms_per_checkpoint": {sides[0]: s(39), sides[1]: s(21)},
+    }
+    results["B10"] = {
+        "search_over_profiling": s(1.2),
+        "median_of": 13,
+        "wall_s": s(40),
+        "startup_s": s(12),
+        "plain_over_autotune": s(0.85),
+    }
     assert [ok for b, _, _, _, ok in rows(results) if b == "B10"] == ["yes", "**no**"]  # within 1.3; 15% off
     results["B10"]["median_of"] = 11
     assert [ok for b, _, _, _, ok in rows(results) if b == "B10"][0] == "**no**"  # fewer than 12 candidates
@@ -32,17 +42,20 @@ def test_targets_are_judged_from_the_measured_medians():
     noisy = {"B7": {"async_over_sync": -2.0, "stall_ms_per_checkpoint": {"sync": s(-50), "async": s(100)}}}
     assert rows(noisy)[0][4] == "**no**"
     # A benchmark that did not finish is a row of its own, with the first line of its error.
-    assert [(b, m, ok) for b, _, m, _, ok in rows(results) if ok == "**failed**"] == \
-        [("B5", "scripts/bench_mlflow.py exited 1; its output:", "**failed**")]
+    assert [(b, m, ok) for b, _, m, _, ok in rows(results) if ok == "**failed**"] == [
+        ("B5", "scripts/bench_mlflow.py exited 1; its output:", "**failed**")
+    ]
 
 
 def test_startup_breakdown_judged_and_tabled():
     def s(m):
         return {"median": m, "min": m, "max": m, "n": 1, "values": [m]}
 
-    phases = {"raylane, Ray cold": {"launch": s(0), "ray_init": s(9), "first_step": s(20)},
-              "raylane, Ray warm": {"launch": s(0), "ray_init": s(2), "first_step": s(9)},
-              "raylane under torchrun": {"launch": s(0), "first_step": s(6)}}
+    phases = {
+        "raylane, Ray cold": {"launch": s(0), "ray_init": s(9), "first_step": s(20)},
+        "raylane, Ray warm": {"launch": s(0), "ray_init": s(2), "first_step": s(9)},
+        "raylane under torchrun": {"launch": s(0), "first_step": s(6)},
+    }
     r = {"steps": 5, "workers": 2, "warm_head": "raylane up", "phases_s": phases}
     assert [ok for *_, ok in rows({"B2b": r})] == ["**no**", "yes", "—"]  # against torchrun + 5 = 11 s
     assert "| ray_init | 9.0 [9.0–9.0] | 2.0 [2.0–2.0] | — |" in startup_table(r)

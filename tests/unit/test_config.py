@@ -30,8 +30,17 @@ def test_bare_pipeline_name_finds_its_yaml(tmp_path, monkeypatch):
 
 
 def test_overrides_are_typed():
-    cfg = load_config(DIGITS, ["train.batch_size=64", "optim.lr=1e-2", "scaling.use_gpu=false",
-                               "run.name=abc", "train.max_steps=null", "model.hidden_size=32"])
+    cfg = load_config(
+        DIGITS,
+        [
+            "train.batch_size=64",
+            "optim.lr=1e-2",
+            "scaling.use_gpu=false",
+            "run.name=abc",
+            "train.max_steps=null",
+            "model.hidden_size=32",
+        ],
+    )
     assert cfg.train.batch_size == 64
     assert cfg.optim.lr == pytest.approx(0.01)
     assert cfg.scaling.use_gpu is False
@@ -96,8 +105,13 @@ def test_flat_keys_match_override_keys():
     flat = cfg.flat()
     assert flat["train.batch_size"] == 32 and flat["model.hidden_size"] == 128
     # Every flat key is a valid override that round-trips.
-    again = load_config(DIGITS, [f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
-                                 for k, v in flat.items()])
+    again = load_config(
+        DIGITS,
+        [
+            f"{k}={yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}"
+            for k, v in flat.items()
+        ],
+    )
     assert again.flat() == flat
 
 
@@ -109,15 +123,38 @@ def test_check_prints_resolved_config(capsys):
 
 # -- property-based: random YAML documents and overrides ------------------------------------------
 
-KEYS = ["pipeline", "run", "run.name", "scaling.num_workers", "scaling.use_gpu", "scaling.cpus_per_worker",
-        "train.max_epochs", "train.max_steps", "train.batch_size", "train.seed", "optim.name", "optim.lr",
-        "checkpoint.every_n_steps", "mlflow.experiment", "model.hidden_size", "bogus", "train.bogus"]
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
-                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
-                    st.sampled_from(["digits", "regression", "adam", "sgd", "1e-3", "-1", "[1, 2]", "{a: 1}"]))
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                        st.dictionaries(st.text(max_size=8), inner, max_size=3)),
-                      max_leaves=6)
+KEYS = [
+    "pipeline",
+    "run",
+    "run.name",
+    "scaling.num_workers",
+    "scaling.use_gpu",
+    "scaling.cpus_per_worker",
+    "train.max_epochs",
+    "train.max_steps",
+    "train.batch_size",
+    "train.seed",
+    "optim.name",
+    "optim.lr",
+    "checkpoint.every_n_steps",
+    "mlflow.experiment",
+    "model.hidden_size",
+    "bogus",
+    "train.bogus",
+]
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(["digits", "regression", "adam", "sgd", "1e-3", "-1", "[1, 2]", "{a: 1}"]),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=6,
+)
 
 
 def _nest(flat: dict) -> dict:
@@ -142,8 +179,10 @@ def _run_check(args: list[str]) -> tuple[int, str]:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(doc=st.one_of(st.dictionaries(st.sampled_from(KEYS), values, max_size=6).map(_nest), values),
-       overrides=st.lists(st.tuples(st.sampled_from(KEYS), st.text(max_size=10)), max_size=3))
+@given(
+    doc=st.one_of(st.dictionaries(st.sampled_from(KEYS), values, max_size=6).map(_nest), values),
+    overrides=st.lists(st.tuples(st.sampled_from(KEYS), st.text(max_size=10)), max_size=3),
+)
 def test_any_input_loads_or_exits_2_with_one_message(tmp_path, doc, overrides):
     path = tmp_path / "random.yaml"
     path.write_text(yaml.safe_dump(doc) if not isinstance(doc, str) else doc)

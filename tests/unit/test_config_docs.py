@@ -73,14 +73,17 @@ def test_explain_a_pipelines_own_key_and_a_sweep_key(capsys):
     assert "  allowed:  fifo, asha, pbt" in out and "not here: a sweep file's key" in out
 
 
-@pytest.mark.parametrize(("key", "hint"), [("train.batchsize", "train.batch_size"),
-                                           ("model.hidden", "model.hidden_size")])
+@pytest.mark.parametrize(
+    ("key", "hint"), [("train.batchsize", "train.batch_size"), ("model.hidden", "model.hidden_size")]
+)
 def test_explain_an_unknown_key_exits_2_naming_it(key, hint, capsys):
     assert main(["check", "digits", "--explain", key]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err == f"raylane: --explain {key}: not a key of the digits config, a sweep file or autotune " \
-                  f"(did you mean {hint}?)\n"
+    assert (
+        err == f"raylane: --explain {key}: not a key of the digits config, a sweep file or autotune "
+        f"(did you mean {hint}?)\n"
+    )
 
 
 def test_the_page_fails_when_a_default_changes(monkeypatch):

@@ -35,18 +35,30 @@ from raylane.tracking.resizes import Resizes
 
 
 def _start(world_size: int = 2, **changes) -> Start:
-    return Start(**{"total_steps": 20, "steps_per_epoch": 10, "max_epochs": 2, "world_size": world_size,
-                    "host": "h", **changes})
+    return Start(
+        **{"total_steps": 20, "steps_per_epoch": 10, "max_epochs": 2, "world_size": world_size, "host": "h", **changes}
+    )
 
 
 def _checkpoint(step: int, epoch: int = 0) -> Checkpoint:
-    return Checkpoint(step=step, location=f"/runs/r/checkpoint_{step:09d}", epoch=epoch, metrics={"loss": 0.5},
-                      speed={"samples_per_s": 10.0}, time_unix=1000.0 + step)
+    return Checkpoint(
+        step=step,
+        location=f"/runs/r/checkpoint_{step:09d}",
+        epoch=epoch,
+        metrics={"loss": 0.5},
+        speed={"samples_per_s": 10.0},
+        time_unix=1000.0 + step,
+    )
 
 
 ONE_OF_EACH = [
-    _start(resumed_from_step=4, skipped_checkpoints=[{"path": "/c", "reason": "damaged"}], strategy="ddp",
-           strategy_tags={"raylane.strategy": "ddp"}, startup={"pipeline": 1.0}),
+    _start(
+        resumed_from_step=4,
+        skipped_checkpoints=[{"path": "/c", "reason": "damaged"}],
+        strategy="ddp",
+        strategy_tags={"raylane.strategy": "ddp"},
+        startup={"pipeline": 1.0},
+    ),
     FirstStep(step=5, time_unix=1.0, startup={"first_batch": 0.5}),
     Progress(epoch=0, step=6, window={"first_step": 5, "last_step": 6, "loss": 0.5}, state={"lr": 0.1}),
     Eval(epoch=0, step=10, metrics={"accuracy": 0.9}, epoch_end=False),
@@ -77,16 +89,26 @@ def test_every_kind_pickles_and_round_trips():
 def test_the_display_follows_a_restarted_group():
     out = io.StringIO()
     display = ProgressDisplay(stream=out, live=False, line_interval_s=0)
-    for event in [_start(4, strategy="ddp", strategy_reason="fits"), FirstStep(step=1, time_unix=100.0),
-                  Progress(epoch=0, step=5, window={"first_step": 1, "last_step": 5, "loss": 0.5}),
-                  _checkpoint(5),
-                  Handover(time_unix=110.0, result={"steps": 5, "stop_reason": "Ray's preemption notice"}),
-                  _start(2, resumed_from_step=5, resumed_from="checkpoint_000000005",
-                         skipped_checkpoints=[{"path": "/runs/r/checkpoint_000000007/", "reason": "no manifest"}]),
-                  FirstStep(step=6, time_unix=130.0), CheckpointFailed(step=8, error="disk full"),
-                  Log(rank=1, level="warning", message="slow"), Log(rank=0, level="warning", message="slow"),
-                  _checkpoint(10, epoch=1), Eval(epoch=1, step=10, metrics={"loss": 0.25}),
-                  End(time_unix=140.0, result={"steps": 20, "epochs": 2})]:
+    for event in [
+        _start(4, strategy="ddp", strategy_reason="fits"),
+        FirstStep(step=1, time_unix=100.0),
+        Progress(epoch=0, step=5, window={"first_step": 1, "last_step": 5, "loss": 0.5}),
+        _checkpoint(5),
+        Handover(time_unix=110.0, result={"steps": 5, "stop_reason": "Ray's preemption notice"}),
+        _start(
+            2,
+            resumed_from_step=5,
+            resumed_from="checkpoint_000000005",
+            skipped_checkpoints=[{"path": "/runs/r/checkpoint_000000007/", "reason": "no manifest"}],
+        ),
+        FirstStep(step=6, time_unix=130.0),
+        CheckpointFailed(step=8, error="disk full"),
+        Log(rank=1, level="warning", message="slow"),
+        Log(rank=0, level="warning", message="slow"),
+        _checkpoint(10, epoch=1),
+        Eval(epoch=1, step=10, metrics={"loss": 0.25}),
+        End(time_unix=140.0, result={"steps": 20, "epochs": 2}),
+    ]:
         display.handle(event)
     assert display.starts == 2 and [c.step for c in display.checkpoints] == [5, 10]
     assert display.first_step_unix == 100.0 and display.first_steps_unix == [100.0, 130.0]
@@ -96,8 +118,10 @@ def test_the_display_follows_a_restarted_group():
     lines = out.getvalue().splitlines()
     assert lines[0] == "[raylane] strategy ddp (fits)"
     assert "[raylane] epoch 1/2 step 5/20 (25%) loss 0.5000 (steps 1-5) eta ?" in lines
-    assert ("[raylane] Ray's preemption notice: checkpointed at step 5; the group restarts without the leaving node"
-            in lines)
+    assert (
+        "[raylane] Ray's preemption notice: checkpointed at step 5; the group restarts without the leaving node"
+        in lines
+    )
     assert "[raylane] worker group restarted (1)" in lines and "[raylane] resumed from step 5" in lines
     assert "[raylane] checkpoint_000000007 skipped: no manifest; resuming from checkpoint_000000005" in lines
     assert "[raylane] warning: disk full" in lines and "[raylane] epoch 2 eval: loss 0.2500" in lines
@@ -106,30 +130,48 @@ def test_the_display_follows_a_restarted_group():
 
 def test_startup_phases_come_from_the_first_start_only():
     times = StartupTimes()
-    for event in [Startup(phases={"fit": 10.0}), Startup(phases={"controller": 11.0}),
-                  _start(startup={"worker_imports": 12.0, "pipeline": 13.0}),
-                  FirstStep(step=1, time_unix=15.0, startup={"first_batch": 14.0}),
-                  _start(startup={"pipeline": 50.0, "ready": 51.0}),  # a restart is not start-up
-                  FirstStep(step=3, time_unix=60.0, startup={"first_batch": 59.0})]:
+    for event in [
+        Startup(phases={"fit": 10.0}),
+        Startup(phases={"controller": 11.0}),
+        _start(startup={"worker_imports": 12.0, "pipeline": 13.0}),
+        FirstStep(step=1, time_unix=15.0, startup={"first_batch": 14.0}),
+        _start(startup={"pipeline": 50.0, "ready": 51.0}),  # a restart is not start-up
+        FirstStep(step=3, time_unix=60.0, startup={"first_batch": 59.0}),
+    ]:
         times.on_event(event)
     phases = {k: v for k, v in times.unix.items() if k not in ("launch", "rank_process")}
-    assert phases == {"fit": 10.0, "controller": 11.0, "worker_imports": 12.0, "pipeline": 13.0,
-                      "first_batch": 14.0, "first_step": 15.0}
+    assert phases == {
+        "fit": 10.0,
+        "controller": 11.0,
+        "worker_imports": 12.0,
+        "pipeline": 13.0,
+        "first_batch": 14.0,
+        "first_step": 15.0,
+    }
 
 
 def test_resizes_are_found_from_the_starts():
     resizes = Resizes()
-    for event in [_start(4), FirstStep(step=1, time_unix=0.0), Progress(epoch=0, step=7),
-                  _checkpoint(6), CheckpointFailed(step=9, error="x"),
-                  _start(2, resumed_from_step=6), FirstStep(step=7, time_unix=1e12),  # a node was lost
-                  Handover(time_unix=0.0, result={"steps": 10, "stop_reason": "more workers fit"}),
-                  _start(4, resumed_from_step=10), FirstStep(step=11, time_unix=1e12),
-                  _start(4, resumed_from_step=10), FirstStep(step=11, time_unix=1e12)]:  # same size: no resize
+    for event in [
+        _start(4),
+        FirstStep(step=1, time_unix=0.0),
+        Progress(epoch=0, step=7),
+        _checkpoint(6),
+        CheckpointFailed(step=9, error="x"),
+        _start(2, resumed_from_step=6),
+        FirstStep(step=7, time_unix=1e12),  # a node was lost
+        Handover(time_unix=0.0, result={"steps": 10, "stop_reason": "more workers fit"}),
+        _start(4, resumed_from_step=10),
+        FirstStep(step=11, time_unix=1e12),
+        _start(4, resumed_from_step=10),
+        FirstStep(step=11, time_unix=1e12),
+    ]:  # same size: no resize
         resizes.on_event(event)
     assert all(r.pop("time_lost_s") > 0 for r in resizes.resizes)
     assert resizes.resizes == [
         {"step": 6, "from": 4, "to": 2, "reason": "a worker or node was lost", "steps_lost": 3},
-        {"step": 10, "from": 2, "to": 4, "reason": "more workers fit", "steps_lost": 0}]
+        {"step": 10, "from": 2, "to": 4, "reason": "more workers fit", "steps_lost": 0},
+    ]
 
 
 def test_the_reporter_sends_only_events_the_listeners_read():
@@ -147,9 +189,18 @@ def test_the_reporter_sends_only_events_the_listeners_read():
             listener(event)
 
     reporter = Reporter(is_rank_zero=True, publish=_with_startup(driver, {"pipeline": 5.0}))
-    reporter.on_start(total_steps=4, steps_per_epoch=2, max_epochs=2, world_size=1, resumed_from_step=None,
-                      resumed_from=None, skipped_checkpoints=[], strategy="single", strategy_reason="one rank",
-                      strategy_tags={"raylane.strategy": "single"})
+    reporter.on_start(
+        total_steps=4,
+        steps_per_epoch=2,
+        max_epochs=2,
+        world_size=1,
+        resumed_from_step=None,
+        resumed_from=None,
+        skipped_checkpoints=[],
+        strategy="single",
+        strategy_reason="one rank",
+        strategy_tags={"raylane.strategy": "single"},
+    )
     reporter.on_train_metrics(1, {"loss": 1.5, "samples_per_s": 8.0, "lr": 0.1})
     reporter.on_step(epoch=0, step=1, first=True)
     reporter.on_eval(epoch=0, step=2, metrics={"loss": 1.25})

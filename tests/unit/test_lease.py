@@ -18,8 +18,15 @@ from raylane.config import ConfigError
 def _holder(**changes) -> dict:
     me = psutil.Process()
     now = time.time()
-    fields = {"host": socket.gethostname(), "pid": me.pid, "started_unix": me.create_time(), "taken_unix": now - 5,
-              "heartbeat_unix": now - 1, "command": "raylane train digits", "token": "t" * 32}
+    fields = {
+        "host": socket.gethostname(),
+        "pid": me.pid,
+        "started_unix": me.create_time(),
+        "taken_unix": now - 5,
+        "heartbeat_unix": now - 1,
+        "command": "raylane train digits",
+        "token": "t" * 32,
+    }
     return {**fields, **changes}
 
 
@@ -37,11 +44,14 @@ def test_a_live_holder_refuses_a_second_launch(tmp_path):
     assert "'raylane train digits'" in text and text.endswith("or start another with --set run.name=r-2")
 
 
-@pytest.mark.parametrize("gone", [
-    {"pid": 2**22 + 17},  # no such process on this host
-    {"started_unix": 1.0},  # this pid, but a process started since: the pid was reused
-    {"host": "another-host", "heartbeat_unix": time.time() - 2 * lease.STALE_S},  # no heartbeat for too long
-])
+@pytest.mark.parametrize(
+    "gone",
+    [
+        {"pid": 2**22 + 17},  # no such process on this host
+        {"started_unix": 1.0},  # this pid, but a process started since: the pid was reused
+        {"host": "another-host", "heartbeat_unix": time.time() - 2 * lease.STALE_S},  # no heartbeat for too long
+    ],
+)
 def test_a_lease_whose_holder_is_gone_is_taken_over_with_a_line(tmp_path, caplog, gone):
     _leased(tmp_path / "r", **gone)
     with caplog.at_level("WARNING", logger="raylane"):
@@ -63,5 +73,3 @@ def test_release_leaves_a_lease_taken_over_since(tmp_path):
     _leased(tmp_path / "r", token="x" * 32)  # another launch took it over (this one was thought gone)
     held.release()
     assert json.loads((tmp_path / "r" / lease.LEASE_FILE).read_text())["token"] == "x" * 32
-
-

@@ -37,9 +37,13 @@ def pipe_file(tmp_path) -> Path:
 
 
 def _cfg(pipe_file: Path, *overrides: str):
-    raw = {"pipeline": str(pipe_file), "run": {"storage_path": str(pipe_file.parent / "runs")},
-           "train": {"batch_size": 8, "max_epochs": 2}, "mlflow": {"log_every_n_steps": 1},
-           "optim": {"name": "adamw", "lr": 0.05, "weight_decay": 0.1}}
+    raw = {
+        "pipeline": str(pipe_file),
+        "run": {"storage_path": str(pipe_file.parent / "runs")},
+        "train": {"batch_size": 8, "max_epochs": 2},
+        "mlflow": {"log_every_n_steps": 1},
+        "optim": {"name": "adamw", "lr": 0.05, "weight_decay": 0.1},
+    }
     return load_config(raw, overrides)
 
 
@@ -160,8 +164,13 @@ def test_a_run_stopped_and_resumed_matches_an_uninterrupted_one(pipe_file, monke
     step 12 (its newest checkpoint: step 10) and a second launch that resumes it log the same lr
     at every step as an uninterrupted run, and end with the same weights and optimizer state,
     bit for bit, its parameter groups included."""
-    cfg = _cfg(pipe_file, f"optim.schedule={schedule}", "checkpoint.every_n_steps=5", "checkpoint.keep=null",
-               *SCHEDULES[schedule])
+    cfg = _cfg(
+        pipe_file,
+        f"optim.schedule={schedule}",
+        "checkpoint.every_n_steps=5",
+        "checkpoint.keep=null",
+        *SCHEDULES[schedule],
+    )
     straight, lr_straight = _train(cfg, "straight")
     monkeypatch.setenv(faults.ENV, "raise@step=12")
     failed, lr_cut = _train(cfg, "cut")
@@ -192,18 +201,26 @@ def test_the_pipelines_optimizer_and_scheduler_are_used(pipe_file):
     assert lr == {s: pytest.approx(0.05 * 0.5 ** (s // 4)) for s in range(1, STEPS + 1)}
     groups = _state(result["checkpoint"])["optim"]["param_groups"]
     assert [(g["momentum"], g["weight_decay"], sorted(g["params"])) for g in groups] == [
-        (0.5, 0, ["blocks.0.bias", "blocks.0.weight", "emb.weight"]), (0.0, 0, ["norm.bias", "norm.weight"])]
+        (0.5, 0, ["blocks.0.bias", "blocks.0.weight", "emb.weight"]),
+        (0.0, 0, ["norm.bias", "norm.weight"]),
+    ]
 
     result, lr = _train(_cfg(pipe_file, "model.optimizer=own", "optim.schedule=linear"), "own-opt")
     assert lr[8] == pytest.approx(0.05 * 0.5) and lr[16] == 0  # linear from its lr to 0 (after step s)
     assert _state(result["checkpoint"])["optim"]["param_groups"][0]["momentum"] == 0.5
 
 
-@pytest.mark.parametrize(("overrides", "expected"), [
-    (["model.optimizer=raises"], "optimizer(model, cfg) raised ValueError: no optimizer today (at {file}:"),
-    (["model.optimizer=wrong"], "optimizer(model, cfg) returned dict: it must return a torch.optim.Optimizer"),
-    (["model.scheduler=wrong"], "scheduler(optimizer, cfg, total_steps) returned ReduceLROnPlateau: it must return"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["model.optimizer=raises"], "optimizer(model, cfg) raised ValueError: no optimizer today (at {file}:"),
+        (["model.optimizer=wrong"], "optimizer(model, cfg) returned dict: it must return a torch.optim.Optimizer"),
+        (
+            ["model.scheduler=wrong"],
+            "scheduler(optimizer, cfg, total_steps) returned ReduceLROnPlateau: it must return",
+        ),
+    ],
+)
 def test_a_broken_optimizer_or_scheduler_is_named_in_one_line(pipe_file, overrides, expected):
     with pytest.raises(UserCodeError) as caught:
         _train(_cfg(pipe_file, *overrides), "broken")
@@ -218,8 +235,9 @@ def test_a_checkpoint_grouped_otherwise_is_refused_by_name(tmp_path):
     model = _net()
     path = tmp_path / checkpoint.checkpoint_name(1)
     path.mkdir()
-    checkpoint.save(path, model, torch.optim.AdamW(param_groups(model, 0.1, decay_norm_and_bias=True)), {"step": 1},
-                    rank=0)
+    checkpoint.save(
+        path, model, torch.optim.AdamW(param_groups(model, 0.1, decay_norm_and_bias=True)), {"step": 1}, rank=0
+    )
     with pytest.raises(checkpoint.CheckpointLoadError, match=r"1 parameter group there, 2 here: optim.weight_decay"):
         checkpoint.load(path, model, torch.optim.AdamW(param_groups(model, 0.1)))
 
@@ -229,7 +247,9 @@ def test_a_checkpoint_grouped_otherwise_is_refused_by_name(tmp_path):
     del saved["optim.decay_norm_and_bias"]  # a checkpoint from before the key: one group
     assert prechecks.first_unloadable(saved, load_config("gpt-tiny").flat()) == "optim.decay_norm_and_bias"
     assert prechecks.first_unloadable(saved, load_config("gpt-tiny", ["optim.decay_norm_and_bias=true"]).flat()) is None
-    assert prechecks.first_unloadable(load_config("digits").flat(),
-                                      load_config("digits", ["optim.weight_decay=0.1"]).flat()) == "optim.weight_decay"
-
-
+    assert (
+        prechecks.first_unloadable(
+            load_config("digits").flat(), load_config("digits", ["optim.weight_decay=0.1"]).flat()
+        )
+        == "optim.weight_decay"
+    )

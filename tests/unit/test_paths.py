@@ -55,7 +55,11 @@ def test_path_keys_are_found_by_type_in_every_section():
 
     keys = path_keys(Tabular)
     assert {k: v.must_exist for k, v in keys.items()} == {
-        "run.storage_path": False, "checkpoint.init_from": True, "data.train": True, "data.eval": True}
+        "run.storage_path": False,
+        "checkpoint.init_from": True,
+        "data.train": True,
+        "data.eval": True,
+    }
     assert set(path_keys(Gpt)) == {"run.storage_path", "checkpoint.init_from", "data.text_path"}
 
 
@@ -69,5 +73,3 @@ def test_uris_home_and_mappings(tmp_path, monkeypatch):
     given = {"pipeline": "digits", "run": {"storage_path": "out"}}
     assert load_config(given).run.storage_path == str(tmp_path / "out")
     assert given["run"]["storage_path"] == "out"  # the caller's mapping is left as it was
-
-

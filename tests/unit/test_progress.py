@@ -11,20 +11,35 @@ from raylane.tracking.progress import ProgressDisplay, epochs_text, outcome_text
 
 
 def _feed(display: ProgressDisplay) -> None:
-    display.handle(Start(total_steps=100, steps_per_epoch=50, max_epochs=2, world_size=2, host="h",
-                         resumed_from_step=40))
+    display.handle(
+        Start(total_steps=100, steps_per_epoch=50, max_epochs=2, world_size=2, host="h", resumed_from_step=40)
+    )
     display.handle(FirstStep(step=41, time_unix=1000.0))
     window = {"first_step": 41, "last_step": 41, "loss": 0.5, "samples_per_s": 1234.0}
     for step in range(41, 60):
         display.handle(Progress(epoch=0, step=step, window=window))
     display.handle(Eval(epoch=0, step=50, metrics={"accuracy": 0.9, "loss": 0.3}))
-    display.handle(Checkpoint(step=50, location="/x/checkpoint_000000050", epoch=0, metrics={}, speed={},
-                              time_unix=1005.0))
+    display.handle(
+        Checkpoint(step=50, location="/x/checkpoint_000000050", epoch=0, metrics={}, speed={}, time_unix=1005.0)
+    )
     # The last steps' figures come with the end: the last line must not show the window above.
-    display.handle(End(time_unix=1010.0,
-                       result={"steps": 100, "epochs": 2, "metrics": {"accuracy": 0.95},
-                               "last_window": {"first_step": 91, "last_step": 100, "loss": 0.25,
-                                               "samples_per_s": 2000.4, "tokens_per_s": 64012.0}}))
+    display.handle(
+        End(
+            time_unix=1010.0,
+            result={
+                "steps": 100,
+                "epochs": 2,
+                "metrics": {"accuracy": 0.95},
+                "last_window": {
+                    "first_step": 91,
+                    "last_step": 100,
+                    "loss": 0.25,
+                    "samples_per_s": 2000.4,
+                    "tokens_per_s": 64012.0,
+                },
+            },
+        )
+    )
 
 
 def test_log_output_is_plain_and_rate_limited():
@@ -37,8 +52,9 @@ def test_log_output_is_plain_and_rate_limited():
     progress = [ln for ln in lines if ln.startswith("[raylane] epoch") and " step " in ln]
     assert progress[0].startswith("[raylane] epoch 1/2 step 41/100 (41%) loss 0.5000 1,234 samples/s (step 41) eta ")
     assert "[raylane] epoch 1 eval: accuracy 0.9000 loss 0.3000" in lines
-    assert progress[-1].startswith("[raylane] epoch 2/2 step 100/100 (100%) "
-                                   "loss 0.2500 2,000 samples/s 64,012 tokens/s (steps 91-100) eta ")
+    assert progress[-1].startswith(
+        "[raylane] epoch 2/2 step 100/100 (100%) loss 0.2500 2,000 samples/s 64,012 tokens/s (steps 91-100) eta "
+    )
     assert len(progress) == 2
     assert display.first_step_unix == 1000.0 and display.end_unix == 1010.0
     assert display.result["metrics"] == {"accuracy": 0.95}
@@ -64,11 +80,23 @@ def test_workers_warnings_are_shown_once_as_raylane_lines():
 
 
 def _summary(**changes):
-    summary = {"run_name": "r", "status": "FINISHED", "error": None, "resumed_from_step": None, "steps": 23,
-               "epochs": 1, "steps_per_epoch": 23, "world_size": 2, "node_ranks": [0, 0],
-               "metrics": {"accuracy": 0.9}, "run_id": "a" * 32, "checkpoint": "/c", "samples_per_s": 884.2,
-               "tokens_per_s": None,
-               "last_window": {"first_step": 21, "last_step": 23, "loss": 0.88968, "samples_per_s": 551.49}}
+    summary = {
+        "run_name": "r",
+        "status": "FINISHED",
+        "error": None,
+        "resumed_from_step": None,
+        "steps": 23,
+        "epochs": 1,
+        "steps_per_epoch": 23,
+        "world_size": 2,
+        "node_ranks": [0, 0],
+        "metrics": {"accuracy": 0.9},
+        "run_id": "a" * 32,
+        "checkpoint": "/c",
+        "samples_per_s": 884.2,
+        "tokens_per_s": None,
+        "last_window": {"first_step": 21, "last_step": 23, "loss": 0.88968, "samples_per_s": 551.49},
+    }
     return TrainSummary.model_validate({**summary, **changes})
 
 
@@ -81,8 +109,9 @@ def test_the_final_block_names_what_each_figure_measures():
 
 
 def test_the_final_block_counts_in_words():
-    stopped = outcome_text(_summary(steps=5, epochs=0, world_size=1, node_ranks=[0], run_id=None, checkpoint=None),
-                           "ui")
+    stopped = outcome_text(
+        _summary(steps=5, epochs=0, world_size=1, node_ranks=[0], run_id=None, checkpoint=None), "ui"
+    )
     assert "  steps:         5 in 0.22 epoch on 1 worker\n" in stopped and "  checkpoint:    none" in stopped
     assert "  MLflow:        not recorded\n" in stopped and "MLflow UI" not in stopped
     two = outcome_text(_summary(steps=60, epochs=2, steps_per_epoch=23, world_size=4, node_ranks=[0, 0, 1, 1]), "ui")

@@ -13,18 +13,44 @@ import raylane.hf
 from tests.conftest import REPO
 
 # The promise, written out: removing or renaming one of these breaks users' code.
-PUBLIC = {"BaseConfig", "ConfigError", "DataError", "FileSource", "Hook", "HookContext", "InputPath", "InputPaths",
-          "OutputPath", "Pipeline", "Section", "StepFn", "__version__", "autotune", "check", "down", "submit", "train",
-          "tune", "up", "AutotuneSummary", "ExportSummary", "Status", "SubmitSummary", "SweepSummary", "TrainSummary",
-          "read_summary"}
+PUBLIC = {
+    "BaseConfig",
+    "ConfigError",
+    "DataError",
+    "FileSource",
+    "Hook",
+    "HookContext",
+    "InputPath",
+    "InputPaths",
+    "OutputPath",
+    "Pipeline",
+    "Section",
+    "StepFn",
+    "__version__",
+    "autotune",
+    "check",
+    "down",
+    "submit",
+    "train",
+    "tune",
+    "up",
+    "AutotuneSummary",
+    "ExportSummary",
+    "Status",
+    "SubmitSummary",
+    "SweepSummary",
+    "TrainSummary",
+    "read_summary",
+}
 PUBLIC_HF = {"Config", "DataSection", "ModelSection", "empty_model", "file_source", "load_pretrained", "pipeline"}
 PIPELINES = sorted((REPO / "pipelines").glob("*.py"))
 # A shipped pipeline's module is public too: one may build on another (text on gpt's model).
 SHIPPED = {f"raylane.pipelines.{p.stem}" for p in PIPELINES if p.stem != "__init__"}
 
 
-@pytest.mark.parametrize(("module", "promised"), [(raylane, PUBLIC), (raylane.hf, PUBLIC_HF)],
-                         ids=["raylane", "raylane.hf"])
+@pytest.mark.parametrize(
+    ("module", "promised"), [(raylane, PUBLIC), (raylane.hf, PUBLIC_HF)], ids=["raylane", "raylane.hf"]
+)
 def test_every_public_name_is_exported_and_resolves(module, promised):
     missing = sorted(promised - set(module.__all__))
     assert not missing, f"{module.__name__}.__all__ lost public names: {missing}"
@@ -53,8 +79,13 @@ def non_public_imports(path: Path) -> list[str]:
             uses = [(node.module, a.name) for a in node.names]
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "raylane":
             uses = [("raylane", node.attr)] if node.attr != "hf" else []
-        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "hf"
-              and isinstance(node.value.value, ast.Name) and node.value.value.id == "raylane"):
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "hf"
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "raylane"
+        ):
             uses = [("raylane.hf", node.attr)]
         else:
             continue
@@ -65,8 +96,11 @@ def non_public_imports(path: Path) -> list[str]:
                 continue
             if module in SHIPPED and (name is None or not name.startswith("_")):
                 continue
-            what = f"from {module} import {name}" if isinstance(node, ast.ImportFrom) else (
-                f"import {module}" if name is None else f"{module}.{name}")
+            what = (
+                f"from {module} import {name}"
+                if isinstance(node, ast.ImportFrom)
+                else (f"import {module}" if name is None else f"{module}.{name}")
+            )
             bad.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{node.lineno}: {what}")
     return bad
 

@@ -20,8 +20,10 @@ def test_each_private_name_resolves(name):
     try:
         internals.resolve(module, attribute)
     except (ImportError, AttributeError) as exc:
-        pytest.fail(f"Ray {_ray_version()} has no {module}{'.' + attribute if attribute else ''} "
-                    f"(raylane.onray.internals.{name}: {why}): {exc}")
+        pytest.fail(
+            f"Ray {_ray_version()} has no {module}{'.' + attribute if attribute else ''} "
+            f"(raylane.onray.internals.{name}: {why}): {exc}"
+        )
     assert getattr(internals, name) is internals.resolve(module, attribute)
 
 
@@ -40,21 +42,27 @@ def test_each_private_attribute_raylane_reads_is_still_set(entry):
 
     module, method, attribute, why = entry
     source = inspect.getsource(internals.resolve(module, method))
-    assert f"self.{attribute} =" in source, f"Ray {_ray_version()}: {module}.{method} no longer sets {attribute} ({why})"
+    assert f"self.{attribute} =" in source, (
+        f"Ray {_ray_version()}: {module}.{method} no longer sets {attribute} ({why})"
+    )
 
 
 def test_no_other_module_names_rays_internals():
-    found = [f"{path.relative_to(APP)}:{n}: {line.strip()}"
-             for path in sorted(APP.rglob("*.py")) if path.name != "internals.py"
-             for n, line in enumerate(path.read_text().splitlines(), 1)
-             if PRIVATE.search(line) and not line.lstrip().startswith("#")]
+    found = [
+        f"{path.relative_to(APP)}:{n}: {line.strip()}"
+        for path in sorted(APP.rglob("*.py"))
+        if path.name != "internals.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if PRIVATE.search(line) and not line.lstrip().startswith("#")
+    ]
     assert not found, "Ray internals named outside raylane.onray.internals:\n" + "\n".join(found)
 
 
 def test_the_installed_ray_is_one_the_names_were_checked_on():
     assert _ray_version() in internals.CHECKED_ON, (
         f"Ray {_ray_version()}: raylane.onray.internals was checked on {', '.join(internals.CHECKED_ON)}; "
-        "run this module's tests on it and add it to CHECKED_ON")
+        "run this module's tests on it and add it to CHECKED_ON"
+    )
 
 
 def test_an_unknown_name_is_an_attribute_error():

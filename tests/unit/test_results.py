@@ -28,7 +28,8 @@ def test_a_schema_change_needs_a_new_version():
     assert results.SCHEMA_VERSION == max(RELEASED), "SCHEMA_VERSION is not the newest released version"
     assert fingerprint() == RELEASED[results.SCHEMA_VERSION], (
         f"the summaries' schema changed but SCHEMA_VERSION is still {results.SCHEMA_VERSION}: bump it in "
-        f"app/raylane/results.py, add {{{results.SCHEMA_VERSION + 1}: {fingerprint()!r}}} to RELEASED here, run `make docs`")
+        f"app/raylane/results.py, add {{{results.SCHEMA_VERSION + 1}: {fingerprint()!r}}} to RELEASED here, run `make docs`"
+    )
 
 
 def test_the_docs_are_what_the_code_generates():
@@ -39,7 +40,8 @@ def test_the_docs_are_what_the_code_generates():
     assert (REPO / "docs/summary.md").read_text() == pages[REPO / "docs/summary.md"], "summary.md is stale: `make docs`"
     # Compared as data: the text of pydantic's JSON Schema output may change between its releases.
     assert json.loads((REPO / "docs/summary.schema.json").read_text()) == json.loads(
-        pages[REPO / "docs/summary.schema.json"]), "summary.schema.json is stale: run `make docs`"
+        pages[REPO / "docs/summary.schema.json"]
+    ), "summary.schema.json is stale: run `make docs`"
     page = (REPO / "docs" / "summary.md").read_text()
     for model in results.SUMMARIES.values():  # every field of every summary, nested ones too
         for name, field in model.model_fields.items():
@@ -64,14 +66,20 @@ def test_a_misspelt_or_mistyped_field_is_refused_where_the_summary_is_built():
 
 def test_each_summary_round_trips_through_its_file(tmp_path):
     made = [
-        raylane.TrainSummary(status="FINISHED", run_name="r", steps=4, metrics={"loss": 0.5},
-                             resizes=[{"step": 2, "from": 2, "to": 1, "reason": "a node was lost", "steps_lost": 0,
-                                       "time_lost_s": 1.5}]),
+        raylane.TrainSummary(
+            status="FINISHED",
+            run_name="r",
+            steps=4,
+            metrics={"loss": 0.5},
+            resizes=[{"step": 2, "from": 2, "to": 1, "reason": "a node was lost", "steps_lost": 0, "time_lost_s": 1.5}],
+        ),
         raylane.SweepSummary(status="FAILED", error="1 of 2 trials failed (t1)", sweep="s"),
-        raylane.AutotuneSummary(status="FINISHED", run_name="a", candidates=[{"config": {"train.batch_size": 8},
-                                                                              "status": "pruned"}]),
-        raylane.SubmitSummary(status="KILLED", job_id="raysubmit_1", address="http://127.0.0.1:8265",
-                              job_status="STOPPED"),
+        raylane.AutotuneSummary(
+            status="FINISHED", run_name="a", candidates=[{"config": {"train.batch_size": 8}, "status": "pruned"}]
+        ),
+        raylane.SubmitSummary(
+            status="KILLED", job_id="raysubmit_1", address="http://127.0.0.1:8265", job_status="STOPPED"
+        ),
         raylane.ExportSummary(status="FINISHED", checkpoint="/c", format="hf", out="/o", files=["/o/config.json"]),
     ]
     for summary in made:

@@ -40,8 +40,7 @@ def per_step_seconds(cfg: BaseConfig, steps_per_epoch: int, eval_s: float, save_
     return out
 
 
-def eval_seconds(cfg: BaseConfig, model: torch.nn.Module, pipe: Any, runtime: Any,
-                 clock: Callable[[], float]) -> float:
+def eval_seconds(cfg: BaseConfig, model: torch.nn.Module, pipe: Any, runtime: Any, clock: Callable[[], float]) -> float:
     """One evaluation of rank 0's share of the held-out set, as the Trainer runs it (the
     Evaluator, with the pipeline's eval_sums): EVAL_BATCHES batches timed after one untimed,
     scaled to the share. 0 without evaluation or a held-out set, and for a stream, whose share
@@ -54,12 +53,20 @@ def eval_seconds(cfg: BaseConfig, model: torch.nn.Module, pipe: Any, runtime: An
     timed = min(EVAL_BATCHES, len(dataset) // world // size - 1)  # every rank has these in full
     if timed < 1:
         return 0.0
-    loader = eval_data(dataset, runtime, batch_size=size, seed=cfg.train.seed, collate_fn=pipe.collate_fn,
-                       options=worker_options(cfg.loader, runtime.device))
+    loader = eval_data(
+        dataset,
+        runtime,
+        batch_size=size,
+        seed=cfg.train.seed,
+        collate_fn=pipe.collate_fn,
+        options=worker_options(cfg.loader, runtime.device),
+    )
     batches = list(itertools.islice(loader, timed + 1))
+
     def evaluator(data: list[Any]) -> Evaluator:
-        return Evaluator(data, pipe.eval_sums, runtime.device, world, loss_fn=pipe.loss_fn, step=pipe.step,
-                         count=pipe.eval_count)
+        return Evaluator(
+            data, pipe.eval_sums, runtime.device, world, loss_fn=pipe.loss_fn, step=pipe.step, count=pipe.eval_count
+        )
 
     evaluator(batches[:1])(model)  # compiles, agrees on names
     began = clock()
@@ -69,8 +76,15 @@ def eval_seconds(cfg: BaseConfig, model: torch.nn.Module, pipe: Any, runtime: An
     return elapsed / timed * len(loader)
 
 
-def save_seconds(cfg: BaseConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 train_state: dict[str, Any], rank: int, clock: Callable[[], float], group: Any = None) -> float:
+def save_seconds(
+    cfg: BaseConfig,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    rank: int,
+    clock: Callable[[], float],
+    group: Any = None,
+) -> float:
     """One synchronous save and commit of the candidate's state into a scratch folder on this
     machine, removed after. An asynchronous save (the default) does the same work on another
     thread: on busy cores it slows the steps about as much; with cores to spare, less. A save to

@@ -62,58 +62,79 @@ class AutotuneSection(Section):
     value of a knob is tried first."""
 
     strategies: list[Literal["ddp", "fsdp"]] | None = Field(
-        None, description="Strategies to try. null: DDP and FSDP on more than one worker, else the config's.")
+        None, description="Strategies to try. null: DDP and FSDP on more than one worker, else the config's."
+    )
     batch_sizes: list[int] | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="Micro-batches per worker to try (accumulation makes up the rest of the global batch). null: "
-                    "the powers of two that divide the per-worker share.")
+        "the powers of two that divide the per-worker share.",
+    )
     global_batch: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Samples per optimizer step, held by every candidate. null: the config's `train.global_batch`, "
-                    "else batch_size x grad_accum_steps x num_workers.")
+        "else batch_size x grad_accum_steps x num_workers.",
+    )
     precisions: list[Literal["fp32", "bf16", "fp16"]] | None = Field(
-        None, description="`train.precision` values to try. null: fp32 and bf16.")
+        None, description="`train.precision` values to try. null: fp32 and bf16."
+    )
     activation_checkpointing: list[bool] | None = Field(
-        None, description="`train.activation_checkpointing` values to try. null: false and true.")
+        None, description="`train.activation_checkpointing` values to try. null: false and true."
+    )
     compile: list[bool] | None = Field(
-        None, description="`train.compile` values to try. null: false and true on a GPU, false on CPU.")
+        None, description="`train.compile` values to try. null: false and true on a GPU, false on CPU."
+    )
     bucket_cap_mb: list[float] | None = Field(
-        None, description="DDP's `strategy.bucket_cap_mb` values to try. null: the config's, 5 and 100.")
+        None, description="DDP's `strategy.bucket_cap_mb` values to try. null: the config's, 5 and 100."
+    )
     reshard_after_forward: list[bool] | None = Field(
-        None, description="FSDP's `strategy.reshard_after_forward` values to try. null: true and false.")
+        None, description="FSDP's `strategy.reshard_after_forward` values to try. null: true and false."
+    )
     comm_hooks: list[Literal["none", "fp16", "bf16", "powersgd"]] | None = Field(
-        None, description="DDP's `strategy.comm_hook` values to try. null: none and bf16 on a GPU, none on CPU.")
+        None, description="DDP's `strategy.comm_hook` values to try. null: none and bf16 on a GPU, none on CPU."
+    )
     warmup_steps: int = Field(2, ge=1, le=1000, description="Steps per round before timing starts.")
     profile_steps: int = Field(
-        10, ge=1, le=100_000,
+        10,
+        ge=1,
+        le=100_000,
         description="Steps timed per round, in `windows` windows: a candidate's figure is the median of the "
-                    "windows of all its rounds, with an interval.")
+        "windows of all its rounds, with an interval.",
+    )
     windows: int = Field(5, ge=2, le=1000, description="Windows a round's timed steps are split into.")
     min_window_s: float = Field(
-        0.1, ge=0, le=60, description="A window lasts at least this long: tiny steps are measured over more of them.")
+        0.1, ge=0, le=60, description="A window lasts at least this long: tiny steps are measured over more of them."
+    )
     min_rounds: int = Field(
-        2, ge=1, le=100,
-        description="Rounds (each a fresh build, at another moment) for the leader and the candidates simpler than "
-                    "it.")
-    max_rounds: int = Field(
-        4, ge=1, le=100, description="Rounds at most for a candidate still tied with the leader.")
+        2,
+        ge=1,
+        le=100,
+        description="Rounds (each a fresh build, at another moment) for the leader and the candidates simpler than it.",
+    )
+    max_rounds: int = Field(4, ge=1, le=100, description="Rounds at most for a candidate still tied with the leader.")
     max_candidates: int = Field(32, ge=1, le=1000, description="Candidates measured at most.")
     budget_s: float | None = Field(
-        None, gt=0, description="Stop after this many seconds with the best so far (also `--budget-s`). null: no "
-                                "limit.")
+        None, gt=0, description="Stop after this many seconds with the best so far (also `--budget-s`). null: no limit."
+    )
     safety_margin: float = Field(
-        0.1, ge=0, le=10,
-        description="Added to the memory estimate before pruning a candidate (0.1: 10% more than estimated must "
-                    "fit).")
+        0.1,
+        ge=0,
+        le=10,
+        description="Added to the memory estimate before pruning a candidate (0.1: 10% more than estimated must fit).",
+    )
 
     @model_validator(mode="after")
     def _rounds_and_windows(self) -> AutotuneSection:
         if self.profile_steps < self.windows:
-            raise ValueError(f"autotune.profile_steps = {self.profile_steps}: fewer than autotune.windows = "
-                             f"{self.windows} (each window needs a step)")
+            raise ValueError(
+                f"autotune.profile_steps = {self.profile_steps}: fewer than autotune.windows = "
+                f"{self.windows} (each window needs a step)"
+            )
         if self.min_rounds > self.max_rounds:
-            raise ValueError(f"autotune.min_rounds = {self.min_rounds}: more than autotune.max_rounds = "
-                             f"{self.max_rounds}")
+            raise ValueError(
+                f"autotune.min_rounds = {self.min_rounds}: more than autotune.max_rounds = {self.max_rounds}"
+            )
         return self
 
 
@@ -128,9 +149,13 @@ def load(source: str, overrides: Iterable[str] = ()) -> tuple[AutotuneSection, B
         section = AutotuneSection.model_validate(raw.pop("autotune", None) or {})
     except ValidationError as exc:
         text = format_validation_error(exc, AutotuneSection, "autotune.").removeprefix("invalid config: ")
-        raise ConfigError("invalid autotune section: " + "; ".join(
-            p if p.startswith("autotune.") else f"autotune.{p}" for p in text.split("; "))) from None
-    raw = apply_overrides(read_config_file(source, raw), [o for o in overrides if not o.strip().startswith("autotune.")])
+        raise ConfigError(
+            "invalid autotune section: "
+            + "; ".join(p if p.startswith("autotune.") else f"autotune.{p}" for p in text.split("; "))
+        ) from None
+    raw = apply_overrides(
+        read_config_file(source, raw), [o for o in overrides if not o.strip().startswith("autotune.")]
+    )
     return section, validate(normalize_pipeline(raw, config_path(source).resolve().parent))
 
 
@@ -140,17 +165,21 @@ def space(section: AutotuneSection, cfg: BaseConfig) -> tuple[dict[str, list[Any
     t, s, workers = cfg.train, cfg.strategy, cfg.scaling.num_workers
     gpu = cfg.scaling.use_gpu
     if cfg.scaling.elastic:
-        raise ConfigError(f"scaling.num_workers = {[cfg.scaling.min_workers, workers]}: autotune measures on a fixed "
-                          "number of workers; give one (the largest the run will have)")
+        raise ConfigError(
+            f"scaling.num_workers = {[cfg.scaling.min_workers, workers]}: autotune measures on a fixed "
+            "number of workers; give one (the largest the run will have)"
+        )
     size = section.global_batch or cfg.train.global_batch or t.batch_size * t.grad_accum_steps * workers
     if size % workers:
         raise ConfigError(f"autotune.global_batch = {size}: not a multiple of scaling.num_workers = {workers}")
     share = size // workers
-    sizes = section.batch_sizes or [b for b in (2 ** i for i in range(21)) if b <= share and share % b == 0]
+    sizes = section.batch_sizes or [b for b in (2**i for i in range(21)) if b <= share and share % b == 0]
     for b in sizes:
         if share % b:
-            raise ConfigError(f"autotune.batch_sizes = {section.batch_sizes}: {b} does not divide the "
-                              f"{share} samples each of {workers} workers takes per step (global batch {size})")
+            raise ConfigError(
+                f"autotune.batch_sizes = {section.batch_sizes}: {b} does not divide the "
+                f"{share} samples each of {workers} workers takes per step (global batch {size})"
+            )
     knobs = {
         "strategy.name": section.strategies or (["ddp", "fsdp"] if workers > 1 else [s.name]),
         "train.batch_size": sizes,
@@ -185,18 +214,26 @@ def check(section: AutotuneSection, cfg: BaseConfig, out: str, summary_json: str
     """What can fail before anything starts: the outputs (never overwritten) and the config."""
     prechecks.check_run(cfg, summary_json=summary_json)
     folder = prechecks.run_folder(cfg) if cfg.run.name else None
-    if folder is not None and folder.is_dir() and not (folder / RECORD_FILE).exists() and \
-            any(p.name not in LEASE_FILES for p in folder.iterdir()):
-        raise ConfigError(f"run.name = {cfg.run.name!r}: a training run of that name exists in {str(folder)!r}; "
-                          "give the search a name of its own")
+    if (
+        folder is not None
+        and folder.is_dir()
+        and not (folder / RECORD_FILE).exists()
+        and any(p.name not in LEASE_FILES for p in folder.iterdir())
+    ):
+        raise ConfigError(
+            f"run.name = {cfg.run.name!r}: a training run of that name exists in {str(folder)!r}; "
+            "give the search a name of its own"
+        )
     if Path(out).exists():
-        raise ConfigError(f"--out = {out!r}: already exists (an earlier autotune's result is never overwritten); "
-                          "name another file")
+        raise ConfigError(
+            f"--out = {out!r}: already exists (an earlier autotune's result is never overwritten); name another file"
+        )
     prechecks.writable_file("--out", out)
 
 
-def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address: str | None, out: str,
-            summary_path: str | None) -> AutotuneSummary:
+def execute(
+    section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address: str | None, out: str, summary_path: str | None
+) -> AutotuneSummary:
     """Run the search on Ray, as this torchrun rank, or in this process; returns the summary (on
     a torchrun rank other than 0, only its status)."""
     from contextlib import ExitStack
@@ -221,8 +258,16 @@ def execute(section: AutotuneSection, cfg: BaseConfig, *, use_ray: bool, address
         return _search(cfg, params, use_ray, address, recorder, tracking_uri, out, summary_path)
 
 
-def _search(cfg: BaseConfig, params: dict[str, Any], use_ray: bool, address: str | None, recorder: Any,
-            tracking_uri: str, out: str, summary_path: str | None) -> AutotuneSummary:
+def _search(
+    cfg: BaseConfig,
+    params: dict[str, Any],
+    use_ray: bool,
+    address: str | None,
+    recorder: Any,
+    tracking_uri: str,
+    out: str,
+    summary_path: str | None,
+) -> AutotuneSummary:
     from contextlib import ExitStack
 
     from raylane.loop.distributed import env_ranks, leave_process_group
@@ -260,8 +305,15 @@ def _named(cfg: BaseConfig) -> BaseConfig:
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
 
 
-def _launch(cfg: BaseConfig, params: dict[str, Any], use_ray: bool, address: str | None, recorder: Any,
-            tracking_uri: str, stack: Any) -> dict[str, Any]:
+def _launch(
+    cfg: BaseConfig,
+    params: dict[str, Any],
+    use_ray: bool,
+    address: str | None,
+    recorder: Any,
+    tracking_uri: str,
+    stack: Any,
+) -> dict[str, Any]:
     on_event = recorder.on_event if recorder else (lambda e: None)
     if not use_ray:
         from raylane.loop.run import launch_local
@@ -298,8 +350,11 @@ class Recorder:
 
             self.client = mlflow_client(tracking_uri)
             self.client.set_tag(self.parent.run_id, "raylane.autotune", "true")
-        print(f"[raylane] autotune {cfg.run.name}: {cfg.scaling.num_workers} workers"
-              + (f"; MLflow parent run {self.parent.run_id}" if self.parent else ""), flush=True)
+        print(
+            f"[raylane] autotune {cfg.run.name}: {cfg.scaling.num_workers} workers"
+            + (f"; MLflow parent run {self.parent.run_id}" if self.parent else ""),
+            flush=True,
+        )
 
     def on_event(self, event: Event) -> None:
         match event:
@@ -312,8 +367,11 @@ class Recorder:
                     run_id = (self._earlier_child(index) if event.replayed else None) or self._child(index, c)
                 self.run_ids.append(run_id)
             case Round(index=index, outcome=c):
-                print(f"[autotune] {index} again (round {event.rounds}): {_describe(c)}"
-                      + (" (recorded)" if event.replayed else ""), flush=True)
+                print(
+                    f"[autotune] {index} again (round {event.rounds}): {_describe(c)}"
+                    + (" (recorded)" if event.replayed else ""),
+                    flush=True,
+                )
                 run_id = self.run_ids[index] if index < len(self.run_ids) else None
                 if run_id and not event.replayed:  # a replayed round is in its child already
                     self.client.log_batch(run_id, metrics=_metrics(c, step=event.rounds or 0))
@@ -323,24 +381,42 @@ class Recorder:
     def _earlier_child(self, index: int) -> str | None:
         """The child an earlier launch of this search recorded for candidate `index`."""
         found = self.client.search_runs(
-            [self.parent.experiment_id], max_results=1,
-            filter_string=f"tags.`{PARENT_TAG}` = '{self.parent.run_id}' and tags.`mlflow.runName` = 'candidate-{index}'")
+            [self.parent.experiment_id],
+            max_results=1,
+            filter_string=f"tags.`{PARENT_TAG}` = '{self.parent.run_id}' and tags.`mlflow.runName` = 'candidate-{index}'",
+        )
         return found[0].info.run_id if found else None
 
     def _child(self, index: int, c: dict[str, Any]) -> str:
         from mlflow.entities import Param, RunTag
 
-        tags = {PARENT_TAG: self.parent.run_id, "mlflow.runName": f"candidate-{index}",
-                "raylane.autotune.status": c["status"]}
+        tags = {
+            PARENT_TAG: self.parent.run_id,
+            "mlflow.runName": f"candidate-{index}",
+            "raylane.autotune.status": c["status"],
+        }
         run_id = self.client.create_run(self.parent.experiment_id, tags=tags).info.run_id
-        params = [Param(k, str(v)) for k, v in {**c["values"], "train.grad_accum_steps": c.get("grad_accum_steps")}.items()]
-        self.client.log_batch(run_id, metrics=_metrics(c, step=1), params=params,
-                              tags=[RunTag("raylane.autotune.error", c["error"])] if c.get("error") else [])
+        params = [
+            Param(k, str(v)) for k, v in {**c["values"], "train.grad_accum_steps": c.get("grad_accum_steps")}.items()
+        ]
+        self.client.log_batch(
+            run_id,
+            metrics=_metrics(c, step=1),
+            params=params,
+            tags=[RunTag("raylane.autotune.error", c["error"])] if c.get("error") else [],
+        )
         self.client.set_terminated(run_id, CHILD_STATUS[c["status"]])
         return run_id
 
-    def finish(self, result: dict[str, Any], status: Status, error: str | None, params: dict[str, Any], out: str,
-               summary_path: str | None) -> AutotuneSummary:
+    def finish(
+        self,
+        result: dict[str, Any],
+        status: Status,
+        error: str | None,
+        params: dict[str, Any],
+        out: str,
+        summary_path: str | None,
+    ) -> AutotuneSummary:
         from raylane.tracking.runs import close_run, ui_command
 
         candidates = result.get("candidates", [])
@@ -378,24 +454,44 @@ class Recorder:
         best = candidates[ranking["winner"]] if ranking else None
         run_ids = self.run_ids + [None] * len(candidates)
         return {
-            "status": status, "error": error, "run_name": self.cfg.run.name,
-            "parent_run_id": self.parent.run_id if self.parent else None, "tracking_uri": self.tracking_uri,
-            "global_batch": params["global_batch"]["size"], "world_size": self.cfg.scaling.num_workers,
-            "best": None if best is None else {
+            "status": status,
+            "error": error,
+            "run_name": self.cfg.run.name,
+            "parent_run_id": self.parent.run_id if self.parent else None,
+            "tracking_uri": self.tracking_uri,
+            "global_batch": params["global_batch"]["size"],
+            "world_size": self.cfg.scaling.num_workers,
+            "best": None
+            if best is None
+            else {
                 "candidate": ranking["winner"],
                 "config": {**best["values"], "train.grad_accum_steps": best.get("grad_accum_steps")},
-                "samples_per_s": best["samples_per_s"], "interval": best.get("interval"),
-                "rounds": best.get("rounds"), "tied_with": ranking["ties"][1:],
-                "tokens_per_s": best.get("tokens_per_s"), "mfu": best.get("mfu"),
-                "peak_memory_bytes": best.get("peak_memory_bytes"), "yaml": str(Path(out).resolve())},
-            "ranking": ranking and {**ranking, "clear": len(ranking["ties"]) == 1,
-                                    "confidence": CONFIDENCE, "windows": params["windows"],
-                                    "min_rounds": params["min_rounds"], "max_rounds": params["max_rounds"]},
+                "samples_per_s": best["samples_per_s"],
+                "interval": best.get("interval"),
+                "rounds": best.get("rounds"),
+                "tied_with": ranking["ties"][1:],
+                "tokens_per_s": best.get("tokens_per_s"),
+                "mfu": best.get("mfu"),
+                "peak_memory_bytes": best.get("peak_memory_bytes"),
+                "yaml": str(Path(out).resolve()),
+            },
+            "ranking": ranking
+            and {
+                **ranking,
+                "clear": len(ranking["ties"]) == 1,
+                "confidence": CONFIDENCE,
+                "windows": params["windows"],
+                "min_rounds": params["min_rounds"],
+                "max_rounds": params["max_rounds"],
+            },
             "candidates": [row(c, i, ranking, run_ids[i]) for i, c in enumerate(candidates)],
             "device": self.device,
             "estimate_error": estimate_error(candidates, self.device),
-            "timing": {"wall_s": ended - self.launched, "startup_s": startup,
-                       "profiling_s": sum(c.get("profile_s") or 0 for c in candidates)},
+            "timing": {
+                "wall_s": ended - self.launched,
+                "startup_s": startup,
+                "profiling_s": sum(c.get("profile_s") or 0 for c in candidates),
+            },
         }
 
     def _artifacts(self, candidates: list[dict[str, Any]], summary: AutotuneSummary) -> None:
@@ -416,11 +512,21 @@ class Recorder:
 def settings(section: AutotuneSection, cfg: BaseConfig, record: str | None) -> dict[str, Any]:
     knobs, held = space(section, cfg)
     flat = cfg.flat()
-    return {"space": knobs, "own": {k: flat[k] for k in knobs}, "global_batch": held.model_dump(),
-            "warmup_steps": section.warmup_steps, "profile_steps": section.profile_steps,
-            "windows": section.windows, "min_window_s": section.min_window_s, "min_rounds": section.min_rounds, "max_rounds": section.max_rounds,
-            "max_candidates": section.max_candidates, "budget_s": section.budget_s,
-            "safety_margin": section.safety_margin, "record": record}
+    return {
+        "space": knobs,
+        "own": {k: flat[k] for k in knobs},
+        "global_batch": held.model_dump(),
+        "warmup_steps": section.warmup_steps,
+        "profile_steps": section.profile_steps,
+        "windows": section.windows,
+        "min_window_s": section.min_window_s,
+        "min_rounds": section.min_rounds,
+        "max_rounds": section.max_rounds,
+        "max_candidates": section.max_candidates,
+        "budget_s": section.budget_s,
+        "safety_margin": section.safety_margin,
+        "record": record,
+    }
 
 
 def winner_config(cfg: BaseConfig, held: dict[str, Any], values: dict[str, Any]) -> BaseConfig:
@@ -429,5 +535,10 @@ def winner_config(cfg: BaseConfig, held: dict[str, Any], values: dict[str, Any])
     won = hold_global_batch(apply_values(cfg, values), GlobalBatch(**held), "autotune.global_batch")
     if cfg.train.global_batch is None:
         return won
-    return won.model_copy(update={"train": won.train.model_copy(update={
-        "global_batch": held["size"], "global_batch_adjust": "grad_accum_steps"})})
+    return won.model_copy(
+        update={
+            "train": won.train.model_copy(
+                update={"global_batch": held["size"], "global_batch_adjust": "grad_accum_steps"}
+            )
+        }
+    )

@@ -14,8 +14,14 @@ from raylane.autotuning.ranking import beats
 RECORD_FILE = "autotune.jsonl"
 MIN_SIZES_SCANNED = 3
 # Knobs tried one at a time from the best configuration so far, after strategy and micro-batch.
-KNOB_ORDER = ("train.precision", "train.activation_checkpointing", "train.compile", "strategy.bucket_cap_mb",
-              "strategy.reshard_after_forward", "strategy.comm_hook")
+KNOB_ORDER = (
+    "train.precision",
+    "train.activation_checkpointing",
+    "train.compile",
+    "strategy.bucket_cap_mb",
+    "strategy.reshard_after_forward",
+    "strategy.comm_hook",
+)
 DDP_ONLY = ("strategy.bucket_cap_mb", "strategy.comm_hook")
 FSDP_ONLY = ("strategy.reshard_after_forward",)
 
@@ -23,8 +29,7 @@ FSDP_ONLY = ("strategy.reshard_after_forward",)
 Outcome = dict[str, Any]
 
 
-def plan(space: dict[str, list[Any]],
-         own: dict[str, Any] | None = None) -> Generator[dict[str, Any], Outcome, None]:
+def plan(space: dict[str, list[Any]], own: dict[str, Any] | None = None) -> Generator[dict[str, Any], Outcome, None]:
     """Candidates, likeliest winners first; each `send` returns the last candidate's outcome.
 
     Per strategy: the largest micro-batch first, then a binary search for the largest that fits
@@ -108,8 +113,9 @@ def _ok(outcome: Outcome | None) -> bool:
     return bool(outcome) and outcome["status"] == "ok"
 
 
-def read_record(path: Path, fingerprint: str) -> tuple[list[Outcome], list[tuple[int, Outcome]],
-                                                        dict[str, Any] | None, int | None]:
+def read_record(
+    path: Path, fingerprint: str
+) -> tuple[list[Outcome], list[tuple[int, Outcome]], dict[str, Any] | None, int | None]:
     """An earlier launch's record (its lines of `fingerprint`): (each candidate's first outcome;
     the later rounds in order, as (candidate index, that round's outcome); the values of a
     candidate started and never finished, or None; the index of such a round, or None)."""

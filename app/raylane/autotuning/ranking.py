@@ -23,9 +23,16 @@ CONFIDENCE = 0.9
 BOOTSTRAP_DRAWS = 2000
 # Which knob decides between tied candidates that depart from the config equally often: the
 # first in this order whose value differs (most of a training setup's behaviour first).
-SIMPLICITY_ORDER = ("train.compile", "train.activation_checkpointing", "train.precision", "strategy.name",
-                    "train.batch_size", "strategy.comm_hook", "strategy.reshard_after_forward",
-                    "strategy.bucket_cap_mb")
+SIMPLICITY_ORDER = (
+    "train.compile",
+    "train.activation_checkpointing",
+    "train.precision",
+    "strategy.name",
+    "train.batch_size",
+    "strategy.comm_hook",
+    "strategy.reshard_after_forward",
+    "strategy.bucket_cap_mb",
+)
 
 Outcome = dict[str, Any]
 Rounds = Sequence[Sequence[float]]
@@ -54,8 +61,12 @@ def median_interval(rates: Rounds) -> tuple[float, float, float]:
 def summarize(rates: Rounds, seconds: Rounds) -> dict[str, Any]:
     """The figures of windows measured in rounds: samples/s, and the seconds each lasted."""
     mid, low, high = median_interval(rates)
-    return {"samples_per_s": mid, "interval": [low, high], "windows": [list(r) for r in rates],
-            "window_s": [list(t) for t in seconds]}
+    return {
+        "samples_per_s": mid,
+        "interval": [low, high],
+        "windows": [list(r) for r in rates],
+        "window_s": [list(t) for t in seconds],
+    }
 
 
 def ok(outcome: Outcome | None) -> bool:
@@ -105,13 +116,21 @@ def verdict(outcomes: Sequence[Outcome], own: dict[str, Any], space: dict[str, l
     if not measured:
         return None
     lead = max(measured, key=lambda i: (outcomes[i]["samples_per_s"], -i))
-    ties = sorted((i for i in measured if i == lead or overlaps(outcomes[i], outcomes[lead])),
-                  key=lambda i: (simplicity(outcomes[i]["values"], own, space), i))
+    ties = sorted(
+        (i for i in measured if i == lead or overlaps(outcomes[i], outcomes[lead])),
+        key=lambda i: (simplicity(outcomes[i]["values"], own, space), i),
+    )
     return {"leader": lead, "ties": ties, "winner": ties[0]}
 
 
-def beats(a: Outcome, a_values: dict[str, Any], b: Outcome, b_values: dict[str, Any],
-          own: dict[str, Any], space: dict[str, list[Any]]) -> bool:
+def beats(
+    a: Outcome,
+    a_values: dict[str, Any],
+    b: Outcome,
+    b_values: dict[str, Any],
+    own: dict[str, Any],
+    space: dict[str, list[Any]],
+) -> bool:
     """Whether `a` should replace `b` as the best so far: clearly faster, or tied and simpler."""
     if not ok(a):
         return False
@@ -120,8 +139,9 @@ def beats(a: Outcome, a_values: dict[str, Any], b: Outcome, b_values: dict[str, 
     return not clearly_faster(b, a) and simplicity(a_values, own, space) < simplicity(b_values, own, space)
 
 
-def next_round(outcomes: Sequence[Outcome], own: dict[str, Any], space: dict[str, list[Any]], *,
-               min_rounds: int, max_rounds: int) -> list[int]:
+def next_round(
+    outcomes: Sequence[Outcome], own: dict[str, Any], space: dict[str, list[Any]], *, min_rounds: int, max_rounds: int
+) -> list[int]:
     """The candidates to measure once more, the leader first (measured next to each other, a
     busy spell of the machine slows them alike); empty once the ranking is clear or the cap is
     reached. Wanted: a candidate whose interval overlaps the leader's; a candidate simpler than
@@ -137,9 +157,17 @@ def next_round(outcomes: Sequence[Outcome], own: dict[str, Any], space: dict[str
         return outcomes[i].get("rounds", 1) < max_rounds and not outcomes[i].get("final")
 
     lead_key = simplicity(outcomes[lead]["values"], own, space)
-    wanted = [i for i, o in enumerate(outcomes) if i != lead and ok(o) and more(i) and (
-        overlaps(o, outcomes[lead])
-        or (o.get("rounds", 1) < min_rounds and simplicity(o["values"], own, space) < lead_key))]
+    wanted = [
+        i
+        for i, o in enumerate(outcomes)
+        if i != lead
+        and ok(o)
+        and more(i)
+        and (
+            overlaps(o, outcomes[lead])
+            or (o.get("rounds", 1) < min_rounds and simplicity(o["values"], own, space) < lead_key)
+        )
+    ]
     if more(lead) and (wanted or outcomes[lead].get("rounds", 1) < min_rounds):
         wanted.insert(0, lead)
     return wanted
@@ -153,9 +181,13 @@ def merge(outcome: Outcome, again: Outcome) -> Outcome:
         note = again.get("error") or again.get("status")
         return {**outcome, "final": True, "round_error": note}
     rates, seconds = [*outcome["windows"], *again["windows"]], [*outcome["window_s"], *again["window_s"]]
-    merged = {**outcome, **summarize(rates, seconds), "rounds": outcome.get("rounds", 1) + 1,
-              "profile_s": (outcome.get("profile_s") or 0) + (again.get("profile_s") or 0),
-              "peak_memory_bytes": max(outcome.get("peak_memory_bytes") or 0, again.get("peak_memory_bytes") or 0)}
+    merged = {
+        **outcome,
+        **summarize(rates, seconds),
+        "rounds": outcome.get("rounds", 1) + 1,
+        "profile_s": (outcome.get("profile_s") or 0) + (again.get("profile_s") or 0),
+        "peak_memory_bytes": max(outcome.get("peak_memory_bytes") or 0, again.get("peak_memory_bytes") or 0),
+    }
     scale = merged["samples_per_s"] / outcome["samples_per_s"] if outcome.get("samples_per_s") else None
     for key in ("tokens_per_s", "mfu"):  # proportional to samples/s
         if scale is not None and isinstance(outcome.get(key), (int, float)):

@@ -14,16 +14,30 @@ import yaml
 
 from raylane.config import BaseConfig
 
-METRIC_KEYS = ("samples_per_s", "tokens_per_s", "mfu", "step_time_s", "peak_memory_bytes", "estimated_bytes",
-               "eval_s", "save_s", "rounds")
+METRIC_KEYS = (
+    "samples_per_s",
+    "tokens_per_s",
+    "mfu",
+    "step_time_s",
+    "peak_memory_bytes",
+    "estimated_bytes",
+    "eval_s",
+    "save_s",
+    "rounds",
+)
 
 
 def _describe(c: dict[str, Any]) -> str:
     v = c["values"]
-    text = (f"{v.get('strategy.name')}, micro-batch {v.get('train.batch_size')} x {c.get('grad_accum_steps')}, "
-            f"{v.get('train.precision')}")
-    extras = [k.split(".")[-1] + ("" if val is True else f"={val}") for k, val in v.items()
-              if k not in ("strategy.name", "train.batch_size", "train.precision") and val not in (False, None)]
+    text = (
+        f"{v.get('strategy.name')}, micro-batch {v.get('train.batch_size')} x {c.get('grad_accum_steps')}, "
+        f"{v.get('train.precision')}"
+    )
+    extras = [
+        k.split(".")[-1] + ("" if val is True else f"={val}")
+        for k, val in v.items()
+        if k not in ("strategy.name", "train.batch_size", "train.precision") and val not in (False, None)
+    ]
     extras = [e for e in extras if not e.startswith(("bucket_cap_mb=25.0", "reshard_after_forward", "comm_hook=none"))]
     text += "".join(f", {e}" for e in extras)
     if c["status"] != "ok":
@@ -53,20 +67,35 @@ def chosen_line(candidates: list[dict[str, Any]], ranking: dict[str, Any]) -> st
     others = [i for i in ranking["ties"] if i != best]
     if not others:
         return f"fastest: {text}; clearly (no other interval overlaps its)"
-    return (f"chosen: {text}; the simplest of {len(others) + 1} candidates tied within the noise "
-            f"(with {', '.join(map(str, others))}; the highest median: {ranking['leader']})")
+    return (
+        f"chosen: {text}; the simplest of {len(others) + 1} candidates tied within the noise "
+        f"(with {', '.join(map(str, others))}; the highest median: {ranking['leader']})"
+    )
 
 
 def row(c: dict[str, Any], index: int, ranking: dict[str, Any] | None, run_id: str | None) -> dict[str, Any]:
     """A candidate in the summary."""
-    return {"config": c["values"], "status": c["status"], "samples_per_s": c.get("samples_per_s"),
-            "interval": c.get("interval"), "rounds": c.get("rounds"), "windows": c.get("windows"),
-            "window_s": c.get("window_s"),
-            "verdict": verdict_of(index, c, ranking), "eval_s": c.get("eval_s"), "save_s": c.get("save_s"),
-            "tokens_per_s": c.get("tokens_per_s"), "grad_accum_steps": c.get("grad_accum_steps"),
-            "peak_memory_bytes": c.get("peak_memory_bytes"), "estimated_bytes": c.get("estimated_bytes"),
-            "profile_s": c.get("profile_s"), "setup_s": c.get("setup_s"),
-            "error": c.get("error") or c.get("round_error"), "pid": c.get("pid"), "run_id": run_id}
+    return {
+        "config": c["values"],
+        "status": c["status"],
+        "samples_per_s": c.get("samples_per_s"),
+        "interval": c.get("interval"),
+        "rounds": c.get("rounds"),
+        "windows": c.get("windows"),
+        "window_s": c.get("window_s"),
+        "verdict": verdict_of(index, c, ranking),
+        "eval_s": c.get("eval_s"),
+        "save_s": c.get("save_s"),
+        "tokens_per_s": c.get("tokens_per_s"),
+        "grad_accum_steps": c.get("grad_accum_steps"),
+        "peak_memory_bytes": c.get("peak_memory_bytes"),
+        "estimated_bytes": c.get("estimated_bytes"),
+        "profile_s": c.get("profile_s"),
+        "setup_s": c.get("setup_s"),
+        "error": c.get("error") or c.get("round_error"),
+        "pid": c.get("pid"),
+        "run_id": run_id,
+    }
 
 
 def _metrics(c: dict[str, Any], step: int) -> list[Any]:
@@ -78,35 +107,67 @@ def _metrics(c: dict[str, Any], step: int) -> list[Any]:
     if c.get("interval"):
         values["samples_per_s_low"], values["samples_per_s_high"] = c["interval"]
     stamp = int(time.time() * 1000)
-    return [Metric(k, float(v), stamp, step) for k, v in values.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return [
+        Metric(k, float(v), stamp, step)
+        for k, v in values.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    ]
 
 
 def write_yaml(path: str, cfg: BaseConfig, best: dict[str, Any], ties: list[int]) -> None:
     tree = cfg.model_dump(mode="json")
     tree["run"]["name"] = None  # a new run each time it is trained
-    how = "the fastest of its candidates" if len(ties) <= 1 else \
-        f"the simplest of the {len(ties)} candidates tied within the noise for the fastest"
-    header = (f"# Written by `raylane autotune`: {how}, {rate(best)} samples/s on {cfg.scaling.num_workers} workers\n"
-              f"# (the median of its measured windows [interval], epoch ends' evaluation and checkpoint included).\n"
-              f"# Train it with: raylane train {path}\n")
+    how = (
+        "the fastest of its candidates"
+        if len(ties) <= 1
+        else f"the simplest of the {len(ties)} candidates tied within the noise for the fastest"
+    )
+    header = (
+        f"# Written by `raylane autotune`: {how}, {rate(best)} samples/s on {cfg.scaling.num_workers} workers\n"
+        f"# (the median of its measured windows [interval], epoch ends' evaluation and checkpoint included).\n"
+        f"# Train it with: raylane train {path}\n"
+    )
     Path(path).write_text(header + yaml.safe_dump(tree, sort_keys=False))
 
 
 def table(candidates: list[dict[str, Any]], space_keys: list[str], ranking: dict[str, Any] | None = None) -> str:
     varied = [k for k in space_keys if len({json.dumps(c["values"].get(k)) for c in candidates}) > 1]
-    header = ["#", *["strategy" if k == "strategy.name" else k.split(".")[-1] for k in varied], "accum", "status",
-              "samples/s", "interval", "rounds", "verdict", "peak MiB", "est. MiB"]
+    header = [
+        "#",
+        *["strategy" if k == "strategy.name" else k.split(".")[-1] for k in varied],
+        "accum",
+        "status",
+        "samples/s",
+        "interval",
+        "rounds",
+        "verdict",
+        "peak MiB",
+        "est. MiB",
+    ]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for i, c in enumerate(candidates):
-        mib = [f"{c[k] / 2**20:.0f}" if isinstance(c.get(k), (int, float)) else "-"
-               for k in ("peak_memory_bytes", "estimated_bytes")]
+        mib = [
+            f"{c[k] / 2**20:.0f}" if isinstance(c.get(k), (int, float)) else "-"
+            for k in ("peak_memory_bytes", "estimated_bytes")
+        ]
         speed = f"{c['samples_per_s']:.1f}" if c.get("samples_per_s") else "-"
         low, high = c.get("interval") or (None, None)
         span = f"{low:.1f}-{high:.1f}" if low is not None and c.get("samples_per_s") else "-"
-        lines.append(" | ".join([str(i), *[str(c["values"].get(k)) for k in varied],
-                                 str(c.get("grad_accum_steps", "-")), c["status"], speed, span,
-                                 str(c.get("rounds") or "-"), verdict_of(i, c, ranking) or "-", *mib]))
+        lines.append(
+            " | ".join(
+                [
+                    str(i),
+                    *[str(c["values"].get(k)) for k in varied],
+                    str(c.get("grad_accum_steps", "-")),
+                    c["status"],
+                    speed,
+                    span,
+                    str(c.get("rounds") or "-"),
+                    verdict_of(i, c, ranking) or "-",
+                    *mib,
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -123,15 +184,25 @@ def plot(path: Path, candidates: list[dict[str, Any]]) -> None:
     x = [(c.get("peak_memory_bytes") or 0) / 2**20 for _, c in ok]
     y = [c["samples_per_s"] for _, c in ok]
     spans = [c.get("interval") or (c["samples_per_s"], c["samples_per_s"]) for _, c in ok]
-    ax.errorbar(x, y, yerr=[[m - s[0] for m, s in zip(y, spans, strict=True)],
-                            [s[1] - m for m, s in zip(y, spans, strict=True)]],
-                fmt="o", capsize=3, label="fits (median, interval)")
+    ax.errorbar(
+        x,
+        y,
+        yerr=[[m - s[0] for m, s in zip(y, spans, strict=True)], [s[1] - m for m, s in zip(y, spans, strict=True)]],
+        fmt="o",
+        capsize=3,
+        label="fits (median, interval)",
+    )
     for (i, _), xi, yi in zip(ok, x, y, strict=True):
         ax.annotate(str(i), (xi, yi), fontsize=8)
     bad = [c for c in candidates if c["status"] != "ok"]
     if bad:
-        ax.scatter([(c.get("estimated_bytes") or 0) / 2**20 for c in bad], [0] * len(bad), marker="x", color="red",
-                   label="out of memory, pruned or failed (at its estimate)")
+        ax.scatter(
+            [(c.get("estimated_bytes") or 0) / 2**20 for c in bad],
+            [0] * len(bad),
+            marker="x",
+            color="red",
+            label="out of memory, pruned or failed (at its estimate)",
+        )
     ax.set_xlabel("peak memory per rank (MiB)")
     ax.set_ylabel("samples/s")
     ax.legend(loc="best", fontsize=8)
@@ -145,6 +216,9 @@ def estimate_error(candidates: list[dict[str, Any]], device: str | None) -> floa
     or on CPU, whose measured figure is the resident set's growth, not the tensors' peak."""
     if device != "cuda":
         return None
-    ratios = sorted(c["peak_memory_bytes"] / c["estimated_bytes"] - 1 for c in candidates
-                    if c["status"] == "ok" and c.get("estimated_bytes") and c.get("peak_memory_bytes"))
+    ratios = sorted(
+        c["peak_memory_bytes"] / c["estimated_bytes"] - 1
+        for c in candidates
+        if c["status"] == "ok" and c.get("estimated_bytes") and c.get("peak_memory_bytes")
+    )
     return ratios[len(ratios) // 2] if ratios else None

@@ -60,9 +60,11 @@ def _is_oom(exc: BaseException) -> bool:
 
 # -- profiling one candidate (every rank) --------------------------------------------------------
 
+
 class Search:
-    def __init__(self, cfg: BaseConfig, runtime: Runtime, settings: dict[str, Any],
-                 publish: Callable[[Event], None]) -> None:
+    def __init__(
+        self, cfg: BaseConfig, runtime: Runtime, settings: dict[str, Any], publish: Callable[[Event], None]
+    ) -> None:
         self.cfg, self.runtime, self.settings, self.publish = cfg, runtime, settings, publish
         self.rank, self.world_size, self.device = runtime.rank, runtime.world_size, runtime.device
         self.distributed = dist.is_initialized() and self.world_size > 1
@@ -75,10 +77,21 @@ class Search:
         self.record_path = Path(settings["record"]) if settings.get("record") else None
         # What an earlier launch's record must match to be replayed: the config and the space.
         same = {k: v for k, v in cfg.flat().items() if not k.startswith("run.")}
-        self.fingerprint = hashlib.sha256(json.dumps(
-            [same, settings["space"], settings["global_batch"], settings["warmup_steps"], settings["profile_steps"],
-             settings.get("windows", 1), settings.get("min_window_s", 0)],
-            sort_keys=True, default=str).encode()).hexdigest()[:16]
+        self.fingerprint = hashlib.sha256(
+            json.dumps(
+                [
+                    same,
+                    settings["space"],
+                    settings["global_batch"],
+                    settings["warmup_steps"],
+                    settings["profile_steps"],
+                    settings.get("windows", 1),
+                    settings.get("min_window_s", 0),
+                ],
+                sort_keys=True,
+                default=str,
+            ).encode()
+        ).hexdigest()[:16]
 
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -112,17 +125,25 @@ class Search:
                 self._record(outcome)
             outcomes.append(outcome)
             if self.rank == 0:
-                self.publish(Candidate(index=len(outcomes) - 1, replayed=bool(outcome.get("replayed")),
-                                       outcome=dict(outcome)))
+                self.publish(
+                    Candidate(index=len(outcomes) - 1, replayed=bool(outcome.get("replayed")), outcome=dict(outcome))
+                )
         self._measure_again(outcomes, rounds_replay, deadline)
-        result = {"candidates": outcomes, "wall_s": time.perf_counter() - started, "world_size": self.world_size,
-                  "estimate_margin": self.margin, "device": self.device.type}
+        result = {
+            "candidates": outcomes,
+            "wall_s": time.perf_counter() - started,
+            "world_size": self.world_size,
+            "estimate_margin": self.margin,
+            "device": self.device.type,
+        }
         if self.rank == 0:
             self.publish(End(time_unix=time.time(), result=result))
         gc.unfreeze()
         return result
 
-    def _measure_again(self, outcomes: list[Outcome], replay: list[tuple[int, Outcome]], deadline: float | None) -> None:
+    def _measure_again(
+        self, outcomes: list[Outcome], replay: list[tuple[int, Outcome]], deadline: float | None
+    ) -> None:
         """Rounds after the search order's: the candidates whose ranking against the leader is
         not clear yet (search_ranking.next_round) are measured once more each, the leader first,
         until it is clear, or each has `max_rounds`, or the budget is spent."""
@@ -141,17 +162,30 @@ class Search:
                 self._record({"round_of": index, "outcome": again})
             outcomes[index] = merge(outcomes[index], again)
             if self.rank == 0:
-                self.publish(Round(index=index, rounds=outcomes[index].get("rounds"),
-                                   replayed=bool(message.get("replayed")), outcome=dict(outcomes[index])))
+                self.publish(
+                    Round(
+                        index=index,
+                        rounds=outcomes[index].get("rounds"),
+                        replayed=bool(message.get("replayed")),
+                        outcome=dict(outcomes[index]),
+                    )
+                )
 
-    def _next_round(self, outcomes: list[Outcome], queue: list[int], replay: list[tuple[int, Outcome]],
-                    deadline: float | None) -> dict[str, Any] | None:
+    def _next_round(
+        self, outcomes: list[Outcome], queue: list[int], replay: list[tuple[int, Outcome]], deadline: float | None
+    ) -> dict[str, Any] | None:
         if deadline and time.perf_counter() > deadline:
             return None
         if not queue:
-            queue.extend(next_round(outcomes, self.settings.get("own") or {}, self.settings["space"],
-                                    min_rounds=self.settings.get("min_rounds", 1),
-                                    max_rounds=self.settings.get("max_rounds", 1)))
+            queue.extend(
+                next_round(
+                    outcomes,
+                    self.settings.get("own") or {},
+                    self.settings["space"],
+                    min_rounds=self.settings.get("min_rounds", 1),
+                    max_rounds=self.settings.get("max_rounds", 1),
+                )
+            )
             if not queue:
                 return None
         index = queue.pop(0)
@@ -181,8 +215,9 @@ class Search:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def _agree(self, failed: bool | str = False, prune: bool = False,
-               estimate: int = 0) -> tuple[int | None, tuple[int, str] | None, bool, int]:
+    def _agree(
+        self, failed: bool | str = False, prune: bool = False, estimate: int = 0
+    ) -> tuple[int | None, tuple[int, str] | None, bool, int]:
         """One small all-reduce: (the highest rank out of memory, or None; (a rank whose step
         raised something else, its message), or None; whether rank 0 pruned it; rank 0's
         estimate). `failed`: True for out of memory, or another error's message."""
@@ -190,8 +225,15 @@ class Search:
         if not self.distributed:
             return (self.rank if oom else None), ((self.rank, error) if error else None), prune, estimate
         rank0 = self.rank == 0
-        flags = torch.tensor([float(self.rank + 1 if oom else 0), float(self.rank + 1 if error else 0),
-                              float(prune and rank0), float(estimate if rank0 else 0)], dtype=torch.float64)
+        flags = torch.tensor(
+            [
+                float(self.rank + 1 if oom else 0),
+                float(self.rank + 1 if error else 0),
+                float(prune and rank0),
+                float(estimate if rank0 else 0),
+            ],
+            dtype=torch.float64,
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         oom_rank, error_rank = int(flags[0].item()) - 1, int(flags[1].item()) - 1
         failure = None
@@ -207,8 +249,15 @@ class Search:
     def profile(self, values: dict[str, Any], pipe: Any, again: bool = False) -> Outcome:
         """One round of a candidate; `again`: a later round (it fitted: no memory estimate)."""
         cfg = self.candidate_config(values)
-        out: Outcome = {"values": values, "status": "ok", "grad_accum_steps": cfg.train.grad_accum_steps,
-                        "samples_per_s": None, "peak_memory_bytes": None, "estimated_bytes": None, "error": None}
+        out: Outcome = {
+            "values": values,
+            "status": "ok",
+            "grad_accum_steps": cfg.train.grad_accum_steps,
+            "samples_per_s": None,
+            "peak_memory_bytes": None,
+            "estimated_bytes": None,
+            "error": None,
+        }
         live: dict[str, Any] = {}
         setup = time.perf_counter()
         baseline = _memory_now(self.device) if self.device.type == "cuda" else self.rss_at_start
@@ -221,8 +270,10 @@ class Search:
                 out.update(status="failed", error=f"rank {failure[0]}: {failure[1]}")
                 return out
             if prune:
-                out.update(status="pruned", error=f"estimated {estimate / 2**20:.0f} MiB with a "
-                                                  f"{self.margin:.0%} margin does not fit")
+                out.update(
+                    status="pruned",
+                    error=f"estimated {estimate / 2**20:.0f} MiB with a {self.margin:.0%} margin does not fit",
+                )
                 return out
             if oom_rank is not None:
                 out.update(status="oom", error=f"out of memory on rank {oom_rank}")
@@ -242,8 +293,9 @@ class Search:
             if freed is not None:
                 out["unreleased_bytes"] = freed
 
-    def _prepare(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any], out: Outcome,
-                 estimate: bool = True) -> tuple[bool | str, bool]:
+    def _prepare(
+        self, cfg: BaseConfig, pipe: Any, live: dict[str, Any], out: Outcome, estimate: bool = True
+    ) -> tuple[bool | str, bool]:
         """A fresh model and, on rank 0, its memory estimate: no collective yet. Returns (True on
         out of memory, or another error's message; whether the estimate prunes it)."""
         try:
@@ -255,8 +307,9 @@ class Search:
             return False, False
         try:
             example = _example(pipe, cfg.train.batch_size)
-            estimate = estimate_memory(live["model"], cfg, self.world_size, example, pipe.loss_fn, pipe.step,
-                                       blocks=live["blocks"])
+            estimate = estimate_memory(
+                live["model"], cfg, self.world_size, example, pipe.loss_fn, pipe.step, blocks=live["blocks"]
+            )
         except Exception as exc:  # a model the meta device cannot run: no estimate, nothing pruned
             log.debug("no memory estimate: %s: %s", type(exc).__name__, exc)
             return False, False
@@ -275,7 +328,9 @@ class Search:
             batch = _example(pipe, cfg.train.batch_size)
             if self.faults:
                 self.faults.before_forward(cfg.train.batch_size)
-            prepare_blocks(live["model"], cfg, live["blocks"])  # recompute and compile as trained (a compile error shows here)
+            prepare_blocks(
+                live["model"], cfg, live["blocks"]
+            )  # recompute and compile as trained (a compile error shows here)
             if cfg.strategy.name == "fsdp" and self.world_size > 1:
                 if self.device.type == "cuda":
                     torch.empty(estimate, dtype=torch.uint8, device=self.device).fill_(0)  # freed at once
@@ -298,15 +353,28 @@ class Search:
 
     def _wrap(self, cfg: BaseConfig, pipe: Any, live: dict[str, Any]) -> None:
         """DDP or FSDP (collective: every rank is known to fit by now), the loader, its batches."""
-        model, strategy = parallelize(live.pop("model"), cfg, self.device, self.world_size, loss_fn=pipe.loss_fn,
-                                      step=pipe.step, blocks=live.pop("blocks"), blocks_prepared=True)
+        model, strategy = parallelize(
+            live.pop("model"),
+            cfg,
+            self.device,
+            self.world_size,
+            loss_fn=pipe.loss_fn,
+            step=pipe.step,
+            blocks=live.pop("blocks"),
+            blocks_prepared=True,
+        )
         live["model"], live["strategy"] = model, strategy
         if pipe.init_weights is not None:  # the weights the run would start from (a collective)
             pipe.init_weights(unwrap(model))
-        live["loader"] = loader = train_data(pipe.train_set, self.runtime, batch_size=cfg.train.batch_size,
-                                             seed=cfg.train.seed, samples_per_step=cfg.train.global_batch,
-                                             collate_fn=pipe.collate_fn,
-                                             options=worker_options(cfg.loader, self.device))
+        live["loader"] = loader = train_data(
+            pipe.train_set,
+            self.runtime,
+            batch_size=cfg.train.batch_size,
+            seed=cfg.train.seed,
+            samples_per_step=cfg.train.global_batch,
+            collate_fn=pipe.collate_fn,
+            options=worker_options(cfg.loader, self.device),
+        )
         live["batches"] = _forever(loader)
 
     def _measure(self, cfg: BaseConfig, live: dict[str, Any], baseline: int, setup: float) -> dict[str, Any]:
@@ -314,13 +382,25 @@ class Search:
 
         model = live["model"]
         optimizer = live["optimizer"] = build_optimizer(model, cfg, self.pipe)  # the pipeline's own state too
-        throughput = Throughput(self.pipe.tokens_per_sample, self.pipe.flops_per_token,
-                                peak_flops(self.device, cfg.train.precision, cfg.scaling.peak_tflops))
+        throughput = Throughput(
+            self.pipe.tokens_per_sample,
+            self.pipe.flops_per_token,
+            peak_flops(self.device, cfg.train.precision, cfg.scaling.peak_tflops),
+        )
         trainer = live["trainer"] = Trainer(
-            model, live["loader"], optimizer, loss_fn=self.pipe.loss_fn, step=self.pipe.step, eval_data=None,
-            eval_sums=None, runtime=self.runtime, strategy=live["strategy"],
+            model,
+            live["loader"],
+            optimizer,
+            loss_fn=self.pipe.loss_fn,
+            step=self.pipe.step,
+            eval_data=None,
+            eval_sums=None,
+            runtime=self.runtime,
+            strategy=live["strategy"],
             cfg=cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"async_save": False})}),
-            reporter=Reporter(is_rank_zero=False, publish=lambda e: None), throughput=throughput)
+            reporter=Reporter(is_rank_zero=False, publish=lambda e: None),
+            throughput=throughput,
+        )
         groups = _steps(live["batches"], cfg.train.grad_accum_steps)
         sampler = _PeakSampler(self.device, baseline, model)
         # The first step allocates the optimizer's state: an OOM there is local (after the
@@ -336,8 +416,11 @@ class Search:
         for _ in range(self.settings["warmup_steps"] - 1):
             trainer.run_step(next(groups))
             sampler.sample()
-        step_s = (trainer.step_clock() - warmed) / (self.settings["warmup_steps"] - 1) \
-            if self.settings["warmup_steps"] > 1 else warmed - began
+        step_s = (
+            (trainer.step_clock() - warmed) / (self.settings["warmup_steps"] - 1)
+            if self.settings["warmup_steps"] > 1
+            else warmed - began
+        )
         sizes, times = self._windows(trainer, groups, sampler, step_s)
         sampler.close()
         # Epoch ends, as training pays them, spread over the steps between them.
@@ -352,14 +435,24 @@ class Search:
         samples = trainer.samples_per_step
         spans = [t + size * per_step for size, t in zip(sizes, times, strict=True)]
         measured = summarize([[size * samples / max(t, 1e-9) for size, t in zip(sizes, spans, strict=True)]], [spans])
-        return {**measured, "rounds": 1, "samples_per_step": samples,
-                "step_time_s": samples / measured["samples_per_s"], "peak_memory_bytes": self._max(sampler.peak),
-                "profile_s": sum(times), "setup_s": began - setup, "eval_s": eval_s, "save_s": save_s,
-                "steps_per_epoch": trainer.steps_per_epoch, "pid": os.getpid(),
-                **throughput.rates(measured["samples_per_s"], self.world_size)}
+        return {
+            **measured,
+            "rounds": 1,
+            "samples_per_step": samples,
+            "step_time_s": samples / measured["samples_per_s"],
+            "peak_memory_bytes": self._max(sampler.peak),
+            "profile_s": sum(times),
+            "setup_s": began - setup,
+            "eval_s": eval_s,
+            "save_s": save_s,
+            "steps_per_epoch": trainer.steps_per_epoch,
+            "pid": os.getpid(),
+            **throughput.rates(measured["samples_per_s"], self.world_size),
+        }
 
-    def _windows(self, trainer: Trainer, groups: Iterator[list[Any]], sampler: _PeakSampler,
-                 step_s: float) -> tuple[list[int], list[float]]:
+    def _windows(
+        self, trainer: Trainer, groups: Iterator[list[Any]], sampler: _PeakSampler, step_s: float
+    ) -> tuple[list[int], list[float]]:
         """(steps, seconds) of each measured window. A window lasts at least `min_window_s` (by
         the warm-up's step time; the ranks agree on the largest count): tiny steps on a busy
         machine are otherwise timed within one slice of the scheduler."""
@@ -397,8 +490,14 @@ class Search:
         done, rounds, started, round_started = read_record(self.record_path, self.fingerprint)
         died = "the worker group died while profiling it"
         if started is not None:
-            failed = {"values": started, "status": "failed", "samples_per_s": None, "peak_memory_bytes": None,
-                      "estimated_bytes": None, "error": died}
+            failed = {
+                "values": started,
+                "status": "failed",
+                "samples_per_s": None,
+                "peak_memory_bytes": None,
+                "estimated_bytes": None,
+                "error": died,
+            }
             self._append(failed)
             done.append(failed)
         if round_started is not None:

@@ -25,8 +25,12 @@ from raylane.hf.config import Config, DataSection, ModelSection
 # tests/unit/test_public_api.py holds this list too: a name that disappears from it fails there.
 __all__ = ["Config", "DataSection", "ModelSection", "empty_model", "file_source", "load_pretrained", "pipeline"]
 
-_LAZY = {"pipeline": "raylane.hf.build", "empty_model": "raylane.hf.weights", "load_pretrained": "raylane.hf.weights",
-         "file_source": "raylane.hf.data"}
+_LAZY = {
+    "pipeline": "raylane.hf.build",
+    "empty_model": "raylane.hf.weights",
+    "load_pretrained": "raylane.hf.weights",
+    "file_source": "raylane.hf.data",
+}
 
 
 def __getattr__(name: str) -> Any:

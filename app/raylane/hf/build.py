@@ -43,10 +43,14 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
 
         model = apply_lora(model, cfg.lora, base=str(m.name_or_path))
     if train is None and cfg.data.train is None:
-        raise ConfigError("data.train = None: give data.train (files), or hand a dataset to raylane.hf.pipeline(cfg, "
-                          "train=...)")
-    train_set = (data.from_dataset(cfg, train, "train") if train is not None
-                 else data.file_source(cfg, cfg.data.train, "data.train"))
+        raise ConfigError(
+            "data.train = None: give data.train (files), or hand a dataset to raylane.hf.pipeline(cfg, train=...)"
+        )
+    train_set = (
+        data.from_dataset(cfg, train, "train")
+        if train is not None
+        else data.file_source(cfg, cfg.data.train, "data.train")
+    )
     if isinstance(eval, dict):
         eval_set = {name: data.from_dataset(cfg, ds, name) for name, ds in eval.items()}
     elif eval is not None:
@@ -57,13 +61,22 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
         eval_set = None
     example = {"input_ids": _zeros(2, m.seq_len)}
     if causal:
-        extra = {"eval_count": _predicted_tokens, "tokens_per_sample": m.seq_len,
-                 "flops_per_token": flops_per_token(model, m.seq_len)}
+        extra = {
+            "eval_count": _predicted_tokens,
+            "tokens_per_sample": m.seq_len,
+            "flops_per_token": flops_per_token(model, m.seq_len),
+        }
     else:
         example["attention_mask"] = _zeros(2, m.seq_len) + 1
         extra = {"collate_fn": data.collate, "eval_sums": _classification_sums}
-    return Pipeline(model=model, train_set=train_set, eval_set=eval_set, example_input=example,
-                    init_weights=functools.partial(load_pretrained, path=m.name_or_path), **extra)
+    return Pipeline(
+        model=model,
+        train_set=train_set,
+        eval_set=eval_set,
+        example_input=example,
+        init_weights=functools.partial(load_pretrained, path=m.name_or_path),
+        **extra,
+    )
 
 
 def _zeros(*shape: int):

@@ -27,33 +27,45 @@ class ModelSection(Section):
     """The pretrained model and what it is fine-tuned for."""
 
     task: Literal["causal-lm", "sequence-classification"] = Field(
-        "causal-lm", description="`causal-lm`: next-token prediction; `sequence-classification`: a class per text "
-                                 "(with `data.label_column` and `num_labels`).")
+        "causal-lm",
+        description="`causal-lm`: next-token prediction; `sequence-classification`: a class per text "
+        "(with `data.label_column` and `num_labels`).",
+    )
     name_or_path: InputPath = Field(
-        description="A folder written by `save_pretrained`: config.json and safetensors weights.")
+        description="A folder written by `save_pretrained`: config.json and safetensors weights."
+    )
     tokenizer_path: InputPath | None = Field(
-        None, description="The tokenizer's `save_pretrained` folder. null: the model's folder.")
+        None, description="The tokenizer's `save_pretrained` folder. null: the model's folder."
+    )
     seq_len: int = Field(
-        256, ge=2, le=1_048_576,
+        256,
+        ge=2,
+        le=1_048_576,
         description="`causal-lm`: tokens in one packed sequence; `sequence-classification`: the longest input "
-                    "(longer ones are truncated).")
+        "(longer ones are truncated).",
+    )
     num_labels: int = Field(
-        2, ge=1, le=1_000_000, description="`sequence-classification`: the number of classes (labels are "
-                                           "0..num_labels-1).")
+        2,
+        ge=1,
+        le=1_000_000,
+        description="`sequence-classification`: the number of classes (labels are 0..num_labels-1).",
+    )
 
 
 class DataSection(Section):
     """The text files a fine-tune reads, streamed and tokenized where they are read."""
 
     train: InputPaths | None = Field(
-        None, description="Training files, folders or globs, local or `s3://`. null: the pipeline hands over a "
-                          "`datasets.Dataset`.")
+        None,
+        description="Training files, folders or globs, local or `s3://`. null: the pipeline hands over a "
+        "`datasets.Dataset`.",
+    )
     eval: InputPaths | None = Field(None, description="Held-out files, folders or globs, with the same columns.")
     format: Literal["parquet", "csv", "json", "text"] = Field(
-        "json", description="The files' format (`json`: JSON Lines; `text`: one row per line).")
+        "json", description="The files' format (`json`: JSON Lines; `text`: one row per line)."
+    )
     text_column: str = Field("text", min_length=1, description="The column holding the text.")
-    label_column: str = Field(
-        "label", min_length=1, description="`sequence-classification`: the column of class ids.")
+    label_column: str = Field("label", min_length=1, description="`sequence-classification`: the column of class ids.")
     shuffle_rows: int = Field(4096, ge=1, le=100_000_000, description="Rows in each rank's shuffle buffer.")
 
 
@@ -63,8 +75,10 @@ class Config(BaseConfig):
     model: ModelSection
     data: DataSection = DataSection()
     lora: LoraSection | None = Field(
-        None, description="LoRA (peft) adapters, by default on the model's attention projections: `{r, alpha, "
-                          "dropout, target_modules}`. null: a full fine-tune.")
+        None,
+        description="LoRA (peft) adapters, by default on the model's attention projections: `{r, alpha, "
+        "dropout, target_modules}`. null: a full fine-tune.",
+    )
 
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "accuracy") if self.model.task == "sequence-classification" else ("loss",)
@@ -86,8 +100,9 @@ class Config(BaseConfig):
 def check_installed() -> None:
     missing = [p for p in HF_PACKAGES if importlib.util.find_spec(p) is None]
     if missing:
-        raise ValueError(f"pipeline 'hf' needs raylane[hf] ({', '.join(missing)} not installed): "
-                         "pip install 'raylane[hf]'")
+        raise ValueError(
+            f"pipeline 'hf' needs raylane[hf] ({', '.join(missing)} not installed): pip install 'raylane[hf]'"
+        )
 
 
 def check_model(m: ModelSection) -> None:
@@ -121,8 +136,11 @@ def weight_files(path: str | Path) -> list[Path]:
 def _check_task(key: str, task: str, model_type: str | None) -> None:
     from transformers.models.auto import modeling_auto
 
-    mapping = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if task == "causal-lm"
-               else modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+    mapping = (
+        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if task == "causal-lm"
+        else modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    )
     if model_type not in mapping:
         raise ValueError(f"{key}: a {model_type!r} model, which transformers cannot load for model.task = {task!r}")
 
@@ -132,12 +150,15 @@ def _check_vocabulary(m: ModelSection, config: dict) -> None:
     key = f"model.tokenizer_path = {m.tokenizer_path!r}" if m.tokenizer_path else f"model.name_or_path = {where!r}"
     size = tokenizer_size(where)
     if size is None:
-        raise ValueError(f"{key}: no tokenizer there (tokenizer.json or tokenizer_config.json; "
-                         "set model.tokenizer_path)")
+        raise ValueError(
+            f"{key}: no tokenizer there (tokenizer.json or tokenizer_config.json; set model.tokenizer_path)"
+        )
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
     if vocab is not None and size > vocab:
-        raise ValueError(f"{key}: the tokenizer has {size} tokens, more than the model's vocab_size {vocab} "
-                         f"(model.name_or_path = {m.name_or_path!r}): not this model's tokenizer")
+        raise ValueError(
+            f"{key}: the tokenizer has {size} tokens, more than the model's vocab_size {vocab} "
+            f"(model.name_or_path = {m.name_or_path!r}): not this model's tokenizer"
+        )
 
 
 def tokenizer_size(path: str) -> int | None:
@@ -167,5 +188,6 @@ def check_columns(cfg: Config, field: str) -> None:
         wanted.append(("data.label_column", d.label_column))
     for key, column in wanted:
         if column not in names:
-            raise ValueError(f"{key} = {column!r}: no such column in {found[0]} (data.{field}; it has: "
-                             f"{', '.join(names)})")
+            raise ValueError(
+                f"{key} = {column!r}: no such column in {found[0]} (data.{field}; it has: {', '.join(names)})"
+            )

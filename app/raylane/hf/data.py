@@ -47,8 +47,15 @@ def pack(texts: Any, path: str, seq_len: int) -> dict[str, np.ndarray]:
     return {"input_ids": flat[: n * seq_len].reshape(n, seq_len)}
 
 
-def encode(texts: Any, labels: Any, path: str, seq_len: int, num_labels: int, label_key: str = "data.label_column",
-           label_column: str = "label") -> dict[str, np.ndarray]:
+def encode(
+    texts: Any,
+    labels: Any,
+    path: str,
+    seq_len: int,
+    num_labels: int,
+    label_key: str = "data.label_column",
+    label_column: str = "label",
+) -> dict[str, np.ndarray]:
     """sequence-classification: each text's tokens (truncated, right-padded to seq_len), its
     length and its class id."""
     from raylane.loop.baddata import DataError
@@ -63,8 +70,13 @@ def encode(texts: Any, labels: Any, path: str, seq_len: int, num_labels: int, la
     classes = np.asarray(labels)
     for row, value in enumerate(classes):
         if not (isinstance(value, (int, np.integer)) and 0 <= value < num_labels):
-            raise DataError(f"model.num_labels = {num_labels}", column=label_column, row=row, value=value,
-                            why=f"class ids are whole numbers 0..{num_labels - 1}")
+            raise DataError(
+                f"model.num_labels = {num_labels}",
+                column=label_column,
+                row=row,
+                value=value,
+                why=f"class ids are whole numbers 0..{num_labels - 1}",
+            )
     return {"input_ids": out, "length": lengths, "labels": classes.astype(np.int64)}
 
 
@@ -97,8 +109,9 @@ def transform_for(cfg: Config):
     text = "text" if d.format == "text" else d.text_column
     if m.task == "causal-lm":
         return lambda batch: pack(batch[text], path, m.seq_len)
-    return lambda batch: encode(batch[text], batch[d.label_column], path, m.seq_len, m.num_labels,
-                                label_column=d.label_column)
+    return lambda batch: encode(
+        batch[text], batch[d.label_column], path, m.seq_len, m.num_labels, label_column=d.label_column
+    )
 
 
 def file_source(cfg: Config, paths: Any, key: str):
@@ -107,9 +120,16 @@ def file_source(cfg: Config, paths: Any, key: str):
     d, causal = cfg.data, cfg.model.task == "causal-lm"
     text = "text" if d.format == "text" else d.text_column
     columns = [text] if causal else [text, d.label_column]
-    return FileSource(paths=paths, format=d.format, columns=columns, transform=transform_for(cfg),
-                      keeps_rows=not causal, to_tensors=causal_tensors if causal else classification_tensors,
-                      shuffle_rows=d.shuffle_rows, key=key)
+    return FileSource(
+        paths=paths,
+        format=d.format,
+        columns=columns,
+        transform=transform_for(cfg),
+        keeps_rows=not causal,
+        to_tensors=causal_tensors if causal else classification_tensors,
+        shuffle_rows=d.shuffle_rows,
+        key=key,
+    )
 
 
 class Rows:
@@ -137,7 +157,9 @@ def from_dataset(cfg: Config, dataset: Any, name: str) -> Rows:
     wanted = [("data.text_column", d.text_column)] + ([] if causal else [("data.label_column", d.label_column)])
     for key, column in wanted:
         if columns and column not in columns:
-            raise ConfigError(f"{key} = {column!r}: no such column in the {name} dataset (it has: {', '.join(columns)})")
+            raise ConfigError(
+                f"{key} = {column!r}: no such column in the {name} dataset (it has: {', '.join(columns)})"
+            )
     batch = {d.text_column: dataset[d.text_column]}
     if not causal:
         batch[d.label_column] = dataset[d.label_column]

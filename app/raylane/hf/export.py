@@ -35,8 +35,9 @@ def is_transformers(model: Any) -> bool:
     return is_peft(model) and isinstance(model.get_base_model(), PreTrainedModel)
 
 
-def export_hf(model: Any, tokenizer: Any, out_dir: str | Path, adapter_only: bool = False,
-              max_shard_size: str | int = "5GB") -> Path:
+def export_hf(
+    model: Any, tokenizer: Any, out_dir: str | Path, adapter_only: bool = False, max_shard_size: str | int = "5GB"
+) -> Path:
     """Write `model` (a PreTrainedModel, or a peft model: merged into its base unless
     `adapter_only`) and `tokenizer` (or None) into `out_dir` with `save_pretrained`. A peft model
     is merged in place: the object is the export's afterwards, not the run's."""
@@ -44,8 +45,9 @@ def export_hf(model: Any, tokenizer: Any, out_dir: str | Path, adapter_only: boo
     if adapter_only and not is_peft(model):
         raise ValueError("--adapter-only: the checkpoint's model has no adapter (it was fine-tuned in full)")
     if not is_transformers(model):
-        raise ValueError(f"--format hf: the checkpoint's model is a {type(model).__name__}, not a transformers "
-                         "PreTrainedModel")
+        raise ValueError(
+            f"--format hf: the checkpoint's model is a {type(model).__name__}, not a transformers PreTrainedModel"
+        )
     out.mkdir(parents=True, exist_ok=True)
     if adapter_only:
         model.save_pretrained(str(out))  # adapter_config.json and adapter_model.safetensors
@@ -120,8 +122,9 @@ def _hub_offline() -> Iterator[None]:
         hub.HF_HUB_OFFLINE = was
 
 
-def log_mlflow_model(model: Any, tokenizer: Any, example: Any, *, name: str = "model",
-                     registered_model_name: str | None = None) -> Any:
+def log_mlflow_model(
+    model: Any, tokenizer: Any, example: Any, *, name: str = "model", registered_model_name: str | None = None
+) -> Any:
     """Log `model` (a LoRA run merged into its base) with its tokenizer into the active MLflow
     run with the transformers flavour, which `mlflow.pyfunc.load_model(uri).predict([text])`
     serves: text-generation for a causal LM, text-classification for a classifier. Returns the
@@ -145,7 +148,12 @@ def log_mlflow_model(model: Any, tokenizer: Any, example: Any, *, name: str = "m
     config = {"max_new_tokens": GENERATE_TOKENS} if task == "text-generation" else None
     with _hub_offline():
         return mlflow.transformers.log_model(
-            {"model": model, "tokenizer": tokenizer}, name=name, task=task, input_example=texts,
-            model_config=config, registered_model_name=registered_model_name,
+            {"model": model, "tokenizer": tokenizer},
+            name=name,
+            task=task,
+            input_example=texts,
+            model_config=config,
+            registered_model_name=registered_model_name,
             # Explicit: inferring requirements imports the model in a subprocess (seconds).
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"])
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"],
+        )

@@ -30,8 +30,9 @@ class LoraSection(Section):
     target_modules: list[str] | None = Field(
         None,
         description="Modules to adapt, by the last part of their dotted name (as peft matches them). null: the "
-                    "model's attention projections (the Linear layers of its attention modules: q/k/v/o_proj for "
-                    "LLaMA).")
+        "model's attention projections (the Linear layers of its attention modules: q/k/v/o_proj for "
+        "LLaMA).",
+    )
 
 
 def attention_projections(model: Any) -> list[str]:
@@ -62,20 +63,25 @@ def _targets(model: Any, lora: LoraSection) -> list[str]:
     if lora.target_modules is None:
         targets = attention_projections(model)
         if not targets:
-            raise ConfigError(f"lora.target_modules = None: found no attention projection in {type(model).__name__}; "
-                              "name the modules to adapt, e.g. lora.target_modules=[q_proj,v_proj]")
+            raise ConfigError(
+                f"lora.target_modules = None: found no attention projection in {type(model).__name__}; "
+                "name the modules to adapt, e.g. lora.target_modules=[q_proj,v_proj]"
+            )
         return targets
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     if missing := [t for t in lora.target_modules if t not in names]:
         ours = sorted(attention_projections(model))
         hint = f" (its attention projections: {', '.join(ours)})" if ours else ""
-        raise ConfigError(f"lora.target_modules = {lora.target_modules!r}: {type(model).__name__} has no module "
-                          f"named {missing[0]!r}{hint}")
+        raise ConfigError(
+            f"lora.target_modules = {lora.target_modules!r}: {type(model).__name__} has no module "
+            f"named {missing[0]!r}{hint}"
+        )
     return list(lora.target_modules)
 
 
-def apply_lora(model: Any, lora: LoraSection, *, base: str | None = None,
-               key: str | None = "model.name_or_path") -> Any:
+def apply_lora(
+    model: Any, lora: LoraSection, *, base: str | None = None, key: str | None = "model.name_or_path"
+) -> Any:
     """`model` (a transformers PreTrainedModel with its base weights, or on the meta device)
     wrapped by peft with a LoRA adapter on `lora.target_modules`; every other parameter frozen.
     `base`: where the base weights come from (default: the model's `name_or_path`, which
@@ -84,8 +90,13 @@ def apply_lora(model: Any, lora: LoraSection, *, base: str | None = None,
     from peft import LoraConfig, get_peft_model
 
     base = base if base is not None else str(getattr(model, "name_or_path", "") or "")
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=_targets(model, lora), task_type=_task_type(model))
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=_targets(model, lora),
+        task_type=_task_type(model),
+    )
     wrapped = get_peft_model(model, config)
     set_base(wrapped, {"path": base, "fingerprint": fingerprint(base), **({"key": key} if key else {})})
     return wrapped

@@ -23,7 +23,6 @@ from raylane.hf.config import AUTO_CLASSES, weight_files
 log = logging.getLogger("raylane")
 
 
-
 def empty_model(path: str | Path, task: str = "causal-lm", **config: Any) -> nn.Module:
     """The model saved in `path` (a save_pretrained folder) for `task`, built on the meta device:
     parameters without storage, buffers real (rotary frequencies are in no state dict). `config`:
@@ -84,7 +83,7 @@ def _adapter_init(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torc
         return torch.zeros(shape, dtype=dtype)
     if ".lora_A." in name:
         weight = torch.empty(shape, dtype=dtype)
-        nn.init.kaiming_uniform_(weight, a=5 ** 0.5)
+        nn.init.kaiming_uniform_(weight, a=5**0.5)
         return weight
     return None
 
@@ -96,8 +95,13 @@ def _full_state(model: nn.Module, path: str | Path) -> dict[str, torch.Tensor]:
     # A peft model's names (by name, not class: FSDP2 makes the class one of its own).
     peft = any(name.startswith(_PEFT_PREFIX) for name in names)
     saved = {(_PEFT_PREFIX + k if peft else k): v for k, v in read_weights(path).items()}
-    saved.update({name: saved[_PEFT_PREFIX + _file_name(name)] for name in names
-                  if ".base_layer." in name and _PEFT_PREFIX + _file_name(name) in saved})
+    saved.update(
+        {
+            name: saved[_PEFT_PREFIX + _file_name(name)]
+            for name in names
+            if ".base_layer." in name and _PEFT_PREFIX + _file_name(name) in saved
+        }
+    )
     std = getattr(getattr(model, "config", None), "initializer_range", 0.02)
     ties = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -27,8 +27,16 @@ class DataError(ValueError):
     `value` the bad value (None: the cell is empty or null) and `why` what was expected. The
     reader adds `place`: the file and the row. Without a column, `why` alone says what is wrong."""
 
-    def __init__(self, key: str, *, column: str | None = None, row: int | None = None, value: Any = None,
-                 why: str = "", place: str | None = None) -> None:
+    def __init__(
+        self,
+        key: str,
+        *,
+        column: str | None = None,
+        row: int | None = None,
+        value: Any = None,
+        why: str = "",
+        place: str | None = None,
+    ) -> None:
         super().__init__(key)
         self.key, self.column, self.row, self.value, self.why, self.place = key, column, row, value, why, place
         self.raw: str | None = None  # a null cell's text in the file ('n/a'), where it can be read
@@ -90,8 +98,9 @@ def piece_place(fs: Any, piece: Any) -> str:
     return f"{shown_path(fs, piece.path)} row group {piece.row_group}{rows}"
 
 
-def read_failure(fs: Any, piece: Any, fmt: str, row: int, exc: BaseException, key: str,
-                 columns: list[str] | None) -> DataError:
+def read_failure(
+    fs: Any, piece: Any, fmt: str, row: int, exc: BaseException, key: str, columns: list[str] | None
+) -> DataError:
     """A DataError for a piece that could not be read past its first `row` rows."""
     text = " ".join(str(exc).split())
     conversion = _CSV_CONVERSION.search(text) if fmt == "csv" else None
@@ -99,12 +108,25 @@ def read_failure(fs: Any, piece: Any, fmt: str, row: int, exc: BaseException, ke
         wanted, value = conversion.groups()
         where = find_csv_value(fs, piece.path, columns, value, after=row)
         if where:
-            kind = "a number" if "double" in wanted or "float" in wanted else \
-                "an integer" if "int" in wanted else f"a {wanted}"
-            return DataError(key, column=where[1], value=value, why=f"expected {kind}, as in the rows before it",
-                             place=row_place(fs, piece, where[0]))
-    place = piece_place(fs, piece) if row == 0 or piece.row_group is not None else \
-        f"{shown_path(fs, piece.path)} after row {piece.start + row}"
+            kind = (
+                "a number"
+                if "double" in wanted or "float" in wanted
+                else "an integer"
+                if "int" in wanted
+                else f"a {wanted}"
+            )
+            return DataError(
+                key,
+                column=where[1],
+                value=value,
+                why=f"expected {kind}, as in the rows before it",
+                place=row_place(fs, piece, where[0]),
+            )
+    place = (
+        piece_place(fs, piece)
+        if row == 0 or piece.row_group is not None
+        else f"{shown_path(fs, piece.path)} after row {piece.start + row}"
+    )
     return DataError(key, why=f"cannot be read ({type(exc).__name__}: {text})", place=place)
 
 
@@ -116,8 +138,12 @@ def _raw_csv(fs: Any, path: str, columns: list[str] | None):
     if not columns:
         with fs.open_input_stream(path) as stream:
             columns = pacsv.open_csv(stream).schema.names
-    options = pacsv.ConvertOptions(include_columns=list(columns), column_types=dict.fromkeys(columns, pa.string()),
-                                   strings_can_be_null=False, quoted_strings_can_be_null=False)
+    options = pacsv.ConvertOptions(
+        include_columns=list(columns),
+        column_types=dict.fromkeys(columns, pa.string()),
+        strings_can_be_null=False,
+        quoted_strings_can_be_null=False,
+    )
     with fs.open_input_stream(path) as stream:
         yield from pacsv.open_csv(stream, convert_options=options)
 
@@ -132,8 +158,7 @@ def raw_csv_value(fs: Any, path: str, column: str, row: int) -> str | None:
     return None
 
 
-def find_csv_value(fs: Any, path: str, columns: list[str] | None, value: str,
-                   after: int = 0) -> tuple[int, str] | None:
+def find_csv_value(fs: Any, path: str, columns: list[str] | None, value: str, after: int = 0) -> tuple[int, str] | None:
     """(row from 0, column) of the first cell at or after row `after` whose text is `value`."""
     seen = 0
     try:
@@ -155,8 +180,9 @@ def locate_row(error: DataError, fs: Any, piece: Any, fmt: str, offset: int) -> 
     if error.place is not None:
         return error
     if error.row is None:
-        error.place = piece_place(fs, piece) if offset == 0 else \
-            f"{shown_path(fs, piece.path)} after row {piece.start + offset}"
+        error.place = (
+            piece_place(fs, piece) if offset == 0 else f"{shown_path(fs, piece.path)} after row {piece.start + offset}"
+        )
         return error
     row = offset + error.row
     error.place = row_place(fs, piece, row)

@@ -25,11 +25,30 @@ import torch
 
 # Names raylane logs itself in a window's training metrics and progress: a step's metric may not
 # take one of them.
-RESERVED_METRICS = frozenset({
-    "loss", "lr", "grad_norm", "samples_per_s", "tokens_per_s", "mfu", "epoch", "step", "window", "event",
-    "total_steps", "steps_per_epoch", "max_epochs", "world_size", "resumed_from_step", "resumed_from",
-    "skipped_checkpoints", "strategy", "strategy_reason", "strategy_tags",
-})
+RESERVED_METRICS = frozenset(
+    {
+        "loss",
+        "lr",
+        "grad_norm",
+        "samples_per_s",
+        "tokens_per_s",
+        "mfu",
+        "epoch",
+        "step",
+        "window",
+        "event",
+        "total_steps",
+        "steps_per_epoch",
+        "max_epochs",
+        "world_size",
+        "resumed_from_step",
+        "resumed_from",
+        "skipped_checkpoints",
+        "strategy",
+        "strategy_reason",
+        "strategy_tags",
+    }
+)
 STEP_ROLE = "step(model, batch)"
 
 
@@ -63,8 +82,9 @@ def _moved(x: Any, device: torch.device, non_blocking: bool) -> Any:
         except Exception:  # noqa: BLE001 - a Mapping that cannot be built from a dict: a dict serves
             return moved
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return dataclasses.replace(x, **{f.name: _moved(getattr(x, f.name), device, non_blocking)
-                                         for f in dataclasses.fields(x) if f.init})
+        return dataclasses.replace(
+            x, **{f.name: _moved(getattr(x, f.name), device, non_blocking) for f in dataclasses.fields(x) if f.init}
+        )
     return x
 
 
@@ -101,8 +121,9 @@ def own_loss(output: Any) -> Any:
     return loss
 
 
-def forward_loss(model: Any, batch: Any, loss_fn: Callable | None = None,
-                 step: Callable | None = None) -> tuple[Any, Any, dict[str, Any]]:
+def forward_loss(
+    model: Any, batch: Any, loss_fn: Callable | None = None, step: Callable | None = None
+) -> tuple[Any, Any, dict[str, Any]]:
     """(loss, output, metrics) of one batch already on the model's device, in whichever of the
     three forms it comes; output is None for a `step`. Unspecialised: for the loop's side uses
     (evaluation, the memory estimate, autotune's probe); training goes through `Forward`."""
@@ -165,16 +186,20 @@ class Forward:
     def _specialised(self, form: str, plain: bool) -> Callable[[Any, Any], tuple[Any, dict[str, Any] | None]]:
         device, non_blocking = self.device, self.device.type == "cuda"
         if plain:  # a pair of tensors costs what it cost before: two .to() and two calls
+
             def pair(model: Any, batch: Any) -> tuple[Any, None]:
                 source, target = batch
                 output = model(source.to(device, non_blocking=non_blocking))
                 if self.loss_fn is not None:
                     return self.loss_fn(output, target.to(device, non_blocking=non_blocking)), None
                 return own_loss(output), None
+
             return pair
         if form == "step":
+
             def stepped(model: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
                 return split_step(self.step(model, _moved(batch, device, non_blocking)))
+
             return stepped
 
         def other(model: Any, batch: Any) -> tuple[Any, None]:
@@ -183,6 +208,7 @@ class Forward:
             if self.loss_fn is not None:
                 return self.loss_fn(output, batch[1] if form == "pair" else batch), None
             return own_loss(output), None
+
         return other
 
 
@@ -210,6 +236,7 @@ class StepMetrics:
 
 # -- the first batch's checks ------------------------------------------------------------------
 
+
 def _unwrapped(model: Any) -> Any:
     model = getattr(model, "module", model)  # DDP
     return getattr(model, "_orig_mod", model)  # torch.compile's wrapper
@@ -233,7 +260,8 @@ def check_keys(model: Any, batch: Mapping) -> None:
     what = f"takes no {_listed(unknown)}" if unknown else f"requires {_listed(missing)}, not in the batch"
     raise BatchFormError(
         f"the batch is a dict, passed as model(**batch), and the model's forward {what}: the batch's keys are "
-        f"[{', '.join(keys)}], forward's parameters ({', '.join(named)}) (at {_defined_at(model)})")
+        f"[{', '.join(keys)}], forward's parameters ({', '.join(named)}) (at {_defined_at(model)})"
+    )
 
 
 def _listed(names: list[str]) -> str:
@@ -263,7 +291,8 @@ def checked_own_loss(output: Any, model: Any) -> Any:
         raise BatchFormError(
             f"the model's output is {describe(output)}, with no loss, and the pipeline gives no loss_fn: expected "
             "output.loss, output['loss'] or a one-number tensor, or give loss_fn(output, batch) "
-            f"(the model's forward at {_defined_at(model)})")
+            f"(the model's forward at {_defined_at(model)})"
+        )
     if (problem := loss_problem(loss)) is not None:
         raise BatchFormError(f"the model's own loss is {problem} (the model's forward at {_defined_at(model)})")
     return loss
@@ -286,17 +315,25 @@ def check_step(out: Any, at: str) -> tuple[Any, dict[str, Any]]:
     loss, metrics = split_step(out)
     paired = isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], dict)
     if not isinstance(loss, torch.Tensor) or (isinstance(out, (tuple, list)) and not paired):
-        raise BatchFormError(f"{STEP_ROLE} returned {describe(out)}: expected the loss (a one-number tensor) "
-                             f"or (loss, {{metric: value}}) (at {at})")
+        raise BatchFormError(
+            f"{STEP_ROLE} returned {describe(out)}: expected the loss (a one-number tensor) "
+            f"or (loss, {{metric: value}}) (at {at})"
+        )
     if (problem := loss_problem(loss)) is not None:
         raise BatchFormError(f"{STEP_ROLE} returned a loss that is {problem} (at {at})")
-    wrong = [k for k, v in metrics.items() if not isinstance(v, (torch.Tensor, int, float))
-             or (isinstance(v, torch.Tensor) and v.numel() != 1)]
+    wrong = [
+        k
+        for k, v in metrics.items()
+        if not isinstance(v, (torch.Tensor, int, float)) or (isinstance(v, torch.Tensor) and v.numel() != 1)
+    ]
     if wrong:
-        raise BatchFormError(f"{STEP_ROLE} returned metric {_listed(wrong)} as {describe(metrics[wrong[0]])}: "
-                             f"expected a number or a one-number tensor (at {at})")
+        raise BatchFormError(
+            f"{STEP_ROLE} returned metric {_listed(wrong)} as {describe(metrics[wrong[0]])}: "
+            f"expected a number or a one-number tensor (at {at})"
+        )
     taken = sorted(set(map(str, metrics)) & RESERVED_METRICS)
     if taken:
-        raise BatchFormError(f"{STEP_ROLE} returned metric {_listed(taken)}, a name raylane logs itself: "
-                             f"rename it (at {at})")
+        raise BatchFormError(
+            f"{STEP_ROLE} returned metric {_listed(taken)}, a name raylane logs itself: rename it (at {at})"
+        )
     return loss, metrics

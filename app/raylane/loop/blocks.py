@@ -50,7 +50,9 @@ def given_blocks(model: nn.Module, given: Any) -> list[nn.Module]:
             raise TypeError(f"blocks = {given!r} is a {type(found).__name__}, not a ModuleList or Sequential")
         return list(found)
     if not isinstance(given, (list, tuple, *CONTAINERS)):
-        raise TypeError(f"blocks is {type(given).__name__}, not a list of the model's modules or the dotted path of a ModuleList")
+        raise TypeError(
+            f"blocks is {type(given).__name__}, not a list of the model's modules or the dotted path of a ModuleList"
+        )
     modules = list(given)
     own = {id(m) for m in model.modules()}
     for i, module in enumerate(modules):

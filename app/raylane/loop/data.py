@@ -66,15 +66,18 @@ class GlobalOrderSampler(Sampler[int]):
     dropped. The position is a number of steps, so a run resumed on another world size, with
     the same samples per step, continues at the same sample: none skipped, none repeated."""
 
-    def __init__(self, n: int, *, samples_per_step: int, batch_size: int, rank: int, world_size: int,
-                 seed: int) -> None:
+    def __init__(
+        self, n: int, *, samples_per_step: int, batch_size: int, rank: int, world_size: int, seed: int
+    ) -> None:
         self.n, self.samples_per_step, self.batch_size = n, samples_per_step, batch_size
         self.per_rank = samples_per_step // world_size
         self.rank, self.seed = rank, seed
         self.steps = n // samples_per_step
         if self.steps == 0:
-            raise ValueError(f"train.global_batch = {samples_per_step}: more than the {n} training samples; "
-                             "an epoch would have no step")
+            raise ValueError(
+                f"train.global_batch = {samples_per_step}: more than the {n} training samples; "
+                "an epoch would have no step"
+            )
         self.epoch, self.skip_steps = 0, 0
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
@@ -108,8 +111,9 @@ class EpochLoader(DataLoader):
 
     epochs_alike = True
 
-    def __init__(self, dataset: Dataset, *, sampler: Sampler[int], batch_size: int, seed: int, rank: int,
-                 **options: Any) -> None:
+    def __init__(
+        self, dataset: Dataset, *, sampler: Sampler[int], batch_size: int, seed: int, rank: int, **options: Any
+    ) -> None:
         super().__init__(**_batching(dataset, sampler, batch_size, (seed, rank, 0), options))
         self.order, self.rows_per_batch = sampler, batch_size
         self.batches = self.batch_sampler if isinstance(self.batch_sampler, _SeededBatches) else None
@@ -123,8 +127,9 @@ class EpochLoader(DataLoader):
             self.batches.set_epoch(epoch, skip_batches)
 
 
-def _batching(dataset: Dataset, sampler: Sampler[int], batch_size: int, key: tuple[int, ...],
-              options: dict[str, Any]) -> dict[str, Any]:
+def _batching(
+    dataset: Dataset, sampler: Sampler[int], batch_size: int, key: tuple[int, ...], options: dict[str, Any]
+) -> dict[str, Any]:
     """DataLoader keywords: with workers, batches tagged with `key` (seed, rank, train or
     held-out), the epoch and their place in it, for the worker to seed its generators from."""
     if not options.get("num_workers"):
@@ -186,20 +191,39 @@ class _SeededItems(Dataset):
 
 
 def build_loader(
-    dataset: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool,
-    samples_per_step: int | None = None, collate_fn: Callable[[list[Any]], Any] | None = None,
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    shuffle: bool,
+    samples_per_step: int | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
     options: dict[str, Any] | None = None,
 ) -> EpochLoader:
     sampler: Sampler[int]
     if samples_per_step:
-        sampler = GlobalOrderSampler(len(dataset), samples_per_step=samples_per_step, batch_size=batch_size,
-                                     rank=rank, world_size=world_size, seed=seed)
+        sampler = GlobalOrderSampler(
+            len(dataset),
+            samples_per_step=samples_per_step,
+            batch_size=batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+        )
     else:
         sampler = ResumableSampler(
             dataset, batch_size=batch_size, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed
         )
-    return EpochLoader(dataset, batch_size=batch_size, sampler=sampler, seed=seed, rank=rank,
-                       **loader_options(seed, collate_fn, options))
+    return EpochLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        seed=seed,
+        rank=rank,
+        **loader_options(seed, collate_fn, options),
+    )
 
 
 def is_stream(data: Any) -> bool:
@@ -208,58 +232,105 @@ def is_stream(data: Any) -> bool:
     return isinstance(data, FileSource)
 
 
-def train_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int, samples_per_step: int | None = None,
-               collate_fn: Callable[[list[Any]], Any] | None = None,
-               options: dict[str, Any] | None = None) -> EpochData:
+def train_data(
+    dataset: Any,
+    runtime: Any,
+    *,
+    batch_size: int,
+    seed: int,
+    samples_per_step: int | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    options: dict[str, Any] | None = None,
+) -> EpochData:
     """The training batches of this rank: a map-style dataset's loader, or a FileSource's stream
     (the launcher's, when it made one: Ray Data on Ray; else read here with pyarrow). With
     `samples_per_step` (train.global_batch), the epoch's order is the same at any world size.
     `collate_fn` (the pipeline's) and `options` (`worker_options`) apply to a map-style dataset;
     a stream makes its batches with its FileSource's to_tensors."""
     if not is_stream(dataset):
-        return build_loader(dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size,
-                            seed=seed, shuffle=True, samples_per_step=samples_per_step, collate_fn=collate_fn,
-                            options=options)
+        return build_loader(
+            dataset,
+            batch_size=batch_size,
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+            seed=seed,
+            shuffle=True,
+            samples_per_step=samples_per_step,
+            collate_fn=collate_fn,
+            options=options,
+        )
     if samples_per_step:
-        raise ValueError("train.global_batch: a streaming source's epochs are shared out by file, not by sample; "
-                         "leave train.global_batch unset for it")
+        raise ValueError(
+            "train.global_batch: a streaming source's epochs are shared out by file, not by sample; "
+            "leave train.global_batch unset for it"
+        )
     from raylane.loop.streaming import FileStream
 
     return runtime.data_stream("train", dataset, batch_size=batch_size) or FileStream(
-        dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size, seed=seed)
+        dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size, seed=seed
+    )
 
 
-def eval_data(dataset: Any, runtime: Any, *, batch_size: int, seed: int,
-              collate_fn: Callable[[list[Any]], Any] | None = None,
-              options: dict[str, Any] | None = None, stream: str = "eval") -> Any:
+def eval_data(
+    dataset: Any,
+    runtime: Any,
+    *,
+    batch_size: int,
+    seed: int,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    options: dict[str, Any] | None = None,
+    stream: str = "eval",
+) -> Any:
     """This rank's share of the held-out set, every sample in exactly one rank's share; for
     named sets ({name: dataset}), {name: its share}. `stream`: the launcher's name for a
     streaming set (named sets: "eval.<name>", see raylane.onray.datasets)."""
     if dataset is None:
         return None
     if isinstance(dataset, dict):
-        return {name: eval_data(data, runtime, batch_size=batch_size, seed=seed, collate_fn=collate_fn,
-                                options=options, stream=f"eval.{name}")
-                for name, data in dataset.items()}
+        return {
+            name: eval_data(
+                data,
+                runtime,
+                batch_size=batch_size,
+                seed=seed,
+                collate_fn=collate_fn,
+                options=options,
+                stream=f"eval.{name}",
+            )
+            for name, data in dataset.items()
+        }
     if is_stream(dataset):
         from raylane.loop.streaming import FileEvalStream
 
         return runtime.data_stream(stream, dataset, batch_size=batch_size) or FileEvalStream(
-            dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size)
+            dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size
+        )
     shard = Subset(dataset, shard_indices(len(dataset), runtime.rank, runtime.world_size))
     # With workers, every evaluation loads the same batches alike (random augmentations too),
     # whatever ran before it: a resumed run's evaluations match an uninterrupted run's.
-    return DataLoader(**_batching(shard, SequentialSampler(shard), batch_size, (seed, runtime.rank, 1),
-                                  loader_options(seed, collate_fn, options)))
+    return DataLoader(
+        **_batching(
+            shard,
+            SequentialSampler(shard),
+            batch_size,
+            (seed, runtime.rank, 1),
+            loader_options(seed, collate_fn, options),
+        )
+    )
 
 
-def loader_options(seed: int, collate_fn: Callable[[list[Any]], Any] | None = None,
-                   options: dict[str, Any] | None = None) -> dict[str, Any]:
+def loader_options(
+    seed: int, collate_fn: Callable[[list[Any]], Any] | None = None, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     # Every iter() of a DataLoader draws a seed from its generator: a private one keeps the global
     # RNG (dropout) on the same sequence whether or not an epoch was resumed part-way. No options:
     # batches are loaded in the rank's own process.
-    return {"num_workers": 0, **(options or {}), "collate_fn": collate_fn,
-            "generator": torch.Generator().manual_seed(seed)}
+    return {
+        "num_workers": 0,
+        **(options or {}),
+        "collate_fn": collate_fn,
+        "generator": torch.Generator().manual_seed(seed),
+    }
 
 
 def worker_options(loader: Any, device: torch.device) -> dict[str, Any]:
@@ -270,8 +341,10 @@ def worker_options(loader: Any, device: torch.device) -> dict[str, Any]:
     workers = loader.num_workers
     if workers == "auto":
         workers = min(4, max(0, cores() // local_world_size() - 1)) if gpu else 0
-    options: dict[str, Any] = {"num_workers": workers,
-                               "pin_memory": gpu if loader.pin_memory is None else loader.pin_memory}
+    options: dict[str, Any] = {
+        "num_workers": workers,
+        "pin_memory": gpu if loader.pin_memory is None else loader.pin_memory,
+    }
     if workers:
         options["persistent_workers"] = True if loader.persistent_workers is None else loader.persistent_workers
         if loader.prefetch_factor is not None:

@@ -31,9 +31,7 @@ def init_process_group(use_gpu: bool, timeout_s: float = 300.0) -> None:
     """Join the group torchrun describes in the environment (Ray Train has already done it)."""
     _, _, world_size = env_ranks()
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(
-            backend="nccl" if use_gpu else "gloo", timeout=_dt.timedelta(seconds=timeout_s)
-        )
+        dist.init_process_group(backend="nccl" if use_gpu else "gloo", timeout=_dt.timedelta(seconds=timeout_s))
 
 
 def leave_process_group(wait_for_peers: bool) -> None:
@@ -113,7 +111,7 @@ class ControlVote:
         buffer = torch.tensor([float(bool(f)) for f in flags] + [float(v) for v in values], dtype=torch.float64)
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
         reduced = buffer.tolist()
-        return [v > 0 for v in reduced[: len(flags)]], reduced[len(flags):]
+        return [v > 0 for v in reduced[: len(flags)]], reduced[len(flags) :]
 
     def close(self) -> None:
         """Nothing is left in flight (kept for callers that drain at the end)."""

@@ -37,11 +37,15 @@ class EarlyStopping:
             return self.stopped
         if c.metric not in metrics:  # the same metrics on every rank (all-reduced): every rank raises
             reported = ", ".join(sorted(metrics)) or "none: the pipeline gives no eval_set"
-            raise EarlyStoppingMetricError(f"train.early_stopping.metric = {c.metric!r}: not a held-out metric of "
-                                           f"this run; the evaluation at step {step} reported {reported}")
+            raise EarlyStoppingMetricError(
+                f"train.early_stopping.metric = {c.metric!r}: not a held-out metric of "
+                f"this run; the evaluation at step {step} reported {reported}"
+            )
         value = float(metrics[c.metric])
         better = math.isfinite(value) and (
-            self.best is None or (value < self.best - c.min_delta if c.mode == "min" else value > self.best + c.min_delta))
+            self.best is None
+            or (value < self.best - c.min_delta if c.mode == "min" else value > self.best + c.min_delta)
+        )
         if better:
             self.best, self.best_step, self.since_best = value, step, 0
             return False
@@ -50,13 +54,20 @@ class EarlyStopping:
             what = "decrease" if c.mode == "min" else "increase"
             by = f" by more than {c.min_delta:g}" if c.min_delta else ""
             best = f"best {self.best:.4g} at step {self.best_step}" if self.best is not None else "no finite value"
-            self.reason = (f"early stopping: {c.metric} did not {what}{by} for {self.since_best} evaluation"
-                           f"{'s' if self.since_best > 1 else ''} ({best})")
+            self.reason = (
+                f"early stopping: {c.metric} did not {what}{by} for {self.since_best} evaluation"
+                f"{'s' if self.since_best > 1 else ''} ({best})"
+            )
         return self.stopped
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "best_step": self.best_step, "since_best": self.since_best, "reason": self.reason,
-                "metric": getattr(self.cfg, "metric", None)}
+        return {
+            "best": self.best,
+            "best_step": self.best_step,
+            "since_best": self.since_best,
+            "reason": self.reason,
+            "metric": getattr(self.cfg, "metric", None),
+        }
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if not state:

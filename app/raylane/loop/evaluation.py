@@ -36,9 +36,17 @@ class Evaluator:
     that dividing by the total count gives the exact average. The count is the batch's samples,
     or `count(batch)`'s units (the pipeline's eval_count: tokens, say)."""
 
-    def __init__(self, data: Iterable[Any], sums: Callable[..., dict[str, torch.Tensor]] | None,
-                 device: torch.device, world_size: int, *, loss_fn: Callable | None = None,
-                 step: Callable | None = None, count: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        data: Iterable[Any],
+        sums: Callable[..., dict[str, torch.Tensor]] | None,
+        device: torch.device,
+        world_size: int,
+        *,
+        loss_fn: Callable | None = None,
+        step: Callable | None = None,
+        count: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.data, self.sums, self.device, self.world_size = data, sums, device, world_size
         self.loss_fn, self.step, self.count = loss_fn, step, count
         self._names: list[str] | None = None
@@ -93,8 +101,9 @@ class Evaluator:
             except Exception as exc:  # noqa: BLE001 - reading the data failed: every rank must learn of it
                 batch, self._share_failure = None, exc
             if sharded:
-                vote = all_reduce_max({"more": float(batch is not None), "failed": float(self._share_failure is not None)},
-                                      self.device)
+                vote = all_reduce_max(
+                    {"more": float(batch is not None), "failed": float(self._share_failure is not None)}, self.device
+                )
                 if not vote["more"] or vote["failed"]:
                     return
                 if batch is None:
@@ -102,7 +111,8 @@ class Evaluator:
                         self._share_failure = EvaluationFailed(
                             "this rank's share of the held-out set is empty while another's is not: a sharded "
                             "model (FSDP) needs a batch on every rank; give the held-out set at least as many "
-                            "files (or rows) as there are ranks")
+                            "files (or rows) as there are ranks"
+                        )
                         continue  # the next vote, which says so, stops every rank
                     yield _Repeat(last)
                     continue
@@ -118,9 +128,10 @@ class Evaluator:
         loss, output, metrics = forward_loss(module, batch, self.loss_fn, self.step)
         if loss is None:
             checked_own_loss(output, module)  # the output has no loss: say so
-        return {"loss": loss.detach().float() * n,
-                **{k: (v.detach().float() if isinstance(v, torch.Tensor) else float(v)) * n
-                   for k, v in metrics.items()}}
+        return {
+            "loss": loss.detach().float() * n,
+            **{k: (v.detach().float() if isinstance(v, torch.Tensor) else float(v)) * n for k, v in metrics.items()},
+        }
 
     def _failed_rank(self, failure: Exception | None = None) -> str:
         """Collective, once evaluation failed somewhere: 'rank N: Type: message' of the first
@@ -172,8 +183,10 @@ def set_names_problem(eval_set: Any) -> str | None:
         return "an empty dict as eval_set: give None for no held-out set, or {name: dataset}"
     for name, data in eval_set.items():
         if not isinstance(name, str) or not SET_NAME.fullmatch(name):
-            return (f"an eval_set named {name!r}: a held-out set's name is letters, digits, '_' or '-' "
-                    "(its metrics are logged as <name>/<metric>)")
+            return (
+                f"an eval_set named {name!r}: a held-out set's name is letters, digits, '_' or '-' "
+                "(its metrics are logged as <name>/<metric>)"
+            )
         if data is None:
             return f"an eval_set whose set {name!r} is None"
     return None

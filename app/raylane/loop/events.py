@@ -144,5 +144,18 @@ class Round:
     outcome: dict[str, Any]
 
 
-Event = (Start | FirstStep | Progress | Eval | Checkpoint | CheckpointFailed | Log | Handover | End | Startup
-         | SearchStart | Candidate | Round)
+Event = (
+    Start
+    | FirstStep
+    | Progress
+    | Eval
+    | Checkpoint
+    | CheckpointFailed
+    | Log
+    | Handover
+    | End
+    | Startup
+    | SearchStart
+    | Candidate
+    | Round
+)

@@ -79,8 +79,14 @@ def parse(text: str) -> list[Fault]:
         fields = dict(p.split("=", 1) for p in params.split(",") if "=" in p)
         if kind not in KINDS or ("batch" if kind == "oom" else "step") not in fields:
             raise ValueError(f"{ENV}: cannot parse {item!r} (expected e.g. raise@rank=1,step=5 or oom@rank=1,batch=32)")
-        faults.append(Fault(kind, int(fields.get("step", -1)), int(fields["rank"]) if "rank" in fields else None,
-                            int(fields["batch"]) if "batch" in fields else None))
+        faults.append(
+            Fault(
+                kind,
+                int(fields.get("step", -1)),
+                int(fields["rank"]) if "rank" in fields else None,
+                int(fields["batch"]) if "batch" in fields else None,
+            )
+        )
     return faults
 
 

@@ -34,8 +34,9 @@ class Piece:
     start: int = 0  # the file's rows before this piece's first (Parquet: earlier row groups)
 
 
-def list_files(paths: str | Sequence[str], fmt: str, field: str = "paths",
-               quick: bool = False) -> tuple[pafs.FileSystem, list[str]]:
+def list_files(
+    paths: str | Sequence[str], fmt: str, field: str = "paths", quick: bool = False
+) -> tuple[pafs.FileSystem, list[str]]:
     """(filesystem, sorted file paths inside it) for files, directories (searched recursively,
     keeping the format's extensions) and globs. Raises ValueError naming `field` and the entry.
     `quick`: for a check before the run, object storage without the SDK's retries."""
@@ -71,8 +72,13 @@ def _expand(fs: pafs.FileSystem, path: str, fmt: str) -> list[str]:
     infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
     wanted = EXTENSIONS[fmt]
     # Hidden and underscore files are writers' bookkeeping (_SUCCESS, .crc), as Spark and Ray skip them.
-    return [i.path for i in infos if i.type == pafs.FileType.File and not Path(i.path).name.startswith(("_", "."))
-            and (not wanted or i.path.endswith(wanted))]
+    return [
+        i.path
+        for i in infos
+        if i.type == pafs.FileType.File
+        and not Path(i.path).name.startswith(("_", "."))
+        and (not wanted or i.path.endswith(wanted))
+    ]
 
 
 def pieces(fs: pafs.FileSystem, files: Sequence[str], fmt: str, key: str = "paths") -> list[Piece]:
@@ -88,8 +94,11 @@ def pieces(fs: pafs.FileSystem, files: Sequence[str], fmt: str, key: str = "path
         try:
             meta = pq.read_metadata(f, filesystem=fs)
         except (pa.ArrowException, OSError) as exc:
-            raise baddata.DataError(key, place=baddata.shown_path(fs, f), why="not a readable Parquet file "
-                                    f"({type(exc).__name__}: {' '.join(str(exc).split())})") from exc
+            raise baddata.DataError(
+                key,
+                place=baddata.shown_path(fs, f),
+                why=f"not a readable Parquet file ({type(exc).__name__}: {' '.join(str(exc).split())})",
+            ) from exc
         start = 0
         for i in range(meta.num_row_groups):
             out.append(Piece(f, i, meta.row_group(i).num_rows, start))
@@ -97,8 +106,14 @@ def pieces(fs: pafs.FileSystem, files: Sequence[str], fmt: str, key: str = "path
     return out
 
 
-def checked_chunks(fs: pafs.FileSystem, piece: Piece, fmt: str, columns: Sequence[str] | None,
-                   transform: Callable[[dict], dict] | None, key: str) -> Iterator[dict[str, np.ndarray]]:
+def checked_chunks(
+    fs: pafs.FileSystem,
+    piece: Piece,
+    fmt: str,
+    columns: Sequence[str] | None,
+    transform: Callable[[dict], dict] | None,
+    key: str,
+) -> Iterator[dict[str, np.ndarray]]:
     """read_chunks, then `transform`, with the place of any failure: a read error is a DataError
     naming the file (and the row group), a transform's DataError gets its file and row, and
     any other exception of the transform (the user's code) a note with the rows it was given."""
@@ -119,8 +134,10 @@ def checked_chunks(fs: pafs.FileSystem, piece: Piece, fmt: str, columns: Sequenc
                 raise
             except Exception as exc:
                 if hasattr(exc, "add_note"):  # Python 3.11+: raylane.loop.usercode shows it
-                    exc.add_note(f"reading {baddata.shown_path(fs, piece.path)} rows {piece.start + row + 1}-"
-                                 f"{piece.start + row + n}")
+                    exc.add_note(
+                        f"reading {baddata.shown_path(fs, piece.path)} rows {piece.start + row + 1}-"
+                        f"{piece.start + row + n}"
+                    )
                 raise
         yield chunk
         row += n
@@ -134,8 +151,9 @@ def schema_names(fs: pafs.FileSystem, path: str, fmt: str, key: str = "paths") -
     return list(first) if first is not None else []
 
 
-def read_chunks(fs: pafs.FileSystem, piece: Piece, fmt: str,
-                columns: Sequence[str] | None) -> Iterator[dict[str, np.ndarray]]:
+def read_chunks(
+    fs: pafs.FileSystem, piece: Piece, fmt: str, columns: Sequence[str] | None
+) -> Iterator[dict[str, np.ndarray]]:
     """The piece's rows as dicts of numpy arrays, in file order, in the reader's own chunks."""
     if fmt == "parquet":
         import pyarrow.parquet as pq
@@ -162,7 +180,9 @@ def read_chunks(fs: pafs.FileSystem, piece: Piece, fmt: str,
 
 
 def _numpy(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
-    return {name: col.to_numpy(zero_copy_only=False) for name, col in zip(batch.schema.names, batch.columns)}
+    return {
+        name: col.to_numpy(zero_copy_only=False) for name, col in zip(batch.schema.names, batch.columns, strict=True)
+    }
 
 
 def _text_chunks(fs: pafs.FileSystem, path: str) -> Iterator[dict[str, np.ndarray]]:

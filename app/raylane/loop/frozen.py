@@ -90,8 +90,10 @@ def base_mismatch(path: str | os.PathLike, recorded: dict[str, Any] | None, mode
     if recorded is None and here is None:
         return None
     if recorded is None or here is None:
-        return (f"checkpoint {path} holds {'a whole model' if recorded is None else 'an adapter only'}, and this "
-                f"run's model {'is trained on a frozen base' if recorded is None else 'is whole'}")
+        return (
+            f"checkpoint {path} holds {'a whole model' if recorded is None else 'an adapter only'}, and this "
+            f"run's model {'is trained on a frozen base' if recorded is None else 'is whole'}"
+        )
     if recorded.get("fingerprint") == here.get("fingerprint"):
         return None
     return f"checkpoint {path} was trained on base {describe(recorded)}; this run's base is {describe(here)}"

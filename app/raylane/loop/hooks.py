@@ -91,10 +91,16 @@ class Hooks:
     def context(self, **extra: Any) -> HookContext:
         """The context now; `extra` sets its other fields (a checkpoint's step and location)."""
         t = self.trainer
-        fields = {"rank": t.runtime.rank, "world_size": t.runtime.world_size, "step": t.step, "epoch": t.epoch,
-                  "model": getattr(t.model, "module", t.model),  # DDP's wrapped model
-                  "optimizer": t.optimizer, "_evaluate": t.evaluate_now,
-                  "_log": t.reporter.log_metrics if t.reporter.active else None}
+        fields = {
+            "rank": t.runtime.rank,
+            "world_size": t.runtime.world_size,
+            "step": t.step,
+            "epoch": t.epoch,
+            "model": getattr(t.model, "module", t.model),  # DDP's wrapped model
+            "optimizer": t.optimizer,
+            "_evaluate": t.evaluate_now,
+            "_log": t.reporter.log_metrics if t.reporter.active else None,
+        }
         return HookContext(**{**fields, **extra})
 
     def call(self, method: str, **extra: Any) -> None:

@@ -23,8 +23,13 @@ log = logging.getLogger("raylane")
 # Modules whose every parameter is a normalization's scale or shift: torch's own, and (by name)
 # a model's own RMSNorm/LayerNorm classes (Hugging Face's LlamaRMSNorm, T5LayerNorm). Their
 # parameters are 1-D in every model we know; the type check covers a 2-D one all the same.
-_NORMS = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm,
-          torch.nn.LocalResponseNorm)
+_NORMS = (
+    torch.nn.modules.batchnorm._NormBase,
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.RMSNorm,
+    torch.nn.LocalResponseNorm,
+)
 
 
 _NORM_NAME = re.compile(r"Norm(\d+d)?$")
@@ -49,8 +54,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float, decay_norm_and_bia
     plain = [p for p in params if p.ndim < 2 or id(p) in of_norms]
     kept = {id(p) for p in plain}
     decayed = [p for p in params if id(p) not in kept]
-    return [g for g in ({"params": decayed, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0})
-            if g["params"]]
+    return [
+        g
+        for g in ({"params": decayed, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0})
+        if g["params"]
+    ]
 
 
 def _fused(optimizer_cls: type, groups: list[dict], **options: Any) -> torch.optim.Optimizer:
@@ -93,16 +101,16 @@ def lr_factor(step: int, o: OptimSection, total_steps: int) -> float:
         return (step + 1) / warmup
     if o.schedule == "constant":
         return 1.0
-    start = max(total_steps - max(round(o.decay_fraction * total_steps), 1), warmup) if o.schedule == "wsd" \
-        else warmup
+    start = max(total_steps - max(round(o.decay_fraction * total_steps), 1), warmup) if o.schedule == "wsd" else warmup
     span = max(total_steps - start, 1)
     progress = min(max(step - start, 0), span) / span
     left = 0.5 * (1 + math.cos(math.pi * progress)) if o.schedule == "cosine" else 1 - progress
     return o.min_lr_ratio + (1 - o.min_lr_ratio) * left
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: BaseConfig, total_steps: int,
-                    pipe: Any = None) -> torch.optim.lr_scheduler.LRScheduler | None:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: BaseConfig, total_steps: int, pipe: Any = None
+) -> torch.optim.lr_scheduler.LRScheduler | None:
     """The pipeline's `scheduler(optimizer, cfg, total_steps)` where it gives one (its return
     checked; None: a constant lr), else raylane's (None for a constant lr without warmup)."""
     own = getattr(pipe, "scheduler", None)
@@ -133,11 +141,15 @@ def schedule_note(cfg: BaseConfig, total_steps: int, pipe: Any = None) -> str | 
     if getattr(pipe, "scheduler", None) is not None or (o.schedule == "constant" and not o.warmup_steps):
         return None
     if o.warmup_steps >= total_steps:
-        return (f"optim.warmup_steps = {o.warmup_steps}: the run has {total_steps} steps, all of them in the "
-                "warmup (the lr never reaches optim.lr)")
+        return (
+            f"optim.warmup_steps = {o.warmup_steps}: the run has {total_steps} steps, all of them in the "
+            "warmup (the lr never reaches optim.lr)"
+        )
     decay = max(round(o.decay_fraction * total_steps), 1)
     if o.schedule == "wsd" and o.warmup_steps + decay > total_steps:
-        return (f"optim.schedule = 'wsd': optim.warmup_steps {o.warmup_steps} and the decay's {decay} steps "
-                f"(optim.decay_fraction {o.decay_fraction}) are more than the run's {total_steps}: the decay starts "
-                f"when the warmup ends and lasts {total_steps - o.warmup_steps} steps")
+        return (
+            f"optim.schedule = 'wsd': optim.warmup_steps {o.warmup_steps} and the decay's {decay} steps "
+            f"(optim.decay_fraction {o.decay_fraction}) are more than the run's {total_steps}: the decay starts "
+            f"when the warmup ends and lasts {total_steps - o.warmup_steps} steps"
+        )
     return None

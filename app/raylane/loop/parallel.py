@@ -51,8 +51,9 @@ def _nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-def activation_bytes(model: nn.Module, example: Any, loss_fn, checkpointed: bool = False, step=None,
-                     blocks: Any = None) -> int:
+def activation_bytes(
+    model: nn.Module, example: Any, loss_fn, checkpointed: bool = False, step=None, blocks: Any = None
+) -> int:
     """Bytes autograd keeps for backward from one forward and loss at the example batch's size
     (any of the three forms, raylane.loop.batches), measured on a copy on the meta device:
     shapes only, no memory, no compute. With activation checkpointing, each block keeps only its
@@ -79,6 +80,7 @@ def activation_bytes(model: nn.Module, example: Any, loss_fn, checkpointed: bool
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             where[0] = i
             inputs.append(sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)))
+
         return hook
 
     for i, block in enumerate(blocks):
@@ -93,8 +95,9 @@ def activation_bytes(model: nn.Module, example: Any, loss_fn, checkpointed: bool
     return outside + sum(per_block)
 
 
-def estimate_memory(model: nn.Module, cfg: BaseConfig, world_size: int,
-                    example: Any, loss_fn, step=None, blocks: Any = None) -> dict[str, int]:
+def estimate_memory(
+    model: nn.Module, cfg: BaseConfig, world_size: int, example: Any, loss_fn, step=None, blocks: Any = None
+) -> dict[str, int]:
     """Per-rank bytes under DDP and under FSDP: parameters, gradients, optimizer state and the
     activations of one micro-batch (plus DDP's gradient buckets, FSDP's gathered blocks). A
     model or step the meta device cannot run is estimated without its activations."""
@@ -106,11 +109,15 @@ def estimate_memory(model: nn.Module, cfg: BaseConfig, world_size: int,
     blocks = blocks_of(model, blocks)
     if example is not None:
         try:
-            acts = activation_bytes(model, example, loss_fn, checkpointed=cfg.train.activation_checkpointing,
-                                    step=step, blocks=blocks)
+            acts = activation_bytes(
+                model, example, loss_fn, checkpointed=cfg.train.activation_checkpointing, step=step, blocks=blocks
+            )
         except Exception as exc:  # noqa: BLE001 - an op with no meta kernel, a step that reads values
-            log.debug("the memory estimate leaves out activations: the model does not run on the meta device "
-                      "(%s: %s)", type(exc).__name__, exc)
+            log.debug(
+                "the memory estimate leaves out activations: the model does not run on the meta device (%s: %s)",
+                type(exc).__name__,
+                exc,
+            )
     if cfg.train.precision != "fp32":
         acts //= 2  # roughly: autocast keeps most activations in 16 bits
     largest_block = max((_nbytes(b.parameters()) for b in blocks), default=params)
@@ -122,8 +129,16 @@ def estimate_memory(model: nn.Module, cfg: BaseConfig, world_size: int,
     }
 
 
-def choose_strategy(cfg: BaseConfig, device: torch.device, world_size: int, model: nn.Module,
-                    example: Any, loss_fn, step=None, blocks: Any = None) -> Strategy:
+def choose_strategy(
+    cfg: BaseConfig,
+    device: torch.device,
+    world_size: int,
+    model: nn.Module,
+    example: Any,
+    loss_fn,
+    step=None,
+    blocks: Any = None,
+) -> Strategy:
     if world_size == 1:
         return Strategy("single", reason="one rank")
     nodes = _nodes(world_size)
@@ -136,8 +151,10 @@ def choose_strategy(cfg: BaseConfig, device: torch.device, world_size: int, mode
     budget = device_memory_bytes(device, cfg.scaling.device_memory_gb, local_world_size())
     estimate["device"] = budget
     fits = estimate["ddp"] <= AUTO_MARGIN * budget
-    why = (f"auto: DDP needs ~{estimate['ddp'] / GIB:.2f} GiB per rank, FSDP ~{estimate['fsdp'] / GIB:.2f} GiB, "
-           f"of {budget / GIB:.2f} GiB per device ({AUTO_MARGIN:.0%} usable)")
+    why = (
+        f"auto: DDP needs ~{estimate['ddp'] / GIB:.2f} GiB per rank, FSDP ~{estimate['fsdp'] / GIB:.2f} GiB, "
+        f"of {budget / GIB:.2f} GiB per device ({AUTO_MARGIN:.0%} usable)"
+    )
     if fits:
         return Strategy("ddp", (world_size,), reason=why, estimate=estimate)
     return Strategy(*sharded, reason=why, estimate=estimate)
@@ -169,9 +186,18 @@ def prepare_blocks(model: nn.Module, cfg: BaseConfig, blocks: Any = None) -> Non
             part.compile()  # in place: parameter names (and checkpoints) stay as they are
 
 
-def parallelize(model: nn.Module, cfg: BaseConfig, device: torch.device, world_size: int, *,
-                example: Any = None, loss_fn=None, step=None, blocks: Any = None,
-                blocks_prepared: bool = False) -> tuple[nn.Module, Strategy]:
+def parallelize(
+    model: nn.Module,
+    cfg: BaseConfig,
+    device: torch.device,
+    world_size: int,
+    *,
+    example: Any = None,
+    loss_fn=None,
+    step=None,
+    blocks: Any = None,
+    blocks_prepared: bool = False,
+) -> tuple[nn.Module, Strategy]:
     """(the model ready to train on this rank, the strategy chosen). `blocks`: the pipeline's
     (None: found in the model). `blocks_prepared`: the caller already ran prepare_blocks on it."""
     found = find_blocks(model, blocks)
@@ -194,9 +220,11 @@ _noted: set[str] = set()
 def _note_blocks(model: nn.Module, found: Blocks, strategy: Strategy, cfg: BaseConfig) -> None:
     """The blocks on the strategy (its tags, the terminal's strategy line) where anything uses
     them; with none, one line on rank 0 saying what that means instead, once per process."""
-    effects = {"FSDP shards the whole model as one unit": strategy.name in ("fsdp", "hsdp"),
-               "activation checkpointing recomputes nothing": cfg.train.activation_checkpointing,
-               "compile takes the whole model as one graph": cfg.train.compile}
+    effects = {
+        "FSDP shards the whole model as one unit": strategy.name in ("fsdp", "hsdp"),
+        "activation checkpointing recomputes nothing": cfg.train.activation_checkpointing,
+        "compile takes the whole model as one graph": cfg.train.compile,
+    }
     uses = [what for what, used in effects.items() if used]
     if not uses:
         return
@@ -204,8 +232,10 @@ def _note_blocks(model: nn.Module, found: Blocks, strategy: Strategy, cfg: BaseC
         strategy.blocks = found.describe()
         return
     rank = dist.get_rank() if dist.is_initialized() else 0
-    note = (f"no repeated blocks found in {type(model).__name__}: {', '.join(uses)} (give the pipeline "
-            f"blocks=[...] or blocks='path.to.layers' to choose them; docs/pipelines.md, Blocks)")
+    note = (
+        f"no repeated blocks found in {type(model).__name__}: {', '.join(uses)} (give the pipeline "
+        f"blocks=[...] or blocks='path.to.layers' to choose them; docs/pipelines.md, Blocks)"
+    )
     if rank == 0 and note not in _noted:
         _noted.add(note)
         log.warning(note)
@@ -220,17 +250,23 @@ def _checkpoint_activations(block: nn.Module) -> None:
 
 def _ddp(model: nn.Module, cfg: BaseConfig, device: torch.device) -> DDP:
     s = cfg.strategy
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=s.bucket_cap_mb, gradient_as_bucket_view=s.gradient_as_bucket_view,
-              static_graph=s.static_graph, find_unused_parameters=s.find_unused_parameters)
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=s.bucket_cap_mb,
+        gradient_as_bucket_view=s.gradient_as_bucket_view,
+        static_graph=s.static_graph,
+        find_unused_parameters=s.find_unused_parameters,
+    )
     if s.comm_hook != "none":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         if s.comm_hook == "powersgd":
             # Plain all-reduce for the first steps, as PowerSGD's authors advise. Its error
             # feedback is not checkpointed: a resumed run starts it afresh.
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=s.powersgd_rank,
-                                                start_powerSGD_iter=10)
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=s.powersgd_rank, start_powerSGD_iter=10
+            )
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         else:
             hook = default_hooks.fp16_compress_hook if s.comm_hook == "fp16" else default_hooks.bf16_compress_hook
@@ -238,8 +274,9 @@ def _ddp(model: nn.Module, cfg: BaseConfig, device: torch.device) -> DDP:
     return ddp
 
 
-def _fully_shard(model: nn.Module, blocks: list[nn.Module], cfg: BaseConfig, device: torch.device,
-                 strategy: Strategy) -> nn.Module:
+def _fully_shard(
+    model: nn.Module, blocks: list[nn.Module], cfg: BaseConfig, device: torch.device, strategy: Strategy
+) -> nn.Module:
     """FSDP2 on each block, then the root; a 2-D mesh (replicate across nodes, shard inside
     one) is HSDP."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -73,8 +73,10 @@ def example_batch(pipe: Pipeline, rows: int = 2) -> Any:
     if pipe.example_input is not None:
         return pipe.example_input
     if pipe.step is not None:  # the step alone knows which of a batch's items the model takes
-        raise ValueError("the pipeline gives a step and no example_input: give build(cfg)'s Pipeline an "
-                         f"example_input (the model's inputs for a batch of {rows} rows or more)")
+        raise ValueError(
+            "the pipeline gives a step and no example_input: give build(cfg)'s Pipeline an "
+            f"example_input (the model's inputs for a batch of {rows} rows or more)"
+        )
     for data in (pipe.eval_set, pipe.train_set):
         try:
             items = [data[i] for i in range(rows)]
@@ -83,8 +85,10 @@ def example_batch(pipe: Pipeline, rows: int = 2) -> Any:
             continue
         if (inputs := _model_inputs(batch)) is not None:
             return inputs
-    raise ValueError("the pipeline sets no example_input, and its datasets' first inputs are not tensors of one "
-                     f"shape: give build(cfg)'s Pipeline an example_input (a batch of {rows} rows or more)")
+    raise ValueError(
+        "the pipeline sets no example_input, and its datasets' first inputs are not tensors of one "
+        f"shape: give build(cfg)'s Pipeline an example_input (a batch of {rows} rows or more)"
+    )
 
 
 def _model_inputs(batch: Any) -> Any:

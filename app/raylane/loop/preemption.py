@@ -98,8 +98,10 @@ def _handler(signum: int, frame: Any) -> None:
             _first_signal_at = now
             name = signal.Signals(signum).name
             then = "going on without this node" if _signals_mean_node_leaving else "stopping"
-            sys.stderr.write(f"raylane: {name}: checkpointing at the next step, then {then} "
-                             f"(send it again after {ESCALATE_AFTER_S:.0f} s to stop at once)\n")
+            sys.stderr.write(
+                f"raylane: {name}: checkpointing at the next step, then {then} "
+                f"(send it again after {ESCALATE_AFTER_S:.0f} s to stop at once)\n"
+            )
             request(name, node_leaving=_signals_mean_node_leaving)
         return
     previous = _previous.get(signum)

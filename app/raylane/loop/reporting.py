@@ -28,8 +28,9 @@ WINDOW_KEYS = ("loss", "samples_per_s", "tokens_per_s")
 
 
 class Reporter:
-    def __init__(self, *, is_rank_zero: bool, publish: Callable[[Event], None],
-                 metric_logger: Any | None = None) -> None:
+    def __init__(
+        self, *, is_rank_zero: bool, publish: Callable[[Event], None], metric_logger: Any | None = None
+    ) -> None:
         self.active = is_rank_zero
         self._publish = publish
         self._metrics = metric_logger if is_rank_zero else None
@@ -65,8 +66,11 @@ class Reporter:
         if not self.active:
             return
         self._state.update(metrics)
-        self._state["window"] = {"first_step": self._window_from, "last_step": step,
-                                 **{k: metrics[k] for k in WINDOW_KEYS if k in metrics}}
+        self._state["window"] = {
+            "first_step": self._window_from,
+            "last_step": step,
+            **{k: metrics[k] for k in WINDOW_KEYS if k in metrics},
+        }
         self._window_from = step + 1
         if self._metrics is not None:
             self._metrics.log({f"train/{k}": v for k, v in metrics.items()}, step)
@@ -84,13 +88,17 @@ class Reporter:
         if self._metrics is not None:
             self._metrics.log(metrics, step)
 
-    def on_checkpoint(self, *, step: int, location: str, epoch: int, metrics: dict[str, float],
-                      speed: dict[str, float] | None = None) -> None:
+    def on_checkpoint(
+        self, *, step: int, location: str, epoch: int, metrics: dict[str, float], speed: dict[str, float] | None = None
+    ) -> None:
         """`metrics` are the eval metrics measured at this step (an epoch end), else empty; `speed`
         rank 0's throughput over that epoch (Trainer._epoch_speed)."""
         if self.active:
-            self._publish(Checkpoint(step=step, location=location, epoch=epoch, metrics=metrics, speed=speed or {},
-                                     time_unix=time.time()))
+            self._publish(
+                Checkpoint(
+                    step=step, location=location, epoch=epoch, metrics=metrics, speed=speed or {}, time_unix=time.time()
+                )
+            )
 
     def on_checkpoint_failed(self, *, step: int, error: str) -> None:
         if self.active:
@@ -102,8 +110,11 @@ class Reporter:
             return result
         # The last window's figures: the progress display's last line, the summary and MLflow's
         # last train/* values are all these.
-        result = {**result, "last_window": self._state.get("window"),
-                  "steps_per_epoch": self._state.get("steps_per_epoch")}
+        result = {
+            **result,
+            "last_window": self._state.get("window"),
+            "steps_per_epoch": self._state.get("steps_per_epoch"),
+        }
         if self._metrics is not None:
             self._metrics.close()
             result = {**result, "tracking_cost_s": self._metrics.cost()}

@@ -53,8 +53,9 @@ def _side_groups(cfg: BaseConfig, world_size: int) -> tuple[Any, Any]:
     return control, saves
 
 
-def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = None,
-               startup: dict[str, float] | None = None) -> dict[str, Any]:
+def run_worker(
+    cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = None, startup: dict[str, float] | None = None
+) -> dict[str, Any]:
     """One rank's whole run. Returns the result (the same on every rank but for timings).
     `startup`: the launcher's start-up phases on this rank (see raylane.loop.startup); rank 0 adds
     its own and sends them with its start and first-step events. An exception of the user's
@@ -75,15 +76,24 @@ def run_worker(cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = No
         raise explained from exc
 
 
-def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | None,
-           startup: dict[str, float]) -> dict[str, Any]:
+def _train(
+    cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | None, startup: dict[str, float]
+) -> dict[str, Any]:
     publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
     # Only strategy.name auto estimates memory: the user's collate_fn runs no more than needed.
     estimating = cfg.strategy.name == "auto" and runtime.world_size > 1
     example = first_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn) if estimating else None
     meta = on_meta(pipe.model)
-    model, strategy = parallelize(pipe.model, cfg, runtime.device, runtime.world_size, example=example,
-                                  loss_fn=pipe.loss_fn, step=pipe.step, blocks=pipe.blocks)
+    model, strategy = parallelize(
+        pipe.model,
+        cfg,
+        runtime.device,
+        runtime.world_size,
+        example=example,
+        loss_fn=pipe.loss_fn,
+        step=pipe.step,
+        blocks=pipe.blocks,
+    )
     startup["parallelize"] = time.time()
     own = runtime.latest_checkpoint()
     latest = own or _init_from(cfg)
@@ -92,8 +102,12 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
     if not latest or frozen.base_of(model) is not None:
         _init_weights(pipe, model, meta)
     optimizer = build_optimizer(model, cfg, pipe)  # over the wrapped model's parameters (DTensors under FSDP)
-    batching = {"batch_size": cfg.train.batch_size, "seed": cfg.train.seed, "collate_fn": pipe.collate_fn,
-                "options": worker_options(cfg.loader, runtime.device)}
+    batching = {
+        "batch_size": cfg.train.batch_size,
+        "seed": cfg.train.seed,
+        "collate_fn": pipe.collate_fn,
+        "options": worker_options(cfg.loader, runtime.device),
+    }
     train_loader = train_data(pipe.train_set, runtime, **batching, samples_per_step=cfg.train.global_batch)
     if runtime.rank == 0:
         _note_small_epoch(pipe.train_set, train_loader, cfg, runtime.world_size)
@@ -104,13 +118,27 @@ def _train(cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | No
     if runtime.rank == 0 and (note := schedule_note(cfg, total_steps, pipe)):
         log.warning("%s", note)
     trainer = Trainer(
-        model, train_loader, optimizer, loss_fn=pipe.loss_fn, eval_data=eval_loader,
+        model,
+        train_loader,
+        optimizer,
+        loss_fn=pipe.loss_fn,
+        eval_data=eval_loader,
         scheduler=build_scheduler(optimizer, cfg, total_steps, pipe),
-        control_group=control_group, save_group=save_group, strategy=strategy,
-        throughput=Throughput(pipe.tokens_per_sample, pipe.flops_per_token,
-                              peak_flops(runtime.device, cfg.train.precision, cfg.scaling.peak_tflops)),
-        eval_sums=pipe.eval_sums, step=pipe.step, eval_count=pipe.eval_count, runtime=runtime, cfg=cfg,
-        faults=faults.load(runtime.rank), hooks=pipe.hooks,
+        control_group=control_group,
+        save_group=save_group,
+        strategy=strategy,
+        throughput=Throughput(
+            pipe.tokens_per_sample,
+            pipe.flops_per_token,
+            peak_flops(runtime.device, cfg.train.precision, cfg.scaling.peak_tflops),
+        ),
+        eval_sums=pipe.eval_sums,
+        step=pipe.step,
+        eval_count=pipe.eval_count,
+        runtime=runtime,
+        cfg=cfg,
+        faults=faults.load(runtime.rank),
+        hooks=pipe.hooks,
         reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger),
     )
     usercode.check_first_calls(trainer, pipe, cfg)
@@ -134,8 +162,10 @@ def _init_weights(pipe: Any, model: torch.nn.Module, meta: bool) -> None:
     if pipe.init_weights is not None:
         pipe.init_weights(unwrap(model))
     elif meta:
-        raise ValueError("the model was built on the meta device (no weights) and the pipeline gives no init_weights "
-                         "to fill it: give build(cfg)'s Pipeline init_weights=..., e.g. raylane.hf.load_pretrained")
+        raise ValueError(
+            "the model was built on the meta device (no weights) and the pipeline gives no init_weights "
+            "to fill it: give build(cfg)'s Pipeline init_weights=..., e.g. raylane.hf.load_pretrained"
+        )
 
 
 def _note_small_epoch(dataset: Any, loader: Any, cfg: BaseConfig, world_size: int) -> None:
@@ -146,14 +176,22 @@ def _note_small_epoch(dataset: Any, loader: Any, cfg: BaseConfig, world_size: in
     samples = (sum(rows) if isinstance(rows, list) else rows) if is_stream(dataset) else len(dataset)
     if samples is not None and samples < per_step:
         accum = f" x train.grad_accum_steps {cfg.train.grad_accum_steps}" if cfg.train.grad_accum_steps > 1 else ""
-        log.warning("the training set has %d samples, fewer than one step's %d (train.batch_size %d x %d "
-                    "worker%s%s): each epoch is one partial step", samples, per_step, cfg.train.batch_size,
-                    world_size, "s" if world_size > 1 else "", accum)
+        log.warning(
+            "the training set has %d samples, fewer than one step's %d (train.batch_size %d x %d "
+            "worker%s%s): each epoch is one partial step",
+            samples,
+            per_step,
+            cfg.train.batch_size,
+            world_size,
+            "s" if world_size > 1 else "",
+            accum,
+        )
 
 
 def _with_startup(publish: Callable[[Event], None], startup: dict[str, float]) -> Callable[[Event], None]:
     """`publish`, with the start-up phases so far on the start and first-step events (the
     start event leaves before the first batch is read)."""
+
     def send(event: Event) -> None:
         if isinstance(event, (Start, FirstStep)):
             event = dataclasses.replace(event, startup=dict(startup))
@@ -191,8 +229,13 @@ def _init_from(cfg: BaseConfig) -> str | None:
     return path
 
 
-def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
-                 on_event: Callable[[Event], None], search: dict[str, Any] | None = None) -> dict[str, Any]:
+def launch_local(
+    cfg: BaseConfig,
+    run_id: str | None,
+    tracking_uri: str,
+    on_event: Callable[[Event], None],
+    search: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Run this process as one rank: a single process, or a torchrun rank (env vars say which).
     The caller leaves the process group (`raylane.loop.distributed.leave_process_group`). With
     `search`, the rank runs `raylane autotune`'s search (raylane.autotuning.search) instead of training."""
@@ -201,8 +244,12 @@ def launch_local(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
     init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # normally done already by the driver
     fs, root = filesystem_for(cfg.run.storage_path)
     runtime = LocalRuntime(
-        CheckpointStore(f"{root.rstrip('/')}/{cfg.run.name}", fs, rank), rank, local_rank, world_size,
-        default_device(cfg.scaling.use_gpu, local_rank), publish=on_event if rank == 0 else None,
+        CheckpointStore(f"{root.rstrip('/')}/{cfg.run.name}", fs, rank),
+        rank,
+        local_rank,
+        world_size,
+        default_device(cfg.scaling.use_gpu, local_rank),
+        publish=on_event if rank == 0 else None,
     )
     if search is not None:
         from raylane.autotuning.search import run_search

@@ -36,8 +36,16 @@ class Runtime(Protocol):
     def new_checkpoint_dir(self, step: int) -> str:
         """Where this rank writes its shard of the checkpoint at `step`."""
 
-    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], *, keep: int | None,
-                          keep_best: int | None, best: tuple[str, str]) -> str:
+    def commit_checkpoint(
+        self,
+        path: str,
+        step: int,
+        metrics: dict[str, float],
+        *,
+        keep: int | None,
+        keep_best: int | None,
+        best: tuple[str, str],
+    ) -> str:
         """Collective, after the manifest is written: make it durable in storage, register it,
         prune (`checkpoint.prune`); returns its location. Raises CheckpointSaveError on every
         rank if storage refused it."""
@@ -57,8 +65,15 @@ class LocalRuntime:
     """A single process, or one rank under torchrun: checkpoints go straight to storage (a local
     or shared directory, or object storage; see raylane.loop.checkpoint.storage)."""
 
-    def __init__(self, store: CheckpointStore, rank: int, local_rank: int, world_size: int,
-                 device: torch.device, publish: Callable[[Event], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        device: torch.device,
+        publish: Callable[[Event], None] | None = None,
+    ) -> None:
         self.store = store
         self.rank, self.local_rank, self.world_size, self.device = rank, local_rank, world_size, device
         self.node_ranks = None
@@ -74,8 +89,16 @@ class LocalRuntime:
     def new_checkpoint_dir(self, step: int) -> str:
         return self.store.new_dir(step)
 
-    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], *, keep: int | None,
-                          keep_best: int | None, best: tuple[str, str]) -> str:
+    def commit_checkpoint(
+        self,
+        path: str,
+        step: int,
+        metrics: dict[str, float],
+        *,
+        keep: int | None,
+        keep_best: int | None,
+        best: tuple[str, str],
+    ) -> str:
         return self.store.commit(path, step, keep=keep, keep_best=keep_best, best=best)
 
     def discard_checkpoint(self, path: str) -> None:

@@ -34,8 +34,19 @@ PHASES = (
     "first_step",  # rank 0's first optimizer step done
 )
 # Without Ray (torchrun, or one process: no rank_process then).
-TORCHRUN_PHASES = ("launch", "rank_process", "driver_imports", "process_group", "tracking", "worker_imports",
-                   "pipeline", "parallelize", "ready", "first_batch", "first_step")
+TORCHRUN_PHASES = (
+    "launch",
+    "rank_process",
+    "driver_imports",
+    "process_group",
+    "tracking",
+    "worker_imports",
+    "pipeline",
+    "parallelize",
+    "ready",
+    "first_batch",
+    "first_step",
+)
 
 
 def process_start_unix(pid: int | str = "self") -> float | None:

@@ -42,8 +42,9 @@ def plain_parameters(params: list[torch.nn.Parameter]) -> bool:
     return len({(p.device, p.dtype) for p in params}) <= 1 and not any(hasattr(p, "full_tensor") for p in params)
 
 
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float | None, *,
-                   plain: bool, norm_wanted: bool = True) -> tuple[torch.Tensor | None, bool] | None:
+def clip_gradients(
+    params: list[torch.nn.Parameter], max_norm: float | None, *, plain: bool, norm_wanted: bool = True
+) -> tuple[torch.Tensor | None, bool] | None:
     """(the total 2-norm of the gradients, whether it is finite); None without gradients. Clipped
     to `max_norm` when set and the norm is finite: torch.nn.utils.clip_grad_norm_, bit for bit.
     For `plain` parameters it skips that function's grouping by device and dtype, ~60 us a step:
@@ -88,6 +89,7 @@ def _all_finite(grads: list[torch.Tensor]) -> bool:
 @dataclass
 class Throughput:
     """What turns samples per second into tokens per second and MFU (None: not reported)."""
+
     tokens_per_sample: int | None = None
     flops_per_token: float | None = None
     peak_flops_per_device: float | None = None

@@ -84,15 +84,22 @@ class FileSource:
             names = _files.schema_names(fs, found[0], self.format, field)
             missing = [c for c in self.columns if c not in names]
             if missing:
-                raise ValueError(f"{field} = {self.paths!r}: no column {missing[0]!r} in {found[0]} "
-                                 f"(it has: {', '.join(names)})")
+                raise ValueError(
+                    f"{field} = {self.paths!r}: no column {missing[0]!r} in {found[0]} (it has: {', '.join(names)})"
+                )
 
     def sample(self, field: str = "paths", *, transformed: bool = False) -> Batch:
         """The first chunk of the first file, raw (or `transformed`: a DataError of the transform
         then names its row): for a config validator to check the data before any worker starts."""
         fs, found = self.files(field)
-        chunks = _files.checked_chunks(fs, _files.Piece(found[0]), self.format, self.columns,
-                                       self.checked_transform() if transformed else None, field)
+        chunks = _files.checked_chunks(
+            fs,
+            _files.Piece(found[0]),
+            self.format,
+            self.columns,
+            self.checked_transform() if transformed else None,
+            field,
+        )
         return next(chunks, {})
 
     def checked_transform(self) -> Callable[[Batch], Batch] | None:
@@ -105,8 +112,10 @@ class FileSource:
         def checked(batch: Batch) -> Batch:
             out = fn(batch)
             if num_rows(out) != num_rows(batch):
-                raise ValueError(f"FileSource.transform turned {num_rows(batch)} rows into {num_rows(out)}: "
-                                 "set keeps_rows=False for a transform that changes the number of rows")
+                raise ValueError(
+                    f"FileSource.transform turned {num_rows(batch)} rows into {num_rows(out)}: "
+                    "set keeps_rows=False for a transform that changes the number of rows"
+                )
             return out
 
         return checked
@@ -133,8 +142,9 @@ def _slice(batch: Batch, start: int, stop: int) -> Batch:
     return {k: v[start:stop] for k, v in batch.items()}
 
 
-def rebatch(chunks: Iterator[Batch], batch_size: int, rng: np.random.Generator | None,
-            buffer_rows: int) -> Iterator[Batch]:
+def rebatch(
+    chunks: Iterator[Batch], batch_size: int, rng: np.random.Generator | None, buffer_rows: int
+) -> Iterator[Batch]:
     """Chunks of any size -> batches of `batch_size` (the last may be short), rows shuffled
     within a buffer of about `buffer_rows` when `rng` is given."""
     pending: list[Batch] = []
@@ -207,8 +217,9 @@ class _Reader:
 
     def chunks(self, piece: _files.Piece) -> Iterator[Batch]:
         self.opened.append(piece)
-        return _files.checked_chunks(self.fs, piece, self.source.format, self.source.columns, self._transform,
-                                     self.source.label)
+        return _files.checked_chunks(
+            self.fs, piece, self.source.format, self.source.columns, self._transform, self.source.label
+        )
 
 
 class FileStream(_Reader):
@@ -221,9 +232,11 @@ class FileStream(_Reader):
     def __init__(self, source: FileSource, *, batch_size: int, rank: int, world_size: int, seed: int) -> None:
         super().__init__(source, batch_size=batch_size, rank=rank, world_size=world_size)
         if len(self.pieces) < world_size:
-            raise ValueError(f"paths = {source.paths!r}: {len(self.pieces)} piece(s) (Parquet row groups or "
-                             f"files) for {world_size} ranks; each rank reads whole pieces: give at least "
-                             "as many files or row groups as ranks")
+            raise ValueError(
+                f"paths = {source.paths!r}: {len(self.pieces)} piece(s) (Parquet row groups or "
+                f"files) for {world_size} ranks; each rank reads whole pieces: give at least "
+                "as many files or row groups as ranks"
+            )
         self.seed = seed
         self.rows = self._count_rows()
         self._batches: dict[int, int] = {}
@@ -234,8 +247,10 @@ class FileStream(_Reader):
         rows, else a counting pass, each rank reading a stride of the pieces, counts exchanged."""
         if self.source.keeps_rows and all(p.rows is not None for p in self.pieces):
             return [p.rows for p in self.pieces]
-        mine = {i: sum(num_rows(c) for c in self.chunks(self.pieces[i]))
-                for i in range(self.rank, len(self.pieces), self.world_size)}
+        mine = {
+            i: sum(num_rows(c) for c in self.chunks(self.pieces[i]))
+            for i in range(self.rank, len(self.pieces), self.world_size)
+        }
         self.opened.clear()  # counting is not the epoch's reading
         if self.world_size > 1:
             import torch.distributed as dist
@@ -251,8 +266,10 @@ class FileStream(_Reader):
 
     def batches_in_epoch(self, epoch: int) -> int:
         if epoch not in self._batches:
-            self._batches[epoch] = min(math.ceil(sum(self.rows[i] for i in self.share(epoch, r)) / self.batch_size)
-                                       for r in range(self.world_size))
+            self._batches[epoch] = min(
+                math.ceil(sum(self.rows[i] for i in self.share(epoch, r)) / self.batch_size)
+                for r in range(self.world_size)
+            )
         return self._batches[epoch]
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
@@ -262,8 +279,9 @@ class FileStream(_Reader):
         epoch, wanted = self.epoch, self.batches_in_epoch(self.epoch)
         rng = np.random.default_rng([self.seed, epoch, self.rank, 1])
         chunks = itertools.chain.from_iterable(self.chunks(self.pieces[i]) for i in self.share(epoch, self.rank))
-        batches = itertools.islice(rebatch(chunks, self.batch_size, rng, self.source.shuffle_rows),
-                                   self.skip_batches, wanted)  # skipped batches never become tensors
+        batches = itertools.islice(
+            rebatch(chunks, self.batch_size, rng, self.source.shuffle_rows), self.skip_batches, wanted
+        )  # skipped batches never become tensors
         return prefetched(self.source.to_tensors(b) for b in batches)
 
 

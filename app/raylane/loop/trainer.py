@@ -81,9 +81,16 @@ class Trainer(EvalSchedule):
         self.train_data = train_data
         self.optimizer = optimizer
         self.forward = Forward(loss_fn, step, runtime.device)  # in the pipeline's form (raylane.loop.batches)
-        self.evaluator = None if eval_data is None else EvalSets(
-            eval_data, lambda data: Evaluator(data, eval_sums, runtime.device, runtime.world_size, loss_fn=loss_fn,
-                                              step=step, count=eval_count))
+        self.evaluator = (
+            None
+            if eval_data is None
+            else EvalSets(
+                eval_data,
+                lambda data: Evaluator(
+                    data, eval_sums, runtime.device, runtime.world_size, loss_fn=loss_fn, step=step, count=eval_count
+                ),
+            )
+        )
         self.runtime = runtime
         self.reporter = reporter
         self.cfg = cfg
@@ -129,8 +136,9 @@ class Trainer(EvalSchedule):
     def _init_precision(self, precision: str) -> None:
         # FSDP casts parameters itself (MixedPrecisionPolicy); DDP and one process use autocast.
         sharded = self.strategy.name in ("fsdp", "hsdp")
-        self.autocast_dtype = None if precision == "fp32" or sharded else \
-            {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.autocast_dtype = (
+            None if precision == "fp32" or sharded else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        )
         self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
 
     def _init_progress(self, train_data: EpochData, cfg: BaseConfig, world_size: int) -> None:
@@ -190,8 +198,7 @@ class Trainer(EvalSchedule):
             self.scaler.unscale_(self.optimizer)
         if not self._clip_gradients() and not self.scaler:  # the scaler skips such steps itself
             if self.cfg.train.on_nan == "stop":
-                raise FloatingPointError(
-                    f"non-finite loss or gradients at step {self.step + 1} (train.on_nan: stop)")
+                raise FloatingPointError(f"non-finite loss or gradients at step {self.step + 1} (train.on_nan: stop)")
             self.skipped_steps += 1
             return None
         self._wait_for_staging()
@@ -222,8 +229,9 @@ class Trainer(EvalSchedule):
         a NaN on every rank: all ranks reach the same verdict."""
         upcoming = self.step + 1  # the step being taken: its norm is logged if the window ends there
         wanted = upcoming % self.cfg.mlflow.log_every_n_steps == 0 or upcoming >= self.total_steps
-        clipped = clip_gradients(self._params, self.cfg.train.grad_clip_norm, plain=self._plain_grads,
-                                 norm_wanted=wanted)
+        clipped = clip_gradients(
+            self._params, self.cfg.train.grad_clip_norm, plain=self._plain_grads, norm_wanted=wanted
+        )
         if clipped is None:
             return True
         if clipped[0] is not None:
@@ -248,15 +256,17 @@ class Trainer(EvalSchedule):
                 self.state_bytes = state_bytes(self.model, self.optimizer)
             self.step += 1
             self.batch_in_epoch += len(micro_batches)
-            if self._warm is None and self.step - (self.resumed_from_step or 0) >= WARMUP_STEPS \
-                    and not self.reporter.warming():
+            if (
+                self._warm is None
+                and self.step - (self.resumed_from_step or 0) >= WARMUP_STEPS
+                and not self.reporter.warming()
+            ):
                 self._warm = (time.perf_counter(), time.process_time(), self.step)
             self._window_steps += 1
             if loss is not None:  # accumulated on the device: no host sync per step
                 self._loss_sum += loss
                 self._loss_count += 1
-            self.reporter.on_step(epoch=epoch, step=self.step,
-                                  first=self.step == (self.resumed_from_step or 0) + 1)
+            self.reporter.on_step(epoch=epoch, step=self.step, first=self.step == (self.resumed_from_step or 0) + 1)
             logged = self._log_train_metrics() if self.step % self.cfg.mlflow.log_every_n_steps == 0 else {}
             if self.hooks:
                 self._wait_for_staging()  # a skipped step did not wait, and a hook may change its saved state
@@ -269,8 +279,11 @@ class Trainer(EvalSchedule):
             last_batch = epoch_end or self.step >= self.total_steps
             if every and self.step % every == 0 and not last_batch:
                 self._save_checkpoint()
-            if self.step >= self.total_steps or self.early_stop.stopped or \
-                    (self.step >= self.next_vote and self._step_boundary()):
+            if (
+                self.step >= self.total_steps
+                or self.early_stop.stopped
+                or (self.step >= self.next_vote and self._step_boundary())
+            ):
                 break
 
     def _step_boundary(self) -> bool:
@@ -278,8 +291,11 @@ class Trainer(EvalSchedule):
         started, step = self._last_vote
         step_s = (time.perf_counter() - started) / max(self.step - step, 1) if self.runtime.rank == 0 else 0.0
         (stop, save_busy, growing), (agreed_step_s, leaving) = self.vote.poll(
-            preemption.requested(), self.saver.busy(), preemption.growing(),
-            values=(step_s, float(preemption.node_leaving())))
+            preemption.requested(),
+            self.saver.busy(),
+            preemption.growing(),
+            values=(step_s, float(preemption.node_leaving())),
+        )
         if self.saver.unsettled() and not save_busy:  # committed on every rank: only its outcome is left
             blocked = time.perf_counter()
             self.saver.settle()
@@ -337,11 +353,16 @@ class Trainer(EvalSchedule):
 
     def train(self) -> dict[str, Any]:
         self.reporter.on_start(
-            total_steps=self.total_steps, steps_per_epoch=self.steps_per_epoch,
-            max_epochs=self.cfg.train.max_epochs, world_size=self.runtime.world_size,
-            resumed_from_step=self.resumed_from_step, resumed_from=self.resumed_from,
-            skipped_checkpoints=self.skipped_checkpoints, strategy=self.strategy.name,
-            strategy_reason=self.strategy.reason, strategy_tags=self.strategy.tags(),
+            total_steps=self.total_steps,
+            steps_per_epoch=self.steps_per_epoch,
+            max_epochs=self.cfg.train.max_epochs,
+            world_size=self.runtime.world_size,
+            resumed_from_step=self.resumed_from_step,
+            resumed_from=self.resumed_from,
+            skipped_checkpoints=self.skipped_checkpoints,
+            strategy=self.strategy.name,
+            strategy_reason=self.strategy.reason,
+            strategy_tags=self.strategy.tags(),
         )
         reset_peak_memory(self.device)
         started, started_cpu, first_step = time.perf_counter(), time.process_time(), self.step
@@ -358,15 +379,20 @@ class Trainer(EvalSchedule):
                 epoch_ended = self.batch_in_epoch >= self.batches_per_epoch  # not a max_steps stop or a stop
                 if epoch_ended:
                     self.speed_metrics = self._epoch_speed(epoch_start, last_step_end)
-                    if _every(self.epoch + 1, self.cfg.train.eval_every_n_epochs) or \
-                            _every(self.step, self.cfg.train.eval_every_n_steps):
+                    if _every(self.epoch + 1, self.cfg.train.eval_every_n_epochs) or _every(
+                        self.step, self.cfg.train.eval_every_n_steps
+                    ):
                         self._evaluate_at_step()
                     self.epoch += 1
                     self.batch_in_epoch = 0
                 # A stop (an early one too) always saves, mid-epoch or at an epoch end that no
                 # checkpoint was due at.
-                due = self.preempted or self.early_stop.stopped or not epoch_ended or \
-                    _every(self.epoch, self.cfg.checkpoint.every_n_epochs)
+                due = (
+                    self.preempted
+                    or self.early_stop.stopped
+                    or not epoch_ended
+                    or _every(self.epoch, self.cfg.checkpoint.every_n_epochs)
+                )
                 if due or self.step >= self.total_steps:
                     self._save_checkpoint()
                 if epoch_ended:
@@ -379,8 +405,9 @@ class Trainer(EvalSchedule):
         # A max_steps stop mid-epoch, an epoch left unevaluated, or resumed at the end.
         if self.eval_step != self.step and not self.preempted:
             self._record_eval(self._evaluate(), decide=False)
-        return self.reporter.on_end({**self._result((started, started_cpu, first_step), last_step_end),
-                                     "epoch_end_s": epoch_ends})
+        return self.reporter.on_end(
+            {**self._result((started, started_cpu, first_step), last_step_end), "epoch_end_s": epoch_ends}
+        )
 
     def _result(self, start: tuple[float, float, int], last_step_end: float) -> dict[str, Any]:
         """The run's figures, from `start` (wall time, CPU time, step) or, when the run was long
@@ -447,10 +474,13 @@ class Trainer(EvalSchedule):
             return {}
         elapsed = max(end - began, 1e-9)
         samples_per_s = steps * self.samples_per_step / elapsed
-        return {"samples_per_s": samples_per_s, "step_time_s": elapsed / steps,
-                "peak_memory_bytes": float(peak_memory_bytes(self.device)),
-                "train_s": self._trained_before_s + end - self._train_started,
-                **self.throughput.rates(samples_per_s, self.runtime.world_size)}
+        return {
+            "samples_per_s": samples_per_s,
+            "step_time_s": elapsed / steps,
+            "peak_memory_bytes": float(peak_memory_bytes(self.device)),
+            "train_s": self._trained_before_s + end - self._train_started,
+            **self.throughput.rates(samples_per_s, self.runtime.world_size),
+        }
 
     def step_clock(self) -> float:
         """Now, once the device has finished the steps queued so far."""
@@ -462,8 +492,9 @@ class Trainer(EvalSchedule):
         """Collective. The largest figures over the ranks."""
         if self.state_bytes is None:
             self.state_bytes = state_bytes(self.model, self.optimizer)
-        worst = all_reduce_max({"state_bytes_per_rank": self.state_bytes,
-                                "peak_bytes": peak_memory_bytes(self.device)}, self.device)
+        worst = all_reduce_max(
+            {"state_bytes_per_rank": self.state_bytes, "peak_bytes": peak_memory_bytes(self.device)}, self.device
+        )
         return {k: int(v) for k, v in worst.items()}
 
     # -- state ---------------------------------------------------------------------------------
@@ -498,17 +529,23 @@ class Trainer(EvalSchedule):
         # unless the epoch's order is global and the global batch held (train.global_batch):
         # then it continues at the same sample.
         same_world = state.get("world_size") == self.runtime.world_size
-        global_order = state.get("global_order") and self.cfg.train.global_batch is not None \
+        global_order = (
+            state.get("global_order")
+            and self.cfg.train.global_batch is not None
             and state.get("samples_per_step") == self.samples_per_step
+        )
         if global_order:  # in samples: the micro-batch may have changed too, at any world size
-            self.batch_in_epoch = int(state["samples_in_epoch"]) // (self.cfg.train.batch_size * self.runtime.world_size)
+            self.batch_in_epoch = int(state["samples_in_epoch"]) // (
+                self.cfg.train.batch_size * self.runtime.world_size
+            )
         elif same_world:
             self.batch_in_epoch = int(state["batch_in_epoch"])
         else:
             self.batch_in_epoch = 0
         self._trained_before_s = float(state.get("train_s_total") or 0.0)
-        self.total_steps = last_step(self.train_data, self.cfg.train, epoch=self.epoch, batch_in_epoch=self.batch_in_epoch,
-                                     step=self.step)
+        self.total_steps = last_step(
+            self.train_data, self.cfg.train, epoch=self.epoch, batch_in_epoch=self.batch_in_epoch, step=self.step
+        )
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
         for factor in getattr(self.scheduler, "lr_lambdas", ()):  # raylane.loop.run's schedules end there too

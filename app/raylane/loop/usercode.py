@@ -29,8 +29,10 @@ SUMS_ROLE = "eval_sums(output, target)"
 COLLATE_ROLE = "collate_fn(items)"
 # How torch re-raises an exception of a DataLoader worker (torch.utils._utils.ExceptionWrapper):
 # the original traceback, as text, in the message of an exception of the same type.
-_WORKER = re.compile(r"\ACaught \S+ in (?:DataLoader worker process \d+|pin memory thread[^\n]*)\.\n"
-                     r"Original Traceback \(most recent call last\):\n")
+_WORKER = re.compile(
+    r"\ACaught \S+ in (?:DataLoader worker process \d+|pin memory thread[^\n]*)\.\n"
+    r"Original Traceback \(most recent call last\):\n"
+)
 _FRAME = re.compile(r'^  File "(.+)", line (\d+), in (\S+)$', re.MULTILINE)
 OPTIMIZER_ROLE = "optimizer(model, cfg)"
 SCHEDULER_ROLE = "scheduler(optimizer, cfg, total_steps)"
@@ -56,8 +58,10 @@ def pipeline_problem(pipe: Any) -> str | None:
             return f"a Pipeline whose {name} is {type(value).__name__}, not a function"
     if pipe.step is not None and pipe.eval_sums is not None:
         # eval_sums takes the model's output, and with a step there is none the loop makes.
-        return ("a Pipeline with both step and eval_sums: with a step, the held-out metrics are its loss and "
-                "metrics, averaged over the held-out samples; return them from step and drop eval_sums")
+        return (
+            "a Pipeline with both step and eval_sums: with a step, the held-out metrics are its loss and "
+            "metrics, averaged over the held-out samples; return them from step and drop eval_sums"
+        )
     for name in ("optimizer", "scheduler"):
         if getattr(pipe, name) is not None and not callable(getattr(pipe, name)):
             return f"a Pipeline whose {name} is {type(getattr(pipe, name)).__name__}, not a function or None"
@@ -85,7 +89,9 @@ def _hooks_problem(hooks: Any) -> str | None:
         return f"a Pipeline whose hooks is {type(hooks).__name__}, not a list of hooks (raylane.Hook)"
     for hook in hooks:
         if isinstance(hook, type) or not any(callable(getattr(hook, m, None)) for m in METHODS):
-            what = f"the class {hook.__name__} (not an instance of it)" if isinstance(hook, type) else type(hook).__name__
+            what = (
+                f"the class {hook.__name__} (not an instance of it)" if isinstance(hook, type) else type(hook).__name__
+            )
             return f"a Pipeline whose hooks hold {what}: a hook is an object with raylane.Hook's methods"
     return None
 
@@ -116,8 +122,9 @@ def _once(owner: Any, attr: str, fn: Callable, problem: Callable[[Any], str | No
 
 def wrong_return(cfg: Any, role: str, fn: Callable, text: str) -> UserCodeError:
     """The error for a pipeline function `fn` that returned `text` (what came and what is expected)."""
-    return UserCodeError(f"pipeline {cfg.pipeline!r}: {role} returned {text} "
-                         f"(at {pipelines_ref.returned_at(_function(fn))})")
+    return UserCodeError(
+        f"pipeline {cfg.pipeline!r}: {role} returned {text} (at {pipelines_ref.returned_at(_function(fn))})"
+    )
 
 
 def optimizer_problem(optimizer: Any) -> str | None:
@@ -136,8 +143,10 @@ def scheduler_problem(scheduler: Any, optimizer: Any) -> str | None:
     if scheduler is None:
         return None
     if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau) or not isinstance(scheduler, lr_scheduler.LRScheduler):
-        return (f"{type(scheduler).__name__}: it must return a torch.optim.lr_scheduler.LRScheduler stepped once per "
-                "optimizer step with no metric (not ReduceLROnPlateau), or None")
+        return (
+            f"{type(scheduler).__name__}: it must return a torch.optim.lr_scheduler.LRScheduler stepped once per "
+            "optimizer step with no metric (not ReduceLROnPlateau), or None"
+        )
     if scheduler.optimizer is not optimizer:
         return f"a {type(scheduler).__name__} of another optimizer: it must schedule the optimizer it is given"
     return None
@@ -174,7 +183,7 @@ def explain(exc: BaseException, cfg: Any, pipe: Any) -> BaseException:
     frames = [(f.f_code.co_filename, line, f.f_code) for f, line in traceback.walk_tb(exc.__traceback__)]
     text = str(exc)
     if worker := _WORKER.match(text):  # raised in a loader worker: its frames are in the message
-        frames, text = _worker_traceback(text[worker.end():])
+        frames, text = _worker_traceback(text[worker.end() :])
     mine = [(file, line, name) for file, line, name in frames if pipelines_ref.is_user_file(file, own)]
     role = _role(frames, roles, mine)
     if not mine or role is None:
@@ -215,8 +224,9 @@ def keep_traceback(error: BaseException, exc: BaseException) -> None:
         setattr(error, TRACEBACK_ATTR, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
 
-def _role(frames: list[tuple[str, int, Any]], roles: dict[CodeType, str],
-          mine: list[tuple[str, int, Any]]) -> str | None:
+def _role(
+    frames: list[tuple[str, int, Any]], roles: dict[CodeType, str], mine: list[tuple[str, int, Any]]
+) -> str | None:
     """The contract function the exception left: the outermost frame (file, line, and its code,
     or its function's name when read from a worker's text) that is one of them, else the
     outermost frame of the user's code, by its name."""
@@ -231,34 +241,57 @@ def _role_of(frame: tuple[str, int, Any], roles: dict[CodeType, str]) -> str | N
     file, line, code = frame
     if not isinstance(code, str):
         return roles.get(code)
-    return next((role for own, role in roles.items() if own.co_filename == file and own.co_name == code
-                 and own.co_firstlineno <= line <= max((end for *_, end in own.co_lines() if end), default=0)), None)
+    return next(
+        (
+            role
+            for own, role in roles.items()
+            if own.co_filename == file
+            and own.co_name == code
+            and own.co_firstlineno <= line <= max((end for *_, end in own.co_lines() if end), default=0)
+        ),
+        None,
+    )
 
 
 def _roles(pipe: Any, module: Any) -> dict[CodeType, str]:
     """The code of each function of the pipeline's contract -> how a message names it."""
     from raylane.loop.batches import STEP_ROLE
 
-    named: list[tuple[str, Any]] = [("build(cfg)", getattr(module, "build", None)),
-                                    ("sources(cfg)", getattr(module, "sources", None))]
+    named: list[tuple[str, Any]] = [
+        ("build(cfg)", getattr(module, "build", None)),
+        ("sources(cfg)", getattr(module, "sources", None)),
+    ]
     if pipe is not None:
-        named += [(LOSS_ROLE, pipe.loss_fn), (SUMS_ROLE, pipe.eval_sums), (STEP_ROLE, pipe.step),
-                  ("eval_count(batch)", pipe.eval_count), (COLLATE_ROLE, pipe.collate_fn),
-                  (OPTIMIZER_ROLE, pipe.optimizer), (SCHEDULER_ROLE, pipe.scheduler),
-                  ("the model's forward", getattr(type(pipe.model), "forward", None))]
+        named += [
+            (LOSS_ROLE, pipe.loss_fn),
+            (SUMS_ROLE, pipe.eval_sums),
+            (STEP_ROLE, pipe.step),
+            ("eval_count(batch)", pipe.eval_count),
+            (COLLATE_ROLE, pipe.collate_fn),
+            (OPTIMIZER_ROLE, pipe.optimizer),
+            (SCHEDULER_ROLE, pipe.scheduler),
+            ("the model's forward", getattr(type(pipe.model), "forward", None)),
+        ]
         named += _hook_roles(pipe.hooks)
         sets = [("train_set", pipe.train_set)]
-        sets += [(f"eval_set[{k!r}]", v) for k, v in pipe.eval_set.items()] if isinstance(pipe.eval_set, dict) \
+        sets += (
+            [(f"eval_set[{k!r}]", v) for k, v in pipe.eval_set.items()]
+            if isinstance(pipe.eval_set, dict)
             else [("eval_set", pipe.eval_set)]
+        )
         for name, data in sets:
             if data is None:
                 continue
             if hasattr(data, "to_tensors"):  # a FileSource
-                named += [(f"{name}'s FileSource.to_tensors", data.to_tensors),
-                          (f"{name}'s FileSource.transform", data.transform)]
+                named += [
+                    (f"{name}'s FileSource.to_tensors", data.to_tensors),
+                    (f"{name}'s FileSource.transform", data.transform),
+                ]
             else:
-                named += [(f"{name}.{method}", getattr(type(data), method, None))
-                          for method in ("__getitem__", "__len__", "__iter__")]
+                named += [
+                    (f"{name}.{method}", getattr(type(data), method, None))
+                    for method in ("__getitem__", "__len__", "__iter__")
+                ]
     roles: dict[CodeType, str] = {}
     for role, fn in named:
         code = getattr(_function(fn), "__code__", None)
@@ -302,9 +335,11 @@ def _unused_parameters(exc: BaseException, pipe: Any) -> UserCodeError:
         listed = [names[int(i)] if int(i) < len(names) else f"#{i}" for i in found.group(2).split()]
         which = ", ".join(listed[:6]) + (f" and {len(listed) - 6} more" if len(listed) > 6 else "")
         where = f" on rank {found.group(1)}"
-    return UserCodeError(f"strategy.find_unused_parameters = false: the model's {which} got no gradient at a step"
-                         f"{where} (not used to compute the loss): set strategy.find_unused_parameters: true, or "
-                         "use every parameter in forward")
+    return UserCodeError(
+        f"strategy.find_unused_parameters = false: the model's {which} got no gradient at a step"
+        f"{where} (not used to compute the loss): set strategy.find_unused_parameters: true, or "
+        "use every parameter in forward"
+    )
 
 
 def build_pipeline(cfg: Any) -> Any:
@@ -314,8 +349,9 @@ def build_pipeline(cfg: Any) -> Any:
     pipe = pipelines_ref.call(cfg, module, "build")
     problem = pipeline_problem(pipe)
     if problem:
-        raise PipelineBuildError(f"pipeline {cfg.pipeline!r}: build(cfg) returned {problem} "
-                                 f"(at {pipelines_ref.returned_at(module.build)})")
+        raise PipelineBuildError(
+            f"pipeline {cfg.pipeline!r}: build(cfg) returned {problem} (at {pipelines_ref.returned_at(module.build)})"
+        )
     return pipe
 
 

@@ -40,12 +40,15 @@ def check_gcs_address(address: str | None) -> None:
     field = address_field(address)
     shown = f"{field} = {address!r}"
     if address.startswith(("http://", "https://")):
-        raise ConfigError(f"{shown}: a dashboard URL (the jobs API, for `raylane submit`); a run joins the "
-                          "cluster's GCS address, HOST:PORT (`raylane up` prints it)")
+        raise ConfigError(
+            f"{shown}: a dashboard URL (the jobs API, for `raylane submit`); a run joins the "
+            "cluster's GCS address, HOST:PORT (`raylane up` prints it)"
+        )
     host, port = split_host_port(address.removeprefix("ray://"))
     if host is None:
-        raise ConfigError(f"{shown}: not a Ray address: expected HOST:PORT, the cluster's GCS address "
-                          "(`raylane up` prints it)")
+        raise ConfigError(
+            f"{shown}: not a Ray address: expected HOST:PORT, the cluster's GCS address (`raylane up` prints it)"
+        )
     why = unreachable(host, port)
     if why:
         raise ConfigError(f"{shown}: {why}; {join_hint(field)}")
@@ -60,8 +63,10 @@ def jobs_url(address: str, field: str = "--address") -> tuple[str, str, int]:
     except ValueError:  # a port that is not a number
         port = -1
     if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
-        raise ConfigError(f"{field} = {address!r}: not a jobs API URL: expected http://HOST:PORT, the cluster's "
-                          "dashboard (`raylane up` prints it; Ray's default port is 8265)")
+        raise ConfigError(
+            f"{field} = {address!r}: not a jobs API URL: expected http://HOST:PORT, the cluster's "
+            "dashboard (`raylane up` prints it; Ray's default port is 8265)"
+        )
     return address.rstrip("/"), parts.hostname, port or (443 if parts.scheme == "https" else 80)
 
 
@@ -106,15 +111,23 @@ def on_this_machine(host: str) -> bool:
     return False
 
 
-def version_mismatch(field: str, address: str, cluster_ray: str | None, here_ray: str,
-                     cluster_python: str | None = None, here_python: str | None = None) -> str | None:
+def version_mismatch(
+    field: str,
+    address: str,
+    cluster_ray: str | None,
+    here_ray: str,
+    cluster_python: str | None = None,
+    here_python: str | None = None,
+) -> str | None:
     """The one line for a cluster whose Ray differs from this client's (a job, a run's driver and
     its workers must all run the same Ray), or None when they match or the cluster's is unknown."""
     if not cluster_ray or cluster_ray == here_ray:
         return None
     pythons = f" (Python {cluster_python} there, {here_python} here)" if cluster_python and here_python else ""
-    return (f"{field} = {address!r}: the cluster runs Ray {cluster_ray}, this raylane Ray {here_ray}{pythons}; "
-            f"install ray=={cluster_ray} here, or start the cluster with Ray {here_ray}")
+    return (
+        f"{field} = {address!r}: the cluster runs Ray {cluster_ray}, this raylane Ray {here_ray}{pythons}; "
+        f"install ray=={cluster_ray} here, or start the cluster with Ray {here_ray}"
+    )
 
 
 def reported_versions(text: str) -> tuple[str, str, str, str] | None:

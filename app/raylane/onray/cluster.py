@@ -29,11 +29,14 @@ TRAIN_ENV_DEFAULTS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 # An embedded cluster lives and dies with this process on one node: nothing can preempt its node,
 # nobody scrapes its metrics, and its placement groups vanish with it. Each of these features
 # costs an extra process or RPCs at start-up on a small machine.
-EMBEDDED_ENV_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0",
-                         # Ray Train gives a worker group 60 s to start, then fails the run. On one
-                         # busy machine (2 cores, a sweep's trials, another job) two workers
-                         # importing torch were seen to need longer; no autoscaler is coming.
-                         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
+EMBEDDED_ENV_DEFAULTS = {
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+    # Ray Train gives a worker group 60 s to start, then fails the run. On one
+    # busy machine (2 cores, a sweep's trials, another job) two workers
+    # importing torch were seen to need longer; no autoscaler is coming.
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300",
+}
 EMBEDDED_OBJECT_STORE_BYTES = 512 * 1024**2
 DATA_CPUS = 1.0
 
@@ -95,8 +98,10 @@ def join(address: str, **init_kwargs) -> None:
     field = address_field(address)
     if _given_up is not None and _given_up[1].is_alive():
         # ray.init cannot be cancelled: a second one in this process would race the first.
-        raise ConfigError(f"{field} = {address!r}: this process still waits in ray.init for the cluster at "
-                          f"{_given_up[0]!r}, given up on earlier; start a new Python process to join a cluster")
+        raise ConfigError(
+            f"{field} = {address!r}: this process still waits in ray.init for the cluster at "
+            f"{_given_up[0]!r}, given up on earlier; start a new Python process to join a cluster"
+        )
     done, failed = threading.Event(), []
 
     def connect() -> None:
@@ -114,8 +119,10 @@ def join(address: str, **init_kwargs) -> None:
         thread.start()
         if not done.wait(JOIN_TIMEOUT_S) and not _gcs_connected():
             _given_up = (address, thread)
-            raise ConfigError(f"{field} = {address!r}: no Ray cluster answers there within {JOIN_TIMEOUT_S:g} s "
-                              f"(something listens on that port, but not Ray's GCS); {join_hint(field)}")
+            raise ConfigError(
+                f"{field} = {address!r}: no Ray cluster answers there within {JOIN_TIMEOUT_S:g} s "
+                f"(something listens on that port, but not Ray's GCS); {join_hint(field)}"
+            )
         done.wait()
     finally:
         restore()
@@ -125,7 +132,9 @@ def join(address: str, **init_kwargs) -> None:
         if not isinstance(exc, Exception):
             raise exc
         if versions := reported_versions(str(exc)):
-            raise ConfigError(version_mismatch(field, address, versions[0], versions[2], versions[1], versions[3])) from None
+            raise ConfigError(
+                version_mismatch(field, address, versions[0], versions[2], versions[1], versions[3])
+            ) from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"{field} = {address!r}: cannot join the Ray cluster there: {first[:300]}") from None
 
@@ -161,7 +170,9 @@ def _interruptible():
     """SIGTERM raises KeyboardInterrupt in this thread while it waits for Ray, where nothing else
     (the driver's handler) would turn it into a graceful stop; returns what undoes that."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
-            signal.SIG_DFL, None):
+        signal.SIG_DFL,
+        None,
+    ):
         return lambda: None
 
     def interrupt(signum, frame):

@@ -64,8 +64,9 @@ def _to_dataset(source: FileSource, name: str, *, train: bool):
     elif fmt == "csv":
         import pyarrow.csv as pacsv
 
-        ds = ray.data.read_csv(found, convert_options=pacsv.ConvertOptions(include_columns=columns) if columns else None,
-                               **common)
+        ds = ray.data.read_csv(
+            found, convert_options=pacsv.ConvertOptions(include_columns=columns) if columns else None, **common
+        )
     elif fmt == "json":
         # pyarrow reads JSON Lines (one object per line); lines=True (Ray 2.60) refuses a filesystem.
         ds = ray.data.read_json(found, **common)
@@ -125,16 +126,19 @@ class RayShardStream:
 
     def __iter__(self):
         seen = 0
-        for batch in batches(self.shard, self.source, batch_size=self.batch_size,
-                             local_shuffle_buffer_size=self.source.shuffle_rows):
+        for batch in batches(
+            self.shard, self.source, batch_size=self.batch_size, local_shuffle_buffer_size=self.source.shuffle_rows
+        ):
             if seen == self.batches:
                 break
             seen += 1
             if seen > self.skip_batches:  # skipped batches are read, never turned into tensors
                 yield self.source.to_tensors(batch)
         if seen < self.batches:
-            raise RuntimeError(f"Ray Data gave rank {ray.train.get_context().get_world_rank()} {seen} batches "
-                               f"in epoch {self.epoch + 1}, not the {self.batches} every rank agreed on")
+            raise RuntimeError(
+                f"Ray Data gave rank {ray.train.get_context().get_world_rank()} {seen} batches "
+                f"in epoch {self.epoch + 1}, not the {self.batches} every rank agreed on"
+            )
 
 
 class RayEvalStream:
@@ -167,8 +171,7 @@ def _found_again(source: FileSource, exc: BaseException) -> BaseException:
     return RuntimeError(f"{source.label}: Ray Data could not read the data: {baddata.cause_line(str(exc))}")
 
 
-def shard_stream(name: str, source: FileSource, streams: dict[str, int | None], *, batch_size: int,
-                 world_size: int):
+def shard_stream(name: str, source: FileSource, streams: dict[str, int | None], *, batch_size: int, world_size: int):
     """The loop's reader of dataset `name` (one the driver made) on this worker."""
     shard = ray.train.get_dataset_shard(name)
     if name == "train":

@@ -21,51 +21,104 @@ CHECKED_ON = ("2.59.0", "2.60.0")
 
 # The name raylane's code uses -> (module, attribute or None for the module itself, why).
 NAMES: dict[str, tuple[str, str | None, str]] = {
-    "TorchBackend": ("ray.train.torch.config", "_TorchBackend",
-                     "subclassed: each worker installs raylane's signal handlers once its process group is up"),
-    "ControllerCallback": ("ray.train.v2._internal.execution.callback", "ControllerCallback",
-                           "the driver hears when the Train controller is up (start-up phases)"),
-    "get_train_context": ("ray.train.v2._internal.execution.context", "get_train_context",
-                          "Ray's drain notice, read on each worker without get_preemption_info()'s barrier"),
-    "train_context_module": ("ray.train.v2._internal.execution.context", None,
-                             "its logger (named after its file) is quietened on the workers"),
-    "DatasetsCallback": ("ray.train.v2._internal.callbacks.datasets", "DatasetsCallback",
-                         "left out of a run that streams no Ray Data (its manager actor costs ~3 s of CPU)"),
-    "PlacementGroupCleanerCallback": ("ray.train.v2._internal.callbacks.placement_group_callback",
-                                      "PlacementGroupCleanerCallback",
-                                      "left out of a driver's run (a detached actor: ~2 s of CPU, ~600 MB)"),
-    "DefaultFailurePolicy": ("ray.train.v2._internal.execution.failure_handling", "DefaultFailurePolicy",
-                             "subclassed: a node's notice (handover) is not counted as a failure"),
-    "FailureDecision": ("ray.train.v2._internal.execution.failure_handling", "FailureDecision",
-                        "the handover policy's answer (RETRY)"),
-    "ElasticScalingPolicy": ("ray.train.v2._internal.execution.scaling_policy", "ElasticScalingPolicy",
-                             "subclassed: sizes that split the global batch, a handover before growing"),
-    "FixedScalingPolicy": ("ray.train.v2._internal.execution.scaling_policy", "FixedScalingPolicy",
-                           "subclassed: no autoscaler requests on an embedded cluster"),
-    "NoopDecision": ("ray.train.v2._internal.execution.scaling_policy.scaling_policy", "NoopDecision",
-                     "the elastic policy waits for a handover"),
-    "ray_worker": ("ray._private.worker", None,
-                   "_global_node (the GCS answered; its monitor process at shutdown) and print_to_stdstream "
-                   "(what raylets push to the driver, routed to raylane's log)"),
+    "TorchBackend": (
+        "ray.train.torch.config",
+        "_TorchBackend",
+        "subclassed: each worker installs raylane's signal handlers once its process group is up",
+    ),
+    "ControllerCallback": (
+        "ray.train.v2._internal.execution.callback",
+        "ControllerCallback",
+        "the driver hears when the Train controller is up (start-up phases)",
+    ),
+    "get_train_context": (
+        "ray.train.v2._internal.execution.context",
+        "get_train_context",
+        "Ray's drain notice, read on each worker without get_preemption_info()'s barrier",
+    ),
+    "train_context_module": (
+        "ray.train.v2._internal.execution.context",
+        None,
+        "its logger (named after its file) is quietened on the workers",
+    ),
+    "DatasetsCallback": (
+        "ray.train.v2._internal.callbacks.datasets",
+        "DatasetsCallback",
+        "left out of a run that streams no Ray Data (its manager actor costs ~3 s of CPU)",
+    ),
+    "PlacementGroupCleanerCallback": (
+        "ray.train.v2._internal.callbacks.placement_group_callback",
+        "PlacementGroupCleanerCallback",
+        "left out of a driver's run (a detached actor: ~2 s of CPU, ~600 MB)",
+    ),
+    "DefaultFailurePolicy": (
+        "ray.train.v2._internal.execution.failure_handling",
+        "DefaultFailurePolicy",
+        "subclassed: a node's notice (handover) is not counted as a failure",
+    ),
+    "FailureDecision": (
+        "ray.train.v2._internal.execution.failure_handling",
+        "FailureDecision",
+        "the handover policy's answer (RETRY)",
+    ),
+    "ElasticScalingPolicy": (
+        "ray.train.v2._internal.execution.scaling_policy",
+        "ElasticScalingPolicy",
+        "subclassed: sizes that split the global batch, a handover before growing",
+    ),
+    "FixedScalingPolicy": (
+        "ray.train.v2._internal.execution.scaling_policy",
+        "FixedScalingPolicy",
+        "subclassed: no autoscaler requests on an embedded cluster",
+    ),
+    "NoopDecision": (
+        "ray.train.v2._internal.execution.scaling_policy.scaling_policy",
+        "NoopDecision",
+        "the elastic policy waits for a handover",
+    ),
+    "ray_worker": (
+        "ray._private.worker",
+        None,
+        "_global_node (the GCS answered; its monitor process at shutdown) and print_to_stdstream "
+        "(what raylets push to the driver, routed to raylane's log)",
+    ),
 }
 
 # Private methods and attributes of public or internal classes that raylane overrides or reads:
 # (module, dotted attribute, why). Resolved by the test like NAMES.
 MEMBERS: tuple[tuple[str, str, str], ...] = (
-    ("ray.train.torch", "TorchTrainer._initialize_and_run_controller",
-     "overridden: raylane's failure and scaling policies go to the controller"),
+    (
+        "ray.train.torch",
+        "TorchTrainer._initialize_and_run_controller",
+        "overridden: raylane's failure and scaling policies go to the controller",
+    ),
     ("ray.train.torch", "TorchTrainer._create_default_callbacks", "overridden: callbacks added and left out"),
     ("ray.train", "DataConfig._resolve_execution_options", "the eval split's execution options"),
-    ("ray.train.v2._internal.execution.scaling_policy", "ElasticScalingPolicy._count_possible_workers",
-     "overridden: only sizes that split the global batch"),
-    ("ray.train.v2._internal.execution.scaling_policy", "ElasticScalingPolicy._get_reserved_resources",
-     "the workers that fit, when a handover times out"),
-    ("ray.train.v2._internal.execution.scaling_policy", "ElasticScalingPolicy._get_resize_decision",
-     "the resize after a handover"),
-    ("ray.train.v2._internal.execution.scaling_policy", "FixedScalingPolicy._maybe_send_resource_request",
-     "overridden: no autoscaler request on an embedded cluster"),
-    ("ray.train.v2._internal.execution.scaling_policy", "FixedScalingPolicy._cancel_resource_request",
-     "overridden with it"),
+    (
+        "ray.train.v2._internal.execution.scaling_policy",
+        "ElasticScalingPolicy._count_possible_workers",
+        "overridden: only sizes that split the global batch",
+    ),
+    (
+        "ray.train.v2._internal.execution.scaling_policy",
+        "ElasticScalingPolicy._get_reserved_resources",
+        "the workers that fit, when a handover times out",
+    ),
+    (
+        "ray.train.v2._internal.execution.scaling_policy",
+        "ElasticScalingPolicy._get_resize_decision",
+        "the resize after a handover",
+    ),
+    (
+        "ray.train.v2._internal.execution.scaling_policy",
+        "FixedScalingPolicy._maybe_send_resource_request",
+        "overridden: no autoscaler request on an embedded cluster",
+    ),
+    (
+        "ray.train.v2._internal.execution.scaling_policy",
+        "FixedScalingPolicy._cancel_resource_request",
+        "overridden with it",
+    ),
     ("ray._private.worker", "_global_node", "set once ray.init's GCS has answered"),
     ("ray._private.worker", "print_to_stdstream", "replaced: the raylets' lines go to raylane's log"),
 )
@@ -73,8 +126,12 @@ MEMBERS: tuple[tuple[str, str, str], ...] = (
 # Instance attributes set by a method (module, class.method, attribute, why): the test reads the
 # method's source for the assignment.
 SET_BY: tuple[tuple[str, str, str, str], ...] = (
-    ("ray.dashboard.modules.dashboard_sdk", "SubmissionClient._check_connection_and_version_with_url",
-     "_server_ray_version", "the cluster's Ray, compared with this client's before `raylane submit` submits"),
+    (
+        "ray.dashboard.modules.dashboard_sdk",
+        "SubmissionClient._check_connection_and_version_with_url",
+        "_server_ray_version",
+        "the cluster's Ray, compared with this client's before `raylane submit` submits",
+    ),
 )
 
 
@@ -89,6 +146,6 @@ def __getattr__(name: str) -> Any:
 def resolve(module: str, dotted: str | None) -> Any:
     """The object at `module` + `dotted` attributes (for the test)."""
     found = import_module(module)
-    for part in (dotted.split(".") if dotted else []):
+    for part in dotted.split(".") if dotted else []:
         found = getattr(found, part)
     return found

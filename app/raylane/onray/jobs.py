@@ -28,8 +28,18 @@ from raylane.results import JOB_STATUSES, Status, SubmitSummary
 from raylane.tracking.runs import DEFAULT_TRACKING_URI, absolute_tracking_uri, local_store
 
 # Uploaded with every job: never the virtualenv, local runs, MLflow stores or test output.
-EXCLUDES = [".venv", ".git", "runs", "mlflow.db", "mlruns", "mlartifacts", "mlflow-server", "test-artifacts",
-            "**/__pycache__", "*.pyc"]
+EXCLUDES = [
+    ".venv",
+    ".git",
+    "runs",
+    "mlflow.db",
+    "mlruns",
+    "mlartifacts",
+    "mlflow-server",
+    "test-artifacts",
+    "**/__pycache__",
+    "*.pyc",
+]
 _RUN_ID = re.compile(r"MLflow run id:\s+([0-9a-f]{32})")
 
 
@@ -75,10 +85,18 @@ class SubmittedRun:
         status = JOB_STATUSES.get(job_status or "", Status.FAILED)
         if error is None and status != Status.FINISHED:
             error = f"job {self.job_id} ended {job_status}: its log above (or `ray job logs {self.job_id}`) says why"
-        return SubmitSummary(status=status, error=error, job_id=self.job_id, address=self.address,
-                             job_status=job_status, run_id=self.mlflow_run_id() if job_status else None,
-                             run_name=self.run_name, tracking_uri=self.tracking_uri, experiment=self.experiment,
-                             storage_path=self.storage_path)
+        return SubmitSummary(
+            status=status,
+            error=error,
+            job_id=self.job_id,
+            address=self.address,
+            job_status=job_status,
+            run_id=self.mlflow_run_id() if job_status else None,
+            run_name=self.run_name,
+            tracking_uri=self.tracking_uri,
+            experiment=self.experiment,
+            storage_path=self.storage_path,
+        )
 
     def mlflow_run_id(self) -> str | None:
         """The run id the job's driver printed (None until it has)."""
@@ -98,8 +116,14 @@ class SubmitError(RuntimeError):
     """The job could not be submitted, for a reason other than the user's input; one line."""
 
 
-def submit(config: str, overrides: Iterable[str] = (), *, address: str | None = None, working_dir: str = ".",
-           env_vars: dict[str, str] | None = None) -> SubmittedRun:
+def submit(
+    config: str,
+    overrides: Iterable[str] = (),
+    *,
+    address: str | None = None,
+    working_dir: str = ".",
+    env_vars: dict[str, str] | None = None,
+) -> SubmittedRun:
     """Validate `config` with `overrides` here, then submit `raylane train` as a Ray job that
     records where the submitter looks: its MLflow tracking URI (MLFLOW_TRACKING_URI, from `env_vars`
     or this environment; MLflow's default sqlite:///mlflow.db) and `run.storage_path`, resolved
@@ -118,8 +142,9 @@ def submit(config: str, overrides: Iterable[str] = (), *, address: str | None = 
     try:
         here = on_this_machine(host)
     except OSError as exc:
-        raise ConfigError(f"{given} = {address!r}: cannot resolve host {host!r} ({exc.strerror}); check the "
-                          "address") from None
+        raise ConfigError(
+            f"{given} = {address!r}: cannot resolve host {host!r} ({exc.strerror}); check the address"
+        ) from None
     tracking_uri, storage = destinations(cfg, url, here, env.get("MLFLOW_TRACKING_URI"))
     if tracking_uri:
         env["MLFLOW_TRACKING_URI"] = tracking_uri
@@ -129,8 +154,10 @@ def submit(config: str, overrides: Iterable[str] = (), *, address: str | None = 
         overrides.extend(_paths_here(config, overrides))
     why = unreachable(host, port, "Ray jobs API")
     if why:
-        raise ConfigError(f"{given} = {address!r}: {why}; check the address (`raylane up` prints its dashboard) "
-                          "and that the cluster is up")
+        raise ConfigError(
+            f"{given} = {address!r}: {why}; check the address (`raylane up` prints its dashboard) "
+            "and that the cluster is up"
+        )
     entrypoint = shlex.join(["raylane", "train", config, *[x for o in overrides for x in ("--set", o)]])
     client = job_client(url, given)
     from ray import __version__ as here
@@ -138,10 +165,18 @@ def submit(config: str, overrides: Iterable[str] = (), *, address: str | None = 
     # The Jobs SDK keeps the version the server reported (raylane.onray.internals lists it).
     if why := version_mismatch(given, address, getattr(client, "_server_ray_version", None), here):
         raise ConfigError(why)  # before the job: its driver would run the cluster's Ray, not this one's
-    job_id = _submit_job(client, given, url, entrypoint, {"working_dir": working_dir, "excludes": EXCLUDES,
-                                                          "env_vars": env})
-    return SubmittedRun(job_id, client.get_address(), client, tracking_uri=tracking_uri,
-                        experiment=cfg.mlflow.experiment, storage_path=storage, run_name=cfg.run.name)
+    job_id = _submit_job(
+        client, given, url, entrypoint, {"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env}
+    )
+    return SubmittedRun(
+        job_id,
+        client.get_address(),
+        client,
+        tracking_uri=tracking_uri,
+        experiment=cfg.mlflow.experiment,
+        storage_path=storage,
+        run_name=cfg.run.name,
+    )
 
 
 def _paths_here(config: str, overrides: list[str]) -> list[str]:
@@ -156,8 +191,11 @@ def _paths_here(config: str, overrides: list[str]) -> list[str]:
     cfg = load_config(config, overrides)
     check_run(cfg)
     flat = cfg.flat()
-    return [f"{key}={json.dumps(flat[key])}" for key, marker in path_keys(type(cfg)).items()
-            if marker.must_exist and flat.get(key) is not None]
+    return [
+        f"{key}={json.dumps(flat[key])}"
+        for key, marker in path_keys(type(cfg)).items()
+        if marker.must_exist and flat.get(key) is not None
+    ]
 
 
 def _address(address: str | None) -> tuple[str, str]:
@@ -188,13 +226,17 @@ def destinations(cfg: BaseConfig, url: str, on_this_machine: bool, tracking_uri:
         return (absolute_tracking_uri(uri) if cfg.mlflow.enabled else None), storage
     where = f"a job on the remote cluster at {url} would"
     if "://" not in storage and not Path(storage).is_absolute():
-        raise ConfigError(f"run.storage_path = {storage!r}: {where} write its checkpoints inside its temporary "
-                          "working directory; set run.storage_path to s3://... or an absolute path the cluster shares")
+        raise ConfigError(
+            f"run.storage_path = {storage!r}: {where} write its checkpoints inside its temporary "
+            "working directory; set run.storage_path to s3://... or an absolute path the cluster shares"
+        )
     if cfg.mlflow.enabled and local_store(uri):
         shown = f"{uri!r}" + ("" if tracking_uri else " (MLflow's default)")
         place = "inside its temporary working directory" if absolute_tracking_uri(uri) != uri else "in a file there"
-        raise ConfigError(f"MLFLOW_TRACKING_URI = {shown}: {where} record its MLflow run {place}; set "
-                          "MLFLOW_TRACKING_URI to the cluster's MLflow server (http://...), or mlflow.enabled=false")
+        raise ConfigError(
+            f"MLFLOW_TRACKING_URI = {shown}: {where} record its MLflow run {place}; set "
+            "MLFLOW_TRACKING_URI to the cluster's MLflow server (http://...), or mlflow.enabled=false"
+        )
     return (uri if cfg.mlflow.enabled else None), storage
 
 
@@ -208,8 +250,10 @@ def job_client(url: str, given: str = "--address"):
     try:
         return within(lambda: JobSubmissionClient(url), JOIN_TIMEOUT_S, "raylane-jobs-client")
     except NoAnswer:
-        raise ConfigError(f"{given} = {url!r}: no Ray jobs API answers there within {JOIN_TIMEOUT_S:g} s "
-                          "(something listens on that port, but does not answer as one)") from None
+        raise ConfigError(
+            f"{given} = {url!r}: no Ray jobs API answers there within {JOIN_TIMEOUT_S:g} s "
+            "(something listens on that port, but does not answer as one)"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - each becomes one line
         raise _one_line(exc, given, url) from None
 
@@ -237,10 +281,14 @@ def _one_line(exc: Exception, given: str, url: str) -> Exception:
     shown = f"{given} = {url!r}"
     if isinstance(exc, AuthenticationError):
         if text.startswith("Authentication failed"):
-            return ConfigError(f"{shown}: the cluster refused this token (HTTP 403); set RAY_AUTH_TOKEN_PATH to a "
-                               "file holding the cluster's token")
-        return ConfigError(f"{shown}: the cluster asks for its auth token (HTTP 401); set RAY_AUTH_TOKEN_PATH to a "
-                           "file holding it (`raylane up` uses ~/.ray/auth_token unless RAY_AUTH_TOKEN_PATH is set)")
+            return ConfigError(
+                f"{shown}: the cluster refused this token (HTTP 403); set RAY_AUTH_TOKEN_PATH to a "
+                "file holding the cluster's token"
+            )
+        return ConfigError(
+            f"{shown}: the cluster asks for its auth token (HTTP 401); set RAY_AUTH_TOKEN_PATH to a "
+            "file holding it (`raylane up` uses ~/.ray/auth_token unless RAY_AUTH_TOKEN_PATH is set)"
+        )
     if "Version check returned 404" in text:
         return ConfigError(f"{shown}: something answers there, but not Ray's jobs API (HTTP 404 for /api/version)")
     if isinstance(exc, ConnectionError):

@@ -97,8 +97,9 @@ class EventSink:
 class RayRuntime:
     """The `Runtime` seen by a Ray Train worker (see raylane.loop.runtime)."""
 
-    def __init__(self, sink: Any, use_gpu: bool, streams: dict[str, int | None] | None = None,
-                 restarts: bool = False) -> None:
+    def __init__(
+        self, sink: Any, use_gpu: bool, streams: dict[str, int | None] | None = None, restarts: bool = False
+    ) -> None:
         ctx = ray.train.get_context()
         self.restarts_without_leaving_nodes = restarts
         self._streams = streams or {}  # the Ray Datasets the driver made: name -> rows per epoch
@@ -123,8 +124,9 @@ class RayRuntime:
         node_ranks = node_layout(bytes.fromhex(ray.get_runtime_context().get_node_id()), self.device)
         peers = [r for r, n in enumerate(node_ranks) if n == node_ranks[self.rank]]
         self.local_rank = peers.index(self.rank)
-        os.environ.update(NODE_RANK=str(node_ranks[self.rank]), LOCAL_RANK=str(self.local_rank),
-                          LOCAL_WORLD_SIZE=str(len(peers)))
+        os.environ.update(
+            NODE_RANK=str(node_ranks[self.rank]), LOCAL_RANK=str(self.local_rank), LOCAL_WORLD_SIZE=str(len(peers))
+        )
         return node_ranks
 
     def _watch_driver(self) -> None:
@@ -175,8 +177,16 @@ class RayRuntime:
     def new_checkpoint_dir(self, step: int) -> str:
         return self._store.new_dir(step)
 
-    def commit_checkpoint(self, path: str, step: int, metrics: dict[str, float], *, keep: int | None,
-                          keep_best: int | None, best: tuple[str, str]) -> str:
+    def commit_checkpoint(
+        self,
+        path: str,
+        step: int,
+        metrics: dict[str, float],
+        *,
+        keep: int | None,
+        keep_best: int | None,
+        best: tuple[str, str],
+    ) -> str:
         # Nothing goes to Ray here. In Ray 2.60 every ray.train.report is a barrier across the
         # ranks and then waits for the controller's next poll (a result queue of one): ~0.45 s of
         # stall per checkpoint on 2 cores. Nothing needs it: raylane keeps its checkpoints and
@@ -248,7 +258,8 @@ class _RaylaneTorchTrainer(TorchTrainer):
         sizes = self.train_loop_config.get("world_sizes")
         if self.scaling_config.elasticity_enabled and sizes:
             controller_init_kwargs["scaling_policy"] = HeldBatchElasticPolicy(
-                self.scaling_config, sizes, self.train_loop_config.get("sink"))
+                self.scaling_config, sizes, self.train_loop_config.get("sink")
+            )
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     def _create_default_callbacks(self):
@@ -278,8 +289,7 @@ class _DriverTorchTrainer(_RaylaneTorchTrainer):
     def _create_default_callbacks(self):
         from raylane.onray.internals import PlacementGroupCleanerCallback
 
-        return [cb for cb in super()._create_default_callbacks()
-                if not isinstance(cb, PlacementGroupCleanerCallback)]
+        return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, PlacementGroupCleanerCallback)]
 
 
 class _EmbeddedTorchTrainer(_DriverTorchTrainer):
@@ -304,15 +314,22 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     from raylane.onray.internals import train_context_module as ray_train_context
     from raylane.tracking.runs import rank_zero_logger
 
-    startup = {"worker_process": process_start_unix(), "process_group": _process_group_unix,
-               "worker_imports": time.time()}
+    startup = {
+        "worker_process": process_start_unix(),
+        "process_group": _process_group_unix,
+        "worker_imports": time.time(),
+    }
 
     for name in ("ray.train", ray_train_context.__file__):
         logging.getLogger(name).setLevel(logging.WARNING)
 
     cfg = validate(loop_config["config"])
-    runtime = RayRuntime(loop_config["sink"], cfg.scaling.use_gpu, loop_config.get("streams"),
-                         restarts=_restarts(cfg, loop_config.get("search")))
+    runtime = RayRuntime(
+        loop_config["sink"],
+        cfg.scaling.use_gpu,
+        loop_config.get("streams"),
+        restarts=_restarts(cfg, loop_config.get("search")),
+    )
     _relay_warnings(runtime, loop_config.get("verbose", False))
     if loop_config.get("search"):  # `raylane autotune`: the whole search in this one worker group
         from raylane.autotuning.search import run_search
@@ -328,8 +345,9 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         # that (a return would end the run). Should it not come, a restart does the same.
         time.sleep(HANDOVER_WAIT_S + 60)
     if result.get("node_leaving") or result.get("growing"):
-        raise NodeLeaving(f"{result.get('stop_reason')}: checkpointed at step {result['steps']}, "
-                          f"restarting without the leaving node")
+        raise NodeLeaving(
+            f"{result.get('stop_reason')}: checkpointed at step {result['steps']}, restarting without the leaving node"
+        )
 
 
 class _WarningRelay(logging.Handler):
@@ -343,8 +361,9 @@ class _WarningRelay(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         # When the driver is gone, the worker's own log file still has the warning.
         with contextlib.suppress(Exception):
-            self._runtime.publish(Log(rank=self._runtime.rank, level=record.levelname.lower(),
-                                      message=record.getMessage()))
+            self._runtime.publish(
+                Log(rank=self._runtime.rank, level=record.levelname.lower(), message=record.getMessage())
+            )
 
 
 def _relay_warnings(runtime: RayRuntime, verbose: bool) -> None:
@@ -393,8 +412,9 @@ def _one_line(err: BaseException) -> str:
     return _SOURCE_LOCATION.sub("", lines[0]) + (" (the rest in the library log)" if len(lines) > 1 else "")
 
 
-def _fit_and_pump(trainer: TorchTrainer, sink: Any, on_event: Callable[[Event], None],
-                  world_size: int) -> dict[str, Any]:
+def _fit_and_pump(
+    trainer: TorchTrainer, sink: Any, on_event: Callable[[Event], None], world_size: int
+) -> dict[str, Any]:
     """fit() runs on a helper thread so that this (main) thread keeps Ctrl-C and SIGTERM: Ray
     installs its own SIGINT handler only from the main thread. Here we relay rank 0's events."""
     outcome: dict[str, Any] = {}
@@ -463,9 +483,16 @@ def _event_sink() -> Any:
     return EventSink.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
 
 
-def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
-                  on_event: Callable[[Event], None], *, embedded: bool,
-                  in_trial: bool = False, search: dict[str, Any] | None = None) -> dict[str, Any]:
+def launch_on_ray(
+    cfg: BaseConfig,
+    run_id: str | None,
+    tracking_uri: str,
+    on_event: Callable[[Event], None],
+    *,
+    embedded: bool,
+    in_trial: bool = False,
+    search: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Train on the connected cluster (see `raylane.onray.cluster.init_ray`); the caller shuts Ray
     down. `in_trial`: a Tune trial's run, whose controller Tune may kill while the sweep goes on.
     `search`: run `raylane autotune`'s search in the worker group instead (raylane.autotuning.search)."""
@@ -477,16 +504,30 @@ def launch_on_ray(cfg: BaseConfig, run_id: str | None, tracking_uri: str,
     datasets, streams = _ray_datasets(cfg)
     trainer = trainer_cls(
         _train_fn,
-        train_loop_config={"config": cfg.model_dump(mode="json"), "sink": sink, "streams": streams,
-                           "run_id": run_id, "tracking_uri": tracking_uri, "verbose": logs.verbose(),
-                           "search": search, "world_sizes": world_sizes(cfg) if cfg.scaling.elastic else None},
-        datasets=datasets, **({"dataset_config": _stream_split()} if datasets else {}),
-        scaling_config=ScalingConfig(num_workers=ray_num_workers(cfg), use_gpu=cfg.scaling.use_gpu,
-                                     resources_per_worker=resources,
-                                     elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s),
+        train_loop_config={
+            "config": cfg.model_dump(mode="json"),
+            "sink": sink,
+            "streams": streams,
+            "run_id": run_id,
+            "tracking_uri": tracking_uri,
+            "verbose": logs.verbose(),
+            "search": search,
+            "world_sizes": world_sizes(cfg) if cfg.scaling.elastic else None,
+        },
+        datasets=datasets,
+        **({"dataset_config": _stream_split()} if datasets else {}),
+        scaling_config=ScalingConfig(
+            num_workers=ray_num_workers(cfg),
+            use_gpu=cfg.scaling.use_gpu,
+            resources_per_worker=resources,
+            elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s,
+        ),
         torch_config=_RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s, restarts=_restarts(cfg, search)),
-        run_config=RunConfig(name=cfg.run.name, storage_path=cfg.run.storage_path,
-                             failure_config=FailureConfig(max_failures=max_failures(cfg))),
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=cfg.run.storage_path,
+            failure_config=FailureConfig(max_failures=max_failures(cfg)),
+        ),
     )
     on_event(Startup(phases={"fit": time.time()}))
     return _fit_and_pump(trainer, sink, on_event, cfg.scaling.num_workers)

@@ -29,9 +29,14 @@ KILL_WAIT_S = 10.0  # after SIGKILL, for the kernel to end what it killed
 # What an embedded cluster sets for its own run (see raylane.onray.cluster), set once here for the
 # head's processes: Ray Train's controller reads them where it runs, not on the driver. A head on
 # one machine is never preempted and nobody scrapes its metrics.
-HEAD_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-            "RAY_TRAIN_METRICS_ENABLED": "0", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300",
-            "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+HEAD_ENV = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "token",
+}
 
 
 @dataclass
@@ -74,8 +79,9 @@ def resolve_address(address: str | None) -> str | None:
     if cluster is None:
         return None
     os.environ.setdefault("RAY_AUTH_MODE", "token")
-    logging.getLogger("raylane").info("joining the local Ray head at %s (`raylane up`; `raylane down` stops it)",
-                                      cluster.address)
+    logging.getLogger("raylane").info(
+        "joining the local Ray head at %s (`raylane up`; `raylane down` stops it)", cluster.address
+    )
     return cluster.address
 
 
@@ -92,25 +98,49 @@ def up(num_cpus: int, port: int | None = None, dashboard_port: int | None = None
     temp = tempfile.mkdtemp(prefix="raylane-", dir="/tmp")
     log_path = state / "head.log"
     ray_bin = Path(sys.executable).parent / "ray"
-    argv = [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
-            f"--num-cpus={num_cpus}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-            f"--temp-dir={temp}", "--disable-usage-stats",
-            # Ray's fixed default ports (dashboard agent 52365, client server 10001, ...) would
-            # keep any other cluster on this machine, an embedded run's or a test's, from starting
-            # its own: "No available agent to submit job". Free ones, so that they coexist.
-            *(f"--{flag}={_free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                       "ray-client-server-port", "runtime-env-agent-port",
-                                                       "metrics-export-port"))]
+    argv = [
+        str(ray_bin),
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={gcs_port}",
+        f"--num-cpus={num_cpus}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash_port}",
+        f"--temp-dir={temp}",
+        "--disable-usage-stats",
+        # Ray's fixed default ports (dashboard agent 52365, client server 10001, ...) would
+        # keep any other cluster on this machine, an embedded run's or a test's, from starting
+        # its own: "No available agent to submit job". Free ones, so that they coexist.
+        *(
+            f"--{flag}={_free_port()}"
+            for flag in (
+                "dashboard-agent-listen-port",
+                "dashboard-agent-grpc-port",
+                "ray-client-server-port",
+                "runtime-env-agent-port",
+                "metrics-export-port",
+            )
+        ),
+    ]
     # The placement-group cleaner's State API calls name the head's dashboard: with no address they
     # look for "the" Ray on this machine and fail beside any other cluster (see cluster.init_ray).
     env = {**os.environ, **HEAD_ENV, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}"}
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    cluster = LocalCluster(address=f"127.0.0.1:{gcs_port}", dashboard_url=f"http://127.0.0.1:{dash_port}",
-                           pid=proc.pid, temp_dir=temp, num_cpus=num_cpus, started_unix=time.time(),
-                           log=str(log_path))
+        proc = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    cluster = LocalCluster(
+        address=f"127.0.0.1:{gcs_port}",
+        dashboard_url=f"http://127.0.0.1:{dash_port}",
+        pid=proc.pid,
+        temp_dir=temp,
+        num_cpus=num_cpus,
+        started_unix=time.time(),
+        log=str(log_path),
+    )
     deadline = time.monotonic() + START_TIMEOUT_S
     while "Ray runtime started" not in log_path.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:

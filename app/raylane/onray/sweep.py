@@ -45,8 +45,13 @@ DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")
 SWEEP_RECORD = "raylane_sweep.json"
 # Throughput a trial reports at each epoch end (rank 0's, over that epoch's steps after warm-up)
 # and at its end (over the run), beside its eval metrics; the better direction of each.
-SPEED_METRICS = {"samples_per_s": "max", "tokens_per_s": "max", "mfu": "max", "step_time_s": "min",
-                 "peak_memory_bytes": "min"}
+SPEED_METRICS = {
+    "samples_per_s": "max",
+    "tokens_per_s": "max",
+    "mfu": "max",
+    "step_time_s": "min",
+    "peak_memory_bytes": "min",
+}
 TIME_TO_TARGET = "time_to_target_s"
 # What a trial that has not reached the target reports: worse than any real time, and finite,
 # which ASHA's quantiles and MLflow need.
@@ -65,7 +70,8 @@ class ObjectiveSection(Section):
     """What a sweep ranks trials by, other than a metric's last value."""
 
     time_to: TimeTo = Field(
-        description="Rank trials by the training seconds until `metric` reaches `value`: `{metric, value, mode}`.")
+        description="Rank trials by the training seconds until `metric` reaches `value`: `{metric, value, mode}`."
+    )
 
 
 class SweepSection(Section):
@@ -75,29 +81,41 @@ class SweepSection(Section):
     name: str = Field(
         pattern=_NAME_PATTERN,
         description="The sweep's identity: its folder is `<run.storage_path>/<name>`, and rerunning the same name "
-                    "with the same settings continues it.")
-    base: str = Field(min_length=1, description="The base pipeline config: a file (relative to the sweep file), or "
-                                                "a shipped config's name.")
+        "with the same settings continues it.",
+    )
+    base: str = Field(
+        min_length=1,
+        description="The base pipeline config: a file (relative to the sweep file), or a shipped config's name.",
+    )
     space: dict[str, dict[str, Any]] = Field(
         min_length=1,
         description="Dotted config key -> `{choice: [..]}`, `{grid: [..]}`, `{uniform: [lo, hi]}`, "
-                    "`{loguniform: [lo, hi]}` or `{randint: [lo, hi]}` (hi excluded). Every key and range is checked "
-                    "against the base config before anything starts.")
+        "`{loguniform: [lo, hi]}` or `{randint: [lo, hi]}` (hi excluded). Every key and range is checked "
+        "against the base config before anything starts.",
+    )
     algorithm: Literal["random", "grid", "optuna"] = Field(
-        "random", description="How trials' values are drawn: `grid` needs listed values (choice or grid).")
+        "random", description="How trials' values are drawn: `grid` needs listed values (choice or grid)."
+    )
     scheduler: Literal["fifo", "asha", "pbt"] = Field(
-        "fifo", description="`fifo`: every trial runs to its end; `asha`: bad trials stop early; `pbt`: worse trials "
-                            "continue from better ones' checkpoints with perturbed values.")
-    num_samples: int = Field(1, ge=1, le=100_000, description="Trials to run (a grid's values are repeated this "
-                                                              "many times).")
+        "fifo",
+        description="`fifo`: every trial runs to its end; `asha`: bad trials stop early; `pbt`: worse trials "
+        "continue from better ones' checkpoints with perturbed values.",
+    )
+    num_samples: int = Field(
+        1, ge=1, le=100_000, description="Trials to run (a grid's values are repeated this many times)."
+    )
     max_concurrent_trials: int | None = Field(
-        None, ge=1, le=10_000, description="Trials at once. null: as many as the cluster's CPUs (or GPUs) hold.")
+        None, ge=1, le=10_000, description="Trials at once. null: as many as the cluster's CPUs (or GPUs) hold."
+    )
     metric: str = Field(
-        "loss", min_length=1,
+        "loss",
+        min_length=1,
         description="What ranks trials: an eval metric of the pipeline, or a throughput (`samples_per_s`, "
-                    "`tokens_per_s`, `mfu`, `step_time_s`, `peak_memory_bytes`).")
+        "`tokens_per_s`, `mfu`, `step_time_s`, `peak_memory_bytes`).",
+    )
     mode: Literal["min", "max"] = Field(
-        "min", description="`min`: a lower metric is better; `max`: higher. Inferred for throughput metrics.")
+        "min", description="`min`: a lower metric is better; `max`: higher. Inferred for throughput metrics."
+    )
     seed: int = Field(0, ge=0, lt=2**32, description="The search's seed: the same seed draws the same trials.")
     grace_period: int = Field(1, ge=1, description="ASHA: epochs before a trial may be stopped.")
     reduction_factor: float = Field(2.0, gt=1, description="ASHA: 1/factor of the trials is kept at each rung.")
@@ -105,29 +123,37 @@ class SweepSection(Section):
     pbt_synchronous: bool = Field(
         False,
         description="PBT: every trial waits at each perturbation until all have reached it (Ray's synchronous PBT): "
-                    "an exploit at every interval, at the cost of pausing fast trials.")
+        "an exploit at every interval, at the cost of pausing fast trials.",
+    )
     objective: ObjectiveSection | None = Field(
         None,
         description="Rank trials by the time they take to reach an eval metric's value (`sweep.metric` is then "
-                    "`time_to_target_s`, mode min); a trial that never reaches it ranks last.")
+        "`time_to_target_s`, mode min); a trial that never reaches it ranks last.",
+    )
     global_batch: GlobalBatch | None = Field(
-        None, description="Hold the global batch fixed over a space of batch sizes, accumulation or workers: "
-                          "`{size, adjust}`.")
+        None,
+        description="Hold the global batch fixed over a space of batch sizes, accumulation or workers: "
+        "`{size, adjust}`.",
+    )
 
     @model_validator(mode="after")
     def _direction(self) -> SweepSection:
         given = self.model_fields_set
         if self.objective is not None:
             if "metric" in given and self.metric != TIME_TO_TARGET:
-                raise ValueError(f"sweep.metric = {self.metric!r} with sweep.objective: a time-to-target sweep "
-                                 f"ranks by {TIME_TO_TARGET} (set sweep.metric: {TIME_TO_TARGET}, or leave it out)")
+                raise ValueError(
+                    f"sweep.metric = {self.metric!r} with sweep.objective: a time-to-target sweep "
+                    f"ranks by {TIME_TO_TARGET} (set sweep.metric: {TIME_TO_TARGET}, or leave it out)"
+                )
             self.__dict__.update(metric=TIME_TO_TARGET, mode="min")  # no re-validation of the model
         better = SPEED_METRICS.get(self.metric) or ("min" if self.metric == TIME_TO_TARGET else None)
         if better and "mode" not in given:
             self.__dict__["mode"] = better
         elif better and self.mode != better:
-            raise ValueError(f"sweep.mode = {self.mode!r}: {self.metric} is better "
-                             f"{'higher' if better == 'max' else 'lower'} (use sweep.mode: {better})")
+            raise ValueError(
+                f"sweep.mode = {self.mode!r}: {self.metric} is better "
+                f"{'higher' if better == 'max' else 'lower'} (use sweep.mode: {better})"
+            )
         return self
 
     @field_validator("space")
@@ -181,16 +207,20 @@ def load_sweep(path: str, overrides: Iterable[str] = ()) -> tuple[SweepSection, 
     raw = apply_overrides(raw, sweep_sets)
     if not isinstance(raw.get("sweep"), dict):
         if "pipeline" in raw:
-            raise ConfigError(f"sweep file {str(path)!r}: is a pipeline config (no `sweep:` section): train it "
-                              f"with `raylane train {path}`, or sweep it from a sweep file whose `sweep.base` "
-                              "names it (e.g. pipelines/digits-sweep.yaml)")
+            raise ConfigError(
+                f"sweep file {str(path)!r}: is a pipeline config (no `sweep:` section): train it "
+                f"with `raylane train {path}`, or sweep it from a sweep file whose `sweep.base` "
+                "names it (e.g. pipelines/digits-sweep.yaml)"
+            )
         raise ConfigError(f"sweep file {str(path)!r}: needs a `sweep:` section")
     try:
         sweep = SweepSection.model_validate(raw.pop("sweep"))
     except ValidationError as exc:
         text = format_validation_error(exc, SweepSection, "sweep.").removeprefix("invalid config: ")
-        raise ConfigError("invalid sweep: " + "; ".join(
-            part if part.startswith("sweep.") else f"sweep.{part}" for part in text.split("; "))) from None
+        raise ConfigError(
+            "invalid sweep: "
+            + "; ".join(part if part.startswith("sweep.") else f"sweep.{part}" for part in text.split("; "))
+        ) from None
     # Relative paths are the sweep file's: `base:` (else from the working directory), and the
     # `pipeline:` of each file from that file's directory.
     sweep_dir = config_path(path).resolve().parent
@@ -228,8 +258,10 @@ def _check_global_batch(sweep: SweepSection, base: BaseConfig) -> None:
     keys = [k for k in ("train.batch_size", "train.grad_accum_steps", "scaling.num_workers") if k in sweep.space]
     for key in keys:
         if next(iter(sweep.space[key])) in ("uniform", "loguniform"):
-            raise ConfigError(f"sweep.space.{key}: a continuous range with sweep.global_batch; list the values "
-                              "(choice, grid) or use randint")
+            raise ConfigError(
+                f"sweep.space.{key}: a continuous range with sweep.global_batch; list the values "
+                "(choice, grid) or use randint"
+            )
     for values in itertools.product(*(_every_value(sweep.space[k]) for k in keys)):
         params = dict(zip(keys, values, strict=True))
         try:
@@ -265,7 +297,9 @@ class Objective:
         if self.target is None:
             return metrics
         value = metrics.get(self.target.metric)
-        hit = value is not None and (value >= self.target.value if self.target.mode == "max" else value <= self.target.value)
+        hit = value is not None and (
+            value >= self.target.value if self.target.mode == "max" else value <= self.target.value
+        )
         if hit and self.reached_s is None:
             self.reached_s = float(metrics.get("train_s", NOT_REACHED_S))
         return {**metrics, TIME_TO_TARGET: self.reached_s if self.reached_s is not None else NOT_REACHED_S}
@@ -287,14 +321,16 @@ def trial_config(base: BaseConfig, params: dict[str, Any], global_batch: GlobalB
 
 # -- the sweep's record ------------------------------------------------------------------------
 
+
 def resolved(base: BaseConfig) -> BaseConfig:
     """`base` with a local storage path made absolute: where the sweep's folder is, from any
     working directory, and how its settings are recorded."""
     storage = base.run.storage_path
     if "://" in storage:
         return base
-    return base.model_copy(update={"run": base.run.model_copy(update={
-        "storage_path": str(Path(storage).expanduser().resolve())})})
+    return base.model_copy(
+        update={"run": base.run.model_copy(update={"storage_path": str(Path(storage).expanduser().resolve())})}
+    )
 
 
 def sweep_folder(sweep: SweepSection, base: BaseConfig) -> Path | None:
@@ -343,16 +379,22 @@ def check_rerun(sweep: SweepSection, base: BaseConfig) -> str | None:
             raise ConfigError(
                 f"{key} = {_shown(new, key)}: sweep {sweep.name!r} already ran with {key} = {_shown(old, key)} "
                 f"({str(folder)!r}), and a sweep's settings cannot change: start a new sweep with "
-                f"--set sweep.name={fresh_sweep_name(folder)}, or rerun it unchanged to continue it")
+                f"--set sweep.name={fresh_sweep_name(folder)}, or rerun it unchanged to continue it"
+            )
     if record.get("status") != "FINISHED":
         return None
     best = record.get("best") or {}
-    outcome = (f"best trial {best['trial_id']}: {sweep.metric} {best['metric']:.4f}" if best.get("trial_id")
-               else "no best trial")
+    outcome = (
+        f"best trial {best['trial_id']}: {sweep.metric} {best['metric']:.4f}"
+        if best.get("trial_id")
+        else "no best trial"
+    )
     trials = record.get("trials")
-    return (f"sweep {sweep.name}: already FINISHED ({trials} trial{'' if trials == 1 else 's'}, {outcome}); results in "
-            f"{folder} and MLflow parent run {record.get('parent_run_id')}. Nothing to run: to sweep again, "
-            f"start a new sweep with --set sweep.name={fresh_sweep_name(folder)}")
+    return (
+        f"sweep {sweep.name}: already FINISHED ({trials} trial{'' if trials == 1 else 's'}, {outcome}); results in "
+        f"{folder} and MLflow parent run {record.get('parent_run_id')}. Nothing to run: to sweep again, "
+        f"start a new sweep with --set sweep.name={fresh_sweep_name(folder)}"
+    )
 
 
 def _absolute_paths(recorded: dict[str, Any], base: BaseConfig) -> dict[str, Any]:

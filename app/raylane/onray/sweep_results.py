@@ -22,18 +22,20 @@ def rows(grid, sweep: SweepSection, parent: RunHandle) -> list[dict[str, Any]]:
         trial_id = m.get("trial_id") or Path(result.path).name
         run = find_child(client, parent.experiment_id, sweep.name, trial_id)
         tags = run.data.tags if run else {}
-        rows.append({
-            "trial_id": trial_id,
-            "config": {k: result.config.get(k) for k in sweep.space},
-            "metrics": {k: v for k, v in m.items() if k == sweep.metric or k in ("epoch", "step")},
-            "status": run.info.status if run else ("ERROR" if result.error else "UNKNOWN"),
-            "early_stopped": tags.get("raylane.early_stopped") == "true",
-            "exploits": int(tags.get("raylane.pbt.exploits", "0")),
-            "run_id": run.info.run_id if run else m.get("run_id"),
-            "checkpoint": m.get("checkpoint_location"),
-            "time_s": m.get("time_total_s"),
-            "error": str(result.error) if result.error else None,
-        })
+        rows.append(
+            {
+                "trial_id": trial_id,
+                "config": {k: result.config.get(k) for k in sweep.space},
+                "metrics": {k: v for k, v in m.items() if k == sweep.metric or k in ("epoch", "step")},
+                "status": run.info.status if run else ("ERROR" if result.error else "UNKNOWN"),
+                "early_stopped": tags.get("raylane.early_stopped") == "true",
+                "exploits": int(tags.get("raylane.pbt.exploits", "0")),
+                "run_id": run.info.run_id if run else m.get("run_id"),
+                "checkpoint": m.get("checkpoint_location"),
+                "time_s": m.get("time_total_s"),
+                "error": str(result.error) if result.error else None,
+            }
+        )
     return sorted(rows, key=lambda r: r["trial_id"])
 
 
@@ -42,8 +44,13 @@ def best(grid, sweep: SweepSection, rows: list[dict[str, Any]]) -> dict[str, Any
     if not scored:
         return None
     pick = (min if sweep.mode == "min" else max)(scored, key=lambda r: r["metrics"][sweep.metric])
-    return {"trial_id": pick["trial_id"], "config": pick["config"], "metric": pick["metrics"][sweep.metric],
-            "run_id": pick["run_id"], "checkpoint": pick["checkpoint"]}
+    return {
+        "trial_id": pick["trial_id"],
+        "config": pick["config"],
+        "metric": pick["metrics"][sweep.metric],
+        "run_id": pick["run_id"],
+        "checkpoint": pick["checkpoint"],
+    }
 
 
 def table(rows: list[dict[str, Any]], sweep: SweepSection) -> str:
@@ -52,12 +59,25 @@ def table(rows: list[dict[str, Any]], sweep: SweepSection) -> str:
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for r in rows:
         value = r["metrics"].get(sweep.metric)
-        status = r["status"] + (" (early stop)" if r["early_stopped"] else "") + \
-            (f" ({r['exploits']} exploits)" if r["exploits"] else "")
-        lines.append(" | ".join([r["trial_id"], *(f"{r['config'][k]:.4g}" if isinstance(r["config"][k], float)
-                                                   else str(r["config"][k]) for k in keys),
-                                 shown_metric(sweep.metric, value),
-                                 str(r["metrics"].get("epoch", "-")), status]))
+        status = (
+            r["status"]
+            + (" (early stop)" if r["early_stopped"] else "")
+            + (f" ({r['exploits']} exploits)" if r["exploits"] else "")
+        )
+        lines.append(
+            " | ".join(
+                [
+                    r["trial_id"],
+                    *(
+                        f"{r['config'][k]:.4g}" if isinstance(r["config"][k], float) else str(r["config"][k])
+                        for k in keys
+                    ),
+                    shown_metric(sweep.metric, value),
+                    str(r["metrics"].get("epoch", "-")),
+                    status,
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -69,8 +89,13 @@ def shown_metric(metric: str, value: Any) -> str:
     return f"{value:,.0f}" if abs(value) >= 10_000 else f"{value:.4f}"
 
 
-def record_parent(parent: RunHandle, sweep: SweepSection, rows: list[dict[str, Any]],
-                   best: dict[str, Any] | None, register: str | None) -> dict[str, Any]:
+def record_parent(
+    parent: RunHandle,
+    sweep: SweepSection,
+    rows: list[dict[str, Any]],
+    best: dict[str, Any] | None,
+    register: str | None,
+) -> dict[str, Any]:
     from raylane.tracking.records import _attempt, log_model
 
     client = mlflow_client(parent.tracking_uri)
@@ -79,14 +104,28 @@ def record_parent(parent: RunHandle, sweep: SweepSection, rows: list[dict[str, A
     writer = csv.writer(buffer)
     writer.writerow(["trial_id", *sweep.space, sweep.metric, "epoch", "status", "early_stopped", "exploits", "run_id"])
     for r in rows:
-        writer.writerow([r["trial_id"], *(r["config"][k] for k in sweep.space), r["metrics"].get(sweep.metric),
-                         r["metrics"].get("epoch"), r["status"], r["early_stopped"], r["exploits"], r["run_id"]])
+        writer.writerow(
+            [
+                r["trial_id"],
+                *(r["config"][k] for k in sweep.space),
+                r["metrics"].get(sweep.metric),
+                r["metrics"].get("epoch"),
+                r["status"],
+                r["early_stopped"],
+                r["exploits"],
+                r["run_id"],
+            ]
+        )
     _attempt("results table", lambda: client.log_text(parent.run_id, buffer.getvalue(), "results.csv"))
     _attempt("sweep plot", lambda: plot(client, parent, sweep, rows))
     if best:
         from mlflow.entities import RunTag
 
-        tags = {"best_trial": best["trial_id"], "best_run_id": best["run_id"] or "", f"best_{sweep.metric}": str(best["metric"])}
+        tags = {
+            "best_trial": best["trial_id"],
+            "best_run_id": best["run_id"] or "",
+            f"best_{sweep.metric}": str(best["metric"]),
+        }
         client.log_batch(parent.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         client.log_metric(parent.run_id, f"best/{sweep.metric}", float(best["metric"]))
         if best.get("checkpoint"):
@@ -103,8 +142,11 @@ def plot(client, parent: RunHandle, sweep: SweepSection, rows: list[dict[str, An
     keys = list(sweep.space)
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.5), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
-        points = [(r["config"][key], r["metrics"].get(sweep.metric)) for r in rows
-                  if isinstance(r["metrics"].get(sweep.metric), (int, float))]
+        points = [
+            (r["config"][key], r["metrics"].get(sweep.metric))
+            for r in rows
+            if isinstance(r["metrics"].get(sweep.metric), (int, float))
+        ]
         if points:
             xs, ys = zip(*points, strict=True)
             if all(isinstance(x, (int, float)) for x in xs):

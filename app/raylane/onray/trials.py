@@ -21,8 +21,11 @@ TRIAL_TAG = "raylane.trial_id"
 
 
 def find_child(client, experiment_id: str, sweep: str, trial_id: str):
-    runs = client.search_runs([experiment_id], max_results=1,
-                              filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep}'")
+    runs = client.search_runs(
+        [experiment_id],
+        max_results=1,
+        filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep}'",
+    )
     return runs[0] if runs else None
 
 
@@ -30,8 +33,19 @@ class MetricReported(tune.Stopper):
     """A pipeline of the user's own may declare no metrics, so a misspelled `sweep.metric` is seen
     only at the first report: end the sweep there, not after every trial ran with no best one."""
 
-    OURS = frozenset({"epoch", "step", "checkpoint_location", "run_id", "exploited", "done", "trial_id",
-                      "experiment_tag", "should_checkpoint"})
+    OURS = frozenset(
+        {
+            "epoch",
+            "step",
+            "checkpoint_location",
+            "run_id",
+            "exploited",
+            "done",
+            "trial_id",
+            "experiment_tag",
+            "should_checkpoint",
+        }
+    )
 
     def __init__(self, metric: str) -> None:
         self.metric, self.reported = metric, None
@@ -47,8 +61,10 @@ class MetricReported(tune.Stopper):
 
     def check(self) -> None:
         if self.reported is not None:
-            raise ConfigError(f"sweep.metric = {self.metric!r}: the trials report no such metric "
-                              f"(they report: {', '.join(self.reported) or 'none'})")
+            raise ConfigError(
+                f"sweep.metric = {self.metric!r}: the trials report no such metric "
+                f"(they report: {', '.join(self.reported) or 'none'})"
+            )
 
 
 class TrialRuns(tune.Callback):
@@ -61,8 +77,11 @@ class TrialRuns(tune.Callback):
     def _close(self, trial, failed: bool) -> None:
         result = trial.last_result or {}
         shown = f"{self.sweep.metric} {result[self.sweep.metric]:.4f}, " if self.sweep.metric in result else ""
-        print(f"[raylane] trial {trial.trial_id} ended: {'FAILED' if failed else 'done'} "
-              f"({shown}epoch {result.get('epoch', 0)} of {self.max_epochs})", flush=True)
+        print(
+            f"[raylane] trial {trial.trial_id} ended: {'FAILED' if failed else 'done'} "
+            f"({shown}epoch {result.get('epoch', 0)} of {self.max_epochs})",
+            flush=True,
+        )
         try:
             client = mlflow_client(self.parent.tracking_uri)
             run = find_child(client, self.parent.experiment_id, self.sweep.name, trial.trial_id)
@@ -76,8 +95,10 @@ class TrialRuns(tune.Callback):
                 client.set_tag(run.info.run_id, "raylane.early_stopped", "true")
                 client.set_tag(run.info.run_id, "raylane.stopped_at_epoch", str(epochs))
             if run.info.status == "RUNNING":
-                close_run(RunHandle(run.info.run_id, self.parent.experiment_id, self.parent.tracking_uri, False),
-                          "FAILED" if failed else ("KILLED" if epochs < self.max_epochs else "FINISHED"))
+                close_run(
+                    RunHandle(run.info.run_id, self.parent.experiment_id, self.parent.tracking_uri, False),
+                    "FAILED" if failed else ("KILLED" if epochs < self.max_epochs else "FINISHED"),
+                )
         except Exception as exc:  # noqa: BLE001 - records must not stop the sweep
             log.warning("MLflow: could not close trial %s: %s", trial.trial_id, exc)
 
@@ -91,8 +112,9 @@ class TrialRuns(tune.Callback):
 def eval_metrics(result: dict[str, Any]) -> dict[str, float]:
     """The pipeline's metrics in a trial's Tune result: neither raylane's keys nor Tune's."""
     skip = MetricReported.OURS | set(AUTO_RESULT_KEYS)
-    return {k: v for k, v in result.items() if k not in skip and isinstance(v, (int, float))
-            and not isinstance(v, bool)}
+    return {
+        k: v for k, v in result.items() if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 def keep_stopped_trials_eval(client, run_id: str, step: int | None, metrics: dict[str, Any]) -> None:
@@ -105,9 +127,12 @@ def keep_stopped_trials_eval(client, run_id: str, step: int | None, metrics: dic
         return
     try:
         now_ms = int(time.time() * 1000)
-        missing = [Metric(f"eval/{k}", float(v), now_ms, step) for k, v in metrics.items()
-                   if isinstance(v, (int, float))
-                   and not any(m.step == step for m in client.get_metric_history(run_id, f"eval/{k}"))]
+        missing = [
+            Metric(f"eval/{k}", float(v), now_ms, step)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float))
+            and not any(m.step == step for m in client.get_metric_history(run_id, f"eval/{k}"))
+        ]
         if missing:
             client.log_batch(run_id, metrics=missing)
     except Exception as exc:  # noqa: BLE001 - the sweep goes on; the trial's run is closed by its caller

@@ -66,6 +66,7 @@ TRIAL_DRIVER_CPU = 0.01
 
 # -- search space, algorithm, scheduler ---------------------------------------------------------
 
+
 def param_space(sweep: SweepSection) -> dict[str, Any]:
     out = {}
     for key, domain in sweep.space.items():
@@ -86,8 +87,10 @@ def param_space(sweep: SweepSection) -> dict[str, Any]:
 def _mutations(sweep: SweepSection) -> dict[str, Any]:
     """PBT's explore: resample from the range, or pick from the listed values."""
     space = param_space(sweep)
-    return {k: list(next(iter(d.values()))) if next(iter(d)) in ("choice", "grid") else space[k]
-            for k, d in sweep.space.items()}
+    return {
+        k: list(next(iter(d.values()))) if next(iter(d)) in ("choice", "grid") else space[k]
+        for k, d in sweep.space.items()
+    }
 
 
 def _search_alg(sweep: SweepSection, concurrency: int):
@@ -106,18 +109,28 @@ def _scheduler(sweep: SweepSection, base: BaseConfig):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 
     if sweep.scheduler == "asha":
-        return ASHAScheduler(time_attr="epoch", metric=sweep.metric, mode=sweep.mode,
-                             max_t=base.train.max_epochs, grace_period=sweep.grace_period,
-                             reduction_factor=sweep.reduction_factor)
+        return ASHAScheduler(
+            time_attr="epoch",
+            metric=sweep.metric,
+            mode=sweep.mode,
+            max_t=base.train.max_epochs,
+            grace_period=sweep.grace_period,
+            reduction_factor=sweep.reduction_factor,
+        )
     if sweep.scheduler == "pbt":
-        return PopulationBasedTraining(time_attr="epoch", metric=sweep.metric, mode=sweep.mode,
-                                       perturbation_interval=sweep.perturbation_interval,
-                                       synch=sweep.pbt_synchronous,
-                                       hyperparam_mutations=_mutations(sweep))
+        return PopulationBasedTraining(
+            time_attr="epoch",
+            metric=sweep.metric,
+            mode=sweep.mode,
+            perturbation_interval=sweep.perturbation_interval,
+            synch=sweep.pbt_synchronous,
+            hyperparam_mutations=_mutations(sweep),
+        )
     return FIFOScheduler()
 
 
 # -- resources -------------------------------------------------------------------------------
+
 
 def trial_resources(base: BaseConfig) -> dict[str, float]:
     s = base.scaling
@@ -133,8 +146,10 @@ def check_resources(base: BaseConfig, sweep: SweepSection, total: dict[str, floa
     fits = min(math.floor(total.get(k, 0) / v + 1e-9) for k, v in need.items())
     if fits < 1:
         have = ", ".join(f"{k} {total.get(k, 0):g}" for k in need)
-        text = (f"scaling.num_workers = {base.scaling.num_workers}: one trial needs "
-                f"{', '.join(f'{k} {v:g}' for k, v in need.items())}, the cluster has {have}")
+        text = (
+            f"scaling.num_workers = {base.scaling.num_workers}: one trial needs "
+            f"{', '.join(f'{k} {v:g}' for k, v in need.items())}, the cluster has {have}"
+        )
         if embedded:
             raise ConfigError(text + " (lower scaling.num_workers or scaling.cpus_per_worker)")
         print(f"[raylane] note: {text}; trials wait for the autoscaler to add nodes", flush=True)
@@ -144,31 +159,46 @@ def check_resources(base: BaseConfig, sweep: SweepSection, total: dict[str, floa
 
 # -- MLflow ------------------------------------------------------------------------------------
 
+
 def open_parent(sweep: SweepSection, base: BaseConfig, tracking_uri: str) -> RunHandle:
     """The sweep's parent run: created, or continued when the same sweep name runs again."""
     client = mlflow_client(tracking_uri)
     exp_id = use_experiment(client, base.mlflow.experiment, table_metrics(base, sweep.metric))
-    found = [r for r in client.search_runs([exp_id], filter_string=f"tags.`{SWEEP_TAG}` = '{sweep.name}'")
-             if TRIAL_TAG not in r.data.tags]  # the parent: the one run of the sweep that is no trial
+    found = [
+        r
+        for r in client.search_runs([exp_id], filter_string=f"tags.`{SWEEP_TAG}` = '{sweep.name}'")
+        if TRIAL_TAG not in r.data.tags
+    ]  # the parent: the one run of the sweep that is no trial
     if found:
         run_id = found[0].info.run_id
         client.update_run(run_id, status="RUNNING")
     else:
-        tags = {**run_tags(base, base.scaling.num_workers), SWEEP_TAG: sweep.name, RUN_NAME_TAG: sweep.name,
-                "raylane.sweep.algorithm": sweep.algorithm, "raylane.sweep.scheduler": sweep.scheduler}
+        tags = {
+            **run_tags(base, base.scaling.num_workers),
+            SWEEP_TAG: sweep.name,
+            RUN_NAME_TAG: sweep.name,
+            "raylane.sweep.algorithm": sweep.algorithm,
+            "raylane.sweep.scheduler": sweep.scheduler,
+        }
         run_id = client.create_run(exp_id, run_name=sweep.name, tags=tags).info.run_id
         from mlflow.entities import Param
 
-        params = [Param(f"sweep.{k}", json.dumps(v) if isinstance(v, (dict, list)) else str(v))
-                  for k, v in sweep.model_dump(mode="json").items()]
+        params = [
+            Param(f"sweep.{k}", json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+            for k, v in sweep.model_dump(mode="json").items()
+        ]
         client.log_batch(run_id, params=params)
     return RunHandle(run_id, exp_id, tracking_uri, resumed=bool(found))
 
 
-def _child(client, parent: RunHandle, trial_id: str, sweep: SweepSection, cfg: BaseConfig,
-           params: dict[str, Any]) -> str:
-    found = client.search_runs([parent.experiment_id], max_results=1,
-                               filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep.name}'")
+def _child(
+    client, parent: RunHandle, trial_id: str, sweep: SweepSection, cfg: BaseConfig, params: dict[str, Any]
+) -> str:
+    found = client.search_runs(
+        [parent.experiment_id],
+        max_results=1,
+        filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep.name}'",
+    )
     if found:  # the trial restarted: after a failure, a driver's death or a PBT pause
         run_id = found[0].info.run_id
         client.update_run(run_id, status="RUNNING")
@@ -176,8 +206,12 @@ def _child(client, parent: RunHandle, trial_id: str, sweep: SweepSection, cfg: B
             if tag in found[0].data.tags:
                 client.delete_tag(run_id, tag)
         return run_id
-    tags = {**run_tags(cfg, cfg.scaling.num_workers), PARENT_TAG: parent.run_id, SWEEP_TAG: sweep.name,
-            TRIAL_TAG: trial_id}
+    tags = {
+        **run_tags(cfg, cfg.scaling.num_workers),
+        PARENT_TAG: parent.run_id,
+        SWEEP_TAG: sweep.name,
+        TRIAL_TAG: trial_id,
+    }
     run_id = client.create_run(parent.experiment_id, run_name=trial_id, tags=tags).info.run_id
     from mlflow.entities import Param
 
@@ -189,6 +223,7 @@ def _child(client, parent: RunHandle, trial_id: str, sweep: SweepSection, cfg: B
 
 
 # -- the trial ---------------------------------------------------------------------------------
+
 
 def _restored_pointer() -> dict[str, Any] | None:
     ckpt = tune.get_checkpoint()
@@ -213,8 +248,13 @@ def _trial_run_config(sweep: SweepSection, cfg: BaseConfig, own: str) -> tuple[B
         ck = ck.model_copy(update={"keep": None})
     if donor:
         ck = ck.model_copy(update={"init_from": donor["location"]})
-    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name}), "checkpoint": ck,
-                                  "mlflow": cfg.mlflow.model_copy(update={"log_model": False})}), donor
+    return cfg.model_copy(
+        update={
+            "run": cfg.run.model_copy(update={"name": name}),
+            "checkpoint": ck,
+            "mlflow": cfg.mlflow.model_copy(update={"log_model": False}),
+        }
+    ), donor
 
 
 def _record_values(client: Any, run_id: str, params: dict[str, Any], donor: dict[str, Any] | None) -> None:
@@ -251,11 +291,20 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     def report(metrics: dict[str, float], epoch: int, step: int, location: str | None) -> None:
         reported.update(epoch=epoch, step=step)
         with tempfile.TemporaryDirectory() as d:
-            (Path(d) / POINTER_FILE).write_text(json.dumps(
-                {"location": location, "run_name": name, "trial_id": trial_id, "step": step}))
-            tune.report({**metrics, "epoch": epoch, "step": step, "checkpoint_location": location,
-                         "run_id": run_id, "exploited": bool(donor)},
-                        checkpoint=tune.Checkpoint.from_directory(d) if location else None)
+            (Path(d) / POINTER_FILE).write_text(
+                json.dumps({"location": location, "run_name": name, "trial_id": trial_id, "step": step})
+            )
+            tune.report(
+                {
+                    **metrics,
+                    "epoch": epoch,
+                    "step": step,
+                    "checkpoint_location": location,
+                    "run_id": run_id,
+                    "exploited": bool(donor),
+                },
+                checkpoint=tune.Checkpoint.from_directory(d) if location else None,
+            )
 
     objective = Objective(sweep)
 
@@ -285,14 +334,20 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
             client.log_metric(run_id, f"run/{key}", float(result[key]), step=result.get("steps") or 0)
     close_run(handle, "KILLED" if result.get("preempted") else "FINISHED")
     if result.get("metrics") and reported["step"] != result.get("steps"):  # the last epoch, or a max_steps stop
-        report(objective({**run_speed(result), **result["metrics"]}), result.get("epochs", 0), result["steps"],
-               result.get("checkpoint"))
+        report(
+            objective({**run_speed(result), **result["metrics"]}),
+            result.get("epochs", 0),
+            result["steps"],
+            result.get("checkpoint"),
+        )
 
 
 # -- the driver --------------------------------------------------------------------------------
 
-def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, summary_path: str | None,
-              register: str | None) -> SweepSummary:
+
+def run_sweep(
+    sweep: SweepSection, base: BaseConfig, *, address: str | None, summary_path: str | None, register: str | None
+) -> SweepSummary:
     """Run (or continue) the sweep on the cluster at `address` (as resolved by
     raylane.onray.localcluster.resolve_address; None: an embedded one); returns its summary, whose
     `status` is FINISHED when every trial ended cleanly and FAILED otherwise. Every way out closes
@@ -308,8 +363,9 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
             parent = open_parent(sweep, base, tracking_uri)
             write_record(sweep, base, "RUNNING", parent_run_id=parent.run_id)
             per_trial = trial_resources(base)["CPU"]
-            embedded = init_ray(address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)),
-                                dashboard=True)
+            embedded = init_ray(
+                address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)), dashboard=True
+            )
             summary, rows, best = _sweep(sweep, base, parent, embedded, tracking_uri, register)
     except BaseException as exc:
         if parent is not None:
@@ -322,20 +378,25 @@ def run_sweep(sweep: SweepSection, base: BaseConfig, *, address: str | None, sum
     summary.write(summary_path)
     print(sweep_results.table(rows, sweep), flush=True)
     if best:
-        print(f"best trial {best['trial_id']}: {sweep.metric} {best['metric']:.4f} (MLflow run {best['run_id']})",
-              flush=True)
+        print(
+            f"best trial {best['trial_id']}: {sweep.metric} {best['metric']:.4f} (MLflow run {best['run_id']})",
+            flush=True,
+        )
     print(f"[raylane] MLflow UI: {ui_command(tracking_uri, parent)}", flush=True)
     return summary
 
 
-def _sweep(sweep: SweepSection, base: BaseConfig, parent: RunHandle, embedded: bool, tracking_uri: str,
-           register: str | None) -> tuple[SweepSummary, list[dict[str, Any]], dict[str, Any] | None]:
+def _sweep(
+    sweep: SweepSection, base: BaseConfig, parent: RunHandle, embedded: bool, tracking_uri: str, register: str | None
+) -> tuple[SweepSummary, list[dict[str, Any]], dict[str, Any] | None]:
     """The trials on the cluster Ray joined, and their results on the parent run: (summary,
     rows, best trial)."""
     concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
-    print(f"[raylane] sweep {sweep.name}: {plural(sweep.num_samples, 'sample')}, {plural(concurrency, 'trial')} "
-          f"at a time, {plural(base.scaling.num_workers, 'worker')} per trial; MLflow parent run {parent.run_id}",
-          flush=True)
+    print(
+        f"[raylane] sweep {sweep.name}: {plural(sweep.num_samples, 'sample')}, {plural(concurrency, 'trial')} "
+        f"at a time, {plural(base.scaling.num_workers, 'worker')} per trial; MLflow parent run {parent.run_id}",
+        flush=True,
+    )
     random.seed(sweep.seed)  # PBT's explore draws from Python's generator
     started = time.monotonic()
     stopper = MetricReported(sweep.metric)
@@ -348,12 +409,20 @@ def _sweep(sweep: SweepSection, base: BaseConfig, parent: RunHandle, embedded: b
     # The ideal: every trial's own time, perfectly packed `concurrency` at a time.
     status = Status.FAILED if grid.errors else Status.FINISHED
     failed = [r["trial_id"] for r in rows if r["error"]]
-    summary = SweepSummary.model_validate({
-        "status": status, "parent_run_id": parent.run_id, "tracking_uri": tracking_uri, "sweep": sweep.name,
-        "error": f"{len(grid.errors)} of {len(rows)} trials failed ({', '.join(failed)})" if grid.errors else None,
-        "best": best, "trials": rows, "concurrency": concurrency,
-        "timing": {"wall_s": wall_s, "trial_s_sum": trial_s, "ideal_s": trial_s / concurrency},
-        **sweep_results.record_parent(parent, sweep, rows, best, register)})
+    summary = SweepSummary.model_validate(
+        {
+            "status": status,
+            "parent_run_id": parent.run_id,
+            "tracking_uri": tracking_uri,
+            "sweep": sweep.name,
+            "error": f"{len(grid.errors)} of {len(rows)} trials failed ({', '.join(failed)})" if grid.errors else None,
+            "best": best,
+            "trials": rows,
+            "concurrency": concurrency,
+            "timing": {"wall_s": wall_s, "trial_s_sum": trial_s, "ideal_s": trial_s / concurrency},
+            **sweep_results.record_parent(parent, sweep, rows, best, register),
+        }
+    )
     close_run(parent, status)
     write_record(sweep, base, status, parent_run_id=parent.run_id, best=best, trials=len(rows))
     return summary, rows, best
@@ -370,9 +439,16 @@ def _lease(sweep: SweepSection, base: BaseConfig) -> Any:
 
 
 def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: int, stopper: tune.Stopper):
-    context = {"sweep": sweep.model_dump(mode="json"), "base": base.model_dump(mode="json"),
-               "parent": {"run_id": parent.run_id, "experiment_id": parent.experiment_id,
-                          "tracking_uri": parent.tracking_uri, "resumed": False}}
+    context = {
+        "sweep": sweep.model_dump(mode="json"),
+        "base": base.model_dump(mode="json"),
+        "parent": {
+            "run_id": parent.run_id,
+            "experiment_id": parent.experiment_id,
+            "tracking_uri": parent.tracking_uri,
+            "resumed": False,
+        },
+    }
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
     trainable = tune.with_resources(tune.with_parameters(_trial, context=context), {"CPU": TRIAL_DRIVER_CPU})
@@ -380,24 +456,33 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
     # Tune's default loggers, less its TensorBoard one: tensorboardX imports torch into this
     # driver, ~2 s of CPU before the first trial starts (the sweep's metrics are in MLflow). Tune
     # adds all three unless told not to (_without_tune_auto_loggers), so the other two are named.
-    run_config = tune.RunConfig(name=sweep.name, storage_path=base.run.storage_path,
-                                verbose=1 if logs.verbose() else 0,  # --verbose: Tune's status tables too
-                                callbacks=[TrialRuns(parent, sweep, base.train.max_epochs),
-                                           CSVLoggerCallback(), JsonLoggerCallback()],
-                                stop=stopper,
-                                failure_config=tune.FailureConfig(max_failures=base.failure.max_failures))
+    run_config = tune.RunConfig(
+        name=sweep.name,
+        storage_path=base.run.storage_path,
+        verbose=1 if logs.verbose() else 0,  # --verbose: Tune's status tables too
+        callbacks=[TrialRuns(parent, sweep, base.train.max_epochs), CSVLoggerCallback(), JsonLoggerCallback()],
+        stop=stopper,
+        failure_config=tune.FailureConfig(max_failures=base.failure.max_failures),
+    )
     # A trial's driver process, reused by the next trial, keeps torch, Ray Train and raylane
     # imported. Not under PBT: its exploit must restart a trial from the donor's checkpoint.
     if tune.Tuner.can_restore(path):
         print(f"[raylane] continuing sweep {sweep.name} from {path}", flush=True)
-        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True,
-                                   param_space=param_space(sweep))
+        tuner = tune.Tuner.restore(
+            path, trainable, resume_unfinished=True, resume_errored=True, param_space=param_space(sweep)
+        )
     else:
-        tuner = tune.Tuner(trainable, param_space=param_space(sweep), run_config=run_config,
-                           tune_config=tune.TuneConfig(num_samples=sweep.num_samples,
-                                                       search_alg=_search_alg(sweep, concurrency),
-                                                       scheduler=_scheduler(sweep, base),
-                                                       reuse_actors=sweep.scheduler != "pbt"))
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space(sweep),
+            run_config=run_config,
+            tune_config=tune.TuneConfig(
+                num_samples=sweep.num_samples,
+                search_alg=_search_alg(sweep, concurrency),
+                scheduler=_scheduler(sweep, base),
+                reuse_actors=sweep.scheduler != "pbt",
+            ),
+        )
     with _without_tune_auto_loggers():
         return tuner.fit()
 

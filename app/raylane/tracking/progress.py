@@ -75,8 +75,9 @@ def _fmt_eta(seconds: float) -> str:
 
 
 class ProgressDisplay:
-    def __init__(self, stream: IO[str] | None = None, live: bool | None = None,
-                 line_interval_s: float = LINE_INTERVAL_S) -> None:
+    def __init__(
+        self, stream: IO[str] | None = None, live: bool | None = None, line_interval_s: float = LINE_INTERVAL_S
+    ) -> None:
         self.stream = stream or sys.stdout
         self.live = self.stream.isatty() if live is None else live
         self.line_interval_s = line_interval_s
@@ -121,8 +122,10 @@ class ProgressDisplay:
             case Handover():
                 r = event.result
                 then = "larger" if r.get("stop_reason") == "more workers fit" else "without the leaving node"
-                self._print(f"{r.get('stop_reason') or 'a node is leaving'}: checkpointed at step {r['steps']}; "
-                            f"the group restarts {then}")
+                self._print(
+                    f"{r.get('stop_reason') or 'a node is leaving'}: checkpointed at step {r['steps']}; "
+                    f"the group restarts {then}"
+                )
             case End():
                 self.end_unix = event.time_unix
                 self.result = event.result
@@ -169,8 +172,12 @@ class ProgressDisplay:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._bar = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[stats]}"), TimeRemainingColumn(), transient=False,
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeRemainingColumn(),
+            transient=False,
         )
         self._task = self._bar.add_task("training", total=self.info.get("total_steps"), stats="")
         self._bar.start()
@@ -181,8 +188,12 @@ class ProgressDisplay:
         window = self.info.get("window")
         stats = [f"{figures(window)} ({window_span(window)})"] if window else []
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, description=f"epoch {epoch}/{self.info.get('max_epochs', '?')}",
-                             stats=" ".join(stats))
+            self._bar.update(
+                self._task,
+                completed=step,
+                description=f"epoch {epoch}/{self.info.get('max_epochs', '?')}",
+                stats=" ".join(stats),
+            )
             return
         now = time.monotonic()
         self._rate_origin = self._rate_origin or (now, step)
@@ -220,15 +231,23 @@ def outcome_text(summary: TrainSummary, ui: str, log_file: Any = None) -> str:
         rows.append(("resumed from", f"step {s.resumed_from_step}"))
     nodes = len(set(s.node_ranks or [0]))
     if s.steps is not None:
-        rows.append(("steps", f"{s.steps:,} in {epochs_text(s.steps, s.epochs or 0, s.steps_per_epoch, partial=s.partial_epoch)}"
-                              f" on {plural(s.world_size or 0, 'worker')}"
-                              + (f" across {plural(nodes, 'node')}" if nodes > 1 else "")))
+        rows.append(
+            (
+                "steps",
+                f"{s.steps:,} in {epochs_text(s.steps, s.epochs or 0, s.steps_per_epoch, partial=s.partial_epoch)}"
+                f" on {plural(s.world_size or 0, 'worker')}"
+                + (f" across {plural(nodes, 'node')}" if nodes > 1 else ""),
+            )
+        )
     window = s.last_window.model_dump(exclude_none=True) if s.last_window else None
     if window and "loss" in window:
         rows.append(("train loss", f"{window['loss']:.4f} ({window_span(window)}, rank 0)"))
-    rates = [f"{figures(window, with_loss=False)} ({window_span(window)})"] if window and "samples_per_s" in window else []
-    whole = figures({k: v for k, v in (("samples_per_s", s.samples_per_s), ("tokens_per_s", s.tokens_per_s))
-                     if v is not None})
+    rates = (
+        [f"{figures(window, with_loss=False)} ({window_span(window)})"] if window and "samples_per_s" in window else []
+    )
+    whole = figures(
+        {k: v for k, v in (("samples_per_s", s.samples_per_s), ("tokens_per_s", s.tokens_per_s)) if v is not None}
+    )
     rates += [f"{whole} (whole run)"] if whole else []
     if rates:
         rows.append(("throughput", ", ".join(rates)))

@@ -20,8 +20,11 @@ from raylane.tracking.runs import MetricLogger, RunHandle, mlflow_client
 log = logging.getLogger("raylane.tracking")
 
 RUN_RATES = ("samples_per_s", "tokens_per_s")
-PLOTTED = {"loss": ("train/loss", "eval/loss"), "eval_metrics": ("eval/accuracy",),
-           "throughput": ("train/samples_per_s",)}
+PLOTTED = {
+    "loss": ("train/loss", "eval/loss"),
+    "eval_metrics": ("eval/accuracy",),
+    "throughput": ("train/samples_per_s",),
+}
 
 
 class RunRecorder:
@@ -39,8 +42,7 @@ class RunRecorder:
             case FirstStep() if self._prewarm:
                 self._prewarm = False
                 # After the first step, so that start-up does not wait for it either.
-                self._prewarming = threading.Thread(target=_import_record_modules, name="raylane-prewarm",
-                                                    daemon=True)
+                self._prewarming = threading.Thread(target=_import_record_modules, name="raylane-prewarm", daemon=True)
                 self._prewarming.start()
             case Start():
                 self._logger.set_tags({"raylane.host": event.host, **event.strategy_tags})
@@ -49,11 +51,18 @@ class RunRecorder:
                 if event.result.get("stop_reason"):  # an early stop (FINISHED), or a stop request
                     self._logger.set_tags({"raylane.stop_reason": event.result["stop_reason"]})
             case Checkpoint():
-                self.checkpoints.append({"step": event.step, "location": event.location, "metrics": event.metrics,
-                                         "time_unix": event.time_unix})
+                self.checkpoints.append(
+                    {
+                        "step": event.step,
+                        "location": event.location,
+                        "metrics": event.metrics,
+                        "time_unix": event.time_unix,
+                    }
+                )
                 self._logger.log({"checkpoint/step": event.step}, event.step)
-                self._logger.set_tags({"raylane.checkpoint.latest": event.location,
-                                       "raylane.checkpoint.count": len(self.checkpoints)})
+                self._logger.set_tags(
+                    {"raylane.checkpoint.latest": event.location, "raylane.checkpoint.count": len(self.checkpoints)}
+                )
 
     def record_resizes(self, resizes: list[dict[str, Any]]) -> None:
         """An elastic run's resizes: `run/world_size` at each resize's step, and the list as a tag."""
@@ -79,8 +88,10 @@ class RunRecorder:
             self._prewarming.join()  # torch.export is not thread-safe: one model export at a time
         client = mlflow_client(self.handle.tracking_uri)
         out: dict[str, Any] = {}
-        _attempt("checkpoint list", lambda: client.log_dict(
-            self.handle.run_id, {"checkpoints": self.checkpoints}, "checkpoints.json"))
+        _attempt(
+            "checkpoint list",
+            lambda: client.log_dict(self.handle.run_id, {"checkpoints": self.checkpoints}, "checkpoints.json"),
+        )
         if checkpoint and self.cfg.mlflow.log_checkpoints == "artifacts":
             _attempt("checkpoint artifacts", lambda: _log_checkpoint_files(client, self.handle, checkpoint))
         if status == "FINISHED" and checkpoint and self.cfg.mlflow.log_model:
@@ -111,9 +122,13 @@ def _import_record_modules() -> None:
 
         example = np.zeros((2, 2), dtype=np.float32)  # 2 rows: export specialises a batch of 1
         with tempfile.TemporaryDirectory(prefix="raylane-prewarm-") as tmp:
-            mlflow.pytorch.save_model(torch.nn.Linear(2, 1), f"{tmp}/model", input_example=example,
-                                      signature=infer_signature(example, np.zeros((2, 1), dtype=np.float32)),
-                                      pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+            mlflow.pytorch.save_model(
+                torch.nn.Linear(2, 1),
+                f"{tmp}/model",
+                input_example=example,
+                signature=infer_signature(example, np.zeros((2, 1), dtype=np.float32)),
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+            )
             mlflow.pyfunc.load_model(f"{tmp}/model").predict(example)
     except Exception as exc:  # noqa: BLE001 - finish() does it for real and reports what fails
         log.debug("prewarming the record modules failed: %s", exc)
@@ -167,7 +182,10 @@ def log_model(handle: RunHandle, location: str, register: str | None) -> dict[st
     # The context marks the run FINISHED on exit; the driver sets its real status right after.
     with mlflow.start_run(run_id=handle.run_id):
         info = mlflow.pytorch.log_model(
-            model, name="model", signature=signature, input_example=arrays[0] if len(arrays) == 1 else tuple(arrays),
+            model,
+            name="model",
+            signature=signature,
+            input_example=arrays[0] if len(arrays) == 1 else tuple(arrays),
             registered_model_name=register,
             # Explicit: inferring requirements imports the model in a subprocess (seconds).
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
@@ -178,8 +196,9 @@ def log_model(handle: RunHandle, location: str, register: str | None) -> dict[st
     return out
 
 
-def _log_hf_model(handle: RunHandle, checkpoint: str, model: Any, example: Any,
-                  register: str | None) -> dict[str, Any] | None:
+def _log_hf_model(
+    handle: RunHandle, checkpoint: str, model: Any, example: Any, register: str | None
+) -> dict[str, Any] | None:
     """A transformers model (or a LoRA run's, merged) as MLflow's transformers flavour, with the
     run's tokenizer (raylane.hf.export); None for any other model, or one without a task or a
     tokenizer, which the PyTorch flavour logs."""

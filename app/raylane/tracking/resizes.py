@@ -30,11 +30,15 @@ class Resizes:
             case Start():
                 world, resumed = event.world_size, event.resumed_from_step or 0
                 if self._world is not None and world != self._world:
-                    reason = ("more workers fit" if world > self._world else
-                              self._notice or "a worker or node was lost")
-                    self._pending = {"step": resumed, "from": self._world, "to": world, "reason": reason,
-                                     "steps_lost": max(self._last_step - resumed, 0),
-                                     "group_lost_unix": self._last_event}
+                    reason = "more workers fit" if world > self._world else self._notice or "a worker or node was lost"
+                    self._pending = {
+                        "step": resumed,
+                        "from": self._world,
+                        "to": world,
+                        "reason": reason,
+                        "steps_lost": max(self._last_step - resumed, 0),
+                        "group_lost_unix": self._last_event,
+                    }
                 self._world = world
                 self._notice, self._last_step = None, resumed
             case Handover():

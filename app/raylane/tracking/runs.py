@@ -30,8 +30,11 @@ MAX_PARAM_VALUE_LEN = 6000
 
 # MLflow's HTTP client retries 7 times with exponential backoff (minutes) by default. Our metric
 # thread retries every flush anyway, and the driver must not hang on an unreachable server.
-HTTP_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                     "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+HTTP_ENV_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+}
 
 
 def resolve_tracking_uri() -> str:
@@ -50,9 +53,9 @@ def absolute_tracking_uri(uri: str) -> str:
     made absolute, against this process's working directory."""
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        return prefix + str(Path(uri[len(prefix):]).resolve())
+        return prefix + str(Path(uri[len(prefix) :]).resolve())
     if uri.startswith("file:") and not uri.startswith("file:/"):
-        return Path(uri[len("file:"):]).resolve().as_uri()
+        return Path(uri[len("file:") :]).resolve().as_uri()
     if ":" not in uri and not uri.startswith("databricks"):  # a plain path: MLflow's file store
         return Path(uri).expanduser().resolve().as_uri()
     return uri
@@ -144,7 +147,7 @@ def _sqlite_ready(tracking_uri: str) -> None:
 
     from mlflow.tracking import MlflowClient
 
-    with open(f"{tracking_uri[len('sqlite:///'):]}.lock", "a") as lock:
+    with open(f"{tracking_uri[len('sqlite:///') :]}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1)
 
@@ -169,8 +172,10 @@ _VIEW_ALSO = ["attributes.`Duration`", "attributes.`Models`"]
 
 def experiment_url(base_url: str, experiment_id: str) -> str:
     """The experiment's runs in the model-training view, with raylane's columns."""
-    return (f"{base_url.rstrip('/')}/#/experiments/{experiment_id}/runs"
-            f"?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}")
+    return (
+        f"{base_url.rstrip('/')}/#/experiments/{experiment_id}/runs"
+        f"?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
+    )
 
 
 def table_metrics(cfg: BaseConfig, sweep_metric: str | None = None) -> list[str]:
@@ -191,8 +196,9 @@ def use_experiment(client, name: str, metrics: list[str]) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is None:
         try:
-            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND,
-                                                         VIEW_TAG: view_tag_value(None, metrics)})
+            return client.create_experiment(
+                name, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND, VIEW_TAG: view_tag_value(None, metrics)}
+            )
         except Exception:  # another run created it first: use theirs, below
             exp = client.get_experiment_by_name(name)
             if exp is None:
@@ -236,7 +242,7 @@ def view_tag_value(existing: str | None, metrics: list[str]) -> str | None:
 def _inflated(text: str) -> str:
     """A view's state as the UI may store it: JSON, or 'deflate;' and base64 of zlib-deflated JSON."""
     if text.startswith("deflate;"):
-        return zlib.decompress(base64.b64decode(text[len("deflate;"):])).decode()
+        return zlib.decompress(base64.b64decode(text[len("deflate;") :])).decode()
     return text
 
 
@@ -245,7 +251,9 @@ def open_run(cfg: BaseConfig, tracking_uri: str, world_size: int) -> RunHandle:
     client = mlflow_client(tracking_uri)
     exp_id = use_experiment(client, cfg.mlflow.experiment, table_metrics(cfg))
     found = client.search_runs(
-        [exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{cfg.run.name}'", max_results=1,
+        [exp_id],
+        filter_string=f"tags.`{RUN_NAME_TAG}` = '{cfg.run.name}'",
+        max_results=1,
         order_by=["attributes.start_time DESC"],
     )
     all_tags = run_tags(cfg, world_size)
@@ -276,8 +284,9 @@ def close_run(handle: RunHandle, status: str) -> None:
 
 def rank_zero_logger(cfg: BaseConfig, tracking_uri: str, run_id: str) -> MetricLogger:
     m = cfg.mlflow
-    return MetricLogger(tracking_uri, run_id,
-                        system_metrics_interval_s=m.system_metrics_interval_s if m.system_metrics else None)
+    return MetricLogger(
+        tracking_uri, run_id, system_metrics_interval_s=m.system_metrics_interval_s if m.system_metrics else None
+    )
 
 
 def logged_steps(client, run_id: str) -> dict[str, int]:
@@ -292,8 +301,15 @@ class MetricLogger:
     launch that resumes from an older checkpoint than the last one logged (the newest was
     damaged) trains those steps again, and MLflow would show two points at each of them."""
 
-    def __init__(self, tracking_uri: str, run_id: str, *, flush_interval_s: float = 5.0,
-                 max_buffered: int = 100_000, system_metrics_interval_s: float | None = None) -> None:
+    def __init__(
+        self,
+        tracking_uri: str,
+        run_id: str,
+        *,
+        flush_interval_s: float = 5.0,
+        max_buffered: int = 100_000,
+        system_metrics_interval_s: float | None = None,
+    ) -> None:
         self.tracking_uri, self.run_id = tracking_uri, run_id
         self.flush_interval_s = flush_interval_s
         # Only _flush pops, from the left, what it has sent; log() refuses values when full.
@@ -331,8 +347,11 @@ class MetricLogger:
     def cost(self) -> dict[str, float]:
         """Seconds logging took from rank 0 (after close): on the training thread, and CPU time of
         the sender and system-metrics threads. On busy cores, their sum bounds the slowdown."""
-        return {"log_calls_s": self._log_call_s, "sender_cpu_s": self._thread_cpu_s,
-                "system_metrics_cpu_s": self._monitor_cpu_s}
+        return {
+            "log_calls_s": self._log_call_s,
+            "sender_cpu_s": self._thread_cpu_s,
+            "system_metrics_cpu_s": self._monitor_cpu_s,
+        }
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         with self._lock:

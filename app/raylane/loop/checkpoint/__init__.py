@@ -49,14 +49,50 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time, __getattr__ below
         write,
     )
 
-__all__ = ["CHECKPOINT_PREFIX", "MANIFEST_FILE", "STATE_FILE", "CheckpointLoadError", "CheckpointSaveError",
-           "PendingSave", "checkpoint_name", "collectives_on", "committed", "latest_valid", "live_state", "load",
-           "model_shapes", "newest_valid", "prune", "raise_if_any", "read_manifest", "replicated", "rng_file",
-           "rng_state", "save", "sha256", "state", "verify", "write"]
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "MANIFEST_FILE",
+    "STATE_FILE",
+    "CheckpointLoadError",
+    "CheckpointSaveError",
+    "PendingSave",
+    "checkpoint_name",
+    "collectives_on",
+    "committed",
+    "latest_valid",
+    "live_state",
+    "load",
+    "model_shapes",
+    "newest_valid",
+    "prune",
+    "raise_if_any",
+    "read_manifest",
+    "replicated",
+    "rng_file",
+    "rng_state",
+    "save",
+    "sha256",
+    "state",
+    "verify",
+    "write",
+]
 
-_STATE_NAMES = {"STATE_FILE", "CheckpointLoadError", "CheckpointSaveError", "PendingSave", "collectives_on",
-                "live_state", "load", "model_shapes", "raise_if_any", "replicated", "rng_file", "rng_state", "save",
-                "write"}
+_STATE_NAMES = {
+    "STATE_FILE",
+    "CheckpointLoadError",
+    "CheckpointSaveError",
+    "PendingSave",
+    "collectives_on",
+    "live_state",
+    "load",
+    "model_shapes",
+    "raise_if_any",
+    "replicated",
+    "rng_file",
+    "rng_state",
+    "save",
+    "write",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -74,8 +74,9 @@ def _listed(root: str, fs) -> list[tuple[str, bool]]:
         paths = [os.path.join(root, n) for n in names]
         return [(p, os.path.isfile(os.path.join(p, MANIFEST_FILE))) for p in paths]
     entries = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
-    dirs = sorted(e.path for e in entries
-                  if e.type == pafs.FileType.Directory and e.base_name.startswith(CHECKPOINT_PREFIX))
+    dirs = sorted(
+        e.path for e in entries if e.type == pafs.FileType.Directory and e.base_name.startswith(CHECKPOINT_PREFIX)
+    )
     return [(d, fs.get_file_info(f"{d}/{MANIFEST_FILE}").type == pafs.FileType.File) for d in dirs]
 
 
@@ -112,8 +113,14 @@ def latest_valid(root: str, filesystem=None) -> str | None:
     return newest_valid(root, filesystem)[0]
 
 
-def prune(root: str, keep: int | None, filesystem=None, *, keep_best: int | None = None,
-          best: tuple[str, str] = ("loss", "min")) -> list[str]:
+def prune(
+    root: str,
+    keep: int | None,
+    filesystem=None,
+    *,
+    keep_best: int | None = None,
+    best: tuple[str, str] = ("loss", "min"),
+) -> list[str]:
     """Delete committed checkpoints except the newest `keep` (at least the latest, which resume
     needs) and the `keep_best` best by `best` = (eval metric, "min" | "max") among those measured
     at their own step. Rank 0, after a commit. Returns what was deleted."""
@@ -123,7 +130,7 @@ def prune(root: str, keep: int | None, filesystem=None, *, keep_best: int | None
         return []
     fs = filesystem or pafs.LocalFileSystem()
     paths = committed(root, fs)
-    retained = set(paths[-(keep or 1):])
+    retained = set(paths[-(keep or 1) :])
     if keep_best:
         metric, mode = best
         scored = []

@@ -34,8 +34,15 @@ log = logging.getLogger("raylane.checkpoint")
 
 
 class Saver:
-    def __init__(self, runtime: Runtime, cfg: CheckpointSection, reporter: Reporter, *,
-                 group: Any = None, faults: FaultPlan | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        cfg: CheckpointSection,
+        reporter: Reporter,
+        *,
+        group: Any = None,
+        faults: FaultPlan | None = None,
+    ) -> None:
         self.runtime, self.cfg, self.reporter, self.group, self.faults = runtime, cfg, reporter, group, faults
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         # Background collectives on the loop's own group could interleave with its all-reduces.
@@ -67,8 +74,13 @@ class Saver:
     def wait_staged(self) -> None:
         self._staged.wait()
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
-             hooks: dict[str, Any] | None = None) -> None:
+    def save(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_state: dict[str, Any],
+        hooks: dict[str, Any] | None = None,
+    ) -> None:
         """Collective. Returns once the state is staged (async) or committed (sync). `hooks`: the
         pipeline's hooks' states by key (raylane.loop.hooks), saved with the model's."""
         self.settle()  # at most one save in flight, and the staging buffers are free again
@@ -82,15 +94,27 @@ class Saver:
         replicated = checkpoint.replicated(model)
         try:
             if self.runtime.rank == 0 or not replicated:  # other ranks of DDP write no state
-                state = (self._live.take(model, optimizer, checkpoint.live_state) if replicated
-                         else checkpoint.live_state(model, optimizer))  # references, and plain values copied
+                state = (
+                    self._live.take(model, optimizer, checkpoint.live_state)
+                    if replicated
+                    else checkpoint.live_state(model, optimizer)
+                )  # references, and plain values copied
         except checkpoint._save_errors() as exc:  # the write agrees on it with every rank
             error = checkpoint._describe(exc, self.runtime.rank)
         if hooks and state:
             state = {**state, "hooks": hooks}
         outcome: Future = Future()
-        job = (path, state, train_state, rng, error, replicated, checkpoint.aliases(model), checkpoint.base_of(model),
-               outcome)
+        job = (
+            path,
+            state,
+            train_state,
+            rng,
+            error,
+            replicated,
+            checkpoint.aliases(model),
+            checkpoint.base_of(model),
+            outcome,
+        )
         self._in_flight = (train_state, outcome)
         if self.asynchronous:
             self._staged.clear()
@@ -119,9 +143,18 @@ class Saver:
             self._jobs.put(None)
             self._jobs = None
 
-    def _write_and_commit(self, path: str, state: dict[str, Any], train_state: dict[str, Any],
-                          rng: dict[str, Any], error: str | None, replicated: bool, aliases: dict[str, str],
-                          base: dict[str, Any] | None, outcome: Future) -> None:
+    def _write_and_commit(
+        self,
+        path: str,
+        state: dict[str, Any],
+        train_state: dict[str, Any],
+        rng: dict[str, Any],
+        error: str | None,
+        replicated: bool,
+        aliases: dict[str, str],
+        base: dict[str, Any] | None,
+        outcome: Future,
+    ) -> None:
         ck = self.cfg
         try:
             if self.asynchronous:
@@ -133,11 +166,27 @@ class Saver:
                     self._staged.set()
             with checkpoint.collectives_on(self.group if self.asynchronous else None):
                 try:
-                    checkpoint.write(path, state, train_state, rank=self.runtime.rank, rng=rng,
-                                     error=error, replicated=replicated, aliases=aliases, base=base).commit()
-                    outcome.set_result(self.runtime.commit_checkpoint(
-                        str(path), int(train_state["step"]), train_state.get("eval_metrics") or {},
-                        keep=ck.keep, keep_best=ck.keep_best, best=(ck.best_metric, ck.best_mode)))
+                    checkpoint.write(
+                        path,
+                        state,
+                        train_state,
+                        rank=self.runtime.rank,
+                        rng=rng,
+                        error=error,
+                        replicated=replicated,
+                        aliases=aliases,
+                        base=base,
+                    ).commit()
+                    outcome.set_result(
+                        self.runtime.commit_checkpoint(
+                            str(path),
+                            int(train_state["step"]),
+                            train_state.get("eval_metrics") or {},
+                            keep=ck.keep,
+                            keep_best=ck.keep_best,
+                            best=(ck.best_metric, ck.best_mode),
+                        )
+                    )
                 except checkpoint.CheckpointSaveError as exc:
                     self.runtime.discard_checkpoint(str(path))
                     outcome.set_result(exc)
@@ -176,7 +225,12 @@ class Saver:
             self.reporter.on_checkpoint_failed(step=step, error=f"{result} (checkpoint.on_error: warn)")
             return
         self.last_checkpoint = result
-        self.reporter.on_checkpoint(step=step, location=result, epoch=state["epoch"],
-                                    metrics=state.get("eval_metrics") or {}, speed=state.get("speed_metrics") or {})
+        self.reporter.on_checkpoint(
+            step=step,
+            location=result,
+            epoch=state["epoch"],
+            metrics=state.get("eval_metrics") or {},
+            speed=state.get("speed_metrics") or {},
+        )
         if self.on_committed is not None:
             self.on_committed(step, result)

@@ -29,8 +29,9 @@ class Stager:
         if layout != self._layout:
             self._buffers, self._layout = _map_tensors(state, _empty_like), layout
         targets: list[torch.Tensor] = []
-        staged = _map_tensors(state, lambda t, buf: (sources.append(_local(t)), targets.append(_local(buf)), buf)[2],
-                              self._buffers)
+        staged = _map_tensors(
+            state, lambda t, buf: (sources.append(_local(t)), targets.append(_local(buf)), buf)[2], self._buffers
+        )
         if sources:
             if len({t.device for t in sources}) == 1:
                 torch._foreach_copy_(targets, sources, non_blocking=sources[0].device.type == "cuda")
@@ -118,16 +119,23 @@ class LiveState:
         packed = optimizer.state_dict()
         # Each parameter's dict copied: the loop may rebind a plain value in it (a float `step`)
         # while the save thread still reads it.
-        optim = {"state": {names[i]: dict(v) for i, v in packed["state"].items()},
-                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in packed["param_groups"]]}
+        optim = {
+            "state": {names[i]: dict(v) for i, v in packed["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in packed["param_groups"]],
+        }
         return {"model": saved_part(module, without_aliases(module.state_dict(), self._aliases)), "optim": optim}
 
 
 def _same(a: Any, b: Any) -> bool:
     """The same structure, plain values and tensors (the same memory, not only equal)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
-                and a.shape == b.shape and a.dtype == b.dtype)
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+        )
     if isinstance(a, dict) and isinstance(b, dict):
         return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):

@@ -157,7 +157,7 @@ def _gather(obj: Any) -> list[Any]:
     mine = torch.zeros(GATHER_BUFFER_BYTES + 8, dtype=torch.uint8)
     mine[:8] = torch.tensor([len(data) if fits else -1], dtype=torch.int64).view(torch.uint8)
     if fits:
-        mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        mine[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
     lengths = [int(part[:8].view(torch.int64)) for part in parts]
@@ -165,7 +165,7 @@ def _gather(obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * len(parts)
         dist.all_gather_object(gathered, obj, group=group)
         return gathered
-    return [json.loads(part[8:8 + n].numpy().tobytes()) for part, n in zip(parts, lengths, strict=True)]
+    return [json.loads(part[8 : 8 + n].numpy().tobytes()) for part, n in zip(parts, lengths, strict=True)]
 
 
 def _describe(exc: BaseException, rank: int) -> str:
@@ -183,10 +183,20 @@ class PendingSave:
     collective: every rank calls it, on the same group as the write. A replicated state is
     written at the commit instead: rank 0's `whole` state, with every rank's `rng`."""
 
-    def __init__(self, path: Path, rank: int, train_state: dict[str, Any], error: str | None = None,
-                 shapes: dict[str, list[int]] | None = None, *, whole: dict[str, Any] | None = None,
-                 rng: str | None = None, replicated: bool = False, aliases: dict[str, str] | None = None,
-                 base: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        rank: int,
+        train_state: dict[str, Any],
+        error: str | None = None,
+        shapes: dict[str, list[int]] | None = None,
+        *,
+        whole: dict[str, Any] | None = None,
+        rng: str | None = None,
+        replicated: bool = False,
+        aliases: dict[str, str] | None = None,
+        base: dict[str, Any] | None = None,
+    ) -> None:
         self.path, self.rank, self.train_state, self.error = path, rank, train_state, error
         self.shapes, self.whole, self.rng, self.replicated = shapes, whole, rng, replicated
         self.aliases, self.base = aliases, base
@@ -212,16 +222,23 @@ class PendingSave:
         if self.rank == 0:
             try:
                 if self.whole is not None:
-                    files[STATE_FILE] = _save_durably(self.path / STATE_FILE,
-                                                      {**self.whole, "rng": [part["rng"] for part in gathered]})
+                    files[STATE_FILE] = _save_durably(
+                        self.path / STATE_FILE, {**self.whole, "rng": [part["rng"] for part in gathered]}
+                    )
                 # The model's other names for tensors saved once (raylane.loop.aliases), for readers.
                 named = {"aliases": self.aliases} if self.aliases else {}
                 # A model on a frozen base (raylane.loop.frozen): the state holds no base weight.
                 if self.base:
                     named["base"] = self.base
-                _write_manifest(self.path, {"train_state": self.train_state, "shapes": self.shapes, **named,
-                                            "files": {k: v for part in [*gathered[1:], {"files": files}]
-                                                      for k, v in part["files"].items()}})
+                _write_manifest(
+                    self.path,
+                    {
+                        "train_state": self.train_state,
+                        "shapes": self.shapes,
+                        **named,
+                        "files": {k: v for part in [*gathered[1:], {"files": files}] for k, v in part["files"].items()},
+                    },
+                )
             except _save_errors() as exc:
                 manifest_error = _describe(exc, 0)
         raise_if_any(self.step, manifest_error, only_rank_zero=True)
@@ -325,9 +342,18 @@ def replicated(model: torch.nn.Module) -> bool:
     return not any(hasattr(p, "_local_tensor") for p in model.parameters())
 
 
-def write(path: str | os.PathLike, state: dict[str, Any], train_state: dict[str, Any], *, rank: int,
-          rng: dict[str, Any], error: str | None = None, replicated: bool = False,
-          aliases: dict[str, str] | None = None, base: dict[str, Any] | None = None) -> PendingSave:
+def write(
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    train_state: dict[str, Any],
+    *,
+    rank: int,
+    rng: dict[str, Any],
+    error: str | None = None,
+    replicated: bool = False,
+    aliases: dict[str, str] | None = None,
+    base: dict[str, Any] | None = None,
+) -> PendingSave:
     """Collective (on the group of `collectives_on`): write this rank's shard of `state` and its
     random generators into `path`. A rank that failed before (`error`: staging) still takes
     part in DCP's collectives, with nothing to write. Errors are kept for `commit()`, so that
@@ -343,8 +369,18 @@ def write(path: str | os.PathLike, state: dict[str, Any], train_state: dict[str,
     if replicated:
         whole = state if rank == 0 and error is None else None
         # As one JSON string: torch.save pickles a list of ~1,250 ints per rank in Python, ~1 ms.
-        return PendingSave(path, rank, train_state, error=error, shapes=shapes, whole=whole, rng=json.dumps(rng),
-                           replicated=True, aliases=aliases, base=base)
+        return PendingSave(
+            path,
+            rank,
+            train_state,
+            error=error,
+            shapes=shapes,
+            whole=whole,
+            rng=json.dumps(rng),
+            replicated=True,
+            aliases=aliases,
+            base=base,
+        )
     try:
         _dcp().save({} if error else state, checkpoint_id=str(path), process_group=_group())
         if error is None:
@@ -363,8 +399,12 @@ class CheckpointLoadError(RuntimeError):
     """A committed checkpoint that this model and optimizer cannot load; raised on every rank."""
 
 
-def check_shapes(path: str | os.PathLike, recorded: dict[str, list[int]] | None, model_state: dict[str, Any],
-                 names: dict[str, str] | None = None) -> None:
+def check_shapes(
+    path: str | os.PathLike,
+    recorded: dict[str, list[int]] | None,
+    model_state: dict[str, Any],
+    names: dict[str, str] | None = None,
+) -> None:
     """The model about to load `path` has the parameters its manifest recorded (when it did):
     one line naming the first that differs, rather than DCP's error from every rank. Canonical
     names are compared: `names` (alias -> canonical) leaves out the aliases an earlier version
@@ -380,11 +420,18 @@ def check_shapes(path: str | os.PathLike, recorded: dict[str, list[int]] | None,
             now = "absent" if name not in live else f"shape {live[name]}"
             raise CheckpointLoadError(
                 f"checkpoint {path} does not fit this run's model: {name} is {was} there and {now} here "
-                "(the config changed the model); start a fresh run with another run.name")
+                "(the config changed the model); start a fresh run with another run.name"
+            )
 
 
-def begin_save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               train_state: dict[str, Any], *, rank: int) -> PendingSave:
+def begin_save(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    *,
+    rank: int,
+) -> PendingSave:
     """Collective: every rank calls it with its own `path` (the same one on shared storage).
     Writes the live state on this thread; `commit()` next."""
     error, state = None, {}
@@ -392,18 +439,38 @@ def begin_save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch
         state = live_state(model, optimizer)
     except _save_errors() as exc:
         error = _describe(exc, rank)
-    return write(path, state, train_state, rank=rank, rng=rng_state(), error=error, replicated=replicated(model),
-                 aliases=aliases(model), base=base_of(model))
+    return write(
+        path,
+        state,
+        train_state,
+        rank=rank,
+        rng=rng_state(),
+        error=error,
+        replicated=replicated(model),
+        aliases=aliases(model),
+        base=base_of(model),
+    )
 
 
-def save(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         train_state: dict[str, Any], *, rank: int) -> None:
+def save(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    *,
+    rank: int,
+) -> None:
     """Synchronous save and commit (collective)."""
     begin_save(path, model, optimizer, train_state, rank=rank).commit()
 
 
-def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         rank: int | None = None, hooks: dict[str, Any] | None = None) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int | None = None,
+    hooks: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Collective. Loads in place (resharding if the world size changed); returns the train state.
     With `rank`, also restores that rank's random generators when the world size is unchanged.
     `hooks`: the hooks' states by key as they are now (raylane.loop.hooks), which a sharded
@@ -455,16 +522,19 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim
         for group, saved in zip(optimizer.param_groups, state["optim"].get("param_groups") or (), strict=False):
             group.update({k: v for k, v in saved.items() if k != "params"})
     else:
-        loaded = dcp.state_dict.set_state_dict(model, optimizer, model_state_dict=state["model"],
-                                               optim_state_dict=state["optim"], options=options)
+        loaded = dcp.state_dict.set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+        )
     # A frozen base is not in the checkpoint: its weights are the ones the pipeline loaded.
     frozen = frozen_names(model) if base_of(model) is not None else set()
     missing = [k for k in unexplained(loaded.missing_keys, names) if k not in frozen]
     unexpected = sorted(loaded.unexpected_keys)
     if missing or unexpected:
         name, where = (missing[0], "there") if missing else (unexpected[0], "here")
-        raise CheckpointLoadError(f"checkpoint {path} does not fit this run's model: {name} is absent {where} "
-                                  "(the config changed the model); start a fresh run with another run.name")
+        raise CheckpointLoadError(
+            f"checkpoint {path} does not fit this run's model: {name} is absent {where} "
+            "(the config changed the model); start a fresh run with another run.name"
+        )
     train_state = manifest["train_state"]
     if state.get("hooks"):
         train_state = {**train_state, "hook_states": state["hooks"]}
@@ -502,7 +572,8 @@ def _check_groups(path: str | os.PathLike, here: list[tuple[str, ...]], there: l
         f"checkpoint {path} does not fit this run's optimizer: it groups the parameters differently ({count} "
         f"parameter group{'s' if count != 1 else ''} there, {len(here)} here: optim.weight_decay or "
         "optim.decay_norm_and_bias changed, or the pipeline's optimizer); keep them to resume it, or start a "
-        "fresh run with another run.name")
+        "fresh run with another run.name"
+    )
 
 
 def _sharded_like(template: Any, full: Any) -> Any:

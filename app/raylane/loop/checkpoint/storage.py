@@ -52,8 +52,9 @@ class CheckpointStore:
         """A local directory holding the newest valid checkpoint (downloaded if remote), or None.
         The newer ones it passed over are kept in `skipped` ({"path", "reason"}, newest first)."""
         path, skipped = checkpoint.newest_valid(self.root, self.fs)
-        self.skipped = [{**s, "path": s["path"] if self.direct else f"{self.fs.type_name}://{s['path']}"}
-                        for s in skipped]
+        self.skipped = [
+            {**s, "path": s["path"] if self.direct else f"{self.fs.type_name}://{s['path']}"} for s in skipped
+        ]
         if path is None or self.direct:
             return path
         local = tempfile.mkdtemp(prefix="raylane-restore-")
@@ -72,8 +73,7 @@ class CheckpointStore:
         path = f"{self.root}/{checkpoint.checkpoint_name(step)}"
         return path if self.direct else f"{self.fs.type_name}://{path}"
 
-    def commit(self, path: str, step: int, *, keep: int | None, keep_best: int | None,
-               best: tuple[str, str]) -> str:
+    def commit(self, path: str, step: int, *, keep: int | None, keep_best: int | None, best: tuple[str, str]) -> str:
         """Collective, after `PendingSave.commit()` wrote the manifest into rank 0's `path`:
         make the checkpoint durable in storage, then prune (rank 0). Returns its location.
 
