@@ -35,7 +35,7 @@ run: install
 # Under 20 minutes on a fresh clone on 2 cores (measured in the closing notes): Ray runs that need no cluster of their own share one `raylane up`
 # head (tests marked shared_ray). `make test-all` adds the `slow` soaks (the quick bench).
 test: install browser lint
-	$(VENV)/bin/pytest tests/unit tests/e2e -m "not slow and not gpu" --durations=15
+	$(VENV)/bin/pytest tests/unit tests/e2e -m "not slow and not gpu" --durations=25
 
 # The unit tests alone (no Ray, no subprocess; under two minutes): the first feedback on a change.
 test-fast: install
