@@ -249,9 +249,12 @@ def _execute(
 
                 result = launch_on_ray(cfg, run_id, tracking_uri, on_event, embedded=embedded)
             else:
+                from raylane.loop.distributed import env_ranks
                 from raylane.loop.run import launch_local
+                from raylane.tracking.runs import rank_zero_logger
 
-                result = launch_local(cfg, run_id, tracking_uri, on_event)
+                logger = rank_zero_logger(cfg, tracking_uri, run_id) if run_id and env_ranks()[0] == 0 else None
+                result = launch_local(cfg, on_event, logger)
         if result.get("preempted"):
             return (
                 Status.KILLED,

@@ -316,9 +316,10 @@ def _launch(
 ) -> dict[str, Any]:
     on_event = recorder.on_event if recorder else (lambda e: None)
     if not use_ray:
-        from raylane.loop.run import launch_local
+        from raylane.autotuning.search import run_search
+        from raylane.loop.run import local_runtime
 
-        return launch_local(cfg, None, tracking_uri, on_event, search=params)
+        return run_search(cfg, local_runtime(cfg, on_event), params)
     from concurrent.futures import ThreadPoolExecutor
 
     from raylane.driver import _start_ray

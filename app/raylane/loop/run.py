@@ -229,21 +229,13 @@ def _init_from(cfg: BaseConfig) -> str | None:
     return path
 
 
-def launch_local(
-    cfg: BaseConfig,
-    run_id: str | None,
-    tracking_uri: str,
-    on_event: Callable[[Event], None],
-    search: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Run this process as one rank: a single process, or a torchrun rank (env vars say which).
-    The caller leaves the process group (`raylane.loop.distributed.leave_process_group`). With
-    `search`, the rank runs `raylane autotune`'s search (raylane.autotuning.search) instead of training."""
-    startup = {"worker_imports": time.time()}
+def local_runtime(cfg: BaseConfig, on_event: Callable[[Event], None]) -> LocalRuntime:
+    """This process as one rank: a single process, or a torchrun rank (env vars say which). The
+    caller leaves the process group (`raylane.loop.distributed.leave_process_group`)."""
     rank, local_rank, world_size = env_ranks()
     init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # normally done already by the driver
     fs, root = filesystem_for(cfg.run.storage_path)
-    runtime = LocalRuntime(
+    return LocalRuntime(
         CheckpointStore(f"{root.rstrip('/')}/{cfg.run.name}", fs, rank),
         rank,
         local_rank,
@@ -251,13 +243,12 @@ def launch_local(
         default_device(cfg.scaling.use_gpu, local_rank),
         publish=on_event if rank == 0 else None,
     )
-    if search is not None:
-        from raylane.autotuning.search import run_search
 
-        return run_search(cfg, runtime, search)
-    metric_logger = None
-    if rank == 0 and run_id:
-        from raylane.tracking.runs import rank_zero_logger
 
-        metric_logger = rank_zero_logger(cfg, tracking_uri, run_id)
-    return run_worker(cfg, runtime, metric_logger, startup)
+def launch_local(
+    cfg: BaseConfig, on_event: Callable[[Event], None], metric_logger: Any | None = None
+) -> dict[str, Any]:
+    """Train as this rank (see local_runtime); `metric_logger`: rank 0's MLflow logger, if any
+    (raylane.tracking.runs.rank_zero_logger: the loop itself knows nothing of MLflow)."""
+    startup = {"worker_imports": time.time()}
+    return run_worker(cfg, local_runtime(cfg, on_event), metric_logger, startup)
