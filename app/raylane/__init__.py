@@ -33,6 +33,7 @@ except PackageNotFoundError:  # running from a source tree that was not installe
 
 from raylane.api import autotune, check, down, submit, train, tune, up  # after __version__, which they import
 from raylane.config import BaseConfig, ConfigError, Section
+from raylane.errors import DataError
 from raylane.paths import InputPath, InputPaths, OutputPath
 from raylane.results import (
     AutotuneSummary,
@@ -79,7 +80,6 @@ __all__ = [
 _LAZY = {
     "Pipeline": "raylane.loop.pipeline",
     "FileSource": "raylane.loop.streaming",
-    "DataError": "raylane.loop.baddata",
     "Hook": "raylane.loop.hooks",
     "HookContext": "raylane.loop.hooks",
     "StepFn": "raylane.loop.pipeline",

@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raylane import paths, pipelines_ref
-from raylane.errors import ConfigError
+from raylane.errors import ConfigError, DataError
 from raylane.paths import InputPath, OutputPath
 
 # Shipped pipeline name -> module. A config may also name a dotted module or a .py file of the
@@ -725,8 +725,6 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel] | None 
 def _own_message(error: Any) -> bool:
     """A check's error that is complete as it is: one naming its field and value, or a bad value
     in the data (raylane.DataError: the key, the file, the row)."""
-    from raylane.loop.baddata import DataError
-
     return isinstance(error, DataError) or " = " in str(error or "")
 
 

@@ -1,8 +1,62 @@
-"""The error every layer raises for bad user input; its own module so that the lowest modules
-(pipeline references, paths) can raise it without importing the config tree."""
+"""The errors of bad user input, in a module of their own so that every layer, the lowest
+included (pipeline references, paths, the config), can raise or recognise them: ConfigError for
+a config or an argument, DataError for a value in the data."""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 
 class ConfigError(ValueError):
     """Bad user input. The message is complete and meant for the user as is."""
+
+
+class DataError(ValueError):
+    """A bad value in the data. Raise it from a FileSource's transform: `key` is what the value
+    breaks (a config key and its value, "data.num_classes = 3", or the key naming the column,
+    "data.features"), `column` the column, `row` the row's index in the transform's batch,
+    `value` the bad value (None: the cell is empty or null) and `why` what was expected. The
+    reader adds `place`: the file and the row. Without a column, `why` alone says what is wrong."""
+
+    def __init__(
+        self,
+        key: str,
+        *,
+        column: str | None = None,
+        row: int | None = None,
+        value: Any = None,
+        why: str = "",
+        place: str | None = None,
+    ) -> None:
+        super().__init__(key)
+        self.key, self.column, self.row, self.value, self.why, self.place = key, column, row, value, why, place
+        self.raw: str | None = None  # a null cell's text in the file ('n/a'), where it can be read
+
+    def __str__(self) -> str:
+        where = self.place or "a batch of the data (not located)"
+        if self.column is None:
+            return f"{self.key}: {where}: {self.why}"
+        if _missing(self.value):
+            shown = "no value" + (f" ({self.raw!r})" if self.raw else "")
+        else:
+            shown = repr(_plain(self.value))
+        return f"{self.key}: {where}, column {self.column!r} has {shown}" + (f"; {self.why}" if self.why else "")
+
+    def __reduce__(self):  # to the driver through Ray, fields and all
+        return (_rebuild, (self.key, dict(self.__dict__)))
+
+
+def _rebuild(key: str, state: dict[str, Any]) -> DataError:
+    error = DataError(key)
+    error.__dict__.update(state)
+    return error
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))  # NaN: a null read as a float
+
+
+def _plain(value: Any) -> Any:
+    """numpy's scalars as Python's (repr `5`, not `np.int64(5)`)."""
+    return value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else value

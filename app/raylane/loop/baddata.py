@@ -11,63 +11,14 @@ the files with pyarrow (raylane.loop.streaming.locate), once the run has already
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 from typing import Any
+
+from raylane.errors import DataError, _missing
 
 _COLOUR = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CSV_CONVERSION = re.compile(r"CSV conversion error to (\w+): invalid value '(.*)'$")
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Invalid)): (.+)$")
-
-
-class DataError(ValueError):
-    """A bad value in the data. Raise it from a FileSource's transform: `key` is what the value
-    breaks (a config key and its value, "data.num_classes = 3", or the key naming the column,
-    "data.features"), `column` the column, `row` the row's index in the transform's batch,
-    `value` the bad value (None: the cell is empty or null) and `why` what was expected. The
-    reader adds `place`: the file and the row. Without a column, `why` alone says what is wrong."""
-
-    def __init__(
-        self,
-        key: str,
-        *,
-        column: str | None = None,
-        row: int | None = None,
-        value: Any = None,
-        why: str = "",
-        place: str | None = None,
-    ) -> None:
-        super().__init__(key)
-        self.key, self.column, self.row, self.value, self.why, self.place = key, column, row, value, why, place
-        self.raw: str | None = None  # a null cell's text in the file ('n/a'), where it can be read
-
-    def __str__(self) -> str:
-        where = self.place or "a batch of the data (not located)"
-        if self.column is None:
-            return f"{self.key}: {where}: {self.why}"
-        if _missing(self.value):
-            shown = "no value" + (f" ({self.raw!r})" if self.raw else "")
-        else:
-            shown = repr(_plain(self.value))
-        return f"{self.key}: {where}, column {self.column!r} has {shown}" + (f"; {self.why}" if self.why else "")
-
-    def __reduce__(self):  # to the driver through Ray, fields and all
-        return (_rebuild, (self.key, dict(self.__dict__)))
-
-
-def _rebuild(key: str, state: dict[str, Any]) -> DataError:
-    error = DataError(key)
-    error.__dict__.update(state)
-    return error
-
-
-def _missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))  # NaN: a null read as a float
-
-
-def _plain(value: Any) -> Any:
-    """numpy's scalars as Python's (repr `5`, not `np.int64(5)`)."""
-    return value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else value
 
 
 def strip_colour(text: str) -> str:
