@@ -139,7 +139,7 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_pat
     them; a project's config through `raylane submit --follow` with nothing set, whose MLflow run
     and checkpoints land in the project's mlflow.db and runs/, not in the job's temporary copy of
     the project. (Joining a head with `raylane train --address`: test_own_pipeline.)"""
-    # A copy of the example project, away from raylane's checkout (it has app/raylane/ and pipelines/ of its own).
+    # A copy of the example project, away from raylane's checkout (it has app/ and pipelines/ of its own).
     project = Path(shutil.copytree(EXAMPLE, tmp_path / "own-model", ignore=shutil.ignore_patterns("__pycache__")))
     db = tmp_path / "mlflow.db"
     storage = ["--set", f"run.storage_path={tmp_path / 'runs'}"]

@@ -22,6 +22,10 @@ def _expected_steps(total: int, every: int = 10) -> list[int]:
     return list(range(every, total + 1, every)) + ([total] if total % every else [])
 
 
+# Slow (~14 s): make test records Ray runs on this real server in the ASHA sweep (trials, registered
+# model, artifacts: tests/e2e/test_tune.py) and loses no metric when it goes down (below), and
+# checks a 2-worker run's records against its summary in tests/e2e/test_ray_e2e.py.
+@pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.shared_ray
 def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, shared_mlflow_server, monkeypatch):

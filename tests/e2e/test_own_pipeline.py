@@ -1,5 +1,5 @@
 """A pipeline of the user's own, outside the package (examples/own-model, which has folders named
-`app/raylane/` and `pipelines/` of its own), trained everywhere a shipped pipeline trains: on Ray workers
+`app/` and `pipelines/` of its own), trained everywhere a shipped pipeline trains: on Ray workers
 joining a token-authenticated head with `raylane train --address`, under torchrun and in a Tune
 sweep. As a `ray job submit` job it runs in tests/e2e/test_cluster_e2e.py. Bad references exit 2 with
 one line naming the pipeline; a failing build(cfg) fails the run (exit 1)."""
@@ -32,8 +32,12 @@ def _finished(tmp_path: Path, summary: str) -> dict:
     return {**s, "tags": tags}
 
 
+# Slow (~16 s): make test runs this project on a head's Ray workers from its own folder as a `ray
+# job submit` job (tests/e2e/test_cluster_e2e.py); the shared_ray tests join the head `raylane up`
+# started (found through RAYLANE_HOME), and --address is resolved by the same code.
+@pytest.mark.slow
 def test_example_trains_on_two_ray_workers_from_its_own_directory(run_cli, project, tmp_path, shared_head):
-    """The working directory holds the project's own app/raylane/ and pipelines/: raylane is unaffected.
+    """The working directory holds the project's own app/ and pipelines/: raylane is unaffected.
     The run joins the session's token-authenticated head by `--address` alone, as a user joins a
     head on another machine (its own empty RAYLANE_HOME: no `raylane up` head to find), and the
     head's workers get the project with the run."""
@@ -102,7 +106,7 @@ def test_example_trains_under_torchrun_as_a_dotted_module(run_cli, project, tmp_
 @pytest.mark.shared_ray
 @pytest.mark.slow  # ~45 s; the example on Ray and ASHA's stops are in make test on their own (test_tune's ASHA sweep)
 def test_example_throughput_sweep_from_the_repo_root_stops_the_slow_trials_early(run_cli, project, tmp_path):
-    """From raylane's checkout, whose app/raylane/ and pipelines/ folders come first on a Ray worker's
+    """From raylane's checkout, whose app/ and pipelines/ folders come first on a Ray worker's
     sys.path (Ray puts the driver's working directory there): the project's own must win.
     `sweep.metric: samples_per_s` (mode max): each trial reports its epoch's
     throughput after warm-up, and ASHA stops trials whose small batches run slower."""
