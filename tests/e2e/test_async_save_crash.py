@@ -1,6 +1,5 @@
-"""Asynchronous checkpoints in one process: what the loop hands to the background thread is a copy
-taken at the save's step, nothing is committed before every file is written, and a failed save is
-reported (or raised) when the loop settles it, as with a synchronous save."""
+"""A process that dies between an async save's files and its commit leaves the previous checkpoint
+the latest (the async save in one process: tests/unit/test_async_save.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The config edge: every input either loads or is rejected with one message naming the field."""
+"""The config edge end to end: `raylane train` rejects a bad value with one line, before Ray or
+torch starts (the config's own checks are unit tests: tests/unit/test_config.py)."""
 
 from __future__ import annotations
 

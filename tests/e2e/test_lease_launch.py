@@ -1,5 +1,5 @@
-"""One run, one writer (raylane.lease): a second launch of a running run.name exits 2 naming the
-holder; a lease whose holder is gone is taken over, with a line saying so."""
+"""One run, one writer, from two terminals: a second launch of a running run.name exits 2 naming
+the holder (the lease itself: tests/unit/test_lease.py)."""
 
 from __future__ import annotations
 

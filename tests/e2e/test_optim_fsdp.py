@@ -1,6 +1,5 @@
-"""raylane's optimizer and schedule, and a pipeline's own: which parameters get weight decay, each
-schedule's curve, and a run stopped part-way and resumed that ends exactly where an uninterrupted
-one does (in this process with the real Trainer, and on 2 FSDP ranks under torchrun)."""
+"""A run stopped part-way and resumed on 2 FSDP ranks under torchrun keeps its optimizer's parameter
+groups exactly (the optimizer and schedules themselves: tests/unit/test_optim.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Paths in a config, resolved once on the driver (raylane.paths): an input written in a config
-file is relative to that file's folder, anything else (`--set`, outputs, defaults) to the working
-directory, and every worker gets the absolute path, whatever its own working directory."""
+"""A config's input paths on Ray: a run launched from another folder trains with its relative
+paths resolved on the driver (their resolution: tests/unit/test_paths.py)."""
 
 from __future__ import annotations
 
