@@ -32,10 +32,15 @@ run: install
 	@echo
 	@echo "raylane is installed in $(VENV): run 'source $(VENV)/bin/activate' once in this shell, then the README's raylane commands work as written ('raylane --version' checks it)."
 
-# Under 20 minutes on a fresh clone on 2 cores (measured in the closing notes): Ray runs that need no cluster of their own share one `raylane up`
-# head (tests marked shared_ray). `make test-all` adds the `slow` soaks (the quick bench).
+# Under 15 minutes on a fresh clone on 2 cores (measured in the closing notes). Two pytest-xdist
+# workers: a test mostly waits (on Ray's start-up, a subprocess, a timeout), so one worker alone
+# left the two cores part idle. Ray runs that need no cluster of their own (tests marked
+# shared_ray) share one `raylane up` head across both workers; the end-to-end tests go first and
+# the unit tests fill the end. `make test XDIST=` runs in one process. `make test-all` adds the
+# `slow` soaks (the quick bench).
+XDIST = -n 2
 test: install browser lint
-	$(VENV)/bin/pytest tests/unit tests/e2e -m "not slow and not gpu" --durations=25
+	$(VENV)/bin/pytest tests/e2e tests/unit $(XDIST) -m "not slow and not gpu" --durations=25
 
 # The unit tests alone (no Ray, no subprocess; under two minutes): the first feedback on a change.
 test-fast: install
@@ -48,7 +53,7 @@ lint: install
 	$(PY) scripts/typecheck.py
 
 test-all: install browser
-	$(VENV)/bin/pytest tests -m "not gpu" --durations=15
+	$(VENV)/bin/pytest tests $(XDIST) -m "not gpu" --durations=15
 
 # The oldest Ray the dependency allows (pyproject.toml: ray>=2.59,<2.61), in an environment of its
 # own: the Ray internals' check and every test that starts or joins a Ray cluster (not the soaks).
@@ -63,7 +68,7 @@ test-ray-oldest: browser
 	fi
 	$(OLDEST)/bin/python -c "import ray; assert ray.__version__ == '$(RAY_OLDEST)', ray.__version__"
 	$(OLDEST)/bin/pytest tests/unit/test_ray_internals.py tests/e2e/test_versions.py
-	$(OLDEST)/bin/pytest tests -m "(ray or shared_ray) and not slow and not gpu" --durations=15
+	$(OLDEST)/bin/pytest tests $(XDIST) -m "(ray or shared_ray) and not slow and not gpu" --durations=15
 
 # B1-B9 against hand-written torchrun DDP and plain Ray Tune: bench/results.json, results.md and
 # charts (about an hour on 2 cores). `raylane bench --quick` checks the harness in a few minutes.

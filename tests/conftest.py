@@ -4,12 +4,15 @@ by process-group id if it outlives the test."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -101,10 +104,12 @@ def descendants(pid: int) -> list[int]:
 
 
 class SharedHead:
-    """The session's one Ray head, started with `raylane up` (token auth, a token of its own) the
-    first time a shared_ray test needs it, and stopped by `raylane down` (by its session's process
-    ids) when the session ends. Runs join it through RAYLANE_HOME, as a user's runs join theirs:
-    each pays no `ray.init` of an embedded cluster."""
+    """The one Ray head of the whole test session, shared by both pytest-xdist workers: started
+    with `raylane up` (token auth, a token of its own) by the first shared_ray test of either
+    worker, the other waiting on a file lock meanwhile, and stopped by `raylane down` (by its
+    session's process ids) in pytest_unconfigure, once every worker is done. Runs join it through
+    RAYLANE_HOME, as a user's runs join theirs: each pays no `ray.init` of an embedded cluster.
+    One head rather than one per worker: an idle head alone keeps about 0.15 of a core busy."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -113,38 +118,66 @@ class SharedHead:
     def start(self) -> dict[str, str]:
         if self.env is None:
             self.root.mkdir(parents=True, exist_ok=True)
-            token = self.root / "auth_token"
-            token.write_text(uuid.uuid4().hex)
-            token.chmod(0o600)
-            env = {"RAYLANE_HOME": str(self.root / "home"), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-            # The venv's bin on PATH, as in a user's activated shell: a job's entrypoint (`raylane
-            # train ...`) runs in the head's environment.
-            path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-            out = subprocess.run(
-                [*RAYLANE, "up", "--num-cpus", "6"],
-                env={**os.environ, **env, "PATH": path},
-                capture_output=True,
-                text=True,
-                timeout=180,
-            )
-            assert out.returncode == 0, out.stdout + out.stderr
-            self.env = env
+            with open(self.root / "lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # bounded: the holder's `raylane up` times out
+                saved = self.root / "env.json"
+                self.env = json.loads(saved.read_text()) if saved.exists() else self._up()
+                saved.write_text(json.dumps(self.env))
         return self.env
+
+    def _up(self) -> dict[str, str]:
+        token = self.root / "auth_token"
+        token.write_text(uuid.uuid4().hex)
+        token.chmod(0o600)
+        env = {"RAYLANE_HOME": str(self.root / "home"), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+        # The venv's bin on PATH, as in a user's activated shell: a job's entrypoint (`raylane
+        # train ...`) runs in the head's environment.
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        out = subprocess.run(
+            # Logical CPUs for both workers' runs at once (the ASHA sweep alone holds 6): a run
+            # short of CPUs would wait, not work.
+            [*RAYLANE, "up", "--num-cpus", "12"],
+            env={**os.environ, **env, "PATH": path},
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        return env
 
     def cluster(self) -> dict:
         """What `raylane up` recorded: `address` (GCS), `dashboard_url` (the jobs API), ..."""
         return json.loads((Path(self.start()["RAYLANE_HOME"]) / "cluster.json").read_text())
 
     def stop(self) -> None:
-        if self.env is not None:
-            subprocess.run([*RAYLANE, "down"], env={**os.environ, **self.env}, capture_output=True, timeout=120)
+        saved = self.root / "env.json"
+        if saved.exists():
+            env = json.loads(saved.read_text())
+            subprocess.run([*RAYLANE, "down"], env={**os.environ, **env}, capture_output=True, timeout=120)
+
+
+# The folder that the session's processes share (the shared head's): made by the controlling
+# pytest process (or the only one), inherited by the xdist workers it starts.
+SHARED_DIR = "RAYLANE_TESTS_SHARED_DIR"
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker: the controller made the folder
+    config.raylane_shared = Path(tempfile.mkdtemp(prefix="raylane-tests-"))
+    os.environ[SHARED_DIR] = str(config.raylane_shared)
+
+
+def pytest_unconfigure(config):
+    shared = getattr(config, "raylane_shared", None)
+    if shared is not None:
+        SharedHead(shared / "shared-ray").stop()
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def shared_head(tmp_path_factory):
-    head = SharedHead(tmp_path_factory.mktemp("shared-ray"))
-    yield head
-    head.stop()
+def shared_head():
+    return SharedHead(Path(os.environ[SHARED_DIR]) / "shared-ray")
 
 
 @pytest.fixture
@@ -366,6 +399,56 @@ def asha_sweep(tmp_path_factory, shared_head, shared_mlflow_server):
         sweep.kill_group()
     assert code == 0, output
     return FinishedSweep(read_json(root / "a.json"), output, root, shared_mlflow_server.uri)
+
+
+# `make test` runs the tests in two pytest-xdist workers (-n 2), each with fixtures of its own: its
+# own shared head and MLflow server, its own copy of a module's fixture. Tests that share work done
+# once (a module's fixture, or the session's ASHA sweep) must share a worker, or the work is done
+# once per worker: they are scheduled as one unit, listed here and checked at collection. xdist's
+# own `--dist loadgroup` cannot group them under pytest 9.2 (it renames items through
+# `Item._nodeid`, which pytest no longer reads).
+RUN_TOGETHER = {
+    "asha_sweep": ("tests/e2e/test_tune.py", "tests/e2e/test_browser.py"),
+    # Files with a module-scoped fixture: each file is one unit.
+    **{
+        f"tests/e2e/{name}.py": (f"tests/e2e/{name}.py",)
+        for name in ("test_hf", "test_hf_lora", "test_package", "test_ray_e2e", "test_readme", "test_records")
+    },
+}
+
+
+def _unit_of(path: str) -> str | None:
+    return next((unit for unit, files in RUN_TOGETHER.items() if path in files), None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test sharing work with others (a session-scoped fixture of its own, or a module-scoped
+    one) outside RUN_TOGETHER would have that work done again under xdist: refused at collection,
+    naming the test."""
+    for item in (i for i in items if isinstance(i, pytest.Function)):
+        path = item.nodeid.split("::", 1)[0]
+        for name, defs in item._fixtureinfo.name2fixturedefs.items():
+            scope, where = defs[-1].scope, defs[-1].baseid
+            shared = scope == "module" or (scope == "session" and name in RUN_TOGETHER)
+            if shared and _unit_of(path) is None:
+                raise pytest.UsageError(
+                    f"{item.nodeid} uses the {scope} fixture {name} ({where or 'conftest'}): list its file in conftest.RUN_TOGETHER"
+                )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's load scheduling (the default of -n), except that each RUN_TOGETHER unit goes to one
+    worker whole; the largest units are handed out first (xdist's loadscope reorder)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RunTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit_of(nodeid.split("::", 1)[0]) or nodeid
+
+    return RunTogether(config, log)
 
 
 @pytest.fixture
