@@ -127,8 +127,9 @@ class SharedHead:
             with open(self.root / "lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # bounded: the holder's `raylane up` times out
                 saved = self.root / "env.json"
-                self.env = json.loads(saved.read_text()) if saved.exists() else self._up()
-                saved.write_text(json.dumps(self.env))
+                if not saved.exists():
+                    saved.write_text(json.dumps(self._up()))
+                self.env = json.loads(saved.read_text())
         return self.env
 
     def _up(self) -> dict[str, str]:
@@ -407,8 +408,8 @@ def asha_sweep(tmp_path_factory, shared_head, shared_mlflow_server):
     return FinishedSweep(read_json(root / "a.json"), output, root, shared_mlflow_server.uri)
 
 
-# `make test` runs the tests in two pytest-xdist workers (-n 2), each with fixtures of its own: its
-# own shared head and MLflow server, its own copy of a module's fixture. Tests that share work done
+# `make test` runs the tests in two pytest-xdist workers (-n 2), each with fixtures of its own
+# (the Ray head alone is shared): its own MLflow server, its own copy of a module's fixture. Tests that share work done
 # once (a module's fixture, or the session's ASHA sweep) must share a worker, or the work is done
 # once per worker: they are scheduled as one unit, listed here and checked at collection. xdist's
 # own `--dist loadgroup` cannot group them under pytest 9.2 (it renames items through
