@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -120,6 +120,10 @@ def check_model(m: ModelSection) -> None:
         raise ValueError(f"{key}: no weights (model.safetensors, or model.safetensors.index.json and its shards)")
     _check_task(key, m.task, config.get("model_type"))
     _check_vocabulary(m, config)
+    _check_positions(m, folder)
+    if m.task == "sequence-classification":
+        _check_head(m, config)
+    _check_special_tokens(m)
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -133,16 +137,93 @@ def weight_files(path: str | Path) -> list[Path]:
     return []
 
 
-def _check_task(key: str, task: str, model_type: str | None) -> None:
+def _mapping(task: str) -> dict[str, Any]:
+    """transformers' own registry of the models that do `task`: model_type -> class name(s)."""
     from transformers.models.auto import modeling_auto
 
-    mapping = (
-        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        if task == "causal-lm"
-        else modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-    )
-    if model_type not in mapping:
+    if task == "causal-lm":
+        return modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+
+def _class_names(task: str) -> set[str]:
+    names = _mapping(task).values()
+    return {n for v in names for n in ((v,) if isinstance(v, str) else v)}
+
+
+def task_of(model: Any) -> str | None:
+    """The model.task a transformers model does: the task whose Auto class builds its class (or a
+    class it derives from), as transformers registers them, so that GPT2LMHeadModel is a causal
+    LM whatever its name; else a model that generates (GenerationMixin) and is no encoder-decoder
+    is a causal LM (one registered with AutoModelForCausalLM.register). None for any other."""
+    mro = {c.__name__ for c in type(model).__mro__}
+    for task in TASKS:
+        if mro & _class_names(task):
+            return task
+    can_generate = getattr(model, "can_generate", None)
+    config = getattr(model, "config", None)
+    if callable(can_generate) and can_generate() and not getattr(config, "is_encoder_decoder", False):
+        return "causal-lm"
+    return None
+
+
+def _check_task(key: str, task: str, model_type: str | None) -> None:
+    if model_type not in _mapping(task):
         raise ValueError(f"{key}: a {model_type!r} model, which transformers cannot load for model.task = {task!r}")
+
+
+def _check_positions(m: ModelSection, folder: Path) -> None:
+    """model.seq_len within the positions the model's config declares (a learned position table
+    indexes past its end: IndexError on the first forward); a model that declares none (rotary
+    or relative positions without a maximum, a state-space model) has no limit."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    text = config.get_text_config(decoder=True)
+    positions = getattr(text, "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions <= 0 or m.seq_len <= positions:
+        return
+    # The config's own spelling of the figure (n_positions for GPT-2) through its attribute_map.
+    name = type(text).attribute_map.get("max_position_embeddings", "max_position_embeddings")
+    if text is not config:
+        name = next((f"{k}.{name}" for k, v in vars(config).items() if v is text), name)
+    raise ValueError(
+        f"model.seq_len = {m.seq_len}: more than the model's {positions} positions ({name} in "
+        f"{folder / 'config.json'}); set model.seq_len={positions} or lower"
+    )
+
+
+def _check_head(m: ModelSection, config: dict) -> None:
+    """A checkpoint saved from a classifier holds its head, of the config's number of labels: a
+    model.num_labels of another size cannot load it."""
+    saved = [a for a in config.get("architectures") or () if a in _class_names("sequence-classification")]
+    labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels")
+    if saved and isinstance(labels, int) and labels != m.num_labels:
+        raise ValueError(
+            f"model.num_labels = {m.num_labels}: the model in {m.name_or_path!r} has a classification head "
+            f"of {labels} labels (a {saved[0]}, says its config.json); set model.num_labels={labels}"
+        )
+
+
+def _check_special_tokens(m: ModelSection) -> None:
+    """causal-lm ends each packed document with the tokenizer's EOS token (without one, documents
+    would run into each other unmarked); sequence-classification pads batches with its pad token,
+    else its EOS token (hf.data.pad_id), which the model also reads to find each text's end."""
+    from transformers import AutoTokenizer
+
+    where = m.tokenizer_path or m.name_or_path
+    key = "model.tokenizer_path" if m.tokenizer_path else "model.name_or_path"
+    tok = AutoTokenizer.from_pretrained(where)
+    if m.task == "causal-lm" and tok.eos_token_id is None:
+        raise ValueError(
+            f"{key} = {where!r}: the tokenizer has no EOS token, which model.task = 'causal-lm' ends each "
+            "document with; set one (tokenizer.eos_token = ...) and save_pretrained it"
+        )
+    if m.task == "sequence-classification" and tok.pad_token_id is None and tok.eos_token_id is None:
+        raise ValueError(
+            f"{key} = {where!r}: the tokenizer has neither a pad nor an EOS token, which model.task = "
+            "'sequence-classification' pads batches with; set one (tokenizer.pad_token = ...) and save_pretrained it"
+        )
 
 
 def _check_vocabulary(m: ModelSection, config: dict) -> None:
