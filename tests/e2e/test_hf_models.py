@@ -31,21 +31,7 @@ def _config(tmp_path, model, **model_keys) -> dict:
 
 
 def _checkpoint(tmp_path, config: dict) -> str:
-    """A checkpoint of the hf pipeline's model for `config`, its pretrained weights loaded, as a
-    run's first save writes it (one process)."""
-    from raylane.config import validate
-    from raylane.loop import checkpoint, usercode
-    from raylane.loop.parallel import materialize
-
-    cfg = validate(config)
-    pipe = usercode.build_pipeline(cfg)
-    materialize(pipe.model, torch.device("cpu"))
-    pipe.init_weights(pipe.model)
-    path = tmp_path / "runs" / "run" / checkpoint.checkpoint_name(1)
-    path.mkdir(parents=True)
-    optimizer = torch.optim.SGD([p for p in pipe.model.parameters() if p.requires_grad], lr=0.1)
-    checkpoint.save(path, pipe.model, optimizer, {"step": 1, "config": cfg.model_dump(mode="json")}, rank=0)
-    return str(path)
+    return hf_tiny.checkpoint(config, tmp_path / "runs" / "run")
 
 
 def _logged(tmp_path, monkeypatch, ck: str) -> str:

@@ -14,12 +14,17 @@ VOCAB = 64
 EOS = "<|endoftext|>"
 
 
-def tokenizer(*, eos: bool = True, pad: bool = False):
-    """A fast tokenizer: id 0 unknown, 1 the EOS token (`eos`), 2 a pad token (`pad`)."""
+def tokenizer(*, eos: bool = True, pad: bool = False, retrained: int | None = None):
+    """A fast tokenizer: id 0 unknown, 1 the EOS token (`eos`), 2 a pad token (`pad`);
+    `retrained`: the words' ids shuffled with that seed (a tokenizer retrained on other text:
+    the same size, every word another id)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, EOS: 1, "<pad>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    ids = list(range(3, VOCAB))
+    if retrained is not None:
+        random.Random(retrained).shuffle(ids)
+    vocab = {"<unk>": 0, EOS: 1, "<pad>": 2, **{f"w{i}": n for i, n in zip(range(3, VOCAB), ids, strict=True)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     special = {"eos_token": EOS, "bos_token": EOS} if eos else {}
@@ -91,3 +96,25 @@ def rows(folder: str | Path, n: int = 64, seed: int = 0) -> Path:
             lines.append(json.dumps({"text": " ".join(f"w{w}" for w in words), "label": int(words[0] < 30)}))
         (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     return folder
+
+
+def checkpoint(config: dict, run_folder: str | Path, step: int = 1) -> str:
+    """A checkpoint in `run_folder` of the model `config`'s pipeline builds, its pretrained
+    weights loaded, as a run's save writes it (one process): what a relaunch resumes from."""
+    import torch
+
+    from raylane.config import validate
+    from raylane.loop import checkpoint as ck
+    from raylane.loop import usercode
+    from raylane.loop.parallel import materialize, on_meta
+
+    cfg = validate(config)
+    pipe = usercode.build_pipeline(cfg)
+    if on_meta(pipe.model):
+        materialize(pipe.model, torch.device("cpu"))
+        pipe.init_weights(pipe.model)
+    path = Path(run_folder) / ck.checkpoint_name(step)
+    path.mkdir(parents=True)
+    optimizer = torch.optim.SGD([p for p in pipe.model.parameters() if p.requires_grad], lr=0.1)
+    ck.save(path, pipe.model, optimizer, {"step": step, "config": cfg.model_dump(mode="json")}, rank=0)
+    return str(path)
