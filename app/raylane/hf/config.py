@@ -42,13 +42,15 @@ class ModelSection(Section):
         ge=2,
         le=1_048_576,
         description="`causal-lm`: tokens in one packed sequence; `sequence-classification`: the longest input "
-        "(longer ones are truncated).",
+        "(longer ones are truncated). At most the model's positions (`max_position_embeddings`, `n_positions` "
+        "for GPT-2) where its config declares them.",
     )
     num_labels: int = Field(
         2,
         ge=1,
         le=1_000_000,
-        description="`sequence-classification`: the number of classes (labels are 0..num_labels-1).",
+        description="`sequence-classification`: the number of classes (labels are 0..num_labels-1); a model "
+        "saved as a classifier has a head of its own size.",
     )
 
 
