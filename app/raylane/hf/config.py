@@ -7,15 +7,15 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from raylane.config import BaseConfig, Section
 from raylane.hf.lora import LoraSection
+from raylane.hf.tasks import class_names, mapping
 from raylane.paths import InputPath, InputPaths
 
-TASKS = ("causal-lm", "sequence-classification")
 HF_PACKAGES = ("transformers", "tokenizers", "accelerate", "safetensors")
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -139,38 +139,8 @@ def weight_files(path: str | Path) -> list[Path]:
     return []
 
 
-def _mapping(task: str) -> dict[str, Any]:
-    """transformers' own registry of the models that do `task`: model_type -> class name(s)."""
-    from transformers.models.auto import modeling_auto
-
-    if task == "causal-lm":
-        return modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    return modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-
-
-def _class_names(task: str) -> set[str]:
-    names = _mapping(task).values()
-    return {n for v in names for n in ((v,) if isinstance(v, str) else v)}
-
-
-def task_of(model: Any) -> str | None:
-    """The model.task a transformers model does: the task whose Auto class builds its class (or a
-    class it derives from), as transformers registers them, so that GPT2LMHeadModel is a causal
-    LM whatever its name; else a model that generates (GenerationMixin) and is no encoder-decoder
-    is a causal LM (one registered with AutoModelForCausalLM.register). None for any other."""
-    mro = {c.__name__ for c in type(model).__mro__}
-    for task in TASKS:
-        if mro & _class_names(task):
-            return task
-    can_generate = getattr(model, "can_generate", None)
-    config = getattr(model, "config", None)
-    if callable(can_generate) and can_generate() and not getattr(config, "is_encoder_decoder", False):
-        return "causal-lm"
-    return None
-
-
 def _check_task(key: str, task: str, model_type: str | None) -> None:
-    if model_type not in _mapping(task):
+    if model_type not in mapping(task):
         raise ValueError(f"{key}: a {model_type!r} model, which transformers cannot load for model.task = {task!r}")
 
 
@@ -198,7 +168,7 @@ def _check_positions(m: ModelSection, folder: Path) -> None:
 def _check_head(m: ModelSection, config: dict) -> None:
     """A checkpoint saved from a classifier holds its head, of the config's number of labels: a
     model.num_labels of another size cannot load it."""
-    saved = [a for a in config.get("architectures") or () if a in _class_names("sequence-classification")]
+    saved = [a for a in config.get("architectures") or () if a in class_names("sequence-classification")]
     labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels")
     if saved and isinstance(labels, int) and labels != m.num_labels:
         raise ValueError(

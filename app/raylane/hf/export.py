@@ -125,7 +125,7 @@ PIPELINE_TASKS = {"causal-lm": "text-generation", "sequence-classification": "te
 
 
 def _task(model: Any) -> str | None:
-    from raylane.hf.config import task_of
+    from raylane.hf.tasks import task_of
 
     return PIPELINE_TASKS.get(task_of(model) or "")
 

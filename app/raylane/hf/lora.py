@@ -133,10 +133,10 @@ def apply_lora(
 
 
 def _task_type(model: Any) -> str | None:
-    """peft's task type for what the model does (raylane.hf.config.task_of: transformers' own
+    """peft's task type for what the model does (raylane.hf.tasks.task_of: transformers' own
     registry, so GPT2LMHeadModel is a causal LM): its PeftModel subclass then saves and merges
     as the class's own, and a classifier's head stays trainable (peft's modules_to_save)."""
-    from raylane.hf.config import task_of
+    from raylane.hf.tasks import task_of
 
     return {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}.get(task_of(model) or "")
 
