@@ -185,7 +185,13 @@ def _check_special_tokens(m: ModelSection) -> None:
 
     where = m.tokenizer_path or m.name_or_path
     key = "model.tokenizer_path" if m.tokenizer_path else "model.name_or_path"
-    tok = AutoTokenizer.from_pretrained(where)
+    try:
+        tok = AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError, ImportError) as exc:  # what the run's own load would meet
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"{key} = {where!r}: transformers cannot load its tokenizer ({type(exc).__name__}: {first})"
+        ) from None
     if m.task == "causal-lm" and tok.eos_token_id is None:
         raise ValueError(
             f"{key} = {where!r}: the tokenizer has no EOS token, which model.task = 'causal-lm' ends each "
