@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from raylane.config import validate
 from raylane.loop import checkpoint, usercode
 from raylane.loop.aliases import aliases, unexplained, with_aliases, without_aliases
-from raylane.loop.frozen import base_mismatch, base_of, frozen_names, saved_part
+from raylane.loop.frozen import base_of, frozen_names, mismatch, saved_part
 from raylane.loop.pipeline import example_batch
 
 
@@ -37,7 +37,7 @@ def consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     pipe = usercode.build_pipeline(cfg)
     _give_memory(pipe)
     names = aliases(pipe.model)
-    if problem := base_mismatch(checkpoint_dir, manifest.get("base"), pipe.model):
+    if problem := mismatch(checkpoint_dir, manifest, pipe.model):
         raise ValueError(problem)
     whole = Path(checkpoint_dir) / checkpoint.STATE_FILE
     if whole.exists():  # a replicated state, in one file

@@ -331,6 +331,7 @@ def check_resume(cfg: BaseConfig) -> Finished | None:
         state = manifest.get("train_state") or {}
         recorded = state.get("config")
         if isinstance(recorded, dict):
+            _check_tokenizer(cfg, manifest.get("tokenizer"), path)
             recorded = _check_base(cfg, manifest.get("base"), recorded, path)
             _check_loadable(cfg, flatten(recorded), path)
             _check_position(cfg, state, flatten(recorded), path)
@@ -343,7 +344,7 @@ def _check_base(cfg: BaseConfig, base: Any, recorded: dict[str, Any], checkpoint
     the recorded config with that key as it is now when the base only moved (same fingerprint)."""
     if not isinstance(base, dict) or not base.get("key") or not base.get("fingerprint"):
         return recorded
-    from raylane.loop.frozen import describe, fingerprint
+    from raylane.loop.frozen import describe, fingerprint, tokenizer_changed, tokenizer_fingerprint
 
     key, flat = base["key"], cfg.flat()
     if key not in flat:
@@ -351,17 +352,39 @@ def _check_base(cfg: BaseConfig, base: Any, recorded: dict[str, Any], checkpoint
     now = fingerprint(str(flat[key]))
     if now is None:
         return recorded
-    if now != base["fingerprint"]:
+    tokenizer = tokenizer_fingerprint(str(flat[key]))
+    retokenized = tokenizer_changed(base, tokenizer)  # a base recorded before tokenizers were: no
+    if now != base["fingerprint"] or retokenized:
+        this = {"path": flat[key], "fingerprint": now, "tokenizer": tokenizer}
         raise ConfigError(
             f"{key} = {_shown(flat, key)}: run {cfg.run.name!r} has a checkpoint ({str(checkpoint)!r}) "
-            f"trained on base {describe(base)}; this base is "
-            f"{describe({'path': flat[key], 'fingerprint': now})}. Resume it on the base it was "
-            f"trained on, or start a fresh run with --set run.name={fresh_name(cfg)}"
+            f"trained on base {describe(base, retokenized)}; this base is {describe(this, retokenized)}. "
+            f"Resume it on the base it was trained on, or start a fresh run with --set run.name={fresh_name(cfg)}"
         )
     section, _, field = key.partition(".")
     if isinstance(recorded.get(section), dict) and field in recorded[section]:
         recorded = {**recorded, section: {**recorded[section], field: flat[key]}}
     return recorded
+
+
+def _check_tokenizer(cfg: BaseConfig, tokenizer: Any, checkpoint: Path) -> None:
+    """A checkpoint that records the tokenizer its inputs were made with (the hf pipeline's,
+    raylane.loop.frozen.set_tokenizer) resumes only with the same tokenizer files under its config
+    key: one retrained in place keeps its path, and every token id would mean another token."""
+    if not isinstance(tokenizer, dict) or not tokenizer.get("key") or not tokenizer.get("fingerprint"):
+        return
+    from raylane.loop.frozen import describe, tokenizer_fingerprint
+
+    key, flat = tokenizer["key"], cfg.flat()
+    now = tokenizer_fingerprint(str(flat[key])) if flat.get(key) else None
+    if now is None or now == tokenizer["fingerprint"]:
+        return  # no tokenizer there: the config's own checks say so
+    raise ConfigError(
+        f"{key} = {_shown(flat, key)}: run {cfg.run.name!r} has a checkpoint ({str(checkpoint)!r}) trained "
+        f"with the tokenizer {describe(tokenizer)}; this tokenizer is {describe({'path': flat[key], 'fingerprint': now})}, "
+        f"so every token id would mean another token. Resume it with the tokenizer it was trained with, or start "
+        f"a fresh run with --set run.name={fresh_name(cfg)}"
+    )
 
 
 def check_global_order(cfg: BaseConfig) -> None:

@@ -31,6 +31,7 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
     from raylane.config import ConfigError
     from raylane.hf import data
     from raylane.hf.weights import empty_model, load_pretrained
+    from raylane.loop.frozen import set_tokenizer, tokenizer_fingerprint
     from raylane.loop.pipeline import Pipeline
 
     m = cfg.model
@@ -42,6 +43,10 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
         from raylane.hf.lora import apply_lora
 
         model = apply_lora(model, cfg.lora, base=str(m.name_or_path))
+    # Its checkpoints record the tokenizer: a resume with one retrained in place is refused.
+    where = data.tokenizer_path(cfg)
+    key = "model.tokenizer_path" if m.tokenizer_path else "model.name_or_path"
+    set_tokenizer(model, {"path": str(where), "fingerprint": tokenizer_fingerprint(where), "key": key})
     if train is None and cfg.data.train is None:
         raise ConfigError(
             "data.train = None: give data.train (files), or hand a dataset to raylane.hf.pipeline(cfg, train=...)"

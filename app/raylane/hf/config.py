@@ -13,9 +13,9 @@ from pydantic import Field, model_validator
 
 from raylane.config import BaseConfig, Section
 from raylane.hf.lora import LoraSection
+from raylane.hf.tasks import class_names, mapping
 from raylane.paths import InputPath, InputPaths
 
-TASKS = ("causal-lm", "sequence-classification")
 HF_PACKAGES = ("transformers", "tokenizers", "accelerate", "safetensors")
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -42,13 +42,15 @@ class ModelSection(Section):
         ge=2,
         le=1_048_576,
         description="`causal-lm`: tokens in one packed sequence; `sequence-classification`: the longest input "
-        "(longer ones are truncated).",
+        "(longer ones are truncated). At most the model's positions (`max_position_embeddings`, `n_positions` "
+        "for GPT-2) where its config declares them.",
     )
     num_labels: int = Field(
         2,
         ge=1,
         le=1_000_000,
-        description="`sequence-classification`: the number of classes (labels are 0..num_labels-1).",
+        description="`sequence-classification`: the number of classes (labels are 0..num_labels-1); a model "
+        "saved as a classifier has a head of its own size.",
     )
 
 
@@ -120,6 +122,10 @@ def check_model(m: ModelSection) -> None:
         raise ValueError(f"{key}: no weights (model.safetensors, or model.safetensors.index.json and its shards)")
     _check_task(key, m.task, config.get("model_type"))
     _check_vocabulary(m, config)
+    _check_positions(m, folder)
+    if m.task == "sequence-classification":
+        _check_head(m, config)
+    _check_special_tokens(m)
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -134,15 +140,68 @@ def weight_files(path: str | Path) -> list[Path]:
 
 
 def _check_task(key: str, task: str, model_type: str | None) -> None:
-    from transformers.models.auto import modeling_auto
-
-    mapping = (
-        modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        if task == "causal-lm"
-        else modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
-    )
-    if model_type not in mapping:
+    if model_type not in mapping(task):
         raise ValueError(f"{key}: a {model_type!r} model, which transformers cannot load for model.task = {task!r}")
+
+
+def _check_positions(m: ModelSection, folder: Path) -> None:
+    """model.seq_len within the positions the model's config declares (a learned position table
+    indexes past its end: IndexError on the first forward); a model that declares none (rotary
+    or relative positions without a maximum, a state-space model) has no limit."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    text = config.get_text_config(decoder=True)
+    positions = getattr(text, "max_position_embeddings", None)
+    if not isinstance(positions, int) or positions <= 0 or m.seq_len <= positions:
+        return
+    # The config's own spelling of the figure (n_positions for GPT-2) through its attribute_map.
+    name = type(text).attribute_map.get("max_position_embeddings", "max_position_embeddings")
+    if text is not config:
+        name = next((f"{k}.{name}" for k, v in vars(config).items() if v is text), name)
+    raise ValueError(
+        f"model.seq_len = {m.seq_len}: more than the model's {positions} positions ({name} in "
+        f"{folder / 'config.json'}); set model.seq_len={positions} or lower"
+    )
+
+
+def _check_head(m: ModelSection, config: dict) -> None:
+    """A checkpoint saved from a classifier holds its head, of the config's number of labels: a
+    model.num_labels of another size cannot load it."""
+    saved = [a for a in config.get("architectures") or () if a in class_names("sequence-classification")]
+    labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels")
+    if saved and isinstance(labels, int) and labels != m.num_labels:
+        raise ValueError(
+            f"model.num_labels = {m.num_labels}: the model in {m.name_or_path!r} has a classification head "
+            f"of {labels} labels (a {saved[0]}, says its config.json); set model.num_labels={labels}"
+        )
+
+
+def _check_special_tokens(m: ModelSection) -> None:
+    """causal-lm ends each packed document with the tokenizer's EOS token (without one, documents
+    would run into each other unmarked); sequence-classification pads batches with its pad token,
+    else its EOS token (hf.data.pad_id), which the model also reads to find each text's end."""
+    from transformers import AutoTokenizer
+
+    where = m.tokenizer_path or m.name_or_path
+    key = "model.tokenizer_path" if m.tokenizer_path else "model.name_or_path"
+    try:
+        tok = AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError, ImportError) as exc:  # what the run's own load would meet
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"{key} = {where!r}: transformers cannot load its tokenizer ({type(exc).__name__}: {first})"
+        ) from None
+    if m.task == "causal-lm" and tok.eos_token_id is None:
+        raise ValueError(
+            f"{key} = {where!r}: the tokenizer has no EOS token, which model.task = 'causal-lm' ends each "
+            "document with; set one (tokenizer.eos_token = ...) and save_pretrained it"
+        )
+    if m.task == "sequence-classification" and tok.pad_token_id is None and tok.eos_token_id is None:
+        raise ValueError(
+            f"{key} = {where!r}: the tokenizer has neither a pad nor an EOS token, which model.task = "
+            "'sequence-classification' pads batches with; set one (tokenizer.pad_token = ...) and save_pretrained it"
+        )
 
 
 def _check_vocabulary(m: ModelSection, config: dict) -> None:

@@ -56,24 +56,43 @@ def export_hf(
             model = model.merge_and_unload()
         model.save_pretrained(str(out), max_shard_size=max_shard_size)
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
+        with_pad(tokenizer, model).save_pretrained(str(out))
     return out
 
 
-def tokenizer_for(cfg: Any) -> Any:
-    """The run's tokenizer: `model.tokenizer_path`, else `model.name_or_path` (the hf pipeline's
-    keys); None when neither holds one (the export then has no tokenizer files, said once)."""
+def tokenizer_place(cfg: Any) -> str | None:
+    """Where the run's tokenizer is: `model.tokenizer_path`, else `model.name_or_path` (the hf
+    pipeline's keys); None when the config names neither."""
     model_cfg = getattr(cfg, "model", None)
     where = getattr(model_cfg, "tokenizer_path", None) or getattr(model_cfg, "name_or_path", None)
-    if not where:
+    return str(where) if where else None
+
+
+def tokenizer_for(cfg: Any) -> Any:
+    """The run's tokenizer (tokenizer_place), or None when there is none: its callers say in one
+    line what that means for them."""
+    where = tokenizer_place(cfg)
+    if where is None:
         return None
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(where))
+        return AutoTokenizer.from_pretrained(where)
     except (OSError, ValueError) as exc:
-        log.warning("export: no tokenizer at %s (%s); the export has none", where, exc)
+        log.debug("no tokenizer at %s: %s", where, exc)
         return None
+
+
+def with_pad(tokenizer: Any, model: Any) -> Any:
+    """`tokenizer` with the pad token the run used: a classifier's batches were padded with the
+    model's pad_token_id (hf.data.pad_id: the tokenizer's pad token, else its EOS), which a
+    tokenizer saved without one (GPT-2's) does not carry, and `tokenizer(texts, padding=True)`
+    then refuses."""
+    base = model.get_base_model() if is_peft(model) else model
+    pad = getattr(getattr(base, "config", None), "pad_token_id", None)
+    if tokenizer is not None and tokenizer.pad_token_id is None and isinstance(pad, int):
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
+    return tokenizer
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, adapter_only: bool = False) -> Path:
@@ -90,7 +109,10 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, adapter_o
     from raylane.config import validate
 
     cfg = validate(train_state["config"])
-    return export_hf(pipe.model, tokenizer_for(cfg), out_dir, adapter_only=adapter_only)
+    tokenizer = tokenizer_for(cfg)
+    if tokenizer is None:
+        log.warning("export: no tokenizer at %s; the export has none", tokenizer_place(cfg) or "the config's model")
+    return export_hf(pipe.model, tokenizer, out_dir, adapter_only=adapter_only)
 
 
 # What a logged text-generation model generates per call by default (the pipeline's own default,
@@ -98,13 +120,14 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, adapter_o
 GENERATE_TOKENS = 32
 
 
+# model.task -> the transformers pipeline MLflow's transformers flavour serves the model with.
+PIPELINE_TASKS = {"causal-lm": "text-generation", "sequence-classification": "text-classification"}
+
+
 def _task(model: Any) -> str | None:
-    name = type(model).__name__
-    if name.endswith("ForCausalLM"):
-        return "text-generation"
-    if name.endswith("ForSequenceClassification"):
-        return "text-classification"
-    return None
+    from raylane.hf.tasks import task_of
+
+    return PIPELINE_TASKS.get(task_of(model) or "")
 
 
 @contextlib.contextmanager
@@ -128,12 +151,20 @@ def log_mlflow_model(
     """Log `model` (a LoRA run merged into its base) with its tokenizer into the active MLflow
     run with the transformers flavour, which `mlflow.pyfunc.load_model(uri).predict([text])`
     serves: text-generation for a causal LM, text-classification for a classifier. Returns the
-    ModelInfo, or None when the model has no such task or no tokenizer (the caller logs it
-    otherwise). `example`: the model's inputs for two rows (input_ids), decoded into the input
-    example."""
-    task = _task(model.get_base_model() if is_peft(model) else model)
+    ModelInfo, or None when the model has no such task or no tokenizer, said in one line (the
+    caller logs it with the PyTorch flavour). `example`: the model's inputs for two rows
+    (input_ids), decoded into the input example."""
+    base = model.get_base_model() if is_peft(model) else model
+    task = _task(base)
     if task is None or tokenizer is None:
+        why = "no tokenizer" if tokenizer is None else "neither a causal LM nor a sequence classifier"
+        log.warning(
+            "MLflow: the model (%s) is logged with the PyTorch flavour, which takes token ids, not text: %s",
+            type(base).__name__,
+            why,
+        )
         return None
+    tokenizer = with_pad(tokenizer, model)
     import mlflow.transformers
     import torch
     import transformers
@@ -144,7 +175,9 @@ def log_mlflow_model(
     if is_peft(model):
         model = model.merge_and_unload()
     ids = example.get("input_ids") if isinstance(example, dict) else None
-    texts = tokenizer.batch_decode(ids[:2], skip_special_tokens=True) if ids is not None else ["Hello"]
+    # A few tokens of each row: a whole row and the tokens generated after it can exceed the
+    # model's positions, and MLflow's check of the example would fail on it.
+    texts = tokenizer.batch_decode(ids[:2, :8], skip_special_tokens=True) if ids is not None else ["Hello"]
     config = {"max_new_tokens": GENERATE_TOKENS} if task == "text-generation" else None
     with _hub_offline():
         return mlflow.transformers.log_model(

@@ -29,34 +29,64 @@ class LoraSection(Section):
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
     target_modules: list[str] | None = Field(
         None,
-        description="Modules to adapt, by the last part of their dotted name (as peft matches them). null: the "
-        "model's attention projections (the Linear layers of its attention modules: q/k/v/o_proj for "
-        "LLaMA).",
+        description="Modules to adapt, by the last part of their dotted name (as peft matches them), or by a "
+        "dotted end of it (`attn.c_proj`: only the c_proj under an attn). null: the model's attention "
+        "projections (the Linear layers of its attention modules: q/k/v/o_proj for LLaMA; c_attn and "
+        "attn.c_proj for GPT-2, whose MLP has a c_proj too).",
     )
 
 
 def attention_projections(model: Any) -> list[str]:
-    """The last names of the Linear (or GPT-2's Conv1D) layers directly under the model's
-    attention modules (a class whose name has "Attention"), else those of `_ATTENTION_NAMES` the
-    model has, else peft's defaults for its model type. Empty when none is found."""
+    """The Linear (or GPT-2's Conv1D) layers directly under the model's attention modules (a
+    class whose name has "Attention"), as peft's target_modules: each by its last name where that
+    name is an attention projection's only, else by the shortest dotted end of its name that is
+    (GPT-2's MLP has a c_proj too: "attn.c_proj"). Else those of `_ATTENTION_NAMES` the model has,
+    else peft's defaults for its model type. Empty when none is found."""
     import torch
 
     def projection(module: Any) -> bool:
         return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
 
-    found: dict[str, None] = {}
-    for module in model.modules():
-        if "Attention" in type(module).__name__:
-            found.update((name, None) for name, child in module.named_children() if projection(child))
+    names = [name for name, _ in model.named_modules()]
+    found = [
+        f"{name}.{child}" if name else child
+        for name, module in model.named_modules()
+        if "Attention" in type(module).__name__
+        for child, inner in module.named_children()
+        if projection(inner)
+    ]
     if found:
-        return list(found)
-    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if projection(m)}
-    if own := [n for n in _ATTENTION_NAMES if n in names]:
+        return _shortest_ends(found, names)
+    last = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if projection(m)}
+    if own := [n for n in _ATTENTION_NAMES if n in last]:
         return own
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     return list(defaults.get(model_type) or ())
+
+
+def _matches(target: str, name: str) -> bool:
+    """peft's match of a target_modules entry against a module's name."""
+    return name == target or name.endswith("." + target)
+
+
+def _shortest_ends(targets: list[str], names: list[str]) -> list[str]:
+    """For each of `targets` (modules' full names), the shortest dotted end of its name that
+    matches no module of `names` but targets; in first-found order, each once."""
+    wanted = set(targets)
+    only: dict[str, bool] = {}  # a dotted end -> whether it matches targets alone
+    out: dict[str, None] = {}
+    for full in targets:
+        parts = full.split(".")
+        for start in range(len(parts) - 1, -1, -1):
+            end = ".".join(parts[start:])
+            if end not in only:
+                only[end] = all(n in wanted for n in names if _matches(end, n))
+            if only[end]:
+                out[end] = None
+                break
+    return list(out)
 
 
 def _targets(model: Any, lora: LoraSection) -> list[str]:
@@ -68,8 +98,8 @@ def _targets(model: Any, lora: LoraSection) -> list[str]:
                 "name the modules to adapt, e.g. lora.target_modules=[q_proj,v_proj]"
             )
         return targets
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    if missing := [t for t in lora.target_modules if t not in names]:
+    names = [name for name, _ in model.named_modules()]
+    if missing := [t for t in lora.target_modules if not any(_matches(t, n) for n in names)]:
         ours = sorted(attention_projections(model))
         hint = f" (its attention projections: {', '.join(ours)})" if ours else ""
         raise ConfigError(
@@ -103,14 +133,12 @@ def apply_lora(
 
 
 def _task_type(model: Any) -> str | None:
-    """peft's task type for the model's class: its PeftModel subclass then saves and merges as
-    the class's own (a classifier's head stays trainable: peft's modules_to_save)."""
-    name = type(model).__name__
-    if name.endswith("ForCausalLM"):
-        return "CAUSAL_LM"
-    if name.endswith("ForSequenceClassification"):
-        return "SEQ_CLS"
-    return None
+    """peft's task type for what the model does (raylane.hf.tasks.task_of: transformers' own
+    registry, so GPT2LMHeadModel is a causal LM): its PeftModel subclass then saves and merges
+    as the class's own, and a classifier's head stays trainable (peft's modules_to_save)."""
+    from raylane.hf.tasks import task_of
+
+    return {"causal-lm": "CAUSAL_LM", "sequence-classification": "SEQ_CLS"}.get(task_of(model) or "")
 
 
 def check_lora(name_or_path: str, lora: LoraSection, model_class: str = "AutoModelForCausalLM") -> list[str]:

@@ -1,9 +1,13 @@
 """Models trained on a frozen base (LoRA, say): a checkpoint of such a run holds the trainable
 parameters, the buffers, the optimizer's state and the loop's state, not the base weights,
 which the pipeline loads again from where they came from. The model carries a record of that
-base (`set_base`: its path and a fingerprint of its files); the checkpoint's manifest keeps it,
-and a load on a model whose base differs is refused naming both. Nothing here imports torch at
-module level: the prechecks compute fingerprints before torch starts."""
+base (`set_base`: its path, a fingerprint of its files and one of its tokenizer's); the
+checkpoint's manifest keeps it, and a load on a model whose base differs is refused naming both.
+
+Any model may also carry a record of the tokenizer its inputs were made with (`set_tokenizer`,
+the hf pipeline's, LoRA or not): a checkpoint is only worth resuming with the same token ids,
+and a tokenizer retrained in place keeps its path. Nothing here imports torch at module level:
+the prechecks compute fingerprints before torch starts."""
 
 from __future__ import annotations
 
@@ -17,6 +21,19 @@ _ATTR = "_raylane_base"
 _DESCRIBING = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
 _SAMPLE = 1 << 20  # bytes read at each end of a weights file
+_TOKENIZER_ATTR = "_raylane_tokenizer"
+# What a save_pretrained tokenizer is made of (transformers' file names: the fast tokenizer, the
+# slow ones' vocabularies and merges, sentencepiece models, the special and added tokens).
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+)
+_TOKENIZER_SUFFIXES = (".model", ".tiktoken")  # tokenizer.model, spiece.model, ...
 
 
 def fingerprint(path: str | os.PathLike) -> str | None:
@@ -41,6 +58,23 @@ def fingerprint(path: str | os.PathLike) -> str | None:
     return digest.hexdigest()
 
 
+def tokenizer_fingerprint(path: str | os.PathLike) -> str | None:
+    """SHA-256 of the tokenizer files of a `save_pretrained` folder, read whole (they are small);
+    None where there is no folder or no tokenizer file (a hub id: not checked)."""
+    folder = Path(path).expanduser() if str(path) else None
+    if folder is None or not folder.is_dir():
+        return None
+    files = sorted(
+        p for p in folder.iterdir() if p.is_file() and (p.name in _TOKENIZER_FILES or p.suffix in _TOKENIZER_SUFFIXES)
+    )
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def _unwrapped(model: Any) -> Any:
     """The user's module under DDP's wrapper and torch.compile's (FSDP2 keeps the module itself)."""
     for attr in ("module", "_orig_mod"):
@@ -52,13 +86,33 @@ def _unwrapped(model: Any) -> Any:
 
 def set_base(model: Any, base: dict[str, Any]) -> None:
     """Mark `model` as trained on a frozen base: {"path", "fingerprint", and optionally "key",
-    the config key naming the path}. Its checkpoints then hold only what trains (and buffers)."""
+    the config key naming the path}. Its checkpoints then hold only what trains (and buffers).
+    The fingerprint of the tokenizer saved with the base ("tokenizer") is added when not given."""
+    if "tokenizer" not in base and base.get("path"):
+        base = {**base, "tokenizer": tokenizer_fingerprint(base["path"])}
     object.__setattr__(model, _ATTR, {k: v for k, v in base.items() if v is not None})
 
 
 def base_of(model: Any) -> dict[str, Any] | None:
     """The record `set_base` left on `model` (wrapped or not), or None."""
     return getattr(_unwrapped(model), _ATTR, None)
+
+
+def set_tokenizer(model: Any, tokenizer: dict[str, Any]) -> None:
+    """Record on `model` the tokenizer its inputs are made with: {"path", "fingerprint"
+    (tokenizer_fingerprint), and optionally "key", the config key naming the path}. Its
+    checkpoints keep it, and a resume with another tokenizer is refused naming both."""
+    object.__setattr__(_unwrapped(model), _TOKENIZER_ATTR, {k: v for k, v in tokenizer.items() if v is not None})
+
+
+def tokenizer_of(model: Any) -> dict[str, Any] | None:
+    return getattr(_unwrapped(model), _TOKENIZER_ATTR, None)
+
+
+def records_of(model: Any) -> dict[str, Any]:
+    """What a checkpoint's manifest records of the files the model depends on but the checkpoint
+    does not hold: {"base": set_base's record, "tokenizer": set_tokenizer's}, those it has."""
+    return {k: v for k, v in (("base", base_of(model)), ("tokenizer", tokenizer_of(model))) if v}
 
 
 def _plain(name: str) -> str:
@@ -83,9 +137,23 @@ def saved_part(model: Any, model_state: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in model_state.items() if k not in frozen}
 
 
+def mismatch(path: str | os.PathLike, manifest: dict[str, Any], model: Any) -> str | None:
+    """Why the checkpoint at `path` (its `manifest`) cannot be loaded into `model`: its tokenizer
+    changed (where both record one), or its base did (base_mismatch). None if fine."""
+    recorded, here = manifest.get("tokenizer"), tokenizer_of(model)
+    if recorded and here and recorded.get("fingerprint") and here.get("fingerprint"):
+        if recorded["fingerprint"] != here["fingerprint"]:
+            return (
+                f"checkpoint {path} was trained with the tokenizer {describe(recorded)}; this run's is {describe(here)}"
+            )
+    return base_mismatch(path, manifest.get("base"), model)
+
+
 def base_mismatch(path: str | os.PathLike, recorded: dict[str, Any] | None, model: Any) -> str | None:
     """Why the checkpoint at `path`, whose manifest records `recorded` as its base, cannot be
-    loaded into `model`: it has another base, or one has a base and the other not. None if fine."""
+    loaded into `model`: it has another base (its weights, or its tokenizer where both records
+    have one: a checkpoint from before tokenizers were recorded has none), or one has a base and
+    the other not. None if fine."""
     here = base_of(model)
     if recorded is None and here is None:
         return None
@@ -94,11 +162,24 @@ def base_mismatch(path: str | os.PathLike, recorded: dict[str, Any] | None, mode
             f"checkpoint {path} holds {'a whole model' if recorded is None else 'an adapter only'}, and this "
             f"run's model {'is trained on a frozen base' if recorded is None else 'is whole'}"
         )
-    if recorded.get("fingerprint") == here.get("fingerprint"):
+    tokenizer = tokenizer_changed(recorded, here.get("tokenizer"))
+    if recorded.get("fingerprint") == here.get("fingerprint") and not tokenizer:
         return None
-    return f"checkpoint {path} was trained on base {describe(recorded)}; this run's base is {describe(here)}"
+    return (
+        f"checkpoint {path} was trained on base {describe(recorded, tokenizer)}; this run's base is "
+        f"{describe(here, tokenizer)}"
+    )
 
 
-def describe(base: dict[str, Any]) -> str:
-    fp = base.get("fingerprint")
-    return f"{base.get('path')!r} (fingerprint {fp[:12] if fp else 'none'})"
+def tokenizer_changed(recorded: dict[str, Any], now: str | None) -> bool:
+    """A base record's tokenizer fingerprint differs from `now` (both known)."""
+    was = recorded.get("tokenizer")
+    return bool(was and now and was != now)
+
+
+def describe(base: dict[str, Any], tokenizer: bool = False) -> str:
+    """`base` (or a tokenizer's record) for a message: its path and fingerprint; `tokenizer`: a
+    base's tokenizer's fingerprint too."""
+    fp, tok = base.get("fingerprint"), base.get("tokenizer")
+    also = f", its tokenizer's {tok[:12] if tok else 'none'}" if tokenizer else ""
+    return f"{base.get('path')!r} (fingerprint {fp[:12] if fp else 'none'}{also})"

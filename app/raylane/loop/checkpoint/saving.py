@@ -112,7 +112,7 @@ class Saver:
             error,
             replicated,
             checkpoint.aliases(model),
-            checkpoint.base_of(model),
+            checkpoint.records_of(model),
             outcome,
         )
         self._in_flight = (train_state, outcome)
@@ -152,7 +152,7 @@ class Saver:
         error: str | None,
         replicated: bool,
         aliases: dict[str, str],
-        base: dict[str, Any] | None,
+        records: dict[str, Any],
         outcome: Future,
     ) -> None:
         ck = self.cfg
@@ -175,7 +175,7 @@ class Saver:
                         error=error,
                         replicated=replicated,
                         aliases=aliases,
-                        base=base,
+                        records=records,
                     ).commit()
                     outcome.set_result(
                         self.runtime.commit_checkpoint(

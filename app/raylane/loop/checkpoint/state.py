@@ -54,7 +54,7 @@ from raylane.loop.checkpoint.manifest import (  # noqa: F401
     sha256,
     verify,
 )
-from raylane.loop.frozen import base_mismatch, base_of, frozen_names, saved_part
+from raylane.loop.frozen import base_of, frozen_names, mismatch, records_of, saved_part
 
 # A single process without a process group is a supported DCP mode, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -195,11 +195,11 @@ class PendingSave:
         rng: str | None = None,
         replicated: bool = False,
         aliases: dict[str, str] | None = None,
-        base: dict[str, Any] | None = None,
+        records: dict[str, Any] | None = None,
     ) -> None:
         self.path, self.rank, self.train_state, self.error = path, rank, train_state, error
         self.shapes, self.whole, self.rng, self.replicated = shapes, whole, rng, replicated
-        self.aliases, self.base = aliases, base
+        self.aliases, self.records = aliases, records or {}
 
     @property
     def step(self) -> int:
@@ -227,9 +227,9 @@ class PendingSave:
                     )
                 # The model's other names for tensors saved once (raylane.loop.aliases), for readers.
                 named = {"aliases": self.aliases} if self.aliases else {}
-                # A model on a frozen base (raylane.loop.frozen): the state holds no base weight.
-                if self.base:
-                    named["base"] = self.base
+                # What the state depends on and does not hold (raylane.loop.frozen): a frozen
+                # base, whose weights it leaves out, and the tokenizer of its inputs.
+                named.update(self.records)
                 _write_manifest(
                     self.path,
                     {
@@ -352,7 +352,7 @@ def write(
     error: str | None = None,
     replicated: bool = False,
     aliases: dict[str, str] | None = None,
-    base: dict[str, Any] | None = None,
+    records: dict[str, Any] | None = None,
 ) -> PendingSave:
     """Collective (on the group of `collectives_on`): write this rank's shard of `state` and its
     random generators into `path`. A rank that failed before (`error`: staging) still takes
@@ -363,7 +363,7 @@ def write(
     holding every rank's generators too. Every rank would write an identical copy, and DCP's
     planning (about a dozen collectives and their pickles) and metadata cost more than the write
     itself for small models (bench B9). `aliases`: the model's other names for tensors the state
-    holds once (recorded in the manifest); `base`: the frozen base the state leaves out (idem)."""
+    holds once (recorded in the manifest); `records`: raylane.loop.frozen.records_of (idem)."""
     path = Path(path)
     shapes = model_shapes(state.get("model") or {}) if rank == 0 and error is None else None
     if replicated:
@@ -379,7 +379,7 @@ def write(
             rng=json.dumps(rng),
             replicated=True,
             aliases=aliases,
-            base=base,
+            records=records,
         )
     try:
         _dcp().save({} if error else state, checkpoint_id=str(path), process_group=_group())
@@ -387,7 +387,7 @@ def write(
             _write_durably(path / rng_file(rank), json.dumps(rng))
     except _save_errors() as exc:  # reported on every rank by commit()
         error = error or _describe(exc, rank)
-    return PendingSave(path, rank, train_state, error=error, shapes=shapes, aliases=aliases, base=base)
+    return PendingSave(path, rank, train_state, error=error, shapes=shapes, aliases=aliases, records=records)
 
 
 def model_shapes(model_state: dict[str, Any]) -> dict[str, list[int]]:
@@ -448,7 +448,7 @@ def begin_save(
         error=error,
         replicated=replicated(model),
         aliases=aliases(model),
-        base=base_of(model),
+        records=records_of(model),
     )
 
 
@@ -485,7 +485,7 @@ def load(
     model_sd, optim_sd = dcp.state_dict.get_state_dict(model, optimizer)
     model_sd = saved_part(model, without_aliases(model_sd, names))
     manifest = read_manifest(path)
-    if problem := base_mismatch(path, manifest.get("base"), model):
+    if problem := mismatch(path, manifest, model):
         raise CheckpointLoadError(problem)
     check_shapes(path, manifest.get("shapes"), model_sd, names)
     # Not strict: the aliases are loaded through their canonical tensor; what else is missing is
