@@ -18,7 +18,7 @@ from typing import Any
 
 from raylane.config import BaseConfig, ConfigError
 from raylane.loop.events import Event
-from raylane.prechecks import closing_status, fresh_name, record_finished, run_folder
+from raylane.prechecks import closing_status, fresh_name, fresh_start, record_finished, run_folder
 from raylane.results import Status, TrainSummary
 from raylane.tracking.progress import ProgressDisplay
 
@@ -28,9 +28,14 @@ log = logging.getLogger("raylane")
 def finalize_run(cfg: BaseConfig, stack: ExitStack, is_driver: bool) -> BaseConfig:
     """Fill what the driver decides, the run name (agreed by all torchrun ranks), and take the
     run's lease (raylane.lease): ConfigError, on every rank, when another launch holds it."""
+    named = cfg.run.name is not None
     cfg = cfg.with_run_name()
     error = None
     if is_driver:
+        # A name the user gave, found nowhere here: most likely a relaunch from another folder
+        # (outputs are relative to the working directory). A generated name is always new.
+        if named and (line := fresh_start(cfg)):
+            log.info("%s", line)
         try:
             _take_lease(cfg, stack)
         except ConfigError as exc:

@@ -318,6 +318,18 @@ def run_folder(cfg: BaseConfig) -> Path | None:
     return Path(cfg.run.storage_path).expanduser().resolve() / cfg.run.name
 
 
+def fresh_start(cfg: BaseConfig) -> str | None:
+    """The line a launch that names its run says when no run of that name is where it looks:
+    outputs are relative to the working directory, so the same config launched from another
+    folder starts afresh there. None when the run is there, or its storage is object storage."""
+    folder = run_folder(cfg)
+    if folder is None or folder.exists():
+        return None
+    where, here = folder.parent, Path.cwd()
+    shown = f"./{where.relative_to(here)}" if where.is_relative_to(here) and where != here else str(where)
+    return f"no run {cfg.run.name!r} under {shown}: starting a fresh one"
+
+
 def check_resume(cfg: BaseConfig) -> Finished | None:
     """A launch that continues an existing run: its newest checkpoint must be loadable with this
     config (else ConfigError naming the first key that prevents it); returns Finished when the
