@@ -198,14 +198,25 @@ class EarlyStoppingSection(Section):
     )
 
 
+# `train.max_epochs` when `train.max_steps` decides alone: its largest value.
+EPOCHS_AS_NEEDED = 1_000_000
+
+
 class TrainSection(Section):
     """How long and how: epochs, steps, batches, precision, evaluation."""
 
-    max_epochs: int = Field(1, ge=1, le=1_000_000, description="Passes over the training set.")
+    max_epochs: int = Field(
+        1,
+        ge=1,
+        le=EPOCHS_AS_NEEDED,
+        description="Passes over the training set, at most. Not set: 1, or, when `max_steps` is set, as many as it "
+        f"takes (written {EPOCHS_AS_NEEDED}).",
+    )
     max_steps: int | None = Field(
         None,
         ge=1,
-        description="Stop after this many optimizer steps, mid-epoch if need be. null: `max_epochs` decides.",
+        description="Stop after this many optimizer steps, mid-epoch if need be, over as many epochs as they take, "
+        "unless `max_epochs` is set lower. null: `max_epochs` decides.",
     )
     batch_size: int = Field(
         32,
@@ -273,6 +284,16 @@ class TrainSection(Section):
         "grad_accum_steps",
         description="With `global_batch`: the key computed so that batch_size x grad_accum_steps x workers equals it.",
     )
+
+    @model_validator(mode="after")
+    def _max_steps_decides(self) -> TrainSection:
+        """`max_steps` means what it says: a run that sets it and not `max_epochs` runs that many
+        steps, over as many epochs as they take. Decided here, where the config is read, and
+        written into `max_epochs`: a config passed on (to Ray's workers, a checkpoint's record)
+        is validated again with every key set."""
+        if self.max_steps is not None and "max_epochs" not in self.model_fields_set:
+            self.max_epochs = EPOCHS_AS_NEEDED
+        return self
 
     @model_validator(mode="after")
     def _early_stopping_needs_evaluations(self) -> TrainSection:

@@ -18,7 +18,7 @@ from typing import Any
 
 from raylane.config import BaseConfig, ConfigError
 from raylane.loop.events import Event
-from raylane.prechecks import closing_status, fresh_name, record_finished, run_folder
+from raylane.prechecks import closing_status, fresh_name, fresh_start, record_finished, run_folder
 from raylane.results import Status, TrainSummary
 from raylane.tracking.progress import ProgressDisplay
 
@@ -28,9 +28,14 @@ log = logging.getLogger("raylane")
 def finalize_run(cfg: BaseConfig, stack: ExitStack, is_driver: bool) -> BaseConfig:
     """Fill what the driver decides, the run name (agreed by all torchrun ranks), and take the
     run's lease (raylane.lease): ConfigError, on every rank, when another launch holds it."""
+    named = cfg.run.name is not None
     cfg = cfg.with_run_name()
     error = None
     if is_driver:
+        # A name the user gave, found nowhere here: most likely a relaunch from another folder
+        # (outputs are relative to the working directory). A generated name is always new.
+        if named and (line := fresh_start(cfg)):
+            log.info("%s", line)
         try:
             _take_lease(cfg, stack)
         except ConfigError as exc:
@@ -64,8 +69,11 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _torchrun_rank_done(stack: ExitStack, world_size: int, peers_finish: bool) -> None:
-    """Training is over on this torchrun rank."""
+def _torchrun_rank_done(stack: ExitStack, world_size: int, stopped: bool) -> None:
+    """Training is over on this torchrun rank. Only after a graceful stop do the ranks wait for
+    each other before they leave (raylane.loop.distributed.leave_process_group): the end of a
+    finished run is no collective, so rank 0's end-of-run records, however long, cannot turn it
+    into a failure on another rank's timeout."""
     from raylane.loop.distributed import leave_process_group
 
     if world_size > 1:
@@ -73,7 +81,7 @@ def _torchrun_rank_done(stack: ExitStack, world_size: int, peers_finish: bool) -
         # later): rank 0 still has to close the MLflow run and write the summary, so it finishes
         # that first. Ctrl-C still interrupts.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    stack.callback(leave_process_group, wait_for_peers=peers_finish)  # runs last: after rank 0's summary
+    stack.callback(leave_process_group, wait_for_peers=stopped)  # runs last: after rank 0's summary
 
 
 def train(
@@ -129,7 +137,7 @@ def train(
         if use_ray:
             ray_stopper.start()  # the ranks are done; the records below need MLflow, not Ray
         else:
-            _torchrun_rank_done(stack, world_size, status == Status.FINISHED or bool(result.get("preempted")))
+            _torchrun_rank_done(stack, world_size, stopped=bool(result.get("preempted")))
         if not is_driver:
             return TrainSummary(status=status, error=error, run_name=cfg.run.name)
         fields = _summary(cfg, handle, status, error, result, display, launched, startup)

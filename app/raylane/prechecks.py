@@ -318,6 +318,18 @@ def run_folder(cfg: BaseConfig) -> Path | None:
     return Path(cfg.run.storage_path).expanduser().resolve() / cfg.run.name
 
 
+def fresh_start(cfg: BaseConfig) -> str | None:
+    """The line a launch that names its run says when no run of that name is where it looks:
+    outputs are relative to the working directory, so the same config launched from another
+    folder starts afresh there. None when the run is there, or its storage is object storage."""
+    folder = run_folder(cfg)
+    if folder is None or folder.exists():
+        return None
+    where, here = folder.parent, Path.cwd()
+    shown = f"./{where.relative_to(here)}" if where.is_relative_to(here) and where != here else str(where)
+    return f"no run {cfg.run.name!r} under {shown}: starting a fresh one"
+
+
 def check_resume(cfg: BaseConfig) -> Finished | None:
     """A launch that continues an existing run: its newest checkpoint must be loadable with this
     config (else ConfigError naming the first key that prevents it); returns Finished when the
@@ -519,16 +531,24 @@ def _finished(cfg: BaseConfig, folder: Path) -> Finished | None:
     summary = record["summary"]
     steps, epochs = int(summary.get("steps") or 0), int(summary.get("epochs") or 0)
     t = cfg.train
-    # More steps or epochs than were trained: the run continues from its last checkpoint (its
-    # MLflow run too), as a longer schedule of the same run. Only within both limits is it done;
-    # a run that stopped early (train.early_stopping) is done whatever the limits.
+    # Limits past where the run ended continue it from its last checkpoint (its MLflow run too),
+    # as a longer schedule of the same run; the limits it reached are the keys the hint names.
+    # A run that stopped early (train.early_stopping) is done whatever the limits.
     early = summary.get("stop_reason") if summary.get("early_stopped") else None
-    if not early and (t.max_steps is None or t.max_steps > steps) and t.max_epochs > epochs:
+    reached = [
+        key
+        for key, hit in (
+            ("train.max_steps", t.max_steps is not None and t.max_steps <= steps),
+            ("train.max_epochs", t.max_epochs <= epochs),
+        )
+        if hit
+    ]
+    if not early and not reached:
         return None
     newest = newest_manifest(folder)
     where = str(newest[0]) if newest else summary.get("checkpoint")
     tracked = f"MLflow run {summary['run_id']}" if summary.get("run_id") else "not tracked in MLflow"
-    further = "" if early else "raise train.max_epochs or train.max_steps to train it further, or "
+    further = "" if early else f"raise {' and '.join(reached)} to train it further, or "
     line = (
         f"run {cfg.run.name}: already FINISHED at step {steps} (epoch {epochs}"
         f"{f'; {early}' if early else ''}); checkpoint {where}; {tracked}. Nothing to train: "

@@ -76,7 +76,7 @@ def test_a_finished_run_relaunched_trains_and_logs_nothing(finished, monkeypatch
     out, err = capsys.readouterr()
     assert out == (
         f"run r: already FINISHED at step 3 (epoch 0); checkpoint {a['checkpoint']}; MLflow run "
-        f"{a['run_id']}. Nothing to train: raise train.max_epochs or train.max_steps to train it "
+        f"{a['run_id']}. Nothing to train: raise train.max_steps to train it "
         "further, or start a new run with --set run.name=r-2\n"
     ), out + err
     # The API too: it hands back the summary the run finished with.

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import os
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("raylane")
 
 
 def env_ranks() -> tuple[int, int, int]:
@@ -35,13 +38,20 @@ def init_process_group(use_gpu: bool, timeout_s: float = 300.0) -> None:
 
 
 def leave_process_group(wait_for_peers: bool) -> None:
-    """Leave torchrun's group. After a clean end (finished or stopped), wait for every rank, so
-    that no rank's exit makes torchrun kill rank 0 while it still closes the MLflow run and writes
-    the summary. After a failure, do not wait: the peers may be stuck in a collective."""
+    """Leave torchrun's group. `wait_for_peers` after a graceful stop only: every rank then exits
+    130, and torchrun stops the others as soon as one exits non-zero, so each waits for every
+    rank (rank 0 closes its MLflow run KILLED and writes the summary first; a stop logs no model).
+    After a run that FINISHED no rank waits: torchrun leaves the others running when one exits 0,
+    and rank 0's end-of-run work (the MLflow model: minutes for a large one) has no length a
+    peer could bound its wait by. After a failure no rank waits: the peers may be stuck in a
+    collective."""
     if not dist.is_initialized():
         return
     if wait_for_peers and dist.get_world_size() > 1:
-        dist.barrier()
+        try:
+            dist.barrier()
+        except Exception as exc:  # noqa: BLE001 - the run's outcome is decided: this rank leaves as it is
+            log.warning("left without waiting for the other ranks: %s", (str(exc).splitlines() or [""])[0])
     dist.destroy_process_group()
 
 

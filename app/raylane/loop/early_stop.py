@@ -114,7 +114,7 @@ class EvalSchedule:
             metrics = self._evaluate()
         except Exception:
             if epoch_end:
-                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+                self.epoch, self.batch_in_epoch, self.samples_seen_in_epoch = self.epoch + 1, 0, 0
             try:
                 self._save_checkpoint()  # without metrics: none were measured
                 self.saver.settle()

@@ -91,7 +91,8 @@ class Evaluator:
         """This rank's held-out batches, on the device. A sharded model (FSDP2) gathers its
         parameters from every rank in each forward, so ranks must run as many forwards: shares
         differ (a stream's files, an uneven split), and a rank whose share has run out repeats
-        its last batch, uncounted, until every rank's has. One vote a batch, under FSDP only."""
+        its last batch, uncounted, until every rank's has; a rank whose share is empty runs the
+        first batch of the lowest rank that has one, uncounted. One vote a batch, under FSDP only."""
         self._share_failure: Exception | None = None
         self._sharded = sharded = self.world_size > 1 and hasattr(module, "set_requires_gradient_sync")
         batches, last = iter(self.data), None
@@ -101,25 +102,41 @@ class Evaluator:
             except Exception as exc:  # noqa: BLE001 - reading the data failed: every rank must learn of it
                 batch, self._share_failure = None, exc
             if sharded:
-                vote = all_reduce_max(
-                    {"more": float(batch is not None), "failed": float(self._share_failure is not None)}, self.device
-                )
+                vote = all_reduce_max(self._vote(batch, last), self.device)
                 if not vote["more"] or vote["failed"]:
                     return
+                if vote["empty"]:  # in the same round on every rank: a collective
+                    lent = self._lend(batch, last, self.world_size - int(vote["lender"]))
+                    last = last if last is not None else lent
                 if batch is None:
-                    if last is None:
-                        self._share_failure = EvaluationFailed(
-                            "this rank's share of the held-out set is empty while another's is not: a sharded "
-                            "model (FSDP) needs a batch on every rank; give the held-out set at least as many "
-                            "files (or rows) as there are ranks"
-                        )
-                        continue  # the next vote, which says so, stops every rank
                     yield _Repeat(last)
                     continue
             elif batch is None:
                 return
             last = to_device(batch, self.device)
             yield last
+
+    def _vote(self, batch: Any, last: Any) -> dict[str, float]:
+        """What the ranks agree on before each forward under FSDP (a MAX over ranks): whether any
+        rank has a batch left, whether any failed, whether any has had none at all, and the
+        lowest rank with a batch now (as world_size - rank)."""
+        import torch.distributed as dist
+
+        return {
+            "more": float(batch is not None),
+            "failed": float(self._share_failure is not None),
+            "empty": float(batch is None and last is None),
+            "lender": float(self.world_size - dist.get_rank()) if batch is not None else 0.0,
+        }
+
+    def _lend(self, batch: Any, last: Any, lender: int) -> Any:
+        """Collective: rank `lender`'s batch, for the ranks with no held-out batch at all to run
+        FSDP's forward on, uncounted (the sums stay those of the ranks with data)."""
+        import torch.distributed as dist
+
+        sent = [to_device(batch, torch.device("cpu")) if dist.get_rank() == lender else None]
+        dist.broadcast_object_list(sent, src=lender)
+        return to_device(sent[0], self.device) if last is None and batch is None else None
 
     def _batch_sums(self, module: torch.nn.Module, batch: Any, n: Any) -> dict[str, Any]:
         if self.sums is not None:

@@ -22,7 +22,8 @@ def last_step(train_data: EpochData, train: TrainSection, *, epoch: int, batch_i
     """The step the run ends at, from a position: `step`, `batch_in_epoch` micro-batches into
     `epoch`. A resume counts from where it is, not from step 0: the steps per epoch change with
     train.batch_size or the world size at an epoch boundary, and the run still ends at its
-    train.max_epochs (or train.max_steps)."""
+    train.max_epochs or train.max_steps, whichever comes first (max_epochs is as many as
+    max_steps takes unless set: raylane.config.TrainSection)."""
     accum, max_steps, epochs = train.grad_accum_steps, train.max_steps or math.inf, train.max_epochs
     if epoch >= epochs:
         return step
@@ -33,7 +34,10 @@ def last_step(train_data: EpochData, train: TrainSection, *, epoch: int, batch_i
         for later in range(epoch + 1, epochs):
             if total >= max_steps:
                 break
-            total += math.ceil(train_data.batches_in_epoch(later) / accum)
+            steps = math.ceil(train_data.batches_in_epoch(later) / accum)
+            if not steps:  # an epoch with a rank's share empty: the run ends there
+                break
+            total += steps
     return int(min(max_steps, total))
 
 

@@ -146,6 +146,9 @@ class Trainer(EvalSchedule):
         self.epoch = 0
         self.step = 0
         self.batch_in_epoch = 0
+        # Samples the whole group trained in this epoch, over every launch: the epoch's fraction
+        # in samples never goes back when a resume changes the world size or the batch size.
+        self.samples_seen_in_epoch = 0
         self.resumed_from_step: int | None = None
         self.steps_per_epoch, self.total_steps = plan_steps(train_data, cfg.train)
         self.batches_per_epoch = train_data.batches_in_epoch(0)  # of the epoch running; see _run_epoch
@@ -256,6 +259,7 @@ class Trainer(EvalSchedule):
                 self.state_bytes = state_bytes(self.model, self.optimizer)
             self.step += 1
             self.batch_in_epoch += len(micro_batches)
+            self.samples_seen_in_epoch += len(micro_batches) * self.cfg.train.batch_size * self.runtime.world_size
             if (
                 self._warm is None
                 and self.step - (self.resumed_from_step or 0) >= WARMUP_STEPS
@@ -384,7 +388,7 @@ class Trainer(EvalSchedule):
                     ):
                         self._evaluate_at_step()
                     self.epoch += 1
-                    self.batch_in_epoch = 0
+                    self.batch_in_epoch = self.samples_seen_in_epoch = 0
                 # A stop (an early one too) always saves, mid-epoch or at an epoch end that no
                 # checkpoint was due at.
                 due = (
@@ -422,7 +426,7 @@ class Trainer(EvalSchedule):
         return {
             "step_time_s": (last_step_end - started) / max(self.step - first_step, 1),
             "epochs": self.epoch,
-            "partial_epoch": round(self.batch_in_epoch / max(self.batches_per_epoch, 1), 4),  # a stop mid-epoch
+            "partial_epoch": self._partial_epoch(),  # a stop mid-epoch
             "steps": self.step,
             "metrics": self.eval_metrics,
             "samples_per_s": samples_per_s,
@@ -450,6 +454,13 @@ class Trainer(EvalSchedule):
             "stop_reason": self._stop_reason(),
             "early_stopped": self.early_stop.stopped and not self.preempted,
         }
+
+    def _partial_epoch(self) -> float:
+        """The share of the running epoch trained, in samples over every launch of the run (the
+        epoch's samples as this launch splits them); a resume that restarted the epoch (another
+        world size) counts what it trained before too, so it is capped at 1."""
+        epoch_samples = self.batches_per_epoch * self.cfg.train.batch_size * self.runtime.world_size
+        return round(min(self.samples_seen_in_epoch / max(epoch_samples, 1), 1.0), 4)
 
     def _stop_reason(self) -> str | None:
         if not self.preempted:
@@ -507,6 +518,7 @@ class Trainer(EvalSchedule):
             # The position in samples of the whole group: what a resume on another world size
             # continues from when the global batch is held (train.global_batch).
             "samples_in_epoch": self.batch_in_epoch * self.cfg.train.batch_size * self.runtime.world_size,
+            "samples_seen_in_epoch": self.samples_seen_in_epoch,
             "samples_per_step": self.samples_per_step,
             # Training seconds over every launch of the run (a time-to-target sweep ranks by it).
             "train_s_total": self._trained_before_s + time.perf_counter() - self._train_started,
@@ -534,14 +546,18 @@ class Trainer(EvalSchedule):
             and self.cfg.train.global_batch is not None
             and state.get("samples_per_step") == self.samples_per_step
         )
-        if global_order:  # in samples: the micro-batch may have changed too, at any world size
-            self.batch_in_epoch = int(state["samples_in_epoch"]) // (
-                self.cfg.train.batch_size * self.runtime.world_size
-            )
+        samples = state.get("samples_in_epoch")  # the group's position in the epoch
+        if (global_order or same_world) and samples is not None:
+            # In samples: the micro-batch may have changed (at any world size with a global
+            # order; on the same world each rank's order is the same whatever the batch).
+            self.batch_in_epoch = int(samples) // (self.cfg.train.batch_size * self.runtime.world_size)
         elif same_world:
             self.batch_in_epoch = int(state["batch_in_epoch"])
         else:
             self.batch_in_epoch = 0
+        # A checkpoint from before samples_seen_in_epoch: its position is what it had trained.
+        seen = state.get("samples_seen_in_epoch", samples)
+        self.samples_seen_in_epoch = int(seen) if seen is not None else 0
         self._trained_before_s = float(state.get("train_s_total") or 0.0)
         self.total_steps = last_step(
             self.train_data, self.cfg.train, epoch=self.epoch, batch_in_epoch=self.batch_in_epoch, step=self.step

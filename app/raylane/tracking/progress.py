@@ -13,6 +13,7 @@ import sys
 import time
 from typing import IO, Any
 
+from raylane.config import EPOCHS_AS_NEEDED
 from raylane.loop.events import (
     Checkpoint,
     CheckpointFailed,
@@ -191,7 +192,7 @@ class ProgressDisplay:
             self._bar.update(
                 self._task,
                 completed=step,
-                description=f"epoch {epoch}/{self.info.get('max_epochs', '?')}",
+                description=self._epoch_text(epoch),
                 stats=" ".join(stats),
             )
             return
@@ -204,8 +205,13 @@ class ProgressDisplay:
         # ETA from the pace of this launch only: resumed steps and start-up do not count.
         t0, step0 = self._rate_origin
         eta = _fmt_eta((now - t0) / (step - step0) * (total - step)) if step > step0 else "?"
-        line = f"epoch {epoch}/{self.info.get('max_epochs', '?')} step {step}/{total} ({pct:.0f}%)"
+        line = f"{self._epoch_text(epoch)} step {step}/{total} ({pct:.0f}%)"
         self._print(" ".join([line, *stats, f"eta {eta}"]))
+
+    def _epoch_text(self, epoch: int) -> str:
+        """'epoch 2/5'; 'epoch 2' when train.max_steps alone ends the run."""
+        limit = self.info.get("max_epochs", "?")
+        return f"epoch {epoch}" if isinstance(limit, int) and limit >= EPOCHS_AS_NEEDED else f"epoch {epoch}/{limit}"
 
     def _print(self, text: str) -> None:
         if self._bar is not None:
