@@ -290,7 +290,9 @@ def _search(
             text = str(exc) if type(exc).__name__ == "TrainingError" else f"{type(exc).__name__}: {exc}"
             result, status, error = {}, Status.FAILED, text
         if not use_ray and cfg.scaling.num_workers and env_ranks()[2] > 1:
-            stack.callback(leave_process_group, wait_for_peers=status == Status.FINISHED)
+            # As for a training run (driver._torchrun_rank_done): only a stop is waited out; after
+            # a finished search rank 0's records have no length a peer's wait could bound.
+            stack.callback(leave_process_group, wait_for_peers=status == Status.KILLED)
         if recorder is None:
             return AutotuneSummary(status=status, error=error, run_name=cfg.run.name)
         return recorder.finish(result, status, error, params, out, summary_path)
