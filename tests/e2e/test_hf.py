@@ -139,32 +139,58 @@ def test_ddp_and_fsdp_fine_tunes_fsdp_holds_half_and_a_relaunch_reads_no_weights
     assert reads == {"rank0": 0, "rank1": 0}
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp", "fsdp-lora"])
-def test_pretrained_weights_are_identical_on_every_rank_and_equal_to_the_saved_ones(run_cli, tmp_path, tiny, strategy):
-    """Built on the meta device, parallelized, loaded by broadcast from rank 0: each rank's full
-    state equals the saved tensors, the embeddings stay tied, the logits are from_pretrained's
-    to the bit (non-persistent rotary buffers kept), and rank 1 read no file. With a LoRA
-    adapter (fsdp-lora), the same under peft's names, the adapter starting at zero: before, FSDP's
-    own class for the peft model hid its names, and the base was drawn at random instead."""
-    base, *lora = strategy.split("-")
+def test_every_family_loads_as_from_pretrained_on_2_ranks_under_ddp_and_fsdp(run_cli, tmp_path, tiny):
+    """One torchrun of 2 gloo ranks, every architecture family transformers ships a tiny config
+    for, each under DDP and FSDP: built on the meta device, parallelized, loaded by rank 0 with
+    transformers' own from_pretrained and broadcast. Each rank's full state and its logits equal
+    from_pretrained's to the bit (fp32), and rank 1 opened no weight file. The example's LLaMA
+    (tied embeddings, rotary buffers kept; also with a LoRA adapter under FSDP, the base under
+    peft's names), a GPT-2 in 8 safetensors shards (tied), a Qwen2-MoE and a Mixtral (untied;
+    saved expert by expert, Mixtral under its legacy names, fused on load: before, their experts
+    and Mixtral's router started at random), and a BERT encoder as a 3-class classifier: its new
+    head started by from_pretrained on rank 0, named in one warning, the same on both ranks."""
+    from tests.helpers import hf_families
+
+    models = {"llama": str(tiny / "model")}
+    models["gpt2"] = str(hf_families.save(tmp_path / "gpt2", "gpt2", max_shard_size="20KB"))
+    for family in ("qwen2_moe", "mixtral", "bert"):
+        models[family] = str(hf_families.save(tmp_path / family, family))
+    cases = [{"name": f"{f}-{s}", "path": p, "strategy": s} for f, p in models.items() for s in ("ddp", "fsdp")]
+    for case in cases:
+        if case["name"].startswith("bert"):
+            case.update(task="sequence-classification", num_labels=3)
+    cases.append({"name": "llama-fsdp-lora", "path": models["llama"], "strategy": "fsdp", "lora": True})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "out").mkdir()
     p = run_cli(
         "--nproc_per_node",
         "2",
         str(REPO / "tests/helpers/hf_load.py"),
-        str(tiny / "model"),
-        base,
-        str(tmp_path),
-        *lora,
+        str(tmp_path / "cases.json"),
+        str(tmp_path / "out"),
         launcher=TORCHRUN,
-        name=strategy,
+        name="families",
         env=cli_env(tmp_path, PYTHONPATH=str(REPO)),
     )
-    assert p.wait(180) == 0, p.output
-    ranks = [read_json(tmp_path / f"rank{r}.json") for r in (0, 1)]
-    assert [len(r["reads"]) for r in ranks] == [1, 0]
-    for r in ranks:
-        assert r["tied"] and r["keys"]
-        assert r["weights_diff"] == 0.0 and r["logits_diff"] == 0.0, r
+    assert p.wait(240) == 0, p.output
+    shards = len(list((tmp_path / "gpt2").glob("*.safetensors")))
+    assert shards == 8
+    for case in cases:
+        ranks = [read_json(tmp_path / "out" / f"{case['name']}-rank{r}.json") for r in (0, 1)]
+        family = case["name"].split("-")[0]
+        assert [len(r["reads"]) for r in ranks] == [shards if family == "gpt2" else 1, 0], case
+        for r in ranks:
+            assert r["keys"] and r["weights_diff"] == 0.0 and r["logits_diff"] == 0.0, (case, r)
+            assert r["tied"] == (family in ("llama", "gpt2")), case
+        assert ranks[0]["head"] == ranks[1]["head"]
+        if family == "bert":
+            assert len(ranks[0]["head"]) == 2 and ranks[1]["warnings"] == []
+            assert [w.split(": ", 1)[1] for w in ranks[0]["warnings"]] == [
+                "classifier.bias, classifier.weight not in the weights: initialized as from_pretrained does "
+                "(outside the base model)"
+            ]
+        else:
+            assert ranks[0]["warnings"] == ranks[1]["warnings"] == [], case
 
 
 def test_a_classifier_trains_from_a_datasets_dataset_handed_over_by_a_users_pipeline(run_cli, tmp_path, tiny):
@@ -200,6 +226,16 @@ def _bad_model(bad, tiny, **config):
     return bad
 
 
+def _lacking(bad, tiny, name: str):
+    """A copy of the tiny model whose weights lack the tensor `name`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny / "model", bad)
+    weights = load_file(bad / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != name}, bad / "model.safetensors", {"format": "pt"})
+    return bad
+
+
 BAD = {
     "no model": ([], "model.name_or_path: required"),
     "not a model directory": (["model.name_or_path={tiny}"], "model.name_or_path = '{tiny}': not a model directory"),
@@ -219,6 +255,11 @@ BAD = {
         ["model.name_or_path={tiny}/model", "model.task=sequence-classification", "data.label_column=y"],
         "data.label_column = 'y': no such column",
     ),
+    "weights lacking a tensor of the base model": (
+        ["model.name_or_path={lacking}"],
+        "model.name_or_path = '{lacking}': the weights lack model.layers.0.mlp.down_proj.weight of "
+        "LlamaForCausalLM's base model (from_pretrained would start them at random)",
+    ),
     "lora on no module": (
         ["model.name_or_path={tiny}/model", "lora.target_modules=[q_proj,qkv]"],
         "lora.target_modules = ['q_proj', 'qkv']: LlamaForCausalLM has no module named 'qkv'",
@@ -233,6 +274,7 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, tiny, capsys, no_work):
         "tiny": tiny,
         "bad": _bad_model(tmp_path / "vit", tiny, model_type="vit"),
         "small": _bad_model(tmp_path / "small", tiny, vocab_size=100),
+        "lacking": _lacking(tmp_path / "lacking", tiny, "model.layers.0.mlp.down_proj.weight"),
     }
     argv = ["check", "hf", "--set", f"data.train={tiny / 'train'}"]
     for s in sets:

@@ -1,6 +1,6 @@
 """A user's pipeline on raylane.hf for the Ray fine-tunes: the example's JSON Lines read into
 `datasets.Dataset`s (map-style: no Ray Data tasks beside the workers), each rank's reads of
-weight files counted (a line per safetensors.torch.load_file call in `<source.reads>/rank<N>`),
+weight files counted (a line per file transformers opens to load it, in `<source.reads>/rank<N>`),
 and, with `source.kill_mark`, rank 1 killing its own process with SIGKILL once after a committed
 checkpoint (the mark stays behind: the restarted worker trains on). Test-only."""
 
@@ -48,17 +48,17 @@ class KillRank1(raylane.Hook):
 
 
 def _count_reads(folder: str) -> None:
-    import safetensors.torch
     import torch.distributed as dist
+    import transformers.modeling_utils
 
-    real = safetensors.torch.load_file
+    real = transformers.modeling_utils.safe_open
 
     def counted(filename, *args, **kwargs):
         with open(Path(folder) / f"rank{dist.get_rank()}", "a") as f:
             f.write(f"{filename}\n")
         return real(filename, *args, **kwargs)
 
-    safetensors.torch.load_file = counted
+    transformers.modeling_utils.safe_open = counted
 
 
 def build(cfg: Config):

@@ -120,6 +120,9 @@ def check_model(m: ModelSection) -> None:
         raise ValueError(f"{key}: no weights (model.safetensors, or model.safetensors.index.json and its shards)")
     _check_task(key, m.task, config.get("model_type"))
     _check_vocabulary(m, config)
+    from raylane.hf.weights import check_weights
+
+    check_weights(folder, m.task, **({"num_labels": m.num_labels} if m.task == "sequence-classification" else {}))
 
 
 def weight_files(path: str | Path) -> list[Path]:
