@@ -19,7 +19,7 @@ import torch.distributed as dist
 import transformers.modeling_utils
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from raylane.hf.config import AUTO_CLASSES
+from raylane.hf.files import AUTO_CLASSES
 from raylane.hf.weights import empty_model, load_pretrained
 from raylane.loop.parallel import parallelize, unwrap
 from raylane.pipelines.gpt import Config

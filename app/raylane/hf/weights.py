@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raylane.errors import DataError
-from raylane.hf.config import AUTO_CLASSES, weight_files
+from raylane.hf.files import AUTO_CLASSES, weight_files
 
 log = logging.getLogger("raylane")
 
@@ -135,9 +135,7 @@ def load_pretrained(model: nn.Module, path: str | Path, *, key: str = "model.nam
         except WeightsError as exc:
             failure = exc
         except Exception as exc:  # noqa: BLE001 - any failure to read: one line on every rank, no rank left waiting
-            from raylane.logs import record_traceback
-
-            record_traceback("loading the pretrained weights failed:", _traceback(exc))
+            _record("loading the pretrained weights failed:", _traceback(exc))
             failure = WeightsError(f"{key} = {str(path)!r}: the weights cannot be loaded: {_first_line(exc)}")
     if distributed:
         # Every rank learns of rank 0's failure before the broadcast, which would wait for it.
@@ -276,14 +274,12 @@ def _transformers_load() -> Iterator[list[Any]]:
 def _failed(where: str, pretrained: Any, reports: list[Any], exc: BaseException) -> str:
     """One line for a load transformers refused: the tensors it could not build from the files
     (a conversion that failed, a shape that differs), else its own message's first line."""
-    from raylane.logs import record_traceback
-
     info = reports[-1] if reports else None
-    record_traceback(f"transformers could not load the weights ({where}):", _traceback(exc))
+    _record(f"transformers could not load the weights ({where}):", _traceback(exc))
     cls = type(pretrained).__name__
     if info is not None and getattr(info, "conversion_errors", None):
         for name, text in info.conversion_errors.items():
-            record_traceback(f"transformers' conversion of {name} failed:", str(text))
+            _record(f"transformers' conversion of {name} failed:", str(text))
         return (
             f"{where}: transformers cannot build {_names(sorted(info.conversion_errors))} of {cls} from the "
             "weights (tensors missing from the files or of other shapes; the details in the library log)"
@@ -314,6 +310,13 @@ def _names(names: list[str]) -> str:
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines() or [""]
     return f"{type(exc).__name__}: {lines[0]}" + (" (the rest in the library log)" if len(lines) > 1 else "")
+
+
+def _record(what: str, text: str) -> None:
+    """A whole traceback, which the terminal shows as one line, into the library log: under
+    raylane.logs.TRACEBACK_LOGGER (not imported: raylane.logs reaches Ray, which a rank under
+    torchrun never imports)."""
+    logging.getLogger("traceback").info("%s\n%s", what, text.rstrip())
 
 
 def _traceback(exc: BaseException) -> str:
