@@ -6,7 +6,8 @@ embeddings are still one tensor, the largest difference of its full state dict a
 from from_pretrained's, a checksum of the classification head and raylane's warnings. A new head
 (a classifier on a bare encoder) is started on rank 0 by from_pretrained: the reference takes
 raylane's head before the comparison. With `lora`: a LoRA adapter on it first (raylane.hf.lora,
-on the meta device, as the hf pipeline does), compared under the base's names, lora_B zero."""
+on the meta device, as the hf pipeline does), compared under the base's names, lora_B zero. A
+load that raises writes {"error": its type and message} instead (and the next case goes on)."""
 
 from __future__ import annotations
 
@@ -57,8 +58,12 @@ def run(case: dict) -> dict:
     model, _ = parallelize(model, Config(strategy={"name": case["strategy"]}), torch.device("cpu"), 2)
     warnings = Warnings()
     logging.getLogger("raylane").addHandler(warnings)
-    reads = counted_load(model, path)
-    logging.getLogger("raylane").removeHandler(warnings)
+    try:
+        reads = counted_load(model, path)
+    except Exception as exc:  # a checkpoint that cannot fill the model: each rank's error
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        logging.getLogger("raylane").removeHandler(warnings)
     inner = unwrap(model)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
     if case.get("lora"):
