@@ -276,7 +276,7 @@ def _failed(where: str, pretrained: Any, reports: list[Any], exc: BaseException)
     (a conversion that failed, a shape that differs), else its own message's first line."""
     info = reports[-1] if reports else None
     _record(f"transformers could not load the weights ({where}):", _traceback(exc))
-    cls = type(pretrained).__name__
+    cls = _loading_class(pretrained).__name__
     if info is not None and getattr(info, "conversion_errors", None):
         for name, text in info.conversion_errors.items():
             _record(f"transformers' conversion of {name} failed:", str(text))
@@ -296,7 +296,7 @@ def _failed(where: str, pretrained: Any, reports: list[Any], exc: BaseException)
 
 def _missing(where: str, pretrained: Any, names: list[str]) -> str:
     return (
-        f"{where}: the weights lack {_names(names)} of {type(pretrained).__name__}'s base model "
+        f"{where}: the weights lack {_names(names)} of {_loading_class(pretrained).__name__}'s base model "
         "(from_pretrained would start them at random): not a checkpoint of this model"
     )
 
