@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -126,7 +126,8 @@ def check_model(m: ModelSection) -> None:
     _check_vocabulary(m, config)
     from raylane.hf.weights import check_weights
 
-    check_weights(folder, m.task, **({"num_labels": m.num_labels} if m.task == "sequence-classification" else {}))
+    overrides: dict[str, Any] = {"num_labels": m.num_labels} if m.task == "sequence-classification" else {}
+    check_weights(folder, m.task, **overrides)
 
 
 def _check_task(key: str, task: str, model_type: str | None) -> None:

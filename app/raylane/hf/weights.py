@@ -80,7 +80,7 @@ def empty_model(path: str | Path, task: str = "causal-lm", **config: Any) -> nn.
 
 
 def check_weights(
-    path: str | Path, task: str = "causal-lm", key: str = "model.name_or_path", **config: Any
+    path: str | Path, task: str = "causal-lm", *, key: str = "model.name_or_path", **config: Any
 ) -> list[str]:
     """Before anything starts: transformers' own load run on the files' names and shapes (meta
     tensors from the safetensors headers: nothing read, no memory), so that a checkpoint that
@@ -197,7 +197,7 @@ def _pretrained(model: nn.Module) -> tuple[str, Any]:
     raise WeightsError(f"{type(model).__name__} holds no transformers model: load_pretrained cannot fill it")
 
 
-def _loading_class(pretrained: Any) -> type:
+def _loading_class(pretrained: Any) -> Any:
     """The model's own class: FSDP2 gives a sharded module a class of its own (FSDP<Name>),
     which transformers would take for custom code (its conversions are keyed by class name)."""
     from torch.distributed.fsdp import FSDPModule
