@@ -143,3 +143,19 @@ def test_a_lora_classifiers_head_copy_starts_as_its_original(tmp_path):
     for key, value in reference.state_dict().items():
         if not key.startswith("classifier."):
             assert torch.equal(merged[key], value), key
+
+
+def test_a_tensor_of_another_shape_in_the_files_is_named_with_both_shapes(tmp_path):
+    """A saved 2-class head under a 3-class model: from_pretrained refuses it (no
+    ignore_mismatched_sizes), and so does the check, naming each tensor and both shapes."""
+    from transformers import AutoModelForSequenceClassification
+
+    from raylane.hf.weights import check_weights
+
+    AutoModelForSequenceClassification.from_config(hf_families.bert(num_labels=2)).save_pretrained(tmp_path / "cls")
+    with pytest.raises(ValueError) as checked:
+        check_weights(tmp_path / "cls", "sequence-classification", num_labels=3)
+    assert str(checked.value).endswith(
+        "not a checkpoint of this BertForSequenceClassification: classifier.bias is [2] in the files, [3] in the "
+        "model; classifier.weight is [2, 32] in the files, [3, 32] in the model"
+    )

@@ -67,7 +67,8 @@ def local_folder(value: str, key: str, tokenizer: bool = False) -> str:
         ) from None
     found = _cached(repo, revision, tokenizer)
     if found is None:
-        raise ValueError(f"{shown}: the hub's {repo!r} has no {'tokenizer' if tokenizer else 'model'} files: {how}")
+        wanted = "tokenizer files" if tokenizer else "config.json and safetensors weights"
+        raise ValueError(f"{shown}: the hub's {repo!r} has no {wanted} (raylane reads no other format): {how}")
     return found
 
 
