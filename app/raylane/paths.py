@@ -34,22 +34,41 @@ class PathValue:
     """The marker in a path field's type. `must_exist`: an input, checked before the run starts
     (the check is skipped for URIs, whose reader checks them)."""
 
-    __slots__ = ("must_exist",)
+    __slots__ = ("must_exist", "hub_id")
 
-    def __init__(self, *, must_exist: bool = True) -> None:
+    def __init__(self, *, must_exist: bool = True, hub_id: bool = False) -> None:
         self.must_exist = must_exist
+        self.hub_id = hub_id
 
     def __repr__(self) -> str:
-        return f"PathValue(must_exist={self.must_exist})"
+        return f"PathValue(must_exist={self.must_exist}, hub_id={self.hub_id})"
 
 
 InputPath = Annotated[str, PathValue()]
 InputPaths = Annotated[str | list[str], PathValue()]
 OutputPath = Annotated[str, PathValue(must_exist=False)]
+# A Hugging Face model or tokenizer: a folder, or a hub id (`gpt2`, `org/name`) where no folder
+# of that name is; the id is kept as written (raylane.hf.hub resolves it).
+ModelPath = Annotated[str, PathValue(hub_id=True)]
+
+# huggingface_hub's rule for a repository id: `name` or `namespace/name`, of letters, digits,
+# `-`, `_` and `.`, no `--` or `..`, at most 96 characters.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 
 
 def is_uri(value: str) -> bool:
     return "://" in value
+
+
+def is_hub_id(value: str) -> bool:
+    """`value` reads as a Hugging Face hub id (`gpt2`, `org/name`), not as a path (`./x`, `/x`, `~`)."""
+    return (
+        len(value) <= 96
+        and bool(_HUB_ID.fullmatch(value))
+        and "--" not in value
+        and ".." not in value
+        and not value.endswith((".", ".git"))
+    )
 
 
 def absolute(value: str, base: Path) -> str:
@@ -142,10 +161,17 @@ def resolve(
             node[leaf] = default
         value = node.get(leaf)
         if isinstance(value, str):
-            node[leaf] = absolute(value, base)
+            node[leaf] = _resolved(value, base, marker)
         elif isinstance(value, list):
             node[leaf] = [absolute(v, base) if isinstance(v, str) else v for v in value]
     return raw
+
+
+def _resolved(value: str, base: Path, marker: PathValue) -> str:
+    path = absolute(value, base)
+    if marker.hub_id and is_hub_id(value) and not os.path.exists(path):
+        return value  # a hub id: no folder of that name here
+    return path
 
 
 def _sections_exist(model: type[BaseModel], parents: list[str], raw: dict[str, Any]) -> bool:

@@ -139,32 +139,71 @@ def test_ddp_and_fsdp_fine_tunes_fsdp_holds_half_and_a_relaunch_reads_no_weights
     assert reads == {"rank0": 0, "rank1": 0}
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp", "fsdp-lora"])
-def test_pretrained_weights_are_identical_on_every_rank_and_equal_to_the_saved_ones(run_cli, tmp_path, tiny, strategy):
-    """Built on the meta device, parallelized, loaded by broadcast from rank 0: each rank's full
-    state equals the saved tensors, the embeddings stay tied, the logits are from_pretrained's
-    to the bit (non-persistent rotary buffers kept), and rank 1 read no file. With a LoRA
-    adapter (fsdp-lora), the same under peft's names, the adapter starting at zero: before, FSDP's
-    own class for the peft model hid its names, and the base was drawn at random instead."""
-    base, *lora = strategy.split("-")
+def test_every_family_loads_as_from_pretrained_on_2_ranks_under_ddp_and_fsdp(run_cli, tmp_path, tiny):
+    """One torchrun of 2 gloo ranks, every architecture family transformers ships a tiny config
+    for, each under DDP and FSDP: built on the meta device, parallelized, loaded by rank 0 with
+    transformers' own from_pretrained and broadcast. Each rank's full state and its logits equal
+    from_pretrained's to the bit (fp32), and rank 1 opened no weight file. The example's LLaMA
+    (tied embeddings, rotary buffers kept; also with a LoRA adapter under FSDP, the base under
+    peft's names), a GPT-2 in 8 safetensors shards (tied), a Qwen2-MoE and a Mixtral (untied;
+    saved expert by expert, Mixtral under its legacy names, fused on load: before, their experts
+    and Mixtral's router started at random), and a BERT encoder as a 3-class classifier: its new
+    head started by from_pretrained on rank 0, named in one warning, the same on both ranks. First,
+    a checkpoint lacking a tensor of the base: rank 0's load raises, and rank 1 (which would wait
+    in the broadcast) raises the same one line, naming it (the run then ends FAILED with it)."""
+    from tests.helpers import hf_families
+
+    models = {"llama": str(tiny / "model")}
+    models["gpt2"] = str(hf_families.save(tmp_path / "gpt2", "gpt2", max_shard_size="20KB"))
+    for family in ("qwen2_moe", "mixtral", "bert"):
+        models[family] = str(hf_families.save(tmp_path / family, family))
+    cases = [{"name": f"{f}-{s}", "path": p, "strategy": s} for f, p in models.items() for s in ("ddp", "fsdp")]
+    for case in cases:
+        if case["name"].startswith("bert"):
+            case.update(task="sequence-classification", num_labels=3)
+    cases.append({"name": "llama-fsdp-lora", "path": models["llama"], "strategy": "fsdp", "lora": True})
+    lacking = _lacking(tmp_path / "lacking", tiny, "model.layers.1.mlp.down_proj.weight")
+    cases.insert(0, {"name": "lacking-fsdp", "path": str(lacking), "strategy": "fsdp"})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "out").mkdir()
     p = run_cli(
         "--nproc_per_node",
         "2",
         str(REPO / "tests/helpers/hf_load.py"),
-        str(tiny / "model"),
-        base,
-        str(tmp_path),
-        *lora,
+        str(tmp_path / "cases.json"),
+        str(tmp_path / "out"),
         launcher=TORCHRUN,
-        name=strategy,
+        name="families",
         env=cli_env(tmp_path, PYTHONPATH=str(REPO)),
     )
-    assert p.wait(180) == 0, p.output
-    ranks = [read_json(tmp_path / f"rank{r}.json") for r in (0, 1)]
-    assert [len(r["reads"]) for r in ranks] == [1, 0]
-    for r in ranks:
-        assert r["tied"] and r["keys"]
-        assert r["weights_diff"] == 0.0 and r["logits_diff"] == 0.0, r
+    assert p.wait(240) == 0, p.output
+    shards = len(list((tmp_path / "gpt2").glob("*.safetensors")))
+    assert shards == 8
+    errors = [read_json(tmp_path / "out" / f"lacking-fsdp-rank{r}.json")["error"] for r in (0, 1)]
+    assert (
+        errors[0]
+        == errors[1]
+        == (
+            f"WeightsError: model.name_or_path = {str(lacking)!r}: the weights lack model.layers.1.mlp.down_proj.weight "
+            "of LlamaForCausalLM's base model (from_pretrained would start them at random): not a checkpoint of this model"
+        )
+    )
+    for case in cases[1:]:
+        ranks = [read_json(tmp_path / "out" / f"{case['name']}-rank{r}.json") for r in (0, 1)]
+        family = case["name"].split("-")[0]
+        assert [len(r["reads"]) for r in ranks] == [shards if family == "gpt2" else 1, 0], case
+        for r in ranks:
+            assert r["keys"] and r["weights_diff"] == 0.0 and r["logits_diff"] == 0.0, (case, r)
+            assert r["tied"] == (family in ("llama", "gpt2")), case
+        assert ranks[0]["head"] == ranks[1]["head"]
+        if family == "bert":
+            assert len(ranks[0]["head"]) == 2 and ranks[1]["warnings"] == []
+            assert [w.split(": ", 1)[1] for w in ranks[0]["warnings"]] == [
+                "classifier.bias, classifier.weight not in the weights: initialized as from_pretrained does "
+                "(outside the base model)"
+            ]
+        else:
+            assert ranks[0]["warnings"] == ranks[1]["warnings"] == [], case
 
 
 def test_a_classifier_trains_from_a_datasets_dataset_handed_over_by_a_users_pipeline(run_cli, tmp_path, tiny):
@@ -200,6 +239,16 @@ def _bad_model(bad, tiny, **config):
     return bad
 
 
+def _lacking(bad, tiny, name: str):
+    """A copy of the tiny model whose weights lack the tensor `name`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny / "model", bad)
+    weights = load_file(bad / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != name}, bad / "model.safetensors", {"format": "pt"})
+    return bad
+
+
 BAD = {
     "no model": ([], "model.name_or_path: required"),
     "not a model directory": (["model.name_or_path={tiny}"], "model.name_or_path = '{tiny}': not a model directory"),
@@ -219,6 +268,11 @@ BAD = {
         ["model.name_or_path={tiny}/model", "model.task=sequence-classification", "data.label_column=y"],
         "data.label_column = 'y': no such column",
     ),
+    "weights lacking a tensor of the base model": (
+        ["model.name_or_path={lacking}"],
+        "model.name_or_path = '{lacking}': the weights lack model.layers.0.mlp.down_proj.weight of "
+        "LlamaForCausalLM's base model (from_pretrained would start them at random)",
+    ),
     "lora on no module": (
         ["model.name_or_path={tiny}/model", "lora.target_modules=[q_proj,qkv]"],
         "lora.target_modules = ['q_proj', 'qkv']: LlamaForCausalLM has no module named 'qkv'",
@@ -233,6 +287,7 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, tiny, capsys, no_work):
         "tiny": tiny,
         "bad": _bad_model(tmp_path / "vit", tiny, model_type="vit"),
         "small": _bad_model(tmp_path / "small", tiny, vocab_size=100),
+        "lacking": _lacking(tmp_path / "lacking", tiny, "model.layers.0.mlp.down_proj.weight"),
     }
     argv = ["check", "hf", "--set", f"data.train={tiny / 'train'}"]
     for s in sets:
@@ -357,3 +412,67 @@ def test_a_lora_fine_tune_on_2_ray_workers_resumes_bit_exact_after_kill_9(run_cl
     assert sorted(hit_state) == sorted(ref_state)
     for key, value in ref_state.items():
         assert torch.equal(hit_state[key], value) if isinstance(value, torch.Tensor) else hit_state[key] == value, key
+
+
+@pytest.mark.slow  # ~2 min on 2 busy cores; make test loads the MoE models on 2 ranks under FSDP (the torchrun test)
+@pytest.mark.shared_ray
+def test_a_moe_lora_fine_tune_on_2_ray_workers_keeps_its_experts_and_starts_at_from_pretrained_s_loss(
+    run_cli, tmp_path, tiny
+):
+    """A tiny Qwen2-MoE (saved expert by expert, the example's tokenizer) fine-tuned with LoRA on
+    its attention projections on 2 Ray workers under FSDP, then exported merged: every tensor of
+    the base LoRA did not adapt, each expert's among them, is the base's to the bit, and the run's
+    own evaluation of the model as loaded (before its first step: tests/helpers/hf_ray.py's
+    eval_at_start hook, logged at step 0) equals from_pretrained's held-out loss on the same
+    sequences (to float32's summation order, which differs between 2 ranks and one process).
+    Before, the experts started at random: the export's differed from the base's and so did
+    the first loss."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from raylane.config import load_config
+    from raylane.hf import data
+    from tests.helpers import hf_families, hf_ray
+
+    vocab = json.loads((tiny / "model" / "config.json").read_text())["vocab_size"]
+    base = hf_families.save(tmp_path / "moe", "qwen2_moe", vocab_size=vocab, max_position_embeddings=128)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / "model" / name, base / name)
+    (tmp_path / "moe.yaml").write_text(
+        f"pipeline: {REPO / 'tests/helpers/hf_ray.py'}\n"
+        f"source: {{rows: {tiny}, eval_rows: 64, eval_at_start: true}}\n"
+        f"model: {{name_or_path: {base}, seq_len: 64}}\nlora: {{r: 4}}\n"
+        "scaling: {num_workers: 2}\nstrategy: {name: fsdp}\n"
+        "train: {max_steps: 3, batch_size: 8, eval_every_n_steps: 3}\n"
+        "optim: {name: adamw, lr: 0.01}\nmlflow: {log_model: false}\n"
+    )
+    p = run_cli("train", "moe.yaml", "--set", "run.name=moe", "--summary-json", "moe.json", name="moe")
+    assert p.wait(400) == 0, p.output
+    run = read_json(tmp_path / "moe.json")
+    assert run["status"] == "FINISHED" and run["strategy"] == "fsdp" and run["world_size"] == 2
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:
+        evals = con.execute(
+            "SELECT step, value FROM metrics WHERE run_uuid = ? AND key = 'eval/loss' ORDER BY step", (run["run_id"],)
+        ).fetchall()
+    assert [step for step, _ in evals] == [0, 3], evals
+    p = run_cli("export", "runs/moe", "--format", "hf", "--out", "merged", name="export")
+    assert p.wait(300) == 0, p.output
+
+    saved, merged = load_file(base / "model.safetensors"), load_file(tmp_path / "merged" / "model.safetensors")
+    assert sorted(saved) == sorted(merged)
+    adapted = {k for k in saved if any(f".{p}." in k for p in ("q_proj", "k_proj", "v_proj", "o_proj"))}
+    assert adapted and any(not torch.equal(saved[k], merged[k]) for k in adapted)  # LoRA trained
+    experts = [k for k in saved if ".mlp.experts." in k]
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in experts
+    for key in sorted(set(saved) - adapted):
+        assert torch.equal(saved[key], merged[key]), key
+
+    cfg = load_config(tmp_path / "moe.yaml")
+    rows = data.from_dataset(cfg, hf_ray._dataset(tiny / "eval", 64), "eval")
+    ids = torch.stack([rows[i]["input_ids"] for i in range(len(rows))])
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():  # every row predicts seq_len - 1 tokens: the loss is the rows' mean
+        expected = torch.stack([model(input_ids=b, labels=b).loss for b in ids.split(8)])
+    weights = torch.tensor([len(b) for b in ids.split(8)], dtype=torch.float32)
+    expected_loss = float((expected * weights).sum() / weights.sum())
+    assert abs(evals[0][1] - expected_loss) < 1e-5, (evals[0][1], expected_loss)

@@ -1,8 +1,10 @@
 """A user's pipeline on raylane.hf for the Ray fine-tunes: the example's JSON Lines read into
 `datasets.Dataset`s (map-style: no Ray Data tasks beside the workers), each rank's reads of
-weight files counted (a line per safetensors.torch.load_file call in `<source.reads>/rank<N>`),
+weight files counted (a line per file transformers opens to load it, in `<source.reads>/rank<N>`),
 and, with `source.kill_mark`, rank 1 killing its own process with SIGKILL once after a committed
-checkpoint (the mark stays behind: the restarted worker trains on). Test-only."""
+checkpoint (the mark stays behind: the restarted worker trains on); with `source.eval_at_start`,
+the run's own evaluation of the model as loaded, before its first step, logged at step 0 as
+`eval/<metric>` (the pipeline evaluates only after steps). Test-only."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class Source(raylane.Section):
     reads: str = ""
     eval_rows: int = 0  # the first N held-out texts only (0: all): a shorter evaluation
     kill_mark: str = ""
+    eval_at_start: bool = False
 
 
 class Config(raylane.hf.Config):
@@ -47,18 +50,24 @@ class KillRank1(raylane.Hook):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _count_reads(folder: str) -> None:
-    import safetensors.torch
-    import torch.distributed as dist
+class EvalAtStart(raylane.Hook):
+    def setup(self, ctx: raylane.HookContext) -> None:
+        metrics = ctx.evaluate()  # a collective, on every rank, as the run's evaluations are
+        ctx.log({f"eval/{name}": value for name, value in metrics.items()})
 
-    real = safetensors.torch.load_file
+
+def _count_reads(folder: str) -> None:
+    import torch.distributed as dist
+    import transformers.modeling_utils
+
+    real = transformers.modeling_utils.safe_open
 
     def counted(filename, *args, **kwargs):
         with open(Path(folder) / f"rank{dist.get_rank()}", "a") as f:
             f.write(f"{filename}\n")
         return real(filename, *args, **kwargs)
 
-    safetensors.torch.load_file = counted
+    transformers.modeling_utils.safe_open = counted
 
 
 def build(cfg: Config):
@@ -68,4 +77,6 @@ def build(cfg: Config):
     pipe = raylane.hf.pipeline(cfg, train=_dataset(root / "train"), eval=_dataset(root / "eval", cfg.source.eval_rows))
     if cfg.source.kill_mark:
         pipe.hooks = [KillRank1(cfg.source.kill_mark, f"{cfg.run.storage_path}/{cfg.run.name}")]
+    if cfg.source.eval_at_start:
+        pipe.hooks = [*pipe.hooks, EvalAtStart()]
     return pipe

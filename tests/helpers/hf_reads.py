@@ -1,6 +1,7 @@
-"""The shipped `hf` pipeline, counting each rank's reads of weight files: every call of
-safetensors.torch.load_file (the one way raylane.hf reads them) appends a line to
-$RAYLANE_TEST_READS/rank<RANK>. Test-only: the counting is this module's, not raylane's."""
+"""The shipped `hf` pipeline, counting each rank's reads of weight files: every weight file
+transformers opens to load it (`safe_open` in transformers.modeling_utils: raylane.hf loads with
+from_pretrained) appends a line to $RAYLANE_TEST_READS/rank<RANK>. Test-only: the counting is
+this module's, not raylane's."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ class Config(hf.Config):
 
 
 def build(cfg):
-    import safetensors.torch
+    import transformers.modeling_utils
 
     import raylane.hf
 
-    real = safetensors.torch.load_file
+    real = transformers.modeling_utils.safe_open
     reads = Path(os.environ["RAYLANE_TEST_READS"]) / f"rank{os.environ.get('RANK', '0')}"
 
     def counted(filename, *args, **kwargs):
@@ -28,5 +29,5 @@ def build(cfg):
         return real(filename, *args, **kwargs)
 
     reads.touch()
-    safetensors.torch.load_file = counted
+    transformers.modeling_utils.safe_open = counted
     return raylane.hf.pipeline(cfg)

@@ -73,3 +73,13 @@ def test_uris_home_and_mappings(tmp_path, monkeypatch):
     given = {"pipeline": "digits", "run": {"storage_path": "out"}}
     assert load_config(given).run.storage_path == str(tmp_path / "out")
     assert given["run"]["storage_path"] == "out"  # the caller's mapping is left as it was
+
+
+def test_a_hub_id_is_told_from_a_path():
+    """A model path (raylane.paths.ModelPath) that reads as a Hugging Face hub id stays as written
+    where no folder of that name is (raylane.hf.hub resolves it); a path never reads as one."""
+    from raylane.paths import is_hub_id
+
+    assert all(map(is_hub_id, ["gpt2", "openai-community/gpt2", "Qwen/Qwen1.5-MoE-A2.7B", "a_b.c"]))
+    for path in ["./gpt2", "/models/gpt2", "~/gpt2", "a/b/c", "org--x/y", "../x", "x/..", "", "gpt2.", "x.git"]:
+        assert not is_hub_id(path), path

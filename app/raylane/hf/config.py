@@ -7,20 +7,17 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from raylane.config import BaseConfig, Section
+from raylane.hf.files import AUTO_CLASSES, WEIGHTS, WEIGHTS_INDEX, weight_files  # noqa: F401 - theirs, used here too
 from raylane.hf.lora import LoraSection
 from raylane.hf.tasks import class_names, mapping
-from raylane.paths import InputPath, InputPaths
+from raylane.paths import InputPaths, ModelPath
 
 HF_PACKAGES = ("transformers", "tokenizers", "accelerate", "safetensors")
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
-# model.task -> the transformers Auto class that loads it.
-AUTO_CLASSES = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
 
 
 class ModelSection(Section):
@@ -31,11 +28,12 @@ class ModelSection(Section):
         description="`causal-lm`: next-token prediction; `sequence-classification`: a class per text "
         "(with `data.label_column` and `num_labels`).",
     )
-    name_or_path: InputPath = Field(
-        description="A folder written by `save_pretrained`: config.json and safetensors weights."
+    name_or_path: ModelPath = Field(
+        description="A folder written by `save_pretrained` (config.json and safetensors weights), or a Hugging "
+        "Face hub id (`org/name`), read from the Hugging Face cache or downloaded into it."
     )
-    tokenizer_path: InputPath | None = Field(
-        None, description="The tokenizer's `save_pretrained` folder. null: the model's folder."
+    tokenizer_path: ModelPath | None = Field(
+        None, description="The tokenizer's `save_pretrained` folder, or a hub id. null: the model's."
     )
     seq_len: int = Field(
         256,
@@ -110,6 +108,12 @@ def check_installed() -> None:
 def check_model(m: ModelSection) -> None:
     """The folder holds a model the task can load and its weights, and the tokenizer's vocabulary
     fits the model's embedding."""
+    from raylane.hf.hub import local_folder
+
+    # A hub id becomes its snapshot in the Hugging Face cache, for every check and reader after this.
+    m.name_or_path = local_folder(m.name_or_path, "model.name_or_path")
+    if m.tokenizer_path is not None:
+        m.tokenizer_path = local_folder(m.tokenizer_path, "model.tokenizer_path", tokenizer=True)
     key = f"model.name_or_path = {m.name_or_path!r}"
     folder = Path(m.name_or_path)
     if not (folder / "config.json").is_file():
@@ -126,17 +130,10 @@ def check_model(m: ModelSection) -> None:
     if m.task == "sequence-classification":
         _check_head(m, config)
     _check_special_tokens(m)
+    from raylane.hf.weights import check_weights
 
-
-def weight_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a save_pretrained folder (one, or the shards its index lists)."""
-    path = Path(path)
-    if (path / WEIGHTS).is_file():
-        return [path / WEIGHTS]
-    if (path / WEIGHTS_INDEX).is_file():
-        shards = json.loads((path / WEIGHTS_INDEX).read_text())["weight_map"].values()
-        return [path / name for name in sorted(set(shards))]
-    return []
+    overrides: dict[str, Any] = {"num_labels": m.num_labels} if m.task == "sequence-classification" else {}
+    check_weights(folder, m.task, **overrides)
 
 
 def _check_task(key: str, task: str, model_type: str | None) -> None:
