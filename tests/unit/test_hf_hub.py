@@ -53,7 +53,12 @@ def _offline(monkeypatch) -> None:
 
 def _config(name_or_path: str, **model):
     return load_config(
-        {"pipeline": "hf", "model": {"name_or_path": name_or_path, **model}, "data": {"train": "train.jsonl"}}
+        # seq_len within the tiny model's 64 positions (checked before start).
+        {
+            "pipeline": "hf",
+            "model": {"name_or_path": name_or_path, "seq_len": 32, **model},
+            "data": {"train": "train.jsonl"},
+        }
     )
 
 
@@ -126,7 +131,7 @@ def test_a_relative_folder_named_like_a_hub_id_wins_over_the_id(tmp_path, cache,
     make_base(tmp_path / "project" / "org" / "tiny")
     (tmp_path / "project" / "train.jsonl").write_text(json.dumps({"text": "w3"}) + "\n")
     (tmp_path / "project" / "cfg.yaml").write_text(
-        "pipeline: hf\nmodel: {name_or_path: org/tiny}\ndata: {train: train.jsonl}\n"
+        "pipeline: hf\nmodel: {name_or_path: org/tiny, seq_len: 32}\ndata: {train: train.jsonl}\n"
     )
     _offline(monkeypatch)
     assert load_config(tmp_path / "project" / "cfg.yaml").model.name_or_path == str(tmp_path / "project/org/tiny")
