@@ -209,14 +209,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    summary = api.export(
+    api.export(
         args.checkpoint, args.out, format=args.format, adapter_only=args.adapter_only, summary_json=args.summary_json
-    )
-    if args.format == "hf":
-        what = "a peft adapter" if args.adapter_only else "a save_pretrained model"
-        print(f"wrote {what} to {args.out}: {', '.join(Path(f).name for f in summary.files)}")
-    else:
-        print(f"wrote {args.out} and {Path(args.out).with_suffix('.config.json')}")
+    )  # which says what it wrote
     return 0
 
 
@@ -224,11 +219,7 @@ def _tune(args: argparse.Namespace) -> int:
     summary = api.tune(
         args.config, args.overrides, address=args.address, register=args.register, summary_json=args.summary_json
     )
-    if summary.already_finished:
-        return 0
-    if logs.log_file():
-        print(f"[raylane] library log: {logs.log_file()} (Ray, MLflow, Tune, torch; --verbose prints them)")
-    return summary.exit_code
+    return 0 if summary.already_finished else summary.exit_code
 
 
 def _autotune(args: argparse.Namespace) -> int:
