@@ -15,15 +15,23 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raylane import logs, prepare
 from raylane.config import BaseConfig, ConfigError
 from raylane.results import AutotuneSummary, ExportSummary, Status, SweepSummary, TrainSummary
 
+if TYPE_CHECKING:
+    from raylane.onray.sweep_plan import SweepPlan
 
-def check(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
-    """`raylane check`: the validated, resolved config (ConfigError on bad input)."""
+
+def check(config: Any, overrides: Iterable[str] = ()) -> BaseConfig | SweepPlan:
+    """`raylane check`: the validated, resolved config (ConfigError on bad input). Of a sweep file
+    (`raylane tune`'s), its plan: `sweep`, `base` (the base config every trial starts from) and
+    `trials` (each trial's changes to it, as Tune will draw them), without starting Ray."""
+    if prepare.is_sweep_file(config):
+        with logs.scope(None, "check"):  # Ray Tune's import, for the draw
+            return prepare.prepare_check_sweep(config, overrides)
     run = prepare.prepare_train(config, overrides)
     for note in run.notes:
         print(note, flush=True)

@@ -104,8 +104,8 @@ def _configure(on: bool, command: str) -> None:
         handler.close()
     if _undo is not None:
         # A notebook's handlers would print every library's records, and raylane's twice.
-        for handler in list(root.handlers):
-            root.removeHandler(handler)
+        for theirs in list(root.handlers):
+            root.removeHandler(theirs)
     console = _Console()
     console.setFormatter(logging.Formatter("%(message)s"))
     _keep_logger(logging.getLogger("raylane"))
