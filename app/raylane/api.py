@@ -67,6 +67,7 @@ def _train(
     summary_json: str | None,
 ) -> TrainSummary:
     run = prepare.prepare_train(config, overrides, summary_json=summary_json, local=local, address=address, joins=True)
+    _stop_leftovers()
     if run.finished:  # nothing is trained or logged again
         earlier = run.finished.summary
         summary = TrainSummary.model_validate(
@@ -82,6 +83,15 @@ def _train(
     from raylane import driver
 
     return driver.train(run.cfg, use_ray=run.use_ray, address=address, summary_path=summary_json, register=register)
+
+
+def _stop_leftovers() -> None:
+    """What an embedded Ray cluster of a driver killed earlier on this machine left running
+    (raylane.onray.leftovers), stopped as a launch starts; under torchrun, by rank 0."""
+    if os.environ.get("RANK", "0") == "0":
+        from raylane.onray.leftovers import stop_leftovers
+
+        stop_leftovers()
 
 
 def tune(
@@ -102,6 +112,7 @@ def tune(
             summary = SweepSummary(status=Status.FINISHED, sweep=prepared.sweep.name, already_finished=True)
             summary.write(summary_json)
             return summary
+        _stop_leftovers()
         address = prepare.resolve_address(address, prepared.base)
         from raylane.onray.tune import run_sweep
 
@@ -130,6 +141,7 @@ def autotune(
         search = prepare.prepare_autotune(
             config, overrides, out=out, summary_json=summary_json, budget_s=budget_s, local=local, address=address
         )
+        _stop_leftovers()
         address = prepare.resolve_address(address, search.cfg) if search.use_ray else None
         from raylane.autotuning import driver as search_module
 

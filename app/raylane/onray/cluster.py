@@ -89,7 +89,20 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
         # here, not through RAY_LOG_TO_DRIVER, which Ray reads once, at its import, for good.
         log_to_driver=logs.verbose(),
     )
+    _record_embedded()
     return True
+
+
+def _record_embedded() -> None:
+    """So that the next launch stops what is left of this cluster, should this process be killed
+    without stopping it (raylane.onray.leftovers)."""
+    from raylane.onray.internals import ray_worker
+    from raylane.onray.leftovers import record_embedded
+
+    node = getattr(ray_worker, "_global_node", None)  # private: checked, with no record as fallback
+    session = node.get_session_dir_path() if node is not None else None
+    if session:
+        record_embedded(session)
 
 
 # (address, thread) of a join given up on whose ray.init still waits (the Python API's next call).
@@ -216,6 +229,10 @@ def shutdown_ray(embedded: bool) -> None:
         except Exception as exc:  # noqa: BLE001 - a Ray internal moved: shut down the slow way
             log.debug("could not stop Ray's monitor first: %s", exc)
     ray.shutdown()
+    if embedded:
+        from raylane.onray.leftovers import forget_embedded
+
+        forget_embedded()
 
 
 class RayStopper:

@@ -41,6 +41,7 @@ from raylane.onray.elastic import (
     ray_num_workers,
 )
 from raylane.onray.internals import ControllerCallback, TorchBackend
+from raylane.onray.leftovers import DriverWatch, ProcessId
 from raylane.pipelines_ref import UserCodeError
 
 log = logging.getLogger("raylane")
@@ -98,9 +99,16 @@ class RayRuntime:
     """The `Runtime` seen by a Ray Train worker (see raylane.loop.runtime)."""
 
     def __init__(
-        self, sink: Any, use_gpu: bool, streams: dict[str, int | None] | None = None, restarts: bool = False
+        self,
+        sink: Any,
+        use_gpu: bool,
+        streams: dict[str, int | None] | None = None,
+        restarts: bool = False,
+        driver: dict[str, Any] | None = None,
     ) -> None:
         ctx = ray.train.get_context()
+        # The process that runs this group's fit(): `raylane train`'s, or a sweep's trial.
+        self._driver = DriverWatch(ProcessId(**driver) if driver else None, sink)
         self.restarts_without_leaving_nodes = restarts
         self._streams = streams or {}  # the Ray Datasets the driver made: name -> rows per epoch
         self.rank = ctx.get_world_rank()
@@ -175,6 +183,8 @@ class RayRuntime:
         return self._store.skipped
 
     def new_checkpoint_dir(self, step: int) -> str:
+        # A killed driver's workers trained on for seconds, writing checkpoints nobody recorded.
+        self._driver.check(f"the checkpoint at step {step}")
         return self._store.new_dir(step)
 
     def commit_checkpoint(
@@ -329,6 +339,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         cfg.scaling.use_gpu,
         loop_config.get("streams"),
         restarts=_restarts(cfg, loop_config.get("search")),
+        driver=loop_config.get("driver"),
     )
     _relay_warnings(runtime, loop_config.get("verbose", False))
     if loop_config.get("search"):  # `raylane autotune`: the whole search in this one worker group
@@ -513,6 +524,7 @@ def launch_on_ray(
             "verbose": logs.verbose(),
             "search": search,
             "world_sizes": world_sizes(cfg) if cfg.scaling.elastic else None,
+            "driver": dataclasses.asdict(ProcessId.here()),
         },
         datasets=datasets,
         **({"dataset_config": _stream_split()} if datasets else {}),
