@@ -41,19 +41,19 @@ def _normalized(output: str, folder: str) -> list[str]:
 
 @pytest.mark.shared_ray
 def test_raylane_train_in_a_script_prints_what_the_command_prints(run_cli, tmp_path):
-    overrides = ["train.max_steps=4", "scaling.num_workers=1", "run.name=voice"]
+    (tmp_path / "script.py").write_text(SCRIPT)
     runs = {}
-    for name, launcher, args in (
-        ("command", None, ["train", "regression", *(a for o in overrides for a in ("--set", o))]),
-        ("api", [sys.executable, str(tmp_path / "script.py")], overrides),
-    ):
-        folder = tmp_path / name  # each its own runs/ and mlflow.db: the same run name in both
+    for name, launcher in (("command", None), ("api", [sys.executable, str(tmp_path / "script.py")])):
+        # Each its own runs/ and MLflow experiment (one database: made once), one run name in both.
+        overrides = ["train.max_steps=4", "scaling.num_workers=1", "run.name=voice", "mlflow.log_model=false"]
+        overrides.append(f"mlflow.experiment=voice-{name}")
+        args = overrides if launcher else ["train", "regression", *(a for o in overrides for a in ("--set", o))]
+        folder = tmp_path / name
         folder.mkdir()
-        (tmp_path / "script.py").write_text(SCRIPT)
         kwargs = {"launcher": launcher} if launcher else {}
-        proc = run_cli(*args, env=cli_env(folder), cwd=folder, name=name, **kwargs)
+        proc = run_cli(*args, env=cli_env(tmp_path), cwd=folder, name=name, **kwargs)
         assert proc.wait(300) == 0, proc.output
-        runs[name] = _normalized(proc.output, str(folder))
+        runs[name] = _normalized(proc.output.replace(f"voice-{name}", "voice-<name>"), str(folder))
     command, api = runs["command"], runs["api"]
     assert "run voice: FINISHED" in command and any(line.startswith("  library log:") for line in command), command
     assert api[-1] == AFTER, api  # the script's logging is back once the call has returned

@@ -393,7 +393,9 @@ def test_a_time_to_target_objective_ranks_by_the_first_time_the_metric_reached_i
         load_sweep("digits-sweep", [target])  # the file names its metric
 
 
-def test_the_table_shows_each_trials_last_value_and_finished_for_a_trial_that_ran_its_course(tmp_path):
+def test_the_table_shows_each_trials_last_value_and_finished_for_a_trial_that_ran_its_course(
+    tmp_path, shared_mlflow_server
+):
     """Issue 47, finding 14, from Tune's Result objects and a real MLflow store, as the sweep's
     driver has them when Tune returns: (a) a trial ASHA stopped at its first report had trained all
     4 epochs before the stop reached it; its row showed epoch 1's accuracy (0.1086) while its run
@@ -409,8 +411,9 @@ def test_the_table_shows_each_trials_last_value_and_finished_for_a_trial_that_ra
     from raylane.onray.tune import _child, open_parent
     from raylane.tracking.runs import RunHandle, close_run
 
-    sweep, base = load_sweep("digits-sweep", [])
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # The session's MLflow server (the ASHA sweep's, already up in make test), an experiment of its own.
+    sweep, base = load_sweep("digits-sweep", ["sweep.name=table", "mlflow.experiment=sweep-table"])
+    uri = shared_mlflow_server.uri
     parent = open_parent(sweep, base, uri)
     client = MlflowClient(uri)
     params = {"optim.lr": 0.001, "model.hidden_size": 64}
@@ -421,7 +424,7 @@ def test_the_table_shows_each_trials_last_value_and_finished_for_a_trial_that_ra
         ("t_00001", [0.5, 0.7], 2),  # (b)
         ("t_00002", [0.3], 1),  # stopped while it ran
     ):
-        runs[trial_id] = _child(client, parent, trial_id, sweep, base, params)
+        runs[trial_id] = _child(client, parent, trial_id, sweep, base.with_run_name(), params)
         for epoch, value in enumerate(accuracies, 1):
             client.log_metric(runs[trial_id], "eval/accuracy", value, step=23 * epoch)
         last = {"accuracy": accuracies[reported_epochs - 1], "epoch": reported_epochs, "step": 23 * reported_epochs}
