@@ -41,5 +41,10 @@ def test_a_call_prints_raylanes_lines_logs_the_rest_and_restores_the_callers_log
         assert warnings.showwarning is showwarning  # Python's warnings are no longer captured
         logging.getLogger("somelib").warning("after the call")
         assert capsys.readouterr().out == "after the call\n"  # through the script's handler again
+
+        with logs.scope(True, "train"):  # verbose=True: the libraries' warnings too, as --verbose
+            logging.getLogger("somelib").warning("a library's warning, shown")
+        assert capsys.readouterr() == ("", "a library's warning, shown\n")
+        assert list(root.handlers) == before[0] and logs.VERBOSE_ENV not in os.environ
     finally:
         root.removeHandler(mine)
