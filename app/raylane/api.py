@@ -3,6 +3,11 @@ functions, so a run started from a shell and one started from a notebook are che
 preparation path (raylane.prepare) and behave alike: bad input raises ConfigError, with the line
 the CLI prints, before anything starts.
 
+A call prints what the command prints, and nothing else: what Ray's workers, MLflow, Tune,
+torch and transformers say goes to the library log the call names (raylane.logs.scope), and
+`verbose=True` prints it too, as `--verbose` does. Whatever logging the caller set up is as it was
+once the call returns.
+
 Importing this module imports neither torch nor Ray: each call imports what it needs."""
 
 from __future__ import annotations
@@ -10,15 +15,23 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from raylane import prepare
+from raylane import logs, prepare
 from raylane.config import BaseConfig, ConfigError
 from raylane.results import AutotuneSummary, ExportSummary, Status, SweepSummary, TrainSummary
 
+if TYPE_CHECKING:
+    from raylane.onray.sweep_plan import SweepPlan
 
-def check(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
-    """`raylane check`: the validated, resolved config (ConfigError on bad input)."""
+
+def check(config: Any, overrides: Iterable[str] = ()) -> BaseConfig | SweepPlan:
+    """`raylane check`: the validated, resolved config (ConfigError on bad input). Of a sweep file
+    (`raylane tune`'s), its plan: `sweep`, `base` (the base config every trial starts from) and
+    `trials` (each trial's changes to it, as Tune will draw them), without starting Ray."""
+    if prepare.is_sweep_file(config):
+        with logs.scope(None, "check"):  # Ray Tune's import, for the draw
+            return prepare.prepare_check_sweep(config, overrides)
     run = prepare.prepare_train(config, overrides)
     for note in run.notes:
         print(note, flush=True)
@@ -33,13 +46,28 @@ def train(
     local: bool = False,
     register: str | None = None,
     summary_json: str | None = None,
+    verbose: bool | None = None,
 ) -> TrainSummary:
     """`raylane train`: check the config (ConfigError before anything starts), train on Ray (or
     in this process with `local`, or as this torchrun rank) and return the run's summary
     (`status`, `metrics`, `run_id`, `checkpoint`, ...: raylane.results.TrainSummary). A run that
     already FINISHED as far as the config asks is not trained again: its summary comes back with
-    `already_finished`."""
+    `already_finished`. `verbose`: also print what the libraries say (`--verbose`; None: the
+    RAYLANE_VERBOSE environment variable decides)."""
+    with logs.scope(verbose, "train"):
+        return _train(config, overrides, address, local, register, summary_json)
+
+
+def _train(
+    config: Any,
+    overrides: Iterable[str],
+    address: str | None,
+    local: bool,
+    register: str | None,
+    summary_json: str | None,
+) -> TrainSummary:
     run = prepare.prepare_train(config, overrides, summary_json=summary_json, local=local, address=address, joins=True)
+    _stop_leftovers()
     if run.finished:  # nothing is trained or logged again
         earlier = run.finished.summary
         summary = TrainSummary.model_validate(
@@ -57,6 +85,15 @@ def train(
     return driver.train(run.cfg, use_ray=run.use_ray, address=address, summary_path=summary_json, register=register)
 
 
+def _stop_leftovers() -> None:
+    """What an embedded Ray cluster of a driver killed earlier on this machine left running
+    (raylane.onray.leftovers), stopped as a launch starts; under torchrun, by rank 0."""
+    if os.environ.get("RANK", "0") == "0":
+        from raylane.onray.leftovers import stop_leftovers
+
+        stop_leftovers()
+
+
 def tune(
     sweep: Any,
     overrides: Iterable[str] = (),
@@ -64,19 +101,27 @@ def tune(
     address: str | None = None,
     register: str | None = None,
     summary_json: str | None = None,
+    verbose: bool | None = None,
 ) -> SweepSummary:
     """`raylane tune`: run (or continue) a sweep; returns its summary (its trials and the best
-    one). ConfigError on bad input, before Ray starts."""
-    prepared = prepare.prepare_tune(sweep, overrides, summary_json=summary_json, address=address)
-    if prepared.finished:  # its records stay as they are
-        print(prepared.finished, flush=True)
-        summary = SweepSummary(status=Status.FINISHED, sweep=prepared.sweep.name, already_finished=True)
-        summary.write(summary_json)
-        return summary
-    address = prepare.resolve_address(address, prepared.base)
-    from raylane.onray.tune import run_sweep
+    one). ConfigError on bad input, before Ray starts. `verbose`: as for `train`."""
+    with logs.scope(verbose, "tune"):
+        prepared = prepare.prepare_tune(sweep, overrides, summary_json=summary_json, address=address)
+        if prepared.finished:  # its records stay as they are
+            print(prepared.finished, flush=True)
+            summary = SweepSummary(status=Status.FINISHED, sweep=prepared.sweep.name, already_finished=True)
+            summary.write(summary_json)
+            return summary
+        _stop_leftovers()
+        address = prepare.resolve_address(address, prepared.base)
+        from raylane.onray.tune import run_sweep
 
-    return run_sweep(prepared.sweep, prepared.base, address=address, summary_path=summary_json, register=register)
+        summary = run_sweep(
+            prepared.sweep, prepared.base, address=address, summary_path=summary_json, register=register
+        )
+        if logs.log_file():
+            print(f"[raylane] library log: {logs.log_file()} (Ray, MLflow, Tune, torch; --verbose prints them)")
+        return summary
 
 
 def autotune(
@@ -88,18 +133,21 @@ def autotune(
     budget_s: float | None = None,
     out: str = "autotuned.yaml",
     summary_json: str | None = None,
+    verbose: bool | None = None,
 ) -> AutotuneSummary:
     """`raylane autotune`: the fastest configuration that fits, written to `out` as a YAML ready
-    to train; returns the search's summary."""
-    search = prepare.prepare_autotune(
-        config, overrides, out=out, summary_json=summary_json, budget_s=budget_s, local=local, address=address
-    )
-    address = prepare.resolve_address(address, search.cfg) if search.use_ray else None
-    from raylane.autotuning import driver as search_module
+    to train; returns the search's summary. `verbose`: as for `train`."""
+    with logs.scope(verbose, "autotune"):
+        search = prepare.prepare_autotune(
+            config, overrides, out=out, summary_json=summary_json, budget_s=budget_s, local=local, address=address
+        )
+        _stop_leftovers()
+        address = prepare.resolve_address(address, search.cfg) if search.use_ray else None
+        from raylane.autotuning import driver as search_module
 
-    return search_module.execute(
-        search.section, search.cfg, use_ray=search.use_ray, address=address, out=out, summary_path=summary_json
-    )
+        return search_module.execute(
+            search.section, search.cfg, use_ray=search.use_ray, address=address, out=out, summary_path=summary_json
+        )
 
 
 def submit(
@@ -109,15 +157,20 @@ def submit(
     address: str | None = None,
     working_dir: str = ".",
     env_vars: dict[str, str] | None = None,
+    verbose: bool | None = None,
 ):
     """`raylane submit`: run `raylane train CONFIG` as a Ray job that records where this machine
     looks (raylane.onray.jobs); returns a handle with status(), logs(), follow(), wait(), stop()
     and mlflow_run_id(), and where the job records (`tracking_uri`, `experiment`,
     `storage_path`). ConfigError on bad input, an address that does not answer or a refused
-    token; SubmitError when the cluster does not take the job."""
+    token; SubmitError when the cluster does not take the job. `verbose`: as for `train`, and
+    the job's log then has what the libraries say too."""
     from raylane.onray.jobs import submit as submit_job
 
-    return submit_job(config, overrides, address=address, working_dir=working_dir, env_vars=env_vars)
+    if verbose is not None:
+        env_vars = {logs.VERBOSE_ENV: "1" if verbose else "0", **(env_vars or {})}
+    with logs.scope(verbose, "submit"):
+        return submit_job(config, overrides, address=address, working_dir=working_dir, env_vars=env_vars)
 
 
 def export(
@@ -127,10 +180,23 @@ def export(
     format: str = "safetensors",
     adapter_only: bool = False,
     summary_json: str | None = None,
+    verbose: bool | None = None,
 ) -> ExportSummary:
     """`raylane export`: a checkpoint's whole model as one safetensors file at `out`, with its
     config JSON beside it. `format="hf"`: a Hugging Face model's `save_pretrained` folder at `out`
-    (a LoRA run merged, or its adapter alone with `adapter_only`). Returns what was written."""
+    (a LoRA run merged, or its adapter alone with `adapter_only`). Returns what was written.
+    `verbose`: as for `train`."""
+    with logs.scope(verbose, "export"):
+        summary = _export(checkpoint, out, format, adapter_only, summary_json)
+    if format == "hf":
+        what = "a peft adapter" if adapter_only else "a save_pretrained model"
+        print(f"wrote {what} to {out}: {', '.join(Path(f).name for f in summary.files)}", flush=True)
+    else:
+        print(f"wrote {out} and {Path(out).with_suffix('.config.json')}", flush=True)
+    return summary
+
+
+def _export(checkpoint: str, out: str, format: str, adapter_only: bool, summary_json: str | None) -> ExportSummary:
     checkpoint = prepare.prepare_export(checkpoint, out, format, adapter_only, summary_json)
     try:
         if format == "hf":

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from raylane import __version__, api, logs
-from raylane.config import ConfigError
+from raylane.config import BaseConfig, ConfigError
 
 # Under torchrun, how long a rank other than 0 waits before exiting on a config error (see _config_error).
 CONFIG_ERROR_GRACE_S = 5.0
@@ -171,11 +171,28 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    cfg = api.check(args.config, args.overrides)
-    if args.explain:
-        from raylane.config_keys import explain
+    checked = api.check(args.config, args.overrides)
+    sweep: dict[str, Any] = {}
+    if isinstance(checked, BaseConfig):
+        cfg = checked
+    else:  # a sweep file: its section and trials; --explain and --blocks on its base config too
+        from raylane.onray.sweep_plan import plan_text
 
-        print(explain(cfg, args.explain))
+        cfg, sweep = checked.base, {"sweep": checked.sweep.model_dump(mode="json")}
+        if not (args.explain or args.blocks):
+            print(yaml.safe_dump(sweep, sort_keys=False), end="")
+            print(plan_text(checked), flush=True)
+            return 0
+    if args.explain:
+        from raylane.config_keys import explain, value_text
+
+        text = explain(cfg, args.explain)
+        if sweep and args.explain.split(".")[0] == "sweep":  # the sweep file's own value
+            node: Any = sweep
+            for part in args.explain.split("."):
+                node = node[part] if isinstance(node, dict) else None
+            text = text.rsplit("\n", 1)[0] + f"\n  {'resolved:':10}{value_text(node)}"
+        print(text)
         return 0
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
     if args.blocks:
@@ -209,14 +226,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    summary = api.export(
+    api.export(
         args.checkpoint, args.out, format=args.format, adapter_only=args.adapter_only, summary_json=args.summary_json
-    )
-    if args.format == "hf":
-        what = "a peft adapter" if args.adapter_only else "a save_pretrained model"
-        print(f"wrote {what} to {args.out}: {', '.join(Path(f).name for f in summary.files)}")
-    else:
-        print(f"wrote {args.out} and {Path(args.out).with_suffix('.config.json')}")
+    )  # which says what it wrote
     return 0
 
 
@@ -224,11 +236,7 @@ def _tune(args: argparse.Namespace) -> int:
     summary = api.tune(
         args.config, args.overrides, address=args.address, register=args.register, summary_json=args.summary_json
     )
-    if summary.already_finished:
-        return 0
-    if logs.log_file():
-        print(f"[raylane] library log: {logs.log_file()} (Ray, MLflow, Tune, torch; --verbose prints them)")
-    return summary.exit_code
+    return 0 if summary.already_finished else summary.exit_code
 
 
 def _autotune(args: argparse.Namespace) -> int:

@@ -4,17 +4,19 @@ session folder). `--verbose` shows everything as the libraries print it.
 
 Set up once, first thing in the `raylane` command, before any of those libraries is imported:
 two of them configure their loggers at import, and Ray's workers and Tune's trials inherit the
-environment set here."""
+environment set here. A call of the Python API (`raylane.train()`, ...) does the same for the
+call only (`scope`): a notebook's or script's own logging is as it was once the call returns."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 VERBOSE_ENV = "RAYLANE_VERBOSE"
@@ -24,6 +26,10 @@ _FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 TRACEBACK_LOGGER = "traceback"
 
 _log_file: Path | None = None
+# Set by `setup` (the command's, for the whole process); while an API call's `scope` is set up
+# instead, what undoes each change it made, in the order made.
+_process_wide = False
+_undo: list[Callable[[], None]] | None = None
 
 
 def verbose() -> bool:
@@ -47,25 +53,62 @@ def record_traceback(what: str, text: str) -> None:
 
 
 def setup(verbose_flag: bool | None, command: str) -> None:
-    """`verbose_flag` None: inherited (RAYLANE_VERBOSE), as in a Ray job `raylane submit` started."""
+    """For the whole process (the `raylane` command). `verbose_flag` None: inherited
+    (RAYLANE_VERBOSE), as in a Ray job `raylane submit` started."""
+    global _process_wide
+    _process_wide = True
     on = verbose() if verbose_flag is None else verbose_flag
-    os.environ[VERBOSE_ENV] = "1" if on else "0"
     # Read at import, by this process and by the Ray workers and trials that inherit them: no
     # worker output relayed to this terminal, and MLflow's loggers left to the root logger.
     os.environ["RAY_LOG_TO_DRIVER"] = "1" if on else "0"
     os.environ["MLFLOW_CONFIGURE_LOGGING"] = "true" if on else "false"
+    _configure(on, command)
+
+
+@contextlib.contextmanager
+def scope(verbose_flag: bool | None, command: str) -> Iterator[None]:
+    """A call of the Python API: what the terminal shows is what the command shows, and the rest
+    goes to a library log of the call's own, until the call returns. Then everything changed here
+    is as it was: the environment, the root logger's handlers and level (a notebook's own are set
+    aside meanwhile), the libraries' loggers and Python's warnings. Inside the command (its own
+    `setup`), or inside another call's scope, nothing more is done."""
+    global _undo
+    if _process_wide or _undo is not None:
+        yield
+        return
+    _undo = []
+    try:
+        # Unlike the command's, Ray's and MLflow's read-at-import settings stay as they are: a
+        # library imported during the call must not keep them after it (raylane.onray.cluster
+        # tells ray.init itself whether to relay the workers' output).
+        _configure(verbose() if verbose_flag is None else verbose_flag, command)
+        yield
+    finally:
+        undo, _undo = _undo, None
+        for step in reversed(undo):
+            step()
+
+
+def _configure(on: bool, command: str) -> None:
+    _set_env(VERBOSE_ENV, "1" if on else "0")
     # Tune's new output engine prints its boxes and TensorBoard hint at any verbosity; its legacy
     # one prints nothing at the verbosity 0 raylane asks for.
-    os.environ["RAY_AIR_NEW_OUTPUT"] = "1" if on else "0"
+    _set_env("RAY_AIR_NEW_OUTPUT", "1" if on else "0")
     # MLflow writes "View run ... at" links to stdout when a run on a server ends (a trial's);
     # raylane prints the UI link itself.
-    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "false" if on else "true"
+    _set_env("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "false" if on else "true")
     root = logging.getLogger()
+    _keep_logger(root)
     for handler in [h for h in root.handlers if isinstance(h, (_Console, _LazyFileHandler))]:
         root.removeHandler(handler)  # set up again in the same process (tests call the CLI's main)
         handler.close()
+    if _undo is not None:
+        # A notebook's handlers would print every library's records, and raylane's twice.
+        for theirs in list(root.handlers):
+            root.removeHandler(theirs)
     console = _Console()
     console.setFormatter(logging.Formatter("%(message)s"))
+    _keep_logger(logging.getLogger("raylane"))
     logging.getLogger("raylane").setLevel(logging.INFO)
     if on:
         root.setLevel(logging.WARNING)  # libraries keep the handlers they set up themselves
@@ -76,13 +119,55 @@ def setup(verbose_flag: bool | None, command: str) -> None:
     root.setLevel(logging.INFO)
     root.addHandler(console)
     root.addHandler(_file_handler(command))
-    logging.captureWarnings(True)  # torch's and the others' warnings: to the file, through the root
+    _capture_warnings()  # torch's and the others' warnings: to the file, through the root
     for name in ("alembic", "sqlalchemy.engine"):  # MLflow's own set-up keeps these quiet too
+        _keep_logger(logging.getLogger(name))
         logging.getLogger(name).setLevel(logging.WARNING)
     _after_import("ray", _ray_to_root)
     _after_import("ray.data", _ray_data_to_root)
     _after_import("torch", _torch_to_root)
     _after_import("mlflow", _mlflow_prints_to_root)
+
+
+def _undone(step: Callable[[], None]) -> None:
+    """Register what undoes a change just made, when an API call's scope is set up."""
+    if _undo is not None:
+        _undo.append(step)
+
+
+def _set_env(key: str, value: str) -> None:
+    previous = os.environ.get(key)
+    os.environ[key] = value
+
+    def restore() -> None:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
+
+    _undone(restore)
+
+
+def _keep_logger(logger: logging.Logger) -> None:
+    """What a change to `logger` (its handlers, propagation, level) is undone to."""
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+
+    def restore() -> None:
+        for handler in [h for h in logger.handlers if h not in handlers]:
+            logger.removeHandler(handler)
+            if isinstance(handler, (_Console, _LazyFileHandler)):
+                handler.close()
+        for handler in [h for h in handlers if h not in logger.handlers]:
+            logger.addHandler(handler)
+        logger.propagate, logger.level = propagate, level
+
+    _undone(restore)
+
+
+def _capture_warnings() -> None:
+    captured = getattr(logging, "_warnings_showwarning", None) is not None
+    logging.captureWarnings(True)
+    _undone(lambda: logging.captureWarnings(captured))
 
 
 class _Console(logging.StreamHandler):
@@ -160,15 +245,18 @@ def _ray_to_root() -> None:
     # Ray's package import gives its "ray" logger a stderr handler of its own: its warnings (the
     # token-authentication notice) then bypass the handlers above.
     ray_logger = logging.getLogger("ray")
+    _keep_logger(ray_logger)  # and its level, which ray.init sets
     ray_logger.handlers.clear()
     ray_logger.propagate = True
     # A driver prints what the raylets push to it (a worker start-up warning, a worker's death)
     # with print_to_stdstream, whatever log_to_driver says. The workers' own output is already
-    # not relayed (RAY_LOG_TO_DRIVER=0), so what still comes this way is that channel.
+    # not relayed (raylane.onray.cluster), so what still comes this way is that channel.
     from raylane.onray.internals import ray_worker as worker
 
     if hasattr(worker, "print_to_stdstream"):
+        printer = worker.print_to_stdstream
         worker.print_to_stdstream = _ray_lines_to_root
+        _undone(lambda: setattr(worker, "print_to_stdstream", printer))
 
 
 def _ray_data_to_root() -> None:
@@ -176,6 +264,7 @@ def _ray_data_to_root() -> None:
     # its lines ("Progress bars disabled", "Dataset ... execution finished") reached the terminal.
     # Its session-file handler stays; the console's goes, and the records reach ours.
     data_logger = logging.getLogger("ray.data")
+    _keep_logger(data_logger)
     for handler in [
         h
         for h in data_logger.handlers
@@ -198,6 +287,7 @@ def _mlflow_prints_to_root() -> None:
     from mlflow.utils import logging_utils
 
     log = logging.getLogger("mlflow")
+    _keep_logger(log)
     # Where MLflow configured its loggers already (imported before this set-up, with its own
     # logging on), their handler writes to that stream: records would go round in a loop.
     for handler in [h for h in log.handlers if getattr(h, "stream", None) is logging_utils.MLFLOW_LOGGING_STREAM]:
@@ -209,8 +299,19 @@ def _mlflow_prints_to_root() -> None:
             if line.strip():
                 log.info(line)
 
-    logging_utils.MLFLOW_LOGGING_STREAM.write = write
-    logging_utils.MLFLOW_LOGGING_STREAM.flush = lambda: None
+    stream = logging_utils.MLFLOW_LOGGING_STREAM
+    own = {k: stream.__dict__[k] for k in ("write", "flush") if k in stream.__dict__}
+    stream.write = write
+    stream.flush = lambda: None
+
+    def restore() -> None:
+        for key in ("write", "flush"):
+            if key in own:
+                setattr(stream, key, own[key])
+            else:
+                stream.__dict__.pop(key, None)
+
+    _undone(restore)
 
 
 def _torch_to_root() -> None:
@@ -222,6 +323,7 @@ def _torch_to_root() -> None:
             and name != "torch.__trace"
             and isinstance(logger, logging.Logger)
         ):
+            _keep_logger(logger)
             for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
                 logger.removeHandler(handler)
             logger.propagate = True
@@ -250,4 +352,11 @@ def _after_import(name: str, then: Callable[[], None]) -> None:
             spec.loader.exec_module = exec_module
             return spec
 
-    sys.meta_path.insert(0, Finder())
+    finder = Finder()
+    sys.meta_path.insert(0, finder)
+
+    def forget() -> None:  # the call ended before the module was imported
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+
+    _undone(forget)

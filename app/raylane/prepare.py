@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from raylane import prechecks
@@ -101,6 +102,25 @@ def prepare_tune(
     if not prepared.finished:
         check_address(address)
     return prepared
+
+
+def is_sweep_file(config: Any) -> bool:
+    """A config file with a `sweep:` section (`raylane tune`'s), which `raylane check` also takes."""
+    from raylane.config import read_yaml
+
+    return isinstance(config, (str, Path)) and isinstance(read_yaml(config).get("sweep"), dict)
+
+
+def prepare_check_sweep(sweep_file: Any, overrides: Iterable[str] = ()) -> Any:
+    """`raylane check SWEEP.yaml`: what `raylane tune` checks before Ray starts (the sweep, its
+    base config, a rerun's settings), and the trials it would run (raylane.onray.sweep_plan)."""
+    from raylane.onray.sweep import check_rerun, load_sweep
+    from raylane.onray.sweep_plan import SweepPlan, planned_trials
+
+    sweep, base = load_sweep(sweep_file, list(overrides))
+    prechecks.check_run(base)
+    finished = check_rerun(sweep, base)
+    return SweepPlan(sweep, base, planned_trials(sweep, base), finished)
 
 
 @dataclass

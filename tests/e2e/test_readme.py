@@ -164,7 +164,14 @@ def check_raylane(argv: list[str], cwd: Path) -> None:
     if config is None:
         return
     source = str(cwd / config) if (cwd / config).exists() else config  # else a shipped name
-    if args.command == "tune":
+    from raylane.config import ConfigError
+    from raylane.prepare import is_sweep_file
+
+    try:
+        sweep = args.command == "tune" or (args.command == "check" and is_sweep_file(source))
+    except ConfigError:  # no such file yet: the block makes it (checked below)
+        sweep = False
+    if sweep:
         from raylane.onray.sweep import load_sweep
 
         load_sweep(source, args.overrides)
@@ -173,7 +180,7 @@ def check_raylane(argv: list[str], cwd: Path) -> None:
 
         autotune.space(*autotune.load(source, args.overrides))
     else:
-        from raylane.config import ConfigError, load_config
+        from raylane.config import load_config
 
         try:
             load_config(source, args.overrides)

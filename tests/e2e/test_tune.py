@@ -84,6 +84,10 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(asha_sweep):
         # whole-run throughput (ASHA's stop at max_t came before those records).
         history = client.get_metric_history(row["run_id"], "eval/accuracy")
         assert any(m.value == pytest.approx(row["metrics"]["accuracy"]) for m in history), (row, history)
+        # The row's value is the trial's last, even where the trial trained on after its stop
+        # (issue 47, finding 14).
+        last = max(history, key=lambda m: m.step)
+        assert (row["metrics"]["accuracy"], row["metrics"]["step"]) == (pytest.approx(last.value), last.step), row
         if row["status"] == "FINISHED":
             assert client.get_run(row["run_id"]).data.metrics["run/samples_per_s"] > 0, row
     parent = parent_run.data.tags
@@ -96,6 +100,10 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(asha_sweep):
     assert "results.csv" in {a.path for a in client.list_artifacts(s["parent_run_id"])}
     assert "plots/sweep.png" in {a.path for a in client.list_artifacts(s["parent_run_id"], "plots")}
     assert "accuracy" in asha_sweep.output and "best trial" in asha_sweep.output
+    assert (
+        f"[raylane] sweep digits-asha: 4 trials, 2 at a time, 2 workers per trial; MLflow parent run {s['parent_run_id']}"
+        in asha_sweep.output
+    )
     foreign = [line for line in asha_sweep.output.splitlines() if not any(f.fullmatch(line) for f in SWEEP_FORMATS)]
     assert not foreign, "\n".join(foreign)
 
@@ -103,6 +111,11 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(asha_sweep):
     # trials are the seeded search's first draws, in order, drawn here again without a cluster.
     first = [r["config"] for r in sorted(s["trials"], key=_trial_order)]
     assert first == _draw("digits-sweep", 4) == _draw("digits-sweep", 4)
+    # What `raylane check digits-sweep` lists is what ran.
+    from raylane.onray.sweep import load_sweep
+    from raylane.onray.sweep_plan import planned_trials
+
+    assert planned_trials(*load_sweep("digits-sweep", ["train.max_epochs=3"])) == first
     assert len({(c["optim.lr"], c["model.hidden_size"]) for c in first}) == 4  # and they do differ
 
 
@@ -111,10 +124,10 @@ def _draw(sweep_file: str, n: int) -> list[dict]:
     from ray.tune.experiment import Experiment
 
     from raylane.onray.sweep import load_sweep
-    from raylane.onray.tune import _search_alg, param_space
+    from raylane.onray.sweep_plan import param_space, search_alg
 
     sweep, _ = load_sweep(sweep_file, [])
-    search = _search_alg(sweep, concurrency=n)
+    search = search_alg(sweep, concurrency=n)
     search.add_configurations(
         [Experiment("draw", run=lambda config: None, config=param_space(sweep), num_samples=sweep.num_samples)]
     )
@@ -378,3 +391,154 @@ def test_a_time_to_target_objective_ranks_by_the_first_time_the_metric_reached_i
         load_sweep(str(tmp_path / "s.yaml"), [target.replace("accuracy", "acc")])
     with pytest.raises(ConfigError, match="sweep.metric = 'accuracy' with sweep.objective"):
         load_sweep("digits-sweep", [target])  # the file names its metric
+
+
+def test_the_table_shows_each_trials_last_value_and_finished_for_a_trial_that_ran_its_course(
+    tmp_path, shared_mlflow_server
+):
+    """Issue 47, finding 14, from Tune's Result objects and a real MLflow store, as the sweep's
+    driver has them when Tune returns: (a) a trial ASHA stopped at its first report had trained all
+    4 epochs before the stop reached it; its row showed epoch 1's accuracy (0.1086) while its run
+    held 4 epochs, the last 0.1783. (b) A FIFO trial that reached train.max_steps in epoch 2 of 4
+    read "FINISHED (early stop)". A trial Tune stopped while it ran is still "KILLED (early stop)"."""
+    from mlflow.tracking import MlflowClient
+    from ray.tune import Result
+    from ray.tune.experiment import Trial
+
+    from raylane.onray import sweep_results
+    from raylane.onray.sweep import load_sweep
+    from raylane.onray.trials import TrialRuns
+    from raylane.onray.tune import _child, open_parent
+    from raylane.tracking.runs import RunHandle, close_run
+
+    # The session's MLflow server (the ASHA sweep's, already up in make test), an experiment of its own.
+    sweep, base = load_sweep("digits-sweep", ["sweep.name=table", "mlflow.experiment=sweep-table"])
+    uri = shared_mlflow_server.uri
+    parent = open_parent(sweep, base, uri)
+    client = MlflowClient(uri)
+    params = {"optim.lr": 0.001, "model.hidden_size": 64}
+    tune_results, runs = [], {}
+    # (trial, eval/accuracy at each epoch end (23 steps an epoch), what Tune last received)
+    for trial_id, accuracies, reported_epochs in (
+        ("t_00000", [0.1086, 0.12, 0.15, 0.1783], 1),  # (a)
+        ("t_00001", [0.5, 0.7], 2),  # (b)
+        ("t_00002", [0.3], 1),  # stopped while it ran
+    ):
+        runs[trial_id] = _child(client, parent, trial_id, sweep, base.with_run_name(), params)
+        for epoch, value in enumerate(accuracies, 1):
+            client.log_metric(runs[trial_id], "eval/accuracy", value, step=23 * epoch)
+        last = {"accuracy": accuracies[reported_epochs - 1], "epoch": reported_epochs, "step": 23 * reported_epochs}
+        tune_results.append(
+            Result(
+                metrics={**last, "trial_id": trial_id, "config": params},
+                checkpoint=None,
+                error=None,
+                path=str(tmp_path / trial_id),
+            )
+        )
+        trial = Trial("trial", trial_id=trial_id, stub=True)
+        trial.update_last_result(last)
+        handle = RunHandle(runs[trial_id], parent.experiment_id, uri, False)
+        if trial_id == "t_00000":  # the trial's own handler, when tune.report says it was stopped
+            client.set_tag(runs[trial_id], "raylane.early_stopped", "true")
+            close_run(handle, "KILLED")
+        elif trial_id == "t_00001":  # its Train run returned (max_steps): the trial closes its run
+            close_run(handle, "FINISHED")
+        TrialRuns(parent, sweep, max_epochs=4)._close(trial, failed=False)  # Tune ends it
+
+    rows = sweep_results.rows(tune_results, sweep, parent)
+    shown = {
+        r["trial_id"]: (r["metrics"]["accuracy"], r["metrics"]["epoch"], r["status"], r["early_stopped"]) for r in rows
+    }
+    assert shown == {
+        "t_00000": (0.1783, 4, "KILLED", True),
+        "t_00001": (0.7, 2, "FINISHED", False),
+        "t_00002": (0.3, 1, "KILLED", True),
+    }
+    table = sweep_results.table(rows, sweep).splitlines()
+    assert table[2:] == [
+        "t_00000 | 0.001 | 64 | 0.1783 | 4 | KILLED (early stop)",
+        "t_00001 | 0.001 | 64 | 0.7000 | 2 | FINISHED",
+        "t_00002 | 0.001 | 64 | 0.3000 | 1 | KILLED (early stop)",
+    ]
+    assert sweep_results.best(tune_results, sweep, rows)["trial_id"] == "t_00001"
+
+
+@pytest.mark.parametrize(
+    "space, algorithm, samples, text",
+    [
+        ("{optim.lr: {grid: [0.01, 0.1]}}", "grid", 1, "2 trials (a grid of 2 points)"),
+        ("{optim.lr: {grid: [0.01, 0.1]}}", "random", 1, "2 trials (a grid of 2 points)"),
+        (
+            "{optim.lr: {grid: [0.01, 0.1]}, model.hidden_size: {choice: [32, 64, 128]}}",
+            "grid",
+            2,
+            "12 trials (a grid of 6 points, 2 samples each)",
+        ),
+        (
+            "{optim.lr: {grid: [0.01, 0.1]}, model.hidden_size: {choice: [32, 64]}}",
+            "random",
+            3,
+            "6 trials (a grid of 2 points, 3 samples each)",
+        ),
+        ("{optim.lr: {loguniform: [0.001, 0.1]}}", "random", 4, "4 trials"),
+        ("{optim.lr: {uniform: [0.001, 0.1]}}", "optuna", 1, "1 trial"),
+    ],
+)
+def test_a_sweep_says_how_many_trials_it_runs(space, algorithm, samples, text):
+    """Issue 47, finding 14 (c): a 2-point grid read "1 sample". Tune runs the grid's points
+    `num_samples` times each; a choice is a grid under the grid algorithm, a draw otherwise."""
+    from raylane.onray.sweep import load_sweep
+    from raylane.onray.sweep_plan import planned_trials, trial_count, trials_text
+
+    sweep, base = load_sweep(
+        "digits-sweep", [f"sweep.space={space}", f"sweep.algorithm={algorithm}", f"sweep.num_samples={samples}"]
+    )
+    assert trials_text(sweep) == text
+    planned = planned_trials(sweep, base)
+    assert planned is None if algorithm == "optuna" else len(planned) == trial_count(sweep)
+
+
+def test_raylane_check_of_a_sweep_file_lists_its_trials_without_starting_ray(monkeypatch, tmp_path, capsys, no_work):
+    """Issue 47, finding 14 (d): `raylane check` refused a sweep file ("run it with raylane tune"),
+    so a sweep could not be dry-run. Now it prints the sweep's section and each trial it would run,
+    as --set overrides of its base config, drawn as `raylane tune` draws them; exit 0, no Ray."""
+    import ray
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["check", "digits-sweep"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith("sweep:\n  name: digits-asha\n")
+    assert "# base config: digits with this file's overrides, 4 epochs a trial on 2 workers" in out
+    assert "# 4 trials, random search, seed 0; ASHA may stop a trial after 1 epoch:" in out
+    listed = [line for line in out.splitlines() if line.startswith("#   ")]
+    assert listed == [
+        f"#   {n}: --set optim.lr={c['optim.lr']:.6g} --set model.hidden_size={c['model.hidden_size']}"
+        for n, c in enumerate(_draw("digits-sweep", 4), 1)
+    ]
+    # A grid holding the global batch: each point, and the key adjusted to hold it.
+    held = [
+        "--set",
+        "sweep.space={train.batch_size: {grid: [16, 32]}}",
+        "--set",
+        "sweep.algorithm=grid",
+        "--set",
+        "sweep.num_samples=1",
+        "--set",
+        "sweep.global_batch={size: 64}",
+    ]
+    assert cli.main(["check", "digits-sweep", *held]) == 0
+    out = capsys.readouterr().out
+    assert "# 2 trials (a grid of 2 points), grid search; ASHA may stop a trial after 1 epoch:" in out
+    assert out.endswith(
+        "#   1: --set train.batch_size=16 --set train.grad_accum_steps=2\n#   2: --set train.batch_size=32\n"
+    )
+    # --explain names a key's value in this sweep file, the sweep's own or its base config's.
+    for key, value in (("sweep.metric", "accuracy"), ("train.max_epochs", "4")):
+        assert cli.main(["check", "digits-sweep", "--explain", key]) == 0
+        assert capsys.readouterr().out.endswith(f"  resolved: {value}\n")
+    # Bad input: one line, exit 2, as `raylane tune` says it.
+    assert cli.main(["check", "digits-sweep", "--set", "sweep.space={optim.lrr: {grid: [0.1]}}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and err.startswith("raylane: sweep.space.optim.lrr: "), err
+    assert not ray.is_initialized()

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import ray
 
-from raylane import pipelines_ref
+from raylane import logs, pipelines_ref
 from raylane.config import BaseConfig, ConfigError
 from raylane.onray.addresses import JOIN_TIMEOUT_S, address_field, join_hint, reported_versions, version_mismatch
 
@@ -60,7 +60,12 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
         drill = {k: v for k, v in os.environ.items() if k.startswith("RAYLANE_FAULT")}
         if drill:
             runtime_env = {**runtime_env, "env_vars": {**runtime_env.get("env_vars", {}), **drill}}
-        join(address, logging_level=logging.WARNING, **({"runtime_env": runtime_env} if runtime_env else {}))
+        join(
+            address,
+            logging_level=logging.WARNING,
+            log_to_driver=logs.verbose(),
+            **({"runtime_env": runtime_env} if runtime_env else {}),
+        )
         return False
     pipelines_ref.worker_environment()  # the raylet, and so every worker, inherits it
     for key, value in EMBEDDED_ENV_DEFAULTS.items():
@@ -80,8 +85,24 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
         **({"dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port} if dashboard else {}),
         object_store_memory=EMBEDDED_OBJECT_STORE_BYTES,
         logging_level=logging.WARNING,
+        # The workers' output reaches this terminal only with --verbose (raylane.logs); said
+        # here, not through RAY_LOG_TO_DRIVER, which Ray reads once, at its import, for good.
+        log_to_driver=logs.verbose(),
     )
+    _record_embedded()
     return True
+
+
+def _record_embedded() -> None:
+    """So that the next launch stops what is left of this cluster, should this process be killed
+    without stopping it (raylane.onray.leftovers)."""
+    from raylane.onray.internals import ray_worker
+    from raylane.onray.leftovers import record_embedded
+
+    node = getattr(ray_worker, "_global_node", None)  # private: checked, with no record as fallback
+    session = node.get_session_dir_path() if node is not None else None
+    if session:
+        record_embedded(session)
 
 
 # (address, thread) of a join given up on whose ray.init still waits (the Python API's next call).
@@ -208,6 +229,10 @@ def shutdown_ray(embedded: bool) -> None:
         except Exception as exc:  # noqa: BLE001 - a Ray internal moved: shut down the slow way
             log.debug("could not stop Ray's monitor first: %s", exc)
     ray.shutdown()
+    if embedded:
+        from raylane.onray.leftovers import forget_embedded
+
+        forget_embedded()
 
 
 class RayStopper:

@@ -79,7 +79,7 @@ NAMES: dict[str, tuple[str, str | None, str]] = {
     "ray_worker": (
         "ray._private.worker",
         None,
-        "_global_node (the GCS answered; its monitor process at shutdown) and print_to_stdstream "
+        "_global_node (the GCS answered; its monitor process at shutdown; its session folder) and print_to_stdstream "
         "(what raylets push to the driver, routed to raylane's log)",
     ),
 }
@@ -120,6 +120,11 @@ MEMBERS: tuple[tuple[str, str, str], ...] = (
         "overridden with it",
     ),
     ("ray._private.worker", "_global_node", "set once ray.init's GCS has answered"),
+    (
+        "ray._private.node",
+        "Node.get_session_dir_path",
+        "an embedded cluster's session folder: the next launch stops what of it a killed driver left",
+    ),
     ("ray._private.worker", "print_to_stdstream", "replaced: the raylets' lines go to raylane's log"),
 )
 

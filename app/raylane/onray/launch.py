@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -25,12 +24,10 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raylane import logs
 from raylane.batching import world_sizes
 from raylane.config import BaseConfig, validate
-from raylane.loop import baddata, preemption
-from raylane.loop.baddata import DataError
+from raylane.loop import preemption
 from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.distributed import node_layout
 from raylane.loop.events import End, Event, Handover, Log, Startup
-from raylane.loop.usercode import TRACEBACK_ATTR
 from raylane.onray.elastic import (
     HANDOVER_WAIT_S,
     HandoverFailurePolicy,
@@ -40,8 +37,9 @@ from raylane.onray.elastic import (
     max_failures,
     ray_num_workers,
 )
+from raylane.onray.failures import format_failure
 from raylane.onray.internals import ControllerCallback, TorchBackend
-from raylane.pipelines_ref import UserCodeError
+from raylane.onray.leftovers import DriverWatch, ProcessId
 
 log = logging.getLogger("raylane")
 
@@ -98,9 +96,16 @@ class RayRuntime:
     """The `Runtime` seen by a Ray Train worker (see raylane.loop.runtime)."""
 
     def __init__(
-        self, sink: Any, use_gpu: bool, streams: dict[str, int | None] | None = None, restarts: bool = False
+        self,
+        sink: Any,
+        use_gpu: bool,
+        streams: dict[str, int | None] | None = None,
+        restarts: bool = False,
+        driver: dict[str, Any] | None = None,
     ) -> None:
         ctx = ray.train.get_context()
+        # The process that runs this group's fit(): `raylane train`'s, or a sweep's trial.
+        self._driver = DriverWatch(ProcessId(**driver) if driver else None, sink)
         self.restarts_without_leaving_nodes = restarts
         self._streams = streams or {}  # the Ray Datasets the driver made: name -> rows per epoch
         self.rank = ctx.get_world_rank()
@@ -175,6 +180,8 @@ class RayRuntime:
         return self._store.skipped
 
     def new_checkpoint_dir(self, step: int) -> str:
+        # A killed driver's workers trained on for seconds, writing checkpoints nobody recorded.
+        self._driver.check(f"the checkpoint at step {step}")
         return self._store.new_dir(step)
 
     def commit_checkpoint(
@@ -329,6 +336,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         cfg.scaling.use_gpu,
         loop_config.get("streams"),
         restarts=_restarts(cfg, loop_config.get("search")),
+        driver=loop_config.get("driver"),
     )
     _relay_warnings(runtime, loop_config.get("verbose", False))
     if loop_config.get("search"):  # `raylane autotune`: the whole search in this one worker group
@@ -376,42 +384,6 @@ def _relay_warnings(runtime: RayRuntime, verbose: bool) -> None:
     own.addHandler(_WarningRelay(runtime))
 
 
-# gloo prefixes its errors with a C++ source location; it says nothing to a user.
-_SOURCE_LOCATION = re.compile(r"^\[[^]]*\] ")
-
-
-def _format_failure(exc: BaseException, world_size: int) -> str:
-    """One line for a failed worker group: each rank's exception (ranks that failed alike
-    together); the ranks' tracebacks go to the library log."""
-    failures = getattr(exc, "worker_failures", None) or {}
-    kept = {rank: getattr(err, TRACEBACK_ATTR, None) for rank, err in failures.items()}
-    if failures and all(kept.values()):  # whole, where Ray's message cuts them short
-        for rank, text in sorted(kept.items()):
-            logs.record_traceback(f"training failed on rank {rank}:", text)
-    else:
-        logs.record_traceback("training failed; the ranks' tracebacks:", str(exc))
-    if not failures:
-        return f"training failed: {type(exc).__name__}: {_one_line(exc)}"
-    ranks: dict[str, list[int]] = {}
-    for rank, err in sorted(failures.items()):
-        shown = str(err) if isinstance(err, (UserCodeError, DataError)) else f"{type(err).__name__}: {_one_line(err)}"
-        ranks.setdefault(shown, []).append(rank)
-    parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}" for text, r in ranks.items()]
-    text = "training failed on " + "; ".join(parts)
-    silent = sorted(set(range(world_size)) - set(failures))
-    if silent and any("timed out" in str(err).lower() for err in failures.values()):
-        # Ranks that timed out were waiting in a collective; the ones that raised nothing never came.
-        text += f" (no error from rank {', '.join(map(str, silent))}: stuck outside the collective?)"
-    return text
-
-
-def _one_line(err: BaseException) -> str:
-    """An exception's message as one line: gloo's C++ source location and colour codes removed,
-    a message of several lines cut to its first (the whole of it is in the library log)."""
-    lines = baddata.strip_colour(str(err)).strip().splitlines() or [""]
-    return _SOURCE_LOCATION.sub("", lines[0]) + (" (the rest in the library log)" if len(lines) > 1 else "")
-
-
 def _fit_and_pump(
     trainer: TorchTrainer, sink: Any, on_event: Callable[[Event], None], world_size: int
 ) -> dict[str, Any]:
@@ -451,7 +423,7 @@ def _fit_and_pump(
     if "error" in outcome:
         exc = outcome["error"]
         if isinstance(exc, ray.train.TrainingFailedError):
-            raise TrainingError(_format_failure(exc, world_size)) from None
+            raise TrainingError(format_failure(exc, world_size)) from None
         raise exc
     return result_fields
 
@@ -513,6 +485,7 @@ def launch_on_ray(
             "verbose": logs.verbose(),
             "search": search,
             "world_sizes": world_sizes(cfg) if cfg.scaling.elastic else None,
+            "driver": dataclasses.asdict(ProcessId.here()),
         },
         datasets=datasets,
         **({"dataset_config": _stream_split()} if datasets else {}),

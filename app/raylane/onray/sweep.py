@@ -185,6 +185,13 @@ class SweepSection(Section):
             bad = [k for k, d in self.space.items() if next(iter(d)) not in ("choice", "grid")]
             if bad:
                 raise ValueError(f"sweep.algorithm = 'grid' needs listed values: sweep.space.{bad[0]} is a range")
+        if self.algorithm == "optuna":  # Ray's Optuna search refuses a grid once the sweep has started
+            bad = [k for k, d in self.space.items() if next(iter(d)) == "grid"]
+            if bad:
+                raise ValueError(
+                    f"sweep.algorithm = 'optuna' draws its own values: sweep.space.{bad[0]} is a grid "
+                    "(use choice, or sweep.algorithm: grid)"
+                )
         return self
 
 

@@ -26,7 +26,7 @@ def rows(grid, sweep: SweepSection, parent: RunHandle) -> list[dict[str, Any]]:
             {
                 "trial_id": trial_id,
                 "config": {k: result.config.get(k) for k in sweep.space},
-                "metrics": {k: v for k, v in m.items() if k == sweep.metric or k in ("epoch", "step")},
+                "metrics": last_reported(m, run, sweep.metric),
                 "status": run.info.status if run else ("ERROR" if result.error else "UNKNOWN"),
                 "early_stopped": tags.get("raylane.early_stopped") == "true",
                 "exploits": int(tags.get("raylane.pbt.exploits", "0")),
@@ -37,6 +37,22 @@ def rows(grid, sweep: SweepSection, parent: RunHandle) -> list[dict[str, Any]]:
             }
         )
     return sorted(rows, key=lambda r: r["trial_id"])
+
+
+def last_reported(result: dict[str, Any], run: Any, metric: str) -> dict[str, Any]:
+    """A trial's metric, epoch and step as Tune last received them; or, where the trial's MLflow
+    run has a later evaluation of the metric, that one. A trial the scheduler stopped may have
+    trained on before the stop reached it (an ASHA stop after epoch 1 of a trial that had trained
+    all 4 within the second Tune took to decide): its later reports never reached Tune, and its
+    row showed epoch 1's value beside a run holding 4 epochs."""
+    shown = {k: v for k, v in result.items() if k == metric or k in ("epoch", "step")}
+    step, epoch = result.get("step"), result.get("epoch")
+    latest = {p.key: p for p in run.data.to_proto().metrics}.get(f"eval/{metric}") if run else None
+    if latest is None or not isinstance(step, int) or step <= 0 or not epoch or latest.step <= step:
+        return shown
+    # Tune's report came at an epoch's end, so its step and epoch give a trial's steps per epoch
+    # (the same throughout a trial: its data, batch and workers do not change).
+    return {**shown, metric: latest.value, "step": latest.step, "epoch": epoch * latest.step // step}
 
 
 def best(grid, sweep: SweepSection, rows: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -88,7 +88,7 @@ class TrialRuns(tune.Callback):
             if run is None:
                 return
             epochs = (trial.last_result or {}).get("epoch", 0)
-            if not failed and epochs < self.max_epochs:
+            if stopped_early(run.info.status, failed, epochs, self.max_epochs):
                 # Here, not in the trial: Tune may SIGTERM a stopped trial's actor (when no
                 # trial is left to reuse it) before the trial's own handler has written anything.
                 keep_stopped_trials_eval(client, run.info.run_id, result.get("step"), eval_metrics(result))
@@ -107,6 +107,13 @@ class TrialRuns(tune.Callback):
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self._close(trial, failed=True)
+
+
+def stopped_early(status: str, failed: bool, epochs: int, max_epochs: int) -> bool:
+    """Whether Tune ended a trial before its run did (a scheduler's or stopper's stop), from its
+    MLflow run's status when Tune ends it. A trial whose Train run returned closed that run
+    FINISHED itself: it ran its course, at max_epochs or at train.max_steps before it."""
+    return not failed and status != "FINISHED" and epochs < max_epochs
 
 
 def eval_metrics(result: dict[str, Any]) -> dict[str, float]:

@@ -40,6 +40,7 @@ from raylane.onray.sweep import (
     trial_config,
     write_record,
 )
+from raylane.onray.sweep_plan import param_space, search_alg, trials_text
 from raylane.onray.trials import SWEEP_TAG, TRIAL_TAG, MetricReported, TrialRuns
 from raylane.results import Status, SweepSummary
 from raylane.tracking.progress import plural
@@ -67,23 +68,6 @@ TRIAL_DRIVER_CPU = 0.01
 # -- search space, algorithm, scheduler ---------------------------------------------------------
 
 
-def param_space(sweep: SweepSection) -> dict[str, Any]:
-    out = {}
-    for key, domain in sweep.space.items():
-        kind, args = next(iter(domain.items()))
-        if kind == "grid" or (kind == "choice" and sweep.algorithm == "grid"):
-            out[key] = tune.grid_search(list(args))
-        elif kind == "choice":
-            out[key] = tune.choice(list(args))
-        elif kind == "uniform":
-            out[key] = tune.uniform(*args)
-        elif kind == "loguniform":
-            out[key] = tune.loguniform(*args)
-        else:
-            out[key] = tune.randint(*args)
-    return out
-
-
 def _mutations(sweep: SweepSection) -> dict[str, Any]:
     """PBT's explore: resample from the range, or pick from the listed values."""
     space = param_space(sweep)
@@ -91,18 +75,6 @@ def _mutations(sweep: SweepSection) -> dict[str, Any]:
         k: list(next(iter(d.values()))) if next(iter(d)) in ("choice", "grid") else space[k]
         for k, d in sweep.space.items()
     }
-
-
-def _search_alg(sweep: SweepSection, concurrency: int):
-    if sweep.algorithm == "optuna":
-        from ray.tune.search import ConcurrencyLimiter
-        from ray.tune.search.optuna import OptunaSearch
-
-        return ConcurrencyLimiter(OptunaSearch(metric=sweep.metric, mode=sweep.mode, seed=sweep.seed), concurrency)
-    from ray.tune.search import BasicVariantGenerator
-
-    # The same seed, the same trials. (TuneConfig.max_concurrent_trials is ignored for it.)
-    return BasicVariantGenerator(random_state=sweep.seed, max_concurrent=concurrency)
 
 
 def _scheduler(sweep: SweepSection, base: BaseConfig):
@@ -393,8 +365,8 @@ def _sweep(
     rows, best trial)."""
     concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
     print(
-        f"[raylane] sweep {sweep.name}: {plural(sweep.num_samples, 'sample')}, {plural(concurrency, 'trial')} "
-        f"at a time, {plural(base.scaling.num_workers, 'worker')} per trial; MLflow parent run {parent.run_id}",
+        f"[raylane] sweep {sweep.name}: {trials_text(sweep)}, {concurrency} at a time, "
+        f"{plural(base.scaling.num_workers, 'worker')} per trial; MLflow parent run {parent.run_id}",
         flush=True,
     )
     random.seed(sweep.seed)  # PBT's explore draws from Python's generator
@@ -478,7 +450,7 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
             run_config=run_config,
             tune_config=tune.TuneConfig(
                 num_samples=sweep.num_samples,
-                search_alg=_search_alg(sweep, concurrency),
+                search_alg=search_alg(sweep, concurrency),
                 scheduler=_scheduler(sweep, base),
                 reuse_actors=sweep.scheduler != "pbt",
             ),

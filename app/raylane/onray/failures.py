@@ -1,0 +1,47 @@
+"""A failed worker group in one line: each rank's exception, ranks that failed alike together;
+the ranks' whole tracebacks go to the library log."""
+
+from __future__ import annotations
+
+import re
+
+from raylane import logs
+from raylane.loop import baddata
+from raylane.loop.baddata import DataError
+from raylane.loop.usercode import TRACEBACK_ATTR
+from raylane.pipelines_ref import UserCodeError
+
+# gloo prefixes its errors with a C++ source location; it says nothing to a user.
+_SOURCE_LOCATION = re.compile(r"^\[[^]]*\] ")
+
+
+def format_failure(exc: BaseException, world_size: int) -> str:
+    """One line for a failed worker group: each rank's exception (ranks that failed alike
+    together); the ranks' tracebacks go to the library log."""
+    failures = getattr(exc, "worker_failures", None) or {}
+    kept = {rank: getattr(err, TRACEBACK_ATTR, None) for rank, err in failures.items()}
+    if failures and all(kept.values()):  # whole, where Ray's message cuts them short
+        for rank, text in sorted(kept.items()):
+            logs.record_traceback(f"training failed on rank {rank}:", str(text))
+    else:
+        logs.record_traceback("training failed; the ranks' tracebacks:", str(exc))
+    if not failures:
+        return f"training failed: {type(exc).__name__}: {_one_line(exc)}"
+    ranks: dict[str, list[int]] = {}
+    for rank, err in sorted(failures.items()):
+        shown = str(err) if isinstance(err, (UserCodeError, DataError)) else f"{type(err).__name__}: {_one_line(err)}"
+        ranks.setdefault(shown, []).append(rank)
+    parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}" for text, r in ranks.items()]
+    text = "training failed on " + "; ".join(parts)
+    silent = sorted(set(range(world_size)) - set(failures))
+    if silent and any("timed out" in str(err).lower() for err in failures.values()):
+        # Ranks that timed out were waiting in a collective; the ones that raised nothing never came.
+        text += f" (no error from rank {', '.join(map(str, silent))}: stuck outside the collective?)"
+    return text
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception's message as one line: gloo's C++ source location and colour codes removed,
+    a message of several lines cut to its first (the whole of it is in the library log)."""
+    lines = baddata.strip_colour(str(err)).strip().splitlines() or [""]
+    return _SOURCE_LOCATION.sub("", lines[0]) + (" (the rest in the library log)" if len(lines) > 1 else "")
