@@ -5,6 +5,8 @@ The public API is what this module exports:
 - `Pipeline`, `BaseConfig`, `Section`: what a pipeline module defines (`Config`, `build(cfg)`);
   see docs/pipelines.md. `FileSource`: files streamed as a pipeline's data. `StepFn`: the type
   of a pipeline's `step`. `Hook` and `HookContext`: a pipeline's hooks. `DataError`: a bad row.
+  `frozen_base(model, path)`: a model trained on a frozen base, whose checkpoints hold only what
+  trains (what LoRA's `apply_lora` does).
 - `check`, `train`, `tune`, `autotune`, `submit`, `up` and `down`: the `raylane` commands of
   those names as calls (raylane.api, which also has `export`), checked by the same preparation
   path as the CLI (raylane.prepare).
@@ -69,6 +71,7 @@ __all__ = [
     "autotune",
     "check",
     "down",
+    "frozen_base",
     "read_summary",
     "submit",
     "train",
@@ -83,6 +86,7 @@ _LAZY = {
     "Hook": "raylane.loop.hooks",
     "HookContext": "raylane.loop.hooks",
     "StepFn": "raylane.loop.pipeline",
+    "frozen_base": "raylane.loop.frozen",
 }
 
 

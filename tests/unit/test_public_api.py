@@ -4,6 +4,7 @@ as a user's pipeline would (everything else, raylane.loop and the rest, may chan
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ PUBLIC = {
     "autotune",
     "check",
     "down",
+    "frozen_base",
     "submit",
     "train",
     "tune",
@@ -116,3 +118,62 @@ def test_the_check_names_an_internal_import(tmp_path):
     pipeline.write_text("import raylane\nfrom raylane.loop.pipeline import Pipeline\nx = raylane.prepare\n")
     lines = [line.split(": ", 1)[1] for line in non_public_imports(pipeline)]
     assert lines == ["from raylane.loop.pipeline import Pipeline", "raylane.prepare"]
+
+
+# Modules a user is told to import or call beside raylane and raylane.hf: their public names are
+# public (docs/training.md, Public API).
+PUBLIC_MODULES = {"raylane.hf.lora", "raylane.hf.export", "raylane.api"}
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+# A call written in prose: `raylane.hf.lora.check_lora(path, cfg.lora)`.
+PROSE_CALL = re.compile(r"`(raylane(?:\.\w+)+)\(")
+
+
+def doc_internals(page: Path) -> list[str]:
+    """`page:line: what` for each internal module or name a page tells users to import or call:
+    in its Python blocks (as a pipeline's imports are checked) and in calls written in prose."""
+    text, bad = page.read_text(), []
+    for block in PYTHON_BLOCK.finditer(text):
+        line = text[: block.start()].count("\n") + 1
+        scratch = page.parent / f".{page.stem}-block.py"
+        try:
+            scratch.write_text(block.group(1))
+            found = non_public_imports(scratch)
+        except SyntaxError:  # a fragment (a function's body): its imports are checked line by line
+            lines = [s for s in block.group(1).splitlines() if s.strip().startswith(("import ", "from "))]
+            scratch.write_text("\n".join(s.strip() for s in lines))
+            found = non_public_imports(scratch)
+        finally:
+            scratch.unlink(missing_ok=True)
+        for f in found:
+            what = f.split(": ", 1)[1]
+            module = what.split()[1] if what.startswith(("from ", "import ")) else what.rpartition(".")[0]
+            if module not in PUBLIC_MODULES:
+                bad.append(f"{page.name}:{line + int(f.split(':')[1])}: {what}")
+    for call in PROSE_CALL.finditer(text):
+        module, _, name = call.group(1).rpartition(".")
+        if module in PUBLIC_MODULES and not name.startswith("_"):
+            continue
+        if module in {"raylane", "raylane.hf"} and name in (raylane if module == "raylane" else raylane.hf).__all__:
+            continue
+        bad.append(f"{page.name}:{text[: call.start()].count(chr(10)) + 1}: {call.group(1)}()")
+    return bad
+
+
+def test_no_page_tells_users_to_use_an_internal_module():
+    """The docs hold users to the public API: a page that says `raylane.loop.frozen.set_base(...)`
+    (docs/pipelines.md did, while docs/training.md calls raylane.loop internal) fails here."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    bad = [line for page in pages for line in doc_internals(page)]
+    assert not bad, "docs tell users to use raylane's internals:\n" + "\n".join(bad)
+
+
+def test_the_doc_check_names_an_internal_call_and_import(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Call `raylane.loop.frozen.set_base(model, base)` or `raylane.frozen_base(model, path)`.\n\n"
+        "```python\nimport raylane\nfrom raylane.onray.tune import run_sweep\n```\n"
+    )
+    assert doc_internals(page) == [
+        "page.md:5: from raylane.onray.tune import run_sweep",
+        "page.md:1: raylane.loop.frozen.set_base()",
+    ]

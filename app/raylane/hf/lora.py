@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import Field
 
 from raylane.config import ConfigError, Section
-from raylane.loop.frozen import fingerprint, set_base
+from raylane.loop.frozen import frozen_base
 
 # Names of a model's attention projections, when no module class says "Attention" (the
 # fallback after the projections of its attention modules, then peft's own defaults).
@@ -128,7 +128,7 @@ def apply_lora(
         task_type=_task_type(model),
     )
     wrapped = get_peft_model(model, config)
-    set_base(wrapped, {"path": base, "fingerprint": fingerprint(base), **({"key": key} if key else {})})
+    frozen_base(wrapped, base, key=key)
     return wrapped
 
 

@@ -93,6 +93,15 @@ def set_base(model: Any, base: dict[str, Any]) -> None:
     object.__setattr__(model, _ATTR, {k: v for k, v in base.items() if v is not None})
 
 
+def frozen_base(model: Any, path: str | os.PathLike, *, key: str | None = None) -> Any:
+    """Public (`raylane.frozen_base`): mark `model` as trained on the frozen base whose
+    `save_pretrained`-style files are in `path`, with their fingerprint; `key`, the config key
+    naming `path`, lets a relaunch on another base exit 2 naming it. Returns `model`.
+    `raylane.hf.lora.apply_lora` calls it for a LoRA adapter."""
+    set_base(model, {"path": str(path), "fingerprint": fingerprint(path), "key": key})
+    return model
+
+
 def base_of(model: Any) -> dict[str, Any] | None:
     """The record `set_base` left on `model` (wrapped or not), or None."""
     return getattr(_unwrapped(model), _ATTR, None)
