@@ -248,6 +248,35 @@ def test_a_row_without_its_text_fails_a_fine_tune_in_one_line_or_is_skipped_and_
     assert f"  skipped rows:  data.train 1 of 40; the first: {said}" in p.output.splitlines()
 
 
+@pytest.mark.slow  # Ray Data beside 2 workers: 5 min on 2 busy cores; make test proves the tally in-process (test_bad_rows.py)
+@pytest.mark.shared_ray
+@pytest.mark.untracked
+def test_skipped_rows_on_ray_are_counted_once_by_the_drivers_counting_pass(run_cli, tmp_path):
+    """On Ray, Ray Data's tasks drop the bad rows; the driver's counting pass tallies them once,
+    before the workers start, and finds the first one's file and row again with pyarrow."""
+    import json
+
+    from tests.helpers.hf_lm import make_base
+
+    make_base(tmp_path / "model")
+    for part in range(2):
+        rows = [{"text": f"w{3 + i % 90} w{4 + i % 80} w5", "label": i % 2} for i in range(40)]
+        rows[5 + part] = {"body": "w7 w8", "label": 0}
+        (tmp_path / "data").mkdir(exist_ok=True)
+        (tmp_path / "data" / f"p{part}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "cfg.yaml").write_text(
+        f"pipeline: hf\nmodel: {{name_or_path: {tmp_path / 'model'}, seq_len: 8, task: sequence-classification}}\n"
+        f"data: {{train: {tmp_path / 'data'}, skip_bad_rows: true}}\nscaling: {{num_workers: 2}}\n"
+        "train: {max_steps: 2, batch_size: 4}\n"
+    )
+    p = run_cli("train", "cfg.yaml", "--summary-json", "s.json")
+    assert p.wait(540) == 0, p.output
+    first = (
+        f"data.text_column: {tmp_path / 'data' / 'p0.jsonl'} row 6, column 'text' has no value; each row needs its text"
+    )
+    assert read_json(tmp_path / "s.json")["skipped_rows"] == {"data.train": {"rows": 80, "skipped": 2, "first": first}}
+
+
 # -- the user's code ------------------------------------------------------------------------
 
 PIPELINE = """
