@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, model_validator
 
 from raylane import BaseConfig, InputPaths, Section
 
@@ -35,8 +35,9 @@ class DataSection(Section):
         description="Classification: the number of classes (targets are integers 0..num_classes-1); required there.",
     )
     shuffle_rows: int = Field(4096, ge=1, le=100_000_000, description="Rows in each rank's shuffle buffer.")
-    skip_bad_rows: bool | PositiveInt = Field(
+    skip_bad_rows: bool | int = Field(
         False,
+        ge=0,
         description="Rows with a missing or non-numeric feature or target, or a class id out of range: `false` fails "
         "the run naming the first one's file, row and column; `true` skips them; N skips at most N in each of "
         "data.train and data.eval (more fails the run before its first step). The rows are counted before "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, model_validator
 
 from raylane import BaseConfig, InputPaths, Section
 from raylane.pipelines.gpt import ModelSection
@@ -28,8 +28,9 @@ class DataSection(Section):
     )
     text_field: str = Field("text", min_length=1, description="JSON Lines: the field that holds each record's text.")
     shuffle_rows: int = Field(4096, ge=1, le=100_000_000, description="Rows in each rank's shuffle buffer.")
-    skip_bad_rows: bool | PositiveInt = Field(
+    skip_bad_rows: bool | int = Field(
         False,
+        ge=0,
         description="Rows whose text is missing, null or not a string: `false` fails the run naming the first one's "
         "file, row and column; `true` skips them; N skips at most N in each of data.train and data.eval (more fails "
         "the run before its first step). The rows are counted before training; the summary's `skipped_rows` and "
