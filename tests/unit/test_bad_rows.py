@@ -175,6 +175,15 @@ def test_tabular_names_the_first_bad_rows_first_bad_cell(tmp_path):
     assert _error(_tabular(path)).startswith(f"data.target: {path} row 10, column 'label' has no value")
 
 
+def test_a_csv_row_with_a_field_missing_names_its_row(tmp_path):
+    """pyarrow's message gives the row's text, not its number: the line finds it in the file."""
+    path = _tabular_csv(tmp_path / "t.csv", {5: "0.5,0.1,1", 25: "0.5,0.1"})
+    assert _error(_tabular(path)) == (
+        f"data.train: {path} row 26: 2 fields where the header has 3 (a CSV row has every column: an empty "
+        "field for a missing value)"
+    )
+
+
 # -- skip_bad_rows: dropped, counted once, bounded --------------------------------------------------
 
 

@@ -24,6 +24,8 @@ from raylane.errors import SKIP_HINT, DataError, _missing
 
 _COLOUR = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CSV_CONVERSION = re.compile(r"CSV conversion error to (\w+): invalid value '(.*)'$")
+# pyarrow gives the row's text (at times a "Row #N" of its own counting): the row is found by its text.
+_CSV_FIELDS = re.compile(r"CSV parse error: (?:Row #\d+: )?Expected (\d+) columns, got (\d+): (.*)$")
 # pyarrow's JSON reader: the row is counted from 0 in the block being parsed, not in the file.
 _JSON_ROW = re.compile(r"^(JSON parse error: .*) in row (\d+)$")
 _JSON_TYPE = re.compile(r"Column\(/([^)/]+)\) changed from (\w+) to (\w+)")
@@ -85,6 +87,16 @@ def read_failure(
     parse = _JSON_ROW.search(text) if fmt == "json" else None
     if parse:
         return _json_failure(fs, piece, row + int(parse.group(2)), parse.group(1), exc, key)
+    fields = _CSV_FIELDS.search(text) if fmt == "csv" else None
+    found = find_csv_line(fs, piece.path, fields.group(3), after=row) if fields else None
+    if fields and found is not None:
+        wanted, got = fields.group(1), fields.group(2)
+        return DataError(
+            key,
+            why=f"{got} fields where the header has {wanted} (a CSV row has every column: an empty field for a "
+            "missing value)",
+            place=row_place(fs, piece, found),
+        )
     place = (
         piece_place(fs, piece)
         if row == 0 or piece.row_group is not None
@@ -165,6 +177,18 @@ def find_csv_value(fs: Any, path: str, columns: list[str] | None, value: str, af
             seen += batch.num_rows
     except Exception:  # noqa: BLE001 - looking for the row only: the read error is reported anyway
         return None
+    return None
+
+
+def find_csv_line(fs: Any, path: str, text: str, after: int = 0) -> int | None:
+    """The row (from 0, after the header) of the first line at or after row `after` that reads
+    `text`: a line pyarrow could not parse, found by its text (its message has no row)."""
+    with contextlib.suppress(Exception), fs.open_input_stream(path) as stream:
+        lines = io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
+        next(lines, None)  # the header
+        for i, line in enumerate(lines):
+            if i >= after and line.rstrip("\r\n") == text:
+                return i
     return None
 
 
