@@ -122,9 +122,7 @@ def test_a_null_label_is_named_at_its_own_row(base, tmp_path):
     """A null among a file's labels makes the column float: 0.0 is class 0, NaN the bad row."""
     path = _jsonl(tmp_path / "train.jsonl", _with(_good(40), 6, {"text": "w3", "label": None}))
     line = _error(_hf(base, path, "sequence-classification"))
-    assert line.startswith(
-        f"model.num_labels = 2: {path} row 7, column 'label' has no value; each row needs its label"
-    ), line
+    assert line.startswith(f"data.label_column: {path} row 7, column 'label' has no value; each row needs its label")
     path = _jsonl(tmp_path / "range.jsonl", _with(_good(40), 6, {"text": "w3", "label": 2.0}))
     line = _error(_hf(base, path, "sequence-classification"))
     assert f"{path} row 7, column 'label' has 2.0; class ids are whole numbers 0..1" in line, line

@@ -122,13 +122,14 @@ def encode(
         if bad_text and bad_text[0] == bad[0]:
             raise text_error(texts, bad, text_column)
         value = np.asarray(labels)[bad[0]]
+        missing = _missing(value)
         raise DataError(
-            f"model.num_labels = {num_labels}",
+            "data.label_column" if missing else f"model.num_labels = {num_labels}",
             column=label_column,
             row=bad[0],
             rows=bad,
             value=value,
-            why=("each row needs its label" if _missing(value) else f"class ids are whole numbers 0..{num_labels - 1}")
+            why=("each row needs its label" if missing else f"class ids are whole numbers 0..{num_labels - 1}")
             + SKIP_HINT,
         )
     out: np.ndarray = np.full((len(texts), seq_len), 0, dtype=np.int64)

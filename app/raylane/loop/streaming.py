@@ -260,7 +260,7 @@ class _Reader:
             self.source.columns,
             self._transform,
             self.source.label,
-            tally or self._dropped,
+            tally if tally is not None else self._dropped,
         )
 
     def counted(self) -> list[int]:
