@@ -35,6 +35,14 @@ class DataSection(Section):
         description="Classification: the number of classes (targets are integers 0..num_classes-1); required there.",
     )
     shuffle_rows: int = Field(4096, ge=1, le=100_000_000, description="Rows in each rank's shuffle buffer.")
+    skip_bad_rows: bool | int = Field(
+        False,
+        ge=0,
+        description="Rows with a missing or non-numeric feature or target, or a class id out of range: `false` fails "
+        "the run naming the first one's file, row and column; `true` skips them; N skips at most N in each of "
+        "data.train and data.eval (more fails the run before its first step). The rows are counted before "
+        "training; the summary's `skipped_rows` and the terminal give the count and the first one.",
+    )
 
 
 class ModelSection(Section):
@@ -76,62 +84,69 @@ class Config(BaseConfig):
 
 
 def checked(d: DataSection, batch: dict):
-    """(features as float32 rows, targets) of a batch, or a DataError naming the first bad cell:
-    a missing or non-numeric value, or a class id outside 0..num_classes-1. One pass over the
-    batch when it is clean; the bad cell is looked for only once there is one."""
+    """(features as float32 rows, targets) of a batch, or a DataError naming the first bad cell
+    (the first bad row's first bad column, features before the target): a missing or
+    non-numeric value, or a class id outside 0..num_classes-1; its `rows` list every bad row."""
     import numpy as np
 
-    x = np.stack([_numbers(batch[c], "data.features", c, np.float32) for c in d.features], axis=1)
-    if not np.isfinite(x).all():
-        row, col = (int(i) for i in np.argwhere(~np.isfinite(x))[0])
-        _bad_value("data.features", d.features[col], row, batch[d.features[col]][row])
-    y = _numbers(batch[d.target], "data.target", d.target)
-    if y.dtype.kind == "f" and not np.isfinite(y).all():
-        row = int(np.argmin(np.isfinite(y)))
-        _bad_value("data.target", d.target, row, batch[d.target][row])
-    if d.task == "regression":
-        return x, y.astype(np.float32)
-    if len(y) and (y.min() < 0 or y.max() >= d.num_classes or (y.dtype.kind == "f" and (y != np.floor(y)).any())):
-        from raylane import DataError
+    columns = [*d.features, d.target]
+    values = [_numbers(batch[c]) for c in columns]  # float64, NaN where a cell is not a number
+    bad = np.stack([~np.isfinite(v) for v in values], axis=1)
+    y = values[-1]
+    out_of_range: np.ndarray = np.zeros(len(y), dtype=bool)
+    if d.task == "classification":
+        with np.errstate(invalid="ignore"):
+            out_of_range = np.isfinite(y) & ((y < 0) | (y >= d.num_classes) | (y != np.floor(y)))
+        bad[:, -1] |= out_of_range
+    rows = np.flatnonzero(bad.any(axis=1))
+    if len(rows):
+        row = int(rows[0])
+        col = int(np.argmax(bad[row]))
+        column, value = columns[col], batch[columns[col]][row]
+        if col == len(columns) - 1 and out_of_range[row]:
+            from raylane import DataError
 
-        row = int(np.argmax((y < 0) | (y >= d.num_classes) | (y != np.floor(y))))
-        raise DataError(
-            f"data.num_classes = {d.num_classes}",
-            column=d.target,
-            row=row,
-            value=batch[d.target][row],
-            why=f"class ids are whole numbers 0..{d.num_classes - 1}",
-        )
-    return x, y.astype(np.int64)
+            raise DataError(
+                f"data.num_classes = {d.num_classes}",
+                column=column,
+                row=row,
+                rows=rows.tolist(),
+                value=value,
+                why=f"class ids are whole numbers 0..{d.num_classes - 1}",
+            )
+        _bad_value("data.target" if col == len(columns) - 1 else "data.features", column, row, value, rows.tolist())
+    x = np.stack(values[:-1], axis=1).astype(np.float32)
+    return x, (y.astype(np.float32) if d.task == "regression" else y.astype(np.int64))
 
 
-def _numbers(values, key: str, column: str, dtype=None):
-    """A column of numbers (as `dtype`, else as they are); text that is not a number is a
-    DataError naming its row."""
+def _numbers(values):
+    """A column as float64, NaN where a cell is missing or not a number (text is read as a
+    number where it is one)."""
     import numpy as np
 
     if values.dtype.kind in "biuf":
-        return values if dtype is None else values.astype(dtype, copy=False)
-    for row, value in enumerate(values):  # text or objects: the first cell that is not a number
+        return values.astype(np.float64)
+    out = np.full(len(values), np.nan)
+    for row, value in enumerate(values):  # text or objects
         try:
-            float(value)
+            out[row] = float(value)
         except (TypeError, ValueError):
-            _bad_value(key, column, row, value)
-    return np.asarray(values, dtype=dtype or np.float64)
+            pass
+    return out
 
 
-def _bad_value(key: str, column: str, row: int, value) -> None:
+def _bad_value(key: str, column: str, row: int, value, rows: list[int]) -> None:
     import math
 
     from raylane import DataError
 
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        why = "fill or drop such rows (a missing value would train as NaN)"
+        why = "fill or drop such rows, a missing value would train as NaN (data.skip_bad_rows: true skips such rows)"
     elif isinstance(value, str):
         why = "expected a number (encode categories as numbers)"
     else:
         why = "expected a finite number"
-    raise DataError(key, column=column, row=row, value=value, why=why)
+    raise DataError(key, column=column, row=row, rows=rows, value=value, why=why)
 
 
 def source(cfg: Config, paths, key: str | None = None):
@@ -161,6 +176,7 @@ def source(cfg: Config, paths, key: str | None = None):
         to_tensors=to_tensors,
         shuffle_rows=d.shuffle_rows,
         key=key,
+        skip_bad_rows=d.skip_bad_rows,
     )
 
 

@@ -28,6 +28,14 @@ class DataSection(Section):
     )
     text_field: str = Field("text", min_length=1, description="JSON Lines: the field that holds each record's text.")
     shuffle_rows: int = Field(4096, ge=1, le=100_000_000, description="Rows in each rank's shuffle buffer.")
+    skip_bad_rows: bool | int = Field(
+        False,
+        ge=0,
+        description="Rows whose text is missing, null or not a string: `false` fails the run naming the first one's "
+        "file, row and column; `true` skips them; N skips at most N in each of data.train and data.eval (more fails "
+        "the run before its first step). The rows are counted before training; the summary's `skipped_rows` and "
+        "the terminal give the count and the first one.",
+    )
 
 
 class Config(BaseConfig):
@@ -49,13 +57,24 @@ class Config(BaseConfig):
 def source(cfg: Config, paths, key: str | None = None):
     import numpy as np
 
-    from raylane import FileSource
+    from raylane import DataError, FileSource
 
     d, width = cfg.data, cfg.model.block_size + 1
     column = "text" if d.format == "text" else d.text_field
 
     def transform(batch):
-        data = "\n".join(str(t) for t in batch[column]).encode("utf-8")
+        texts = batch[column]
+        bad = [row for row, text in enumerate(texts) if not isinstance(text, str)]
+        if bad:  # a missing text would train as the bytes of "None", a number as its digits
+            raise DataError(
+                "data.text_field",
+                column=column,
+                row=bad[0],
+                rows=bad,
+                value=texts[bad[0]],
+                why="each row needs its text, a string (data.skip_bad_rows: true skips such rows)",
+            )
+        data = "\n".join(texts).encode("utf-8")
         n = len(data) // width
         return {"tokens": np.frombuffer(data[: n * width], dtype=np.uint8).reshape(n, width)}
 
@@ -74,6 +93,7 @@ def source(cfg: Config, paths, key: str | None = None):
         to_tensors=to_tensors,
         shuffle_rows=d.shuffle_rows,
         key=key,
+        skip_bad_rows=d.skip_bad_rows,
     )
 
 

@@ -71,7 +71,11 @@ def _train(
     if run.finished:  # nothing is trained or logged again
         earlier = run.finished.summary
         summary = TrainSummary.model_validate(
-            {**{k: v for k, v in earlier.items() if k in TrainSummary.model_fields}, "already_finished": True}
+            {
+                # A record an older raylane wrote carries its own schema_version: this summary is today's.
+                **{k: v for k, v in earlier.items() if k in TrainSummary.model_fields and k != "schema_version"},
+                "already_finished": True,
+            }
         )
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says so
             print(run.finished.line, flush=True)

@@ -94,7 +94,7 @@ def train(
 ) -> TrainSummary:
     """Run training to the end; returns the summary (on a torchrun rank other than 0, only its
     `status` and `error`), whose `exit_code` is the command's."""
-    from raylane.loop import preemption
+    from raylane.loop import baddata, preemption
     from raylane.loop.distributed import env_ranks, init_process_group
     from raylane.loop.startup import StartupTimes
     from raylane.tracking.records import RunRecorder
@@ -102,6 +102,7 @@ def train(
     from raylane.tracking.runs import open_run, resolve_tracking_uri, ui_command
 
     launched = time.time()
+    baddata.forget_skipped()  # a second raylane.train() in this process counts its own data
     startup = StartupTimes()
     startup.mark("driver_imports")
     signal.signal(signal.SIGTERM, _raise_interrupt)  # before training can stop gracefully: like Ctrl-C
@@ -309,6 +310,8 @@ def _summary(
     startup: Any,
 ) -> dict[str, Any]:
     """The fields of the run's TrainSummary (raylane.results describes each)."""
+    from raylane.loop import baddata
+
     first = display.first_step_unix
     copied = (
         "world_size",
@@ -353,6 +356,9 @@ def _summary(
         # Every (re)start of the worker group announces itself; the first one is not a restart.
         "restarts": max(display.starts - 1, 0),
         "skipped_steps": result.get("skipped_steps", 0),
+        # Counted where the rows were counted: by this process (the Ray driver's counting pass,
+        # torchrun's rank 0), or by rank 0 on Ray (a dataset tokenized at once, a rank's reader).
+        "skipped_rows": {**result.get("skipped_rows", {}), **baddata.skipped_rows()},
         "failed_checkpoints": result.get("failed_checkpoints", 0),
         "preempted": bool(result.get("preempted")),
         "early_stopped": bool(result.get("early_stopped")),

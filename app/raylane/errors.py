@@ -7,6 +7,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+# What a bad row's message adds in the shipped pipelines (tabular and text write the same words,
+# importing only raylane's public names), and what the record of a skipped row leaves out.
+SKIP_HINT = " (data.skip_bad_rows: true skips such rows)"
+
 
 class ConfigError(ValueError):
     """Bad user input. The message is complete and meant for the user as is."""
@@ -17,7 +21,9 @@ class DataError(ValueError):
     breaks (a config key and its value, "data.num_classes = 3", or the key naming the column,
     "data.features"), `column` the column, `row` the row's index in the transform's batch,
     `value` the bad value (None: the cell is empty or null) and `why` what was expected. The
-    reader adds `place`: the file and the row. Without a column, `why` alone says what is wrong."""
+    reader adds `place`: the file and the row. Without a column, `why` alone says what is wrong.
+    `rows`: every bad row of the batch, when the transform found them all at once (the message
+    names `row`, the first; a source that skips bad rows drops them all in one go)."""
 
     def __init__(
         self,
@@ -28,9 +34,11 @@ class DataError(ValueError):
         value: Any = None,
         why: str = "",
         place: str | None = None,
+        rows: list[int] | None = None,
     ) -> None:
         super().__init__(key)
         self.key, self.column, self.row, self.value, self.why, self.place = key, column, row, value, why, place
+        self.rows = rows
         self.raw: str | None = None  # a null cell's text in the file ('n/a'), where it can be read
 
     def __str__(self) -> str:
@@ -40,7 +48,7 @@ class DataError(ValueError):
         if _missing(self.value):
             shown = "no value" + (f" ({self.raw!r})" if self.raw else "")
         else:
-            shown = repr(_plain(self.value))
+            shown = _shown(self.value)
         return f"{self.key}: {where}, column {self.column!r} has {shown}" + (f"; {self.why}" if self.why else "")
 
     def __reduce__(self):  # to the driver through Ray, fields and all
@@ -57,6 +65,17 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))  # NaN: a null read as a float
 
 
+SHOWN_CHARS = 80  # a bad value shown in full could be a whole document: one line stays one line
+
+
+def _shown(value: Any) -> str:
+    text = repr(_plain(value))
+    return text if len(text) <= SHOWN_CHARS else f"{text[: SHOWN_CHARS - 3]}..."
+
+
 def _plain(value: Any) -> Any:
-    """numpy's scalars as Python's (repr `5`, not `np.int64(5)`)."""
-    return value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else value
+    """numpy's scalars and arrays (a JSON list read by pyarrow) as Python's: repr `5`, not
+    `np.int64(5)`; `['a']`, not `array(['a'], dtype=object)`."""
+    if hasattr(value, "tolist") and hasattr(value, "ndim"):
+        return value.tolist()
+    return value

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 2
 
 
 class Status(str, Enum):
@@ -44,7 +44,7 @@ class _Model(BaseModel):
 
 
 class _Summary(_Model):
-    schema_version: Literal[1] = Field(SCHEMA_VERSION, description="This file's schema version.")
+    schema_version: Literal[2] = Field(SCHEMA_VERSION, description="This file's schema version.")
     status: Status = Field(description="FINISHED, FAILED or KILLED; the exit code is 0, 1 or 130.")
     error: str | None = Field(None, description="Why the command did not finish: one line, else null.")
 
@@ -67,6 +67,12 @@ class _Summary(_Model):
 class SkippedCheckpoint(_Model):
     path: str = Field(description="A checkpoint newer than the one the run resumed from.")
     reason: str = Field(description="Why the resume passed it over (a missing or damaged file).")
+
+
+class SkippedRows(_Model):
+    rows: int = Field(description="Rows read (before any was skipped).")
+    skipped: int = Field(description="Bad rows skipped: each counted once, however many epochs read it.")
+    first: str | None = Field(None, description="The first row skipped: its file, row, column and value.")
 
 
 class Memory(_Model):
@@ -164,6 +170,11 @@ class TrainSummary(_Summary):
     restarts: int = Field(0, description="Restarts of the worker group (a failure, a resize).")
     resizes: list[Resize] = Field(default_factory=list, description="An elastic run's changes of world size.")
     skipped_steps: int = Field(0, description="Steps skipped for a non-finite loss (train.on_nan: skip).")
+    skipped_rows: dict[str, SkippedRows] = Field(
+        default_factory=dict,
+        description="Bad rows skipped (data.skip_bad_rows), by the config key of their files (`data.train`), "
+        "or `<name> dataset` for a dataset handed over in memory.",
+    )
     failed_checkpoints: int = Field(
         0, description="Checkpoint saves that failed (checkpoint.on_error: warn; the run went on)."
     )

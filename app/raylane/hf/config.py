@@ -67,6 +67,14 @@ class DataSection(Section):
     text_column: str = Field("text", min_length=1, description="The column holding the text.")
     label_column: str = Field("label", min_length=1, description="`sequence-classification`: the column of class ids.")
     shuffle_rows: int = Field(4096, ge=1, le=100_000_000, description="Rows in each rank's shuffle buffer.")
+    skip_bad_rows: bool | int = Field(
+        False,
+        ge=0,
+        description="Rows with a missing or null text or label, a text that is not a string or a label that is not "
+        "a class id: `false` fails the run naming the first one's file, row and column; `true` skips them; N skips "
+        "at most N in each of data.train and data.eval (more fails the run before its first step). The rows are "
+        "counted before training; the summary's `skipped_rows` and the terminal give the count and the first one.",
+    )
 
 
 class Config(BaseConfig):

@@ -9,15 +9,20 @@
   right to its longest text, with an attention mask, and its `labels` are the class ids.
 
 Rows become numpy arrays in `transform` (Ray Data's CPU tasks on Ray, the reader thread under
-torchrun, or once for an in-memory dataset), and tensors in `to_tensors` (per batch, on the rank)."""
+torchrun, or once for an in-memory dataset), and tensors in `to_tensors` (per batch, on the rank).
+A row whose text is missing, null or not a string, or whose label is not a class id, is a
+DataError naming its row and column before anything is tokenized (`data.skip_bad_rows` drops
+such rows instead: raylane.loop.baddata.skipping)."""
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
 
+from raylane.errors import SKIP_HINT, DataError, _missing
 from raylane.hf.config import Config
 
 
@@ -37,10 +42,60 @@ def pad_id(tok: Any) -> int:
     return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
 
-def pack(texts: Any, path: str, seq_len: int) -> dict[str, np.ndarray]:
+def _kind(value: Any) -> str:
+    if isinstance(value, (bool, np.bool_)):
+        return "a boolean"
+    if isinstance(value, (int, float, np.number)):
+        return "a number"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return "a list"
+    return f"a {type(value).__name__}"
+
+
+def bad_texts(texts: list[Any]) -> list[int]:
+    """Rows whose text is missing, null or not a string (a number would train as its digits)."""
+    return [row for row, text in enumerate(texts) if not isinstance(text, str)]
+
+
+def text_error(texts: list[Any], bad: list[int], column: str) -> DataError:
+    value = texts[bad[0]]
+    why = "each row needs its text" if _missing(value) else f"expected a string, not {_kind(value)}"
+    return DataError("data.text_column", column=column, row=bad[0], rows=bad, value=value, why=why + SKIP_HINT)
+
+
+def bad_labels(labels: Any, num_labels: int) -> tuple[np.ndarray, list[int]]:
+    """(the labels as class ids, the rows whose label is not one: missing, not a whole number, or
+    outside 0..num_labels-1). A null among a file's labels makes the column float: 1.0 is class 1."""
+    values = np.asarray(labels)
+    if values.dtype.kind in "iu":
+        ok = (values >= 0) & (values < num_labels)
+    elif values.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            ok = np.isfinite(values) & (values == np.floor(values)) & (values >= 0) & (values < num_labels)
+    else:  # objects (None among numbers), strings, lists: one by one
+        ok = np.array([_class_id(v, num_labels) for v in values.tolist()], dtype=bool).reshape(len(values))
+    ids = np.where(ok, values, 0).astype(np.int64) if len(values) else np.zeros(0, dtype=np.int64)
+    return ids, np.flatnonzero(~ok).tolist()
+
+
+def _class_id(value: Any, num_labels: int) -> bool:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    return bool(math.isfinite(value) and value == int(value) and 0 <= value < num_labels)
+
+
+def pack(texts: Any, path: str, seq_len: int, column: str = "text") -> dict[str, np.ndarray]:
     """causal-lm: the texts' tokens, each document ended by EOS, in rows of seq_len."""
+    texts = list(texts)
+    bad = bad_texts(texts)
+    if bad:
+        raise text_error(texts, bad, column)
+    if not texts:  # every row of a chunk skipped
+        return {"input_ids": np.zeros((0, seq_len), dtype=np.int64)}
     tok = tokenizer(path)
-    ids = tok([str(t) for t in texts], add_special_tokens=False)["input_ids"]
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
     end = [] if tok.eos_token_id is None else [tok.eos_token_id]
     flat = np.fromiter((i for doc in ids for i in (*doc, *end)), dtype=np.int64)
     n = len(flat) // seq_len
@@ -53,31 +108,39 @@ def encode(
     path: str,
     seq_len: int,
     num_labels: int,
-    label_key: str = "data.label_column",
     label_column: str = "label",
+    text_column: str = "text",
 ) -> dict[str, np.ndarray]:
     """sequence-classification: each text's tokens (truncated, right-padded to seq_len), its
-    length and its class id."""
-    from raylane.loop.baddata import DataError
-
-    tok = tokenizer(path)
-    ids = tok([str(t) for t in texts], truncation=True, max_length=seq_len)["input_ids"]
-    out = np.full((len(ids), seq_len), pad_id(tok), dtype=np.int64)
-    lengths = np.zeros(len(ids), dtype=np.int64)
-    for row, doc in enumerate(ids):
-        out[row, : len(doc)] = doc
-        lengths[row] = len(doc)
-    classes = np.asarray(labels)
-    for row, value in enumerate(classes):
-        if not (isinstance(value, (int, np.integer)) and 0 <= value < num_labels):
-            raise DataError(
-                f"model.num_labels = {num_labels}",
-                column=label_column,
-                row=row,
-                value=value,
-                why=f"class ids are whole numbers 0..{num_labels - 1}",
-            )
-    return {"input_ids": out, "length": lengths, "labels": classes.astype(np.int64)}
+    length and its class id. Bad texts and labels are looked for first: the error names the
+    first bad row, and lists every one (`rows`) for skipping."""
+    texts = list(texts)
+    classes, bad_ids = bad_labels(labels, num_labels)
+    bad_text = bad_texts(texts)
+    bad = sorted({*bad_text, *bad_ids})
+    if bad:
+        if bad_text and bad_text[0] == bad[0]:
+            raise text_error(texts, bad, text_column)
+        value = np.asarray(labels)[bad[0]]
+        missing = _missing(value)
+        raise DataError(
+            "data.label_column" if missing else f"model.num_labels = {num_labels}",
+            column=label_column,
+            row=bad[0],
+            rows=bad,
+            value=value,
+            why=("each row needs its label" if missing else f"class ids are whole numbers 0..{num_labels - 1}")
+            + SKIP_HINT,
+        )
+    out: np.ndarray = np.full((len(texts), seq_len), 0, dtype=np.int64)
+    lengths = np.zeros(len(texts), dtype=np.int64)
+    if texts:  # every row of a chunk may have been skipped
+        tok = tokenizer(path)
+        out[:] = pad_id(tok)
+        for row, doc in enumerate(tok(texts, truncation=True, max_length=seq_len)["input_ids"]):
+            out[row, : len(doc)] = doc
+            lengths[row] = len(doc)
+    return {"input_ids": out, "length": lengths, "labels": classes}
 
 
 def causal_tensors(batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -108,10 +171,8 @@ def transform_for(cfg: Config):
     m, d, path = cfg.model, cfg.data, tokenizer_path(cfg)
     text = "text" if d.format == "text" else d.text_column
     if m.task == "causal-lm":
-        return lambda batch: pack(batch[text], path, m.seq_len)
-    return lambda batch: encode(
-        batch[text], batch[d.label_column], path, m.seq_len, m.num_labels, label_column=d.label_column
-    )
+        return lambda batch: pack(batch[text], path, m.seq_len, text)
+    return lambda batch: encode(batch[text], batch[d.label_column], path, m.seq_len, m.num_labels, d.label_column, text)
 
 
 def file_source(cfg: Config, paths: Any, key: str):
@@ -129,6 +190,7 @@ def file_source(cfg: Config, paths: Any, key: str):
         to_tensors=causal_tensors if causal else classification_tensors,
         shuffle_rows=d.shuffle_rows,
         key=key,
+        skip_bad_rows=d.skip_bad_rows,
     )
 
 
@@ -160,8 +222,37 @@ def from_dataset(cfg: Config, dataset: Any, name: str) -> Rows:
             raise ConfigError(
                 f"{key} = {column!r}: no such column in the {name} dataset (it has: {', '.join(columns)})"
             )
-    batch = {d.text_column: dataset[d.text_column]}
+    batch = {d.text_column: _column(dataset[d.text_column])}
     if not causal:
-        batch[d.label_column] = dataset[d.label_column]
+        batch[d.label_column] = np.asarray(list(dataset[d.label_column]))
     text_cfg = cfg.model_copy(update={"data": d.model_copy(update={"format": "json"})})
-    return Rows(transform_for(text_cfg)(batch), causal)
+    return Rows(_transformed(transform_for(text_cfg), batch, name, d.skip_bad_rows), causal)
+
+
+def _column(values: Any) -> np.ndarray:
+    """A column as an object array, row for row (np.array would make a list of lists 2-D)."""
+    values = list(values)
+    out: np.ndarray = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+def _transformed(transform: Any, batch: dict[str, np.ndarray], name: str, skip: bool | int) -> dict[str, np.ndarray]:
+    """A dataset's rows transformed at once; a bad row named by its place in the dataset (from 1),
+    or skipped and recorded as the `<name> dataset`'s."""
+    from raylane.loop import baddata
+
+    try:
+        if not skip:
+            return transform(batch)
+        out, dropped, first = baddata.skipping(transform, batch)
+    except DataError as exc:
+        if exc.place is None and exc.row is not None:
+            exc.place = f"the {name} dataset row {exc.row + 1}"
+        raise
+    if first is not None:
+        first.place = f"the {name} dataset row {(first.row or 0) + 1}"
+    rows = len(next(iter(batch.values())))
+    tally = baddata.Skipped(rows=rows, skipped=dropped, first=None if first is None else baddata.skipped_line(first))
+    baddata.record_skipped(f"{name} dataset", tally, skip, "data.skip_bad_rows")
+    return out

@@ -11,13 +11,24 @@ the files with pyarrow (raylane.loop.streaming.locate), once the run has already
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from raylane.errors import DataError, _missing
+import numpy as np
+
+from raylane.errors import SKIP_HINT, DataError, _missing
 
 _COLOUR = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CSV_CONVERSION = re.compile(r"CSV conversion error to (\w+): invalid value '(.*)'$")
+# pyarrow gives the row's text (at times a "Row #N" of its own counting): the row is found by its text.
+_CSV_FIELDS = re.compile(r"CSV parse error: (?:Row #\d+: )?Expected (\d+) columns, got (\d+): (.*)$")
+# pyarrow's JSON reader: the row is counted from 0 in the block being parsed, not in the file.
+_JSON_ROW = re.compile(r"^(JSON parse error: .*) in row (\d+)$")
+_JSON_TYPE = re.compile(r"Column\(/([^)/]+)\) changed from (\w+) to (\w+)")
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Invalid)): (.+)$")
 
 
@@ -73,12 +84,56 @@ def read_failure(
                 why=f"expected {kind}, as in the rows before it",
                 place=row_place(fs, piece, where[0]),
             )
+    parse = _JSON_ROW.search(text) if fmt == "json" else None
+    if parse:
+        return _json_failure(fs, piece, row + int(parse.group(2)), parse.group(1), exc, key)
+    fields = _CSV_FIELDS.search(text) if fmt == "csv" else None
+    found = find_csv_line(fs, piece.path, fields.group(3), after=row) if fields else None
+    if fields and found is not None:
+        wanted, got = fields.group(1), fields.group(2)
+        return DataError(
+            key,
+            why=f"{got} fields where the header has {wanted} (a CSV row has every column: an empty field for a "
+            "missing value)",
+            place=row_place(fs, piece, found),
+        )
     place = (
         piece_place(fs, piece)
         if row == 0 or piece.row_group is not None
         else f"{shown_path(fs, piece.path)} after row {piece.start + row}"
     )
     return DataError(key, why=f"cannot be read ({type(exc).__name__}: {text})", place=place)
+
+
+def _json_failure(fs: Any, piece: Any, row: int, text: str, exc: BaseException, key: str) -> DataError:
+    """A JSON Lines row pyarrow could not parse: its place in the file (row from 0), and for a
+    value of another type than the column's earlier rows, the column and the value."""
+    changed = _JSON_TYPE.search(text)
+    if changed:
+        column, before, now = changed.groups()
+        value = None
+        with contextlib.suppress(Exception):  # the value is a courtesy; the place is what matters
+            value = json.loads(_json_line(fs, piece.path, row)).get(column)
+        return DataError(
+            key,
+            column=column,
+            value=value,
+            why=f"{_article(now)} where the rows before it have {_article(before)} (a JSON Lines column holds "
+            "one type; data.skip_bad_rows cannot skip a row the reader cannot read)",
+            place=row_place(fs, piece, row),
+        )
+    return DataError(key, why=f"cannot be read ({type(exc).__name__}: {text})", place=row_place(fs, piece, row))
+
+
+def _article(kind: str) -> str:
+    return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
+
+
+def _json_line(fs: Any, path: str, row: int) -> str:
+    """Row `row` (from 0) of a JSON Lines file: its non-blank lines, as pyarrow counts them."""
+    with fs.open_input_stream(path) as stream:
+        lines = (line for line in io.TextIOWrapper(stream, encoding="utf-8", errors="replace") if line.strip())
+        return next(line for i, line in enumerate(lines) if i == row)
 
 
 def _raw_csv(fs: Any, path: str, columns: list[str] | None):
@@ -125,6 +180,18 @@ def find_csv_value(fs: Any, path: str, columns: list[str] | None, value: str, af
     return None
 
 
+def find_csv_line(fs: Any, path: str, text: str, after: int = 0) -> int | None:
+    """The row (from 0, after the header) of the first line at or after row `after` that reads
+    `text`: a line pyarrow could not parse, found by its text (its message has no row)."""
+    with contextlib.suppress(Exception), fs.open_input_stream(path) as stream:
+        lines = io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
+        next(lines, None)  # the header
+        for i, line in enumerate(lines):
+            if i >= after and line.rstrip("\r\n") == text:
+                return i
+    return None
+
+
 def locate_row(error: DataError, fs: Any, piece: Any, fmt: str, offset: int) -> DataError:
     """`error`, raised by a transform on the chunk that starts `offset` rows into `piece`, with
     its place (and for a null CSV cell, the cell's text)."""
@@ -141,3 +208,85 @@ def locate_row(error: DataError, fs: Any, piece: Any, fmt: str, offset: int) -> 
         with contextlib.suppress(Exception):  # the text is a courtesy; the place is what matters
             error.raw = raw_csv_value(fs, piece.path, error.column, piece.start + row)
     return error
+
+
+# -- skipping bad rows ----------------------------------------------------------------------------
+
+
+@dataclass
+class Skipped:
+    """What readers skipped of one data set: the rows read, the bad ones dropped, and the first
+    bad row's line (its place named where the reader knows it)."""
+
+    rows: int = 0
+    skipped: int = 0
+    first: str | None = None
+
+    def add(self, other: Skipped) -> Skipped:
+        """`other`'s counts added to these; the first line stays this one's (earlier in file order)."""
+        self.rows += other.rows
+        self.skipped += other.skipped
+        self.first = self.first or other.first
+        return self
+
+
+def skipping(transform: Callable[[dict], dict], batch: dict) -> tuple[dict, int, DataError | None]:
+    """transform(batch) without the rows its DataErrors name: (its output, the rows dropped, the
+    first DataError, its `row` counted in `batch`). Each DataError drops its `rows` (or its
+    `row`) and the rest is transformed again; one that names no row (the whole batch) is raised."""
+    index: np.ndarray | None = None
+    dropped, first = 0, None
+    while True:
+        try:
+            return transform(batch), dropped, first
+        except DataError as exc:
+            size = len(next(iter(batch.values()))) if batch else 0
+            rows = sorted({int(r) for r in (exc.rows or ([] if exc.row is None else [exc.row]))})
+            if not rows or rows[0] < 0 or rows[-1] >= size:
+                raise
+            index = np.arange(size) if index is None else index
+            if first is None:
+                exc.row, exc.rows, first = int(index[rows[0] if exc.row is None else exc.row]), None, exc
+            keep: np.ndarray = np.ones(size, dtype=bool)
+            keep[rows] = False
+            batch, index = {k: v[keep] for k, v in batch.items()}, index[keep]
+            dropped += len(rows)
+
+
+def skipped_line(error: DataError) -> str:
+    """A skipped row's line, without the hint to skip it."""
+    return str(error).replace(SKIP_HINT, "")
+
+
+def skip_key(label: str) -> str:
+    """The config key of skipping for the data of config key `label` (data.train: data.skip_bad_rows)."""
+    return f"{label.rsplit('.', 1)[0]}.skip_bad_rows" if label.startswith("data.") else "skip_bad_rows"
+
+
+# Bad rows skipped in this process, by the config key of their data (data.train): recorded where
+# the rows are counted before training (the Ray driver, every torchrun rank, a dataset tokenized
+# at once), for the summary. A relaunch or restart counts again and replaces its record.
+_SKIPPED: dict[str, Skipped] = {}
+
+
+def record_skipped(label: str, tally: Skipped, limit: bool | int, key: str | None = None) -> None:
+    """Records what was skipped of `label`'s data; more rows than `limit` (an int) is a DataError
+    naming `key` (by default the skip key beside `label`'s)."""
+    _SKIPPED[label] = tally
+    if limit is not True and tally.skipped > limit:
+        raise DataError(
+            f"{key or skip_key(label)} = {limit}",
+            place=label,
+            why=f"{tally.skipped:,} bad rows of {tally.rows:,}, more than {limit:,}"
+            + (f"; the first: {tally.first}" if tally.first else ""),
+        )
+
+
+def skipped_rows() -> dict[str, dict[str, Any]]:
+    """What this process recorded, as the summary's `skipped_rows`."""
+    return {label: vars(tally).copy() for label, tally in _SKIPPED.items()}
+
+
+def forget_skipped() -> None:
+    """A new launch in this process (raylane.train() called again) starts with no record."""
+    _SKIPPED.clear()

@@ -113,10 +113,12 @@ def checked_chunks(
     columns: Sequence[str] | None,
     transform: Callable[[dict], dict] | None,
     key: str,
+    tally: baddata.Skipped | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """read_chunks, then `transform`, with the place of any failure: a read error is a DataError
     naming the file (and the row group), a transform's DataError gets its file and row, and
-    any other exception of the transform (the user's code) a note with the rows it was given."""
+    any other exception of the transform (the user's code) a note with the rows it was given.
+    With `tally` (skip_bad_rows), the rows a DataError names are dropped and counted there."""
     chunks, row = read_chunks(fs, piece, fmt, columns), 0
     while True:
         try:
@@ -128,7 +130,10 @@ def checked_chunks(
         n = len(next(iter(chunk.values()))) if chunk else 0
         if transform is not None:
             try:
-                chunk = transform(chunk)
+                if tally is None:
+                    chunk = transform(chunk)
+                else:
+                    chunk = _skipping(fs, piece, fmt, row, transform, chunk, tally)
             except baddata.DataError as exc:
                 baddata.locate_row(exc, fs, piece, fmt, row)
                 raise
@@ -141,6 +146,15 @@ def checked_chunks(
                 raise
         yield chunk
         row += n
+
+
+def _skipping(fs, piece: Piece, fmt: str, row: int, transform, chunk: dict, tally: baddata.Skipped) -> dict:
+    out, dropped, first = baddata.skipping(transform, chunk)
+    tally.rows += len(next(iter(chunk.values()))) if chunk else 0
+    tally.skipped += dropped
+    if first is not None and tally.first is None:
+        tally.first = baddata.skipped_line(baddata.locate_row(first, fs, piece, fmt, row))
+    return out
 
 
 def schema_names(fs: pafs.FileSystem, path: str, fmt: str, key: str = "paths") -> list[str]:

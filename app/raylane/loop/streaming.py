@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from raylane.loop import baddata
 from raylane.loop import files as _files
 
 Batch = dict[str, np.ndarray]
@@ -48,6 +49,9 @@ class FileSource:
     - `shuffle_rows`: rows of the shuffle buffer (train only), on top of a per-epoch file order.
     - `key`: the config key its paths come from (`data.train`), for messages about its data.
       A transform raises `raylane.DataError` for a bad value: the reader names the file and row.
+    - `skip_bad_rows`: False, the first such DataError fails the run; True, the rows the
+      DataErrors name are dropped (and the rest of the batch transformed again); N, at most N
+      of them. Rows are then counted before training, where the skipped ones are counted too.
     """
 
     paths: str | Sequence[str]
@@ -58,12 +62,21 @@ class FileSource:
     keeps_rows: bool = True
     shuffle_rows: int = 4096
     key: str | None = None
+    skip_bad_rows: bool | int = False
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"FileSource.format = {self.format!r}: choose one of {', '.join(FORMATS)}")
         if not callable(self.to_tensors):
             raise ValueError("FileSource.to_tensors: must be a function batch -> (inputs, targets)")
+        if not isinstance(self.skip_bad_rows, (bool, int)) or self.skip_bad_rows < 0:
+            raise ValueError(f"FileSource.skip_bad_rows = {self.skip_bad_rows!r}: True, False or a row count")
+
+    @property
+    def counts_rows(self) -> bool:
+        """Whether rows per epoch are found by reading the files (a transform that changes the
+        row count, or bad rows skipped) rather than from Parquet footers."""
+        return not self.keeps_rows or bool(self.skip_bad_rows)
 
     def files(self, field: str = "paths", quick: bool = False):
         """(pyarrow filesystem, sorted files); ValueError naming `field` when nothing is there.
@@ -99,8 +112,29 @@ class FileSource:
             self.columns,
             self.checked_transform() if transformed else None,
             field,
+            baddata.Skipped() if transformed and self.skip_bad_rows else None,
         )
         return next(chunks, {})
+
+    def stream_transform(self) -> Callable[[Batch], Batch] | None:
+        """What Ray Data's tasks apply: the checked transform, dropping bad rows when they are
+        skipped (counted by the driver's counting pass, `tally`, not here)."""
+        fn = self.checked_transform()
+        if fn is None or not self.skip_bad_rows:
+            return fn
+        return lambda batch: baddata.skipping(fn, batch)[0]
+
+    def tally(self, batch: Batch) -> Batch:
+        """A counting pass's view of one batch (Ray Data's tasks): one row of the rows read, the
+        rows the transform gives, the rows skipped and the first one's line (its place unknown)."""
+        fn = self.checked_transform()
+        out, dropped, first = baddata.skipping(fn, batch) if fn is not None else (batch, 0, None)
+        return {
+            "read": np.array([num_rows(batch)]),
+            "kept": np.array([num_rows(out)]),
+            "skipped": np.array([dropped]),
+            "first": np.array(["" if first is None else baddata.skipped_line(first)], dtype=object),
+        }
 
     def checked_transform(self) -> Callable[[Batch], Batch] | None:
         """The transform, failing loudly when it changes the row count while keeps_rows says not:
@@ -214,12 +248,44 @@ class _Reader:
         self.pieces = _files.pieces(self.fs, found, source.format, source.label)
         self._transform = source.checked_transform()
         self.opened: list[_files.Piece] = []  # pieces this rank read, in order (what tests check)
+        # Training and evaluation drop bad rows again each epoch: counted once, by `counted`.
+        self._dropped = baddata.Skipped() if source.skip_bad_rows else None
 
-    def chunks(self, piece: _files.Piece) -> Iterator[Batch]:
+    def chunks(self, piece: _files.Piece, tally: baddata.Skipped | None = None) -> Iterator[Batch]:
         self.opened.append(piece)
         return _files.checked_chunks(
-            self.fs, piece, self.source.format, self.source.columns, self._transform, self.source.label
+            self.fs,
+            piece,
+            self.source.format,
+            self.source.columns,
+            self._transform,
+            self.source.label,
+            tally if tally is not None else self._dropped,
         )
+
+    def counted(self) -> list[int]:
+        """Rows of every piece after the transform, read once: each rank counts a stride of the
+        pieces and the counts are exchanged (one all_gather_object, before training). Bad rows
+        skipped are recorded for the summary (raylane.loop.baddata.record_skipped), and more
+        than skip_bad_rows allows fails every rank alike."""
+        skip = bool(self.source.skip_bad_rows)
+        mine: dict[int, tuple[int, baddata.Skipped | None]] = {}
+        for i in range(self.rank, len(self.pieces), self.world_size):
+            tally = baddata.Skipped() if skip else None
+            mine[i] = (sum(num_rows(c) for c in self.chunks(self.pieces[i], tally)), tally)
+        self.opened.clear()  # counting is not the epoch's reading
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, mine)
+            mine = {i: n for part in gathered for i, n in part.items()}
+        if skip:
+            total = baddata.Skipped()
+            for i in range(len(self.pieces)):  # in file order: the first line is the first row skipped
+                total.add(mine[i][1] or baddata.Skipped())
+            baddata.record_skipped(self.source.label, total, self.source.skip_bad_rows)
+        return [mine[i][0] for i in range(len(self.pieces))]
 
 
 class FileStream(_Reader):
@@ -244,21 +310,10 @@ class FileStream(_Reader):
 
     def _count_rows(self) -> list[int]:
         """Rows of every piece after the transform: Parquet footers when the transform keeps
-        rows, else a counting pass, each rank reading a stride of the pieces, counts exchanged."""
-        if self.source.keeps_rows and all(p.rows is not None for p in self.pieces):
+        rows, else a counting pass (`counted`)."""
+        if not self.source.counts_rows and all(p.rows is not None for p in self.pieces):
             return [p.rows for p in self.pieces]
-        mine = {
-            i: sum(num_rows(c) for c in self.chunks(self.pieces[i]))
-            for i in range(self.rank, len(self.pieces), self.world_size)
-        }
-        self.opened.clear()  # counting is not the epoch's reading
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, mine)
-            mine = {i: n for part in gathered for i, n in part.items()}
-        return [mine[i] for i in range(len(self.pieces))]
+        return self.counted()
 
     def share(self, epoch: int, rank: int) -> list[int]:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.pieces))
@@ -288,6 +343,11 @@ class FileStream(_Reader):
 class FileEvalStream(_Reader):
     """A rank's evaluation share, read with pyarrow in file order: pieces rank, rank + world, ...
     Every row is evaluated exactly once over all ranks; shares need not be equal."""
+
+    def __init__(self, source: FileSource, *, batch_size: int, rank: int, world_size: int) -> None:
+        super().__init__(source, batch_size=batch_size, rank=rank, world_size=world_size)
+        if source.skip_bad_rows:  # counted before training, as the training set is
+            self.counted()
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         mine = self.pieces[self.rank :: self.world_size]

@@ -17,7 +17,7 @@ import torch
 
 from raylane import __version__
 from raylane.config import BaseConfig
-from raylane.loop import preemption
+from raylane.loop import baddata, preemption
 from raylane.loop.batches import Forward, StepMetrics
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.data import EpochData
@@ -447,6 +447,7 @@ class Trainer(EvalSchedule):
             "world_size": self.runtime.world_size,
             "backend": backend_name(),
             "skipped_steps": self.skipped_steps,
+            "skipped_rows": baddata.skipped_rows(),  # what this process counted (the summary's)
             "failed_checkpoints": self.saver.failed,
             "preempted": self.preempted,
             "node_leaving": self.node_leaving,

@@ -16,6 +16,7 @@ may be seen twice and others not at all. "eval" is split unequally: every row ex
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -42,7 +43,8 @@ def build_datasets(cfg: BaseConfig) -> tuple[dict[str, ray.data.Dataset], dict[s
     for name, source in _named(pipelines_ref.sources(cfg)).items():
         if isinstance(source, FileSource):
             datasets[name], counted = _to_dataset(source, name, train=name == "train")
-            streams[name] = counted() if name == "train" else None
+            rows = counted() if name == "train" or source.skip_bad_rows else None  # skipped rows: counted
+            streams[name] = rows if name == "train" else None
     return datasets, streams
 
 
@@ -74,21 +76,41 @@ def _to_dataset(source: FileSource, name: str, *, train: bool):
     else:
         ds = ray.data.read_text(found, **common)
     read = ds
-    transform = source.checked_transform()
+    transform = source.stream_transform()
     if transform is not None:
         ds = ds.map_batches(transform, batch_format="numpy")
 
     def counted() -> int:
         # Parquet footers when the transform keeps rows (no Ray Data task); else Ray Data counts,
         # reading (and transforming) the files once, in parallel.
-        if source.keeps_rows and fmt == "parquet":
+        if not source.counts_rows and fmt == "parquet":
             return sum(p.rows for p in _files.pieces(fs, found, fmt, source.label))
         try:
-            return (read if source.keeps_rows else ds).count()
+            if not source.skip_bad_rows:
+                return (read if source.keeps_rows else ds).count()
+            tallies = read.map_batches(source.tally, batch_format="numpy").take_all()
         except Exception as exc:
             raise _found_again(source, exc) from exc
+        return _skipped(source, tallies)
 
     return ds, counted
+
+
+def _skipped(source: FileSource, tallies: list[dict[str, Any]]) -> int:
+    """Rows after the transform, bad ones skipped, from a counting pass of Ray Data's tasks that
+    tallied each batch to one row (raylane.loop.streaming.FileSource.tally). What was skipped is
+    recorded for the summary (more than skip_bad_rows allows: a DataError, before the workers
+    start); the first row skipped is found again, with its file and row, by reading the files in
+    order with pyarrow up to it (a search bounded in time)."""
+    total = baddata.Skipped(rows=sum(int(t["read"]) for t in tallies), skipped=sum(int(t["skipped"]) for t in tallies))
+    if total.skipped:
+        found = locate(dataclasses.replace(source, skip_bad_rows=False))
+        if isinstance(found, baddata.DataError):
+            total.first = baddata.skipped_line(found)
+        else:  # not found in the time given: the line without its place
+            total.first = next(t["first"] for t in tallies if t["first"])
+    baddata.record_skipped(source.label, total, source.skip_bad_rows)
+    return sum(int(t["kept"]) for t in tallies)
 
 
 class StreamSplit(DataConfig):

@@ -261,6 +261,10 @@ def outcome_text(summary: TrainSummary, ui: str, log_file: Any = None) -> str:
     rows.append(("eval", metrics or "-"))
     if s.early_stopped:
         rows.append(("stopped", s.stop_reason or "early stopping"))
+    if s.skipped_rows:  # data.skip_bad_rows: how much, and where to look first
+        counts = ", ".join(f"{k} {v.skipped:,} of {v.rows:,}" for k, v in s.skipped_rows.items())
+        first = next((v.first for v in s.skipped_rows.values() if v.first), None)
+        rows.append(("skipped rows", counts + (f"; the first: {first}" if first else "")))
     rows.append(("MLflow run id", s.run_id) if s.run_id else ("MLflow", "not recorded"))
     rows.append(("checkpoint", s.checkpoint or "none"))
     if s.model_uri:
