@@ -26,6 +26,7 @@ OWN_FORMATS = [
     re.compile(p)
     for p in (
         r"run \S+ \(MLflow run [0-9a-f]{32}(, continued)?\)",
+        r"no run '\S+' under \S+: starting a fresh one",
         r"joining the local Ray head at \S+ .*",
         r"raylane: (warning: )?.+",
         r"\[raylane\] strategy \w+ \(.+\)",

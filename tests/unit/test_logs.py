@@ -27,7 +27,9 @@ def test_a_call_prints_raylanes_lines_logs_the_rest_and_restores_the_callers_log
             logging.getLogger("raylane").info("raylane's own line")
             logging.getLogger("somelib").info("a library's chatter")
             logging.getLogger("somelib").error("a library's error")
-            warnings.warn("a library's warning", UserWarning, stacklevel=1)
+            with warnings.catch_warnings():  # shown whatever filters earlier tests in this process left
+                warnings.simplefilter("always", UserWarning)
+                warnings.warn("a library's warning", UserWarning, stacklevel=1)
             with logs.scope(True, "train"):  # a call inside a call: the outer one's set-up holds
                 assert os.environ[logs.VERBOSE_ENV] == "0"
         out, err = capsys.readouterr()
