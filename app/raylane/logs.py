@@ -165,9 +165,24 @@ def _keep_logger(logger: logging.Logger) -> None:
 
 
 def _capture_warnings() -> None:
-    captured = getattr(logging, "_warnings_showwarning", None) is not None
-    logging.captureWarnings(True)
-    _undone(lambda: logging.captureWarnings(captured))
+    """Python's warnings to the "py.warnings" logger, as logging.captureWarnings(True) sends them,
+    but installed every time: captureWarnings does nothing when it believes it is on already,
+    though another hand (a test runner's catch_warnings, a notebook) may have put its own
+    showwarning back since."""
+    import warnings
+
+    saved = warnings.showwarning
+    warnings.showwarning = _warning_to_log
+    _undone(lambda: setattr(warnings, "showwarning", saved))
+
+
+def _warning_to_log(message, category, filename, lineno, file=None, line=None) -> None:
+    import warnings
+
+    if file is not None:  # written where its caller asked (warnings.showwarning's contract)
+        file.write(warnings.formatwarning(message, category, filename, lineno, line))
+        return
+    logging.getLogger("py.warnings").warning("%s", warnings.formatwarning(message, category, filename, lineno, line))
 
 
 class _Console(logging.StreamHandler):
