@@ -17,32 +17,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import RAYLANE, REPO, CliProcess, cli_env, read_json, wait_for
+from tests.helpers.own_lines import foreign
 
 pytestmark = pytest.mark.ray
-
-# Every line raylane itself prints in a run (raylane.tracking.progress, raylane.driver, raylane.cli).
-FIGURES = r"loss [\d.]+ [\d,]+ samples/s( [\d,]+ tokens/s)? \(steps? \d+(-\d+)?\)"
-OWN_FORMATS = [
-    re.compile(p)
-    for p in (
-        r"run \S+ \(MLflow run [0-9a-f]{32}(, continued)?\)",
-        r"no run '\S+' under \S+: starting a fresh one",
-        r"joining the local Ray head at \S+ .*",
-        r"raylane: (warning: )?.+",
-        r"\[raylane\] strategy \w+ \(.+\)",
-        rf"\[raylane\] epoch \d+/\d+ step \d+/\d+ \(\d+%\)( {FIGURES})? eta [\d:?]+",
-        r"\[raylane\] epoch \d+ eval: (\w+ [\d.]+ ?)+",
-        r"\[raylane\] (warning|error)( \(rank \d+\))?: .+",
-        r"\[raylane\] (resumed from step \d+|worker group restarted \(\d+\))",
-        r"run \S+: (FINISHED|FAILED|KILLED)",
-        r"  (error|resumed from|steps|train loss|throughput|eval|MLflow run id|MLflow|checkpoint|model|MLflow UI|"
-        + r"library log): +\S.*",
-    )
-]
-
-
-def _foreign(output: str) -> list[str]:
-    return [line for line in output.splitlines() if not any(f.fullmatch(line) for f in OWN_FORMATS)]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +90,7 @@ def test_digits_on_two_ray_workers(default_run):
 def test_a_default_run_prints_only_raylane_lines(default_run):
     tmp, proc = default_run
     output = proc.output
-    assert not _foreign(output), "\n".join(_foreign(output))
+    assert not foreign(output), "\n".join(foreign(output))
     # What the libraries said went to the log file the final block names.
     log = Path(re.search(r"^  library log: +(\S+)", output, re.MULTILINE).group(1))
     assert log.parent == tmp / "raylane-home" / "logs"
@@ -159,5 +136,5 @@ def test_the_last_progress_line_the_summary_and_mlflow_agree(default_run):
 def test_verbose_shows_what_ray_prints(run_cli):
     proc = run_cli("train", "digits", "--verbose", "--set", "train.max_steps=2")
     assert proc.wait(300) == 0, proc.output
-    foreign = _foreign(proc.output)
-    assert any(re.match(r"(\x1b\[\d+m)?\((TrainController|RayTrainWorker) pid=\d+", ln) for ln in foreign), proc.output
+    theirs = foreign(proc.output)
+    assert any(re.match(r"(\x1b\[\d+m)?\((TrainController|RayTrainWorker) pid=\d+", ln) for ln in theirs), proc.output
