@@ -198,19 +198,18 @@ class EarlyStoppingSection(Section):
     )
 
 
-# `train.max_epochs` when `train.max_steps` decides alone: its largest value.
+# The epochs a run may take when `train.max_steps` decides alone (`TrainSection.epoch_limit`).
 EPOCHS_AS_NEEDED = 1_000_000
 
 
 class TrainSection(Section):
     """How long and how: epochs, steps, batches, precision, evaluation."""
 
-    max_epochs: int = Field(
-        1,
+    max_epochs: int | None = Field(
+        None,
         ge=1,
         le=EPOCHS_AS_NEEDED,
-        description="Passes over the training set, at most. Not set: 1, or, when `max_steps` is set, as many as it "
-        f"takes (written {EPOCHS_AS_NEEDED}).",
+        description="Passes over the training set, at most. null: 1, or, when `max_steps` is set, as many as it takes.",
     )
     max_steps: int | None = Field(
         None,
@@ -285,15 +284,15 @@ class TrainSection(Section):
         description="With `global_batch`: the key computed so that batch_size x grad_accum_steps x workers equals it.",
     )
 
-    @model_validator(mode="after")
-    def _max_steps_decides(self) -> TrainSection:
-        """`max_steps` means what it says: a run that sets it and not `max_epochs` runs that many
-        steps, over as many epochs as they take. Decided here, where the config is read, and
-        written into `max_epochs`: a config passed on (to Ray's workers, a checkpoint's record)
-        is validated again with every key set."""
-        if self.max_steps is not None and "max_epochs" not in self.model_fields_set:
-            self.max_epochs = EPOCHS_AS_NEEDED
-        return self
+    @property
+    def epoch_limit(self) -> int:
+        """The epochs the run may take: `max_epochs` when set; else 1, or as many as `max_steps`
+        takes when that is set (`max_steps` means what it says). Null in the config rather than
+        a number written at validation, so that a config passed on (a sweep's trial with its own
+        `max_steps`, a checkpoint's record) still says the user set no limit."""
+        if self.max_epochs is not None:
+            return self.max_epochs
+        return 1 if self.max_steps is None else EPOCHS_AS_NEEDED
 
     @model_validator(mode="after")
     def _early_stopping_needs_evaluations(self) -> TrainSection:

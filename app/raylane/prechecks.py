@@ -539,7 +539,7 @@ def _finished(cfg: BaseConfig, folder: Path) -> Finished | None:
         key
         for key, hit in (
             ("train.max_steps", t.max_steps is not None and t.max_steps <= steps),
-            ("train.max_epochs", t.max_epochs <= epochs),
+            ("train.max_epochs", t.epoch_limit <= epochs),
         )
         if hit
     ]

@@ -35,9 +35,21 @@ def _write(path, text):
 )
 def test_max_epochs_follows_max_steps_unless_set(tmp_path, yaml_train, sets, epochs):
     cfg = load_config(_write(tmp_path / "c.yaml", f"pipeline: regression\ntrain: {yaml_train}\n"), sets)
-    assert cfg.train.max_epochs == epochs
+    assert cfg.train.epoch_limit == epochs
     # Validated again with every key set (Ray's workers, a checkpoint's record): the same.
-    assert validate(cfg.model_dump(mode="json")).train.max_epochs == epochs
+    assert validate(cfg.model_dump(mode="json")).train.epoch_limit == epochs
+
+
+def test_a_sweeps_trial_that_sets_max_steps_runs_that_many_steps(tmp_path):
+    """A trial's values are set on a base validated with every key set (Ray's workers receive it
+    so): a trial that searches train.max_steps on a base that left max_epochs alone still trains
+    as many epochs as its steps take. Before, the base's max_epochs had been written 1 by then."""
+    from raylane.config import apply_values
+
+    base = validate(load_config(_write(tmp_path / "c.yaml", "pipeline: regression\n")).model_dump(mode="json"))
+    assert base.train.epoch_limit == 1
+    assert apply_values(base, {"train.max_steps": 200}).train.epoch_limit == EPOCHS_AS_NEEDED
+    assert apply_values(base, {"train.max_steps": 200, "train.max_epochs": 2}).train.epoch_limit == 2
 
 
 def test_a_run_with_max_steps_plans_that_many_steps_over_several_epochs(tmp_path):

@@ -22,9 +22,9 @@ def last_step(train_data: EpochData, train: TrainSection, *, epoch: int, batch_i
     """The step the run ends at, from a position: `step`, `batch_in_epoch` micro-batches into
     `epoch`. A resume counts from where it is, not from step 0: the steps per epoch change with
     train.batch_size or the world size at an epoch boundary, and the run still ends at its
-    train.max_epochs or train.max_steps, whichever comes first (max_epochs is as many as
-    max_steps takes unless set: raylane.config.TrainSection)."""
-    accum, max_steps, epochs = train.grad_accum_steps, train.max_steps or math.inf, train.max_epochs
+    train.max_epochs or train.max_steps, whichever comes first (train.epoch_limit: as many
+    as max_steps takes when max_epochs is not set)."""
+    accum, max_steps, epochs = train.grad_accum_steps, train.max_steps or math.inf, train.epoch_limit
     if epoch >= epochs:
         return step
     total = step + math.ceil(max(train_data.batches_in_epoch(epoch) - batch_in_epoch, 0) / accum)

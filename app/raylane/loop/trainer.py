@@ -359,7 +359,7 @@ class Trainer(EvalSchedule):
         self.reporter.on_start(
             total_steps=self.total_steps,
             steps_per_epoch=self.steps_per_epoch,
-            max_epochs=self.cfg.train.max_epochs,
+            max_epochs=self.cfg.train.epoch_limit,
             world_size=self.runtime.world_size,
             resumed_from_step=self.resumed_from_step,
             resumed_from=self.resumed_from,

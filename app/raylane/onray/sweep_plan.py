@@ -116,7 +116,7 @@ def plan_text(plan: SweepPlan) -> str:
         "fifo": "",
     }[sweep.scheduler]
     lines = [
-        f"# base config: {sweep.base} with this file's overrides, {plural(plan.base.train.max_epochs, 'epoch')} "
+        f"# base config: {sweep.base} with this file's overrides, {plural(plan.base.train.epoch_limit, 'epoch')} "
         f"a trial on {plural(plan.base.scaling.num_workers, 'worker')}",
         f"# {trials_text(sweep)}, {how}{later}:",
     ]

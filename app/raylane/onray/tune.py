@@ -85,7 +85,7 @@ def _scheduler(sweep: SweepSection, base: BaseConfig):
             time_attr="epoch",
             metric=sweep.metric,
             mode=sweep.mode,
-            max_t=base.train.max_epochs,
+            max_t=base.train.epoch_limit,
             grace_period=sweep.grace_period,
             reduction_factor=sweep.reduction_factor,
         )
@@ -284,7 +284,7 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
         # Tune sees epoch ends only: every trial reports at the same points. Not the last one,
         # reported once the run has returned (below): a scheduler's stop there (ASHA at max_t)
         # would tear the finished run down before its end-of-run records.
-        if isinstance(event, Checkpoint) and event.metrics and event.epoch < cfg.train.max_epochs:
+        if isinstance(event, Checkpoint) and event.metrics and event.epoch < cfg.train.epoch_limit:
             report(objective({**event.speed, **event.metrics}), event.epoch, event.step, event.location)
 
     handle = RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False)
@@ -292,7 +292,7 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
         result = launch_on_ray(cfg, run_id, parent.tracking_uri, on_event, embedded=False, in_trial=True)
     except SystemExit:  # tune.report's way of saying the scheduler stopped this trial
         # (its last evaluation is recorded by the driver: TrialRuns, which this may not outlive)
-        finished = reported["epoch"] >= cfg.train.max_epochs
+        finished = reported["epoch"] >= cfg.train.epoch_limit
         if not finished:
             client.set_tag(run_id, "raylane.early_stopped", "true")
             client.set_tag(run_id, "raylane.stopped_at_epoch", str(reported["epoch"]))
@@ -432,7 +432,7 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
         name=sweep.name,
         storage_path=base.run.storage_path,
         verbose=1 if logs.verbose() else 0,  # --verbose: Tune's status tables too
-        callbacks=[TrialRuns(parent, sweep, base.train.max_epochs), CSVLoggerCallback(), JsonLoggerCallback()],
+        callbacks=[TrialRuns(parent, sweep, base.train.epoch_limit), CSVLoggerCallback(), JsonLoggerCallback()],
         stop=stopper,
         failure_config=tune.FailureConfig(max_failures=base.failure.max_failures),
     )
