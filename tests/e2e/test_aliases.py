@@ -283,16 +283,33 @@ def test_a_checkpoint_missing_a_tensor_that_is_no_alias_is_refused_naming_it(tmp
 
 def test_export_of_the_tied_model_writes_each_tensor_once_and_loads_back(run_cli, project):
     s = _train(run_cli, "local", "tied", "lm", 3)
-    out = run_cli("export", s["checkpoint"], "--out", "lm.safetensors", name="export")
+    out = run_cli("export", s["checkpoint"], "--out", "lm.safetensors", "--summary-json", "export.json", name="export")
     assert out.wait(120) == 0, out.output
+    exported = read_json(project / "export.json")
+    assert (exported["command"], exported["checkpoint"], exported["files"]) == (
+        "export",
+        s["checkpoint"],
+        [str(project / "lm.safetensors"), str(project / "lm.config.json")],
+    )
+    # A fresh interpreter with neither torch nor Ray: safetensors and numpy only.
+    code = (
+        "import sys, json; from safetensors.numpy import load_file\n"
+        "w = load_file('lm.safetensors'); assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"
+        "print(json.dumps({k: list(v.shape) for k, v in w.items()}))"
+    )
+    shapes = json.loads(
+        subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True, text=True, check=True).stdout
+    )
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     weights = load_file(project / "lm.safetensors")
     assert sorted(weights) == ["blocks.0.bias", "blocks.0.weight", "blocks.1.bias", "blocks.1.weight", "emb.weight"]
+    assert shapes == {k: list(v.shape) for k, v in weights.items()}
     with safe_open(project / "lm.safetensors", "pt") as f:
         assert json.loads(f.metadata()["aliases"]) == {"out.weight": "emb.weight"}
-    assert read_json(project / "lm.config.json")["aliases"] == {"out.weight": "emb.weight"}
+    config = read_json(project / "lm.config.json")
+    assert config["aliases"] == {"out.weight": "emb.weight"} and config["step"] == s["steps"] == 3
     model = MODELS["tied"]()
     model.load_state_dict({**weights, "out.weight": weights["emb.weight"]})
     trained = _trained(s["checkpoint"], "tied")

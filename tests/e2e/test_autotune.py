@@ -117,7 +117,7 @@ def test_autotune_of_an_own_pipeline_on_ray_runs_in_one_worker_group(run_cli, tm
         "--set",
         "autotune.bucket_cap_mb=[25, 1]",
         "--set",
-        "autotune.max_rounds=3",
+        "autotune.max_rounds=2",
         "--set",
         "autotune.profile_steps=5",
         "--set",

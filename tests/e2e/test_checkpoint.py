@@ -46,12 +46,13 @@ def test_truncated_bitflipped_or_uncommitted_checkpoints_are_skipped(tmp_path):
     uncommitted = _save(tmp_path, 40, 4.0)
     (uncommitted / checkpoint.MANIFEST_FILE).unlink()  # as if the writer died before the commit
     shard = _shard(truncated)
+    size = shard.stat().st_size
     shard.write_bytes(shard.read_bytes()[:-7])
     data = bytearray(_shard(flipped).read_bytes())
     data[len(data) // 2] ^= 0x01
     _shard(flipped).write_bytes(bytes(data))
 
-    assert "bytes, the manifest says" in checkpoint.verify(str(truncated))
+    assert checkpoint.verify(str(truncated)) == f"state.pt has {size - 7} bytes, the manifest says {size}"
     assert "does not match its checksum" in checkpoint.verify(str(flipped))
     assert checkpoint.latest_valid(str(tmp_path)) == str(good)
 
@@ -70,6 +71,8 @@ def test_prune_keeps_the_newest(tmp_path):
     ]
 
 
+@pytest.mark.slow  # ~9 s; make test relaunches past a damaged newest checkpoint, saying so once (test_resume:
+# test_a_resume_past_a_damaged_checkpoint_says_so_...) and finds a truncated one (the first test here)
 def test_relaunch_after_a_truncated_latest_checkpoint_uses_the_previous(run_cli, tmp_path):
     args = ["train", "regression", "--local", "--set", "run.name=t", "--set", "checkpoint.every_n_steps=10"]
     first = run_cli(*args, "--set", "train.max_steps=30", "--summary-json", "a.json")
@@ -150,6 +153,8 @@ def test_resume_with_dropout_is_bit_exact(run_cli, tmp_path):
         assert torch.equal(weights[0][name], weights[1][name]), name
 
 
+@pytest.mark.slow  # ~13 s; make test exports a trained checkpoint, its summary and a numpy-only load included
+# (test_aliases: test_export_of_the_tied_model_writes_each_tensor_once_and_loads_back); a DDP checkpoint is rank 0's one file
 def test_export_from_two_rank_checkpoint_loads_with_safetensors_alone(run_cli, tmp_path):
     from tests.conftest import TORCHRUN
 

@@ -180,6 +180,8 @@ def test_keep_best_retains_the_best_and_the_latest(tmp_path):
     assert _steps_on_disk(tmp_path) == [40, 45]
 
 
+@pytest.mark.slow  # ~16 s; make test proves each curve (tests/unit/test_optim.py: test_each_schedule_curve) and a resume
+# from a checkpoint inside the warmup, bit-exact (test_a_run_stopped_and_resumed_matches_an_uninterrupted_one[linear])
 def test_scheduler_warmup_then_cosine_and_its_state_resumes(run_cli, tmp_path):
     cfg = load_config("regression", ["optim.schedule=cosine", "optim.warmup_steps=10", "optim.lr=0.1"])
     model = build(cfg).model

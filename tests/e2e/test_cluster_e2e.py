@@ -183,6 +183,9 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_pat
             "train.yaml",
             *QUICK,
             *storage,
+            # One training worker for each job: checked here is the way in, and where the records land.
+            "--set",
+            "scaling.num_workers=1",
         ],
         cwd=tmp_path,
         env=env,
@@ -194,7 +197,8 @@ def test_ray_job_submit_and_raylane_submit_on_a_token_authenticated_head(tmp_pat
     mine = tmp_path / "project"
     mine.mkdir()
     (mine / "job.yaml").write_text(
-        "pipeline: digits\ntrain: {max_epochs: 1}\nmlflow: {log_model: false, system_metrics: false}\n"
+        "pipeline: digits\nscaling: {num_workers: 1}\ntrain: {max_epochs: 1}\n"
+        "mlflow: {log_model: false, system_metrics: false}\n"
     )
     env_here = {k: v for k, v in env.items() if k != "MLFLOW_TRACKING_URI"}
     follow = subprocess.Popen(

@@ -51,7 +51,7 @@ def test_a_collate_fn_over_ragged_items_trains_with_workers_and_resumes_bit_exac
     (tmp_path / "marks").mkdir()
     env = cli_env(tmp_path, WORKER_MARKS=str(tmp_path / "marks"))
     args = ["train", "cfg.yaml", "--local", "--set", "loader.num_workers=2"]
-    straight = run_cli(*args, "--set", "run.name=s", "--summary-json", "s.json", env=env, name="straight")
+    straight = run_cli(*args, *QUIET, "--set", "run.name=s", "--summary-json", "s.json", env=env, name="straight")
     first = run_cli(
         *args,
         *QUIET,
@@ -76,11 +76,6 @@ def test_a_collate_fn_over_ragged_items_trains_with_workers_and_resumes_bit_exac
     for name, tensor in w_straight.items():
         assert torch.equal(w_resumed[name], tensor), name
     assert b["metrics"]["loss"] == s["metrics"]["loss"]  # the held-out set's noise too
-
-    import mlflow
-
-    run = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(s["run_id"])
-    assert run.info.status == "FINISHED" and run.data.params["loader.num_workers"] == "2"
 
 
 @pytest.mark.untracked

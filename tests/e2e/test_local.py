@@ -69,6 +69,8 @@ def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(run_cli, tmp_path):
     assert abs(s2["metrics"]["loss"] - s1["metrics"]["loss"]) < 1e-5
 
 
+@pytest.mark.slow  # ~33 s; make test resumes mid-epoch bit-exact (test_checkpoint: test_resume_with_dropout_is_bit_exact),
+# continuing the same MLflow run and saying so (test_records: test_a_longer_schedule_continues_...)
 def test_relaunch_resumes_mid_epoch_and_matches_an_uninterrupted_run(run_cli, tmp_path):
     args = ["train", "regression", "--local", "--set", "checkpoint.every_n_steps=10", "--set", "optim.lr=0.05"]
     first = run_cli(*args, "--set", "run.name=r", "--set", "train.max_steps=30", "--summary-json", "a.json")
@@ -120,6 +122,8 @@ def test_a_schedule_ends_where_a_resume_moves_the_last_step():
     assert factor(30) == pytest.approx(0.5) and factor(60) == pytest.approx(0.0)
 
 
+@pytest.mark.slow  # ~14 s; make test checks the same params and metrics of a --local digits run
+# (test_records: test_the_finished_run_has_its_params_and_metrics_in_mlflow)
 def test_single_process_digits_logs_to_mlflow(run_cli, tmp_path):
     proc = run_cli(
         "train",

@@ -31,12 +31,17 @@ def _committed(tmp_path, name: str, step: int) -> bool:
     )
 
 
-def _assert_stopped_cleanly(proc, summary: dict) -> None:
+def _assert_stopped_cleanly(proc, summary: dict, *, tracked: bool = True) -> None:
+    """`tracked=False` for a test marked untracked: MLflow's KILLED close is the driver's on every
+    launcher, and make test checks it in one process (test_mlflow_server)."""
     assert summary["status"] == "KILLED" and summary["preempted"] is True
     assert summary["error"].startswith(f"stopped at step {summary['steps']} (")
     assert summary["checkpoint"].endswith(checkpoint.checkpoint_name(summary["steps"]))
     assert checkpoint.verify(summary["checkpoint"]) is None  # committed, every shard intact
-    assert MlflowClient(summary["tracking_uri"]).get_run(summary["run_id"]).info.status == "KILLED"
+    if tracked:
+        assert MlflowClient(summary["tracking_uri"]).get_run(summary["run_id"]).info.status == "KILLED"
+    else:
+        assert summary["run_id"] is None
 
 
 def _relaunch_loses_no_steps(run_cli, tmp_path, name: str, stopped: dict, *launch: str, **how) -> dict:
@@ -62,13 +67,14 @@ def _relaunch_loses_no_steps(run_cli, tmp_path, name: str, stopped: dict, *launc
 
 @pytest.mark.ray
 @pytest.mark.shared_ray
+@pytest.mark.untracked
 def test_sigterm_to_the_driver_checkpoints_and_relaunch_loses_nothing(run_cli, tmp_path):
     first = run_cli("train", "digits", "--set", "run.name=pd", "--summary-json", "first.json", *LONG, name="first")
     wait_for(lambda: _committed(tmp_path, "pd", 20), timeout_s=240)
     first.signal(signal.SIGTERM)
     assert first.wait(120) == 130, first.output
     s = read_json(tmp_path / "first.json")
-    _assert_stopped_cleanly(first, s)
+    _assert_stopped_cleanly(first, s, tracked=False)
     assert "a stop request from the driver" in s["error"]
     _relaunch_loses_no_steps(run_cli, tmp_path, "pd", s, "train", "digits")
 
@@ -264,6 +270,7 @@ def test_ctrl_c_under_torchrun_then_relaunch_is_bit_exact(run_cli, tmp_path):
         assert torch.equal(tensor, reference[name]), name
 
 
+@pytest.mark.untracked
 def test_a_second_signal_stops_at_once(run_cli, tmp_path):
     """A rank hung outside any collective never reaches the next step boundary: the first Ctrl-C
     cannot be honoured gracefully, the second (after the grace) aborts."""
@@ -290,6 +297,7 @@ def test_a_second_signal_stops_at_once(run_cli, tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.shared_ray
+@pytest.mark.untracked
 def test_a_rank_stuck_outside_a_collective_is_reported_within_the_timeout(run_cli, tmp_path):
     proc = run_cli(
         "train",
@@ -304,7 +312,7 @@ def test_a_rank_stuck_outside_a_collective_is_reported_within_the_timeout(run_cl
     )
     assert proc.wait(180) == 1, proc.output
     s = read_json(tmp_path / "s.json")
-    assert s["status"] == "FAILED"
+    assert s["status"] == "FAILED" and s["restarts"] == 0  # failure.max_failures 0: no restart
     assert s["error"].startswith("training failed on rank 1: RuntimeError: Timed out waiting 5000ms")
     assert s["error"].endswith("(no error from rank 0: stuck outside the collective?)")
     # When the driver heard of the first step: on a busy machine that event can still be on its

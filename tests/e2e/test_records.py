@@ -87,6 +87,18 @@ def test_a_finished_run_relaunched_trains_and_logs_nothing(finished, monkeypatch
     assert _hashes(finished) == before  # not one byte of the run, its database or its model
 
 
+def test_the_finished_run_has_its_params_and_metrics_in_mlflow(finished):
+    """A run in one process (`--local`) records its config as params, and its training and
+    held-out metrics (over 3 steps: those of its last step)."""
+    run_id = read_json(finished / "a.json")["run_id"]
+    with sqlite3.connect(finished / "mlflow.db") as con:
+        params = dict(con.execute("SELECT key, value FROM params WHERE run_uuid = ?", (run_id,)))
+        keys = {key for (key,) in con.execute("SELECT DISTINCT key FROM metrics WHERE run_uuid = ?", (run_id,))}
+    assert params["model.hidden_size"] == "128" and params["train.max_steps"] == "3"
+    assert keys >= {"train/loss", "train/lr", "train/samples_per_s", "eval/loss", "eval/accuracy"}, keys
+    assert _status(finished, run_id) == "FINISHED"
+
+
 def test_a_changed_model_is_refused_before_anything_starts(finished, monkeypatch, capsys, no_work):
     before = _hashes(finished)
     monkeypatch.chdir(finished)

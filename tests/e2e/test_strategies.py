@@ -116,6 +116,8 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
         "strategy.name=fsdp",
         "--set",
         f"checkpoint.init_from={ddp['checkpoint']}",
+        "--set",
+        "mlflow.enabled=false",  # this run and the next check their summaries alone
         "--summary-json",
         "from-ddp.json",
         launcher=TORCHRUN,
@@ -139,6 +141,8 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
         "strategy.name=ddp",
         "--set",
         "train.max_steps=25",
+        "--set",
+        "mlflow.enabled=false",
         "--summary-json",
         "one.json",
         name="one",
@@ -152,42 +156,39 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_accumulation_reduces_gradients_once_per_optimizer_step(run_cli, tmp_path, strategy):
     """Counted at the c10d dispatcher: with 4 micro-batches per step, the gradient reductions
-    per optimizer step are as many as with 1 (DDP: one all-reduce per bucket; FSDP: one
-    reduce-scatter per sharded group), never 4 times as many."""
-    counts = {}
-    for accum in (1, 4):
-        out = tmp_path / f"counts-{accum}"
-        p = run_cli(
-            "--nproc_per_node",
-            "2",
-            str(REPO / "tests/helpers/count_collectives.py"),
-            str(out),
-            "--",
-            "train",
-            "gpt-tiny",
-            *GPT,
-            "--set",
-            f"strategy.name={strategy}",
-            "--set",
-            "train.max_steps=3",
-            "--set",
-            f"train.grad_accum_steps={accum}",
-            "--set",
-            f"run.name=a{accum}",
-            "--set",
-            "mlflow.enabled=false",
-            launcher=TORCHRUN,
-            name=f"accum{accum}",
-        )
-        assert p.wait(300) == 0, p.output
-        counts[accum] = [json.loads((tmp_path / f"counts-{accum}.{rank}.json").read_text()) for rank in (0, 1)]
+    per optimizer step are as many as with 1 (DDP: one all-reduce per bucket, gpt-tiny's state
+    fitting one; FSDP: one reduce-scatter per sharded group, its 2 blocks and the root), never 4
+    times as many."""
+    p = run_cli(
+        "--nproc_per_node",
+        "2",
+        str(REPO / "tests/helpers/count_collectives.py"),
+        str(tmp_path / "counts"),
+        "--",
+        "train",
+        "gpt-tiny",
+        *GPT,
+        "--set",
+        f"strategy.name={strategy}",
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "train.grad_accum_steps=4",
+        "--set",
+        "run.name=a4",
+        "--set",
+        "mlflow.enabled=false",
+        launcher=TORCHRUN,
+        name="accum4",
+    )
+    assert p.wait(300) == 0, p.output
+    per_rank = [json.loads((tmp_path / f"counts.{rank}.json").read_text()) for rank in (0, 1)]
     reduction = "allreduce_" if strategy == "ddp" else "_reduce_scatter_base_"
-    for accum, per_rank in counts.items():
-        for steps in per_rank:
-            assert len(steps) == 3
-            assert {s.get(reduction, 0) for s in steps} == {1 if strategy == "ddp" else 3}, (accum, steps)
-    if strategy == "fsdp":  # parameters are gathered for every micro-batch's forward
-        assert counts[4][0][0]["_allgather_base_"] > counts[1][0][0]["_allgather_base_"]
+    for steps in per_rank:
+        assert len(steps) == 3
+        assert {s.get(reduction, 0) for s in steps} == {1 if strategy == "ddp" else 3}, steps
+    if strategy == "fsdp":  # parameters are gathered for every micro-batch's forward: each block, 4 times
+        assert per_rank[0][0]["_allgather_base_"] >= 4 * 2, per_rank[0]
 
 
 def _tiny_gpt(**overrides):

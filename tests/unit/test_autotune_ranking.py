@@ -134,7 +134,7 @@ def test_simplicity_departs_least_from_the_config_then_by_knob():
 windows = st.lists(st.floats(1, 1000, allow_nan=False), min_size=2, max_size=8)
 
 
-@settings(max_examples=40, deadline=None)  # each example bootstraps intervals: ~0.1 s
+@settings(max_examples=15, deadline=None)  # each example bootstraps intervals: ~0.1 s
 @given(
     st.lists(
         st.tuples(

@@ -25,7 +25,8 @@ STEPS = 16  # 64 rows, 8 a step, 2 epochs
 SCHEDULES = {
     "constant": ["optim.warmup_steps=3"],
     "cosine": ["optim.warmup_steps=3", "optim.min_lr_ratio=0.1"],
-    "linear": ["optim.warmup_steps=3"],
+    # A warmup of 11 steps: the cut's checkpoint (step 10) lands in it, and the resume finishes it.
+    "linear": ["optim.warmup_steps=11"],
     "wsd": ["optim.warmup_steps=3", "optim.decay_fraction=0.25"],
 }
 
@@ -177,10 +178,14 @@ def test_a_run_stopped_and_resumed_matches_an_uninterrupted_one(pipe_file, monke
     monkeypatch.delenv(faults.ENV)
     resumed, lr_resumed = _train(cfg, "cut")
     assert failed == {} and sorted(lr_cut) == list(range(1, 12))
+    # The schedule's state travels in the checkpoint the resume starts from (linear: 10 of its 11 warmup steps).
+    cut_at = pipe_file.parent / "runs" / "cut" / checkpoint.checkpoint_name(10)
+    assert checkpoint.read_manifest(cut_at)["train_state"]["scheduler"]["last_epoch"] == 10
     assert resumed["resumed_from_step"] == 10 and resumed["steps"] == straight["steps"] == STEPS
     assert sorted(lr_straight) == list(range(1, STEPS + 1))
     assert {**lr_cut, **lr_resumed} == lr_straight
-    # After the cut: held (constant), held then decaying (wsd), decaying at every step (cosine, linear).
+    # After the cut: held (constant), held then decaying (wsd), decaying at every step (cosine; linear from
+    # the end of its warmup, at step 11).
     assert len(set(lr_resumed.values())) == {"constant": 1, "wsd": 5}.get(schedule, 6), lr_resumed
     a, b = _state(straight["checkpoint"]), _state(resumed["checkpoint"])
     assert a["model"].keys() == b["model"].keys()
