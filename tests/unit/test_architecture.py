@@ -288,8 +288,6 @@ ALLOWED_PRIVATE: dict[str, str] = {}
 # Private reaches in the code today that issue 48's other changes make public; the integrator
 # empties this list after merging them.
 KNOWN_PRIVATE = {
-    "raylane.autotuning.driver: raylane.autotuning.report._describe",  # report.describe (E)
-    "raylane.autotuning.driver: raylane.autotuning.report._metrics",  # report.metrics (E)
     "raylane.autotuning.driver: raylane.driver._start_ray",  # onray's public start_ray (B)
     "raylane.hf.data: raylane.errors._missing",  # (A)
     "raylane.loop.baddata: raylane.errors._missing",  # (A)
