@@ -192,6 +192,7 @@ def _assert_ranked(s: dict) -> None:
 
 def test_the_search_order_finds_the_largest_micro_batch_that_fits_then_tries_each_knob():
     from raylane.autotuning.order import plan
+    from raylane.autotuning.outcome import Fit, Outcome
 
     space = {
         "strategy.name": ["ddp"],
@@ -212,7 +213,7 @@ def test_the_search_order_finds_the_largest_micro_batch_that_fits_then_tries_eac
         size = values["train.batch_size"]
         fits = size in speed or (values["train.activation_checkpointing"] and size == 16)
         rate = speed.get(size, 70.0) * (0.5 if values["train.precision"] == "bf16" else 1.0)
-        outcome = {"status": "ok", "samples_per_s": rate} if fits else {"status": "oom", "samples_per_s": None}
+        outcome = Outcome(values, Fit.OK, samples_per_s=rate) if fits else Outcome(values, Fit.OOM)
     # 32 first; a binary search (4, 16) finds 8; the scan down goes on to a third size (2), then
     # stops, slower; then the knobs from (8, fp32), recompute with the next larger micro-batch too.
     assert tried == [

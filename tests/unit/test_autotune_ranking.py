@@ -4,10 +4,13 @@ the ranking is unclear. Pure Python: no Ray, no torch, no timing."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raylane.autotuning.order import plan
+from raylane.autotuning.outcome import Fit, Outcome
 from raylane.autotuning.ranking import (
     median_interval,
     merge,
@@ -28,13 +31,13 @@ SPACE = {
 OWN = {k: v[0] for k, v in SPACE.items()}
 
 
-def one_round(rates: list[float]) -> dict:
+def one_round(rates: list[float]) -> Outcome:
     """A round of windows of 0.1 s each."""
-    return {"status": "ok", **summarize([rates], [[0.1] * len(rates)])}
+    return summarize(Outcome({}), [rates], [[0.1] * len(rates)])
 
 
-def candidate(windows: list[float], rounds: int = 1, **values) -> dict:
-    return {"values": {**OWN, **values}, "rounds": rounds, **one_round(windows)}
+def candidate(windows: list[float], rounds: int = 1, **values) -> Outcome:
+    return replace(one_round(windows), values={**OWN, **values}, rounds=rounds)
 
 
 def test_a_stalled_window_does_not_decide_the_figure():
@@ -81,7 +84,7 @@ def test_overlap_asks_for_more_rounds_of_the_leader_and_the_tied_until_the_cap()
     other = candidate([108, 125, 115, 95, 112], rounds=2, **{"strategy.bucket_cap_mb": 5.0})
     slow = candidate([10, 12, 11, 9, 10], rounds=1, **{"strategy.name": "fsdp"})
     assert next_round([own, other, slow], OWN, SPACE, min_rounds=2, max_rounds=4) == [1, 0]
-    capped = [{**own, "rounds": 4}, {**other, "rounds": 4}, slow]
+    capped = [replace(own, rounds=4), replace(other, rounds=4), slow]
     assert next_round(capped, OWN, SPACE, min_rounds=2, max_rounds=4) == []
     assert verdict(capped, OWN, SPACE)["winner"] == 0  # still tied at the cap: the simplest
 
@@ -94,7 +97,7 @@ def test_a_simpler_candidate_beaten_on_one_round_is_measured_again_with_the_lead
     less_simple = candidate([40, 41, 42, 39, 40], **{"train.precision": "bf16"})
     assert next_round([own, lead, less_simple], OWN, SPACE, min_rounds=2, max_rounds=4) == [1, 0]
     again = merge(own, one_round([101, 99, 103, 100, 98]))  # the busy spell is gone
-    assert again["rounds"] == 2 and [len(w) for w in again["windows"]] == [5, 5]
+    assert again.rounds == 2 and [len(w) for w in again.windows] == [5, 5]
     assert verdict([again, merge(lead, one_round([100, 103, 97, 99, 102])), less_simple], OWN, SPACE)["winner"] == 0
 
 
@@ -102,14 +105,14 @@ def test_a_clear_leader_is_measured_until_min_rounds_and_then_no_more():
     lead = candidate([100, 104, 98, 101, 99])
     slow = candidate([40, 41, 42, 39, 40], **{"train.precision": "bf16"})
     assert next_round([lead, slow], OWN, SPACE, min_rounds=2, max_rounds=4) == [0]
-    assert next_round([{**lead, "rounds": 2}, slow], OWN, SPACE, min_rounds=2, max_rounds=4) == []
+    assert next_round([replace(lead, rounds=2), slow], OWN, SPACE, min_rounds=2, max_rounds=4) == []
 
 
 def test_a_round_that_fails_keeps_the_measurement_and_ends_the_rounds():
     own = candidate([100, 120, 110, 90, 105])
-    failed = merge(own, {"status": "oom", "error": "out of memory on rank 1"})
-    assert failed["samples_per_s"] == own["samples_per_s"] and failed["final"]
-    assert failed["round_error"] == "out of memory on rank 1"
+    failed = merge(own, Outcome({}, Fit.OOM, error="out of memory on rank 1"))
+    assert failed.samples_per_s == own.samples_per_s and failed.final
+    assert failed.round_error == "out of memory on rank 1"
     other = candidate([108, 125, 115, 95, 112], **{"strategy.bucket_cap_mb": 5.0})
     assert next_round([failed, other], OWN, SPACE, min_rounds=2, max_rounds=4) == [1]
 
@@ -159,13 +162,13 @@ def test_rounds_end_and_the_winner_is_the_simplest_of_those_tied_with_the_leader
         assert measured <= len(outcomes) * max_rounds
     found = verdict(outcomes, OWN, SPACE)
     lead = outcomes[found["leader"]]
-    assert lead["samples_per_s"] == max(o["samples_per_s"] for o in outcomes)
+    assert lead.samples_per_s == max(o.samples_per_s for o in outcomes)
     assert found["leader"] in found["ties"] and found["winner"] in found["ties"]
     for i, o in enumerate(outcomes):  # a tie is an overlap with the leader's interval
-        apart = o["interval"][1] < lead["interval"][0]
+        apart = o.interval[1] < lead.interval[0]
         assert (i in found["ties"]) == (not apart)
-        assert o["rounds"] <= max_rounds
-    keys = [simplicity(outcomes[i]["values"], OWN, SPACE) for i in found["ties"]]
+        assert o.rounds <= max_rounds
+    keys = [simplicity(outcomes[i].values, OWN, SPACE) for i in found["ties"]]
     assert keys == sorted(keys) and found["winner"] == found["ties"][0]  # simplest first
 
 

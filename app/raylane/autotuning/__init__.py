@@ -3,6 +3,9 @@
 - `driver`: the launch's driver side (the search space, the MLflow parent and child runs, the
   table, the plot, the winner's YAML and the summary); it starts Ray only through raylane.onray.
 - `search`: the search itself, run by every rank (Ray-free: the same under Ray, torchrun or in
-  one process); `order` plans the candidates and keeps the record a relaunch replays, `ranking`
-  turns measured windows into intervals and a winner, `costs` measures evaluation and saves.
-- `report`: the driver's table, plot and YAML."""
+  one process), given its `settings` (SearchSettings); `profile` measures one candidate,
+  `agree` is how the ranks agree on it, `memory` its peak and out-of-memory errors, `costs` its
+  evaluation and saves; `order` plans the candidates, `record` keeps what a relaunch replays,
+  `ranking` turns measured windows into intervals and a winner.
+- `outcome`: what a candidate measured (Outcome, and how it ended: Fit).
+- `report`: the driver's lines, table, plot, MLflow metrics and YAML."""

@@ -20,18 +20,20 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from raylane import prechecks
-from raylane.autotuning.order import RECORD_FILE
+from raylane.autotuning.outcome import Fit, Outcome
 from raylane.autotuning.ranking import CONFIDENCE, verdict
+from raylane.autotuning.record import RECORD_FILE
 from raylane.autotuning.report import (
-    _describe,
-    _metrics,
     chosen_line,
+    describe,
     estimate_error,
+    metrics,
     plot,
     row,
     table,
     write_yaml,
 )
+from raylane.autotuning.settings import SearchSettings
 from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import (
     BaseConfig,
@@ -54,7 +56,8 @@ from raylane.results import Candidate as CandidateRow
 log = logging.getLogger("raylane")
 
 PARENT_TAG = "mlflow.parentRunId"
-CHILD_STATUS = {"ok": "FINISHED", "oom": "FAILED", "failed": "FAILED", "pruned": "KILLED"}
+# A candidate's child run ends as MLflow's status for how the candidate ended.
+CHILD_STATUS = {Fit.OK: "FINISHED", Fit.OOM: "FAILED", Fit.FAILED: "FAILED", Fit.PRUNED: "KILLED"}
 
 
 class AutotuneSection(Section):
@@ -363,21 +366,23 @@ class Recorder:
         match event:
             case SearchStart():
                 self.search_started = event.time_unix
-            case Candidate(index=index, outcome=c):
-                print(f"[autotune] {index}: {_describe(c)}" + (" (recorded)" if event.replayed else ""), flush=True)
+            case Candidate(index=index):
+                c = Outcome.from_dict(event.outcome)
+                print(f"[autotune] {index}: {describe(c)}" + (" (recorded)" if event.replayed else ""), flush=True)
                 run_id = None
                 if self.parent:
                     run_id = (self._earlier_child(index) if event.replayed else None) or self._child(index, c)
                 self.run_ids.append(run_id)
-            case Round(index=index, outcome=c):
+            case Round(index=index):
+                c = Outcome.from_dict(event.outcome)
                 print(
-                    f"[autotune] {index} again (round {event.rounds}): {_describe(c)}"
+                    f"[autotune] {index} again (round {event.rounds}): {describe(c)}"
                     + (" (recorded)" if event.replayed else ""),
                     flush=True,
                 )
                 run_id = self.run_ids[index] if index < len(self.run_ids) else None
                 if run_id and not event.replayed:  # a replayed round is in its child already
-                    self.client.log_batch(run_id, metrics=_metrics(c, step=event.rounds or 0))
+                    self.client.log_batch(run_id, metrics=metrics(c, step=event.rounds or 0))
             case Log() if event.level in ("warning", "error"):
                 print(f"raylane: warning: {event.message}", flush=True)
 
@@ -390,25 +395,23 @@ class Recorder:
         )
         return found[0].info.run_id if found else None
 
-    def _child(self, index: int, c: dict[str, Any]) -> str:
+    def _child(self, index: int, c: Outcome) -> str:
         from mlflow.entities import Param, RunTag
 
         tags = {
             PARENT_TAG: self.parent.run_id,
             "mlflow.runName": f"candidate-{index}",
-            "raylane.autotune.status": c["status"],
+            "raylane.autotune.status": c.status.value,
         }
         run_id = self.client.create_run(self.parent.experiment_id, tags=tags).info.run_id
-        params = [
-            Param(k, str(v)) for k, v in {**c["values"], "train.grad_accum_steps": c.get("grad_accum_steps")}.items()
-        ]
+        params = [Param(k, str(v)) for k, v in {**c.values, "train.grad_accum_steps": c.grad_accum_steps}.items()]
         self.client.log_batch(
             run_id,
-            metrics=_metrics(c, step=1),
+            metrics=metrics(c, step=1),
             params=params,
-            tags=[RunTag("raylane.autotune.error", c["error"])] if c.get("error") else [],
+            tags=[RunTag("raylane.autotune.error", c.error)] if c.error else [],
         )
-        self.client.set_terminated(run_id, CHILD_STATUS[c["status"]])
+        self.client.set_terminated(run_id, CHILD_STATUS[c.status])
         return run_id
 
     def finish(
@@ -416,29 +419,33 @@ class Recorder:
         result: dict[str, Any],
         status: Status,
         error: str | None,
-        params: dict[str, Any],
+        params: SearchSettings | dict[str, Any],
         out: str,
         summary_path: str | None,
     ) -> AutotuneSummary:
+        """The end of the search: `result` as the search returned it (Search.run), `params` as
+        settings() built it."""
         from raylane.tracking.runs import close_run, ui_command
 
-        candidates = result.get("candidates", [])
+        settings = SearchSettings.of(params)
+        candidates = [Outcome.from_dict(c) for c in result.get("candidates", [])]
         self.device = result.get("device")
-        ranking = verdict(candidates, params["own"], params["space"])
+        ranking = verdict(candidates, settings.own or {}, settings.space)
         best = candidates[ranking["winner"]] if ranking else None
         if status == Status.FINISHED and best is None:
             status, error = Status.FAILED, "no candidate fitted in memory"
-        summary = AutotuneSummary.model_validate(self._summary(candidates, ranking, status, error, params, out))
-        if best is not None:
-            write_yaml(out, winner_config(self.cfg, params["global_batch"], best["values"]), best, ranking["ties"])
+        summary = AutotuneSummary.model_validate(self._summary(candidates, ranking, status, error, settings, out))
+        if best is not None and ranking is not None:
+            held = settings.global_batch.model_dump()
+            write_yaml(out, winner_config(self.cfg, held, best.values), best, ranking["ties"])
         if candidates:
-            print(table(candidates, list(params["space"]), ranking), flush=True)
+            print(table(candidates, list(settings.space), ranking), flush=True)
         self._artifacts(candidates, summary)
         if self.parent:
             self._tag_verdicts(summary.candidates)
             close_run(self.parent, Status.FINISHED if status == Status.FINISHED else Status.FAILED)
         summary.write(summary_path)
-        if best is not None:
+        if best is not None and ranking is not None:
             print(f"[raylane] {chosen_line(candidates, ranking)}; wrote {out} (raylane train {out})", flush=True)
         if error:
             print(f"raylane: autotune {status.lower()}: {error}", flush=True)
@@ -451,7 +458,16 @@ class Recorder:
             if r.run_id and r.verdict:
                 self.client.set_tag(r.run_id, "raylane.autotune.verdict", r.verdict)
 
-    def _summary(self, candidates, ranking, status, error, params, out) -> dict[str, Any]:
+    def _summary(
+        self,
+        candidates: list[Outcome],
+        ranking: dict[str, Any] | None,
+        status: Status,
+        error: str | None,
+        settings: SearchSettings,
+        out: str,
+    ) -> dict[str, Any]:
+        """AutotuneSummary's fields."""
         ended = time.time()
         startup = (self.search_started - self.launched) if self.search_started else None
         best = candidates[ranking["winner"]] if ranking else None
@@ -462,20 +478,20 @@ class Recorder:
             "run_name": self.cfg.run.name,
             "parent_run_id": self.parent.run_id if self.parent else None,
             "tracking_uri": self.tracking_uri,
-            "global_batch": params["global_batch"]["size"],
+            "global_batch": settings.global_batch.size,
             "world_size": self.cfg.scaling.num_workers,
             "best": None
-            if best is None
+            if best is None or ranking is None
             else {
                 "candidate": ranking["winner"],
-                "config": {**best["values"], "train.grad_accum_steps": best.get("grad_accum_steps")},
-                "samples_per_s": best["samples_per_s"],
-                "interval": best.get("interval"),
-                "rounds": best.get("rounds"),
+                "config": {**best.values, "train.grad_accum_steps": best.grad_accum_steps},
+                "samples_per_s": best.samples_per_s,
+                "interval": best.interval,
+                "rounds": best.rounds,
                 "tied_with": ranking["ties"][1:],
-                "tokens_per_s": best.get("tokens_per_s"),
-                "mfu": best.get("mfu"),
-                "peak_memory_bytes": best.get("peak_memory_bytes"),
+                "tokens_per_s": best.tokens_per_s,
+                "mfu": best.mfu,
+                "peak_memory_bytes": best.peak_memory_bytes,
                 "yaml": str(Path(out).resolve()),
             },
             "ranking": ranking
@@ -483,9 +499,9 @@ class Recorder:
                 **ranking,
                 "clear": len(ranking["ties"]) == 1,
                 "confidence": CONFIDENCE,
-                "windows": params["windows"],
-                "min_rounds": params["min_rounds"],
-                "max_rounds": params["max_rounds"],
+                "windows": settings.windows,
+                "min_rounds": settings.min_rounds,
+                "max_rounds": settings.max_rounds,
             },
             "candidates": [row(c, i, ranking, run_ids[i]) for i, c in enumerate(candidates)],
             "device": self.device,
@@ -493,11 +509,11 @@ class Recorder:
             "timing": {
                 "wall_s": ended - self.launched,
                 "startup_s": startup,
-                "profiling_s": sum(c.get("profile_s") or 0 for c in candidates),
+                "profiling_s": sum(c.profile_s or 0 for c in candidates),
             },
         }
 
-    def _artifacts(self, candidates: list[dict[str, Any]], summary: AutotuneSummary) -> None:
+    def _artifacts(self, candidates: list[Outcome], summary: AutotuneSummary) -> None:
         if not (self.parent and candidates):
             return
         import tempfile

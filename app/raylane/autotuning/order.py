@@ -3,15 +3,12 @@ Pure Python (no torch, no Ray): `raylane.autotuning.search` runs each candidate 
 
 from __future__ import annotations
 
-import json
-from collections.abc import Generator
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import Any, TypeGuard
 
+from raylane.autotuning.outcome import Fit, Outcome
 from raylane.autotuning.ranking import beats
 
-# The search's record in the run's folder: what a relaunch replays.
-RECORD_FILE = "autotune.jsonl"
 MIN_SIZES_SCANNED = 3
 # Knobs tried one at a time from the best configuration so far, after strategy and micro-batch.
 KNOB_ORDER = (
@@ -22,11 +19,10 @@ KNOB_ORDER = (
     "strategy.reshard_after_forward",
     "strategy.comm_hook",
 )
+# Runs a candidate (rank 0 yields its values to the search) unless it ran already: its outcome.
+Attempt = Callable[[dict[str, Any]], Generator[dict[str, Any], Outcome, Outcome]]
 DDP_ONLY = ("strategy.bucket_cap_mb", "strategy.comm_hook")
 FSDP_ONLY = ("strategy.reshard_after_forward",)
-
-
-Outcome = dict[str, Any]
 
 
 def plan(space: dict[str, list[Any]], own: dict[str, Any] | None = None) -> Generator[dict[str, Any], Outcome, None]:
@@ -36,14 +32,14 @@ def plan(space: dict[str, list[Any]], own: dict[str, Any] | None = None) -> Gene
     (as DeepSpeed's autotuner does), then smaller ones while throughput still rises (at least
     MIN_SIZES_SCANNED of them: one noisy profile must not end the scan). From the
     best so far, each other knob is tried one value at a time and kept when it is clearly faster
-    (its interval above the best's; within the noise, the simpler is kept: see search_ranking);
+    (its interval above the best's; within the noise, the simpler is kept: see raylane.autotuning.ranking);
     activation checkpointing also gets the micro-batch above the one that fit without it. `own`:
     the config's own values (the simplest); default, each list's first value."""
     seen: dict[tuple, Outcome] = {}
     knobs = {k: v[0] for k, v in space.items()}
     own = knobs if own is None else own
 
-    def better(outcome: Outcome | None, values: dict[str, Any]) -> bool:
+    def better(outcome: Outcome | None, values: dict[str, Any]) -> TypeGuard[Outcome]:
         return _ok(outcome) and (best is None or beats(outcome, values, best[0], best[1], own, space))
 
     def key(values: dict[str, Any]) -> tuple:
@@ -55,21 +51,13 @@ def plan(space: dict[str, list[Any]], own: dict[str, Any] | None = None) -> Gene
         return seen[key(values)]
 
     best: tuple[Outcome, dict[str, Any]] | None = None
-    boundary: dict[str, int] = {}
     sizes = sorted(space["train.batch_size"], reverse=True)
     for strategy in space["strategy.name"]:
         values = {**knobs, "strategy.name": strategy}
         found = yield from _largest_fitting(values, sizes, attempt)
         if found is None:
             continue
-        boundary[strategy] = found
-        rate = None
-        for scanned, size in enumerate(sizes[found:], 1):
-            outcome = yield from attempt({**values, "train.batch_size": size})
-            slower = rate is not None and _ok(outcome) and outcome["samples_per_s"] <= rate
-            if not _ok(outcome) or (slower and scanned >= MIN_SIZES_SCANNED):
-                break
-            rate = max(rate or 0.0, outcome["samples_per_s"])
+        yield from _smaller_sizes(values, sizes[found:], attempt)
         for size in sizes[found:]:
             outcome = seen.get(key({**values, "train.batch_size": size}))
             if better(outcome, {**values, "train.batch_size": size}):
@@ -95,7 +83,21 @@ def plan(space: dict[str, list[Any]], own: dict[str, Any] | None = None) -> Gene
                     best = (outcome, larger)
 
 
-def _largest_fitting(values: dict[str, Any], sizes: list[int], attempt) -> Generator[dict, Outcome, int | None]:
+def _smaller_sizes(values: dict[str, Any], sizes: list[int], attempt: Attempt) -> Generator[dict, Outcome, None]:
+    """From the largest micro-batch that fits (`sizes[0]`) down, while throughput still rises
+    (at least MIN_SIZES_SCANNED of them: one noisy profile must not end the scan)."""
+    rate = None
+    for scanned, size in enumerate(sizes, 1):
+        outcome = yield from attempt({**values, "train.batch_size": size})
+        speed = outcome.samples_per_s or 0.0
+        if not _ok(outcome) or (rate is not None and speed <= rate and scanned >= MIN_SIZES_SCANNED):
+            break
+        rate = max(rate or 0.0, speed)
+
+
+def _largest_fitting(
+    values: dict[str, Any], sizes: list[int], attempt: Attempt
+) -> Generator[dict, Outcome, int | None]:
     """Index in `sizes` (largest first) of the largest micro-batch that fits, or None."""
     if _ok((yield from attempt({**values, "train.batch_size": sizes[0]}))):
         return 0
@@ -109,35 +111,5 @@ def _largest_fitting(values: dict[str, Any], sizes: list[int], attempt) -> Gener
     return found
 
 
-def _ok(outcome: Outcome | None) -> bool:
-    return bool(outcome) and outcome["status"] == "ok"
-
-
-def read_record(
-    path: Path, fingerprint: str
-) -> tuple[list[Outcome], list[tuple[int, Outcome]], dict[str, Any] | None, int | None]:
-    """An earlier launch's record (its lines of `fingerprint`): (each candidate's first outcome;
-    the later rounds in order, as (candidate index, that round's outcome); the values of a
-    candidate started and never finished, or None; the index of such a round, or None)."""
-    done: list[Outcome] = []
-    rounds: list[tuple[int, Outcome]] = []
-    started: dict[str, Any] | None = None
-    round_started: int | None = None
-    for line in path.read_text().splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:  # a line cut short when the group died: the candidate is redone
-            continue
-        if entry.get("fingerprint") != fingerprint:
-            continue  # an earlier search of this name over another config or space
-        if "started" in entry:
-            started = entry["started"]
-        elif "started_round" in entry:
-            round_started = entry["started_round"]
-        elif "round_of" in entry:
-            rounds.append((entry["round_of"], entry["outcome"]))
-            round_started = None
-        else:
-            done.append(entry)
-            started = None
-    return done, rounds, started, round_started
+def _ok(outcome: Outcome | None) -> TypeGuard[Outcome]:
+    return outcome is not None and outcome.status == Fit.OK

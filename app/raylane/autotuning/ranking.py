@@ -17,7 +17,10 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
+
+from raylane.autotuning.outcome import Outcome
 
 CONFIDENCE = 0.9
 BOOTSTRAP_DRAWS = 2000
@@ -34,7 +37,6 @@ SIMPLICITY_ORDER = (
     "strategy.bucket_cap_mb",
 )
 
-Outcome = dict[str, Any]
 Rounds = Sequence[Sequence[float]]
 
 
@@ -47,7 +49,7 @@ def median_interval(rates: Rounds) -> tuple[float, float, float]:
     draw = random.Random(0)  # the same measurements give the same interval
     stats = []
     for _ in range(BOOTSTRAP_DRAWS):
-        picked = []
+        picked: list[float] = []
         for _ in rounds:
             windows = rounds[draw.randrange(len(rounds))]
             picked.extend(windows[draw.randrange(len(windows))] for _ in windows)
@@ -58,24 +60,34 @@ def median_interval(rates: Rounds) -> tuple[float, float, float]:
     return mid, min(low, mid), max(high, mid)
 
 
-def summarize(rates: Rounds, seconds: Rounds) -> dict[str, Any]:
-    """The figures of windows measured in rounds: samples/s, and the seconds each lasted."""
+def summarize(outcome: Outcome, rates: Rounds, seconds: Rounds) -> Outcome:
+    """`outcome` with the figures of windows measured in rounds: samples/s, and the seconds each lasted."""
     mid, low, high = median_interval(rates)
-    return {
-        "samples_per_s": mid,
-        "interval": [low, high],
-        "windows": [list(r) for r in rates],
-        "window_s": [list(t) for t in seconds],
-    }
+    return replace(
+        outcome,
+        samples_per_s=mid,
+        interval=[low, high],
+        windows=[list(r) for r in rates],
+        window_s=[list(t) for t in seconds],
+    )
 
 
 def ok(outcome: Outcome | None) -> bool:
-    return bool(outcome) and outcome.get("status") == "ok" and outcome.get("samples_per_s") is not None
+    return outcome is not None and outcome.ok
+
+
+def speed(outcome: Outcome) -> float:
+    """Its samples/s, 0 when it has none (never ranked: see ok)."""
+    return outcome.samples_per_s or 0.0
+
+
+def rounds(outcome: Outcome) -> int:
+    return outcome.rounds or 1
 
 
 def interval(outcome: Outcome) -> tuple[float, float]:
     """An outcome without windows (one figure) is its own interval."""
-    low, high = outcome.get("interval") or (outcome["samples_per_s"], outcome["samples_per_s"])
+    low, high = outcome.interval or (speed(outcome), speed(outcome))
     return low, high
 
 
@@ -115,10 +127,10 @@ def verdict(outcomes: Sequence[Outcome], own: dict[str, Any], space: dict[str, l
     measured = [i for i, o in enumerate(outcomes) if ok(o)]
     if not measured:
         return None
-    lead = max(measured, key=lambda i: (outcomes[i]["samples_per_s"], -i))
+    lead = max(measured, key=lambda i: (speed(outcomes[i]), -i))
     ties = sorted(
         (i for i in measured if i == lead or overlaps(outcomes[i], outcomes[lead])),
-        key=lambda i: (simplicity(outcomes[i]["values"], own, space), i),
+        key=lambda i: (simplicity(outcomes[i].values, own, space), i),
     )
     return {"leader": lead, "ties": ties, "winner": ties[0]}
 
@@ -154,21 +166,18 @@ def next_round(
     lead = found["leader"]
 
     def more(i: int) -> bool:  # may be measured again
-        return outcomes[i].get("rounds", 1) < max_rounds and not outcomes[i].get("final")
+        return rounds(outcomes[i]) < max_rounds and not outcomes[i].final
 
-    lead_key = simplicity(outcomes[lead]["values"], own, space)
+    lead_key = simplicity(outcomes[lead].values, own, space)
     wanted = [
         i
         for i, o in enumerate(outcomes)
         if i != lead
         and ok(o)
         and more(i)
-        and (
-            overlaps(o, outcomes[lead])
-            or (o.get("rounds", 1) < min_rounds and simplicity(o["values"], own, space) < lead_key)
-        )
+        and (overlaps(o, outcomes[lead]) or (rounds(o) < min_rounds and simplicity(o.values, own, space) < lead_key))
     ]
-    if more(lead) and (wanted or outcomes[lead].get("rounds", 1) < min_rounds):
+    if more(lead) and (wanted or rounds(outcomes[lead]) < min_rounds):
         wanted.insert(0, lead)
     return wanted
 
@@ -177,21 +186,25 @@ def merge(outcome: Outcome, again: Outcome) -> Outcome:
     """A candidate's outcome after one more round `again`: the windows pooled, the figures
     recomputed. A round that did not run (out of memory, an error) leaves the measurement as it
     was and ends the candidate's rounds."""
-    if not ok(again) or not again.get("windows"):
-        note = again.get("error") or again.get("status")
-        return {**outcome, "final": True, "round_error": note}
-    rates, seconds = [*outcome["windows"], *again["windows"]], [*outcome["window_s"], *again["window_s"]]
-    merged = {
-        **outcome,
-        **summarize(rates, seconds),
-        "rounds": outcome.get("rounds", 1) + 1,
-        "profile_s": (outcome.get("profile_s") or 0) + (again.get("profile_s") or 0),
-        "peak_memory_bytes": max(outcome.get("peak_memory_bytes") or 0, again.get("peak_memory_bytes") or 0),
-    }
-    scale = merged["samples_per_s"] / outcome["samples_per_s"] if outcome.get("samples_per_s") else None
-    for key in ("tokens_per_s", "mfu"):  # proportional to samples/s
-        if scale is not None and isinstance(outcome.get(key), (int, float)):
-            merged[key] = outcome[key] * scale
-    if merged.get("samples_per_step"):
-        merged["step_time_s"] = merged["samples_per_step"] / merged["samples_per_s"]
+    if not ok(again) or not again.windows:
+        return replace(outcome, final=True, round_error=again.error or again.status.value)
+    merged = summarize(
+        replace(
+            outcome,
+            rounds=rounds(outcome) + 1,
+            profile_s=(outcome.profile_s or 0) + (again.profile_s or 0),
+            peak_memory_bytes=max(outcome.peak_memory_bytes or 0, again.peak_memory_bytes or 0),
+        ),
+        [*(outcome.windows or []), *again.windows],
+        [*(outcome.window_s or []), *(again.window_s or [])],
+    )
+    scale = speed(merged) / outcome.samples_per_s if outcome.samples_per_s else None
+    if scale is not None:  # proportional to samples/s
+        merged = replace(
+            merged,
+            tokens_per_s=None if outcome.tokens_per_s is None else outcome.tokens_per_s * scale,
+            mfu=None if outcome.mfu is None else outcome.mfu * scale,
+        )
+    if merged.samples_per_step:
+        merged = replace(merged, step_time_s=merged.samples_per_step / speed(merged))
     return merged

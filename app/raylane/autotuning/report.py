@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from raylane.autotuning.outcome import Fit, Outcome
 from raylane.config import BaseConfig
 
 METRIC_KEYS = (
@@ -27,10 +28,11 @@ METRIC_KEYS = (
 )
 
 
-def _describe(c: dict[str, Any]) -> str:
-    v = c["values"]
+def describe(c: Outcome) -> str:
+    """The candidate's line: its values, and its figure or why it has none."""
+    v = c.values
     text = (
-        f"{v.get('strategy.name')}, micro-batch {v.get('train.batch_size')} x {c.get('grad_accum_steps')}, "
+        f"{v.get('strategy.name')}, micro-batch {v.get('train.batch_size')} x {c.grad_accum_steps}, "
         f"{v.get('train.precision')}"
     )
     extras = [
@@ -40,30 +42,30 @@ def _describe(c: dict[str, Any]) -> str:
     ]
     extras = [e for e in extras if not e.startswith(("bucket_cap_mb=25.0", "reshard_after_forward", "comm_hook=none"))]
     text += "".join(f", {e}" for e in extras)
-    if c["status"] != "ok":
-        return f"{text}: {c['status']}" + (f" ({c['error']})" if c.get("error") else "")
-    peak = c.get("peak_memory_bytes")
+    if c.status != Fit.OK:
+        return f"{text}: {c.status}" + (f" ({c.error})" if c.error else "")
+    peak = c.peak_memory_bytes
     text = f"{text}: {rate(c)} samples/s" + (f", peak {peak / 2**20:.0f} MiB" if peak else "")
-    return text + (f" (round not measured: {c['round_error']})" if c.get("round_error") else "")
+    return text + (f" (round not measured: {c.round_error})" if c.round_error else "")
 
 
-def rate(c: dict[str, Any]) -> str:
+def rate(c: Outcome) -> str:
     """'1234.5 [1100.2-1302.7]': the median and its interval."""
-    low, high = c.get("interval") or (None, None)
-    return f"{c['samples_per_s']:.1f}" + (f" [{low:.1f}-{high:.1f}]" if low is not None else "")
+    low, high = c.interval or (None, None)
+    return f"{c.samples_per_s:.1f}" + (f" [{low:.1f}-{high:.1f}]" if low is not None else "")
 
 
-def verdict_of(index: int, c: dict[str, Any], ranking: dict[str, Any] | None) -> str | None:
-    if not ranking or c.get("status") != "ok" or c.get("samples_per_s") is None:
+def verdict_of(index: int, c: Outcome, ranking: dict[str, Any] | None) -> str | None:
+    if not ranking or not c.ok:
         return None
     if index == ranking["winner"]:
         return "winner"
     return "tie" if index in ranking["ties"] else "slower"
 
 
-def chosen_line(candidates: list[dict[str, Any]], ranking: dict[str, Any]) -> str:
+def chosen_line(candidates: list[Outcome], ranking: dict[str, Any]) -> str:
     best = ranking["winner"]
-    text = f"candidate {best}, {_describe(candidates[best])}"
+    text = f"candidate {best}, {describe(candidates[best])}"
     others = [i for i in ranking["ties"] if i != best]
     if not others:
         return f"fastest: {text}; clearly (no other interval overlaps its)"
@@ -73,39 +75,39 @@ def chosen_line(candidates: list[dict[str, Any]], ranking: dict[str, Any]) -> st
     )
 
 
-def row(c: dict[str, Any], index: int, ranking: dict[str, Any] | None, run_id: str | None) -> dict[str, Any]:
-    """A candidate in the summary."""
+def row(c: Outcome, index: int, ranking: dict[str, Any] | None, run_id: str | None) -> dict[str, Any]:
+    """A candidate in the summary (raylane.results.Candidate's fields)."""
     return {
-        "config": c["values"],
-        "status": c["status"],
-        "samples_per_s": c.get("samples_per_s"),
-        "interval": c.get("interval"),
-        "rounds": c.get("rounds"),
-        "windows": c.get("windows"),
-        "window_s": c.get("window_s"),
+        "config": c.values,
+        "status": c.status.value,
+        "samples_per_s": c.samples_per_s,
+        "interval": c.interval,
+        "rounds": c.rounds,
+        "windows": c.windows,
+        "window_s": c.window_s,
         "verdict": verdict_of(index, c, ranking),
-        "eval_s": c.get("eval_s"),
-        "save_s": c.get("save_s"),
-        "tokens_per_s": c.get("tokens_per_s"),
-        "grad_accum_steps": c.get("grad_accum_steps"),
-        "peak_memory_bytes": c.get("peak_memory_bytes"),
-        "estimated_bytes": c.get("estimated_bytes"),
-        "profile_s": c.get("profile_s"),
-        "setup_s": c.get("setup_s"),
-        "error": c.get("error") or c.get("round_error"),
-        "pid": c.get("pid"),
+        "eval_s": c.eval_s,
+        "save_s": c.save_s,
+        "tokens_per_s": c.tokens_per_s,
+        "grad_accum_steps": c.grad_accum_steps,
+        "peak_memory_bytes": c.peak_memory_bytes,
+        "estimated_bytes": c.estimated_bytes,
+        "profile_s": c.profile_s,
+        "setup_s": c.setup_s,
+        "error": c.error or c.round_error,
+        "pid": c.pid,
         "run_id": run_id,
     }
 
 
-def _metrics(c: dict[str, Any], step: int) -> list[Any]:
+def metrics(c: Outcome, step: int) -> list[Any]:
     """A candidate's figures as MLflow metrics at `step` (its round): the interval as
     samples_per_s_low and samples_per_s_high."""
     from mlflow.entities import Metric
 
-    values = {k: c.get(k) for k in METRIC_KEYS}
-    if c.get("interval"):
-        values["samples_per_s_low"], values["samples_per_s_high"] = c["interval"]
+    values = {k: getattr(c, k) for k in METRIC_KEYS}
+    if c.interval:
+        values["samples_per_s_low"], values["samples_per_s_high"] = c.interval
     stamp = int(time.time() * 1000)
     return [
         Metric(k, float(v), stamp, step)
@@ -114,7 +116,7 @@ def _metrics(c: dict[str, Any], step: int) -> list[Any]:
     ]
 
 
-def write_yaml(path: str, cfg: BaseConfig, best: dict[str, Any], ties: list[int]) -> None:
+def write_yaml(path: str, cfg: BaseConfig, best: Outcome, ties: list[int]) -> None:
     tree = cfg.model_dump(mode="json")
     tree["run"]["name"] = None  # a new run each time it is trained
     how = (
@@ -130,8 +132,8 @@ def write_yaml(path: str, cfg: BaseConfig, best: dict[str, Any], ties: list[int]
     Path(path).write_text(header + yaml.safe_dump(tree, sort_keys=False))
 
 
-def table(candidates: list[dict[str, Any]], space_keys: list[str], ranking: dict[str, Any] | None = None) -> str:
-    varied = [k for k in space_keys if len({json.dumps(c["values"].get(k)) for c in candidates}) > 1]
+def table(candidates: list[Outcome], space_keys: list[str], ranking: dict[str, Any] | None = None) -> str:
+    varied = [k for k in space_keys if len({json.dumps(c.values.get(k)) for c in candidates}) > 1]
     header = [
         "#",
         *["strategy" if k == "strategy.name" else k.split(".")[-1] for k in varied],
@@ -146,23 +148,20 @@ def table(candidates: list[dict[str, Any]], space_keys: list[str], ranking: dict
     ]
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for i, c in enumerate(candidates):
-        mib = [
-            f"{c[k] / 2**20:.0f}" if isinstance(c.get(k), (int, float)) else "-"
-            for k in ("peak_memory_bytes", "estimated_bytes")
-        ]
-        speed = f"{c['samples_per_s']:.1f}" if c.get("samples_per_s") else "-"
-        low, high = c.get("interval") or (None, None)
-        span = f"{low:.1f}-{high:.1f}" if low is not None and c.get("samples_per_s") else "-"
+        mib = [f"{b / 2**20:.0f}" if b is not None else "-" for b in (c.peak_memory_bytes, c.estimated_bytes)]
+        speed = f"{c.samples_per_s:.1f}" if c.samples_per_s else "-"
+        low, high = c.interval or (None, None)
+        span = f"{low:.1f}-{high:.1f}" if low is not None and c.samples_per_s else "-"
         lines.append(
             " | ".join(
                 [
                     str(i),
-                    *[str(c["values"].get(k)) for k in varied],
-                    str(c.get("grad_accum_steps", "-")),
-                    c["status"],
+                    *[str(c.values.get(k)) for k in varied],
+                    "-" if c.grad_accum_steps is None else str(c.grad_accum_steps),
+                    c.status.value,
                     speed,
                     span,
-                    str(c.get("rounds") or "-"),
+                    str(c.rounds or "-"),
                     verdict_of(i, c, ranking) or "-",
                     *mib,
                 ]
@@ -171,7 +170,7 @@ def table(candidates: list[dict[str, Any]], space_keys: list[str], ranking: dict
     return "\n".join(lines)
 
 
-def plot(path: Path, candidates: list[dict[str, Any]]) -> None:
+def plot(path: Path, candidates: list[Outcome]) -> None:
     """Throughput (the median, its interval as an error bar) against peak memory; infeasible
     candidates marked at their estimate."""
     import matplotlib
@@ -180,10 +179,10 @@ def plot(path: Path, candidates: list[dict[str, Any]]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ok = [(i, c) for i, c in enumerate(candidates) if c["status"] == "ok" and c.get("samples_per_s") is not None]
-    x = [(c.get("peak_memory_bytes") or 0) / 2**20 for _, c in ok]
-    y = [c["samples_per_s"] for _, c in ok]
-    spans = [c.get("interval") or (c["samples_per_s"], c["samples_per_s"]) for _, c in ok]
+    ok = [(i, c) for i, c in enumerate(candidates) if c.ok]
+    x = [(c.peak_memory_bytes or 0) / 2**20 for _, c in ok]
+    y = [c.samples_per_s or 0.0 for _, c in ok]
+    spans = [c.interval or (m, m) for (_, c), m in zip(ok, y, strict=True)]
     ax.errorbar(
         x,
         y,
@@ -194,10 +193,10 @@ def plot(path: Path, candidates: list[dict[str, Any]]) -> None:
     )
     for (i, _), xi, yi in zip(ok, x, y, strict=True):
         ax.annotate(str(i), (xi, yi), fontsize=8)
-    bad = [c for c in candidates if c["status"] != "ok"]
+    bad = [c for c in candidates if c.status != Fit.OK]
     if bad:
         ax.scatter(
-            [(c.get("estimated_bytes") or 0) / 2**20 for c in bad],
+            [(c.estimated_bytes or 0) / 2**20 for c in bad],
             [0] * len(bad),
             marker="x",
             color="red",
@@ -211,14 +210,14 @@ def plot(path: Path, candidates: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
-def estimate_error(candidates: list[dict[str, Any]], device: str | None) -> float | None:
+def estimate_error(candidates: list[Outcome], device: str | None) -> float | None:
     """Median of measured peak / estimate - 1 over the candidates that ran; None when none did,
     or on CPU, whose measured figure is the resident set's growth, not the tensors' peak."""
     if device != "cuda":
         return None
     ratios = sorted(
-        c["peak_memory_bytes"] / c["estimated_bytes"] - 1
+        c.peak_memory_bytes / c.estimated_bytes - 1
         for c in candidates
-        if c["status"] == "ok" and c.get("estimated_bytes") and c.get("peak_memory_bytes")
+        if c.status == Fit.OK and c.estimated_bytes and c.peak_memory_bytes
     )
     return ratios[len(ratios) // 2] if ratios else None

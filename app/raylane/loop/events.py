@@ -131,7 +131,7 @@ class Candidate:
 
     index: int
     replayed: bool
-    outcome: dict[str, Any]  # raylane.autotuning.order.Outcome, as End's result lists it
+    outcome: dict[str, Any]  # raylane.autotuning.outcome.Outcome.to_dict(), as End's result lists it
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,110 @@
+"""The search's record in the run's folder: a line per candidate started and measured (and per
+later round), so that a relaunch after the group died replays what was measured and marks the
+candidate it died on failed instead of trying it again. Pure Python (no torch, no Ray); rank 0
+writes it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from raylane.autotuning.outcome import Fit, Outcome
+from raylane.autotuning.settings import SearchSettings
+
+RECORD_FILE = "autotune.jsonl"
+DIED = "the worker group died while profiling it"
+
+
+def fingerprint(flat: dict[str, Any], settings: SearchSettings) -> str:
+    """What an earlier launch's record must match to be replayed: the config (but its run
+    section) and the space and how it is measured."""
+    same = {k: v for k, v in flat.items() if not k.startswith("run.")}
+    return hashlib.sha256(
+        json.dumps(
+            [
+                same,
+                settings.space,
+                settings.global_batch.model_dump(),
+                settings.warmup_steps,
+                settings.profile_steps,
+                settings.windows,
+                settings.min_window_s,
+            ],
+            sort_keys=True,
+            default=str,
+        ).encode()
+    ).hexdigest()[:16]
+
+
+class SearchRecord:
+    """Rank 0's record of one search (`path` None: none is kept, as for s3:// storage)."""
+
+    def __init__(self, path: str | None, fingerprint: str) -> None:
+        self.path, self.fingerprint = (Path(path) if path else None), fingerprint
+
+    def replay(self) -> tuple[list[Outcome], list[tuple[int, Outcome]]]:
+        """What an earlier launch of this search measured: each candidate's first outcome, and
+        the later rounds in order, as (candidate index, that round's outcome). A candidate it
+        started but never finished (its group died) is recorded failed, so it is not tried
+        again; a round that never finished ends that candidate's rounds."""
+        if self.path is None or not self.path.exists():
+            return [], []
+        done, rounds, started, round_started = read_record(self.path, self.fingerprint)
+        if started is not None:
+            failed = Outcome(started, Fit.FAILED, error=DIED)
+            self.outcome(failed)
+            done.append(failed)
+        if round_started is not None:
+            self.round_of(round_started, Outcome({}, Fit.FAILED, error=DIED))
+            rounds.append((round_started, Outcome({}, Fit.FAILED, error=DIED)))
+        return done, rounds
+
+    def started(self, values: dict[str, Any]) -> None:
+        self._append({"started": values})
+
+    def outcome(self, outcome: Outcome) -> None:
+        self._append(outcome.to_dict())
+
+    def started_round(self, index: int) -> None:
+        self._append({"started_round": index})
+
+    def round_of(self, index: int, outcome: Outcome) -> None:
+        self._append({"round_of": index, "outcome": outcome.to_dict()})
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({**entry, "fingerprint": self.fingerprint}) + "\n")
+
+
+def read_record(
+    path: Path, fingerprint: str
+) -> tuple[list[Outcome], list[tuple[int, Outcome]], dict[str, Any] | None, int | None]:
+    """An earlier launch's record (its lines of `fingerprint`): (each candidate's first outcome;
+    the later rounds in order, as (candidate index, that round's outcome); the values of a
+    candidate started and never finished, or None; the index of such a round, or None)."""
+    done: list[Outcome] = []
+    rounds: list[tuple[int, Outcome]] = []
+    started: dict[str, Any] | None = None
+    round_started: int | None = None
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:  # a line cut short when the group died: the candidate is redone
+            continue
+        if entry.get("fingerprint") != fingerprint:
+            continue  # an earlier search of this name over another config or space
+        if "started" in entry:
+            started = entry["started"]
+        elif "started_round" in entry:
+            round_started = entry["started_round"]
+        elif "round_of" in entry:
+            rounds.append((entry["round_of"], Outcome.from_dict(entry["outcome"])))
+            round_started = None
+        else:
+            done.append(Outcome.from_dict(entry))
+            started = None
+    return done, rounds, started, round_started
