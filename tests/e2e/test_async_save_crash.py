@@ -15,6 +15,7 @@ CRASH = textwrap.dedent("""
     from raylane.loop import checkpoint
     from raylane.loop.reporting import Reporter
     from raylane.loop.runtime import LocalRuntime
+    from raylane.loop.checkpoint import writing
     from raylane.loop.checkpoint.saving import Saver
     from raylane.loop.checkpoint.storage import CheckpointStore
 
@@ -28,7 +29,7 @@ CRASH = textwrap.dedent("""
     def crash(path, manifest):  # every file of step 2 is written; the process dies before the commit
         os._exit(17)
 
-    checkpoint.state._write_manifest = crash
+    writing._write_manifest = crash
     saver.save(model, optimizer, {"step": 2, "epoch": 0})
     saver.settle()
 """)

@@ -12,6 +12,7 @@ import torch
 
 from raylane.config import CheckpointSection
 from raylane.loop import checkpoint
+from raylane.loop.checkpoint import writing
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.events import Checkpoint, CheckpointFailed, Event
@@ -51,13 +52,13 @@ def test_staged_copy_is_unaffected_by_later_steps(tmp_path, monkeypatch):
         _step(model, optimizer)
     at_save = _state(model, optimizer)
     release = threading.Event()
-    real_write = checkpoint.write
+    real_write = writing.write
 
     def held_write(*args, **kwargs):
         release.wait(30)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "write", held_write)
+    monkeypatch.setattr(writing, "write", held_write)  # where the Saver calls it
     saver.save(model, optimizer, {"step": 2, "epoch": 0})
     assert saver.busy()
     saver.wait_staged()

@@ -24,9 +24,14 @@ import torch
 import torch.distributed as dist
 
 from raylane.config import CheckpointSection
-from raylane.loop.checkpoint import state as checkpoint
+from raylane.loop.aliases import aliases
+from raylane.loop.checkpoint import writing
+from raylane.loop.checkpoint.agree import CheckpointSaveError, collectives_on, describe, save_errors
+from raylane.loop.checkpoint.rng import rng_state
 from raylane.loop.checkpoint.staging import LiveState, Stager
+from raylane.loop.checkpoint.state import live_state, replicated
 from raylane.loop.faults import FaultPlan
+from raylane.loop.frozen import records_of
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import Runtime
 
@@ -90,17 +95,15 @@ class Saver:
         path = self.runtime.new_checkpoint_dir(step)
         if self.faults:
             self.faults.before_save(step, path)
-        rng, error, state = checkpoint.rng_state(), None, {}
-        replicated = checkpoint.replicated(model)
+        rng, error, state = rng_state(), None, {}
+        whole = replicated(model)
         try:
-            if self.runtime.rank == 0 or not replicated:  # other ranks of DDP write no state
+            if self.runtime.rank == 0 or not whole:  # other ranks of DDP write no state
                 state = (
-                    self._live.take(model, optimizer, checkpoint.live_state)
-                    if replicated
-                    else checkpoint.live_state(model, optimizer)
+                    self._live.take(model, optimizer, live_state) if whole else live_state(model, optimizer)
                 )  # references, and plain values copied
-        except checkpoint._save_errors() as exc:  # the write agrees on it with every rank
-            error = checkpoint._describe(exc, self.runtime.rank)
+        except save_errors() as exc:  # the write agrees on it with every rank
+            error = describe(exc, self.runtime.rank)
         if hooks and state:
             state = {**state, "hooks": hooks}
         outcome: Future = Future()
@@ -110,9 +113,9 @@ class Saver:
             train_state,
             rng,
             error,
-            replicated,
-            checkpoint.aliases(model),
-            checkpoint.records_of(model),
+            whole,
+            aliases(model),
+            records_of(model),
             outcome,
         )
         self._in_flight = (train_state, outcome)
@@ -160,13 +163,13 @@ class Saver:
             if self.asynchronous:
                 try:
                     state = self._stager.stage(state) if error is None else state
-                except checkpoint._save_errors() as exc:
-                    error = checkpoint._describe(exc, self.runtime.rank)
+                except save_errors() as exc:
+                    error = describe(exc, self.runtime.rank)
                 finally:
                     self._staged.set()
-            with checkpoint.collectives_on(self.group if self.asynchronous else None):
+            with collectives_on(self.group if self.asynchronous else None):
                 try:
-                    checkpoint.write(
+                    writing.write(
                         path,
                         state,
                         train_state,
@@ -187,7 +190,7 @@ class Saver:
                             best=(ck.best_metric, ck.best_mode),
                         )
                     )
-                except checkpoint.CheckpointSaveError as exc:
+                except CheckpointSaveError as exc:
                     self.runtime.discard_checkpoint(str(path))
                     outcome.set_result(exc)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread by settle()
@@ -218,7 +221,7 @@ class Saver:
         (state, outcome), self._in_flight = self._in_flight, None
         step = int(state["step"])
         result = outcome.result()  # a failure other than the save's own is the run's
-        if isinstance(result, checkpoint.CheckpointSaveError):
+        if isinstance(result, CheckpointSaveError):
             if self.cfg.on_error == "fail":
                 raise result
             self.failed += 1

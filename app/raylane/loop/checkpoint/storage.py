@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raylane.loop.checkpoint import state as checkpoint
+from raylane.loop.checkpoint.agree import raise_if_any
+from raylane.loop.checkpoint.manifest import MANIFEST_FILE, checkpoint_name, newest_valid, prune
 
 
 def filesystem_for(storage_path: str) -> tuple[pafs.FileSystem, str]:
@@ -51,7 +52,7 @@ class CheckpointStore:
     def latest(self) -> str | None:
         """A local directory holding the newest valid checkpoint (downloaded if remote), or None.
         The newer ones it passed over are kept in `skipped` ({"path", "reason"}, newest first)."""
-        path, skipped = checkpoint.newest_valid(self.root, self.fs)
+        path, skipped = newest_valid(self.root, self.fs)
         self.skipped = [
             {**s, "path": s["path"] if self.direct else f"{self.fs.type_name}://{s['path']}"} for s in skipped
         ]
@@ -64,13 +65,13 @@ class CheckpointStore:
 
     def new_dir(self, step: int) -> str:
         if self.direct:
-            path = Path(self.root) / checkpoint.checkpoint_name(step)
+            path = Path(self.root) / checkpoint_name(step)
             path.mkdir(parents=True, exist_ok=True)
             return str(path)
-        return tempfile.mkdtemp(prefix=f"raylane-{checkpoint.checkpoint_name(step)}-")
+        return tempfile.mkdtemp(prefix=f"raylane-{checkpoint_name(step)}-")
 
     def location(self, step: int) -> str:
-        path = f"{self.root}/{checkpoint.checkpoint_name(step)}"
+        path = f"{self.root}/{checkpoint_name(step)}"
         return path if self.direct else f"{self.fs.type_name}://{path}"
 
     def commit(self, path: str, step: int, *, keep: int | None, keep_best: int | None, best: tuple[str, str]) -> str:
@@ -80,18 +81,18 @@ class CheckpointStore:
         Written straight into storage, the manifest is already the commit, and commit()'s last
         gather already held every rank until it existed: nothing is left to agree on."""
         if not self.direct:
-            self._upload(path, f"{self.root}/{checkpoint.checkpoint_name(step)}", step)
+            self._upload(path, f"{self.root}/{checkpoint_name(step)}", step)
         if self.rank == 0:
-            checkpoint.prune(self.root, keep, self.fs, keep_best=keep_best, best=best)
+            prune(self.root, keep, self.fs, keep_best=keep_best, best=best)
         return self.location(step)
 
     def _upload(self, path: str, target: str, step: int) -> None:
-        manifest = os.path.join(path, checkpoint.MANIFEST_FILE)
+        manifest = os.path.join(path, MANIFEST_FILE)
         try:
-            error = self._try(lambda: self._copy_out(path, target, skip=checkpoint.MANIFEST_FILE))
-            checkpoint.raise_if_any(step, error)
+            error = self._try(lambda: self._copy_out(path, target, skip=MANIFEST_FILE))
+            raise_if_any(step, error)
             error = self._try(lambda: self._copy_file(manifest, target)) if self.rank == 0 else None
-            checkpoint.raise_if_any(step, error, only_rank_zero=True)
+            raise_if_any(step, error, only_rank_zero=True)
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
