@@ -18,7 +18,6 @@ from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.events import Checkpoint, CheckpointFailed, Event
 from raylane.loop.faults import Fault, FaultPlan
 from raylane.loop.reporting import Reporter
-from raylane.loop.runtime import LocalRuntime
 
 
 def _setup(tmp_path: Path, **section):
@@ -26,8 +25,11 @@ def _setup(tmp_path: Path, **section):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     events: list[Event] = []
-    runtime = LocalRuntime(CheckpointStore(str(tmp_path / "run"), None, 0), 0, 0, 1, torch.device("cpu"))
-    saver = Saver(runtime, CheckpointSection(**section), Reporter(is_rank_zero=True, publish=events.append))
+    saver = Saver(
+        CheckpointStore(str(tmp_path / "run"), None, 0),
+        CheckpointSection(**section),
+        Reporter(is_rank_zero=True, publish=events.append),
+    )
     return model, optimizer, saver, events
 
 

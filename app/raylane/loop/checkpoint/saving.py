@@ -30,10 +30,10 @@ from raylane.loop.checkpoint.agree import CheckpointSaveError, collectives_on, d
 from raylane.loop.checkpoint.rng import rng_state
 from raylane.loop.checkpoint.staging import LiveState, Stager
 from raylane.loop.checkpoint.state import live_state, replicated
+from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.faults import FaultPlan
 from raylane.loop.frozen import records_of
 from raylane.loop.reporting import Reporter
-from raylane.loop.runtime import Runtime
 
 log = logging.getLogger("raylane.checkpoint")
 
@@ -41,14 +41,14 @@ log = logging.getLogger("raylane.checkpoint")
 class Saver:
     def __init__(
         self,
-        runtime: Runtime,
+        store: CheckpointStore,
         cfg: CheckpointSection,
         reporter: Reporter,
         *,
         group: Any = None,
         faults: FaultPlan | None = None,
     ) -> None:
-        self.runtime, self.cfg, self.reporter, self.group, self.faults = runtime, cfg, reporter, group, faults
+        self.store, self.cfg, self.reporter, self.group, self.faults = store, cfg, reporter, group, faults
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         # Background collectives on the loop's own group could interleave with its all-reduces.
         self.asynchronous = cfg.async_save and (group is not None or not distributed)
@@ -92,18 +92,18 @@ class Saver:
         if hooks:
             train_state = {**train_state, "hooks": sorted(hooks)}  # what a load asks the checkpoint for
         step = int(train_state["step"])
-        path = self.runtime.new_checkpoint_dir(step)
+        path = self.store.new_dir(step)
         if self.faults:
             self.faults.before_save(step, path)
         rng, error, state = rng_state(), None, {}
         whole = replicated(model)
         try:
-            if self.runtime.rank == 0 or not whole:  # other ranks of DDP write no state
+            if self.store.rank == 0 or not whole:  # other ranks of DDP write no state
                 state = (
                     self._live.take(model, optimizer, live_state) if whole else live_state(model, optimizer)
                 )  # references, and plain values copied
         except save_errors() as exc:  # the write agrees on it with every rank
-            error = describe(exc, self.runtime.rank)
+            error = describe(exc, self.store.rank)
         if hooks and state:
             state = {**state, "hooks": hooks}
         outcome: Future = Future()
@@ -164,7 +164,7 @@ class Saver:
                 try:
                     state = self._stager.stage(state) if error is None else state
                 except save_errors() as exc:
-                    error = describe(exc, self.runtime.rank)
+                    error = describe(exc, self.store.rank)
                 finally:
                     self._staged.set()
             with collectives_on(self.group if self.asynchronous else None):
@@ -173,25 +173,18 @@ class Saver:
                         path,
                         state,
                         train_state,
-                        rank=self.runtime.rank,
+                        rank=self.store.rank,
                         rng=rng,
                         error=error,
                         replicated=replicated,
                         aliases=aliases,
                         records=records,
                     ).commit()
-                    outcome.set_result(
-                        self.runtime.commit_checkpoint(
-                            str(path),
-                            int(train_state["step"]),
-                            train_state.get("eval_metrics") or {},
-                            keep=ck.keep,
-                            keep_best=ck.keep_best,
-                            best=(ck.best_metric, ck.best_mode),
-                        )
-                    )
+                    step = int(train_state["step"])
+                    best = (ck.best_metric, ck.best_mode)
+                    outcome.set_result(self.store.commit(path, step, keep=ck.keep, keep_best=ck.keep_best, best=best))
                 except CheckpointSaveError as exc:
-                    self.runtime.discard_checkpoint(str(path))
+                    self.store.discard(path)
                     outcome.set_result(exc)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread by settle()
             outcome.set_exception(exc)

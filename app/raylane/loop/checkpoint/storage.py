@@ -43,6 +43,13 @@ def local_copy(location: str) -> Iterator[str]:
 
 
 class CheckpointStore:
+    """A run's checkpoints in storage, as one rank sees them: `root` on `fs` (a local or shared
+    folder when None). `latest` finds the one to resume from (`skipped`: the newer ones it passed
+    over), `new_dir` is where this rank writes a save, `commit` puts a written save into storage
+    and applies retention, `discard` removes a save that failed. Every launcher hands the loop
+    one as `Runtime.store`, and the Saver commits through it; a launcher that must do more at
+    these points subclasses it (raylane.onray.store.DriverWatchedStore)."""
+
     def __init__(self, root: str, fs: pafs.FileSystem | None, rank: int) -> None:
         self.root, self.rank = root.rstrip("/"), rank
         self.fs = fs or pafs.LocalFileSystem()
