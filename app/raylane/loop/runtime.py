@@ -27,11 +27,18 @@ class Runtime(Protocol):
     local_rank: int
     world_size: int
     device: torch.device
-    node_ranks: list[int] | None  # each rank's node, where the launcher knows it
     # The launcher restarts the group without a node that gives notice it is leaving (an elastic
     # or fault-tolerant run on Ray): the loop then checkpoints and hands over instead of ending.
     restarts_without_leaving_nodes: bool
-    store: CheckpointStore  # this run's checkpoints, as this rank sees them
+
+    # Read-only, so that a runtime may hold a narrower type (RayRuntime's store is a subclass).
+    @property
+    def node_ranks(self) -> list[int] | None:
+        """Each rank's node, where the launcher knows it."""
+
+    @property
+    def store(self) -> CheckpointStore:
+        """This run's checkpoints, as this rank sees them."""
 
     def publish(self, event: Event) -> None:
         """Rank 0 only, must not block: progress and results for the driver."""
