@@ -237,11 +237,11 @@ def _old_format(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
     and in the manifest's shapes (in one state.pt, or in DCP's format)."""
     state = {
         "model": model.state_dict(),
-        "optim": checkpoint.state._dcp().state_dict.get_state_dict(model, optimizer)[1],
+        "optim": checkpoint.state.dcp().state_dict.get_state_dict(model, optimizer)[1],
     }
     path.mkdir()
     if sharded:
-        checkpoint.state._dcp().save(state, checkpoint_id=str(path), no_dist=True)
+        checkpoint.state.dcp().save(state, checkpoint_id=str(path), no_dist=True)
     else:
         torch.save({**state, "rng": [json.dumps(checkpoint.rng_state())]}, path / checkpoint.STATE_FILE)
     manifest = {"train_state": {"step": 1}, "shapes": checkpoint.model_shapes(model.state_dict()), "files": {}}

@@ -14,21 +14,20 @@ CRASH = textwrap.dedent("""
     from raylane.config import CheckpointSection
     from raylane.loop import checkpoint
     from raylane.loop.reporting import Reporter
-    from raylane.loop.runtime import LocalRuntime
+    from raylane.loop.checkpoint import writing
     from raylane.loop.checkpoint.saving import Saver
     from raylane.loop.checkpoint.storage import CheckpointStore
 
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    runtime = LocalRuntime(CheckpointStore(sys.argv[1], None, 0), 0, 0, 1, torch.device("cpu"))
-    saver = Saver(runtime, CheckpointSection(async_save=True), Reporter(is_rank_zero=True, publish=print))
+    saver = Saver(CheckpointStore(sys.argv[1], None, 0), CheckpointSection(async_save=True), Reporter(is_rank_zero=True, publish=print))
     saver.save(model, optimizer, {"step": 1, "epoch": 0})
     saver.settle()
 
     def crash(path, manifest):  # every file of step 2 is written; the process dies before the commit
         os._exit(17)
 
-    checkpoint.state._write_manifest = crash
+    writing._write_manifest = crash
     saver.save(model, optimizer, {"step": 2, "epoch": 0})
     saver.settle()
 """)

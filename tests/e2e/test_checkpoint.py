@@ -259,7 +259,7 @@ def test_a_replicated_checkpoint_in_the_earlier_dcp_format_still_loads(tmp_path)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / checkpoint.checkpoint_name(7)
     path.mkdir()
-    checkpoint.state._dcp().save(checkpoint.live_state(model, optimizer), checkpoint_id=str(path), no_dist=True)
+    checkpoint.state.dcp().save(checkpoint.live_state(model, optimizer), checkpoint_id=str(path), no_dist=True)
     (path / checkpoint.rng_file(0)).write_text(json.dumps(checkpoint.rng_state()))
     checkpoint.PendingSave(path, 0, {"step": 7}).commit()
     assert {".metadata", "__0_0.distcp"} <= set(checkpoint.read_manifest(path)["files"])
@@ -273,6 +273,7 @@ RANKS_RNG = textwrap.dedent("""
     import json, os, random, sys
     import numpy as np, torch, torch.distributed as dist
     from raylane.loop import checkpoint
+    from raylane.loop.checkpoint import agree
 
     rank, path, init = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -287,7 +288,7 @@ RANKS_RNG = textwrap.dedent("""
     checkpoint.load(path, model, optimizer, rank=rank)
     restored = draws()
     # the commit's gather hands every rank every part, small or large
-    gathered = [checkpoint.state._gather({"rank": rank}), checkpoint.state._gather("x" * (40_000 if rank else 10))]
+    gathered = [agree.gather({"rank": rank}), agree.gather("x" * (40_000 if rank else 10))]
     print(json.dumps({"expected": expected, "restored": restored, "gathered": gathered}), flush=True)
     dist.destroy_process_group()
     os._exit(0)  # as `raylane` exits (cli.run): gloo's threads can abort the interpreter's teardown

@@ -12,12 +12,12 @@ import torch
 
 from raylane.config import CheckpointSection
 from raylane.loop import checkpoint
+from raylane.loop.checkpoint import writing
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.events import Checkpoint, CheckpointFailed, Event
 from raylane.loop.faults import Fault, FaultPlan
 from raylane.loop.reporting import Reporter
-from raylane.loop.runtime import LocalRuntime
 
 
 def _setup(tmp_path: Path, **section):
@@ -25,8 +25,11 @@ def _setup(tmp_path: Path, **section):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     events: list[Event] = []
-    runtime = LocalRuntime(CheckpointStore(str(tmp_path / "run"), None, 0), 0, 0, 1, torch.device("cpu"))
-    saver = Saver(runtime, CheckpointSection(**section), Reporter(is_rank_zero=True, publish=events.append))
+    saver = Saver(
+        CheckpointStore(str(tmp_path / "run"), None, 0),
+        CheckpointSection(**section),
+        Reporter(is_rank_zero=True, publish=events.append),
+    )
     return model, optimizer, saver, events
 
 
@@ -51,13 +54,13 @@ def test_staged_copy_is_unaffected_by_later_steps(tmp_path, monkeypatch):
         _step(model, optimizer)
     at_save = _state(model, optimizer)
     release = threading.Event()
-    real_write = checkpoint.write
+    real_write = writing.write
 
     def held_write(*args, **kwargs):
         release.wait(30)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "write", held_write)
+    monkeypatch.setattr(writing, "write", held_write)  # where the Saver calls it
     saver.save(model, optimizer, {"step": 2, "epoch": 0})
     assert saver.busy()
     saver.wait_staged()

@@ -5,10 +5,13 @@ of it on Ray, with a driver killed by SIGKILL: tests/e2e/test_leftovers.py."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
+from raylane.loop.checkpoint import checkpoint_name
 from raylane.onray.leftovers import DriverGone, DriverWatch, ProcessId
+from raylane.onray.store import DriverWatchedStore
 
 
 def test_a_worker_stops_before_a_checkpoint_once_its_driver_is_gone():
@@ -26,3 +29,13 @@ def test_a_worker_stops_before_a_checkpoint_once_its_driver_is_gone():
     elsewhere = dataclasses.replace(ended, host=f"not-{ended.host}")
     assert not DriverWatch(elsewhere).gone()
     assert not DriverWatch(dataclasses.replace(ended, pid_namespace=ended.pid_namespace + 1)).gone()
+
+
+def test_a_ray_workers_store_makes_no_checkpoint_folder_once_its_driver_is_gone(tmp_path):
+    """The check is made by the store a Ray worker's loop saves through (Runtime.store)."""
+    me = ProcessId.here()
+    assert Path(DriverWatchedStore(str(tmp_path), None, 0, DriverWatch(me)).new_dir(5)).is_dir()
+    ended = DriverWatch(dataclasses.replace(me, pid=2**22 + 17))
+    with pytest.raises(DriverGone, match="the checkpoint at step 10 is not written"):
+        DriverWatchedStore(str(tmp_path), None, 0, ended).new_dir(10)
+    assert not (tmp_path / checkpoint_name(10)).exists()

@@ -95,7 +95,7 @@ def _train(
         blocks=pipe.blocks,
     )
     startup["parallelize"] = time.time()
-    own = runtime.latest_checkpoint()
+    own = runtime.store.latest()
     latest = own or _init_from(cfg)
     # A checkpoint loaded below holds every weight, nothing to read twice; except a model on a
     # frozen base (LoRA), whose checkpoints hold what trains: its base comes from its files again.
@@ -142,7 +142,7 @@ def _train(
         reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger),
     )
     usercode.check_first_calls(trainer, pipe, cfg)
-    trainer.skipped_checkpoints = runtime.skipped_checkpoints()  # said on the driver, with the start
+    trainer.skipped_checkpoints = runtime.store.skipped  # said on the driver, with the start
     if latest:
         state = checkpoint.load(latest, model, optimizer, rank=runtime.rank, hooks=trainer.hooks.state_dict())
         if not own:  # another run's early stop (a PBT donor's, say) is not this run's

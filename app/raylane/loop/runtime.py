@@ -1,9 +1,9 @@
 """The small interface between the training loop and whatever launched it.
 
 `run_worker` and the Trainer only talk to a `Runtime`: where this rank sits, where checkpoints
-go and how they are committed, and where rank 0 publishes progress. `LocalRuntime` serves a single
-process and torchrun; `raylane.onray.launch.RayRuntime` serves Ray Train workers. Nothing else in the loop
-knows which one it has."""
+live (its `store`, which also commits them), and where rank 0 publishes progress. `LocalRuntime`
+serves a single process and torchrun; `raylane.onray.launch.RayRuntime` serves Ray Train
+workers. Nothing else in the loop knows which one it has."""
 
 from __future__ import annotations
 
@@ -17,41 +17,28 @@ from raylane.loop.events import Event
 
 
 class Runtime(Protocol):
+    """What the loop knows of whatever launched it: where this rank sits (`rank`, `local_rank`,
+    `world_size`, `device`, `node_ranks`), how the launcher restarts a group, where the run's
+    checkpoints live (`store`), where rank 0 `publish`es progress, and the launcher's own
+    readers of streaming data (`data_stream`). Like Lightning's ClusterEnvironment beside its
+    CheckpointIO, it holds no checkpoint logic itself: the store does."""
+
     rank: int
     local_rank: int
     world_size: int
     device: torch.device
-    node_ranks: list[int] | None  # each rank's node, where the launcher knows it
     # The launcher restarts the group without a node that gives notice it is leaving (an elastic
     # or fault-tolerant run on Ray): the loop then checkpoints and hands over instead of ending.
     restarts_without_leaving_nodes: bool
 
-    def latest_checkpoint(self) -> str | None:
-        """Directory of the newest committed checkpoint of this run, or None."""
+    # Read-only, so that a runtime may hold a narrower type (RayRuntime's store is a subclass).
+    @property
+    def node_ranks(self) -> list[int] | None:
+        """Each rank's node, where the launcher knows it."""
 
-    def skipped_checkpoints(self) -> list[dict[str, str]]:
-        """The newer checkpoints latest_checkpoint() passed over (damaged, unfinished), newest
-        first: {"path", "reason"}."""
-
-    def new_checkpoint_dir(self, step: int) -> str:
-        """Where this rank writes its shard of the checkpoint at `step`."""
-
-    def commit_checkpoint(
-        self,
-        path: str,
-        step: int,
-        metrics: dict[str, float],
-        *,
-        keep: int | None,
-        keep_best: int | None,
-        best: tuple[str, str],
-    ) -> str:
-        """Collective, after the manifest is written: make it durable in storage, register it,
-        prune (`checkpoint.prune`); returns its location. Raises CheckpointSaveError on every
-        rank if storage refused it."""
-
-    def discard_checkpoint(self, path: str) -> None:
-        """Collective: remove what a failed save left behind (it was never committed)."""
+    @property
+    def store(self) -> CheckpointStore:
+        """This run's checkpoints, as this rank sees them."""
 
     def publish(self, event: Event) -> None:
         """Rank 0 only, must not block: progress and results for the driver."""
@@ -79,30 +66,6 @@ class LocalRuntime:
         self.node_ranks = None
         self.restarts_without_leaving_nodes = False  # torchrun's agent restarts whole groups only
         self._publish = publish
-
-    def latest_checkpoint(self) -> str | None:
-        return self.store.latest()
-
-    def skipped_checkpoints(self) -> list[dict[str, str]]:
-        return self.store.skipped
-
-    def new_checkpoint_dir(self, step: int) -> str:
-        return self.store.new_dir(step)
-
-    def commit_checkpoint(
-        self,
-        path: str,
-        step: int,
-        metrics: dict[str, float],
-        *,
-        keep: int | None,
-        keep_best: int | None,
-        best: tuple[str, str],
-    ) -> str:
-        return self.store.commit(path, step, keep=keep, keep_best=keep_best, best=best)
-
-    def discard_checkpoint(self, path: str) -> None:
-        self.store.discard(path)
 
     def publish(self, event: Event) -> None:
         if self._publish is not None:

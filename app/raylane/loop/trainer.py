@@ -105,7 +105,7 @@ class Trainer(EvalSchedule):
         # (wall time, process CPU time, step) once the warm-up steps are done
         self._warm: tuple[float, float, int] | None = None
         self._init_vote(control_group)
-        self.saver = Saver(runtime, cfg.checkpoint, reporter, group=save_group, faults=faults)
+        self.saver = Saver(runtime.store, cfg.checkpoint, reporter, group=save_group, faults=faults)
         # A forward in training mode may update buffers (BatchNorm's statistics) that a save in
         # flight is still copying; parameters and optimizer state change only in the step.
         self._forward_writes_state = any(True for _ in model.buffers())

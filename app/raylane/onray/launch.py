@@ -25,7 +25,6 @@ from raylane import logs
 from raylane.batching import world_sizes
 from raylane.config import BaseConfig, validate
 from raylane.loop import preemption
-from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.distributed import node_layout
 from raylane.loop.events import End, Event, Handover, Log, Startup
 from raylane.onray.elastic import (
@@ -40,6 +39,7 @@ from raylane.onray.elastic import (
 from raylane.onray.failures import format_failure
 from raylane.onray.internals import ControllerCallback, TorchBackend
 from raylane.onray.leftovers import DriverWatch, ProcessId
+from raylane.onray.store import DriverWatchedStore
 
 log = logging.getLogger("raylane")
 
@@ -115,7 +115,7 @@ class RayRuntime:
         self._sink = sink
         self.node_ranks = self._number_nodes_by_id()
         storage = ctx.get_storage()
-        self._store = CheckpointStore(storage.experiment_fs_path, storage.storage_filesystem, self.rank)
+        self.store = DriverWatchedStore(storage.experiment_fs_path, storage.storage_filesystem, self.rank, self._driver)
         if self.rank == 0:  # one rank is enough: the per-step vote spreads the request
             threading.Thread(target=self._watch_driver, name="raylane-stop-watch", daemon=True).start()
         if restarts:
@@ -169,40 +169,6 @@ class RayRuntime:
                     preemption.request("Ray's preemption notice", node_leaving=True)
                 return
             time.sleep(DRAIN_POLL_S)
-
-    def latest_checkpoint(self) -> str | None:
-        # raylane's store, not ray.train.get_checkpoint(): Ray records a checkpoint only when its
-        # controller processes the report, which a driver killed right after the upload never
-        # does. Our manifest, checked against every file, is the authority.
-        return self._store.latest()
-
-    def skipped_checkpoints(self) -> list[dict[str, str]]:
-        return self._store.skipped
-
-    def new_checkpoint_dir(self, step: int) -> str:
-        # A killed driver's workers trained on for seconds, writing checkpoints nobody recorded.
-        self._driver.check(f"the checkpoint at step {step}")
-        return self._store.new_dir(step)
-
-    def commit_checkpoint(
-        self,
-        path: str,
-        step: int,
-        metrics: dict[str, float],
-        *,
-        keep: int | None,
-        keep_best: int | None,
-        best: tuple[str, str],
-    ) -> str:
-        # Nothing goes to Ray here. In Ray 2.60 every ray.train.report is a barrier across the
-        # ranks and then waits for the controller's next poll (a result queue of one): ~0.45 s of
-        # stall per checkpoint on 2 cores. Nothing needs it: raylane keeps its checkpoints and
-        # their retention itself (latest_checkpoint above), and metrics reach the driver and Tune
-        # through rank 0's events.
-        return self._store.commit(path, step, keep=keep, keep_best=keep_best, best=best)
-
-    def discard_checkpoint(self, path: str) -> None:
-        self._store.discard(path)
 
     def publish(self, event: Event) -> None:
         ref = self._sink.put.remote(event)

@@ -16,34 +16,62 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from raylane.config import CheckpointSection
-from raylane.loop.checkpoint import state as checkpoint
+from raylane.loop.aliases import aliases
+from raylane.loop.checkpoint import writing
+from raylane.loop.checkpoint.agree import CheckpointSaveError, collectives_on, describe, save_errors
+from raylane.loop.checkpoint.rng import rng_state
 from raylane.loop.checkpoint.staging import LiveState, Stager
+from raylane.loop.checkpoint.state import live_state, replicated
+from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.faults import FaultPlan
+from raylane.loop.frozen import records_of
 from raylane.loop.reporting import Reporter
-from raylane.loop.runtime import Runtime
 
 log = logging.getLogger("raylane.checkpoint")
 
 
+@dataclass
+class _SaveJob:
+    """One save, as the training thread hands it to the writer: taken at the step boundary,
+    written and committed later (on the writer thread when asynchronous)."""
+
+    path: str
+    state: dict[str, Any]  # references to the live state (a copy once staged), or {} on ranks that write none
+    train_state: dict[str, Any]
+    rng: dict[str, Any]  # this rank's generators at the step (raylane.loop.checkpoint.rng)
+    error: str | None  # this rank's failure so far, which the commit makes every rank's
+    replicated: bool
+    aliases: dict[str, str]
+    records: dict[str, Any]
+    outcome: Future  # the location committed, or the CheckpointSaveError every rank agreed on
+
+
 class Saver:
+    """A run's checkpoints from the training loop's side: `save` at a step boundary, `settle`
+    to learn the outcome (the same on every rank), at most one save in flight. It writes through
+    raylane.loop.checkpoint.writing and commits into `store` (where the run's checkpoints live
+    and which are kept), reports through `reporter`, and calls `on_committed` (the hooks'
+    on_checkpoint) once a save is committed."""
+
     def __init__(
         self,
-        runtime: Runtime,
+        store: CheckpointStore,
         cfg: CheckpointSection,
         reporter: Reporter,
         *,
         group: Any = None,
         faults: FaultPlan | None = None,
     ) -> None:
-        self.runtime, self.cfg, self.reporter, self.group, self.faults = runtime, cfg, reporter, group, faults
+        self.store, self.cfg, self.reporter, self.group, self.faults = store, cfg, reporter, group, faults
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         # Background collectives on the loop's own group could interleave with its all-reduces.
         self.asynchronous = cfg.async_save and (group is not None or not distributed)
@@ -52,13 +80,13 @@ class Saver:
         self._stager = Stager()
         self._live = LiveState()
         self._in_flight: tuple[dict[str, Any], Future] | None = None  # (train state, outcome)
-        self._jobs: queue.SimpleQueue | None = None
+        self._jobs: queue.SimpleQueue[_SaveJob | None] | None = None
         self._staged = threading.Event()
         self._staged.set()
         self.last_checkpoint: str | None = None
         self.failed = 0
         # Called with (step, location) once a save is committed, on every rank (hooks' on_checkpoint).
-        self.on_committed: Any = None
+        self.on_committed: Callable[[int, str], None] | None = None
 
     def busy(self) -> bool:
         """This rank's save in flight has not finished (its commit included)."""
@@ -87,43 +115,40 @@ class Saver:
         if hooks:
             train_state = {**train_state, "hooks": sorted(hooks)}  # what a load asks the checkpoint for
         step = int(train_state["step"])
-        path = self.runtime.new_checkpoint_dir(step)
+        path = self.store.new_dir(step)
         if self.faults:
             self.faults.before_save(step, path)
-        rng, error, state = checkpoint.rng_state(), None, {}
-        replicated = checkpoint.replicated(model)
+        rng, error, state = rng_state(), None, {}
+        whole = replicated(model)
         try:
-            if self.runtime.rank == 0 or not replicated:  # other ranks of DDP write no state
+            if self.store.rank == 0 or not whole:  # other ranks of DDP write no state
                 state = (
-                    self._live.take(model, optimizer, checkpoint.live_state)
-                    if replicated
-                    else checkpoint.live_state(model, optimizer)
+                    self._live.take(model, optimizer, live_state) if whole else live_state(model, optimizer)
                 )  # references, and plain values copied
-        except checkpoint._save_errors() as exc:  # the write agrees on it with every rank
-            error = checkpoint._describe(exc, self.runtime.rank)
+        except save_errors() as exc:  # the write agrees on it with every rank
+            error = describe(exc, self.store.rank)
         if hooks and state:
             state = {**state, "hooks": hooks}
-        outcome: Future = Future()
-        job = (
-            path,
-            state,
-            train_state,
-            rng,
-            error,
-            replicated,
-            checkpoint.aliases(model),
-            checkpoint.records_of(model),
-            outcome,
+        job = _SaveJob(
+            path=path,
+            state=state,
+            train_state=train_state,
+            rng=rng,
+            error=error,
+            replicated=whole,
+            aliases=aliases(model),
+            records=records_of(model),
+            outcome=Future(),
         )
-        self._in_flight = (train_state, outcome)
+        self._in_flight = (train_state, job.outcome)
         if self.asynchronous:
             self._staged.clear()
             self._writer().put(job)
         else:
-            self._write_and_commit(*job)
+            self._write_and_commit(job)
             self.settle()
 
-    def _writer(self) -> queue.SimpleQueue:
+    def _writer(self) -> queue.SimpleQueue[_SaveJob | None]:
         """The one thread that writes this run's saves, started at the first. A thread per save
         made every save wait for its thread to be scheduled (Thread.start waits until it runs):
         ~1 ms of each epoch end on 2 busy cores (bench B9)."""
@@ -133,9 +158,9 @@ class Saver:
             threading.Thread(target=self._write_loop, args=(self._jobs,), name="raylane-saver", daemon=True).start()
         return self._jobs
 
-    def _write_loop(self, jobs: queue.SimpleQueue) -> None:
+    def _write_loop(self, jobs: queue.SimpleQueue[_SaveJob | None]) -> None:
         while (job := jobs.get()) is not None:
-            self._write_and_commit(*job)
+            self._write_and_commit(job)
 
     def close(self) -> None:
         """After the last settle(): the writer thread ends."""
@@ -143,55 +168,39 @@ class Saver:
             self._jobs.put(None)
             self._jobs = None
 
-    def _write_and_commit(
-        self,
-        path: str,
-        state: dict[str, Any],
-        train_state: dict[str, Any],
-        rng: dict[str, Any],
-        error: str | None,
-        replicated: bool,
-        aliases: dict[str, str],
-        records: dict[str, Any],
-        outcome: Future,
-    ) -> None:
-        ck = self.cfg
+    def _write_and_commit(self, job: _SaveJob) -> None:
+        ck, state, error = self.cfg, job.state, job.error
         try:
             if self.asynchronous:
                 try:
                     state = self._stager.stage(state) if error is None else state
-                except checkpoint._save_errors() as exc:
-                    error = checkpoint._describe(exc, self.runtime.rank)
+                except save_errors() as exc:
+                    error = describe(exc, self.store.rank)
                 finally:
                     self._staged.set()
-            with checkpoint.collectives_on(self.group if self.asynchronous else None):
+            with collectives_on(self.group if self.asynchronous else None):
                 try:
-                    checkpoint.write(
-                        path,
+                    writing.write(
+                        job.path,
                         state,
-                        train_state,
-                        rank=self.runtime.rank,
-                        rng=rng,
+                        job.train_state,
+                        rank=self.store.rank,
+                        rng=job.rng,
                         error=error,
-                        replicated=replicated,
-                        aliases=aliases,
-                        records=records,
+                        replicated=job.replicated,
+                        aliases=job.aliases,
+                        records=job.records,
                     ).commit()
-                    outcome.set_result(
-                        self.runtime.commit_checkpoint(
-                            str(path),
-                            int(train_state["step"]),
-                            train_state.get("eval_metrics") or {},
-                            keep=ck.keep,
-                            keep_best=ck.keep_best,
-                            best=(ck.best_metric, ck.best_mode),
-                        )
+                    step = int(job.train_state["step"])
+                    best = (ck.best_metric, ck.best_mode)
+                    job.outcome.set_result(
+                        self.store.commit(job.path, step, keep=ck.keep, keep_best=ck.keep_best, best=best)
                     )
-                except checkpoint.CheckpointSaveError as exc:
-                    self.runtime.discard_checkpoint(str(path))
-                    outcome.set_result(exc)
+                except CheckpointSaveError as exc:
+                    self.store.discard(job.path)
+                    job.outcome.set_result(exc)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread by settle()
-            outcome.set_exception(exc)
+            job.outcome.set_exception(exc)
 
     @contextlib.contextmanager
     def settled_on_failure(self, timeout_s: float) -> Iterator[None]:
@@ -218,7 +227,7 @@ class Saver:
         (state, outcome), self._in_flight = self._in_flight, None
         step = int(state["step"])
         result = outcome.result()  # a failure other than the save's own is the run's
-        if isinstance(result, checkpoint.CheckpointSaveError):
+        if isinstance(result, CheckpointSaveError):
             if self.cfg.on_error == "fail":
                 raise result
             self.failed += 1

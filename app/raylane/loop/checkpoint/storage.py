@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from raylane.loop.checkpoint import state as checkpoint
+from raylane.loop.checkpoint.agree import raise_if_any
+from raylane.loop.checkpoint.manifest import MANIFEST_FILE, checkpoint_name, newest_valid, prune
 
 
 def filesystem_for(storage_path: str) -> tuple[pafs.FileSystem, str]:
@@ -42,6 +43,13 @@ def local_copy(location: str) -> Iterator[str]:
 
 
 class CheckpointStore:
+    """A run's checkpoints in storage, as one rank sees them: `root` on `fs` (a local or shared
+    folder when None). `latest` finds the one to resume from (`skipped`: the newer ones it passed
+    over), `new_dir` is where this rank writes a save, `commit` puts a written save into storage
+    and applies retention, `discard` removes a save that failed. Every launcher hands the loop
+    one as `Runtime.store`, and the Saver commits through it; a launcher that must do more at
+    these points subclasses it (raylane.onray.store.DriverWatchedStore)."""
+
     def __init__(self, root: str, fs: pafs.FileSystem | None, rank: int) -> None:
         self.root, self.rank = root.rstrip("/"), rank
         self.fs = fs or pafs.LocalFileSystem()
@@ -51,7 +59,7 @@ class CheckpointStore:
     def latest(self) -> str | None:
         """A local directory holding the newest valid checkpoint (downloaded if remote), or None.
         The newer ones it passed over are kept in `skipped` ({"path", "reason"}, newest first)."""
-        path, skipped = checkpoint.newest_valid(self.root, self.fs)
+        path, skipped = newest_valid(self.root, self.fs)
         self.skipped = [
             {**s, "path": s["path"] if self.direct else f"{self.fs.type_name}://{s['path']}"} for s in skipped
         ]
@@ -64,13 +72,13 @@ class CheckpointStore:
 
     def new_dir(self, step: int) -> str:
         if self.direct:
-            path = Path(self.root) / checkpoint.checkpoint_name(step)
+            path = Path(self.root) / checkpoint_name(step)
             path.mkdir(parents=True, exist_ok=True)
             return str(path)
-        return tempfile.mkdtemp(prefix=f"raylane-{checkpoint.checkpoint_name(step)}-")
+        return tempfile.mkdtemp(prefix=f"raylane-{checkpoint_name(step)}-")
 
     def location(self, step: int) -> str:
-        path = f"{self.root}/{checkpoint.checkpoint_name(step)}"
+        path = f"{self.root}/{checkpoint_name(step)}"
         return path if self.direct else f"{self.fs.type_name}://{path}"
 
     def commit(self, path: str, step: int, *, keep: int | None, keep_best: int | None, best: tuple[str, str]) -> str:
@@ -80,18 +88,18 @@ class CheckpointStore:
         Written straight into storage, the manifest is already the commit, and commit()'s last
         gather already held every rank until it existed: nothing is left to agree on."""
         if not self.direct:
-            self._upload(path, f"{self.root}/{checkpoint.checkpoint_name(step)}", step)
+            self._upload(path, f"{self.root}/{checkpoint_name(step)}", step)
         if self.rank == 0:
-            checkpoint.prune(self.root, keep, self.fs, keep_best=keep_best, best=best)
+            prune(self.root, keep, self.fs, keep_best=keep_best, best=best)
         return self.location(step)
 
     def _upload(self, path: str, target: str, step: int) -> None:
-        manifest = os.path.join(path, checkpoint.MANIFEST_FILE)
+        manifest = os.path.join(path, MANIFEST_FILE)
         try:
-            error = self._try(lambda: self._copy_out(path, target, skip=checkpoint.MANIFEST_FILE))
-            checkpoint.raise_if_any(step, error)
+            error = self._try(lambda: self._copy_out(path, target, skip=MANIFEST_FILE))
+            raise_if_any(step, error)
             error = self._try(lambda: self._copy_file(manifest, target)) if self.rank == 0 else None
-            checkpoint.raise_if_any(step, error, only_rank_zero=True)
+            raise_if_any(step, error, only_rank_zero=True)
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
