@@ -16,8 +16,10 @@ from typing import Any
 
 import yaml
 
-from raylane import __version__, api, logs
+from raylane import api, logs
 from raylane.config import BaseConfig, ConfigError
+from raylane.onray import output
+from raylane.version import __version__
 
 # Under torchrun, how long a rank other than 0 waits before exiting on a config error (see _config_error).
 CONFIG_ERROR_GRACE_S = 5.0
@@ -367,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if hasattr(args, "verbose"):  # the commands that start Ray, MLflow or torch
         logs.setup(args.verbose, args.command)
+        output.install()  # before Ray is imported
     try:
         return COMMANDS[args.command](args)
     except ConfigError as exc:  # before anything started, or found once the cluster is known

@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from raylane.paths import home
+
 STATE_FILE = "cluster.json"
 START_TIMEOUT_S = 120.0
 STOP_GRACE_S = 5.0
@@ -48,10 +50,6 @@ class LocalCluster:
     num_cpus: int
     started_unix: float
     log: str
-
-
-def home() -> Path:
-    return Path(os.environ.get("RAYLANE_HOME") or Path.home() / ".raylane").expanduser()
 
 
 def running() -> LocalCluster | None:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raylane import __version__
 from raylane.config import BaseConfig
+from raylane.version import __version__
 
 log = logging.getLogger("raylane.tracking")
 
