@@ -18,8 +18,8 @@ from typing import Any
 
 from raylane.config import BaseConfig, ConfigError
 from raylane.loop.events import Event
-from raylane.prechecks import closing_status, fresh_name, fresh_start, record_finished, run_folder
 from raylane.results import Status, TrainSummary
+from raylane.runrecord import closing_status, fresh_name, fresh_start, record_finished, run_folder
 from raylane.tracking.progress import ProgressDisplay
 
 log = logging.getLogger("raylane")

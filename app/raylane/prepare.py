@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raylane import prechecks
+from raylane import prechecks, runrecord
 from raylane.batching import held_batch, world_sizes
 from raylane.config import BaseConfig, ConfigError, load_config
 
@@ -32,7 +32,7 @@ class PreparedRun:
 
     cfg: BaseConfig
     use_ray: bool
-    finished: prechecks.Finished | None = None
+    finished: runrecord.Finished | None = None
     notes: list[str] = field(default_factory=list)  # lines to show before it starts
 
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from raylane import prechecks
+from raylane import prechecks, runrecord
 from raylane.autotuning.order import RECORD_FILE
 from raylane.autotuning.ranking import CONFIDENCE, verdict
 from raylane.autotuning.report import (
@@ -213,7 +213,7 @@ def space(section: AutotuneSection, cfg: BaseConfig) -> tuple[dict[str, list[Any
 def check(section: AutotuneSection, cfg: BaseConfig, out: str, summary_json: str | None) -> None:
     """What can fail before anything starts: the outputs (never overwritten) and the config."""
     prechecks.check_run(cfg, summary_json=summary_json)
-    folder = prechecks.run_folder(cfg) if cfg.run.name else None
+    folder = runrecord.run_folder(cfg) if cfg.run.name else None
     if (
         folder is not None
         and folder.is_dir()
