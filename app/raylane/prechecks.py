@@ -20,7 +20,7 @@ from typing import Any
 
 from raylane import paths, pipelines_ref
 from raylane.batching import effective_global_batch
-from raylane.config import BaseConfig, ConfigError, did_you_mean, flatten
+from raylane.config import BaseConfig, ConfigError, check_metric, flatten
 from raylane.loop.checkpoint.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, newest_valid, read_manifest, verify
 from raylane.runrecord import Finished, already_finished, fresh_name, newest_manifest, run_folder
 
@@ -150,19 +150,6 @@ def check_init_from(cfg: BaseConfig) -> None:
             f"{key} = {_shown(cfg.flat(), key)}: {field} = {path!r} was saved with {key} = "
             f"{_shown(_as_saved(flatten(recorded)), key)}, which this config cannot load"
         )
-
-
-def check_metric(field: str, metric: str, cfg: BaseConfig) -> None:
-    """`metric` is one the pipeline declares (BaseConfig.eval_metrics); anything goes when it
-    declares none."""
-    declared = cfg.eval_metrics()
-    if declared is None or metric in declared:
-        return
-    hint = did_you_mean(metric, declared)
-    raise ConfigError(
-        f"{field} = {metric!r}: not a metric the {pipelines_ref.label(cfg.pipeline)} pipeline "
-        f"reports{hint}; it reports: {', '.join(declared)}"
-    )
 
 
 def writable_file(field: str, path: str | Path) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from raylane import api, cli, prechecks
-from raylane.config import ConfigError, load_config
+from raylane.config import ConfigError, check_metric, load_config
 from tests.conftest import RAYLANE, REPO, TORCHRUN, cli_env
 
 OWN = "pipeline: ./pipe.py\nmodel: {}\n"
@@ -81,7 +81,8 @@ def committed(folder: str, files: dict[str, str], sizes: dict[str, int] | None =
 
 def swept(*sets: str) -> dict[str, str]:
     """runs/digits-asha as the shipped sweep (with `sets`) left it: its record."""
-    from raylane.onray.sweep import SWEEP_RECORD, load_sweep, settings
+    from raylane.config.sweep import load_sweep
+    from raylane.onray.sweep import SWEEP_RECORD, settings
 
     record = {"status": "FINISHED", "settings": settings(*load_sweep("digits-sweep", sets))}
     return {f"runs/digits-asha/{SWEEP_RECORD}": json.dumps(record)}
@@ -572,7 +573,7 @@ def test_a_pipeline_that_declares_no_metrics_takes_any(tmp_path, monkeypatch):
     )
     cfg = load_config({"pipeline": "./pipe.py", "checkpoint": {"keep_best": 1, "best_metric": "anything"}})
     prechecks.check_run(cfg)  # no error
-    prechecks.check_metric("sweep.metric", "f1", cfg)
+    check_metric("sweep.metric", "f1", cfg)
 
 
 def test_the_table_covers_every_command():

@@ -172,11 +172,11 @@ def check_raylane(argv: list[str], cwd: Path) -> None:
     except ConfigError:  # no such file yet: the block makes it (checked below)
         sweep = False
     if sweep:
-        from raylane.onray.sweep import load_sweep
+        from raylane.config.sweep import load_sweep
 
         load_sweep(source, args.overrides)
     elif args.command == "autotune":
-        from raylane.autotuning import driver as autotune
+        from raylane.config import autotune
 
         autotune.space(*autotune.load(source, args.overrides))
     else:
@@ -295,7 +295,7 @@ def test_markers_and_other_blocks(tmp_path):
                     raise
                 compile("def build(cfg):\n" + textwrap.indent(b.text, "    "), b.id, "exec")
         elif b.lang == "yaml" and "sweep" in yaml.safe_load(b.text):
-            from raylane.onray.sweep import load_sweep
+            from raylane.config.sweep import load_sweep
 
             (tmp_path / "sweep.yaml").write_text(b.text)
             load_sweep(str(tmp_path / "sweep.yaml"))

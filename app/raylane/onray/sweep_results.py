@@ -9,7 +9,8 @@ import io
 from pathlib import Path
 from typing import Any
 
-from raylane.onray.sweep import NOT_REACHED_S, TIME_TO_TARGET, SweepSection
+from raylane.config.sweep import TIME_TO_TARGET, SweepSection
+from raylane.onray.sweep import NOT_REACHED_S
 from raylane.onray.trials import find_child
 from raylane.tracking.runs import RunHandle, mlflow_client
 

@@ -11,7 +11,7 @@ from ray import tune
 from ray.tune.result import AUTO_RESULT_KEYS
 
 from raylane.config import ConfigError
-from raylane.onray.sweep import SweepSection
+from raylane.config.sweep import SweepSection
 from raylane.tracking.runs import RunHandle, close_run, mlflow_client
 
 log = logging.getLogger("raylane")

@@ -27,17 +27,16 @@ from ray import tune
 
 from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
+from raylane.config.sweep import SweepSection, trial_config
 from raylane.loop.events import Checkpoint, Event
 from raylane.onray import sweep_results
 from raylane.onray.cluster import data_cpus
 from raylane.onray.sweep import (
     Objective,
-    SweepSection,
     fresh_sweep_name,
     resolved,
     run_speed,
     sweep_folder,
-    trial_config,
     write_record,
 )
 from raylane.onray.sweep_plan import param_space, search_alg, trials_text
