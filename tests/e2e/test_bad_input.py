@@ -116,6 +116,35 @@ CASES: dict[str, Case] = {
         ["check", "bad.yaml"], "config file 'bad.yaml': invalid YAML at line 2", files={"bad.yaml": "a: [\n"}
     ),
     "YAML list": Case(["check", "list.yaml"], "top level must be a mapping", files={"list.yaml": "- 1\n"}),
+    # a key given twice: YAML keeps the last silently, the author meant one of them
+    "a key twice in a config file": Case(
+        ["train", "c.yaml"],
+        "config file 'c.yaml': key 'optim.lr' is given twice in one mapping (lines 3 and 5): YAML keeps only the last",
+        files={"c.yaml": "pipeline: digits\noptim:\n  lr: 0.1\n  name: sgd\n  lr: 0.01\n"},
+    ),
+    "a key twice in a sweep file": Case(
+        ["tune", "s.yaml"],
+        "config file 's.yaml': key 'sweep.num_samples' is given twice in one mapping (lines 4 and 5): YAML keeps "
+        "only the last",
+        files={
+            "s.yaml": "sweep:\n  name: s\n  base: digits\n  num_samples: 2\n  num_samples: 4\n"
+            "  space: {optim.lr: {grid: [0.1]}}\n"
+        },
+    ),
+    "a key twice in a sweep's base config": Case(
+        ["tune", "s.yaml"],
+        "config file '{cwd}/b.yaml': key 'train' is given twice in one mapping (lines 2 and 3): YAML keeps only the last",
+        files={
+            "s.yaml": "sweep: {name: s, base: b.yaml, space: {optim.lr: {grid: [0.1]}}}\n",
+            "b.yaml": "pipeline: digits\ntrain: {max_epochs: 1}\ntrain: {max_epochs: 2}\n",
+        },
+    ),
+    "a key twice in an autotune section": Case(
+        ["autotune", "c.yaml"],
+        "config file 'c.yaml': key 'autotune.batch_sizes' is given twice in one mapping (lines 3 and 4): YAML "
+        "keeps only the last",
+        files={"c.yaml": "pipeline: digits\nautotune:\n  batch_sizes: [8]\n  batch_sizes: [16]\n"},
+    ),
     "fp16 with fsdp": Case(
         ["check", "digits", "--set", "train.precision=fp16", "--set", "strategy.name=fsdp"],
         "train.precision = 'fp16' with strategy.name = 'fsdp'",

@@ -100,8 +100,55 @@ def normalize_pipeline(raw: dict[str, Any], config_dir: Path) -> dict[str, Any]:
     return raw
 
 
+class DuplicateKey(Exception):
+    """A key given twice in one YAML mapping: `key` (dotted, from the document's top) at `lines`."""
+
+    def __init__(self, key: str, lines: tuple[int, int]) -> None:
+        super().__init__(
+            f"key {key!r} is given twice in one mapping (lines {lines[0]} and {lines[1]}): YAML keeps only the last"
+        )
+
+
+class StrictLoader(yaml.SafeLoader):
+    """`yaml.safe_load`'s loader (the same safe construction), except that a key given twice in
+    one mapping raises DuplicateKey: YAML would keep the second silently, and the author meant
+    one of them. A merge (`<<: *base`) may still give a key the mapping sets itself."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._where: dict[int, str] = {}
+        self._name_mappings(node, "", set())
+        return super().construct_document(node)
+
+    def _name_mappings(self, node: yaml.Node, prefix: str, seen: set[int]) -> None:
+        """Each mapping's dotted place in the document (`optim.`), to name a key in full."""
+        if id(node) in seen:  # an alias of a node already named
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            self._where[id(node)] = prefix
+            for key, value in node.value:
+                self._name_mappings(
+                    value, f"{prefix}{key.value}." if isinstance(key, yaml.ScalarNode) else prefix, seen
+                )
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                self._name_mappings(item, prefix, seen)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+            if key in first:
+                raise DuplicateKey(f"{self._where.get(id(node), '')}{key}", (first[key], line))
+            first[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a config file with `yaml.safe_load` (see `config_path` for bare names)."""
+    """Read a config file as `yaml.safe_load` does, but refusing a key given twice in one mapping
+    (StrictLoader); see `config_path` for bare names."""
     p = config_path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -110,7 +157,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {str(path)!r}: cannot read it ({exc.__class__.__name__})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=StrictLoader)  # a SafeLoader: only safe construction
+    except DuplicateKey as exc:
+        raise ConfigError(f"config file {str(path)!r}: {exc}") from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
