@@ -231,13 +231,13 @@ def up(num_cpus: int | None = None, port: int | None = None, dashboard_port: int
     """`raylane up`: a persistent local Ray head (returns it, and whether this call started it)."""
     num_cpus = max(4, os.cpu_count() or 1) if num_cpus is None else num_cpus
     prepare.prepare_up(num_cpus)
-    from raylane.onray import localcluster
+    from raylane.clusters import local as localcluster
 
     return localcluster.up(num_cpus, port, dashboard_port)
 
 
 def down():
     """`raylane down`: stop the local Ray head `up` started; returns it, or None."""
-    from raylane.onray import localcluster
+    from raylane.clusters import local as localcluster
 
     return localcluster.down()

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from raylane import paths, pipelines_ref
-from raylane.batching import effective_global_batch
 from raylane.config import BaseConfig, ConfigError, check_metric, flatten
+from raylane.config.batching import effective_global_batch
 from raylane.loop.checkpoint.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, newest_valid, read_manifest, verify
 from raylane.runrecord import Finished, already_finished, fresh_name, newest_manifest, run_folder
 
@@ -265,7 +265,7 @@ def check_token_path() -> None:
 
 def oversubscription(cfg: BaseConfig, address: str | None) -> str | None:
     """A warning when a fresh embedded cluster (`address` None, as resolved by
-    raylane.onray.localcluster.resolve_address) gets more worker CPUs than this machine has:
+    raylane.clusters.local.resolve_address) gets more worker CPUs than this machine has:
     Ray starts it with as many logical CPUs as asked, so the workers then share cores."""
     cores = os.cpu_count() or 1
     wanted = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker

@@ -18,8 +18,8 @@ from typing import Any
 
 from raylane import prechecks, runrecord
 from raylane.autotuning.order import RECORD_FILE
-from raylane.batching import held_batch, world_sizes
 from raylane.config import BaseConfig, ConfigError, autotune, load_config
+from raylane.config.batching import held_batch, world_sizes
 from raylane.config.sweep import SweepSection, load_sweep
 from raylane.lease import LEASE_FILES
 
@@ -67,9 +67,9 @@ def prepare_train(
 
 
 def check_address(address: str | None) -> None:
-    """The cluster a Ray run joins, when one is named, answers as one (raylane.onray.addresses:
+    """The cluster a Ray run joins, when one is named, answers as one (raylane.clusters.addresses:
     sockets only, milliseconds): Ray itself would wait for minutes."""
-    from raylane.onray.addresses import check_gcs_address
+    from raylane.clusters.addresses import check_gcs_address
 
     check_gcs_address(address or os.environ.get("RAY_ADDRESS"))
 
@@ -100,7 +100,7 @@ class PreparedSweep:
 def prepare_tune(
     sweep_file: Any, overrides: Iterable[str] = (), *, summary_json: str | None = None, address: str | None = None
 ) -> PreparedSweep:
-    from raylane.onray.sweep import check_rerun
+    from raylane.sweeps.record import check_rerun
 
     sweep, base = load_sweep(sweep_file, list(overrides))
     prechecks.check_run(base, summary_json=summary_json)
@@ -120,8 +120,8 @@ def is_sweep_file(config: Any) -> bool:
 def prepare_check_sweep(sweep_file: Any, overrides: Iterable[str] = ()) -> Any:
     """`raylane check SWEEP.yaml`: what `raylane tune` checks before Ray starts (the sweep, its
     base config, a rerun's settings), and the trials it would run (raylane.onray.sweep_plan)."""
-    from raylane.onray.sweep import check_rerun
     from raylane.onray.sweep_plan import SweepPlan, planned_trials
+    from raylane.sweeps.record import check_rerun
 
     sweep, base = load_sweep(sweep_file, list(overrides))
     prechecks.check_run(base)
@@ -221,7 +221,7 @@ def prepare_up(num_cpus: int) -> None:
 def resolve_address(address: str | None, cfg: BaseConfig) -> str | None:
     """The cluster a Ray run joins (None: a fresh embedded one), with a warning when an embedded
     one would give the workers more CPUs than this machine has."""
-    from raylane.onray.localcluster import resolve_address as resolve
+    from raylane.clusters.local import resolve_address as resolve
 
     address = resolve(address)  # before Ray's import: see resolve_address
     warning = prechecks.oversubscription(cfg, address)

@@ -82,7 +82,7 @@ def committed(folder: str, files: dict[str, str], sizes: dict[str, int] | None =
 def swept(*sets: str) -> dict[str, str]:
     """runs/digits-asha as the shipped sweep (with `sets`) left it: its record."""
     from raylane.config.sweep import load_sweep
-    from raylane.onray.sweep import SWEEP_RECORD, settings
+    from raylane.sweeps.record import SWEEP_RECORD, settings
 
     record = {"status": "FINISHED", "settings": settings(*load_sweep("digits-sweep", sets))}
     return {f"runs/digits-asha/{SWEEP_RECORD}": json.dumps(record)}

@@ -378,7 +378,7 @@ def test_throughput_metrics_take_their_direction_and_a_held_global_batch_sets_ea
 def test_a_time_to_target_objective_ranks_by_the_first_time_the_metric_reached_it(tmp_path):
     from raylane.config import ConfigError
     from raylane.config.sweep import load_sweep
-    from raylane.onray.sweep import NOT_REACHED_S, Objective
+    from raylane.sweeps.objective import NOT_REACHED_S, Objective
 
     (tmp_path / "s.yaml").write_text("sweep: {name: s, base: digits, space: {optim.lr: {grid: [0.1]}}}\n")
     target = "sweep.objective={time_to: {metric: accuracy, value: 0.9, mode: max}}"
@@ -407,9 +407,9 @@ def test_the_table_shows_each_trials_last_value_and_finished_for_a_trial_that_ra
     from ray.tune.experiment import Trial
 
     from raylane.config.sweep import load_sweep
-    from raylane.onray import sweep_results
     from raylane.onray.trials import TrialRuns
     from raylane.onray.tune import _child, open_parent
+    from raylane.sweeps import results as sweep_results
     from raylane.tracking.runs import RunHandle, close_run
 
     # The session's MLflow server (the ASHA sweep's, already up in make test), an experiment of its own.

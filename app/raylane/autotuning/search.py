@@ -36,8 +36,8 @@ import torch.distributed as dist
 from raylane.autotuning.costs import eval_seconds, per_step_seconds, save_seconds
 from raylane.autotuning.order import Outcome, plan, read_record
 from raylane.autotuning.ranking import merge, next_round, summarize
-from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import BaseConfig, apply_values
+from raylane.config.batching import GlobalBatch, hold_global_batch
 from raylane.loop import faults as fault_plans
 from raylane.loop import usercode
 from raylane.loop.batches import checked_own_loss, forward_loss, to_device

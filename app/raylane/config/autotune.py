@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config.base import BaseConfig
+from raylane.config.batching import GlobalBatch, hold_global_batch
 from raylane.config.load import (
     apply_overrides,
     apply_values,

@@ -4,7 +4,7 @@ the base config. `--set sweep.num_samples=8` changes the sweep, any other `--set
 
 Every key of the space is checked against the base config with a value from its domain, so a
 typo (`optim.lrr`) or an impossible range fails here with the key and the value named. What a
-sweep leaves in its folder, and how it runs, is raylane.onray.sweep's and raylane.onray.tune's.
+sweep leaves in its folder, and how it runs, is raylane.sweeps' and raylane.onray.tune's.
 Nothing here imports torch or Ray."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config.base import BaseConfig
+from raylane.config.batching import GlobalBatch, hold_global_batch
 from raylane.config.load import (
     apply_overrides,
     apply_values,

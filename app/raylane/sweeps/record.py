@@ -1,11 +1,10 @@
-"""A sweep's own state beside its schema (raylane.config.sweep): what a trial reports (its
-throughput, a time-to-target objective) and the sweep's record.
+"""A sweep's record, beside its schema (raylane.config.sweep).
 
 A sweep's folder (`<run.storage_path>/<sweep.name>`, Tune's experiment) holds `SWEEP_RECORD`:
 the settings it ran with and how it ended. Rerunning the name with other settings is refused
 before Ray starts (Tune would restore the old search and silently ignore them, then the end of
 the sweep would rewrite the earlier results); rerunning it unchanged continues it, or, once it
-finished, says so and leaves everything as it is."""
+finished, says so and leaves everything as it is. Nothing here imports torch or Ray."""
 
 from __future__ import annotations
 
@@ -16,43 +15,9 @@ from typing import Any
 
 from raylane import paths
 from raylane.config import BaseConfig, ConfigError, flatten
-from raylane.config.sweep import TIME_TO_TARGET, SweepSection
+from raylane.config.sweep import SweepSection
 
 SWEEP_RECORD = "raylane_sweep.json"
-# What a trial that has not reached the target reports: worse than any real time, and finite,
-# which ASHA's quantiles and MLflow need.
-NOT_REACHED_S = 1e9
-
-
-def run_speed(result: dict[str, Any]) -> dict[str, float]:
-    """A finished run's throughput under the names a trial reports each epoch."""
-    memory = result.get("memory") or {}
-    speed = {k: result.get(k) for k in ("samples_per_s", "tokens_per_s", "mfu", "step_time_s")}
-    speed.update(peak_memory_bytes=memory.get("peak_bytes"), train_s=result.get("train_wall_s"))
-    return {k: float(v) for k, v in speed.items() if isinstance(v, (int, float))}
-
-
-class Objective:
-    """A trial's reports with `time_to_target_s` added under a time-to-target objective: the
-    training time of the first report that reached the value, NOT_REACHED_S until one does."""
-
-    def __init__(self, sweep: SweepSection) -> None:
-        self.target = sweep.objective.time_to if sweep.objective else None
-        self.reached_s: float | None = None
-
-    def __call__(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.target is None:
-            return metrics
-        value = metrics.get(self.target.metric)
-        hit = value is not None and (
-            value >= self.target.value if self.target.mode == "max" else value <= self.target.value
-        )
-        if hit and self.reached_s is None:
-            self.reached_s = float(metrics.get("train_s", NOT_REACHED_S))
-        return {**metrics, TIME_TO_TARGET: self.reached_s if self.reached_s is not None else NOT_REACHED_S}
-
-
-# -- the sweep's record ------------------------------------------------------------------------
 
 
 def resolved(base: BaseConfig) -> BaseConfig:

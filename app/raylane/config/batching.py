@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, ValidationError
 
-from raylane.config import ConfigError, Section, TrainSection
+from raylane.config.sections import Section, TrainSection
+from raylane.errors import ConfigError
 
 if TYPE_CHECKING:
-    from raylane.config import BaseConfig
+    from raylane.config.base import BaseConfig
 
 
 def held_batch(cfg: BaseConfig, workers: int) -> BaseConfig:
