@@ -148,9 +148,9 @@ def pipeline_sections() -> list[str]:
 
 
 def explained() -> str:
-    from raylane.cli import _parser
+    from raylane.cli import parser
 
-    args = _parser().parse_args(EXAMPLE)
+    args = parser().parse_args(EXAMPLE)
     return config_keys.explain(load_config(args.config, args.overrides), args.explain)
 
 

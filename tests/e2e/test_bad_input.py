@@ -505,7 +505,7 @@ def test_bad_input_exits_2_with_one_line_from_the_cli_and_the_api(name, tmp_path
 
 def _through_the_api(argv: list[str]):
     """The call a notebook makes for the command line `argv` (parsed by the CLI's own parser)."""
-    a = cli._parser().parse_args(argv)
+    a = cli.parser().parse_args(argv)
     calls = {
         "check": lambda: api.check(a.config, a.overrides),
         "train": lambda: api.train(

@@ -152,11 +152,11 @@ def parse(parser, argv: list[str], prog: str):
 
 def check_raylane(argv: list[str], cwd: Path) -> None:
     """raylane's own parser accepts argv, and the config it names loads with its --set keys."""
-    from raylane.cli import _parser
+    from raylane.cli import parser
 
     if argv == ["--version"]:
         return
-    args = parse(_parser(), argv, "raylane")
+    args = parse(parser(), argv, "raylane")
     if args.command == "export" and "$" not in args.checkpoint:  # else computed when the block runs
         where = resolve(cwd, args.checkpoint)
         assert where.is_dir() or _created(where), f"raylane export {args.checkpoint}: no such checkpoint"
