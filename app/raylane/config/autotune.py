@@ -150,7 +150,7 @@ def space(section: AutotuneSection, cfg: BaseConfig) -> tuple[dict[str, list[Any
                 f"autotune.batch_sizes = {section.batch_sizes}: {b} does not divide the "
                 f"{share} samples each of {workers} workers takes per step (global batch {size})"
             )
-    knobs = {
+    knobs: dict[str, list[Any]] = {
         "strategy.name": section.strategies or (["ddp", "fsdp"] if workers > 1 else [s.name]),
         "train.batch_size": sizes,
         "train.precision": section.precisions or ["fp32", "bf16"],

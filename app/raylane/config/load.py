@@ -86,7 +86,7 @@ def config_path(path: str | Path) -> Path:
     """The file a config argument names: the path itself, or for a bare name (`digits`,
     `gpt-tiny`) that is not a file here, the YAML shipped in `pipelines/`."""
     p = Path(path)
-    shipped = Path(importlib.import_module("raylane.pipelines").__file__).parent / f"{path}.yaml"
+    shipped = _shipped_folder() / f"{path}.yaml"
     if not p.exists() and re.fullmatch(r"[A-Za-z0-9_-]+", str(path)) and shipped.exists():
         return shipped
     return p
@@ -173,8 +173,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 def shipped_configs() -> list[str]:
     """The names `raylane train NAME` finds in `pipelines/` (digits, digits-sweep, gpt-tiny, ...)."""
-    folder = Path(importlib.import_module("raylane.pipelines").__file__).parent
-    return sorted(p.stem for p in folder.glob("*.yaml"))
+    return sorted(p.stem for p in _shipped_folder().glob("*.yaml"))
+
+
+def _shipped_folder() -> Path:
+    """The folder of the shipped pipelines and their configs (raylane.pipelines)."""
+    return Path(str(importlib.import_module("raylane.pipelines").__file__)).parent
 
 
 def _not_found(path: str) -> str:
@@ -249,7 +253,7 @@ def read_config_file(
         cls = None
     if cls is None:
         return raw  # validation names what is wrong
-    shipped = folder == Path(importlib.import_module("raylane.pipelines").__file__).resolve().parent
+    shipped = folder == _shipped_folder().resolve()
     return paths.resolve(raw, cls, Path.cwd() if shipped else folder, inputs_only=True)
 
 

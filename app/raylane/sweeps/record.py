@@ -68,10 +68,10 @@ def check_rerun(sweep: SweepSection, base: BaseConfig) -> str | None:
     """Before Ray: ConfigError when this sweep name already ran with other settings (naming the
     first that differs); the line to print when it already finished with these; else None (a
     new sweep, or one to continue)."""
-    record = read_record(sweep, base)
-    if record is None:
+    folder, record = sweep_folder(sweep, base), read_record(sweep, base)
+    if folder is None or record is None:
         return None
-    folder, old, new = sweep_folder(sweep, base), _absolute_paths(record["settings"], base), settings(sweep, base)
+    old, new = _absolute_paths(record["settings"], base), settings(sweep, base)
     for key in dict.fromkeys([*new, *old]):  # the sweep's own keys first, then the base config's
         if (key in old, old.get(key)) != (key in new, new.get(key)):
             raise ConfigError(
