@@ -25,7 +25,8 @@ INTRO = """# Configuration reference
 
 <!-- Generated from the config models by `make docs` (scripts/config_docs.py); do not edit. -->
 
-A pipeline config is one YAML file (read with `yaml.safe_load`), validated once, before anything
+A pipeline config is one YAML file (read as `yaml.safe_load` reads it, except that a key given
+twice in one mapping exits 2 naming the key and both lines), validated once, before anything
 starts. `--set dotted.key=value` overrides any key (the value is read as YAML: `true`, `null`,
 `1e-3`, `[1, 2]`); the same dotted keys are a sweep's `space` and the run's MLflow params. An
 unknown key, a wrong type or a value out of range exits 2 with one line naming the key and the
@@ -147,9 +148,9 @@ def pipeline_sections() -> list[str]:
 
 
 def explained() -> str:
-    from raylane.cli import _parser
+    from raylane.cli import parser
 
-    args = _parser().parse_args(EXAMPLE)
+    args = parser().parse_args(EXAMPLE)
     return config_keys.explain(load_config(args.config, args.overrides), args.explain)
 
 

@@ -469,4 +469,4 @@ def no_work(monkeypatch):
     monkeypatch.setattr("raylane.prepare.resolve_address", started)
     monkeypatch.setattr("raylane.onray.jobs.job_client", started)
     monkeypatch.setattr("raylane.driver.train", started)
-    monkeypatch.setattr("raylane.onray.localcluster.up", started)
+    monkeypatch.setattr("raylane.clusters.local.up", started)

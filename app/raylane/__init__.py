@@ -25,15 +25,9 @@ beside this one) is internal and may change in any release; raylane.hf has its o
 from __future__ import annotations
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-try:
-    __version__ = version("raylane")
-except PackageNotFoundError:  # running from a source tree that was not installed
-    __version__ = "0.0.0+unknown"
-
-from raylane.api import autotune, check, down, submit, train, tune, up  # after __version__, which they import
+from raylane.api import autotune, check, down, submit, train, tune, up
 from raylane.config import BaseConfig, ConfigError, Section
 from raylane.errors import DataError
 from raylane.paths import InputPath, InputPaths, OutputPath
@@ -46,6 +40,7 @@ from raylane.results import (
     TrainSummary,
     read_summary,
 )
+from raylane.version import __version__
 
 # tests/unit/test_public_api.py holds this list too: a name that disappears from it fails there.
 __all__ = [

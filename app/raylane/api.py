@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from raylane import logs, prepare
 from raylane.config import BaseConfig, ConfigError
+from raylane.onray import output
 from raylane.results import AutotuneSummary, ExportSummary, Status, SweepSummary, TrainSummary
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def check(config: Any, overrides: Iterable[str] = ()) -> BaseConfig | SweepPlan:
     (`raylane tune`'s), its plan: `sweep`, `base` (the base config every trial starts from) and
     `trials` (each trial's changes to it, as Tune will draw them), without starting Ray."""
     if prepare.is_sweep_file(config):
-        with logs.scope(None, "check"):  # Ray Tune's import, for the draw
+        with output.scope(None, "check"):  # Ray Tune's import, for the draw
             return prepare.prepare_check_sweep(config, overrides)
     run = prepare.prepare_train(config, overrides)
     for note in run.notes:
@@ -54,7 +55,7 @@ def train(
     already FINISHED as far as the config asks is not trained again: its summary comes back with
     `already_finished`. `verbose`: also print what the libraries say (`--verbose`; None: the
     RAYLANE_VERBOSE environment variable decides)."""
-    with logs.scope(verbose, "train"):
+    with output.scope(verbose, "train"):
         return _train(config, overrides, address, local, register, summary_json)
 
 
@@ -109,7 +110,7 @@ def tune(
 ) -> SweepSummary:
     """`raylane tune`: run (or continue) a sweep; returns its summary (its trials and the best
     one). ConfigError on bad input, before Ray starts. `verbose`: as for `train`."""
-    with logs.scope(verbose, "tune"):
+    with output.scope(verbose, "tune"):
         prepared = prepare.prepare_tune(sweep, overrides, summary_json=summary_json, address=address)
         if prepared.finished:  # its records stay as they are
             print(prepared.finished, flush=True)
@@ -141,7 +142,7 @@ def autotune(
 ) -> AutotuneSummary:
     """`raylane autotune`: the fastest configuration that fits, written to `out` as a YAML ready
     to train; returns the search's summary. `verbose`: as for `train`."""
-    with logs.scope(verbose, "autotune"):
+    with output.scope(verbose, "autotune"):
         search = prepare.prepare_autotune(
             config, overrides, out=out, summary_json=summary_json, budget_s=budget_s, local=local, address=address
         )
@@ -173,7 +174,7 @@ def submit(
 
     if verbose is not None:
         env_vars = {logs.VERBOSE_ENV: "1" if verbose else "0", **(env_vars or {})}
-    with logs.scope(verbose, "submit"):
+    with output.scope(verbose, "submit"):
         return submit_job(config, overrides, address=address, working_dir=working_dir, env_vars=env_vars)
 
 
@@ -190,7 +191,7 @@ def export(
     config JSON beside it. `format="hf"`: a Hugging Face model's `save_pretrained` folder at `out`
     (a LoRA run merged, or its adapter alone with `adapter_only`). Returns what was written.
     `verbose`: as for `train`."""
-    with logs.scope(verbose, "export"):
+    with output.scope(verbose, "export"):
         summary = _export(checkpoint, out, format, adapter_only, summary_json)
     if format == "hf":
         what = "a peft adapter" if adapter_only else "a save_pretrained model"
@@ -230,13 +231,13 @@ def up(num_cpus: int | None = None, port: int | None = None, dashboard_port: int
     """`raylane up`: a persistent local Ray head (returns it, and whether this call started it)."""
     num_cpus = max(4, os.cpu_count() or 1) if num_cpus is None else num_cpus
     prepare.prepare_up(num_cpus)
-    from raylane.onray import localcluster
+    from raylane.clusters import local as localcluster
 
     return localcluster.up(num_cpus, port, dashboard_port)
 
 
 def down():
     """`raylane down`: stop the local Ray head `up` started; returns it, or None."""
-    from raylane.onray import localcluster
+    from raylane.clusters import local as localcluster
 
     return localcluster.down()

@@ -16,8 +16,10 @@ from typing import Any
 
 import yaml
 
-from raylane import __version__, api, logs
+from raylane import api, logs
 from raylane.config import BaseConfig, ConfigError
+from raylane.onray import output
+from raylane.version import __version__
 
 # Under torchrun, how long a rank other than 0 waits before exiting on a config error (see _config_error).
 CONFIG_ERROR_GRACE_S = 5.0
@@ -31,27 +33,38 @@ ADDRESS_HELP = (
 )
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The `raylane` command's parser: one subcommand per API call (scripts/config_docs.py reads
+    it for the reference's example)."""
     p = argparse.ArgumentParser(prog="raylane", description="Distributed PyTorch training on Ray.")
     p.add_argument("--version", action="version", version=f"raylane {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_check(sub)
+    _add_runs(sub)
+    _add_submit(sub)
+    _add_cluster(sub)
+    _add_export(sub)
+    _add_bench(sub)
+    return p
 
-    def add_config_args(
-        sp: argparse.ArgumentParser,
-        what: str = "pipeline config YAML (or a shipped config's name: digits, gpt-tiny, ...)",
-    ) -> None:
-        sp.add_argument("config", help=what)
-        sp.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a config value, e.g. --set train.batch_size=64 (repeatable)",
-        )
 
+def _add_config_args(
+    sp: argparse.ArgumentParser, what: str = "pipeline config YAML (or a shipped config's name: digits, gpt-tiny, ...)"
+) -> None:
+    sp.add_argument("config", help=what)
+    sp.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.batch_size=64 (repeatable)",
+    )
+
+
+def _add_check(sub: Any) -> None:
     check = sub.add_parser("check", help="validate a config and print it resolved")
-    add_config_args(check)
+    _add_config_args(check)
     shown = check.add_mutually_exclusive_group()
     shown.add_argument(
         "--blocks",
@@ -67,8 +80,11 @@ def _parser() -> argparse.ArgumentParser:
         "(docs/configuration.md lists every key)",
     )
 
+
+def _add_runs(sub: Any) -> None:
+    """`train`, `tune` and `autotune`: the commands that start work on Ray (or without it)."""
     train = sub.add_parser("train", help="train a pipeline on Ray (or under torchrun / in-process)")
-    add_config_args(train)
+    _add_config_args(train)
     train.add_argument("--address", help=ADDRESS_HELP)
     train.add_argument("--summary-json", metavar="PATH", help="write the run's summary here")
     train.add_argument(
@@ -77,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--local", action="store_true", help="run in this process without Ray (implied under torchrun)")
     train.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
     sweep = sub.add_parser("tune", help="run a Ray Tune sweep of multi-worker trials (nested MLflow runs)")
-    add_config_args(
+    _add_config_args(
         sweep,
         "sweep YAML: a `sweep:` section naming its base pipeline config (or a shipped sweep's name: digits-sweep)",
     )
@@ -88,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     tuner = sub.add_parser(
         "autotune", help="find the fastest configuration of a pipeline that fits, in one worker group"
     )
-    add_config_args(tuner)
+    _add_config_args(tuner)
     tuner.add_argument("--address", help=ADDRESS_HELP)
     tuner.add_argument("--local", action="store_true", help="search in this one process, without Ray")
     tuner.add_argument("--budget-s", type=float, metavar="N", help="stop after N seconds with the best so far")
@@ -97,12 +113,22 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default="autotuned.yaml", help="the winner's ready-to-train YAML (default: %(default)s)"
     )
     tuner.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
+
+
+def _add_submit(sub: Any) -> None:
     job = sub.add_parser("submit", help="run `raylane train` as a Ray job on a cluster (Jobs SDK)")
-    add_config_args(job)
+    _add_config_args(job)
     job.add_argument(
         "--address",
         help="the cluster's dashboard URL (default: RAY_ADDRESS, else `raylane up`'s, else http://127.0.0.1:8265)",
     )
+    job.add_argument("--follow", action="store_true", help="stream the job's logs and exit with its result")
+    job.add_argument("--summary-json", metavar="PATH", help="with --follow: write the job's summary here")
+    job.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP + "; for the job too")
+
+
+def _add_cluster(sub: Any) -> None:
+    """`up` and `down`: the persistent local Ray head."""
     start = sub.add_parser("up", help="start a persistent local Ray head that later runs on this machine join")
     start.add_argument(
         "--num-cpus",
@@ -113,9 +139,9 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--port", type=int, help="GCS port (default: a free one)")
     start.add_argument("--dashboard-port", type=int, help="dashboard and jobs API port (default: a free one)")
     sub.add_parser("down", help="stop the local Ray head `raylane up` started")
-    job.add_argument("--follow", action="store_true", help="stream the job's logs and exit with its result")
-    job.add_argument("--summary-json", metavar="PATH", help="with --follow: write the job's summary here")
-    job.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP + "; for the job too")
+
+
+def _add_export(sub: Any) -> None:
     export = sub.add_parser("export", help="write a checkpoint's full model weights as safetensors")
     export.add_argument("checkpoint", help="a checkpoint directory (runs/<name>/checkpoint_<step>)")
     export.add_argument(
@@ -137,6 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--summary-json", metavar="PATH", help="write what was exported here")
     export.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
+
+
+def _add_bench(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmark against hand-written torchrun DDP and plain Ray (B1-B10)")
     bench.add_argument("--quick", action="store_true", help="one repeat, short runs, fewer cases: checks the harness")
     bench.add_argument("--only", type=lambda s: s.split(","), metavar="B1,B2,...", help="run only these benchmarks")
@@ -148,7 +177,6 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help=VERBOSE_HELP + "; the runs it starts log to files under --out either way",
     )
-    return p
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -364,9 +392,10 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     if hasattr(args, "verbose"):  # the commands that start Ray, MLflow or torch
         logs.setup(args.verbose, args.command)
+        output.install()  # before Ray is imported
     try:
         return COMMANDS[args.command](args)
     except ConfigError as exc:  # before anything started, or found once the cluster is known
@@ -387,10 +416,6 @@ def _config_error(exc: ConfigError) -> int:
     return 2
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def run() -> None:
     """The `raylane` command: main(), then exit without the interpreter's teardown.
 
@@ -408,3 +433,7 @@ def run() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    run()

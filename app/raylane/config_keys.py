@@ -236,8 +236,8 @@ def value_text(value: Any) -> str:
 
 def other_sections() -> dict[str, type[BaseModel]]:
     """The sections a pipeline config does not hold: a sweep file's and autotune's."""
-    from raylane.autotuning.driver import AutotuneSection
-    from raylane.onray.sweep import SweepSection
+    from raylane.config.autotune import AutotuneSection
+    from raylane.config.sweep import SweepSection
 
     return {"sweep": SweepSection, "autotune": AutotuneSection}
 

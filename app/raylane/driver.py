@@ -18,8 +18,8 @@ from typing import Any
 
 from raylane.config import BaseConfig, ConfigError
 from raylane.loop.events import Event
-from raylane.prechecks import closing_status, fresh_name, fresh_start, record_finished, run_folder
 from raylane.results import Status, TrainSummary
+from raylane.runrecord import closing_status, fresh_name, fresh_start, record_finished, run_folder
 from raylane.tracking.progress import ProgressDisplay
 
 log = logging.getLogger("raylane")
@@ -159,7 +159,7 @@ def _start_ray(
 ) -> tuple[Any, bool]:
     """Join or start the cluster; returns (the RayStopper that `stack` calls last, whether this
     process started the cluster)."""
-    from raylane.onray.localcluster import resolve_address
+    from raylane.clusters.local import resolve_address
 
     address = resolve_address(address)  # before Ray's import: see resolve_address
     from raylane.onray.cluster import RayStopper, init_ray

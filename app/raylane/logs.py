@@ -5,7 +5,9 @@ session folder). `--verbose` shows everything as the libraries print it.
 Set up once, first thing in the `raylane` command, before any of those libraries is imported:
 two of them configure their loggers at import, and Ray's workers and Tune's trials inherit the
 environment set here. A call of the Python API (`raylane.train()`, ...) does the same for the
-call only (`scope`): a notebook's or script's own logging is as it was once the call returns."""
+call only (`scope`): a notebook's or script's own logging is as it was once the call returns.
+Ray's output is sent the same way by raylane.onray.output, which the command and the API's calls
+install on top: this module imports nothing of Ray, the loop or the cluster code."""
 
 from __future__ import annotations
 
@@ -14,16 +16,20 @@ import importlib.abc
 import importlib.util
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from raylane.paths import home
 
 VERBOSE_ENV = "RAYLANE_VERBOSE"
 LOG_DIR = "logs"
 KEEP_LOGS = 100  # the newest of a machine's log files; older ones go when a new one is made
 _FILE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 TRACEBACK_LOGGER = "traceback"
+_COLOUR = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 _log_file: Path | None = None
 # Set by `setup` (the command's, for the whole process); while an API call's `scope` is set up
@@ -41,12 +47,15 @@ def log_file() -> Path | None:
     return _log_file if _log_file is not None and _log_file.exists() else None
 
 
+def strip_colour(text: str) -> str:
+    """`text` without its terminal colour codes (a Ray task's traceback comes in colour)."""
+    return _COLOUR.sub("", text)
+
+
 def record_traceback(what: str, text: str) -> None:
     """A failure's full traceback, which the terminal shows as one line: into the log file (and
     with --verbose, onto the terminal). Under a logger outside raylane's own, which the console
     leaves out by default; colour codes (a Ray task's traceback) removed."""
-    from raylane.loop.baddata import strip_colour
-
     logging.getLogger(TRACEBACK_LOGGER).log(
         logging.WARNING if verbose() else logging.INFO, "%s\n%s", what, strip_colour(text).rstrip()
     )
@@ -66,15 +75,16 @@ def setup(verbose_flag: bool | None, command: str) -> None:
 
 
 @contextlib.contextmanager
-def scope(verbose_flag: bool | None, command: str) -> Iterator[None]:
+def scope(verbose_flag: bool | None, command: str) -> Iterator[bool]:
     """A call of the Python API: what the terminal shows is what the command shows, and the rest
     goes to a library log of the call's own, until the call returns. Then everything changed here
     is as it was: the environment, the root logger's handlers and level (a notebook's own are set
     aside meanwhile), the libraries' loggers and Python's warnings. Inside the command (its own
-    `setup`), or inside another call's scope, nothing more is done."""
+    `setup`), or inside another call's scope, nothing more is done. Yields whether this scope set
+    the terminal up (what a caller adds, raylane.onray.output's hooks, is undone with it)."""
     global _undo
     if _process_wide or _undo is not None:
-        yield
+        yield False
         return
     _undo = []
     try:
@@ -82,7 +92,7 @@ def scope(verbose_flag: bool | None, command: str) -> Iterator[None]:
         # library imported during the call must not keep them after it (raylane.onray.cluster
         # tells ray.init itself whether to relay the workers' output).
         _configure(verbose() if verbose_flag is None else verbose_flag, command)
-        yield
+        yield True
     finally:
         undo, _undo = _undo, None
         for step in reversed(undo):
@@ -98,7 +108,7 @@ def _configure(on: bool, command: str) -> None:
     # raylane prints the UI link itself.
     _set_env("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "false" if on else "true")
     root = logging.getLogger()
-    _keep_logger(root)
+    keep_logger(root)
     for handler in [h for h in root.handlers if isinstance(h, (_Console, _LazyFileHandler))]:
         root.removeHandler(handler)  # set up again in the same process (tests call the CLI's main)
         handler.close()
@@ -108,7 +118,7 @@ def _configure(on: bool, command: str) -> None:
             root.removeHandler(theirs)
     console = _Console()
     console.setFormatter(logging.Formatter("%(message)s"))
-    _keep_logger(logging.getLogger("raylane"))
+    keep_logger(logging.getLogger("raylane"))
     logging.getLogger("raylane").setLevel(logging.INFO)
     if on:
         root.setLevel(logging.WARNING)  # libraries keep the handlers they set up themselves
@@ -121,16 +131,17 @@ def _configure(on: bool, command: str) -> None:
     root.addHandler(_file_handler(command))
     _capture_warnings()  # torch's and the others' warnings: to the file, through the root
     for name in ("alembic", "sqlalchemy.engine"):  # MLflow's own set-up keeps these quiet too
-        _keep_logger(logging.getLogger(name))
+        keep_logger(logging.getLogger(name))
         logging.getLogger(name).setLevel(logging.WARNING)
-    _after_import("ray", _ray_to_root)
-    _after_import("ray.data", _ray_data_to_root)
-    _after_import("torch", _torch_to_root)
-    _after_import("mlflow", _mlflow_prints_to_root)
+    # Ray's output goes the same way through raylane.onray.output.install, which its callers
+    # (the command, an API call's scope) add: this floor does not know Ray.
+    after_import("torch", _torch_to_root)
+    after_import("mlflow", _mlflow_prints_to_root)
 
 
-def _undone(step: Callable[[], None]) -> None:
-    """Register what undoes a change just made, when an API call's scope is set up."""
+def undone(step: Callable[[], None]) -> None:
+    """Register what undoes a change just made, when an API call's scope is set up (under the
+    command's `setup` the change stays for the whole process)."""
     if _undo is not None:
         _undo.append(step)
 
@@ -145,10 +156,10 @@ def _set_env(key: str, value: str) -> None:
         else:
             os.environ[key] = previous
 
-    _undone(restore)
+    undone(restore)
 
 
-def _keep_logger(logger: logging.Logger) -> None:
+def keep_logger(logger: logging.Logger) -> None:
     """What a change to `logger` (its handlers, propagation, level) is undone to."""
     handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
 
@@ -161,7 +172,7 @@ def _keep_logger(logger: logging.Logger) -> None:
             logger.addHandler(handler)
         logger.propagate, logger.level = propagate, level
 
-    _undone(restore)
+    undone(restore)
 
 
 def _capture_warnings() -> None:
@@ -173,7 +184,7 @@ def _capture_warnings() -> None:
 
     saved = warnings.showwarning
     warnings.showwarning = _warning_to_log
-    _undone(lambda: setattr(warnings, "showwarning", saved))
+    undone(lambda: setattr(warnings, "showwarning", saved))
 
 
 def _warning_to_log(message, category, filename, lineno, file=None, line=None) -> None:
@@ -213,8 +224,6 @@ class _ConsoleFormatter(logging.Formatter):
 
 def _file_handler(command: str) -> logging.Handler:
     global _log_file
-    from raylane.onray.localcluster import home  # no Ray import there
-
     folder = home() / LOG_DIR
     _log_file = folder / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     return _LazyFileHandler(_log_file)
@@ -256,53 +265,13 @@ def _prune(folder: Path) -> None:
         pass  # another process pruned at the same time
 
 
-def _ray_to_root() -> None:
-    # Ray's package import gives its "ray" logger a stderr handler of its own: its warnings (the
-    # token-authentication notice) then bypass the handlers above.
-    ray_logger = logging.getLogger("ray")
-    _keep_logger(ray_logger)  # and its level, which ray.init sets
-    ray_logger.handlers.clear()
-    ray_logger.propagate = True
-    # A driver prints what the raylets push to it (a worker start-up warning, a worker's death)
-    # with print_to_stdstream, whatever log_to_driver says. The workers' own output is already
-    # not relayed (raylane.onray.cluster), so what still comes this way is that channel.
-    from raylane.onray.internals import ray_worker as worker
-
-    if hasattr(worker, "print_to_stdstream"):
-        printer = worker.print_to_stdstream
-        worker.print_to_stdstream = _ray_lines_to_root
-        _undone(lambda: setattr(worker, "print_to_stdstream", printer))
-
-
-def _ray_data_to_root() -> None:
-    # Ray Data's import gives its "ray.data" logger a console handler and stops it propagating:
-    # its lines ("Progress bars disabled", "Dataset ... execution finished") reached the terminal.
-    # Its session-file handler stays; the console's goes, and the records reach ours.
-    data_logger = logging.getLogger("ray.data")
-    _keep_logger(data_logger)
-    for handler in [
-        h
-        for h in data_logger.handlers
-        if type(h) is not logging.FileHandler
-        and getattr(h, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
-    ]:
-        data_logger.removeHandler(handler)
-    data_logger.propagate = True
-
-
-def _ray_lines_to_root(data: dict, ignore_prefix: bool = False) -> None:
-    log = logging.getLogger("ray.driver_output")
-    for line in data.get("lines") or []:
-        log.warning("(%s) %s", data.get("pid", "ray"), line)
-
-
 def _mlflow_prints_to_root() -> None:
     # MLflow prints some notices without a logger ("Successfully registered model ...", through
     # eprint and its stream): they become records of the "mlflow" logger, for the log file.
     from mlflow.utils import logging_utils
 
     log = logging.getLogger("mlflow")
-    _keep_logger(log)
+    keep_logger(log)
     # Where MLflow configured its loggers already (imported before this set-up, with its own
     # logging on), their handler writes to that stream: records would go round in a loop.
     for handler in [h for h in log.handlers if getattr(h, "stream", None) is logging_utils.MLFLOW_LOGGING_STREAM]:
@@ -326,7 +295,7 @@ def _mlflow_prints_to_root() -> None:
             else:
                 stream.__dict__.pop(key, None)
 
-    _undone(restore)
+    undone(restore)
 
 
 def _torch_to_root() -> None:
@@ -338,14 +307,16 @@ def _torch_to_root() -> None:
             and name != "torch.__trace"
             and isinstance(logger, logging.Logger)
         ):
-            _keep_logger(logger)
+            keep_logger(logger)
             for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
                 logger.removeHandler(handler)
             logger.propagate = True
 
 
-def _after_import(name: str, then: Callable[[], None]) -> None:
-    """Call `then` once the top-level module `name` has been imported (now, if it already is)."""
+def after_import(name: str, then: Callable[[], None]) -> None:
+    """Call `then` once the module `name` has been imported (now, if it already is): a library's
+    own logging set-up, done at its import, is undone right after it. Within an API call's scope,
+    a module the call did not import is not waited for after it."""
     if name in sys.modules:
         then()
         return
@@ -374,4 +345,4 @@ def _after_import(name: str, then: Callable[[], None]) -> None:
         if finder in sys.meta_path:
             sys.meta_path.remove(finder)
 
-    _undone(forget)
+    undone(forget)

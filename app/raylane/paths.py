@@ -56,6 +56,12 @@ ModelPath = Annotated[str, PathValue(hub_id=True)]
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 
 
+def home() -> Path:
+    """raylane's own folder on this machine (`$RAYLANE_HOME`, default `~/.raylane`): the library
+    logs, the `raylane up` head's record, the embedded clusters' records."""
+    return Path(os.environ.get("RAYLANE_HOME") or Path.home() / ".raylane").expanduser()
+
+
 def is_uri(value: str) -> bool:
     return "://" in value
 

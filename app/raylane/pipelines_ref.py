@@ -6,7 +6,7 @@ A reference is normalized once, where the config file's directory is known (`nor
 becomes its absolute path; a dotted module found under the config's directory or the working
 directory makes that directory a *root*. Roots go first on `sys.path` in this process and, through
 RAYLANE_PIPELINE_ROOTS, in Ray's workers (`worker_environment`, `joined_runtime_env`), where Ray
-would otherwise put the driver's working directory first and a user's `app/raylane/` could be found in the
+would otherwise put the driver's working directory first and a user's `app/` could be found in the
 wrong place. Every mistake, including an exception while importing the user's module, is a
 ConfigError of one line. No torch or Ray is imported here.
 """

@@ -1,7 +1,7 @@
 """What can be checked before any work starts, beyond what one config field says about itself:
 the files a command will write, the metric a sweep or checkpoint retention ranks by, the
 machine the workers land on, and what an earlier launch of the same run left on disk (its
-newest checkpoint's manifest and its record, `RUN_RECORD`).
+newest checkpoint's manifest and its record, raylane.runrecord).
 
 The commands call these after the config validates and before Ray, torch's workers or MLflow
 start, so that a mistake costs seconds, not a run whose results are then lost (a summary that
@@ -11,26 +11,19 @@ and the value; nothing here imports torch or Ray."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import threading
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from raylane import paths, pipelines_ref
-from raylane.batching import effective_global_batch
-from raylane.config import BaseConfig, ConfigError, did_you_mean, flatten
+from raylane.config import BaseConfig, ConfigError, check_metric, flatten
+from raylane.config.batching import effective_global_batch
 from raylane.loop.checkpoint.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, newest_valid, read_manifest, verify
-from raylane.results import Status, TrainSummary
+from raylane.runrecord import Finished, already_finished, fresh_name, newest_manifest, run_folder
 
-log = logging.getLogger("raylane")
-
-# Written by the driver into the run's folder when a run FINISHED: its summary. The next
-# launch of the same run.name reads it without MLflow (which may be slow, far or off).
-RUN_RECORD = "raylane_run.json"
 _UNSET = "(not set)"
 
 
@@ -159,19 +152,6 @@ def check_init_from(cfg: BaseConfig) -> None:
         )
 
 
-def check_metric(field: str, metric: str, cfg: BaseConfig) -> None:
-    """`metric` is one the pipeline declares (BaseConfig.eval_metrics); anything goes when it
-    declares none."""
-    declared = cfg.eval_metrics()
-    if declared is None or metric in declared:
-        return
-    hint = did_you_mean(metric, declared)
-    raise ConfigError(
-        f"{field} = {metric!r}: not a metric the {pipelines_ref.label(cfg.pipeline)} pipeline "
-        f"reports{hint}; it reports: {', '.join(declared)}"
-    )
-
-
 def writable_file(field: str, path: str | Path) -> None:
     """A file can be written at `path`: its folder exists and is writable, and it is no folder."""
     p = Path(path).expanduser()
@@ -285,7 +265,7 @@ def check_token_path() -> None:
 
 def oversubscription(cfg: BaseConfig, address: str | None) -> str | None:
     """A warning when a fresh embedded cluster (`address` None, as resolved by
-    raylane.onray.localcluster.resolve_address) gets more worker CPUs than this machine has:
+    raylane.clusters.local.resolve_address) gets more worker CPUs than this machine has:
     Ray starts it with as many logical CPUs as asked, so the workers then share cores."""
     cores = os.cpu_count() or 1
     wanted = cfg.scaling.num_workers * cfg.scaling.cpus_per_worker
@@ -298,36 +278,7 @@ def oversubscription(cfg: BaseConfig, address: str | None) -> str | None:
     )
 
 
-# -- an earlier launch of the same run ---------------------------------------------------------
-
-
-@dataclass
-class Finished:
-    """A run that already reached the end this config asks for: `line` says so, `summary` is the
-    one it finished with."""
-
-    line: str
-    summary: dict[str, Any]
-
-
-def run_folder(cfg: BaseConfig) -> Path | None:
-    """Where the run's checkpoints and record live, when it has a name and local storage (the
-    checks skip object storage: a round trip per launch, for a rare case)."""
-    if not cfg.run.name or "://" in cfg.run.storage_path:
-        return None
-    return Path(cfg.run.storage_path).expanduser().resolve() / cfg.run.name
-
-
-def fresh_start(cfg: BaseConfig) -> str | None:
-    """The line a launch that names its run says when no run of that name is where it looks:
-    outputs are relative to the working directory, so the same config launched from another
-    folder starts afresh there. None when the run is there, or its storage is object storage."""
-    folder = run_folder(cfg)
-    if folder is None or folder.exists():
-        return None
-    where, here = folder.parent, Path.cwd()
-    shown = f"./{where.relative_to(here)}" if where.is_relative_to(here) and where != here else str(where)
-    return f"no run {cfg.run.name!r} under {shown}: starting a fresh one"
+# -- an earlier launch of the same run (its folder and record: raylane.runrecord) --------------
 
 
 def check_resume(cfg: BaseConfig) -> Finished | None:
@@ -347,7 +298,7 @@ def check_resume(cfg: BaseConfig) -> Finished | None:
             recorded = _check_base(cfg, manifest.get("base"), recorded, path)
             _check_loadable(cfg, flatten(recorded), path)
             _check_position(cfg, state, flatten(recorded), path)
-    return _finished(cfg, folder)
+    return already_finished(cfg, folder)
 
 
 def _check_base(cfg: BaseConfig, base: Any, recorded: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
@@ -431,17 +382,6 @@ def _check_position(cfg: BaseConfig, state: dict[str, Any], old: dict[str, Any],
         )
 
 
-def newest_manifest(folder: Path) -> tuple[Path, dict[str, Any]] | None:
-    # Names are zero-padded steps: the newest sorts last. An unreadable manifest is skipped, as
-    # the trainer skips that checkpoint too.
-    for path in sorted(folder.glob(CHECKPOINT_PREFIX + "*"), reverse=True):
-        try:
-            return path, read_manifest(path)
-        except (OSError, ValueError):
-            continue
-    return None
-
-
 def _optimizer_state(flat: dict[str, Any]) -> tuple[Any, ...]:
     """What shapes the optimizer's saved state: DCP cannot load a state that lacks an entry the
     new optimizer has (SGD has no `step`, Adam no `momentum`; SGD keeps a momentum buffer only
@@ -506,79 +446,3 @@ def _check_loadable(cfg: BaseConfig, old: dict[str, Any], checkpoint: Path) -> N
 
 def _shown(flat: dict[str, Any], key: str) -> str:
     return repr(flat[key]) if key in flat else _UNSET
-
-
-def fresh_name(cfg: BaseConfig) -> str:
-    """A run name next to this one with no folder yet."""
-    parent, n = Path(cfg.run.storage_path).expanduser(), 2
-    while (parent / f"{cfg.run.name}-{n}").exists():
-        n += 1
-    return f"{cfg.run.name}-{n}"
-
-
-def read_record(folder: Path) -> dict[str, Any] | None:
-    try:
-        record = json.loads((folder / RUN_RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
-def _finished(cfg: BaseConfig, folder: Path) -> Finished | None:
-    record = read_record(folder)
-    if not record or record.get("status") != "FINISHED" or not isinstance(record.get("summary"), dict):
-        return None
-    summary = record["summary"]
-    steps, epochs = int(summary.get("steps") or 0), int(summary.get("epochs") or 0)
-    t = cfg.train
-    # Limits past where the run ended continue it from its last checkpoint (its MLflow run too),
-    # as a longer schedule of the same run; the limits it reached are the keys the hint names.
-    # A run that stopped early (train.early_stopping) is done whatever the limits.
-    early = summary.get("stop_reason") if summary.get("early_stopped") else None
-    reached = [
-        key
-        for key, hit in (
-            ("train.max_steps", t.max_steps is not None and t.max_steps <= steps),
-            ("train.max_epochs", t.epoch_limit <= epochs),
-        )
-        if hit
-    ]
-    if not early and not reached:
-        return None
-    newest = newest_manifest(folder)
-    where = str(newest[0]) if newest else summary.get("checkpoint")
-    tracked = f"MLflow run {summary['run_id']}" if summary.get("run_id") else "not tracked in MLflow"
-    further = "" if early else f"raise {' and '.join(reached)} to train it further, or "
-    line = (
-        f"run {cfg.run.name}: already FINISHED at step {steps} (epoch {epochs}"
-        f"{f'; {early}' if early else ''}); checkpoint {where}; {tracked}. Nothing to train: "
-        f"{further}start a new run with --set run.name={fresh_name(cfg)}"
-    )
-    return Finished(line, summary)
-
-
-def record_finished(cfg: BaseConfig, summary: TrainSummary) -> None:
-    """The driver, after a run FINISHED (its MLflow run closed): the record the next launch reads."""
-    folder = run_folder(cfg)
-    if folder is None or summary.status != Status.FINISHED or not folder.is_dir():
-        return
-    tmp = folder / (RUN_RECORD + ".tmp")
-    record = {"status": "FINISHED", "summary": summary.model_dump(mode="json", by_alias=True)}
-    try:
-        tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
-        os.replace(tmp, folder / RUN_RECORD)  # whole or not at all: a torn record would hide the run's end
-    except OSError as exc:
-        log.warning("could not record run %s as finished in %s: %s", cfg.run.name, folder, exc)
-
-
-def closing_status(cfg: BaseConfig, status: str) -> str:
-    """The MLflow status a launch closes its run with. A run recorded FINISHED stays FINISHED
-    whatever a later launch of it (a longer schedule) did: that launch's own outcome is its exit
-    code and summary; the finished result is still there and must not read as lost."""
-    folder = run_folder(cfg)
-    if status != "FINISHED" and folder is not None and (read_record(folder) or {}).get("status") == "FINISHED":
-        log.warning(
-            "run %s: this launch ended %s; its MLflow run stays FINISHED (the earlier result)", cfg.run.name, status
-        )
-        return "FINISHED"
-    return status

@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raylane import prechecks
-from raylane.batching import held_batch, world_sizes
-from raylane.config import BaseConfig, ConfigError, load_config
+from raylane import prechecks, runrecord
+from raylane.autotuning.record import RECORD_FILE
+from raylane.config import BaseConfig, ConfigError, autotune, load_config
+from raylane.config.batching import held_batch, world_sizes
+from raylane.config.sweep import SweepSection, load_sweep
+from raylane.lease import LEASE_FILES
 
 
 def under_torchrun() -> bool:
@@ -32,7 +35,7 @@ class PreparedRun:
 
     cfg: BaseConfig
     use_ray: bool
-    finished: prechecks.Finished | None = None
+    finished: runrecord.Finished | None = None
     notes: list[str] = field(default_factory=list)  # lines to show before it starts
 
 
@@ -64,9 +67,9 @@ def prepare_train(
 
 
 def check_address(address: str | None) -> None:
-    """The cluster a Ray run joins, when one is named, answers as one (raylane.onray.addresses:
+    """The cluster a Ray run joins, when one is named, answers as one (raylane.clusters.addresses:
     sockets only, milliseconds): Ray itself would wait for minutes."""
-    from raylane.onray.addresses import check_gcs_address
+    from raylane.clusters.addresses import check_gcs_address
 
     check_gcs_address(address or os.environ.get("RAY_ADDRESS"))
 
@@ -86,7 +89,10 @@ def _skipped_sizes(cfg: BaseConfig, sizes: list[int]) -> list[str]:
 
 @dataclass
 class PreparedSweep:
-    sweep: Any  # raylane.onray.sweep.SweepSection
+    """A sweep that passed every check: its section, its base config, and for a sweep that
+    already FINISHED with these settings, what to say instead of sweeping again."""
+
+    sweep: SweepSection
     base: BaseConfig
     finished: str | None  # the line to show instead of sweeping again
 
@@ -94,7 +100,7 @@ class PreparedSweep:
 def prepare_tune(
     sweep_file: Any, overrides: Iterable[str] = (), *, summary_json: str | None = None, address: str | None = None
 ) -> PreparedSweep:
-    from raylane.onray.sweep import check_rerun, load_sweep
+    from raylane.sweeps.record import check_rerun
 
     sweep, base = load_sweep(sweep_file, list(overrides))
     prechecks.check_run(base, summary_json=summary_json)
@@ -114,8 +120,8 @@ def is_sweep_file(config: Any) -> bool:
 def prepare_check_sweep(sweep_file: Any, overrides: Iterable[str] = ()) -> Any:
     """`raylane check SWEEP.yaml`: what `raylane tune` checks before Ray starts (the sweep, its
     base config, a rerun's settings), and the trials it would run (raylane.onray.sweep_plan)."""
-    from raylane.onray.sweep import check_rerun, load_sweep
     from raylane.onray.sweep_plan import SweepPlan, planned_trials
+    from raylane.sweeps.record import check_rerun
 
     sweep, base = load_sweep(sweep_file, list(overrides))
     prechecks.check_run(base)
@@ -125,7 +131,9 @@ def prepare_check_sweep(sweep_file: Any, overrides: Iterable[str] = ()) -> Any:
 
 @dataclass
 class PreparedSearch:
-    section: Any  # raylane.autotuning.driver.AutotuneSection
+    """An autotune search that passed every check: its section, its config, whether it runs on Ray."""
+
+    section: autotune.AutotuneSection
     cfg: BaseConfig
     use_ray: bool
 
@@ -140,19 +148,38 @@ def prepare_autotune(
     local: bool = False,
     address: str | None = None,
 ) -> PreparedSearch:
-    from raylane.autotuning import driver as autotune
-
     overrides = [*overrides, *([f"autotune.budget_s={budget_s}"] if budget_s is not None else [])]
     section, cfg = autotune.load(config, overrides)
     if under_torchrun():  # the ranks torchrun started, whatever scaling.num_workers says
         workers = int(os.environ.get("WORLD_SIZE", "1"))
         cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": workers})})
     autotune.space(section, cfg)
-    autotune.check(section, cfg, out, summary_json)
+    _check_autotune(cfg, out, summary_json)
     search = PreparedSearch(section, cfg, use_ray=not (local or under_torchrun()))
     if search.use_ray:
         check_address(address)
     return search
+
+
+def _check_autotune(cfg: BaseConfig, out: str, summary_json: str | None) -> None:
+    """What can fail before a search starts: the outputs (never overwritten) and the config."""
+    prechecks.check_run(cfg, summary_json=summary_json)
+    folder = runrecord.run_folder(cfg) if cfg.run.name else None
+    if (
+        folder is not None
+        and folder.is_dir()
+        and not (folder / RECORD_FILE).exists()
+        and any(p.name not in LEASE_FILES for p in folder.iterdir())
+    ):
+        raise ConfigError(
+            f"run.name = {cfg.run.name!r}: a training run of that name exists in {str(folder)!r}; "
+            "give the search a name of its own"
+        )
+    if Path(out).exists():
+        raise ConfigError(
+            f"--out = {out!r}: already exists (an earlier autotune's result is never overwritten); name another file"
+        )
+    prechecks.writable_file("--out", out)
 
 
 def prepare_submit(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
@@ -194,7 +221,7 @@ def prepare_up(num_cpus: int) -> None:
 def resolve_address(address: str | None, cfg: BaseConfig) -> str | None:
     """The cluster a Ray run joins (None: a fresh embedded one), with a warning when an embedded
     one would give the workers more CPUs than this machine has."""
-    from raylane.onray.localcluster import resolve_address as resolve
+    from raylane.clusters.local import resolve_address as resolve
 
     address = resolve(address)  # before Ray's import: see resolve_address
     warning = prechecks.oversubscription(cfg, address)

@@ -87,7 +87,14 @@ def _phase_stats(runs: list[dict[str, float]], stats) -> dict[str, Any]:
 
 
 def _has_up() -> bool:
-    return importlib.util.find_spec("raylane.onray.localcluster") is not None
+    # raylane.clusters.local since issue 48; raylane.onray.localcluster in the checkouts before it
+    for name in ("raylane.clusters.local", "raylane.onray.localcluster"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ModuleNotFoundError:  # its package is not there either
+            continue
+    return False
 
 
 @contextmanager

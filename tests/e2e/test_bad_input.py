@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from raylane import api, cli, prechecks
-from raylane.config import ConfigError, load_config
+from raylane.config import ConfigError, check_metric, load_config
 from tests.conftest import RAYLANE, REPO, TORCHRUN, cli_env
 
 OWN = "pipeline: ./pipe.py\nmodel: {}\n"
@@ -81,7 +81,8 @@ def committed(folder: str, files: dict[str, str], sizes: dict[str, int] | None =
 
 def swept(*sets: str) -> dict[str, str]:
     """runs/digits-asha as the shipped sweep (with `sets`) left it: its record."""
-    from raylane.onray.sweep import SWEEP_RECORD, load_sweep, settings
+    from raylane.config.sweep import load_sweep
+    from raylane.sweeps.record import SWEEP_RECORD, settings
 
     record = {"status": "FINISHED", "settings": settings(*load_sweep("digits-sweep", sets))}
     return {f"runs/digits-asha/{SWEEP_RECORD}": json.dumps(record)}
@@ -115,6 +116,35 @@ CASES: dict[str, Case] = {
         ["check", "bad.yaml"], "config file 'bad.yaml': invalid YAML at line 2", files={"bad.yaml": "a: [\n"}
     ),
     "YAML list": Case(["check", "list.yaml"], "top level must be a mapping", files={"list.yaml": "- 1\n"}),
+    # a key given twice: YAML keeps the last silently, the author meant one of them
+    "a key twice in a config file": Case(
+        ["train", "c.yaml"],
+        "config file 'c.yaml': key 'optim.lr' is given twice in one mapping (lines 3 and 5): YAML keeps only the last",
+        files={"c.yaml": "pipeline: digits\noptim:\n  lr: 0.1\n  name: sgd\n  lr: 0.01\n"},
+    ),
+    "a key twice in a sweep file": Case(
+        ["tune", "s.yaml"],
+        "config file 's.yaml': key 'sweep.num_samples' is given twice in one mapping (lines 4 and 5): YAML keeps "
+        "only the last",
+        files={
+            "s.yaml": "sweep:\n  name: s\n  base: digits\n  num_samples: 2\n  num_samples: 4\n"
+            "  space: {optim.lr: {grid: [0.1]}}\n"
+        },
+    ),
+    "a key twice in a sweep's base config": Case(
+        ["tune", "s.yaml"],
+        "config file '{cwd}/b.yaml': key 'train' is given twice in one mapping (lines 2 and 3): YAML keeps only the last",
+        files={
+            "s.yaml": "sweep: {name: s, base: b.yaml, space: {optim.lr: {grid: [0.1]}}}\n",
+            "b.yaml": "pipeline: digits\ntrain: {max_epochs: 1}\ntrain: {max_epochs: 2}\n",
+        },
+    ),
+    "a key twice in an autotune section": Case(
+        ["autotune", "c.yaml"],
+        "config file 'c.yaml': key 'autotune.batch_sizes' is given twice in one mapping (lines 3 and 4): YAML "
+        "keeps only the last",
+        files={"c.yaml": "pipeline: digits\nautotune:\n  batch_sizes: [8]\n  batch_sizes: [16]\n"},
+    ),
     "fp16 with fsdp": Case(
         ["check", "digits", "--set", "train.precision=fp16", "--set", "strategy.name=fsdp"],
         "train.precision = 'fp16' with strategy.name = 'fsdp'",
@@ -475,7 +505,7 @@ def test_bad_input_exits_2_with_one_line_from_the_cli_and_the_api(name, tmp_path
 
 def _through_the_api(argv: list[str]):
     """The call a notebook makes for the command line `argv` (parsed by the CLI's own parser)."""
-    a = cli._parser().parse_args(argv)
+    a = cli.parser().parse_args(argv)
     calls = {
         "check": lambda: api.check(a.config, a.overrides),
         "train": lambda: api.train(
@@ -572,7 +602,7 @@ def test_a_pipeline_that_declares_no_metrics_takes_any(tmp_path, monkeypatch):
     )
     cfg = load_config({"pipeline": "./pipe.py", "checkpoint": {"keep_best": 1, "best_metric": "anything"}})
     prechecks.check_run(cfg)  # no error
-    prechecks.check_metric("sweep.metric", "f1", cfg)
+    check_metric("sweep.metric", "f1", cfg)
 
 
 def test_the_table_covers_every_command():

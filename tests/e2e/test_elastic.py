@@ -156,8 +156,8 @@ def test_an_elastic_run_skips_the_sizes_that_cannot_split_its_global_batch(run_c
     the count of workers that fit, 0 to 5, rounds down to a size that splits the batch)."""
     from ray.train import ScalingConfig
 
-    from raylane.batching import world_sizes
     from raylane.config import load_config
+    from raylane.config.batching import world_sizes
     from raylane.onray.elastic import HeldBatchElasticPolicy
 
     ok = run_cli("check", "run.yaml", "--set", "scaling.num_workers=2,4", cwd=project, name="sizes")

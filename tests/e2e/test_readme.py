@@ -152,11 +152,11 @@ def parse(parser, argv: list[str], prog: str):
 
 def check_raylane(argv: list[str], cwd: Path) -> None:
     """raylane's own parser accepts argv, and the config it names loads with its --set keys."""
-    from raylane.cli import _parser
+    from raylane.cli import parser
 
     if argv == ["--version"]:
         return
-    args = parse(_parser(), argv, "raylane")
+    args = parse(parser(), argv, "raylane")
     if args.command == "export" and "$" not in args.checkpoint:  # else computed when the block runs
         where = resolve(cwd, args.checkpoint)
         assert where.is_dir() or _created(where), f"raylane export {args.checkpoint}: no such checkpoint"
@@ -172,11 +172,11 @@ def check_raylane(argv: list[str], cwd: Path) -> None:
     except ConfigError:  # no such file yet: the block makes it (checked below)
         sweep = False
     if sweep:
-        from raylane.onray.sweep import load_sweep
+        from raylane.config.sweep import load_sweep
 
         load_sweep(source, args.overrides)
     elif args.command == "autotune":
-        from raylane.autotuning import driver as autotune
+        from raylane.config import autotune
 
         autotune.space(*autotune.load(source, args.overrides))
     else:
@@ -295,7 +295,7 @@ def test_markers_and_other_blocks(tmp_path):
                     raise
                 compile("def build(cfg):\n" + textwrap.indent(b.text, "    "), b.id, "exec")
         elif b.lang == "yaml" and "sweep" in yaml.safe_load(b.text):
-            from raylane.onray.sweep import load_sweep
+            from raylane.config.sweep import load_sweep
 
             (tmp_path / "sweep.yaml").write_text(b.text)
             load_sweep(str(tmp_path / "sweep.yaml"))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raylane import cli, prechecks
+from raylane import cli, prechecks, runrecord
 from raylane.config import load_config
 from raylane.loop import checkpoint
 from tests.conftest import RAYLANE, cli_env, read_json
@@ -58,7 +58,7 @@ def finished(tmp_path_factory) -> Path:
         check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert (root / "runs/r" / prechecks.RUN_RECORD).is_file()
+    assert (root / "runs/r" / runrecord.RUN_RECORD).is_file()
     return root
 
 
@@ -117,7 +117,7 @@ def test_a_changed_model_is_refused_before_anything_starts(finished, monkeypatch
 def test_a_longer_schedule_continues_and_its_failure_keeps_the_run_finished(finished):
     """Runs last in this module: it adds steps to the run."""
     a = read_json(finished / "a.json")
-    record = (finished / "runs/r" / prechecks.RUN_RECORD).read_bytes()
+    record = (finished / "runs/r" / runrecord.RUN_RECORD).read_bytes()
     out = subprocess.run(
         [*RAYLANE, "train", "digits", "--local", *RUN, "--set", "train.max_steps=6", "--summary-json", "b.json"],
         cwd=finished,
@@ -134,7 +134,7 @@ def test_a_longer_schedule_continues_and_its_failure_keeps_the_run_finished(fini
     )
     assert "resumed from step 3" in out.stdout  # it did continue the run
     assert _status(finished, a["run_id"]) == "FINISHED"
-    assert (finished / "runs/r" / prechecks.RUN_RECORD).read_bytes() == record
+    assert (finished / "runs/r" / runrecord.RUN_RECORD).read_bytes() == record
 
 
 def test_what_may_change_on_resume():

@@ -112,7 +112,7 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(asha_sweep):
     first = [r["config"] for r in sorted(s["trials"], key=_trial_order)]
     assert first == _draw("digits-sweep", 4) == _draw("digits-sweep", 4)
     # What `raylane check digits-sweep` lists is what ran.
-    from raylane.onray.sweep import load_sweep
+    from raylane.config.sweep import load_sweep
     from raylane.onray.sweep_plan import planned_trials
 
     assert planned_trials(*load_sweep("digits-sweep", ["train.max_epochs=3"])) == first
@@ -123,7 +123,7 @@ def _draw(sweep_file: str, n: int) -> list[dict]:
     """The first `n` configurations raylane's search for `sweep_file` hands Tune."""
     from ray.tune.experiment import Experiment
 
-    from raylane.onray.sweep import load_sweep
+    from raylane.config.sweep import load_sweep
     from raylane.onray.sweep_plan import param_space, search_alg
 
     sweep, _ = load_sweep(sweep_file, [])
@@ -295,7 +295,7 @@ def test_rerunning_a_sweep_after_its_driver_died_continues_it(run_cli, tmp_path,
 
 def test_trial_resources_pack_fractional_gpus_and_refuse_what_cannot_fit():
     from raylane.config import ConfigError
-    from raylane.onray.sweep import load_sweep
+    from raylane.config.sweep import load_sweep
     from raylane.onray.tune import check_resources, trial_resources
 
     sweep, base = load_sweep(
@@ -347,7 +347,7 @@ def test_a_metric_no_trial_reports_ends_the_sweep_at_the_first_report():
 
 def test_throughput_metrics_take_their_direction_and_a_held_global_batch_sets_each_trials_split(tmp_path):
     from raylane.config import ConfigError
-    from raylane.onray.sweep import load_sweep, trial_config
+    from raylane.config.sweep import load_sweep, trial_config
 
     (tmp_path / "s.yaml").write_text("sweep: {name: s, base: digits, space: {optim.lr: {grid: [0.1]}}}\n")
     for metric, better in [("samples_per_s", "max"), ("peak_memory_bytes", "min"), ("step_time_s", "min")]:
@@ -377,7 +377,8 @@ def test_throughput_metrics_take_their_direction_and_a_held_global_batch_sets_ea
 
 def test_a_time_to_target_objective_ranks_by_the_first_time_the_metric_reached_it(tmp_path):
     from raylane.config import ConfigError
-    from raylane.onray.sweep import NOT_REACHED_S, Objective, load_sweep
+    from raylane.config.sweep import load_sweep
+    from raylane.sweeps.objective import NOT_REACHED_S, Objective
 
     (tmp_path / "s.yaml").write_text("sweep: {name: s, base: digits, space: {optim.lr: {grid: [0.1]}}}\n")
     target = "sweep.objective={time_to: {metric: accuracy, value: 0.9, mode: max}}"
@@ -405,10 +406,10 @@ def test_the_table_shows_each_trials_last_value_and_finished_for_a_trial_that_ra
     from ray.tune import Result
     from ray.tune.experiment import Trial
 
-    from raylane.onray import sweep_results
-    from raylane.onray.sweep import load_sweep
+    from raylane.config.sweep import load_sweep
     from raylane.onray.trials import TrialRuns
     from raylane.onray.tune import _child, open_parent
+    from raylane.sweeps import results as sweep_results
     from raylane.tracking.runs import RunHandle, close_run
 
     # The session's MLflow server (the ASHA sweep's, already up in make test), an experiment of its own.
@@ -488,7 +489,7 @@ def test_the_table_shows_each_trials_last_value_and_finished_for_a_trial_that_ra
 def test_a_sweep_says_how_many_trials_it_runs(space, algorithm, samples, text):
     """Issue 47, finding 14 (c): a 2-point grid read "1 sample". Tune runs the grid's points
     `num_samples` times each; a choice is a grid under the grid algorithm, a draw otherwise."""
-    from raylane.onray.sweep import load_sweep
+    from raylane.config.sweep import load_sweep
     from raylane.onray.sweep_plan import planned_trials, trial_count, trials_text
 
     sweep, base = load_sweep(

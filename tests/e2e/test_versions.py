@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import ray
 
-from raylane.onray.addresses import reported_versions, version_mismatch
+from raylane.clusters.addresses import reported_versions, version_mismatch
 
 OTHER_RAY = "2.40.0"  # not the installed Ray (either end of the supported range)
 

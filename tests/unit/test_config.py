@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raylane.cli import main
-from raylane.config import ConfigError, load_config, parse_override
+from raylane.config import ConfigError, load_config, parse_override, read_yaml
 from tests.conftest import REPO
 
 DIGITS = REPO / "pipelines" / "digits.yaml"
@@ -98,6 +98,39 @@ def test_yaml_tags_are_not_executed(tmp_path):
     evil.write_text("pipeline: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(evil)
+
+
+@pytest.mark.parametrize(
+    "text, key, lines",
+    [
+        ("pipeline: digits\npipeline: gpt\n", "pipeline", (1, 2)),
+        ("pipeline: digits\noptim:\n  lr: 0.1\n  name: sgd\n  lr: 0.2\n", "optim.lr", (3, 5)),
+        ("a: {b: {c: 1, c: 2}}\n", "a.b.c", (1, 1)),
+        ("a:\n  - {x: 1}\n  - {y: 1, y: 2}\n", "a.y", (3, 3)),  # a mapping inside a list: its list's key
+        ("a: {1: x, 1: y}\n", "a.1", (1, 1)),
+        ("a: {true: x, yes: y}\n", "a.True", (1, 1)),  # two spellings of one key are one key to YAML
+    ],
+)
+def test_a_key_given_twice_in_one_mapping_names_the_key_and_both_lines(tmp_path, text, key, lines):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        read_yaml(path)
+    assert str(raised.value) == (
+        f"config file {str(path)!r}: key {key!r} is given twice in one mapping (lines {lines[0]} and {lines[1]}): "
+        "YAML keeps only the last"
+    )
+
+
+def test_the_strict_loader_reads_what_safe_load_reads(tmp_path):
+    """A key in two mappings, a merge that a mapping's own key overrides, anchors and aliases: as
+    yaml.safe_load reads them. Every shipped config too."""
+    text = "base: &b {lr: 0.1, name: sgd}\noptim: {<<: *b, lr: 0.2}\nother: {lr: 0.3}\nlist: [*b, *b]\n"
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert read_yaml(path) == yaml.safe_load(text) and read_yaml(path)["optim"] == {"lr": 0.2, "name": "sgd"}
+    for shipped in sorted((REPO / "pipelines").glob("*.yaml")):
+        assert read_yaml(shipped) == yaml.safe_load(shipped.read_text()), shipped.name
 
 
 def test_flat_keys_match_override_keys():

@@ -50,3 +50,33 @@ def test_a_call_prints_raylanes_lines_logs_the_rest_and_restores_the_callers_log
         assert list(root.handlers) == before[0] and logs.VERBOSE_ENV not in os.environ
     finally:
         root.removeHandler(mine)
+
+
+def test_an_api_calls_scope_sends_rays_own_output_to_the_log_and_puts_it_back(tmp_path, monkeypatch, capsys):
+    """Ray's hooks live in raylane.onray.output (the ground floor knows no Ray): an API call's
+    scope installs them as the command does after logs.setup, and undoes them with the call."""
+    from raylane.onray import output
+    from raylane.onray.internals import ray_worker as worker  # imports Ray (about a second)
+
+    monkeypatch.setenv("RAYLANE_HOME", str(tmp_path))
+    monkeypatch.delenv(logs.VERBOSE_ENV, raising=False)
+    monkeypatch.setattr(logs, "_process_wide", False)
+    ray_logger = logging.getLogger("ray")
+    own = logging.StreamHandler(sys.stderr)  # what Ray's import gives its logger
+    ray_logger.addHandler(own)
+    printer, propagate = worker.print_to_stdstream, ray_logger.propagate
+    try:
+        with output.scope(None, "train"):
+            assert own not in ray_logger.handlers and ray_logger.propagate
+            worker.print_to_stdstream({"pid": 7, "lines": ["a raylet's notice"]})
+            logging.getLogger("ray").warning("a Ray warning")
+        assert capsys.readouterr().err == ""  # neither printed: both in the library log
+        text = logs.log_file().read_text()
+        assert "(7) a raylet's notice" in text and "a Ray warning" in text
+        assert worker.print_to_stdstream is printer
+        assert own in ray_logger.handlers and ray_logger.propagate == propagate
+
+        with output.scope(True, "train"):  # verbose: Ray prints as it does
+            assert own in ray_logger.handlers and worker.print_to_stdstream is printer
+    finally:
+        ray_logger.removeHandler(own)

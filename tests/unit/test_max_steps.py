@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from raylane import prechecks
+from raylane import prechecks, runrecord
 from raylane.config import EPOCHS_AS_NEEDED, load_config, validate
 from raylane.loop.data import build_loader
 from raylane.loop.steps import plan_steps
@@ -63,7 +63,7 @@ def _finished_run(tmp_path, steps: int, epochs: int) -> None:
     folder = tmp_path / "runs" / "r"
     folder.mkdir(parents=True)
     summary = {"status": "FINISHED", "steps": steps, "epochs": epochs, "checkpoint": "c", "run_id": None}
-    (folder / prechecks.RUN_RECORD).write_text(json.dumps({"status": "FINISHED", "summary": summary}))
+    (folder / runrecord.RUN_RECORD).write_text(json.dumps({"status": "FINISHED", "summary": summary}))
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,8 @@ from raylane.autotuning.memory import PeakSampler, attempt, error_text, is_oom, 
 from raylane.autotuning.outcome import Fit, Outcome
 from raylane.autotuning.ranking import summarize
 from raylane.autotuning.settings import SearchSettings
-from raylane.batching import hold_global_batch
 from raylane.config import BaseConfig, apply_values
+from raylane.config.batching import hold_global_batch
 from raylane.loop import faults as fault_plans
 from raylane.loop.batches import checked_own_loss, forward_loss, to_device
 from raylane.loop.data import first_batch, train_data, worker_options

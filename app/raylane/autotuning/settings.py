@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from raylane.batching import GlobalBatch
+from raylane.config.batching import GlobalBatch
 
 
 @dataclass(frozen=True, slots=True)

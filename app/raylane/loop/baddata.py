@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from raylane.errors import SKIP_HINT, DataError, _missing
+from raylane.logs import strip_colour
 
-_COLOUR = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _CSV_CONVERSION = re.compile(r"CSV conversion error to (\w+): invalid value '(.*)'$")
 # pyarrow gives the row's text (at times a "Row #N" of its own counting): the row is found by its text.
 _CSV_FIELDS = re.compile(r"CSV parse error: (?:Row #\d+: )?Expected (\d+) columns, got (\d+): (.*)$")
@@ -30,10 +30,6 @@ _CSV_FIELDS = re.compile(r"CSV parse error: (?:Row #\d+: )?Expected (\d+) column
 _JSON_ROW = re.compile(r"^(JSON parse error: .*) in row (\d+)$")
 _JSON_TYPE = re.compile(r"Column\(/([^)/]+)\) changed from (\w+) to (\w+)")
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Invalid)): (.+)$")
-
-
-def strip_colour(text: str) -> str:
-    return _COLOUR.sub("", text)
 
 
 def cause_line(text: str) -> str:

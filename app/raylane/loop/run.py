@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raylane.batching import held_batch
 from raylane.config import BaseConfig
+from raylane.config.batching import held_batch
 from raylane.loop import checkpoint, faults, frozen, usercode
 from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.loop.data import eval_data, first_batch, is_stream, train_data, worker_options

@@ -20,7 +20,7 @@ from types import CodeType
 from typing import Any
 
 from raylane import pipelines_ref
-from raylane.loop.baddata import DataError
+from raylane.errors import DataError
 from raylane.pipelines_ref import PipelineBuildError, UserCodeError
 
 TRACEBACK_ATTR = "raylane_traceback"

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import ray
 
 from raylane import logs, pipelines_ref
+from raylane.clusters.addresses import JOIN_TIMEOUT_S, address_field, join_hint, reported_versions, version_mismatch
 from raylane.config import BaseConfig, ConfigError
-from raylane.onray.addresses import JOIN_TIMEOUT_S, address_field, join_hint, reported_versions, version_mismatch
 
 log = logging.getLogger("raylane")
 
@@ -42,7 +42,7 @@ DATA_CPUS = 1.0
 
 
 def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboard: bool = False) -> bool:
-    """Join `address` (resolved by raylane.onray.localcluster.resolve_address before Ray was
+    """Join `address` (resolved by raylane.clusters.local.resolve_address before Ray was
     imported) if there is one, else start a fresh embedded cluster
     (with at least `num_cpus` logical CPUs; with `dashboard`, the dashboard on a free loopback
     port, for the State API that Ray Train's placement-group cleaner needs when Tune kills a trial).

@@ -6,8 +6,7 @@ from __future__ import annotations
 import re
 
 from raylane import logs
-from raylane.loop import baddata
-from raylane.loop.baddata import DataError
+from raylane.errors import DataError
 from raylane.loop.usercode import TRACEBACK_ATTR
 from raylane.pipelines_ref import UserCodeError
 
@@ -43,5 +42,5 @@ def format_failure(exc: BaseException, world_size: int) -> str:
 def _one_line(err: BaseException) -> str:
     """An exception's message as one line: gloo's C++ source location and colour codes removed,
     a message of several lines cut to its first (the whole of it is in the library log)."""
-    lines = baddata.strip_colour(str(err)).strip().splitlines() or [""]
+    lines = logs.strip_colour(str(err)).strip().splitlines() or [""]
     return _SOURCE_LOCATION.sub("", lines[0]) + (" (the rest in the library log)" if len(lines) > 1 else "")

@@ -5,7 +5,7 @@ and no other module of raylane may name `_internal` or `_private` (the same test
 
 The public API comes first wherever Ray offers one (ScalingConfig, FailureConfig, RunConfig,
 DataConfig, TorchConfig, TorchTrainer, ray.train.get_context). Nothing here is imported until a
-name is used: `raylane.logs` and the cluster helpers use the worker module's names without
+name is used: `raylane.onray.output` and the cluster helpers use the worker module's names without
 importing Ray Train."""
 
 from __future__ import annotations

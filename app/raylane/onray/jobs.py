@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raylane.clusters.addresses import JOIN_TIMEOUT_S, jobs_url, on_this_machine, unreachable, version_mismatch
 from raylane.config import BaseConfig, ConfigError
-from raylane.onray.addresses import JOIN_TIMEOUT_S, jobs_url, on_this_machine, unreachable, version_mismatch
 from raylane.prechecks import NoAnswer, within, writable_dir
 from raylane.prepare import prepare_submit
 from raylane.results import JOB_STATUSES, Status, SubmitSummary
@@ -201,7 +201,7 @@ def _paths_here(config: str, overrides: list[str]) -> list[str]:
 def _address(address: str | None) -> tuple[str, str]:
     """The jobs API a submit goes to, and what named it: --address, else RAY_ADDRESS,
     else the head `raylane up` started, else Ray's default."""
-    from raylane.onray import localcluster
+    from raylane.clusters import local as localcluster
 
     if address:
         return address, "--address"

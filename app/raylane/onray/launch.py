@@ -22,8 +22,8 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raylane import logs
-from raylane.batching import world_sizes
 from raylane.config import BaseConfig, validate
+from raylane.config.batching import world_sizes
 from raylane.loop import preemption
 from raylane.loop.distributed import node_layout
 from raylane.loop.events import End, Event, Handover, Log, Startup

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import psutil
 
+from raylane.paths import home
+
 log = logging.getLogger("raylane")
 
 RECORDS = "embedded"
@@ -111,8 +113,6 @@ class DriverWatch:
 
 
 def _records() -> Path:
-    from raylane.onray.localcluster import home
-
     return home() / RECORDS
 
 

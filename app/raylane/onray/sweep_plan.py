@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylane.config import BaseConfig
-from raylane.onray.sweep import SweepSection, trial_config
+from raylane.config.sweep import SweepSection, trial_config
 from raylane.tracking.progress import plural
 
 

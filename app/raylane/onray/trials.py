@@ -11,22 +11,11 @@ from ray import tune
 from ray.tune.result import AUTO_RESULT_KEYS
 
 from raylane.config import ConfigError
-from raylane.onray.sweep import SweepSection
+from raylane.config.sweep import SweepSection
+from raylane.sweeps.results import find_child
 from raylane.tracking.runs import RunHandle, close_run, mlflow_client
 
 log = logging.getLogger("raylane")
-
-SWEEP_TAG = "raylane.sweep"
-TRIAL_TAG = "raylane.trial_id"
-
-
-def find_child(client, experiment_id: str, sweep: str, trial_id: str):
-    runs = client.search_runs(
-        [experiment_id],
-        max_results=1,
-        filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep}'",
-    )
-    return runs[0] if runs else None
 
 
 class MetricReported(tune.Stopper):

@@ -27,22 +27,16 @@ from ray import tune
 
 from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
+from raylane.config.sweep import SweepSection, trial_config
 from raylane.loop.events import Checkpoint, Event
-from raylane.onray import sweep_results
 from raylane.onray.cluster import data_cpus
-from raylane.onray.sweep import (
-    Objective,
-    SweepSection,
-    fresh_sweep_name,
-    resolved,
-    run_speed,
-    sweep_folder,
-    trial_config,
-    write_record,
-)
 from raylane.onray.sweep_plan import param_space, search_alg, trials_text
-from raylane.onray.trials import SWEEP_TAG, TRIAL_TAG, MetricReported, TrialRuns
+from raylane.onray.trials import MetricReported, TrialRuns
 from raylane.results import Status, SweepSummary
+from raylane.sweeps import results as sweep_results
+from raylane.sweeps.objective import Objective, run_speed
+from raylane.sweeps.record import fresh_sweep_name, resolved, sweep_folder, write_record
+from raylane.sweeps.results import SWEEP_TAG, TRIAL_TAG
 from raylane.tracking.progress import plural
 from raylane.tracking.records import RUN_RATES
 from raylane.tracking.runs import (
@@ -321,7 +315,7 @@ def run_sweep(
     sweep: SweepSection, base: BaseConfig, *, address: str | None, summary_path: str | None, register: str | None
 ) -> SweepSummary:
     """Run (or continue) the sweep on the cluster at `address` (as resolved by
-    raylane.onray.localcluster.resolve_address; None: an embedded one); returns its summary, whose
+    raylane.clusters.local.resolve_address; None: an embedded one); returns its summary, whose
     `status` is FINISHED when every trial ended cleanly and FAILED otherwise. Every way out closes
     the sweep's MLflow parent run (KILLED on SIGTERM or Ctrl-C) and gives its lease back."""
     from raylane.onray.cluster import init_ray, shutdown_ray, sigterm_interrupts

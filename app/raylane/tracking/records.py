@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,15 +89,15 @@ class RunRecorder:
             self._prewarming.join()  # torch.export is not thread-safe: one model export at a time
         client = mlflow_client(self.handle.tracking_uri)
         out: dict[str, Any] = {}
-        _attempt(
+        attempt(
             "checkpoint list",
             lambda: client.log_dict(self.handle.run_id, {"checkpoints": self.checkpoints}, "checkpoints.json"),
         )
         if checkpoint and self.cfg.mlflow.log_checkpoints == "artifacts":
-            _attempt("checkpoint artifacts", lambda: _log_checkpoint_files(client, self.handle, checkpoint))
+            attempt("checkpoint artifacts", lambda: _log_checkpoint_files(client, self.handle, checkpoint))
         if status == "FINISHED" and checkpoint and self.cfg.mlflow.log_model:
-            out.update(_attempt("model", lambda: log_model(self.handle, checkpoint, register)) or {})
-        _attempt("plots", lambda: log_plots(client, self.handle))
+            out.update(attempt("model", lambda: log_model(self.handle, checkpoint, register)) or {})
+        attempt("plots", lambda: log_plots(client, self.handle))
         return out
 
 
@@ -134,7 +135,8 @@ def _import_record_modules() -> None:
         log.debug("prewarming the record modules failed: %s", exc)
 
 
-def _attempt(what: str, action):
+def attempt(what: str, action: Callable[[], Any]) -> Any:
+    """`action()`, best effort: its failure is one warning naming `what`, and None."""
     try:
         return action()
     except Exception as exc:  # noqa: BLE001 - records are best effort; the run's result stands

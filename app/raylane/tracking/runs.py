@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raylane import __version__
 from raylane.config import BaseConfig
+from raylane.version import __version__
 
 log = logging.getLogger("raylane.tracking")
 
@@ -26,6 +26,7 @@ RUN_NAME_TAG = "raylane.run_name"
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limits
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_VALUE_LEN = 6000
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # MLflow's own default
 
 
 # MLflow's HTTP client retries 7 times with exponential backoff (minutes) by default. Our metric
@@ -43,9 +44,6 @@ def resolve_tracking_uri() -> str:
     for key, value in HTTP_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)  # inherited by Ray workers started after this
     return absolute_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI)
-
-
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # MLflow's own default
 
 
 def absolute_tracking_uri(uri: str) -> str:

@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, ValidationError
 
-from raylane.config import ConfigError, Section, TrainSection
+from raylane.config.sections import Section, TrainSection
+from raylane.errors import ConfigError
 
 if TYPE_CHECKING:
-    from raylane.config import BaseConfig
+    from raylane.config.base import BaseConfig
 
 
 def held_batch(cfg: BaseConfig, workers: int) -> BaseConfig:
@@ -40,11 +41,12 @@ def world_sizes(cfg: BaseConfig) -> list[int]:
     raylane.onray.elastic). ConfigError, naming the size, when min or max does not split it."""
     s = cfg.scaling
     held_batch(cfg, s.num_workers)
-    if not s.elastic:
+    low = s.min_workers
+    if not s.elastic or low is None:  # an elastic run has its min_workers
         return [s.num_workers]
-    held_batch(cfg, s.min_workers)
-    sizes = [s.min_workers]
-    for workers in range(s.min_workers + 1, s.num_workers + 1):
+    held_batch(cfg, low)
+    sizes = [low]
+    for workers in range(low + 1, s.num_workers + 1):
         try:
             held_batch(cfg, workers)
         except ConfigError:

@@ -1,44 +1,24 @@
-"""The one typed config tree: YAML plus `--set dotted.key=value`, validated once at the edge.
-
-Every user-facing mistake becomes a `ConfigError` whose message names the dotted field and the
-bad value; the CLI turns it into exit code 2. Nothing here imports torch or Ray, so a bad config
-is rejected before either starts.
-"""
+"""The sections every pipeline's config shares (`run`, `scaling`, `strategy`, `train`, `optim`,
+`loader`, `checkpoint`, `failure`, `dist`, `mlflow`), which raylane.config.base.BaseConfig holds.
+Each field carries its description (docs/configuration.md is generated from them) and its range;
+a check across a section's fields raises a message that names the field and the value. Nothing
+here imports torch or Ray."""
 
 from __future__ import annotations
 
-import copy
-import datetime as _dt
-import difflib
-import importlib
-import math
-import re
-from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from raylane import paths, pipelines_ref
-from raylane.errors import ConfigError, DataError
 from raylane.paths import InputPath, OutputPath
 
-# Shipped pipeline name -> module. A config may also name a dotted module or a .py file of the
-# user's own (raylane.pipelines_ref).
-PIPELINES: dict[str, str] = pipelines_ref.SHIPPED
-
-_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-
-
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """` (did you mean X?)` for the closest of `choices`, or "" when none is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+# A run's or a sweep's name: it names a folder, and MLflow shows it.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 
 class Section(BaseModel):
+    """A config section: unknown keys, NaN and infinity refused; an assignment is validated too."""
+
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)
 
 
@@ -47,7 +27,7 @@ class RunSection(Section):
 
     name: str | None = Field(
         None,
-        pattern=_NAME_PATTERN,
+        pattern=NAME_PATTERN,
         description="The run's identity: relaunching the same name resumes it (its checkpoints and its MLflow run). "
         "null: `<pipeline>-<timestamp>`.",
     )
@@ -94,6 +74,20 @@ class ScalingSection(Section):
         description="GPUs per worker with `use_gpu`. A fraction packs several small Tune trials onto one GPU, one "
         "worker each (NCCL cannot run two ranks of one group on the same GPU).",
     )
+    device_memory_gb: float | None = Field(
+        None,
+        gt=0,
+        le=1_000_000,
+        description="One device's memory in GB, for `strategy.name: auto`. null: detected (the GPU's memory, or on "
+        "CPU this host's RAM shared by its ranks).",
+    )
+    peak_tflops: float | None = Field(
+        None,
+        gt=0,
+        le=1_000_000,
+        description="One device's dense peak TFLOP/s at `train.precision`, for MFU. null: the GPU looked up in "
+        "raylane's table (raylane.loop.devices); no MFU on CPU unless given.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -127,21 +121,6 @@ class ScalingSection(Section):
     @property
     def elastic(self) -> bool:
         return self.min_workers is not None and self.min_workers < self.num_workers
-
-    device_memory_gb: float | None = Field(
-        None,
-        gt=0,
-        le=1_000_000,
-        description="One device's memory in GB, for `strategy.name: auto`. null: detected (the GPU's memory, or on "
-        "CPU this host's RAM shared by its ranks).",
-    )
-    peak_tflops: float | None = Field(
-        None,
-        gt=0,
-        le=1_000_000,
-        description="One device's dense peak TFLOP/s at `train.precision`, for MFU. null: the GPU looked up in "
-        "raylane's table (raylane.loop.devices); no MFU on CPU unless given.",
-    )
 
 
 class StrategySection(Section):
@@ -337,7 +316,7 @@ class LoaderSection(Section):
     def _workers(cls, value: Any) -> Any:
         if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 256):
             return value
-        raise ValueError(f"loader.num_workers = {_short(value)}: expected a number of workers from 0 to 256, or auto")
+        raise ValueError(f"loader.num_workers = {short(value)}: expected a number of workers from 0 to 256, or auto")
 
     @model_validator(mode="after")
     def _needs_workers(self) -> LoaderSection:
@@ -480,292 +459,7 @@ class MlflowSection(Section):
     )
 
 
-def apply_values(cfg: BaseConfig, values: Mapping[str, Any]) -> BaseConfig:
-    """`cfg` with `values` at their dotted keys, validated (a sweep's trial, an autotune candidate)."""
-    known = cfg.flat()
-    for key in values:
-        if key not in known:
-            raise ConfigError(f"{key}: not a key of the {cfg.pipeline} config{did_you_mean(key, known)}")
-    raw = cfg.model_dump(mode="json")
-    for key, value in values.items():
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return validate(raw)
-
-
-class BaseConfig(Section):
-    """Sections shared by every pipeline; each pipeline adds its own `model` section."""
-
-    pipeline: str = Field(
-        description="The pipeline: a shipped one's name (regression, digits, gpt, tabular, text, hf), a dotted "
-        "module, or a `.py` file (relative to the config file's folder)."
-    )
-    run: RunSection = RunSection()
-    scaling: ScalingSection = ScalingSection()
-    strategy: StrategySection = StrategySection()
-    train: TrainSection = TrainSection()
-    optim: OptimSection = OptimSection()
-    loader: LoaderSection = LoaderSection()
-    checkpoint: CheckpointSection = CheckpointSection()
-    failure: FailureSection = FailureSection()
-    dist: DistSection = DistSection()
-    mlflow: MlflowSection = MlflowSection()
-
-    @model_validator(mode="after")
-    def _compatible(self) -> BaseConfig:
-        if self.train.precision == "fp16" and self.strategy.name != "ddp":
-            raise ValueError(
-                f"train.precision = 'fp16' with strategy.name = {self.strategy.name!r}: "
-                "the gradient scaler does not handle sharded gradients; use bf16"
-            )
-        if self.strategy.comm_hook == "bf16" and not self.scaling.use_gpu:
-            raise ValueError("strategy.comm_hook = 'bf16' needs scaling.use_gpu: true (NCCL); on CPU use fp16")
-        if self.strategy.cpu_offload and (self.strategy.name == "ddp" or not self.scaling.use_gpu):
-            raise ValueError(
-                "strategy.cpu_offload = True needs strategy.name: fsdp or auto, "
-                "and scaling.use_gpu: true (on CPU there is nothing to offload to)"
-            )
-        if self.loader.pin_memory and not self.scaling.use_gpu:
-            raise ValueError(
-                "loader.pin_memory = True needs scaling.use_gpu: true (pinned memory speeds up copies "
-                "to a GPU; on CPU there are none)"
-            )
-        return self
-
-    def eval_metrics(self) -> tuple[str, ...] | None:
-        """The held-out metrics this pipeline's `eval_sums` reports, so that a `sweep.metric` or
-        `checkpoint.best_metric` it never reports fails before the run rather than after it.
-        None (the default, for pipelines that declare nothing): not checked."""
-        return None
-
-    def flat(self) -> dict[str, Any]:
-        """Dotted keys -> values: the same keys as `--set`, Tune spaces and MLflow params."""
-        return flatten(self.model_dump(mode="json"))
-
-    def with_run_name(self) -> BaseConfig:
-        """A copy whose `run.name` is set: a generated one when the user gave none."""
-        if self.run.name:
-            return self
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        return self.model_copy(
-            update={"run": self.run.model_copy(update={"name": f"{pipelines_ref.label(self.pipeline)}-{stamp}"})}
-        )
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flatten(value, dotted + "."))
-        else:
-            out[dotted] = value
-    return out
-
-
-def config_class(pipeline: Any) -> type[BaseConfig]:
-    """The `Config` of a pipeline reference (see raylane.pipelines_ref); relative references are
-    looked up from the working directory."""
-    return pipeline_config(pipelines_ref.normalize(pipeline, [Path.cwd()]))
-
-
-def pipeline_config(ref: str) -> type[BaseConfig]:
-    """The `Config` class of a normalized pipeline reference, checked to be a BaseConfig."""
-    config = pipelines_ref.load(ref).Config
-    if not (isinstance(config, type) and issubclass(config, BaseConfig)):
-        raise ConfigError(
-            f"pipeline = {ref!r}: Config is {config!r}, not a subclass of raylane.BaseConfig ({pipelines_ref.CONTRACT})"
-        )
-    return config
-
-
-def config_path(path: str | Path) -> Path:
-    """The file a config argument names: the path itself, or for a bare name (`digits`,
-    `gpt-tiny`) that is not a file here, the YAML shipped in `pipelines/`."""
-    p = Path(path)
-    shipped = Path(importlib.import_module("raylane.pipelines").__file__).parent / f"{path}.yaml"
-    if not p.exists() and re.fullmatch(r"[A-Za-z0-9_-]+", str(path)) and shipped.exists():
-        return shipped
-    return p
-
-
-def normalize_pipeline(raw: dict[str, Any], config_dir: Path) -> dict[str, Any]:
-    """`raw` with its `pipeline:` resolved from the config file's directory, then the working
-    directory (a relative file becomes an absolute path)."""
-    if "pipeline" in raw:
-        raw["pipeline"] = pipelines_ref.normalize(raw["pipeline"], [config_dir, Path.cwd()])
-    return raw
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a config file with `yaml.safe_load` (see `config_path` for bare names)."""
-    p = config_path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(_not_found(str(path))) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {str(path)!r}: cannot read it ({exc.__class__.__name__})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        raise ConfigError(f"config file {str(path)!r}: invalid YAML{at}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r}: top level must be a mapping, got {_short(data)}")
-    return data
-
-
-def shipped_configs() -> list[str]:
-    """The names `raylane train NAME` finds in `pipelines/` (digits, digits-sweep, gpt-tiny, ...)."""
-    folder = Path(importlib.import_module("raylane.pipelines").__file__).parent
-    return sorted(p.stem for p in folder.glob("*.yaml"))
-
-
-def _not_found(path: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9_-]+", path):
-        return f"config file {path!r}: no such file"
-    shipped = shipped_configs()
-    hint = did_you_mean(path, shipped)
-    return f"config = {path!r}: no such file, and no shipped config of that name{hint}; shipped: {', '.join(shipped)}"
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`a.b=value` -> (["a", "b"], value); the value is read as YAML (numbers, bools, null, lists)."""
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    if not sep or not _KEY_RE.match(key):
-        raise ConfigError(f"--set {text!r}: expected dotted.key=value")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else raw
-    except yaml.YAMLError:
-        value = raw  # not YAML: keep it as the string the user typed
-    # YAML 1.1 reads 1e-3 as a string; users mean a number.
-    if isinstance(value, str):
-        value = _maybe_float(value)
-    return key.split("."), value
-
-
-def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    for text in overrides:
-        path, value = parse_override(text)
-        node = raw
-        for i, part in enumerate(path[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                where = ".".join(path[: i + 1])
-                raise ConfigError(f"--set {text!r}: {where} is {_short(child)}, not a section")
-            node = child
-        node[path[-1]] = value
-    return raw
-
-
-def validate(raw: Mapping[str, Any], *, outputs: bool = True) -> BaseConfig:
-    """A config as read (a mapping) -> the validated config, its relative paths (those still
-    relative: `--set` values, a mapping's, defaults) made absolute from the working directory.
-    `outputs=False`: outputs (run.storage_path) are left as written, for a job that resolves them
-    where it runs (raylane.onray.jobs)."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"config: top level must be a mapping, got {_short(raw)}")
-    raw = dict(raw)
-    raw["pipeline"] = pipelines_ref.normalize(raw.get("pipeline"), [Path.cwd()])
-    cls = pipeline_config(raw["pipeline"])
-    raw = paths.resolve(raw, cls, Path.cwd(), inputs_only=not outputs, defaults=outputs)
-    try:
-        return cls.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, cls)) from None
-
-
-def read_config_file(
-    source: str | Path, raw: dict[str, Any] | None = None, pipeline: str | None = None
-) -> dict[str, Any]:
-    """A config file as read (`raw`, when it was read already): its `pipeline:` and its input
-    paths (those of `pipeline`'s Config when the file names none: a sweep file's overrides)
-    resolved from the file's folder, or from the working directory for a shipped config, which
-    is a template however it is named; not validated."""
-    raw = read_yaml(source) if raw is None else raw
-    folder = config_path(source).resolve().parent
-    raw = normalize_pipeline(raw, folder)
-    ref = raw.get("pipeline") or pipeline
-    try:
-        cls = pipeline_config(ref) if isinstance(ref, str) else None
-    except ConfigError:
-        cls = None
-    if cls is None:
-        return raw  # validation names what is wrong
-    shipped = folder == Path(importlib.import_module("raylane.pipelines").__file__).resolve().parent
-    return paths.resolve(raw, cls, Path.cwd() if shipped else folder, inputs_only=True)
-
-
-def load_config(
-    source: str | Path | Mapping[str, Any], overrides: Iterable[str] = (), *, outputs: bool = True
-) -> BaseConfig:
-    """The edge: file (or mapping) + overrides -> a validated config, or ConfigError.
-    `outputs`: see validate."""
-    if not isinstance(source, (str, Path)):
-        return validate(apply_overrides(copy.deepcopy(dict(source)), overrides), outputs=outputs)
-    raw = read_yaml(source)
-    if "sweep" in raw:  # the file's own, not a `--set sweep.x`, which is an unknown key
-        raise ConfigError(
-            f"config file {str(source)!r}: is a sweep file (it has a `sweep:` section): "
-            f"run it with `raylane tune {source}`"
-        )
-    raw.pop("autotune", None)  # `raylane autotune`'s search space: the rest trains as it is
-    raw = apply_overrides(read_config_file(source, raw), overrides)
-    return validate(normalize_pipeline(raw, config_path(source).resolve().parent), outputs=outputs)
-
-
-def format_validation_error(exc: ValidationError, model: type[BaseModel] | None = None, prefix: str = "") -> str:
-    """One line for every error; an unknown key of `model` gets the closest known key as a hint
-    (`prefix` is how the user writes the model's keys, e.g. `sweep.`)."""
-    lines = []
-    for err in exc.errors(include_url=False):
-        field = ".".join(str(p) for p in err["loc"]) or "config"
-        if err["type"] == "extra_forbidden":
-            parent = [str(p) for p in err["loc"][:-1]]
-            known = [".".join([*parent, k]) for k in _fields_at(model, parent)]
-            hint = did_you_mean(field, known).replace("mean ", f"mean {prefix}")
-            lines.append(f"{field} = {_short(err['input'])}: unknown key{hint}")
-        elif err["type"] == "missing":
-            lines.append(f"{field}: required")
-        elif err["type"] == "value_error" and _own_message(err.get("ctx", {}).get("error")):
-            lines.append(str(err["ctx"]["error"]))  # our own checks name their field and value
-        else:
-            lines.append(f"{field} = {_short(err['input'])}: {err['msg']}")
-    return "invalid config: " + "; ".join(lines)
-
-
-def _own_message(error: Any) -> bool:
-    """A check's error that is complete as it is: one naming its field and value, or a bad value
-    in the data (raylane.DataError: the key, the file, the row)."""
-    return isinstance(error, DataError) or " = " in str(error or "")
-
-
-def _fields_at(model: Any, path: list[str]) -> list[str]:
-    """The keys of the section at `path` below `model` ([] when it is not a section)."""
-    for part in path:
-        field = getattr(model, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        model = field.annotation
-    return list(getattr(model, "model_fields", {}))
-
-
-def _maybe_float(text: str) -> Any:
-    try:
-        value = float(text)
-    except ValueError:
-        return text
-    return value if math.isfinite(value) and re.fullmatch(r"[+-]?\d*\.?\d+[eE][+-]?\d+", text) else text
-
-
-def _short(value: Any, limit: int = 60) -> str:
+def short(value: Any, limit: int = 60) -> str:
+    """`repr(value)`, cut to `limit` characters: a bad value named in a one-line error."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

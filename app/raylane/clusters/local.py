@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from raylane.paths import home
+
 STATE_FILE = "cluster.json"
 START_TIMEOUT_S = 120.0
 STOP_GRACE_S = 5.0
@@ -41,6 +43,8 @@ HEAD_ENV = {
 
 @dataclass
 class LocalCluster:
+    """The head `raylane up` started, as recorded in `$RAYLANE_HOME/cluster.json`."""
+
     address: str  # the GCS address runs join
     dashboard_url: str  # the jobs API (`raylane submit --address`)
     pid: int  # `ray start --block`, leader of the session holding every process of the cluster
@@ -48,10 +52,6 @@ class LocalCluster:
     num_cpus: int
     started_unix: float
     log: str
-
-
-def home() -> Path:
-    return Path(os.environ.get("RAYLANE_HOME") or Path.home() / ".raylane").expanduser()
 
 
 def running() -> LocalCluster | None:
@@ -97,9 +97,39 @@ def up(num_cpus: int, port: int | None = None, dashboard_port: int | None = None
     # Ray's unix socket paths are length-limited: a short temp dir of its own under /tmp.
     temp = tempfile.mkdtemp(prefix="raylane-", dir="/tmp")
     log_path = state / "head.log"
-    ray_bin = Path(sys.executable).parent / "ray"
-    argv = [
-        str(ray_bin),
+    # The placement-group cleaner's State API calls name the head's dashboard: with no address they
+    # look for "the" Ray on this machine and fail beside any other cluster (see cluster.init_ray).
+    env = {**os.environ, **HEAD_ENV, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}"}
+    env.pop("RAY_ADDRESS", None)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            _head_argv(num_cpus, gcs_port, dash_port, temp),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    cluster = LocalCluster(
+        address=f"127.0.0.1:{gcs_port}",
+        dashboard_url=f"http://127.0.0.1:{dash_port}",
+        pid=proc.pid,
+        temp_dir=temp,
+        num_cpus=num_cpus,
+        started_unix=time.time(),
+        log=str(log_path),
+    )
+    _wait_started(proc, log_path)
+    tmp = state / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(asdict(cluster), indent=2) + "\n")
+    os.replace(tmp, state / STATE_FILE)
+    return cluster, True
+
+
+def _head_argv(num_cpus: int, gcs_port: int, dash_port: int, temp: str) -> list[str]:
+    """`ray start --head --block` on this machine's loopback, with ports of its own."""
+    return [
+        str(Path(sys.executable).parent / "ray"),
         "start",
         "--head",
         "--block",
@@ -124,23 +154,11 @@ def up(num_cpus: int, port: int | None = None, dashboard_port: int | None = None
             )
         ),
     ]
-    # The placement-group cleaner's State API calls name the head's dashboard: with no address they
-    # look for "the" Ray on this machine and fail beside any other cluster (see cluster.init_ray).
-    env = {**os.environ, **HEAD_ENV, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}"}
-    env.pop("RAY_ADDRESS", None)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-        )
-    cluster = LocalCluster(
-        address=f"127.0.0.1:{gcs_port}",
-        dashboard_url=f"http://127.0.0.1:{dash_port}",
-        pid=proc.pid,
-        temp_dir=temp,
-        num_cpus=num_cpus,
-        started_unix=time.time(),
-        log=str(log_path),
-    )
+
+
+def _wait_started(proc: subprocess.Popen, log_path: Path) -> None:
+    """Until the head's log says it started; a head that exits first, or takes longer than
+    START_TIMEOUT_S, is stopped and its log's tail raised."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while "Ray runtime started" not in log_path.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -148,10 +166,6 @@ def up(num_cpus: int, port: int | None = None, dashboard_port: int | None = None
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
             raise RuntimeError(f"the Ray head did not start (log {log_path}):\n{tail}")
         time.sleep(0.2)
-    tmp = state / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(asdict(cluster), indent=2) + "\n")
-    os.replace(tmp, state / STATE_FILE)
-    return cluster, True
 
 
 def down() -> LocalCluster | None:

@@ -1,48 +1,37 @@
-"""A sweep file, validated at the edge without Ray: a `sweep:` section (name, base config, search
-space over dotted config keys, algorithm, scheduler, budget) and, beside it, overrides of the
-base config. `--set sweep.num_samples=8` changes the sweep, any other `--set` the base config.
+"""A sweep file's schema, validated at the edge without Ray: a `sweep:` section (name, base config,
+search space over dotted config keys, algorithm, scheduler, budget) and, beside it, overrides of
+the base config. `--set sweep.num_samples=8` changes the sweep, any other `--set` the base config.
 
 Every key of the space is checked against the base config with a value from its domain, so a
-typo (`optim.lrr`) or an impossible range fails here with the key and the value named.
-
-A sweep's folder (`<run.storage_path>/<sweep.name>`, Tune's experiment) holds `SWEEP_RECORD`:
-the settings it ran with and how it ended. Rerunning the name with other settings is refused
-before Ray starts (Tune would restore the old search and silently ignore them, then the end of
-the sweep would rewrite the earlier results); rerunning it unchanged continues it, or, once it
-finished, says so and leaves everything as it is."""
+typo (`optim.lrr`) or an impossible range fails here with the key and the value named. What a
+sweep leaves in its folder, and how it runs, is raylane.sweeps' and raylane.onray.tune's.
+Nothing here imports torch or Ray."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from raylane import paths
-from raylane.batching import GlobalBatch, hold_global_batch
-from raylane.config import (
-    _NAME_PATTERN,
-    BaseConfig,
-    ConfigError,
-    Section,
+from raylane.config.base import BaseConfig
+from raylane.config.batching import GlobalBatch, hold_global_batch
+from raylane.config.load import (
     apply_overrides,
     apply_values,
+    check_metric,
     config_path,
-    flatten,
     format_validation_error,
     read_config_file,
     read_yaml,
     validate,
 )
-from raylane.prechecks import check_metric
+from raylane.config.sections import NAME_PATTERN, Section
+from raylane.errors import ConfigError
 
 DOMAINS = ("choice", "grid", "uniform", "loguniform", "randint")
-SWEEP_RECORD = "raylane_sweep.json"
 # Throughput a trial reports at each epoch end (rank 0's, over that epoch's steps after warm-up)
 # and at its end (over the run), beside its eval metrics; the better direction of each.
 SPEED_METRICS = {
@@ -53,9 +42,6 @@ SPEED_METRICS = {
     "peak_memory_bytes": "min",
 }
 TIME_TO_TARGET = "time_to_target_s"
-# What a trial that has not reached the target reports: worse than any real time, and finite,
-# which ASHA's quantiles and MLflow need.
-NOT_REACHED_S = 1e9
 
 
 class TimeTo(Section):
@@ -79,7 +65,7 @@ class SweepSection(Section):
     trial."""
 
     name: str = Field(
-        pattern=_NAME_PATTERN,
+        pattern=NAME_PATTERN,
         description="The sweep's identity: its folder is `<run.storage_path>/<name>`, and rerunning the same name "
         "with the same settings continues it.",
     )
@@ -284,34 +270,6 @@ def _every_value(domain: dict[str, Any]) -> list[Any]:
     return list(range(args[0], args[1])) if kind == "randint" else representative(domain)
 
 
-def run_speed(result: dict[str, Any]) -> dict[str, float]:
-    """A finished run's throughput under the names a trial reports each epoch."""
-    memory = result.get("memory") or {}
-    speed = {k: result.get(k) for k in ("samples_per_s", "tokens_per_s", "mfu", "step_time_s")}
-    speed.update(peak_memory_bytes=memory.get("peak_bytes"), train_s=result.get("train_wall_s"))
-    return {k: float(v) for k, v in speed.items() if isinstance(v, (int, float))}
-
-
-class Objective:
-    """A trial's reports with `time_to_target_s` added under a time-to-target objective: the
-    training time of the first report that reached the value, NOT_REACHED_S until one does."""
-
-    def __init__(self, sweep: SweepSection) -> None:
-        self.target = sweep.objective.time_to if sweep.objective else None
-        self.reached_s: float | None = None
-
-    def __call__(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.target is None:
-            return metrics
-        value = metrics.get(self.target.metric)
-        hit = value is not None and (
-            value >= self.target.value if self.target.mode == "max" else value <= self.target.value
-        )
-        if hit and self.reached_s is None:
-            self.reached_s = float(metrics.get("train_s", NOT_REACHED_S))
-        return {**metrics, TIME_TO_TARGET: self.reached_s if self.reached_s is not None else NOT_REACHED_S}
-
-
 def _merge(into: dict[str, Any], extra: dict[str, Any]) -> None:
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(into.get(key), dict):
@@ -324,114 +282,3 @@ def trial_config(base: BaseConfig, params: dict[str, Any], global_batch: GlobalB
     """The base config with one trial's values at their dotted keys, validated; with
     `global_batch`, its `adjust` key then set to hold it."""
     return hold_global_batch(apply_values(base, params), global_batch, "sweep.global_batch.size")
-
-
-# -- the sweep's record ------------------------------------------------------------------------
-
-
-def resolved(base: BaseConfig) -> BaseConfig:
-    """`base` with a local storage path made absolute: where the sweep's folder is, from any
-    working directory, and how its settings are recorded."""
-    storage = base.run.storage_path
-    if "://" in storage:
-        return base
-    return base.model_copy(
-        update={"run": base.run.model_copy(update={"storage_path": str(Path(storage).expanduser().resolve())})}
-    )
-
-
-def sweep_folder(sweep: SweepSection, base: BaseConfig) -> Path | None:
-    """The sweep's folder, when it is on this machine (object storage is not checked)."""
-    base = resolved(base)
-    return None if "://" in base.run.storage_path else Path(base.run.storage_path) / sweep.name
-
-
-def settings(sweep: SweepSection, base: BaseConfig) -> dict[str, Any]:
-    """Dotted key -> value of everything that decides what the sweep runs: its own section, then
-    the base config every trial starts from. Not the storage path: the record is found under it,
-    so it matches whenever there is a record to compare with, however the path was written."""
-    own = sweep.model_dump(mode="json")
-    for key, unset in (("objective", None), ("global_batch", None), ("pbt_synchronous", False)):
-        if own.get(key) == unset:  # as a sweep recorded before these existed
-            own.pop(key, None)
-    space = own.pop("space")  # one entry per searched key: its whole domain is its value
-    flat = {**flatten({"sweep": own}), **{f"sweep.space.{k}": v for k, v in space.items()}, **base.flat()}
-    flat.pop("run.storage_path", None)
-    return flat
-
-
-def _shown(settings_: dict[str, Any], key: str) -> str:
-    return repr(settings_[key]) if key in settings_ else "(not set)"
-
-
-def read_record(sweep: SweepSection, base: BaseConfig) -> dict[str, Any] | None:
-    folder = sweep_folder(sweep, base)
-    try:
-        record = json.loads((folder / SWEEP_RECORD).read_text()) if folder else None
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and isinstance(record.get("settings"), dict) else None
-
-
-def check_rerun(sweep: SweepSection, base: BaseConfig) -> str | None:
-    """Before Ray: ConfigError when this sweep name already ran with other settings (naming the
-    first that differs); the line to print when it already finished with these; else None (a
-    new sweep, or one to continue)."""
-    record = read_record(sweep, base)
-    if record is None:
-        return None
-    folder, old, new = sweep_folder(sweep, base), _absolute_paths(record["settings"], base), settings(sweep, base)
-    for key in dict.fromkeys([*new, *old]):  # the sweep's own keys first, then the base config's
-        if (key in old, old.get(key)) != (key in new, new.get(key)):
-            raise ConfigError(
-                f"{key} = {_shown(new, key)}: sweep {sweep.name!r} already ran with {key} = {_shown(old, key)} "
-                f"({str(folder)!r}), and a sweep's settings cannot change: start a new sweep with "
-                f"--set sweep.name={fresh_sweep_name(folder)}, or rerun it unchanged to continue it"
-            )
-    if record.get("status") != "FINISHED":
-        return None
-    best = record.get("best") or {}
-    outcome = (
-        f"best trial {best['trial_id']}: {sweep.metric} {best['metric']:.4f}"
-        if best.get("trial_id")
-        else "no best trial"
-    )
-    trials = record.get("trials")
-    return (
-        f"sweep {sweep.name}: already FINISHED ({trials} trial{'' if trials == 1 else 's'}, {outcome}); results in "
-        f"{folder} and MLflow parent run {record.get('parent_run_id')}. Nothing to run: to sweep again, "
-        f"start a new sweep with --set sweep.name={fresh_sweep_name(folder)}"
-    )
-
-
-def _absolute_paths(recorded: dict[str, Any], base: BaseConfig) -> dict[str, Any]:
-    """A record's settings with the relative paths of a sweep recorded before raylane resolved
-    them (raylane.paths) made absolute as they were then, from the working directory."""
-    out = dict(recorded)
-    for key in paths.path_keys(type(base)):
-        value = out.get(key)
-        if isinstance(value, str):
-            out[key] = paths.absolute(value, Path.cwd())
-        elif isinstance(value, list):
-            out[key] = [paths.absolute(v, Path.cwd()) if isinstance(v, str) else v for v in value]
-    return out
-
-
-def fresh_sweep_name(folder: Path) -> str:
-    n = 2
-    while folder.with_name(f"{folder.name}-{n}").exists():
-        n += 1
-    return f"{folder.name}-{n}"
-
-
-def write_record(sweep: SweepSection, base: BaseConfig, status: str, **outcome: Any) -> None:
-    """The sweep's settings and state, into its folder (made here when new): RUNNING when it
-    starts or continues, then how it ended (its status, parent run, best trial, trial count)."""
-    folder = sweep_folder(sweep, base)
-    if folder is None:
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / (SWEEP_RECORD + ".tmp")
-    record = {"status": status, "settings": settings(sweep, base), **outcome}
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, folder / SWEEP_RECORD)  # whole or not at all: a torn record would let any rerun through

@@ -1,6 +1,8 @@
 """A finished sweep's results: one row per trial (its values, metric, MLflow run and status), the
 best trial, the table the terminal shows, and what the parent MLflow run records (a CSV of the
-rows, a plot of the metric against each searched value, the best trial's tags and model)."""
+rows, a plot of the metric against each searched value, the best trial's tags and model), and
+how a trial's MLflow run is found (`find_child`, by the tags the sweep's runs carry). Read from
+Tune's result grid after the sweep; nothing here imports torch or Ray."""
 
 from __future__ import annotations
 
@@ -9,9 +11,22 @@ import io
 from pathlib import Path
 from typing import Any
 
-from raylane.onray.sweep import NOT_REACHED_S, TIME_TO_TARGET, SweepSection
-from raylane.onray.trials import find_child
+from raylane.config.sweep import TIME_TO_TARGET, SweepSection
+from raylane.sweeps.objective import NOT_REACHED_S
 from raylane.tracking.runs import RunHandle, mlflow_client
+
+SWEEP_TAG = "raylane.sweep"
+TRIAL_TAG = "raylane.trial_id"
+
+
+def find_child(client, experiment_id: str, sweep: str, trial_id: str):
+    """The MLflow run of trial `trial_id` of sweep `sweep` (None before it has one)."""
+    runs = client.search_runs(
+        [experiment_id],
+        max_results=1,
+        filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep}'",
+    )
+    return runs[0] if runs else None
 
 
 def rows(grid, sweep: SweepSection, parent: RunHandle) -> list[dict[str, Any]]:
@@ -112,7 +127,7 @@ def record_parent(
     best: dict[str, Any] | None,
     register: str | None,
 ) -> dict[str, Any]:
-    from raylane.tracking.records import _attempt, log_model
+    from raylane.tracking.records import attempt, log_model
 
     client = mlflow_client(parent.tracking_uri)
     out: dict[str, Any] = {}
@@ -132,8 +147,8 @@ def record_parent(
                 r["run_id"],
             ]
         )
-    _attempt("results table", lambda: client.log_text(parent.run_id, buffer.getvalue(), "results.csv"))
-    _attempt("sweep plot", lambda: plot(client, parent, sweep, rows))
+    attempt("results table", lambda: client.log_text(parent.run_id, buffer.getvalue(), "results.csv"))
+    attempt("sweep plot", lambda: plot(client, parent, sweep, rows))
     if best:
         from mlflow.entities import RunTag
 
@@ -145,7 +160,7 @@ def record_parent(
         client.log_batch(parent.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         client.log_metric(parent.run_id, f"best/{sweep.metric}", float(best["metric"]))
         if best.get("checkpoint"):
-            out.update(_attempt("best model", lambda: log_model(parent, best["checkpoint"], register)) or {})
+            out.update(attempt("best model", lambda: log_model(parent, best["checkpoint"], register)) or {})
     return out
 
 

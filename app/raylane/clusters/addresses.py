@@ -100,7 +100,7 @@ def on_this_machine(host: str) -> bool:
     socket.gaierror when it does not resolve."""
     infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     for family, _, _, _, sockaddr in infos:
-        if ipaddress.ip_address(sockaddr[0].split("%")[0]).is_loopback:  # less an IPv6 scope
+        if ipaddress.ip_address(str(sockaddr[0]).split("%")[0]).is_loopback:  # less an IPv6 scope
             return True
         try:
             with socket.socket(family, socket.SOCK_STREAM) as s:

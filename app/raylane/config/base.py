@@ -1,0 +1,98 @@
+"""`BaseConfig`: the typed config tree a pipeline's `Config` extends with its own `model`
+section, made of the shared sections (raylane.config.sections), with the checks across sections
+and the tree's dotted keys (`flat`: the keys of `--set`, a sweep's space and MLflow's params).
+Reading YAML and `--set` into it is raylane.config.load's. Nothing here imports torch or Ray."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from raylane import pipelines_ref
+from raylane.config.sections import (
+    CheckpointSection,
+    DistSection,
+    FailureSection,
+    LoaderSection,
+    MlflowSection,
+    OptimSection,
+    RunSection,
+    ScalingSection,
+    Section,
+    StrategySection,
+    TrainSection,
+)
+
+
+class BaseConfig(Section):
+    """Sections shared by every pipeline; each pipeline adds its own `model` section."""
+
+    pipeline: str = Field(
+        description="The pipeline: a shipped one's name (regression, digits, gpt, tabular, text, hf), a dotted "
+        "module, or a `.py` file (relative to the config file's folder)."
+    )
+    run: RunSection = RunSection()
+    scaling: ScalingSection = ScalingSection()
+    strategy: StrategySection = StrategySection()
+    train: TrainSection = TrainSection()
+    optim: OptimSection = OptimSection()
+    loader: LoaderSection = LoaderSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    failure: FailureSection = FailureSection()
+    dist: DistSection = DistSection()
+    mlflow: MlflowSection = MlflowSection()
+
+    @model_validator(mode="after")
+    def _compatible(self) -> BaseConfig:
+        if self.train.precision == "fp16" and self.strategy.name != "ddp":
+            raise ValueError(
+                f"train.precision = 'fp16' with strategy.name = {self.strategy.name!r}: "
+                "the gradient scaler does not handle sharded gradients; use bf16"
+            )
+        if self.strategy.comm_hook == "bf16" and not self.scaling.use_gpu:
+            raise ValueError("strategy.comm_hook = 'bf16' needs scaling.use_gpu: true (NCCL); on CPU use fp16")
+        if self.strategy.cpu_offload and (self.strategy.name == "ddp" or not self.scaling.use_gpu):
+            raise ValueError(
+                "strategy.cpu_offload = True needs strategy.name: fsdp or auto, "
+                "and scaling.use_gpu: true (on CPU there is nothing to offload to)"
+            )
+        if self.loader.pin_memory and not self.scaling.use_gpu:
+            raise ValueError(
+                "loader.pin_memory = True needs scaling.use_gpu: true (pinned memory speeds up copies "
+                "to a GPU; on CPU there are none)"
+            )
+        return self
+
+    def eval_metrics(self) -> tuple[str, ...] | None:
+        """The held-out metrics this pipeline's `eval_sums` reports, so that a `sweep.metric` or
+        `checkpoint.best_metric` it never reports fails before the run rather than after it.
+        None (the default, for pipelines that declare nothing): not checked."""
+        return None
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys -> values: the same keys as `--set`, Tune spaces and MLflow params."""
+        return flatten(self.model_dump(mode="json"))
+
+    def with_run_name(self) -> BaseConfig:
+        """A copy whose `run.name` is set: a generated one when the user gave none."""
+        if self.run.name:
+            return self
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        return self.model_copy(
+            update={"run": self.run.model_copy(update={"name": f"{pipelines_ref.label(self.pipeline)}-{stamp}"})}
+        )
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested mapping's leaves under dotted keys (`{"a": {"b": 1}}` -> `{"a.b": 1}`)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
