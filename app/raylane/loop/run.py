@@ -26,7 +26,7 @@ from raylane.loop.devices import peak_flops
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
 from raylane.loop.events import Event, FirstStep, Start
 from raylane.loop.optim import build_optimizer, build_scheduler, schedule_note
-from raylane.loop.parallel import on_meta, parallelize, unwrap
+from raylane.loop.parallel import Strategy, on_meta, parallelize, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.runtime import LocalRuntime, Runtime
 from raylane.loop.steps import Throughput, plan_steps
@@ -80,6 +80,26 @@ def _train(
     cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | None, startup: dict[str, float]
 ) -> dict[str, Any]:
     publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
+    reporter = Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger)
+    trainer = build_trainer(cfg, runtime, pipe, reporter, startup)
+    startup["ready"] = time.time()
+    return trainer.train()
+
+
+def build_trainer(
+    cfg: BaseConfig,
+    runtime: Runtime,
+    pipe: Any,
+    reporter: Reporter | None = None,
+    startup: dict[str, float] | None = None,
+) -> Trainer:
+    """This rank's Trainer over the pipeline `pipe`: the model parallelized, its optimizer, schedule
+    and loaders built from `cfg`, resumed from the run's newest checkpoint (or from
+    `checkpoint.init_from`) when there is one. What `run_worker` trains, and what a test builds in
+    one process (`reporter`: rank 0's, publishing to `runtime.publish` when not given; `startup`:
+    the start-up phases, marked as they end)."""
+    startup = {} if startup is None else startup
+    reporter = reporter or Reporter(is_rank_zero=runtime.rank == 0, publish=runtime.publish)
     # Only strategy.name auto estimates memory: the user's collate_fn runs no more than needed.
     estimating = cfg.strategy.name == "auto" and runtime.world_size > 1
     example = first_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn) if estimating else None
@@ -102,6 +122,25 @@ def _train(
     if not latest or frozen.base_of(model) is not None:
         _init_weights(pipe, model, meta)
     optimizer = build_optimizer(model, cfg, pipe)  # over the wrapped model's parameters (DTensors under FSDP)
+    trainer = _assemble(cfg, runtime, pipe, reporter, startup, model, strategy, optimizer)
+    usercode.check_first_calls(trainer, pipe, cfg)
+    trainer.skipped_checkpoints = runtime.skipped_checkpoints()  # said on the driver, with the start
+    if latest:
+        _resume(trainer, latest, own=bool(own), runtime=runtime)
+    return trainer
+
+
+def _assemble(
+    cfg: BaseConfig,
+    runtime: Runtime,
+    pipe: Any,
+    reporter: Reporter,
+    startup: dict[str, float],
+    model: torch.nn.Module,
+    strategy: Strategy,
+    optimizer: torch.optim.Optimizer,
+) -> Trainer:
+    """The Trainer over the built model and optimizer: its loaders, schedule and side groups."""
     batching = {
         "batch_size": cfg.train.batch_size,
         "seed": cfg.train.seed,
@@ -117,7 +156,7 @@ def _train(
     total_steps = plan_steps(train_loader, cfg.train)[1]
     if runtime.rank == 0 and (note := schedule_note(cfg, total_steps, pipe)):
         log.warning("%s", note)
-    trainer = Trainer(
+    return Trainer(
         model,
         train_loader,
         optimizer,
@@ -139,22 +178,23 @@ def _train(
         cfg=cfg,
         faults=faults.load(runtime.rank),
         hooks=pipe.hooks,
-        reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger),
+        reporter=reporter,
     )
-    usercode.check_first_calls(trainer, pipe, cfg)
-    trainer.skipped_checkpoints = runtime.skipped_checkpoints()  # said on the driver, with the start
-    if latest:
-        state = checkpoint.load(latest, model, optimizer, rank=runtime.rank, hooks=trainer.hooks.state_dict())
-        if not own:  # another run's early stop (a PBT donor's, say) is not this run's
-            state.pop("early_stopping", None)
-        trainer.load_state_dict(state)
-        trainer.last_checkpoint = latest
-        # By name: a checkpoint on object storage was loaded from a local copy.
-        trainer.resumed_from = checkpoint.checkpoint_name(trainer.step) if own else latest
-        if runtime.rank == 0:
-            log.info("resuming from step %d (%s)", trainer.step, latest)
-    startup["ready"] = time.time()
-    return trainer.train()
+
+
+def _resume(trainer: Trainer, latest: str, *, own: bool, runtime: Runtime) -> None:
+    """`trainer` at the step of checkpoint `latest`: the run's own (`own`), or checkpoint.init_from's."""
+    state = checkpoint.load(
+        latest, trainer.model, trainer.optimizer, rank=runtime.rank, hooks=trainer.hooks.state_dict()
+    )
+    if not own:  # another run's early stop (a PBT donor's, say) is not this run's
+        state.pop("early_stopping", None)
+    trainer.load_state_dict(state)
+    trainer.last_checkpoint = latest
+    # By name: a checkpoint on object storage was loaded from a local copy.
+    trainer.resumed_from = checkpoint.checkpoint_name(trainer.step) if own else latest
+    if runtime.rank == 0:
+        log.info("resuming from step %d (%s)", trainer.step, latest)
 
 
 def _init_weights(pipe: Any, model: torch.nn.Module, meta: bool) -> None:
