@@ -3,7 +3,7 @@
 Start-up (processes, process group, imports, the pipeline's data) is paid once. Each candidate
 then gets a fresh copy of the pipeline's model, its own wrapping (DDP or FSDP), optimizer and
 loader, runs `warmup_steps` and `profile_steps` optimizer steps through the Trainer's own
-`_run_batch` (so it measures what training runs), and is torn down before the next one.
+`run_step` (so it measures what training runs), and is torn down before the next one.
 
 Out of memory is agreed, not left to hang a collective. A candidate's model is built and its
 memory estimated (rank 0 prunes what cannot fit) before any collective; then one micro-batch's
@@ -40,7 +40,8 @@ from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import BaseConfig, apply_values
 from raylane.loop import faults as fault_plans
 from raylane.loop import usercode
-from raylane.loop.batches import checked_own_loss, forward_loss, to_device
+from raylane.loop.batches import Forward, checked_own_loss, forward_loss, to_device
+from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.data import first_batch, train_data, worker_options
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
 from raylane.loop.events import Candidate, End, Event, Round, SearchStart
@@ -387,18 +388,21 @@ class Search:
             self.pipe.flops_per_token,
             peak_flops(self.device, cfg.train.precision, cfg.scaling.peak_tflops),
         )
+        reporter = Reporter(is_rank_zero=False, publish=lambda e: None)
         trainer = live["trainer"] = Trainer(
             model,
             live["loader"],
             optimizer,
-            loss_fn=self.pipe.loss_fn,
-            step=self.pipe.step,
-            eval_data=None,
-            eval_sums=None,
+            train=cfg.train,
+            forward=Forward(self.pipe.loss_fn, self.pipe.step, self.device),
+            saver=Saver(self.runtime, cfg.checkpoint.model_copy(update={"async_save": False}), reporter),
+            evaluator=None,
             runtime=self.runtime,
+            reporter=reporter,
+            log_every_n_steps=cfg.mlflow.log_every_n_steps,
+            timeout_s=cfg.dist.timeout_s,
+            config=cfg.model_dump(mode="json"),
             strategy=live["strategy"],
-            cfg=cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"async_save": False})}),
-            reporter=Reporter(is_rank_zero=False, publish=lambda e: None),
             throughput=throughput,
         )
         groups = _steps(live["batches"], cfg.train.grad_accum_steps)

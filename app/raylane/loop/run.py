@@ -20,10 +20,13 @@ import torch.distributed as dist
 from raylane.batching import held_batch
 from raylane.config import BaseConfig
 from raylane.loop import checkpoint, faults, frozen, usercode
+from raylane.loop.batches import Forward
+from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.loop.data import eval_data, first_batch, is_stream, train_data, worker_options
 from raylane.loop.devices import peak_flops
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
+from raylane.loop.evaluation import EvalSets, Evaluator
 from raylane.loop.events import Event, FirstStep, Start
 from raylane.loop.optim import build_optimizer, build_scheduler, schedule_note
 from raylane.loop.parallel import Strategy, on_meta, parallelize, unwrap
@@ -156,29 +159,48 @@ def _assemble(
     total_steps = plan_steps(train_loader, cfg.train)[1]
     if runtime.rank == 0 and (note := schedule_note(cfg, total_steps, pipe)):
         log.warning("%s", note)
+    plan = faults.load(runtime.rank)
     return Trainer(
         model,
         train_loader,
         optimizer,
-        loss_fn=pipe.loss_fn,
-        eval_data=eval_loader,
+        train=cfg.train,
+        forward=Forward(pipe.loss_fn, pipe.step, runtime.device),
+        saver=Saver(runtime, cfg.checkpoint, reporter, group=save_group, faults=plan),
+        evaluator=_evaluator(eval_loader, pipe, runtime),
+        runtime=runtime,
+        reporter=reporter,
+        log_every_n_steps=cfg.mlflow.log_every_n_steps,
+        timeout_s=cfg.dist.timeout_s,
+        config=cfg.model_dump(mode="json"),
         scheduler=build_scheduler(optimizer, cfg, total_steps, pipe),
         control_group=control_group,
-        save_group=save_group,
-        strategy=strategy,
         throughput=Throughput(
             pipe.tokens_per_sample,
             pipe.flops_per_token,
             peak_flops(runtime.device, cfg.train.precision, cfg.scaling.peak_tflops),
         ),
-        eval_sums=pipe.eval_sums,
-        step=pipe.step,
-        eval_count=pipe.eval_count,
-        runtime=runtime,
-        cfg=cfg,
-        faults=faults.load(runtime.rank),
+        strategy=strategy,
         hooks=pipe.hooks,
-        reporter=reporter,
+        faults=plan,
+    )
+
+
+def _evaluator(eval_loader: Any, pipe: Any, runtime: Runtime) -> EvalSets | None:
+    """The held-out sets' evaluator ({name: loader}: one per named set), or None without one."""
+    if eval_loader is None:
+        return None
+    return EvalSets(
+        eval_loader,
+        lambda data: Evaluator(
+            data,
+            pipe.eval_sums,
+            runtime.device,
+            runtime.world_size,
+            loss_fn=pipe.loss_fn,
+            step=pipe.step,
+            count=pipe.eval_count,
+        ),
     )
 
 
