@@ -21,6 +21,7 @@ import raylane
 from raylane.config import validate
 from raylane.loop import checkpoint, faults
 from raylane.loop.events import Checkpoint, Eval, Event
+from raylane.loop.result import RunResult
 from raylane.loop.run import build_trainer, local_runtime, seed_everything
 
 ROWS = 48  # 6 steps an epoch at batch 8
@@ -88,7 +89,7 @@ class Run:
         self.trainer = build_trainer(cfg, local_runtime(cfg, self.events.append), pipe)
         self.root = Path(cfg.run.storage_path) / str(cfg.run.name)
 
-    def train(self) -> Any:
+    def train(self) -> RunResult:
         self.result = self.trainer.train()
         return self.result
 
@@ -109,14 +110,6 @@ class Run:
         return {k: v.clone() for k, v in self.trainer.model.state_dict().items()}
 
 
-def _steps(result: Any) -> int:
-    return result["steps"] if isinstance(result, dict) else result.steps
-
-
-def _field(result: Any, name: str) -> Any:
-    return result[name] if isinstance(result, dict) else getattr(result, name)
-
-
 # Planted: `while self.step <= self.total_steps` in train() (one step too many, and an epoch too
 # many at an epoch end); and `itertools.islice(batches, self.accum + 1)` in _micro_batches.
 @pytest.mark.parametrize(
@@ -132,7 +125,7 @@ def test_a_run_takes_the_steps_its_limits_and_accumulation_give(tmp_path, train,
     hook = Counter()
     run = Run(_config(tmp_path, "r", train=train), hooks=(hook,))
     result = run.train()
-    assert (_steps(result), _field(result, "epochs"), _field(result, "partial_epoch")) == (steps, epochs, partial)
+    assert (result.steps, result.epochs, result.partial_epoch) == (steps, epochs, partial)
     assert int(hook.steps) == steps  # optimizer steps taken, each followed by on_step_end
     assert run.saved()[-1] == steps  # the end of the run always saves
 
@@ -161,12 +154,12 @@ def test_early_stopping_ends_the_run_at_the_evaluation_that_runs_out_of_patience
     stopping = {"metric": "loss", "mode": "min", "patience": 2, "min_delta": 1e9}
     run = Run(_config(tmp_path, "r", train={"max_epochs": 10, "early_stopping": stopping}))
     result = run.train()
-    assert _steps(result) == 18 and _field(result, "early_stopped") and not _field(result, "preempted")
-    assert _field(result, "stop_reason").startswith("early stopping: loss did not decrease by more than 1e+09")
+    assert result.steps == 18 and result.early_stopped and not result.preempted
+    assert result.stop_reason.startswith("early stopping: loss did not decrease by more than 1e+09")
     assert run.evaluated() == [6, 12, 18] and run.saved() == run.on_disk() == [6, 12, 18]
 
     again = Run(_config(tmp_path, "r", train={"max_epochs": 10, "early_stopping": stopping}))
-    assert _steps(again.train()) == 18 and again.saved() == []  # an early-stopped run stays stopped
+    assert again.train().steps == 18 and again.saved() == []  # an early-stopped run stays stopped
     assert again.on_disk() == [6, 12, 18]
 
 
@@ -181,7 +174,7 @@ def test_a_nan_loss_stops_the_run_or_skips_its_update_as_train_on_nan_says(tmp_p
 
     skip = Run(_config(tmp_path, "skip", train={"on_nan": "skip"}))
     result = skip.train()
-    assert _steps(result) == 12 and _field(result, "skipped_steps") == 1
+    assert result.steps == 12 and result.skipped_steps == 1
     assert all(torch.isfinite(w).all() for w in skip.weights().values())
 
 
@@ -212,7 +205,7 @@ def test_a_resume_continues_at_the_next_batch_bit_for_bit(tmp_path):
     resumed = Run(_config(tmp_path, "resumed", **sections), dropout=0.3)
     assert (resumed.trainer.step, resumed.trainer.batch_in_epoch) == (4, 4)
     result = resumed.train()
-    assert _steps(result) == 12 and _field(result, "resumed_from_step") == 4 and resumed.saved() == [6, 8, 12]
+    assert result.steps == 12 and result.resumed_from_step == 4 and resumed.saved() == [6, 8, 12]
     a, b = straight.weights(), resumed.weights()
     for name in a:
         assert torch.equal(a[name], b[name]), name

@@ -31,6 +31,7 @@ from raylane.loop.events import Event, FirstStep, Start
 from raylane.loop.optim import build_optimizer, build_scheduler, schedule_note
 from raylane.loop.parallel import Strategy, on_meta, parallelize, unwrap
 from raylane.loop.reporting import Reporter
+from raylane.loop.result import RunResult
 from raylane.loop.runtime import LocalRuntime, Runtime
 from raylane.loop.steps import Throughput, plan_steps
 from raylane.loop.trainer import Trainer
@@ -58,7 +59,7 @@ def _side_groups(cfg: BaseConfig, world_size: int) -> tuple[Any, Any]:
 
 def run_worker(
     cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = None, startup: dict[str, float] | None = None
-) -> dict[str, Any]:
+) -> RunResult:
     """One rank's whole run. Returns the result (the same on every rank but for timings).
     `startup`: the launcher's start-up phases on this rank (see raylane.loop.startup); rank 0 adds
     its own and sends them with its start and first-step events. An exception of the user's
@@ -81,7 +82,7 @@ def run_worker(
 
 def _train(
     cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | None, startup: dict[str, float]
-) -> dict[str, Any]:
+) -> RunResult:
     publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
     reporter = Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger)
     trainer = build_trainer(cfg, runtime, pipe, reporter, startup)
@@ -307,9 +308,7 @@ def local_runtime(cfg: BaseConfig, on_event: Callable[[Event], None]) -> LocalRu
     )
 
 
-def launch_local(
-    cfg: BaseConfig, on_event: Callable[[Event], None], metric_logger: Any | None = None
-) -> dict[str, Any]:
+def launch_local(cfg: BaseConfig, on_event: Callable[[Event], None], metric_logger: Any | None = None) -> RunResult:
     """Train as this rank (see local_runtime); `metric_logger`: rank 0's MLflow logger, if any
     (raylane.tracking.runs.rank_zero_logger: the loop itself knows nothing of MLflow)."""
     startup = {"worker_imports": time.time()}

@@ -30,6 +30,7 @@ from raylane.loop.hooks import Hooks
 from raylane.loop.optim import Schedule
 from raylane.loop.parallel import Strategy, no_gradient_sync
 from raylane.loop.reporting import Reporter
+from raylane.loop.result import RunResult
 from raylane.loop.runtime import Runtime
 from raylane.loop.steps import (
     MetricsWindow,
@@ -294,7 +295,7 @@ class Trainer:
         if self.step < self.total_steps:
             self.checkpoint_stall_s += time.perf_counter() - blocked
 
-    def train(self) -> dict[str, Any]:
+    def train(self) -> RunResult:
         """Train from where the run is (step 0, or the checkpoint loaded) to its last step or a
         stop; returns the run's result (rank 0's with what the reporter adds)."""
         self._announce()
@@ -329,9 +330,7 @@ class Trainer:
         # A max_steps stop mid-epoch, an epoch left unevaluated, or resumed at the end.
         if self.evaluation.step != self.step and not self.stops.preempted:
             self.evaluation.run(self.step, self.epoch, final=True)
-        return self.reporter.on_end(
-            {**self._result((started, started_cpu, first_step), last_step_end), "epoch_end_s": epoch_ends}
-        )
+        return self.reporter.on_end(self._result((started, started_cpu, first_step), last_step_end, epoch_ends))
 
     def _announce(self) -> None:
         self.reporter.on_start(
@@ -376,7 +375,7 @@ class Trainer:
             raise
         self.evaluation.record(metrics, self.step, self.epoch, epoch_end=epoch_end)
 
-    def _result(self, start: tuple[float, float, int], last_step_end: float) -> dict[str, Any]:
+    def _result(self, start: tuple[float, float, int], last_step_end: float, epoch_ends: list[float]) -> RunResult:
         """The run's figures, from `start` (wall time, CPU time, step) or, when the run was long
         enough, from the end of the warm-up steps."""
         ended, ended_cpu = time.perf_counter(), time.process_time()
@@ -386,38 +385,40 @@ class Trainer:
         # To the end of the last step: the end-of-run checkpoint and evaluation are not training
         # throughput (a GPT-2 save on one H100 took as long as 50 steps).
         samples_per_s = (self.step - first_step) * self.samples_per_step / max(last_step_end - started, 1e-9)
-        return {
-            "step_time_s": (last_step_end - started) / max(self.step - first_step, 1),
-            "epochs": self.epoch,
-            "partial_epoch": self._partial_epoch(),  # a stop mid-epoch
-            "steps": self.step,
-            "metrics": self.evaluation.metrics,
-            "samples_per_s": samples_per_s,
-            **self.throughput.rates(samples_per_s, self.runtime.world_size),
-            "memory": self._memory(),
-            "strategy": self.strategy.name,
-            "mesh": list(self.strategy.mesh_shape),
-            "node_ranks": self.runtime.node_ranks,
-            "train_s": ended - started,
-            # Every launch's training time, warm-up steps included (time to a target).
-            "train_wall_s": self._trained_before_s + ended - self._train_started,
-            # This process's CPU time over the same span, every thread counted (gloo's, Ray's):
-            # much less sensitive than train_s to other processes on a busy machine (B1).
-            "train_cpu_s": ended_cpu - started_cpu,
-            "checkpoint_stall_s": self.checkpoint_stall_s,
-            "resumed_from_step": self.resumed_from_step,
-            "checkpoint": self.saver.last_checkpoint or self.last_checkpoint,
-            "world_size": self.runtime.world_size,
-            "backend": backend_name(),
-            "skipped_steps": self.skipped_steps,
-            "skipped_rows": baddata.skipped_rows(),  # what this process counted (the summary's)
-            "failed_checkpoints": self.saver.failed,
-            "preempted": self.stops.preempted,
-            "node_leaving": self.stops.node_leaving,
-            "growing": self.stops.growing,
-            "stop_reason": self.stops.reason() if self.stops.preempted else self.evaluation.early_stop.reason,
-            "early_stopped": self.evaluation.stopped and not self.stops.preempted,
-        }
+        rates = self.throughput.rates(samples_per_s, self.runtime.world_size)
+        return RunResult(
+            steps=self.step,
+            epochs=self.epoch,
+            partial_epoch=self._partial_epoch(),
+            step_time_s=(last_step_end - started) / max(self.step - first_step, 1),
+            samples_per_s=samples_per_s,
+            tokens_per_s=rates.get("tokens_per_s"),
+            mfu=rates.get("mfu"),
+            train_s=ended - started,
+            train_wall_s=self._trained_before_s + ended - self._train_started,
+            # Every thread counted (gloo's, Ray's): much less sensitive than train_s to other
+            # processes on a busy machine (B1).
+            train_cpu_s=ended_cpu - started_cpu,
+            checkpoint_stall_s=self.checkpoint_stall_s,
+            epoch_end_s=epoch_ends,
+            metrics=self.evaluation.metrics,
+            memory=self._memory(),
+            strategy=self.strategy.name,
+            mesh=list(self.strategy.mesh_shape),
+            node_ranks=self.runtime.node_ranks,
+            world_size=self.runtime.world_size,
+            backend=backend_name(),
+            resumed_from_step=self.resumed_from_step,
+            checkpoint=self.saver.last_checkpoint or self.last_checkpoint,
+            skipped_steps=self.skipped_steps,
+            skipped_rows=baddata.skipped_rows(),  # what this process counted (the summary's)
+            failed_checkpoints=self.saver.failed,
+            preempted=self.stops.preempted,
+            node_leaving=self.stops.node_leaving,
+            growing=self.stops.growing,
+            stop_reason=self.stops.reason() if self.stops.preempted else self.evaluation.early_stop.reason,
+            early_stopped=self.evaluation.stopped and not self.stops.preempted,
+        )
 
     def _partial_epoch(self) -> float:
         """The share of the running epoch trained, in samples over every launch of the run (the
