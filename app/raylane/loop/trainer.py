@@ -21,8 +21,8 @@ from raylane.loop import baddata, preemption
 from raylane.loop.batches import Forward
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.data import EpochData
-from raylane.loop.devices import peak_memory_bytes, reset_peak_memory, state_bytes
-from raylane.loop.distributed import all_reduce_max, backend_name
+from raylane.loop.devices import Precision, largest_memory, peak_memory_bytes, reset_peak_memory, state_bytes
+from raylane.loop.distributed import backend_name
 from raylane.loop.early_stop import EarlyStopping
 from raylane.loop.evaluation import EvalSets, Evaluation
 from raylane.loop.faults import FaultPlan
@@ -105,7 +105,8 @@ class Trainer:
         self.throughput = throughput or Throughput()
         self.accum = train.grad_accum_steps
         self.strategy = strategy or Strategy("single" if runtime.world_size == 1 else "ddp")
-        self._init_precision(train.precision)
+        self.precision = Precision(train.precision, self.strategy.name, self.device)
+        self.scaler = self.precision.scaler
         self.state_bytes: int | None = None
         # (wall time, process CPU time, step) once the warm-up steps are done
         self._warm: tuple[float, float, int] | None = None
@@ -122,14 +123,6 @@ class Trainer:
         self.evaluation = Evaluation(evaluator, model, reporter, EarlyStopping(train.early_stopping), self.hooks)
         saver.on_committed = lambda step, where: self.hooks.call("on_checkpoint", step=step, checkpoint=where)
         self.hooks.call("setup")  # before a resume loads the hooks' state into what setup made
-
-    def _init_precision(self, precision: str) -> None:
-        # FSDP casts parameters itself (MixedPrecisionPolicy); DDP and one process use autocast.
-        sharded = self.strategy.name in ("fsdp", "hsdp")
-        self.autocast_dtype = (
-            None if precision == "fp32" or sharded else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-        )
-        self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
 
     def _init_progress(self, train_data: EpochData, world_size: int) -> None:
         # Progress, saved in every checkpoint: resume continues at exactly the next batch.
@@ -167,7 +160,7 @@ class Trainer:
         losses = []
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
-            with contextlib.nullcontext() if last else no_gradient_sync(self.model), self._autocast():
+            with contextlib.nullcontext() if last else no_gradient_sync(self.model), self.precision.autocast():
                 loss, metrics = self.forward.run(self.model, batch)
                 if metrics:
                     self.window.step_metrics.add(metrics)
@@ -200,11 +193,6 @@ class Trainer:
             self.saver.wait_staged()
             self.checkpoint_stall_s += time.perf_counter() - blocked
 
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
     def _clip_gradients(self) -> bool:
         """The global gradient norm (over every shard under FSDP), clipped to train.grad_clip_norm;
         False when it is not finite. The gradients are already reduced, so a NaN on any rank is
@@ -235,7 +223,7 @@ class Trainer:
                 self.faults.before_step(self.step + 1)
             loss = self.run_step(micro_batches)
             if self.state_bytes is None:  # optimizer state exists from the first step on
-                self.state_bytes = state_bytes(self.model, self.optimizer)
+                self._state_bytes()
             self.step += 1
             self.batch_in_epoch += len(micro_batches)
             self.samples_seen_in_epoch += len(micro_batches) * self.train_cfg.batch_size * self.runtime.world_size
@@ -258,12 +246,12 @@ class Trainer:
             last_batch = epoch_end or self.step >= self.total_steps
             if not last_batch and self.saver.due(self.step, epoch_end=False, stopping=False):
                 self._save_checkpoint()
-            if (
-                self.step >= self.total_steps
-                or self.evaluation.stopped
-                or (self.stops.due(self.step) and self._step_boundary())
-            ):
+            if self._over() or (self.stops.due(self.step) and self._step_boundary()):
                 break
+
+    def _over(self) -> bool:
+        """The loop ends: its last step is taken, the group stops, or early stopping ended the run."""
+        return self.step >= self.total_steps or self.stops.preempted or self.evaluation.stopped
 
     def _step_boundary(self) -> bool:
         """The vote every rank takes at the same step; True when the loop must stop now."""
@@ -306,18 +294,16 @@ class Trainer:
         self._train_started = started
         with preemption.armed(), self.saver.settled_on_failure(min(self.timeout_s, FAILED_RUN_SAVE_WAIT_S)):
             last_step_end = started
-            while self.step < self.total_steps and not self.stops.preempted and not self.evaluation.stopped:
+            while not self._over():
                 epoch_start = (time.perf_counter(), self.step)
                 self._run_epoch(self.epoch)
                 last_step_end = self.step_clock()
                 epoch_ended = self.batch_in_epoch >= self.batches_per_epoch  # not a max_steps stop or a stop
                 if epoch_ended:
                     self._end_epoch(epoch_start, last_step_end)
-                # A stop (an early one too) always saves, mid-epoch or at an epoch end that no
-                # checkpoint was due at.
-                stopping = (
-                    self.stops.preempted or self.evaluation.stopped or not epoch_ended or self.step >= self.total_steps
-                )
+                # The end, or a stop (an early one too), always saves: mid-epoch, or at an epoch
+                # end no checkpoint was due at.
+                stopping = self._over() or not epoch_ended
                 if self.saver.due(self.step, epoch_end=epoch_ended, stopping=stopping, epochs=self.epoch):
                     self._save_checkpoint()
                 if epoch_ended:
@@ -402,7 +388,7 @@ class Trainer:
             checkpoint_stall_s=self.checkpoint_stall_s,
             epoch_end_s=epoch_ends,
             metrics=self.evaluation.metrics,
-            memory=self._memory(),
+            memory=largest_memory(self._state_bytes(), self.device),
             strategy=self.strategy.name,
             mesh=list(self.strategy.mesh_shape),
             node_ranks=self.runtime.node_ranks,
@@ -449,20 +435,16 @@ class Trainer:
             **self.throughput.rates(samples_per_s, self.runtime.world_size),
         }
 
+    def _state_bytes(self) -> int:
+        if self.state_bytes is None:
+            self.state_bytes = state_bytes(self.model, self.optimizer)
+        return self.state_bytes
+
     def step_clock(self) -> float:
         """Now, once the device has finished the steps queued so far."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
-
-    def _memory(self) -> dict[str, int]:
-        """Collective. The largest figures over the ranks."""
-        if self.state_bytes is None:
-            self.state_bytes = state_bytes(self.model, self.optimizer)
-        worst = all_reduce_max(
-            {"state_bytes_per_rank": self.state_bytes, "peak_bytes": peak_memory_bytes(self.device)}, self.device
-        )
-        return {k: int(v) for k, v in worst.items()}
 
     # -- state ---------------------------------------------------------------------------------
 
