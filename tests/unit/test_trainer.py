@@ -110,7 +110,7 @@ class Run:
         return {k: v.clone() for k, v in self.trainer.model.state_dict().items()}
 
 
-# Planted: `while self.step <= self.total_steps` in train() (one step too many, and an epoch too
+# Planted: `self.step > self.total_steps` in Trainer._over (one step too many, and an epoch too
 # many at an epoch end); and `itertools.islice(batches, self.accum + 1)` in _micro_batches.
 @pytest.mark.parametrize(
     ("train", "steps", "epochs", "partial"),
@@ -130,8 +130,7 @@ def test_a_run_takes_the_steps_its_limits_and_accumulation_give(tmp_path, train,
     assert run.saved()[-1] == steps  # the end of the run always saves
 
 
-# Planted: `self.step % every == 1` in _run_epoch's every_n_steps test; and
-# `_every(self.epoch + 1, ...every_n_epochs)` in train()'s epoch-end test.
+# Planted in Saver.due: `step + 1` (every_n_steps off by one), and `epochs + 1` (every_n_epochs).
 @pytest.mark.parametrize(
     ("cadence", "epochs", "saved"),
     [
@@ -148,7 +147,7 @@ def test_checkpoints_land_at_their_every_n_steps_and_every_n_epochs(tmp_path, ca
     assert run.evaluated() == [6 * (e + 1) for e in range(epochs)]  # each epoch end, the last included
 
 
-# Planted: train()'s loop ignoring `early_stop.stopped` (the run trains its 10 epochs).
+# Planted: Trainer._over ignoring `evaluation.stopped` (the run trains its 10 epochs).
 def test_early_stopping_ends_the_run_at_the_evaluation_that_runs_out_of_patience(tmp_path):
     # No evaluation beats the first by more than min_delta: the 3rd (patience 2) stops the run.
     stopping = {"metric": "loss", "mode": "min", "patience": 2, "min_delta": 1e9}
@@ -163,8 +162,8 @@ def test_early_stopping_ends_the_run_at_the_evaluation_that_runs_out_of_patience
     assert again.on_disk() == [6, 12, 18]
 
 
-# Planted: `self.skipped_steps += 1` without the `return None` in _run_batch (the NaN update is
-# taken: the weights go NaN); and `on_nan == "stopp"` (the run skips where it must stop).
+# Planted: `self.skipped_steps += 1` without the `return None` in Trainer.run_step (the NaN update
+# is taken: the weights go NaN); and `on_nan == "stopp"` (the run skips where it must stop).
 def test_a_nan_loss_stops_the_run_or_skips_its_update_as_train_on_nan_says(tmp_path, monkeypatch):
     monkeypatch.setenv(faults.ENV, "nan@step=3")
     stop = Run(_config(tmp_path, "stop", train={"on_nan": "stop"}))
@@ -187,8 +186,8 @@ def _resumed_from(tmp_path: Path, straight: Run, step: int, name: str) -> Path:
     return tmp_path / name
 
 
-# Planted: load_state_dict leaving batch_in_epoch at 0 (the epoch starts again from its first
-# batch); and not loading the scheduler's state (the warmup starts again).
+# Planted: steps.resumed_batch returning 0 (the epoch starts again from its first batch); and
+# Trainer.load_state_dict not loading the scheduler's state (the warmup starts again).
 def test_a_resume_continues_at_the_next_batch_bit_for_bit(tmp_path):
     """Dropout draws from torch's generator, and the warmup and the cosine schedule count steps:
     a run resumed at step 4 (mid-epoch) ends with the weights of a run that never stopped."""
@@ -212,8 +211,8 @@ def test_a_resume_continues_at_the_next_batch_bit_for_bit(tmp_path):
     assert resumed.trainer.optimizer.param_groups[0]["lr"] == straight.trainer.optimizer.param_groups[0]["lr"]
 
 
-# Planted: Hooks.load_state_dict not called on resume (the resumed hook counts 8 steps, not 12);
-# and the saver's on_committed not wired to the hooks (no on_checkpoint call).
+# Planted: Trainer.load_state_dict not calling hooks.load_state_dict (the resumed hook counts 8
+# steps, not 12); and the saver's on_committed not wired to the hooks (no on_checkpoint call).
 def test_a_hooks_state_is_saved_with_each_checkpoint_and_restored_on_resume(tmp_path):
     sections = {"train": {"max_epochs": 2}, "checkpoint": {"every_n_steps": 4}}
     hook = Counter()
