@@ -40,13 +40,12 @@ from raylane.batching import GlobalBatch, hold_global_batch
 from raylane.config import BaseConfig, apply_values
 from raylane.loop import faults as fault_plans
 from raylane.loop import usercode
-from raylane.loop.batches import Forward, checked_own_loss, forward_loss, to_device
-from raylane.loop.checkpoint.saving import Saver
+from raylane.loop.batches import checked_own_loss, forward_loss, to_device
 from raylane.loop.data import first_batch, train_data, worker_options
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
 from raylane.loop.events import Candidate, End, Event, Round, SearchStart
 from raylane.loop.parallel import estimate_memory, materialize, on_meta, parallelize, prepare_blocks, unwrap
-from raylane.loop.reporting import Reporter
+from raylane.loop.run import step_trainer
 from raylane.loop.runtime import Runtime
 from raylane.loop.steps import Throughput
 from raylane.loop.trainer import Trainer
@@ -388,22 +387,8 @@ class Search:
             self.pipe.flops_per_token,
             peak_flops(self.device, cfg.train.precision, cfg.scaling.peak_tflops),
         )
-        reporter = Reporter(is_rank_zero=False, publish=lambda e: None)
-        trainer = live["trainer"] = Trainer(
-            model,
-            live["loader"],
-            optimizer,
-            train=cfg.train,
-            forward=Forward(self.pipe.loss_fn, self.pipe.step, self.device),
-            saver=Saver(self.runtime, cfg.checkpoint.model_copy(update={"async_save": False}), reporter),
-            evaluator=None,
-            runtime=self.runtime,
-            reporter=reporter,
-            log_every_n_steps=cfg.mlflow.log_every_n_steps,
-            timeout_s=cfg.dist.timeout_s,
-            config=cfg.model_dump(mode="json"),
-            strategy=live["strategy"],
-            throughput=throughput,
+        trainer = live["trainer"] = step_trainer(
+            cfg, self.runtime, self.pipe, model, live["loader"], optimizer, live["strategy"], throughput
         )
         groups = _steps(live["batches"], cfg.train.grad_accum_steps)
         sampler = _PeakSampler(self.device, baseline, model)

@@ -205,6 +205,37 @@ def _evaluator(eval_loader: Any, pipe: Any, runtime: Runtime) -> EvalSets | None
     )
 
 
+def step_trainer(
+    cfg: BaseConfig,
+    runtime: Runtime,
+    pipe: Any,
+    model: torch.nn.Module,
+    loader: Any,
+    optimizer: torch.optim.Optimizer,
+    strategy: Strategy,
+    throughput: Throughput,
+) -> Trainer:
+    """A Trainer whose steps alone are taken (autotune times `run_step`): no held-out set, nothing
+    reported, and a synchronous Saver for the state a save would copy."""
+    reporter = Reporter(is_rank_zero=False, publish=lambda event: None)
+    return Trainer(
+        model,
+        loader,
+        optimizer,
+        train=cfg.train,
+        forward=Forward(pipe.loss_fn, pipe.step, runtime.device),
+        saver=Saver(runtime, cfg.checkpoint.model_copy(update={"async_save": False}), reporter),
+        evaluator=None,
+        runtime=runtime,
+        reporter=reporter,
+        log_every_n_steps=cfg.mlflow.log_every_n_steps,
+        timeout_s=cfg.dist.timeout_s,
+        config=cfg.model_dump(mode="json"),
+        strategy=strategy,
+        throughput=throughput,
+    )
+
+
 def _resume(trainer: Trainer, latest: str, *, own: bool, runtime: Runtime) -> None:
     """`trainer` at the step of checkpoint `latest`: the run's own (`own`), or checkpoint.init_from's."""
     state = checkpoint.load(
