@@ -284,6 +284,14 @@ def _every_value(domain: dict[str, Any]) -> list[Any]:
     return list(range(args[0], args[1])) if kind == "randint" else representative(domain)
 
 
+def run_speed(result: dict[str, Any]) -> dict[str, float]:
+    """A finished run's throughput under the names a trial reports each epoch."""
+    memory = result.get("memory") or {}
+    speed = {k: result.get(k) for k in ("samples_per_s", "tokens_per_s", "mfu", "step_time_s")}
+    speed.update(peak_memory_bytes=memory.get("peak_bytes"), train_s=result.get("train_wall_s"))
+    return {k: float(v) for k, v in speed.items() if isinstance(v, (int, float))}
+
+
 class Objective:
     """A trial's reports with `time_to_target_s` added under a time-to-target objective: the
     training time of the first report that reached the value, NOT_REACHED_S until one does."""
