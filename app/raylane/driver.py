@@ -18,6 +18,7 @@ from typing import Any
 
 from raylane.config import BaseConfig, ConfigError
 from raylane.loop.events import Event
+from raylane.loop.result import RunResult
 from raylane.results import Status, TrainSummary
 from raylane.runrecord import closing_status, fresh_name, fresh_start, record_finished, run_folder
 from raylane.tracking.progress import ProgressDisplay
@@ -138,7 +139,7 @@ def train(
         if use_ray:
             ray_stopper.start()  # the ranks are done; the records below need MLflow, not Ray
         else:
-            _torchrun_rank_done(stack, world_size, stopped=bool(result.get("preempted")))
+            _torchrun_rank_done(stack, world_size, stopped=bool(result and result.preempted))
         if not is_driver:
             return TrainSummary(status=status, error=error, run_name=cfg.run.name)
         fields = _summary(cfg, handle, status, error, result, display, launched, startup)
@@ -240,9 +241,9 @@ def _execute(
     tracking_uri: str,
     listeners: list[Callable[[Event], None]],
     display: ProgressDisplay | None,
-) -> tuple[Status, str | None, dict[str, Any]]:
+) -> tuple[Status, str | None, RunResult | None]:
     """Run the ranks, passing rank 0's events to `listeners`; returns (MLflow status, error
-    message, result)."""
+    message, result: None when the run failed)."""
     run_id = handle.run_id if handle else None
 
     def on_event(event: Event) -> None:
@@ -256,7 +257,8 @@ def _execute(
             if use_ray:
                 from raylane.onray.launch import launch_on_ray
 
-                result = launch_on_ray(cfg, run_id, tracking_uri, on_event, embedded=embedded)
+                ended = launch_on_ray(cfg, run_id, tracking_uri, on_event, embedded=embedded)
+                result = ended if isinstance(ended, RunResult) else None  # None: no End came
             else:
                 from raylane.loop.distributed import env_ranks
                 from raylane.loop.run import launch_local
@@ -264,20 +266,20 @@ def _execute(
 
                 logger = rank_zero_logger(cfg, tracking_uri, run_id) if run_id and env_ranks()[0] == 0 else None
                 result = launch_local(cfg, on_event, logger)
-        if result.get("preempted"):
+        if result is not None and result.preempted:
             return (
                 Status.KILLED,
                 (
-                    f"stopped at step {result['steps']} ({result.get('stop_reason')}); "
+                    f"stopped at step {result.steps} ({result.stop_reason}); "
                     f"checkpoint saved: relaunch with run.name={cfg.run.name} to resume"
                 ),
                 result,
             )
         return Status.FINISHED, None, result
     except KeyboardInterrupt:
-        return Status.KILLED, "interrupted", {}
+        return Status.KILLED, "interrupted", None
     except Exception as exc:  # the launcher's message names the rank and its exception
-        return Status.FAILED, _failure_text(exc), {}
+        return Status.FAILED, _failure_text(exc), None
     finally:
         if display:
             display.close()
@@ -304,41 +306,19 @@ def _summary(
     handle: Any,
     status: Status,
     error: str | None,
-    result: dict[str, Any],
+    result: RunResult | None,
     display: ProgressDisplay,
     launched: float,
     startup: Any,
 ) -> dict[str, Any]:
-    """The fields of the run's TrainSummary (raylane.results describes each)."""
+    """The fields of the run's TrainSummary (raylane.results describes each); a run that failed
+    has no result, and the summary's defaults stand for its figures."""
     from raylane.loop import baddata
 
     first = display.first_step_unix
-    copied = (
-        "world_size",
-        "backend",
-        "epochs",
-        "partial_epoch",
-        "steps",
-        "samples_per_s",
-        "train_s",
-        "train_cpu_s",
-        "checkpoint_stall_s",
-        "epoch_end_s",
-        "tokens_per_s",
-        "mfu",
-        "memory",
-        "strategy",
-        "mesh",
-        "node_ranks",
-        "last_window",
-        "steps_per_epoch",
-        "resumed_from_step",
-        "stop_reason",
-        "tracking_cost_s",
-    )
     return {
-        **{key: result.get(key) for key in copied},
-        "world_size": result.get("world_size", cfg.scaling.num_workers),
+        "world_size": cfg.scaling.num_workers,
+        **(_result_fields(result) if result is not None else {}),
         "status": status,
         "error": error,
         "run_name": cfg.run.name,
@@ -347,21 +327,16 @@ def _summary(
         "experiment": cfg.mlflow.experiment,
         # A run that failed has no result: its newest valid checkpoint is on storage (an async save
         # committed after the last one the display heard of, or one of an earlier launch).
-        "checkpoint": result.get("checkpoint")
+        "checkpoint": (result.checkpoint if result else None)
         or _newest_checkpoint(cfg)
         or (display.checkpoints[-1].location if display.checkpoints else None),
         "skipped_checkpoints": display.skipped_checkpoints,
         "wall_s": round(time.time() - launched, 3),
-        "metrics": result.get("metrics", {}),
         # Every (re)start of the worker group announces itself; the first one is not a restart.
         "restarts": max(display.starts - 1, 0),
-        "skipped_steps": result.get("skipped_steps", 0),
         # Counted where the rows were counted: by this process (the Ray driver's counting pass,
         # torchrun's rank 0), or by rank 0 on Ray (a dataset tokenized at once, a rank's reader).
-        "skipped_rows": {**result.get("skipped_rows", {}), **baddata.skipped_rows()},
-        "failed_checkpoints": result.get("failed_checkpoints", 0),
-        "preempted": bool(result.get("preempted")),
-        "early_stopped": bool(result.get("early_stopped")),
+        "skipped_rows": {**(result.skipped_rows if result else {}), **baddata.skipped_rows()},
         "timing": {
             "launched_unix": launched,
             "first_step_unix": first,
@@ -371,6 +346,38 @@ def _summary(
             "startup": startup.seconds(),
             "startup_origin_unix": startup.unix.get("launch"),
         },
+    }
+
+
+def _result_fields(r: RunResult) -> dict[str, Any]:
+    """The summary's fields the run's result gives, by attribute."""
+    return {
+        "world_size": r.world_size,
+        "backend": r.backend,
+        "epochs": r.epochs,
+        "partial_epoch": r.partial_epoch,
+        "steps": r.steps,
+        "steps_per_epoch": r.steps_per_epoch,
+        "resumed_from_step": r.resumed_from_step,
+        "metrics": r.metrics,
+        "last_window": r.last_window,
+        "samples_per_s": r.samples_per_s,
+        "tokens_per_s": r.tokens_per_s,
+        "mfu": r.mfu,
+        "train_s": r.train_s,
+        "train_cpu_s": r.train_cpu_s,
+        "checkpoint_stall_s": r.checkpoint_stall_s,
+        "epoch_end_s": r.epoch_end_s,
+        "memory": r.memory,
+        "strategy": r.strategy,
+        "mesh": r.mesh,
+        "node_ranks": r.node_ranks,
+        "skipped_steps": r.skipped_steps,
+        "failed_checkpoints": r.failed_checkpoints,
+        "preempted": r.preempted,
+        "stop_reason": r.stop_reason,
+        "early_stopped": r.early_stopped,
+        "tracking_cost_s": r.tracking_cost_s,
     }
 
 

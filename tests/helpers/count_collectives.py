@@ -1,5 +1,5 @@
 """`torchrun ... tests/helpers/count_collectives.py OUT -- train CONFIG ...`: a real `raylane train`
-whose optimizer steps (`Trainer._run_batch`) run under a dispatch mode that counts every c10d
+whose optimizer steps (`Trainer.run_step`) run under a dispatch mode that counts every c10d
 collective issued; each rank writes its counts per step to OUT.<rank>.json. Instrumentation
 only: the training code runs unchanged."""
 
@@ -30,7 +30,7 @@ class CollectiveCounter(TorchDispatchMode):
 
 def run(out: str, argv: list[str]) -> int:
     per_step: list[dict[str, int]] = []
-    original = raylane.loop.trainer.Trainer._run_batch
+    original = raylane.loop.trainer.Trainer.run_step
 
     def counted(self, micro_batches):
         with CollectiveCounter() as counter:
@@ -38,7 +38,7 @@ def run(out: str, argv: list[str]) -> int:
         per_step.append(dict(counter.counts))
         return loss
 
-    raylane.loop.trainer.Trainer._run_batch = counted
+    raylane.loop.trainer.Trainer.run_step = counted
     code = main(argv)
     with open(f"{out}.{os.environ.get('RANK', '0')}.json", "w") as f:
         json.dump(per_step, f)

@@ -32,6 +32,7 @@ from raylane.loop.run import _with_startup
 from raylane.loop.startup import StartupTimes
 from raylane.tracking.progress import ProgressDisplay
 from raylane.tracking.resizes import Resizes
+from tests.helpers.run_result import run_result
 
 
 def _start(world_size: int = 2, **changes) -> Start:
@@ -65,8 +66,8 @@ ONE_OF_EACH = [
     _checkpoint(10),
     CheckpointFailed(step=11, error="no space left"),
     Log(rank=1, level="warning", message="slow"),
-    Handover(time_unix=2.0, result={"steps": 12, "stop_reason": "more workers fit"}),
-    End(time_unix=3.0, result={"steps": 20, "epochs": 2}),
+    Handover(time_unix=2.0, result=run_result(steps=12, stop_reason="more workers fit", preempted=True, growing=True)),
+    End(time_unix=3.0, result=run_result(steps=20, epochs=2, last_window={"first_step": 11, "last_step": 20})),
     Startup(phases={"fit": 0.1}),
     SearchStart(time_unix=0.2),
     Candidate(index=0, replayed=True, outcome={"values": {"train.batch_size": 8}, "status": "ok", "replayed": True}),
@@ -94,7 +95,7 @@ def test_the_display_follows_a_restarted_group():
         FirstStep(step=1, time_unix=100.0),
         Progress(epoch=0, step=5, window={"first_step": 1, "last_step": 5, "loss": 0.5}),
         _checkpoint(5),
-        Handover(time_unix=110.0, result={"steps": 5, "stop_reason": "Ray's preemption notice"}),
+        Handover(time_unix=110.0, result=run_result(steps=5, stop_reason="Ray's preemption notice", node_leaving=True)),
         _start(
             2,
             resumed_from_step=5,
@@ -107,12 +108,12 @@ def test_the_display_follows_a_restarted_group():
         Log(rank=0, level="warning", message="slow"),
         _checkpoint(10, epoch=1),
         Eval(epoch=1, step=10, metrics={"loss": 0.25}),
-        End(time_unix=140.0, result={"steps": 20, "epochs": 2}),
+        End(time_unix=140.0, result=run_result(steps=20, epochs=2)),
     ]:
         display.handle(event)
     assert display.starts == 2 and [c.step for c in display.checkpoints] == [5, 10]
     assert display.first_step_unix == 100.0 and display.first_steps_unix == [100.0, 130.0]
-    assert display.end_unix == 140.0 and display.result == {"steps": 20, "epochs": 2}
+    assert display.end_unix == 140.0 and display.result == run_result(steps=20, epochs=2)
     assert display.info["world_size"] == 2 and display.info["step"] == 20
     assert display.skipped_checkpoints == [{"path": "/runs/r/checkpoint_000000007/", "reason": "no manifest"}]
     lines = out.getvalue().splitlines()
@@ -160,7 +161,7 @@ def test_resizes_are_found_from_the_starts():
         CheckpointFailed(step=9, error="x"),
         _start(2, resumed_from_step=6),
         FirstStep(step=7, time_unix=1e12),  # a node was lost
-        Handover(time_unix=0.0, result={"steps": 10, "stop_reason": "more workers fit"}),
+        Handover(time_unix=0.0, result=run_result(steps=10, stop_reason="more workers fit", growing=True)),
         _start(4, resumed_from_step=10),
         FirstStep(step=11, time_unix=1e12),
         _start(4, resumed_from_step=10),
@@ -206,15 +207,17 @@ def test_the_reporter_sends_only_events_the_listeners_read():
     reporter.on_eval(epoch=0, step=2, metrics={"loss": 1.25})
     reporter.on_checkpoint(step=2, location="/runs/r/checkpoint_000000002", epoch=1, metrics={"loss": 1.25})
     reporter.on_checkpoint_failed(step=4, error="disk full")
-    result = reporter.on_end({"steps": 4, "epochs": 2, "node_leaving": True, "stop_reason": "a node is leaving"})
-    reporter.on_end({"steps": 4, "epochs": 2})
+    result = reporter.on_end(
+        run_result(steps=4, epochs=2, preempted=True, node_leaving=True, stop_reason="a node is leaving")
+    )
+    reporter.on_end(run_result(steps=4, epochs=2))
     assert [type(e) for e in sent] == [Start, FirstStep, Progress, Eval, Checkpoint, CheckpointFailed, Handover, End]
     assert sent[0].host and sent[0].startup == {"pipeline": 5.0} and sent[1].startup == {"pipeline": 5.0}
     assert sent[2].window == {"first_step": 1, "last_step": 1, "loss": 1.5, "samples_per_s": 8.0}
     assert sent[2].state["lr"] == 0.1 and sent[2].state["total_steps"] == 4
     assert sent[4].speed == {} and sent[6].result == result
     assert display.starts == 1 and [c.location for c in display.checkpoints] == ["/runs/r/checkpoint_000000002"]
-    assert display.result["steps"] == 4 and display.first_step_unix == sent[1].time_unix
+    assert display.result is not None and display.result.steps == 4 and display.first_step_unix == sent[1].time_unix
     assert times.unix["pipeline"] == 5.0 and times.unix["first_step"] == sent[1].time_unix
     assert "[raylane] epoch 1/2 step 1/4 (25%) loss 1.5000 8 samples/s (step 1) eta ?" in out.getvalue()
     assert resizes.resizes == []

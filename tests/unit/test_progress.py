@@ -8,6 +8,7 @@ from raylane.loop.events import Checkpoint, End, Eval, FirstStep, Log, Progress,
 from raylane.loop.reporting import Reporter
 from raylane.results import TrainSummary
 from raylane.tracking.progress import ProgressDisplay, epochs_text, outcome_text, plural
+from tests.helpers.run_result import run_result
 
 
 def _feed(display: ProgressDisplay) -> None:
@@ -26,18 +27,18 @@ def _feed(display: ProgressDisplay) -> None:
     display.handle(
         End(
             time_unix=1010.0,
-            result={
-                "steps": 100,
-                "epochs": 2,
-                "metrics": {"accuracy": 0.95},
-                "last_window": {
+            result=run_result(
+                steps=100,
+                epochs=2,
+                metrics={"accuracy": 0.95},
+                last_window={
                     "first_step": 91,
                     "last_step": 100,
                     "loss": 0.25,
                     "samples_per_s": 2000.4,
                     "tokens_per_s": 64012.0,
                 },
-            },
+            ),
         )
     )
 
@@ -57,7 +58,7 @@ def test_log_output_is_plain_and_rate_limited():
     )
     assert len(progress) == 2
     assert display.first_step_unix == 1000.0 and display.end_unix == 1010.0
-    assert display.result["metrics"] == {"accuracy": 0.95}
+    assert display.result is not None and display.result.metrics == {"accuracy": 0.95}
     assert display.checkpoints[-1].location.endswith("checkpoint_000000050")
 
 
@@ -128,6 +129,6 @@ def test_the_reporter_names_each_window_by_its_steps():
     reporter.on_start(total_steps=53, steps_per_epoch=30, max_epochs=2, world_size=1, resumed_from_step=40)
     reporter.on_train_metrics(50, {"loss": 1.0, "samples_per_s": 10.0, "lr": 0.1})
     reporter.on_train_metrics(53, {"loss": 0.5, "samples_per_s": 20.0, "lr": 0.1})
-    result = reporter.on_end({"steps": 53})
-    assert result["last_window"] == {"first_step": 51, "last_step": 53, "loss": 0.5, "samples_per_s": 20.0}
-    assert result["steps_per_epoch"] == 30 and events[-1].result == result
+    result = reporter.on_end(run_result(steps=53))
+    assert result.last_window == {"first_step": 51, "last_step": 53, "loss": 0.5, "samples_per_s": 20.0}
+    assert result.steps_per_epoch == 30 and events[-1].result == result

@@ -144,7 +144,8 @@ def _launch(
     from raylane.onray.launch import launch_on_ray
 
     try:
-        return launch_on_ray(cfg, None, tracking_uri, on_event, embedded=embedded, search=params)
+        ended = launch_on_ray(cfg, None, tracking_uri, on_event, embedded=embedded, search=params)
+        return ended if isinstance(ended, dict) else {}  # the search's End result (none: it never ended)
     finally:
         ray_stopper.start()
 

@@ -30,7 +30,7 @@ from raylane.loop.batches import checked_own_loss, forward_loss, to_device
 from raylane.loop.data import first_batch, train_data, worker_options
 from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
 from raylane.loop.parallel import Strategy, estimate_memory, materialize, on_meta, parallelize, prepare_blocks, unwrap
-from raylane.loop.reporting import Reporter
+from raylane.loop.run import step_trainer
 from raylane.loop.runtime import Runtime
 from raylane.loop.steps import Throughput
 from raylane.loop.trainer import Trainer
@@ -264,19 +264,8 @@ class Profiler:
             self.pipe.flops_per_token,
             peak_flops(self.device, cfg.train.precision, cfg.scaling.peak_tflops),
         )
-        live.trainer = Trainer(
-            live.model,
-            live.loader,
-            optimizer,
-            loss_fn=self.pipe.loss_fn,
-            step=self.pipe.step,
-            eval_data=None,
-            eval_sums=None,
-            runtime=self.runtime,
-            strategy=live.strategy,
-            cfg=cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={"async_save": False})}),
-            reporter=Reporter(is_rank_zero=False, publish=lambda e: None),
-            throughput=throughput,
+        live.trainer = step_trainer(
+            cfg, self.runtime, self.pipe, live.model, live.loader, optimizer, live.strategy, throughput
         )
         return live.trainer, throughput
 

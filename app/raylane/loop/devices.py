@@ -1,8 +1,9 @@
 """What a device can do and what a rank holds: peak FLOP/s for MFU, memory for `strategy: auto`,
-and the memory figures of the summary."""
+the memory figures of the summary, and the precision the loop computes in."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
@@ -98,3 +99,29 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
 def local_world_size(default: int = 1) -> int:
     """Ranks on this node, as torchrun and Ray Train export it."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+
+
+def largest_memory(state: int, device: torch.device) -> dict[str, int]:
+    """Collective. The summary's memory figures, the largest over the ranks: the model and
+    optimizer state a rank holds (`state`, this rank's), and the device's peak."""
+    from raylane.loop.distributed import all_reduce_max
+
+    worst = all_reduce_max({"state_bytes_per_rank": state, "peak_bytes": peak_memory_bytes(device)}, device)
+    return {k: int(v) for k, v in worst.items()}
+
+
+class Precision:
+    """`train.precision` in the loop: autocast under DDP and in one process (FSDP casts the
+    parameters itself, through its MixedPrecisionPolicy), and fp16's gradient scaler."""
+
+    def __init__(self, precision: str, strategy: str, device: torch.device) -> None:
+        sharded = strategy in ("fsdp", "hsdp")
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}
+        self.dtype = None if precision == "fp32" or sharded else half[precision]
+        self.device_type = device.type
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)

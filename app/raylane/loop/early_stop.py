@@ -1,16 +1,14 @@
-"""The Trainer's evaluations (`EvalSchedule`): at epoch ends and every `train.eval_every_n_steps`,
-their metrics reported, handed to the hooks and to early stopping (`train.early_stopping`: the
-run ends once a held-out metric has not improved for `patience` evaluations). The metrics are
-all-reduced, so every rank takes the same decision at the same step; the early-stopping state is
-saved in every checkpoint, so that a resume goes on counting."""
+"""Early stopping (`train.early_stopping`): the run ends once a held-out metric has not improved
+for `patience` evaluations. It counts the evaluations of raylane.loop.evaluation.Evaluation,
+whose metrics are all-reduced, so every rank takes the same decision at the same step; its state
+is saved in every checkpoint, so that a resume goes on counting."""
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
-log = logging.getLogger("raylane")
+from raylane.config import EarlyStoppingSection
 
 
 class EarlyStoppingMetricError(ValueError):
@@ -18,8 +16,11 @@ class EarlyStoppingMetricError(ValueError):
 
 
 class EarlyStopping:
-    def __init__(self, cfg: Any) -> None:
-        """`cfg`: a raylane.config.EarlyStoppingSection, or None (never stops)."""
+    """The count of evaluations without improvement, and the reason to stop once it reaches the
+    patience."""
+
+    def __init__(self, cfg: EarlyStoppingSection | None) -> None:
+        """`cfg`: None never stops."""
         self.cfg = cfg
         self.best: float | None = None
         self.best_step: int | None = None
@@ -76,49 +77,3 @@ class EarlyStopping:
         if self.cfg is not None and state.get("metric") == self.cfg.metric:  # a count of another metric does not carry
             self.best, self.best_step = state.get("best"), state.get("best_step")
             self.since_best = int(state.get("since_best") or 0)
-
-
-class EvalSchedule:
-    """Evaluation, as a part of raylane.loop.trainer.Trainer (whose attributes it uses)."""
-
-    def _record_eval(self, metrics: dict[str, float], *, epoch_end: bool = True, decide: bool = True) -> None:
-        """`decide`: an evaluation of the loop, which early stopping counts (not the run's last)."""
-        self.eval_step = self.step
-        self.reporter.on_eval(epoch=self.epoch, step=self.step, metrics=metrics, epoch_end=epoch_end)
-        if decide:
-            self.early_stop.update(metrics, self.step)  # all-reduced metrics: every rank decides alike
-        self.hooks.call("on_eval_end", metrics=metrics)
-
-    def _evaluate(self) -> dict[str, float]:
-        self.eval_metrics = self.evaluate_now()
-        return self.eval_metrics
-
-    def evaluate_now(self) -> dict[str, float]:
-        """Collective. The model as it is, on the held-out sets ({} without one); back in train mode after."""
-        if self.evaluator is None:
-            return {}
-        try:
-            return self.evaluator(self.model)
-        finally:
-            self.model.train()
-            if callable(reshard := getattr(self.model, "reshard", None)):  # FSDP's root keeps its gathered
-                reshard()  # parameters after a forward: sharded again, as hooks and saves expect
-
-    def _evaluate_at_step(self, *, epoch_end: bool = True) -> None:
-        """An evaluation measured before the checkpoint of its step (an epoch end's, or one of
-        train.eval_every_n_steps), which carries the metrics checkpoint.keep_best ranks by.
-        Should it fail (the user's eval_sums, a bad held-out row: on any rank, all learn of
-        it), the step is saved before the error ends the run, so that no step trained since the
-        last checkpoint is lost."""
-        try:
-            metrics = self._evaluate()
-        except Exception:
-            if epoch_end:
-                self.epoch, self.batch_in_epoch, self.samples_seen_in_epoch = self.epoch + 1, 0, 0
-            try:
-                self._save_checkpoint()  # without metrics: none were measured
-                self.saver.settle()
-            except Exception as exc:  # noqa: BLE001 - the evaluation's error is the run's
-                log.warning("the checkpoint at step %d, after the evaluation failed, was not saved: %s", self.step, exc)
-            raise
-        self._record_eval(metrics, epoch_end=epoch_end)

@@ -1,6 +1,7 @@
 """Held-out evaluation: the pipeline's metric sums over this rank's share of the held-out data,
 summed over every rank and divided by the number of samples: exact over all ranks, whatever
-their shares."""
+their shares (`Evaluator`, one per named set: `EvalSets`); and the Trainer's evaluations, with
+what follows each, composed (`Evaluation`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raylane.loop.batches import batch_size, call_model, checked_own_loss, form_of, forward_loss, to_device
 from raylane.loop.distributed import all_reduce_max, all_reduce_sums
+from raylane.loop.early_stop import EarlyStopping
+from raylane.loop.hooks import Hooks
+from raylane.loop.reporting import Reporter
 
 SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a named held-out set
 FAILED = "raylane.failed"  # a sum every rank reduces: how many ranks' evaluation raised
@@ -190,6 +194,61 @@ class EvalSets:
         for name, evaluator in self.evaluators.items():
             metrics.update({k if name is None else f"{name}/{k}": v for k, v in evaluator(model).items()})
         return metrics
+
+
+class Evaluation:
+    """The Trainer's evaluations (at epoch ends, every `train.eval_every_n_steps`, at the end of
+    the run), composed of the held-out sets' `evaluator` (None: no held-out set, empty metrics),
+    the `reporter` that logs their metrics, the `early_stop` that counts them, and the `hooks`
+    called after each. The metrics are all-reduced, so that every rank takes the same decision at
+    the same step. `metrics` are the last measured, at `step`."""
+
+    def __init__(
+        self,
+        evaluator: EvalSets | None,
+        model: torch.nn.Module,
+        reporter: Reporter,
+        early_stop: EarlyStopping,
+        hooks: Hooks,
+    ) -> None:
+        self.evaluator, self.model, self.reporter = evaluator, model, reporter
+        self.early_stop, self.hooks = early_stop, hooks
+        self.metrics: dict[str, float] = {}
+        self.step: int | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Early stopping has ended the run (or had, before a resume)."""
+        return self.early_stop.stopped
+
+    def run(self, step: int, epoch: int, *, epoch_end: bool = True, final: bool = False) -> dict[str, float]:
+        """Collective. Evaluate the model at `step` of `epoch`, report the metrics (`epoch_end`:
+        False part-way through an epoch), let early stopping count them (not the run's `final`
+        evaluation, after its last step: there is nothing left to stop) and call the hooks' on_eval_end."""
+        return self.record(self.measure(), step, epoch, epoch_end=epoch_end, final=final)
+
+    def record(
+        self, metrics: dict[str, float], step: int, epoch: int, *, epoch_end: bool = True, final: bool = False
+    ) -> dict[str, float]:
+        """What follows a measurement of `metrics` at `step` (`run`'s second half)."""
+        self.metrics, self.step = metrics, step
+        self.reporter.on_eval(epoch=epoch, step=step, metrics=metrics, epoch_end=epoch_end)
+        if not final:
+            self.early_stop.update(metrics, step)
+        self.hooks.call("on_eval_end", metrics=metrics)
+        return metrics
+
+    def measure(self) -> dict[str, float]:
+        """Collective. The model as it is, on the held-out sets ({} without one); back in train
+        mode after (a hook's ctx.evaluate())."""
+        if self.evaluator is None:
+            return {}
+        try:
+            return self.evaluator(self.model)
+        finally:
+            self.model.train()
+            if callable(reshard := getattr(self.model, "reshard", None)):  # FSDP's root keeps its gathered
+                reshard()  # parameters after a forward: sharded again, as hooks and saves expect
 
 
 def set_names_problem(eval_set: Any) -> str | None:

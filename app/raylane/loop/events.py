@@ -12,7 +12,7 @@ process: the driver's listeners, called directly):
 Readers, on the driver: raylane.tracking.progress.ProgressDisplay, raylane.tracking.records.
 RunRecorder, raylane.tracking.resizes.Resizes, raylane.loop.startup.StartupTimes, Tune's trial
 (raylane.onray.tune: Checkpoint), autotune's Recorder (raylane.autotuning.driver), and the Ray
-launcher itself (End's result, Handover).
+launcher itself (End's result, Handover). A training run's result is a RunResult (raylane.loop.result).
 
 Plain frozen dataclasses: on Ray they cross the event actor by pickling, and this module, like
 the rest of the loop, imports neither Ray nor torch (the driver reads startup events before
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from raylane.loop.result import RunResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,15 +104,16 @@ class Handover:
     """The group checkpointed and stops for a restart: a node is leaving, or a larger group fits."""
 
     time_unix: float
-    result: dict[str, Any]
+    result: RunResult
 
 
 @dataclass(frozen=True, slots=True)
 class End:
-    """Rank 0's result: training's (Trainer.train) or autotune's search (raylane.autotuning.search)."""
+    """Rank 0's result: training's RunResult (Trainer.train), or autotune's search's own
+    (raylane.autotuning.search)."""
 
     time_unix: float
-    result: dict[str, Any]
+    result: RunResult | dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)

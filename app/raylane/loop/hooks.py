@@ -98,7 +98,7 @@ class Hooks:
             "epoch": t.epoch,
             "model": getattr(t.model, "module", t.model),  # DDP's wrapped model
             "optimizer": t.optimizer,
-            "_evaluate": t.evaluate_now,
+            "_evaluate": t.evaluation.measure,
             "_log": t.reporter.log_metrics if t.reporter.active else None,
         }
         return HookContext(**{**fields, **extra})

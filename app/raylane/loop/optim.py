@@ -2,9 +2,9 @@
 `Pipeline.scheduler`) where it gives them, else raylane's, from `cfg.optim`.
 
 raylane's optimizer puts no weight decay on biases and normalization weights (`param_groups`),
-and uses the fused Adam(W) kernel where the parameters' device has one. Its schedule is a
-`LambdaLR` over `lr_factor`, which checkpoints as its step count alone (the factor is recomputed
-from the config), so a resume continues the same curve. Never imports Ray."""
+and uses the fused Adam(W) kernel where the parameters' device has one. Its schedule (`Schedule`)
+is a `LambdaLR` over `lr_factor`, which checkpoints as its step count alone (the factor is
+recomputed from the config), so a resume continues the same curve. Never imports Ray."""
 
 from __future__ import annotations
 
@@ -122,16 +122,28 @@ def build_scheduler(
     o = cfg.optim
     if o.schedule == "constant" and not o.warmup_steps:
         return None
-    # Mutable: a resume whose steps per epoch changed moves the run's last step (Trainer.load_state_dict).
-    horizon = {"total_steps": total_steps}
+    return Schedule(optimizer, o, total_steps)
 
-    def factor(step: int) -> float:
-        return lr_factor(step, o, horizon["total_steps"])
 
-    # On the function, not the scheduler: a scheduler's attributes go into its state_dict and a
-    # load would replace this dict; LambdaLR saves nothing of a plain function.
-    factor.horizon = horizon
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """raylane's schedule: `lr_factor` at each step, toward the run's last step. A resume whose
+    steps per epoch changed moves that step (`set_total_steps`, from Trainer.load_state_dict).
+    It checkpoints as LambdaLR does, its step count alone (the factor is recomputed from the
+    config), so that a checkpoint of either loads into the other."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, optim: OptimSection, total_steps: int) -> None:
+        self.total_steps = total_steps  # before LambdaLR's first step, which reads it
+        # A plain function: LambdaLR saves a callable object's attributes, and nothing of a function.
+        super().__init__(optimizer, lambda step: lr_factor(step, optim, self.total_steps))
+
+    def set_total_steps(self, total_steps: int) -> None:
+        self.total_steps = total_steps
+
+    def state_dict(self) -> dict[str, Any]:
+        # The horizon is this launch's: a loaded one would be the launch's that saved it.
+        state = super().state_dict()
+        state.pop("total_steps", None)
+        return state
 
 
 def schedule_note(cfg: BaseConfig, total_steps: int, pipe: Any = None) -> str | None:

@@ -5,6 +5,7 @@ may block a training step: progress is rate-limited and MLflow logging runs on i
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from raylane.loop.events import (
     Progress,
     Start,
 )
+from raylane.loop.result import RunResult
 
 PROGRESS_INTERVAL_S = 0.5
 # The training figures of one window of steps, as MLflow records them at the window's last step.
@@ -28,6 +30,9 @@ WINDOW_KEYS = ("loss", "samples_per_s", "tokens_per_s")
 
 
 class Reporter:
+    """What rank 0's Trainer tells the driver (events, through `publish`) and MLflow (through
+    `metric_logger`, on its own thread); every method is a no-op on the other ranks."""
+
     def __init__(
         self, *, is_rank_zero: bool, publish: Callable[[Event], None], metric_logger: Any | None = None
     ) -> None:
@@ -104,21 +109,20 @@ class Reporter:
         if self.active:
             self._publish(CheckpointFailed(step=step, error=error))
 
-    def on_end(self, result: dict[str, Any]) -> dict[str, Any]:
-        """Publish the result; returns it with rank 0's logging cost added."""
+    def on_end(self, result: RunResult) -> RunResult:
+        """Publish the result; returns it with what rank 0 alone knows added: the last window's
+        figures and the steps per epoch announced at the start, and MLflow logging's cost."""
         if not self.active:
             return result
         # The last window's figures: the progress display's last line, the summary and MLflow's
         # last train/* values are all these.
-        result = {
-            **result,
-            "last_window": self._state.get("window"),
-            "steps_per_epoch": self._state.get("steps_per_epoch"),
-        }
+        result = dataclasses.replace(
+            result, last_window=self._state.get("window"), steps_per_epoch=self._state.get("steps_per_epoch")
+        )
         if self._metrics is not None:
             self._metrics.close()
-            result = {**result, "tracking_cost_s": self._metrics.cost()}
+            result = dataclasses.replace(result, tracking_cost_s=self._metrics.cost())
         # A group that hands over to a restart without a leaving node has not ended the run.
-        kind = Handover if result.get("node_leaving") or result.get("growing") else End
+        kind = Handover if result.node_leaving or result.growing else End
         self._publish(kind(time_unix=time.time(), result=result))
         return result

@@ -20,14 +20,18 @@ import torch.distributed as dist
 from raylane.config import BaseConfig
 from raylane.config.batching import held_batch
 from raylane.loop import checkpoint, faults, frozen, usercode
+from raylane.loop.batches import Forward
+from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.loop.data import eval_data, first_batch, is_stream, train_data, worker_options
 from raylane.loop.devices import peak_flops
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
+from raylane.loop.evaluation import EvalSets, Evaluator
 from raylane.loop.events import Event, FirstStep, Start
 from raylane.loop.optim import build_optimizer, build_scheduler, schedule_note
-from raylane.loop.parallel import on_meta, parallelize, unwrap
+from raylane.loop.parallel import Strategy, on_meta, parallelize, unwrap
 from raylane.loop.reporting import Reporter
+from raylane.loop.result import RunResult
 from raylane.loop.runtime import LocalRuntime, Runtime
 from raylane.loop.steps import Throughput, plan_steps
 from raylane.loop.trainer import Trainer
@@ -55,7 +59,7 @@ def _side_groups(cfg: BaseConfig, world_size: int) -> tuple[Any, Any]:
 
 def run_worker(
     cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = None, startup: dict[str, float] | None = None
-) -> dict[str, Any]:
+) -> RunResult:
     """One rank's whole run. Returns the result (the same on every rank but for timings).
     `startup`: the launcher's start-up phases on this rank (see raylane.loop.startup); rank 0 adds
     its own and sends them with its start and first-step events. An exception of the user's
@@ -78,8 +82,28 @@ def run_worker(
 
 def _train(
     cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | None, startup: dict[str, float]
-) -> dict[str, Any]:
+) -> RunResult:
     publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
+    reporter = Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger)
+    trainer = build_trainer(cfg, runtime, pipe, reporter, startup)
+    startup["ready"] = time.time()
+    return trainer.train()
+
+
+def build_trainer(
+    cfg: BaseConfig,
+    runtime: Runtime,
+    pipe: Any,
+    reporter: Reporter | None = None,
+    startup: dict[str, float] | None = None,
+) -> Trainer:
+    """This rank's Trainer over the pipeline `pipe`: the model parallelized, its optimizer, schedule
+    and loaders built from `cfg`, resumed from the run's newest checkpoint (or from
+    `checkpoint.init_from`) when there is one. What `run_worker` trains, and what a test builds in
+    one process (`reporter`: rank 0's, publishing to `runtime.publish` when not given; `startup`:
+    the start-up phases, marked as they end)."""
+    startup = {} if startup is None else startup
+    reporter = reporter or Reporter(is_rank_zero=runtime.rank == 0, publish=runtime.publish)
     # Only strategy.name auto estimates memory: the user's collate_fn runs no more than needed.
     estimating = cfg.strategy.name == "auto" and runtime.world_size > 1
     example = first_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn) if estimating else None
@@ -102,6 +126,25 @@ def _train(
     if not latest or frozen.base_of(model) is not None:
         _init_weights(pipe, model, meta)
     optimizer = build_optimizer(model, cfg, pipe)  # over the wrapped model's parameters (DTensors under FSDP)
+    trainer = _assemble(cfg, runtime, pipe, reporter, startup, model, strategy, optimizer)
+    usercode.check_first_calls(trainer, pipe, cfg)
+    trainer.skipped_checkpoints = runtime.store.skipped  # said on the driver, with the start
+    if latest:
+        _resume(trainer, latest, own=bool(own), runtime=runtime)
+    return trainer
+
+
+def _assemble(
+    cfg: BaseConfig,
+    runtime: Runtime,
+    pipe: Any,
+    reporter: Reporter,
+    startup: dict[str, float],
+    model: torch.nn.Module,
+    strategy: Strategy,
+    optimizer: torch.optim.Optimizer,
+) -> Trainer:
+    """The Trainer over the built model and optimizer: its loaders, schedule and side groups."""
     batching = {
         "batch_size": cfg.train.batch_size,
         "seed": cfg.train.seed,
@@ -117,44 +160,95 @@ def _train(
     total_steps = plan_steps(train_loader, cfg.train)[1]
     if runtime.rank == 0 and (note := schedule_note(cfg, total_steps, pipe)):
         log.warning("%s", note)
-    trainer = Trainer(
+    plan = faults.load(runtime.rank)
+    return Trainer(
         model,
         train_loader,
         optimizer,
-        loss_fn=pipe.loss_fn,
-        eval_data=eval_loader,
+        train=cfg.train,
+        forward=Forward(pipe.loss_fn, pipe.step, runtime.device),
+        saver=Saver(runtime.store, cfg.checkpoint, reporter, group=save_group, faults=plan),
+        evaluator=_evaluator(eval_loader, pipe, runtime),
+        runtime=runtime,
+        reporter=reporter,
+        log_every_n_steps=cfg.mlflow.log_every_n_steps,
+        timeout_s=cfg.dist.timeout_s,
+        config=cfg.model_dump(mode="json"),
         scheduler=build_scheduler(optimizer, cfg, total_steps, pipe),
         control_group=control_group,
-        save_group=save_group,
-        strategy=strategy,
         throughput=Throughput(
             pipe.tokens_per_sample,
             pipe.flops_per_token,
             peak_flops(runtime.device, cfg.train.precision, cfg.scaling.peak_tflops),
         ),
-        eval_sums=pipe.eval_sums,
-        step=pipe.step,
-        eval_count=pipe.eval_count,
-        runtime=runtime,
-        cfg=cfg,
-        faults=faults.load(runtime.rank),
+        strategy=strategy,
         hooks=pipe.hooks,
-        reporter=Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger),
+        faults=plan,
     )
-    usercode.check_first_calls(trainer, pipe, cfg)
-    trainer.skipped_checkpoints = runtime.store.skipped  # said on the driver, with the start
-    if latest:
-        state = checkpoint.load(latest, model, optimizer, rank=runtime.rank, hooks=trainer.hooks.state_dict())
-        if not own:  # another run's early stop (a PBT donor's, say) is not this run's
-            state.pop("early_stopping", None)
-        trainer.load_state_dict(state)
-        trainer.last_checkpoint = latest
-        # By name: a checkpoint on object storage was loaded from a local copy.
-        trainer.resumed_from = checkpoint.checkpoint_name(trainer.step) if own else latest
-        if runtime.rank == 0:
-            log.info("resuming from step %d (%s)", trainer.step, latest)
-    startup["ready"] = time.time()
-    return trainer.train()
+
+
+def _evaluator(eval_loader: Any, pipe: Any, runtime: Runtime) -> EvalSets | None:
+    """The held-out sets' evaluator ({name: loader}: one per named set), or None without one."""
+    if eval_loader is None:
+        return None
+    return EvalSets(
+        eval_loader,
+        lambda data: Evaluator(
+            data,
+            pipe.eval_sums,
+            runtime.device,
+            runtime.world_size,
+            loss_fn=pipe.loss_fn,
+            step=pipe.step,
+            count=pipe.eval_count,
+        ),
+    )
+
+
+def step_trainer(
+    cfg: BaseConfig,
+    runtime: Runtime,
+    pipe: Any,
+    model: torch.nn.Module,
+    loader: Any,
+    optimizer: torch.optim.Optimizer,
+    strategy: Strategy,
+    throughput: Throughput,
+) -> Trainer:
+    """A Trainer whose steps alone are taken (autotune times `run_step`): no held-out set, nothing
+    reported, and a synchronous Saver for the state a save would copy."""
+    reporter = Reporter(is_rank_zero=False, publish=lambda event: None)
+    return Trainer(
+        model,
+        loader,
+        optimizer,
+        train=cfg.train,
+        forward=Forward(pipe.loss_fn, pipe.step, runtime.device),
+        saver=Saver(runtime.store, cfg.checkpoint.model_copy(update={"async_save": False}), reporter),
+        evaluator=None,
+        runtime=runtime,
+        reporter=reporter,
+        log_every_n_steps=cfg.mlflow.log_every_n_steps,
+        timeout_s=cfg.dist.timeout_s,
+        config=cfg.model_dump(mode="json"),
+        strategy=strategy,
+        throughput=throughput,
+    )
+
+
+def _resume(trainer: Trainer, latest: str, *, own: bool, runtime: Runtime) -> None:
+    """`trainer` at the step of checkpoint `latest`: the run's own (`own`), or checkpoint.init_from's."""
+    state = checkpoint.load(
+        latest, trainer.model, trainer.optimizer, rank=runtime.rank, hooks=trainer.hooks.state_dict()
+    )
+    if not own:  # another run's early stop (a PBT donor's, say) is not this run's
+        state.pop("early_stopping", None)
+    trainer.load_state_dict(state)
+    trainer.last_checkpoint = latest
+    # By name: a checkpoint on object storage was loaded from a local copy.
+    trainer.resumed_from = checkpoint.checkpoint_name(trainer.step) if own else latest
+    if runtime.rank == 0:
+        log.info("resuming from step %d (%s)", trainer.step, latest)
 
 
 def _init_weights(pipe: Any, model: torch.nn.Module, meta: bool) -> None:
@@ -245,9 +339,7 @@ def local_runtime(cfg: BaseConfig, on_event: Callable[[Event], None]) -> LocalRu
     )
 
 
-def launch_local(
-    cfg: BaseConfig, on_event: Callable[[Event], None], metric_logger: Any | None = None
-) -> dict[str, Any]:
+def launch_local(cfg: BaseConfig, on_event: Callable[[Event], None], metric_logger: Any | None = None) -> RunResult:
     """Train as this rank (see local_runtime); `metric_logger`: rank 0's MLflow logger, if any
     (raylane.tracking.runs.rank_zero_logger: the loop itself knows nothing of MLflow)."""
     startup = {"worker_imports": time.time()}

@@ -1,14 +1,18 @@
 """What the loop's steps need besides the model: how many steps a run has, the gradient norm
-and its clipping, and the rates (tokens/s, MFU) derived from samples/s. Ray-free."""
+and its clipping, the train metrics of a window of steps, and the rates (tokens/s, MFU) derived
+from samples/s. Ray-free."""
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from raylane.config import TrainSection
+from raylane.loop.batches import StepMetrics
 from raylane.loop.data import EpochData
 
 
@@ -39,6 +43,25 @@ def last_step(train_data: EpochData, train: TrainSection, *, epoch: int, batch_i
                 break
             total += steps
     return int(min(max_steps, total))
+
+
+def resumed_batch(state: dict[str, Any], train: TrainSection, world_size: int, samples_per_step: int) -> int:
+    """The micro-batch of its epoch a checkpoint's train `state` resumes at, on `world_size`
+    ranks taking `samples_per_step` samples a step. Batches per epoch depend on the world size: a
+    resharded resume restarts the epoch, unless the epoch's order is global and the global batch
+    held (train.global_batch): then it continues at the same sample."""
+    same_world = state.get("world_size") == world_size
+    global_order = (
+        state.get("global_order")
+        and train.global_batch is not None
+        and state.get("samples_per_step") == samples_per_step
+    )
+    samples = state.get("samples_in_epoch")  # the group's position in the epoch
+    if (global_order or same_world) and samples is not None:
+        # In samples: the micro-batch may have changed (at any world size with a global
+        # order; on the same world each rank's order is the same whatever the batch).
+        return int(samples) // (train.batch_size * world_size)
+    return int(state["batch_in_epoch"]) if same_world else 0
 
 
 def plain_parameters(params: list[torch.nn.Parameter]) -> bool:
@@ -105,3 +128,44 @@ class Throughput:
         if self.flops_per_token and self.peak_flops_per_device:
             out["mfu"] = self.flops_per_token * out["tokens_per_s"] / (self.peak_flops_per_device * world_size)
         return out
+
+
+class MetricsWindow:
+    """The train metrics of the steps since the last logged ones (a window of
+    `mlflow.log_every_n_steps`): the loss summed on the device (no host sync per step), a step's
+    own metrics averaged, the last gradient norm measured, and the window's steps and time."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss_sum = torch.zeros((), device=device)
+        self.step_metrics = StepMetrics(device)
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum.zero_()
+        self.loss_count = 0
+        self.step_metrics.reset()
+        self.grad_norm: torch.Tensor | None = None
+        self.start = time.perf_counter()
+        self.steps = 0
+
+    def add(self, loss: torch.Tensor | None) -> None:
+        """A step taken; `loss` None: its update was skipped (a non-finite loss)."""
+        self.steps += 1
+        if loss is not None:
+            self.loss_sum += loss
+            self.loss_count += 1
+
+    def metrics(
+        self, samples_per_step: int, lr: float, throughput: Throughput, world_size: int, until: float | None = None
+    ) -> dict[str, float]:
+        """The window's figures, its time up to `until` (default: now)."""
+        samples_per_s = self.steps * samples_per_step / max((until or time.perf_counter()) - self.start, 1e-9)
+        return {
+            "loss": float(self.loss_sum) / max(self.loss_count, 1),
+            "lr": lr,
+            # the window's last measured norm (a window cut short by a stop may have none)
+            **({"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {}),
+            "samples_per_s": samples_per_s,
+            **throughput.rates(samples_per_s, world_size),
+            **self.step_metrics.means(),
+        }

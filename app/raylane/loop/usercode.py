@@ -104,7 +104,8 @@ def check_first_calls(trainer: Any, pipe: Any, cfg: Any) -> None:
 
     if pipe.loss_fn is not None:
         _once(trainer.forward, "loss_fn", pipe.loss_fn, loss_problem, LOSS_ROLE, cfg)
-    for evaluator in trainer.evaluator.evaluators.values() if trainer.evaluator is not None else ():
+    sets = trainer.evaluation.evaluator
+    for evaluator in sets.evaluators.values() if sets is not None else ():
         if pipe.eval_sums is not None:
             _once(evaluator, "sums", pipe.eval_sums, _sums_problem, SUMS_ROLE, cfg)
 

@@ -27,6 +27,7 @@ from raylane.config.batching import world_sizes
 from raylane.loop import preemption
 from raylane.loop.distributed import node_layout
 from raylane.loop.events import End, Event, Handover, Log, Startup
+from raylane.loop.result import RunResult
 from raylane.onray.elastic import (
     HANDOVER_WAIT_S,
     HandoverFailurePolicy,
@@ -314,13 +315,13 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     if runtime.rank == 0 and loop_config.get("run_id"):
         metric_logger = rank_zero_logger(cfg, loop_config["tracking_uri"], loop_config["run_id"])
     result = run_worker(cfg, runtime, metric_logger, {k: v for k, v in startup.items() if v is not None})
-    if result.get("growing"):
+    if result.growing:
         # Checkpointed for a larger group: Ray's elastic policy now stops this one and starts
         # that (a return would end the run). Should it not come, a restart does the same.
         time.sleep(HANDOVER_WAIT_S + 60)
-    if result.get("node_leaving") or result.get("growing"):
+    if result.node_leaving or result.growing:
         raise NodeLeaving(
-            f"{result.get('stop_reason')}: checkpointed at step {result['steps']}, restarting without the leaving node"
+            f"{result.stop_reason}: checkpointed at step {result.steps}, restarting without the leaving node"
         )
 
 
@@ -352,7 +353,7 @@ def _relay_warnings(runtime: RayRuntime, verbose: bool) -> None:
 
 def _fit_and_pump(
     trainer: TorchTrainer, sink: Any, on_event: Callable[[Event], None], world_size: int
-) -> dict[str, Any]:
+) -> RunResult | dict[str, Any] | None:
     """fit() runs on a helper thread so that this (main) thread keeps Ctrl-C and SIGTERM: Ray
     installs its own SIGINT handler only from the main thread. Here we relay rank 0's events."""
     outcome: dict[str, Any] = {}
@@ -365,7 +366,7 @@ def _fit_and_pump(
 
     thread = threading.Thread(target=fit, name="raylane-fit", daemon=True)
     thread.start()
-    result_fields: dict[str, Any] = {}
+    ended: RunResult | dict[str, Any] | None = None  # End's result: training's, or autotune's search's
     relayed = False
     while True:
         thread.join(EVENT_POLL_S)
@@ -375,7 +376,7 @@ def _fit_and_pump(
         try:
             for event in ray.get(sink.drain.remote()):
                 if isinstance(event, End):
-                    result_fields.update(event.result)
+                    ended = event.result
                 on_event(event)
         except BaseException:
             # A listener gave up on the run (a Tune scheduler stopping this trial): stop the
@@ -391,7 +392,7 @@ def _fit_and_pump(
         if isinstance(exc, ray.train.TrainingFailedError):
             raise TrainingError(format_failure(exc, world_size)) from None
         raise exc
-    return result_fields
+    return ended
 
 
 def _ray_datasets(cfg: BaseConfig) -> tuple[dict[str, Any], dict[str, int | None]]:
@@ -430,7 +431,7 @@ def launch_on_ray(
     embedded: bool,
     in_trial: bool = False,
     search: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> RunResult | dict[str, Any] | None:
     """Train on the connected cluster (see `raylane.onray.cluster.init_ray`); the caller shuts Ray
     down. `in_trial`: a Tune trial's run, whose controller Tune may kill while the sweep goes on.
     `search`: run `raylane autotune`'s search in the worker group instead (raylane.autotuning.search)."""

@@ -29,16 +29,16 @@ from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
 from raylane.config.sweep import SweepSection, trial_config
 from raylane.loop.events import Checkpoint, Event
+from raylane.loop.result import RunResult
 from raylane.onray.cluster import data_cpus
 from raylane.onray.sweep_plan import param_space, search_alg, trials_text
 from raylane.onray.trials import MetricReported, TrialRuns
 from raylane.results import Status, SweepSummary
 from raylane.sweeps import results as sweep_results
-from raylane.sweeps.objective import Objective, run_speed
+from raylane.sweeps.objective import Objective
 from raylane.sweeps.record import fresh_sweep_name, resolved, sweep_folder, write_record
 from raylane.sweeps.results import SWEEP_TAG, TRIAL_TAG
 from raylane.tracking.progress import plural
-from raylane.tracking.records import RUN_RATES
 from raylane.tracking.runs import (
     RUN_NAME_TAG,
     RunHandle,
@@ -283,7 +283,7 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
 
     handle = RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False)
     try:
-        result = launch_on_ray(cfg, run_id, parent.tracking_uri, on_event, embedded=False, in_trial=True)
+        ended = launch_on_ray(cfg, run_id, parent.tracking_uri, on_event, embedded=False, in_trial=True)
     except SystemExit:  # tune.report's way of saying the scheduler stopped this trial
         # (its last evaluation is recorded by the driver: TrialRuns, which this may not outlive)
         finished = reported["epoch"] >= cfg.train.epoch_limit
@@ -295,17 +295,13 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     except BaseException:
         close_run(handle, "FAILED")
         raise
-    for key in RUN_RATES:  # the trial's whole-run throughput, named as a train run's (the runs table's column)
-        if isinstance(result.get(key), (int, float)):
-            client.log_metric(run_id, f"run/{key}", float(result[key]), step=result.get("steps") or 0)
-    close_run(handle, "KILLED" if result.get("preempted") else "FINISHED")
-    if result.get("metrics") and reported["step"] != result.get("steps"):  # the last epoch, or a max_steps stop
-        report(
-            objective({**run_speed(result), **result["metrics"]}),
-            result.get("epochs", 0),
-            result["steps"],
-            result.get("checkpoint"),
-        )
+    result = ended if isinstance(ended, RunResult) else None  # None: no End came
+    if result is not None:  # the trial's whole-run throughput, named as a train run's (the runs table's column)
+        for key, value in result.rates().items():
+            client.log_metric(run_id, f"run/{key}", value, step=result.steps)
+    close_run(handle, "KILLED" if result and result.preempted else "FINISHED")
+    if result and result.metrics and reported["step"] != result.steps:  # the last epoch, or a max_steps stop
+        report(objective({**result.speed(), **result.metrics}), result.epochs, result.steps, result.checkpoint)
 
 
 # -- the driver --------------------------------------------------------------------------------

@@ -1,25 +1,15 @@
-"""What a sweep's trial reports beside its eval metrics: its throughput (`run_speed`, under the
-names `sweep.metric` may rank by) and, under a time-to-target objective, the training seconds
+"""What a sweep's trial reports beside its eval metrics and its throughput (RunResult.speed, under
+the names `sweep.metric` may rank by): under a time-to-target objective, the training seconds
 until the target was reached (`Objective`). Nothing here imports torch or Ray: the trial that
 reports them runs under Tune (raylane.onray.tune)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from raylane.config.sweep import TIME_TO_TARGET, SweepSection
 
 # What a trial that has not reached the target reports: worse than any real time, and finite,
 # which ASHA's quantiles and MLflow need.
 NOT_REACHED_S = 1e9
-
-
-def run_speed(result: dict[str, Any]) -> dict[str, float]:
-    """A finished run's throughput under the names a trial reports each epoch."""
-    memory = result.get("memory") or {}
-    speed = {k: result.get(k) for k in ("samples_per_s", "tokens_per_s", "mfu", "step_time_s")}
-    speed.update(peak_memory_bytes=memory.get("peak_bytes"), train_s=result.get("train_wall_s"))
-    return {k: float(v) for k, v in speed.items() if isinstance(v, (int, float))}
 
 
 class Objective:

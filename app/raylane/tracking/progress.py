@@ -26,6 +26,7 @@ from raylane.loop.events import (
     Progress,
     Start,
 )
+from raylane.loop.result import RunResult
 from raylane.results import TrainSummary
 
 LINE_INTERVAL_S = 10.0
@@ -85,7 +86,7 @@ class ProgressDisplay:
         self.info: dict[str, Any] = {}
         self.first_step_unix: float | None = None
         self.end_unix: float | None = None
-        self.result: dict[str, Any] | None = None
+        self.result: RunResult | None = None
         self.checkpoints: list[Checkpoint] = []
         self.skipped_checkpoints: list[dict[str, str]] = []  # passed over by a resume: {"path", "reason"}
         self.starts = 0
@@ -120,19 +121,17 @@ class ProgressDisplay:
                 self._print(f"warning: {event.error}")
             case Log():
                 self._relayed(event)
-            case Handover():
-                r = event.result
-                then = "larger" if r.get("stop_reason") == "more workers fit" else "without the leaving node"
+            case Handover(result=r):
+                then = "larger" if r.stop_reason == "more workers fit" else "without the leaving node"
                 self._print(
-                    f"{r.get('stop_reason') or 'a node is leaving'}: checkpointed at step {r['steps']}; "
-                    f"the group restarts {then}"
+                    f"{r.stop_reason or 'a node is leaving'}: checkpointed at step {r.steps}; the group restarts {then}"
                 )
-            case End():
+            case End(result=RunResult() as r):
                 self.end_unix = event.time_unix
-                self.result = event.result
-                self.info.update(step=self.result["steps"], epoch=max(self.result["epochs"] - 1, 0))
-                if self.result.get("last_window"):
-                    self.info["window"] = self.result["last_window"]  # the last steps', not a stale one
+                self.result = r
+                self.info.update(step=r.steps, epoch=max(r.epochs - 1, 0))
+                if r.last_window:
+                    self.info["window"] = r.last_window  # the last steps', not a stale one
                 self._show(force=True)
 
     def _started(self, event: Start) -> None:

@@ -16,11 +16,11 @@ from typing import Any
 
 from raylane.config import BaseConfig
 from raylane.loop.events import Checkpoint, End, Event, FirstStep, Start
+from raylane.loop.result import RunResult
 from raylane.tracking.runs import MetricLogger, RunHandle, mlflow_client
 
 log = logging.getLogger("raylane.tracking")
 
-RUN_RATES = ("samples_per_s", "tokens_per_s")
 PLOTTED = {
     "loss": ("train/loss", "eval/loss"),
     "eval_metrics": ("eval/accuracy",),
@@ -47,10 +47,10 @@ class RunRecorder:
                 self._prewarming.start()
             case Start():
                 self._logger.set_tags({"raylane.host": event.host, **event.strategy_tags})
-            case End():
-                self._log_run_rates(event.result)
-                if event.result.get("stop_reason"):  # an early stop (FINISHED), or a stop request
-                    self._logger.set_tags({"raylane.stop_reason": event.result["stop_reason"]})
+            case End(result=RunResult() as result):
+                self._log_run_rates(result)
+                if result.stop_reason:  # an early stop (FINISHED), or a stop request
+                    self._logger.set_tags({"raylane.stop_reason": result.stop_reason})
             case Checkpoint():
                 self.checkpoints.append(
                     {
@@ -75,12 +75,11 @@ class RunRecorder:
             self._logger.log({"run/world_size": resize["to"]}, resize["step"])
         self._logger.set_tags({"raylane.resizes": json.dumps(resizes)})
 
-    def _log_run_rates(self, result: dict[str, Any]) -> None:
+    def _log_run_rates(self, result: RunResult) -> None:
         """The summary's whole-run throughput, named apart from train/*, which covers a window of
         steps each (the progress display's figures)."""
-        rates = {f"run/{k}": result[k] for k in RUN_RATES if isinstance(result.get(k), (int, float))}
-        if rates and result.get("steps") is not None:
-            self._logger.log(rates, result["steps"])
+        if rates := {f"run/{k}": v for k, v in result.rates().items()}:
+            self._logger.log(rates, result.steps)
 
     def finish(self, status: str, checkpoint: str | None, register: str | None) -> dict[str, Any]:
         """Before the run is closed. Returns what was recorded (model URI, registered version)."""

@@ -41,9 +41,9 @@ class Resizes:
                     }
                 self._world = world
                 self._notice, self._last_step = None, resumed
-            case Handover():
-                self._notice = event.result.get("stop_reason")
-                self._last_step = max(self._last_step, event.result.get("steps") or 0)
+            case Handover(result=r):
+                self._notice = r.stop_reason
+                self._last_step = max(self._last_step, r.steps)
             case FirstStep() if self._pending is not None:
                 resize, self._pending = self._pending, None
                 resize["time_lost_s"] = round(event.time_unix - resize.pop("group_lost_unix"), 3)

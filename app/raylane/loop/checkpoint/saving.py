@@ -243,3 +243,17 @@ class Saver:
         )
         if self.on_committed is not None:
             self.on_committed(step, result)
+
+    # -- the cadence ---------------------------------------------------------------------------
+
+    def due(self, step: int, *, epoch_end: bool, stopping: bool, epochs: int = 0) -> bool:
+        """Whether the state at `step` is to be saved, as torchtitan's checkpointer decides: at a
+        stop (the run's last step, a preemption, an early stop, a max_steps stop mid-epoch),
+        always; at an epoch end (the `epochs`-th), every `checkpoint.every_n_epochs` epochs; else
+        every `checkpoint.every_n_steps` steps. The Trainer asks at each step, and again at an
+        epoch end or a stop once its evaluation is done: a step that ends an epoch or the run is
+        saved then, with its metrics, not before."""
+        if stopping:
+            return True
+        every = self.cfg.every_n_epochs if epoch_end else self.cfg.every_n_steps
+        return every > 0 and (epochs if epoch_end else step) % every == 0
