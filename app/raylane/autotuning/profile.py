@@ -257,7 +257,7 @@ class Profiler:
         cost is measured by costs.save_seconds)."""
         from raylane.loop.optim import build_optimizer
 
-        assert live.model is not None
+        assert live.model is not None and live.strategy is not None  # wrapped (`_wrap`) before it is timed
         optimizer = live.optimizer = build_optimizer(live.model, cfg, self.pipe)  # the pipeline's own state too
         throughput = Throughput(
             self.pipe.tokens_per_sample,
