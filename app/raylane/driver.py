@@ -286,11 +286,11 @@ def _execute(
 def _failure_text(exc: Exception) -> str:
     """The one line a failed run's summary shows; the whole traceback goes to the library log
     (on Ray, the ranks' tracebacks were logged as they arrived: raylane.onray.launch)."""
+    from raylane.errors import DataError, TrainingError
     from raylane.logs import record_traceback
-    from raylane.loop.baddata import DataError
     from raylane.pipelines_ref import UserCodeError
 
-    if type(exc).__name__ == "TrainingError":
+    if isinstance(exc, TrainingError):
         return str(exc)
     record_traceback("the run failed:", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
     if isinstance(exc, (UserCodeError, DataError)):  # complete as they are: the function or data, and the place

@@ -23,6 +23,7 @@ from typing import Any
 from raylane import paths, pipelines_ref
 from raylane.batching import effective_global_batch
 from raylane.config import BaseConfig, ConfigError, did_you_mean, flatten
+from raylane.errors import RaylaneError
 from raylane.loop.checkpoint.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, newest_valid, read_manifest, verify
 from raylane.results import Status, TrainSummary
 
@@ -89,7 +90,7 @@ def _probe_remote(path: str) -> None:
     fs.delete_file(probe)
 
 
-class NoAnswer(Exception):
+class NoAnswer(RaylaneError):
     """`within`: the call did not return in time (it goes on, on a daemon thread)."""
 
 

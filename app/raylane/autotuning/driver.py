@@ -46,6 +46,7 @@ from raylane.config import (
     read_yaml,
     validate,
 )
+from raylane.errors import TrainingError
 from raylane.lease import LEASE_FILES
 from raylane.loop.events import Candidate, Event, Log, Round, SearchStart
 from raylane.results import AutotuneSummary, Status
@@ -287,7 +288,7 @@ def _search(
         except KeyboardInterrupt:
             result, status, error = {}, Status.KILLED, "interrupted"
         except Exception as exc:  # the launcher's message names the rank and its exception
-            text = str(exc) if type(exc).__name__ == "TrainingError" else f"{type(exc).__name__}: {exc}"
+            text = str(exc) if isinstance(exc, TrainingError) else f"{type(exc).__name__}: {exc}"
             result, status, error = {}, Status.FAILED, text
         if not use_ray and cfg.scaling.num_workers and env_ranks()[2] > 1:
             # As for a training run (driver._torchrun_rank_done): only a stop is waited out; after

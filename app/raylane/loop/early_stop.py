@@ -10,10 +10,12 @@ import logging
 import math
 from typing import Any
 
+from raylane.errors import RaylaneError
+
 log = logging.getLogger("raylane")
 
 
-class EarlyStoppingMetricError(ValueError):
+class EarlyStoppingMetricError(RaylaneError, ValueError):
     """The metric early stopping watches is not among those the evaluation reports."""
 
 

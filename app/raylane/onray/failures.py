@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 
 from raylane import logs
+from raylane.errors import DataError
 from raylane.loop import baddata
-from raylane.loop.baddata import DataError
 from raylane.loop.usercode import TRACEBACK_ATTR
 from raylane.pipelines_ref import UserCodeError
 

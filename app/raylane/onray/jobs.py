@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from raylane.config import BaseConfig, ConfigError
+from raylane.errors import RaylaneError
 from raylane.onray.addresses import JOIN_TIMEOUT_S, jobs_url, on_this_machine, unreachable, version_mismatch
 from raylane.prechecks import NoAnswer, within, writable_dir
 from raylane.prepare import prepare_submit
@@ -112,7 +113,7 @@ AGENT_WAIT_S = 60.0
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"  # Ray's
 
 
-class SubmitError(RuntimeError):
+class SubmitError(RaylaneError, RuntimeError):
     """The job could not be submitted, for a reason other than the user's input; one line."""
 
 

@@ -24,6 +24,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raylane import logs
 from raylane.batching import world_sizes
 from raylane.config import BaseConfig, validate
+from raylane.errors import TrainingError
 from raylane.loop import preemption
 from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.distributed import node_layout
@@ -47,10 +48,6 @@ EVENT_POLL_S = 0.25
 DRIVER_STOP_POLL_S = 0.5
 DRAIN_POLL_S = 0.5  # Ray Train polls node drains every 5 s itself
 LISTENER_STOP_GRACE_S = 60.0
-
-
-class TrainingError(RuntimeError):
-    """The run failed; the message names the failing rank(s) and their exceptions."""
 
 
 @ray.remote(num_cpus=0)

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import psutil
 
+from raylane.errors import RaylaneError
+
 log = logging.getLogger("raylane")
 
 RECORDS = "embedded"
@@ -76,7 +78,7 @@ def _pid_namespace() -> int:
         return 0
 
 
-class DriverGone(RuntimeError):
+class DriverGone(RaylaneError, RuntimeError):
     """The run's driver ended without stopping its workers: nothing more is written."""
 
 

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from raylane.errors import RaylaneError
 from raylane.loop.aliases import aliases, unexplained, without_aliases
 
 # The commit record's reading and checks live in a torch-free module; re-exported here.
@@ -116,7 +117,7 @@ def _save_errors() -> tuple[type[BaseException], ...]:
     return (Exception, CheckpointException)
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(RaylaneError, RuntimeError):
     """A checkpoint could not be written; raised on every rank alike. Nothing was committed, so
     the previous checkpoint is still the latest valid one."""
 
@@ -395,7 +396,7 @@ def model_shapes(model_state: dict[str, Any]) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in model_state.items() if isinstance(v, torch.Tensor)}
 
 
-class CheckpointLoadError(RuntimeError):
+class CheckpointLoadError(RaylaneError, RuntimeError):
     """A committed checkpoint that this model and optimizer cannot load; raised on every rank."""
 
 
