@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from raylane.config import BaseConfig, ConfigError
 from raylane.prechecks import closing_status, fresh_name, fresh_start, run_folder
@@ -175,7 +176,12 @@ class RunSession:
 
         self.closed = True
         self.status = final = self.closing(Status(status))
-        self._run.add_done_callback(lambda f: f.exception() is None and close_run(f.result(), final))
+
+        def closed_once_open(opened: Future[RunHandle]) -> None:
+            if opened.exception() is None:  # else there is no run: tracking was unreachable
+                close_run(opened.result(), final)
+
+        self._run.add_done_callback(closed_once_open)
 
     # -- the rest of the way out --------------------------------------------------------------
 
@@ -190,10 +196,13 @@ class RunSession:
     def __enter__(self) -> RunSession:  # noqa: PYI034 - never subclassed
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
         if exc is not None:
             self.close(status_of(exc))
-        return self._stack.__exit__(kind, exc, tb)  # type: ignore[arg-type]
+        self._stack.__exit__(kind, exc, tb)
+        return False  # what ended the launch goes on up
 
 
 def finalize_run(cfg: BaseConfig, session: RunSession, is_driver: bool) -> BaseConfig:
@@ -208,7 +217,8 @@ def finalize_run(cfg: BaseConfig, session: RunSession, is_driver: bool) -> BaseC
         if named and (line := fresh_start(cfg)):
             log.info("%s", line)
         try:
-            session.lease(run_folder(cfg), f"run {cfg.run.name!r}", "run.name", cfg.run.name, lambda: fresh_name(cfg))
+            name = str(cfg.run.name)  # with_run_name named it
+            session.lease(run_folder(cfg), f"run {name!r}", "run.name", name, lambda: fresh_name(cfg))
         except ConfigError as exc:
             error = str(exc)
     import torch.distributed as dist

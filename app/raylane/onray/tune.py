@@ -293,7 +293,8 @@ class _Reports:
     ) -> None:
         self.objective = Objective(sweep)
         self.cfg, self.trial_id, self.run_id, self.donor = cfg, trial_id, run_id, donor
-        self.epoch, self.step = 0, None  # the last report's
+        self.epoch: int = 0  # the last report's
+        self.step: int | None = None
 
     def report(self, metrics: dict[str, float], epoch: int, step: int, location: str | None) -> None:
         self.epoch, self.step = epoch, step
