@@ -242,7 +242,7 @@ class _RaylaneTorchBackend(TorchBackend):
 @dataclasses.dataclass
 class _RaylaneTorchConfig(TorchConfig):
     """TorchConfig whose workers turn SIGTERM into a graceful stop (see raylane.loop.preemption).
-    `restarts`: the group restarts without a leaving node (see `_restarts`)."""
+    `restarts`: the group restarts without a leaving node (see `LaunchSpec.restarts`)."""
 
     restarts: bool = False
 
