@@ -10,6 +10,7 @@ import json
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -92,6 +93,8 @@ def _exit(session: RunSession, how: str) -> None:
 
 
 def test_a_session_closes_its_run_once_on_every_way_out_then_the_rest_then_the_lease(store, tmp_path):
+    """Returned, an error, an interrupt, Ray's SystemExit, a close then a second signal; and a run
+    still being opened when the interrupt comes."""
     expected = {
         "returned": "FINISHED",
         "error": "FAILED",
@@ -113,11 +116,7 @@ def test_a_session_closes_its_run_once_on_every_way_out_then_the_rest_then_the_l
         assert not (folder / "raylane_lease.json").exists(), how  # and the lease given back last
     assert _statuses(store) == expected
 
-
-def test_a_run_still_being_opened_is_closed_once_it_is_open(store):
-    """An interrupt while the run opens (on a pool, beside Ray's start): the opening thread closes it."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    # An interrupt while the run opens (on a pool, beside Ray's start): the opening thread closes it.
     opening = threading.Event()
 
     def slow_open():
@@ -129,7 +128,7 @@ def test_a_run_still_being_opened_is_closed_once_it_is_open(store):
         session.open_on(pool, slow_open)
         threading.Timer(0.3, opening.set).start()
         raise KeyboardInterrupt
-    assert _statuses(store) == {"slow": "KILLED"}
+    assert _statuses(store)["slow"] == "KILLED"
 
 
 def test_a_second_launch_of_a_held_run_is_refused_naming_the_holder(tmp_path):
