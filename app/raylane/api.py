@@ -170,12 +170,15 @@ def submit(
     `storage_path`). ConfigError on bad input, an address that does not answer or a refused
     token; SubmitError when the cluster does not take the job. `verbose`: as for `train`, and
     the job's log then has what the libraries say too."""
-    from raylane.onray.jobs import submit as submit_job
-
     if verbose is not None:
         env_vars = {logs.VERBOSE_ENV: "1" if verbose else "0", **(env_vars or {})}
     with output.scope(verbose, "submit"):
-        return submit_job(config, overrides, address=address, working_dir=working_dir, env_vars=env_vars)
+        overrides = list(overrides)
+        # ConfigError before anything leaves this machine; a remote cluster's storage is its own to check.
+        cfg = prepare.prepare_submit(config, overrides)
+        from raylane.onray.jobs import submit as submit_job
+
+        return submit_job(config, cfg, overrides, address=address, working_dir=working_dir, env_vars=env_vars)
 
 
 def export(

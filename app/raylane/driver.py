@@ -1,76 +1,30 @@
 """The driver's side of a run, whichever launcher runs the ranks: name the run, open its MLflow
-run, show progress, close the run with the right status and write the summary."""
+run, show progress, close the run with the right status and write the summary. The lifecycle
+(lease, MLflow run, status, interrupts) is raylane.session's, as for every launch."""
 
 from __future__ import annotations
 
-import importlib
 import logging
-import re
 import signal
-import sys
 import time
-import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
-from raylane.config import BaseConfig, ConfigError
+from raylane.config import BaseConfig
 from raylane.loop.events import Event
 from raylane.loop.result import RunResult
 from raylane.results import Status, TrainSummary
-from raylane.runrecord import closing_status, fresh_name, fresh_start, record_finished, run_folder
+from raylane.runrecord import record_finished
+from raylane.session import RunSession, failure_text, finalize_run, not_started, raise_interrupt, ran
 from raylane.tracking.progress import ProgressDisplay
 
 log = logging.getLogger("raylane")
 
-
-def finalize_run(cfg: BaseConfig, stack: ExitStack, is_driver: bool) -> BaseConfig:
-    """Fill what the driver decides, the run name (agreed by all torchrun ranks), and take the
-    run's lease (raylane.lease): ConfigError, on every rank, when another launch holds it."""
-    named = cfg.run.name is not None
-    cfg = cfg.with_run_name()
-    error = None
-    if is_driver:
-        # A name the user gave, found nowhere here: most likely a relaunch from another folder
-        # (outputs are relative to the working directory). A generated name is always new.
-        if named and (line := fresh_start(cfg)):
-            log.info("%s", line)
-        try:
-            _take_lease(cfg, stack)
-        except ConfigError as exc:
-            error = str(exc)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        agreed = [cfg.run.name, error]
-        dist.broadcast_object_list(agreed, src=0)  # rank 0's generated name wins
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": agreed[0]})})
-        error = agreed[1]
-    if error:
-        raise ConfigError(error)
-    storage = cfg.run.storage_path
-    if "://" not in storage:
-        storage = str(Path(storage).expanduser().resolve())
-    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_path": storage})})
+NOT_STARTED = "interrupted before training started"  # the summary's error
 
 
-def _take_lease(cfg: BaseConfig, stack: ExitStack) -> None:
-    """One writer per run: held until the driver is done (every way out gives it back)."""
-    from raylane.lease import acquire
-
-    folder = run_folder(cfg)
-    if folder is not None:
-        lease = acquire(folder, f"run {cfg.run.name!r}", "run.name", cfg.run.name, lambda: fresh_name(cfg))
-        stack.callback(lease.release)
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _torchrun_rank_done(stack: ExitStack, world_size: int, stopped: bool) -> None:
+def _torchrun_rank_done(session: RunSession, world_size: int, stopped: bool) -> None:
     """Training is over on this torchrun rank. Only after a graceful stop do the ranks wait for
     each other before they leave (raylane.loop.distributed.leave_process_group): the end of a
     finished run is no collective, so rank 0's end-of-run records, however long, cannot turn it
@@ -82,7 +36,7 @@ def _torchrun_rank_done(stack: ExitStack, world_size: int, stopped: bool) -> Non
         # later): rank 0 still has to close the MLflow run and write the summary, so it finishes
         # that first. Ctrl-C still interrupts.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    stack.callback(leave_process_group, wait_for_peers=stopped)  # runs last: after rank 0's summary
+    session.defer(leave_process_group, wait_for_peers=stopped)  # runs last: after rank 0's summary
 
 
 def train(
@@ -95,142 +49,108 @@ def train(
 ) -> TrainSummary:
     """Run training to the end; returns the summary (on a torchrun rank other than 0, only its
     `status` and `error`), whose `exit_code` is the command's."""
-    from raylane.loop import baddata, preemption
-    from raylane.loop.distributed import env_ranks, init_process_group
+    from raylane.loop import preemption
+    from raylane.loop.distributed import env_ranks
     from raylane.loop.startup import StartupTimes
     from raylane.tracking.records import RunRecorder
     from raylane.tracking.resizes import Resizes
     from raylane.tracking.runs import open_run, resolve_tracking_uri, ui_command
 
     launched = time.time()
-    baddata.forget_skipped()  # a second raylane.train() in this process counts its own data
     startup = StartupTimes()
-    startup.mark("driver_imports")
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # before training can stop gracefully: like Ctrl-C
-    if not use_ray:
-        init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # ranks agree on the run name first
-        startup.mark("process_group")
-    is_driver = use_ray or env_ranks()[0] == 0
+    is_driver = _begin(cfg, use_ray, startup)
     tracking_uri = resolve_tracking_uri()
-    with ExitStack() as stack:
-        cfg = finalize_run(cfg, stack, is_driver)
+    with RunSession() as session:
+        cfg = finalize_run(cfg, session, is_driver)
+        session.closes_as_run(cfg)
         # Opening the MLflow run (import + database) overlaps with starting Ray.
-        pool = stack.enter_context(ThreadPoolExecutor(2, thread_name_prefix="raylane-start"))
+        pool = session.enter(ThreadPoolExecutor(2, thread_name_prefix="raylane-start"))
         world_size = cfg.scaling.num_workers if use_ray else env_ranks()[2]
-        tracked = is_driver and cfg.mlflow.enabled
-        run_future = pool.submit(open_run, cfg, tracking_uri, world_size) if tracked else None
-        closer = stack.enter_context(_RunCloser(cfg, run_future))
+        if is_driver and cfg.mlflow.enabled:
+            session.open_on(pool, open_run, cfg, tracking_uri, world_size)
         try:
-            ray_stopper, embedded = _start_ray(cfg, address, pool, stack, startup) if use_ray else (None, False)
+            ray_stopper = _start_ray(cfg, address, pool, session, startup) if use_ray else None
         except BaseException as exc:  # noqa: BLE001 - each way out closes the MLflow run
-            return _not_started(cfg, closer, exc)
+            not_started(session, exc)
+            return TrainSummary(status=Status.KILLED, error=NOT_STARTED, run_name=cfg.run.name)
         # From here on, a first SIGTERM or Ctrl-C asks the ranks to checkpoint and stop.
         preemption.install()
-        handle = _opened(cfg, run_future, tracking_uri)
-        if handle:
-            startup.mark("tracking")
+        handle = _opened(cfg, session, startup)
         display = ProgressDisplay() if is_driver else None
         recorder = RunRecorder(handle, cfg, prewarm=use_ray) if handle else None
         resizes = Resizes()
         listeners = [x.handle if x is display else x.on_event for x in (resizes, display, recorder) if x is not None]
+        embedded = bool(ray_stopper and ray_stopper.embedded)
         status, error, result = _execute(
             cfg, use_ray, embedded, handle, tracking_uri, [*listeners, startup.on_event], display
         )
-        if use_ray:
+        if ray_stopper:
             ray_stopper.start()  # the ranks are done; the records below need MLflow, not Ray
         else:
-            _torchrun_rank_done(stack, world_size, stopped=bool(result and result.preempted))
+            _torchrun_rank_done(session, world_size, stopped=bool(result and result.preempted))
         if not is_driver:
             return TrainSummary(status=status, error=error, run_name=cfg.run.name)
         fields = _summary(cfg, handle, status, error, result, display, launched, startup)
         fields["resizes"] = resizes.resizes
-        if recorder:
-            recorder.record_resizes(resizes.resizes)
-            fields.update(recorder.finish(status, fields["checkpoint"], register))
-            closer.close(status)
-        summary = TrainSummary.model_validate(fields)
-        record_finished(cfg, summary)
-        summary.write(summary_path)
-        _print_outcome(summary, ui_command(tracking_uri, handle))
-        return summary
+        return _finish(cfg, session, recorder, fields, register, summary_path, ui_command(tracking_uri, handle))
+
+
+def _begin(cfg: BaseConfig, use_ray: bool, startup: Any) -> bool:
+    """What comes before the run's name: returns whether this process is the driver (on Ray, or
+    torchrun's rank 0)."""
+    from raylane.loop import baddata
+    from raylane.loop.distributed import env_ranks, init_process_group
+
+    baddata.forget_skipped()  # a second raylane.train() in this process counts its own data
+    startup.mark("driver_imports")
+    signal.signal(signal.SIGTERM, raise_interrupt)  # before training can stop gracefully: like Ctrl-C
+    if not use_ray:
+        init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # ranks agree on the run name first
+        startup.mark("process_group")
+    return use_ray or env_ranks()[0] == 0
 
 
 def _start_ray(
-    cfg: BaseConfig, address: str | None, pool: ThreadPoolExecutor, stack: ExitStack, startup: Any
-) -> tuple[Any, bool]:
-    """Join or start the cluster; returns (the RayStopper that `stack` calls last, whether this
-    process started the cluster)."""
-    from raylane.clusters.local import resolve_address
+    cfg: BaseConfig, address: str | None, pool: ThreadPoolExecutor, session: RunSession, startup: Any
+) -> Any:
+    """Join or start the cluster (raylane.onray.cluster.start_ray); returns its RayStopper, which
+    `session` waits on last, after the summary is out."""
+    from raylane.onray.cluster import start_ray
 
-    address = resolve_address(address)  # before Ray's import: see resolve_address
-    from raylane.onray.cluster import RayStopper, init_ray
-
-    # Ray Train and torch import (~3.5 s of CPU on 2 cores) while Ray's processes start:
-    # ray.init mostly waits for them. launch_on_ray's import below joins this one.
-    pool.submit(importlib.import_module, "raylane.onray.launch")
-    embedded = init_ray(address, cfg)
-    startup.mark("ray_init")
-    ray_stopper = RayStopper(embedded)
-    stack.callback(ray_stopper.wait)  # last: after the summary is out
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init replaced ours
-    return ray_stopper, embedded
+    ray_stopper = start_ray(cfg, address, pool, startup)
+    session.defer(ray_stopper.wait)
+    return ray_stopper
 
 
-class _RunCloser:
-    """This launch's MLflow run, closed exactly once on every way out: with the launch's status
-    at its end, or KILLED or FAILED when a signal or an error cuts it short (while Ray starts, or
-    while the end-of-run records, seconds of them, are written). A run still being opened is
-    closed by the thread opening it, once it is open, so that a second signal cannot keep it
-    from being closed."""
-
-    def __init__(self, cfg: BaseConfig, run_future: Any) -> None:
-        self.cfg, self.future, self.closed = cfg, run_future, False
-
-    def close(self, status: str) -> None:
-        if self.closed or self.future is None:
-            return
-        from raylane.tracking.runs import close_run
-
-        self.closed = True
-        final = closing_status(self.cfg, status)
-        self.future.add_done_callback(lambda f: f.exception() is None and close_run(f.result(), final))
-
-    def __enter__(self) -> _RunCloser:  # noqa: PYI034 - a private class, never subclassed
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> bool:
-        if kind is not None:
-            self.close(Status.FAILED if issubclass(kind, Exception) else Status.KILLED)
-        return False
-
-
-def _not_started(cfg: BaseConfig, closer: _RunCloser, exc: BaseException) -> TrainSummary:
-    """Ray could not be started or joined, or a signal came while the launch waited for it. An
-    interrupt ends the launch KILLED, as one during training does; anything else is raised again
-    (FAILED)."""
-    interrupted = not isinstance(exc, Exception)  # KeyboardInterrupt (SIGTERM too), or Ray's SystemExit
-    closer.close(Status.KILLED if interrupted else Status.FAILED)
-    if not interrupted:
-        raise exc
-    print("raylane: interrupted while waiting for the Ray cluster; nothing was trained", file=sys.stderr, flush=True)
-    return TrainSummary(status=Status.KILLED, error="interrupted before training started", run_name=cfg.run.name)
-
-
-def _opened(cfg: BaseConfig, run_future: Any, tracking_uri: str) -> Any:
-    """The MLflow run, or None (with a warning) when the tracking server cannot be reached:
-    training does not wait for tracking."""
-    if run_future is None:
-        return None
-    try:
-        handle = run_future.result()
-    except Exception as exc:  # noqa: BLE001
-        # MLflow's message runs to several hundred characters of retries and URLs: the cause is its errno's.
-        errno = re.search(r"\[Errno -?\d+\] ([^\"')]+)", str(exc))
-        cause = errno.group(1).strip() if errno else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        log.warning("MLflow at %s cannot be reached (%s): training without tracking", tracking_uri, cause)
-        return None
-    log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id, ", continued" if handle.resumed else "")
+def _opened(cfg: BaseConfig, session: RunSession, startup: Any) -> Any:
+    """The MLflow run, or None: MLflow is off, or its server cannot be reached (training does not
+    wait for tracking)."""
+    handle = session.handle()
+    if handle:
+        startup.mark("tracking")
+        log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id, ", continued" if handle.resumed else "")
     return handle
+
+
+def _finish(
+    cfg: BaseConfig,
+    session: RunSession,
+    recorder: Any,
+    fields: dict[str, Any],
+    register: str | None,
+    summary_path: str | None,
+    ui: str,
+) -> TrainSummary:
+    """The end-of-run records, the MLflow run's close, the run's record and the summary."""
+    if recorder:
+        recorder.record_resizes(fields["resizes"])
+        fields.update(recorder.finish(fields["status"], fields["checkpoint"], register))
+    session.close(fields["status"])
+    summary = TrainSummary.model_validate(fields)
+    record_finished(cfg, summary)
+    summary.write(summary_path)
+    _print_outcome(summary, ui)
+    return summary
 
 
 def _execute(
@@ -255,9 +175,9 @@ def _execute(
     try:
         with preemption.armed():
             if use_ray:
-                from raylane.onray.launch import launch_on_ray
+                from raylane.onray.launch import launch_on_ray, train_worker
 
-                ended = launch_on_ray(cfg, run_id, tracking_uri, on_event, embedded=embedded)
+                ended = launch_on_ray(cfg, run_id, tracking_uri, on_event, embedded=embedded, worker=train_worker)
                 result = ended if isinstance(ended, RunResult) else None  # None: no End came
             else:
                 from raylane.loop.distributed import env_ranks
@@ -266,39 +186,24 @@ def _execute(
 
                 logger = rank_zero_logger(cfg, tracking_uri, run_id) if run_id and env_ranks()[0] == 0 else None
                 result = launch_local(cfg, on_event, logger)
-        if result is not None and result.preempted:
+        status = ran(bool(result is not None and result.preempted))
+        if result is not None and status == Status.KILLED:
             return (
-                Status.KILLED,
+                status,
                 (
                     f"stopped at step {result.steps} ({result.stop_reason}); "
                     f"checkpoint saved: relaunch with run.name={cfg.run.name} to resume"
                 ),
                 result,
             )
-        return Status.FINISHED, None, result
+        return status, None, result
     except KeyboardInterrupt:
         return Status.KILLED, "interrupted", None
     except Exception as exc:  # the launcher's message names the rank and its exception
-        return Status.FAILED, _failure_text(exc), None
+        return Status.FAILED, failure_text(exc), None
     finally:
         if display:
             display.close()
-
-
-def _failure_text(exc: Exception) -> str:
-    """The one line a failed run's summary shows; the whole traceback goes to the library log
-    (on Ray, the ranks' tracebacks were logged as they arrived: raylane.onray.launch)."""
-    from raylane.logs import record_traceback
-    from raylane.loop.baddata import DataError
-    from raylane.pipelines_ref import UserCodeError
-
-    if type(exc).__name__ == "TrainingError":
-        return str(exc)
-    record_traceback("the run failed:", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-    if isinstance(exc, (UserCodeError, DataError)):  # complete as they are: the function or data, and the place
-        return str(exc)
-    lines = str(exc).strip().splitlines() or [""]
-    return f"{type(exc).__name__}: {lines[0]}" + (" (the rest in the library log)" if len(lines) > 1 else "")
 
 
 def _summary(

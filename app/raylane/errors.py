@@ -1,6 +1,8 @@
-"""The errors of bad user input, in a module of their own so that every layer, the lowest
-included (pipeline references, paths, the config), can raise or recognise them: ConfigError for
-a config or an argument, DataError for a value in the data."""
+"""raylane's errors, in a module of their own so that every layer, the lowest included (pipeline
+references, paths, the config), can raise or recognise them: ConfigError for a config or an
+argument, DataError for a value in the data, TrainingError for a run whose ranks failed. Every
+exception class of raylane derives from RaylaneError, and also from the builtin it always
+derived from (ValueError, RuntimeError), so that `except ValueError` still catches a ConfigError."""
 
 from __future__ import annotations
 
@@ -12,11 +14,20 @@ from typing import Any
 SKIP_HINT = " (data.skip_bad_rows: true skips such rows)"
 
 
-class ConfigError(ValueError):
+class RaylaneError(Exception):
+    """The base of every exception raylane raises on purpose: `except RaylaneError` catches
+    them all, and a caller matches one by its class (never by its name)."""
+
+
+class ConfigError(RaylaneError, ValueError):
     """Bad user input. The message is complete and meant for the user as is."""
 
 
-class DataError(ValueError):
+class TrainingError(RaylaneError, RuntimeError):
+    """The run failed; the message names the failing rank(s) and their exceptions."""
+
+
+class DataError(RaylaneError, ValueError):
     """A bad value in the data. Raise it from a FileSource's transform: `key` is what the value
     breaks (a config key and its value, "data.num_classes = 3", or the key naming the column,
     "data.features"), `column` the column, `row` the row's index in the transform's batch,

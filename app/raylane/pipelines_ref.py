@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from raylane.errors import ConfigError
+from raylane.errors import ConfigError, RaylaneError
 
 SHIPPED: dict[str, str] = {
     "regression": "raylane.pipelines.regression",
@@ -44,7 +44,7 @@ _roots: list[str] = []  # this process's roots, in sys.path order
 _loaded: dict[str, ModuleType] = {}
 
 
-class UserCodeError(RuntimeError):
+class UserCodeError(RaylaneError, RuntimeError):
     """The user's pipeline code raised, or returned what its contract does not allow: one line
     naming the pipeline, the function, the exception and the user's innermost `file:line`."""
 

@@ -21,6 +21,7 @@ from typing import Any
 from raylane import paths, pipelines_ref
 from raylane.config import BaseConfig, ConfigError, check_metric, flatten
 from raylane.config.batching import effective_global_batch
+from raylane.errors import RaylaneError
 from raylane.loop.checkpoint.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, newest_valid, read_manifest, verify
 from raylane.runrecord import Finished, already_finished, fresh_name, newest_manifest, run_folder
 
@@ -82,7 +83,7 @@ def _probe_remote(path: str) -> None:
     fs.delete_file(probe)
 
 
-class NoAnswer(Exception):
+class NoAnswer(RaylaneError):
     """`within`: the call did not return in time (it goes on, on a daemon thread)."""
 
 

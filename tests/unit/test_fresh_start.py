@@ -6,10 +6,9 @@ finds no run of that name says where it looked; a generated name (always new) sa
 from __future__ import annotations
 
 import logging
-from contextlib import ExitStack
 
 from raylane.config import load_config
-from raylane.driver import finalize_run
+from raylane.session import RunSession, finalize_run
 
 
 def _launch(config, overrides=()) -> tuple[str, list[str]]:
@@ -20,8 +19,8 @@ def _launch(config, overrides=()) -> tuple[str, list[str]]:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)  # as the commands set it (raylane.logs)
     try:
-        with ExitStack() as stack:  # the run's lease, given back on leaving
-            name = finalize_run(cfg, stack, is_driver=True).run.name
+        with RunSession() as session:  # the run's lease, given back on leaving
+            name = finalize_run(cfg, session, is_driver=True).run.name
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

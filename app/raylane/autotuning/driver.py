@@ -11,10 +11,11 @@ plot of throughput against memory, the winner as a ready-to-train YAML and the s
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raylane.autotuning.outcome import Fit, Outcome
 from raylane.autotuning.ranking import CONFIDENCE, verdict
@@ -35,12 +36,18 @@ from raylane.config.autotune import AutotuneSection, settings, winner_config
 from raylane.loop.events import Candidate, Event, Log, Round, SearchStart
 from raylane.results import AutotuneSummary, Status
 from raylane.results import Candidate as CandidateRow
+from raylane.session import RunSession, finalize_run, outcome
+
+if TYPE_CHECKING:
+    from raylane.loop.runtime import Runtime
+    from raylane.onray.launch import LaunchSpec
+    from raylane.tracking.runs import RunHandle
 
 log = logging.getLogger("raylane")
 
 PARENT_TAG = "mlflow.parentRunId"
 # A candidate's child run ends as MLflow's status for how the candidate ended.
-CHILD_STATUS = {Fit.OK: "FINISHED", Fit.OOM: "FAILED", Fit.FAILED: "FAILED", Fit.PRUNED: "KILLED"}
+CHILD_STATUS = {Fit.OK: Status.FINISHED, Fit.OOM: Status.FAILED, Fit.FAILED: Status.FAILED, Fit.PRUNED: Status.KILLED}
 
 
 def execute(
@@ -48,11 +55,8 @@ def execute(
 ) -> AutotuneSummary:
     """Run the search on Ray, as this torchrun rank, or in this process; returns the summary (on
     a torchrun rank other than 0, only its status)."""
-    from contextlib import ExitStack
-
-    from raylane.driver import finalize_run
     from raylane.loop.distributed import env_ranks, init_process_group
-    from raylane.tracking.runs import resolve_tracking_uri
+    from raylane.tracking.runs import open_run, resolve_tracking_uri
 
     launched = time.time()
     if not use_ray:
@@ -60,14 +64,18 @@ def execute(
         # The ranks torchrun started (or this one process), whatever scaling.num_workers says.
         cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": env_ranks()[2]})})
     rank0 = use_ray or env_ranks()[0] == 0
-    with ExitStack() as leases:  # the search's lease on its folder, given back on every way out
-        cfg = finalize_run(_named(cfg), leases, rank0)
+    # The search's lease on its folder and its MLflow parent run, given back and closed on every way out.
+    with RunSession() as session:
+        cfg = finalize_run(_named(cfg), session, rank0)
         storage = cfg.run.storage_path
         record = None if "://" in storage else str(Path(storage) / cfg.run.name / RECORD_FILE)
         params = settings(section, cfg, record)
         tracking_uri = resolve_tracking_uri()
-        recorder = Recorder(cfg, tracking_uri, launched) if rank0 else None
-        return _search(cfg, params, use_ray, address, recorder, tracking_uri, out, summary_path)
+        recorder = None
+        if rank0:
+            parent = session.open(open_run, cfg, tracking_uri, cfg.scaling.num_workers) if cfg.mlflow.enabled else None
+            recorder = Recorder(cfg, tracking_uri, launched, parent)
+        return _search(cfg, params, use_ray, address, recorder, tracking_uri, out, summary_path, session)
 
 
 def _search(
@@ -79,35 +87,28 @@ def _search(
     tracking_uri: str,
     out: str,
     summary_path: str | None,
+    session: RunSession,
 ) -> AutotuneSummary:
-    from contextlib import ExitStack
-
     from raylane.loop.distributed import env_ranks, leave_process_group
 
-    with ExitStack() as stack:
-        try:
-            result = _launch(cfg, params, use_ray, address, recorder, tracking_uri, stack)
-            status, error = Status.FINISHED, None
-        except ConfigError as exc:
-            if use_ray:  # a cluster that never answered: one line and exit 2, as for train and tune
-                if recorder is not None and recorder.parent:
-                    from raylane.tracking.runs import close_run
-
-                    close_run(recorder.parent, Status.FAILED)
-                raise
-            result, status, error = {}, Status.FAILED, f"ConfigError: {exc}"
-        except KeyboardInterrupt:
-            result, status, error = {}, Status.KILLED, "interrupted"
-        except Exception as exc:  # the launcher's message names the rank and its exception
-            text = str(exc) if type(exc).__name__ == "TrainingError" else f"{type(exc).__name__}: {exc}"
-            result, status, error = {}, Status.FAILED, text
-        if not use_ray and cfg.scaling.num_workers and env_ranks()[2] > 1:
-            # As for a training run (driver._torchrun_rank_done): only a stop is waited out; after
-            # a finished search rank 0's records have no length a peer's wait could bound.
-            stack.callback(leave_process_group, wait_for_peers=status == Status.KILLED)
-        if recorder is None:
-            return AutotuneSummary(status=status, error=error, run_name=cfg.run.name)
-        return recorder.finish(result, status, error, params, out, summary_path)
+    try:
+        result = _launch(cfg, params, use_ray, address, recorder, tracking_uri, session)
+        status, error = Status.FINISHED, None
+    except ConfigError as exc:
+        if use_ray:  # a cluster that never answered: one line and exit 2, as for train and tune
+            raise  # the session closes the parent run FAILED
+        result, status, error = {}, Status.FAILED, f"ConfigError: {exc}"
+    except (KeyboardInterrupt, Exception) as exc:  # the launcher's message names the rank and its exception
+        result, (status, error) = {}, outcome(exc)
+    if not use_ray and cfg.scaling.num_workers and env_ranks()[2] > 1:
+        # As for a training run (driver._torchrun_rank_done): only a stop is waited out; after
+        # a finished search rank 0's records have no length a peer's wait could bound.
+        session.defer(leave_process_group, wait_for_peers=status == Status.KILLED)
+    if recorder is None:
+        return AutotuneSummary(status=status, error=error, run_name=cfg.run.name)
+    summary = recorder.finish(result, status, error, params, out, summary_path)
+    session.close(summary.status)
+    return summary
 
 
 def _named(cfg: BaseConfig) -> BaseConfig:
@@ -126,7 +127,7 @@ def _launch(
     address: str | None,
     recorder: Any,
     tracking_uri: str,
-    stack: Any,
+    session: RunSession,
 ) -> dict[str, Any]:
     on_event = recorder.on_event if recorder else (lambda e: None)
     if not use_ray:
@@ -136,29 +137,46 @@ def _launch(
         return run_search(cfg, local_runtime(cfg, on_event), params)
     from concurrent.futures import ThreadPoolExecutor
 
-    from raylane.driver import _start_ray
     from raylane.loop.startup import StartupTimes
+    from raylane.onray.cluster import start_ray
 
-    pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="raylane-start"))
-    ray_stopper, embedded = _start_ray(cfg, address, pool, stack, StartupTimes())
+    pool = session.enter(ThreadPoolExecutor(1, thread_name_prefix="raylane-start"))
+    ray_stopper = start_ray(cfg, address, pool, StartupTimes())
+    session.defer(ray_stopper.wait)
     from raylane.onray.launch import launch_on_ray
 
     try:
-        ended = launch_on_ray(cfg, None, tracking_uri, on_event, embedded=embedded, search=params)
+        ended = launch_on_ray(
+            cfg,
+            None,
+            tracking_uri,
+            on_event,
+            embedded=ray_stopper.embedded,
+            worker=functools.partial(search_worker, params),
+            restartable=False,
+        )
         return ended if isinstance(ended, dict) else {}  # the search's End result (none: it never ended)
     finally:
         ray_stopper.start()
+
+
+def search_worker(
+    params: dict[str, Any], cfg: BaseConfig, runtime: Runtime, spec: LaunchSpec, startup: dict[str, float]
+) -> None:
+    """The search as a Ray worker group's function (raylane.onray.launch.launch_on_ray's
+    `worker`, with the search's settings bound): the whole search runs in that one group."""
+    from raylane.autotuning.search import run_search
+
+    run_search(cfg, runtime, params)
 
 
 class Recorder:
     """Rank 0's events, on the driver: a line and an MLflow child run per candidate as it ends,
     and at the end the table, the plot, the winner's YAML and the summary."""
 
-    def __init__(self, cfg: BaseConfig, tracking_uri: str, launched: float) -> None:
-        from raylane.tracking.runs import open_run
-
+    def __init__(self, cfg: BaseConfig, tracking_uri: str, launched: float, parent: RunHandle | None) -> None:
         self.cfg, self.tracking_uri, self.launched = cfg, tracking_uri, launched
-        self.parent = open_run(cfg, tracking_uri, cfg.scaling.num_workers) if cfg.mlflow.enabled else None
+        self.parent = parent  # opened and closed by the search's session (raylane.session)
         self.run_ids: list[str | None] = []
         self.search_started: float | None = None
         if self.parent:
@@ -235,7 +253,7 @@ class Recorder:
     ) -> AutotuneSummary:
         """The end of the search: `result` as the search returned it (Search.run), `params` as
         settings() built it."""
-        from raylane.tracking.runs import close_run, ui_command
+        from raylane.tracking.runs import ui_command
 
         settings = SearchSettings.of(params)
         candidates = [Outcome.from_dict(c) for c in result.get("candidates", [])]
@@ -253,7 +271,6 @@ class Recorder:
         self._artifacts(candidates, summary)
         if self.parent:
             self._tag_verdicts(summary.candidates)
-            close_run(self.parent, Status.FINISHED if status == Status.FINISHED else Status.FAILED)
         summary.write(summary_path)
         if best is not None and ranking is not None:
             print(f"[raylane] {chosen_line(candidates, ranking)}; wrote {out} (raylane train {out})", flush=True)

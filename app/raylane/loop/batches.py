@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from raylane.errors import RaylaneError
+
 # Names raylane logs itself in a window's training metrics and progress: a step's metric may not
 # take one of them.
 RESERVED_METRICS = frozenset(
@@ -52,7 +54,7 @@ RESERVED_METRICS = frozenset(
 STEP_ROLE = "step(model, batch)"
 
 
-class BatchFormError(ValueError):
+class BatchFormError(RaylaneError, ValueError):
     """A batch, a model output or a `step` return the loop cannot use: one line saying what was
     expected and what came. raylane.loop.usercode prefixes the pipeline's name."""
 

@@ -9,9 +9,10 @@ import math
 from typing import Any
 
 from raylane.config import EarlyStoppingSection
+from raylane.errors import RaylaneError
 
 
-class EarlyStoppingMetricError(ValueError):
+class EarlyStoppingMetricError(RaylaneError, ValueError):
     """The metric early stopping watches is not among those the evaluation reports."""
 
 

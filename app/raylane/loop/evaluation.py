@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from raylane.errors import RaylaneError
 from raylane.loop.batches import batch_size, call_model, checked_own_loss, form_of, forward_loss, to_device
 from raylane.loop.distributed import all_reduce_max, all_reduce_sums
 from raylane.loop.early_stop import EarlyStopping
@@ -22,7 +23,7 @@ SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a named held-out set
 FAILED = "raylane.failed"  # a sum every rank reduces: how many ranks' evaluation raised
 
 
-class EvaluationFailed(RuntimeError):
+class EvaluationFailed(RaylaneError, RuntimeError):
     """Another rank's evaluation raised: that rank re-raises its own error, the others this one,
     naming it."""
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from raylane.errors import RaylaneError
+
 ENV = "RAYLANE_FAULTS"
 KINDS = ("raise", "nan", "hang", "diskfull", "oom")
 FULL_DEVICE = "/dev/full"
@@ -32,7 +34,7 @@ class Fault:
     batch: int | None = None
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(RaylaneError, RuntimeError):
     pass
 
 

@@ -1,22 +1,24 @@
 """Starting or joining the Ray cluster a run uses, and shutting an embedded one down.
 
-Ray core only: `raylane.driver` imports Ray Train and torch (`raylane.onray.launch`, ~3.5 s of CPU on 2 cores)
-on another thread while `init_ray` starts Ray's processes here."""
+Ray core only: `start_ray` imports Ray Train and torch (`raylane.onray.launch`, ~3.5 s of CPU on 2
+cores) on another thread while `init_ray` starts Ray's processes here."""
 
 from __future__ import annotations
 
-import contextlib
+import importlib
 import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from concurrent.futures import Executor
+from typing import Any
 
 import ray
 
 from raylane import logs, pipelines_ref
 from raylane.clusters.addresses import JOIN_TIMEOUT_S, address_field, join_hint, reported_versions, version_mismatch
 from raylane.config import BaseConfig, ConfigError
+from raylane.session import raise_interrupt
 
 log = logging.getLogger("raylane")
 
@@ -39,6 +41,21 @@ EMBEDDED_ENV_DEFAULTS = {
 }
 EMBEDDED_OBJECT_STORE_BYTES = 512 * 1024**2
 DATA_CPUS = 1.0
+
+
+def start_ray(cfg: BaseConfig, address: str | None, pool: Executor, startup: Any = None) -> RayStopper:
+    """Join the cluster at `address` (as raylane.clusters.local.resolve_address returned it,
+    before Ray's import: raylane.prepare.resolve_address) or start an embedded one, for a launch
+    that trains on it; returns the RayStopper its caller waits on last (`embedded`: whether this
+    process started the cluster, and so stops it). `startup`: the launch's StartupTimes."""
+    # Ray Train and torch import (~3.5 s of CPU on 2 cores) while Ray's processes start:
+    # ray.init mostly waits for them. launch_on_ray's import joins this one.
+    pool.submit(importlib.import_module, "raylane.onray.launch")
+    embedded = init_ray(address, cfg)
+    if startup is not None:
+        startup.mark("ray_init")
+    signal.signal(signal.SIGTERM, raise_interrupt)  # ray.init replaced the launch's own
+    return RayStopper(embedded)
 
 
 def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboard: bool = False) -> bool:
@@ -167,26 +184,6 @@ def _gcs_connected() -> bool:
     return getattr(ray_worker, "_global_node", None) is not None
 
 
-@contextlib.contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt in the main thread while inside, as Ctrl-C does, so that a
-    driver's `except`/`finally` close its MLflow run: a cluster joined from a thread (`join`)
-    installs no handler of Ray's, and the default one ends the process on the spot. (An embedded
-    cluster's ray.init replaces it with Ray's, whose SystemExit does the same.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _interruptible():
     """SIGTERM raises KeyboardInterrupt in this thread while it waits for Ray, where nothing else
     (the driver's handler) would turn it into a graceful stop; returns what undoes that."""
@@ -195,11 +192,7 @@ def _interruptible():
         None,
     ):
         return lambda: None
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
     return lambda: signal.signal(signal.SIGTERM, previous)
 
 
@@ -241,12 +234,12 @@ class RayStopper:
     do not use Ray; `wait` (or a `wait` without `start`, on any early exit) finishes it."""
 
     def __init__(self, embedded: bool) -> None:
-        self._embedded = embedded
+        self.embedded = embedded  # this process started the cluster
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=shutdown_ray, args=(self._embedded,), name="raylane-ray-stop")
+            self._thread = threading.Thread(target=shutdown_ray, args=(self.embedded,), name="raylane-ray-stop")
             self._thread.start()
 
     def wait(self) -> None:

@@ -12,6 +12,7 @@ import ray
 from ray.train import FailureConfig, ScalingConfig
 
 from raylane.config import BaseConfig
+from raylane.errors import RaylaneError
 from raylane.onray.internals import DefaultFailurePolicy, ElasticScalingPolicy, FixedScalingPolicy
 
 # How long the elastic policy waits for a group to hand over before resizing it anyway: a vote,
@@ -22,7 +23,7 @@ HANDOVER_WAIT_S = 300.0
 MAX_HANDOVERS = 1000
 
 
-class NodeLeaving(RuntimeError):
+class NodeLeaving(RaylaneError, RuntimeError):
     """Raised on every rank once the checkpoint agreed after a node's notice is committed: Ray
     Train restarts the group (on the nodes that remain, for an elastic run) from that checkpoint.
     A clean return would end the run."""

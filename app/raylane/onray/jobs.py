@@ -1,8 +1,8 @@
 """`raylane submit` and `app.submit(...)`: run `raylane train` as a Ray job on a cluster, through
 Ray's Jobs SDK (the counterpart of a cloud training estimator's `fit()`).
 
-The config is validated here first, so bad input fails on the laptop with exit 2, not on the
-cluster. This checkout is the job's working directory, minus local state. That directory is a
+The config is validated first (raylane.api.submit, through raylane.prepare), so bad input fails on
+the laptop with exit 2, not on the cluster. This checkout is the job's working directory, minus local state. That directory is a
 temporary copy on the cluster: the MLflow tracking URI and run.storage_path are resolved here, on
 the submitter's machine, so that the run and its checkpoints land where the submitter looks."""
 
@@ -22,8 +22,8 @@ from typing import Any
 
 from raylane.clusters.addresses import JOIN_TIMEOUT_S, jobs_url, on_this_machine, unreachable, version_mismatch
 from raylane.config import BaseConfig, ConfigError
+from raylane.errors import RaylaneError
 from raylane.prechecks import NoAnswer, within, writable_dir
-from raylane.prepare import prepare_submit
 from raylane.results import JOB_STATUSES, Status, SubmitSummary
 from raylane.tracking.runs import DEFAULT_TRACKING_URI, absolute_tracking_uri, local_store
 
@@ -112,39 +112,34 @@ AGENT_WAIT_S = 60.0
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"  # Ray's
 
 
-class SubmitError(RuntimeError):
+class SubmitError(RaylaneError, RuntimeError):
     """The job could not be submitted, for a reason other than the user's input; one line."""
 
 
 def submit(
     config: str,
+    cfg: BaseConfig,
     overrides: Iterable[str] = (),
     *,
     address: str | None = None,
     working_dir: str = ".",
     env_vars: dict[str, str] | None = None,
 ) -> SubmittedRun:
-    """Validate `config` with `overrides` here, then submit `raylane train` as a Ray job that
-    records where the submitter looks: its MLflow tracking URI (MLFLOW_TRACKING_URI, from `env_vars`
-    or this environment; MLflow's default sqlite:///mlflow.db) and `run.storage_path`, resolved
-    here. For a cluster on this machine, relative paths become absolute ones of this machine; a
-    remote cluster needs a tracking server and remote or shared storage (ConfigError otherwise).
-    Bad input, an address that does not answer, or a refused token: ConfigError; any other
-    failure to submit: SubmitError. Each with a one-line message."""
+    """Submit `raylane train config` with `overrides` as a Ray job; `cfg` is that config, checked
+    on this machine (raylane.prepare.prepare_submit: raylane.api.submit calls it). The job records
+    where the submitter looks: its MLflow tracking URI (MLFLOW_TRACKING_URI, from `env_vars` or
+    this environment; MLflow's default sqlite:///mlflow.db) and `run.storage_path`, resolved here.
+    For a cluster on this machine, relative paths become absolute ones of this machine; a remote
+    cluster needs a tracking server and remote or shared storage (ConfigError otherwise). An
+    address that does not answer, or a refused token: ConfigError; any other failure to submit:
+    SubmitError. Each with a one-line message."""
     overrides = list(overrides)
-    # ConfigError before anything leaves this machine; a remote cluster's storage is its own to check.
-    cfg = prepare_submit(config, overrides)
     config = str(config)
     address, given = _address(address)
     url, host, port = jobs_url(address, given)
     env = {k: v for k, v in os.environ.items() if k == "MLFLOW_TRACKING_URI"}
     env.update(env_vars or {})
-    try:
-        here = on_this_machine(host)
-    except OSError as exc:
-        raise ConfigError(
-            f"{given} = {address!r}: cannot resolve host {host!r} ({exc.strerror}); check the address"
-        ) from None
+    here = _here(host, given, address)
     tracking_uri, storage = destinations(cfg, url, here, env.get("MLFLOW_TRACKING_URI"))
     if tracking_uri:
         env["MLFLOW_TRACKING_URI"] = tracking_uri
@@ -159,12 +154,7 @@ def submit(
             "and that the cluster is up"
         )
     entrypoint = shlex.join(["raylane", "train", config, *[x for o in overrides for x in ("--set", o)]])
-    client = job_client(url, given)
-    from ray import __version__ as here
-
-    # The Jobs SDK keeps the version the server reported (raylane.onray.internals lists it).
-    if why := version_mismatch(given, address, getattr(client, "_server_ray_version", None), here):
-        raise ConfigError(why)  # before the job: its driver would run the cluster's Ray, not this one's
+    client = _same_ray(job_client(url, given), given, address)
     job_id = _submit_job(
         client, given, url, entrypoint, {"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env}
     )
@@ -177,6 +167,27 @@ def submit(
         storage_path=storage,
         run_name=cfg.run.name,
     )
+
+
+def _here(host: str, given: str, address: str) -> bool:
+    """Whether the cluster's jobs API is on this machine; ConfigError when its host does not resolve."""
+    try:
+        return on_this_machine(host)
+    except OSError as exc:
+        raise ConfigError(
+            f"{given} = {address!r}: cannot resolve host {host!r} ({exc.strerror}); check the address"
+        ) from None
+
+
+def _same_ray(client: Any, given: str, address: str) -> Any:
+    """`client`, once the cluster's Ray is known to be this one's: a job's driver would run the
+    cluster's Ray, not this one's (ConfigError before the job)."""
+    from ray import __version__ as here
+
+    # The Jobs SDK keeps the version the server reported (raylane.onray.internals lists it).
+    if why := version_mismatch(given, address, getattr(client, "_server_ray_version", None), here):
+        raise ConfigError(why)
+    return client
 
 
 def _paths_here(config: str, overrides: list[str]) -> list[str]:

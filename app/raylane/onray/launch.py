@@ -1,4 +1,5 @@
-"""Ray launcher: runs `raylane.loop.run.run_worker` on Ray Train V2 workers (one per GPU; gloo on CPU).
+"""Ray launcher: runs the worker function it is handed (`train_worker`: raylane.loop.run.run_worker)
+on Ray Train V2 workers (one per GPU; gloo on CPU).
 
 This is where Ray lives for training: the embedded or joined cluster, the TorchTrainer, the
 `RayRuntime` the loop sees, and the small actor through which rank 0's progress reaches the
@@ -24,6 +25,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raylane import logs
 from raylane.config import BaseConfig, validate
 from raylane.config.batching import world_sizes
+from raylane.errors import TrainingError
 from raylane.loop import preemption
 from raylane.loop.distributed import node_layout
 from raylane.loop.events import End, Event, Handover, Log, Startup
@@ -48,10 +50,6 @@ EVENT_POLL_S = 0.25
 DRIVER_STOP_POLL_S = 0.5
 DRAIN_POLL_S = 0.5  # Ray Train polls node drains every 5 s itself
 LISTENER_STOP_GRACE_S = 60.0
-
-
-class TrainingError(RuntimeError):
-    """The run failed; the message names the failing rank(s) and their exceptions."""
 
 
 @ray.remote(num_cpus=0)
@@ -211,7 +209,7 @@ class _RaylaneTorchBackend(TorchBackend):
 @dataclasses.dataclass
 class _RaylaneTorchConfig(TorchConfig):
     """TorchConfig whose workers turn SIGTERM into a graceful stop (see raylane.loop.preemption).
-    `restarts`: the group restarts without a leaving node (see `_restarts`)."""
+    `restarts`: the group restarts without a leaving node (see `LaunchSpec.restarts`)."""
 
     restarts: bool = False
 
@@ -229,17 +227,17 @@ class _RaylaneTorchTrainer(TorchTrainer):
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         failures = self.run_config.failure_config or FailureConfig()
         controller_init_kwargs["failure_policy"] = HandoverFailurePolicy(failures)
-        sizes = self.train_loop_config.get("world_sizes")
-        if self.scaling_config.elasticity_enabled and sizes:
+        spec = launch_spec(self.train_loop_config)
+        if self.scaling_config.elasticity_enabled and spec.world_sizes:
             controller_init_kwargs["scaling_policy"] = HeldBatchElasticPolicy(
-                self.scaling_config, sizes, self.train_loop_config.get("sink")
+                self.scaling_config, spec.world_sizes, spec.sink
             )
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     def _create_default_callbacks(self):
         from raylane.onray.internals import DatasetsCallback
 
-        callbacks = [*super()._create_default_callbacks(), _ControllerStarted(self.train_loop_config["sink"])]
+        callbacks = [*super()._create_default_callbacks(), _ControllerStarted(launch_spec(self.train_loop_config).sink)]
         return callbacks if self.datasets else [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
 
 
@@ -275,18 +273,44 @@ class _EmbeddedTorchTrainer(_DriverTorchTrainer):
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
 
-def _restarts(cfg: BaseConfig, search: dict[str, Any] | None) -> bool:
-    """Whether the group restarts without a node that leaves, rather than the run stopping."""
-    return max_failures(cfg) != 0 and not search
+# The key of Ray Train's `train_loop_config` under which the workers get their LaunchSpec.
+SPEC_KEY = "spec"
 
 
-def _train_fn(loop_config: dict[str, Any]) -> None:
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    """What the driver hands each Ray Train worker (in Ray Train's `train_loop_config`, pickled
+    across Ray): the run's config, the function the worker group runs (`worker`, as Ray Train
+    takes `train_loop_per_worker`: `train_worker` for a training run, autotune's search for a
+    search), and what connects the workers to the driver."""
+
+    config: dict[str, Any]  # the run's config as JSON, validated again on the worker (its pipeline's own class)
+    worker: Worker
+    sink: Any  # the driver's EventSink actor
+    driver: ProcessId  # the process whose end stops the workers (raylane.onray.leftovers)
+    run_id: str | None = None  # the MLflow run rank 0 logs metrics to
+    tracking_uri: str = ""
+    streams: dict[str, int | None] = dataclasses.field(default_factory=dict)  # Ray Datasets: name -> rows per epoch
+    verbose: bool = False  # the workers' own output reaches the driver (raylane.logs)
+    world_sizes: list[int] | None = None  # an elastic run's sizes that hold the global batch
+    restarts: bool = False  # the group restarts without a node that leaves, rather than the run stopping
+
+
+# A worker group's function: (the run's config, the worker's runtime, the launch, its start-up
+# phases so far) -> None. Its results reach the driver as rank 0's events (an End).
+Worker = Callable[[BaseConfig, RayRuntime, LaunchSpec, dict[str, float]], None]
+
+
+def launch_spec(train_loop_config: dict[str, Any]) -> LaunchSpec:
+    """The LaunchSpec inside Ray Train's `train_loop_config` (on the driver, and on a worker)."""
+    return train_loop_config[SPEC_KEY]
+
+
+def _train_fn(train_loop_config: dict[str, Any]) -> None:
     # Ray logs every report and checkpoint at INFO; the driver's display already shows them.
     # (One of those loggers is named after its file path, not its module.)
-    from raylane.loop.run import run_worker
     from raylane.loop.startup import process_start_unix
     from raylane.onray.internals import train_context_module as ray_train_context
-    from raylane.tracking.runs import rank_zero_logger
 
     startup = {
         "worker_process": process_start_unix(),
@@ -297,24 +321,24 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     for name in ("ray.train", ray_train_context.__file__):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    cfg = validate(loop_config["config"])
+    spec = launch_spec(train_loop_config)
+    cfg = validate(spec.config)
     runtime = RayRuntime(
-        loop_config["sink"],
-        cfg.scaling.use_gpu,
-        loop_config.get("streams"),
-        restarts=_restarts(cfg, loop_config.get("search")),
-        driver=loop_config.get("driver"),
+        spec.sink, cfg.scaling.use_gpu, spec.streams, restarts=spec.restarts, driver=dataclasses.asdict(spec.driver)
     )
-    _relay_warnings(runtime, loop_config.get("verbose", False))
-    if loop_config.get("search"):  # `raylane autotune`: the whole search in this one worker group
-        from raylane.autotuning.search import run_search
+    _relay_warnings(runtime, spec.verbose)
+    spec.worker(cfg, runtime, spec, {k: v for k, v in startup.items() if v is not None})
 
-        run_search(cfg, runtime, loop_config["search"])
-        return
+
+def train_worker(cfg: BaseConfig, runtime: RayRuntime, spec: LaunchSpec, startup: dict[str, float]) -> None:
+    """A training run's worker (`raylane train`, a sweep's trial): raylane.loop.run.run_worker."""
+    from raylane.loop.run import run_worker
+    from raylane.tracking.runs import rank_zero_logger
+
     metric_logger = None
-    if runtime.rank == 0 and loop_config.get("run_id"):
-        metric_logger = rank_zero_logger(cfg, loop_config["tracking_uri"], loop_config["run_id"])
-    result = run_worker(cfg, runtime, metric_logger, {k: v for k, v in startup.items() if v is not None})
+    if runtime.rank == 0 and spec.run_id:
+        metric_logger = rank_zero_logger(cfg, spec.tracking_uri, spec.run_id)
+    result = run_worker(cfg, runtime, metric_logger, startup)
     if result.growing:
         # Checkpointed for a larger group: Ray's elastic policy now stops this one and starts
         # that (a return would end the run). Should it not come, a restart does the same.
@@ -429,31 +453,38 @@ def launch_on_ray(
     on_event: Callable[[Event], None],
     *,
     embedded: bool,
+    worker: Worker,
     in_trial: bool = False,
-    search: dict[str, Any] | None = None,
+    restartable: bool = True,
 ) -> RunResult | dict[str, Any] | None:
-    """Train on the connected cluster (see `raylane.onray.cluster.init_ray`); the caller shuts Ray
-    down. `in_trial`: a Tune trial's run, whose controller Tune may kill while the sweep goes on.
-    `search`: run `raylane autotune`'s search in the worker group instead (raylane.autotuning.search)."""
+    """Run `worker` on a worker group of the connected cluster (see
+    `raylane.onray.cluster.start_ray`), passing rank 0's events to `on_event`; returns what rank
+    0's End carried (a training run's RunResult, a search's outcome), None when no End came. The
+    caller shuts Ray down. `in_trial`: a Tune trial's run, whose controller Tune may kill while the
+    sweep goes on. `restartable`: the group may restart without a node that leaves
+    (failure.max_failures permitting), as a training run's does; a search's does not."""
     sink = _event_sink()
     resources = {"CPU": cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
         resources["GPU"] = cfg.scaling.gpus_per_worker
     trainer_cls = _RaylaneTorchTrainer if in_trial else _EmbeddedTorchTrainer if embedded else _DriverTorchTrainer
     datasets, streams = _ray_datasets(cfg)
+    restarts = max_failures(cfg) != 0 and restartable
+    spec = LaunchSpec(
+        config=cfg.model_dump(mode="json"),
+        worker=worker,
+        sink=sink,
+        driver=ProcessId.here(),
+        run_id=run_id,
+        tracking_uri=tracking_uri,
+        streams=streams,
+        verbose=logs.verbose(),
+        world_sizes=world_sizes(cfg) if cfg.scaling.elastic else None,
+        restarts=restarts,
+    )
     trainer = trainer_cls(
         _train_fn,
-        train_loop_config={
-            "config": cfg.model_dump(mode="json"),
-            "sink": sink,
-            "streams": streams,
-            "run_id": run_id,
-            "tracking_uri": tracking_uri,
-            "verbose": logs.verbose(),
-            "search": search,
-            "world_sizes": world_sizes(cfg) if cfg.scaling.elastic else None,
-            "driver": dataclasses.asdict(ProcessId.here()),
-        },
+        train_loop_config={SPEC_KEY: spec},
         datasets=datasets,
         **({"dataset_config": _stream_split()} if datasets else {}),
         scaling_config=ScalingConfig(
@@ -462,7 +493,7 @@ def launch_on_ray(
             resources_per_worker=resources,
             elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s,
         ),
-        torch_config=_RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s, restarts=_restarts(cfg, search)),
+        torch_config=_RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s, restarts=restarts),
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=cfg.run.storage_path,

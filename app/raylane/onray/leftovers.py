@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psutil
 
+from raylane.errors import RaylaneError
 from raylane.paths import home
 
 log = logging.getLogger("raylane")
@@ -78,7 +79,7 @@ def _pid_namespace() -> int:
         return 0
 
 
-class DriverGone(RuntimeError):
+class DriverGone(RaylaneError, RuntimeError):
     """The run's driver ended without stopping its workers: nothing more is written."""
 
 

@@ -12,6 +12,7 @@ from ray.tune.result import AUTO_RESULT_KEYS
 
 from raylane.config import ConfigError
 from raylane.config.sweep import SweepSection
+from raylane.results import Status
 from raylane.sweeps.results import find_child
 from raylane.tracking.runs import RunHandle, close_run, mlflow_client
 
@@ -86,7 +87,7 @@ class TrialRuns(tune.Callback):
             if run.info.status == "RUNNING":
                 close_run(
                     RunHandle(run.info.run_id, self.parent.experiment_id, self.parent.tracking_uri, False),
-                    "FAILED" if failed else ("KILLED" if epochs < self.max_epochs else "FINISHED"),
+                    Status.FAILED if failed else (Status.KILLED if epochs < self.max_epochs else Status.FINISHED),
                 )
         except Exception as exc:  # noqa: BLE001 - records must not stop the sweep
             log.warning("MLflow: could not close trial %s: %s", trial.trial_id, exc)
@@ -102,7 +103,7 @@ def stopped_early(status: str, failed: bool, epochs: int, max_epochs: int) -> bo
     """Whether Tune ended a trial before its run did (a scheduler's or stopper's stop), from its
     MLflow run's status when Tune ends it. A trial whose Train run returned closed that run
     FINISHED itself: it ran its course, at max_epochs or at train.max_steps before it."""
-    return not failed and status != "FINISHED" and epochs < max_epochs
+    return not failed and status != Status.FINISHED and epochs < max_epochs
 
 
 def eval_metrics(result: dict[str, Any]) -> dict[str, float]:

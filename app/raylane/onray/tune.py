@@ -34,6 +34,7 @@ from raylane.onray.cluster import data_cpus
 from raylane.onray.sweep_plan import param_space, search_alg, trials_text
 from raylane.onray.trials import MetricReported, TrialRuns
 from raylane.results import Status, SweepSummary
+from raylane.session import RunSession, interrupts, ran
 from raylane.sweeps import results as sweep_results
 from raylane.sweeps.objective import Objective
 from raylane.sweeps.record import fresh_sweep_name, resolved, sweep_folder, write_record
@@ -42,7 +43,6 @@ from raylane.tracking.progress import plural
 from raylane.tracking.runs import (
     RUN_NAME_TAG,
     RunHandle,
-    close_run,
     mlflow_client,
     resolve_tracking_uri,
     run_tags,
@@ -237,7 +237,7 @@ def _record_values(client: Any, run_id: str, params: dict[str, Any], donor: dict
 
 def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     """One trial: a Ray Train run of the base config with `params`, reporting every epoch."""
-    from raylane.onray.launch import launch_on_ray
+    from raylane.onray.launch import launch_on_ray, train_worker
 
     # The next trial reuses this process once this function has returned, and Tune waits only 2 s
     # for that: a trial ASHA stopped takes longer to stop its worker group on a busy machine, and
@@ -247,61 +247,81 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     parent = RunHandle(**context["parent"])
     trial_id = tune.get_context().get_trial_id()
     cfg, donor = _trial_run_config(sweep, trial_config(base, params, sweep.global_batch), f"{sweep.name}-{trial_id}")
-    name = cfg.run.name
     client = mlflow_client(parent.tracking_uri)
     run_id = _child(client, parent, trial_id, sweep, cfg, params)
     _record_values(client, run_id, params, donor)
+    reports = _Reports(sweep, cfg, trial_id, run_id, donor)
+    with RunSession() as session:  # the trial's child run, closed on every way out
+        session.track(RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False))
+        try:
+            ended = launch_on_ray(
+                cfg, run_id, parent.tracking_uri, reports.on_event, embedded=False, in_trial=True, worker=train_worker
+            )
+        except SystemExit:  # tune.report's way of saying the scheduler stopped this trial
+            session.close(_stopped(client, run_id, reports.epoch, cfg.train.epoch_limit))
+            raise
+        result = ended if isinstance(ended, RunResult) else None  # None: no End came
+        if result is not None:  # the trial's whole-run throughput, named as a train run's (the runs table's column)
+            for key, value in result.rates().items():
+                client.log_metric(run_id, f"run/{key}", value, step=result.steps)
+        session.close(ran(bool(result and result.preempted)))
+    reports.last(result)
 
-    reported: dict[str, Any] = {"epoch": 0, "step": None}
 
-    def report(metrics: dict[str, float], epoch: int, step: int, location: str | None) -> None:
-        reported.update(epoch=epoch, step=step)
+def _stopped(client: Any, run_id: str, epoch: int, epochs: int) -> Status:
+    """The status of a trial the scheduler stopped at `epoch`: FINISHED when it had run every
+    epoch, else KILLED and tagged as stopped early (its last evaluation is recorded by the
+    driver: TrialRuns, which this may not outlive)."""
+    if epoch >= epochs:
+        return Status.FINISHED
+    client.set_tag(run_id, "raylane.early_stopped", "true")
+    client.set_tag(run_id, "raylane.stopped_at_epoch", str(epoch))
+    return Status.KILLED
+
+
+class _Reports:
+    """What a trial tells Tune: its objective at each epoch end, with a checkpoint that points at
+    raylane's own checkpoint (which ASHA stops on and PBT copies between trials)."""
+
+    def __init__(
+        self, sweep: SweepSection, cfg: BaseConfig, trial_id: str, run_id: str, donor: dict[str, Any] | None
+    ) -> None:
+        self.objective = Objective(sweep)
+        self.cfg, self.trial_id, self.run_id, self.donor = cfg, trial_id, run_id, donor
+        self.epoch: int = 0  # the last report's
+        self.step: int | None = None
+
+    def report(self, metrics: dict[str, float], epoch: int, step: int, location: str | None) -> None:
+        self.epoch, self.step = epoch, step
         with tempfile.TemporaryDirectory() as d:
             (Path(d) / POINTER_FILE).write_text(
-                json.dumps({"location": location, "run_name": name, "trial_id": trial_id, "step": step})
+                json.dumps(
+                    {"location": location, "run_name": self.cfg.run.name, "trial_id": self.trial_id, "step": step}
+                )
             )
             tune.report(
                 {
-                    **metrics,
+                    **self.objective(metrics),
                     "epoch": epoch,
                     "step": step,
                     "checkpoint_location": location,
-                    "run_id": run_id,
-                    "exploited": bool(donor),
+                    "run_id": self.run_id,
+                    "exploited": bool(self.donor),
                 },
                 checkpoint=tune.Checkpoint.from_directory(d) if location else None,
             )
 
-    objective = Objective(sweep)
-
-    def on_event(event: Event) -> None:
+    def on_event(self, event: Event) -> None:
         # Tune sees epoch ends only: every trial reports at the same points. Not the last one,
-        # reported once the run has returned (below): a scheduler's stop there (ASHA at max_t)
+        # reported once the run has returned (`last`): a scheduler's stop there (ASHA at max_t)
         # would tear the finished run down before its end-of-run records.
-        if isinstance(event, Checkpoint) and event.metrics and event.epoch < cfg.train.epoch_limit:
-            report(objective({**event.speed, **event.metrics}), event.epoch, event.step, event.location)
+        if isinstance(event, Checkpoint) and event.metrics and event.epoch < self.cfg.train.epoch_limit:
+            self.report({**event.speed, **event.metrics}, event.epoch, event.step, event.location)
 
-    handle = RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False)
-    try:
-        ended = launch_on_ray(cfg, run_id, parent.tracking_uri, on_event, embedded=False, in_trial=True)
-    except SystemExit:  # tune.report's way of saying the scheduler stopped this trial
-        # (its last evaluation is recorded by the driver: TrialRuns, which this may not outlive)
-        finished = reported["epoch"] >= cfg.train.epoch_limit
-        if not finished:
-            client.set_tag(run_id, "raylane.early_stopped", "true")
-            client.set_tag(run_id, "raylane.stopped_at_epoch", str(reported["epoch"]))
-        close_run(handle, "FINISHED" if finished else "KILLED")
-        raise
-    except BaseException:
-        close_run(handle, "FAILED")
-        raise
-    result = ended if isinstance(ended, RunResult) else None  # None: no End came
-    if result is not None:  # the trial's whole-run throughput, named as a train run's (the runs table's column)
-        for key, value in result.rates().items():
-            client.log_metric(run_id, f"run/{key}", value, step=result.steps)
-    close_run(handle, "KILLED" if result and result.preempted else "FINISHED")
-    if result and result.metrics and reported["step"] != result.steps:  # the last epoch, or a max_steps stop
-        report(objective({**result.speed(), **result.metrics}), result.epochs, result.steps, result.checkpoint)
+    def last(self, result: RunResult | None) -> None:
+        """The run's end, unless an epoch end reported it: the last epoch, or a max_steps stop."""
+        if result is not None and result.metrics and self.step != result.steps:
+            self.report({**result.speed(), **result.metrics}, result.epochs, result.steps, result.checkpoint)
 
 
 # -- the driver --------------------------------------------------------------------------------
@@ -313,30 +333,24 @@ def run_sweep(
     """Run (or continue) the sweep on the cluster at `address` (as resolved by
     raylane.clusters.local.resolve_address; None: an embedded one); returns its summary, whose
     `status` is FINISHED when every trial ended cleanly and FAILED otherwise. Every way out closes
-    the sweep's MLflow parent run (KILLED on SIGTERM or Ctrl-C) and gives its lease back."""
-    from raylane.onray.cluster import init_ray, shutdown_ray, sigterm_interrupts
+    the sweep's MLflow parent run (KILLED on SIGTERM or Ctrl-C) and gives its lease back (its
+    session: raylane.session)."""
+    from raylane.onray.cluster import init_ray, shutdown_ray
 
     tracking_uri = resolve_tracking_uri()
     base = resolved(base)
-    lease = _lease(sweep, base)  # one writer per sweep: before its records or its MLflow run
-    parent, embedded = None, False
-    try:
-        with sigterm_interrupts():  # a joined cluster installs no handler of Ray's: ours, throughout
-            parent = open_parent(sweep, base, tracking_uri)
+    with RunSession() as session:
+        _lease(sweep, base, session)  # one writer per sweep: before its records or its MLflow run
+        with interrupts():  # a joined cluster installs no handler of Ray's: ours, throughout
+            parent = session.open(open_parent, sweep, base, tracking_uri)
             write_record(sweep, base, "RUNNING", parent_run_id=parent.run_id)
             per_trial = trial_resources(base)["CPU"]
             embedded = init_ray(
                 address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)), dashboard=True
             )
-            summary, rows, best = _sweep(sweep, base, parent, embedded, tracking_uri, register)
-    except BaseException as exc:
-        if parent is not None:
-            close_run(parent, "FAILED" if isinstance(exc, Exception) else "KILLED")
-        raise
-    finally:
-        if embedded:
-            shutdown_ray(embedded)
-        lease.release()
+            if embedded:
+                session.defer(shutdown_ray, embedded)
+            summary, rows, best = _sweep(sweep, base, session, parent, embedded, register)
     summary.write(summary_path)
     print(sweep_results.table(rows, sweep), flush=True)
     if best:
@@ -349,7 +363,7 @@ def run_sweep(
 
 
 def _sweep(
-    sweep: SweepSection, base: BaseConfig, parent: RunHandle, embedded: bool, tracking_uri: str, register: str | None
+    sweep: SweepSection, base: BaseConfig, session: RunSession, parent: RunHandle, embedded: bool, register: str | None
 ) -> tuple[SweepSummary, list[dict[str, Any]], dict[str, Any] | None]:
     """The trials on the cluster Ray joined, and their results on the parent run: (summary,
     rows, best trial)."""
@@ -375,7 +389,7 @@ def _sweep(
         {
             "status": status,
             "parent_run_id": parent.run_id,
-            "tracking_uri": tracking_uri,
+            "tracking_uri": parent.tracking_uri,
             "sweep": sweep.name,
             "error": f"{len(grid.errors)} of {len(rows)} trials failed ({', '.join(failed)})" if grid.errors else None,
             "best": best,
@@ -385,19 +399,17 @@ def _sweep(
             **sweep_results.record_parent(parent, sweep, rows, best, register),
         }
     )
-    close_run(parent, status)
+    session.close(status)
     write_record(sweep, base, status, parent_run_id=parent.run_id, best=best, trials=len(rows))
     return summary, rows, best
 
 
-def _lease(sweep: SweepSection, base: BaseConfig) -> Any:
-    """The sweep folder's lease (raylane.lease); ConfigError when another launch holds it."""
-    from raylane.lease import NoLease, acquire
-
+def _lease(sweep: SweepSection, base: BaseConfig, session: RunSession) -> None:
+    """The sweep folder's lease (raylane.lease), into `session`; ConfigError when another launch
+    holds it. A sweep on object storage takes none."""
     folder = sweep_folder(sweep, base)
-    if folder is None:
-        return NoLease()
-    return acquire(folder, f"sweep {sweep.name!r}", "sweep.name", sweep.name, lambda: fresh_sweep_name(folder))
+    if folder is not None:
+        session.lease(folder, f"sweep {sweep.name!r}", "sweep.name", sweep.name, lambda: fresh_sweep_name(folder))
 
 
 def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: int, stopper: tune.Stopper):

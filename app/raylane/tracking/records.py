@@ -17,6 +17,7 @@ from typing import Any
 from raylane.config import BaseConfig
 from raylane.loop.events import Checkpoint, End, Event, FirstStep, Start
 from raylane.loop.result import RunResult
+from raylane.results import Status
 from raylane.tracking.runs import MetricLogger, RunHandle, mlflow_client
 
 log = logging.getLogger("raylane.tracking")
@@ -81,7 +82,7 @@ class RunRecorder:
         if rates := {f"run/{k}": v for k, v in result.rates().items()}:
             self._logger.log(rates, result.steps)
 
-    def finish(self, status: str, checkpoint: str | None, register: str | None) -> dict[str, Any]:
+    def finish(self, status: Status, checkpoint: str | None, register: str | None) -> dict[str, Any]:
         """Before the run is closed. Returns what was recorded (model URI, registered version)."""
         self._logger.close()
         if self._prewarming is not None:
@@ -94,7 +95,7 @@ class RunRecorder:
         )
         if checkpoint and self.cfg.mlflow.log_checkpoints == "artifacts":
             attempt("checkpoint artifacts", lambda: _log_checkpoint_files(client, self.handle, checkpoint))
-        if status == "FINISHED" and checkpoint and self.cfg.mlflow.log_model:
+        if status == Status.FINISHED and checkpoint and self.cfg.mlflow.log_model:
             out.update(attempt("model", lambda: log_model(self.handle, checkpoint, register)) or {})
         attempt("plots", lambda: log_plots(client, self.handle))
         return out

@@ -16,8 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raylane.errors import RaylaneError
 
-class CheckpointSaveError(RuntimeError):
+
+class CheckpointSaveError(RaylaneError, RuntimeError):
     """A checkpoint could not be written; raised on every rank alike. Nothing was committed, so
     the previous checkpoint is still the latest valid one."""
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raylane.errors import RaylaneError
 from raylane.loop.aliases import aliases, unexplained, without_aliases
 from raylane.loop.checkpoint.agree import describe
 from raylane.loop.checkpoint.manifest import MANIFEST_FILE, read_manifest
@@ -22,7 +23,7 @@ from raylane.loop.checkpoint.state import STATE_FILE, dcp, model_shapes, replica
 from raylane.loop.frozen import base_of, frozen_names, mismatch, saved_part
 
 
-class CheckpointLoadError(RuntimeError):
+class CheckpointLoadError(RaylaneError, RuntimeError):
     """A committed checkpoint that this model and optimizer cannot load; raised on every rank."""
 
 

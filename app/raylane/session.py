@@ -1,0 +1,247 @@
+"""One launch's lifecycle, whichever kind of launch it is: a training run (raylane.driver), a sweep
+and each of its trials (raylane.onray.tune), a search (raylane.autotuning.driver).
+
+Each takes the lease on its folder, opens its MLflow run, closes that run exactly once on every
+way out with the one status mapping below (`status_of`: nothing raised is FINISHED, an error
+FAILED, an interrupt KILLED), turns SIGTERM into the same interrupt as Ctrl-C, and says a failure
+in one line (`failure_text`). Ray-free: starting Ray is raylane.onray.cluster.start_ray's."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
+from contextlib import ExitStack
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from raylane.config import BaseConfig, ConfigError
+from raylane.results import Status
+from raylane.runrecord import closing_status, fresh_name, fresh_start, run_folder
+
+if TYPE_CHECKING:
+    from raylane.tracking.runs import RunHandle
+
+log = logging.getLogger("raylane")
+
+T = TypeVar("T")
+
+INTERRUPTED = "interrupted"  # the error of a launch a signal ended
+
+
+def status_of(exc: BaseException | None) -> Status:
+    """The status a launch ends with, from what ended it: FINISHED when nothing was raised, FAILED
+    for an error, KILLED for an interrupt (Ctrl-C; SIGTERM, raised as KeyboardInterrupt here;
+    Ray's SystemExit)."""
+    if exc is None:
+        return Status.FINISHED
+    return Status.FAILED if isinstance(exc, Exception) else Status.KILLED
+
+
+def ran(preempted: bool) -> Status:
+    """The status of a run that returned: KILLED when a signal or a notice stopped it gracefully
+    (checkpointed, to resume), else FINISHED."""
+    return Status.KILLED if preempted else Status.FINISHED
+
+
+def outcome(exc: BaseException) -> tuple[Status, str]:
+    """(status, the one line the summary shows) for a launch that `exc` ended."""
+    if not isinstance(exc, Exception):
+        return Status.KILLED, INTERRUPTED
+    return Status.FAILED, failure_text(exc)
+
+
+def failure_text(exc: Exception) -> str:
+    """The one line a failed launch's summary shows; the whole traceback goes to the library log
+    (on Ray, the ranks' tracebacks were logged as they arrived: raylane.onray.launch)."""
+    from raylane.errors import DataError, TrainingError
+    from raylane.logs import record_traceback
+    from raylane.pipelines_ref import UserCodeError
+
+    if isinstance(exc, TrainingError):
+        return str(exc)
+    record_traceback("the run failed:", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    if isinstance(exc, (UserCodeError, DataError)):  # complete as they are: the function or data, and the place
+        return str(exc)
+    lines = str(exc).strip().splitlines() or [""]
+    return f"{type(exc).__name__}: {lines[0]}" + (" (the rest in the library log)" if len(lines) > 1 else "")
+
+
+def raise_interrupt(signum: int, frame: Any) -> None:
+    """A signal handler: SIGTERM ends a launch as Ctrl-C does, through its `except`s and `finally`s."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the main thread while inside, as Ctrl-C does, so that a
+    launch's session closes its MLflow run: a cluster joined from a thread
+    (raylane.onray.cluster.join) installs no handler of Ray's, and the default one ends the process
+    on the spot. (An embedded cluster's ray.init replaces it with Ray's, whose SystemExit does the
+    same.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class RunSession:
+    """One launch, from its lease to its MLflow run's close: a training run's, a sweep's parent
+    run, a trial's child run, a search's parent run. Used as a context manager: every way out of
+    the block closes the MLflow run exactly once, with the status given to `close` or else the one
+    `status_of` gives for how the block ended (KILLED or FAILED when a signal or an error cuts the
+    launch short: while Ray starts, or while the end-of-run records, seconds of them, are
+    written), then runs what `defer` and `enter` registered (Ray's shutdown, a pool, ...), latest
+    first: the lease, taken first, is given back last.
+
+    A run opened on a pool (`open_on`) overlaps with the launch's start; if it is still
+    being opened at the close, the thread opening it closes it once it is open, so that a second
+    signal cannot keep it from being closed. `closing` maps the status a run is closed with
+    (`closes_as_run`: a training run recorded FINISHED stays FINISHED)."""
+
+    def __init__(self) -> None:
+        self._stack = ExitStack()
+        self.closing: Callable[[Status], Status] = lambda status: status
+        self._run: Future[RunHandle] | None = None
+        self.closed = False
+        self.status: Status | None = None  # the status the MLflow run was closed with
+
+    def closes_as_run(self, cfg: BaseConfig) -> None:
+        """The MLflow run is the training run `cfg` names: one recorded FINISHED stays FINISHED
+        whatever this launch did (raylane.prechecks.closing_status)."""
+        self.closing = lambda status: Status(closing_status(cfg, status))
+
+    # -- the lease --------------------------------------------------------------------------
+
+    def lease(self, folder: Path | None, what: str, field: str, value: str, fresh: Callable[[], str]) -> None:
+        """One writer per folder, held until the session ends (raylane.lease); ConfigError naming
+        the holder when another launch holds it. None: a folder on object storage, not leased."""
+        from raylane.lease import acquire
+
+        if folder is not None:
+            self._stack.callback(acquire(folder, what, field, value, fresh).release)
+
+    # -- the MLflow run ---------------------------------------------------------------------
+
+    def open(self, opener: Callable[..., RunHandle], *args: Any) -> RunHandle:
+        """Open the launch's MLflow run with `opener(*args)`, here: what opening it raises, the
+        launch raises."""
+        handle = opener(*args)
+        self.track(handle)
+        return handle
+
+    def open_on(self, pool: Executor, opener: Callable[..., RunHandle], *args: Any) -> None:
+        """Open the launch's MLflow run with `opener(*args)` on `pool`, while the launch starts;
+        `handle` waits for it."""
+        self._run = pool.submit(opener, *args)
+
+    def track(self, handle: RunHandle) -> None:
+        """Close `handle`, a run opened elsewhere (a trial's child run), as this session's."""
+        future: Future[RunHandle] = Future()
+        future.set_result(handle)
+        self._run = future
+
+    def handle(self) -> RunHandle | None:
+        """The open MLflow run, or None: none was opened, or (with a warning) the tracking server
+        could not be reached: a launch does not wait for tracking."""
+        if self._run is None:
+            return None
+        try:
+            return self._run.result()
+        except Exception as exc:  # noqa: BLE001
+            # MLflow's message runs to several hundred characters of retries and URLs: the cause is its errno's.
+            errno = re.search(r"\[Errno -?\d+\] ([^\"')]+)", str(exc))
+            cause = errno.group(1).strip() if errno else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            from raylane.tracking.runs import resolve_tracking_uri
+
+            log.warning("MLflow at %s cannot be reached (%s): training without tracking", resolve_tracking_uri(), cause)
+            return None
+
+    def close(self, status: Status) -> None:
+        """Close the MLflow run with `status` (the first call only)."""
+        if self.closed or self._run is None:
+            return
+        from raylane.tracking.runs import close_run
+
+        self.closed = True
+        self.status = final = self.closing(Status(status))
+
+        def closed_once_open(opened: Future[RunHandle]) -> None:
+            if opened.exception() is None:  # else there is no run: tracking was unreachable
+                close_run(opened.result(), final)
+
+        self._run.add_done_callback(closed_once_open)
+
+    # -- the rest of the way out --------------------------------------------------------------
+
+    def defer(self, callback: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Call `callback` on the way out, after the MLflow run's close, before the lease's."""
+        self._stack.callback(callback, *args, **kwargs)
+
+    def enter(self, context: contextlib.AbstractContextManager[T]) -> T:
+        """Enter `context` for the rest of the session; it is exited as `defer`'s callbacks are."""
+        return self._stack.enter_context(context)
+
+    def __enter__(self) -> RunSession:  # noqa: PYI034 - never subclassed
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
+        if exc is not None:
+            self.close(status_of(exc))
+        self._stack.__exit__(kind, exc, tb)
+        return False  # what ended the launch goes on up
+
+
+def finalize_run(cfg: BaseConfig, session: RunSession, is_driver: bool) -> BaseConfig:
+    """Fill what the driver decides, the run name (agreed by all torchrun ranks), and take the
+    run's lease into `session`: ConfigError, on every rank, when another launch holds it."""
+    named = cfg.run.name is not None
+    cfg = cfg.with_run_name()
+    error = None
+    if is_driver:
+        # A name the user gave, found nowhere here: most likely a relaunch from another folder
+        # (outputs are relative to the working directory). A generated name is always new.
+        if named and (line := fresh_start(cfg)):
+            log.info("%s", line)
+        try:
+            name = str(cfg.run.name)  # with_run_name named it
+            session.lease(run_folder(cfg), f"run {name!r}", "run.name", name, lambda: fresh_name(cfg))
+        except ConfigError as exc:
+            error = str(exc)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        agreed = [cfg.run.name, error]
+        dist.broadcast_object_list(agreed, src=0)  # rank 0's generated name wins
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": agreed[0]})})
+        error = agreed[1]
+    if error:
+        raise ConfigError(error)
+    storage = cfg.run.storage_path
+    if "://" not in storage:
+        storage = str(Path(storage).expanduser().resolve())
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_path": storage})})
+
+
+def not_started(session: RunSession, exc: BaseException) -> None:
+    """Ray could not be started or joined, or a signal came while the launch waited for it. An
+    interrupt ends the launch KILLED, as one during training does, with one line; anything else
+    is raised again (FAILED)."""
+    status = status_of(exc)
+    session.close(status)
+    if status != Status.KILLED:
+        raise exc
+    print("raylane: interrupted while waiting for the Ray cluster; nothing was trained", file=sys.stderr, flush=True)
