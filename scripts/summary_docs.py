@@ -56,14 +56,14 @@ def markdown() -> str:
     parts, seen = [INTRO], set()
     for command, model in results.SUMMARIES.items():
         parts += [f"## `raylane {command}`: {model.__name__}", "", (model.__doc__ or "").strip(), "", *table(model), ""]
-        queue = [m for f in model.model_fields.values() for m in results._models_in(f.annotation)]
+        queue = [m for f in model.model_fields.values() for m in results.models_in(f.annotation)]
         while queue:
             part = queue.pop(0)
             if part in seen:
                 continue
             seen.add(part)
             parts += [f"### {part.__name__}", "", *table(part), ""]
-            queue += [m for f in part.model_fields.values() for m in results._models_in(f.annotation)]
+            queue += [m for f in part.model_fields.values() for m in results.models_in(f.annotation)]
     return "\n".join(parts).rstrip() + "\n"
 
 

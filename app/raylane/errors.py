@@ -56,7 +56,7 @@ class DataError(RaylaneError, ValueError):
         where = self.place or "a batch of the data (not located)"
         if self.column is None:
             return f"{self.key}: {where}: {self.why}"
-        if _missing(self.value):
+        if is_missing(self.value):
             shown = "no value" + (f" ({self.raw!r})" if self.raw else "")
         else:
             shown = _shown(self.value)
@@ -72,7 +72,7 @@ def _rebuild(key: str, state: dict[str, Any]) -> DataError:
     return error
 
 
-def _missing(value: Any) -> bool:
+def is_missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))  # NaN: a null read as a float
 
 

@@ -367,7 +367,7 @@ def outline() -> dict[str, dict[str, str]]:
             f"{'required' if field.is_required() else repr(field.get_default(call_default_factory=True))}"
             for name, field in model.model_fields.items()
         }
-        queue += [m for f in model.model_fields.values() for m in _models_in(f.annotation)]
+        queue += [m for f in model.model_fields.values() for m in models_in(f.annotation)]
     return out
 
 
@@ -379,12 +379,14 @@ def _type_name(annotation: Any) -> str:
     return re.sub(r"\b(?:typing|[a-z_]+(?:\.[a-z_]+)*)\.(?=[A-Z])", "", text)
 
 
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
+def models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models a field's annotation names, inside unions and containers too (the
+    schema's generator and scripts/summary_docs.py walk the summaries' tree with it)."""
     from typing import get_args
 
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
-    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+    return [m for arg in get_args(annotation) for m in models_in(arg)]
 
 
 def json_schema() -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from raylane.errors import SKIP_HINT, DataError, _missing
+from raylane.errors import SKIP_HINT, DataError, is_missing
 from raylane.hf.config import Config
 
 
@@ -61,7 +61,7 @@ def bad_texts(texts: list[Any]) -> list[int]:
 
 def text_error(texts: list[Any], bad: list[int], column: str) -> DataError:
     value = texts[bad[0]]
-    why = "each row needs its text" if _missing(value) else f"expected a string, not {_kind(value)}"
+    why = "each row needs its text" if is_missing(value) else f"expected a string, not {_kind(value)}"
     return DataError("data.text_column", column=column, row=bad[0], rows=bad, value=value, why=why + SKIP_HINT)
 
 
@@ -122,7 +122,7 @@ def encode(
         if bad_text and bad_text[0] == bad[0]:
             raise text_error(texts, bad, text_column)
         value = np.asarray(labels)[bad[0]]
-        missing = _missing(value)
+        missing = is_missing(value)
         raise DataError(
             "data.label_column" if missing else f"model.num_labels = {num_labels}",
             column=label_column,

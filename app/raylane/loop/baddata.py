@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from raylane.errors import SKIP_HINT, DataError, _missing
+from raylane.errors import SKIP_HINT, DataError, is_missing
 from raylane.logs import strip_colour
 
 _CSV_CONVERSION = re.compile(r"CSV conversion error to (\w+): invalid value '(.*)'$")
@@ -200,7 +200,7 @@ def locate_row(error: DataError, fs: Any, piece: Any, fmt: str, offset: int) -> 
         return error
     row = offset + error.row
     error.place = row_place(fs, piece, row)
-    if fmt == "csv" and error.column is not None and _missing(error.value):
+    if fmt == "csv" and error.column is not None and is_missing(error.value):
         with contextlib.suppress(Exception):  # the text is a courtesy; the place is what matters
             error.raw = raw_csv_value(fs, piece.path, error.column, piece.start + row)
     return error
