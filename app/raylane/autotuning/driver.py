@@ -40,7 +40,7 @@ from raylane.session import RunSession, finalize_run, outcome
 
 if TYPE_CHECKING:
     from raylane.loop.runtime import Runtime
-    from raylane.onray.launch import LaunchSpec
+    from raylane.onray.spec import LaunchSpec
     from raylane.tracking.runs import RunHandle
 
 log = logging.getLogger("raylane")

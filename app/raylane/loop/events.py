@@ -1,13 +1,13 @@
 """What rank 0 and the launchers tell the driver while a run goes on: one class per kind of event.
 
-Senders, through `Runtime.publish` (Ray: raylane.onray.launch's EventSink actor; torchrun and one
+Senders, through `Runtime.publish` (Ray: raylane.onray.runtime's EventSink actor; torchrun and one
 process: the driver's listeners, called directly):
 - raylane.loop.reporting.Reporter (rank 0's Trainer): Start, FirstStep, Progress, Eval,
   Checkpoint, CheckpointFailed, and at the end End, or Handover when the group restarts without
   a leaving node or for a larger group.
 - raylane.autotuning.search (rank 0 of `raylane autotune`): SearchStart, Candidate, Round, End.
-- raylane.onray.launch: Log (a worker's raylane warning), Startup (Ray's start-up phases, from
-  the driver and Ray Train's controller).
+- raylane.onray: Log (a worker's raylane warning: runtime), Startup (Ray's start-up phases, from
+  the driver and Ray Train's controller: launch, trainers).
 
 Readers, on the driver: raylane.tracking.progress.ProgressDisplay, raylane.tracking.records.
 RunRecorder, raylane.tracking.resizes.Resizes, raylane.loop.startup.StartupTimes, Tune's trial

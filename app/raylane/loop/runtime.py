@@ -2,7 +2,7 @@
 
 `run_worker` and the Trainer only talk to a `Runtime`: where this rank sits, where checkpoints
 live (its `store`, which also commits them), and where rank 0 publishes progress. `LocalRuntime`
-serves a single process and torchrun; `raylane.onray.launch.RayRuntime` serves Ray Train
+serves a single process and torchrun; `raylane.onray.runtime.RayRuntime` serves Ray Train
 workers. Nothing else in the loop knows which one it has."""
 
 from __future__ import annotations

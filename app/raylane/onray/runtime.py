@@ -1,0 +1,186 @@
+"""What a Ray Train worker's loop sees of Ray (`RayRuntime`, raylane.loop.runtime's protocol) and the
+small actor through which rank 0's events reach the driver (`EventSink`); raylane's warnings on a
+worker are relayed through it too (`relay_warnings`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import ray
+import ray.train
+import torch
+
+from raylane.loop import preemption
+from raylane.loop.distributed import node_layout
+from raylane.loop.events import End, Event, Handover, Log
+from raylane.onray.leftovers import DriverWatch, ProcessId
+from raylane.onray.store import DriverWatchedStore
+
+log = logging.getLogger("raylane")
+
+DRIVER_STOP_POLL_S = 0.5
+DRAIN_POLL_S = 0.5  # Ray Train polls node drains every 5 s itself
+
+
+@ray.remote(num_cpus=0)
+class EventSink:
+    """Holds rank 0's events until the driver drains them, and the driver's stop request."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.stop = False
+        self.handover: str | None = None  # a larger group fits: None, "requested", then "done"
+
+    def put(self, event: Event) -> None:
+        self.events.append(event)
+        if isinstance(event, Handover) and self.handover == "requested":
+            self.handover = "done"
+
+    def request_stop(self) -> None:
+        self.stop = True
+
+    def stop_requested(self) -> bool:
+        return self.stop
+
+    def request_handover(self) -> None:
+        self.handover = "requested"
+
+    def clear_handover(self) -> None:
+        """The policy has resized, gave up waiting, or the group restarted: nothing is asked."""
+        self.handover = None
+
+    def control(self) -> tuple[bool, bool]:
+        """(the driver asked to stop, the elastic policy asked for a handover to a larger group)"""
+        return self.stop, self.handover == "requested"
+
+    def handed_over(self) -> bool:
+        return self.handover == "done"
+
+    def drain(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
+
+
+class RayRuntime:
+    """The `Runtime` seen by a Ray Train worker (see raylane.loop.runtime)."""
+
+    def __init__(
+        self,
+        sink: Any,
+        use_gpu: bool,
+        streams: dict[str, int | None] | None = None,
+        restarts: bool = False,
+        driver: dict[str, Any] | None = None,
+    ) -> None:
+        ctx = ray.train.get_context()
+        # The process that runs this group's fit(): `raylane train`'s, or a sweep's trial.
+        self._driver = DriverWatch(ProcessId(**driver) if driver else None, sink)
+        self.restarts_without_leaving_nodes = restarts
+        self._streams = streams or {}  # the Ray Datasets the driver made: name -> rows per epoch
+        self.rank = ctx.get_world_rank()
+        self.local_rank = ctx.get_local_rank()
+        self.world_size = ctx.get_world_size()
+        self.device = ray.train.torch.get_device() if use_gpu else torch.device("cpu")
+        self._sink = sink
+        self.node_ranks = self._number_nodes_by_id()
+        storage = ctx.get_storage()
+        self.store = DriverWatchedStore(storage.experiment_fs_path, storage.storage_filesystem, self.rank, self._driver)
+        if self.rank == 0:  # one rank is enough: the per-step vote spreads the request
+            threading.Thread(target=self._watch_driver, name="raylane-stop-watch", daemon=True).start()
+        if restarts:
+            threading.Thread(target=self._watch_drain, name="raylane-drain-watch", daemon=True).start()
+
+    def _number_nodes_by_id(self) -> list[int]:
+        """Ray Train numbers nodes by IP address, raylane by Ray node id. The two agree on a real
+        cluster and differ where raylets share an address (Ray's fake multi-node cluster,
+        host-networked containers): by address, two nodes would look like one, and the HSDP mesh
+        (built from LOCAL_WORLD_SIZE) would shard across them. Returns each rank's node rank."""
+        node_ranks = node_layout(bytes.fromhex(ray.get_runtime_context().get_node_id()), self.device)
+        peers = [r for r, n in enumerate(node_ranks) if n == node_ranks[self.rank]]
+        self.local_rank = peers.index(self.rank)
+        os.environ.update(
+            NODE_RANK=str(node_ranks[self.rank]), LOCAL_RANK=str(self.local_rank), LOCAL_WORLD_SIZE=str(len(peers))
+        )
+        return node_ranks
+
+    def _watch_driver(self) -> None:
+        """Relay the driver's Ctrl-C or SIGTERM as a graceful-stop request, and the elastic
+        policy's request for a handover to a larger group (see HeldBatchElasticPolicy)."""
+        while not preemption.requested():
+            try:
+                stop, grow = ray.get(self._sink.control.remote(), timeout=10)
+            except ray.exceptions.GetTimeoutError:  # a busy driver's node: ask again
+                continue
+            except Exception:  # noqa: BLE001 - the driver is gone; Ray tears the group down
+                return
+            if stop:
+                preemption.request("a stop request from the driver")
+                return
+            if grow and self.restarts_without_leaving_nodes:
+                preemption.request_growth()
+                return
+            time.sleep(DRIVER_STOP_POLL_S)
+
+    def _watch_drain(self) -> None:
+        """Ray's own preemption notice: Ray Train's watcher marks every worker when a node of the
+        group is draining (a cloud's spot notice, KubeRay's pod termination, `ray drain-node`).
+        Read locally, not through ray.train.get_preemption_info(): that is a barrier every rank
+        must enter, and the per-step vote already agrees on the step."""
+        from raylane.onray.internals import get_train_context
+
+        while not preemption.requested():
+            try:
+                info = get_train_context().preemption_context.preemption_info
+            except Exception:  # noqa: BLE001 - an internal of Ray's that may move: no notice then
+                return
+            if info is not None:  # every worker gets it: the ranks on the leaving node announce it
+                if self.rank in info.preempted_ranks:
+                    preemption.request("Ray's preemption notice", node_leaving=True)
+                return
+            time.sleep(DRAIN_POLL_S)
+
+    def publish(self, event: Event) -> None:
+        ref = self._sink.put.remote(event)
+        if isinstance(event, (End, Handover)):
+            ray.get(ref)  # the driver reads the result after fit() returns: make sure it is there
+
+    def data_stream(self, name: str, source: Any, *, batch_size: int) -> Any | None:
+        if name not in self._streams:
+            return None
+        from raylane.onray.datasets import shard_stream
+
+        return shard_stream(name, source, self._streams, batch_size=batch_size, world_size=self.world_size)
+
+
+# When Ray Train's backend had set up this worker's process group (see training_starts).
+
+
+class WarningRelay(logging.Handler):
+    """raylane's warnings on a worker, as events for the driver's display: a driver that shows
+    only raylane's lines does not relay the workers' output (raylane.logs)."""
+
+    def __init__(self, runtime: RayRuntime) -> None:
+        super().__init__(logging.WARNING)
+        self._runtime = runtime
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # When the driver is gone, the worker's own log file still has the warning.
+        with contextlib.suppress(Exception):
+            self._runtime.publish(
+                Log(rank=self._runtime.rank, level=record.levelname.lower(), message=record.getMessage())
+            )
+
+
+def relay_warnings(runtime: RayRuntime, verbose: bool) -> None:
+    if verbose:
+        return  # the worker's output reaches the driver as it is
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    own = logging.getLogger("raylane")
+    for handler in [h for h in own.handlers if isinstance(h, WarningRelay)]:
+        own.removeHandler(handler)  # a worker process reused by a later run
+    own.addHandler(WarningRelay(runtime))
