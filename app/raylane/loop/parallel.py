@@ -11,7 +11,7 @@ import copy
 import functools
 import logging
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,12 @@ OPTIMIZER_STATES = {"adam": 2, "adamw": 2}  # per parameter; SGD: 1 with momentu
 
 @dataclass
 class Strategy:
-    name: str  # "single", "ddp", "fsdp" or "hsdp"
+    """How `parallelize()` laid the model out on this run's ranks, and why: the name the summary,
+    the terminal's strategy line and MLflow's tags show (`tags`), the device mesh's shape, the
+    memory estimate an `auto` choice was made from, and which blocks FSDP, recompute or compile
+    took."""
+
+    name: Literal["single", "ddp", "fsdp", "hsdp"]
     mesh_shape: tuple[int, ...] = ()
     reason: str = ""
     estimate: dict[str, int] | None = None
