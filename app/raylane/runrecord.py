@@ -84,7 +84,7 @@ def already_finished(cfg: BaseConfig, folder: Path) -> Finished | None:
     """Finished, when the record in the run's `folder` says the run FINISHED as far as this
     config's limits ask (or stopped early); None when it may train further."""
     record = read_record(folder)
-    if not record or record.get("status") != "FINISHED" or not isinstance(record.get("summary"), dict):
+    if not record or record.get("status") != Status.FINISHED or not isinstance(record.get("summary"), dict):
         return None
     summary = record["summary"]
     steps, epochs = int(summary.get("steps") or 0), int(summary.get("epochs") or 0)
@@ -121,7 +121,7 @@ def record_finished(cfg: BaseConfig, summary: TrainSummary) -> None:
     if folder is None or summary.status != Status.FINISHED or not folder.is_dir():
         return
     tmp = folder / (RUN_RECORD + ".tmp")
-    record = {"status": "FINISHED", "summary": summary.model_dump(mode="json", by_alias=True)}
+    record = {"status": Status.FINISHED.value, "summary": summary.model_dump(mode="json", by_alias=True)}
     try:
         tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
         os.replace(tmp, folder / RUN_RECORD)  # whole or not at all: a torn record would hide the run's end
@@ -129,14 +129,18 @@ def record_finished(cfg: BaseConfig, summary: TrainSummary) -> None:
         log.warning("could not record run %s as finished in %s: %s", cfg.run.name, folder, exc)
 
 
-def closing_status(cfg: BaseConfig, status: str) -> str:
+def closing_status(cfg: BaseConfig, status: Status) -> Status:
     """The MLflow status a launch closes its run with. A run recorded FINISHED stays FINISHED
     whatever a later launch of it (a longer schedule) did: that launch's own outcome is its exit
     code and summary; the finished result is still there and must not read as lost."""
     folder = run_folder(cfg)
-    if status != "FINISHED" and folder is not None and (read_record(folder) or {}).get("status") == "FINISHED":
+    if (
+        status != Status.FINISHED
+        and folder is not None
+        and (read_record(folder) or {}).get("status") == Status.FINISHED
+    ):
         log.warning(
             "run %s: this launch ended %s; its MLflow run stays FINISHED (the earlier result)", cfg.run.name, status
         )
-        return "FINISHED"
+        return Status.FINISHED
     return status

@@ -120,7 +120,7 @@ class RunSession:
     def closes_as_run(self, cfg: BaseConfig) -> None:
         """The MLflow run is the training run `cfg` names: one recorded FINISHED stays FINISHED
         whatever this launch did (raylane.prechecks.closing_status)."""
-        self.closing = lambda status: Status(closing_status(cfg, status))
+        self.closing = lambda status: closing_status(cfg, Status(status))
 
     # -- the lease --------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from typing import Any
 from raylane import paths
 from raylane.config import BaseConfig, ConfigError, flatten
 from raylane.config.sweep import SweepSection
+from raylane.results import Status
 
 SWEEP_RECORD = "raylane_sweep.json"
 
@@ -79,7 +80,7 @@ def check_rerun(sweep: SweepSection, base: BaseConfig) -> str | None:
                 f"({str(folder)!r}), and a sweep's settings cannot change: start a new sweep with "
                 f"--set sweep.name={fresh_sweep_name(folder)}, or rerun it unchanged to continue it"
             )
-    if record.get("status") != "FINISHED":
+    if record.get("status") != Status.FINISHED:
         return None
     best = record.get("best") or {}
     outcome = (
