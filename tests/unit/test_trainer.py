@@ -138,6 +138,9 @@ def test_a_run_takes_the_steps_its_limits_and_accumulation_give(tmp_path, train,
         ({"every_n_steps": 0, "every_n_epochs": 2}, 3, [12, 18]),
         ({"every_n_steps": 0, "every_n_epochs": 1}, 2, [6, 12]),
         ({"every_n_steps": 5, "every_n_epochs": 1}, 2, [5, 6, 10, 12]),
+        # Step 6 ends an epoch and is due by every_n_steps: saved though every_n_epochs is 0 (it was
+        # skipped: the epoch end asked every_n_epochs alone).
+        ({"every_n_steps": 3, "every_n_epochs": 0}, 2, [3, 6, 9, 12]),
     ],
 )
 def test_checkpoints_land_at_their_every_n_steps_and_every_n_epochs(tmp_path, cadence, epochs, saved):

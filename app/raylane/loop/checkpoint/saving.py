@@ -249,11 +249,12 @@ class Saver:
     def due(self, step: int, *, epoch_end: bool, stopping: bool, epochs: int = 0) -> bool:
         """Whether the state at `step` is to be saved, as torchtitan's checkpointer decides: at a
         stop (the run's last step, a preemption, an early stop, a max_steps stop mid-epoch),
-        always; at an epoch end (the `epochs`-th), every `checkpoint.every_n_epochs` epochs; else
-        every `checkpoint.every_n_steps` steps. The Trainer asks at each step, and again at an
+        always; every `checkpoint.every_n_steps` steps, at an epoch end too; and at the end of every
+        `checkpoint.every_n_epochs` epochs (`epochs`: the epochs ended). The Trainer asks at each step, and again at an
         epoch end or a stop once its evaluation is done: a step that ends an epoch or the run is
         saved then, with its metrics, not before."""
         if stopping:
             return True
-        every = self.cfg.every_n_epochs if epoch_end else self.cfg.every_n_steps
-        return every > 0 and (epochs if epoch_end else step) % every == 0
+        by_steps = self.cfg.every_n_steps > 0 and step % self.cfg.every_n_steps == 0
+        by_epochs = epoch_end and self.cfg.every_n_epochs > 0 and epochs % self.cfg.every_n_epochs == 0
+        return by_steps or by_epochs
