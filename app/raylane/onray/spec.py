@@ -38,7 +38,7 @@ class LaunchSpec:
 
 # A worker group's function: (the run's config, the worker's runtime, the launch, its start-up
 # phases so far) -> None. Its results reach the driver as rank 0's events (an End).
-Worker = Callable[[BaseConfig, RayRuntime, LaunchSpec, dict[str, float]], None]
+Worker = Callable[[BaseConfig, "RayRuntime", "LaunchSpec", dict[str, float]], None]
 
 
 def launch_spec(train_loop_config: dict[str, Any]) -> LaunchSpec:
