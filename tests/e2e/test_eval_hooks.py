@@ -185,8 +185,12 @@ def _whole(location: str, tmp: Path) -> dict:
     return torch.load(tmp, weights_only=False)  # written just now from this run's checkpoint
 
 
+# Slow (~19 s a strategy): make test saves and restores a hook's state at a mid-epoch resume in one
+# process (tests/unit/test_trainer.py: test_a_hooks_state_is_saved_with_each_checkpoint_...), hands
+# a replicated checkpoint's hook state to FSDP ranks (below), and calls hooks on 2 ranks (above).
 @pytest.mark.untracked
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_ema_hook_resumes_from_its_state_in_the_checkpoint(run_cli, project, strategy):
     """2 DDP (or FSDP) ranks, 7 steps straight, checkpoints every 4 steps; a run resumed from the
     straight run's checkpoint at step 4 (mid-epoch) ends at step 7 with the same weights and the
