@@ -61,6 +61,25 @@ class Config(BaseConfig):
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "bits_per_byte")
 
+    def gives_tp_plan(self) -> bool:
+        return False
+
+    @model_validator(mode="after")
+    def _splits_over_tp(self) -> Config:
+        """Tensor parallelism gives each rank whole heads, a share of the vocabulary's rows and,
+        with sequence parallelism, of each sample's tokens."""
+        tp, m = self.strategy.tp, self.model
+        for key, value, over in (
+            ("model.n_head", m.n_head, True),
+            ("model.vocab_size", m.vocab_size, True),
+            ("model.block_size", m.block_size, self.strategy.sequence_parallel),
+        ):
+            if over and value % tp:
+                raise ValueError(
+                    f"strategy.tp = {tp}: does not divide {key} = {value}, which each rank takes a share of"
+                )
+        return self
+
 
 def build_model(m: ModelSection):
     import math

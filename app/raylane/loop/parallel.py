@@ -205,6 +205,8 @@ def parallelize(
 ) -> tuple[nn.Module, Strategy]:
     """(the model ready to train on this rank, the strategy chosen). `blocks`: the pipeline's
     (None: found in the model). `blocks_prepared`: the caller already ran prepare_blocks on it."""
+    if cfg.strategy.tp > 1:
+        raise ValueError(f"strategy.tp = {cfg.strategy.tp}: tensor parallelism is not built into the loop yet")
     found = find_blocks(model, blocks)
     blocks = found.modules
     strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn, step, blocks=blocks))
