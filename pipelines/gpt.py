@@ -95,7 +95,8 @@ def build_model(m: ModelSection):
 
     class SelfAttention(nn.Module):
         # q, k and v apart (GPT-2 fuses them in one c_attn), so that tensor parallelism gives each
-        # rank whole heads of each; a checkpoint with the fused c_attn still loads (_split_fused).
+        # rank whole heads of each. A state dict with the fused c_attn still loads (_split_fused:
+        # `raylane export`, MLflow's model); a run's checkpoint from before does not resume.
         def __init__(self) -> None:
             super().__init__()
             self.q_proj, self.k_proj, self.v_proj = (nn.Linear(m.n_embd, m.n_embd, bias=m.bias) for _ in range(3))

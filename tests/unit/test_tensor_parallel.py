@@ -112,9 +112,10 @@ def test_the_layout_names_itself_and_splits_the_data_by_group():
     assert data.data_stream("train", None, batch_size=1) is None
 
 
-def test_a_gpt_checkpoint_with_the_fused_attention_still_loads():
+def test_a_gpt_state_dict_with_the_fused_attention_still_loads():
     """Before tensor parallelism, gpt's attention held q, k and v in one c_attn of 3 x n_embd
-    rows: such a state dict loads into the split q_proj, k_proj and v_proj, row for row."""
+    rows: such a state dict (what `raylane export` and MLflow's model load) loads into the split
+    q_proj, k_proj and v_proj, row for row."""
     from raylane.config import load_config
     from raylane.pipelines.gpt import build_model
 
