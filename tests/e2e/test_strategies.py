@@ -426,6 +426,30 @@ def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_proces
     assert worst <= 1e-6, worst
 
 
+@pytest.mark.shared_ray
+@pytest.mark.untracked
+def test_tensor_parallel_on_ray_workers_matches_one_process(run_cli, tmp_path):
+    """`strategy.tp=2` on 2 Ray Train workers (the loop torchrun runs, on Ray's gloo group; the
+    data split by tensor-parallel group, not by Ray's world rank) ends at one process's held-out
+    loss after 6 AdamW steps (gpt-tiny as shipped)."""
+    common = [*GPT, "--set", "train.max_steps=6"]
+    started = {
+        "ray": run_cli(
+            "train", "gpt-tiny", *common, "--set", "strategy.tp=2", "--summary-json", "ray.json", name="ray"
+        ),
+        "one": run_cli(
+            *["train", "gpt-tiny", "--local", *common, "--set", "scaling.num_workers=1"],
+            *["--set", "run.name=one", "--summary-json", "one.json"],
+            name="one",
+        ),
+    }
+    for p in started.values():
+        assert p.wait(300) == 0, p.output
+    ray, one = (read_json(tmp_path / f"{name}.json") for name in started)
+    assert (ray["strategy"], ray["world_size"], ray["steps"]) == ("tp2", 2, 6)
+    assert ray["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-6)
+
+
 @pytest.mark.slow
 def test_fsdp_over_tensor_parallel_groups_matches_ddp(run_cli, tmp_path):
     """FSDP2 x TP on 4 ranks (2 data-parallel ranks, each a tensor-parallel group of 2; every
