@@ -27,6 +27,9 @@ class Config(BaseConfig):
     pipeline: Literal["digits"] = "digits"
     model: ModelSection = ModelSection()
 
+    def gives_tp_plan(self) -> bool:
+        return False
+
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "accuracy")
 

@@ -61,6 +61,30 @@ class Config(BaseConfig):
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "bits_per_byte")
 
+    def gives_tp_plan(self) -> bool:
+        return True
+
+    @model_validator(mode="after")
+    def _splits_over_tp(self) -> Config:
+        """Tensor parallelism gives each rank whole heads, a share of the vocabulary's rows and,
+        with sequence parallelism, of each sample's tokens."""
+        tp, m = self.strategy.tp, self.model
+        for key, value, over in (
+            ("model.n_head", m.n_head, True),
+            ("model.vocab_size", m.vocab_size, True),
+            ("model.block_size", m.block_size, self.strategy.sequence_parallel),
+        ):
+            if over and value % tp:
+                raise ValueError(
+                    f"strategy.tp = {tp}: does not divide {key} = {value}, which each rank takes a share of"
+                )
+        if tp > 1 and m.dropout:
+            raise ValueError(
+                f"model.dropout = {m.dropout:g} with strategy.tp = {tp}: dropout's masks are not kept alike over "
+                "the ranks of a tensor-parallel group yet; use 0"
+            )
+        return self
+
 
 def build_model(m: ModelSection):
     import math
@@ -70,18 +94,24 @@ def build_model(m: ModelSection):
     from torch import nn
 
     class SelfAttention(nn.Module):
+        # q, k and v apart (GPT-2 fuses them in one c_attn), so that tensor parallelism gives each
+        # rank whole heads of each. A state dict with the fused c_attn still loads (_split_fused:
+        # `raylane export`, MLflow's model); a run's checkpoint from before does not resume.
         def __init__(self) -> None:
             super().__init__()
-            self.c_attn = nn.Linear(m.n_embd, 3 * m.n_embd, bias=m.bias)
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(m.n_embd, m.n_embd, bias=m.bias) for _ in range(3))
             self.c_proj = nn.Linear(m.n_embd, m.n_embd, bias=m.bias)
+            self.register_load_state_dict_pre_hook(_split_fused)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, c = x.shape
+            b, t, _ = x.shape
+            # -1 heads: this rank's own under tensor parallelism, all of them otherwise.
             q, k, v = (
-                z.view(b, t, m.n_head, c // m.n_head).transpose(1, 2) for z in self.c_attn(x).split(m.n_embd, dim=2)
+                p(x).view(b, t, -1, m.n_embd // m.n_head).transpose(1, 2)
+                for p in (self.q_proj, self.k_proj, self.v_proj)
             )
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=m.dropout if self.training else 0.0)
-            return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+            return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -112,7 +142,7 @@ def build_model(m: ModelSection):
             self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
             self.apply(self._init)
             for name, p in self.named_parameters():
-                if name.endswith("c_proj.weight") or name.endswith("mlp.2.weight"):  # residual outputs
+                if name.endswith(("c_proj.weight", "mlp.2.weight")):  # residual outputs
                     nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * m.n_layer))
 
         @staticmethod
@@ -130,6 +160,53 @@ def build_model(m: ModelSection):
             return self.lm_head(self.ln_f(x))
 
     return GPT()
+
+
+def _split_fused(module, state: dict, prefix: str, *_: object) -> None:
+    """A state dict from before q, k and v were split: its c_attn's rows are q's, k's and v's."""
+    for kind in ("weight", "bias"):
+        fused = state.pop(f"{prefix}c_attn.{kind}", None)
+        if fused is not None:
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), fused.chunk(3), strict=True):
+                state[f"{prefix}{name}.{kind}"] = part
+
+
+def tp_plan(model, sequence_parallel: bool) -> dict:
+    """Megatron's split (torchtitan's plan for a Llama block): q, k, v and the MLP's first layer
+    by columns, the attention's and the MLP's outputs by rows, so each block costs two
+    all-reduces; the embedding and the tied head by vocabulary rows. With sequence parallelism,
+    the norms and the residual stream hold a share of the tokens, gathered before each
+    attention and MLP (all-reduces become a reduce-scatter and an all-gather)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    tokens = Shard(1) if sequence_parallel else Replicate()  # (batch, sequence, width)
+    plan = {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=tokens),
+        "blocks.*.attn.q_proj": ColwiseParallel(),
+        "blocks.*.attn.k_proj": ColwiseParallel(),
+        "blocks.*.attn.v_proj": ColwiseParallel(),
+        "blocks.*.attn.c_proj": RowwiseParallel(output_layouts=tokens),
+        "blocks.*.mlp.0": ColwiseParallel(),
+        "blocks.*.mlp.2": RowwiseParallel(output_layouts=tokens),
+        "lm_head": ColwiseParallel(input_layouts=tokens, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan |= {
+            "wpe": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),  # (sequence, width)
+            "blocks.*.ln_1": SequenceParallel(),
+            "blocks.*.ln_2": SequenceParallel(),
+            "ln_f": SequenceParallel(),
+            "blocks.*.attn": gather,
+            "blocks.*.mlp": gather,
+        }
+    return plan
 
 
 def flops_per_token(model, m: ModelSection) -> float:
@@ -197,4 +274,5 @@ def build(cfg: Config):
         example_input=held_out[0][0][None],
         tokens_per_sample=m.block_size,
         flops_per_token=flops_per_token(model, m),
+        tp_plan=tp_plan,
     )

@@ -23,6 +23,9 @@ class Config(BaseConfig):
     pipeline: Literal["regression"] = "regression"
     model: ModelSection = ModelSection()
 
+    def gives_tp_plan(self) -> bool:
+        return False
+
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss",)
 

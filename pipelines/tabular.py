@@ -64,6 +64,9 @@ class Config(BaseConfig):
     data: DataSection
     model: ModelSection = ModelSection()
 
+    def gives_tp_plan(self) -> bool:
+        return False
+
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "accuracy") if self.data.task == "classification" else ("loss",)
 

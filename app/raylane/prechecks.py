@@ -368,6 +368,37 @@ def check_global_order(cfg: BaseConfig) -> None:
         )
 
 
+def check_layout(cfg: BaseConfig, world_size: int, world: str) -> None:
+    """`strategy.tp` on `world_size` ranks (`world`: where that number comes from, as the user
+    set it): a world it divides, replicas only through FSDP2, map-style data, and a pipeline that
+    gives a tp_plan. The checks of the config alone are its validators' (raylane.config.base)."""
+    tp = cfg.strategy.tp
+    if tp == 1:
+        return
+    from raylane.loop.streaming import declares_sources
+
+    label = pipelines_ref.label(cfg.pipeline)
+    if world_size % tp:
+        raise ConfigError(f"strategy.tp = {tp}: does not divide {world} (a tensor-parallel group is tp ranks)")
+    replicas = world_size // tp
+    if cfg.strategy.name == "ddp" and replicas > 1:
+        raise ConfigError(
+            f"strategy.tp = {tp} with strategy.name = 'ddp' on {world_size} ranks: torch's DDP does not take "
+            f"tensor-parallel weights, and replicas through FSDP2 are not built yet; use strategy.name: fsdp "
+            f"(FSDP2 over the {replicas} data-parallel ranks)"
+        )
+    if declares_sources(cfg):
+        raise ConfigError(
+            f"strategy.tp = {tp}: the {label} pipeline streams its data (sources), split by rank, and the "
+            "ranks of a tensor-parallel group must read the same batches; tensor parallelism needs a map-style dataset"
+        )
+    if cfg.gives_tp_plan() is False:
+        raise ConfigError(
+            f"strategy.tp = {tp}: the {label} pipeline gives no tp_plan (which layers tensor parallelism "
+            "splits): give its Pipeline a tp_plan (docs/strategies.md, Tensor parallelism)"
+        )
+
+
 def _check_position(cfg: BaseConfig, state: dict[str, Any], old: dict[str, Any], checkpoint: Path) -> None:
     """A checkpoint part-way through an epoch continues at its sample only with the same
     train.global_batch (the same order and the same samples per step)."""

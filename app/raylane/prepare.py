@@ -56,8 +56,12 @@ def prepare_train(
     in_process = local or under_torchrun()
     notes = []
     if in_process:
-        held_batch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        where = f"torchrun's WORLD_SIZE = {world}" if under_torchrun() else "the one process of --local"
+        prechecks.check_layout(cfg, world, where)
+        held_batch(cfg, world)
     else:
+        prechecks.check_layout(cfg, cfg.scaling.num_workers, f"scaling.num_workers = {cfg.scaling.num_workers}")
         notes.extend(_skipped_sizes(cfg, world_sizes(cfg)))  # the global batch splits at min and max
     prechecks.check_global_order(cfg)
     run = PreparedRun(cfg, use_ray=not in_process, finished=prechecks.check_resume(cfg), notes=notes)
@@ -103,11 +107,20 @@ def prepare_tune(
     from raylane.sweeps.record import check_rerun
 
     sweep, base = load_sweep(sweep_file, list(overrides))
+    _check_sweep_layout(sweep, base)
     prechecks.check_run(base, summary_json=summary_json)
     prepared = PreparedSweep(sweep, base, check_rerun(sweep, base))
     if not prepared.finished:
         check_address(address)
     return prepared
+
+
+def _check_sweep_layout(sweep: SweepSection, base: BaseConfig) -> None:
+    """Sweeps train data-parallel trials only, for now: each trial's layout is not checked."""
+    swept = [k for k in sweep.space if k in ("strategy.tp", "strategy.sequence_parallel")]
+    if swept or base.strategy.tp > 1:
+        key = f"sweep.space.{swept[0]}" if swept else f"strategy.tp = {base.strategy.tp}"
+        raise ConfigError(f"{key}: sweeps of tensor-parallel runs are not built yet; sweep with strategy.tp: 1")
 
 
 def is_sweep_file(config: Any) -> bool:
@@ -124,6 +137,7 @@ def prepare_check_sweep(sweep_file: Any, overrides: Iterable[str] = ()) -> Any:
     from raylane.sweeps.record import check_rerun
 
     sweep, base = load_sweep(sweep_file, list(overrides))
+    _check_sweep_layout(sweep, base)
     prechecks.check_run(base)
     finished = check_rerun(sweep, base)
     return SweepPlan(sweep, base, planned_trials(sweep, base), finished)
@@ -150,6 +164,11 @@ def prepare_autotune(
 ) -> PreparedSearch:
     overrides = [*overrides, *([f"autotune.budget_s={budget_s}"] if budget_s is not None else [])]
     section, cfg = autotune.load(config, overrides)
+    if cfg.strategy.tp > 1:
+        raise ConfigError(
+            f"strategy.tp = {cfg.strategy.tp}: autotune does not search tensor-parallel layouts yet; "
+            "autotune with strategy.tp: 1"
+        )
     if under_torchrun():  # the ranks torchrun started, whatever scaling.num_workers says
         workers = int(os.environ.get("WORLD_SIZE", "1"))
         cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": workers})})
@@ -192,6 +211,7 @@ def prepare_submit(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
         )
     cfg = load_config(config, list(overrides), outputs=False)
     prechecks.check_run(cfg, local_storage=False)
+    prechecks.check_layout(cfg, cfg.scaling.num_workers, f"scaling.num_workers = {cfg.scaling.num_workers}")
     return cfg
 
 

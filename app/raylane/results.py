@@ -142,8 +142,16 @@ class TrainSummary(_Summary):
     )
     world_size: int | None = Field(None, description="Workers (ranks) at the end.")
     backend: str | None = Field(None, description="The process group's backend: nccl or gloo.")
-    strategy: str | None = Field(None, description="ddp or fsdp.")
-    mesh: list[int] | None = Field(None, description="The device mesh's shape (FSDP: [shard] or [replicate, shard]).")
+    strategy: str | None = Field(
+        None,
+        description="ddp, fsdp, hsdp or single (one rank); with tensor parallelism the layout: `fsdp×tp2`, or "
+        "`tp2` when one tensor-parallel group is the whole world (`+sp`: sequence parallel).",
+    )
+    mesh: list[int] | None = Field(
+        None,
+        description="The device mesh's shape (FSDP: [shard] or [replicate, shard]; with tensor parallelism "
+        "[data-parallel ranks, tp]).",
+    )
     node_ranks: list[int] | None = Field(None, description="Each rank's node, numbered in rank order (Ray runs).")
     epochs: int | None = Field(None, description="Whole epochs trained.")
     partial_epoch: float | None = Field(None, description="The fraction of an epoch a stop left unfinished.")

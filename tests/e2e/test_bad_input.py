@@ -153,6 +153,57 @@ CASES: dict[str, Case] = {
         ["check", "digits", "--set", "strategy.comm_hook=bf16"],
         "strategy.comm_hook = 'bf16' needs scaling.use_gpu: true",
     ),
+    # tensor parallelism: layouts that cannot work, or are not built yet (raylane.prechecks.check_layout)
+    "tp does not divide the workers": Case(
+        ["train", "digits", "--set", "scaling.num_workers=4", "--set", "strategy.tp=3"],
+        "strategy.tp = 3: does not divide scaling.num_workers = 4",
+        subprocess=True,
+    ),
+    "tp does not divide one process": Case(
+        ["train", "gpt-tiny", "--local", "--set", "strategy.tp=2"], "strategy.tp = 2: does not divide the one process"
+    ),
+    "tp with ddp replicas": Case(
+        ["check", "gpt-tiny", "--set", "scaling.num_workers=4", "--set", "strategy.tp=2"],
+        "strategy.tp = 2 with strategy.name = 'ddp' on 4 ranks: torch's DDP does not take tensor-parallel weights",
+    ),
+    "tp on a pipeline without a plan": Case(
+        ["check", "digits", "--set", "scaling.num_workers=2", "--set", "strategy.tp=2"],
+        "strategy.tp = 2: the digits pipeline gives no tp_plan",
+    ),
+    "tp not dividing the heads": Case(
+        ["check", "gpt-tiny", "--set", "strategy.tp=2", "--set", "model.n_head=1"],
+        "strategy.tp = 2: does not divide model.n_head = 1",
+    ),
+    "sequence parallel on an odd sequence": Case(
+        ["check", "gpt-tiny", "--set", "strategy.tp=2", "--set", "strategy.sequence_parallel=true"]
+        + ["--set", "model.block_size=63"],
+        "strategy.tp = 2: does not divide model.block_size = 63",
+    ),
+    "sequence parallel without tp": Case(
+        ["check", "gpt-tiny", "--set", "strategy.sequence_parallel=true"],
+        "strategy.sequence_parallel = True needs strategy.tp > 1",
+    ),
+    "tp with auto": Case(
+        ["check", "gpt-tiny", "--set", "strategy.tp=2", "--set", "strategy.name=auto"],
+        "strategy.name = 'auto' with strategy.tp = 2: the memory estimate does not count tensor parallelism yet",
+    ),
+    "tp elastic": Case(
+        ["check", "gpt-tiny", "--set", "scaling.num_workers=2,4", "--set", "strategy.tp=2"],
+        "scaling.num_workers = [2, 4] with strategy.tp = 2: elastic runs keep no tensor-parallel layout yet",
+    ),
+    "tp with fp16": Case(
+        ["check", "gpt-tiny", "--set", "strategy.tp=2", "--set", "train.precision=fp16"],
+        "train.precision = 'fp16' with strategy.tp = 2",
+    ),
+    "tp autotuned": Case(
+        ["autotune", "digits", "--set", "strategy.tp=2"],
+        "strategy.tp = 2: autotune does not search tensor-parallel layouts yet",
+    ),
+    "tp swept": Case(
+        ["tune", "s.yaml"],
+        "sweep.space.strategy.tp: sweeps of tensor-parallel runs are not built yet",
+        files=sweep("{strategy.tp: {grid: [1, 2]}}"),
+    ),
     "keep 0": Case(["check", "digits", "--set", "checkpoint.keep=0"], "checkpoint.keep = 0"),
     "best metric misspelled": Case(
         ["check", "digits", "--set", "checkpoint.keep_best=2", "--set", "checkpoint.best_metric=acuracy"],
@@ -555,6 +606,7 @@ def test_bad_input_end_to_end(name, tmp_path):
     [
         (["train", "digits", "--set", "train.max_epoch=2"], "did you mean train.max_epochs?"),
         (["train", "digits", "--summary-json", "out/s.json"], "folder 'out' does not exist"),
+        (["train", "digits", "--set", "strategy.tp=3"], "strategy.tp = 3: does not divide torchrun's WORLD_SIZE = 2"),
     ],
 )
 def test_bad_input_under_torchrun(argv, line, tmp_path):

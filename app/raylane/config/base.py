@@ -66,6 +66,51 @@ class BaseConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _tensor_parallel(self) -> BaseConfig:
+        """What tensor parallelism does not combine with yet, refused by the key that asks for it."""
+        s, tp = self.strategy, self.strategy.tp
+        if s.sequence_parallel and tp == 1:
+            raise ValueError(
+                "strategy.sequence_parallel = True needs strategy.tp > 1 (it shards the sequence between "
+                "tensor-parallel layers)"
+            )
+        if tp == 1:
+            return self
+        refused = {
+            "strategy.name = 'auto'": (
+                s.name == "auto",
+                "the memory estimate does not count tensor parallelism yet; name ddp or fsdp",
+            ),
+            "train.precision = 'fp16'": (
+                self.train.precision == "fp16",
+                "the gradient scaler does not handle tensor-parallel gradients; use bf16",
+            ),
+            f"scaling.num_workers = {[self.scaling.min_workers, self.scaling.num_workers]}": (
+                self.scaling.elastic,
+                "elastic runs keep no tensor-parallel layout yet; give one number of workers",
+            ),
+            f"strategy.comm_hook = {s.comm_hook!r}": (
+                s.comm_hook != "none",
+                "it compresses DDP's all-reduce, which a tensor-parallel run does not use",
+            ),
+            "strategy.cpu_offload = True": (s.cpu_offload, "offloading a tensor-parallel model is not built yet"),
+            f"scaling.gpus_per_worker = {self.scaling.gpus_per_worker:g}": (
+                self.scaling.use_gpu and self.scaling.gpus_per_worker < 1,
+                "NCCL cannot run two ranks of a tensor-parallel group on one GPU",
+            ),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"{key} with strategy.tp = {tp}: {why}")
+        return self
+
+    def gives_tp_plan(self) -> bool | None:
+        """Whether this pipeline's `build` gives a Pipeline.tp_plan (which layers tensor parallelism
+        splits), so that `strategy.tp` > 1 on one that gives none fails before the run. None (the
+        default, for pipelines that declare nothing): checked on the ranks."""
+        return None
+
     def eval_metrics(self) -> tuple[str, ...] | None:
         """The held-out metrics this pipeline's `eval_sums` reports, so that a `sweep.metric` or
         `checkpoint.best_metric` it never reports fails before the run rather than after it.

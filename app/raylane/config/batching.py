@@ -17,14 +17,16 @@ if TYPE_CHECKING:
 
 def held_batch(cfg: BaseConfig, workers: int) -> BaseConfig:
     """`cfg` with train.global_batch held on `workers` ranks (unchanged when it is unset and the
-    run is not elastic; an elastic run holds batch_size x grad_accum_steps x the most workers)."""
+    run is not elastic; an elastic run holds batch_size x grad_accum_steps x the most workers).
+    The ranks of a tensor-parallel group read the same batches: the batch splits over workers / tp."""
     t = cfg.train
     size = effective_global_batch(cfg)
     if size != t.global_batch:
         cfg = cfg.model_copy(update={"train": t.model_copy(update={"global_batch": size})})
     if size is None:
         return cfg
-    return hold_global_batch(cfg, GlobalBatch(size=size, adjust=t.global_batch_adjust), "train.global_batch", workers)
+    held = GlobalBatch(size=size, adjust=t.global_batch_adjust)
+    return hold_global_batch(cfg, held, "train.global_batch", workers // cfg.strategy.tp)
 
 
 def effective_global_batch(cfg: BaseConfig) -> int | None:

@@ -124,13 +124,27 @@ class ScalingSection(Section):
 
 
 class StrategySection(Section):
-    """How the model is spread over the workers: DDP or FSDP, and their settings."""
+    """How the model is spread over the workers: DDP or FSDP, tensor parallelism, and their settings."""
 
     name: Literal["ddp", "fsdp", "auto"] = Field(
         "ddp",
         description="`ddp`: a full replica per rank. `fsdp`: FSDP2, with parameters, gradients and optimizer state "
         "sharded (HSDP across nodes). `auto`: estimates the memory and picks DDP when a replica fits "
         "with margin, else FSDP.",
+    )
+    tp: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Tensor-parallel degree: each block's weights split over this many consecutive ranks (1: off), "
+        "which see the same batches; the data-parallel ranks are the ranks / tp, and `name` is how they hold "
+        "the model. Needs a pipeline that gives a `tp_plan` and a world it divides (docs/strategies.md, Tensor "
+        "parallelism).",
+    )
+    sequence_parallel: bool = Field(
+        False,
+        description="With `tp` > 1: the norms, dropout and residual stream between the tensor-parallel layers "
+        "sharded along the sequence (less activation memory, the same results).",
     )
     reshard_after_forward: bool = Field(
         True,

@@ -65,6 +65,7 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
     else:
         eval_set = None
     example = {"input_ids": _zeros(2, m.seq_len)}
+    extra: dict[str, Any]  # the fields of one task or the other, each of its own type
     if causal:
         extra = {
             "eval_count": _predicted_tokens,

@@ -88,6 +88,9 @@ class Config(BaseConfig):
         "dropout, target_modules}`. null: a full fine-tune.",
     )
 
+    def gives_tp_plan(self) -> bool:
+        return False  # transformers' own plans on raylane's mesh: issue 49
+
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "accuracy") if self.model.task == "sequence-classification" else ("loss",)
 

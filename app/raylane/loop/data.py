@@ -226,6 +226,23 @@ def build_loader(
     )
 
 
+class DataRanks:
+    """A runtime as the data sees it under tensor parallelism: the ranks of a tensor-parallel group
+    (`tp` consecutive ranks) read the same batches, so the data is split over the groups. A stream
+    is read here, by group: the launcher's own (Ray Data's) splits by world rank."""
+
+    def __init__(self, runtime: Any, tp: int) -> None:
+        self.rank, self.world_size = runtime.rank // tp, runtime.world_size // tp
+
+    def data_stream(self, name: str, source: Any, *, batch_size: int) -> Any | None:
+        return None
+
+
+def data_ranks(runtime: Any, tp: int) -> Any:
+    """`runtime`, or with tensor parallelism its DataRanks: what the loaders split the data by."""
+    return runtime if tp == 1 else DataRanks(runtime, tp)
+
+
 def is_stream(data: Any) -> bool:
     from raylane.loop.streaming import FileSource
 

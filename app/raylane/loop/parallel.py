@@ -3,7 +3,8 @@ repeated layers, the unit of sharding, recompute and compilation, are the pipeli
 else found in the model (raylane.loop.blocks: `model.blocks`, a Hugging Face model's
 `_no_split_modules`, its largest repeated ModuleList). A model with none is sharded as one unit.
 
-Order matters and follows torchtitan: activation checkpointing, then compile, then DDP or FSDP2."""
+Order matters and follows torchtitan: tensor parallelism (the pipeline's tp_plan), activation
+checkpointing, then compile, then DDP or FSDP2."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raylane.config import BaseConfig
 from raylane.loop.blocks import Blocks, blocks_of, find_blocks
 from raylane.loop.devices import GIB, device_memory_bytes, local_world_size
+from raylane.loop.tensor_parallel import TpPlan, apply_plan, retie, shared_parameters
 
 log = logging.getLogger("raylane")
 
@@ -35,16 +37,30 @@ class Strategy:
     """How `parallelize()` laid the model out on this run's ranks, and why: the name the summary,
     the terminal's strategy line and MLflow's tags show (`tags`), the device mesh's shape, the
     memory estimate an `auto` choice was made from, and which blocks FSDP, recompute or compile
-    took."""
+    took. With tensor parallelism (`tp` > 1) the mesh is (data-parallel ranks, tp): consecutive
+    ranks form a tensor-parallel group, which reads the same batches."""
 
     name: Literal["single", "ddp", "fsdp", "hsdp"]
     mesh_shape: tuple[int, ...] = ()
     reason: str = ""
     estimate: dict[str, int] | None = None
     blocks: str = ""  # the blocks FSDP, activation checkpointing or compile took, where any found and used
+    tp: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def label(self) -> str:
+        """The layout as the summary, the strategy line and MLflow's tags name it: `fsdp×tp2`, or
+        `tp2` when one tensor-parallel group is the whole world (`+sp`: sequence parallel)."""
+        if self.tp == 1:
+            return self.name
+        tp = f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")
+        return tp if self.mesh_shape[0] == 1 else f"{self.name}×{tp}"
 
     def tags(self) -> dict[str, str]:
-        tags = {"raylane.strategy": self.name, "raylane.strategy.reason": self.reason}
+        tags = {"raylane.strategy": self.label, "raylane.strategy.reason": self.reason}
+        if self.tp > 1:
+            tags["raylane.strategy.mesh"] = f"dp_shard {self.mesh_shape[0]}, tp {self.tp}"
         if self.blocks:
             tags["raylane.strategy.blocks"] = self.blocks
         if self.estimate:
@@ -202,11 +218,17 @@ def parallelize(
     step=None,
     blocks: Any = None,
     blocks_prepared: bool = False,
+    tp_plan: TpPlan | None = None,
 ) -> tuple[nn.Module, Strategy]:
     """(the model ready to train on this rank, the strategy chosen). `blocks`: the pipeline's
-    (None: found in the model). `blocks_prepared`: the caller already ran prepare_blocks on it."""
+    (None: found in the model). `blocks_prepared`: the caller already ran prepare_blocks on it.
+    `tp_plan`: the pipeline's, for `strategy.tp` > 1."""
     found = find_blocks(model, blocks)
     blocks = found.modules
+    if cfg.strategy.tp > 1:
+        strategy = _tp_strategy(cfg, world_size)
+        _note_blocks(model, found, strategy, cfg)
+        return _tensor_parallel(model, blocks, cfg, device, strategy, tp_plan), strategy
     strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn, step, blocks=blocks))
     _note_blocks(model, found, strategy, cfg)
     if not blocks_prepared:
@@ -246,6 +268,36 @@ def _note_blocks(model: nn.Module, found: Blocks, strategy: Strategy, cfg: BaseC
         log.warning(note)
 
 
+def _tp_strategy(cfg: BaseConfig, world_size: int) -> Strategy:
+    tp = cfg.strategy.tp
+    if world_size % tp:  # checked before launch (raylane.prechecks.check_layout)
+        raise ValueError(f"strategy.tp = {tp}: does not divide the {world_size} ranks")
+    dp = world_size // tp
+    reason = f"strategy.tp: {tp}, FSDP2 over {dp} data-parallel rank{'s' if dp > 1 else ''}"
+    return Strategy("fsdp", (dp, tp), reason=reason, tp=tp, sequence_parallel=cfg.strategy.sequence_parallel)
+
+
+def _tensor_parallel(
+    model: nn.Module, blocks: list[nn.Module], cfg: BaseConfig, device: torch.device, strategy: Strategy, plan: Any
+) -> nn.Module:
+    """The plan on each tensor-parallel group, then recompute and compile, then FSDP2 over the
+    data-parallel ranks: over one rank too, so that every parameter is a DTensor (torch's fused
+    optimizers and its clipping take no plain tensors beside DTensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if plan is None:
+        raise ValueError(
+            f"strategy.tp = {strategy.tp}: the pipeline gives no tp_plan (which layers tensor parallelism "
+            "splits): give its Pipeline a tp_plan (docs/strategies.md, Tensor parallelism)"
+        )
+    mesh = init_device_mesh(device.type, strategy.mesh_shape, mesh_dim_names=("dp_shard", "tp"))
+    if not on_meta(model):
+        model = model.to(device)
+    apply_plan(model, plan, mesh["tp"], sequence_parallel=strategy.sequence_parallel)
+    prepare_blocks(model, cfg, blocks)
+    return _fully_shard(model, blocks, cfg, device, strategy, mesh["dp_shard"])
+
+
 def _checkpoint_activations(block: nn.Module) -> None:
     # Patching forward (rather than wrapping the block) keeps parameter names unchanged.
     from torch.utils.checkpoint import checkpoint
@@ -280,15 +332,21 @@ def _ddp(model: nn.Module, cfg: BaseConfig, device: torch.device) -> DDP:
 
 
 def _fully_shard(
-    model: nn.Module, blocks: list[nn.Module], cfg: BaseConfig, device: torch.device, strategy: Strategy
+    model: nn.Module,
+    blocks: list[nn.Module],
+    cfg: BaseConfig,
+    device: torch.device,
+    strategy: Strategy,
+    mesh: Any = None,
 ) -> nn.Module:
     """FSDP2 on each block, then the root; a 2-D mesh (replicate across nodes, shard inside
-    one) is HSDP."""
+    one) is HSDP. `mesh`: the data-parallel ranks' (under tensor parallelism), else made here."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    names = ("replicate", "shard") if len(strategy.mesh_shape) == 2 else ("shard",)
-    mesh = init_device_mesh(device.type, strategy.mesh_shape, mesh_dim_names=names)
+    if mesh is None:
+        names = ("replicate", "shard") if len(strategy.mesh_shape) == 2 else ("shard",)
+        mesh = init_device_mesh(device.type, strategy.mesh_shape, mesh_dim_names=names)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
     options: dict[str, Any] = {
         "mesh": mesh,
@@ -320,25 +378,13 @@ def materialize(model: nn.Module, device: torch.device) -> nn.Module:
     False)` keeps non-persistent buffers such as rotary frequencies, which no state dict holds),
     and parameters shared under several names (tied embeddings), which to_empty would split."""
     buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
-    ties = _shared_parameters(model)
+    ties = shared_parameters(model)
     model.to_empty(device=device)
-    for names in ties:
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            if model.get_parameter(name) is not first:
-                owner, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(owner), attr, first)
+    retie(model, ties)
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
     return model
-
-
-def _shared_parameters(model: nn.Module) -> list[list[str]]:
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
 
 
 def unwrap(model: nn.Module) -> nn.Module:

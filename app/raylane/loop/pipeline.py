@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,10 @@ class Pipeline:
     # memory), on every rank once it is parallelized and given storage: raylane.hf.load_pretrained
     # reads them on rank 0 and broadcasts. Not called when the run resumes from a checkpoint.
     init_weights: Callable[[torch.nn.Module], None] | None = None
+    # Which modules tensor parallelism splits (strategy.tp > 1): {module path: torch ParallelStyle},
+    # `*` for one name of the path ("blocks.*.attn.q_proj": ColwiseParallel()), or
+    # tp_plan(model, sequence_parallel) -> that. None: the pipeline runs without tensor parallelism.
+    tp_plan: Mapping[str, Any] | Callable[[torch.nn.Module, bool], Mapping[str, Any]] | None = None
 
 
 # Keys of a dict batch that hold targets, not the model's inputs: left out of a dict example.

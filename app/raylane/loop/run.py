@@ -23,7 +23,7 @@ from raylane.loop import checkpoint, faults, frozen, usercode
 from raylane.loop.batches import Forward
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
-from raylane.loop.data import eval_data, first_batch, is_stream, train_data, worker_options
+from raylane.loop.data import data_ranks, eval_data, first_batch, is_stream, train_data, worker_options
 from raylane.loop.devices import peak_flops
 from raylane.loop.distributed import default_device, env_ranks, init_process_group
 from raylane.loop.evaluation import EvalSets, Evaluator
@@ -117,6 +117,7 @@ def build_trainer(
         loss_fn=pipe.loss_fn,
         step=pipe.step,
         blocks=pipe.blocks,
+        tp_plan=pipe.tp_plan,
     )
     startup["parallelize"] = time.time()
     own = runtime.store.latest()
@@ -151,11 +152,14 @@ def _assemble(
         "collate_fn": pipe.collate_fn,
         "options": worker_options(cfg.loader, runtime.device),
     }
-    train_loader = train_data(pipe.train_set, runtime, **batching, samples_per_step=cfg.train.global_batch)
+    # By data-parallel rank: a tensor-parallel group reads the same batches. Evaluation sums over
+    # every rank all the same: each group's ranks add the same sums and counts, and the means hold.
+    data = data_ranks(runtime, strategy.tp)
+    train_loader = train_data(pipe.train_set, data, **batching, samples_per_step=cfg.train.global_batch)
     if runtime.rank == 0:
-        _note_small_epoch(pipe.train_set, train_loader, cfg, runtime.world_size)
+        _note_small_epoch(pipe.train_set, train_loader, cfg, data.world_size)
         train_loader = _FirstBatchClock(train_loader, startup)
-    eval_loader = eval_data(pipe.eval_set, runtime, **batching)
+    eval_loader = eval_data(pipe.eval_set, data, **batching)
     control_group, save_group = _side_groups(cfg, runtime.world_size)
     total_steps = plan_steps(train_loader, cfg.train)[1]
     if runtime.rank == 0 and (note := schedule_note(cfg, total_steps, pipe)):

@@ -47,10 +47,10 @@ def last_step(train_data: EpochData, train: TrainSection, *, epoch: int, batch_i
 
 def resumed_batch(state: dict[str, Any], train: TrainSection, world_size: int, samples_per_step: int) -> int:
     """The micro-batch of its epoch a checkpoint's train `state` resumes at, on `world_size`
-    ranks taking `samples_per_step` samples a step. Batches per epoch depend on the world size: a
-    resharded resume restarts the epoch, unless the epoch's order is global and the global batch
-    held (train.global_batch): then it continues at the same sample."""
-    same_world = state.get("world_size") == world_size
+    data-parallel ranks taking `samples_per_step` samples a step. Batches per epoch depend on the
+    world size: a resharded resume restarts the epoch, unless the epoch's order is global and the
+    global batch held (train.global_batch): then it continues at the same sample."""
+    same_world = state.get("data_ranks", state.get("world_size")) == world_size
     global_order = (
         state.get("global_order")
         and train.global_batch is not None
@@ -83,19 +83,38 @@ def clip_gradients(
         return None
     if plain and not max_norm and not norm_wanted:
         return None, _all_finite(grads)
+    meshes = _by_mesh([p for p in params if p.grad is not None])
     if plain:
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     else:
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if hasattr(norm, "full_tensor"):  # a DTensor: sharded gradients, reduced over ranks
-            norm = norm.full_tensor()
+        norm = _total_norm(meshes)
     finite = bool(torch.isfinite(norm))  # a host sync: the caller skips the step on False
     if max_norm and finite:
         if plain:
             torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         else:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+            for group in meshes.values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm, finite
+
+
+def _by_mesh(params: list[torch.nn.Parameter]) -> dict[Any, list[torch.nn.Parameter]]:
+    """The parameters by the device mesh their gradients lie on (None: plain tensors). FSDP2 x
+    TP puts a block's split weights on (dp, tp) and the rest on dp alone, and torch's norm and
+    clipping refuse to stack DTensors of two meshes (issue 49's trap a)."""
+    groups: dict[Any, list[torch.nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return groups
+
+
+def _total_norm(meshes: dict[Any, list[torch.nn.Parameter]]) -> torch.Tensor:
+    """The 2-norm over every mesh's gradients: each mesh's made whole over its ranks, then combined."""
+    norms = []
+    for group in meshes.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # reduced over ranks
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
 _finite_check_buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -118,14 +118,16 @@ class Trainer:
         # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
         # which every run pays whether saves are asynchronous or not, is left out.
         self.checkpoint_stall_s = 0.0
-        self._init_progress(train_data, runtime.world_size)
+        self._init_progress(train_data, runtime.world_size // self.strategy.tp)
         self.hooks = Hooks(hooks, self)
         self.evaluation = Evaluation(evaluator, model, reporter, EarlyStopping(train.early_stopping), self.hooks)
         saver.on_committed = lambda step, where: self.hooks.call("on_checkpoint", step=step, checkpoint=where)
         self.hooks.call("setup")  # before a resume loads the hooks' state into what setup made
 
-    def _init_progress(self, train_data: EpochData, world_size: int) -> None:
-        # Progress, saved in every checkpoint: resume continues at exactly the next batch.
+    def _init_progress(self, train_data: EpochData, data_ranks: int) -> None:
+        # Progress, saved in every checkpoint: resume continues at exactly the next batch. Samples
+        # count by data-parallel rank: a tensor-parallel group's ranks read the same batches.
+        self.data_ranks = data_ranks
         self.epoch = 0
         self.step = 0
         self.batch_in_epoch = 0
@@ -135,7 +137,7 @@ class Trainer:
         self.resumed_from_step: int | None = None
         self.steps_per_epoch, self.total_steps = plan_steps(train_data, self.train_cfg)
         self.batches_per_epoch = train_data.batches_in_epoch(0)  # of the epoch running; see _run_epoch
-        self.samples_per_step = self.train_cfg.batch_size * world_size * self.accum
+        self.samples_per_step = self.train_cfg.batch_size * data_ranks * self.accum
         # Rank 0's throughput over the last epoch's steps, sent with its checkpoint (sweeps rank by it).
         self.speed_metrics: dict[str, float] = {}
         self._train_started = time.perf_counter()
@@ -226,7 +228,7 @@ class Trainer:
                 self._state_bytes()
             self.step += 1
             self.batch_in_epoch += len(micro_batches)
-            self.samples_seen_in_epoch += len(micro_batches) * self.train_cfg.batch_size * self.runtime.world_size
+            self.samples_seen_in_epoch += len(micro_batches) * self.train_cfg.batch_size * self.data_ranks
             if (
                 self._warm is None
                 and self.step - (self.resumed_from_step or 0) >= WARMUP_STEPS
@@ -327,7 +329,7 @@ class Trainer:
             resumed_from_step=self.resumed_from_step,
             resumed_from=self.resumed_from,
             skipped_checkpoints=self.skipped_checkpoints,
-            strategy=self.strategy.name,
+            strategy=self.strategy.label,
             strategy_reason=self.strategy.reason,
             strategy_tags=self.strategy.tags(),
         )
@@ -389,7 +391,7 @@ class Trainer:
             epoch_end_s=epoch_ends,
             metrics=self.evaluation.metrics,
             memory=largest_memory(self._state_bytes(), self.device),
-            strategy=self.strategy.name,
+            strategy=self.strategy.label,
             mesh=list(self.strategy.mesh_shape),
             node_ranks=self.runtime.node_ranks,
             world_size=self.runtime.world_size,
@@ -410,7 +412,7 @@ class Trainer:
         """The share of the running epoch trained, in samples over every launch of the run (the
         epoch's samples as this launch splits them); a resume that restarted the epoch (another
         world size) counts what it trained before too, so it is capped at 1."""
-        epoch_samples = self.batches_per_epoch * self.train_cfg.batch_size * self.runtime.world_size
+        epoch_samples = self.batches_per_epoch * self.train_cfg.batch_size * self.data_ranks
         return round(min(self.samples_seen_in_epoch / max(epoch_samples, 1), 1.0), 4)
 
     def _epoch_speed(self, start: tuple[float, int], end: float) -> dict[str, float]:
@@ -455,13 +457,14 @@ class Trainer:
             "batch_in_epoch": self.batch_in_epoch,
             # The position in samples of the whole group: what a resume on another world size
             # continues from when the global batch is held (train.global_batch).
-            "samples_in_epoch": self.batch_in_epoch * self.train_cfg.batch_size * self.runtime.world_size,
+            "samples_in_epoch": self.batch_in_epoch * self.train_cfg.batch_size * self.data_ranks,
             "samples_seen_in_epoch": self.samples_seen_in_epoch,
             "samples_per_step": self.samples_per_step,
             # Training seconds over every launch of the run (a time-to-target sweep ranks by it).
             "train_s_total": self._trained_before_s + time.perf_counter() - self._train_started,
             "global_order": self.train_cfg.global_batch is not None,
             "world_size": self.runtime.world_size,
+            "data_ranks": self.data_ranks,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             # Metrics measured at this very step (an epoch end), for checkpoint.keep_best.
@@ -475,7 +478,7 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.step = int(state["step"])
-        self.batch_in_epoch = resumed_batch(state, self.train_cfg, self.runtime.world_size, self.samples_per_step)
+        self.batch_in_epoch = resumed_batch(state, self.train_cfg, self.data_ranks, self.samples_per_step)
         # A checkpoint from before samples_seen_in_epoch: its position is what it had trained.
         seen = state.get("samples_seen_in_epoch", state.get("samples_in_epoch"))
         self.samples_seen_in_epoch = int(seen) if seen is not None else 0
