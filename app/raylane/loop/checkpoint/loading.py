@@ -128,7 +128,7 @@ def _set_state(
         name, where = (missing[0], "there") if missing else (unexpected[0], "here")
         raise CheckpointLoadError(
             f"checkpoint {path} does not fit this run's model: {name} is absent {where} "
-            "(the config changed the model); start a fresh run with another run.name"
+            "(the config or the pipeline changed the model); start a fresh run with another run.name"
         )
 
 
@@ -168,7 +168,7 @@ def check_shapes(
             now = "absent" if name not in live else f"shape {live[name]}"
             raise CheckpointLoadError(
                 f"checkpoint {path} does not fit this run's model: {name} is {was} there and {now} here "
-                "(the config changed the model); start a fresh run with another run.name"
+                "(the config or the pipeline changed the model); start a fresh run with another run.name"
             )
 
 
