@@ -90,6 +90,44 @@ def build_model(m: ModelSection):
     import math
 
     import torch
+    from torch import nn
+
+    block = _block_class(m, _attention_class(m))  # one class each per model: its blocks share it
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(m.vocab_size, m.n_embd)
+            self.wpe = nn.Embedding(m.block_size, m.n_embd)
+            self.drop = nn.Dropout(m.dropout)
+            self.blocks = nn.ModuleList(block() for _ in range(m.n_layer))
+            self.ln_f = nn.LayerNorm(m.n_embd, bias=m.bias)
+            self.lm_head = nn.Linear(m.n_embd, m.vocab_size, bias=False)
+            self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
+            self.apply(self._init)
+            for name, p in self.named_parameters():
+                if name.endswith(("c_proj.weight", "mlp.2.weight")):  # residual outputs
+                    nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * m.n_layer))
+
+        @staticmethod
+        def _init(module: nn.Module) -> None:
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, 0.0, 0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+            for b in self.blocks:
+                x = b(x)
+            return self.lm_head(self.ln_f(x))
+
+    return GPT()
+
+
+def _attention_class(m: ModelSection) -> type:
+    import torch
     import torch.nn.functional as F
     from torch import nn
 
@@ -113,11 +151,18 @@ def build_model(m: ModelSection):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=m.dropout if self.training else 0.0)
             return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
 
+    return SelfAttention
+
+
+def _block_class(m: ModelSection, attention: type) -> type:
+    import torch
+    from torch import nn
+
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.ln_1 = nn.LayerNorm(m.n_embd, bias=m.bias)
-            self.attn = SelfAttention()
+            self.attn = attention()
             self.ln_2 = nn.LayerNorm(m.n_embd, bias=m.bias)
             self.mlp = nn.Sequential(
                 nn.Linear(m.n_embd, 4 * m.n_embd, bias=m.bias),
@@ -130,36 +175,7 @@ def build_model(m: ModelSection):
             x = x + self.attn(self.ln_1(x))
             return x + self.mlp(self.ln_2(x))
 
-    class GPT(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.wte = nn.Embedding(m.vocab_size, m.n_embd)
-            self.wpe = nn.Embedding(m.block_size, m.n_embd)
-            self.drop = nn.Dropout(m.dropout)
-            self.blocks = nn.ModuleList(Block() for _ in range(m.n_layer))
-            self.ln_f = nn.LayerNorm(m.n_embd, bias=m.bias)
-            self.lm_head = nn.Linear(m.n_embd, m.vocab_size, bias=False)
-            self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
-            self.apply(self._init)
-            for name, p in self.named_parameters():
-                if name.endswith(("c_proj.weight", "mlp.2.weight")):  # residual outputs
-                    nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * m.n_layer))
-
-        @staticmethod
-        def _init(module: nn.Module) -> None:
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, 0.0, 0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            pos = torch.arange(idx.shape[1], device=idx.device)
-            x = self.drop(self.wte(idx) + self.wpe(pos))
-            for block in self.blocks:
-                x = block(x)
-            return self.lm_head(self.ln_f(x))
-
-    return GPT()
+    return Block
 
 
 def _split_fused(module, state: dict, prefix: str, *_: object) -> None:
