@@ -88,6 +88,40 @@ def train_worker(cfg: BaseConfig, runtime: RayRuntime, spec: LaunchSpec, startup
         )
 
 
+def pump(
+    thread: threading.Thread,
+    drain: Callable[[], list[Event]],
+    request_stop: Callable[[], Any],
+    on_event: Callable[[Event], None],
+) -> RunResult | dict[str, Any] | None:
+    """Relay rank 0's events until `thread` (fit) has ended and its last events are read; returns
+    what End carried (training's RunResult, autotune's search's), None when no End came."""
+    ended: RunResult | dict[str, Any] | None = None
+    relayed = False
+    while True:
+        thread.join(EVENT_POLL_S)
+        # Read before draining: a fit that ends between the drain and a later look would leave
+        # rank 0's last events (its End) in the sink, and the run would end without its result.
+        finished = not thread.is_alive()
+        if preemption.requested() and not relayed:
+            request_stop()  # the workers checkpoint at the next step and return
+            relayed = True
+        try:
+            for event in drain():
+                if isinstance(event, End):
+                    ended = event.result
+                on_event(event)
+        except BaseException:
+            # A listener gave up on the run (a Tune scheduler stopping this trial): stop the
+            # workers at their next step boundary, so that the run ends and releases its workers
+            # and placement group instead of holding them until something kills them.
+            request_stop()
+            thread.join(LISTENER_STOP_GRACE_S)
+            raise
+        if finished:
+            return ended
+
+
 def _fit_and_pump(
     trainer: TorchTrainer, sink: Any, on_event: Callable[[Event], None], world_size: int
 ) -> RunResult | dict[str, Any] | None:
@@ -103,27 +137,7 @@ def _fit_and_pump(
 
     thread = threading.Thread(target=fit, name="raylane-fit", daemon=True)
     thread.start()
-    ended: RunResult | dict[str, Any] | None = None  # End's result: training's, or autotune's search's
-    relayed = False
-    while True:
-        thread.join(EVENT_POLL_S)
-        if preemption.requested() and not relayed:
-            sink.request_stop.remote()  # the workers checkpoint at the next step and return
-            relayed = True
-        try:
-            for event in ray.get(sink.drain.remote()):
-                if isinstance(event, End):
-                    ended = event.result
-                on_event(event)
-        except BaseException:
-            # A listener gave up on the run (a Tune scheduler stopping this trial): stop the
-            # workers at their next step boundary, so that the run ends and releases its workers
-            # and placement group instead of holding them until something kills them.
-            sink.request_stop.remote()
-            thread.join(LISTENER_STOP_GRACE_S)
-            raise
-        if not thread.is_alive():
-            break
+    ended = pump(thread, lambda: ray.get(sink.drain.remote()), lambda: sink.request_stop.remote(), on_event)
     if "error" in outcome:
         exc = outcome["error"]
         if isinstance(exc, ray.train.TrainingFailedError):
