@@ -185,7 +185,7 @@ CASES: dict[str, Case] = {
     ),
     "tp with auto": Case(
         ["check", "gpt-tiny", "--set", "strategy.tp=2", "--set", "strategy.name=auto"],
-        "strategy.name = 'auto' with strategy.tp = 2: the memory estimate does not count tensor parallelism yet",
+        "strategy.name = 'auto' with strategy.tp = 2: the memory estimate chooses tp only with strategy.tp: auto",
     ),
     "tp elastic": Case(
         ["check", "gpt-tiny", "--set", "scaling.num_workers=2,4", "--set", "strategy.tp=2"],

@@ -160,10 +160,15 @@ class Forward:
     """The training step's forward and loss: `run(model, batch)` -> (loss, metrics or None),
     with the batch moved to `device`. The first call classifies the batch, checks what comes, and
     puts a function specialised for the form in `run`'s place; `loss_fn` and `step` are read at
-    every call (raylane.loop.usercode wraps them for their first call)."""
+    every call (raylane.loop.usercode wraps them for their first call). `split_logits`: under loss
+    parallelism, loss_fn's loss of the vocabulary-split logits is a replicated DTensor, whose local
+    value (the whole loss, differentiable) is what the step's sums and logs take."""
 
-    def __init__(self, loss_fn: Callable | None, step: Callable | None, device: torch.device) -> None:
+    def __init__(
+        self, loss_fn: Callable | None, step: Callable | None, device: torch.device, split_logits: bool = False
+    ) -> None:
         self.loss_fn, self.step, self.device = loss_fn, step, device
+        self.split_logits = split_logits
         self.form: str | None = None
         self.run: Callable[[Any, Any], tuple[Any, dict[str, Any] | None]] = self._first
 
@@ -179,7 +184,7 @@ class Forward:
         else:
             output = call_model(model, batch, form)
             if self.loss_fn is not None:
-                loss, metrics = self.loss_fn(output, batch[1] if form == "pair" else batch), None
+                loss, metrics = self._loss(output, batch[1] if form == "pair" else batch), None
             else:
                 loss, metrics = checked_own_loss(output, model), None
         self.run = self._specialised(form, plain=form == "pair" and isinstance(batch[1], torch.Tensor))
@@ -193,7 +198,7 @@ class Forward:
                 source, target = batch
                 output = model(source.to(device, non_blocking=non_blocking))
                 if self.loss_fn is not None:
-                    return self.loss_fn(output, target.to(device, non_blocking=non_blocking)), None
+                    return self._loss(output, target.to(device, non_blocking=non_blocking)), None
                 return own_loss(output), None
 
             return pair
@@ -208,10 +213,14 @@ class Forward:
             batch = _moved(batch, device, non_blocking)
             output = call_model(model, batch, form)
             if self.loss_fn is not None:
-                return self.loss_fn(output, batch[1] if form == "pair" else batch), None
+                return self._loss(output, batch[1] if form == "pair" else batch), None
             return own_loss(output), None
 
         return other
+
+    def _loss(self, output: Any, target: Any) -> Any:
+        loss = self.loss_fn(output, target)  # type: ignore[misc] - called only with a loss_fn
+        return loss.to_local() if self.split_logits and hasattr(loss, "to_local") else loss
 
 
 class StepMetrics:
