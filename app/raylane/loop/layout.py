@@ -30,6 +30,26 @@ class Layout:
     sequence_parallel: bool = False
     loss_parallel: bool = False
 
+    @classmethod
+    def of(cls, strategy: Any) -> Layout:
+        """A raylane.loop.parallel.Strategy's: its data-parallel ranks are replicas under DDP,
+        shards under FSDP, both under HSDP; pp, dp_replicate and cp where it has them."""
+        mesh = strategy.mesh_shape or (1,)
+        dp = mesh[0] if strategy.tp > 1 else mesh[-1]
+        replicate, shard = (dp, 1) if strategy.name == "ddp" else (1, dp)
+        if strategy.name == "hsdp" and strategy.tp == 1:
+            replicate, shard = mesh[0], mesh[1]
+        return cls(
+            strategy.name,
+            pp=getattr(strategy, "pp", 1),
+            dp_replicate=getattr(strategy, "dp_replicate", replicate),
+            dp_shard=shard,
+            cp=getattr(strategy, "cp", 1),
+            tp=strategy.tp,
+            sequence_parallel=strategy.sequence_parallel,
+            loss_parallel=strategy.loss_parallel,
+        )
+
     @property
     def data_parallel(self) -> int:
         return self.dp_replicate * self.dp_shard
@@ -114,10 +134,41 @@ class Candidate:
     bytes: int
 
 
-def pick(candidates: list[Candidate], usable: float) -> tuple[Candidate, bool]:
-    """The first candidate (the simplest: they come DDP, FSDP, then FSDP x TP by growing tp) whose
-    bytes fit in `usable`, and True; else the one that needs least, and False."""
-    for c in candidates:
-        if c.bytes <= usable:
-            return c, True
-    return min(candidates, key=lambda c: c.bytes), False
+def weigh(
+    cfg: Any,
+    world_size: int,
+    model: nn.Module,
+    blocks: Any,
+    plan: Any,
+    estimate: dict[str, int],
+    per_byte: int,
+    device: tuple[int, float],
+) -> tuple[Candidate, dict[str, int], str]:
+    """(the layout chosen, every candidate's bytes per rank, the reason), for `strategy.tp: auto`:
+    the simplest whose bytes fit the device's (bytes, usable share): DDP (with `strategy.name:
+    auto`), FSDP, then FSDP x TP by growing tp (`tp_candidates`, with a plan); else the one that
+    needs least. FSDP's and TP's parameter bytes are measured (`parameter_bytes`) and taken
+    `per_byte` times (parameters, gradients, optimizer state); activations are the estimate's
+    meta forward's, divided by tp with sequence parallelism (whole without: the norms and the
+    residual stream stay whole); plus two gathered blocks, divided by tp. Collective."""
+    from raylane.loop.blocks import blocks_of
+    from raylane.loop.devices import GIB, local_world_size
+
+    s = cfg.strategy
+    acts = estimate["activations"]
+    largest = max(
+        (sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks_of(model, blocks)), default=0
+    )
+    tps = tp_candidates(cfg, world_size, local_world_size(default=world_size)) if plan is not None else []
+    options = [Candidate("ddp", "ddp", 1, estimate["ddp"])] if s.name == "auto" else []
+    for tp in [1, *tps]:
+        held = parameter_bytes(model, blocks, (world_size // tp, tp), plan, sequence_parallel=s.sequence_parallel)
+        need = held * per_byte + (acts // tp if s.sequence_parallel else acts) + 2 * largest // tp
+        options.append(Candidate("fsdp" if tp == 1 else f"fsdp_tp{tp}", "fsdp", tp, need))
+    budget, share = device
+    chosen = next((c for c in options if c.bytes <= share * budget), None)
+    needs = ", ".join(f"{c.key.replace('_', '×').upper()} ~{c.bytes / GIB:.2f} GiB" for c in options)
+    why = f"tp auto: per rank {needs}, of {budget / GIB:.2f} GiB per device ({share:.0%} usable)"
+    if chosen is None:
+        chosen, why = min(options, key=lambda c: c.bytes), f"{why}; none fits: the smallest"
+    return chosen, {"activations": acts, "device": budget, **{c.key: c.bytes for c in options}}, why

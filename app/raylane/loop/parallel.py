@@ -59,22 +59,8 @@ class Strategy:
 
     @property
     def layout(self) -> Layout:
-        """The mesh's dimensions by name (raylane.loop.layout): the data-parallel ranks (replicas
-        under DDP, shards under FSDP, both under HSDP), then the model-parallel ones."""
-        dp = self.mesh_shape[0] if self.tp > 1 else (self.mesh_shape or (1,))[-1]
-        replicate, shard = (dp, 1) if self.name == "ddp" else (1, dp)
-        if self.name == "hsdp":
-            replicate, shard = self.mesh_shape[0], self.mesh_shape[1]
-        return Layout(
-            self.name,
-            pp=getattr(self, "pp", 1),
-            dp_replicate=getattr(self, "dp_replicate", replicate),
-            dp_shard=shard,
-            cp=getattr(self, "cp", 1),
-            tp=self.tp,
-            sequence_parallel=self.sequence_parallel,
-            loss_parallel=self.loss_parallel,
-        )
+        """The mesh's dimensions by name (raylane.loop.layout)."""
+        return Layout.of(self)
 
     @property
     def label(self) -> str:
@@ -215,32 +201,17 @@ def choose_strategy(
 def _auto_layout(
     cfg: BaseConfig, device: torch.device, world_size: int, model: nn.Module, probe: tuple, blocks: Any, plan: Any
 ) -> Strategy:
-    """`strategy.tp: auto`: the simplest layout whose per-rank bytes fit the device, of DDP (with
-    `strategy.name: auto`), FSDP, then FSDP x TP by growing tp (the degrees of a node's ranks the
-    model allows, with a plan). FSDP's and TP's parameter bytes are measured on fake process groups
-    (raylane.loop.layout); gradients and optimizer state take as many again each, activations are
-    the meta forward's (divided by tp with sequence parallelism, whole without: the norms and the
-    residual stream stay whole), plus two gathered blocks. `probe`: (example, loss_fn, step)."""
-    from raylane.loop.layout import Candidate, parameter_bytes, pick, tp_candidates
+    """`strategy.tp: auto`: the simplest layout that fits the device (raylane.loop.layout.weigh).
+    `probe`: (example, loss_fn, step), for the activations."""
+    from raylane.loop.layout import weigh
 
     if world_size == 1:
         return Strategy("single", reason="one rank")
     s, o = cfg.strategy, cfg.optim
     estimate = estimate_memory(model, cfg, world_size, *probe, blocks=blocks)
-    per_byte = 2 + OPTIMIZER_STATES.get(o.name, 1 if o.momentum else 0)
-    acts, largest = estimate["activations"], max((_nbytes(b.parameters()) for b in blocks), default=0)
-    tps = tp_candidates(cfg, world_size, local_world_size(default=world_size)) if plan is not None else []
-    options = [Candidate("ddp", "ddp", 1, estimate["ddp"])] if s.name == "auto" else []
-    for tp in [1, *tps]:
-        held = parameter_bytes(model, blocks, (world_size // tp, tp), plan, sequence_parallel=s.sequence_parallel)
-        need = held * per_byte + (acts // tp if s.sequence_parallel else acts) + 2 * largest // tp
-        options.append(Candidate("fsdp" if tp == 1 else f"fsdp_tp{tp}", "fsdp", tp, need))
+    per_byte = 2 + OPTIMIZER_STATES.get(o.name, 1 if o.momentum else 0)  # parameters, gradients, states
     budget = device_memory_bytes(device, cfg.scaling.device_memory_gb, local_world_size())
-    chosen, fits = pick(options, AUTO_MARGIN * budget)
-    estimate = {"activations": acts, "device": budget, **{c.key: c.bytes for c in options}}
-    needs = ", ".join(f"{c.key.replace('_', '×').upper()} ~{c.bytes / GIB:.2f} GiB" for c in options)
-    why = f"tp auto: per rank {needs}, of {budget / GIB:.2f} GiB per device ({AUTO_MARGIN:.0%} usable)"
-    why += "" if fits else "; none fits: the smallest"
+    chosen, estimate, why = weigh(cfg, world_size, model, blocks, plan, estimate, per_byte, (budget, AUTO_MARGIN))
     if chosen.tp > 1:
         dp, sp, lp = world_size // chosen.tp, s.sequence_parallel, s.loss_parallel
         return Strategy("fsdp", (dp, chosen.tp), why, estimate, tp=chosen.tp, sequence_parallel=sp, loss_parallel=lp)
