@@ -161,8 +161,9 @@ class Forward:
     with the batch moved to `device`. The first call classifies the batch, checks what comes, and
     puts a function specialised for the form in `run`'s place; `loss_fn` and `step` are read at
     every call (raylane.loop.usercode wraps them for their first call). `split_logits`: under loss
-    parallelism, loss_fn's loss of the vocabulary-split logits is a replicated DTensor, whose local
-    value (the whole loss, differentiable) is what the step's sums and logs take."""
+    parallelism, the loss of the vocabulary-split logits (loss_fn's or a step's) is a replicated
+    DTensor, whose local value (the whole loss, differentiable) is what the step's sums and logs
+    take."""
 
     def __init__(
         self, loss_fn: Callable | None, step: Callable | None, device: torch.device, split_logits: bool = False
@@ -181,6 +182,7 @@ class Forward:
             from raylane.pipelines_ref import returned_at
 
             loss, metrics = check_step(self.step(model, batch), returned_at(self.step))
+            loss = self._local(loss)
         else:
             output = call_model(model, batch, form)
             if self.loss_fn is not None:
@@ -205,7 +207,8 @@ class Forward:
         if form == "step":
 
             def stepped(model: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-                return split_step(self.step(model, _moved(batch, device, non_blocking)))
+                loss, metrics = split_step(self.step(model, _moved(batch, device, non_blocking)))
+                return self._local(loss), metrics
 
             return stepped
 
@@ -219,7 +222,9 @@ class Forward:
         return other
 
     def _loss(self, output: Any, target: Any) -> Any:
-        loss = self.loss_fn(output, target)  # type: ignore[misc] - called only with a loss_fn
+        return self._local(self.loss_fn(output, target))  # type: ignore[misc] - called only with a loss_fn
+
+    def _local(self, loss: Any) -> Any:
         return loss.to_local() if self.split_logits and hasattr(loss, "to_local") else loss
 
 
