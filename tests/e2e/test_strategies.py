@@ -462,10 +462,10 @@ def test_fsdp_over_tensor_parallel_groups_matches_ddp(run_cli, tmp_path):
     parameter sharded over the data-parallel pair too) trains gpt-tiny as DDP on 2 ranks does:
     the same samples per step (a group's ranks read one share), every step's loss within 1e-6
     relative with SGD, clipped over two meshes (the blocks' split weights on (dp_shard, tp), the
-    rest on dp_shard)."""
+    rest on dp_shard), with loss parallelism (the head's logits split over the vocabulary)."""
     sets = {"train.max_steps": 10, "mlflow.log_every_n_steps": 1, "optim.name": "sgd", "optim.lr": 0.3}
     common = [*GPT, *(x for k, v in sets.items() for x in ("--set", f"{k}={v}"))]
-    layouts = {"ddp": (2, []), "fsdp-tp": (4, ["strategy.name=fsdp", "strategy.tp=2"])}
+    layouts = {"ddp": (2, []), "fsdp-tp": (4, ["strategy.name=fsdp", "strategy.tp=2", "strategy.loss_parallel=true"])}
     runs = {}
     for name, (ranks, extra) in layouts.items():
         p = run_cli(
@@ -477,7 +477,7 @@ def test_fsdp_over_tensor_parallel_groups_matches_ddp(run_cli, tmp_path):
         )
         assert p.wait(600) == 0, p.output
         runs[name] = read_json(tmp_path / f"{name}.json")
-    assert (runs["fsdp-tp"]["strategy"], runs["fsdp-tp"]["mesh"]) == ("fsdp×tp2", [2, 2])
+    assert (runs["fsdp-tp"]["strategy"], runs["fsdp-tp"]["mesh"]) == ("fsdp×tp2+lp", [2, 2])
     db = tmp_path / "mlflow.db"
     ddp, both = _losses(db, runs["ddp"]["run_id"]), _losses(db, runs["fsdp-tp"]["run_id"])
     assert sorted(ddp) == sorted(both) == list(range(1, 11))
