@@ -104,6 +104,23 @@ def test_tp_auto_tries_only_the_degrees_the_model_allows(eight_fake_ranks):
     assert {k for k in strategy.estimate if k.startswith("fsdp")} == {"fsdp", "fsdp_tp2"}
 
 
+def test_tp_auto_weighs_no_degree_when_the_config_fails_its_checks_here(monkeypatch, caplog):
+    """The degrees come from the config's own checks at each degree (gpt's 8 heads: 2, 4 and 8 of
+    8 ranks on a node of 8; 2 and 4 on a node of 4); where the checks fail at tp 1 too (whatever
+    the reason on this host), they tell nothing: no degree is weighed, and it says why."""
+    from raylane.loop.layout import tp_candidates
+
+    cfg = load_config("gpt-tiny", ["model.n_head=8", "strategy.name=fsdp", "strategy.tp=auto"])
+    assert tp_candidates(cfg, 8, 8) == [2, 4, 8] and tp_candidates(cfg, 8, 4) == [2, 4]
+
+    def failing(data):
+        raise ValueError("no such file")
+
+    monkeypatch.setattr(type(cfg), "model_validate", failing)
+    assert tp_candidates(cfg, 8, 8) == []
+    assert "strategy.tp: auto tries no tensor parallelism: the config's checks fail here (no such file)" in caplog.text
+
+
 def test_the_optimizer_holds_the_shards_after_a_forward_without_backward(one_rank):
     """A forward without backward (a pipeline's init_weights checking its weights) leaves FSDP2's
     root unsharded, and an optimizer built then holds the unsharded tensors: the root's weights

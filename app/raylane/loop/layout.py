@@ -8,10 +8,13 @@ The mesh's dimensions are torchtitan's, outermost first: pp, dp_replicate, dp_sh
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+
+log = logging.getLogger("raylane")
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -108,19 +111,26 @@ def parameter_bytes(
 def tp_candidates(cfg: Any, world_size: int, node_ranks: int) -> list[int]:
     """The tensor-parallel degrees `strategy.tp: auto` may choose, smallest first: above 1,
     dividing the ranks of a node (a group's collectives stay on its links) and the world, and
-    allowed by the config's own checks at that degree (a model's heads, vocabulary, block size)."""
+    allowed by the config's own checks at that degree (a model's heads, vocabulary, block size).
+    None when the config does not pass its checks here at tp 1 either (an input path this host
+    cannot see): nothing would tell an allowed degree from another."""
     found = []
-    for tp in range(2, node_ranks + 1):
+    for tp in range(1, node_ranks + 1):
         if node_ranks % tp or world_size % tp:
             continue
         as_fixed = cfg.model_dump()
         as_fixed["strategy"] |= {"tp": tp, "name": "fsdp"}
+        if tp == 1:  # what needs tp > 1 is off there
+            as_fixed["strategy"] |= {"sequence_parallel": False, "loss_parallel": False}
         try:
             type(cfg).model_validate(as_fixed)
-        except ValueError:
+        except ValueError as exc:
+            if tp == 1:
+                log.warning("strategy.tp: auto tries no tensor parallelism: the config's checks fail here (%s)", exc)
+                return []
             continue
         found.append(tp)
-    return found
+    return found[1:]
 
 
 @dataclass
