@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -222,7 +222,8 @@ class Forward:
         return other
 
     def _loss(self, output: Any, target: Any) -> Any:
-        return self._local(self.loss_fn(output, target))  # type: ignore[misc] - called only with a loss_fn
+        loss_fn = cast(Callable, self.loss_fn)  # called only where there is one
+        return self._local(loss_fn(output, target))
 
     def _local(self, loss: Any) -> Any:
         return loss.to_local() if self.split_logits and hasattr(loss, "to_local") else loss

@@ -37,7 +37,7 @@ class Layout:
     def of(cls, strategy: Any) -> Layout:
         """A raylane.loop.parallel.Strategy's: its data-parallel ranks are replicas under DDP,
         shards under FSDP, both under HSDP; pp, dp_replicate and cp where it has them."""
-        mesh = strategy.mesh_shape or (1,)
+        mesh: tuple[int, ...] = tuple(strategy.mesh_shape) or (1,)
         dp = mesh[0] if strategy.tp > 1 else mesh[-1]
         replicate, shard = (dp, 1) if strategy.name == "ddp" else (1, dp)
         if strategy.name == "hsdp" and strategy.tp == 1:

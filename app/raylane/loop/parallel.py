@@ -208,7 +208,8 @@ def _auto_layout(
     if world_size == 1:
         return Strategy("single", reason="one rank")
     s, o = cfg.strategy, cfg.optim
-    estimate = estimate_memory(model, cfg, world_size, *probe, blocks=blocks)
+    example, loss_fn, step = probe
+    estimate = estimate_memory(model, cfg, world_size, example, loss_fn, step, blocks=blocks)
     per_byte = 2 + OPTIMIZER_STATES.get(o.name, 1 if o.momentum else 0)  # parameters, gradients, states
     budget = device_memory_bytes(device, cfg.scaling.device_memory_gb, local_world_size())
     chosen, estimate, why = weigh(cfg, world_size, model, blocks, plan, estimate, per_byte, (budget, AUTO_MARGIN))
@@ -218,8 +219,9 @@ def _auto_layout(
     if chosen.name == "ddp":
         return Strategy("ddp", (world_size,), reason=why, estimate=estimate)
     nodes = _nodes(world_size)
-    sharded = ("hsdp", (nodes, world_size // nodes)) if nodes > 1 else ("fsdp", (world_size,))
-    return Strategy(*sharded, reason=why, estimate=estimate)
+    if nodes > 1:
+        return Strategy("hsdp", (nodes, world_size // nodes), reason=why, estimate=estimate)
+    return Strategy("fsdp", (world_size,), reason=why, estimate=estimate)
 
 
 def _nodes(world_size: int) -> int:
@@ -313,7 +315,7 @@ def _note_blocks(model: nn.Module, found: Blocks, strategy: Strategy, cfg: BaseC
 
 
 def _tp_strategy(cfg: BaseConfig, world_size: int) -> Strategy:
-    tp = cfg.strategy.tp
+    tp = cfg.strategy.tp_degree
     if world_size % tp:  # checked before launch (raylane.prechecks.check_layout)
         raise ValueError(f"strategy.tp = {tp}: does not divide the {world_size} ranks")
     dp = world_size // tp
