@@ -68,7 +68,7 @@ class Config(BaseConfig):
     def _splits_over_tp(self) -> Config:
         """Tensor parallelism gives each rank whole heads, a share of the vocabulary's rows and,
         with sequence parallelism, of each sample's tokens."""
-        tp, m = self.strategy.tp, self.model
+        tp, m = self.strategy.tp_degree, self.model  # tp: auto tries only the degrees these allow
         for key, value, over in (
             ("model.n_head", m.n_head, True),
             ("model.vocab_size", m.vocab_size, True),
@@ -78,9 +78,9 @@ class Config(BaseConfig):
                 raise ValueError(
                     f"strategy.tp = {tp}: does not divide {key} = {value}, which each rank takes a share of"
                 )
-        if tp > 1 and m.dropout:
+        if self.strategy.tensor_parallel and m.dropout:
             raise ValueError(
-                f"model.dropout = {m.dropout:g} with strategy.tp = {tp}: dropout's masks are not kept alike over "
+                f"model.dropout = {m.dropout:g} with strategy.tp = {self.strategy.tp!r}: dropout's masks are not kept alike over "
                 "the ranks of a tensor-parallel group yet; use 0"
             )
         return self

@@ -373,11 +373,18 @@ def check_layout(cfg: BaseConfig, world_size: int, world: str) -> None:
     set it): a world it divides, replicas only through FSDP2, map-style data, and a pipeline that
     gives a tp_plan. The checks of the config alone are its validators' (raylane.config.base)."""
     tp = cfg.strategy.tp
-    if tp == 1:
+    if not cfg.strategy.tensor_parallel:
         return
     from raylane.loop.streaming import declares_sources
 
     label = pipelines_ref.label(cfg.pipeline)
+    if tp == "auto":  # any degree of the node's ranks may be chosen; one without a plan is not tried
+        if declares_sources(cfg):
+            raise ConfigError(
+                f"strategy.tp = 'auto': the {label} pipeline streams its data (sources), split by rank, and the "
+                "ranks of a tensor-parallel group must read the same batches; give strategy.tp: 1"
+            )
+        return
     if world_size % tp:
         raise ConfigError(f"strategy.tp = {tp}: does not divide {world} (a tensor-parallel group is tp ranks)")
     replicas = world_size // tp

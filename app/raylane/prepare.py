@@ -118,8 +118,8 @@ def prepare_tune(
 def _check_sweep_layout(sweep: SweepSection, base: BaseConfig) -> None:
     """Sweeps train data-parallel trials only, for now: each trial's layout is not checked."""
     swept = [k for k in sweep.space if k in ("strategy.tp", "strategy.sequence_parallel")]
-    if swept or base.strategy.tp > 1:
-        key = f"sweep.space.{swept[0]}" if swept else f"strategy.tp = {base.strategy.tp}"
+    if swept or base.strategy.tensor_parallel:
+        key = f"sweep.space.{swept[0]}" if swept else f"strategy.tp = {base.strategy.tp!r}"
         raise ConfigError(f"{key}: sweeps of tensor-parallel runs are not built yet; sweep with strategy.tp: 1")
 
 
@@ -164,9 +164,9 @@ def prepare_autotune(
 ) -> PreparedSearch:
     overrides = [*overrides, *([f"autotune.budget_s={budget_s}"] if budget_s is not None else [])]
     section, cfg = autotune.load(config, overrides)
-    if cfg.strategy.tp > 1:
+    if cfg.strategy.tensor_parallel:
         raise ConfigError(
-            f"strategy.tp = {cfg.strategy.tp}: autotune does not search tensor-parallel layouts yet; "
+            f"strategy.tp = {cfg.strategy.tp!r}: autotune does not search tensor-parallel layouts yet; "
             "autotune with strategy.tp: 1"
         )
     if under_torchrun():  # the ranks torchrun started, whatever scaling.num_workers says

@@ -144,8 +144,8 @@ class TrainSummary(_Summary):
     backend: str | None = Field(None, description="The process group's backend: nccl or gloo.")
     strategy: str | None = Field(
         None,
-        description="ddp, fsdp, hsdp or single (one rank); with tensor parallelism the layout: `fsdp×tp2`, or "
-        "`tp2` when one tensor-parallel group is the whole world (`+sp`: sequence parallel).",
+        description="ddp, fsdp, hsdp or single (one rank); with model parallelism the layout: `fsdp×tp2`, or "
+        "`tp2` when one tensor-parallel group is the whole world (`+sp`, `+lp`: sequence and loss parallel).",
     )
     mesh: list[int] | None = Field(
         None,

@@ -185,7 +185,20 @@ CASES: dict[str, Case] = {
     ),
     "tp with auto": Case(
         ["check", "gpt-tiny", "--set", "strategy.tp=2", "--set", "strategy.name=auto"],
-        "strategy.name = 'auto' with strategy.tp = 2: the memory estimate does not count tensor parallelism yet",
+        "strategy.name = 'auto' with strategy.tp = 2: the memory estimate chooses tp only with strategy.tp: auto",
+    ),
+    "loss parallel without tp": Case(
+        ["check", "gpt-tiny", "--set", "strategy.loss_parallel=true"],
+        "strategy.loss_parallel = True needs strategy.tp > 1",
+    ),
+    "context parallel on CPU": Case(
+        ["train", "gpt-tiny", "--set", "strategy.cp=2"],
+        "strategy.cp = 2: context parallelism needs CUDA's SDPA kernels (ring attention), which a CPU run does not "
+        "have; use strategy.cp: 1",
+    ),
+    "tp auto with ddp": Case(
+        ["check", "gpt-tiny", "--set", "strategy.tp=auto"],
+        "strategy.name = 'ddp' with strategy.tp = 'auto': replicas of a tensor-parallel model by DDP are not built",
     ),
     "tp elastic": Case(
         ["check", "gpt-tiny", "--set", "scaling.num_workers=2,4", "--set", "strategy.tp=2"],

@@ -368,8 +368,9 @@ def test_fsdp_evaluates_held_out_shares_of_unequal_batch_counts(run_cli, tmp_pat
 
 def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_process(run_cli, tmp_path):
     """`strategy.tp=2` on 2 ranks (one tensor-parallel group: each block's weights split in two,
-    both ranks reading the same batches), with and without sequence parallelism, trains gpt-tiny
-    as one rank does: every step's loss within 1e-6 relative, with SGD (issue 49's study: AdamW
+    both ranks reading the same batches), with loss parallelism (the head's logits split over the
+    vocabulary into the cross-entropy, gathered for evaluation) and with sequence parallelism,
+    trains gpt-tiny as one rank does: every step's loss within 1e-6 relative, with SGD (issue 49's study: AdamW
     turns the float noise of near-zero gradients into whole steps), clipped at gpt-tiny's
     grad_clip_norm over parameters on two meshes (trap a: without the per-mesh norm the run
     fails at its first step) and its head tied to the embedding (trap b: untied, the losses part
@@ -377,7 +378,10 @@ def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_proces
     (DCP, DTensors) loads into one plain process with the weights it trained."""
     sets = {"train.max_steps": 20, "mlflow.log_every_n_steps": 1, "optim.name": "sgd", "optim.lr": 0.3}
     common = [*GPT, *(x for k, v in sets.items() for x in ("--set", f"{k}={v}"))]
-    layouts = {"tp": ["strategy.tp=2"], "sp": ["strategy.tp=2", "strategy.sequence_parallel=true"]}
+    layouts = {
+        "lp": ["strategy.tp=2", "strategy.loss_parallel=true"],
+        "sp": ["strategy.tp=2", "strategy.sequence_parallel=true"],
+    }
     started = {
         name: run_cli(
             *(["--nproc_per_node", "2", "-m", "raylane"] if name in layouts else []),
@@ -393,16 +397,17 @@ def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_proces
             **({"launcher": TORCHRUN} if name in layouts else {}),
             name=name,
         )
-        for name in ("one", "tp", "sp")
+        for name in ("one", "lp", "sp")
     }
     runs = {}
     for name, p in started.items():
         assert p.wait(300) == 0, p.output
         runs[name] = read_json(tmp_path / f"{name}.json")
     db = tmp_path / "mlflow.db"
-    assert (runs["tp"]["strategy"], runs["sp"]["strategy"], runs["one"]["strategy"]) == ("tp2", "tp2+sp", "single")
-    assert runs["tp"]["mesh"] == [1, 2] and _tag(db, runs["sp"]["run_id"], "raylane.strategy") == "tp2+sp"
-    assert "strategy tp2 (strategy.tp: 2, FSDP2 over 1 data-parallel rank)" in started["tp"].output
+    assert (runs["lp"]["strategy"], runs["sp"]["strategy"], runs["one"]["strategy"]) == ("tp2+lp", "tp2+sp", "single")
+    assert runs["lp"]["mesh"] == [1, 2] and _tag(db, runs["sp"]["run_id"], "raylane.strategy") == "tp2+sp"
+    assert _tag(db, runs["lp"]["run_id"], "raylane.strategy.mesh") == "dp_shard 1, tp 2"
+    assert "strategy tp2+lp (strategy.tp: 2, FSDP2 over 1 data-parallel rank)" in started["lp"].output
 
     one = _losses(db, runs["one"]["run_id"])
     assert sorted(one) == list(range(1, 21)) and one[20] < one[1]  # it trains
@@ -410,19 +415,20 @@ def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_proces
         losses = _losses(db, runs[name]["run_id"])
         worst = max(abs(losses[s] - one[s]) / one[s] for s in one)
         assert worst <= 1e-6, (name, worst, losses, one)
-        assert runs[name]["metrics"]["loss"] == pytest.approx(runs["one"]["metrics"]["loss"], rel=1e-6)
+        for metric in ("loss", "bits_per_byte"):  # held out: loss parallel's logits gathered
+            assert runs[name]["metrics"][metric] == pytest.approx(runs["one"]["metrics"][metric], rel=1e-6)
 
     from raylane.pipelines.gpt import build
 
     cfg = load_config("gpt-tiny", [f"{k}={v}" for k, v in sets.items()])
-    files = checkpoint.read_manifest(runs["tp"]["checkpoint"])["files"]
+    files = checkpoint.read_manifest(runs["lp"]["checkpoint"])["files"]
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(files), sorted(files)
     models = {}
-    for name in ("tp", "one"):
+    for name in ("lp", "one"):
         pipe = build(cfg)
         checkpoint.load(runs[name]["checkpoint"], pipe.model, build_optimizer(pipe.model, cfg))
         models[name] = {k: v.detach() for k, v in pipe.model.named_parameters()}
-    worst = max(float((models["tp"][k] - v).abs().max()) for k, v in models["one"].items())
+    worst = max(float((models["lp"][k] - v).abs().max()) for k, v in models["one"].items())
     assert worst <= 1e-6, worst
 
 
@@ -456,10 +462,10 @@ def test_fsdp_over_tensor_parallel_groups_matches_ddp(run_cli, tmp_path):
     parameter sharded over the data-parallel pair too) trains gpt-tiny as DDP on 2 ranks does:
     the same samples per step (a group's ranks read one share), every step's loss within 1e-6
     relative with SGD, clipped over two meshes (the blocks' split weights on (dp_shard, tp), the
-    rest on dp_shard)."""
+    rest on dp_shard), with loss parallelism (the head's logits split over the vocabulary)."""
     sets = {"train.max_steps": 10, "mlflow.log_every_n_steps": 1, "optim.name": "sgd", "optim.lr": 0.3}
     common = [*GPT, *(x for k, v in sets.items() for x in ("--set", f"{k}={v}"))]
-    layouts = {"ddp": (2, []), "fsdp-tp": (4, ["strategy.name=fsdp", "strategy.tp=2"])}
+    layouts = {"ddp": (2, []), "fsdp-tp": (4, ["strategy.name=fsdp", "strategy.tp=2", "strategy.loss_parallel=true"])}
     runs = {}
     for name, (ranks, extra) in layouts.items():
         p = run_cli(
@@ -471,7 +477,7 @@ def test_fsdp_over_tensor_parallel_groups_matches_ddp(run_cli, tmp_path):
         )
         assert p.wait(600) == 0, p.output
         runs[name] = read_json(tmp_path / f"{name}.json")
-    assert (runs["fsdp-tp"]["strategy"], runs["fsdp-tp"]["mesh"]) == ("fsdp×tp2", [2, 2])
+    assert (runs["fsdp-tp"]["strategy"], runs["fsdp-tp"]["mesh"]) == ("fsdp×tp2+lp", [2, 2])
     db = tmp_path / "mlflow.db"
     ddp, both = _losses(db, runs["ddp"]["run_id"]), _losses(db, runs["fsdp-tp"]["run_id"])
     assert sorted(ddp) == sorted(both) == list(range(1, 11))

@@ -73,25 +73,31 @@ def test_a_rule_that_names_nothing_is_an_error():
 
 
 def test_clipping_over_two_meshes(one_rank):
-    """FSDP2 x TP leaves a block's split weights on (dp, tp) and the rest on dp (trap a): the
-    norm is every gradient's, and clipping scales each by the same factor. Planted: the norm of
-    all gradients at once (torch's get_total_norm, as before) raises `All operands in
-    aten.stack.default must have the same mesh`."""
+    """FSDP2 x TP leaves a block's split weights on (dp, tp) and the rest on dp (trap a), and a
+    plain replicated parameter may sit beside them: the norm is every gradient's, and clipping
+    scales each by the same factor. Planted: the norm of all gradients at once (torch's
+    get_total_norm, as before) raises `aten._foreach_norm.Scalar got mixed torch.Tensor and
+    DTensor` (without the plain one: `All operands in aten.stack.default must have the same
+    mesh`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     flat = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
     grid = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    values = [torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0]), torch.tensor([12.0])]
+    values = [torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0]), torch.tensor([12.0]), torch.tensor([0.0, 84.0])]
     params = []
-    for value, mesh in zip(values, (flat, grid, grid), strict=True):
-        p = nn.Parameter(distribute_tensor(torch.zeros_like(value), mesh, [Replicate()] * mesh.ndim))
-        p.grad = distribute_tensor(value.clone(), mesh, [Replicate()] * mesh.ndim)
+    for value, mesh in zip(values, (flat, grid, grid, None), strict=True):
+        if mesh is None:  # a plain, replicated parameter beside them
+            p = nn.Parameter(torch.zeros_like(value))
+            p.grad = value.clone()
+        else:
+            p = nn.Parameter(distribute_tensor(torch.zeros_like(value), mesh, [Replicate()] * mesh.ndim))
+            p.grad = distribute_tensor(value.clone(), mesh, [Replicate()] * mesh.ndim)
         params.append(p)
     norm, finite = clip_gradients(params, 6.5, plain=False)
-    assert finite and float(norm) == pytest.approx(13.0)
-    clipped = torch.cat([p.grad.full_tensor() for p in params])
-    assert torch.allclose(clipped, torch.cat(values) * 6.5 / (13.0 + 1e-6))
+    assert finite and float(norm) == pytest.approx(85.0)
+    clipped = torch.cat([getattr(p.grad, "full_tensor", p.grad.clone)() for p in params])
+    assert torch.allclose(clipped, torch.cat(values) * 6.5 / (85.0 + 1e-6))
     params[0].grad = distribute_tensor(torch.tensor([float("nan"), 0.0]), flat, [Replicate()])
     assert clip_gradients(params, None, plain=False)[1] is False  # the NaN check, over both meshes
 

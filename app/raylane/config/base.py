@@ -70,17 +70,28 @@ class BaseConfig(Section):
     def _tensor_parallel(self) -> BaseConfig:
         """What tensor parallelism does not combine with yet, refused by the key that asks for it."""
         s, tp = self.strategy, self.strategy.tp
-        if s.sequence_parallel and tp == 1:
-            raise ValueError(
-                "strategy.sequence_parallel = True needs strategy.tp > 1 (it shards the sequence between "
-                "tensor-parallel layers)"
-            )
-        if tp == 1:
+        for key, on in (("sequence_parallel", s.sequence_parallel), ("loss_parallel", s.loss_parallel)):
+            if on and not s.tensor_parallel:
+                raise ValueError(
+                    f"strategy.{key} = True needs strategy.tp > 1 (it shards the "
+                    f"{'sequence' if key == 'sequence_parallel' else 'vocabulary'} between tensor-parallel layers)"
+                )
+        self._context_parallel()
+        if not s.tensor_parallel:
             return self
+        auto = tp == "auto"
         refused = {
             "strategy.name = 'auto'": (
-                s.name == "auto",
-                "the memory estimate does not count tensor parallelism yet; name ddp or fsdp",
+                s.name == "auto" and not auto,
+                "the memory estimate chooses tp only with strategy.tp: auto; name ddp or fsdp, or set tp: auto",
+            ),
+            "strategy.name = 'ddp'": (
+                s.name == "ddp" and auto,
+                "replicas of a tensor-parallel model by DDP are not built; use auto (DDP when a replica fits) or fsdp",
+            ),
+            f"train.global_batch = {self.train.global_batch}": (
+                auto and self.train.global_batch is not None,
+                "the data-parallel ranks that hold it are chosen on the ranks; give a number for tp",
             ),
             "train.precision = 'fp16'": (
                 self.train.precision == "fp16",
@@ -102,8 +113,22 @@ class BaseConfig(Section):
         }
         for key, (bad, why) in refused.items():
             if bad:
-                raise ValueError(f"{key} with strategy.tp = {tp}: {why}")
+                raise ValueError(f"{key} with strategy.tp = {tp!r}: {why}")
         return self
+
+    def _context_parallel(self) -> None:
+        """torch's context parallelism shards attention with ring attention, which exists only for
+        CUDA's flash, efficient and cuDNN SDPA kernels (issue 49's study: on CPU it fails in the
+        first forward); raylane does not build it on GPU yet either."""
+        cp = self.strategy.cp
+        if cp == 1:
+            return
+        if not self.scaling.use_gpu:
+            raise ValueError(
+                f"strategy.cp = {cp}: context parallelism needs CUDA's SDPA kernels (ring attention), which a CPU "
+                "run does not have; use strategy.cp: 1"
+            )
+        raise ValueError(f"strategy.cp = {cp}: context parallelism is not built yet; use strategy.cp: 1")
 
     def gives_tp_plan(self) -> bool | None:
         """Whether this pipeline's `build` gives a Pipeline.tp_plan (which layers tensor parallelism

@@ -26,7 +26,7 @@ def held_batch(cfg: BaseConfig, workers: int) -> BaseConfig:
     if size is None:
         return cfg
     held = GlobalBatch(size=size, adjust=t.global_batch_adjust)
-    return hold_global_batch(cfg, held, "train.global_batch", workers // cfg.strategy.tp)
+    return hold_global_batch(cfg, held, "train.global_batch", workers // cfg.strategy.tp_degree)
 
 
 def effective_global_batch(cfg: BaseConfig) -> int | None:

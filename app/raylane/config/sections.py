@@ -78,8 +78,8 @@ class ScalingSection(Section):
         None,
         gt=0,
         le=1_000_000,
-        description="One device's memory in GB, for `strategy.name: auto`. null: detected (the GPU's memory, or on "
-        "CPU this host's RAM shared by its ranks).",
+        description="One device's memory in GB, for `strategy.name: auto` and `strategy.tp: auto`. null: detected (the "
+        "GPU's memory, or on CPU this host's RAM shared by its ranks).",
     )
     peak_tflops: float | None = Field(
         None,
@@ -132,20 +132,49 @@ class StrategySection(Section):
         "sharded (HSDP across nodes). `auto`: estimates the memory and picks DDP when a replica fits "
         "with margin, else FSDP.",
     )
-    tp: int = Field(
+    tp: int | Literal["auto"] = Field(
         1,
-        ge=1,
-        le=1024,
         description="Tensor-parallel degree: each block's weights split over this many consecutive ranks (1: off), "
         "which see the same batches; the data-parallel ranks are the ranks / tp, and `name` is how they hold "
         "the model. Needs a pipeline that gives a `tp_plan` and a world it divides (docs/strategies.md, Tensor "
-        "parallelism).",
+        "parallelism). `auto`: the memory estimate picks the simplest layout that fits: DDP (with `name: auto`), "
+        "then FSDP, then FSDP x TP with the smallest tp that fits.",
     )
     sequence_parallel: bool = Field(
         False,
         description="With `tp` > 1: the norms, dropout and residual stream between the tensor-parallel layers "
         "sharded along the sequence (less activation memory, the same results).",
     )
+    loss_parallel: bool = Field(
+        False,
+        description="With `tp` > 1: the head's logits stay split over the vocabulary and the cross-entropy runs "
+        "on the split (torch's loss_parallel), never gathering the whole vocabulary; evaluation gathers them.",
+    )
+    cp: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Context-parallel degree (each sample's sequence split over this many ranks, ring attention): "
+        "needs CUDA's SDPA kernels, refused on CPU; not built yet on GPU (1: off).",
+    )
+
+    @field_validator("tp")
+    @classmethod
+    def _tp_range(cls, tp: int | str) -> int | str:
+        if isinstance(tp, int) and not 1 <= tp <= 1024:
+            raise ValueError(f"strategy.tp = {tp}: a degree from 1 to 1024, or auto")
+        return tp
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the layout may split blocks over ranks: `tp` > 1, or `auto`."""
+        return self.tp == "auto" or self.tp > 1
+
+    @property
+    def tp_degree(self) -> int:
+        """`tp` as a number, where the config fixes one (1 for `auto`: chosen on the ranks)."""
+        return 1 if self.tp == "auto" else self.tp
+
     reshard_after_forward: bool = Field(
         True,
         description="FSDP: free the gathered parameters after each block's forward (less memory, one more "

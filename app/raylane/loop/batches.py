@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -160,10 +160,16 @@ class Forward:
     """The training step's forward and loss: `run(model, batch)` -> (loss, metrics or None),
     with the batch moved to `device`. The first call classifies the batch, checks what comes, and
     puts a function specialised for the form in `run`'s place; `loss_fn` and `step` are read at
-    every call (raylane.loop.usercode wraps them for their first call)."""
+    every call (raylane.loop.usercode wraps them for their first call). `split_logits`: under loss
+    parallelism, the loss of the vocabulary-split logits (loss_fn's or a step's) is a replicated
+    DTensor, whose local value (the whole loss, differentiable) is what the step's sums and logs
+    take."""
 
-    def __init__(self, loss_fn: Callable | None, step: Callable | None, device: torch.device) -> None:
+    def __init__(
+        self, loss_fn: Callable | None, step: Callable | None, device: torch.device, split_logits: bool = False
+    ) -> None:
         self.loss_fn, self.step, self.device = loss_fn, step, device
+        self.split_logits = split_logits
         self.form: str | None = None
         self.run: Callable[[Any, Any], tuple[Any, dict[str, Any] | None]] = self._first
 
@@ -176,10 +182,11 @@ class Forward:
             from raylane.pipelines_ref import returned_at
 
             loss, metrics = check_step(self.step(model, batch), returned_at(self.step))
+            loss = self._local(loss)
         else:
             output = call_model(model, batch, form)
             if self.loss_fn is not None:
-                loss, metrics = self.loss_fn(output, batch[1] if form == "pair" else batch), None
+                loss, metrics = self._loss(output, batch[1] if form == "pair" else batch), None
             else:
                 loss, metrics = checked_own_loss(output, model), None
         self.run = self._specialised(form, plain=form == "pair" and isinstance(batch[1], torch.Tensor))
@@ -193,14 +200,15 @@ class Forward:
                 source, target = batch
                 output = model(source.to(device, non_blocking=non_blocking))
                 if self.loss_fn is not None:
-                    return self.loss_fn(output, target.to(device, non_blocking=non_blocking)), None
+                    return self._loss(output, target.to(device, non_blocking=non_blocking)), None
                 return own_loss(output), None
 
             return pair
         if form == "step":
 
             def stepped(model: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
-                return split_step(self.step(model, _moved(batch, device, non_blocking)))
+                loss, metrics = split_step(self.step(model, _moved(batch, device, non_blocking)))
+                return self._local(loss), metrics
 
             return stepped
 
@@ -208,10 +216,17 @@ class Forward:
             batch = _moved(batch, device, non_blocking)
             output = call_model(model, batch, form)
             if self.loss_fn is not None:
-                return self.loss_fn(output, batch[1] if form == "pair" else batch), None
+                return self._loss(output, batch[1] if form == "pair" else batch), None
             return own_loss(output), None
 
         return other
+
+    def _loss(self, output: Any, target: Any) -> Any:
+        loss_fn = cast(Callable, self.loss_fn)  # called only where there is one
+        return self._local(loss_fn(output, target))
+
+    def _local(self, loss: Any) -> Any:
+        return loss.to_local() if self.split_logits and hasattr(loss, "to_local") else loss
 
 
 class StepMetrics:

@@ -22,7 +22,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raylane.config import BaseConfig
 from raylane.loop.blocks import Blocks, blocks_of, find_blocks
 from raylane.loop.devices import GIB, device_memory_bytes, local_world_size
-from raylane.loop.tensor_parallel import TpPlan, apply_plan, retie, shared_parameters
+from raylane.loop.layout import Layout
+from raylane.loop.tensor_parallel import (
+    TpPlan,
+    apply_plan,
+    gather_when_evaluating,
+    loss_context,
+    retie,
+    shared_parameters,
+)
 
 log = logging.getLogger("raylane")
 
@@ -47,20 +55,29 @@ class Strategy:
     blocks: str = ""  # the blocks FSDP, activation checkpointing or compile took, where any found and used
     tp: int = 1
     sequence_parallel: bool = False
+    loss_parallel: bool = False
+
+    @property
+    def layout(self) -> Layout:
+        """The mesh's dimensions by name (raylane.loop.layout)."""
+        return Layout.of(self)
 
     @property
     def label(self) -> str:
         """The layout as the summary, the strategy line and MLflow's tags name it: `fsdp×tp2`, or
-        `tp2` when one tensor-parallel group is the whole world (`+sp`: sequence parallel)."""
-        if self.tp == 1:
-            return self.name
-        tp = f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")
-        return tp if self.mesh_shape[0] == 1 else f"{self.name}×{tp}"
+        `tp2` when one tensor-parallel group is the whole world (`+sp`, `+lp`: sequence and loss
+        parallel); `ddp`, `fsdp`, `hsdp` or `single` without model parallelism."""
+        return self.layout.label()
+
+    def step_context(self) -> Any:
+        """What a training step's forward, loss and backward run in: torch's loss_parallel, whose
+        cross-entropy takes the head's vocabulary-split logits, under loss parallelism."""
+        return loss_context(self.tp > 1 and self.loss_parallel)
 
     def tags(self) -> dict[str, str]:
         tags = {"raylane.strategy": self.label, "raylane.strategy.reason": self.reason}
-        if self.tp > 1:
-            tags["raylane.strategy.mesh"] = f"dp_shard {self.mesh_shape[0]}, tp {self.tp}"
+        if mesh := self.layout.mesh_text():
+            tags["raylane.strategy.mesh"] = mesh
         if self.blocks:
             tags["raylane.strategy.blocks"] = self.blocks
         if self.estimate:
@@ -181,6 +198,32 @@ def choose_strategy(
     return Strategy(*sharded, reason=why, estimate=estimate)
 
 
+def _auto_layout(
+    cfg: BaseConfig, device: torch.device, world_size: int, model: nn.Module, probe: tuple, blocks: Any, plan: Any
+) -> Strategy:
+    """`strategy.tp: auto`: the simplest layout that fits the device (raylane.loop.layout.weigh).
+    `probe`: (example, loss_fn, step), for the activations."""
+    from raylane.loop.layout import weigh
+
+    if world_size == 1:
+        return Strategy("single", reason="one rank")
+    s, o = cfg.strategy, cfg.optim
+    example, loss_fn, step = probe
+    estimate = estimate_memory(model, cfg, world_size, example, loss_fn, step, blocks=blocks)
+    per_byte = 2 + OPTIMIZER_STATES.get(o.name, 1 if o.momentum else 0)  # parameters, gradients, states
+    budget = device_memory_bytes(device, cfg.scaling.device_memory_gb, local_world_size())
+    chosen, estimate, why = weigh(cfg, world_size, model, blocks, plan, estimate, per_byte, (budget, AUTO_MARGIN))
+    if chosen.tp > 1:
+        dp, sp, lp = world_size // chosen.tp, s.sequence_parallel, s.loss_parallel
+        return Strategy("fsdp", (dp, chosen.tp), why, estimate, tp=chosen.tp, sequence_parallel=sp, loss_parallel=lp)
+    if chosen.name == "ddp":
+        return Strategy("ddp", (world_size,), reason=why, estimate=estimate)
+    nodes = _nodes(world_size)
+    if nodes > 1:
+        return Strategy("hsdp", (nodes, world_size // nodes), reason=why, estimate=estimate)
+    return Strategy("fsdp", (world_size,), reason=why, estimate=estimate)
+
+
 def _nodes(world_size: int) -> int:
     local = local_world_size(default=world_size)  # unset: one node
     return world_size // local if 0 < local < world_size and world_size % local == 0 else 1
@@ -225,12 +268,15 @@ def parallelize(
     `tp_plan`: the pipeline's, for `strategy.tp` > 1."""
     found = find_blocks(model, blocks)
     blocks = found.modules
-    if cfg.strategy.tp > 1:
+    if cfg.strategy.tp == "auto":
+        strategy = _agreed(_auto_layout(cfg, device, world_size, model, (example, loss_fn, step), blocks, tp_plan))
+    elif cfg.strategy.tp > 1:
         strategy = _tp_strategy(cfg, world_size)
-        _note_blocks(model, found, strategy, cfg)
-        return _tensor_parallel(model, blocks, cfg, device, strategy, tp_plan), strategy
-    strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn, step, blocks=blocks))
+    else:
+        strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn, step, blocks=blocks))
     _note_blocks(model, found, strategy, cfg)
+    if strategy.tp > 1:
+        return _tensor_parallel(model, blocks, cfg, device, strategy, tp_plan), strategy
     if not blocks_prepared:
         prepare_blocks(model, cfg, blocks)
     if strategy.name in ("fsdp", "hsdp"):
@@ -269,12 +315,15 @@ def _note_blocks(model: nn.Module, found: Blocks, strategy: Strategy, cfg: BaseC
 
 
 def _tp_strategy(cfg: BaseConfig, world_size: int) -> Strategy:
-    tp = cfg.strategy.tp
+    tp = cfg.strategy.tp_degree
     if world_size % tp:  # checked before launch (raylane.prechecks.check_layout)
         raise ValueError(f"strategy.tp = {tp}: does not divide the {world_size} ranks")
     dp = world_size // tp
     reason = f"strategy.tp: {tp}, FSDP2 over {dp} data-parallel rank{'s' if dp > 1 else ''}"
-    return Strategy("fsdp", (dp, tp), reason=reason, tp=tp, sequence_parallel=cfg.strategy.sequence_parallel)
+    s = cfg.strategy
+    return Strategy(
+        "fsdp", (dp, tp), reason=reason, tp=tp, sequence_parallel=s.sequence_parallel, loss_parallel=s.loss_parallel
+    )
 
 
 def _tensor_parallel(
@@ -293,7 +342,11 @@ def _tensor_parallel(
     mesh = init_device_mesh(device.type, strategy.mesh_shape, mesh_dim_names=("dp_shard", "tp"))
     if not on_meta(model):
         model = model.to(device)
-    apply_plan(model, plan, mesh["tp"], sequence_parallel=strategy.sequence_parallel)
+    apply_plan(
+        model, plan, mesh["tp"], sequence_parallel=strategy.sequence_parallel, loss_parallel=strategy.loss_parallel
+    )
+    if strategy.loss_parallel:
+        gather_when_evaluating(model)
     prepare_blocks(model, cfg, blocks)
     return _fully_shard(model, blocks, cfg, device, strategy, mesh["dp_shard"])
 
@@ -384,6 +437,20 @@ def materialize(model: nn.Module, device: torch.device) -> nn.Module:
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
+    return model
+
+
+def resharded(model: nn.Module) -> nn.Module:
+    """The model with every FSDP2 module's parameters back in their shards, as an optimizer must
+    be built over: a forward without backward (a pipeline's init_weights checking its weights, a
+    probe) leaves the root's unsharded (it is not resharded after forward), and an optimizer built
+    then holds those, which FSDP2 swaps out at the next step: their weights never train (issue
+    49's trap c)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     return model
 
 

@@ -29,7 +29,7 @@ from raylane.loop.distributed import default_device, env_ranks, init_process_gro
 from raylane.loop.evaluation import EvalSets, Evaluator
 from raylane.loop.events import Event, FirstStep, Start
 from raylane.loop.optim import build_optimizer, build_scheduler, schedule_note
-from raylane.loop.parallel import Strategy, on_meta, parallelize, unwrap
+from raylane.loop.parallel import Strategy, on_meta, parallelize, resharded, unwrap
 from raylane.loop.reporting import Reporter
 from raylane.loop.result import RunResult
 from raylane.loop.runtime import LocalRuntime, Runtime
@@ -105,7 +105,7 @@ def build_trainer(
     startup = {} if startup is None else startup
     reporter = reporter or Reporter(is_rank_zero=runtime.rank == 0, publish=runtime.publish)
     # Only strategy.name auto estimates memory: the user's collate_fn runs no more than needed.
-    estimating = cfg.strategy.name == "auto" and runtime.world_size > 1
+    estimating = "auto" in (cfg.strategy.name, cfg.strategy.tp) and runtime.world_size > 1
     example = first_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn) if estimating else None
     meta = on_meta(pipe.model)
     model, strategy = parallelize(
@@ -126,7 +126,8 @@ def build_trainer(
     # frozen base (LoRA), whose checkpoints hold what trains: its base comes from its files again.
     if not latest or frozen.base_of(model) is not None:
         _init_weights(pipe, model, meta)
-    optimizer = build_optimizer(model, cfg, pipe)  # over the wrapped model's parameters (DTensors under FSDP)
+    # Over the wrapped model's parameters (DTensors under FSDP), in their shards whatever ran before.
+    optimizer = build_optimizer(resharded(model), cfg, pipe)
     trainer = _assemble(cfg, runtime, pipe, reporter, startup, model, strategy, optimizer)
     usercode.check_first_calls(trainer, pipe, cfg)
     trainer.skipped_checkpoints = runtime.store.skipped  # said on the driver, with the start
@@ -170,7 +171,9 @@ def _assemble(
         train_loader,
         optimizer,
         train=cfg.train,
-        forward=Forward(pipe.loss_fn, pipe.step, runtime.device),
+        forward=Forward(
+            pipe.loss_fn, pipe.step, runtime.device, split_logits=strategy.tp > 1 and strategy.loss_parallel
+        ),
         saver=Saver(runtime.store, cfg.checkpoint, reporter, group=save_group, faults=plan),
         evaluator=_evaluator(eval_loader, pipe, runtime),
         runtime=runtime,

@@ -28,11 +28,16 @@ def plan_for(model: nn.Module, plan: TpPlan, *, sequence_parallel: bool) -> dict
     return rules
 
 
-def apply_plan(model: nn.Module, plan: TpPlan, tp_mesh: Any, *, sequence_parallel: bool) -> None:
-    """In place: the plan on the model, over `tp_mesh`, and its ties kept."""
+def apply_plan(
+    model: nn.Module, plan: TpPlan, tp_mesh: Any, *, sequence_parallel: bool, loss_parallel: bool = False
+) -> None:
+    """In place: the plan on the model, over `tp_mesh`, and its ties kept. `loss_parallel`: the
+    head's logits left split over the vocabulary (`with_split_head`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     rules = plan_for(model, plan, sequence_parallel=sequence_parallel)
+    if loss_parallel:
+        rules = with_split_head(rules)
     ties = shared_parameters(model)
     parallelize_module(model, tp_mesh, rules)
     # parallelize_module gives each module a Parameter of its own: a head tied to the embedding
@@ -65,3 +70,53 @@ def retie(model: nn.Module, ties: list[list[str]]) -> None:
                 )
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, first)
+
+
+def with_split_head(rules: dict[str, Any]) -> dict[str, Any]:
+    """The plan with its head's output left split over the vocabulary, as a DTensor, for the
+    cross-entropy under torch's loss_parallel (torchtitan's loss parallel). The head is the plan's
+    one column-wise rule that gathers its output (`output_layouts=Replicate()`, as a plan without
+    loss parallelism gives it, and transformers' `colwise_rep`); ValueError when there is none or
+    more than one."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    heads = [
+        name
+        for name, style in rules.items()
+        if isinstance(style, ColwiseParallel) and tuple(style.output_layouts) == (Replicate(),)
+    ]
+    if len(heads) != 1:
+        raise ValueError(
+            "strategy.loss_parallel = True: the pipeline's tp_plan needs exactly one head, a ColwiseParallel "
+            f"rule with output_layouts=Replicate() (it has {heads or 'none'})"
+        )
+    head = rules[heads[0]]
+    split = ColwiseParallel(input_layouts=head.input_layouts[0], output_layouts=Shard(-1), use_local_output=False)
+    return {**rules, heads[0]: split}
+
+
+def gather_when_evaluating(model: nn.Module) -> None:
+    """In evaluation (and any forward in eval mode), the split logits of loss parallelism come out
+    whole, so that eval_sums, metrics and exported models see plain tensors; training keeps them
+    split for the loss."""
+    from torch.distributed.tensor import DTensor
+
+    def whole(module: nn.Module, args: Any, output: Any) -> Any:
+        if not module.training and isinstance(output, DTensor):
+            return output.full_tensor()
+        return None
+
+    model.register_forward_hook(whole)
+
+
+def loss_context(loss_parallel: bool) -> Any:
+    """The context a training step's forward, loss and backward run in: torch's loss_parallel,
+    whose cross-entropy takes vocabulary-split logits (backward included), or none."""
+    if loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel as context
+
+        return context()
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -162,7 +162,8 @@ class Trainer:
         losses = []
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
-            with contextlib.nullcontext() if last else no_gradient_sync(self.model), self.precision.autocast():
+            sync = contextlib.nullcontext() if last else no_gradient_sync(self.model)
+            with sync, self.precision.autocast(), self.strategy.step_context():
                 loss, metrics = self.forward.run(self.model, batch)
                 if metrics:
                     self.window.step_metrics.add(metrics)

@@ -1,0 +1,184 @@
+"""A run's layout over its ranks, named as the summary, the terminal's strategy line and MLflow's
+tags show it (`fsdp×tp2`, `hsdp×tp2×pp2`), and what `strategy.tp: auto` chooses it from: each
+candidate's per-rank bytes, measured by laying a meta copy of the model out for real on fake
+process groups (no memory, no communication), and the activations estimated.
+
+The mesh's dimensions are torchtitan's, outermost first: pp, dp_replicate, dp_shard, cp, tp."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+log = logging.getLogger("raylane")
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many ranks each mesh dimension spans, and how the data-parallel ranks hold the model
+    (`name`: ddp, fsdp or hsdp; single for one rank)."""
+
+    name: str
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+
+    @classmethod
+    def of(cls, strategy: Any) -> Layout:
+        """A raylane.loop.parallel.Strategy's: its data-parallel ranks are replicas under DDP,
+        shards under FSDP, both under HSDP; pp, dp_replicate and cp where it has them."""
+        mesh: tuple[int, ...] = tuple(strategy.mesh_shape) or (1,)
+        dp = mesh[0] if strategy.tp > 1 else mesh[-1]
+        replicate, shard = (dp, 1) if strategy.name == "ddp" else (1, dp)
+        if strategy.name == "hsdp" and strategy.tp == 1:
+            replicate, shard = mesh[0], mesh[1]
+        return cls(
+            strategy.name,
+            pp=getattr(strategy, "pp", 1),
+            dp_replicate=getattr(strategy, "dp_replicate", replicate),
+            dp_shard=shard,
+            cp=getattr(strategy, "cp", 1),
+            tp=strategy.tp,
+            sequence_parallel=strategy.sequence_parallel,
+            loss_parallel=strategy.loss_parallel,
+        )
+
+    @property
+    def data_parallel(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def label(self) -> str:
+        """`fsdp×tp2+sp`, `ddp×tp2`, `hsdp×tp2×pp2`: the data-parallel flavour where more than one
+        rank holds a share of the batch (`tp2` where one group is the whole world), then each
+        model-parallel dimension over more than one rank (`+sp`, `+lp`: sequence, loss parallel)."""
+        parts = [self.name] if self.data_parallel > 1 else []
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + "+sp" * self.sequence_parallel + "+lp" * self.loss_parallel)
+        parts += [f"{dim}{n}" for dim, n in (("cp", self.cp), ("pp", self.pp)) if n > 1]
+        return "×".join(parts) or self.name
+
+    def mesh_text(self) -> str:
+        """The mesh's dimensions beyond data parallelism's, `dp_shard 2, tp 2` (the data-parallel
+        ones always, the others where they span more than one rank); "" without any."""
+        if self.tp == self.cp == self.pp == 1:
+            return ""
+        dims = [(d, getattr(self, d)) for d in MESH_DIMS]
+        return ", ".join(f"{d} {n}" for d, n in dims if n > 1 or d in ("dp_shard", "tp"))
+
+
+def parameter_bytes(
+    model: nn.Module, blocks: Any, mesh_shape: tuple[int, int], plan: Any, *, sequence_parallel: bool
+) -> int:
+    """The bytes of parameters one rank holds under FSDP2 over `mesh_shape` = (dp_shard, tp), the
+    pipeline's `plan` applied when tp > 1: measured, not computed, by laying out a meta copy of the
+    model on process groups of torch's `fake` backend (shapes only; nothing is sent) over this
+    process's world, whose size the mesh must have: the default process group's (a real one on
+    the ranks, or a fake one in a test). Rank 0's share, the largest where shards are uneven.
+    Collective (the groups are made by every rank)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the fake backend
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from raylane.loop.blocks import blocks_of
+    from raylane.loop.tensor_parallel import apply_plan
+
+    meta, blocks = copy.deepcopy((model, blocks_of(model, blocks)))  # one copy: the blocks are the copy's
+    meta.to("meta")
+    names = ("dp_shard", "tp")
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names, backend_override=dict.fromkeys(names, "fake"))
+    if mesh_shape[1] > 1:
+        apply_plan(meta, plan, mesh["tp"], sequence_parallel=sequence_parallel)
+    for block in blocks:
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(meta, mesh=mesh["dp_shard"])
+    total = 0
+    for p in meta.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
+def tp_candidates(cfg: Any, world_size: int, node_ranks: int) -> list[int]:
+    """The tensor-parallel degrees `strategy.tp: auto` may choose, smallest first: above 1,
+    dividing the ranks of a node (a group's collectives stay on its links) and the world, and
+    allowed by the config's own checks at that degree (a model's heads, vocabulary, block size).
+    None when the config does not pass its checks here at tp 1 either (an input path this host
+    cannot see): nothing would tell an allowed degree from another."""
+    found = []
+    for tp in range(1, node_ranks + 1):
+        if node_ranks % tp or world_size % tp:
+            continue
+        as_fixed = cfg.model_dump()
+        as_fixed["strategy"] |= {"tp": tp, "name": "fsdp"}
+        if tp == 1:  # what needs tp > 1 is off there
+            as_fixed["strategy"] |= {"sequence_parallel": False, "loss_parallel": False}
+        try:
+            type(cfg).model_validate(as_fixed)
+        except ValueError as exc:
+            if tp == 1:
+                log.warning("strategy.tp: auto tries no tensor parallelism: the config's checks fail here (%s)", exc)
+                return []
+            continue
+        found.append(tp)
+    return found[1:]
+
+
+@dataclass
+class Candidate:
+    """One layout `strategy.tp: auto` weighs: its name in the estimate, its data-parallel flavour,
+    tp, and the bytes one rank would hold."""
+
+    key: str
+    name: str
+    tp: int
+    bytes: int
+
+
+def weigh(
+    cfg: Any,
+    world_size: int,
+    model: nn.Module,
+    blocks: Any,
+    plan: Any,
+    estimate: dict[str, int],
+    per_byte: int,
+    device: tuple[int, float],
+) -> tuple[Candidate, dict[str, int], str]:
+    """(the layout chosen, every candidate's bytes per rank, the reason), for `strategy.tp: auto`:
+    the simplest whose bytes fit the device's (bytes, usable share): DDP (with `strategy.name:
+    auto`), FSDP, then FSDP x TP by growing tp (`tp_candidates`, with a plan); else the one that
+    needs least. FSDP's and TP's parameter bytes are measured (`parameter_bytes`) and taken
+    `per_byte` times (parameters, gradients, optimizer state); activations are the estimate's
+    meta forward's, divided by tp with sequence parallelism (whole without: the norms and the
+    residual stream stay whole); plus two gathered blocks, divided by tp. Collective."""
+    from raylane.loop.blocks import blocks_of
+    from raylane.loop.devices import GIB, local_world_size
+
+    s = cfg.strategy
+    acts = estimate["activations"]
+    largest = max(
+        (sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks_of(model, blocks)), default=0
+    )
+    tps = tp_candidates(cfg, world_size, local_world_size(default=world_size)) if plan is not None else []
+    options = [Candidate("ddp", "ddp", 1, estimate["ddp"])] if s.name == "auto" else []
+    for tp in [1, *tps]:
+        held = parameter_bytes(model, blocks, (world_size // tp, tp), plan, sequence_parallel=s.sequence_parallel)
+        need = held * per_byte + (acts // tp if s.sequence_parallel else acts) + 2 * largest // tp
+        options.append(Candidate("fsdp" if tp == 1 else f"fsdp_tp{tp}", "fsdp", tp, need))
+    budget, share = device
+    chosen = next((c for c in options if c.bytes <= share * budget), None)
+    needs = ", ".join(f"{c.key.replace('_', '×').upper()} ~{c.bytes / GIB:.2f} GiB" for c in options)
+    why = f"tp auto: per rank {needs}, of {budget / GIB:.2f} GiB per device ({share:.0%} usable)"
+    if chosen is None:
+        chosen, why = min(options, key=lambda c: c.bytes), f"{why}; none fits: the smallest"
+    return chosen, {"activations": acts, "device": budget, **{c.key: c.bytes for c in options}}, why
