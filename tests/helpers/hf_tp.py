@@ -45,8 +45,8 @@ def full_state(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
 
 
-def batch(step: int) -> torch.Tensor:
-    return torch.randint(3, 128, (BATCH, LENGTH), generator=torch.Generator().manual_seed(step))
+def batch(step: int, vocab: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (BATCH, LENGTH), generator=torch.Generator().manual_seed(step))
 
 
 def step(model, optimizer, ids: torch.Tensor, plain: bool) -> float:
@@ -73,7 +73,8 @@ def run(case: dict) -> dict:
     if lora:
         reference = apply_lora(reference, lora, base=path)
     reference.load_state_dict(start)  # the adapter as rank 0 started it; the base as from_pretrained's
-    ids = batch(0)
+    vocab = reference.config.vocab_size
+    ids = batch(0, vocab)
     with torch.no_grad():
         logits = (model(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max().item()
     inner = model.get_base_model() if lora else model
@@ -83,7 +84,7 @@ def run(case: dict) -> dict:
     mine = slice(rank // tp * share, (rank // tp + 1) * share)
     losses = []
     for s in range(STEPS):
-        ids = batch(s + 1)
+        ids = batch(s + 1, vocab)
         ours = torch.tensor(step(model, optimizer, ids[mine], plain=False) / world)  # tp peers: the same loss
         dist.all_reduce(ours)
         losses.append([ours.item(), step(reference, one, ids, plain=True)])
