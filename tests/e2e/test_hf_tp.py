@@ -157,3 +157,35 @@ def test_a_plan_that_cannot_be_laid_out_is_one_line_exit_2(tmp_path, capsys, no_
         "declares none for a 'gpt2' model: no base_model_tp_plan); use strategy.tp: 1, or a pipeline of your "
         "own with a tp_plan"
     )
+
+
+@pytest.mark.slow  # ~2 min on 2 busy cores: four launches; make test proves the same pieces in one torchrun above
+def test_raylane_train_fine_tunes_a_user_hf_pipeline_under_fsdp_x_tp_as_one_process(run_cli, tmp_path, llama):
+    """`raylane train` of a user's pipeline on raylane.hf.pipeline (the tiny LLaMA as a causal
+    LM), FSDP x TP on 4 ranks under torchrun, in full and with LoRA: each ends FINISHED at the
+    held-out loss of the same fine-tune in one process (SGD, 4 steps), its strategy fsdp×tp2."""
+    (tmp_path / "cfg.yaml").write_text("pipeline: tests.helpers.hf_classifier\n")
+    sets = [f"model.name_or_path={llama / 'model'}", f"source.rows={llama / 'rows'}", "model.seq_len=16"]
+    sets += ["train.batch_size=2", "train.global_batch=4", "train.max_steps=4", "strategy.name=fsdp", "optim.name=sgd"]
+    sets += ["mlflow.log_model=false", "scaling.peak_tflops=1"]
+    env = cli_env(tmp_path, PYTHONPATH=os.pathsep.join([str(REPO / "app"), str(REPO)]), OMP_NUM_THREADS="1")
+    runs = {}
+    for name, extra in {"full": [], "lora": ["lora.r=4"]}.items():
+        started = {}
+        for layout, more in {"tp": ["strategy.tp=2"], "one": []}.items():
+            run = f"{name}-{layout}"
+            argv = ["train", "cfg.yaml", *(x for s in [*sets, *extra, *more, f"run.name={run}"] for x in ("--set", s))]
+            argv += ["--summary-json", f"{run}.json"]
+            if layout == "tp":
+                started[run] = run_cli(
+                    "--nproc_per_node", "4", "-m", "raylane", *argv, launcher=TORCHRUN, name=run, env=env
+                )
+            else:
+                started[run] = run_cli(*argv, "--local", name=run, env=env)
+        for run, p in started.items():
+            assert p.wait(400) == 0, p.output
+            runs[run] = read_json(tmp_path / f"{run}.json")
+    for name in ("full", "lora"):
+        tp, one = runs[f"{name}-tp"], runs[f"{name}-one"]
+        assert (tp["status"], tp["strategy"], tp["mesh"]) == ("FINISHED", "fsdp×tp2", [2, 2])
+        assert tp["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-6), (name, tp, one)
