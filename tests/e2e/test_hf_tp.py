@@ -148,6 +148,11 @@ def test_a_plan_that_cannot_be_laid_out_is_one_line_exit_2(tmp_path, capsys, no_
 
     gpt2, rows = hf_tiny.gpt2(tmp_path / "gpt2"), hf_tiny.rows(tmp_path / "rows", n=8)
     sets = [f"model.name_or_path={gpt2}", f"data.train={rows / 'train.jsonl'}", "model.seq_len=32"]
+    code, out, _ = _check(capsys, "hf", "--plan", *(x for s in sets for x in ("--set", s)))
+    assert code == 0 and out[-1] == (
+        "plan: none (GPT2LMHeadModel has no tensor-parallel plan (transformers declares none for a 'gpt2' model: "
+        "no base_model_tp_plan))"
+    ), out[-2:]
     code, _, err = _check(
         capsys, "hf", *(x for s in [*sets, "strategy.tp=2", "strategy.name=fsdp"] for x in ("--set", s))
     )

@@ -120,4 +120,13 @@ def pipeline_plan(cfg: Any, world: int) -> list[str]:
     lines = [f"layout: {layout_line(cfg, world)}"]
     if pipe.tp_plan is None:
         return [*lines, f"plan: none (the {pipelines_ref.label(cfg.pipeline)} pipeline gives no tp_plan)"]
-    return lines + plan_lines(pipe.model, pipe.tp_plan, sequence_parallel=cfg.strategy.sequence_parallel)
+    plan, sp = pipe.tp_plan, cfg.strategy.sequence_parallel
+    if callable(plan):
+        try:
+            plan = plan(pipe.model, sp)
+        except ValueError as exc:  # the model has none (a Hugging Face model transformers gives none)
+            if cfg.strategy.tp > 1:
+                raise
+            # What strategy.tp > 1 would refuse (its advice after "; "): tp 1 needs no plan.
+            return [*lines, f"plan: none ({str(exc).split('; ')[0]})"]
+    return lines + plan_lines(pipe.model, plan, sequence_parallel=sp)
