@@ -131,7 +131,8 @@ def test_check_plan_prints_the_layout_and_the_plan_for_gpt_and_a_tiny_llama(tmp_
 
 def test_a_plan_that_cannot_be_laid_out_is_one_line_exit_2(tmp_path, capsys, no_work):
     """A pipeline's rule that names no module of its model; a Hugging Face model transformers
-    gives no plan (GPT-2) under strategy.tp=2: one line each, exit 2, naming the rule or the class."""
+    gives no plan (GPT-2) under strategy.tp=2: one line each, exit 2, naming the rule or the class.
+    At strategy.tp=1 GPT-2 needs no plan: check --plan says it has none."""
     from tests.helpers import hf_tiny
 
     (tmp_path / "own.py").write_text(
