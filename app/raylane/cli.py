@@ -73,6 +73,13 @@ def _add_check(sub: Any) -> None:
         "model's blocks: what FSDP shards, activation checkpointing recomputes and compile takes",
     )
     shown.add_argument(
+        "--plan",
+        action="store_true",
+        help="also build the model on the meta device here and print the layout (strategy.tp over "
+        "scaling.num_workers) and the pipeline's tensor-parallel plan on it: which modules are split how, "
+        "what every rank holds whole, what is tied",
+    )
+    shown.add_argument(
         "--explain",
         metavar="KEY",
         help="print one key (e.g. train.batch_size) instead of the whole config: its description, "
@@ -207,7 +214,7 @@ def _check(args: argparse.Namespace) -> int:
         from raylane.onray.sweep_plan import plan_text
 
         cfg, sweep = checked.base, {"sweep": checked.sweep.model_dump(mode="json")}
-        if not (args.explain or args.blocks):
+        if not (args.explain or args.blocks or args.plan):
             print(yaml.safe_dump(sweep, sort_keys=False), end="")
             print(plan_text(checked), flush=True)
             return 0
@@ -231,6 +238,8 @@ def _check(args: argparse.Namespace) -> int:
             print(f"blocks: {pipeline_blocks(cfg).describe()}", flush=True)
         except UserCodeError as exc:  # build(cfg) raised, or returned no Pipeline (its blocks included)
             raise ConfigError(str(exc)) from None
+    elif args.plan:
+        _print_plan(cfg)
     elif cfg.strategy.name != "ddp" or cfg.train.activation_checkpointing or cfg.train.compile:
         # Blocks matter to this run; finding them means building the model, which check does not.
         print(
@@ -239,6 +248,17 @@ def _check(args: argparse.Namespace) -> int:
             flush=True,
         )
     return 0
+
+
+def _print_plan(cfg: BaseConfig) -> None:
+    from raylane.loop.plan_view import pipeline_plan
+    from raylane.pipelines_ref import UserCodeError
+
+    try:
+        lines = pipeline_plan(cfg, cfg.scaling.num_workers)
+    except (UserCodeError, ValueError) as exc:  # build(cfg) failed, or its plan fits not the model
+        raise ConfigError(str(exc)) from None
+    print("\n".join(lines), flush=True)
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -44,7 +44,16 @@ PUBLIC = {
     "TrainSummary",
     "read_summary",
 }
-PUBLIC_HF = {"Config", "DataSection", "ModelSection", "empty_model", "file_source", "load_pretrained", "pipeline"}
+PUBLIC_HF = {
+    "Config",
+    "DataSection",
+    "ModelSection",
+    "empty_model",
+    "file_source",
+    "load_pretrained",
+    "pipeline",
+    "tp_plan",
+}
 PIPELINES = sorted((REPO / "pipelines").glob("*.py"))
 # A shipped pipeline's module is public too: one may build on another (text on gpt's model).
 SHIPPED = {f"raylane.pipelines.{p.stem}" for p in PIPELINES if p.stem != "__init__"}

@@ -9,6 +9,8 @@ on these, and a pipeline of your own can be too (docs/hf.md).
   they are read (what a streaming pipeline's `sources(cfg)` returns; pipelines/hf.py).
 - `empty_model(path, task)` and `load_pretrained(model, path)`: a model built on the meta device
   and its pretrained weights, read on rank 0 only and broadcast (for `Pipeline(init_weights=...)`).
+- `tp_plan(model, sequence_parallel)`: the model's own tensor-parallel plan (transformers'), as
+  torch's styles, its LoRA adapter split with its layers (for `Pipeline(tp_plan=...)`).
 - `raylane.hf.lora`: LoRA through peft (`LoraSection`, `apply_lora`, `check_lora`).
 - `raylane.hf.export`: a checkpoint as a `save_pretrained` folder (`raylane export --format hf`).
 
@@ -23,13 +25,23 @@ from typing import Any
 from raylane.hf.config import Config, DataSection, ModelSection
 
 # tests/unit/test_public_api.py holds this list too: a name that disappears from it fails there.
-__all__ = ["Config", "DataSection", "ModelSection", "empty_model", "file_source", "load_pretrained", "pipeline"]
+__all__ = [
+    "Config",
+    "DataSection",
+    "ModelSection",
+    "empty_model",
+    "file_source",
+    "load_pretrained",
+    "pipeline",
+    "tp_plan",
+]
 
 _LAZY = {
     "pipeline": "raylane.hf.build",
     "empty_model": "raylane.hf.weights",
     "load_pretrained": "raylane.hf.weights",
     "file_source": "raylane.hf.data",
+    "tp_plan": "raylane.hf.parallel",
 }
 
 

@@ -30,6 +30,7 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
     tokenized here, else the files of `data.train` and `data.eval`, streamed."""
     from raylane.config import ConfigError
     from raylane.hf import data
+    from raylane.hf.parallel import tp_plan
     from raylane.hf.weights import empty_model, load_pretrained
     from raylane.loop.frozen import set_tokenizer, tokenizer_fingerprint
     from raylane.loop.pipeline import Pipeline
@@ -81,6 +82,7 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
         eval_set=eval_set,
         example_input=example,
         init_weights=functools.partial(load_pretrained, path=m.name_or_path),
+        tp_plan=tp_plan,  # the model's own (transformers'), on raylane's mesh: strategy.tp
         **extra,
     )
 

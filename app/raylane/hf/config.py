@@ -89,7 +89,7 @@ class Config(BaseConfig):
     )
 
     def gives_tp_plan(self) -> bool:
-        return False  # transformers' own plans on raylane's mesh: issue 49
+        return True  # the model's own (raylane.hf.parallel); one without is refused by _hf_is_usable
 
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "accuracy") if self.model.task == "sequence-classification" else ("loss",)
@@ -102,10 +102,33 @@ class Config(BaseConfig):
             from raylane.hf.lora import check_lora
 
             check_lora(self.model.name_or_path, self.lora, AUTO_CLASSES[self.model.task])
+        if self.strategy.tp > 1:
+            check_tensor_parallel(self)
         for field in ("train", "eval"):
             if getattr(self.data, field) is not None:
                 check_columns(self, field)
         return self
+
+
+def check_tensor_parallel(cfg: Config) -> None:
+    """`strategy.tp` > 1: the model (built on the meta device, with its adapter) has a plan of its
+    own that raylane can lay out, whole heads on every rank, and no dropout on the adapter's input
+    (its masks would differ over the ranks of a group, which see the same tokens)."""
+    from raylane.hf.lora import apply_lora
+    from raylane.hf.parallel import check_tp
+    from raylane.hf.weights import empty_model
+
+    m, tp = cfg.model, cfg.strategy.tp
+    if cfg.lora is not None and cfg.lora.dropout:
+        raise ValueError(
+            f"lora.dropout = {cfg.lora.dropout:g} with strategy.tp = {tp}: dropout's masks are not kept alike over "
+            "the ranks of a tensor-parallel group; use 0"
+        )
+    overrides: dict[str, Any] = {"num_labels": m.num_labels} if m.task == "sequence-classification" else {}
+    model = empty_model(m.name_or_path, m.task, **overrides)
+    if cfg.lora is not None:
+        model = apply_lora(model, cfg.lora, base=str(m.name_or_path), key=None)
+    check_tp(model, tp, sequence_parallel=cfg.strategy.sequence_parallel)
 
 
 def check_installed() -> None:
