@@ -30,6 +30,9 @@ log = logging.getLogger("raylane")
 # rest is for the allocator's fragmentation, the CUDA context and kernels' workspaces.
 AUTO_MARGIN = 0.85
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2}  # per parameter; SGD: 1 with momentum, else 0
+# The device mesh of a model-parallel layout, outermost first (torchtitan's order): pipeline stages
+# cross nodes, tensor-parallel groups are consecutive ranks (one node's).
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass
@@ -47,20 +50,37 @@ class Strategy:
     blocks: str = ""  # the blocks FSDP, activation checkpointing or compile took, where any found and used
     tp: int = 1
     sequence_parallel: bool = False
+    pp: int = 1
+    pp_schedule: str = ""
 
     @property
     def label(self) -> str:
-        """The layout as the summary, the strategy line and MLflow's tags name it: `fsdp×tp2`, or
-        `tp2` when one tensor-parallel group is the whole world (`+sp`: sequence parallel)."""
-        if self.tp == 1:
+        """The layout as the summary, the strategy line and MLflow's tags name it: `fsdp×tp2×pp2`,
+        or without the data-parallel flavour when there is one data-parallel rank (`tp2`, `pp2`;
+        `+sp`: sequence parallel)."""
+        if self.tp == 1 and self.pp == 1:
             return self.name
-        tp = f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")
-        return tp if self.mesh_shape[0] == 1 else f"{self.name}×{tp}"
+        parts = [self.name] if self.data_parallel > 1 else []
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
+        return "×".join(parts)
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks (dp_replicate x dp_shard of a model-parallel mesh)."""
+        if len(self.mesh_shape) == len(MESH_DIMS):
+            return self.mesh_shape[1] * self.mesh_shape[2]
+        return max(1, int(torch.tensor(self.mesh_shape or (1,)).prod()))
 
     def tags(self) -> dict[str, str]:
         tags = {"raylane.strategy": self.label, "raylane.strategy.reason": self.reason}
-        if self.tp > 1:
-            tags["raylane.strategy.mesh"] = f"dp_shard {self.mesh_shape[0]}, tp {self.tp}"
+        if len(self.mesh_shape) == len(MESH_DIMS):
+            dims = zip(MESH_DIMS, self.mesh_shape, strict=True)
+            tags["raylane.strategy.mesh"] = ", ".join(f"{name} {size}" for name, size in dims if size > 1) or "1"
+        if self.pp > 1:
+            tags["raylane.strategy.pp_schedule"] = self.pp_schedule
         if self.blocks:
             tags["raylane.strategy.blocks"] = self.blocks
         if self.estimate:
@@ -163,6 +183,8 @@ def choose_strategy(
     if world_size == 1:
         return Strategy("single", reason="one rank")
     nodes = _nodes(world_size)
+    if (replicas := cfg.strategy.dp_replicate) > 1:  # checked before launch: it divides the world
+        nodes = replicas
     sharded = ("hsdp", (nodes, world_size // nodes)) if nodes > 1 else ("fsdp", (world_size,))
     if cfg.strategy.name == "ddp":
         return Strategy("ddp", (world_size,), reason="strategy.name: ddp")
@@ -219,14 +241,23 @@ def parallelize(
     blocks: Any = None,
     blocks_prepared: bool = False,
     tp_plan: TpPlan | None = None,
+    pp_stages: Any = None,
 ) -> tuple[nn.Module, Strategy]:
     """(the model ready to train on this rank, the strategy chosen). `blocks`: the pipeline's
     (None: found in the model). `blocks_prepared`: the caller already ran prepare_blocks on it.
-    `tp_plan`: the pipeline's, for `strategy.tp` > 1."""
+    `tp_plan`: the pipeline's, for `strategy.tp` > 1; `pp_stages`, for `strategy.pp` > 1 (then the
+    model is this rank's stages, a raylane.loop.pipeline_parallel.PipelineModel)."""
     found = find_blocks(model, blocks)
     blocks = found.modules
+    if cfg.strategy.pp > 1:
+        from raylane.loop.pipeline_parallel import pipeline_model
+
+        strategy = _model_parallel_strategy(cfg, world_size)
+        _note_blocks(model, found, strategy, cfg)
+        mesh = device_mesh(device, strategy.mesh_shape)
+        return pipeline_model(model, found, cfg, device, strategy, mesh, tp_plan, pp_stages, loss_fn), strategy
     if cfg.strategy.tp > 1:
-        strategy = _tp_strategy(cfg, world_size)
+        strategy = _model_parallel_strategy(cfg, world_size)
         _note_blocks(model, found, strategy, cfg)
         return _tensor_parallel(model, blocks, cfg, device, strategy, tp_plan), strategy
     strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn, step, blocks=blocks))
@@ -234,7 +265,7 @@ def parallelize(
     if not blocks_prepared:
         prepare_blocks(model, cfg, blocks)
     if strategy.name in ("fsdp", "hsdp"):
-        return _fully_shard(model, blocks, cfg, device, strategy), strategy
+        return fully_shard(model, blocks, cfg, device, strategy), strategy
     model = materialize(model, device) if on_meta(model) else model.to(device)
     if strategy.name == "single":
         return model, strategy  # DDP on one rank only adds hooks and a broadcast
@@ -268,13 +299,49 @@ def _note_blocks(model: nn.Module, found: Blocks, strategy: Strategy, cfg: BaseC
         log.warning(note)
 
 
-def _tp_strategy(cfg: BaseConfig, world_size: int) -> Strategy:
-    tp = cfg.strategy.tp
-    if world_size % tp:  # checked before launch (raylane.prechecks.check_layout)
-        raise ValueError(f"strategy.tp = {tp}: does not divide the {world_size} ranks")
-    dp = world_size // tp
-    reason = f"strategy.tp: {tp}, FSDP2 over {dp} data-parallel rank{'s' if dp > 1 else ''}"
-    return Strategy("fsdp", (dp, tp), reason=reason, tp=tp, sequence_parallel=cfg.strategy.sequence_parallel)
+def _model_parallel_strategy(cfg: BaseConfig, world_size: int) -> Strategy:
+    """The (pp, dp_replicate, dp_shard, cp, tp) layout of `world_size` ranks (dp_shard: the rest)."""
+    s = cfg.strategy
+    tp, pp, replicate, cp = s.tp, s.pp, s.dp_replicate, getattr(s, "cp", 1)
+    if world_size % (tp * pp * replicate * cp):  # checked before launch (raylane.prechecks.check_layout)
+        raise ValueError(
+            f"strategy.pp x dp_replicate x tp = {pp * replicate * tp}: does not divide the {world_size} ranks"
+        )
+    shard = world_size // (tp * pp * replicate * cp)
+    dp = replicate * shard
+    said = [f"strategy.tp: {tp}"] if tp > 1 else []
+    if pp > 1:
+        said.append(
+            f"strategy.pp: {pp} ({s.pp_schedule}, {s.microbatches} micro-batches, {pp * s.stages_per_rank} stages)"
+        )
+    reason = f"{', '.join(said)}, FSDP2 over {dp} data-parallel rank{'s' if dp > 1 else ''}"
+    return Strategy(
+        "fsdp",
+        (pp, replicate, shard, cp, tp),
+        reason=reason,
+        tp=tp,
+        sequence_parallel=s.sequence_parallel,
+        pp=pp,
+        pp_schedule=s.pp_schedule if pp > 1 else "",
+    )
+
+
+def device_mesh(device: torch.device, shape: tuple[int, ...]) -> Any:
+    """The run's one mesh over (pp, dp_replicate, dp_shard, cp, tp), size-1 dims kept, with flattened
+    views: `batch` (dp_replicate x dp_shard: who reads which data), `fsdp` (dp_shard x cp: FSDP2's
+    shards) and `loss` (batch x cp: over whom the loss averages)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, tuple(shape), mesh_dim_names=MESH_DIMS)
+    mesh["dp_replicate", "dp_shard"]._flatten("batch")
+    mesh["dp_shard", "cp"]._flatten("fsdp")
+    mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss")
+    return mesh
+
+
+def fsdp_mesh(mesh: Any) -> Any:
+    """FSDP2's mesh in a model-parallel layout: the shards, or (replicas, shards) for HSDP."""
+    return mesh["dp_replicate", "fsdp"] if mesh["dp_replicate"].size() > 1 else mesh["fsdp"]
 
 
 def _tensor_parallel(
@@ -283,19 +350,17 @@ def _tensor_parallel(
     """The plan on each tensor-parallel group, then recompute and compile, then FSDP2 over the
     data-parallel ranks: over one rank too, so that every parameter is a DTensor (torch's fused
     optimizers and its clipping take no plain tensors beside DTensors)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if plan is None:
         raise ValueError(
             f"strategy.tp = {strategy.tp}: the pipeline gives no tp_plan (which layers tensor parallelism "
             "splits): give its Pipeline a tp_plan (docs/strategies.md, Tensor parallelism)"
         )
-    mesh = init_device_mesh(device.type, strategy.mesh_shape, mesh_dim_names=("dp_shard", "tp"))
+    mesh = device_mesh(device, strategy.mesh_shape)
     if not on_meta(model):
         model = model.to(device)
     apply_plan(model, plan, mesh["tp"], sequence_parallel=strategy.sequence_parallel)
     prepare_blocks(model, cfg, blocks)
-    return _fully_shard(model, blocks, cfg, device, strategy, mesh["dp_shard"])
+    return fully_shard(model, blocks, cfg, device, strategy, fsdp_mesh(mesh))
 
 
 def _checkpoint_activations(block: nn.Module) -> None:
@@ -331,7 +396,7 @@ def _ddp(model: nn.Module, cfg: BaseConfig, device: torch.device) -> DDP:
     return ddp
 
 
-def _fully_shard(
+def fully_shard(
     model: nn.Module,
     blocks: list[nn.Module],
     cfg: BaseConfig,
@@ -342,7 +407,8 @@ def _fully_shard(
     """FSDP2 on each block, then the root; a 2-D mesh (replicate across nodes, shard inside
     one) is HSDP. `mesh`: the data-parallel ranks' (under tensor parallelism), else made here."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as shard
 
     if mesh is None:
         names = ("replicate", "shard") if len(strategy.mesh_shape) == 2 else ("shard",)
@@ -357,10 +423,13 @@ def _fully_shard(
         options["offload_policy"] = CPUOffloadPolicy()
     elif not meta:
         model = model.to(device)
+    # Under a pipeline schedule, blocks stay gathered between micro-batches (torchtitan's default):
+    # resharding would all-gather them again for every micro-batch.
+    reshard = cfg.strategy.reshard_after_forward and strategy.pp == 1
     for block in blocks:
-        fully_shard(block, reshard_after_forward=cfg.strategy.reshard_after_forward, **options)
+        shard(block, reshard_after_forward=reshard, **options)
     # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
-    fully_shard(model, reshard_after_forward=False, **options)
+    shard(model, reshard_after_forward=False, **options)
     if meta:  # sharded first: each rank allocates its own shards only
         materialize(model, torch.device("cpu") if cfg.strategy.cpu_offload else device)
     return model

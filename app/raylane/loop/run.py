@@ -118,6 +118,7 @@ def build_trainer(
         step=pipe.step,
         blocks=pipe.blocks,
         tp_plan=pipe.tp_plan,
+        pp_stages=pipe.pp_stages,
     )
     startup["parallelize"] = time.time()
     own = runtime.store.latest()
@@ -152,10 +153,13 @@ def _assemble(
         "collate_fn": pipe.collate_fn,
         "options": worker_options(cfg.loader, runtime.device),
     }
-    # By data-parallel rank: a tensor-parallel group reads the same batches. Evaluation sums over
-    # every rank all the same: each group's ranks add the same sums and counts, and the means hold.
-    data = data_ranks(runtime, strategy.tp)
-    train_loader = train_data(pipe.train_set, data, **batching, samples_per_step=cfg.train.global_batch)
+    # By data-parallel rank: a tensor-parallel group, and a pipeline's stages, read the same batches.
+    # Evaluation sums over every rank all the same: each group's ranks add the same sums and counts
+    # (a pipeline's last stage alone counts), and the means hold.
+    data = data_ranks(runtime, strategy.tp, strategy.pp)
+    train_loader = train_data(
+        pipe.train_set, data, **batching, samples_per_step=cfg.train.global_batch, whole_batches=strategy.pp > 1
+    )
     if runtime.rank == 0:
         _note_small_epoch(pipe.train_set, train_loader, cfg, data.world_size)
         train_loader = _FirstBatchClock(train_loader, startup)

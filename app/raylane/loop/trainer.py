@@ -29,6 +29,7 @@ from raylane.loop.faults import FaultPlan
 from raylane.loop.hooks import Hooks
 from raylane.loop.optim import Schedule
 from raylane.loop.parallel import Strategy, no_gradient_sync
+from raylane.loop.pipeline_parallel import PipelineModel
 from raylane.loop.reporting import Reporter
 from raylane.loop.result import RunResult
 from raylane.loop.runtime import Runtime
@@ -118,7 +119,9 @@ class Trainer:
         # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
         # which every run pays whether saves are asynchronous or not, is left out.
         self.checkpoint_stall_s = 0.0
-        self._init_progress(train_data, runtime.world_size // self.strategy.tp)
+        self._init_progress(train_data, runtime.world_size // (self.strategy.tp * self.strategy.pp))
+        # Under pipeline parallelism: this rank's stages, run by their schedule (raylane.loop.pipeline_parallel).
+        self.pipeline = model.pipeline if isinstance(model, PipelineModel) else None
         self.hooks = Hooks(hooks, self)
         self.evaluation = Evaluation(evaluator, model, reporter, EarlyStopping(train.early_stopping), self.hooks)
         saver.on_committed = lambda step, where: self.hooks.call("on_checkpoint", step=step, checkpoint=where)
@@ -159,6 +162,8 @@ class Trainer:
         if self._forward_writes_state:
             self._wait_for_staging()
         n = len(micro_batches)
+        if self.pipeline is not None:
+            return self._pipeline_step(micro_batches)
         losses = []
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
@@ -188,6 +193,23 @@ class Trainer:
             self.scheduler.step()
         return losses[0] if n == 1 else torch.stack(losses).mean()
 
+    def _pipeline_step(self, micro_batches: list[Any]) -> torch.Tensor | None:
+        """`run_step` through the pipeline's schedule: the loss comes from the last stage, and is
+        known on every stage with the gradient norm (one all-reduce over the pipeline, which the
+        NaN vote and clipping over parameters held by several stages need anyway)."""
+        with self.precision.autocast():
+            loss = self.pipeline.train_step(micro_batches)
+        if not self._clip_gradients(carry=loss):
+            if self.train_cfg.on_nan == "stop":
+                raise FloatingPointError(f"non-finite loss or gradients at step {self.step + 1} (train.on_nan: stop)")
+            self.skipped_steps += 1
+            return None
+        self._wait_for_staging()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return loss / len(micro_batches)
+
     def _wait_for_staging(self) -> None:
         """Before the state changes: the copy a save in flight is taking must be complete."""
         if self.saver.staging():
@@ -195,14 +217,20 @@ class Trainer:
             self.saver.wait_staged()
             self.checkpoint_stall_s += time.perf_counter() - blocked
 
-    def _clip_gradients(self) -> bool:
-        """The global gradient norm (over every shard under FSDP), clipped to train.grad_clip_norm;
-        False when it is not finite. The gradients are already reduced, so a NaN on any rank is
-        a NaN on every rank: all ranks reach the same verdict."""
+    def _clip_gradients(self, carry: torch.Tensor | None = None) -> bool:
+        """The global gradient norm (over every shard under FSDP, every stage of a pipeline),
+        clipped to train.grad_clip_norm; False when it is not finite. The gradients are already
+        reduced, so a NaN on any rank is a NaN on every rank: all ranks reach the same verdict.
+        `carry` (a pipeline's loss): summed over the pipeline's stages in the same collective."""
         upcoming = self.step + 1  # the step being taken: its norm is logged if the window ends there
         wanted = upcoming % self.log_every_n_steps == 0 or upcoming >= self.total_steps
         clipped = clip_gradients(
-            self._params, self.train_cfg.grad_clip_norm, plain=self._plain_grads, norm_wanted=wanted
+            self._params,
+            self.train_cfg.grad_clip_norm,
+            plain=self._plain_grads,
+            norm_wanted=wanted,
+            across=self.pipeline.group if self.pipeline is not None else None,
+            carry=carry,
         )
         if clipped is None:
             return True
