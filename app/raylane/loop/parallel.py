@@ -333,15 +333,20 @@ def device_mesh(device: torch.device, shape: tuple[int, ...]) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, tuple(shape), mesh_dim_names=MESH_DIMS)
-    mesh["dp_replicate", "dp_shard"]._flatten("batch")
-    mesh["dp_shard", "cp"]._flatten("fsdp")
-    mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss")
+    # torch keeps flattened views apart from the mesh (slicing them from it is deprecated)
+    mesh.views = {  # type: ignore[attr-defined]
+        "batch": mesh["dp_replicate", "dp_shard"]._flatten("batch"),
+        "fsdp": mesh["dp_shard", "cp"]._flatten("fsdp"),
+        "loss": mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss"),
+    }
     return mesh
 
 
 def fsdp_mesh(mesh: Any) -> Any:
     """FSDP2's mesh in a model-parallel layout: the shards, or (replicas, shards) for HSDP."""
-    return mesh["dp_replicate", "fsdp"] if mesh["dp_replicate"].size() > 1 else mesh["fsdp"]
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]  # (with context parallelism: dp_shard x cp, flattened)
+    return mesh.views["fsdp"]
 
 
 def _tensor_parallel(
