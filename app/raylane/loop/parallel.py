@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raylane.config import BaseConfig
 from raylane.loop.blocks import Blocks, blocks_of, find_blocks
 from raylane.loop.devices import GIB, device_memory_bytes, local_world_size
-from raylane.loop.tensor_parallel import TpPlan, apply_plan, retie, shared_parameters
+from raylane.loop.tensor_parallel import TpPlan, apply_plan, plan_for, retie, shared_parameters
 
 log = logging.getLogger("raylane")
 
@@ -250,12 +250,9 @@ def parallelize(
     found = find_blocks(model, blocks)
     blocks = found.modules
     if cfg.strategy.pp > 1:
-        from raylane.loop.pipeline_parallel import pipeline_model
-
         strategy = _model_parallel_strategy(cfg, world_size)
         _note_blocks(model, found, strategy, cfg)
-        mesh = device_mesh(device, strategy.mesh_shape)
-        return pipeline_model(model, found, cfg, device, strategy, mesh, tp_plan, pp_stages, loss_fn), strategy
+        return _pipeline_parallel(model, found, cfg, device, strategy, tp_plan, pp_stages, loss_fn), strategy
     if cfg.strategy.tp > 1:
         strategy = _model_parallel_strategy(cfg, world_size)
         _note_blocks(model, found, strategy, cfg)
@@ -366,6 +363,30 @@ def _tensor_parallel(
     apply_plan(model, plan, mesh["tp"], sequence_parallel=strategy.sequence_parallel)
     prepare_blocks(model, cfg, blocks)
     return fully_shard(model, blocks, cfg, device, strategy, fsdp_mesh(mesh))
+
+
+def _pipeline_parallel(
+    model: nn.Module, found: Blocks, cfg: BaseConfig, device: torch.device, strategy: Strategy, plan, stages, loss_fn
+) -> nn.Module:
+    """This rank's pipeline stages, each in issue 49's order: the split (on the model as built, on
+    the meta device or not), the TP plan and its ties, recompute and compile, FSDP2 (over one rank
+    too: every parameter a DTensor, so a checkpoint is sharded by stage), then storage."""
+    from raylane.loop.pipeline_parallel import pipeline_model, stage_plan
+
+    mesh = device_mesh(device, strategy.mesh_shape)
+    rules = plan_for(model, plan, sequence_parallel=strategy.sequence_parallel) if strategy.tp > 1 else None
+
+    def prepare(stage: nn.Module, blocks: list[nn.Module]) -> nn.Module:
+        if rules is not None:  # the plan's rules for the modules this stage holds
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            ties = shared_parameters(stage)
+            parallelize_module(stage, mesh["tp"], stage_plan(stage, rules))
+            retie(stage, ties)
+        prepare_blocks(stage, cfg, blocks)
+        return fully_shard(stage, blocks, cfg, device, strategy, fsdp_mesh(mesh))
+
+    return pipeline_model(model, found, cfg.strategy, device, mesh["pp"], prepare, stages, loss_fn)
 
 
 def _checkpoint_activations(block: nn.Module) -> None:

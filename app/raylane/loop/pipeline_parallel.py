@@ -396,21 +396,16 @@ def build_schedule(pipeline: Pipeline, name: str, microbatches: int) -> Any:
 def pipeline_model(
     model: nn.Module,
     found: Blocks,
-    cfg: Any,
+    s: Any,
     device: torch.device,
-    strategy: Any,
-    mesh: Any,
-    tp_plan: Any,
+    pp_mesh: Any,
+    prepare: Any,
     pp_stages: Any,
     loss_fn: Any,
 ) -> PipelineModel:
-    """This rank's stages of `model`, in issue 49's order: the pipeline split, the TP plan (and
-    its ties), recompute and compile, FSDP2 (over one rank too: every parameter a DTensor, so that
-    checkpoints are sharded by stage), the storage of a meta model; then the schedule."""
-    from raylane.loop.parallel import fsdp_mesh, fully_shard, prepare_blocks
-    from raylane.loop.tensor_parallel import plan_for, retie, shared_parameters
-
-    s = cfg.strategy
+    """This rank's stages of `model` (`s`: the strategy section), each made ready by
+    `prepare(stage, its blocks)` (raylane.loop.parallel: the TP plan, recompute, compile, FSDP2),
+    and the schedule over them on the pipeline's mesh `pp_mesh`."""
     if pp_stages is None:
         raise ValueError(
             f"strategy.pp = {s.pp}: the pipeline gives no pp_stages (how its model splits into stages): give "
@@ -426,22 +421,12 @@ def pipeline_model(
     check_stages(model, stages, n)  # auto's too: ties across stages, every parameter held once
     container = _container(model, found, stages)
     ranks = stage_ranks(s.pp, s.stages_per_rank, s.pp_schedule in ("ZBVZeroBubble", "DualPipeV"))
-    me = mesh["pp"].get_local_rank()
-    rules = plan_for(model, tp_plan, sequence_parallel=s.sequence_parallel) if s.tp > 1 else None
+    me = pp_mesh.get_local_rank()
     held = []
     for index in (i for i, r in enumerate(ranks) if r == me):
         stage = stage_module(model, stages, index, container)
-        blocks = list(stage.get_submodule(container)._modules.values())
-        if rules is not None:
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            ties = shared_parameters(stage)
-            parallelize_module(stage, mesh["tp"], stage_plan(stage, rules))
-            retie(stage, ties)
-        prepare_blocks(stage, cfg, blocks)
-        stage = fully_shard(stage, blocks, cfg, device, strategy, fsdp_mesh(mesh))  # gives a meta stage storage
-        held.append((index, stage))
-    pipe = Pipeline(held, n, ranks, mesh["pp"].get_group(), loss_fn, microbatches=s.microbatches, device=device)
+        held.append((index, prepare(stage, list(stage.get_submodule(container)._modules.values()))))
+    pipe = Pipeline(held, n, ranks, pp_mesh.get_group(), loss_fn, microbatches=s.microbatches, device=device)
     pipe.schedule = build_schedule(pipe, s.pp_schedule, s.microbatches)
     return PipelineModel([m for _, m in held], pipe)
 
