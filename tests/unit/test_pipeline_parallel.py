@@ -161,3 +161,23 @@ def test_config_defaults_and_a_stream_refused(tmp_path):
     cfg = load_config("tabular", [f"data.train={tmp_path / 't.parquet'}", "strategy.pp=2"])
     with pytest.raises(ConfigError, match=r"strategy.pp = 2: the tabular pipeline streams its data \(sources\)"):
         prechecks.check_layout(cfg, 2, "2 ranks")
+
+
+def test_an_epoch_under_a_pipeline_runs_whole_batches_only():
+    """A schedule's shapes are fixed: the last, partial batch is left out and not counted (in the
+    rank's own process and through the workers' batch sampler), and a batch of another form is
+    refused in one line."""
+    from torch.utils.data import TensorDataset
+
+    from raylane.loop.batches import BatchFormError
+    from raylane.loop.data import _SeededBatches, build_loader
+    from raylane.loop.pipeline_parallel import pair
+
+    rows = TensorDataset(torch.arange(10.0), torch.arange(10.0))
+    loader = build_loader(rows, batch_size=4, rank=0, world_size=1, seed=0, shuffle=False, whole_batches=True)
+    assert loader.batches_in_epoch(0) == 2 and [len(x) for x, _ in loader] == [4, 4]
+    seeded = _SeededBatches(loader.order, 4, (0,), whole=True)
+    assert len(seeded) == 2 and [len(b) for b in seeded] == [4, 4]
+    assert build_loader(rows, batch_size=4, rank=0, world_size=1, seed=0, shuffle=False).batches_in_epoch(0) == 3
+    with pytest.raises(BatchFormError, match=r"runs \(input, target\) batches of two tensors .* dict with keys \[x\]"):
+        pair({"x": torch.zeros(1)})

@@ -322,7 +322,8 @@ class Pipeline:
         n = len(batches)
         self.divisor = float(self.microbatches * n)
         total = torch.zeros((), device=self.device)
-        for source, target in batches:
+        for batch in batches:
+            source, target = pair(batch)
             losses: list[torch.Tensor] = []  # fresh each step: the schedule clears the list it is given
             args = (source.to(self.device),) if self.has_first else ()
             target = target.to(self.device) if self.has_last else None
@@ -349,6 +350,18 @@ class Pipeline:
             if self.ranks[s + 1] != me:
                 _send(x, self.ranks[s + 1], self.group)
         return None
+
+
+def pair(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """An (input, target) batch of tensors, the one form a pipeline schedule runs; else one line."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
+        return batch[0], batch[1]
+    from raylane.loop.batches import BatchFormError, describe
+
+    raise BatchFormError(
+        f"strategy.pp: a pipeline schedule runs (input, target) batches of two tensors through loss_fn; "
+        f"this batch is {describe(batch)}"
+    )
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]

@@ -162,6 +162,8 @@ def _assemble(
     )
     if runtime.rank == 0:
         _note_small_epoch(pipe.train_set, train_loader, cfg, data.world_size)
+        if strategy.pp > 1:
+            _note_left_out(train_loader, cfg)
         train_loader = _FirstBatchClock(train_loader, startup)
     eval_loader = eval_data(pipe.eval_set, data, **batching)
     control_group, save_group = _side_groups(cfg, runtime.world_size)
@@ -287,6 +289,19 @@ def _note_small_epoch(dataset: Any, loader: Any, cfg: BaseConfig, world_size: in
             world_size,
             "s" if world_size > 1 else "",
             accum,
+        )
+
+
+def _note_left_out(loader: Any, cfg: BaseConfig) -> None:
+    """One line when a pipeline-parallel epoch leaves out its last, partial batch."""
+    order = getattr(loader, "order", None)
+    if order is not None and (left := order.num_samples % cfg.train.batch_size):
+        log.warning(
+            "strategy.pp = %d: each epoch leaves out its last %d samples per data-parallel rank (a pipeline "
+            "schedule runs whole batches of train.batch_size = %d)",
+            cfg.strategy.pp,
+            left,
+            cfg.train.batch_size,
         )
 
 
