@@ -181,3 +181,26 @@ def test_an_epoch_under_a_pipeline_runs_whole_batches_only():
     assert build_loader(rows, batch_size=4, rank=0, world_size=1, seed=0, shuffle=False).batches_in_epoch(0) == 3
     with pytest.raises(BatchFormError, match=r"runs \(input, target\) batches of two tensors .* dict with keys \[x\]"):
         pair({"x": torch.zeros(1)})
+
+
+def test_stages_given_by_name_split_where_the_pipeline_says():
+    torch.manual_seed(0)
+    model = Natural()
+    given = [["body.embed", "body.layers.0"], ["body.layers.1", "body.layers.2", "body.layers.3", "body.norm", "head"]]
+    stages = [stage_module(model, check_stages(model, given, 2), i, "body.layers") for i in range(2)]
+    assert [len(list(s.body.layers)) for s in stages] == [2, 4]  # with Exit, with Enter
+    assert sorted(n for n, _ in stages[0].named_parameters()) == [
+        "body.embed.weight",
+        "body.layers.0.0.bias",
+        "body.layers.0.0.weight",
+    ]
+    idx = torch.randint(16, (3, 4))
+    assert torch.allclose(_chain(stages, idx), model(idx))
+
+
+def test_dp_replicate_makes_fsdp_hsdp_without_model_parallelism():
+    from raylane.loop.parallel import choose_strategy
+
+    cfg = load_config("gpt-tiny", ["strategy.name=fsdp", "strategy.dp_replicate=2"])
+    chosen = choose_strategy(cfg, torch.device("cpu"), 4, nn.Linear(1, 1), None, None)
+    assert (chosen.name, chosen.mesh_shape) == ("hsdp", (2, 2))
