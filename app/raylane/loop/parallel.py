@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -72,7 +73,7 @@ class Strategy:
         """Data-parallel ranks (dp_replicate x dp_shard of a model-parallel mesh)."""
         if len(self.mesh_shape) == len(MESH_DIMS):
             return self.mesh_shape[1] * self.mesh_shape[2]
-        return max(1, int(torch.tensor(self.mesh_shape or (1,)).prod()))
+        return math.prod(self.mesh_shape)  # DDP's (ranks) or HSDP's (nodes, ranks per node)
 
     def tags(self) -> dict[str, str]:
         tags = {"raylane.strategy": self.label, "raylane.strategy.reason": self.reason}

@@ -157,15 +157,19 @@ class Trainer:
     def run_step(self, micro_batches: list[Any]) -> torch.Tensor | None:
         """One optimizer step over its micro-batches, as training takes it (autotune times it);
         returns the mean loss, or None when a non-finite update was skipped. Gradients are
-        reduced on the last micro-batch only. The step count and checkpoints are the caller's."""
+        reduced on the last micro-batch only. The step count and checkpoints are the caller's.
+        Under pipeline parallelism the schedule runs them, and the last stage's loss reaches
+        every stage with the gradient norm (one all-reduce, which the NaN vote and the clipping
+        of parameters spread over stages need anyway)."""
         self.optimizer.zero_grad(set_to_none=True)
         if self._forward_writes_state:
             self._wait_for_staging()
         n = len(micro_batches)
+        losses, carried = [], None
         if self.pipeline is not None:
-            return self._pipeline_step(micro_batches)
-        losses = []
-        for i, batch in enumerate(micro_batches):
+            with self.precision.autocast():
+                carried = self.pipeline.train_step(micro_batches)  # the batches' losses summed (last stage)
+        for i, batch in enumerate(micro_batches if carried is None else ()):
             last = i == n - 1
             with contextlib.nullcontext() if last else no_gradient_sync(self.model), self.precision.autocast():
                 loss, metrics = self.forward.run(self.model, batch)
@@ -178,7 +182,7 @@ class Trainer:
             losses.append(loss.detach())
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        if not self._clip_gradients() and not self.scaler:  # the scaler skips such steps itself
+        if not self._clip_gradients(carried) and not self.scaler:  # the scaler skips such steps itself
             if self.train_cfg.on_nan == "stop":
                 raise FloatingPointError(f"non-finite loss or gradients at step {self.step + 1} (train.on_nan: stop)")
             self.skipped_steps += 1
@@ -191,24 +195,9 @@ class Trainer:
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        if carried is not None:
+            return carried / n
         return losses[0] if n == 1 else torch.stack(losses).mean()
-
-    def _pipeline_step(self, micro_batches: list[Any]) -> torch.Tensor | None:
-        """`run_step` through the pipeline's schedule: the loss comes from the last stage, and is
-        known on every stage with the gradient norm (one all-reduce over the pipeline, which the
-        NaN vote and clipping over parameters held by several stages need anyway)."""
-        with self.precision.autocast():
-            loss = self.pipeline.train_step(micro_batches)
-        if not self._clip_gradients(carry=loss):
-            if self.train_cfg.on_nan == "stop":
-                raise FloatingPointError(f"non-finite loss or gradients at step {self.step + 1} (train.on_nan: stop)")
-            self.skipped_steps += 1
-            return None
-        self._wait_for_staging()
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        return loss / len(micro_batches)
 
     def _wait_for_staging(self) -> None:
         """Before the state changes: the copy a save in flight is taking must be complete."""
