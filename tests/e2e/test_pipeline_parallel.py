@@ -35,10 +35,11 @@ def _assert_matches(runs: dict) -> None:
             assert run["eval"][metric] == pytest.approx(value, rel=1e-6), (name, metric, run)
 
 
-def test_pipeline_matches_one_process_with_1f1b_gpipe_accumulation_and_recompute(run_cli, tmp_path):
+def test_pipeline_matches_one_process(run_cli, tmp_path):
     """PP alone on 2 ranks (2 stages), 1F1B (2 micro-batches), GPipe (4), 1F1B with 2
     accumulated steps per optimizer step, and 1F1B with each stage's blocks recomputed in
-    backward (activation checkpointing, applied after the split): every step's loss within 1e-6 relative of one process's,
+    backward (activation checkpointing, applied after the split), and 1F1B on a model built on
+    the meta device (split and sharded with no weights, then given them): every step's loss within 1e-6 relative of one process's,
     the weights after 3 SGD steps (clipped over both stages' gradients at gpt-tiny's
     grad_clip_norm) within 1e-6 of the largest weight, and the held-out sums exact over a batch of
     3 rows that 2 micro-batches do not divide (the forward-only path). Trap d of issue 49: with
@@ -53,6 +54,7 @@ def test_pipeline_matches_one_process_with_1f1b_gpipe_accumulation_and_recompute
             "gpipe": "strategy.pp=2,strategy.pp_schedule=GPipe,strategy.pp_microbatches=4",
             "accumulated": "strategy.pp=2,train.grad_accum_steps=2",
             "recomputed": "strategy.pp=2,train.activation_checkpointing=true",
+            "meta": "strategy.pp=2",  # built on the meta device, split and sharded so, then given weights
         },
     )
     assert {run["strategy"] for run in runs.values()} == {"pp2"}

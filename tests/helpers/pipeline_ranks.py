@@ -1,7 +1,7 @@
 """Run under torchrun by tests/e2e/test_pipeline_parallel.py: gpt-tiny (untied, 4 blocks) under
 pipeline-parallel layouts, each rank beside an unsharded copy trained in-process on the whole
 global batch (issue 49's study, section 3.1). For each layout named in argv (`name:set,set,...`
-of --set overrides), 3 SGD steps through the Trainer's own `run_step`; then the held-out sums
+of --set overrides; a name starting "meta": the model built on the meta device), 3 SGD steps through the Trainer's own `run_step`; then the held-out sums
 through the Evaluator, over a batch the micro-batches do not divide. Rank 0 writes
 {layout: {"losses", "reference", "weights" (largest relative difference), "eval", "eval_reference",
 "strategy"}} as JSON to the path in $PIPELINE_OUT."""
@@ -43,15 +43,24 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def run_layout(sets: list[str], world: int, root: str) -> dict:
+def run_layout(sets: list[str], world: int, root: str, meta: bool = False) -> dict:
+    """`meta`: the model is built on the meta device (no weights), split and sharded so, then
+    given the reference's weights by name (what a pipeline's init_weights does)."""
     cfg = load_config("gpt-tiny", [*BASE, *sets, f"run.storage_path={root}", "run.name=pp"])
     torch.manual_seed(0)
     pipe = build(cfg)
     reference = copy.deepcopy(pipe.model)
+    if meta:
+        from raylane.pipelines.gpt import build_model
+
+        with torch.device("meta"):
+            pipe.model = build_model(cfg.model)
     runtime = local_runtime(cfg, lambda event: None)
     model, strategy = parallelize(
         pipe.model, cfg, runtime.device, world, loss_fn=pipe.loss_fn, tp_plan=pipe.tp_plan, pp_stages=pipe.pp_stages
     )
+    if meta:
+        _fill(model, dict(reference.named_parameters()))
     optimizer = build_optimizer(model, cfg, pipe)
     ref_opt = build_optimizer(reference, cfg, pipe)
     trainer = step_trainer(cfg, runtime, pipe, model, _Batches(), optimizer, strategy, Throughput())
@@ -108,6 +117,15 @@ def run_layout(sets: list[str], world: int, root: str) -> dict:
     }
 
 
+@torch.no_grad()
+def _fill(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Each parameter's shard of the named weight (FSDP2's Shard(0) over the data-parallel ranks)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for name, p in model.named_parameters():
+        p.copy_(distribute_tensor(weights[name].detach(), p.device_mesh, p.placements))
+
+
 class _Batches:
     """The trainer's data, which it only counts: the batches are given to run_step here."""
 
@@ -129,7 +147,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for spec in sys.argv[1:]:
             name, _, sets = spec.partition(":")
-            out[name] = run_layout([s for s in sets.split(",") if s], world, root)
+            out[name] = run_layout([s for s in sets.split(",") if s], world, root, meta=name.startswith("meta"))
     if dist.get_rank() == 0:
         with open(os.environ["PIPELINE_OUT"], "w") as f:
             json.dump(out, f)
