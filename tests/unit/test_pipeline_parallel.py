@@ -204,3 +204,15 @@ def test_dp_replicate_makes_fsdp_hsdp_without_model_parallelism():
     cfg = load_config("gpt-tiny", ["strategy.name=fsdp", "strategy.dp_replicate=2"])
     chosen = choose_strategy(cfg, torch.device("cpu"), 4, nn.Linear(1, 1), None, None)
     assert (chosen.name, chosen.mesh_shape) == ("hsdp", (2, 2))
+
+
+def test_auto_splits_a_sequential_model_with_its_activations():
+    """A Sequential model's weighted layers are its blocks; each activation goes with the layer
+    before it, so that no stage applies it twice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    names = auto_stages(model, find_blocks(model), 2)
+    assert names == [["0", "1", "2", "3"], ["4"]]
+    stages = [stage_module(model, check_stages(model, names, 2), i, "") for i in range(2)]
+    x = torch.randn(3, 4)
+    assert torch.allclose(_chain(stages, x), model(x))

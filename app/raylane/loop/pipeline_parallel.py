@@ -128,7 +128,7 @@ def auto_stages(model: nn.Module, found: Blocks, n: int) -> list[list[str]]:
         )
     before: list[str] = []
     after: list[list[str]] = []  # per holder, outermost first
-    path = container.split(".")
+    path = container.split(".") if container else []
     for depth in range(len(path)):  # each module on the way from the model to the blocks' container
         holder = model.get_submodule(".".join(path[:depth]))
         prefix = "".join(f"{p}." for p in path[:depth])
@@ -141,15 +141,29 @@ def auto_stages(model: nn.Module, found: Blocks, n: int) -> list[list[str]]:
         at = children.index(path[depth])
         before += [prefix + name for name in children[:at]]
         after.append([prefix + name for name in children[at + 1 :]])
-    base, extra = divmod(len(blocks), n)
-    stages, start = [], 0
-    for s in range(n):
-        size = base + (1 if s < extra else 0)
-        stages.append(blocks[start : start + size])
-        start += size
+    stages = _split_container(model, container, blocks, n)
     stages[0][:0] = before
     for names in reversed(after):  # the innermost holder's first, as the forward meets them
         stages[-1].extend(names)
+    return stages
+
+
+def _split_container(model: nn.Module, container: str, blocks: list[str], n: int) -> list[list[str]]:
+    """The container's children over `n` stages: its blocks evenly (earlier stages take one more
+    where they do not divide), any other child with the block before it (a Sequential's
+    activations), or on the first stage."""
+    base, extra = divmod(len(blocks), n)
+    sizes = [base + (1 if s < extra else 0) for s in range(n)]
+    stages: list[list[str]] = [[] for _ in range(n)]
+    stage, taken, wanted = 0, 0, set(blocks)
+    prefix = f"{container}." if container else ""
+    for child in model.get_submodule(container)._modules:
+        name = prefix + child
+        if name in wanted:
+            if taken == sizes[stage]:
+                stage, taken = stage + 1, 0
+            taken += 1
+        stages[stage].append(name)
     return stages
 
 
@@ -438,7 +452,8 @@ def pipeline_model(
     held = []
     for index in (i for i, r in enumerate(ranks) if r == me):
         stage = stage_module(model, stages, index, container)
-        held.append((index, prepare(stage, list(stage.get_submodule(container)._modules.values()))))
+        blocks = [m for m in stage.get_submodule(container)._modules.values() if any(True for _ in m.parameters())]
+        held.append((index, prepare(stage, blocks)))
     pipe = Pipeline(held, n, ranks, pp_mesh.get_group(), loss_fn, microbatches=s.microbatches, device=device)
     pipe.schedule = build_schedule(pipe, s.pp_schedule, s.microbatches)
     return PipelineModel([m for _, m in held], pipe)
