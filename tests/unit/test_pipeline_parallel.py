@@ -216,3 +216,7 @@ def test_auto_splits_a_sequential_model_with_its_activations():
     stages = [stage_module(model, check_stages(model, names, 2), i, "") for i in range(2)]
     x = torch.randn(3, 4)
     assert torch.allclose(_chain(stages, x), model(x))
+    from raylane.loop.pipeline_parallel import check_container
+
+    with pytest.raises(ValueError, match=r"'1', between the blocks, is on no stage"):
+        check_container(model, [["0", "2", "3"], ["4"]], "")

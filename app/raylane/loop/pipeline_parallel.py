@@ -447,6 +447,7 @@ def pipeline_model(
     stages = auto_stages(model, found, n) if pp_stages == "auto" else check_stages(model, pp_stages, n)
     check_stages(model, stages, n)  # auto's too: ties across stages, every parameter held once
     container = _container(model, found, stages)
+    check_container(model, stages, container)
     ranks = stage_ranks(s.pp, s.stages_per_rank, s.pp_schedule in ("ZBVZeroBubble", "DualPipeV"))
     me = pp_mesh.get_local_rank()
     held = []
@@ -457,6 +458,16 @@ def pipeline_model(
     pipe = Pipeline(held, n, ranks, pp_mesh.get_group(), loss_fn, microbatches=s.microbatches, device=device)
     pipe.schedule = build_schedule(pipe, s.pp_schedule, s.microbatches)
     return PipelineModel([m for _, m in held], pipe)
+
+
+def check_container(model: nn.Module, stages: list[list[str]], container: str) -> None:
+    """Every child of the blocks' container on one stage: iterated on every stage, an activation
+    between blocks that no stage holds would run twice."""
+    prefix = f"{container}." if container else ""
+    listed = {name for names in stages for name in names}
+    for child in model.get_submodule(container)._modules:
+        if prefix + child not in listed:
+            raise ValueError(f"Pipeline.pp_stages: {prefix + child!r}, between the blocks, is on no stage")
 
 
 def _container(model: nn.Module, found: Blocks, stages: list[list[str]]) -> str:
