@@ -37,6 +37,11 @@ class ModelSection(Section):
         0.0, ge=0, lt=1, description="Dropout on the embeddings, in attention and after each MLP (0: none)."
     )
     bias: bool = Field(True, description="Biases in the Linear and LayerNorm layers.")
+    tie_embeddings: bool = Field(
+        True,
+        description="The head shares the token embedding's weights, as in GPT-2. Pipeline parallelism "
+        "(`strategy.pp` > 1) needs false: the embedding is on the first stage, the head on the last.",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSection:
@@ -63,6 +68,29 @@ class Config(BaseConfig):
 
     def gives_tp_plan(self) -> bool:
         return True
+
+    def gives_pp_stages(self) -> bool:
+        return True
+
+    @model_validator(mode="after")
+    def _splits_into_stages(self) -> Config:
+        """A pipeline's stages each take at least one block, and the head and the embedding,
+        on the last and the first stage, are two parameters."""
+        s, m = self.strategy, self.model
+        if s.pp == 1:
+            return self
+        stages = s.pp * s.stages_per_rank
+        if stages > m.n_layer:
+            raise ValueError(
+                f"strategy.pp = {s.pp}: {stages} pipeline stages for model.n_layer = {m.n_layer} blocks "
+                "(each stage takes one or more)"
+            )
+        if m.tie_embeddings:
+            raise ValueError(
+                f"model.tie_embeddings = true with strategy.pp = {s.pp}: the embedding (first stage) and the head "
+                "(last stage) would be one parameter on two stages; set model.tie_embeddings=false"
+            )
+        return self
 
     @model_validator(mode="after")
     def _splits_over_tp(self) -> Config:
@@ -103,7 +131,8 @@ def build_model(m: ModelSection):
             self.blocks = nn.ModuleList(block() for _ in range(m.n_layer))
             self.ln_f = nn.LayerNorm(m.n_embd, bias=m.bias)
             self.lm_head = nn.Linear(m.n_embd, m.vocab_size, bias=False)
-            self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
+            if m.tie_embeddings:
+                self.lm_head.weight = self.wte.weight  # tied, as in GPT-2
             self.apply(self._init)
             for name, p in self.named_parameters():
                 if name.endswith(("c_proj.weight", "mlp.2.weight")):  # residual outputs
@@ -227,8 +256,11 @@ def tp_plan(model, sequence_parallel: bool) -> dict:
 
 def flops_per_token(model, m: ModelSection) -> float:
     """PaLM's (and nanoGPT's) count, forward plus backward: 6N + 12·L·H·Q·T, with N all the
-    parameters but the position embeddings (the tied token embedding counts once, as the head)."""
+    parameters but the position embeddings and an untied token embedding (the tied one counts
+    once, as the head: a lookup costs no FLOPs)."""
     n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    if not m.tie_embeddings:
+        n -= model.wte.weight.numel()
     return 6 * n + 12 * m.n_layer * m.n_head * (m.n_embd // m.n_head) * m.block_size
 
 
@@ -291,4 +323,5 @@ def build(cfg: Config):
         tokens_per_sample=m.block_size,
         flops_per_token=flops_per_token(model, m),
         tp_plan=tp_plan,
+        pp_stages="auto",  # wte, wpe and the first blocks; ...; the last blocks, ln_f and lm_head
     )

@@ -67,6 +67,9 @@ class Config(BaseConfig):
     def gives_tp_plan(self) -> bool:
         return False
 
+    def gives_pp_stages(self) -> bool:
+        return False
+
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "accuracy") if self.data.task == "classification" else ("loss",)
 

@@ -372,6 +372,7 @@ def check_layout(cfg: BaseConfig, world_size: int, world: str) -> None:
     """`strategy.tp` on `world_size` ranks (`world`: where that number comes from, as the user
     set it): a world it divides, replicas only through FSDP2, map-style data, and a pipeline that
     gives a tp_plan. The checks of the config alone are its validators' (raylane.config.base)."""
+    _check_pipeline_layout(cfg, world_size, world)
     tp = cfg.strategy.tp
     if not cfg.strategy.tensor_parallel:
         return
@@ -403,6 +404,45 @@ def check_layout(cfg: BaseConfig, world_size: int, world: str) -> None:
         raise ConfigError(
             f"strategy.tp = {tp}: the {label} pipeline gives no tp_plan (which layers tensor parallelism "
             "splits): give its Pipeline a tp_plan (docs/strategies.md, Tensor parallelism)"
+        )
+
+
+def _check_pipeline_layout(cfg: BaseConfig, world_size: int, world: str) -> None:
+    """`strategy.pp` and `strategy.dp_replicate` on `world_size` ranks: a world that splits into
+    pp x dp_replicate x tp, data-parallel replicas through FSDP2, map-style data, and a pipeline
+    that says how its model splits into stages."""
+    s = cfg.strategy
+    if s.pp == 1 and s.dp_replicate == 1:
+        return
+    from raylane.loop.streaming import declares_sources
+
+    label = pipelines_ref.label(cfg.pipeline)
+    group = s.pp * s.dp_replicate * s.tp_degree
+    if world_size % group:
+        sizes = " x ".join(
+            f"strategy.{k} = {n}"
+            for k, n in (("pp", s.pp), ("dp_replicate", s.dp_replicate), ("tp", s.tp_degree))
+            if n > 1
+        )
+        raise ConfigError(f"{sizes}: {group} ranks do not divide {world}")
+    if s.pp == 1:
+        return
+    replicas = world_size // (s.pp * s.tp_degree)
+    if s.name == "ddp" and replicas > 1:
+        raise ConfigError(
+            f"strategy.pp = {s.pp} with strategy.name = 'ddp' on {world_size} ranks: the {replicas} data-parallel "
+            "replicas of each stage are FSDP2's; use strategy.name: fsdp"
+        )
+    if declares_sources(cfg):
+        raise ConfigError(
+            f"strategy.pp = {s.pp}: the {label} pipeline streams its data (sources), split by rank, and the "
+            "stages of a pipeline must read the same batches; pipeline parallelism needs a map-style dataset"
+        )
+    if cfg.gives_pp_stages() is False:
+        raise ConfigError(
+            f"strategy.pp = {s.pp}: the {label} pipeline gives no pp_stages (how its model splits into "
+            "stages): give its Pipeline pp_stages='auto' or lists of module names (docs/strategies.md, Pipeline "
+            "parallelism)"
         )
 
 
@@ -438,7 +478,10 @@ def _optimizer_state(flat: dict[str, Any]) -> tuple[Any, ...]:
 
 def _as_saved(flat: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's flat config, with what a key added since meant then: before
-    optim.decay_norm_and_bias, every parameter was decayed."""
+    optim.decay_norm_and_bias, every parameter was decayed; before model.tie_embeddings, gpt's
+    head was tied."""
+    if flat.get("pipeline") == "gpt":  # before model.tie_embeddings, gpt's head was tied
+        flat = {"model.tie_embeddings": True, **flat}
     return {"optim.decay_norm_and_bias": True, **flat} if "optim.weight_decay" in flat else flat
 
 

@@ -117,7 +117,12 @@ def prepare_tune(
 
 def _check_sweep_layout(sweep: SweepSection, base: BaseConfig) -> None:
     """Sweeps train data-parallel trials only, for now: each trial's layout is not checked."""
-    swept = [k for k in sweep.space if k in ("strategy.tp", "strategy.sequence_parallel")]
+    swept = [k for k in sweep.space if k in ("strategy.tp", "strategy.sequence_parallel", "strategy.pp")]
+    if base.strategy.pp > 1:
+        raise ConfigError(
+            f"strategy.pp = {base.strategy.pp}: sweeps of pipeline-parallel runs are not built yet; sweep with "
+            "strategy.pp: 1"
+        )
     if swept or base.strategy.tensor_parallel:
         key = f"sweep.space.{swept[0]}" if swept else f"strategy.tp = {base.strategy.tp!r}"
         raise ConfigError(f"{key}: sweeps of tensor-parallel runs are not built yet; sweep with strategy.tp: 1")
@@ -168,6 +173,11 @@ def prepare_autotune(
         raise ConfigError(
             f"strategy.tp = {cfg.strategy.tp!r}: autotune does not search tensor-parallel layouts yet; "
             "autotune with strategy.tp: 1"
+        )
+    if cfg.strategy.pp > 1:
+        raise ConfigError(
+            f"strategy.pp = {cfg.strategy.pp}: autotune does not search pipeline-parallel layouts yet; "
+            "autotune with strategy.pp: 1"
         )
     if under_torchrun():  # the ranks torchrun started, whatever scaling.num_workers says
         workers = int(os.environ.get("WORLD_SIZE", "1"))

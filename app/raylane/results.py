@@ -144,13 +144,13 @@ class TrainSummary(_Summary):
     backend: str | None = Field(None, description="The process group's backend: nccl or gloo.")
     strategy: str | None = Field(
         None,
-        description="ddp, fsdp, hsdp or single (one rank); with model parallelism the layout: `fsdp×tp2`, or "
-        "`tp2` when one tensor-parallel group is the whole world (`+sp`, `+lp`: sequence and loss parallel).",
+        description="ddp, fsdp, hsdp or single (one rank); with tensor or pipeline parallelism the layout: "
+        "`fsdp×tp2×pp2`, or `tp2`, `pp2` with one data-parallel rank (`+sp`, `+lp`: sequence and loss parallel).",
     )
     mesh: list[int] | None = Field(
         None,
-        description="The device mesh's shape (FSDP: [shard] or [replicate, shard]; with tensor parallelism "
-        "[data-parallel ranks, tp]).",
+        description="The device mesh's shape (FSDP: [shard] or [replicate, shard]; with tensor or pipeline "
+        "parallelism [pp, dp_replicate, dp_shard, cp, tp]).",
     )
     node_ranks: list[int] | None = Field(None, description="Each rank's node, numbered in rank order (Ray runs).")
     epochs: int | None = Field(None, description="Whole epochs trained.")

@@ -208,6 +208,52 @@ CASES: dict[str, Case] = {
         ["check", "gpt-tiny", "--set", "strategy.tp=2", "--set", "train.precision=fp16"],
         "train.precision = 'fp16' with strategy.tp = 2",
     ),
+    # pipeline parallelism (raylane.prechecks.check_layout, the config's validators, gpt's)
+    "pp x tp does not divide the workers": Case(
+        ["train", "gpt-tiny", "--set", "scaling.num_workers=6", "--set", "strategy.pp=2", "--set", "strategy.tp=2"]
+        + ["--set", "strategy.name=fsdp", "--set", "model.tie_embeddings=false"],
+        "strategy.pp = 2 x strategy.tp = 2: 4 ranks do not divide scaling.num_workers = 6",
+        subprocess=True,
+    ),
+    "pp in one process": Case(
+        ["train", "gpt-tiny", "--local", "--set", "strategy.pp=2", "--set", "model.tie_embeddings=false"],
+        "strategy.pp = 2: 2 ranks do not divide the one process of --local",
+    ),
+    "pp with ddp replicas": Case(
+        ["check", "gpt-tiny", "--set", "scaling.num_workers=4", "--set", "strategy.pp=2"]
+        + ["--set", "model.tie_embeddings=false"],
+        "strategy.pp = 2 with strategy.name = 'ddp' on 4 ranks: the 2 data-parallel replicas of each stage are FSDP2's",
+    ),
+    "pp over more stages than blocks": Case(
+        ["check", "gpt-tiny", "--set", "strategy.pp=2", "--set", "strategy.pp_schedule=Interleaved1F1B"]
+        + ["--set", "model.tie_embeddings=false"],
+        "strategy.pp = 2: 4 pipeline stages for model.n_layer = 2 blocks",
+    ),
+    "pp with tied embeddings": Case(
+        ["check", "gpt-tiny", "--set", "strategy.pp=2"],
+        "model.tie_embeddings = true with strategy.pp = 2: the embedding (first stage) and the head (last stage)",
+    ),
+    "pp schedule of one stage given two": Case(
+        ["check", "gpt-tiny", "--set", "strategy.pp=2", "--set", "strategy.pp_stages_per_rank=2"],
+        "strategy.pp_stages_per_rank = 2 with strategy.pp_schedule = '1F1B': that schedule runs one stage per rank",
+    ),
+    "pp schedule of two stages given one": Case(
+        ["check", "gpt-tiny", "--set", "strategy.pp=2", "--set", "strategy.pp_schedule=ZBVZeroBubble"]
+        + ["--set", "strategy.pp_stages_per_rank=1"],
+        "strategy.pp_stages_per_rank = 1 with strategy.pp_schedule = 'ZBVZeroBubble': that schedule runs exactly 2",
+    ),
+    "pp micro-batches not dividing the batch": Case(
+        ["check", "gpt-tiny", "--set", "strategy.pp=2", "--set", "strategy.pp_microbatches=3"],
+        "strategy.pp_microbatches = 3: does not divide train.batch_size = 16",
+    ),
+    "pp on a pipeline without stages": Case(
+        ["check", "digits", "--set", "scaling.num_workers=2", "--set", "strategy.pp=2"],
+        "strategy.pp = 2: the digits pipeline gives no pp_stages",
+    ),
+    "dp_replicate with ddp": Case(
+        ["check", "gpt-tiny", "--set", "strategy.dp_replicate=2"],
+        "strategy.dp_replicate = 2 with strategy.name = 'ddp': replicas of a sharded model are FSDP2's",
+    ),
     "tp autotuned": Case(
         ["autotune", "digits", "--set", "strategy.tp=2"],
         "strategy.tp = 2: autotune does not search tensor-parallel layouts yet",

@@ -405,7 +405,7 @@ def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_proces
         runs[name] = read_json(tmp_path / f"{name}.json")
     db = tmp_path / "mlflow.db"
     assert (runs["lp"]["strategy"], runs["sp"]["strategy"], runs["one"]["strategy"]) == ("tp2+lp", "tp2+sp", "single")
-    assert runs["lp"]["mesh"] == [1, 2] and _tag(db, runs["sp"]["run_id"], "raylane.strategy") == "tp2+sp"
+    assert runs["lp"]["mesh"] == [1, 1, 1, 1, 2] and _tag(db, runs["sp"]["run_id"], "raylane.strategy") == "tp2+sp"
     assert _tag(db, runs["lp"]["run_id"], "raylane.strategy.mesh") == "dp_shard 1, tp 2"
     assert "strategy tp2+lp (strategy.tp: 2, FSDP2 over 1 data-parallel rank)" in started["lp"].output
 
@@ -477,7 +477,7 @@ def test_fsdp_over_tensor_parallel_groups_matches_ddp(run_cli, tmp_path):
         )
         assert p.wait(600) == 0, p.output
         runs[name] = read_json(tmp_path / f"{name}.json")
-    assert (runs["fsdp-tp"]["strategy"], runs["fsdp-tp"]["mesh"]) == ("fsdp×tp2+lp", [2, 2])
+    assert (runs["fsdp-tp"]["strategy"], runs["fsdp-tp"]["mesh"]) == ("fsdp×tp2+lp", [1, 1, 2, 1, 2])
     db = tmp_path / "mlflow.db"
     ddp, both = _losses(db, runs["ddp"]["run_id"]), _losses(db, runs["fsdp-tp"]["run_id"])
     assert sorted(ddp) == sorted(both) == list(range(1, 11))

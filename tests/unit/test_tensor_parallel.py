@@ -103,10 +103,10 @@ def test_clipping_over_two_meshes(one_rank):
 
 
 def test_the_layout_names_itself_and_splits_the_data_by_group():
-    assert Strategy("fsdp", (1, 2), tp=2).label == "tp2"
-    assert Strategy("fsdp", (2, 2), tp=2, sequence_parallel=True).label == "fsdp×tp2+sp"
+    assert Strategy("fsdp", (1, 1, 1, 1, 2), tp=2).label == "tp2"  # (pp, dp_replicate, dp_shard, cp, tp)
+    assert Strategy("fsdp", (1, 1, 2, 1, 2), tp=2, sequence_parallel=True).label == "fsdp×tp2+sp"
     assert Strategy("ddp", (2,)).label == "ddp"
-    tags = Strategy("fsdp", (2, 2), tp=2).tags()
+    tags = Strategy("fsdp", (1, 1, 2, 1, 2), tp=2).tags()
     assert tags["raylane.strategy"] == "fsdp×tp2" and tags["raylane.strategy.mesh"] == "dp_shard 2, tp 2"
 
     class Runtime:

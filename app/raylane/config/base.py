@@ -13,6 +13,8 @@ from pydantic import Field, model_validator
 
 from raylane import pipelines_ref
 from raylane.config.sections import (
+    SINGLE_STAGE_SCHEDULES,
+    V_SCHEDULES,
     CheckpointSection,
     DistSection,
     FailureSection,
@@ -129,6 +131,64 @@ class BaseConfig(Section):
                 "run does not have; use strategy.cp: 1"
             )
         raise ValueError(f"strategy.cp = {cp}: context parallelism is not built yet; use strategy.cp: 1")
+
+    @model_validator(mode="after")
+    def _pipeline_parallel(self) -> BaseConfig:
+        """What pipeline parallelism needs of the config alone: stages per rank its schedule runs,
+        micro-batches that cut the batch evenly, and what it does not combine with yet."""
+        s = self.strategy
+        if s.dp_replicate > 1 and s.name != "fsdp":
+            raise ValueError(
+                f"strategy.dp_replicate = {s.dp_replicate} with strategy.name = {s.name!r}: replicas of a sharded "
+                "model are FSDP2's (HSDP); use strategy.name: fsdp"
+            )
+        if s.pp == 1:
+            return self
+        stages, schedule = s.stages_per_rank, s.pp_schedule
+        if schedule in SINGLE_STAGE_SCHEDULES and stages != 1:
+            raise ValueError(
+                f"strategy.pp_stages_per_rank = {stages} with strategy.pp_schedule = {schedule!r}: that schedule "
+                "runs one stage per rank; use 1, or a multi-stage schedule (Interleaved1F1B, ...)"
+            )
+        if schedule not in SINGLE_STAGE_SCHEDULES and (stages < 2 or (schedule in V_SCHEDULES and stages != 2)):
+            need = "exactly 2" if schedule in V_SCHEDULES else "2 or more"
+            raise ValueError(
+                f"strategy.pp_stages_per_rank = {stages} with strategy.pp_schedule = {schedule!r}: that schedule "
+                f"runs {need} stages per rank; use 1F1B or GPipe for one"
+            )
+        if self.train.batch_size % s.microbatches:
+            raise ValueError(
+                f"strategy.pp_microbatches = {s.microbatches}: does not divide train.batch_size = "
+                f"{self.train.batch_size} (each micro-batch of a pipeline step is batch_size / pp_microbatches rows)"
+            )
+        refused = {
+            "strategy.name = 'auto'": (s.name == "auto", "the memory estimate does not count pipeline stages yet"),
+            "strategy.tp = 'auto'": (s.tp == "auto", "the memory estimate does not count pipeline stages yet"),
+            "train.precision = 'fp16'": (
+                self.train.precision == "fp16",
+                "the gradient scaler does not run through a pipeline schedule; use bf16",
+            ),
+            f"scaling.num_workers = {[self.scaling.min_workers, self.scaling.num_workers]}": (
+                self.scaling.elastic,
+                "elastic runs keep no pipeline layout yet; give one number of workers",
+            ),
+            f"strategy.comm_hook = {s.comm_hook!r}": (s.comm_hook != "none", "a pipelined run does not use DDP"),
+            "strategy.cpu_offload = True": (s.cpu_offload, "offloading pipeline stages is not built yet"),
+            f"scaling.gpus_per_worker = {self.scaling.gpus_per_worker:g}": (
+                self.scaling.use_gpu and self.scaling.gpus_per_worker < 1,
+                "NCCL cannot run two ranks of a pipeline on one GPU",
+            ),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"{key} with strategy.pp = {s.pp}: {why}")
+        return self
+
+    def gives_pp_stages(self) -> bool | None:
+        """Whether this pipeline's `build` gives a Pipeline.pp_stages (how its model splits into
+        pipeline stages), so that `strategy.pp` > 1 on one that gives none fails before the run.
+        None (the default): checked on the ranks."""
+        return None
 
     def gives_tp_plan(self) -> bool | None:
         """Whether this pipeline's `build` gives a Pipeline.tp_plan (which layers tensor parallelism

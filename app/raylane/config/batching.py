@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 def held_batch(cfg: BaseConfig, workers: int) -> BaseConfig:
     """`cfg` with train.global_batch held on `workers` ranks (unchanged when it is unset and the
     run is not elastic; an elastic run holds batch_size x grad_accum_steps x the most workers).
-    The ranks of a tensor-parallel group read the same batches: the batch splits over workers / tp."""
+    The ranks of a tensor-parallel group, and of a pipeline, read the same batches: the batch splits
+    over workers / (tp x pp)."""
     t = cfg.train
     size = effective_global_batch(cfg)
     if size != t.global_batch:
@@ -26,7 +27,7 @@ def held_batch(cfg: BaseConfig, workers: int) -> BaseConfig:
     if size is None:
         return cfg
     held = GlobalBatch(size=size, adjust=t.global_batch_adjust)
-    return hold_global_batch(cfg, held, "train.global_batch", workers // cfg.strategy.tp_degree)
+    return hold_global_batch(cfg, held, "train.global_batch", workers // (cfg.strategy.tp_degree * cfg.strategy.pp))
 
 
 def effective_global_batch(cfg: BaseConfig) -> int | None:

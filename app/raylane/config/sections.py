@@ -123,6 +123,11 @@ class ScalingSection(Section):
         return self.min_workers is not None and self.min_workers < self.num_workers
 
 
+# Pipeline schedules that run one stage per rank; the others run two or more (V-shaped: exactly 2).
+SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
 class StrategySection(Section):
     """How the model is spread over the workers: DDP or FSDP, tensor parallelism, and their settings."""
 
@@ -144,6 +149,44 @@ class StrategySection(Section):
         False,
         description="With `tp` > 1: the norms, dropout and residual stream between the tensor-parallel layers "
         "sharded along the sequence (less activation memory, the same results).",
+    )
+    pp: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Pipeline-parallel degree: the model's blocks split into stages over this many groups of ranks "
+        "(1: off), which see the same batches; the data-parallel ranks are the ranks / (pp x tp). Needs a pipeline "
+        "that gives `pp_stages` (docs/strategies.md, Pipeline parallelism).",
+    )
+    pp_schedule: Literal[
+        "1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    ] = Field(
+        "1F1B",
+        description="With `pp` > 1: torch.distributed.pipelining's schedule. `1F1B` and `GPipe` run one stage per "
+        "rank; `Interleaved1F1B`, `LoopedBFS`, `InterleavedZeroBubble`, `ZBVZeroBubble` and `DualPipeV` run "
+        "`pp_stages_per_rank` (2 or more) and leave a smaller bubble.",
+    )
+    pp_microbatches: int | None = Field(
+        None,
+        ge=1,
+        le=65_536,
+        description="With `pp` > 1: the micro-batches each `train.batch_size` is cut into, in flight through the "
+        "stages at once; must divide `train.batch_size`. null: the number of stages (pp x pp_stages_per_rank).",
+    )
+    pp_stages_per_rank: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="With `pp` > 1: stages each rank holds. null: 1 for `1F1B` and `GPipe`, 2 for the other "
+        "schedules (which need 2 or more; `ZBVZeroBubble` and `DualPipeV` exactly 2).",
+    )
+    dp_replicate: int = Field(
+        1,
+        ge=1,
+        le=1_000_000,
+        description="Replicas of the sharded model (HSDP): FSDP2 shards over the data-parallel ranks / dp_replicate "
+        "and replicates over dp_replicate groups of them (1: shard over all; FSDP across nodes is HSDP already). "
+        "Needs `name: fsdp`.",
     )
     loss_parallel: bool = Field(
         False,
@@ -200,6 +243,18 @@ class StrategySection(Section):
     powersgd_rank: int = Field(
         1, ge=1, le=1024, description="DDP with `comm_hook: powersgd`: the rank of PowerSGD's low-rank approximation."
     )
+
+    @property
+    def stages_per_rank(self) -> int:
+        """`pp_stages_per_rank`, or the schedule's default: 1 for single-stage schedules, else 2."""
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 1 if self.pp_schedule in SINGLE_STAGE_SCHEDULES else 2
+
+    @property
+    def microbatches(self) -> int:
+        """`pp_microbatches`, or one per stage."""
+        return self.pp_microbatches or self.pp * self.stages_per_rank
 
 
 class EarlyStoppingSection(Section):

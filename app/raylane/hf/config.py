@@ -102,7 +102,7 @@ class Config(BaseConfig):
             from raylane.hf.lora import check_lora
 
             check_lora(self.model.name_or_path, self.lora, AUTO_CLASSES[self.model.task])
-        if self.strategy.tp > 1:
+        if self.strategy.tp_degree > 1:  # tp: auto is weighed at each degree by the same check
             check_tensor_parallel(self)
         for field in ("train", "eval"):
             if getattr(self.data, field) is not None:

@@ -112,13 +112,23 @@ class EpochLoader(DataLoader):
     epochs_alike = True
 
     def __init__(
-        self, dataset: Dataset, *, sampler: Sampler[int], batch_size: int, seed: int, rank: int, **options: Any
+        self,
+        dataset: Dataset,
+        *,
+        sampler: Sampler[int],
+        batch_size: int,
+        seed: int,
+        rank: int,
+        whole_batches: bool = False,
+        **options: Any,
     ) -> None:
-        super().__init__(**_batching(dataset, sampler, batch_size, (seed, rank, 0), options))
-        self.order, self.rows_per_batch = sampler, batch_size
+        super().__init__(**_batching(dataset, sampler, batch_size, (seed, rank, 0), options, whole_batches))
+        self.order, self.rows_per_batch, self.whole_batches = sampler, batch_size, whole_batches
         self.batches = self.batch_sampler if isinstance(self.batch_sampler, _SeededBatches) else None
 
     def batches_in_epoch(self, epoch: int) -> int:
+        if self.whole_batches:  # the last, partial batch is left out
+            return self.order.num_samples // self.rows_per_batch
         return math.ceil(self.order.num_samples / self.rows_per_batch)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
@@ -128,13 +138,20 @@ class EpochLoader(DataLoader):
 
 
 def _batching(
-    dataset: Dataset, sampler: Sampler[int], batch_size: int, key: tuple[int, ...], options: dict[str, Any]
+    dataset: Dataset,
+    sampler: Sampler[int],
+    batch_size: int,
+    key: tuple[int, ...],
+    options: dict[str, Any],
+    whole: bool = False,
 ) -> dict[str, Any]:
     """DataLoader keywords: with workers, batches tagged with `key` (seed, rank, train or
-    held-out), the epoch and their place in it, for the worker to seed its generators from."""
+    held-out), the epoch and their place in it, for the worker to seed its generators from.
+    `whole`: only batches of `batch_size` rows (a pipeline schedule's shapes are fixed)."""
     if not options.get("num_workers"):
-        return {"dataset": dataset, "batch_size": batch_size, "sampler": sampler, **options}
-    return {"dataset": _SeededItems(dataset), "batch_sampler": _SeededBatches(sampler, batch_size, key), **options}
+        return {"dataset": dataset, "batch_size": batch_size, "sampler": sampler, "drop_last": whole, **options}
+    batches = _SeededBatches(sampler, batch_size, key, whole)
+    return {"dataset": _SeededItems(dataset), "batch_sampler": batches, **options}
 
 
 class _Batch(list):
@@ -147,8 +164,8 @@ class _SeededBatches(Sampler[list[int]]):
     """The sampler's indices in batches, each tagged with the key, the epoch and its place in the
     epoch: iterated in the rank's own process, so set_epoch holds with persistent workers."""
 
-    def __init__(self, sampler: Sampler[int], batch_size: int, key: tuple[int, ...]) -> None:
-        self.sampler, self.batch_size, self.key = sampler, batch_size, key
+    def __init__(self, sampler: Sampler[int], batch_size: int, key: tuple[int, ...], whole: bool = False) -> None:
+        self.sampler, self.batch_size, self.key, self.whole = sampler, batch_size, key, whole
         self.epoch, self.skip_batches = 0, 0
 
     def set_epoch(self, epoch: int, skip_batches: int) -> None:
@@ -158,12 +175,14 @@ class _SeededBatches(Sampler[list[int]]):
         indices = iter(self.sampler)
         for place in itertools.count(self.skip_batches):
             batch = _Batch(itertools.islice(indices, self.batch_size))
-            if not batch:
+            if not batch or (self.whole and len(batch) < self.batch_size):
                 return
             batch.seed = (*self.key, self.epoch, place)
             yield batch
 
     def __len__(self) -> int:
+        if self.whole:
+            return len(self.sampler) // self.batch_size
         return math.ceil(len(self.sampler) / self.batch_size)
 
 
@@ -201,6 +220,7 @@ def build_loader(
     samples_per_step: int | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     options: dict[str, Any] | None = None,
+    whole_batches: bool = False,
 ) -> EpochLoader:
     sampler: Sampler[int]
     if samples_per_step:
@@ -222,25 +242,29 @@ def build_loader(
         sampler=sampler,
         seed=seed,
         rank=rank,
+        whole_batches=whole_batches,
         **loader_options(seed, collate_fn, options),
     )
 
 
 class DataRanks:
-    """A runtime as the data sees it under tensor parallelism: the ranks of a tensor-parallel group
-    (`tp` consecutive ranks) read the same batches, so the data is split over the groups. A stream
-    is read here, by group: the launcher's own (Ray Data's) splits by world rank."""
+    """A runtime as the data sees it under tensor and pipeline parallelism: the ranks of a
+    tensor-parallel group (`tp` consecutive ranks), and the stages of a pipeline (`pp` groups of
+    ranks, outermost), read the same batches, so the data is split over the data-parallel ranks
+    (the mesh's (dp_replicate, dp_shard)). A stream is read here, by group: the launcher's own (Ray
+    Data's) splits by world rank."""
 
-    def __init__(self, runtime: Any, tp: int) -> None:
-        self.rank, self.world_size = runtime.rank // tp, runtime.world_size // tp
+    def __init__(self, runtime: Any, tp: int, pp: int = 1) -> None:
+        self.world_size = runtime.world_size // (tp * pp)
+        self.rank = (runtime.rank // tp) % self.world_size
 
     def data_stream(self, name: str, source: Any, *, batch_size: int) -> Any | None:
         return None
 
 
-def data_ranks(runtime: Any, tp: int) -> Any:
-    """`runtime`, or with tensor parallelism its DataRanks: what the loaders split the data by."""
-    return runtime if tp == 1 else DataRanks(runtime, tp)
+def data_ranks(runtime: Any, tp: int, pp: int = 1) -> Any:
+    """`runtime`, or with tensor or pipeline parallelism its DataRanks: what the loaders split the data by."""
+    return runtime if tp == pp == 1 else DataRanks(runtime, tp, pp)
 
 
 def is_stream(data: Any) -> bool:
@@ -258,12 +282,14 @@ def train_data(
     samples_per_step: int | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     options: dict[str, Any] | None = None,
+    whole_batches: bool = False,
 ) -> EpochData:
     """The training batches of this rank: a map-style dataset's loader, or a FileSource's stream
     (the launcher's, when it made one: Ray Data on Ray; else read here with pyarrow). With
     `samples_per_step` (train.global_batch), the epoch's order is the same at any world size.
     `collate_fn` (the pipeline's) and `options` (`worker_options`) apply to a map-style dataset;
-    a stream makes its batches with its FileSource's to_tensors."""
+    a stream makes its batches with its FileSource's to_tensors. `whole_batches`: an epoch's last,
+    partial batch is left out (a pipeline schedule runs batches of one shape)."""
     if not is_stream(dataset):
         return build_loader(
             dataset,
@@ -275,6 +301,7 @@ def train_data(
             samples_per_step=samples_per_step,
             collate_fn=collate_fn,
             options=options,
+            whole_batches=whole_batches,
         )
     if samples_per_step:
         raise ValueError(

@@ -17,6 +17,7 @@ from raylane.loop.batches import batch_size, call_model, checked_own_loss, form_
 from raylane.loop.distributed import all_reduce_max, all_reduce_sums
 from raylane.loop.early_stop import EarlyStopping
 from raylane.loop.hooks import Hooks
+from raylane.loop.pipeline_parallel import PipelineModel, pair
 from raylane.loop.reporting import Reporter
 
 SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a named held-out set
@@ -72,6 +73,8 @@ class Evaluator:
                     self._batch_sums(module, batch.batch, 0)
                     continue
                 n = self.count(batch) if self.count is not None else batch_size(batch)
+                if isinstance(module, PipelineModel) and not module.pipeline.has_last:
+                    n = 0  # a pipeline's last stage alone counts its batches
                 for name, value in self._batch_sums(module, batch, n).items():
                     sums[name] = sums.get(name, 0) + value
                 count = count + n
@@ -144,6 +147,8 @@ class Evaluator:
         return to_device(sent[0], self.device) if last is None and batch is None else None
 
     def _batch_sums(self, module: torch.nn.Module, batch: Any, n: Any) -> dict[str, Any]:
+        if isinstance(module, PipelineModel):
+            return self._pipeline_sums(module, batch, n)
         if self.sums is not None:
             form = form_of(batch, None)
             return self.sums(call_model(module, batch, form), batch[1] if form == "pair" else batch)
@@ -154,6 +159,17 @@ class Evaluator:
             "loss": loss.detach().float() * n,
             **{k: (v.detach().float() if isinstance(v, torch.Tensor) else float(v)) * n for k, v in metrics.items()},
         }
+
+    def _pipeline_sums(self, module: PipelineModel, batch: Any, n: Any) -> dict[str, Any]:
+        """An (input, target) batch through the pipeline's stages, forward only: its sums on the
+        last stage, none elsewhere (the sum over ranks adds the last stages')."""
+        source, target = pair(batch)
+        output = module.pipeline.forward_only(source)
+        if output is None:
+            return {}
+        if self.sums is not None:
+            return self.sums(output, target)
+        return {"loss": self.loss_fn(output, target).detach().float() * n}
 
     def _failed_rank(self, failure: Exception | None = None) -> str:
         """Collective, once evaluation failed somewhere: 'rank N: Type: message' of the first

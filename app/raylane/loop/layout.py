@@ -35,20 +35,24 @@ class Layout:
 
     @classmethod
     def of(cls, strategy: Any) -> Layout:
-        """A raylane.loop.parallel.Strategy's: its data-parallel ranks are replicas under DDP,
-        shards under FSDP, both under HSDP; pp, dp_replicate and cp where it has them."""
+        """A raylane.loop.parallel.Strategy's: a model-parallel run's one mesh read by dimension
+        (FSDP2 with replicas named hsdp), else its data-parallel ranks as replicas under DDP,
+        shards under FSDP, both under HSDP."""
         mesh: tuple[int, ...] = tuple(strategy.mesh_shape) or (1,)
-        dp = mesh[0] if strategy.tp > 1 else mesh[-1]
-        replicate, shard = (dp, 1) if strategy.name == "ddp" else (1, dp)
-        if strategy.name == "hsdp" and strategy.tp == 1:
-            replicate, shard = mesh[0], mesh[1]
+        name = strategy.name
+        if len(mesh) == len(MESH_DIMS):
+            pp, replicate, shard, cp, tp = mesh
+            name = "hsdp" if name == "fsdp" and replicate > 1 else name
+        else:
+            pp, cp, tp = 1, 1, 1
+            replicate, shard = {"ddp": (mesh[0], 1), "hsdp": (mesh[0], mesh[-1])}.get(name, (1, mesh[-1]))
         return cls(
-            strategy.name,
-            pp=getattr(strategy, "pp", 1),
-            dp_replicate=getattr(strategy, "dp_replicate", replicate),
+            name,
+            pp=pp,
+            dp_replicate=replicate,
             dp_shard=shard,
-            cp=getattr(strategy, "cp", 1),
-            tp=strategy.tp,
+            cp=cp,
+            tp=tp,
             sequence_parallel=strategy.sequence_parallel,
             loss_parallel=strategy.loss_parallel,
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -22,12 +22,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raylane.config import BaseConfig
 from raylane.loop.blocks import Blocks, blocks_of, find_blocks
 from raylane.loop.devices import GIB, device_memory_bytes, local_world_size
-from raylane.loop.layout import Layout
+from raylane.loop.layout import MESH_DIMS, Layout
 from raylane.loop.tensor_parallel import (
     TpPlan,
     apply_plan,
     gather_when_evaluating,
     loss_context,
+    plan_for,
     retie,
     shared_parameters,
 )
@@ -56,6 +57,8 @@ class Strategy:
     tp: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    pp: int = 1
+    pp_schedule: str = ""
 
     @property
     def layout(self) -> Layout:
@@ -64,10 +67,16 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        """The layout as the summary, the strategy line and MLflow's tags name it: `fsdp×tp2`, or
-        `tp2` when one tensor-parallel group is the whole world (`+sp`, `+lp`: sequence and loss
-        parallel); `ddp`, `fsdp`, `hsdp` or `single` without model parallelism."""
+        """The layout as the summary, the strategy line and MLflow's tags name it: `fsdp×tp2×pp2`,
+        or without the data-parallel flavour where one data-parallel rank holds the batch (`tp2`,
+        `pp2`; `+sp`, `+lp`: sequence and loss parallel); `ddp`, `fsdp`, `hsdp` or `single`
+        without model parallelism."""
         return self.layout.label()
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks: those that read different batches (dp_replicate x dp_shard)."""
+        return self.layout.data_parallel
 
     def step_context(self) -> Any:
         """What a training step's forward, loss and backward run in: torch's loss_parallel, whose
@@ -78,6 +87,8 @@ class Strategy:
         tags = {"raylane.strategy": self.label, "raylane.strategy.reason": self.reason}
         if mesh := self.layout.mesh_text():
             tags["raylane.strategy.mesh"] = mesh
+        if self.pp > 1:
+            tags["raylane.strategy.pp_schedule"] = self.pp_schedule
         if self.blocks:
             tags["raylane.strategy.blocks"] = self.blocks
         if self.estimate:
@@ -180,6 +191,8 @@ def choose_strategy(
     if world_size == 1:
         return Strategy("single", reason="one rank")
     nodes = _nodes(world_size)
+    if (replicas := cfg.strategy.dp_replicate) > 1:  # checked before launch: it divides the world
+        nodes = replicas
     sharded = ("hsdp", (nodes, world_size // nodes)) if nodes > 1 else ("fsdp", (world_size,))
     if cfg.strategy.name == "ddp":
         return Strategy("ddp", (world_size,), reason="strategy.name: ddp")
@@ -207,15 +220,14 @@ def _auto_layout(
 
     if world_size == 1:
         return Strategy("single", reason="one rank")
-    s, o = cfg.strategy, cfg.optim
+    o = cfg.optim
     example, loss_fn, step = probe
     estimate = estimate_memory(model, cfg, world_size, example, loss_fn, step, blocks=blocks)
     per_byte = 2 + OPTIMIZER_STATES.get(o.name, 1 if o.momentum else 0)  # parameters, gradients, states
     budget = device_memory_bytes(device, cfg.scaling.device_memory_gb, local_world_size())
     chosen, estimate, why = weigh(cfg, world_size, model, blocks, plan, estimate, per_byte, (budget, AUTO_MARGIN))
     if chosen.tp > 1:
-        dp, sp, lp = world_size // chosen.tp, s.sequence_parallel, s.loss_parallel
-        return Strategy("fsdp", (dp, chosen.tp), why, estimate, tp=chosen.tp, sequence_parallel=sp, loss_parallel=lp)
+        return replace(model_parallel_strategy(cfg, world_size, chosen.tp, why), estimate=estimate)
     if chosen.name == "ddp":
         return Strategy("ddp", (world_size,), reason=why, estimate=estimate)
     nodes = _nodes(world_size)
@@ -262,16 +274,22 @@ def parallelize(
     blocks: Any = None,
     blocks_prepared: bool = False,
     tp_plan: TpPlan | None = None,
+    pp_stages: Any = None,
 ) -> tuple[nn.Module, Strategy]:
     """(the model ready to train on this rank, the strategy chosen). `blocks`: the pipeline's
     (None: found in the model). `blocks_prepared`: the caller already ran prepare_blocks on it.
-    `tp_plan`: the pipeline's, for `strategy.tp` > 1."""
+    `tp_plan`: the pipeline's, for `strategy.tp` > 1; `pp_stages`, for `strategy.pp` > 1 (then the
+    model is this rank's stages, a raylane.loop.pipeline_parallel.PipelineModel)."""
     found = find_blocks(model, blocks)
     blocks = found.modules
+    if cfg.strategy.pp > 1:
+        strategy = model_parallel_strategy(cfg, world_size)
+        _note_blocks(model, found, strategy, cfg)
+        return _pipeline_parallel(model, found, cfg, device, strategy, tp_plan, pp_stages, loss_fn), strategy
     if cfg.strategy.tp == "auto":
         strategy = _agreed(_auto_layout(cfg, device, world_size, model, (example, loss_fn, step), blocks, tp_plan))
     elif cfg.strategy.tp > 1:
-        strategy = _tp_strategy(cfg, world_size)
+        strategy = model_parallel_strategy(cfg, world_size)
     else:
         strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn, step, blocks=blocks))
     _note_blocks(model, found, strategy, cfg)
@@ -280,7 +298,7 @@ def parallelize(
     if not blocks_prepared:
         prepare_blocks(model, cfg, blocks)
     if strategy.name in ("fsdp", "hsdp"):
-        return _fully_shard(model, blocks, cfg, device, strategy), strategy
+        return fully_shard(model, blocks, cfg, device, strategy), strategy
     model = materialize(model, device) if on_meta(model) else model.to(device)
     if strategy.name == "single":
         return model, strategy  # DDP on one rank only adds hooks and a broadcast
@@ -314,16 +332,56 @@ def _note_blocks(model: nn.Module, found: Blocks, strategy: Strategy, cfg: BaseC
         log.warning(note)
 
 
-def _tp_strategy(cfg: BaseConfig, world_size: int) -> Strategy:
-    tp = cfg.strategy.tp_degree
-    if world_size % tp:  # checked before launch (raylane.prechecks.check_layout)
-        raise ValueError(f"strategy.tp = {tp}: does not divide the {world_size} ranks")
-    dp = world_size // tp
-    reason = f"strategy.tp: {tp}, FSDP2 over {dp} data-parallel rank{'s' if dp > 1 else ''}"
+def model_parallel_strategy(cfg: BaseConfig, world_size: int, tp: int | None = None, why: str = "") -> Strategy:
+    """The (pp, dp_replicate, dp_shard, cp, tp) layout of `world_size` ranks (dp_shard: the rest);
+    `tp`: the degree `tp: auto` chose, with `why`."""
     s = cfg.strategy
+    tp, pp, replicate, cp = tp or s.tp_degree, s.pp, s.dp_replicate, s.cp
+    if world_size % (tp * pp * replicate * cp):  # checked before launch (raylane.prechecks.check_layout)
+        raise ValueError(
+            f"strategy.pp x dp_replicate x tp = {pp * replicate * tp}: does not divide the {world_size} ranks"
+        )
+    shard = world_size // (tp * pp * replicate * cp)
+    dp = replicate * shard
+    said = [f"strategy.tp: {tp}"] if tp > 1 else []
+    if pp > 1:
+        said.append(
+            f"strategy.pp: {pp} ({s.pp_schedule}, {s.microbatches} micro-batches, {pp * s.stages_per_rank} stages)"
+        )
+    reason = why or f"{', '.join(said)}, FSDP2 over {dp} data-parallel rank{'s' if dp > 1 else ''}"
     return Strategy(
-        "fsdp", (dp, tp), reason=reason, tp=tp, sequence_parallel=s.sequence_parallel, loss_parallel=s.loss_parallel
+        "fsdp",
+        (pp, replicate, shard, cp, tp),
+        reason=reason,
+        tp=tp,
+        sequence_parallel=s.sequence_parallel,
+        loss_parallel=s.loss_parallel,
+        pp=pp,
+        pp_schedule=s.pp_schedule if pp > 1 else "",
     )
+
+
+def device_mesh(device: torch.device, shape: tuple[int, ...]) -> Any:
+    """The run's one mesh over (pp, dp_replicate, dp_shard, cp, tp), size-1 dims kept, with flattened
+    views: `batch` (dp_replicate x dp_shard: who reads which data), `fsdp` (dp_shard x cp: FSDP2's
+    shards) and `loss` (batch x cp: over whom the loss averages)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, tuple(shape), mesh_dim_names=MESH_DIMS)
+    # torch keeps flattened views apart from the mesh (slicing them from it is deprecated)
+    mesh.views = {  # type: ignore[attr-defined]
+        "batch": mesh["dp_replicate", "dp_shard"]._flatten("batch"),
+        "fsdp": mesh["dp_shard", "cp"]._flatten("fsdp"),
+        "loss": mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss"),
+    }
+    return mesh
+
+
+def fsdp_mesh(mesh: Any) -> Any:
+    """FSDP2's mesh in a model-parallel layout: the shards, or (replicas, shards) for HSDP."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]  # (with context parallelism: dp_shard x cp, flattened)
+    return mesh.views["fsdp"]
 
 
 def _tensor_parallel(
@@ -332,14 +390,12 @@ def _tensor_parallel(
     """The plan on each tensor-parallel group, then recompute and compile, then FSDP2 over the
     data-parallel ranks: over one rank too, so that every parameter is a DTensor (torch's fused
     optimizers and its clipping take no plain tensors beside DTensors)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if plan is None:
         raise ValueError(
             f"strategy.tp = {strategy.tp}: the pipeline gives no tp_plan (which layers tensor parallelism "
             "splits): give its Pipeline a tp_plan (docs/strategies.md, Tensor parallelism)"
         )
-    mesh = init_device_mesh(device.type, strategy.mesh_shape, mesh_dim_names=("dp_shard", "tp"))
+    mesh = device_mesh(device, strategy.mesh_shape)
     if not on_meta(model):
         model = model.to(device)
     apply_plan(
@@ -348,7 +404,31 @@ def _tensor_parallel(
     if strategy.loss_parallel:
         gather_when_evaluating(model)
     prepare_blocks(model, cfg, blocks)
-    return _fully_shard(model, blocks, cfg, device, strategy, mesh["dp_shard"])
+    return fully_shard(model, blocks, cfg, device, strategy, fsdp_mesh(mesh))
+
+
+def _pipeline_parallel(
+    model: nn.Module, found: Blocks, cfg: BaseConfig, device: torch.device, strategy: Strategy, plan, stages, loss_fn
+) -> nn.Module:
+    """This rank's pipeline stages, each in issue 49's order: the split (on the model as built, on
+    the meta device or not), the TP plan and its ties, recompute and compile, FSDP2 (over one rank
+    too: every parameter a DTensor, so a checkpoint is sharded by stage), then storage."""
+    from raylane.loop.pipeline_parallel import pipeline_model, stage_plan
+
+    mesh = device_mesh(device, strategy.mesh_shape)
+    rules = plan_for(model, plan, sequence_parallel=strategy.sequence_parallel) if strategy.tp > 1 else None
+
+    def prepare(stage: nn.Module, blocks: list[nn.Module]) -> nn.Module:
+        if rules is not None:  # the plan's rules for the modules this stage holds
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            ties = shared_parameters(stage)
+            parallelize_module(stage, mesh["tp"], stage_plan(stage, rules))
+            retie(stage, ties)
+        prepare_blocks(stage, cfg, blocks)
+        return fully_shard(stage, blocks, cfg, device, strategy, fsdp_mesh(mesh))
+
+    return pipeline_model(model, found, cfg.strategy, device, mesh["pp"], prepare, stages, loss_fn)
 
 
 def _checkpoint_activations(block: nn.Module) -> None:
@@ -384,7 +464,7 @@ def _ddp(model: nn.Module, cfg: BaseConfig, device: torch.device) -> DDP:
     return ddp
 
 
-def _fully_shard(
+def fully_shard(
     model: nn.Module,
     blocks: list[nn.Module],
     cfg: BaseConfig,
@@ -395,7 +475,8 @@ def _fully_shard(
     """FSDP2 on each block, then the root; a 2-D mesh (replicate across nodes, shard inside
     one) is HSDP. `mesh`: the data-parallel ranks' (under tensor parallelism), else made here."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as shard
 
     if mesh is None:
         names = ("replicate", "shard") if len(strategy.mesh_shape) == 2 else ("shard",)
@@ -410,10 +491,13 @@ def _fully_shard(
         options["offload_policy"] = CPUOffloadPolicy()
     elif not meta:
         model = model.to(device)
+    # Under a pipeline schedule, blocks stay gathered between micro-batches (torchtitan's default):
+    # resharding would all-gather them again for every micro-batch.
+    reshard = cfg.strategy.reshard_after_forward and strategy.pp == 1
     for block in blocks:
-        fully_shard(block, reshard_after_forward=cfg.strategy.reshard_after_forward, **options)
+        shard(block, reshard_after_forward=reshard, **options)
     # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
-    fully_shard(model, reshard_after_forward=False, **options)
+    shard(model, reshard_after_forward=False, **options)
     if meta:  # sharded first: each rank allocates its own shards only
         materialize(model, torch.device("cpu") if cfg.strategy.cpu_offload else device)
     return model

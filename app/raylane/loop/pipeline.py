@@ -60,6 +60,11 @@ class Pipeline:
     # `*` for one name of the path ("blocks.*.attn.q_proj": ColwiseParallel()), or
     # tp_plan(model, sequence_parallel) -> that. None: the pipeline runs without tensor parallelism.
     tp_plan: Mapping[str, Any] | Callable[[torch.nn.Module, bool], Mapping[str, Any]] | None = None
+    # How pipeline parallelism (strategy.pp > 1) splits the model into stages: "auto" (its blocks
+    # split evenly, what comes before them on the first stage, after them on the last), or a list
+    # per stage of the module names it holds (["wte", "wpe", "blocks.0"], ["blocks.1", "ln_f",
+    # "lm_head"]). Names stay the model's (checkpoints load at any layout). None: no pipeline.
+    pp_stages: str | Sequence[Sequence[str]] | None = None
 
 
 # Keys of a dict batch that hold targets, not the model's inputs: left out of a dict example.

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from raylane.loop.parallel import Strategy
+from raylane.loop.parallel import model_parallel_strategy
 from raylane.loop.tensor_parallel import plan_for, shared_parameters
 
 
@@ -22,12 +22,14 @@ def layout_line(cfg: Any, world: int) -> str:
     """The layout of `cfg` on `world` ranks, as the run's strategy line names it."""
     s = cfg.strategy
     ranks = f"{world} rank{'s' if world != 1 else ''}"
-    if s.tp == 1:
+    if s.tp == "auto":
+        return f"{s.name} on {ranks}: tp chosen on the ranks (strategy.tp = auto: the simplest layout that fits)"
+    if s.tp == 1 and s.pp == 1:
         name = "single" if world == 1 else s.name
         return f"{name} on {ranks}: dp {world} (strategy.tp = 1: every rank holds whole layers)"
-    dp = world // s.tp
-    label = Strategy("fsdp", (dp, s.tp), tp=s.tp, sequence_parallel=s.sequence_parallel).label
-    return f"{label} on {ranks}: dp {dp} × tp {s.tp}"
+    strategy = model_parallel_strategy(cfg, world)
+    dims = [f"dp {strategy.data_parallel}"] + [f"{d} {n}" for d, n in (("tp", s.tp), ("pp", s.pp)) if n > 1]
+    return f"{strategy.label} on {ranks}: {' × '.join(dims)}"
 
 
 def plan_lines(model: nn.Module, plan: Any, *, sequence_parallel: bool) -> list[str]:
@@ -125,7 +127,7 @@ def pipeline_plan(cfg: Any, world: int) -> list[str]:
         try:
             plan = plan(pipe.model, sp)
         except ValueError as exc:  # the model has none (a Hugging Face model transformers gives none)
-            if cfg.strategy.tp > 1:
+            if cfg.strategy.tp_degree > 1:
                 raise
             # What strategy.tp > 1 would refuse (its advice after "; "): tp 1 needs no plan.
             return [*lines, f"plan: none ({str(exc).split('; ')[0]})"]

@@ -118,6 +118,7 @@ def build_trainer(
         step=pipe.step,
         blocks=pipe.blocks,
         tp_plan=pipe.tp_plan,
+        pp_stages=pipe.pp_stages,
     )
     startup["parallelize"] = time.time()
     own = runtime.store.latest()
@@ -153,12 +154,17 @@ def _assemble(
         "collate_fn": pipe.collate_fn,
         "options": worker_options(cfg.loader, runtime.device),
     }
-    # By data-parallel rank: a tensor-parallel group reads the same batches. Evaluation sums over
-    # every rank all the same: each group's ranks add the same sums and counts, and the means hold.
-    data = data_ranks(runtime, strategy.tp)
-    train_loader = train_data(pipe.train_set, data, **batching, samples_per_step=cfg.train.global_batch)
+    # By data-parallel rank: a tensor-parallel group, and a pipeline's stages, read the same batches.
+    # Evaluation sums over every rank all the same: each group's ranks add the same sums and counts
+    # (a pipeline's last stage alone counts), and the means hold.
+    data = data_ranks(runtime, strategy.tp, strategy.pp)
+    train_loader = train_data(
+        pipe.train_set, data, **batching, samples_per_step=cfg.train.global_batch, whole_batches=strategy.pp > 1
+    )
     if runtime.rank == 0:
         _note_small_epoch(pipe.train_set, train_loader, cfg, data.world_size)
+        if strategy.pp > 1:
+            _note_left_out(train_loader, cfg)
         train_loader = _FirstBatchClock(train_loader, startup)
     eval_loader = eval_data(pipe.eval_set, data, **batching)
     control_group, save_group = _side_groups(cfg, runtime.world_size)
@@ -286,6 +292,19 @@ def _note_small_epoch(dataset: Any, loader: Any, cfg: BaseConfig, world_size: in
             world_size,
             "s" if world_size > 1 else "",
             accum,
+        )
+
+
+def _note_left_out(loader: Any, cfg: BaseConfig) -> None:
+    """One line when a pipeline-parallel epoch leaves out its last, partial batch."""
+    order = getattr(loader, "order", None)
+    if order is not None and (left := order.num_samples % cfg.train.batch_size):
+        log.warning(
+            "strategy.pp = %d: each epoch leaves out its last %d samples per data-parallel rank (a pipeline "
+            "schedule runs whole batches of train.batch_size = %d)",
+            cfg.strategy.pp,
+            left,
+            cfg.train.batch_size,
         )
 
 

@@ -70,24 +70,37 @@ def plain_parameters(params: list[torch.nn.Parameter]) -> bool:
 
 
 def clip_gradients(
-    params: list[torch.nn.Parameter], max_norm: float | None, *, plain: bool, norm_wanted: bool = True
+    params: list[torch.nn.Parameter],
+    max_norm: float | None,
+    *,
+    plain: bool,
+    norm_wanted: bool = True,
+    across: Any = None,
+    carry: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, bool] | None:
     """(the total 2-norm of the gradients, whether it is finite); None without gradients. Clipped
     to `max_norm` when set and the norm is finite: torch.nn.utils.clip_grad_norm_, bit for bit.
     For `plain` parameters it skips that function's grouping by device and dtype, ~60 us a step:
     4% of a small model's step on one core (bench B1). Without clipping, and when the norm is not
     wanted (a step whose metrics are not logged), `plain` gradients are only checked for
-    finiteness, with no norm (None): GradScaler's fused check, one op where the norm takes five."""
+    finiteness, with no norm (None): GradScaler's fused check, one op where the norm takes five.
+    `across`: a process group whose ranks hold other parameters (a pipeline's stages): the norm is
+    theirs together, and `carry` (a tensor of one number) is summed over them, in place, in the
+    same all-reduce."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    if not grads and across is None:
         return None
-    if plain and not max_norm and not norm_wanted:
+    if plain and not max_norm and not norm_wanted and across is None:
         return None, _all_finite(grads)
     meshes = _by_mesh([p for p in params if p.grad is not None])
-    if plain:
+    if not grads:
+        norm = torch.zeros(())
+    elif plain:
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     else:
         norm = _total_norm(meshes)
+    if across is not None:
+        norm = _across(norm, across, carry)
     finite = bool(torch.isfinite(norm))  # a host sync: the caller skips the step on False
     if max_norm and finite:
         if plain:
@@ -96,6 +109,19 @@ def clip_gradients(
             for group in meshes.values():
                 torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm, finite
+
+
+def _across(norm: torch.Tensor, group: Any, carry: torch.Tensor | None) -> torch.Tensor:
+    """The 2-norm over `group`'s ranks' norms, and `carry` summed over them, in one all-reduce; a
+    non-finite `carry` (the last stage's loss) makes the norm non-finite on every rank."""
+    import torch.distributed as dist
+
+    extra = carry.detach().reshape(1).to(norm.device, torch.float32) if carry is not None else norm.new_zeros(1)
+    packed = torch.cat([norm.detach().float().reshape(1) ** 2, extra])
+    dist.all_reduce(packed, group=group)
+    if carry is not None:
+        carry.copy_(packed[1])
+    return packed[0].sqrt() + 0 * packed[1]
 
 
 def _by_mesh(params: list[torch.nn.Parameter]) -> dict[Any, list[torch.nn.Parameter]]:

@@ -29,6 +29,7 @@ from raylane.loop.faults import FaultPlan
 from raylane.loop.hooks import Hooks
 from raylane.loop.optim import Schedule
 from raylane.loop.parallel import Strategy, no_gradient_sync
+from raylane.loop.pipeline_parallel import PipelineModel
 from raylane.loop.reporting import Reporter
 from raylane.loop.result import RunResult
 from raylane.loop.runtime import Runtime
@@ -118,7 +119,9 @@ class Trainer:
         # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
         # which every run pays whether saves are asynchronous or not, is left out.
         self.checkpoint_stall_s = 0.0
-        self._init_progress(train_data, runtime.world_size // self.strategy.tp)
+        self._init_progress(train_data, runtime.world_size // (self.strategy.tp * self.strategy.pp))
+        # Under pipeline parallelism: this rank's stages, run by their schedule (raylane.loop.pipeline_parallel).
+        self.pipeline = model.pipeline if isinstance(model, PipelineModel) else None
         self.hooks = Hooks(hooks, self)
         self.evaluation = Evaluation(evaluator, model, reporter, EarlyStopping(train.early_stopping), self.hooks)
         saver.on_committed = lambda step, where: self.hooks.call("on_checkpoint", step=step, checkpoint=where)
@@ -154,13 +157,19 @@ class Trainer:
     def run_step(self, micro_batches: list[Any]) -> torch.Tensor | None:
         """One optimizer step over its micro-batches, as training takes it (autotune times it);
         returns the mean loss, or None when a non-finite update was skipped. Gradients are
-        reduced on the last micro-batch only. The step count and checkpoints are the caller's."""
+        reduced on the last micro-batch only. The step count and checkpoints are the caller's.
+        Under pipeline parallelism the schedule runs them, and the last stage's loss reaches
+        every stage with the gradient norm (one all-reduce, which the NaN vote and the clipping
+        of parameters spread over stages need anyway)."""
         self.optimizer.zero_grad(set_to_none=True)
         if self._forward_writes_state:
             self._wait_for_staging()
         n = len(micro_batches)
-        losses = []
-        for i, batch in enumerate(micro_batches):
+        losses, carried = [], None
+        if self.pipeline is not None:
+            with self.precision.autocast():
+                carried = self.pipeline.train_step(micro_batches)  # the batches' losses summed (last stage)
+        for i, batch in enumerate(micro_batches if carried is None else ()):
             last = i == n - 1
             sync = contextlib.nullcontext() if last else no_gradient_sync(self.model)
             with sync, self.precision.autocast(), self.strategy.step_context():
@@ -174,7 +183,7 @@ class Trainer:
             losses.append(loss.detach())
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        if not self._clip_gradients() and not self.scaler:  # the scaler skips such steps itself
+        if not self._clip_gradients(carried) and not self.scaler:  # the scaler skips such steps itself
             if self.train_cfg.on_nan == "stop":
                 raise FloatingPointError(f"non-finite loss or gradients at step {self.step + 1} (train.on_nan: stop)")
             self.skipped_steps += 1
@@ -187,6 +196,8 @@ class Trainer:
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        if carried is not None:
+            return carried / n
         return losses[0] if n == 1 else torch.stack(losses).mean()
 
     def _wait_for_staging(self) -> None:
@@ -196,14 +207,20 @@ class Trainer:
             self.saver.wait_staged()
             self.checkpoint_stall_s += time.perf_counter() - blocked
 
-    def _clip_gradients(self) -> bool:
-        """The global gradient norm (over every shard under FSDP), clipped to train.grad_clip_norm;
-        False when it is not finite. The gradients are already reduced, so a NaN on any rank is
-        a NaN on every rank: all ranks reach the same verdict."""
+    def _clip_gradients(self, carry: torch.Tensor | None = None) -> bool:
+        """The global gradient norm (over every shard under FSDP, every stage of a pipeline),
+        clipped to train.grad_clip_norm; False when it is not finite. The gradients are already
+        reduced, so a NaN on any rank is a NaN on every rank: all ranks reach the same verdict.
+        `carry` (a pipeline's loss): summed over the pipeline's stages in the same collective."""
         upcoming = self.step + 1  # the step being taken: its norm is logged if the window ends there
         wanted = upcoming % self.log_every_n_steps == 0 or upcoming >= self.total_steps
         clipped = clip_gradients(
-            self._params, self.train_cfg.grad_clip_norm, plain=self._plain_grads, norm_wanted=wanted
+            self._params,
+            self.train_cfg.grad_clip_norm,
+            plain=self._plain_grads,
+            norm_wanted=wanted,
+            across=self.pipeline.group if self.pipeline is not None else None,
+            carry=carry,
         )
         if clipped is None:
             return True

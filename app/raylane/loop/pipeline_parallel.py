@@ -1,0 +1,478 @@
+"""Pipeline parallelism from a pipeline's `pp_stages`: the model cut into stages by module name,
+each rank holding its stages (torch.distributed.pipelining's PipelineStage), run by one of torch's
+schedules. Names stay the model's (`blocks.5` stays `blocks.5` on whichever stage holds it), so a
+checkpoint loads at any layout.
+
+A stage is the model itself, deep-copied, with what other stages hold taken out (torchtitan's
+way), so that the model's own `forward` runs unchanged on every stage:
+
+- blocks of other stages leave the blocks' container: iterating it yields this stage's only;
+- other modules that hold parameters become `Elsewhere`, which returns a zero;
+- on a stage after the first, iterating the blocks first yields `Enter`, which hands the first
+  block the activation the stage received (whatever the forward computed before it is discarded);
+- on a stage before the last, iterating them last yields `Exit`, which ends the forward there
+  with the last block's output.
+
+So a model written the natural way, `x = embed(idx); for block in self.blocks: x = block(x);
+return head(norm(x))`, pipelines with `pp_stages="auto"`. Its blocks must be called in turn on
+the running activation, each taking and returning one tensor; parameter-free modules (dropout,
+rotary tables) run on every stage."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raylane.loop.blocks import CONTAINERS, Blocks
+
+
+class StageExit(Exception):  # noqa: N818 - control flow, not an error: the stage's output
+    """Raised by `Exit` with the last block's output: the stage's forward ends there."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__("pipeline stage output")
+        self.output = output
+
+
+class Elsewhere(nn.Module):
+    """A module another stage holds: its output here is a zero, which `Enter` discards."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        like = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        return torch.zeros((), device=like.device if like is not None else None)
+
+
+@dataclass
+class _Slot:
+    received: Any = None
+
+
+class Enter(nn.Module):
+    def __init__(self, slot: _Slot) -> None:
+        super().__init__()
+        self.slot = slot
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.slot.received
+
+
+class Exit(nn.Module):
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        raise StageExit(x)
+
+
+class _StageBlocks:
+    """Mixed into a stage's blocks container: iteration yields Enter, this stage's blocks, Exit."""
+
+    def __iter__(self):
+        if self._stage_enter is not None:
+            yield self._stage_enter
+        yield from self._modules.values()
+        if self._stage_exit is not None:
+            yield self._stage_exit
+
+
+class _StageForward:
+    """A stage's forward: the model's own, given the received activation, ended by Exit."""
+
+    def __init__(self, forward: Any, slot: _Slot) -> None:
+        self.forward, self.slot = forward, slot
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.slot.received = args[0] if args else next(iter(kwargs.values()), None)
+        try:
+            return self.forward(*args, **kwargs)
+        except StageExit as done:
+            return done.output
+        finally:
+            self.slot.received = None
+
+
+def stage_ranks(pp: int, stages_per_rank: int, v_shaped: bool) -> list[int]:
+    """The pipeline rank of each stage: looped (rank r holds r, r + pp, ...), or V-shaped (rank r
+    holds r and 2 pp - 1 - r, so the first rank holds the first and the last stage)."""
+    n = pp * stages_per_rank
+    if v_shaped:
+        return [s if s < pp else 2 * pp - 1 - s for s in range(n)]
+    return [s % pp for s in range(n)]
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+
+
+def auto_stages(model: nn.Module, found: Blocks, n: int) -> list[list[str]]:
+    """The found blocks split evenly over `n` stages (earlier stages take one more where they do not
+    divide), the modules registered before the blocks on the first stage, after them on the last.
+    ValueError, in one line, when the model cannot be split so."""
+    kind = type(model).__name__
+    if not found.modules:
+        raise ValueError(f"Pipeline.pp_stages = 'auto': no repeated blocks found in {kind} to split into stages")
+    if len(found.modules) < n:
+        raise ValueError(f"Pipeline.pp_stages = 'auto': {n} stages for the {len(found.modules)} blocks of {kind}")
+    names = _names(model)
+    blocks = [names[id(b)] for b in found.modules]
+    parents = {b.rpartition(".")[0] for b in blocks}
+    container = parents.pop()
+    if parents or not isinstance(model.get_submodule(container), CONTAINERS):
+        raise ValueError(
+            f"Pipeline.pp_stages = 'auto': the blocks of {kind} are not one ModuleList or Sequential; "
+            "give pp_stages as lists of module names"
+        )
+    before: list[str] = []
+    after: list[list[str]] = []  # per holder, outermost first
+    path = container.split(".") if container else []
+    for depth in range(len(path)):  # each module on the way from the model to the blocks' container
+        holder = model.get_submodule(".".join(path[:depth]))
+        prefix = "".join(f"{p}." for p in path[:depth])
+        if own := [name for name, _ in holder.named_parameters(recurse=False)]:
+            raise ValueError(
+                f"Pipeline.pp_stages = 'auto': {prefix + own[0]!r} is a parameter of {type(holder).__name__} "
+                "itself, which no stage can hold alone; move it into a module of its own"
+            )
+        children = [name for name, _ in holder.named_children()]
+        at = children.index(path[depth])
+        before += [prefix + name for name in children[:at]]
+        after.append([prefix + name for name in children[at + 1 :]])
+    stages = _split_container(model, container, blocks, n)
+    stages[0][:0] = before
+    for names in reversed(after):  # the innermost holder's first, as the forward meets them
+        stages[-1].extend(names)
+    return stages
+
+
+def _split_container(model: nn.Module, container: str, blocks: list[str], n: int) -> list[list[str]]:
+    """The container's children over `n` stages: its blocks evenly (earlier stages take one more
+    where they do not divide), any other child with the block before it (a Sequential's
+    activations), or on the first stage."""
+    base, extra = divmod(len(blocks), n)
+    sizes = [base + (1 if s < extra else 0) for s in range(n)]
+    stages: list[list[str]] = [[] for _ in range(n)]
+    stage, taken, wanted = 0, 0, set(blocks)
+    prefix = f"{container}." if container else ""
+    for child in model.get_submodule(container)._modules:
+        name = prefix + child
+        if name in wanted:
+            if taken == sizes[stage]:
+                stage, taken = stage + 1, 0
+            taken += 1
+        stages[stage].append(name)
+    return stages
+
+
+def check_stages(model: nn.Module, stages: Sequence[Sequence[str]], n: int) -> list[list[str]]:
+    """`stages` (lists of module names) as lists; ValueError naming what is wrong: a count other
+    than `n`, a name of no module, a parameter no stage or two stages hold, a tied parameter that
+    two stages hold."""
+    kind = type(model).__name__
+    if isinstance(stages, str) or len(stages) != n:
+        got = repr(stages) if isinstance(stages, str) else f"{len(stages)} stages"
+        raise ValueError(f"Pipeline.pp_stages: {got}, for the {n} stages of strategy.pp x pp_stages_per_rank")
+    modules = dict(model.named_modules())
+    stages = [list(s) for s in stages]
+    for names in stages:
+        for name in names:
+            if name not in modules or not name:
+                raise ValueError(f"Pipeline.pp_stages: {name!r} names no module of {kind}")
+    for pname, _ in model.named_parameters():
+        holders = [i for i, names in enumerate(stages) if any(_under(pname, m) for m in names)]
+        if len(holders) != 1:
+            what = "no stage holds" if not holders else f"stages {holders[0]} and {holders[1]} both hold"
+            raise ValueError(f"Pipeline.pp_stages: {what} the parameter {pname!r} of {kind}")
+    from raylane.loop.tensor_parallel import shared_parameters
+
+    for tied in shared_parameters(model):
+        owners = {next(i for i, names in enumerate(stages) if any(_under(t, m) for m in names)) for t in tied}
+        if len(owners) > 1:
+            raise ValueError(
+                f"Pipeline.pp_stages: {tied[0]!r} and {tied[1]!r} are one tied parameter, which stages "
+                f"{min(owners)} and {max(owners)} would hold apart (and train apart); untie them, or keep both on one stage"
+            )
+    return stages
+
+
+def _under(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")
+
+
+def stage_module(model: nn.Module, stages: list[list[str]], index: int, container: str) -> nn.Module:
+    """Stage `index` of `model` (split by `stages`): a deep copy holding its own modules only, under
+    their names in the model. `container`: the dotted path of the blocks' ModuleList or Sequential."""
+    stage = copy.deepcopy(model)
+    own = stages[index]
+    slot = _Slot()
+    for i, names in enumerate(stages):
+        if i == index:
+            continue
+        for name in names:
+            if any(_under(name, mine) for mine in own):
+                continue  # inside a module this stage holds
+            parent, _, child = name.rpartition(".")
+            holder = stage.get_submodule(parent)
+            if parent == container:
+                del holder._modules[child]
+            elif any(True for _ in holder.get_submodule(child).parameters()):
+                holder._modules[child] = Elsewhere()
+    blocks = stage.get_submodule(container)
+    if not any(n.rpartition(".")[0] == container for n in own):
+        raise ValueError(f"Pipeline.pp_stages: stage {index} holds no block of {container!r}")
+    blocks.__class__ = type(f"Stage{type(blocks).__name__}", (_StageBlocks, type(blocks)), {})
+    object.__setattr__(blocks, "_stage_enter", Enter(slot) if index > 0 else None)
+    object.__setattr__(blocks, "_stage_exit", Exit() if index < len(stages) - 1 else None)
+    stage.forward = _StageForward(stage.forward, slot)
+    return stage
+
+
+def stage_plan(stage: nn.Module, rules: dict[str, Any]) -> dict[str, Any]:
+    """The rules of a tensor-parallel plan that name a module this stage holds."""
+    held = [
+        n.split(".")
+        for n, m in stage.named_modules()
+        if n and not isinstance(m, Elsewhere) and not any(_under(n, e) for e in _elsewhere(stage))
+    ]
+    out = {}
+    for pattern, style in rules.items():
+        atoms = pattern.split(".")
+        if any(len(n) == len(atoms) and all(map(fnmatch, n, atoms)) for n in held):
+            out[pattern] = style
+    return out
+
+
+def _elsewhere(stage: nn.Module) -> list[str]:
+    return [n for n, m in stage.named_modules() if isinstance(m, Elsewhere)]
+
+
+class PipelineModel(nn.Module):
+    """This rank's stages as one model, for what sees the model whole (the optimizer, checkpoints,
+    train and eval modes): its parameters under the model's own names. Training and evaluation
+    go through `pipeline` (a `Pipeline`), never through `forward`."""
+
+    def __init__(self, stages: list[nn.Module], pipeline: Any) -> None:
+        super().__init__()
+        for stage in stages:
+            _merge(self, stage)
+        object.__setattr__(self, "stages", stages)  # not submodules: their names would prefix the model's
+        object.__setattr__(self, "pipeline", pipeline)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a pipeline-parallel model runs through its schedule (raylane.loop.pipeline_parallel)")
+
+    def train(self, mode: bool = True) -> PipelineModel:
+        super().train(mode)
+        for stage in self.stages:
+            stage.train(mode)
+        return self
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        for stage in self.stages:
+            if hasattr(stage, "set_requires_gradient_sync"):
+                stage.set_requires_gradient_sync(requires)
+
+    def reshard(self) -> None:
+        for stage in self.stages:
+            if callable(reshard := getattr(stage, "reshard", None)):
+                reshard()
+
+
+def _merge(into: nn.Module, stage: nn.Module) -> None:
+    """`stage`'s modules into `into` under the same names; containers two stages share (the
+    blocks') become one holding both stages' blocks."""
+    for name, child in stage.named_children():
+        mine = into._modules.get(name)
+        if isinstance(child, Elsewhere):
+            continue
+        if mine is None or isinstance(mine, Elsewhere):
+            into._modules[name] = child
+        elif mine is not child:
+            if not isinstance(mine, _Holder):
+                held, mine = mine, _Holder()
+                _merge(mine, held)
+                into._modules[name] = mine
+            _merge(mine, child)
+
+
+class _Holder(nn.Module):
+    """Two stages' copies of one container (the blocks'), merged."""
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of the pipeline: its stages (index, module), the schedule, the pipeline's
+    process group, and the loss the schedule runs (`loss_fn` scaled by `divisor`)."""
+
+    stages: list[tuple[int, nn.Module]]
+    n_stages: int
+    ranks: list[int]  # the pipeline rank of each stage
+    group: Any
+    loss_fn: Any
+    schedule: Any = None
+    microbatches: int = 1
+    divisor: float = 1.0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def has_first(self) -> bool:
+        return any(i == 0 for i, _ in self.stages)
+
+    @property
+    def has_last(self) -> bool:
+        return any(i == self.n_stages - 1 for i, _ in self.stages)
+
+    def scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # The schedule sums its micro-batches' gradients (scale_grads=False: torch's default divides
+        # every step() by the micro-batches, and accumulated steps again, issue 49's trap d).
+        return self.loss_fn(output, target) / self.divisor
+
+    def train_step(self, batches: list[Any]) -> torch.Tensor:
+        """One optimizer step's (input, target) batches through the schedule, gradients summed as
+        one process's mean over them; the sum of the batches' mean losses on the last stage, else 0."""
+        n = len(batches)
+        self.divisor = float(self.microbatches * n)
+        total = torch.zeros((), device=self.device)
+        for batch in batches:
+            source, target = pair(batch)
+            losses: list[torch.Tensor] = []  # fresh each step: the schedule clears the list it is given
+            args = (source.to(self.device),) if self.has_first else ()
+            target = target.to(self.device) if self.has_last else None
+            self.schedule.step(*args, target=target, losses=losses)
+            if losses:
+                total = total + torch.stack([x.detach() for x in losses]).sum() * n
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, source: torch.Tensor) -> torch.Tensor | None:
+        """The model's output for a whole batch, stage after stage with no micro-batches (any
+        batch size, every schedule): on the rank holding the last stage; None elsewhere."""
+        mine = dict(self.stages)
+        me = dist.get_rank(self.group)
+        x: Any = source
+        for s in range(self.n_stages):
+            if s not in mine:
+                continue
+            if s > 0 and self.ranks[s - 1] != me:
+                x = _recv(self.ranks[s - 1], self.group, self.device)
+            x = mine[s](x)
+            if s == self.n_stages - 1:
+                return x
+            if self.ranks[s + 1] != me:
+                _send(x, self.ranks[s + 1], self.group)
+        return None
+
+
+def pair(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """An (input, target) batch of tensors, the one form a pipeline schedule runs; else one line."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
+        return batch[0], batch[1]
+    from raylane.loop.batches import BatchFormError, describe
+
+    raise BatchFormError(
+        f"strategy.pp: a pipeline schedule runs (input, target) batches of two tensors through loss_fn; "
+        f"this batch is {describe(batch)}"
+    )
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+_HEADER = 10  # dtype, dimensions, up to 8 sizes
+
+
+def _send(x: torch.Tensor, to: int, group: Any) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() > _HEADER - 2 or x.dtype not in _DTYPES:
+        raise TypeError(f"a pipeline stage's output must be one tensor of at most 8 dimensions, not {type(x).__name__}")
+    x = x.full_tensor() if hasattr(x, "full_tensor") else x
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=x.device)
+    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+    header[2 : 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    peer = dist.get_global_rank(group, to)
+    dist.send(header, peer, group=group)
+    dist.send(x.contiguous(), peer, group=group)
+
+
+def _recv(source: int, group: Any, device: torch.device) -> torch.Tensor:
+    peer = dist.get_global_rank(group, source)
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, peer, group=group)
+    dims = int(header[1])
+    x = torch.empty(header[2 : 2 + dims].tolist(), dtype=_DTYPES[int(header[0])], device=device)
+    dist.recv(x, peer, group=group)
+    return x
+
+
+def build_schedule(pipeline: Pipeline, name: str, microbatches: int) -> Any:
+    """torch's schedule `name` over this rank's stages, summing the micro-batches' gradients."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    stages = [
+        PipelineStage(module, index, pipeline.n_stages, pipeline.device, group=pipeline.group)
+        for index, module in pipeline.stages
+    ]
+    cls = get_schedule_class(name)
+    single = issubclass(cls, PipelineScheduleSingle)
+    return cls(
+        stages[0] if single else stages, n_microbatches=microbatches, loss_fn=pipeline.scaled_loss, scale_grads=False
+    )
+
+
+def pipeline_model(
+    model: nn.Module,
+    found: Blocks,
+    s: Any,
+    device: torch.device,
+    pp_mesh: Any,
+    prepare: Any,
+    pp_stages: Any,
+    loss_fn: Any,
+) -> PipelineModel:
+    """This rank's stages of `model` (`s`: the strategy section), each made ready by
+    `prepare(stage, its blocks)` (raylane.loop.parallel: the TP plan, recompute, compile, FSDP2),
+    and the schedule over them on the pipeline's mesh `pp_mesh`."""
+    if pp_stages is None:
+        raise ValueError(
+            f"strategy.pp = {s.pp}: the pipeline gives no pp_stages (how its model splits into stages): give "
+            "its Pipeline pp_stages='auto' or lists of module names (docs/strategies.md, Pipeline parallelism)"
+        )
+    if loss_fn is None:
+        raise ValueError(
+            f"strategy.pp = {s.pp}: pipeline parallelism runs (input, target) batches and the pipeline's "
+            "loss_fn on the last stage; the pipeline gives no loss_fn"
+        )
+    n = s.pp * s.stages_per_rank
+    stages = auto_stages(model, found, n) if pp_stages == "auto" else check_stages(model, pp_stages, n)
+    check_stages(model, stages, n)  # auto's too: ties across stages, every parameter held once
+    container = _container(model, found, stages)
+    check_container(model, stages, container)
+    ranks = stage_ranks(s.pp, s.stages_per_rank, s.pp_schedule in ("ZBVZeroBubble", "DualPipeV"))
+    me = pp_mesh.get_local_rank()
+    held = []
+    for index in (i for i, r in enumerate(ranks) if r == me):
+        stage = stage_module(model, stages, index, container)
+        blocks = [m for m in stage.get_submodule(container)._modules.values() if any(True for _ in m.parameters())]
+        held.append((index, prepare(stage, blocks)))
+    pipe = Pipeline(held, n, ranks, pp_mesh.get_group(), loss_fn, microbatches=s.microbatches, device=device)
+    pipe.schedule = build_schedule(pipe, s.pp_schedule, s.microbatches)
+    return PipelineModel([m for _, m in held], pipe)
+
+
+def check_container(model: nn.Module, stages: list[list[str]], container: str) -> None:
+    """Every child of the blocks' container on one stage: iterated on every stage, an activation
+    between blocks that no stage holds would run twice."""
+    prefix = f"{container}." if container else ""
+    listed = {name for names in stages for name in names}
+    for child in model.get_submodule(container)._modules:
+        if prefix + child not in listed:
+            raise ValueError(f"Pipeline.pp_stages: {prefix + child!r}, between the blocks, is on no stage")
+
+
+def _container(model: nn.Module, found: Blocks, stages: list[list[str]]) -> str:
+    """The dotted path of the blocks' container: the found blocks', or the first stage's last name's parent."""
+    names = _names(model)
+    if found.modules:
+        return names[id(found.modules[0])].rpartition(".")[0]
+    return stages[0][-1].rpartition(".")[0]
