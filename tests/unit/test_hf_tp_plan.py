@@ -139,10 +139,13 @@ def test_check_plan_lines_fold_blocks_and_refuse_a_tie_split_two_ways():
 
 
 def test_the_layout_line_names_the_data_parallel_and_tensor_parallel_sizes():
-    def cfg(tp: int, name: str = "fsdp", sp: bool = False):
-        return SimpleNamespace(strategy=SimpleNamespace(tp=tp, name=name, sequence_parallel=sp))
+    from raylane.config.sections import StrategySection
+
+    def cfg(tp: int, name: str = "fsdp", sp: bool = False, pp: int = 1):
+        return SimpleNamespace(strategy=StrategySection(tp=tp, name=name, sequence_parallel=sp, pp=pp))
 
     assert layout_line(cfg(2), 4) == "fsdp×tp2 on 4 ranks: dp 2 × tp 2"
     assert layout_line(cfg(2, sp=True), 2) == "tp2+sp on 2 ranks: dp 1 × tp 2"
     assert layout_line(cfg(1, "ddp"), 2) == "ddp on 2 ranks: dp 2 (strategy.tp = 1: every rank holds whole layers)"
     assert layout_line(cfg(1, "ddp"), 1).startswith("single on 1 rank: dp 1")
+    assert layout_line(cfg(2, pp=2), 8) == "fsdp×tp2×pp2 on 8 ranks: dp 2 × tp 2 × pp 2"

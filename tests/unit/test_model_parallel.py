@@ -89,7 +89,7 @@ def test_tp_auto_measures_each_layout_and_adds_tp_only_when_fsdp_does_not_fit(ei
         budget = (need + 1) / 0.85 / GIB  # fits this layout, not the one before it
         cfg, pipe = _gpt(*sets, f"scaling.device_memory_gb={budget}")
         chosen = _choose(cfg, pipe)
-        assert (chosen.label, chosen.tp, chosen.mesh_shape) == (label, tp, (8 // tp, tp)), chosen.reason
+        assert (chosen.label, chosen.tp, chosen.mesh_shape) == (label, tp, (1, 1, 8 // tp, 1, tp)), chosen.reason
     cfg, pipe = _gpt(*sets, "scaling.device_memory_gb=1e-6")
     tiny = _choose(cfg, pipe)
     assert tiny.tp == 8 and tiny.reason.endswith("none fits: the smallest")
@@ -183,9 +183,10 @@ def test_the_layout_names_every_dimension():
     assert Layout("fsdp", pp=2, dp_shard=2, tp=2).mesh_text() == "pp 2, dp_shard 2, tp 2"
     assert Layout("fsdp", tp=2, sequence_parallel=True).label() == "tp2+sp"
     assert Layout("single").label() == "single" and Layout("fsdp", dp_shard=4).mesh_text() == ""
-    s = Strategy("fsdp", (2, 2), tp=2, loss_parallel=True)
+    s = Strategy("fsdp", (1, 1, 2, 1, 2), tp=2, loss_parallel=True)  # (pp, dp_replicate, dp_shard, cp, tp)
     assert s.label == "fsdp×tp2+lp" and s.tags()["raylane.strategy.mesh"] == "dp_shard 2, tp 2"
     assert Strategy("hsdp", (2, 4)).label == "hsdp" and Strategy("ddp", (4,)).layout.dp_replicate == 4
+    assert Strategy("fsdp", (2, 2, 2, 1, 1), pp=2).label == "hsdp×pp2"  # FSDP2 with replicas is HSDP
 
 
 @pytest.mark.parametrize(
