@@ -19,6 +19,7 @@ import torch
 from raylane.config import TrainSection
 from raylane.loop import baddata, preemption
 from raylane.loop.batches import Forward
+from raylane.loop.checkpoint.layout import layout_of
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.data import EpochData
 from raylane.loop.devices import Precision, largest_memory, peak_memory_bytes, reset_peak_memory, state_bytes
@@ -147,6 +148,7 @@ class Trainer:
         # Newer checkpoints the resume passed over (damaged, unfinished): {"path", "reason"}.
         self.skipped_checkpoints: list[dict[str, str]] = []
         self.resumed_from: str | None = None  # the checkpoint loaded, by name
+        self.resumed_layout: str | None = None  # the line a resume at another layout says
         self.window = MetricsWindow(self.device)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -328,6 +330,7 @@ class Trainer:
             world_size=self.runtime.world_size,
             resumed_from_step=self.resumed_from_step,
             resumed_from=self.resumed_from,
+            resumed_layout=self.resumed_layout,
             skipped_checkpoints=self.skipped_checkpoints,
             strategy=self.strategy.label,
             strategy_reason=self.strategy.reason,
@@ -465,6 +468,7 @@ class Trainer:
             "global_order": self.train_cfg.global_batch is not None,
             "world_size": self.runtime.world_size,
             "data_ranks": self.data_ranks,
+            "layout": layout_of(self.strategy, self.runtime.world_size),  # the manifest's record of it
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             # Metrics measured at this very step (an epoch end), for checkpoint.keep_best.
