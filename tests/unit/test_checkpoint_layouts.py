@@ -63,6 +63,12 @@ def test_the_flat_optimizer_state_keys_every_value_by_parameter_name_and_comes_b
     ]
     assert back["state"]["1.bias"]["exp_avg_sq"] is nested["state"]["1.bias"]["exp_avg_sq"]
     assert regrouped(flat, template, {}) is None  # other learning rates, the same grouping
+    readable = checkpoint.state.grouped(flat)  # for a reader without the model
+    assert [(g["lr"], g["params"]) for g in readable["param_groups"]] == [
+        (0.03, ["0.weight", "0.bias"]),
+        (0.01, ["1.weight", "1.bias"]),
+    ]
+    assert readable["state"]["1.weight"]["exp_avg"] is nested["state"]["1.weight"]["exp_avg"]
 
     one = torch.optim.AdamW(fresh.parameters())  # one group where the checkpoint had two
     assert regrouped(flat, checkpoint.live_state(fresh, one)["optim"], {}) == (2, 1)

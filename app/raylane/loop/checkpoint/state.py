@@ -130,6 +130,28 @@ def _saved(flat: dict[str, Any], key: str, like: Any) -> Any:
     return flat[key]
 
 
+def grouped(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flat optimizer state (`flat_optim`) in torch's nested form without the model at hand, for
+    readers of a checkpoint: a group per set of hyperparameters (in the order the groups were
+    saved; two groups saved with the same ones come back as one), each parameter's state a dict."""
+    groups: dict[tuple[str, ...], dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith("param_groups."):
+            name, _, hyper = key.removeprefix("param_groups.").rpartition(".")
+            groups.setdefault(name, {})[hyper] = value
+    state: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key.startswith("state."):
+            rest = key.removeprefix("state.")
+            name = max((n for n in groups if rest.startswith(f"{n}.")), key=len, default=rest.rpartition(".")[0])
+            state.setdefault(name, {})[rest.removeprefix(f"{name}.")] = value
+    by_settings: dict[str, dict[str, Any]] = {}
+    for name, settings in groups.items():
+        group = by_settings.setdefault(repr(sorted(settings.items())), {**settings, "params": []})
+        group["params"].append(name)
+    return {"state": state, "param_groups": list(by_settings.values())}
+
+
 def regrouped(flat: dict[str, Any], template: dict[str, Any], names: dict[str, str]) -> tuple[int, int] | None:
     """(groups there, groups here) when a flat optimizer state groups the parameters otherwise
     than `template` (this run's nested state) does; None when alike. Groups are told apart by
