@@ -97,6 +97,7 @@ def moved(run_cli, tmp_path: Path, source: str, targets: list[str]) -> dict[str,
         model, optimizer = _loaded(run["checkpoint"])
         worst = max(float((_weights(model)[k] - v).abs().max()) for k, v in end.items())
         assert worst <= 1e-6, (target, worst)
+        print(f"{target} from {source}: weights within {worst:.2g} of uninterrupted")  # pytest -s shows it
         groups = [(g["momentum"], g["weight_decay"]) for g in optimizer.param_groups]
         assert groups == [(0.9, 0.01), (0.9, 0.0)], groups  # gpt-tiny's decayed and undecayed groups
     return runs

@@ -121,6 +121,8 @@ def build_trainer(
         tp_plan=pipe.tp_plan,
     )
     startup["parallelize"] = time.time()
+    if getattr(strategy, "pp", 1) > 1:  # a pipeline stage: each rank saves its own parameters
+        checkpoint.state.mark_partial(model)
     own = runtime.store.latest()
     latest = own or _init_from(cfg)
     # A checkpoint loaded below holds every weight, nothing to read twice; except a model on a
