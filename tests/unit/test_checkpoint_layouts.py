@@ -19,7 +19,7 @@ import torch
 from raylane.config import ConfigError, load_config
 from raylane.loop import checkpoint
 from raylane.loop.checkpoint.layout import change_line, layout_of
-from raylane.loop.checkpoint.state import flat_optim, nested_optim, regrouped
+from raylane.loop.checkpoint.state import flat_optim, nested_optim, regrouped, scheduler_state_for
 from raylane.loop.parallel import Strategy
 from tests.conftest import REPO
 
@@ -155,14 +155,19 @@ STAGES = textwrap.dedent("""
         return mark_partial(model), opt
 
     model, opt = stage(rank, lr=0.03 if rank == 0 else 0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
     model.blocks[str(rank)](torch.randn(4, 3)).sum().backward()
     opt.step()
-    checkpoint.save(path, model, opt, {"step": 1, "world_size": 2}, rank=rank)
+    schedule.step()
+    train_state = {"step": 1, "world_size": 2, "scheduler": schedule.state_dict()}
+    checkpoint.save(path, model, opt, train_state, rank=rank)
     torch.save({"model": dict(model.state_dict()), "optim": opt.state_dict()}, f"{out}/saved_{rank}.pt")
 
     fresh, again = stage(rank, lr=1.0)  # the same layout, resumed
-    checkpoint.load(path, fresh, again, rank=rank)
+    resumed = torch.optim.lr_scheduler.LambdaLR(again, lambda step: 0.5 ** step)
+    resumed.load_state_dict(checkpoint.load(path, fresh, again, rank=rank)["scheduler"])
     group = {k: v for k, v in again.param_groups[0].items() if k != "params"}
+    assert group["initial_lr"] == (0.03 if rank == 0 else 0.01) and resumed.last_epoch == 1
     fresh.blocks[str(rank)](torch.randn(4, 3)).sum().backward()
     again.step()  # KeyError: 'betas' where the group lost its hyperparameters
     print(json.dumps({"lr": group["lr"], "betas": list(group["betas"]), "wd": group["weight_decay"]}), flush=True)
@@ -193,9 +198,9 @@ def test_pipeline_stages_keep_their_hyperparameters_at_the_same_and_at_another_l
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-3000:] for _, err in outs]
     resumed = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    assert resumed == [
-        {"lr": 0.03, "betas": [0.8, 0.95], "wd": 0.1},
-        {"lr": 0.01, "betas": [0.8, 0.95], "wd": 0.2},
+    assert resumed == [  # half the initial lr after the schedule's first step
+        {"lr": 0.015, "betas": [0.8, 0.95], "wd": 0.1},
+        {"lr": 0.005, "betas": [0.8, 0.95], "wd": 0.2},
     ]
     manifest = checkpoint.read_manifest(path)
     assert sorted(manifest["shapes"]) == ["blocks.0.bias", "blocks.0.weight", "blocks.1.bias", "blocks.1.weight"]
@@ -206,11 +211,14 @@ def test_pipeline_stages_keep_their_hyperparameters_at_the_same_and_at_another_l
     optimizer = torch.optim.AdamW(
         [{"params": list(whole.blocks[str(r)].parameters()), "weight_decay": 0.1 * (r + 1)} for r in (0, 1)]
     )
-    checkpoint.load(path, whole, optimizer)
-    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in optimizer.param_groups] == [
-        (0.03, (0.8, 0.95), 0.1),
-        (0.01, (0.8, 0.95), 0.2),
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    # Rank 0's schedule (one group) fitted to the whole model's two groups, their lrs from the optimizer.
+    schedule.load_state_dict(scheduler_state_for(checkpoint.load(path, whole, optimizer)["scheduler"], optimizer))
+    assert [(g["lr"], g["initial_lr"], g["betas"], g["weight_decay"]) for g in optimizer.param_groups] == [
+        (0.015, 0.03, (0.8, 0.95), 0.1),
+        (0.005, 0.01, (0.8, 0.95), 0.2),
     ]
+
     for rank in (0, 1):
         saved = torch.load(tmp_path / f"saved_{rank}.pt", weights_only=True)
         params = list(whole.blocks[str(rank)].parameters())
@@ -220,6 +228,8 @@ def test_pipeline_stages_keep_their_hyperparameters_at_the_same_and_at_another_l
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(optimizer.state[p][key], saved["optim"]["state"][i][key])
     optimizer.step()
+    schedule.step()
+    assert [g["lr"] for g in optimizer.param_groups] == [0.0075, 0.0025]  # the schedule goes on from step 1
 
 
 def test_a_sharded_checkpoint_in_the_nested_format_still_loads(tmp_path):

@@ -21,6 +21,7 @@ from raylane.loop import baddata, preemption
 from raylane.loop.batches import Forward
 from raylane.loop.checkpoint.layout import layout_of
 from raylane.loop.checkpoint.saving import Saver
+from raylane.loop.checkpoint.state import scheduler_state_for
 from raylane.loop.data import EpochData
 from raylane.loop.devices import Precision, largest_memory, peak_memory_bytes, reset_peak_memory, state_bytes
 from raylane.loop.distributed import backend_name
@@ -491,7 +492,7 @@ class Trainer:
             self.train_data, self.train_cfg, epoch=self.epoch, batch_in_epoch=self.batch_in_epoch, step=self.step
         )
         if self.scheduler is not None and state.get("scheduler"):
-            self.scheduler.load_state_dict(state["scheduler"])
+            self.scheduler.load_state_dict(scheduler_state_for(state["scheduler"], self.optimizer))
         if isinstance(self.scheduler, Schedule):  # raylane's schedule ends there too
             self.scheduler.set_total_steps(self.total_steps)
         if self.scaler is not None and state.get("grad_scaler"):

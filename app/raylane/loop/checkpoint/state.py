@@ -134,7 +134,7 @@ def grouped(flat: dict[str, Any]) -> dict[str, Any]:
     """A flat optimizer state (`flat_optim`) in torch's nested form without the model at hand, for
     readers of a checkpoint: a group per set of hyperparameters (in the order the groups were
     saved; two groups saved with the same ones come back as one), each parameter's state a dict."""
-    groups: dict[tuple[str, ...], dict[str, Any]] = {}
+    groups: dict[str, dict[str, Any]] = {}
     for key, value in flat.items():
         if key.startswith("param_groups."):
             name, _, hyper = key.removeprefix("param_groups.").rpartition(".")
@@ -172,6 +172,23 @@ def regrouped(flat: dict[str, Any], template: dict[str, Any], names: dict[str, s
     if len(pairs) == count_here == count_there:  # one group there for each group here
         return None
     return count_there, count_here
+
+
+def scheduler_state_for(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An LR scheduler's saved state (rank 0's, in the train state) fitted to this optimizer's
+    groups, loaded already: at another layout their number may differ (a pipeline stage holds
+    some of the model's groups), and each group's initial and current lr come with the
+    optimizer's state, by parameter name. What stays the scheduler's own is its position."""
+    groups = optimizer.param_groups
+    state = dict(saved)
+    if "base_lrs" in state and all("initial_lr" in g for g in groups):
+        state["base_lrs"] = [g["initial_lr"] for g in groups]
+    if "_last_lr" in state:
+        state["_last_lr"] = [g["lr"] for g in groups]
+    for key in ("lr_lambdas", "lr_lambda"):  # LambdaLR's and MultiplicativeLR's: None for a function
+        if isinstance(state.get(key), list) and len(state[key]) != len(groups):
+            state[key] = [state[key][0] if state[key] else None] * len(groups)
+    return state
 
 
 def model_shapes(model_state: dict[str, Any]) -> dict[str, list[int]]:
