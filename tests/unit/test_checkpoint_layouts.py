@@ -7,6 +7,7 @@ builds its model as one process whatever the layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -110,6 +111,24 @@ def test_the_layout_is_recorded_and_a_resume_at_another_says_so_in_one_line():
     # A checkpoint from before the record: its world size alone.
     assert change_line({"world_size": 2}, one) == "resuming a checkpoint of 2 ranks as one process"
     assert change_line({"world_size": 2}, ddp) is None
+
+
+def test_the_driver_says_the_move_once_after_the_strategy_line():
+    """A restarted group (elastic, a failure) sends its start again: the move was said once."""
+    import io
+
+    from raylane.loop.events import Start
+    from raylane.tracking.progress import ProgressDisplay
+
+    out = io.StringIO()
+    display = ProgressDisplay(stream=out, live=False)
+    said = "resuming a tp2 checkpoint of 2 ranks as fsdp on 4"
+    for _ in range(2):
+        start = Start(total_steps=10, steps_per_epoch=10, max_epochs=1, world_size=4, host="h", strategy="fsdp")
+        display.handle(dataclasses.replace(start, resumed_from_step=3, resumed_layout=said))
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == ["[raylane] strategy fsdp ()", f"[raylane] {said}", "[raylane] resumed from step 3"]
+    assert lines.count(f"[raylane] {said}") == 1, lines
 
 
 def test_a_layout_whose_data_parallel_ranks_do_not_split_the_held_global_batch_exits_before_launch(monkeypatch):
