@@ -28,6 +28,7 @@ LAYOUTS = {
     "ddp2": (2, ["strategy.name=ddp"], "ddp", "ddp on 2"),
     "fsdp2": (2, ["strategy.name=fsdp"], "fsdp", "fsdp on 2"),
     "fsdp-tp": (4, ["strategy.name=fsdp", "strategy.tp=2"], "fsdp×tp2", "fsdp×tp2 on 4"),
+    # With pipeline parallelism merged: "pp-fsdp": (4, ["strategy.name=fsdp", "strategy.pp=2"], "fsdp×pp2", "fsdp×pp2 on 4"),
 }
 STEPS = 6
 # SGD with momentum (state to move), a schedule (its position to move), weight decay on one of the

@@ -15,13 +15,13 @@ def layout_of(strategy: Any, world_size: int) -> dict[str, Any]:
     """How `strategy` (raylane.loop.parallel.Strategy) lays a model out on `world_size` ranks: its
     label (`fsdp×tp2`), how the data-parallel ranks hold the model (`name`), the tensor- and
     pipeline-parallel sizes, the data-parallel size and the world size."""
-    tp, pp = int(getattr(strategy, "tp", 1) or 1), int(getattr(strategy, "pp", 1) or 1)
+    tp, pp, cp = (int(getattr(strategy, dim, 1) or 1) for dim in ("tp", "pp", "cp"))
     return {
         "strategy": strategy.label,
         "name": strategy.name,
         "tp": tp,
         "pp": pp,
-        "dp": max(world_size // (tp * pp), 1),
+        "dp": max(world_size // (tp * pp * cp), 1),  # the ranks that read different samples
         "world_size": world_size,
     }
 
