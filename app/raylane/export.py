@@ -1,5 +1,8 @@
 """`raylane export CHECKPOINT --out model.safetensors`: the whole model's weights in one
 safetensors file (no pickle, loadable without Ray or torch.distributed), its config beside it.
+A checkpoint of any layout (one process, DDP, FSDP, tensor or pipeline parallel, at any world
+size) is consolidated in one process: its tensors are keyed by the whole model's names, whole
+or sharded, and read whole from every rank's files.
 A tensor the model holds under two names (a tied weight, a submodule registered twice) is
 written once, under its canonical name, as the checkpoint holds it (safetensors refuses shared
 tensors); the config and the file's metadata list the other names (`aliases`)."""
@@ -33,7 +36,7 @@ def consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
         raise ValueError(f"{checkpoint_dir}: not a valid checkpoint ({problem})")
     manifest = checkpoint.read_manifest(checkpoint_dir)
     train_state = manifest["train_state"]
-    cfg = validate(train_state["config"])
+    cfg = validate(one_process(train_state["config"]))
     pipe = usercode.build_pipeline(cfg)
     _give_memory(pipe)
     names = aliases(pipe.model)
@@ -55,6 +58,16 @@ def consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     if not_frozen := sorted(set(unexplained(missing, names)) - frozen_names(pipe.model)):
         raise ValueError(f"{checkpoint_dir}: {not_frozen[0]} trains in this model and is not in the checkpoint")
     return pipe, weights, train_state
+
+
+def one_process(config: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config (resolved, as its manifest holds it) as one process builds its
+    model: the layout it trained at does not change the model or its names, and what a layout
+    needs (a world it splits, a GPU for context parallelism) is no export's business."""
+    alone = {"tp": 1, "pp": 1, "cp": 1, "dp_replicate": 1, "sequence_parallel": False, "loss_parallel": False}
+    strategy = dict(config.get("strategy") or {})
+    strategy.update({k: v for k, v in alone.items() if k in strategy})
+    return {**config, "strategy": strategy}
 
 
 def _give_memory(pipe: Any) -> None:
@@ -79,7 +92,7 @@ def load_model(checkpoint_dir: str | Path) -> tuple[Any, Any]:
 def export(checkpoint_dir: str | Path, out: str | Path) -> Path:
     """Consolidate a (possibly sharded) checkpoint; returns the config file written beside `out`."""
     pipe, weights, train_state = consolidated(checkpoint_dir)
-    cfg = validate(train_state["config"])
+    cfg = validate(one_process(train_state["config"]))
     tensors = {k: v.contiguous() for k, v in weights.items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -116,8 +116,11 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only(projec
     # The adapter on every attention projection (the default target_modules), nothing of the base.
     assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), weights
     assert {k.split(".")[-4] for k in weights} == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    # The optimizer holds the adapter alone: no group lists a frozen weight.
-    grouped = [v for k, v in state.items() if k.startswith("optim.param_groups.") and ".params." in k]
+    # The optimizer holds the adapter alone: no frozen weight has hyperparameters (the flat form,
+    # optim.param_groups.<name>.lr).
+    grouped = {
+        k.removeprefix("optim.param_groups.").rpartition(".")[0] for k in state if k.startswith("optim.param_groups.")
+    }
     assert sorted(grouped) == sorted(weights)
     tensor_bytes = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
     adapter = _adapter_numel(project) * 4  # float32

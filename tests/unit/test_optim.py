@@ -78,7 +78,9 @@ def _train(cfg, name: str) -> tuple[dict, dict[int, float]]:
 
 
 def _state(path: str) -> dict:
-    return torch.load(Path(path) / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)
+    """A replicated checkpoint's state, its optimizer's grouped back from the flat form."""
+    state = torch.load(Path(path) / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)
+    return {**state, "optim": checkpoint.state.grouped(state["optim"])}
 
 
 def _net():

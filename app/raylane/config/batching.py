@@ -77,6 +77,7 @@ def hold_global_batch(cfg: BaseConfig, held: GlobalBatch | None, field: str, wor
     do not divide it."""
     if held is None:
         return cfg
+    given = workers is not None
     t, workers = cfg.train, workers or cfg.scaling.num_workers
     other = t.batch_size if held.adjust == "grad_accum_steps" else t.grad_accum_steps
     share, rest = divmod(held.size, other * workers)
@@ -86,9 +87,13 @@ def hold_global_batch(cfg: BaseConfig, held: GlobalBatch | None, field: str, wor
             if held.adjust == "grad_accum_steps"
             else f"train.grad_accum_steps = {t.grad_accum_steps}"
         )
+        # With tensor (or pipeline) parallelism, `workers` are the data-parallel ranks (held_batch).
+        group = cfg.strategy.tp * getattr(cfg.strategy, "pp", 1) if given else 1
+        ranks = f"scaling.num_workers = {workers}"
+        if group > 1:
+            ranks = f"{workers} data-parallel ranks ({workers * group} ranks in model-parallel groups of {group})"
         raise ConfigError(
-            f"{field} = {held.size}: not a multiple of {fixed} x scaling.num_workers = {workers}, "
-            f"so train.{held.adjust} cannot hold it"
+            f"{field} = {held.size}: not a multiple of {fixed} x {ranks}, so train.{held.adjust} cannot hold it"
         )
     try:
         train = TrainSection.model_validate({**t.model_dump(), held.adjust: share})

@@ -107,8 +107,9 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, adapter_o
     hf_logging.disable_progress_bar()
     pipe, _, train_state = consolidated(checkpoint_dir)
     from raylane.config import validate
+    from raylane.export import one_process
 
-    cfg = validate(train_state["config"])
+    cfg = validate(one_process(train_state["config"]))
     tokenizer = tokenizer_for(cfg)
     if tokenizer is None:
         log.warning("export: no tokenizer at %s; the export has none", tokenizer_place(cfg) or "the config's model")

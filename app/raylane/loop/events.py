@@ -37,6 +37,7 @@ class Start:
     host: str  # rank 0's
     resumed_from_step: int | None = None
     resumed_from: str | None = None  # the checkpoint's name
+    resumed_layout: str | None = None  # `resuming a tp2 checkpoint of 2 ranks as ddp on 4`, at another layout
     skipped_checkpoints: list[dict[str, str]] = field(default_factory=list)  # newer ones passed over: path, reason
     strategy: str | None = None
     strategy_reason: str = ""

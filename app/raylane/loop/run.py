@@ -21,6 +21,7 @@ from raylane.config import BaseConfig
 from raylane.config.batching import held_batch
 from raylane.loop import checkpoint, faults, frozen, usercode
 from raylane.loop.batches import Forward
+from raylane.loop.checkpoint.layout import change_line, layout_of
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.loop.data import data_ranks, eval_data, first_batch, is_stream, train_data, worker_options
@@ -121,6 +122,8 @@ def build_trainer(
         pp_stages=pipe.pp_stages,
     )
     startup["parallelize"] = time.time()
+    if getattr(strategy, "pp", 1) > 1:  # a pipeline stage: each rank saves its own parameters
+        checkpoint.state.mark_partial(model)
     own = runtime.store.latest()
     latest = own or _init_from(cfg)
     # A checkpoint loaded below holds every weight, nothing to read twice; except a model on a
@@ -251,12 +254,14 @@ def step_trainer(
 
 def _resume(trainer: Trainer, latest: str, *, own: bool, runtime: Runtime) -> None:
     """`trainer` at the step of checkpoint `latest`: the run's own (`own`), or checkpoint.init_from's."""
+    layout = layout_of(trainer.strategy, runtime.world_size)  # random generators are restored only at the saved one
     state = checkpoint.load(
-        latest, trainer.model, trainer.optimizer, rank=runtime.rank, hooks=trainer.hooks.state_dict()
+        latest, trainer.model, trainer.optimizer, rank=runtime.rank, hooks=trainer.hooks.state_dict(), layout=layout
     )
     if not own:  # another run's early stop (a PBT donor's, say) is not this run's
         state.pop("early_stopping", None)
     trainer.load_state_dict(state)
+    trainer.resumed_layout = change_line(state, layout)  # said by the driver, with the start
     trainer.last_checkpoint = latest
     # By name: a checkpoint on object storage was loaded from a local copy.
     trainer.resumed_from = checkpoint.checkpoint_name(trainer.step) if own else latest

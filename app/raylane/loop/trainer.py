@@ -19,7 +19,9 @@ import torch
 from raylane.config import TrainSection
 from raylane.loop import baddata, preemption
 from raylane.loop.batches import Forward
+from raylane.loop.checkpoint.layout import layout_of
 from raylane.loop.checkpoint.saving import Saver
+from raylane.loop.checkpoint.state import scheduler_state_for
 from raylane.loop.data import EpochData
 from raylane.loop.devices import Precision, largest_memory, peak_memory_bytes, reset_peak_memory, state_bytes
 from raylane.loop.distributed import backend_name
@@ -150,6 +152,7 @@ class Trainer:
         # Newer checkpoints the resume passed over (damaged, unfinished): {"path", "reason"}.
         self.skipped_checkpoints: list[dict[str, str]] = []
         self.resumed_from: str | None = None  # the checkpoint loaded, by name
+        self.resumed_layout: str | None = None  # the line a resume at another layout says
         self.window = MetricsWindow(self.device)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -346,6 +349,7 @@ class Trainer:
             world_size=self.runtime.world_size,
             resumed_from_step=self.resumed_from_step,
             resumed_from=self.resumed_from,
+            resumed_layout=self.resumed_layout,
             skipped_checkpoints=self.skipped_checkpoints,
             strategy=self.strategy.label,
             strategy_reason=self.strategy.reason,
@@ -483,6 +487,7 @@ class Trainer:
             "global_order": self.train_cfg.global_batch is not None,
             "world_size": self.runtime.world_size,
             "data_ranks": self.data_ranks,
+            "layout": layout_of(self.strategy, self.runtime.world_size),  # the manifest's record of it
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             # Metrics measured at this very step (an epoch end), for checkpoint.keep_best.
@@ -505,7 +510,7 @@ class Trainer:
             self.train_data, self.train_cfg, epoch=self.epoch, batch_in_epoch=self.batch_in_epoch, step=self.step
         )
         if self.scheduler is not None and state.get("scheduler"):
-            self.scheduler.load_state_dict(state["scheduler"])
+            self.scheduler.load_state_dict(scheduler_state_for(state["scheduler"], self.optimizer))
         if isinstance(self.scheduler, Schedule):  # raylane's schedule ends there too
             self.scheduler.set_total_steps(self.total_steps)
         if self.scaler is not None and state.get("grad_scaler"):

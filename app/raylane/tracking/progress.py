@@ -145,6 +145,8 @@ class ProgressDisplay:
             self._print(f"strategy {event.strategy} ({event.strategy_reason}){blocks}")
         self._start_bar()
         self._skipped(event)
+        if self.starts == 1 and event.resumed_layout:
+            self._print(event.resumed_layout)
         if event.resumed_from_step:
             self._print(f"resumed from step {event.resumed_from_step}")
 

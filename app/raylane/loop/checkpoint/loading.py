@@ -1,8 +1,10 @@
 """Loading a committed checkpoint into this run's model and optimizer, at any world size and
-under any strategy (DDP, FSDP, one process), whichever wrote it (raylane.loop.checkpoint.writing).
-A checkpoint that does not fit (another model, another grouping of the optimizer's parameters)
-is refused with one line naming the first difference, on every rank, rather than loaded
-halfway or failing at the next step."""
+under any layout (DDP, FSDP, tensor parallelism, a pipeline stage, one process), whichever wrote
+it (raylane.loop.checkpoint.writing): parameters are named alike in every layout, and so is the
+optimizer's state, flat (raylane.loop.checkpoint.state.flat_optim; checkpoints from before it,
+nested, still load). A checkpoint that does not fit (another model, another grouping of the
+optimizer's parameters) is refused with one line naming the first difference, on every rank,
+rather than loaded halfway or failing at the next step."""
 
 from __future__ import annotations
 
@@ -19,7 +21,18 @@ from raylane.loop.aliases import aliases, unexplained, without_aliases
 from raylane.loop.checkpoint.agree import describe
 from raylane.loop.checkpoint.manifest import MANIFEST_FILE, read_manifest
 from raylane.loop.checkpoint.rng import rng_file, set_rng_state
-from raylane.loop.checkpoint.state import STATE_FILE, dcp, model_shapes, replicated
+from raylane.loop.checkpoint.state import (
+    FLAT,
+    STATE_FILE,
+    dcp,
+    flat_optim,
+    is_flat,
+    model_shapes,
+    nested_optim,
+    partial,
+    regrouped,
+    replicated,
+)
 from raylane.loop.frozen import base_of, frozen_names, mismatch, saved_part
 
 
@@ -33,9 +46,11 @@ def load(
     optimizer: torch.optim.Optimizer,
     rank: int | None = None,
     hooks: dict[str, Any] | None = None,
+    layout: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Collective. Loads in place (resharding if the world size changed); returns the train state.
-    With `rank`, also restores that rank's random generators when the world size is unchanged.
+    With `rank`, also restores that rank's random generators when the layout is unchanged
+    (`layout`: this run's, raylane.loop.checkpoint.layout.layout_of; else the world size).
     `hooks`: the hooks' states by key as they are now (raylane.loop.hooks), which a sharded
     checkpoint loads into in place; the train state's "hook_states" holds what was saved of them.
 
@@ -49,26 +64,44 @@ def load(
     manifest = read_manifest(path)
     if problem := mismatch(path, manifest, model):
         raise CheckpointLoadError(problem)
-    check_shapes(path, manifest.get("shapes"), model_sd, names)
+    check_shapes(path, manifest.get("shapes"), model_sd, names, part=partial(model))
     groups = group_layout(optim_sd, names)  # before a DCP load replaces them with the checkpoint's
     whole = (Path(path) / STATE_FILE).exists()
     if whole:
         state = _read_whole(path, model, names, hooks)
     else:
         saved_hooks = set((manifest.get("train_state") or {}).get("hooks") or ())
-        state = {"model": model_sd, "optim": optim_sd}
+        flat = manifest.get("optim_state") == FLAT
+        state = {"model": model_sd, "optim": flat_optim(optim_sd) if flat else optim_sd}
         if wanted := {k: v for k, v in (hooks or {}).items() if k in saved_hooks}:
             state["hooks"] = wanted
-        _read_sharded(path, state, groups, rank)
+        _read_sharded(path, state, None if flat else groups, rank)
     rngs = state.pop("rng", None)  # a replicated state's: every rank's generators
+    state["optim"] = _nested(path, state["optim"], optim_sd, names)
     _check_groups(path, groups, group_layout(state["optim"], names))
     # Whole tensors into a sharded model (a DDP run resumed under FSDP): each rank keeps its shard.
     _set_state(path, model, optimizer, state, names, full=whole and not replicated(model))
     train_state = manifest["train_state"]
     if state.get("hooks"):
         train_state = {**train_state, "hook_states": state["hooks"]}
-    _restore_rng(path, rank, train_state, rngs)
+    _restore_rng(path, rank, train_state, rngs, layout)
     return train_state
+
+
+def _nested(path: str | os.PathLike, optim: dict[str, Any], template: dict[str, Any], names: dict[str, str]):
+    """The checkpoint's optimizer state in torch's nested form, grouped as this run's optimizer
+    (`template`) groups its parameters, with the hyperparameters they were saved with."""
+    if not is_flat(optim):
+        return optim
+    if counts := regrouped(optim, template, names):
+        _check_groups(path, [()] * counts[1], counts[0])
+    try:
+        return nested_optim(optim, template)
+    except KeyError as exc:
+        raise CheckpointLoadError(
+            f"checkpoint {path} does not fit this run's optimizer: optim.{exc.args[0]} is absent there "
+            "(optim.name or its state changed); keep them to resume it, or start a fresh run with another run.name"
+        ) from None
 
 
 def _read_whole(
@@ -83,12 +116,14 @@ def _read_whole(
 
 
 def _read_sharded(
-    path: str | os.PathLike, state: dict[str, Any], groups: list[tuple[str, ...]], rank: int | None
+    path: str | os.PathLike, state: dict[str, Any], groups: list[tuple[str, ...]] | None, rank: int | None
 ) -> None:
-    """A sharded checkpoint, read by DCP into `state` (this run's state dicts) in place."""
+    """A sharded checkpoint, read by DCP into `state` (this run's state dicts) in place.
+    `groups`: this run's optimizer's, for a checkpoint whose state is nested (by group index)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    _check_groups(path, groups, _saved_group_count(path))
+    if groups is not None:
+        _check_groups(path, groups, _saved_group_count(path))
     try:
         dcp().load(state, checkpoint_id=str(path))
     except CheckpointException as exc:  # a BaseException, which the launchers' handlers would miss
@@ -133,12 +168,19 @@ def _set_state(
 
 
 def _restore_rng(
-    path: str | os.PathLike, rank: int | None, train_state: dict[str, Any], rngs: list[str] | None
+    path: str | os.PathLike,
+    rank: int | None,
+    train_state: dict[str, Any],
+    rngs: list[str] | None,
+    layout: dict[str, Any] | None,
 ) -> None:
-    """`rank`'s random generators as saved, when the world size is the one that saved them (a
-    replicated checkpoint's from `rngs`, a sharded one's from its own file)."""
+    """`rank`'s random generators as saved, when the layout (or without one, the world size) is
+    the one that saved them (a replicated checkpoint's from `rngs`, a sharded one's from its own
+    file): rank r of another layout is another part of the model and of the data."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if rank is None or train_state.get("world_size") != world_size:
+        return
+    if layout is not None and train_state.get("layout") not in (None, layout):
         return
     rng = Path(path) / rng_file(rank)
     if rngs is not None and rank < len(rngs):
@@ -152,17 +194,20 @@ def check_shapes(
     recorded: dict[str, list[int]] | None,
     model_state: dict[str, Any],
     names: dict[str, str] | None = None,
+    *,
+    part: bool = False,
 ) -> None:
     """The model about to load `path` has the parameters its manifest recorded (when it did):
     one line naming the first that differs, rather than DCP's error from every rank. Canonical
     names are compared: `names` (alias -> canonical) leaves out the aliases an earlier version
-    recorded too."""
+    recorded too. `part`: the model is a part of the whole (a pipeline stage), whose own
+    parameters are checked."""
     if not recorded:
         return
     names = names or {}
     recorded = {k: v for k, v in recorded.items() if k not in names}
     live = {k: v for k, v in model_shapes(model_state).items() if k not in names}
-    for name in sorted(set(recorded) | set(live)):
+    for name in sorted(set(live) if part else set(recorded) | set(live)):
         if recorded.get(name) != live.get(name):
             was = "absent" if name not in recorded else f"shape {recorded[name]}"
             now = "absent" if name not in live else f"shape {live[name]}"

@@ -30,7 +30,7 @@ from raylane.loop.checkpoint import writing
 from raylane.loop.checkpoint.agree import CheckpointSaveError, collectives_on, describe, save_errors
 from raylane.loop.checkpoint.rng import rng_state
 from raylane.loop.checkpoint.staging import LiveState, Stager
-from raylane.loop.checkpoint.state import live_state, replicated
+from raylane.loop.checkpoint.state import live_state, partial, replicated
 from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.faults import FaultPlan
 from raylane.loop.frozen import records_of
@@ -52,6 +52,7 @@ class _SaveJob:
     replicated: bool
     aliases: dict[str, str]
     records: dict[str, Any]
+    part: bool  # a partial model (raylane.loop.checkpoint.state.partial)
     outcome: Future  # the location committed, or the CheckpointSaveError every rank agreed on
 
 
@@ -138,6 +139,7 @@ class Saver:
             replicated=whole,
             aliases=aliases(model),
             records=records_of(model),
+            part=partial(model),
             outcome=Future(),
         )
         self._in_flight = (train_state, job.outcome)
@@ -190,6 +192,7 @@ class Saver:
                         replicated=job.replicated,
                         aliases=job.aliases,
                         records=job.records,
+                        part=job.part,
                     ).commit()
                     step = int(job.train_state["step"])
                     best = (ck.best_metric, ck.best_mode)

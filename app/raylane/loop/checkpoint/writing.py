@@ -35,7 +35,16 @@ from raylane.loop.aliases import aliases
 from raylane.loop.checkpoint.agree import current_group, describe, raise_if_any, save_errors, vote
 from raylane.loop.checkpoint.manifest import MANIFEST_FILE, sha256
 from raylane.loop.checkpoint.rng import rng_file, rng_state
-from raylane.loop.checkpoint.state import STATE_FILE, dcp, live_state, model_shapes, replicated
+from raylane.loop.checkpoint.state import (
+    FLAT,
+    STATE_FILE,
+    dcp,
+    flat_optim,
+    live_state,
+    model_shapes,
+    partial,
+    replicated,
+)
 from raylane.loop.frozen import records_of
 
 
@@ -57,10 +66,12 @@ class PendingSave:
         replicated: bool = False,
         aliases: dict[str, str] | None = None,
         records: dict[str, Any] | None = None,
+        part: bool = False,
+        flat: bool = False,
     ) -> None:
         self.path, self.rank, self.train_state, self.error = path, rank, train_state, error
         self.shapes, self.whole, self.rng, self.replicated = shapes, whole, rng, replicated
-        self.aliases, self.records = aliases, records or {}
+        self.aliases, self.records, self.part, self.flat = aliases, records or {}, part, flat
 
     @property
     def step(self) -> int:
@@ -77,7 +88,11 @@ class PendingSave:
                 files = _own_files(self.path, self.rank)
         except OSError as exc:  # reported on every rank below
             error = describe(exc, self.rank)
-        gathered = vote(self.step, {"files": files, "error": error, "rng": self.rng})
+        # A partial model's ranks hold different parameters: the manifest lists every rank's.
+        shapes = self.shapes if self.part else None
+        gathered = vote(self.step, {"files": files, "error": error, "rng": self.rng, "shapes": shapes})
+        if self.part and self.rank == 0:
+            self.shapes = {k: v for part in gathered for k, v in (part["shapes"] or {}).items()}
         manifest_error = None
         if self.rank == 0:
             try:
@@ -100,6 +115,8 @@ class PendingSave:
         return {
             "train_state": self.train_state,
             "shapes": self.shapes,
+            # The optimizer's state by parameter name (raylane.loop.checkpoint.state.flat_optim).
+            **({"optim_state": FLAT} if self.flat else {}),
             **named,
             "files": {k: v for part in parts for k, v in part["files"].items()},
         }
@@ -182,6 +199,7 @@ def write(
     replicated: bool = False,
     aliases: dict[str, str] | None = None,
     records: dict[str, Any] | None = None,
+    part: bool = False,
 ) -> PendingSave:
     """Collective (on the group of `collectives_on`): write this rank's shard of `state` and its
     random generators into `path`. A rank that failed before (`error`: staging) still takes
@@ -192,9 +210,13 @@ def write(
     holding every rank's generators too. Every rank would write an identical copy, and DCP's
     planning (about a dozen collectives and their pickles) and metadata cost more than the write
     itself for small models (bench B9). `aliases`: the model's other names for tensors the state
-    holds once (recorded in the manifest); `records`: raylane.loop.frozen.records_of (idem)."""
+    holds once (recorded in the manifest); `records`: raylane.loop.frozen.records_of (idem);
+    `part`: the model is a part of the whole (raylane.loop.checkpoint.state.partial). The
+    optimizer's state is written flat, by parameter name, whatever the layout."""
     path = Path(path)
-    shapes = model_shapes(state.get("model") or {}) if rank == 0 and error is None else None
+    if state.get("optim") is not None:
+        state = {**state, "optim": flat_optim(state["optim"])}
+    shapes = model_shapes(state.get("model") or {}) if (rank == 0 or part) and error is None else None
     if replicated:
         whole = state if rank == 0 and error is None else None
         # As one JSON string: torch.save pickles a list of ~1,250 ints per rank in Python, ~1 ms.
@@ -209,6 +231,8 @@ def write(
             replicated=True,
             aliases=aliases,
             records=records,
+            part=part,
+            flat=True,
         )
     try:
         dcp().save({} if error else state, checkpoint_id=str(path), process_group=current_group())
@@ -216,7 +240,9 @@ def write(
             _write_durably(path / rng_file(rank), json.dumps(rng))
     except save_errors() as exc:  # reported on every rank by commit()
         error = error or describe(exc, rank)
-    return PendingSave(path, rank, train_state, error=error, shapes=shapes, aliases=aliases, records=records)
+    return PendingSave(
+        path, rank, train_state, error=error, shapes=shapes, aliases=aliases, records=records, part=part, flat=True
+    )
 
 
 def begin_save(
@@ -244,6 +270,7 @@ def begin_save(
         replicated=replicated(model),
         aliases=aliases(model),
         records=records_of(model),
+        part=partial(model),
     )
 
 
