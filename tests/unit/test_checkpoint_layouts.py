@@ -100,9 +100,9 @@ def test_a_replicated_checkpoint_is_written_flat_and_a_regrouped_optimizer_is_re
 
 
 def test_the_layout_is_recorded_and_a_resume_at_another_says_so_in_one_line():
-    fsdp_tp = layout_of(Strategy("fsdp", mesh_shape=(2, 2), tp=2), 4)
+    fsdp_tp = layout_of(Strategy("fsdp", mesh_shape=(1, 1, 2, 1, 2), tp=2), 4)  # (pp, dp_replicate, dp_shard, cp, tp)
     assert fsdp_tp == {"strategy": "fsdp×tp2", "name": "fsdp", "tp": 2, "pp": 1, "dp": 2, "world_size": 4}
-    tp = layout_of(Strategy("fsdp", mesh_shape=(1, 2), tp=2), 2)
+    tp = layout_of(Strategy("fsdp", mesh_shape=(1, 1, 1, 1, 2), tp=2), 2)
     one, ddp = layout_of(Strategy("single"), 1), layout_of(Strategy("ddp"), 2)
     assert change_line({"layout": fsdp_tp}, ddp) == "resuming a fsdp×tp2 checkpoint of 4 ranks as ddp on 2"
     assert change_line({"layout": tp}, one) == "resuming a tp2 checkpoint of 2 ranks as one process"
