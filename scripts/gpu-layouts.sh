@@ -16,7 +16,7 @@ BATCH=${BATCH:-16}
 CONFIG=${CONFIG:-pipelines/gpt2-124m.yaml}
 OUT=${OUT:-$(mktemp -d)}; mkdir -p "$OUT"
 NGPU=${NGPU:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
-LAYOUTS=${LAYOUTS:-strategy.name=ddp|strategy.name=fsdp|strategy.name=fsdp,strategy.tp=2|strategy.name=fsdp,strategy.pp=2}
+LAYOUTS=${LAYOUTS:-strategy.name=ddp|strategy.name=fsdp|strategy.name=fsdp,strategy.tp=2|strategy.name=fsdp,strategy.pp=2,model.tie_embeddings=false}
 USE_GPU=${USE_GPU:-true}  # false: a smoke run of this script on CPU (NGPU=1 and a small model)
 [ "$NGPU" -ge 1 ] || { echo "gpu-layouts: no CUDA device visible to torch" >&2; exit 1; }
 COMMON=(--set "scaling.use_gpu=$USE_GPU" --set "train.max_steps=$STEPS" --set "train.batch_size=$BATCH"
