@@ -88,7 +88,7 @@ def hold_global_batch(cfg: BaseConfig, held: GlobalBatch | None, field: str, wor
             else f"train.grad_accum_steps = {t.grad_accum_steps}"
         )
         # With tensor (or pipeline) parallelism, `workers` are the data-parallel ranks (held_batch).
-        group = cfg.strategy.tp * getattr(cfg.strategy, "pp", 1) if given else 1
+        group = cfg.strategy.tp_degree * cfg.strategy.pp if given else 1
         ranks = f"scaling.num_workers = {workers}"
         if group > 1:
             ranks = f"{workers} data-parallel ranks ({workers * group} ranks in model-parallel groups of {group})"

@@ -128,7 +128,7 @@ def check_tensor_parallel(cfg: Config) -> None:
     model = empty_model(m.name_or_path, m.task, **overrides)
     if cfg.lora is not None:
         model = apply_lora(model, cfg.lora, base=str(m.name_or_path), key=None)
-    check_tp(model, tp, sequence_parallel=cfg.strategy.sequence_parallel)
+    check_tp(model, cfg.strategy.tp_degree, sequence_parallel=cfg.strategy.sequence_parallel)
 
 
 def check_installed() -> None:

@@ -169,6 +169,7 @@ class Evaluator:
             return {}
         if self.sums is not None:
             return self.sums(output, target)
+        assert self.loss_fn is not None  # a pipeline under PP gives a loss_fn (checked before launch)
         return {"loss": self.loss_fn(output, target).detach().float() * n}
 
     def _failed_rank(self, failure: Exception | None = None) -> str:

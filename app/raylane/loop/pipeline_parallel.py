@@ -143,8 +143,8 @@ def auto_stages(model: nn.Module, found: Blocks, n: int) -> list[list[str]]:
         after.append([prefix + name for name in children[at + 1 :]])
     stages = _split_container(model, container, blocks, n)
     stages[0][:0] = before
-    for names in reversed(after):  # the innermost holder's first, as the forward meets them
-        stages[-1].extend(names)
+    for rest in reversed(after):  # the innermost holder's first, as the forward meets them
+        stages[-1].extend(rest)
     return stages
 
 
@@ -176,26 +176,26 @@ def check_stages(model: nn.Module, stages: Sequence[Sequence[str]], n: int) -> l
         got = repr(stages) if isinstance(stages, str) else f"{len(stages)} stages"
         raise ValueError(f"Pipeline.pp_stages: {got}, for the {n} stages of strategy.pp x pp_stages_per_rank")
     modules = dict(model.named_modules())
-    stages = [list(s) for s in stages]
-    for names in stages:
+    listed = [list(s) for s in stages]
+    for names in listed:
         for name in names:
             if name not in modules or not name:
                 raise ValueError(f"Pipeline.pp_stages: {name!r} names no module of {kind}")
     for pname, _ in model.named_parameters():
-        holders = [i for i, names in enumerate(stages) if any(_under(pname, m) for m in names)]
+        holders = [i for i, names in enumerate(listed) if any(_under(pname, m) for m in names)]
         if len(holders) != 1:
             what = "no stage holds" if not holders else f"stages {holders[0]} and {holders[1]} both hold"
             raise ValueError(f"Pipeline.pp_stages: {what} the parameter {pname!r} of {kind}")
     from raylane.loop.tensor_parallel import shared_parameters
 
     for tied in shared_parameters(model):
-        owners = {next(i for i, names in enumerate(stages) if any(_under(t, m) for m in names)) for t in tied}
+        owners = {next(i for i, names in enumerate(listed) if any(_under(t, m) for m in names)) for t in tied}
         if len(owners) > 1:
             raise ValueError(
                 f"Pipeline.pp_stages: {tied[0]!r} and {tied[1]!r} are one tied parameter, which stages "
                 f"{min(owners)} and {max(owners)} would hold apart (and train apart); untie them, or keep both on one stage"
             )
-    return stages
+    return listed
 
 
 def _under(name: str, module: str) -> bool:

@@ -163,7 +163,7 @@ def regrouped(flat: dict[str, Any], template: dict[str, Any], names: dict[str, s
         if key.startswith("param_groups."):
             name, _, hyper = key[len("param_groups.") :].rpartition(".")
             there[names.get(name, name)] = (*there.get(names.get(name, name), ()), f"{hyper}={value!r}")
-    here = {}
+    here: dict[str, tuple[str, ...]] = {}
     for group in template.get("param_groups", ()):
         settings = tuple(f"{k}={v!r}" for k, v in sorted(group.items()) if k != "params")
         here.update((names.get(n, n), settings) for n in group["params"])
