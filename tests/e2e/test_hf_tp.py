@@ -36,10 +36,16 @@ def llama(tmp_path):
     return root
 
 
-def _fine_tunes(run_cli, tmp_path, llama, ranks: int, tp: int) -> dict[str, list[dict]]:
+def _fine_tunes(run_cli, tmp_path, llama, ranks: int, tp: int, saved: bool = False) -> dict[str, list[dict]]:
+    """`saved`: the full fine-tune saves raylane's checkpoint of its trained model in ck/, its
+    config a user's pipeline on raylane.hf.pipeline of the model (what `raylane export` rebuilds)."""
     cases = [
         {"name": name, "path": str(llama / "model"), "tp": tp, "lora": name == "lora"} for name in ("full", "lora")
     ]
+    if saved:
+        config = {"pipeline": "tests.helpers.hf_classifier", "source": {"rows": str(llama / "rows")}}
+        config["model"] = {"name_or_path": str(llama / "model"), "seq_len": 16}
+        cases[0]["checkpoint"] = {"path": str(tmp_path / "ck"), "config": config}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     (tmp_path / "out").mkdir()
     p = run_cli(
@@ -67,14 +73,17 @@ def _matches_one_process(runs: dict[str, list[dict]], label: str) -> None:
     assert lora["trained"] and all(".lora_" in k for k in lora["trained"]) and lora["frozen_trained"] == []
 
 
-def test_a_tiny_llama_fine_tunes_in_full_and_with_lora_under_tp2_as_one_process(run_cli, tmp_path, llama):
+def test_a_tiny_llama_fine_tunes_in_full_and_with_lora_under_tp2_as_one_process(run_cli, tmp_path, llama, capsys):
     """One torchrun of 2 gloo ranks (~20 s), tp=2: the model's own plan on raylane's mesh (LoRA's
     lora_B split beside a column-split base, lora_A beside a row-split one), the weights read by
     rank 0 alone and broadcast into the split parameters, the head still the embedding (trap b);
     logits within 1e-6 of from_pretrained's (fp32), 3 SGD steps clipped over two meshes (trap a)
     with each loss within 1e-6 relative of one process's and the weights within 1e-6 after; under
-    LoRA only the adapter moves."""
-    _matches_one_process(_fine_tunes(run_cli, tmp_path, llama, 2, 2), "tp2")
+    LoRA only the adapter moves. The full fine-tune's checkpoint (each tensor split over the two
+    ranks) exports with `raylane export --format hf` to a from_pretrained folder."""
+    _matches_one_process(_fine_tunes(run_cli, tmp_path, llama, 2, 2, saved=True), "tp2")
+    (ck,) = (tmp_path / "ck").iterdir()
+    _exports_from_pretrained(str(ck), tmp_path / "full-hf", llama / "model", capsys)
 
 
 @pytest.mark.slow  # ~35 s; make test runs the same at tp=2 on 2 ranks (FSDP over one data-parallel rank)
