@@ -36,10 +36,16 @@ def llama(tmp_path):
     return root
 
 
-def _fine_tunes(run_cli, tmp_path, llama, ranks: int, tp: int) -> dict[str, list[dict]]:
+def _fine_tunes(run_cli, tmp_path, llama, ranks: int, tp: int, saved: bool = False) -> dict[str, list[dict]]:
+    """`saved`: the full fine-tune saves raylane's checkpoint of its trained model in ck/, its
+    config a user's pipeline on raylane.hf.pipeline of the model (what `raylane export` rebuilds)."""
     cases = [
         {"name": name, "path": str(llama / "model"), "tp": tp, "lora": name == "lora"} for name in ("full", "lora")
     ]
+    if saved:
+        config = {"pipeline": "tests.helpers.hf_classifier", "source": {"rows": str(llama / "rows")}}
+        config["model"] = {"name_or_path": str(llama / "model"), "seq_len": 16}
+        cases[0]["checkpoint"] = {"path": str(tmp_path / "ck"), "config": config}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     (tmp_path / "out").mkdir()
     p = run_cli(
@@ -67,14 +73,17 @@ def _matches_one_process(runs: dict[str, list[dict]], label: str) -> None:
     assert lora["trained"] and all(".lora_" in k for k in lora["trained"]) and lora["frozen_trained"] == []
 
 
-def test_a_tiny_llama_fine_tunes_in_full_and_with_lora_under_tp2_as_one_process(run_cli, tmp_path, llama):
+def test_a_tiny_llama_fine_tunes_in_full_and_with_lora_under_tp2_as_one_process(run_cli, tmp_path, llama, capsys):
     """One torchrun of 2 gloo ranks (~20 s), tp=2: the model's own plan on raylane's mesh (LoRA's
     lora_B split beside a column-split base, lora_A beside a row-split one), the weights read by
     rank 0 alone and broadcast into the split parameters, the head still the embedding (trap b);
     logits within 1e-6 of from_pretrained's (fp32), 3 SGD steps clipped over two meshes (trap a)
     with each loss within 1e-6 relative of one process's and the weights within 1e-6 after; under
-    LoRA only the adapter moves."""
-    _matches_one_process(_fine_tunes(run_cli, tmp_path, llama, 2, 2), "tp2")
+    LoRA only the adapter moves. The full fine-tune's checkpoint (each tensor split over the two
+    ranks) exports with `raylane export --format hf` to a from_pretrained folder."""
+    _matches_one_process(_fine_tunes(run_cli, tmp_path, llama, 2, 2, saved=True), "tp2")
+    (ck,) = (tmp_path / "ck").iterdir()
+    _exports_from_pretrained(str(ck), tmp_path / "full-hf", llama / "model", capsys)
 
 
 @pytest.mark.slow  # ~35 s; make test runs the same at tp=2 on 2 ranks (FSDP over one data-parallel rank)
@@ -166,10 +175,11 @@ def test_a_plan_that_cannot_be_laid_out_is_one_line_exit_2(tmp_path, capsys, no_
 
 
 @pytest.mark.slow  # ~2 min on 2 busy cores: four launches; make test proves the same pieces in one torchrun above
-def test_raylane_train_fine_tunes_a_user_hf_pipeline_under_fsdp_x_tp_as_one_process(run_cli, tmp_path, llama):
+def test_raylane_train_fine_tunes_a_user_hf_pipeline_under_fsdp_x_tp_as_one_process(run_cli, tmp_path, llama, capsys):
     """`raylane train` of a user's pipeline on raylane.hf.pipeline (the tiny LLaMA as a causal
     LM), FSDP x TP on 4 ranks under torchrun, in full and with LoRA: each ends FINISHED at the
-    held-out loss of the same fine-tune in one process (SGD, 4 steps), its strategy fsdp×tp2."""
+    held-out loss of the same fine-tune in one process (SGD, 4 steps), its strategy fsdp×tp2; its
+    last checkpoint exports to a from_pretrained folder with its logits, the head still tied."""
     (tmp_path / "cfg.yaml").write_text("pipeline: tests.helpers.hf_classifier\n")
     sets = [f"model.name_or_path={llama / 'model'}", f"source.rows={llama / 'rows'}", "model.seq_len=16"]
     sets += ["train.batch_size=2", "train.global_batch=4", "train.max_steps=4", "strategy.name=fsdp", "optim.name=sgd"]
@@ -193,5 +203,29 @@ def test_raylane_train_fine_tunes_a_user_hf_pipeline_under_fsdp_x_tp_as_one_proc
             runs[run] = read_json(tmp_path / f"{run}.json")
     for name in ("full", "lora"):
         tp, one = runs[f"{name}-tp"], runs[f"{name}-one"]
-        assert (tp["status"], tp["strategy"], tp["mesh"]) == ("FINISHED", "fsdp×tp2", [2, 2])
+        assert (tp["status"], tp["strategy"], tp["mesh"]) == ("FINISHED", "fsdp×tp2", [1, 1, 2, 1, 2])
         assert tp["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-6), (name, tp, one)
+        _exports_from_pretrained(tp["checkpoint"], tmp_path / f"{name}-hf", llama / "model", capsys)
+
+
+def _exports_from_pretrained(ck: str, out, base, capsys) -> None:
+    """`raylane export CKPT --format hf` of an FSDP x TP checkpoint (each tensor sharded over 2
+    data-parallel ranks and split over 2 tensor-parallel ones; LoRA's merged into its base): a
+    folder whose from_pretrained model gives the checkpoint's weights' logits (within 1e-6; the
+    trained weights, not the base's) with its head still its embedding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raylane.export import consolidated
+
+    assert cli.main(["export", ck, "--format", "hf", "--out", str(out)]) == 0, capsys.readouterr()
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert exported.get_output_embeddings().weight is exported.get_input_embeddings().weight
+    trained = consolidated(ck)[0].model.eval()
+    ids = torch.randint(3, exported.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = exported(input_ids=ids).logits
+        worst = (logits - trained(input_ids=ids).logits).abs().max().item()
+        moved = (logits - AutoModelForCausalLM.from_pretrained(base).eval()(input_ids=ids).logits).abs().max().item()
+    assert worst <= 1e-6 < moved, (out.name, worst, moved)
+    print(f"{out.name}: logits within {worst:.2g} of the checkpoint's, {moved:.2g} from the base's")  # pytest -s

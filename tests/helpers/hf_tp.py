@@ -7,12 +7,14 @@ one-process copy started from the same full state, each on the whole batch (the 
 data-parallel ranks each on their share). Each rank writes argv[2]/<name>-rank<r>.json: its
 opens of weight files, whether the head is still the embedding, its logits' largest difference
 from `from_pretrained`'s (fp32), each step's loss beside the one process's, and the trained
-weights' largest difference from the one process's."""
+weights' largest difference from the one process's. A case with a "checkpoint" ({path, config})
+saves raylane's checkpoint of the trained model there."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from raylane.hf.lora import LoraSection, apply_lora
 from raylane.hf.parallel import tp_plan
 from raylane.hf.weights import empty_model, load_pretrained
+from raylane.loop import checkpoint
 from raylane.loop.optim import build_optimizer
 from raylane.loop.parallel import parallelize
 from raylane.loop.steps import clip_gradients
@@ -58,6 +61,13 @@ def step(model, optimizer, ids: torch.Tensor, plain: bool) -> float:
     return loss.item()
 
 
+def save(where: dict, model, optimizer) -> None:
+    """raylane's checkpoint of the trained model (every rank its shards) at where["path"], its
+    manifest's config where["config"] (the run's, as `raylane export` rebuilds the pipeline)."""
+    path = Path(where["path"]) / checkpoint.checkpoint_name(STEPS)
+    checkpoint.save(path, model, optimizer, {"step": STEPS, "config": where["config"]}, rank=dist.get_rank())
+
+
 def run(case: dict) -> dict:
     path, tp, world, rank = case["path"], case["tp"], dist.get_world_size(), dist.get_rank()
     lora = LoraSection(r=4) if case.get("lora") else None
@@ -88,6 +98,8 @@ def run(case: dict) -> dict:
         ours = torch.tensor(step(model, optimizer, ids[mine], plain=False) / world)  # tp peers: the same loss
         dist.all_reduce(ours)
         losses.append([ours.item(), step(reference, one, ids, plain=True)])
+    if "checkpoint" in case:
+        save(case["checkpoint"], model, optimizer)
     trained, expected = full_state(model), reference.state_dict()
     moved = {k for k in expected if not torch.equal(start[k], expected[k])}
     return {
