@@ -1,0 +1,116 @@
+"""Hugging Face causal LMs under pipeline parallelism (issue 49): a tiny untied Llama made here,
+split by raylane.hf's `pp_stages` (its decoder layers, names kept) on 2 gloo ranks under torchrun,
+fine-tuned in full and with LoRA against `from_pretrained`'s model in one process
+(tests/helpers/hf_pipeline.py). `raylane check --plan` prints the stages for gpt and for the HF
+model; a tied HF model or a classifier under strategy.pp is one line, exit 2, before launch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from raylane import cli
+from tests.conftest import REPO, TORCHRUN, cli_env, read_json
+
+pytest.importorskip("transformers")
+
+
+def _llama(folder, tied: bool = False):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import hf_families, hf_tiny
+
+    torch.manual_seed(0)
+    config = hf_families.llama(vocab_size=hf_tiny.VOCAB, tie_word_embeddings=tied, num_hidden_layers=4)
+    return hf_tiny.save(AutoModelForCausalLM.from_config(config), folder)
+
+
+def test_a_tiny_llama_fine_tunes_in_full_and_with_lora_under_pp2_as_one_process(run_cli, tmp_path):
+    """One torchrun of 2 ranks (~25 s on 2 busy cores), strategy.pp=2 with 1F1B over 2
+    micro-batches: the weights read by rank 0 alone and sent to both stages; 3 SGD steps through
+    the Trainer's run_step on {input_ids, labels} batches, each loss within 1e-6 relative of one
+    process's (transformers' own loss on the whole batch) and every weight within 1e-6 of the
+    largest after; the held-out loss over 5 rows (not a multiple of the micro-batches) within 1e-6;
+    under LoRA only the adapter moves."""
+    model = _llama(tmp_path / "model")
+    p = run_cli(
+        *["--nproc_per_node", "2", str(REPO / "tests/helpers/hf_pipeline.py"), str(model), str(tmp_path / "out.json")],
+        launcher=TORCHRUN,
+        name="hf-pp2",
+        env=cli_env(tmp_path, PYTHONPATH=os.pathsep.join([str(REPO / "app"), str(REPO)]), OMP_NUM_THREADS="1"),
+    )
+    assert p.wait(300) == 0, p.output
+    runs = read_json(tmp_path / "out.json")
+    for name, run in runs.items():
+        assert run["strategy"] == "pp2", run
+        assert [len(r) for r in run["reads"]] == [1, 0], (name, run["reads"])
+        assert all(abs(ours - one) <= 1e-6 * one for ours, one in run["losses"]), (name, run["losses"])
+        assert run["weights"] <= 1e-6, (name, run["weights"])
+        assert run["eval"][0] == pytest.approx(run["eval"][1], rel=1e-6), (name, run["eval"])
+    assert len(runs["full"]["trained"]) == len(runs["full"]["params"])  # every weight moved
+    lora = runs["lora"]["trained"]
+    assert lora and all(".lora_" in k for k in lora) and len(lora) < len(runs["lora"]["params"])
+
+
+def _check(capsys, *argv: str) -> tuple[int, list[str], str]:
+    capsys.readouterr()
+    code = cli.main(["check", *argv])
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), err.strip()
+
+
+def test_check_plan_prints_the_stages_and_refuses_what_cannot_split(tmp_path, capsys, no_work):
+    """`raylane check --plan` with strategy.pp: each stage's pipeline rank, modules (a run of
+    blocks folded) and parameters, built on the meta device: for gpt (4 stages on 2 ranks in a V)
+    and for a tiny HF Llama with a LoRA adapter (a user's pipeline on raylane.hf.pipeline). A tied
+    HF model, and a classifier, under strategy.pp=2: one line each, exit 2, before launch."""
+    sets = ["strategy.pp=2", "model.tie_embeddings=false", "model.n_layer=4", "scaling.num_workers=2"]
+    sets += ["strategy.pp_schedule=ZBVZeroBubble"]
+    code, out, err = _check(capsys, "gpt-tiny", "--plan", *(x for s in sets for x in ("--set", s)))
+    assert code == 0, err
+    at = out.index("layout: pp2 on 2 ranks: dp 1 × pp 2")
+    assert out[at + 1 : at + 6] == [
+        "stages of GPT (4, ZBVZeroBubble):",
+        "  stage 0 (pp rank 0): wte, wpe, drop, blocks.0  (70,464 parameters)",
+        "  stage 1 (pp rank 1): blocks.1  (49,984 parameters)",
+        "  stage 2 (pp rank 1): blocks.2  (49,984 parameters)",
+        "  stage 3 (pp rank 0): blocks.3, ln_f, lm_head  (66,496 parameters)",
+    ]
+
+    from tests.helpers import hf_tiny
+
+    rows = tmp_path / "rows"
+    for part in ("train", "eval"):
+        hf_tiny.rows(rows / part, n=8)
+    (tmp_path / "cfg.yaml").write_text("pipeline: tests.helpers.hf_classifier\n")
+    base = [f"source.rows={rows}", "model.seq_len=16", "strategy.pp=2", "scaling.num_workers=2"]
+    sets = [f"model.name_or_path={_llama(tmp_path / 'untied')}", *base, "lora.r=4"]
+    code, out, err = _check(capsys, str(tmp_path / "cfg.yaml"), "--plan", *(x for s in sets for x in ("--set", s)))
+    assert code == 0, err
+    at = out.index("layout: pp2 on 2 ranks: dp 1 × pp 2")
+    assert out[at + 1] == "stages of PeftModelForCausalLM (2, 1F1B):"
+    assert out[at + 2].startswith(
+        "  stage 0 (pp rank 0): base_model.model.model.embed_tokens, base_model.model.model.layers.0-1  ("
+    )
+    assert out[at + 3].startswith(
+        "  stage 1 (pp rank 1): base_model.model.model.layers.2-3, base_model.model.model.norm, "
+        "base_model.model.model.rotary_emb, base_model.model.lm_head  ("
+    )
+
+    sets = [f"model.name_or_path={_llama(tmp_path / 'tied', tied=True)}", *base]
+    code, _, err = _check(capsys, str(tmp_path / "cfg.yaml"), *(x for s in sets for x in ("--set", s)))
+    assert (code, err) == (
+        2,
+        "raylane: invalid config: strategy.pp = 2: LlamaForCausalLM ties its input embedding and lm_head "
+        "(config.tie_word_embeddings = true): one parameter on the first and the last stage, which would train "
+        "apart; pipeline parallelism needs a model saved with tie_word_embeddings=false",
+    )
+    sets = [f"model.name_or_path={tmp_path / 'untied'}", *base, "model.task=sequence-classification"]
+    code, _, err = _check(capsys, str(tmp_path / "cfg.yaml"), *(x for s in sets for x in ("--set", s)))
+    assert (code, err) == (
+        2,
+        "raylane: invalid config: strategy.pp = 2 with model.task = 'sequence-classification': raylane.hf splits "
+        "causal LMs into pipeline stages only; use strategy.pp: 1",
+    )
