@@ -4,9 +4,10 @@ raylane.hf's `pp_stages` (strategy.pp = 2, 1F1B, 2 micro-batches), its weights r
 (raylane.hf.load_pretrained: every stage's), then 3 SGD steps through the Trainer's own `run_step`
 (packed {input_ids, labels} batches, transformers' causal-LM loss on the last stage, clipping over
 both stages) beside `from_pretrained`'s model trained in one process on the same batches; then the
-held-out loss through the Evaluator over 5 rows that 2 micro-batches do not divide. Rank 0 writes
-{case: {"losses": [[pp, one], ...], "weights" (largest difference over the largest weight),
-"eval": [pp, one], "reads", "strategy", "trained"}} as JSON to argv[2]."""
+held-out loss through the Evaluator over 5 rows that 2 micro-batches do not divide. Cases: argv[3:]
+("full", "lora"; both when none). Rank 0 writes {case: {"losses": [[pp, one], ...], "weights"
+(largest difference over the largest weight), "eval": [pp, one], "reads" (per rank), "strategy",
+"trained", "params"}} as JSON to argv[2]."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     path, out = sys.argv[1], {}
     with tempfile.TemporaryDirectory() as root:
-        for name in ("full", "lora"):
+        for name in sys.argv[3:] or ("full", "lora"):
             result = run(path, name == "lora", root)
             every: list = [None] * dist.get_world_size()
             dist.all_gather_object(every, result["reads"])

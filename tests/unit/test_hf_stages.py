@@ -77,7 +77,9 @@ def test_a_tied_model_a_padded_batch_and_too_many_stages_are_one_line():
         "on the first and the last stage, which would train apart; pipeline parallelism needs a model saved with "
         "tie_word_embeddings=false"
     )
-    with pytest.raises(ValueError, match=r"^Pipeline.pp_stages = 'auto': 4 stages for the 2 blocks of LlamaForCausalLM$"):
+    with pytest.raises(
+        ValueError, match=r"^Pipeline.pp_stages = 'auto': 4 stages for the 2 blocks of LlamaForCausalLM$"
+    ):
         check_pp(_model("llama", meta=True, tie_word_embeddings=False), 4)
     ids = torch.zeros((2, 4), dtype=torch.long)
     with pytest.raises(BatchFormError, match="no attention_mask") as padded:

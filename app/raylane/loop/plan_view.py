@@ -130,7 +130,9 @@ def stage_lines(pipe: Any, cfg: Any) -> list[str]:
     lines = [f"stages of {type(pipe.model).__name__} ({n}, {s.pp_schedule}):"]
     for index, held in enumerate(stages):
         count = sum(p.numel() for name, p in params.items() if any(name.startswith(m + ".") for m in held))
-        lines.append(f"  stage {index} (pp rank {ranks[index]}): {_folded_run(held, container)}  ({count:,} parameters)")
+        lines.append(
+            f"  stage {index} (pp rank {ranks[index]}): {_folded_run(held, container)}  ({count:,} parameters)"
+        )
     return lines
 
 
