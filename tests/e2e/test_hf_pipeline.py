@@ -114,3 +114,36 @@ def test_check_plan_prints_the_stages_and_refuses_what_cannot_split(tmp_path, ca
         "raylane: invalid config: strategy.pp = 2 with model.task = 'sequence-classification': raylane.hf splits "
         "causal LMs into pipeline stages only; use strategy.pp: 1",
     )
+
+
+@pytest.mark.slow  # ~2 min on 2 busy cores: four launches; make test proves the same pieces in one torchrun above
+def test_raylane_train_fine_tunes_a_user_hf_pipeline_under_pp2_as_one_process(run_cli, tmp_path):
+    """`raylane train` of a user's pipeline on raylane.hf.pipeline (the untied tiny Llama as a
+    causal LM) at strategy.pp=2 on 2 torchrun ranks, in full and with LoRA: each ends FINISHED at
+    the held-out loss of the same fine-tune in one process (SGD, 4 steps), its strategy pp2."""
+    from tests.helpers import hf_tiny
+
+    model = _llama(tmp_path / "model")
+    for part in ("train", "eval"):
+        hf_tiny.rows(tmp_path / "rows" / part, n=16)
+    (tmp_path / "cfg.yaml").write_text("pipeline: tests.helpers.hf_classifier\n")
+    sets = [f"model.name_or_path={model}", f"source.rows={tmp_path / 'rows'}", "model.seq_len=16"]
+    sets += ["train.batch_size=2", "train.max_steps=4", "optim.name=sgd", "mlflow.log_model=false"]
+    sets += ["scaling.peak_tflops=1"]
+    env = cli_env(tmp_path, PYTHONPATH=os.pathsep.join([str(REPO / "app"), str(REPO)]), OMP_NUM_THREADS="1")
+    runs = {}
+    for name, extra in {"full": [], "lora": ["lora.r=4", "lora.dropout=0"]}.items():
+        for layout, more in {"pp": ["strategy.pp=2"], "one": []}.items():
+            run = f"{name}-{layout}"
+            argv = ["train", "cfg.yaml", *(x for s in [*sets, *extra, *more, f"run.name={run}"] for x in ("--set", s))]
+            argv += ["--summary-json", f"{run}.json"]
+            if layout == "pp":
+                p = run_cli("--nproc_per_node", "2", "-m", "raylane", *argv, launcher=TORCHRUN, name=run, env=env)
+            else:
+                p = run_cli(*argv, "--local", name=run, env=env)
+            assert p.wait(400) == 0, p.output
+            runs[run] = read_json(tmp_path / f"{run}.json")
+    for name in ("full", "lora"):
+        pp, one = runs[f"{name}-pp"], runs[f"{name}-one"]
+        assert (pp["status"], pp["strategy"]) == ("FINISHED", "pp2"), pp
+        assert pp["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-6), (name, pp, one)
