@@ -27,31 +27,52 @@ def _llama(folder, tied: bool = False):
     return hf_tiny.save(AutoModelForCausalLM.from_config(config), folder)
 
 
-def test_a_tiny_llama_fine_tunes_in_full_and_with_lora_under_pp2_as_one_process(run_cli, tmp_path):
-    """One torchrun of 2 ranks (~25 s on 2 busy cores), strategy.pp=2 with 1F1B over 2
-    micro-batches: the weights read by rank 0 alone and sent to both stages; 3 SGD steps through
-    the Trainer's run_step on {input_ids, labels} batches, each loss within 1e-6 relative of one
-    process's (transformers' own loss on the whole batch) and every weight within 1e-6 of the
-    largest after; the held-out loss over 5 rows (not a multiple of the micro-batches) within 1e-6;
-    under LoRA only the adapter moves."""
+def _fine_tunes(run_cli, tmp_path, ranks: int, sets: str = "") -> dict:
     model = _llama(tmp_path / "model")
     p = run_cli(
-        *["--nproc_per_node", "2", str(REPO / "tests/helpers/hf_pipeline.py"), str(model), str(tmp_path / "out.json")],
+        *["--nproc_per_node", str(ranks), str(REPO / "tests/helpers/hf_pipeline.py")],
+        *[str(model), str(tmp_path / "out.json")],
         launcher=TORCHRUN,
-        name="hf-pp2",
-        env=cli_env(tmp_path, PYTHONPATH=os.pathsep.join([str(REPO / "app"), str(REPO)]), OMP_NUM_THREADS="1"),
+        name=f"hf-pp{ranks}",
+        env=cli_env(
+            tmp_path,
+            PYTHONPATH=os.pathsep.join([str(REPO / "app"), str(REPO)]),
+            OMP_NUM_THREADS="1",
+            HF_PP_SETS=sets,
+        ),
     )
     assert p.wait(300) == 0, p.output
-    runs = read_json(tmp_path / "out.json")
+    return read_json(tmp_path / "out.json")
+
+
+def _matches_one_process(runs: dict, label: str, ranks: int) -> None:
     for name, run in runs.items():
-        assert run["strategy"] == "pp2", run
-        assert [len(r) for r in run["reads"]] == [1, 0], (name, run["reads"])
+        assert run["strategy"] == label, run
+        assert [len(r) for r in run["reads"]] == [1] + [0] * (ranks - 1), (name, run["reads"])
         assert all(abs(ours - one) <= 1e-6 * one for ours, one in run["losses"]), (name, run["losses"])
         assert run["weights"] <= 1e-6, (name, run["weights"])
         assert run["eval"][0] == pytest.approx(run["eval"][1], rel=1e-6), (name, run["eval"])
     assert len(runs["full"]["trained"]) == len(runs["full"]["params"])  # every weight moved
     lora = runs["lora"]["trained"]
     assert lora and all(".lora_" in k for k in lora) and len(lora) < len(runs["lora"]["params"])
+
+
+def test_a_tiny_llama_fine_tunes_in_full_and_with_lora_under_pp2_as_one_process(run_cli, tmp_path):
+    """One torchrun of 2 ranks (15-35 s on 2 busy cores), strategy.pp=2 with 1F1B over 2
+    micro-batches: the weights read by rank 0 alone and sent to both stages; 3 SGD steps through
+    the Trainer's run_step on {input_ids, labels} batches, each loss within 1e-6 relative of one
+    process's (transformers' own loss on the whole batch) and every weight within 1e-6 of the
+    largest after; the held-out loss over 5 rows (not a multiple of the micro-batches) within 1e-6;
+    under LoRA only the adapter moves. (Without every stage's names gathered on rank 0, stage 1
+    keeps uninitialized weights and step 1 is non-finite.)"""
+    _matches_one_process(_fine_tunes(run_cli, tmp_path, 2), "pp2", 2)
+
+
+@pytest.mark.slow  # ~40 s on 4 ranks; make test runs pp=2 alone above
+def test_a_tiny_llama_fine_tunes_under_pp2_x_tp2_on_4_ranks_as_one_process(run_cli, tmp_path):
+    """The model's own tensor-parallel plan inside each stage (its rules for the modules the
+    stage holds), 4 ranks as tp2 x pp2: the same figures, in full and with LoRA."""
+    _matches_one_process(_fine_tunes(run_cli, tmp_path, 4, "strategy.tp=2,strategy.name=fsdp"), "tp2×pp2", 4)
 
 
 def _check(capsys, *argv: str) -> tuple[int, list[str], str]:

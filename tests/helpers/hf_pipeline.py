@@ -12,6 +12,7 @@ held-out loss through the Evaluator over 5 rows that 2 micro-batches do not divi
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from types import SimpleNamespace
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from raylane.config import load_config
 from raylane.hf.build import _predicted_tokens
 from raylane.hf.lora import LoraSection, apply_lora
+from raylane.hf.parallel import tp_plan
 from raylane.hf.stages import causal_lm_stages
 from raylane.hf.weights import empty_model, load_pretrained
 from raylane.loop.evaluation import Evaluator
@@ -58,14 +60,16 @@ class _Batches:
 
 
 def run(path: str, lora: bool, root: str) -> dict:
-    cfg = load_config("gpt-tiny", [*SETS, f"run.storage_path={root}", f"run.name=hf-pp-{int(lora)}"])
+    more = [s for s in os.environ.get("HF_PP_SETS", "").split(",") if s]  # strategy.tp=2, say
+    cfg = load_config("gpt-tiny", [*SETS, *more, f"run.storage_path={root}", f"run.name=hf-pp-{int(lora)}"])
     model = empty_model(path)
     adapter = LoraSection(r=4, dropout=0.0) if lora else None
     if adapter:
         model = apply_lora(model, adapter, base=path)
     runtime = local_runtime(cfg, lambda event: None)
     stages = causal_lm_stages()
-    model, strategy = parallelize(model, cfg, runtime.device, dist.get_world_size(), pp_stages=stages)
+    world = dist.get_world_size()
+    model, strategy = parallelize(model, cfg, runtime.device, world, pp_stages=stages, tp_plan=tp_plan)
     reads, real = [], transformers.modeling_utils.safe_open
     transformers.modeling_utils.safe_open = lambda f, *a, **k: reads.append(str(f)) or real(f, *a, **k)
     try:
