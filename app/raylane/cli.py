@@ -75,9 +75,10 @@ def _add_check(sub: Any) -> None:
     shown.add_argument(
         "--plan",
         action="store_true",
-        help="also build the model on the meta device here and print the layout (strategy.tp over "
-        "scaling.num_workers) and the pipeline's tensor-parallel plan on it: which modules are split how, "
-        "what every rank holds whole, what is tied",
+        help="also build the model on the meta device here and print the layout (strategy.tp and pp over "
+        "scaling.num_workers), its pipeline stages under strategy.pp (each one's modules and parameters) and "
+        "the pipeline's tensor-parallel plan on it: which modules are split how, what every rank holds whole, "
+        "what is tied",
     )
     shown.add_argument(
         "--explain",

@@ -91,6 +91,9 @@ class Config(BaseConfig):
     def gives_tp_plan(self) -> bool:
         return True  # the model's own (raylane.hf.parallel); one without is refused by _hf_is_usable
 
+    def gives_pp_stages(self) -> bool:
+        return True  # a causal LM's decoder layers (raylane.hf.stages); other tasks are refused by _hf_is_usable
+
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "accuracy") if self.model.task == "sequence-classification" else ("loss",)
 
@@ -104,6 +107,8 @@ class Config(BaseConfig):
             check_lora(self.model.name_or_path, self.lora, AUTO_CLASSES[self.model.task])
         if self.strategy.tp_degree > 1:  # tp: auto is weighed at each degree by the same check
             check_tensor_parallel(self)
+        if self.strategy.pp > 1:
+            check_pipeline_parallel(self)
         for field in ("train", "eval"):
             if getattr(self.data, field) is not None:
                 check_columns(self, field)
@@ -129,6 +134,28 @@ def check_tensor_parallel(cfg: Config) -> None:
     if cfg.lora is not None:
         model = apply_lora(model, cfg.lora, base=str(m.name_or_path), key=None)
     check_tp(model, cfg.strategy.tp_degree, sequence_parallel=cfg.strategy.sequence_parallel)
+
+
+def check_pipeline_parallel(cfg: Config) -> None:
+    """`strategy.pp` > 1: a causal LM (with its adapter, built on the meta device) that splits into
+    `pp x pp_stages_per_rank` stages of its decoder layers, its embeddings untied."""
+    from raylane.hf.lora import apply_lora
+    from raylane.hf.stages import check_pp
+    from raylane.hf.weights import empty_model
+
+    m, s = cfg.model, cfg.strategy
+    if m.task != "causal-lm":
+        raise ValueError(
+            f"strategy.pp = {s.pp} with model.task = {m.task!r}: raylane.hf splits causal LMs into pipeline "
+            "stages only; use strategy.pp: 1"
+        )
+    model = empty_model(m.name_or_path, m.task)
+    if cfg.lora is not None:
+        model = apply_lora(model, cfg.lora, base=str(m.name_or_path), key=None)
+    try:
+        check_pp(model, s.pp * s.stages_per_rank)
+    except ValueError as exc:
+        raise ValueError(f"strategy.pp = {s.pp}: {exc}") from None
 
 
 def check_installed() -> None:

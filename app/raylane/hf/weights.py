@@ -129,9 +129,10 @@ def load_pretrained(model: nn.Module, path: str | Path, *, key: str = "model.nam
     rank = dist.get_rank() if distributed else 0
     full: dict[str, torch.Tensor] = {}
     failure: WeightsError | None = None
+    tensors = _tensors(model, distributed)
     if rank == 0:
         try:
-            full = _full_state(model, path, key)
+            full = _full_state(getattr(model, "stages", [model])[0], tensors, path, key)
         except WeightsError as exc:
             failure = exc
         except Exception as exc:  # noqa: BLE001 - any failure to read: one line on every rank, no rank left waiting
@@ -147,12 +148,30 @@ def load_pretrained(model: nn.Module, path: str | Path, *, key: str = "model.nam
     if not distributed:
         model.load_state_dict(full)
         return
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # A pipeline stage's rank 0 sends every stage's tensors and keeps its own (not strict: the rest are extra).
+    strict = not hasattr(model, "stages")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(model, full, options=options)
 
 
-def _full_state(model: nn.Module, path: str | Path, key: str) -> dict[str, torch.Tensor]:
-    """The model's whole state dict, by its own names: the base's tensors as from_pretrained
-    loads them, a LoRA adapter as peft starts it; WeightsError for anything else."""
+def _tensors(model: nn.Module, distributed: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of the model's state: every rank's under pipeline parallelism, where a
+    rank holds its stages only (raylane.loop.pipeline_parallel.PipelineModel: `stages`), so that
+    rank 0 reads and sends the other stages' tensors too (a collective there)."""
+    mine = {name: (tuple(value.shape), value.dtype) for name, value in model.state_dict().items()}
+    if not distributed or not hasattr(model, "stages"):
+        return mine
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {name: held for part in every for name, held in part.items()}
+
+
+def _full_state(
+    model: nn.Module, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], path: str | Path, key: str
+) -> dict[str, torch.Tensor]:
+    """The state dict of `tensors` (the model's, by its own names; `model` holds its transformers
+    model): the base's tensors as from_pretrained loads them, a LoRA adapter as peft starts it;
+    WeightsError for anything else."""
     prefix, pretrained = _pretrained(model)
     where = f"{key} = {str(path)!r}"
     with _transformers_load() as reports:
@@ -167,11 +186,11 @@ def _full_state(model: nn.Module, path: str | Path, key: str) -> dict[str, torch
         raise WeightsError(_missing(where, pretrained, inside))
     loaded = reference.state_dict()
     full, unaccounted = {}, []
-    for name, value in model.state_dict().items():
+    for name, (shape, dtype) in tensors.items():
         own = _file_name(name, prefix)
         if own in loaded:
             full[name] = loaded[own]
-        elif (adapter := _adapter_init(name, tuple(value.shape), value.dtype)) is not None:
+        elif (adapter := _adapter_init(name, shape, dtype)) is not None:
             full[name] = adapter  # a DTensor's shape is the whole tensor's
         else:
             unaccounted.append(name)

@@ -17,7 +17,7 @@ from raylane.loop.batches import batch_size, call_model, checked_own_loss, form_
 from raylane.loop.distributed import all_reduce_max, all_reduce_sums
 from raylane.loop.early_stop import EarlyStopping
 from raylane.loop.hooks import Hooks
-from raylane.loop.pipeline_parallel import PipelineModel, pair
+from raylane.loop.pipeline_parallel import PipelineModel
 from raylane.loop.reporting import Reporter
 
 SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a named held-out set
@@ -163,14 +163,14 @@ class Evaluator:
     def _pipeline_sums(self, module: PipelineModel, batch: Any, n: Any) -> dict[str, Any]:
         """An (input, target) batch through the pipeline's stages, forward only: its sums on the
         last stage, none elsewhere (the sum over ranks adds the last stages')."""
-        source, target = pair(batch)
-        output = module.pipeline.forward_only(source)
+        pipeline = module.pipeline
+        source, target = pipeline.pair(batch)
+        output = pipeline.forward_only(source)
         if output is None:
             return {}
         if self.sums is not None:
             return self.sums(output, target)
-        assert self.loss_fn is not None  # a pipeline under PP gives a loss_fn (checked before launch)
-        return {"loss": self.loss_fn(output, target).detach().float() * n}
+        return {"loss": pipeline.loss_fn(output, target).detach().float() * n}
 
     def _failed_rank(self, failure: Exception | None = None) -> str:
         """Collective, once evaluation failed somewhere: 'rank N: Type: message' of the first

@@ -63,8 +63,10 @@ class Pipeline:
     # How pipeline parallelism (strategy.pp > 1) splits the model into stages: "auto" (its blocks
     # split evenly, what comes before them on the first stage, after them on the last), or a list
     # per stage of the module names it holds (["wte", "wpe", "blocks.0"], ["blocks.1", "ln_f",
-    # "lm_head"]). Names stay the model's (checkpoints load at any layout). None: no pipeline.
-    pp_stages: str | Sequence[Sequence[str]] | None = None
+    # "lm_head"]). Names stay the model's (checkpoints load at any layout). Or a
+    # raylane.loop.pipeline_parallel.Stages, for a model whose forward needs help to run as a stage
+    # (raylane.hf's causal LMs). None: no pipeline.
+    pp_stages: str | Sequence[Sequence[str]] | Any | None = None
 
 
 # Keys of a dict batch that hold targets, not the model's inputs: left out of a dict example.

@@ -21,7 +21,7 @@ rotary tables) run on every stage."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import Any
@@ -69,7 +69,9 @@ class Exit(nn.Module):
 
 
 class _StageBlocks:
-    """Mixed into a stage's blocks container: iteration yields Enter, this stage's blocks, Exit."""
+    """Mixed into a stage's blocks container: iteration yields Enter, this stage's blocks, Exit.
+    A slice (`self.layers[: config.num_hidden_layers]`, transformers' loop) is taken by the
+    model's own positions, and iterates alike."""
 
     def __iter__(self):
         if self._stage_enter is not None:
@@ -78,21 +80,47 @@ class _StageBlocks:
         if self._stage_exit is not None:
             yield self._stage_exit
 
+    def __getitem__(self, index: Any) -> Any:
+        if not isinstance(index, slice):
+            return super().__getitem__(index)  # type: ignore[misc]
+        wanted = set(self._stage_keys[index])
+        view = copy.copy(self)  # the same blocks, Enter and Exit; its own list of them
+        view.__dict__["_modules"] = {k: m for k, m in self._modules.items() if k in wanted}
+        return view
+
 
 class _StageForward:
-    """A stage's forward: the model's own, given the received activation, ended by Exit."""
+    """A stage's forward: the model's own, given the received activation, ended by Exit.
+    `call(forward, x, first)`: how a stage's input reaches the model's forward and what of its
+    output the stage sends (raylane.hf.stages: input_ids or inputs_embeds in, logits out)."""
 
-    def __init__(self, forward: Any, slot: _Slot) -> None:
-        self.forward, self.slot = forward, slot
+    def __init__(self, forward: Any, slot: _Slot, call: Callable | None = None, first: bool = False) -> None:
+        self.forward, self.slot, self.call, self.first = forward, slot, call, first
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.slot.received = args[0] if args else next(iter(kwargs.values()), None)
         try:
+            if self.call is not None:
+                return self.call(self.forward, *args, first=self.first, **kwargs)
             return self.forward(*args, **kwargs)
         except StageExit as done:
             return done.output
         finally:
             self.slot.received = None
+
+
+@dataclass
+class Stages:
+    """A `Pipeline.pp_stages` for a model whose own forward needs help to run as a stage (a
+    Hugging Face causal LM: raylane.hf.stages): the split (`names`: "auto" or lists of module
+    names, as `pp_stages` itself), `call(forward, x, first=...)` (the stage's input to the model's
+    forward, and the output it sends on), `pair(batch)` ((input, target) of a batch of the
+    pipeline's form) and `loss_fn(output, target)` (the last stage's, in place of the pipeline's)."""
+
+    names: str | Sequence[Sequence[str]] = "auto"
+    call: Callable[..., Any] | None = None
+    pair: Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None = None
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
 
 
 def stage_ranks(pp: int, stages_per_rank: int, v_shaped: bool) -> list[int]:
@@ -202,10 +230,14 @@ def _under(name: str, module: str) -> bool:
     return name == module or name.startswith(module + ".")
 
 
-def stage_module(model: nn.Module, stages: list[list[str]], index: int, container: str) -> nn.Module:
+def stage_module(
+    model: nn.Module, stages: list[list[str]], index: int, container: str, call: Callable | None = None
+) -> nn.Module:
     """Stage `index` of `model` (split by `stages`): a deep copy holding its own modules only, under
-    their names in the model. `container`: the dotted path of the blocks' ModuleList or Sequential."""
+    their names in the model. `container`: the dotted path of the blocks' ModuleList or Sequential;
+    `call`: a Stages' (None: the stage's input is the forward's)."""
     stage = copy.deepcopy(model)
+    keys = list(stage.get_submodule(container)._modules)
     own = stages[index]
     slot = _Slot()
     for i, names in enumerate(stages):
@@ -226,7 +258,8 @@ def stage_module(model: nn.Module, stages: list[list[str]], index: int, containe
     blocks.__class__ = type(f"Stage{type(blocks).__name__}", (_StageBlocks, type(blocks)), {})
     object.__setattr__(blocks, "_stage_enter", Enter(slot) if index > 0 else None)
     object.__setattr__(blocks, "_stage_exit", Exit() if index < len(stages) - 1 else None)
-    stage.forward = _StageForward(stage.forward, slot)
+    object.__setattr__(blocks, "_stage_keys", keys)
+    stage.forward = _StageForward(stage.forward, slot, call, first=index == 0)
     return stage
 
 
@@ -316,6 +349,7 @@ class Pipeline:
     microbatches: int = 1
     divisor: float = 1.0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    pair: Callable[[Any], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=lambda: pair)
 
     @property
     def has_first(self) -> bool:
@@ -337,7 +371,7 @@ class Pipeline:
         self.divisor = float(self.microbatches * n)
         total = torch.zeros((), device=self.device)
         for batch in batches:
-            source, target = pair(batch)
+            source, target = self.pair(batch)
             losses: list[torch.Tensor] = []  # fresh each step: the schedule clears the list it is given
             args = (source.to(self.device),) if self.has_first else ()
             target = target.to(self.device) if self.has_last else None
@@ -438,26 +472,40 @@ def pipeline_model(
             f"strategy.pp = {s.pp}: the pipeline gives no pp_stages (how its model splits into stages): give "
             "its Pipeline pp_stages='auto' or lists of module names (docs/strategies.md, Pipeline parallelism)"
         )
-    if loss_fn is None:
+    if loss_fn is None and not (isinstance(pp_stages, Stages) and pp_stages.loss_fn):
         raise ValueError(
             f"strategy.pp = {s.pp}: pipeline parallelism runs (input, target) batches and the pipeline's "
             "loss_fn on the last stage; the pipeline gives no loss_fn"
         )
+    split = pp_stages if isinstance(pp_stages, Stages) else Stages(pp_stages)
+    loss_fn = split.loss_fn or loss_fn
     n = s.pp * s.stages_per_rank
-    stages = auto_stages(model, found, n) if pp_stages == "auto" else check_stages(model, pp_stages, n)
-    check_stages(model, stages, n)  # auto's too: ties across stages, every parameter held once
-    container = _container(model, found, stages)
-    check_container(model, stages, container)
+    stages, container = split_names(model, found, split.names, n)
     ranks = stage_ranks(s.pp, s.stages_per_rank, s.pp_schedule in ("ZBVZeroBubble", "DualPipeV"))
     me = pp_mesh.get_local_rank()
     held = []
     for index in (i for i, r in enumerate(ranks) if r == me):
-        stage = stage_module(model, stages, index, container)
+        stage = stage_module(model, stages, index, container, split.call)
         blocks = [m for m in stage.get_submodule(container)._modules.values() if any(True for _ in m.parameters())]
         held.append((index, prepare(stage, blocks)))
     pipe = Pipeline(held, n, ranks, pp_mesh.get_group(), loss_fn, microbatches=s.microbatches, device=device)
+    pipe.pair = split.pair or pair
     pipe.schedule = build_schedule(pipe, s.pp_schedule, s.microbatches)
-    return PipelineModel([m for _, m in held], pipe)
+    whole = PipelineModel([m for _, m in held], pipe)
+    for key, value in vars(model).items():  # raylane's records on the model (its frozen base, tokenizer)
+        if key.startswith("_raylane_"):
+            object.__setattr__(whole, key, value)
+    return whole
+
+
+def split_names(model: nn.Module, found: Blocks, names: Any, n: int) -> tuple[list[list[str]], str]:
+    """(the module names of each of `n` stages, the blocks' container) for `names` ("auto" or
+    lists); ValueError, one line, for a split that cannot work."""
+    stages = auto_stages(model, found, n) if names == "auto" else check_stages(model, names, n)
+    check_stages(model, stages, n)  # auto's too: ties across stages, every parameter held once
+    container = _container(model, found, stages)
+    check_container(model, stages, container)
+    return stages, container
 
 
 def check_container(model: nn.Module, stages: list[list[str]], container: str) -> None:

@@ -1,5 +1,6 @@
-"""`raylane check --plan`: the layout a config asks for (`fsdp×tp2 on 4 ranks: dp 2 × tp 2`) and
-the pipeline's tensor-parallel plan on its model, built on the meta device (shapes, no memory, no
+"""`raylane check --plan`: the layout a config asks for (`fsdp×tp2 on 4 ranks: dp 2 × tp 2`), its
+pipeline stages under `strategy.pp` (each stage's modules and parameters), and the pipeline's
+tensor-parallel plan on its model, built on the meta device (shapes, no memory, no
 process group): which modules each rule takes and how their weights are split, what every rank of
 a tensor-parallel group holds whole, and the parameters held under several names (tied), which
 must be split alike. A rule that names no module, or tied names split two ways, is an error here
@@ -108,9 +109,61 @@ def _grouped(names: list[str]) -> str:
     return ", ".join(path + (f" (×{n})" if n > 1 else "") for path, n in counts.items())
 
 
+def stage_lines(pipe: Any, cfg: Any) -> list[str]:
+    """With `strategy.pp` > 1: a line per pipeline stage, its rank, its modules (a run of blocks
+    folded, `blocks.0-3`) and its parameters. ValueError, one line, for a split that cannot work."""
+    from raylane import pipelines_ref
+    from raylane.loop.blocks import find_blocks
+    from raylane.loop.pipeline_parallel import Stages, split_names, stage_ranks
+
+    s = cfg.strategy
+    if pipe.pp_stages is None:
+        raise ValueError(
+            f"strategy.pp = {s.pp}: the {pipelines_ref.label(cfg.pipeline)} pipeline gives no pp_stages (how its "
+            "model splits into stages): give its Pipeline pp_stages='auto' or lists of module names"
+        )
+    names = pipe.pp_stages.names if isinstance(pipe.pp_stages, Stages) else pipe.pp_stages
+    n = s.pp * s.stages_per_rank
+    stages, container = split_names(pipe.model, find_blocks(pipe.model, pipe.blocks), names, n)
+    ranks = stage_ranks(s.pp, s.stages_per_rank, s.pp_schedule in ("ZBVZeroBubble", "DualPipeV"))
+    params = dict(pipe.model.named_parameters())
+    lines = [f"stages of {type(pipe.model).__name__} ({n}, {s.pp_schedule}):"]
+    for index, held in enumerate(stages):
+        count = sum(p.numel() for name, p in params.items() if any(name.startswith(m + ".") for m in held))
+        lines.append(
+            f"  stage {index} (pp rank {ranks[index]}): {_folded_run(held, container)}  ({count:,} parameters)"
+        )
+    return lines
+
+
+def _folded_run(names: list[str], container: str) -> str:
+    """Module names, consecutive blocks of `container` as one `container.first-last`."""
+    out: list[str] = []
+    run: list[int] = []
+    prefix = f"{container}." if container else ""
+
+    def flush() -> None:
+        if run:
+            out.append(f"{prefix}{run[0]}" if len(run) == 1 else f"{prefix}{run[0]}-{run[-1]}")
+            run.clear()
+
+    for name in names:
+        rest = name[len(prefix) :] if name.startswith(prefix) else ""
+        if rest.isdigit() and (not run or int(rest) == run[-1] + 1):
+            run.append(int(rest))
+            continue
+        flush()
+        if rest.isdigit():
+            run.append(int(rest))
+        else:
+            out.append(name)
+    flush()
+    return ", ".join(out)
+
+
 def pipeline_plan(cfg: Any, world: int) -> list[str]:
-    """`raylane check --plan`: the layout line and the plan of the config's pipeline, its
-    `build(cfg)` run in this process with the meta device as the default (the model's shapes, no
+    """`raylane check --plan`: the layout line, the stages (with `strategy.pp` > 1) and the plan of
+    the config's pipeline, its `build(cfg)` run in this process with the meta device as the default (the model's shapes, no
     memory). ValueError, one line, for a plan that cannot be laid out on the model."""
     import torch
 
@@ -120,6 +173,8 @@ def pipeline_plan(cfg: Any, world: int) -> list[str]:
     with torch.device("meta"):
         pipe = build_pipeline(cfg)
     lines = [f"layout: {layout_line(cfg, world)}"]
+    if cfg.strategy.pp > 1:
+        lines += stage_lines(pipe, cfg)
     if pipe.tp_plan is None:
         return [*lines, f"plan: none (the {pipelines_ref.label(cfg.pipeline)} pipeline gives no tp_plan)"]
     plan, sp = pipe.tp_plan, cfg.strategy.sequence_parallel
