@@ -73,6 +73,9 @@ class _StageBlocks:
     A slice (`self.layers[: config.num_hidden_layers]`, transformers' loop) is taken by the
     model's own positions, and iterates alike."""
 
+    _modules: dict[str, nn.Module]  # the container's own (nn.ModuleList's, mixed with this)
+    _stage_keys: list[str]
+
     def __iter__(self):
         if self._stage_enter is not None:
             yield self._stage_enter
