@@ -20,7 +20,7 @@ import torch.distributed as dist
 from raylane import api
 from raylane.loop.batches import forward_loss, to_device
 from raylane.loop.data import first_batch
-from raylane.loop.parallel import _tensor_parallel, estimate_memory, model_parallel_strategy, prepare_blocks
+from raylane.loop.parallel import estimate_memory, lay_out_tensor_parallel, model_parallel_strategy, prepare_blocks
 from raylane.loop.usercode import build_pipeline
 
 
@@ -72,7 +72,9 @@ def main() -> None:
     if cuda:
         torch.cuda.empty_cache()
     strategy = model_parallel_strategy(cfg, 1, tp=1)
-    mesh_model = _tensor_parallel(copy.deepcopy(pipe.model), pipe.blocks or [], cfg, device, strategy, pipe.tp_plan)
+    mesh_model = lay_out_tensor_parallel(
+        copy.deepcopy(pipe.model), pipe.blocks or [], cfg, device, strategy, pipe.tp_plan
+    )
     out["mesh"] = dict(
         zip(("losses", "step_s", "peak_bytes"), _train(mesh_model, pipe, batches, cfg, device), strict=True)
     )

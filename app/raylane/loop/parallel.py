@@ -294,7 +294,7 @@ def parallelize(
         strategy = _agreed(choose_strategy(cfg, device, world_size, model, example, loss_fn, step, blocks=blocks))
     _note_blocks(model, found, strategy, cfg)
     if strategy.tp > 1:
-        return _tensor_parallel(model, blocks, cfg, device, strategy, tp_plan), strategy
+        return lay_out_tensor_parallel(model, blocks, cfg, device, strategy, tp_plan), strategy
     if not blocks_prepared:
         prepare_blocks(model, cfg, blocks)
     if strategy.name in ("fsdp", "hsdp"):
@@ -384,7 +384,7 @@ def fsdp_mesh(mesh: Any) -> Any:
     return mesh.views["fsdp"]
 
 
-def _tensor_parallel(
+def lay_out_tensor_parallel(
     model: nn.Module, blocks: list[nn.Module], cfg: BaseConfig, device: torch.device, strategy: Strategy, plan: Any
 ) -> nn.Module:
     """The plan on each tensor-parallel group, then recompute and compile, then FSDP2 over the
