@@ -74,7 +74,7 @@ def _give_memory(pipe: Any) -> None:
     """A model built on the meta device (the hf pipeline's) gets memory here, in this process; a
     model on a frozen base gets its base weights from the pipeline (read from its files: the
     checkpoint holds what trained), any other's come whole from the checkpoint."""
-    from raylane.loop.parallel import materialize, on_meta
+    from raylane.loop.sharding import materialize, on_meta
 
     if not on_meta(pipe.model):
         return

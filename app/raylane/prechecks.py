@@ -1,7 +1,8 @@
 """What can be checked before any work starts, beyond what one config field says about itself:
 the files a command will write, the metric a sweep or checkpoint retention ranks by, the
 machine the workers land on, and what an earlier launch of the same run left on disk (its
-newest checkpoint's manifest and its record, raylane.runrecord).
+newest checkpoint's manifest and its record, raylane.runrecord). The layout (strategy.tp, pp,
+dp_replicate on the ranks) is raylane.layout_checks'.
 
 The commands call these after the config validates and before Ray, torch's workers or MLflow
 start, so that a mistake costs seconds, not a run whose results are then lost (a summary that
@@ -365,84 +366,6 @@ def check_global_order(cfg: BaseConfig) -> None:
             f"{field} = {value!r}: the {pipelines_ref.label(cfg.pipeline)} pipeline streams its data "
             "(sources), whose epochs are shared out by file, not by sample: a held global batch "
             "and elastic runs need a map-style dataset"
-        )
-
-
-def check_layout(cfg: BaseConfig, world_size: int, world: str) -> None:
-    """`strategy.tp` on `world_size` ranks (`world`: where that number comes from, as the user
-    set it): a world it divides, replicas only through FSDP2, map-style data, and a pipeline that
-    gives a tp_plan. The checks of the config alone are its validators' (raylane.config.base)."""
-    _check_pipeline_layout(cfg, world_size, world)
-    tp = cfg.strategy.tp
-    if not cfg.strategy.tensor_parallel:
-        return
-    from raylane.loop.streaming import declares_sources
-
-    label = pipelines_ref.label(cfg.pipeline)
-    if tp == "auto":  # any degree of the node's ranks may be chosen; one without a plan is not tried
-        if declares_sources(cfg):
-            raise ConfigError(
-                f"strategy.tp = 'auto': the {label} pipeline streams its data (sources), split by rank, and the "
-                "ranks of a tensor-parallel group must read the same batches; give strategy.tp: 1"
-            )
-        return
-    if world_size % tp:
-        raise ConfigError(f"strategy.tp = {tp}: does not divide {world} (a tensor-parallel group is tp ranks)")
-    replicas = world_size // tp
-    if cfg.strategy.name == "ddp" and replicas > 1:
-        raise ConfigError(
-            f"strategy.tp = {tp} with strategy.name = 'ddp' on {world_size} ranks: torch's DDP does not take "
-            f"tensor-parallel weights, and replicas through FSDP2 are not built yet; use strategy.name: fsdp "
-            f"(FSDP2 over the {replicas} data-parallel ranks)"
-        )
-    if declares_sources(cfg):
-        raise ConfigError(
-            f"strategy.tp = {tp}: the {label} pipeline streams its data (sources), split by rank, and the "
-            "ranks of a tensor-parallel group must read the same batches; tensor parallelism needs a map-style dataset"
-        )
-    if cfg.gives_tp_plan() is False:
-        raise ConfigError(
-            f"strategy.tp = {tp}: the {label} pipeline gives no tp_plan (which layers tensor parallelism "
-            "splits): give its Pipeline a tp_plan (docs/strategies.md, Tensor parallelism)"
-        )
-
-
-def _check_pipeline_layout(cfg: BaseConfig, world_size: int, world: str) -> None:
-    """`strategy.pp` and `strategy.dp_replicate` on `world_size` ranks: a world that splits into
-    pp x dp_replicate x tp, data-parallel replicas through FSDP2, map-style data, and a pipeline
-    that says how its model splits into stages."""
-    s = cfg.strategy
-    if s.pp == 1 and s.dp_replicate == 1:
-        return
-    from raylane.loop.streaming import declares_sources
-
-    label = pipelines_ref.label(cfg.pipeline)
-    group = s.pp * s.dp_replicate * s.tp_degree
-    if world_size % group:
-        sizes = " x ".join(
-            f"strategy.{k} = {n}"
-            for k, n in (("pp", s.pp), ("dp_replicate", s.dp_replicate), ("tp", s.tp_degree))
-            if n > 1
-        )
-        raise ConfigError(f"{sizes}: {group} ranks do not divide {world}")
-    if s.pp == 1:
-        return
-    replicas = world_size // (s.pp * s.tp_degree)
-    if s.name == "ddp" and replicas > 1:
-        raise ConfigError(
-            f"strategy.pp = {s.pp} with strategy.name = 'ddp' on {world_size} ranks: the {replicas} data-parallel "
-            "replicas of each stage are FSDP2's; use strategy.name: fsdp"
-        )
-    if declares_sources(cfg):
-        raise ConfigError(
-            f"strategy.pp = {s.pp}: the {label} pipeline streams its data (sources), split by rank, and the "
-            "stages of a pipeline must read the same batches; pipeline parallelism needs a map-style dataset"
-        )
-    if cfg.gives_pp_stages() is False:
-        raise ConfigError(
-            f"strategy.pp = {s.pp}: the {label} pipeline gives no pp_stages (how its model splits into "
-            "stages): give its Pipeline pp_stages='auto' or lists of module names (docs/strategies.md, Pipeline "
-            "parallelism)"
         )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raylane import prechecks, runrecord
+from raylane import layout_checks, prechecks, runrecord
 from raylane.autotuning.record import RECORD_FILE
 from raylane.config import BaseConfig, ConfigError, autotune, load_config
 from raylane.config.batching import held_batch, world_sizes
@@ -58,10 +58,10 @@ def prepare_train(
     if in_process:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         where = f"torchrun's WORLD_SIZE = {world}" if under_torchrun() else "the one process of --local"
-        prechecks.check_layout(cfg, world, where)
+        layout_checks.check_layout(cfg, world, where)
         held_batch(cfg, world)
     else:
-        prechecks.check_layout(cfg, cfg.scaling.num_workers, f"scaling.num_workers = {cfg.scaling.num_workers}")
+        layout_checks.check_layout(cfg, cfg.scaling.num_workers, f"scaling.num_workers = {cfg.scaling.num_workers}")
         notes.extend(_skipped_sizes(cfg, world_sizes(cfg)))  # the global batch splits at min and max
     prechecks.check_global_order(cfg)
     run = PreparedRun(cfg, use_ray=not in_process, finished=prechecks.check_resume(cfg), notes=notes)
@@ -221,7 +221,7 @@ def prepare_submit(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
         )
     cfg = load_config(config, list(overrides), outputs=False)
     prechecks.check_run(cfg, local_storage=False)
-    prechecks.check_layout(cfg, cfg.scaling.num_workers, f"scaling.num_workers = {cfg.scaling.num_workers}")
+    layout_checks.check_layout(cfg, cfg.scaling.num_workers, f"scaling.num_workers = {cfg.scaling.num_workers}")
     return cfg
 
 

@@ -153,7 +153,7 @@ CASES: dict[str, Case] = {
         ["check", "digits", "--set", "strategy.comm_hook=bf16"],
         "strategy.comm_hook = 'bf16' needs scaling.use_gpu: true",
     ),
-    # tensor parallelism: layouts that cannot work, or are not built yet (raylane.prechecks.check_layout)
+    # tensor parallelism: layouts that cannot work, or are not built yet (raylane.layout_checks.check_layout)
     "tp does not divide the workers": Case(
         ["train", "digits", "--set", "scaling.num_workers=4", "--set", "strategy.tp=3"],
         "strategy.tp = 3: does not divide scaling.num_workers = 4",
@@ -208,7 +208,7 @@ CASES: dict[str, Case] = {
         ["check", "gpt-tiny", "--set", "strategy.tp=2", "--set", "train.precision=fp16"],
         "train.precision = 'fp16' with strategy.tp = 2",
     ),
-    # pipeline parallelism (raylane.prechecks.check_layout, the config's validators, gpt's)
+    # pipeline parallelism (raylane.layout_checks.check_layout, the config's validators, gpt's)
     "pp x tp does not divide the workers": Case(
         ["train", "gpt-tiny", "--set", "scaling.num_workers=6", "--set", "strategy.pp=2", "--set", "strategy.tp=2"]
         + ["--set", "strategy.name=fsdp", "--set", "model.tie_embeddings=false"],

@@ -186,7 +186,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("config", ("raylane.config", "raylane.lease")),
     # The run record reads checkpoint manifests (raylane.loop.checkpoint.manifest, torch-free).
-    ("loop", ("raylane.loop", "raylane.prechecks", "raylane.export", "raylane.runrecord")),
+    ("loop", ("raylane.loop", "raylane.prechecks", "raylane.layout_checks", "raylane.export", "raylane.runrecord")),
     ("tracking and hf", ("raylane.tracking", "raylane.hf")),
     # The Ray-free halves of every run kind: the lifecycle, where a cluster is (addresses, a local
     # head's record), a sweep's plan-free record and results (read from MLflow).

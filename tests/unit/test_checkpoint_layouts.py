@@ -21,7 +21,7 @@ from raylane.config import ConfigError, load_config
 from raylane.loop import checkpoint
 from raylane.loop.checkpoint.layout import change_line, layout_of
 from raylane.loop.checkpoint.state import flat_optim, nested_optim, regrouped, scheduler_state_for
-from raylane.loop.parallel import Strategy
+from raylane.loop.sharding import Strategy
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.untracked

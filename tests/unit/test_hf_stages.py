@@ -13,7 +13,8 @@ import torch
 from raylane.hf.stages import causal_lm_stages, check_pp
 from raylane.loop.batches import BatchFormError
 from raylane.loop.blocks import find_blocks
-from raylane.loop.pipeline_parallel import split_names, stage_module
+from raylane.loop.pipeline_parallel import stage_module
+from raylane.loop.pipeline_split import split_names
 from tests.helpers import hf_families
 
 pytest.importorskip("transformers")

@@ -81,7 +81,7 @@ def test_the_workers_load_and_the_export_refuse_a_checkpoint_of_another_tokenize
     from raylane import api
     from raylane.config import ConfigError, validate
     from raylane.loop import usercode
-    from raylane.loop.parallel import materialize
+    from raylane.loop.sharding import materialize
 
     model = hf_tiny.gpt2(tmp_path / "gpt2")
     config = _hf(tmp_path, name_or_path=str(model))

@@ -16,7 +16,8 @@ from raylane.config import load_config
 from raylane.errors import ConfigError
 from raylane.loop.data import first_batch
 from raylane.loop.layout import Layout, parameter_bytes
-from raylane.loop.parallel import Strategy, parallelize, resharded
+from raylane.loop.parallel import parallelize
+from raylane.loop.sharding import Strategy, resharded
 from raylane.loop.tensor_parallel import plan_for, with_split_head
 
 GIB = 1024**3

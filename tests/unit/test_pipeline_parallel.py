@@ -13,14 +13,9 @@ from raylane.config import load_config
 from raylane.errors import ConfigError
 from raylane.loop.blocks import find_blocks
 from raylane.loop.data import data_ranks
-from raylane.loop.parallel import Strategy
-from raylane.loop.pipeline_parallel import (
-    PipelineModel,
-    auto_stages,
-    check_stages,
-    stage_module,
-    stage_ranks,
-)
+from raylane.loop.pipeline_parallel import PipelineModel, stage_module, stage_ranks
+from raylane.loop.pipeline_split import auto_stages, check_stages
+from raylane.loop.sharding import Strategy
 
 
 class Natural(nn.Module):
@@ -146,7 +141,7 @@ def test_the_layout_names_itself():
 def test_config_defaults_and_a_stream_refused(tmp_path):
     """Stages per rank and micro-batches follow the schedule; a streaming pipeline is refused
     under PP before launch (its Ray Data split is by world rank)."""
-    from raylane import prechecks
+    from raylane import layout_checks
 
     s = load_config("gpt-tiny", ["strategy.pp=2", "model.tie_embeddings=false"]).strategy
     assert (s.stages_per_rank, s.microbatches) == (1, 2)
@@ -160,7 +155,7 @@ def test_config_defaults_and_a_stream_refused(tmp_path):
     pq.write_table(pa.table({**{f"x{i}": [0.0, 1.0] for i in range(4)}, "label": [0, 1]}), tmp_path / "t.parquet")
     cfg = load_config("tabular", [f"data.train={tmp_path / 't.parquet'}", "strategy.pp=2"])
     with pytest.raises(ConfigError, match=r"strategy.pp = 2: the tabular pipeline streams its data \(sources\)"):
-        prechecks.check_layout(cfg, 2, "2 ranks")
+        layout_checks.check_layout(cfg, 2, "2 ranks")
 
 
 def test_an_epoch_under_a_pipeline_runs_whole_batches_only():
@@ -216,7 +211,7 @@ def test_auto_splits_a_sequential_model_with_its_activations():
     stages = [stage_module(model, check_stages(model, names, 2), i, "") for i in range(2)]
     x = torch.randn(3, 4)
     assert torch.allclose(_chain(stages, x), model(x))
-    from raylane.loop.pipeline_parallel import check_container
+    from raylane.loop.pipeline_split import check_container
 
     with pytest.raises(ValueError, match=r"'1', between the blocks, is on no stage"):
         check_container(model, [["0", "2", "3"], ["4"]], "")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raylane.loop.data import data_ranks
-from raylane.loop.parallel import Strategy
+from raylane.loop.sharding import Strategy
 from raylane.loop.steps import clip_gradients
 from raylane.loop.tensor_parallel import apply_plan, plan_for
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from raylane.loop.parallel import unwrap
+from raylane.loop.sharding import unwrap
 
 
 def is_oom(exc: BaseException) -> bool:

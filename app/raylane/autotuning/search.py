@@ -36,8 +36,8 @@ from raylane.autotuning.settings import SearchSettings
 from raylane.config import BaseConfig
 from raylane.loop import usercode
 from raylane.loop.events import Candidate, End, Event, Round, SearchStart
-from raylane.loop.parallel import on_meta
 from raylane.loop.runtime import Runtime
+from raylane.loop.sharding import on_meta
 
 Planner = Generator[dict[str, Any], Outcome, None]
 

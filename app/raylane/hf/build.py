@@ -28,7 +28,6 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
     the meta device and filled from its files once it is parallelized (rank 0 reads them), and the
     data: `train` and `eval` when given (a `datasets.Dataset`, or `{name: Dataset}` for eval),
     tokenized here, else the files of `data.train` and `data.eval`, streamed."""
-    from raylane.config import ConfigError
     from raylane.hf import data
     from raylane.hf.parallel import tp_plan
     from raylane.hf.weights import empty_model, load_pretrained
@@ -48,23 +47,7 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
     where = data.tokenizer_path(cfg)
     key = "model.tokenizer_path" if m.tokenizer_path else "model.name_or_path"
     set_tokenizer(model, {"path": str(where), "fingerprint": tokenizer_fingerprint(where), "key": key})
-    if train is None and cfg.data.train is None:
-        raise ConfigError(
-            "data.train = None: give data.train (files), or hand a dataset to raylane.hf.pipeline(cfg, train=...)"
-        )
-    train_set = (
-        data.from_dataset(cfg, train, "train")
-        if train is not None
-        else data.file_source(cfg, cfg.data.train, "data.train")
-    )
-    if isinstance(eval, dict):
-        eval_set = {name: data.from_dataset(cfg, ds, name) for name, ds in eval.items()}
-    elif eval is not None:
-        eval_set = data.from_dataset(cfg, eval, "eval")
-    elif cfg.data.eval is not None:
-        eval_set = data.file_source(cfg, cfg.data.eval, "data.eval")
-    else:
-        eval_set = None
+    train_set, eval_set = _data_sets(cfg, train, eval)
     example = {"input_ids": _zeros(2, m.seq_len)}
     extra: dict[str, Any]  # the fields of one task or the other, each of its own type
     if causal:
@@ -88,6 +71,30 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
         tp_plan=tp_plan,  # the model's own (transformers'), on raylane's mesh: strategy.tp
         **extra,
     )
+
+
+def _data_sets(cfg: Config, train: Any, eval: Any) -> tuple[Any, Any]:
+    """(the training set, the held-out set or sets): the datasets handed in, tokenized here, else
+    the files of `data.train` and `data.eval`, streamed."""
+    from raylane.config import ConfigError
+    from raylane.hf import data
+
+    if train is None and cfg.data.train is None:
+        raise ConfigError(
+            "data.train = None: give data.train (files), or hand a dataset to raylane.hf.pipeline(cfg, train=...)"
+        )
+    train_set = (
+        data.from_dataset(cfg, train, "train")
+        if train is not None
+        else data.file_source(cfg, cfg.data.train, "data.train")
+    )
+    if isinstance(eval, dict):
+        return train_set, {name: data.from_dataset(cfg, ds, name) for name, ds in eval.items()}
+    if eval is not None:
+        return train_set, data.from_dataset(cfg, eval, "eval")
+    if cfg.data.eval is not None:
+        return train_set, data.file_source(cfg, cfg.data.eval, "data.eval")
+    return train_set, None
 
 
 def _zeros(*shape: int):

@@ -64,7 +64,7 @@ def check_pp(model: Any, n_stages: int) -> list[list[str]]:
     naming what cannot be split (fewer layers than stages, tied embeddings)."""
     from raylane.hf.parallel import pretrained_of
     from raylane.loop.blocks import find_blocks
-    from raylane.loop.pipeline_parallel import split_names
+    from raylane.loop.pipeline_split import split_names
 
     _, pretrained = pretrained_of(model)
     cls = type(pretrained).__name__

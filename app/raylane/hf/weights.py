@@ -1,7 +1,7 @@
 """Pretrained weights as transformers loads them, read once per run, not once per rank.
 
 Every rank builds the model on the meta device (`empty_model`: shapes, no memory; buffers real);
-raylane parallelizes it (DDP, or FSDP2 per block) and gives it storage (`raylane.loop.parallel.
+raylane parallelizes it (DDP, or FSDP2 per block) and gives it storage (`raylane.loop.sharding.
 materialize`); then `load_pretrained` runs on every rank: rank 0 alone loads the checkpoint with
 transformers' own `from_pretrained` (its key renamings and conversions: experts saved one by one
 and fused on load, say), and torch's `set_model_state_dict(..., broadcast_from_rank0=True)` sends

@@ -35,7 +35,7 @@ class Layout:
 
     @classmethod
     def of(cls, strategy: Any) -> Layout:
-        """A raylane.loop.parallel.Strategy's: a model-parallel run's one mesh read by dimension
+        """A raylane.loop.sharding.Strategy's: a model-parallel run's one mesh read by dimension
         (FSDP2 with replicas named hsdp), else its data-parallel ranks as replicas under DDP,
         shards under FSDP, both under HSDP."""
         mesh: tuple[int, ...] = tuple(strategy.mesh_shape) or (1,)

@@ -4,15 +4,15 @@ else found in the model (raylane.loop.blocks: `model.blocks`, a Hugging Face mod
 `_no_split_modules`, its largest repeated ModuleList). A model with none is sharded as one unit.
 
 Order matters and follows torchtitan: tensor parallelism (the pipeline's tp_plan), activation
-checkpointing, then compile, then DDP or FSDP2."""
+checkpointing, then compile, then DDP or FSDP2. The model-parallel layout (the mesh, TP, pipeline
+stages) is raylane.loop.mesh; the Strategy record and FSDP2's wrapping, raylane.loop.sharding."""
 
 from __future__ import annotations
 
 import copy
-import functools
 import logging
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from dataclasses import asdict, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,16 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raylane.config import BaseConfig
 from raylane.loop.blocks import Blocks, blocks_of, find_blocks
 from raylane.loop.devices import GIB, device_memory_bytes, local_world_size
-from raylane.loop.layout import MESH_DIMS, Layout
-from raylane.loop.tensor_parallel import (
-    TpPlan,
-    apply_plan,
-    gather_when_evaluating,
-    loss_context,
-    plan_for,
-    retie,
-    shared_parameters,
-)
+from raylane.loop.mesh import lay_out_pipeline_parallel, lay_out_tensor_parallel, model_parallel_strategy
+from raylane.loop.sharding import Strategy, fully_shard, materialize, on_meta, prepare_blocks
+from raylane.loop.tensor_parallel import TpPlan
 
 log = logging.getLogger("raylane")
 
@@ -39,61 +32,6 @@ log = logging.getLogger("raylane")
 # rest is for the allocator's fragmentation, the CUDA context and kernels' workspaces.
 AUTO_MARGIN = 0.85
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2}  # per parameter; SGD: 1 with momentum, else 0
-
-
-@dataclass
-class Strategy:
-    """How `parallelize()` laid the model out on this run's ranks, and why: the name the summary,
-    the terminal's strategy line and MLflow's tags show (`tags`), the device mesh's shape, the
-    memory estimate an `auto` choice was made from, and which blocks FSDP, recompute or compile
-    took. With tensor parallelism (`tp` > 1) the mesh is (data-parallel ranks, tp): consecutive
-    ranks form a tensor-parallel group, which reads the same batches."""
-
-    name: Literal["single", "ddp", "fsdp", "hsdp"]
-    mesh_shape: tuple[int, ...] = ()
-    reason: str = ""
-    estimate: dict[str, int] | None = None
-    blocks: str = ""  # the blocks FSDP, activation checkpointing or compile took, where any found and used
-    tp: int = 1
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    pp: int = 1
-    pp_schedule: str = ""
-
-    @property
-    def layout(self) -> Layout:
-        """The mesh's dimensions by name (raylane.loop.layout)."""
-        return Layout.of(self)
-
-    @property
-    def label(self) -> str:
-        """The layout as the summary, the strategy line and MLflow's tags name it: `fsdp×tp2×pp2`,
-        or without the data-parallel flavour where one data-parallel rank holds the batch (`tp2`,
-        `pp2`; `+sp`, `+lp`: sequence and loss parallel); `ddp`, `fsdp`, `hsdp` or `single`
-        without model parallelism."""
-        return self.layout.label()
-
-    @property
-    def data_parallel(self) -> int:
-        """Data-parallel ranks: those that read different batches (dp_replicate x dp_shard)."""
-        return self.layout.data_parallel
-
-    def step_context(self) -> Any:
-        """What a training step's forward, loss and backward run in: torch's loss_parallel, whose
-        cross-entropy takes the head's vocabulary-split logits, under loss parallelism."""
-        return loss_context(self.tp > 1 and self.loss_parallel)
-
-    def tags(self) -> dict[str, str]:
-        tags = {"raylane.strategy": self.label, "raylane.strategy.reason": self.reason}
-        if mesh := self.layout.mesh_text():
-            tags["raylane.strategy.mesh"] = mesh
-        if self.pp > 1:
-            tags["raylane.strategy.pp_schedule"] = self.pp_schedule
-        if self.blocks:
-            tags["raylane.strategy.blocks"] = self.blocks
-        if self.estimate:
-            tags.update({f"raylane.memory_estimate.{k}_gb": f"{v / GIB:.3f}" for k, v in self.estimate.items()})
-        return tags
 
 
 def _nbytes(params) -> int:
@@ -250,18 +188,6 @@ def _agreed(strategy: Strategy) -> Strategy:
     return strategy
 
 
-def prepare_blocks(model: nn.Module, cfg: BaseConfig, blocks: Any = None) -> None:
-    """In place, before any wrapping: activation checkpointing, then compile, on the model's
-    blocks (the pipeline's, or found; compile takes the whole model when it has none)."""
-    blocks = blocks_of(model, blocks)
-    if cfg.train.activation_checkpointing:
-        for block in blocks:
-            _checkpoint_activations(block)
-    if cfg.train.compile:
-        for part in blocks or [model]:
-            part.compile()  # in place: parameter names (and checkpoints) stay as they are
-
-
 def parallelize(
     model: nn.Module,
     cfg: BaseConfig,
@@ -285,7 +211,7 @@ def parallelize(
     if cfg.strategy.pp > 1:
         strategy = model_parallel_strategy(cfg, world_size)
         _note_blocks(model, found, strategy, cfg)
-        return _pipeline_parallel(model, found, cfg, device, strategy, tp_plan, pp_stages, loss_fn), strategy
+        return lay_out_pipeline_parallel(model, found, cfg, device, strategy, tp_plan, pp_stages, loss_fn), strategy
     if cfg.strategy.tp == "auto":
         strategy = _agreed(_auto_layout(cfg, device, world_size, model, (example, loss_fn, step), blocks, tp_plan))
     elif cfg.strategy.tp > 1:
@@ -332,112 +258,6 @@ def _note_blocks(model: nn.Module, found: Blocks, strategy: Strategy, cfg: BaseC
         log.warning(note)
 
 
-def model_parallel_strategy(cfg: BaseConfig, world_size: int, tp: int | None = None, why: str = "") -> Strategy:
-    """The (pp, dp_replicate, dp_shard, cp, tp) layout of `world_size` ranks (dp_shard: the rest);
-    `tp`: the degree `tp: auto` chose, with `why`."""
-    s = cfg.strategy
-    tp, pp, replicate, cp = tp or s.tp_degree, s.pp, s.dp_replicate, s.cp
-    if world_size % (tp * pp * replicate * cp):  # checked before launch (raylane.prechecks.check_layout)
-        raise ValueError(
-            f"strategy.pp x dp_replicate x tp = {pp * replicate * tp}: does not divide the {world_size} ranks"
-        )
-    shard = world_size // (tp * pp * replicate * cp)
-    dp = replicate * shard
-    said = [f"strategy.tp: {tp}"] if tp > 1 else []
-    if pp > 1:
-        said.append(
-            f"strategy.pp: {pp} ({s.pp_schedule}, {s.microbatches} micro-batches, {pp * s.stages_per_rank} stages)"
-        )
-    reason = why or f"{', '.join(said)}, FSDP2 over {dp} data-parallel rank{'s' if dp > 1 else ''}"
-    return Strategy(
-        "fsdp",
-        (pp, replicate, shard, cp, tp),
-        reason=reason,
-        tp=tp,
-        sequence_parallel=s.sequence_parallel,
-        loss_parallel=s.loss_parallel,
-        pp=pp,
-        pp_schedule=s.pp_schedule if pp > 1 else "",
-    )
-
-
-def device_mesh(device: torch.device, shape: tuple[int, ...]) -> Any:
-    """The run's one mesh over (pp, dp_replicate, dp_shard, cp, tp), size-1 dims kept, with flattened
-    views: `batch` (dp_replicate x dp_shard: who reads which data), `fsdp` (dp_shard x cp: FSDP2's
-    shards) and `loss` (batch x cp: over whom the loss averages)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, tuple(shape), mesh_dim_names=MESH_DIMS)
-    # torch keeps flattened views apart from the mesh (slicing them from it is deprecated)
-    mesh.views = {  # type: ignore[attr-defined]
-        "batch": mesh["dp_replicate", "dp_shard"]._flatten("batch"),
-        "fsdp": mesh["dp_shard", "cp"]._flatten("fsdp"),
-        "loss": mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss"),
-    }
-    return mesh
-
-
-def fsdp_mesh(mesh: Any) -> Any:
-    """FSDP2's mesh in a model-parallel layout: the shards, or (replicas, shards) for HSDP."""
-    if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]  # (with context parallelism: dp_shard x cp, flattened)
-    return mesh.views["fsdp"]
-
-
-def lay_out_tensor_parallel(
-    model: nn.Module, blocks: list[nn.Module], cfg: BaseConfig, device: torch.device, strategy: Strategy, plan: Any
-) -> nn.Module:
-    """The plan on each tensor-parallel group, then recompute and compile, then FSDP2 over the
-    data-parallel ranks: over one rank too, so that every parameter is a DTensor (torch's fused
-    optimizers and its clipping take no plain tensors beside DTensors)."""
-    if plan is None:
-        raise ValueError(
-            f"strategy.tp = {strategy.tp}: the pipeline gives no tp_plan (which layers tensor parallelism "
-            "splits): give its Pipeline a tp_plan (docs/strategies.md, Tensor parallelism)"
-        )
-    mesh = device_mesh(device, strategy.mesh_shape)
-    if not on_meta(model):
-        model = model.to(device)
-    apply_plan(
-        model, plan, mesh["tp"], sequence_parallel=strategy.sequence_parallel, loss_parallel=strategy.loss_parallel
-    )
-    if strategy.loss_parallel:
-        gather_when_evaluating(model)
-    prepare_blocks(model, cfg, blocks)
-    return fully_shard(model, blocks, cfg, device, strategy, fsdp_mesh(mesh))
-
-
-def _pipeline_parallel(
-    model: nn.Module, found: Blocks, cfg: BaseConfig, device: torch.device, strategy: Strategy, plan, stages, loss_fn
-) -> nn.Module:
-    """This rank's pipeline stages, each in issue 49's order: the split (on the model as built, on
-    the meta device or not), the TP plan and its ties, recompute and compile, FSDP2 (over one rank
-    too: every parameter a DTensor, so a checkpoint is sharded by stage), then storage."""
-    from raylane.loop.pipeline_parallel import pipeline_model, stage_plan
-
-    mesh = device_mesh(device, strategy.mesh_shape)
-    rules = plan_for(model, plan, sequence_parallel=strategy.sequence_parallel) if strategy.tp > 1 else None
-
-    def prepare(stage: nn.Module, blocks: list[nn.Module]) -> nn.Module:
-        if rules is not None:  # the plan's rules for the modules this stage holds
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            ties = shared_parameters(stage)
-            parallelize_module(stage, mesh["tp"], stage_plan(stage, rules))
-            retie(stage, ties)
-        prepare_blocks(stage, cfg, blocks)
-        return fully_shard(stage, blocks, cfg, device, strategy, fsdp_mesh(mesh))
-
-    return pipeline_model(model, found, cfg.strategy, device, mesh["pp"], prepare, stages, loss_fn)
-
-
-def _checkpoint_activations(block: nn.Module) -> None:
-    # Patching forward (rather than wrapping the block) keeps parameter names unchanged.
-    from torch.utils.checkpoint import checkpoint
-
-    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-
-
 def _ddp(model: nn.Module, cfg: BaseConfig, device: torch.device) -> DDP:
     s = cfg.strategy
     ddp = DDP(
@@ -462,104 +282,3 @@ def _ddp(model: nn.Module, cfg: BaseConfig, device: torch.device) -> DDP:
             hook = default_hooks.fp16_compress_hook if s.comm_hook == "fp16" else default_hooks.bf16_compress_hook
             ddp.register_comm_hook(None, hook)
     return ddp
-
-
-def fully_shard(
-    model: nn.Module,
-    blocks: list[nn.Module],
-    cfg: BaseConfig,
-    device: torch.device,
-    strategy: Strategy,
-    mesh: Any = None,
-) -> nn.Module:
-    """FSDP2 on each block, then the root; a 2-D mesh (replicate across nodes, shard inside
-    one) is HSDP. `mesh`: the data-parallel ranks' (under tensor parallelism), else made here."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-    from torch.distributed.fsdp import fully_shard as shard
-
-    if mesh is None:
-        names = ("replicate", "shard") if len(strategy.mesh_shape) == 2 else ("shard",)
-        mesh = init_device_mesh(device.type, strategy.mesh_shape, mesh_dim_names=names)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
-    options: dict[str, Any] = {
-        "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-    }
-    meta = on_meta(model)
-    if cfg.strategy.cpu_offload:
-        options["offload_policy"] = CPUOffloadPolicy()
-    elif not meta:
-        model = model.to(device)
-    # Under a pipeline schedule, blocks stay gathered between micro-batches (torchtitan's default):
-    # resharding would all-gather them again for every micro-batch.
-    reshard = cfg.strategy.reshard_after_forward and strategy.pp == 1
-    for block in blocks:
-        shard(block, reshard_after_forward=reshard, **options)
-    # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
-    shard(model, reshard_after_forward=False, **options)
-    if meta:  # sharded first: each rank allocates its own shards only
-        materialize(model, torch.device("cpu") if cfg.strategy.cpu_offload else device)
-    return model
-
-
-def on_meta(model: nn.Module) -> bool:
-    """Whether the model was built on the meta device (shapes, no memory): its weights come
-    from the pipeline's init_weights or a checkpoint, after it is parallelized."""
-    return any(p.is_meta for p in model.parameters())
-
-
-def materialize(model: nn.Module, device: torch.device) -> nn.Module:
-    """A meta model's storage on `device`, uninitialized (`to_empty`), keeping what to_empty
-    loses: buffers built real (a model made with accelerate's `init_empty_weights(include_buffers=
-    False)` keeps non-persistent buffers such as rotary frequencies, which no state dict holds),
-    and parameters shared under several names (tied embeddings), which to_empty would split."""
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
-    ties = shared_parameters(model)
-    model.to_empty(device=device)
-    retie(model, ties)
-    with torch.no_grad():
-        for name, value in buffers.items():
-            model.get_buffer(name).copy_(value)
-    return model
-
-
-def resharded(model: nn.Module) -> nn.Module:
-    """The model with every FSDP2 module's parameters back in their shards, as an optimizer must
-    be built over: a forward without backward (a pipeline's init_weights checking its weights, a
-    probe) leaves the root's unsharded (it is not resharded after forward), and an optimizer built
-    then holds those, which FSDP2 swaps out at the next step: their weights never train (issue
-    49's trap c)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-    return model
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DDP) else model
-
-
-def no_gradient_sync(model: nn.Module):
-    """A context for micro-batches before the last of an optimizer step: gradients accumulate
-    locally and are reduced once, on the last micro-batch (the DDP paper's skipped sync)."""
-    if isinstance(model, DDP):
-        return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        return _fsdp_no_sync(model)
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
-class _fsdp_no_sync:
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self) -> None:
-        self.model.set_requires_gradient_sync(False)
-
-    def __exit__(self, *exc: object) -> None:
-        self.model.set_requires_gradient_sync(True)

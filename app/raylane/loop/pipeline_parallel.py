@@ -1,7 +1,7 @@
 """Pipeline parallelism from a pipeline's `pp_stages`: the model cut into stages by module name,
 each rank holding its stages (torch.distributed.pipelining's PipelineStage), run by one of torch's
 schedules. Names stay the model's (`blocks.5` stays `blocks.5` on whichever stage holds it), so a
-checkpoint loads at any layout.
+checkpoint loads at any layout. Which names each stage holds: raylane.loop.pipeline_split.
 
 A stage is the model itself, deep-copied, with what other stages hold taken out (torchtitan's
 way), so that the model's own `forward` runs unchanged on every stage:
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raylane.loop.blocks import CONTAINERS, Blocks
+from raylane.loop.blocks import Blocks
+from raylane.loop.pipeline_split import is_under, split_names
 
 
 class StageExit(Exception):  # noqa: N818 - control flow, not an error: the stage's output
@@ -135,104 +136,6 @@ def stage_ranks(pp: int, stages_per_rank: int, v_shaped: bool) -> list[int]:
     return [s % pp for s in range(n)]
 
 
-def _names(model: nn.Module) -> dict[int, str]:
-    return {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-
-
-def auto_stages(model: nn.Module, found: Blocks, n: int) -> list[list[str]]:
-    """The found blocks split evenly over `n` stages (earlier stages take one more where they do not
-    divide), the modules registered before the blocks on the first stage, after them on the last.
-    ValueError, in one line, when the model cannot be split so."""
-    kind = type(model).__name__
-    if not found.modules:
-        raise ValueError(f"Pipeline.pp_stages = 'auto': no repeated blocks found in {kind} to split into stages")
-    if len(found.modules) < n:
-        raise ValueError(f"Pipeline.pp_stages = 'auto': {n} stages for the {len(found.modules)} blocks of {kind}")
-    names = _names(model)
-    blocks = [names[id(b)] for b in found.modules]
-    parents = {b.rpartition(".")[0] for b in blocks}
-    container = parents.pop()
-    if parents or not isinstance(model.get_submodule(container), CONTAINERS):
-        raise ValueError(
-            f"Pipeline.pp_stages = 'auto': the blocks of {kind} are not one ModuleList or Sequential; "
-            "give pp_stages as lists of module names"
-        )
-    before: list[str] = []
-    after: list[list[str]] = []  # per holder, outermost first
-    path = container.split(".") if container else []
-    for depth in range(len(path)):  # each module on the way from the model to the blocks' container
-        holder = model.get_submodule(".".join(path[:depth]))
-        prefix = "".join(f"{p}." for p in path[:depth])
-        if own := [name for name, _ in holder.named_parameters(recurse=False)]:
-            raise ValueError(
-                f"Pipeline.pp_stages = 'auto': {prefix + own[0]!r} is a parameter of {type(holder).__name__} "
-                "itself, which no stage can hold alone; move it into a module of its own"
-            )
-        children = [name for name, _ in holder.named_children()]
-        at = children.index(path[depth])
-        before += [prefix + name for name in children[:at]]
-        after.append([prefix + name for name in children[at + 1 :]])
-    stages = _split_container(model, container, blocks, n)
-    stages[0][:0] = before
-    for rest in reversed(after):  # the innermost holder's first, as the forward meets them
-        stages[-1].extend(rest)
-    return stages
-
-
-def _split_container(model: nn.Module, container: str, blocks: list[str], n: int) -> list[list[str]]:
-    """The container's children over `n` stages: its blocks evenly (earlier stages take one more
-    where they do not divide), any other child with the block before it (a Sequential's
-    activations), or on the first stage."""
-    base, extra = divmod(len(blocks), n)
-    sizes = [base + (1 if s < extra else 0) for s in range(n)]
-    stages: list[list[str]] = [[] for _ in range(n)]
-    stage, taken, wanted = 0, 0, set(blocks)
-    prefix = f"{container}." if container else ""
-    for child in model.get_submodule(container)._modules:
-        name = prefix + child
-        if name in wanted:
-            if taken == sizes[stage]:
-                stage, taken = stage + 1, 0
-            taken += 1
-        stages[stage].append(name)
-    return stages
-
-
-def check_stages(model: nn.Module, stages: Sequence[Sequence[str]], n: int) -> list[list[str]]:
-    """`stages` (lists of module names) as lists; ValueError naming what is wrong: a count other
-    than `n`, a name of no module, a parameter no stage or two stages hold, a tied parameter that
-    two stages hold."""
-    kind = type(model).__name__
-    if isinstance(stages, str) or len(stages) != n:
-        got = repr(stages) if isinstance(stages, str) else f"{len(stages)} stages"
-        raise ValueError(f"Pipeline.pp_stages: {got}, for the {n} stages of strategy.pp x pp_stages_per_rank")
-    modules = dict(model.named_modules())
-    listed = [list(s) for s in stages]
-    for names in listed:
-        for name in names:
-            if name not in modules or not name:
-                raise ValueError(f"Pipeline.pp_stages: {name!r} names no module of {kind}")
-    for pname, _ in model.named_parameters():
-        holders = [i for i, names in enumerate(listed) if any(_under(pname, m) for m in names)]
-        if len(holders) != 1:
-            what = "no stage holds" if not holders else f"stages {holders[0]} and {holders[1]} both hold"
-            raise ValueError(f"Pipeline.pp_stages: {what} the parameter {pname!r} of {kind}")
-    from raylane.loop.tensor_parallel import shared_parameters
-
-    for tied in shared_parameters(model):
-        owners = {next(i for i, names in enumerate(listed) if any(_under(t, m) for m in names)) for t in tied}
-        if len(owners) > 1:
-            raise ValueError(
-                f"Pipeline.pp_stages: {tied[0]!r} and {tied[1]!r} are one tied parameter, which stages "
-                f"{min(owners)} and {max(owners)} would hold apart (and train apart); untie them, or keep both on one stage"
-            )
-    return listed
-
-
-def _under(name: str, module: str) -> bool:
-    return name == module or name.startswith(module + ".")
-
-
 def stage_module(
     model: nn.Module, stages: list[list[str]], index: int, container: str, call: Callable | None = None
 ) -> nn.Module:
@@ -247,7 +150,7 @@ def stage_module(
         if i == index:
             continue
         for name in names:
-            if any(_under(name, mine) for mine in own):
+            if any(is_under(name, mine) for mine in own):
                 continue  # inside a module this stage holds
             parent, _, child = name.rpartition(".")
             holder = stage.get_submodule(parent)
@@ -271,7 +174,7 @@ def stage_plan(stage: nn.Module, rules: dict[str, Any]) -> dict[str, Any]:
     held = [
         n.split(".")
         for n, m in stage.named_modules()
-        if n and not isinstance(m, Elsewhere) and not any(_under(n, e) for e in _elsewhere(stage))
+        if n and not isinstance(m, Elsewhere) and not any(is_under(n, e) for e in _elsewhere(stage))
     ]
     out = {}
     for pattern, style in rules.items():
@@ -468,7 +371,7 @@ def pipeline_model(
     loss_fn: Any,
 ) -> PipelineModel:
     """This rank's stages of `model` (`s`: the strategy section), each made ready by
-    `prepare(stage, its blocks)` (raylane.loop.parallel: the TP plan, recompute, compile, FSDP2),
+    `prepare(stage, its blocks)` (raylane.loop.mesh: the TP plan, recompute, compile, FSDP2),
     and the schedule over them on the pipeline's mesh `pp_mesh`."""
     if pp_stages is None:
         raise ValueError(
@@ -499,31 +402,3 @@ def pipeline_model(
         if key.startswith("_raylane_"):
             object.__setattr__(whole, key, value)
     return whole
-
-
-def split_names(model: nn.Module, found: Blocks, names: Any, n: int) -> tuple[list[list[str]], str]:
-    """(the module names of each of `n` stages, the blocks' container) for `names` ("auto" or
-    lists); ValueError, one line, for a split that cannot work."""
-    stages = auto_stages(model, found, n) if names == "auto" else check_stages(model, names, n)
-    check_stages(model, stages, n)  # auto's too: ties across stages, every parameter held once
-    container = _container(model, found, stages)
-    check_container(model, stages, container)
-    return stages, container
-
-
-def check_container(model: nn.Module, stages: list[list[str]], container: str) -> None:
-    """Every child of the blocks' container on one stage: iterated on every stage, an activation
-    between blocks that no stage holds would run twice."""
-    prefix = f"{container}." if container else ""
-    listed = {name for names in stages for name in names}
-    for child in model.get_submodule(container)._modules:
-        if prefix + child not in listed:
-            raise ValueError(f"Pipeline.pp_stages: {prefix + child!r}, between the blocks, is on no stage")
-
-
-def _container(model: nn.Module, found: Blocks, stages: list[list[str]]) -> str:
-    """The dotted path of the blocks' container: the found blocks', or the first stage's last name's parent."""
-    names = _names(model)
-    if found.modules:
-        return names[id(found.modules[0])].rpartition(".")[0]
-    return stages[0][-1].rpartition(".")[0]

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from raylane.loop.parallel import model_parallel_strategy
+from raylane.loop.mesh import model_parallel_strategy
 from raylane.loop.tensor_parallel import plan_for, shared_parameters
 
 
@@ -114,7 +114,8 @@ def stage_lines(pipe: Any, cfg: Any) -> list[str]:
     folded, `blocks.0-3`) and its parameters. ValueError, one line, for a split that cannot work."""
     from raylane import pipelines_ref
     from raylane.loop.blocks import find_blocks
-    from raylane.loop.pipeline_parallel import Stages, split_names, stage_ranks
+    from raylane.loop.pipeline_parallel import Stages, stage_ranks
+    from raylane.loop.pipeline_split import split_names
 
     s = cfg.strategy
     if pipe.pp_stages is None:

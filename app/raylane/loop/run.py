@@ -30,10 +30,11 @@ from raylane.loop.distributed import default_device, env_ranks, init_process_gro
 from raylane.loop.evaluation import EvalSets, Evaluator
 from raylane.loop.events import Event, FirstStep, Start
 from raylane.loop.optim import build_optimizer, build_scheduler, schedule_note
-from raylane.loop.parallel import Strategy, on_meta, parallelize, resharded, unwrap
+from raylane.loop.parallel import parallelize
 from raylane.loop.reporting import Reporter
 from raylane.loop.result import RunResult
 from raylane.loop.runtime import LocalRuntime, Runtime
+from raylane.loop.sharding import Strategy, on_meta, resharded, unwrap
 from raylane.loop.steps import Throughput, plan_steps
 from raylane.loop.trainer import Trainer
 
@@ -161,14 +162,7 @@ def _assemble(
     # Evaluation sums over every rank all the same: each group's ranks add the same sums and counts
     # (a pipeline's last stage alone counts), and the means hold.
     data = data_ranks(runtime, strategy.tp, strategy.pp)
-    train_loader = train_data(
-        pipe.train_set, data, **batching, samples_per_step=cfg.train.global_batch, whole_batches=strategy.pp > 1
-    )
-    if runtime.rank == 0:
-        _note_small_epoch(pipe.train_set, train_loader, cfg, data.world_size)
-        if strategy.pp > 1:
-            _note_left_out(train_loader, cfg)
-        train_loader = _FirstBatchClock(train_loader, startup)
+    train_loader = _train_loader(cfg, runtime, pipe, data, batching, strategy.pp, startup)
     eval_loader = eval_data(pipe.eval_set, data, **batching)
     control_group, save_group = _side_groups(cfg, runtime.world_size)
     total_steps = plan_steps(train_loader, cfg.train)[1]
@@ -201,6 +195,28 @@ def _assemble(
         hooks=pipe.hooks,
         faults=plan,
     )
+
+
+def _train_loader(
+    cfg: BaseConfig,
+    runtime: Runtime,
+    pipe: Any,
+    data: Any,
+    batching: dict[str, Any],
+    pp: int,
+    startup: dict[str, float],
+) -> Any:
+    """The training batches on this rank (whole batches under pipeline parallelism); on rank 0,
+    with its notes on the epoch and the time to the first batch recorded."""
+    train_loader = train_data(
+        pipe.train_set, data, **batching, samples_per_step=cfg.train.global_batch, whole_batches=pp > 1
+    )
+    if runtime.rank == 0:
+        _note_small_epoch(pipe.train_set, train_loader, cfg, data.world_size)
+        if pp > 1:
+            _note_left_out(train_loader, cfg)
+        train_loader = _FirstBatchClock(train_loader, startup)
+    return train_loader
 
 
 def _evaluator(eval_loader: Any, pipe: Any, runtime: Runtime) -> EvalSets | None:

@@ -1,0 +1,195 @@
+"""How a model is held on its ranks, below the choice of layout: the `Strategy` record that
+raylane.loop.parallel.parallelize returns, recompute and compile on the blocks (`prepare_blocks`),
+FSDP2 (`fully_shard`), a meta-device model's storage (`on_meta`, `materialize`), and what the
+loop does with a wrapped model (`resharded`, `unwrap`, `no_gradient_sync`)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from raylane.config import BaseConfig
+from raylane.loop.blocks import blocks_of
+from raylane.loop.devices import GIB
+from raylane.loop.layout import Layout
+from raylane.loop.tensor_parallel import loss_context, retie, shared_parameters
+
+
+@dataclass
+class Strategy:
+    """How `parallelize()` laid the model out on this run's ranks, and why: the name the summary,
+    the terminal's strategy line and MLflow's tags show (`tags`), the device mesh's shape, the
+    memory estimate an `auto` choice was made from, and which blocks FSDP, recompute or compile
+    took. With tensor parallelism (`tp` > 1) the mesh is (data-parallel ranks, tp): consecutive
+    ranks form a tensor-parallel group, which reads the same batches."""
+
+    name: Literal["single", "ddp", "fsdp", "hsdp"]
+    mesh_shape: tuple[int, ...] = ()
+    reason: str = ""
+    estimate: dict[str, int] | None = None
+    blocks: str = ""  # the blocks FSDP, activation checkpointing or compile took, where any found and used
+    tp: int = 1
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    pp: int = 1
+    pp_schedule: str = ""
+
+    @property
+    def layout(self) -> Layout:
+        """The mesh's dimensions by name (raylane.loop.layout)."""
+        return Layout.of(self)
+
+    @property
+    def label(self) -> str:
+        """The layout as the summary, the strategy line and MLflow's tags name it: `fsdp×tp2×pp2`,
+        or without the data-parallel flavour where one data-parallel rank holds the batch (`tp2`,
+        `pp2`; `+sp`, `+lp`: sequence and loss parallel); `ddp`, `fsdp`, `hsdp` or `single`
+        without model parallelism."""
+        return self.layout.label()
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks: those that read different batches (dp_replicate x dp_shard)."""
+        return self.layout.data_parallel
+
+    def step_context(self) -> Any:
+        """What a training step's forward, loss and backward run in: torch's loss_parallel, whose
+        cross-entropy takes the head's vocabulary-split logits, under loss parallelism."""
+        return loss_context(self.tp > 1 and self.loss_parallel)
+
+    def tags(self) -> dict[str, str]:
+        tags = {"raylane.strategy": self.label, "raylane.strategy.reason": self.reason}
+        if mesh := self.layout.mesh_text():
+            tags["raylane.strategy.mesh"] = mesh
+        if self.pp > 1:
+            tags["raylane.strategy.pp_schedule"] = self.pp_schedule
+        if self.blocks:
+            tags["raylane.strategy.blocks"] = self.blocks
+        if self.estimate:
+            tags.update({f"raylane.memory_estimate.{k}_gb": f"{v / GIB:.3f}" for k, v in self.estimate.items()})
+        return tags
+
+
+def prepare_blocks(model: nn.Module, cfg: BaseConfig, blocks: Any = None) -> None:
+    """In place, before any wrapping: activation checkpointing, then compile, on the model's
+    blocks (the pipeline's, or found; compile takes the whole model when it has none)."""
+    blocks = blocks_of(model, blocks)
+    if cfg.train.activation_checkpointing:
+        for block in blocks:
+            _checkpoint_activations(block)
+    if cfg.train.compile:
+        for part in blocks or [model]:
+            part.compile()  # in place: parameter names (and checkpoints) stay as they are
+
+
+def _checkpoint_activations(block: nn.Module) -> None:
+    # Patching forward (rather than wrapping the block) keeps parameter names unchanged.
+    from torch.utils.checkpoint import checkpoint
+
+    block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def fully_shard(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    cfg: BaseConfig,
+    device: torch.device,
+    strategy: Strategy,
+    mesh: Any = None,
+) -> nn.Module:
+    """FSDP2 on each block, then the root; a 2-D mesh (replicate across nodes, shard inside
+    one) is HSDP. `mesh`: the data-parallel ranks' (under tensor parallelism), else made here."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as shard
+
+    if mesh is None:
+        names = ("replicate", "shard") if len(strategy.mesh_shape) == 2 else ("shard",)
+        mesh = init_device_mesh(device.type, strategy.mesh_shape, mesh_dim_names=names)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+    options: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+    }
+    meta = on_meta(model)
+    if cfg.strategy.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    elif not meta:
+        model = model.to(device)
+    # Under a pipeline schedule, blocks stay gathered between micro-batches (torchtitan's default):
+    # resharding would all-gather them again for every micro-batch.
+    reshard = cfg.strategy.reshard_after_forward and strategy.pp == 1
+    for block in blocks:
+        shard(block, reshard_after_forward=reshard, **options)
+    # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
+    shard(model, reshard_after_forward=False, **options)
+    if meta:  # sharded first: each rank allocates its own shards only
+        materialize(model, torch.device("cpu") if cfg.strategy.cpu_offload else device)
+    return model
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether the model was built on the meta device (shapes, no memory): its weights come
+    from the pipeline's init_weights or a checkpoint, after it is parallelized."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """A meta model's storage on `device`, uninitialized (`to_empty`), keeping what to_empty
+    loses: buffers built real (a model made with accelerate's `init_empty_weights(include_buffers=
+    False)` keeps non-persistent buffers such as rotary frequencies, which no state dict holds),
+    and parameters shared under several names (tied embeddings), which to_empty would split."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    ties = shared_parameters(model)
+    model.to_empty(device=device)
+    retie(model, ties)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+    return model
+
+
+def resharded(model: nn.Module) -> nn.Module:
+    """The model with every FSDP2 module's parameters back in their shards, as an optimizer must
+    be built over: a forward without backward (a pipeline's init_weights checking its weights, a
+    probe) leaves the root's unsharded (it is not resharded after forward), and an optimizer built
+    then holds those, which FSDP2 swaps out at the next step: their weights never train (issue
+    49's trap c)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DDP) else model
+
+
+def no_gradient_sync(model: nn.Module):
+    """A context for micro-batches before the last of an optimizer step: gradients accumulate
+    locally and are reduced once, on the last micro-batch (the DDP paper's skipped sync)."""
+    if isinstance(model, DDP):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp_no_sync(model)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+class _fsdp_no_sync:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.model.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.set_requires_gradient_sync(True)
