@@ -14,6 +14,7 @@ import pytest
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.slow  # ~50 s of two torchrun runs; make test checks the report from results (tests/unit/test_bench_report.py)
 def test_bench_runs_a_row_end_to_end_and_writes_its_results(tmp_path):
     """The harness's path from real runs to results.json and results.md, on its cheapest row (B6:
     two torchrun runs). B1 and B2 with their charts run in the slow test below (`make test-all`)."""

@@ -159,17 +159,17 @@ def _moved_bit_exact(path: str, untied: bool = False) -> None:
     assert [g["lr"] for g in optimizer.param_groups] == [g["lr"] for g in fresh.param_groups] != [0.3, 0.3]
 
 
-def test_tensor_and_pipeline_parallel_checkpoints_resume_as_one_process_and_under_fsdp_on_two(run_cli, tmp_path):
-    """tp2 on 2 ranks (DTensors, one data-parallel rank) saves at step 3; one process (one
-    data-parallel rank) and FSDP on 2 ranks (two, each half of a step's samples) resume it and
-    end at its own step-6 weights within 1e-6. Beside it pp2 on 2 ranks (each stage writes its own
+def test_tensor_and_pipeline_parallel_checkpoints_resume_as_one_process(run_cli, tmp_path):
+    """tp2 on 2 ranks (DTensors, one data-parallel rank) saves at step 3; one process resumes it
+    and ends at its own step-6 weights within 1e-6 (onto more data-parallel ranks: the slow
+    tests below, fsdp×tp2 on 4 as ddp on 2 and as fsdp×pp2). Beside it pp2 on 2 ranks (each stage writes its own
     parameters and their optimizer state, under the whole model's names) saves at step 3, and one
     process resumes it the same. Each checkpoint, loaded into one process, is what its ranks
     wrote, bit for bit, its schedule at step 3; tp2's exports to safetensors as the whole model.
     Trap e: with the optimizer state written by group index (the fix in checkpoint/writing.py
     reverted), pp2's resume fails (the stages' groups 0 collide: "does not fit this run's
     optimizer"), tp2's moves still pass (seen so)."""
-    runs = moved(run_cli, tmp_path, {"tp2": ["one", "fsdp2"], "pp2": ["one"]})
+    runs = moved(run_cli, tmp_path, {"tp2": ["one"], "pp2": ["one"]})
     _moved_bit_exact(half(runs["tp2"]))
     _moved_bit_exact(half(runs["pp2"]), untied=True)
 
