@@ -138,3 +138,23 @@ def test_a_cluster_may_grow_when_an_autoscaler_runs_node_types_of_a_config(monke
         status = json.dumps({"autoscaler_report": {"active_nodes": active}}).encode() if active else None
         monkeypatch.setattr(internals, "internal_kv_get", lambda key, s=status: s, raising=False)
         assert placement._may_grow() is grows
+
+
+def test_the_docs_example_is_a_valid_config_and_its_lines_are_raylanes(monkeypatch):
+    import re
+
+    import yaml
+
+    from tests.conftest import REPO
+
+    text = (REPO / "docs" / "clusters.md").read_text().split("### The workers' environment", 1)[1]
+    example, *lines = re.findall(r"^```(?:yaml)?\n(.*?)^```", text, re.S | re.M)[:3]
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    cfg = load_config({"pipeline": "regression", **yaml.safe_load(example)})
+    assert cfg.env["HF_TOKEN"] == "${HF_TOKEN}" and cfg.scaling.label_selector == {"ray.io/market-type": "spot"}
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(ConfigError) as err:
+        resolve(cfg.env)
+    assert lines[0].strip() == f"raylane: {err.value}"
+    why = placement.unplaceable(cfg, [({"CPU": 8, "GPU": 8, "accelerator_type:A100": 1, "spot": 8}, {})])
+    assert lines[1].strip().startswith(f"raylane: {why}, and this cluster cannot add nodes")
