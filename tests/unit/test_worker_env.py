@@ -158,3 +158,24 @@ def test_the_docs_example_is_a_valid_config_and_its_lines_are_raylanes(monkeypat
     assert lines[0].strip() == f"raylane: {err.value}"
     why = placement.unplaceable(cfg, [({"CPU": 8, "GPU": 8, "accelerator_type:A100": 1, "spot": 8}, {})])
     assert lines[1].strip().startswith(f"raylane: {why}, and this cluster cannot add nodes")
+
+
+def test_each_worker_gets_env_before_its_process_group(monkeypatch):
+    """RaylaneTorchBackend.on_start: the variables first (NCCL_* and GLOO_* are read as the process
+    group starts), then Ray's own start, which makes the group."""
+    from raylane.onray import trainers
+    from raylane.onray.internals import TorchBackend
+
+    calls = []
+
+    class Group:
+        def execute(self, fn, *args):
+            calls.append((fn.__name__, args))
+
+    monkeypatch.setattr(TorchBackend, "on_start", lambda self, group, config: calls.append(("process_group", ())))
+    values = {"NCCL_DEBUG": "INFO"}
+    trainers.RaylaneTorchBackend().on_start(Group(), trainers.RaylaneTorchConfig(env=values))
+    assert calls == [("set_env", (values,)), ("process_group", ())]
+    calls.clear()
+    trainers.RaylaneTorchBackend().on_start(Group(), trainers.RaylaneTorchConfig())
+    assert calls == [("process_group", ())]  # no env: nothing extra on the workers

@@ -100,7 +100,7 @@ def _may_grow() -> bool:
     status = internal_kv_get("__autoscaling_status")
     if status:
         report = json.loads(status).get("autoscaler_report") or {}
-        types = {*report.get("active_nodes", {}), *report.get("idle_nodes", {}), *report.get("pending_launches", {})}
+        types = {t for key in ("active_nodes", "idle_nodes", "pending_launches") for t in report.get(key) or {}}
         return any(not _READONLY_TYPE.match(t) for t in types)
     return os.environ.get("RAY_enable_autoscaler_v2") == "1"  # v2 reports elsewhere: assume it may
 

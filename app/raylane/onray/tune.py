@@ -264,7 +264,7 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
                 embedded=False,
                 in_trial=True,
                 worker=train_worker,
-                env=context["env"],  # read by the sweep's driver: this trial may run on another node
+                env=context.get("env"),  # read by the sweep's driver: this trial may run on another node
             )
         except SystemExit:  # tune.report's way of saying the scheduler stopped this trial
             session.close(_stopped(client, run_id, reports.epoch, cfg.train.epoch_limit))
