@@ -78,6 +78,9 @@ def base_sections() -> list[str]:
         if name == "pipeline":
             continue
         model = field.annotation
+        if not hasattr(model, "model_fields"):  # a top-level key, not a section (`env`)
+            parts += [f"## `{name}`", "", *table([k for k in config_keys.keys(BaseConfig) if k.key == name]), ""]
+            continue
         parts += [f"## `{name}`", "", doc(model), "", *table(config_keys.keys(model, f"{name}.")), ""]
     intros = {
         "sweep": "",

@@ -105,6 +105,9 @@ def _begin(cfg: BaseConfig, use_ray: bool, startup: Any) -> bool:
     startup.mark("driver_imports")
     signal.signal(signal.SIGTERM, raise_interrupt)  # before training can stop gracefully: like Ctrl-C
     if not use_ray:
+        from raylane.config.workerenv import apply_here
+
+        apply_here(cfg.env)  # the ranks are this process: its environment, before the process group
         init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # ranks agree on the run name first
         startup.mark("process_group")
     return use_ray or env_ranks()[0] == 0

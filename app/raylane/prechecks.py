@@ -22,6 +22,7 @@ from typing import Any
 from raylane import paths, pipelines_ref
 from raylane.config import BaseConfig, ConfigError, check_metric, flatten
 from raylane.config.batching import effective_global_batch
+from raylane.config.workerenv import resolve as resolve_env
 from raylane.errors import RaylaneError
 from raylane.loop.checkpoint.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, newest_valid, read_manifest, verify
 from raylane.runrecord import Finished, already_finished, fresh_name, newest_manifest, run_folder
@@ -29,15 +30,21 @@ from raylane.runrecord import Finished, already_finished, fresh_name, newest_man
 _UNSET = "(not set)"
 
 
-def check_run(cfg: BaseConfig, *, summary_json: str | None = None, local_storage: bool = True) -> None:
+def check_run(
+    cfg: BaseConfig, *, summary_json: str | None = None, local_storage: bool = True, driver_env: bool = True
+) -> None:
     """A run's config and outputs. `local_storage`: `run.storage_path` is on this machine (not
-    under `raylane submit`, whose job resolves it on the cluster)."""
+    under `raylane submit`, whose job resolves it on the cluster). `driver_env`: this process's
+    environment is the driver's, where each `${NAME}` value of `env:` is read (not under `raylane
+    submit`: the job's driver reads them where it runs)."""
     if summary_json:
         writable_file("--summary-json", summary_json)
     if cfg.checkpoint.keep_best:  # best_metric ranks checkpoints only then
         check_metric("checkpoint.best_metric", cfg.checkpoint.best_metric, cfg)
     if cfg.train.early_stopping is not None:
         check_metric("train.early_stopping.metric", cfg.train.early_stopping.metric, cfg)
+    if local_storage and driver_env:
+        resolve_env(cfg.env)  # each `${NAME}` is set here, where the driver reads it
     if local_storage:
         check_storage("run.storage_path", cfg.run.storage_path)
         check_inputs(cfg)

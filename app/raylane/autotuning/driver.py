@@ -60,6 +60,9 @@ def execute(
 
     launched = time.time()
     if not use_ray:
+        from raylane.config.workerenv import apply_here
+
+        apply_here(cfg.env)  # the ranks are this process: its environment, before the process group
         init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)
         # The ranks torchrun started (or this one process), whatever scaling.num_workers says.
         cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": env_ranks()[2]})})

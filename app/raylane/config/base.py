@@ -9,7 +9,7 @@ import datetime as _dt
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from raylane import pipelines_ref
 from raylane.config.sections import (
@@ -27,6 +27,7 @@ from raylane.config.sections import (
     StrategySection,
     TrainSection,
 )
+from raylane.config.workerenv import check_entries as check_env_entries
 
 
 class BaseConfig(Section):
@@ -46,6 +47,20 @@ class BaseConfig(Section):
     failure: FailureSection = FailureSection()
     dist: DistSection = DistSection()
     mlflow: MlflowSection = MlflowSection()
+    env: dict[str, str] = Field(
+        {},
+        description="Environment variables every rank gets (`NCCL_DEBUG: INFO`, `HF_TOKEN: ${HF_TOKEN}`): set in "
+        "each Ray worker before its process group starts, or in each torchrun / `--local` process. A value "
+        "written `${NAME}` is read from the driver's environment at launch and recorded only as `${NAME}` "
+        "(MLflow, the run's record, checkpoints): the way to hand the ranks a secret.",
+    )
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            return value  # pydantic names the type it expected
+        return check_env_entries(value)
 
     @model_validator(mode="after")
     def _compatible(self) -> BaseConfig:

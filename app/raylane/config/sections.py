@@ -98,6 +98,28 @@ class ScalingSection(Section):
         description="One device's memory in GB, for `strategy.name: auto` and `strategy.tp: auto`. null: detected (the "
         "GPU's memory, or on CPU this host's RAM shared by its ranks).",
     )
+    accelerator_type: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="Workers only on nodes with this accelerator (Ray's type: `H100`, `A100`, `L4`, `TPU-V6E`, ...: "
+        "the node's `accelerator_type:<type>` resource). null: any node with the resources asked.",
+    )
+    resources_per_worker: dict[str, float] = Field(
+        {},
+        description="Custom Ray resources each worker asks for besides its CPUs and GPUs (`{name: amount}`, e.g. "
+        "`{spot: 1}` for nodes started with `--resources '{\"spot\": 8}'`); a worker lands only where they are free.",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="How Ray places the workers' placement group: PACK (as few nodes as it can), SPREAD (as many), "
+        "STRICT_PACK (one node, or wait), STRICT_SPREAD (one worker a node, or wait).",
+    )
+    label_selector: dict[str, str] = Field(
+        {},
+        description="Workers only on nodes whose Ray labels match (`{label: value}`; Ray's syntax for a value: "
+        "`a`, `!a`, `in(a,b)`, `!in(a,b)`), e.g. `{ray.io/market-type: spot}` or a label given to `ray start "
+        "--labels`. {}: any node.",
+    )
     peak_tflops: float | None = Field(
         None,
         gt=0,
@@ -126,6 +148,19 @@ class ScalingSection(Section):
                 raise ValueError(f"scaling.num_workers = {value!r}: needs 1 <= min <= max")
             data = {**data, "min_workers": low, "num_workers": high}
         return data
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU", "memory") or name.startswith(("accelerator_type:", "node:")):
+                raise ValueError(
+                    f"scaling.resources_per_worker.{name} = {amount!r}: set by scaling.cpus_per_worker, "
+                    "gpus_per_worker or accelerator_type, or by Ray itself; name custom resources here"
+                )
+            if not name or not 0 < amount <= 1_000_000:
+                raise ValueError(f"scaling.resources_per_worker.{name} = {amount!r}: needs a name and 0 < amount")
+        return value
 
     @model_validator(mode="after")
     def _min_at_most_max(self) -> ScalingSection:

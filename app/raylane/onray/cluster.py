@@ -18,6 +18,7 @@ import ray
 from raylane import logs, pipelines_ref
 from raylane.clusters.addresses import JOIN_TIMEOUT_S, address_field, join_hint, reported_versions, version_mismatch
 from raylane.config import BaseConfig, ConfigError
+from raylane.onray.placement import check_placeable
 from raylane.session import raise_interrupt
 
 log = logging.getLogger("raylane")
@@ -55,6 +56,11 @@ def start_ray(cfg: BaseConfig, address: str | None, pool: Executor, startup: Any
     if startup is not None:
         startup.mark("ray_init")
     signal.signal(signal.SIGTERM, raise_interrupt)  # ray.init replaced the launch's own
+    try:
+        check_placeable(cfg, embedded)
+    except ConfigError:
+        shutdown_ray(embedded)
+        raise
     return RayStopper(embedded)
 
 

@@ -41,6 +41,16 @@ NAMES: dict[str, tuple[str, str | None, str]] = {
         None,
         "its logger (named after its file) is quietened on the workers",
     ),
+    "ray_state": (
+        "ray._private.state",
+        "state",
+        "Ray's published cluster config (node groups): whether an autoscaler may add nodes for a placement",
+    ),
+    "internal_kv_get": (
+        "ray.experimental.internal_kv",
+        "_internal_kv_get",
+        "the autoscaler's status (`__autoscaling_status`): its node types say whether it may add nodes",
+    ),
     "DatasetsCallback": (
         "ray.train.v2._internal.callbacks.datasets",
         "DatasetsCallback",

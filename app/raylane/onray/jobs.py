@@ -200,7 +200,7 @@ def _paths_here(config: str, overrides: list[str]) -> list[str]:
     from raylane.prechecks import check_run
 
     cfg = load_config(config, overrides)
-    check_run(cfg)
+    check_run(cfg, driver_env=False)  # the job's driver reads `env:`'s `${NAME}` values where it runs
     flat = cfg.flat()
     return [
         f"{key}={json.dumps(flat[key])}"

@@ -29,6 +29,7 @@ from raylane.loop.result import RunResult
 from raylane.onray.elastic import HANDOVER_WAIT_S, NodeLeaving, max_failures, ray_num_workers
 from raylane.onray.failures import format_failure
 from raylane.onray.leftovers import ProcessId
+from raylane.onray.placement import put_env, scaling_options
 from raylane.onray.runtime import EventSink, RayRuntime, relay_warnings
 from raylane.onray.spec import SPEC_KEY, LaunchSpec, Worker, launch_spec
 from raylane.onray.trainers import (
@@ -183,17 +184,17 @@ def launch_on_ray(
     worker: Worker,
     in_trial: bool = False,
     restartable: bool = True,
+    env: Any = None,
 ) -> RunResult | dict[str, Any] | None:
     """Run `worker` on a worker group of the connected cluster (see
     `raylane.onray.cluster.start_ray`), passing rank 0's events to `on_event`; returns what rank
     0's End carried (a training run's RunResult, a search's outcome), None when no End came. The
     caller shuts Ray down. `in_trial`: a Tune trial's run, whose controller Tune may kill while the
     sweep goes on. `restartable`: the group may restart without a node that leaves
-    (failure.max_failures permitting), as a training run's does; a search's does not."""
+    (failure.max_failures permitting), as a training run's does; a search's does not. `env`: the
+    `env:` variables already in Ray's object store (a sweep's driver resolved them: a trial runs
+    elsewhere); None: resolved here, in the driver."""
     sink = _event_sink()
-    resources = {"CPU": cfg.scaling.cpus_per_worker}
-    if cfg.scaling.use_gpu:
-        resources["GPU"] = cfg.scaling.gpus_per_worker
     trainer_cls = TrialTorchTrainer if in_trial else EmbeddedTorchTrainer if embedded else DriverTorchTrainer
     datasets, streams = _ray_datasets(cfg)
     restarts = max_failures(cfg) != 0 and restartable
@@ -217,10 +218,12 @@ def launch_on_ray(
         scaling_config=ScalingConfig(
             num_workers=ray_num_workers(cfg),
             use_gpu=cfg.scaling.use_gpu,
-            resources_per_worker=resources,
             elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s,
+            **scaling_options(cfg),
         ),
-        torch_config=RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s, restarts=restarts),
+        torch_config=RaylaneTorchConfig(
+            timeout_s=cfg.dist.timeout_s, restarts=restarts, env=put_env(cfg) if env is None else env
+        ),
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=cfg.run.storage_path,

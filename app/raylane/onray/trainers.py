@@ -35,6 +35,13 @@ def training_starts(restarts: bool) -> None:
 
 
 class RaylaneTorchBackend(TorchBackend):
+    def on_start(self, worker_group, backend_config) -> None:
+        if backend_config.env is not None:  # before the process group: NCCL_*, GLOO_* are read there
+            from raylane.onray.placement import set_env
+
+            worker_group.execute(set_env, backend_config.env)  # Ray resolves the reference on each worker
+        super().on_start(worker_group, backend_config)
+
     def on_training_start(self, worker_group, backend_config) -> None:
         super().on_training_start(worker_group, backend_config)
         worker_group.execute(training_starts, backend_config.restarts)
@@ -43,9 +50,12 @@ class RaylaneTorchBackend(TorchBackend):
 @dataclasses.dataclass
 class RaylaneTorchConfig(TorchConfig):
     """TorchConfig whose workers turn SIGTERM into a graceful stop (see raylane.loop.preemption).
-    `restarts`: the group restarts without a leaving node (see `LaunchSpec.restarts`)."""
+    `restarts`: the group restarts without a leaving node (see `LaunchSpec.restarts`). `env`: the
+    run's `env:` variables, as a reference into Ray's object store (raylane.onray.placement.put_env:
+    Ray records this config in its Train state), or None."""
 
     restarts: bool = False
+    env: Any = None
 
     @property
     def backend_cls(self):

@@ -31,6 +31,7 @@ from raylane.config.sweep import SweepSection, trial_config
 from raylane.loop.events import Checkpoint, Event
 from raylane.loop.result import RunResult
 from raylane.onray.cluster import data_cpus
+from raylane.onray.placement import check_placeable, put_env
 from raylane.onray.sweep_plan import param_space, search_alg, trials_text
 from raylane.onray.trials import MetricReported, TrialRuns
 from raylane.results import Status, SweepSummary
@@ -103,6 +104,7 @@ def trial_resources(base: BaseConfig) -> dict[str, float]:
     need = {"CPU": s.num_workers * s.cpus_per_worker + TRIAL_DRIVER_CPU + data_cpus(base)}
     if s.use_gpu:
         need["GPU"] = s.num_workers * s.gpus_per_worker
+    need.update({name: s.num_workers * amount for name, amount in s.resources_per_worker.items()})
     return need
 
 
@@ -255,7 +257,14 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
         session.track(RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False))
         try:
             ended = launch_on_ray(
-                cfg, run_id, parent.tracking_uri, reports.on_event, embedded=False, in_trial=True, worker=train_worker
+                cfg,
+                run_id,
+                parent.tracking_uri,
+                reports.on_event,
+                embedded=False,
+                in_trial=True,
+                worker=train_worker,
+                env=context.get("env"),  # read by the sweep's driver: this trial may run on another node
             )
         except SystemExit:  # tune.report's way of saying the scheduler stopped this trial
             session.close(_stopped(client, run_id, reports.epoch, cfg.train.epoch_limit))
@@ -367,6 +376,7 @@ def _sweep(
 ) -> tuple[SweepSummary, list[dict[str, Any]], dict[str, Any] | None]:
     """The trials on the cluster Ray joined, and their results on the parent run: (summary,
     rows, best trial)."""
+    check_placeable(base, embedded)  # a trial's workers fit some node (accelerator, resources, labels)
     concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
     print(
         f"[raylane] sweep {sweep.name}: {trials_text(sweep)}, {concurrency} at a time, "
@@ -422,6 +432,7 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
             "tracking_uri": parent.tracking_uri,
             "resumed": False,
         },
+        "env": put_env(base),  # a reference: the trial's `params.json` and Tune's records never hold the values
     }
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
