@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -95,6 +96,38 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(run_cli, tmp_pa
     # replicated) state, each rank its random generators.
     final = tmp_path / "runs/pw" / checkpoint.checkpoint_name(s["steps"])
     assert sorted(checkpoint.read_manifest(final)["files"]) == ["state.pt"]
+
+
+@pytest.mark.slow  # two Ray nodes of its own and two launches (~60 s); make test proves in process that the
+# notice is read at failure.max_failures 0 and stops the run (tests/unit/test_drain_notice.py)
+@pytest.mark.ray
+def test_a_drained_node_stops_every_rank_at_one_step_at_max_failures_0(run_cli, tmp_path):
+    """Ray's drain notice to one node of a two-node cluster (`ray drain-node`, as a cloud's spot
+    notice or KubeRay's pod termination reaches Ray), with failure.max_failures left at 0: both
+    ranks checkpoint at one agreed step and the run ends KILLED, naming the notice; a relaunch on a
+    replacement node loses no step. raylane used to read the notice only in a run that restarts."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        leaving = cluster.add_node(num_cpus=1)  # one worker a node: the group's placement group needs both
+        launch = ("train", "digits", "--address", cluster.address, "--set", "train.max_epochs=400")
+        first = run_cli(*launch, "--set", "run.name=pn", "--summary-json", "first.json", *LONG, name="first")
+        wait_for(lambda: _committed(tmp_path, "pn", 20), timeout_s=240)
+        drain = [sys.executable, "-m", "ray.scripts.scripts", "drain-node", "--address", cluster.address]
+        drain += ["--node-id", leaving.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION"]
+        drain += ["--reason-message", "spot reclaim", "--deadline-remaining-seconds", "60"]
+        subprocess.run(drain, check=True, capture_output=True, timeout=60)
+        assert first.wait(120) == 130, first.output
+        s = read_json(tmp_path / "first.json")
+        _assert_stopped_cleanly(first, s)
+        assert s["restarts"] == 0, s  # the group was not restarted, by raylane or by Ray's preemption retries
+        assert f"(Ray's preemption notice: node {leaving.node_id[:8]} is draining, going in " in s["error"], s
+        cluster.add_node(num_cpus=1)  # the replacement, as an autoscaler would start it
+        again = _relaunch_loses_no_steps(run_cli, tmp_path, "pn", s, *launch)
+        assert again["steps"] == s["steps"] + 5  # it trained on from there (a stop past 12 epochs would not)
+    finally:
+        cluster.shutdown()
 
 
 STOP_AT_EPOCH_END = """

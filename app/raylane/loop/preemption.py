@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # torchrun's agent forwards the terminal's Ctrl-C as SIGTERM to ranks that already got the SIGINT:
@@ -74,8 +74,21 @@ def signals_mean_node_leaving(flag: bool) -> None:
     _signals_mean_node_leaving = flag
 
 
+# The launcher's notice that this process may not have acted on yet (see `explain_with`).
+_explain: list[Callable[[], str | None]] = []
+
+
+def explain_with(notice: Callable[[], str | None]) -> None:
+    """`notice()`: why this process's group is being stopped, as far as the launcher knows (Ray's
+    drain notice, which each rank reads by polling: another rank may ask first). Names the cause of
+    a stop that this process did not ask for itself."""
+    _explain[:] = [notice]
+
+
 def reason() -> str | None:
-    return _reason[0] if _reason else None
+    if _reason:
+        return _reason[0]
+    return next((text for notice in _explain if (text := notice())), None)
 
 
 @contextlib.contextmanager

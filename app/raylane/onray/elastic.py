@@ -130,6 +130,17 @@ def max_failures(cfg: BaseConfig) -> int:
     return cfg.failure.max_failures or (ELASTIC_MAX_FAILURES if cfg.scaling.elastic else 0)
 
 
+def failure_config(cfg: BaseConfig) -> FailureConfig:
+    """Ray Train's FailureConfig for a run. Ray 2.60 retries a preemption on a budget of its own
+    (max_preemption_failures, unlimited by default), even at max_failures 0. A run that may not
+    restart gets none: a notice its ranks could not honour within the drain window (a save longer
+    than the window) ends the run instead of restarting it from an older checkpoint unasked."""
+    retries = max_failures(cfg)
+    if retries == 0 and "max_preemption_failures" in FailureConfig.__dataclass_fields__:
+        return FailureConfig(max_failures=0, max_preemption_failures=0)
+    return FailureConfig(max_failures=retries)
+
+
 def ray_num_workers(cfg: BaseConfig) -> int | tuple[int, int]:
     """Ray Train's num_workers: (min, max) selects its elastic scaling policy."""
     s = cfg.scaling

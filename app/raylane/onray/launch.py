@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from raylane import logs
@@ -26,7 +26,7 @@ from raylane.errors import TrainingError
 from raylane.loop import preemption
 from raylane.loop.events import End, Event, Startup
 from raylane.loop.result import RunResult
-from raylane.onray.elastic import HANDOVER_WAIT_S, NodeLeaving, max_failures, ray_num_workers
+from raylane.onray.elastic import HANDOVER_WAIT_S, NodeLeaving, failure_config, max_failures, ray_num_workers
 from raylane.onray.failures import format_failure
 from raylane.onray.leftovers import ProcessId
 from raylane.onray.placement import put_env, scaling_options
@@ -227,7 +227,7 @@ def launch_on_ray(
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=cfg.run.storage_path,
-            failure_config=FailureConfig(max_failures=max_failures(cfg)),
+            failure_config=failure_config(cfg),
         ),
     )
     on_event(Startup(phases={"fit": time.time()}))

@@ -66,6 +66,14 @@ class EventSink:
         return events
 
 
+def notice_reason(info: Any) -> str:
+    """How a stop for Ray's drain notice (a PreemptionInfo) reads in the summary and the log."""
+    nodes = info.preempted_node_ids
+    which = f"node {nodes[0][:8]} is" if len(nodes) == 1 else f"nodes {', '.join(n[:8] for n in nodes)} are"
+    deadline = f", going in {max(info.deadline_ms / 1000 - time.time(), 0):.0f} s" if info.deadline_ms else ""
+    return f"Ray's preemption notice: {which} draining{deadline}"
+
+
 class RayRuntime:
     """The `Runtime` seen by a Ray Train worker (see raylane.loop.runtime)."""
 
@@ -92,8 +100,11 @@ class RayRuntime:
         self.store = DriverWatchedStore(storage.experiment_fs_path, storage.storage_filesystem, self.rank, self._driver)
         if self.rank == 0:  # one rank is enough: the per-step vote spreads the request
             threading.Thread(target=self._watch_driver, name="raylane-stop-watch", daemon=True).start()
-        if restarts:
-            threading.Thread(target=self._watch_drain, name="raylane-drain-watch", daemon=True).start()
+        # Whatever failure.max_failures says: Ray Train passes the drain notice to every worker
+        # in any case (its PreemptionCallback does not depend on FailureConfig), and a run that
+        # may not restart must still checkpoint before its node goes, then end.
+        threading.Thread(target=self._watch_drain, name="raylane-drain-watch", daemon=True).start()
+        preemption.explain_with(self._notice)
 
     def _number_nodes_by_id(self) -> list[int]:
         """Ray Train numbers nodes by IP address, raylane by Ray node id. The two agree on a real
@@ -131,18 +142,37 @@ class RayRuntime:
         group is draining (a cloud's spot notice, KubeRay's pod termination, `ray drain-node`).
         Read locally, not through ray.train.get_preemption_info(): that is a barrier every rank
         must enter, and the per-step vote already agrees on the step."""
-        from raylane.onray.internals import get_train_context
-
         while not preemption.requested():
             try:
-                info = get_train_context().preemption_context.preemption_info
+                info = self._preemption_info()
             except Exception:  # noqa: BLE001 - an internal of Ray's that may move: no notice then
                 return
-            if info is not None:  # every worker gets it: the ranks on the leaving node announce it
-                if self.rank in info.preempted_ranks:
-                    preemption.request("Ray's preemption notice", node_leaving=True)
+            if info is not None:
+                leaving = self.rank in info.preempted_ranks
+                # Every worker gets it. In a group that restarts without the node, only its own
+                # ranks announce it: a vote that heard another rank first would stop the whole
+                # run instead of handing over. Elsewhere any rank may.
+                if leaving or not self.restarts_without_leaving_nodes:
+                    preemption.request(notice_reason(info), node_leaving=leaving)
                 return
             time.sleep(DRAIN_POLL_S)
+
+    @staticmethod
+    def _preemption_info() -> Any:
+        """Ray's drain notice to this worker's group (a PreemptionInfo), None before one."""
+        from raylane.onray.internals import get_train_context
+
+        return get_train_context().preemption_context.preemption_info
+
+    def _notice(self) -> str | None:
+        """Why the group is stopping, if Ray gave notice: rank 0 names the cause in the summary
+        even when another rank read the notice first and the vote stopped the group before rank
+        0's own poll (Ray marks every worker within milliseconds; each polls every 0.5 s)."""
+        try:
+            info = self._preemption_info()
+        except Exception:  # noqa: BLE001 - as in _watch_drain: no notice then
+            return None
+        return notice_reason(info) if info is not None else None
 
     def publish(self, event: Event) -> None:
         ref = self._sink.put.remote(event)
