@@ -21,11 +21,19 @@ CPU_TORCH = $(firstword $(foreach d,$(FIND_LINKS),$(wildcard $(d)/torch-*+cpu-*.
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	if [ -n "$(CPU_TORCH)" ] && $(PY) -m pip install -q uv 2>&1 | $(QUIET_PIP) && [ -x $(VENV)/bin/uv ]; then \
-	  $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(addprefix --find-links ,$(FIND_LINKS)) -c constraints-cpu.txt -e '.[dev]'; \
+	  $(VENV)/bin/uv pip install -q --python $(PY) $(addprefix --find-links ,$(FIND_LINKS)) -c constraints-cpu.txt -e '.[dev]'; \
 	else \
 	  $(PY) -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e '.[dev]' 2>&1 | $(QUIET_PIP); \
 	fi
 	touch $@
+
+# Bytecode is written as modules are first imported, whatever the caller's PYTHONDONTWRITEBYTECODE
+# (set on some machines, CI's among them): with it, each of the suite's hundreds of processes
+# compiled torch, Ray and MLflow again (a fresh-clone make test took 50 min). Compiling all of
+# site-packages at install instead (uv --compile-bytecode) cost 76 s of CPU, most of it on modules
+# nothing imports; the first import of what the suite uses costs ~17 s, run beside the lint.
+WRITE_BYTECODE = env -u PYTHONDONTWRITEBYTECODE
+WARM_IMPORTS = import raylane.cli, raylane.driver, torch, torch.distributed.fsdp, mlflow, ray.train.torch, transformers, peft
 
 run: install
 	$(VENV)/bin/raylane train pipelines/digits.yaml --set scaling.num_workers=2
@@ -39,12 +47,14 @@ run: install
 # the unit tests fill the end. `make test XDIST=` runs in one process. `make test-all` adds the
 # `slow` soaks (the quick bench).
 XDIST = -n 2
-test: install browser lint
-	$(VENV)/bin/pytest tests/e2e tests/unit $(XDIST) -m "not slow and not gpu" --durations=25
+test: install browser
+	$(WRITE_BYTECODE) $(PY) -c "$(WARM_IMPORTS)" >/dev/null 2>&1 & warm=$$!; \
+	$(MAKE) --no-print-directory lint; wait $$warm || true
+	$(WRITE_BYTECODE) $(VENV)/bin/pytest tests/e2e tests/unit $(XDIST) -m "not slow and not gpu" --durations=25
 
 # The unit tests alone (no Ray, no subprocess; under two minutes): the first feedback on a change.
 test-fast: install
-	$(VENV)/bin/pytest tests/unit -q
+	$(WRITE_BYTECODE) $(VENV)/bin/pytest tests/unit -q
 
 # Lint, format and types: no new finding may land (scripts/typecheck.py keeps mypy's baseline).
 lint: install
@@ -53,7 +63,7 @@ lint: install
 	$(PY) scripts/typecheck.py
 
 test-all: install browser
-	$(VENV)/bin/pytest tests $(XDIST) -m "not gpu" --durations=15
+	$(WRITE_BYTECODE) $(VENV)/bin/pytest tests $(XDIST) -m "not gpu" --durations=15
 
 # The oldest Ray the dependency allows (pyproject.toml: ray>=2.59,<2.61), in an environment of its
 # own: the Ray internals' check and every test that starts or joins a Ray cluster (not the soaks).
