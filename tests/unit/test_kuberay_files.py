@@ -116,9 +116,9 @@ def test_the_entrypoint_check_catches_a_bracketed_list():
 
 @needs_kubectl
 @pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
-def test_every_worker_pod_outlives_its_drain(overlay):
+def test_every_ray_pod_outlives_its_drain(overlay):
     for name, spec in cluster_specs(rendered(overlay)):
-        for group in spec["workerGroupSpecs"]:
+        for group in [{"groupName": "head", **spec["headGroupSpec"]}, *spec["workerGroupSpecs"]]:
             pod = group["template"]["spec"]
             drain = float(env_of(pod["containers"][0])[DRAIN])
             grace = pod["terminationGracePeriodSeconds"]
