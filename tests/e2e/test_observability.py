@@ -68,7 +68,7 @@ def test_a_profiled_rank_and_a_slow_loader_under_torchrun(run_cli, project):
     _check(project, p.output, s)
 
 
-# Slow (~25 s): the loop that measures and profiles is the same under every launcher (make test
+# Slow (~70 s on 2 busy cores): the loop that measures and profiles is the same under every launcher (make test
 # runs it under torchrun above); this checks what Ray adds: the events relayed, the shared folder.
 @pytest.mark.slow
 @pytest.mark.shared_ray
