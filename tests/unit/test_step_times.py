@@ -162,3 +162,17 @@ def test_with_profile_off_or_on_another_rank_no_profiler_is_made():
     rank0 = SimpleNamespace(rank=0, store=None, device=None)
     assert _profiler(load_config(DIGITS), rank0) is None
     assert _profiler(load_config(DIGITS, ["profile.enabled=true", "profile.ranks=[1]"]), rank0) is None
+
+
+def test_the_others_median_leaves_out_the_rank_itself_at_any_size():
+    import random
+    import statistics
+
+    from raylane.loop.steptimes import median_without
+
+    rng = random.Random(0)
+    for n in (1, 2, 3, 4, 7, 256):
+        values = sorted(rng.random() for _ in range(n))
+        for at in range(n):
+            rest = values[:at] + values[at + 1 :]
+            assert median_without(values, at) == (statistics.median(rest) if rest else 0.0)
