@@ -173,6 +173,6 @@ def test_the_others_median_leaves_out_the_rank_itself_at_any_size():
     rng = random.Random(0)
     for n in (1, 2, 3, 4, 7, 256):
         values = sorted(rng.random() for _ in range(n))
-        for at in range(n):
+        for at in sorted({0, n // 2 - 1, n // 2, n - 2, n - 1} & set(range(n))):
             rest = values[:at] + values[at + 1 :]
             assert median_without(values, at) == (statistics.median(rest) if rest else 0.0)
