@@ -222,6 +222,7 @@ def _summary(
     """The fields of the run's TrainSummary (raylane.results describes each); a run that failed
     has no result, and the summary's defaults stand for its figures."""
     from raylane.loop import baddata
+    from raylane.tracking.observe import profile_traces
 
     first = display.first_step_unix
     return {
@@ -239,6 +240,7 @@ def _summary(
         or _newest_checkpoint(cfg)
         or (display.checkpoints[-1].location if display.checkpoints else None),
         "skipped_checkpoints": display.skipped_checkpoints,
+        "profile_traces": profile_traces(cfg),  # every profiled rank's, in the run's folder
         "wall_s": round(time.time() - launched, 3),
         # Every (re)start of the worker group announces itself; the first one is not a restart.
         "restarts": max(display.starts - 1, 0),
@@ -286,6 +288,7 @@ def _result_fields(r: RunResult) -> dict[str, Any]:
         "stop_reason": r.stop_reason,
         "early_stopped": r.early_stopped,
         "tracking_cost_s": r.tracking_cost_s,
+        "stragglers": r.stragglers or [],
     }
 
 

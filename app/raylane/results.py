@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 
 class Status(str, Enum):
@@ -44,7 +44,7 @@ class _Model(BaseModel):
 
 
 class _Summary(_Model):
-    schema_version: Literal[2] = Field(SCHEMA_VERSION, description="This file's schema version.")
+    schema_version: Literal[3] = Field(SCHEMA_VERSION, description="This file's schema version.")
     status: Status = Field(description="FINISHED, FAILED or KILLED; the exit code is 0, 1 or 130.")
     error: str | None = Field(None, description="Why the command did not finish: one line, else null.")
 
@@ -117,6 +117,18 @@ class Resize(_Model):
     reason: str = Field(description="Why: a worker or node lost, a node's notice, or more workers fitting.")
     steps_lost: int = Field(description="Steps the group before had reported past that checkpoint.")
     time_lost_s: float = Field(description="From the group before's last report to the new group's first step.")
+
+
+class Straggler(_Model):
+    rank: int = Field(description="The rank named as slow.")
+    node: str = Field(description="Its node's host name.")
+    step: int = Field(description="The step of the window that named it.")
+    ratio: float = Field(description="Its busy step time over the other ranks' median, in that window.")
+    step_s: float = Field(description="Its busy step time (its step less its wait for the others at the sync).")
+    median_s: float = Field(description="The other ranks' median busy step time.")
+    data_share: float = Field(description="The share of its busy step it waited on its data.")
+    data_bound: bool = Field(description="It waits on data for half its step or more: its input is slow.")
+    windows: int = Field(description="Windows running it was slow in (stragglers.windows).")
 
 
 class RegisteredModel(_Model):
@@ -192,6 +204,13 @@ class TrainSummary(_Summary):
     stop_reason: str | None = Field(None, description="Why training ended before its last step.")
     early_stopped: bool = Field(False, description="train.early_stopping ended the run (FINISHED).")
     tracking_cost_s: TrackingCost | None = Field(None, description="What logging to MLflow cost rank 0.")
+    stragglers: list[Straggler] = Field(
+        default_factory=list,
+        description="Ranks named as slow by their step times (stragglers.factor, stragglers.windows), each once.",
+    )
+    profile_traces: list[str] = Field(
+        default_factory=list, description="The profiled ranks' traces (profile.enabled): gzipped Chrome trace JSON."
+    )
     timing: Timing | None = Field(None, description="When things happened.")
     model_uri: str | None = Field(None, description="The MLflow model logged from the final checkpoint.")
     registered_model: RegisteredModel | None = Field(None, description="Where `--register` put it.")

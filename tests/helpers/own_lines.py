@@ -19,8 +19,10 @@ OWN_FORMATS = [
         r"\[raylane\] epoch \d+ eval: (\w+ [\d.]+ ?)+",
         r"\[raylane\] (warning|error)( \(rank \d+\))?: .+",
         r"\[raylane\] (resumed from step \d+|worker group restarted \(\d+\))",
+        r"\[raylane\] straggler: rank \d+ on \S+ takes .+",
         r"run \S+: (FINISHED|FAILED|KILLED)",
         r"  (error|resumed from|steps|train loss|throughput|eval|MLflow run id|MLflow|checkpoint|model|MLflow UI|"
+        + r"straggler|profile|"
         + r"library log): +\S.*",
     )
 ]

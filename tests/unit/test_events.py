@@ -26,6 +26,7 @@ from raylane.loop.events import (
     SearchStart,
     Start,
     Startup,
+    Straggler,
 )
 from raylane.loop.reporting import Reporter
 from raylane.loop.run import _with_startup
@@ -66,6 +67,7 @@ ONE_OF_EACH = [
     _checkpoint(10),
     CheckpointFailed(step=11, error="no space left"),
     Log(rank=1, level="warning", message="slow"),
+    Straggler(record={"rank": 1, "node": "n1"}, line="straggler: rank 1 on n1 takes 2.0x ..."),
     Handover(time_unix=2.0, result=run_result(steps=12, stop_reason="more workers fit", preempted=True, growing=True)),
     End(time_unix=3.0, result=run_result(steps=20, epochs=2, last_window={"first_step": 11, "last_step": 20})),
     Startup(phases={"fit": 0.1}),

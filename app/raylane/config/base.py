@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from raylane import pipelines_ref
+from raylane.config.observe import ProfileSection, StragglersSection
 from raylane.config.sections import (
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
@@ -47,6 +48,8 @@ class BaseConfig(Section):
     failure: FailureSection = FailureSection()
     dist: DistSection = DistSection()
     mlflow: MlflowSection = MlflowSection()
+    profile: ProfileSection = ProfileSection()
+    stragglers: StragglersSection = StragglersSection()
     env: dict[str, str] = Field(
         {},
         description="Environment variables every rank gets (`NCCL_DEBUG: INFO`, `HF_TOKEN: ${HF_TOKEN}`): set in "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -114,14 +115,35 @@ class ControlVote:
         self.group = group
         self.n_flags = n_flags
 
-    def poll(self, *flags: bool, values: tuple[float, ...] = ()) -> tuple[list[bool], list[float]]:
-        """(each flag set on any rank, each value summed over the ranks)."""
+    def poll(
+        self, *flags: bool, values: tuple[float, ...] = (), per_rank: tuple[float, ...] = ()
+    ) -> tuple[list[bool], list[float]]:
+        """(each flag set on any rank, each value summed over the ranks, then every rank's
+        `per_rank` in rank order). `per_rank` rides in the same all-reduce: each rank fills its
+        own slot of a block of world size x len(per_rank) zeros, and the sum is every rank's."""
         if not self.distributed:
-            return [bool(f) for f in flags], list(values)
-        buffer = torch.tensor([float(bool(f)) for f in flags] + [float(v) for v in values], dtype=torch.float64)
+            return [bool(f) for f in flags], [*values, *per_rank]
+        head = [float(bool(f)) for f in flags] + [float(v) for v in values]
+        buffer = torch.zeros(len(head) + len(per_rank) * dist.get_world_size(), dtype=torch.float64)
+        buffer[: len(head)] = torch.tensor(head, dtype=torch.float64)
+        if per_rank:
+            at = len(head) + dist.get_rank() * len(per_rank)
+            buffer[at : at + len(per_rank)] = torch.tensor(per_rank, dtype=torch.float64)
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.group)
         reduced = buffer.tolist()
         return [v > 0 for v in reduced[: len(flags)]], reduced[len(flags) :]
 
     def close(self) -> None:
         """Nothing is left in flight (kept for callers that drain at the end)."""
+
+
+def node_names(group: dist.ProcessGroup | None = None) -> list[str]:
+    """Each rank's host name, in rank order: one all-gather, once, before the first step."""
+    import socket
+
+    mine = socket.gethostname()
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [mine]
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, mine, group=group)
+    return [str(n) for n in names]

@@ -3,7 +3,7 @@
 Senders, through `Runtime.publish` (Ray: raylane.onray.runtime's EventSink actor; torchrun and one
 process: the driver's listeners, called directly):
 - raylane.loop.reporting.Reporter (rank 0's Trainer): Start, FirstStep, Progress, Eval,
-  Checkpoint, CheckpointFailed, and at the end End, or Handover when the group restarts without
+  Checkpoint, CheckpointFailed, Straggler, and at the end End, or Handover when the group restarts without
   a leaving node or for a larger group.
 - raylane.autotuning.search (rank 0 of `raylane autotune`): SearchStart, Candidate, Round, End.
 - raylane.onray: Log (a worker's raylane warning: runtime), Startup (Ray's start-up phases, from
@@ -101,6 +101,14 @@ class Log:
 
 
 @dataclass(frozen=True, slots=True)
+class Straggler:
+    """A rank named as slow by its step times, once (raylane.loop.steptimes)."""
+
+    record: dict[str, Any]  # raylane.loop.steptimes.Straggler.to_dict()
+    line: str  # what the terminal says
+
+
+@dataclass(frozen=True, slots=True)
 class Handover:
     """The group checkpointed and stops for a restart: a node is leaving, or a larger group fits."""
 
@@ -156,6 +164,7 @@ Event = (
     | Checkpoint
     | CheckpointFailed
     | Log
+    | Straggler
     | Handover
     | End
     | Startup

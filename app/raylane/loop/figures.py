@@ -1,10 +1,14 @@
 """What a run measured, as the Trainer reports it: the run's result (`_result`: throughput from
 the end of the warm-up steps, memory, the layout, how it ended) and rank 0's speed over one epoch
-(`_epoch_speed`), mixed into raylane.loop.trainer.Trainer, whose state they read."""
+(`_epoch_speed`), every rank's step times each window (`_rank_figures`) and the profiler's window
+(`_profiling`), mixed into raylane.loop.trainer.Trainer, whose state they read."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -19,6 +23,7 @@ from raylane.loop.result import RunResult
 from raylane.loop.runtime import Runtime
 from raylane.loop.sharding import Strategy
 from raylane.loop.steps import Throughput
+from raylane.loop.steptimes import StepTimes, split_rows
 from raylane.loop.stopping import StepVote
 
 # Throughput in the result leaves out this launch's first steps (compilation, allocator and
@@ -39,6 +44,8 @@ class RunFigures:
     saver: Saver
     evaluation: Evaluation
     stops: StepVote
+    step_times: StepTimes
+    profiler: Any
     strategy: Strategy
     throughput: Throughput
     step: int
@@ -134,3 +141,27 @@ class RunFigures:
         if self.state_bytes is None:
             self.state_bytes = state_bytes(self.model, self.optimizer)
         return self.state_bytes
+
+    @contextlib.contextmanager
+    def _profiling(self) -> Iterator[None]:
+        """The profiler's window (profile.*), on a profiled rank: its trace is written however the
+        loop ends, before the last window's figures are gathered (so before rank 0 goes on)."""
+        if self.profiler is None:
+            yield
+            return
+        self.profiler.start()
+        try:
+            yield
+        finally:
+            self.profiler.close()
+
+    def _rank_figures(self, values: list[float]) -> None:
+        """A window's step times from every rank (gathered on a vote): on rank 0, its aggregates
+        to MLflow, and a rank it names as a straggler to the driver (once)."""
+        if not self.reporter.active or not values:
+            return
+        metrics, named = self.step_times.window(self.step, split_rows(values, self.runtime.world_size))
+        if metrics:
+            self.reporter.log_metrics(metrics, self.step)
+        for straggler in named:
+            self.reporter.on_straggler(straggler.to_dict(), straggler.line())

@@ -21,6 +21,7 @@ from raylane.loop.events import (
     Handover,
     Progress,
     Start,
+    Straggler,
 )
 from raylane.loop.result import RunResult
 
@@ -92,6 +93,13 @@ class Reporter:
         """A hook's own metrics, to MLflow under the names given (raylane.loop.hooks)."""
         if self._metrics is not None:
             self._metrics.log(metrics, step)
+
+    def on_straggler(self, record: dict[str, Any], line: str) -> None:
+        """A rank named as slow (raylane.loop.steptimes): the driver says it once, on the terminal."""
+        if self.active:
+            self._publish(Straggler(record=record, line=line))
+            if self._metrics is not None:
+                self._metrics.set_tags({f"raylane.straggler.rank{record['rank']}": line})
 
     def on_checkpoint(
         self, *, step: int, location: str, epoch: int, metrics: dict[str, float], speed: dict[str, float] | None = None

@@ -36,6 +36,7 @@ from raylane.loop.result import RunResult
 from raylane.loop.runtime import LocalRuntime, Runtime
 from raylane.loop.sharding import Strategy, on_meta, resharded, unwrap
 from raylane.loop.steps import Throughput, plan_steps
+from raylane.loop.steptimes import StepTimes
 from raylane.loop.trainer import Trainer
 
 log = logging.getLogger("raylane")
@@ -194,7 +195,20 @@ def _assemble(
         strategy=strategy,
         hooks=pipe.hooks,
         faults=plan,
+        step_times=StepTimes(
+            cfg.mlflow.log_every_n_steps, cfg.stragglers.factor, cfg.stragglers.windows, active=runtime.rank == 0
+        ),
+        profiler=_profiler(cfg, runtime),
     )
+
+
+def _profiler(cfg: BaseConfig, runtime: Runtime) -> Any:
+    """torch.profiler's window on this rank (profile.*), or None: not profiled, nothing imported."""
+    if not (cfg.profile.enabled and runtime.rank in cfg.profile.ranks):
+        return None
+    from raylane.loop.profiling import StepProfiler
+
+    return StepProfiler(cfg.profile, runtime.store, runtime.rank, runtime.device)
 
 
 def _train_loader(

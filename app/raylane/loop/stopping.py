@@ -5,7 +5,9 @@ save in flight has been committed by every rank (raylane.loop.checkpoint.saving)
 
 Each vote is a collective outside DDP's, which costs a few ms on 2 busy CPU cores (one rank waits
 to be scheduled): the group votes about every VOTE_INTERVAL_S, after a step count agreed at each
-vote from rank 0's step time. A stop waits at most that long; nothing is lost either way."""
+vote from rank 0's step time. A stop waits at most that long; nothing is lost either way. Every
+rank's step times of a logging window ride on the vote that follows it (raylane.loop.steptimes):
+a few more numbers in the same all-reduce, not a collective of their own."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class StepVote:
         self.node_leaving = False
         self.growing = False
         self.leaving_ranks = 0
+        self.gathered: list[float] = []  # the last poll's per_rank figures, every rank's in rank order
         self.start(0)
 
     def start(self, step: int) -> None:
@@ -46,16 +49,18 @@ class StepVote:
     def due(self, step: int) -> bool:
         return step >= self.next_step
 
-    def poll(self, step: int, save_busy: bool) -> tuple[bool, bool]:
+    def poll(self, step: int, save_busy: bool, per_rank: tuple[float, ...] = ()) -> tuple[bool, bool]:
         """Collective, at `step`: (stop now, the save in flight has been committed by every rank).
-        `save_busy`: this rank's save in flight has not finished."""
+        `save_busy`: this rank's save in flight has not finished. `per_rank`: this rank's figures,
+        gathered from every rank into `gathered` (every rank must give as many, or none)."""
         started, last_step = self._last
         step_s = (time.perf_counter() - started) / max(step - last_step, 1) if self.rank == 0 else 0.0
-        (stop, busy, growing), (agreed_step_s, leaving) = self.vote.poll(
+        (stop, busy, growing), (agreed_step_s, leaving, *self.gathered) = self.vote.poll(
             preemption.requested(),
             save_busy,
             preemption.growing(),
             values=(step_s, float(preemption.node_leaving())),
+            per_rank=per_rank,
         )
         self.next_step = step + min(max(int(VOTE_INTERVAL_S / max(agreed_step_s, 1e-6)), 1), VOTE_MAX_STEPS)
         self._last = (time.perf_counter(), step)
@@ -76,6 +81,10 @@ class StepVote:
         if self.node_leaving:
             return f"notice to {self.leaving_ranks} of {self.world_size} ranks that their node is leaving"
         return preemption.reason() or "a stop request from another rank"
+
+    def gather(self, per_rank: tuple[float, ...]) -> list[float]:
+        """Every rank's `per_rank`, in rank order: collective, after the loop (its last window)."""
+        return self.vote.poll(per_rank=per_rank)[1]
 
     def close(self) -> None:
         self.vote.close()

@@ -8,6 +8,7 @@ rank calls them in the same order."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -24,6 +25,7 @@ from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.state import scheduler_state_for
 from raylane.loop.data import EpochData
 from raylane.loop.devices import Precision, reset_peak_memory
+from raylane.loop.distributed import node_names
 from raylane.loop.early_stop import EarlyStopping
 from raylane.loop.evaluation import EvalSets, Evaluation
 from raylane.loop.faults import FaultPlan
@@ -44,6 +46,7 @@ from raylane.loop.steps import (
     plan_steps,
     resumed_batch,
 )
+from raylane.loop.steptimes import StepTimes
 from raylane.loop.stopping import StepVote
 from raylane.version import __version__
 
@@ -91,6 +94,8 @@ class Trainer(RunFigures):
         strategy: Strategy | None = None,
         hooks: Iterable[Any] = (),
         faults: FaultPlan | None = None,
+        step_times: StepTimes | None = None,
+        profiler: Any = None,
     ) -> None:
         self.model, self.train_data, self.optimizer, self.scheduler = model, train_data, optimizer, scheduler
         # Walking the module tree costs ~70 us a step on a small model (7% of a digits step on one
@@ -100,6 +105,11 @@ class Trainer(RunFigures):
         self.train_cfg, self.forward, self.saver, self.runtime, self.reporter = train, forward, saver, runtime, reporter
         self.log_every_n_steps, self.timeout_s, self.config = log_every_n_steps, timeout_s, config
         self.faults = faults
+        # Every rank's step times (raylane.loop.steptimes); a torch.profiler window where this rank
+        # is profiled (raylane.loop.profiling), else None: nothing of it is imported.
+        self.step_times = step_times or StepTimes(log_every_n_steps, 1.5, 3, active=False)
+        self.timer = self.step_times.timer
+        self.profiler = profiler
         self.device = runtime.device
         self.throughput = throughput or Throughput()
         self.accum = train.grad_accum_steps
@@ -178,8 +188,11 @@ class Trainer(RunFigures):
                 if self.faults:
                     loss = self.faults.corrupt_loss(self.step + 1, loss)
                 scaled = loss / n if n > 1 else loss  # each op dispatched costs µs on tiny steps
+                if last:
+                    self.timer.arrive()  # this backward waits for the last rank at the gradient sync
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             losses.append(loss.detach())
+        self.timer.computed()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         if not self._clip_gradients(carried) and not self.scaler:  # the scaler skips such steps itself
@@ -237,10 +250,18 @@ class Trainer(RunFigures):
         self.model.train()
         self.batches_per_epoch = self.train_data.batches_in_epoch(epoch)
         self.train_data.set_epoch(epoch, skip_batches=self.batch_in_epoch)
-        for micro_batches in self._micro_batches():
+        batches, timer = self._micro_batches(), self.timer
+        while True:
+            timer.begin()
+            if (micro_batches := next(batches, None)) is None:
+                break
+            timer.fetched()
             if self.faults:
                 self.faults.before_step(self.step + 1)
             loss = self.run_step(micro_batches)
+            timer.ended()
+            if self.profiler:
+                self.profiler.step()
             if self.state_bytes is None:  # optimizer state exists from the first step on
                 self._state_bytes()
             self.step += 1
@@ -274,7 +295,10 @@ class Trainer(RunFigures):
 
     def _step_boundary(self) -> bool:
         """The vote every rank takes at the same step; True when the loop must stop now."""
-        stop, committed = self.stops.poll(self.step, self.saver.busy())
+        due = self.step_times.due(self.step)  # the same on every rank: a window's figures ride on this vote
+        stop, committed = self.stops.poll(self.step, self.saver.busy(), self.step_times.take(self.step) if due else ())
+        if due:
+            self._rank_figures(self.stops.gathered)
         if self.saver.unsettled() and committed:  # committed on every rank: only its outcome is left
             blocked = time.perf_counter()
             self.saver.settle()
@@ -311,7 +335,12 @@ class Trainer(RunFigures):
         self.stops.start(self.step)
         epoch_ends: list[float] = []  # seconds from the start to the end of each epoch's end work
         self._train_started = started
-        with preemption.armed(), self.saver.settled_on_failure(min(self.timeout_s, FAILED_RUN_SAVE_WAIT_S)):
+        self.step_times.start(self.step, node_names(self.stops.vote.group))  # once, before the first step
+        with (
+            preemption.armed(),
+            self.saver.settled_on_failure(min(self.timeout_s, FAILED_RUN_SAVE_WAIT_S)),
+            self._profiling(),
+        ):
             last_step_end = started
             while not self._over():
                 epoch_start = (time.perf_counter(), self.step)
@@ -329,13 +358,21 @@ class Trainer(RunFigures):
                     epoch_ends.append(round(time.perf_counter() - started, 4))
             self.saver.settle()  # a save in flight is committed before the run ends or stops
             self.saver.close()
-            self.stops.close()
+        self._rank_figures(self.stops.gather(self.step_times.take(self.step)))  # the last window's: after the loop
+        self.stops.close()
         if self.window.loss_count:
             self._log_train_metrics(until=last_step_end)  # not the end-of-run save and evaluation
         # A max_steps stop mid-epoch, an epoch left unevaluated, or resumed at the end.
         if self.evaluation.step != self.step and not self.stops.preempted:
             self.evaluation.run(self.step, self.epoch, final=True)
-        return self.reporter.on_end(self._result((started, started_cpu, first_step), last_step_end, epoch_ends))
+        result = self._result((started, started_cpu, first_step), last_step_end, epoch_ends)
+        if self.reporter.active:
+            result = dataclasses.replace(
+                result,
+                stragglers=[s.to_dict() for s in self.step_times.watch.named],
+                rank_times=self.step_times.table.rows(),
+            )
+        return self.reporter.on_end(result)
 
     def _announce(self) -> None:
         self.reporter.on_start(

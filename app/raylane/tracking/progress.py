@@ -25,9 +25,12 @@ from raylane.loop.events import (
     Log,
     Progress,
     Start,
+    Straggler,
 )
 from raylane.loop.result import RunResult
+from raylane.loop.steptimes import Straggler as StepStraggler
 from raylane.results import TrainSummary
+from raylane.tracking.observe import profile_line
 
 LINE_INTERVAL_S = 10.0
 LABEL_WIDTH = 15
@@ -121,6 +124,8 @@ class ProgressDisplay:
                 self._print(f"warning: {event.error}")
             case Log():
                 self._relayed(event)
+            case Straggler():
+                self._print(event.line)
             case Handover(result=r):
                 then = "larger" if r.stop_reason == "more workers fit" else "without the leaving node"
                 self._print(
@@ -266,6 +271,9 @@ def outcome_text(summary: TrainSummary, ui: str, log_file: Any = None) -> str:
         counts = ", ".join(f"{k} {v.skipped:,} of {v.rows:,}" for k, v in s.skipped_rows.items())
         first = next((v.first for v in s.skipped_rows.values() if v.first), None)
         rows.append(("skipped rows", counts + (f"; the first: {first}" if first else "")))
+    rows += [("straggler", StepStraggler(**x.model_dump()).line().removeprefix("straggler: ")) for x in s.stragglers]
+    if s.profile_traces:
+        rows.append(("profile", profile_line(s.profile_traces)))
     rows.append(("MLflow run id", s.run_id) if s.run_id else ("MLflow", "not recorded"))
     rows.append(("checkpoint", s.checkpoint or "none"))
     if s.model_uri:

@@ -18,6 +18,7 @@ from raylane.config import BaseConfig
 from raylane.loop.events import Checkpoint, End, Event, FirstStep, Start
 from raylane.loop.result import RunResult
 from raylane.results import Status
+from raylane.tracking.observe import log_profiles, log_rank_times
 from raylane.tracking.runs import MetricLogger, RunHandle, mlflow_client
 
 log = logging.getLogger("raylane.tracking")
@@ -38,6 +39,7 @@ class RunRecorder:
         self._logger = MetricLogger(handle.tracking_uri, handle.run_id)
         self._prewarm = prewarm
         self._prewarming: threading.Thread | None = None
+        self._result: RunResult | None = None
 
     def on_event(self, event: Event) -> None:
         match event:
@@ -49,6 +51,7 @@ class RunRecorder:
             case Start():
                 self._logger.set_tags({"raylane.host": event.host, **event.strategy_tags})
             case End(result=RunResult() as result):
+                self._result = result
                 self._log_run_rates(result)
                 if result.stop_reason:  # an early stop (FINISHED), or a stop request
                     self._logger.set_tags({"raylane.stop_reason": result.stop_reason})
@@ -98,6 +101,11 @@ class RunRecorder:
         if status == Status.FINISHED and checkpoint and self.cfg.mlflow.log_model:
             out.update(attempt("model", lambda: log_model(self.handle, checkpoint, register)) or {})
         attempt("plots", lambda: log_plots(client, self.handle))
+        r, run_id = self._result, self.handle.run_id
+        if r is not None and r.rank_times:
+            attempt("per-rank step times", lambda: log_rank_times(client, run_id, r.rank_times, r.stragglers or []))
+        if self.cfg.profile.enabled:
+            attempt("profiles", lambda: log_profiles(client, run_id, self.cfg))
         return out
 
 

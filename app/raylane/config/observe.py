@@ -1,0 +1,72 @@
+"""The sections that look inside a run: `profile` (torch.profiler traces of a window of steps, on
+chosen ranks; off by default) and `stragglers` (when a rank's step times name it as slow). Apart
+because step times are measured on every run, profile or not: a `profile.*` key that acts while
+`profile.enabled` is false would read wrong. Nothing here imports torch or Ray."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from raylane.config.section import Section
+
+
+class ProfileSection(Section):
+    """A torch.profiler trace of a window of steps (docs/observability.md)."""
+
+    enabled: bool = Field(
+        False,
+        description="Profile a window of steps on `ranks`: a gzipped Chrome trace per rank and a table of the top "
+        "operations by self time in `<storage_path>/<run.name>/profiles/`, and in MLflow under `profiles/`. "
+        "false: torch.profiler is neither started nor set up, and nothing is paid.",
+    )
+    ranks: list[int] = Field(
+        [0],
+        min_length=1,
+        max_length=64,
+        description="The ranks profiled (a rank the group does not have is not profiled).",
+    )
+    wait: int = Field(5, ge=0, le=1_000_000, description="Steps skipped before the window (torch.profiler.schedule).")
+    warmup: int = Field(
+        1, ge=0, le=1000, description="Steps traced but thrown away before the active ones (the tracer's start-up)."
+    )
+    active: int = Field(3, ge=1, le=1000, description="Steps recorded in the trace.")
+    repeat: int = Field(
+        1, ge=0, le=1000, description="Windows of wait + warmup + active steps, one trace each; 0: until the end."
+    )
+    activities: list[Literal["cpu", "cuda"]] = Field(
+        ["cpu", "cuda"],
+        min_length=1,
+        description="What is traced: the CPU's operators, and the GPU's kernels (`cuda`, on a rank with a GPU only).",
+    )
+    record_shapes: bool = Field(False, description="Record each operator's input shapes.")
+    profile_memory: bool = Field(False, description="Record the memory each operator allocates and frees.")
+    with_stack: bool = Field(False, description="Record the Python stack of each operator (larger traces).")
+    top_ops: int = Field(25, ge=1, le=1000, description="Rows of the top-operations table, by self time.")
+
+    @field_validator("ranks")
+    @classmethod
+    def _ranks(cls, value: list[int]) -> list[int]:
+        if any(r < 0 for r in value):
+            raise ValueError(f"profile.ranks = {value}: a rank is 0 or more")
+        return value
+
+
+class StragglersSection(Section):
+    """When a rank is named as a straggler: every rank times its steps (data wait, forward and
+    backward, optimizer, the whole step), and rank 0 compares them every logging window."""
+
+    factor: float = Field(
+        1.5,
+        gt=1,
+        le=1000,
+        description="A rank whose step time (less what it waited for the others at the gradient sync) is this many "
+        "times the other ranks' median is slow.",
+    )
+    windows: int = Field(
+        3,
+        ge=1,
+        le=10_000,
+        description="Windows running a rank must be slow in before it is named as a straggler (once).",
+    )

@@ -1,0 +1,103 @@
+"""What the driver records of a run's insides at its end: the per-rank step-time table (CSV, with a
+plot) from rank 0's result, and the profiled ranks' traces and top-operations tables from the run's
+folder (`<storage_path>/<run.name>/profiles/`, where every profiled rank wrote, whichever node it
+ran on: raylane.loop.profiling), logged to MLflow as artifacts under `steps/` and `profiles/`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+from typing import Any
+
+from raylane.config import BaseConfig
+
+log = logging.getLogger("raylane.tracking")
+PROFILES = "profiles"
+OPEN_HINT = "open a trace in https://ui.perfetto.dev or chrome://tracing"
+
+
+def profiles_folder(cfg: BaseConfig) -> tuple[Any, str]:
+    """(filesystem, path) of the run's profiles folder."""
+    from raylane.loop.checkpoint.storage import filesystem_for
+
+    fs, root = filesystem_for(cfg.run.storage_path)
+    return fs, f"{root.rstrip('/')}/{cfg.run.name}/{PROFILES}"
+
+
+def profile_traces(cfg: BaseConfig) -> list[str]:
+    """The traces in the run's profiles folder (every profiled rank's), by name; [] without a profile."""
+    if not cfg.profile.enabled:
+        return []
+    import pyarrow.fs as pafs
+
+    fs, folder = profiles_folder(cfg)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(folder, allow_not_found=True))
+    except OSError as exc:
+        log.warning("could not list the profiles in %s: %s", folder, exc)
+        return []
+    shown = folder if isinstance(fs, pafs.LocalFileSystem) else f"{fs.type_name}://{folder}"
+    names = sorted(i.base_name for i in infos if i.base_name.endswith(".json.gz"))
+    return [f"{shown}/{name}" for name in names]
+
+
+def profile_line(traces: list[str]) -> str:
+    """The terminal's one line on a profile: where the traces and tables are, how to open them."""
+    if not traces:
+        return "none written (the run ended before the window: see profile.wait)"
+    folder = traces[0].rsplit("/", 1)[0]
+    tables = traces[0].rsplit("/", 1)[1].replace("trace-", "top-ops-").replace(".json.gz", ".md")
+    n = len(traces)
+    return f"{n} trace{'s' if n > 1 else ''} in {folder} ({OPEN_HINT}; top operations: {tables}, .txt, .csv)"
+
+
+def log_profiles(client: Any, run_id: str, cfg: BaseConfig) -> None:
+    """The profiles folder, as the run's artifacts under profiles/."""
+    import pyarrow.fs as pafs
+
+    from raylane.loop.checkpoint.storage import local_copy
+
+    fs, folder = profiles_folder(cfg)
+    if fs.get_file_info(folder).type == pafs.FileType.NotFound:
+        return
+    location = folder if isinstance(fs, pafs.LocalFileSystem) else f"{fs.type_name}://{folder}"
+    with local_copy(location) as path:
+        client.log_artifacts(run_id, path, PROFILES)
+
+
+def rank_table_csv(rows: list[dict[str, Any]]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: f"{v:.6f}" if isinstance(v, float) else v for k, v in row.items()})
+    return out.getvalue()
+
+
+def log_rank_times(client: Any, run_id: str, rows: list[dict[str, Any]], stragglers: list[dict[str, Any]]) -> None:
+    """Each rank's step times over the run: steps/ranks.csv, and steps/ranks.png (busy step time
+    per rank, split into data wait and the rest; a named straggler in red)."""
+    if not rows:
+        return
+    client.log_text(run_id, rank_table_csv(rows), "steps/ranks.csv")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    named = {s["rank"] for s in stragglers}
+    ranks = [r["rank"] for r in rows]
+    data = [min(r["data_s"], r["busy_s"]) for r in rows]
+    rest = [r["busy_s"] - d for r, d in zip(rows, data, strict=True)]
+    fig, ax = plt.subplots(figsize=(max(6, min(len(rows) * 0.15, 24)), 4))
+    ax.bar(ranks, data, color="tab:orange", label="data wait")
+    colours = ["tab:red" if r in named else "tab:blue" for r in ranks]
+    ax.bar(ranks, rest, bottom=data, color=colours, label="forward, backward, optimizer")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("busy seconds per step (mean)")
+    ax.set_title("step time per rank" + (f"; straggler: rank {', '.join(map(str, sorted(named)))}" if named else ""))
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    client.log_figure(run_id, fig, "steps/ranks.png")
+    plt.close(fig)

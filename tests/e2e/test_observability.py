@@ -1,0 +1,124 @@
+"""Inside a run (issue 51, items 1 and 2), under torchrun on 2 CPU ranks (gloo): a profiled window
+on the rank chosen writes a gzipped Chrome trace holding the window's steps and its top-operations
+tables into the run's folder, both reach MLflow though rank 0 alone talks to it; the rank left out
+neither imports raylane's profiling nor runs a profiler. Every rank's step times ride on the
+step-boundary vote, MLflow records each window's aggregates, and a rank whose loader is slow
+(the user's own collate_fn sleeps on rank 1) is named once, with its node and as data-bound, on
+the terminal and in the summary. The figures and the naming in-process: tests/unit/test_step_times.py."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import socket
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import RAYLANE, REPO, TORCHRUN, read_json
+
+HELPER = REPO / "tests" / "helpers" / "slow_loader.py"
+# 512 samples, batch 8 on 2 ranks: 32 steps. Windows of 4 steps ride on the votes (about every
+# 0.5 s, ~10 steps of 0.05 s here): a straggler 2 windows running is named by step ~20.
+RUN = [
+    "train.batch_size=8",
+    "train.max_epochs=1",
+    "mlflow.log_every_n_steps=4",
+    "mlflow.log_model=false",
+    "mlflow.system_metrics=false",
+    "stragglers.windows=2",
+    "model.sleep_s=0.05",
+    "profile.enabled=true",
+    "profile.ranks=[1]",
+    "profile.wait=1",
+    "profile.warmup=1",
+    "profile.active=2",
+]
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    shutil.copy(HELPER, tmp_path / "pipe.py")
+    (tmp_path / "cfg.yaml").write_text("pipeline: ./pipe.py\n")
+    (tmp_path / "probe").mkdir()
+    return tmp_path
+
+
+def _metrics(db: Path, run_id: str) -> dict[str, list[float]]:
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT key, value FROM metrics WHERE run_uuid = ? ORDER BY step", (run_id,)).fetchall()
+    out: dict[str, list[float]] = {}
+    for key, value in rows:
+        out.setdefault(key, []).append(value)
+    return out
+
+
+def _launch(run_cli, project: Path, *launch: str, launcher: list[str] = RAYLANE):
+    sets = [x for item in RUN for x in ("--set", item)]
+    more = ["--set", f"model.probe={project / 'probe'}", "--set", f"run.storage_path={project / 'runs'}"]
+    p = run_cli(*launch, "cfg.yaml", *sets, *more, "--summary-json", "s.json", launcher=launcher, cwd=project)
+    assert p.wait(180) == 0, p.output
+    return p, read_json(project / "s.json")
+
+
+def test_a_profiled_rank_and_a_slow_loader_under_torchrun(run_cli, project):
+    p, s = _launch(run_cli, project, "--nproc_per_node", "2", "-m", "raylane", "train", launcher=TORCHRUN)
+    _check(project, p.output, s)
+
+
+# Slow (~70 s on 2 busy cores): the loop that measures and profiles is the same under every launcher (make test
+# runs it under torchrun above); this checks what Ray adds: the events relayed, the shared folder.
+@pytest.mark.slow
+@pytest.mark.shared_ray
+def test_a_profiled_rank_and_a_slow_loader_on_ray(run_cli, project):
+    p, s = _launch(run_cli, project, "train", "--set", "scaling.num_workers=2")
+    _check(project, p.output, s)
+
+
+def _check(project: Path, output: str, s: dict) -> None:
+    host = socket.gethostname()
+
+    # The straggler: rank 1, on this host, waiting on its data; named once on the terminal.
+    [straggler] = s["stragglers"]
+    assert (straggler["rank"], straggler["node"], straggler["data_bound"]) == (1, host, True), straggler
+    assert straggler["ratio"] > 1.5 and straggler["windows"] == 2
+    live = [line for line in output.splitlines() if line.startswith("[raylane] straggler: rank 1")]
+    assert len(live) == 1 and f"on {host} takes" in live[0] and "(data-bound)" in live[0], output
+
+    # Per-window aggregates in MLflow (a few keys, whatever the world size), the slowest rank 1.
+    m = _metrics(project / "mlflow.db", s["run_id"])
+    assert len(m["steps/step_s_max"]) >= 3 and {k for k in m if k.startswith("steps/")} == {
+        "steps/step_s_min", "steps/step_s_median", "steps/step_s_max", "steps/slowest_rank",
+        "steps/slowest_vs_others", "steps/slowest_data_share", "steps/data_share_median",
+    }  # fmt: skip
+    assert m["steps/slowest_rank"][-1] == 1 and m["steps/slowest_data_share"][-1] > 0.5
+
+    # The profile: rank 1's trace in the run's folder, holding the window's two active steps.
+    folder = project / "runs" / s["run_name"] / "profiles"
+    [trace] = s["profile_traces"]
+    assert trace == str(folder / f"trace-rank1-{host}.json.gz")
+    events = json.loads(gzip.decompress(Path(trace).read_bytes()))["traceEvents"]
+    assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")} == {
+        "ProfilerStep#2",
+        "ProfilerStep#3",
+    }
+    table = (folder / f"top-ops-rank1-{host}.md").read_text()
+    assert table.startswith("| operation | calls | self_ms |") and "aten::addmm" in table
+    line = next(x for x in output.splitlines() if x.startswith("  profile:"))
+    assert f"1 trace in {folder} (open a trace in https://ui.perfetto.dev" in line
+    # Only the rank chosen ran a profiler, for its 2 active steps; the other never imported it.
+    probes = {r: json.loads((project / "probe" / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert len(probes[1]["profiled_steps"]) == 2 and probes[1]["imported"]
+    assert probes[0] == {"profiled_steps": [], "imported": False}
+
+    # In MLflow, from the run's folder: rank 1's trace and tables, and the per-rank table and plot.
+    artifacts = next(project.glob(f"**/{s['run_id']}/artifacts"))  # the sqlite store's, beside it
+    assert {x.name for x in (artifacts / "profiles").iterdir()} == {
+        f"trace-rank1-{host}.json.gz",
+        *(f"top-ops-rank1-{host}.{ext}" for ext in ("txt", "md", "csv")),
+    }
+    ranks = (artifacts / "steps" / "ranks.csv").read_text().splitlines()
+    assert ranks[0].startswith("rank,node,steps,step_s,busy_s,data_s") and len(ranks) == 3
+    assert (artifacts / "steps" / "ranks.png").stat().st_size > 1000
