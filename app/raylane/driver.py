@@ -52,6 +52,7 @@ def train(
     from raylane.loop import preemption
     from raylane.loop.distributed import env_ranks
     from raylane.loop.startup import StartupTimes
+    from raylane.tracking.health import start_watch, stop_watch
     from raylane.tracking.records import RunRecorder
     from raylane.tracking.resizes import Resizes
     from raylane.tracking.runs import open_run, resolve_tracking_uri, ui_command
@@ -81,9 +82,11 @@ def train(
         resizes = Resizes()
         listeners = [x.handle if x is display else x.on_event for x in (resizes, display, recorder) if x is not None]
         embedded = bool(ray_stopper and ray_stopper.embedded)
+        health = start_watch(cfg, handle.tracking_uri, handle.run_id) if handle else None
         status, error, result = _execute(
             cfg, use_ray, embedded, handle, tracking_uri, [*listeners, startup.on_event], display
         )
+        stop_watch(health)  # the nodes' last samples logged; a node silent at the end is not named
         if ray_stopper:
             ray_stopper.start()  # the ranks are done; the records below need MLflow, not Ray
         else:

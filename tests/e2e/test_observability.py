@@ -55,8 +55,8 @@ def _metrics(db: Path, run_id: str) -> dict[str, list[float]]:
     return out
 
 
-def _launch(run_cli, project: Path, *launch: str, launcher: list[str] = RAYLANE):
-    sets = [x for item in RUN for x in ("--set", item)]
+def _launch(run_cli, project: Path, *launch: str, launcher: list[str] = RAYLANE, also: tuple[str, ...] = ()):
+    sets = [x for item in (*RUN, *also) for x in ("--set", item)]
     more = ["--set", f"model.probe={project / 'probe'}", "--set", f"run.storage_path={project / 'runs'}"]
     p = run_cli(*launch, "cfg.yaml", *sets, *more, "--summary-json", "s.json", launcher=launcher, cwd=project)
     assert p.wait(180) == 0, p.output
@@ -64,8 +64,24 @@ def _launch(run_cli, project: Path, *launch: str, launcher: list[str] = RAYLANE)
 
 
 def test_a_profiled_rank_and_a_slow_loader_under_torchrun(run_cli, project):
-    p, s = _launch(run_cli, project, "--nproc_per_node", "2", "-m", "raylane", "train", launcher=TORCHRUN)
+    # With the node's health (item 4) sampled every second, recorded under the node's name.
+    health = ("mlflow.system_metrics=true", "mlflow.system_metrics_interval_s=1")
+    p, s = _launch(run_cli, project, "--nproc_per_node", "2", "-m", "raylane", "train", launcher=TORCHRUN, also=health)
     _check(project, p.output, s)
+    _check_health(project, s)
+
+
+def _check_health(project: Path, s: dict) -> None:
+    """One node (its local rank 0 samples it): its CPU and memory at a point a second (the step is
+    the sample's unix second), keyed by the node's name, not by rank. Two nodes: tests/e2e/test_health.py."""
+    host = socket.gethostname()
+    with sqlite3.connect(project / "mlflow.db") as con:
+        rows = con.execute(
+            "SELECT key, step FROM metrics WHERE run_uuid = ? AND key LIKE 'system/%/%' ORDER BY step", (s["run_id"],)
+        ).fetchall()
+    assert {k for k, _ in rows} == {f"system/{host}/{f}" for f in ("cpu_percent", "memory_percent", "memory_used_gb")}
+    at = [step for k, step in rows if k.endswith("/cpu_percent")]
+    assert len(at) >= 2 and all(1 <= b - a <= 3 for a, b in zip(at, at[1:], strict=False)), at
 
 
 # Slow (~70 s on 2 busy cores): the loop that measures and profiles is the same under every launcher (make test

@@ -468,10 +468,19 @@ class MlflowSection(Section):
         True, description="At the end of a finished run, log the final model as an MLflow PyTorch model, and plots."
     )
     system_metrics: bool = Field(
-        True, description="CPU, memory (and GPU) of rank 0's node, through MLflow's system metrics."
+        True,
+        description="CPU, memory and GPUs of every node that runs a rank, as `system/<node>/*` (one sampler per "
+        "node); and MLflow's own system metrics of rank 0's node (`system/*`: with disk and network).",
     )
     system_metrics_interval_s: float = Field(
-        10.0, ge=1, le=3600, description="Seconds between two samples of the system metrics."
+        10.0, ge=1, le=3600, description="Seconds between two samples of the system metrics, on each node."
+    )
+    system_metrics_silent_after: int = Field(
+        3,
+        ge=2,
+        le=1000,
+        description="A node with no new system-metrics sample for this many intervals is named once: on the "
+        "terminal and as the run's tag `raylane.node_silent.<node>`.",
     )
 
 

@@ -138,10 +138,11 @@ class ControlVote:
 
 
 def node_names(group: dist.ProcessGroup | None = None) -> list[str]:
-    """Each rank's host name, in rank order: one all-gather, once, before the first step."""
-    import socket
+    """Each rank's node name (its host name, or $RAYLANE_NODE_NAME: raylane.loop.health), in rank
+    order: one all-gather, once, before the first step."""
+    from raylane.loop.health import node_name
 
-    mine = socket.gethostname()
+    mine = node_name()
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [mine]
     names: list[Any] = [None] * dist.get_world_size()

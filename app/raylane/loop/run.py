@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from raylane.config import BaseConfig
 from raylane.config.batching import held_batch
-from raylane.loop import checkpoint, faults, frozen, usercode
+from raylane.loop import checkpoint, faults, frozen, health, usercode
 from raylane.loop.batches import Forward
 from raylane.loop.checkpoint.layout import change_line, layout_of
 from raylane.loop.checkpoint.saving import Saver
@@ -71,6 +71,7 @@ def run_worker(
     cfg = held_batch(cfg, runtime.world_size)  # train.global_batch on this many ranks (checked before launch)
     seed_everything(cfg.train.seed)
     pipe = None
+    sampler = health.start_sampler(cfg, runtime.local_rank, runtime.store)  # this node's, on its local rank 0
     try:
         pipe = usercode.build_pipeline(cfg)  # its exception, or a return that is no Pipeline, names the pipeline
         startup["pipeline"] = time.time()
@@ -81,6 +82,9 @@ def run_worker(
         if explained is exc:
             raise
         raise explained from exc
+    finally:
+        if sampler is not None:
+            sampler.stop()
 
 
 def _train(
