@@ -111,6 +111,7 @@ class HealthSampler:
         self.samples: deque[dict[str, Any]] = deque(maxlen=KEEP)
         self._stop = threading.Event()
         self._warned = False
+        self._made = False  # the folder, once
         self._thread = threading.Thread(target=self._run, name="raylane-health", daemon=True)
 
     def start(self) -> HealthSampler:
@@ -144,7 +145,9 @@ class HealthSampler:
         import pyarrow.fs as pafs
 
         body = json.dumps({"node": self.node, "interval_s": self.interval_s, "samples": list(self.samples)}).encode()
-        self.fs.create_dir(self.folder, recursive=True)
+        if not self._made:
+            self.fs.create_dir(self.folder, recursive=True)
+            self._made = True
         # Whole or not at all: a reader never sees half a file (a put to object storage is whole anyway).
         target = f"{self.path}.tmp" if isinstance(self.fs, pafs.LocalFileSystem) else self.path
         with self.fs.open_output_stream(target) as out:

@@ -122,7 +122,7 @@ class HealthWatch:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(min(1.0, self.interval_s) if not self.heard else self.interval_s):
+        while not self._stop.wait(self.interval_s):
             try:
                 self.poll()
             except Exception as exc:  # noqa: BLE001 - the watch is best effort: training goes on without it
