@@ -228,8 +228,12 @@ class HangWatch:
             faulthandler.unregister(SIGNAL)
         for f in self._files:
             f.close()
+        # The run's folder keeps its checkpoints and records only; a rank killed leaves its files.
+        for path in (Path(self.folder, RANKS, f"rank{self.rank}.json"), self.entry.live_file, self.entry.watchdog_file):
+            with contextlib.suppress(OSError):
+                os.remove(path)
         with contextlib.suppress(OSError):
-            os.remove(Path(self.folder, RANKS, f"rank{self.rank}.json"))
+            os.rmdir(Path(self.folder, RANKS))  # the last rank out
 
     def diagnose(self, exc: BaseException) -> HangError | None:
         """After `exc`, a collective's timeout (else None): every rank's stacks into `stacks/`,
