@@ -14,6 +14,8 @@ import signal
 import socket
 import sqlite3
 
+import pytest
+
 from raylane.cli import main
 from tests.conftest import REPO, TORCHRUN, read_json, wait_for
 
@@ -77,3 +79,34 @@ def test_a_hung_rank_is_named_where_it_stood_with_every_rank_stack(run_cli, tmp_
     wait_for(lambda: main(["stacks", "hung", "--storage-path", str(runs)]) == 2, 40, 0.5)
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"raylane: stacks: run hung is not live: no rank of it runs (its folder: {runs / 'hung'})"
+
+
+# Slow (~35 s on 2 busy cores, the shared head included): the ranks' side is the loop's, the same under every launcher (make test
+# runs it under torchrun above; Ray's failure line: test_preemption); this checks a Ray worker answers.
+@pytest.mark.slow
+@pytest.mark.shared_ray
+@pytest.mark.untracked
+def test_raylane_stacks_prints_both_ranks_of_a_live_ray_run(run_cli, tmp_path, capsys):
+    shutil.copy(HELPER, tmp_path / "pipe.py")
+    (tmp_path / "cfg.yaml").write_text("pipeline: ./pipe.py\n")
+    runs, marker = tmp_path / "runs", tmp_path / "hanging"
+    sets = {
+        "run.name": "hung",
+        "run.storage_path": str(runs),
+        "scaling.num_workers": "2",
+        "dist.timeout_s": "120",
+        "train.batch_size": "8",
+        "model.hang_s": "600",
+        "model.marker": str(marker),
+    }
+    args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+    p = run_cli("train", "cfg.yaml", *args, cwd=tmp_path)
+    wait_for(lambda: marker.exists() or p.proc.poll() is not None, 180)
+    assert p.proc.poll() is None, p.output
+    assert main(["stacks", str(runs / "hung")]) == 0
+    out = capsys.readouterr().out
+    pipe = tmp_path / "pipe.py"
+    assert (
+        f"== rank 1 (pid {marker.read_text()}, {socket.gethostname()}): running, at {pipe}:{HANG_LINE} in loss" in out
+    )
+    assert "== rank 0 (pid " in out and "waiting in a collective" in out, out
