@@ -45,6 +45,7 @@ def parser() -> argparse.ArgumentParser:
     _add_cluster(sub)
     _add_export(sub)
     _add_bench(sub)
+    _add_stacks(sub)
     return p
 
 
@@ -185,6 +186,20 @@ def _add_bench(sub: Any) -> None:
         default=None,
         help=VERBOSE_HELP + "; the runs it starts log to files under --out either way",
     )
+
+
+def _add_stacks(sub: Any) -> None:
+    stacks = sub.add_parser("stacks", help="print the Python stack of every rank of a live run (on this host)")
+    stacks.add_argument("run", help="the run's name (under --storage-path) or its folder")
+    stacks.add_argument("--storage-path", default="runs", help="the run's run.storage_path (default: runs)")
+
+
+def _stacks(args: argparse.Namespace) -> int:
+    from raylane.loop.hangs import live_stacks, run_folder_of
+
+    code, text = live_stacks(run_folder_of(args.run, args.storage_path))
+    print(text, file=sys.stderr if code else sys.stdout, flush=True)
+    return code
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -409,6 +424,7 @@ COMMANDS = {
     "bench": _bench,
     "up": _up,
     "down": _down,
+    "stacks": _stacks,
 }
 
 

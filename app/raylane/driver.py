@@ -5,6 +5,7 @@ run, show progress, close the run with the right status and write the summary. T
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -111,9 +112,21 @@ def _begin(cfg: BaseConfig, use_ray: bool, startup: Any) -> bool:
         from raylane.config.workerenv import apply_here
 
         apply_here(cfg.env)  # the ranks are this process: its environment, before the process group
+        _flight_recorder(cfg)
         init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # ranks agree on the run name first
         startup.mark("process_group")
     return use_ray or env_ranks()[0] == 0
+
+
+def _flight_recorder(cfg: BaseConfig) -> None:
+    """NCCL's flight recorder, set before the process group (a variable of the user's own wins)."""
+    from raylane.loop.hangs import flight_recorder_env
+    from raylane.runrecord import run_folder
+
+    folder = run_folder(cfg)
+    env = flight_recorder_env(cfg.scaling.use_gpu, cfg.dist.flight_recorder_entries, str(folder) if folder else None)
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
 
 
 def _start_ray(

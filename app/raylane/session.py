@@ -68,7 +68,11 @@ def failure_text(exc: Exception) -> str:
     if isinstance(exc, TrainingError):
         return str(exc)
     record_traceback("the run failed:", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-    if isinstance(exc, (UserCodeError, DataError)):  # complete as they are: the function or data, and the place
+    from raylane.loop.hangs import HangError
+
+    if isinstance(
+        exc, (UserCodeError, DataError, HangError)
+    ):  # complete as they are: the function or data, and the place
         return str(exc)
     lines = str(exc).strip().splitlines() or [""]
     return f"{type(exc).__name__}: {lines[0]}" + (" (the rest in the library log)" if len(lines) > 1 else "")

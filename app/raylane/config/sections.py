@@ -444,7 +444,15 @@ class DistSection(Section):
         gt=0,
         le=86_400,
         description="Seconds a collective may wait: a rank stuck outside one fails the run after this long, naming "
-        "it (Ray's default is 1800 s).",
+        "it and the file:line where it stood, with every rank's stack in `<storage_path>/<run.name>/stacks/` "
+        "(Ray's default is 1800 s).",
+    )
+    flight_recorder_entries: int = Field(
+        2000,
+        ge=0,
+        le=1_000_000,
+        description="On GPUs (NCCL): the collectives each rank's flight recorder keeps (TORCH_NCCL_TRACE_BUFFER_SIZE), "
+        "dumped on a collective's timeout into `<storage_path>/<run.name>/stacks/`; 0: off. No effect on CPUs (gloo).",
     )
 
 

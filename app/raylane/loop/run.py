@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from raylane.config import BaseConfig
 from raylane.config.batching import held_batch
-from raylane.loop import checkpoint, faults, frozen, health, usercode
+from raylane.loop import checkpoint, faults, frozen, hangs, health, usercode
 from raylane.loop.batches import Forward
 from raylane.loop.checkpoint.layout import change_line, layout_of
 from raylane.loop.checkpoint.saving import Saver
@@ -72,10 +73,17 @@ def run_worker(
     seed_everything(cfg.train.seed)
     pipe = None
     sampler = health.start_sampler(cfg, runtime.local_rank, runtime.store)  # this node's, on its local rank 0
+    folder = runtime.store.root if runtime.store.direct else None  # where every rank's stacks go on a hang
+    for key, value in hangs.flight_recorder_env(cfg.scaling.use_gpu, cfg.dist.flight_recorder_entries, folder).items():
+        os.environ.setdefault(key, value)  # the dump's path, where the run's name was not known before its group
     try:
-        pipe = usercode.build_pipeline(cfg)  # its exception, or a return that is no Pipeline, names the pipeline
-        startup["pipeline"] = time.time()
-        return _train(cfg, runtime, pipe, metric_logger, startup)
+        with hangs.watched(folder, runtime.rank, runtime.world_size, cfg.dist.timeout_s) as watch:
+            pipe = usercode.build_pipeline(cfg)  # its exception, or a return that is no Pipeline, names the pipeline
+            startup["pipeline"] = time.time()
+            return _train(cfg, runtime, pipe, metric_logger, startup, watch)
+    except hangs.HangError as exc:  # one line already: the ranks that never came, and where they stood
+        usercode.keep_traceback(exc, exc)
+        raise
     except Exception as exc:
         explained = usercode.explain(exc, cfg, pipe)
         usercode.keep_traceback(explained, exc)
@@ -88,11 +96,17 @@ def run_worker(
 
 
 def _train(
-    cfg: BaseConfig, runtime: Runtime, pipe: Any, metric_logger: Any | None, startup: dict[str, float]
+    cfg: BaseConfig,
+    runtime: Runtime,
+    pipe: Any,
+    metric_logger: Any | None,
+    startup: dict[str, float],
+    watch: hangs.HangWatch | None = None,
 ) -> RunResult:
     publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
     reporter = Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger)
     trainer = build_trainer(cfg, runtime, pipe, reporter, startup)
+    trainer.hang_watch = watch
     startup["ready"] = time.time()
     return trainer.train()
 

@@ -110,6 +110,7 @@ class Trainer(RunFigures):
         self.step_times = step_times or StepTimes(log_every_n_steps, 1.5, 3, active=False)
         self.timer = self.step_times.timer
         self.profiler = profiler
+        self.hang_watch: Any = None  # raylane.loop.hangs.HangWatch: its watchdog re-armed at each step's start
         self.device = runtime.device
         self.throughput = throughput or Throughput()
         self.accum = train.grad_accum_steps
@@ -253,6 +254,8 @@ class Trainer(RunFigures):
         batches, timer = self._micro_batches(), self.timer
         while True:
             timer.begin()
+            if self.hang_watch:
+                self.hang_watch.beat()
             if (micro_batches := next(batches, None)) is None:
                 break
             timer.fetched()

@@ -7,6 +7,7 @@ import re
 
 from raylane import logs
 from raylane.errors import DataError
+from raylane.loop.hangs import HangError
 from raylane.loop.usercode import TRACEBACK_ATTR
 from raylane.pipelines_ref import UserCodeError
 
@@ -28,12 +29,17 @@ def format_failure(exc: BaseException, world_size: int) -> str:
         return f"training failed: {type(exc).__name__}: {_one_line(exc)}"
     ranks: dict[str, list[int]] = {}
     for rank, err in sorted(failures.items()):
-        shown = str(err) if isinstance(err, (UserCodeError, DataError)) else f"{type(err).__name__}: {_one_line(err)}"
+        shown = (
+            str(err)
+            if isinstance(err, (UserCodeError, DataError, HangError))
+            else f"{type(err).__name__}: {_one_line(err)}"
+        )
         ranks.setdefault(shown, []).append(rank)
     parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}" for text, r in ranks.items()]
     text = "training failed on " + "; ".join(parts)
     silent = sorted(set(range(world_size)) - set(failures))
-    if silent and any("timed out" in str(err).lower() for err in failures.values()):
+    hung = any(isinstance(err, HangError) for err in failures.values())  # its line names them, and where
+    if silent and not hung and any("timed out" in str(err).lower() for err in failures.values()):
         # Ranks that timed out were waiting in a collective; the ones that raised nothing never came.
         text += f" (no error from rank {', '.join(map(str, silent))}: stuck outside the collective?)"
     return text

@@ -106,9 +106,17 @@ def _may_grow() -> bool:
 
 
 def put_env(cfg: BaseConfig) -> Any:
-    """The `env:` variables (each `${NAME}` read from this, the driver's, environment) in Ray's
-    object store, for the workers; None when the config has none."""
-    values = resolve(cfg.env)
+    """The `env:` variables (each `${NAME}` read from this, the driver's, environment), and on GPUs
+    NCCL's flight recorder's (raylane.loop.hangs), in Ray's object store, for the workers; None
+    when there are none."""
+    from raylane.loop.hangs import flight_recorder_env
+    from raylane.runrecord import run_folder
+
+    folder = run_folder(cfg)
+    recorder = flight_recorder_env(
+        cfg.scaling.use_gpu, cfg.dist.flight_recorder_entries, str(folder) if folder else None
+    )
+    values = {**recorder, **resolve(cfg.env)}  # NCCL's flight recorder, before the process group; env: wins
     return ray.put(values) if values else None
 
 

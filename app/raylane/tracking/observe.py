@@ -1,7 +1,8 @@
 """What the driver records of a run's insides at its end: the per-rank step-time table (CSV, with a
 plot) from rank 0's result, and the profiled ranks' traces and top-operations tables from the run's
 folder (`<storage_path>/<run.name>/profiles/`, where every profiled rank wrote, whichever node it
-ran on: raylane.loop.profiling), logged to MLflow as artifacts under `steps/` and `profiles/`."""
+ran on: raylane.loop.profiling), logged to MLflow as artifacts under `steps/` and `profiles/`; and
+every rank's stacks a hang left in `stacks/` (raylane.loop.hangs), under `stacks/`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from raylane.config import BaseConfig
 
 log = logging.getLogger("raylane.tracking")
 PROFILES = "profiles"
+STACKS = "stacks"  # raylane.loop.hangs.STACKS: the tracking layer reads the folder, not the module
 OPEN_HINT = "open a trace in https://ui.perfetto.dev or chrome://tracing"
 
 
@@ -52,18 +54,25 @@ def profile_line(traces: list[str]) -> str:
     return f"{n} trace{'s' if n > 1 else ''} in {folder} ({OPEN_HINT}; top operations: {tables}, .txt, .csv)"
 
 
-def log_profiles(client: Any, run_id: str, cfg: BaseConfig) -> None:
-    """The profiles folder, as the run's artifacts under profiles/."""
+def log_profiles(client: Any, run_id: str, cfg: BaseConfig, name: str = PROFILES) -> None:
+    """The profiles folder (or the run folder's `name` one), as the run's artifacts under `name`/."""
     import pyarrow.fs as pafs
 
     from raylane.loop.checkpoint.storage import local_copy
 
     fs, folder = profiles_folder(cfg)
+    folder = f"{folder.rsplit('/', 1)[0]}/{name}"
     if fs.get_file_info(folder).type == pafs.FileType.NotFound:
         return
     location = folder if isinstance(fs, pafs.LocalFileSystem) else f"{fs.type_name}://{folder}"
     with local_copy(location) as path:
-        client.log_artifacts(run_id, path, PROFILES)
+        client.log_artifacts(run_id, path, name)
+
+
+def log_stacks(client: Any, run_id: str, cfg: BaseConfig) -> None:
+    """Every rank's stacks written on a hang (raylane.loop.hangs: `stacks/` in the run's folder,
+    with NCCL's flight-recorder dumps), as the run's artifacts under stacks/."""
+    log_profiles(client, run_id, cfg, STACKS)
 
 
 def rank_table_csv(rows: list[dict[str, Any]]) -> str:

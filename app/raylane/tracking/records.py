@@ -18,7 +18,7 @@ from raylane.config import BaseConfig
 from raylane.loop.events import Checkpoint, End, Event, FirstStep, Start
 from raylane.loop.result import RunResult
 from raylane.results import Status
-from raylane.tracking.observe import log_profiles, log_rank_times
+from raylane.tracking.observe import log_profiles, log_rank_times, log_stacks
 from raylane.tracking.runs import MetricLogger, RunHandle, mlflow_client
 
 log = logging.getLogger("raylane.tracking")
@@ -106,6 +106,8 @@ class RunRecorder:
             attempt("per-rank step times", lambda: log_rank_times(client, run_id, r.rank_times, r.stragglers or []))
         if self.cfg.profile.enabled:
             attempt("profiles", lambda: log_profiles(client, run_id, self.cfg))
+        if status == Status.FAILED:  # a hang's stacks are written only as the run fails
+            attempt("stacks", lambda: log_stacks(client, run_id, self.cfg))
         return out
 
 

@@ -1,0 +1,368 @@
+"""A hung rank found, not only timed out: every rank's Python stack, on demand and when a wait
+runs past `dist.timeout_s`. Ray-free.
+
+Each rank, in the run's folder (local or shared storage):
+- records itself in `ranks/rank<R>.json` (pid, host, the training thread), removed at its end;
+- registers SIGUSR1 with faulthandler: the signal makes it write every thread's stack into
+  `ranks/rank<R>.stack`. faulthandler's handler is C, run at the signal, without the GIL: it
+  answers whatever the rank does (a user's sleep, a collective, a C loop that holds the GIL),
+  under torchrun and in a Ray worker alike (where training runs on a thread that is not the
+  process's main one, which Python's own `signal` handlers could not serve);
+- arms faulthandler's watchdog (a C thread) per step: a step that lasts `dist.timeout_s` writes
+  its stacks into `ranks/rank<R>.watchdog` by itself, which is how a rank on another node, that
+  no signal from here reaches, still leaves its stack.
+
+A rank whose collective times out (`diagnose`) signals its peers on this host, waits a few
+seconds for their answers (or their watchdogs' dumps), copies every stack into
+`stacks/rank<R>-<host>.txt` and fails with one line naming the ranks that never reached the
+collective and the file:line where each stood. `live_stacks` is `raylane stacks`."""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raylane.errors import RaylaneError
+
+RANKS, STACKS = "ranks", "stacks"
+SIGNAL = signal.SIGUSR1
+ANSWER_WAIT_S = 3.0  # a rank that answers at all writes its stacks within milliseconds
+# A wait in these is a wait on the other ranks: a collective, or DDP's gradient sync in backward.
+WAITING = ("/torch/distributed/", "/torch/autograd/", "/torch/_tensor.py", "/torch/nn/parallel/")
+_LIBRARY = tuple(p for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]} if p)
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+
+
+class HangError(RaylaneError, RuntimeError):
+    """A collective waited past dist.timeout_s; the message names the ranks that never reached it
+    and where each stood, and the folder of every rank's stack."""
+
+
+def node_name() -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.function}"
+
+
+def thread_frames(dump: str, thread: int | None) -> list[Frame]:
+    """One thread's frames, innermost first, from faulthandler's text (`thread`: its id; None:
+    the process's main thread, which faulthandler lists last)."""
+    blocks: list[tuple[int, list[Frame]]] = []
+    for line in dump.splitlines():
+        if m := _THREAD.match(line):
+            blocks.append((int(m.group(1), 16), []))
+        elif (m := _FRAME.match(line)) and blocks:
+            blocks[-1][1].append(Frame(m.group(1), int(m.group(2)), m.group(3)))
+    if not blocks:
+        return []
+    mine = [frames for ident, frames in blocks if ident == thread]
+    return mine[-1] if mine else blocks[-1][1]
+
+
+def waiting(frames: list[Frame]) -> bool:
+    """Whether these frames wait on the other ranks (in a collective)."""
+    return any(any(w in f.file for w in WAITING) for f in frames)
+
+
+def where(frames: list[Frame]) -> Frame | None:
+    """Where a thread stood: its innermost frame outside Python's library and torch (the user's
+    code, or raylane's), else its innermost."""
+    for f in frames:
+        if not f.file.startswith(_LIBRARY) and "/torch/" not in f.file:
+            return f
+    return frames[0] if frames else None
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    """A rank as it recorded itself in `ranks/rank<R>.json`."""
+
+    rank: int
+    pid: int
+    host: str
+    thread: int
+    folder: str
+
+    @property
+    def live_file(self) -> Path:
+        return Path(self.folder) / RANKS / f"rank{self.rank}.stack"
+
+    @property
+    def watchdog_file(self) -> Path:
+        return Path(self.folder) / RANKS / f"rank{self.rank}.watchdog"
+
+    def here(self) -> bool:
+        """On this host, and its process alive."""
+        if self.host != node_name():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def read_ranks(folder: str | Path) -> list[RankEntry]:
+    """The ranks recorded in the run folder, by rank (a file half written is skipped)."""
+    out = []
+    for path in sorted(Path(folder, RANKS).glob("rank*.json")):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            d = json.loads(path.read_text())
+            out.append(RankEntry(int(d["rank"]), int(d["pid"]), str(d["host"]), int(d["thread"]), str(folder)))
+    return sorted(out, key=lambda e: e.rank)
+
+
+def ask(entries: list[RankEntry]) -> list[RankEntry]:
+    """Signal each rank of this host for its stacks (its file emptied first); returns those asked."""
+    asked = []
+    for e in entries:
+        if not e.here():
+            continue
+        with contextlib.suppress(OSError):
+            os.truncate(e.live_file, 0)
+            os.kill(e.pid, SIGNAL)
+            asked.append(e)
+    return asked
+
+
+def collect(asked: list[RankEntry], others: list[RankEntry], wait_s: float) -> dict[int, str]:
+    """rank -> its stacks: the answers of the ranks `asked` (whole once their size holds for a
+    poll), and the watchdog dumps of `others`, waited for at most `wait_s`."""
+    got: dict[int, str] = {}
+    sizes: dict[int, int] = {}
+    deadline = time.monotonic() + wait_s
+    while True:
+        for e in asked:
+            size = _size(e.live_file)
+            if e.rank not in got and size > 0 and sizes.get(e.rank) == size:
+                got[e.rank] = e.live_file.read_text(errors="replace")
+            sizes[e.rank] = size
+        for e in others:
+            if e.rank not in got and _size(e.watchdog_file) > 0:
+                time.sleep(0.05)  # the watchdog writes as it walks the threads
+                got[e.rank] = e.watchdog_file.read_text(errors="replace")
+        if len(got) == len(asked) + len(others) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def header(e: RankEntry) -> str:
+    return f"# rank {e.rank}, pid {e.pid}, host {e.host}, training thread {e.thread:#x}\n"
+
+
+class HangWatch:
+    """This rank's side (see the module's doc): `start` once the run folder is known, `beat` at
+    each step's start, `close` at the end; `diagnose` a timed-out collective's exception."""
+
+    def __init__(self, folder: str, rank: int, world_size: int, bound_s: float) -> None:
+        self.folder, self.rank, self.world_size, self.bound_s = folder, rank, world_size, bound_s
+        self.entry = RankEntry(rank, os.getpid(), node_name(), threading.get_ident(), folder)
+        self._files: list[Any] = []
+        self._armed_at = float("-inf")
+
+    def start(self) -> None:
+        os.makedirs(Path(self.folder, RANKS), exist_ok=True)
+        # Appended to: a reader empties the file before it asks, and the next dump starts at its start.
+        live = open(self.entry.live_file, "a")  # noqa: SIM115 - faulthandler writes to its fd until close
+        self._watchdog = open(self.entry.watchdog_file, "a")  # noqa: SIM115
+        self._files = [live, self._watchdog]
+        for f in self._files:
+            os.ftruncate(f.fileno(), 0)  # a run resumed: the last launch's dumps
+        faulthandler.register(SIGNAL, file=live, all_threads=True, chain=False)
+        record = {**self.entry.__dict__, "started_unix": time.time()}
+        record.pop("folder")
+        tmp = Path(self.folder, RANKS, f".rank{self.rank}.json.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, Path(self.folder, RANKS, f"rank{self.rank}.json"))
+
+    def beat(self) -> None:
+        """A step starts: the watchdog dumps this rank's stacks if the next `bound_s` pass without
+        another. Re-armed (a thread started) only when a tenth of the bound has passed since the
+        last time, so that a step costs a clock read: it then fires 0.9 to 1 bound after the
+        last step's start."""
+        now = time.monotonic()
+        if now - self._armed_at < self.bound_s / 10:
+            return
+        fd = self._watchdog.fileno()
+        if os.fstat(fd).st_size > 0:  # a slow step's dump, now stale
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+        faulthandler.dump_traceback_later(self.bound_s, repeat=False, file=self._watchdog, exit=False)
+        self._armed_at = now
+
+    def close(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        with contextlib.suppress(Exception):
+            faulthandler.unregister(SIGNAL)
+        for f in self._files:
+            f.close()
+        # The run's folder keeps its checkpoints and records only; a rank killed leaves its files.
+        for path in (Path(self.folder, RANKS, f"rank{self.rank}.json"), self.entry.live_file, self.entry.watchdog_file):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(Path(self.folder, RANKS))  # the last rank out
+
+    def diagnose(self, exc: BaseException) -> HangError | None:
+        """After `exc`, a collective's timeout (else None): every rank's stacks into `stacks/`,
+        and the error the rank fails with instead, naming who never came and where it stood."""
+        if not timed_out(exc):
+            return None
+        faulthandler.cancel_dump_traceback_later()
+        peers = [e for e in read_ranks(self.folder) if e.rank != self.rank]
+        asked = ask(peers)
+        stacks = Path(self.folder, STACKS)
+        stacks.mkdir(exist_ok=True)
+        with open(stacks / f"rank{self.rank}-{self.entry.host}.txt", "w") as f:
+            f.write(header(self.entry) + "# its collective timed out:\n")
+            f.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) + "\n# every thread now:\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        others = [e for e in peers if e not in asked]
+        got = collect(asked, others, ANSWER_WAIT_S)
+        for e in peers:
+            if e.rank in got:
+                (stacks / f"rank{e.rank}-{e.host}.txt").write_text(header(e) + got[e.rank])
+        return HangError(hang_line(self.bound_s, peers, got, self.world_size - 1, str(stacks)))
+
+
+# What gloo's and NCCL's timeouts say (a user's own timeout, a socket's, is no collective's).
+_TIMEOUTS = re.compile(r"Timed out waiting \d+ ?ms|collective operation timeout", re.I)
+
+
+def timed_out(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what it was raised from) is a collective's timeout (gloo's, NCCL's)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if _TIMEOUTS.search(str(exc)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def hang_line(bound_s: float, peers: list[RankEntry], got: dict[int, str], n_peers: int, folder: str) -> str:
+    """The failure's one line: the ranks that never reached the collective and where each stood
+    (`peers`: the other ranks recorded, of `n_peers`; `got`: their stacks, by rank)."""
+    stuck, silent = [], []
+    for e in peers:
+        if e.rank not in got:
+            silent.append(e.rank)
+            continue
+        frames = thread_frames(got[e.rank], e.thread)
+        if not waiting(frames):
+            stuck.append(f"rank {e.rank} at {where(frames) or 'an unknown place'}")
+    unrecorded = n_peers - len(peers)  # ranks that never wrote their record (not started, no shared folder)
+    text = f"a collective waited past dist.timeout_s = {bound_s:g} s: "
+    if stuck:
+        text += f"never reached it: {'; '.join(stuck)}"
+    else:
+        text += "every rank that answered was in a collective"
+    if silent:
+        text += f"; no stack from rank {', '.join(map(str, sorted(silent)))} (not on this host, or gone)"
+    if unrecorded > 0:
+        text += f"; {unrecorded} rank{'s' if unrecorded > 1 else ''} left no record in the run folder"
+    return text + f"; every rank's stack in {folder}"
+
+
+def flight_recorder_env(use_gpu: bool, entries: int, folder: str | None) -> dict[str, str]:
+    """NCCL's flight recorder, for a run on GPUs (NCCL): the last `entries` collectives of each
+    rank, dumped on a timeout into the run's `stacks/` (where `folder` is known). {} otherwise."""
+    if not use_gpu or entries <= 0:
+        return {}
+    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(entries), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    if folder:
+        env["TORCH_FR_DUMP_TEMP_FILE"] = f"{folder.rstrip('/')}/{STACKS}/nccl_trace_rank_"
+    return env
+
+
+@contextlib.contextmanager
+def watched(folder: str | None, rank: int, world_size: int, bound_s: float) -> Iterator[HangWatch | None]:
+    """A HangWatch over the block (None where the run's folder is not on a filesystem here, or
+    in one process); a timed-out collective leaves it as a HangError."""
+    if folder is None or world_size < 2:
+        yield None
+        return
+    watch = HangWatch(folder, rank, world_size, bound_s)
+    try:
+        watch.start()
+    except OSError as exc:
+        print(f"raylane: no stacks on a hang ({exc})", file=sys.stderr, flush=True)
+        yield None
+        return
+    try:
+        yield watch
+    except Exception as exc:
+        hang = watch.diagnose(exc)
+        if hang is None:
+            raise
+        raise hang from exc
+    finally:
+        watch.close()
+
+
+def run_folder_of(run: str, storage_path: str) -> Path:
+    """RUN as `raylane stacks` takes it: a run's folder, or a run's name under `storage_path`."""
+    given = Path(run).expanduser()
+    if given.is_dir() and (given / RANKS).is_dir() or os.sep in run:
+        return given.resolve()
+    return (Path(storage_path).expanduser() / run).resolve()
+
+
+def live_stacks(folder: Path, wait_s: float = ANSWER_WAIT_S) -> tuple[int, str]:
+    """`raylane stacks`: (exit code, text) with the current stacks of every rank of the live run
+    in `folder` that runs on this host; a rank elsewhere is named in one line."""
+    if not folder.is_dir():
+        return 2, f"raylane: stacks: no run at {folder} (a run's name under --storage-path, or its folder)"
+    entries = read_ranks(folder)
+    here = [e for e in entries if e.here()]
+    away = [e for e in entries if e.host != node_name()]
+    if not here and not away:
+        return 2, f"raylane: stacks: run {folder.name} is not live: no rank of it runs (its folder: {folder})"
+    got = collect(ask(here), [], wait_s)
+    parts = []
+    for e in here:
+        if e.rank not in got:
+            parts.append(f"== rank {e.rank} (pid {e.pid}, {e.host}): no answer within {wait_s:g} s")
+            continue
+        frames = thread_frames(got[e.rank], e.thread)
+        state = "waiting in a collective" if waiting(frames) else "running"
+        parts.append(f"== rank {e.rank} (pid {e.pid}, {e.host}): {state}, at {where(frames)}\n{got[e.rank].rstrip()}")
+    if away:
+        hosts = sorted({e.host for e in away})
+        parts.append(
+            f"== rank {', '.join(str(e.rank) for e in away)} on {', '.join(hosts)}: only this host's ranks are "
+            f"asked; run `raylane stacks {folder}` there"
+        )
+    return (0 if got else 2), "\n".join(parts)
