@@ -8,7 +8,7 @@ PYTHON ?= python3
 # Some package mirrors print one warning per package; keep the install log readable.
 QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: install run test test-fast test-all test-ray-oldest lint bench browser check mlflow clean docs
+.PHONY: install run test test-fast test-all test-ray-oldest lint bench browser slurm check mlflow clean docs
 
 install: $(STAMP)
 
@@ -39,7 +39,7 @@ run: install
 # the unit tests fill the end. `make test XDIST=` runs in one process. `make test-all` adds the
 # `slow` soaks (the quick bench).
 XDIST = -n 2
-test: install browser lint
+test: install browser slurm lint
 	$(VENV)/bin/pytest tests/e2e tests/unit $(XDIST) -m "not slow and not gpu" --durations=25
 
 # The unit tests alone (no Ray, no subprocess; under two minutes): the first feedback on a change.
@@ -52,7 +52,7 @@ lint: install
 	$(VENV)/bin/ruff format --check app scripts tests pipelines
 	$(PY) scripts/typecheck.py
 
-test-all: install browser
+test-all: install browser slurm
 	$(VENV)/bin/pytest tests $(XDIST) -m "not gpu" --durations=15
 
 # The oldest Ray the dependency allows (pyproject.toml: ray>=2.59,<2.61), in an environment of its
@@ -82,6 +82,15 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
 	} || echo "warning: could not install Debian's chromium: the browser test will be skipped"
+
+# Debian's slurm-wlm (slurmctld, slurmd, munge) for the Slurm tests: each starts a one-node
+# cluster of its own in a temporary folder and stops it (tests/helpers/slurm.py). Needs root or
+# passwordless sudo; without it, those tests are skipped, naming why.
+slurm:
+	@command -v slurmctld >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends slurm-wlm >/dev/null; \
+	} || echo "warning: could not install Debian's slurm-wlm: the Slurm tests will be skipped"
 
 # A tracking server on 127.0.0.1:5000 (sqlite, artifacts served through it); see the script.
 mlflow: install
