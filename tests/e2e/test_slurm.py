@@ -3,7 +3,8 @@ slurm-wlm: munged, slurmctld, slurmd, started and stopped by the test, tests/hel
 In make test: a bad config fails the job in one line before Ray starts, and the script's wait for
 the nodes, asked of a real Ray head (the session's shared one), fails in one line naming the node
 that did not join. The slow tests run the script to a FINISHED run recorded on a real MLflow
-server, and a `scancel` mid-training that leaves a committed checkpoint a relaunch resumes.
+server, a `scancel` mid-training that leaves a committed checkpoint a relaunch resumes, and the
+time limit's notice to the script alone stopping the run the same way.
 
 What one node cannot show: worker nodes joining from other hosts through srun (the head's srun
 task is the only one here), a wait that succeeds with more than one node, the ranks' traffic
@@ -172,3 +173,25 @@ def test_scancel_leaves_a_committed_checkpoint_and_a_relaunch_resumes_it(slurm, 
     assert again["resumed_from_step"] == s["steps"]  # no step lost
     assert again["run_id"] == s["run_id"] and again["status"] == "FINISHED"
     assert MlflowClient(mlflow_server.uri).get_run(s["run_id"]).info.status == "FINISHED"
+
+
+@pytest.mark.slow  # a Ray cluster under Slurm and a run stopped mid-way (~1.5 min on 2 cores)
+@pytest.mark.ray
+def test_the_time_limits_notice_to_the_script_alone_stops_the_run_at_a_checkpoint(slurm, mlflow_server, tmp_path):
+    """`#SBATCH --signal=B:TERM@120` sends SIGTERM to the batch script alone, as `scancel --batch
+    --signal=TERM` does: the script passes it to the driver, the ranks checkpoint at one agreed
+    step, the job ends with the driver's 130, and the script stops the nodes."""
+    env = _job_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri)
+    args = ["digits", "--set", "run.name=tl", "--set", "train.max_epochs=400", "--set", "checkpoint.every_n_steps=20"]
+    job, out = _submit(slurm, tmp_path, "notice", *args, *QUICK, "--summary-json", str(tmp_path / "s.json"), env=env)
+    wait_for(lambda: _committed(tmp_path / "runs", "tl", 20), timeout_s=400)
+    assert slurm.run("scancel", "--batch", "--signal=TERM", str(job)).returncode == 0
+    state = slurm.wait_job(job, 120)
+    assert (state["JobState"], state["ExitCode"]) == ("FAILED", "130:0"), (state, out.read_text())
+    s = read_json(tmp_path / "s.json")
+    assert s["status"] == "KILLED" and s["preempted"] is True, s
+    assert checkpoint.verify(s["checkpoint"]) is None and s["checkpoint"].endswith(
+        checkpoint.checkpoint_name(s["steps"])
+    )
+    assert "raylane slurm: stopping the Ray node on " in out.read_text()
+    wait_for(lambda: not slurm.job_processes(), timeout_s=30)
