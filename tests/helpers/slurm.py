@@ -21,11 +21,11 @@ STOP_GRACE_S = 10.0
 
 def missing() -> str | None:
     """Why no cluster can start here (a skip's reason), None when it can."""
+    if os.geteuid() != 0:
+        return "Slurm's test cluster runs its daemons as root (SlurmUser=root); this is not root"
     absent = [d for d in (*DAEMONS, "sbatch", "sinfo") if not shutil.which(d)]
     if absent:
         return f"Slurm is not installed ({', '.join(absent)} not found: `make slurm` installs Debian's slurm-wlm)"
-    if os.geteuid() != 0:
-        return "Slurm's test cluster runs its daemons as root (SlurmUser=root); this is not root"
     return None
 
 
