@@ -8,7 +8,7 @@ PYTHON ?= python3
 # Some package mirrors print one warning per package; keep the install log readable.
 QUIET_PIP := sed -u '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: install run test test-fast test-all test-ray-oldest lint bench browser check mlflow clean docs
+.PHONY: install run test test-fast test-all test-ray-oldest lint bench debs browser slurm check mlflow clean docs
 
 install: $(STAMP)
 
@@ -47,7 +47,7 @@ run: install
 # the unit tests fill the end. `make test XDIST=` runs in one process. `make test-all` adds the
 # `slow` soaks (the quick bench).
 XDIST = -n 2
-test: install browser
+test: install debs
 	$(WRITE_BYTECODE) $(PY) -c "$(WARM_IMPORTS)" >/dev/null 2>&1 & warm=$$!; \
 	$(MAKE) --no-print-directory lint; wait $$warm || true
 	$(WRITE_BYTECODE) $(VENV)/bin/pytest tests/e2e tests/unit $(XDIST) -m "not slow and not gpu" --durations=25
@@ -62,7 +62,7 @@ lint: install
 	$(VENV)/bin/ruff format --check app scripts tests pipelines
 	$(PY) scripts/typecheck.py
 
-test-all: install browser
+test-all: install debs
 	$(WRITE_BYTECODE) $(VENV)/bin/pytest tests $(XDIST) -m "not gpu" --durations=15
 
 # The oldest Ray the dependency allows (pyproject.toml: ray>=2.59,<2.61), in an environment of its
@@ -85,13 +85,22 @@ test-ray-oldest: browser
 bench: install
 	$(VENV)/bin/raylane bench --out bench
 
-# Debian's chromium for the MLflow UI test (Playwright drives it; nothing is downloaded by
-# Playwright itself). Needs root or passwordless sudo; without it, that one test is skipped.
-browser:
-	@command -v chromium >/dev/null || { \
+# Debian's packages the suite drives, in one apt run: chromium for the MLflow UI test (Playwright
+# drives it; nothing is downloaded by Playwright itself) and slurm-wlm (slurmctld, slurmd, munge)
+# for the Slurm tests, each of which starts a one-node cluster of its own in a temporary folder and
+# stops it (tests/helpers/slurm.py). Needs root or passwordless sudo; without it, those tests are
+# skipped, naming why. `make browser` and `make slurm` install one of them.
+DEBS = chromium:chromium slurmctld:slurm-wlm
+debs:
+	@missing=$$(for d in $(DEBS); do command -v $${d%%:*} >/dev/null || echo $${d#*:}; done); \
+	[ -z "$$missing" ] || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium >/dev/null; \
-	} || echo "warning: could not install Debian's chromium: the browser test will be skipped"
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	} || echo "warning: could not install Debian's $$(echo $$missing): the tests that need them will be skipped"
+browser:
+	@$(MAKE) --no-print-directory debs DEBS=chromium:chromium
+slurm:
+	@$(MAKE) --no-print-directory debs DEBS=slurmctld:slurm-wlm
 
 # A tracking server on 127.0.0.1:5000 (sqlite, artifacts served through it); see the script.
 mlflow: install

@@ -35,7 +35,10 @@ case "${1:-}" in
     shift
     config=${1:?usage: cluster.sh submit CONFIG [--set KEY=VALUE ...]}; shift
     storage=${RAYLANE_STORAGE:?set RAYLANE_STORAGE=s3://your-bucket/raylane}
-    head_ip=$("$RAY" get-head-ip "$CLUSTER" 2>/dev/null | tail -1)
+    # The head's address on the cluster's own network, where the ranks reach its MLflow server.
+    # Not `ray get-head-ip`: that is the public address, which the security group closes to the
+    # nodes and MLflow 3's host check refuses (it admits loopback and private addresses).
+    head_ip=$("$RAY" exec "$CLUSTER" 'hostname -I' 2>/dev/null | tail -1 | awk '{print $1}')
     runtime_env=$(printf '{"excludes": %s, "env_vars": {"MLFLOW_TRACKING_URI": "http://%s:5000"}}' "$EXCLUDES" "$head_ip")
     "$RAY" job submit --no-wait --working-dir . --runtime-env-json "$runtime_env" -- \
       raylane train "$config" --set run.storage_path="$storage" "$@" ;;

@@ -57,6 +57,8 @@ TRACKED = [
     "README.md",
 ]
 SEPARATORS = {"&&", "||", ";", "|", "&"}
+# Slurm's client commands run where the cluster is; here `make slurm` installs them, or not.
+SLURM_CLIENT = {"sbatch", "scancel", "squeue", "sinfo"}
 VENV_BIN = Path(sys.prefix) / "bin"
 
 
@@ -208,7 +210,7 @@ def check_command(argv: list[str], cwd: Path) -> Path:
         return cwd
     if "/" in prog:
         assert os.access(resolve(cwd, prog), os.X_OK), f"{prog}: no such executable"
-    else:
+    elif prog not in SLURM_CLIENT:
         installed = (VENV_BIN / prog).exists() or shutil.which(prog)
         assert installed or prog in _LACKING, f"{prog}: not installed"
     name = Path(prog).name
@@ -220,6 +222,11 @@ def check_command(argv: list[str], cwd: Path) -> Path:
         assert rest[0] in cluster_verbs(), f"cluster.sh {rest[0]}: no such verb"
         if rest[0] == "submit":  # `raylane train CONFIG --set run.storage_path=... ARGS`
             check_raylane(["train", *rest[1:]], cwd)
+    elif name == "sbatch":  # sbatch [--OPTION=VALUE ...] SCRIPT ARGS: the script's are `raylane train`'s
+        script = next(i for i, a in enumerate(rest) if not a.startswith("-"))
+        assert resolve(cwd, rest[script]).is_file(), f"sbatch {rest[script]}: no such script"
+        if rest[script].endswith("slurm-ray.sbatch"):
+            check_raylane(["train", *rest[script + 1 :]], cwd)
     elif name == "torchrun":
         from torch.distributed.run import get_args_parser
 
@@ -278,6 +285,8 @@ def test_block_is_valid(block: Block):
         ("torchrun --standalone --nproc_per_node 2 --max-restart 1 -m raylane trian digits\n", "invalid choice"),
         ("torchrun --nprocs 2 -m raylane train digits\n", "unrecognized arguments: --nprocs"),
         ("raylane export runs/<run name>/checkpoint_<step> --out m.safetensors\n", "raylane export"),
+        ("sbatch --nodes=2 scripts/slurm-ray.sbatch digits --set train.max_epoch=1\n", "train.max_epoch"),
+        ("sbatch --nodes=2 scripts/slurm-ray.sbach digits\n", "no such script"),
         ("raylane train digits && (\n", "syntax error"),
     ],
 )

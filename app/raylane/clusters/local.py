@@ -162,7 +162,7 @@ def _wait_started(proc: subprocess.Popen, log_path: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while "Ray runtime started" not in log_path.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:
-            _stop_session(proc.pid)
+            stop_session(proc.pid)
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
             raise RuntimeError(f"the Ray head did not start (log {log_path}):\n{tail}")
         time.sleep(0.2)
@@ -174,7 +174,7 @@ def down() -> LocalCluster | None:
     cluster = running()
     path = home() / STATE_FILE
     if cluster is not None:
-        _stop_session(cluster.pid)
+        stop_session(cluster.pid)
         _remove_temp_dir(cluster.temp_dir)
     path.unlink(missing_ok=True)
     return cluster
@@ -189,12 +189,13 @@ def _remove_temp_dir(temp: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _stop_session(sid: int) -> None:
-    """SIGTERM every process of the head's session (Ray's daemons, its workers, the leftovers of
-    drivers' jobs: Ray keeps them all in the session `ray start` opened), then SIGKILL what is
-    still there after a grace period, and wait until they are gone: a killed process takes a
-    moment to exit (on a busy machine, `down` returned while a daemon still ran)."""
-    for signum, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
+def stop_session(sid: int, first: tuple[signal.Signals, float] = (signal.SIGTERM, STOP_GRACE_S)) -> None:
+    """SIGTERM (or `first`'s signal) every process of the head's session (Ray's daemons, its
+    workers, the leftovers of drivers' jobs: Ray keeps them all in the session `ray start`
+    opened), then SIGKILL what is still there after a grace period, and wait until they are gone:
+    a killed process takes a moment to exit (on a busy machine, `down` returned while a daemon
+    still ran). raylane.onray.slurm's nodes stop the same way, their SIGTERM held off."""
+    for signum, grace in (first, (signal.SIGKILL, KILL_WAIT_S)):
         for pid in _session_pids(sid):
             try:
                 os.kill(pid, signum)
