@@ -1,0 +1,449 @@
+"""`raylane k8s check`: a good RayJob, RayCluster and MLflow set (tests/helpers/k8s, modelled on
+kuberay-notes.md §1.1) passes, and each broken variant fails with exactly one line naming its
+rule: the schema as the API server applies it, the KubeRay operator's rules, raylane's side of
+the manifest and the Dockerfile. In process (the schemas load once), plus one CLI run."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from raylane.cli import parser
+from raylane.config import ConfigError
+from raylane.k8s import check, check_paths, schema
+from tests.conftest import REPO, cli_env
+
+FIXTURE = REPO / "tests" / "helpers" / "k8s"
+Edit = Callable[[Any], None]
+
+
+def run_check(folder: Path) -> list[str]:
+    return [f.line() for f in check_paths([str(folder)], parser).findings]
+
+
+def broken(tmp_path: Path, file: str, edit: Edit, doc: int = 0) -> list[str]:
+    """The fixture with one edit to the `doc`th document of `file`, checked."""
+    folder = tmp_path / "k8s"
+    shutil.copytree(FIXTURE, folder)
+    path = folder / file
+    if file == "Dockerfile":
+        path.write_text(edit(path.read_text()))
+    else:
+        docs = list(yaml.safe_load_all(path.read_text()))
+        edit(docs[doc])
+        path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    return run_check(folder)
+
+
+def job_spec(d: Any) -> Any:
+    return d["spec"]
+
+
+def cluster(d: Any) -> Any:
+    return d["spec"]["rayClusterSpec"]
+
+
+def worker(d: Any, i: int = 0) -> Any:
+    return cluster(d)["workerGroupSpecs"][i]
+
+
+def entry(replace: str, by: str) -> Edit:
+    def edit(d: Any) -> None:
+        assert replace in d["spec"]["entrypoint"]
+        d["spec"]["entrypoint"] = d["spec"]["entrypoint"].replace(replace, by)
+
+    return edit
+
+
+def runtime_env(line: str) -> Edit:
+    def edit(d: Any) -> None:
+        d["spec"]["runtimeEnvYAML"] += f"  {line}\n"
+
+    return edit
+
+
+def set_version(d: Any, version: str) -> None:
+    cluster(d)["rayVersion"] = version
+    for g in [cluster(d)["headGroupSpec"], *cluster(d)["workerGroupSpecs"]]:
+        c = g["template"]["spec"]["containers"][0]
+        c["image"] = c["image"].replace("2.60.0", version)
+
+
+def test_the_good_set_passes():
+    report = check_paths([str(FIXTURE)], parser)
+    assert [f.line() for f in report.findings] == []
+    assert report.checked == 5 and report.summary().startswith("all 5 objects pass (KubeRay 1.7.0")
+
+
+def test_what_the_api_server_forgives_passes(tmp_path):
+    """Nulls are pruned and defaults applied before validating, as the API server does: a null
+    metadata and a worker group without maxReplicas (required, and defaulted) are accepted."""
+
+    def edit(d: Any) -> None:
+        cluster(d)["headGroupSpec"]["template"]["metadata"] = None
+        del worker(d, 1)["maxReplicas"]
+        worker(d, 0)["template"]["spec"]["containers"][0]["env"].append({"name": "X", "value": None})
+
+    assert broken(tmp_path, "rayjob.yaml", edit) == []
+
+
+VARIANTS: list[tuple[str, str, Edit, str, str]] = [
+    # (id, file, edit, rule, what the line must name)
+    (
+        "unknown-field-in-a-pod",
+        "rayjob.yaml",
+        lambda d: worker(d)["template"]["spec"].__setitem__("tolerationz", []),
+        "schema.unknown-field",
+        "workerGroupSpecs[0].template.spec.tolerationz",
+    ),
+    (
+        "misspelt-cluster-field",
+        "rayjob.yaml",
+        lambda d: cluster(d).__setitem__("enableInTreeAutoScaling", True),
+        "schema.unknown-field",
+        "did you mean enableInTreeAutoscaling?",
+    ),
+    (
+        "env-value-not-a-string",
+        "rayjob.yaml",
+        lambda d: worker(d)["template"]["spec"]["containers"][0]["env"].__setitem__(1, {"name": "A", "value": 1}),
+        "schema.type",
+        "containers[0].env[1].value",
+    ),
+    (
+        "bad-quantity",
+        "rayjob.yaml",
+        lambda d: worker(d)["template"]["spec"]["containers"][0]["resources"]["limits"].__setitem__("memory", "170GB"),
+        "schema.pattern",
+        "resources.limits.memory: '170GB' is not a quantity",
+    ),
+    (
+        "cel-deletion-condition",
+        "rayjob.yaml",
+        lambda d: (
+            job_spec(d).__setitem__("shutdownAfterJobFinishes", False),
+            job_spec(d).pop("ttlSecondsAfterFinished"),
+            job_spec(d).__setitem__(
+                "deletionStrategy",
+                {
+                    "deletionRules": [
+                        {
+                            "policy": "DeleteCluster",
+                            "condition": {"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Failed"},
+                        }
+                    ]
+                },
+            ),
+        ),
+        "schema.x-kubernetes-validations",
+        "cannot be used together",
+    ),
+    (
+        "min-above-max",
+        "rayjob.yaml",
+        lambda d: worker(d, 1).__setitem__("minReplicas", 5),
+        "operator.min-max-replicas",
+        "workerGroupSpecs[1].minReplicas: 5: more than maxReplicas (4)",
+    ),
+    (
+        "suspend-without-shutdown",
+        "rayjob.yaml",
+        lambda d: (
+            job_spec(d).update(suspend=True, shutdownAfterJobFinishes=False),
+            job_spec(d).pop("ttlSecondsAfterFinished"),
+        ),
+        "operator.suspend-needs-shutdown",
+        "spec.suspend",
+    ),
+    (
+        "ttl-without-shutdown",
+        "rayjob.yaml",
+        lambda d: job_spec(d).__setitem__("shutdownAfterJobFinishes", False),
+        "operator.ttl-needs-shutdown",
+        "spec.ttlSecondsAfterFinished",
+    ),
+    (
+        "deletion-rules-with-shutdown",
+        "rayjob.yaml",
+        lambda d: job_spec(d).__setitem__(
+            "deletionStrategy",
+            {"deletionRules": [{"policy": "DeleteCluster", "condition": {"jobStatus": "SUCCEEDED"}}]},
+        ),
+        "operator.deletion-rules",
+        "mutually exclusive",
+    ),
+    (
+        "restart-policy-under-autoscaler-v2",
+        "rayjob.yaml",
+        lambda d: worker(d)["template"]["spec"].__setitem__("restartPolicy", "Always"),
+        "operator.restart-policy",
+        "workerGroupSpecs[0].template.spec.restartPolicy",
+    ),
+    (
+        "submission-mode-typo",
+        "rayjob.yaml",
+        lambda d: job_spec(d).__setitem__("submissionMode", "K8sJob"),
+        "operator.submission-mode",
+        "spec.submissionMode",
+    ),
+    (
+        "rayjob-name-too-long",
+        "rayjob.yaml",
+        lambda d: d["metadata"].__setitem__("name", "g" * 48),
+        "operator.name",
+        "at most 47 characters",
+    ),
+    (
+        "entrypoint-needs-quoting",
+        "rayjob.yaml",
+        entry("scaling.num_workers=8,16", "scaling.num_workers=[8,16]"),
+        "raylane.entrypoint-quoting",
+        "'scaling.num_workers=[8,16]'",
+    ),
+    (
+        "misspelt-flag",
+        "rayjob.yaml",
+        entry("--set run.name", "--sett run.name"),
+        "raylane.entrypoint-args",
+        "unrecognized arguments: --sett",
+    ),
+    (
+        "misspelt-config-key",
+        "rayjob.yaml",
+        entry("run.name=", "run.nmae="),
+        "raylane.config",
+        "run.nmae",
+    ),
+    (
+        "address-given",
+        "rayjob.yaml",
+        entry("raylane train gpt2-124m", "raylane train gpt2-124m --address auto"),
+        "raylane.entrypoint-address",
+        "--address",
+    ),
+    (
+        "local-storage-path",
+        "rayjob.yaml",
+        entry("run.storage_path=s3://bucket/raylane", "run.storage_path=/tmp/runs"),
+        "raylane.storage-path",
+        "'/tmp/runs'",
+    ),
+    (
+        "too-many-gpus",
+        "rayjob.yaml",
+        entry("scaling.num_workers=8,16", "scaling.num_workers=8,64"),
+        "raylane.gpus",
+        "64 x gpus_per_worker 1 = 64 GPUs, more than the worker groups can ever hold (48",
+    ),
+    (
+        "mlflow-host-not-allowed",
+        "mlflow.yaml",
+        lambda d: d["spec"]["template"]["spec"]["containers"][0]["args"].__setitem__(
+            6, "mlflow,mlflow:5000,mlflow.raylane.svc.cluster.local"
+        ),
+        "raylane.mlflow-host",
+        "Host 'mlflow.raylane.svc.cluster.local:5000' is not in the MLflow server's allowed hosts",
+    ),
+    (
+        "mlflow-file-store",
+        "rayjob.yaml",
+        lambda d: job_spec(d).__setitem__(
+            "runtimeEnvYAML",
+            job_spec(d)["runtimeEnvYAML"].replace("http://mlflow.raylane.svc.cluster.local:5000", "/tmp/mlruns"),
+        ),
+        "raylane.mlflow-uri",
+        "not an http(s) server",
+    ),
+    (
+        "preemption-watcher-off",
+        "rayjob.yaml",
+        runtime_env('RAY_TRAIN_ENABLE_PREEMPTION_WATCHER: "0"'),
+        "raylane.preemption",
+        "preemption watcher is off",
+    ),
+    (
+        "draining-off",
+        "rayjob.yaml",
+        lambda d: worker(d)["template"]["spec"]["containers"][0]["env"][0].__setitem__("value", "0"),
+        "raylane.preemption",
+        "draining is off",
+    ),
+    (
+        "grace-shorter-than-drain",
+        "rayjob.yaml",
+        lambda d: worker(d)["template"]["spec"].__setitem__("terminationGracePeriodSeconds", 60),
+        "raylane.grace-period",
+        "workerGroupSpecs[0].template.spec.terminationGracePeriodSeconds: 60: not above the drain window",
+    ),
+    (
+        "kubernetes-default-grace",
+        "rayjob.yaml",
+        lambda d: (
+            worker(d, 1)["template"]["spec"].pop("terminationGracePeriodSeconds"),
+            worker(d, 1)["template"]["spec"]["containers"][0].pop("env"),
+        ),
+        "raylane.grace-period",
+        "30 (Kubernetes' default): not above the drain window RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=30",
+    ),
+    (
+        "image-tag-without-ray-version",
+        "rayjob.yaml",
+        lambda d: worker(d, 1)["template"]["spec"]["containers"][0].__setitem__("image", "raylane:latest"),
+        "raylane.image-tag",
+        "'raylane:latest': its tag does not name Ray 2.60.0",
+    ),
+    (
+        "dockerfile-entrypoint",
+        "Dockerfile",
+        lambda text: text + 'ENTRYPOINT ["raylane"]\n',
+        "docker.entrypoint",
+        "line 5",
+    ),
+    (
+        "dockerfile-other-ray",
+        "Dockerfile",
+        lambda text: text.replace("ray:2.60.0", "ray:2.59.0"),
+        "docker.ray-version",
+        "its tag names Ray 2.59.0, the manifests' rayVersion is 2.60.0",
+    ),
+    (
+        "dockerfile-ray-not-kept",
+        "Dockerfile",
+        lambda text: text.replace("-c /tmp/keep-ray.txt ", ""),
+        "docker.ray-constraint",
+        "line 3",
+    ),
+    (
+        "service-with-unknown-field",
+        "mlflow.yaml",
+        lambda d: d["spec"]["ports"][0].__setitem__("target_port", 5000),
+        "schema.unknown-field",
+        "Service/mlflow: spec.ports[0].target_port",
+    ),
+    (
+        "token-auth-on-old-ray",
+        "raycluster.yaml",
+        lambda d: d["spec"].pop("rayVersion"),
+        "operator.token-auth",
+        "spec.rayVersion: None: token auth (authOptions.mode: token) needs Ray >= 2.52.0",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, file, edit, rule, named", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_a_broken_rule_fails_with_one_line_naming_it(tmp_path, name, file, edit, rule, named):
+    doc = 1 if name == "service-with-unknown-field" else 0
+    lines = broken(tmp_path, file, edit, doc)
+    if rule == "operator.token-auth":  # no rayVersion breaks raylane's rule too, in a line of its own
+        assert (
+            "spec.rayVersion: not set: write the Ray version the image holds (2.60.0) [raylane.ray-version]" in lines[1]
+        )
+        lines = lines[:1]
+    assert len(lines) == 1, lines
+    assert lines[0].endswith(f"[{rule}]") and named in lines[0], lines[0]
+    reported = "rayjob.yaml" if rule == "raylane.mlflow-host" else file  # on the RayJob that reaches MLflow
+    assert f"/k8s/{reported}: " in lines[0], lines[0]
+
+
+def test_a_set_made_for_another_ray_fails_once(tmp_path):
+    """rayVersion, every image and the Dockerfile agree on Ray 2.59.0: only raylane's own Ray
+    (the client's, 2.60.0 here) disagrees, in one line."""
+    folder = tmp_path / "k8s"
+    shutil.copytree(FIXTURE, folder)
+    for name in ("rayjob.yaml", "raycluster.yaml", "Dockerfile", "keep-ray.txt"):
+        (folder / name).write_text((folder / name).read_text().replace("2.60.0", "2.59.0"))
+    lines = run_check(folder)
+    assert len(lines) == 2, lines  # the RayJob's and the RayCluster's
+    assert all(
+        line.endswith(
+            "'2.59.0': raylane here runs Ray 2.60.0; the image, rayVersion and the client's Ray must agree [raylane.ray-version]"
+        )
+        for line in lines
+    )
+
+
+def test_every_cel_rule_of_the_vendored_schemas_is_known():
+    """A schema refresh that brings a CEL rule the checker cannot evaluate fails here."""
+    assert schema.unknown_cel_rules() == set()
+    assert (schema.SCHEMAS / "SOURCE.json").is_file()
+
+
+def test_a_kustomize_overlay_is_rendered_and_checked(tmp_path):
+    """A folder with a kustomization.yaml is rendered with `kubectl kustomize` (offline)."""
+    if not (Path("/usr/bin/kubectl").exists() or shutil.which("kubectl")):
+        pytest.skip("kubectl is not installed")
+    base = tmp_path / "base"
+    shutil.copytree(FIXTURE, base)
+    (base / "kustomization.yaml").write_text("resources: [rayjob.yaml, raycluster.yaml, mlflow.yaml]\n")
+    overlay = tmp_path / "overlays" / "gke"
+    overlay.mkdir(parents=True)
+    patch = [
+        {
+            "op": "replace",
+            "path": "/spec/rayClusterSpec/workerGroupSpecs/0/template/spec/terminationGracePeriodSeconds",
+            "value": 15,
+        }
+    ]
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "resources": ["../../base"],
+                "patches": [{"target": {"kind": "RayJob", "name": "gpt2-124m"}, "patch": yaml.safe_dump(patch)}],
+            }
+        )
+    )
+    lines = run_check(tmp_path)
+    assert len(lines) == 1, lines
+    assert "/overlays/gke (kustomize): RayJob/gpt2-124m: " in lines[0], lines[0]
+    assert lines[0].endswith("[raylane.grace-period]")
+
+
+def test_init_copies_the_manifests_and_never_overwrites(tmp_path):
+    source = tmp_path / "shipped"
+    shutil.copytree(FIXTURE, source)
+    written = check.init(str(tmp_path / "mine"), source)
+    assert sorted(p.name for p in written) == sorted(p.name for p in FIXTURE.iterdir())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "rayjob.yaml").write_text("mine")
+    with pytest.raises(ConfigError, match=r"rayjob.yaml exists; nothing was written"):
+        check.init(str(tmp_path / "other"), source)
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["rayjob.yaml"]
+
+
+def test_the_command_exits_0_when_all_pass_and_2_with_one_line_per_broken_rule(tmp_path):
+    folder = tmp_path / "k8s"
+    shutil.copytree(FIXTURE, folder)
+    job = folder / "rayjob.yaml"
+    text = job.read_text().replace("run.storage_path=s3://bucket/raylane", "run.storage_path=runs")
+    (folder / "bad.yaml").write_text(
+        text.replace("name: gpt2-124m\n", "name: gpt2-bad\n").replace("minReplicas: 0", "minReplicas: 9", 1)
+    )
+    cmd = [sys.executable, "-m", "raylane", "k8s", "check"]
+    good = subprocess.run([*cmd, str(FIXTURE)], capture_output=True, text=True, env=cli_env(tmp_path), timeout=60)
+    assert good.returncode == 0 and good.stdout.startswith("all 5 objects pass"), good.stdout + good.stderr
+    bad = subprocess.run([*cmd, str(folder)], capture_output=True, text=True, env=cli_env(tmp_path), timeout=60)
+    lines = bad.stdout.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 2 and bad.stderr == "", bad.stdout + bad.stderr
+    assert all("/k8s/bad.yaml: RayJob/gpt2-bad: " in line for line in lines), lines
+    assert lines[0].endswith("minReplicas: 9: more than maxReplicas (8) [operator.min-max-replicas]"), lines
+    assert lines[1].endswith("[raylane.storage-path]") and "run.storage_path = 'runs'" in lines[1], lines
+
+
+def test_input_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, capsys):
+    from raylane.cli import main
+
+    (tmp_path / "bad.yaml").write_text("kind: RayJob\n  spec: [\n")
+    for path, said in (
+        (tmp_path / "none.yaml", "no such file or folder"),
+        (tmp_path / "bad.yaml", "not valid YAML (line 2)"),
+    ):
+        assert main(["k8s", "check", str(path)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"raylane: {path}: {said}") and err.count("\n") == 1, err
