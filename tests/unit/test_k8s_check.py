@@ -447,3 +447,39 @@ def test_input_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, capsys):
         assert main(["k8s", "check", str(path)]) == 2
         out, err = capsys.readouterr()
         assert out == "" and err.startswith(f"raylane: {path}: {said}") and err.count("\n") == 1, err
+
+
+def test_the_dockerfile_is_read_as_docker_reads_it(tmp_path):
+    """ARG defaults, --platform, continuation lines, comments and a final stage built FROM an
+    earlier one (whose base names the Ray version)."""
+    from raylane.k8s import dockerfile
+
+    path = tmp_path / "Dockerfile"
+    path.write_text(
+        "ARG RAY=2.60.0\nFROM --platform=linux/amd64 rayproject/ray:${RAY}-py311-gpu AS base\n"
+        "RUN pip install \\\n    # torch's CUDA wheel\n    -c keep.txt torch\nFROM base\nRUN pip check\n"
+    )
+    (tmp_path / "keep.txt").write_text("ray==2.60.0\n")
+    assert dockerfile.check_dockerfile(path, "Dockerfile", {"2.60.0"}) == []
+    found = dockerfile.check_dockerfile(path, "Dockerfile", {"2.59.0"})
+    assert [f.line() for f in found] == [
+        "Dockerfile: Dockerfile: line 6: FROM rayproject/ray:2.60.0-py311-gpu: its tag names Ray 2.60.0, the "
+        "manifests' rayVersion is 2.59.0 [docker.ray-version]"
+    ]
+
+
+def test_the_drain_poll_the_checker_assumes_is_raylanes():
+    """raylane.k8s.fit cannot import raylane.onray.runtime (it imports Ray): its copy is compared here."""
+    from raylane.k8s import fit
+
+    text = (REPO / "app" / "raylane" / "onray" / "runtime.py").read_text()
+    assert f"DRAIN_POLL_S = {fit.RAYLANE_DRAIN_POLL_S}" in text
+
+
+def test_the_shipped_manifests_pass():
+    """What `raylane k8s init` copies (docs/kubernetes.md's manifests, overlays rendered) passes every layer."""
+    if not any(check.MANIFESTS.glob("*.yaml")):
+        pytest.skip(f"no shipped manifests in {check.MANIFESTS} (they come with docs/kubernetes.md's change)")
+    report = check_paths([str(check.MANIFESTS)], parser)
+    assert [f.line() for f in report.findings] == []
+    assert report.checked > 0

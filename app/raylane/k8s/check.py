@@ -9,7 +9,7 @@ from pathlib import Path
 
 from raylane.errors import ConfigError
 from raylane.k8s import dockerfile, fit, operator, schema
-from raylane.k8s.entrypoint import ParserFactory, driver_env, read_entrypoint
+from raylane.k8s.entrypoint import ParserFactory, driver_env, read_entrypoint, runtime_env
 from raylane.k8s.inputs import ObjectSet, gather, shown
 from raylane.k8s.model import Finding, Obj, cluster_spec, pod_groups
 
@@ -100,7 +100,9 @@ def check_raylane_side(obj: Obj, objects: list[Obj], parser: ParserFactory, repo
     if found:
         rules += list(fit.check_versions(found[0], found[1], groups))
         rules += list(fit.check_preemption(groups, env))
-    where = "spec.runtimeEnvYAML" if obj.kind == "RayJob" else "spec.headGroupSpec.template.spec.containers[0].env"
+    where = "spec.runtimeEnvYAML"
+    if "MLFLOW_TRACKING_URI" not in (runtime_env(obj.body.get("spec") or {}).get("env_vars") or {}):
+        where = f"{found[0] if found else 'spec'}.headGroupSpec.template.spec.containers[0].env"
     rules += list(fit.check_mlflow(env.get("MLFLOW_TRACKING_URI"), where, objects))
     for path, rule, message in rules:
         obj.findings.append(obj.finding(path, rule, message))

@@ -56,13 +56,18 @@ def check_dockerfile(path: Path, shown: str, ray_versions: set[str]) -> list[Fin
         out.append(Finding(shown, "Dockerfile", f"line {line}", rule, message))
 
     args: dict[str, str] = {}
+    stages: dict[str, str] = {}  # stage name -> the image it starts from
     final_from: tuple[int, str] | None = None
     for line, word, rest in steps:
         if word == "ARG" and "=" in rest:
             key, _, value = rest.partition("=")
             args[key.strip()] = value.strip().strip('"')
         elif word == "FROM":
-            final_from = (line, substitute(rest.split()[0], args) if rest else "")
+            words = [w for w in rest.split() if not w.startswith("--")]  # --platform=...
+            image = substitute(words[0], args) if words else ""
+            if len(words) >= 3 and words[1].upper() == "AS":
+                stages[words[2]] = stages.get(image, image)
+            final_from = (line, stages.get(image, image))  # FROM <an earlier stage>: its base
         elif word in ("ENTRYPOINT", "CMD"):
             say(
                 line,

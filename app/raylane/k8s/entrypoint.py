@@ -121,10 +121,12 @@ def read_entrypoint(body: dict[str, Any], parser: ParserFactory, folder: str) ->
 
 def config_source(config: str, folder: str) -> str | None:
     """Where the named config is read from here: beside the manifest, from the working
-    directory, or a shipped config's name; None when none of these has it."""
+    directory, a copy of its file beside the manifest, or a shipped config's name; None when
+    none of these has it."""
     from raylane.config import shipped_configs
 
-    for candidate in (Path(folder) / config, Path(config)):
+    # A config baked into the image (/app/my.yaml) is read from a copy beside the manifest.
+    for candidate in (Path(folder) / config, Path(config), Path(folder) / Path(config).name):
         if candidate.is_file():
             return str(candidate)
     return config if config in shipped_configs() else None

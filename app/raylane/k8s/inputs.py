@@ -44,6 +44,8 @@ def shown(path: Path) -> str:
 
 
 def is_dockerfile(path: Path) -> bool:
+    if path.name.endswith((".dockerignore", ".md")):
+        return False
     return path.name == "Dockerfile" or path.name.startswith("Dockerfile.") or path.suffix == ".Dockerfile"
 
 
