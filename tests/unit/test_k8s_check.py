@@ -243,6 +243,20 @@ VARIANTS: list[tuple[str, str, Edit, str, str]] = [
         "64 x gpus_per_worker 1 = 64 GPUs, more than the worker groups can ever hold (48",
     ),
     (
+        "no-run-name",
+        "rayjob.yaml",
+        entry("--set run.name=gpt2-124m-k8s ", ""),
+        "raylane.run-name",
+        "each RayJob retry would start a new run",
+    ),
+    (
+        "more-workers-than-a-pods-cpus",
+        "rayjob.yaml",
+        lambda d: worker(d)["template"]["spec"]["containers"][0]["resources"]["limits"].__setitem__("cpu", "2"),
+        "raylane.cpus",
+        "4 GPUs make 4 workers of 1 CPUs, 4 CPUs in all, but the pod offers Ray 2",
+    ),
+    (
         "mlflow-host-not-allowed",
         "mlflow.yaml",
         lambda d: d["spec"]["template"]["spec"]["containers"][0]["args"].__setitem__(
@@ -291,6 +305,13 @@ VARIANTS: list[tuple[str, str, Edit, str, str]] = [
         ),
         "raylane.grace-period",
         "30 (Kubernetes' default): not above the drain window RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=30",
+    ),
+    (
+        "head-that-trains-on-default-grace",
+        "rayjob.yaml",
+        lambda d: cluster(d)["headGroupSpec"]["rayStartParams"].__setitem__("num-cpus", "8"),
+        "raylane.grace-period",
+        "headGroupSpec.template.spec.terminationGracePeriodSeconds: 30 (Kubernetes' default)",
     ),
     (
         "image-tag-without-ray-version",
@@ -483,3 +504,27 @@ def test_the_shipped_manifests_pass():
     report = check_paths([str(check.MANIFESTS)], parser)
     assert [f.line() for f in report.findings] == []
     assert report.checked > 0
+
+
+def test_a_config_beside_the_manifest_and_a_secret_it_reads(tmp_path):
+    """`raylane train my.yaml` reads my.yaml beside the manifest; an `env:` value `${HF_TOKEN}`
+    needs HF_TOKEN in the driver's environment (here: the head container's, from a Secret)."""
+    folder = tmp_path / "k8s"
+    shutil.copytree(FIXTURE, folder)
+    config = yaml.safe_load((REPO / "pipelines" / "gpt2-124m.yaml").read_text())
+    (folder / "my.yaml").write_text(yaml.safe_dump({**config, "env": {"HF_TOKEN": "${HF_TOKEN}"}}))
+    job = folder / "rayjob.yaml"
+    job.write_text(job.read_text().replace("raylane train gpt2-124m ", "raylane train /app/my.yaml "))
+    lines = run_check(folder)
+    assert (
+        len(lines) == 1
+        and lines[0].endswith("[raylane.env-reference]")
+        and "env.HF_TOKEN reads ${HF_TOKEN}" in lines[0]
+    )
+    doc = yaml.safe_load(job.read_text())
+    secret = {"secretKeyRef": {"name": "hf", "key": "token"}}
+    cluster(doc)["headGroupSpec"]["template"]["spec"]["containers"][0]["env"] = [
+        {"name": "HF_TOKEN", "valueFrom": secret}
+    ]
+    job.write_text(yaml.safe_dump(doc))
+    assert run_check(folder) == []

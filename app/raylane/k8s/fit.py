@@ -203,6 +203,12 @@ def check_versions(prefix: str, spec: dict[str, Any], groups: list[PodGroup]) ->
             )
 
 
+def hosts_ranks(group: PodGroup) -> bool:
+    """The head can run training workers: it offers Ray CPUs or GPUs (raylane's heads say num-cpus 0)."""
+    cpus = cpus_per_pod(group)
+    return gpus_per_pod(group) > 0 or cpus is None or cpus > 0
+
+
 def check_preemption(groups: list[PodGroup], env: dict[str, str | None]) -> Iterator[Rule]:
     """A worker pod's deletion becomes Ray's drain notice in time, and the pod outlives the drain."""
     watcher = env.get(WATCHER_ENV)
@@ -217,7 +223,7 @@ def check_preemption(groups: list[PodGroup], env: dict[str, str | None]) -> Iter
         )
     poll = number(env.get(POLL_ENV)) or POLL_DEFAULT_S
     for g in groups:
-        if g.is_head:
+        if g.is_head and not hosts_ranks(g):  # its deletion ends the cluster whatever the window
             continue
         found = env_value(g.ray_container, DRAIN_ENV)
         drain = DRAIN_DEFAULT_S if found is None else number(found[1])
