@@ -31,7 +31,7 @@ class Report:
         if self.unchecked:
             extra.append("not checked: " + ", ".join(f"{n} {k}" for k, n in sorted(self.unchecked.items())))
         if self.not_raylane:
-            extra.append(f"{self.not_raylane} RayJob(s) not running raylane: its checks skipped")
+            extra.append(f"{self.not_raylane} RayJob(s) not running raylane: their entrypoint checks skipped")
         tail = f" ({'; '.join(extra)})" if extra else ""
         return f"all {self.checked} objects pass (KubeRay {schema.KUBERAY_VERSION}, Ray {fit.installed_ray()}){tail}"
 
@@ -45,15 +45,16 @@ def check_paths(paths: list[str], parser: ParserFactory) -> Report:
     versions: set[str] = set()
     for one in sets:
         check_set(one, parser, report)
-        versions |= {str(cluster_spec(o.body)[1].get("rayVersion")) for o in one.objects if has_ray_version(o)}
+        versions |= {v for o in one.objects if (v := ray_version_of(o))}
     for path in sets[0].dockerfiles if sets else []:
         report.findings += dockerfile.check_dockerfile(path, shown(path), versions or {str(fit.installed_ray())})
     return report
 
 
-def has_ray_version(obj: Obj) -> bool:
+def ray_version_of(obj: Obj) -> str:
+    """The rayVersion a RayJob or RayCluster names, "" for other objects."""
     found = cluster_spec(obj.body)
-    return bool(found and found[1].get("rayVersion"))
+    return str(found[1].get("rayVersion") or "") if found else ""
 
 
 def check_set(one: ObjectSet, parser: ParserFactory, report: Report) -> None:

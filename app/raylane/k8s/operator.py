@@ -225,12 +225,12 @@ def check_cluster_spec(prefix: str, spec: dict[str, Any], annotations: dict[str,
         yield from check_group(group)
         if not group.is_head:
             yield from check_worker_group(group, spec, autoscaling, v2 or v2_by_env)
-    if head_env and not autoscaling and v2_by_env:
+    if head and head_env and not autoscaling and v2_by_env:
         yield (
             f"{head.path}.template.spec.containers[0].env[{head_env[0]}]",
             "operator.autoscaler",
             f"{AUTOSCALER_V2_ENV}={head_env[1]} needs enableInTreeAutoscaling: true",
-        )  # type: ignore[union-attr]
+        )
     if autoscaling and head_env and get(spec, "autoscalerOptions", "version"):
         yield (
             f"{prefix}.autoscalerOptions.version",

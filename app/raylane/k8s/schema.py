@@ -62,7 +62,7 @@ def make_strict(node: Any) -> Any:
         return [make_strict(v) for v in node]
     if not isinstance(node, dict):
         return node
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in node.items():
         if key == "properties":
             out[key] = {name: make_strict(sub) for name, sub in value.items()}
