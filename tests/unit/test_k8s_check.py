@@ -528,3 +528,15 @@ def test_a_config_beside_the_manifest_and_a_secret_it_reads(tmp_path):
     ]
     job.write_text(yaml.safe_dump(doc))
     assert run_check(folder) == []
+
+
+def test_a_kustomize_folder_without_kubectl_is_one_line(tmp_path, monkeypatch):
+    from raylane.k8s import inputs
+
+    (tmp_path / "kustomization.yaml").write_text("resources: []\n")
+    monkeypatch.setattr(inputs, "KUBECTL", str(tmp_path / "no-kubectl"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(
+        ConfigError, match=r"^kubectl not found \(at .*no-kubectl or on PATH\): it renders kustomization"
+    ):
+        check_paths([str(tmp_path)], parser)

@@ -81,7 +81,7 @@ def kubectl() -> str:
     found = KUBECTL if os.access(KUBECTL, os.X_OK) else shutil.which("kubectl")
     if not found:
         raise ConfigError(
-            "kubectl not found (at /usr/bin/kubectl or on PATH): it renders kustomization folders "
+            f"kubectl not found (at {KUBECTL} or on PATH): it renders kustomization folders "
             "(`kubectl kustomize`, no cluster needed); install it, or check the rendered YAML instead"
         )
     return found
