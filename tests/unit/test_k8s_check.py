@@ -422,7 +422,8 @@ def test_a_kustomize_overlay_is_rendered_and_checked(tmp_path):
     )
     lines = run_check(tmp_path)
     assert len(lines) == 1, lines
-    assert "/overlays/gke (kustomize): RayJob/gpt2-124m: " in lines[0], lines[0]
+    # Named by the file the object came from, and the overlay it was rendered through.
+    assert f"{base}/rayjob.yaml via {overlay}: RayJob/gpt2-124m: " in lines[0], lines[0]
     assert lines[0].endswith("[raylane.grace-period]")
 
 

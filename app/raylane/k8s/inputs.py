@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,21 +88,48 @@ def kubectl() -> str:
     return found
 
 
+ORIGIN = "config.kubernetes.io/origin"
+
+
 def render(folder: Path) -> list[Obj]:
-    """`kubectl kustomize FOLDER`'s objects (offline: kustomize reads only the folder's files)."""
-    try:
-        done = subprocess.run(
-            [kubectl(), "kustomize", str(folder)],
-            capture_output=True,
-            text=True,
-            timeout=KUSTOMIZE_TIMEOUT_S,
+    """`kubectl kustomize FOLDER`'s objects (offline: kustomize reads only the folder's files),
+    each named by the file it came from. kustomize says which when asked (buildMetadata:
+    originAnnotations), which a kustomization of our own around FOLDER does, so that the
+    user's files stay as they are."""
+    with tempfile.TemporaryDirectory(prefix="raylane-k8s-") as wrap:
+        rel = os.path.relpath(folder.resolve(), wrap)  # kustomize refuses an absolute root
+        Path(wrap, "kustomization.yaml").write_text(
+            yaml.safe_dump({"resources": [rel], "buildMetadata": ["originAnnotations"]})
         )
-    except subprocess.TimeoutExpired:
-        raise ConfigError(f"{shown(folder)}: `kubectl kustomize` took over {KUSTOMIZE_TIMEOUT_S:.0f} s") from None
-    if done.returncode != 0:
-        first = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ConfigError(f"{shown(folder)}: `kubectl kustomize` failed: {first}")
-    return documents(done.stdout, f"{shown(folder)} (kustomize)", str(folder.resolve()))
+        try:
+            done = subprocess.run(
+                [kubectl(), "kustomize", wrap], capture_output=True, text=True, timeout=KUSTOMIZE_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"{shown(folder)}: `kubectl kustomize` took over {KUSTOMIZE_TIMEOUT_S:.0f} s") from None
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[-1].replace(wrap, "...")
+            raise ConfigError(f"{shown(folder)}: `kubectl kustomize` failed: {first}")
+        objects = documents(done.stdout, f"{shown(folder)} (kustomize)", str(folder.resolve()))
+        for obj in objects:
+            origin = take_origin(obj)
+            if origin is not None:
+                path = (Path(wrap) / origin).resolve()
+                through = "" if path.parent == folder.resolve() else f" via {shown(folder)}"
+                obj.source, obj.folder = f"{shown(path)}{through}", str(path.parent)
+    return objects
+
+
+def take_origin(obj: Obj) -> str | None:
+    """The origin annotation's file (removed: it is ours, not the user's), or None."""
+    annotations = obj.raw.get("metadata", {}).get("annotations") if isinstance(obj.raw, dict) else None
+    if not isinstance(annotations, dict) or ORIGIN not in annotations:
+        return None
+    origin = yaml.safe_load(annotations.pop(ORIGIN) or "") or {}
+    if not annotations:
+        del obj.raw["metadata"]["annotations"]
+    path = origin.get("path") if isinstance(origin, dict) else None
+    return path if isinstance(path, str) and not origin.get("repo") else None
 
 
 def kustomize_roots(folder: Path) -> list[Path]:
