@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from raylane.config import BaseConfig, ConfigError
 from raylane.k8s.model import get
 
 # What bash treats specially in a word (globs, quotes, expansions, redirections, lists, comments).
-SHELL_SPECIAL = set("[]*?{}$`'\"\\;|&<>()!#~\n\t")
+SHELL_SPECIAL = set("[]*?{}$`'\"\\;|&<>()!#~\n")
 RUN_COMMANDS = ("train", "tune", "autotune")
 ParserFactory = Callable[[], argparse.ArgumentParser]
 Rule = tuple[str, str, str]
@@ -51,7 +52,7 @@ def runtime_env(spec: dict[str, Any]) -> dict[str, Any]:
 
 def shell_trap(entrypoint: str) -> str | None:
     """The first word holding a character a shell would act on, or None."""
-    for word in entrypoint.split(" "):
+    for word in re.split(r"[ \t]+", entrypoint):  # a newline is no separator: it ends the command
         if set(word) & SHELL_SPECIAL:
             return word
     return None
