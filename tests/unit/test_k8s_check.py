@@ -373,21 +373,20 @@ def test_a_broken_rule_fails_with_one_line_naming_it(tmp_path, name, file, edit,
     assert f"/k8s/{reported}: " in lines[0], lines[0]
 
 
-def test_a_set_made_for_another_ray_fails_once(tmp_path):
-    """rayVersion, every image and the Dockerfile agree on Ray 2.59.0: only raylane's own Ray
-    (the client's, 2.60.0 here) disagrees, in one line."""
+def test_a_rayjob_made_for_another_ray_fails_once(tmp_path):
+    """rayVersion and every image of the RayJob, and the Dockerfile, agree on Ray 2.59.0: only
+    raylane's own Ray (the client's, 2.60.0 here) disagrees, in one line."""
     folder = tmp_path / "k8s"
     shutil.copytree(FIXTURE, folder)
-    for name in ("rayjob.yaml", "raycluster.yaml", "Dockerfile", "keep-ray.txt"):
+    for name in ("rayjob.yaml", "Dockerfile", "keep-ray.txt"):
         (folder / name).write_text((folder / name).read_text().replace("2.60.0", "2.59.0"))
-    lines = run_check(folder)
-    assert len(lines) == 2, lines  # the RayJob's and the RayCluster's
-    assert all(
-        line.endswith(
-            "'2.59.0': raylane here runs Ray 2.60.0; the image, rayVersion and the client's Ray must agree [raylane.ray-version]"
-        )
-        for line in lines
-    )
+    paths = [str(folder / name) for name in ("rayjob.yaml", "mlflow.yaml", "Dockerfile")]
+    lines = [f.line() for f in check_paths(paths, parser).findings]
+    assert len(lines) == 1, lines
+    assert lines[0].endswith(
+        "RayJob/gpt2-124m: spec.rayClusterSpec.rayVersion: '2.59.0': raylane here runs Ray 2.60.0; the image, "
+        "rayVersion and the client's Ray must agree [raylane.ray-version]"
+    ), lines
 
 
 def test_every_cel_rule_of_the_vendored_schemas_is_known():
