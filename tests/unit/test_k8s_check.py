@@ -257,6 +257,20 @@ VARIANTS: list[tuple[str, str, Edit, str, str]] = [
         "4 GPUs make 4 workers of 1 CPUs, 4 CPUs in all, but the pod offers Ray 2",
     ),
     (
+        "accelerator-type-no-group-declares",
+        "rayjob.yaml",
+        entry("--set scaling.use_gpu=true", "--set scaling.use_gpu=true --set scaling.accelerator_type=A10G"),
+        "raylane.placement",
+        "scaling.accelerator_type = 'A10G': no worker group declares accelerator_type:A10G",
+    ),
+    (
+        "custom-resource-no-group-offers",
+        "rayjob.yaml",
+        entry("--set scaling.use_gpu=true", "--set scaling.use_gpu=true --set scaling.resources_per_worker.efa=1"),
+        "raylane.placement",
+        "scaling.resources_per_worker.efa = 1: no worker group offers 1 efa",
+    ),
+    (
         "mlflow-host-not-allowed",
         "mlflow.yaml",
         lambda d: d["spec"]["template"]["spec"]["containers"][0]["args"].__setitem__(
@@ -540,3 +554,24 @@ def test_a_kustomize_folder_without_kubectl_is_one_line(tmp_path, monkeypatch):
         ConfigError, match=r"^kubectl not found \(at .*no-kubectl or on PATH\): it renders kustomization"
     ):
         check_paths([str(tmp_path)], parser)
+
+
+def test_what_a_group_offers_is_what_the_autoscaler_reads(tmp_path):
+    """A group's `resources` field declares an accelerator type and custom resources (and then
+    is the only source of custom ones); the GPU count falls back to any `*gpu` limit."""
+    from raylane.k8s.groups import ray_resources
+    from raylane.k8s.model import PodGroup
+
+    container = {"resources": {"limits": {"cpu": "500m", "amd.com/gpu": "2"}}}
+    group = {"template": {"spec": {"containers": [container]}}, "rayStartParams": {"resources": '"{\\"efa\\": 4}"'}}
+    assert ray_resources(PodGroup("g", "g", group)) == {"CPU": 1.0, "GPU": 2.0, "efa": 4.0}
+    group["resources"] = {"CPU": "8", "accelerator_type:A10G": "1"}
+    assert ray_resources(PodGroup("g", "g", group)) == {"CPU": 8.0, "GPU": 2.0, "accelerator_type:A10G": 1.0}
+
+    def edit(d: Any) -> None:
+        d["spec"]["entrypoint"] += " --set scaling.accelerator_type=A10G --set scaling.resources_per_worker.efa=1"
+        for g in cluster(d)["workerGroupSpecs"]:
+            g["resources"] = {"accelerator_type:A10G": "1", "efa": "4"}
+            g["template"]["spec"]["containers"][0]["resources"]["limits"].pop("cpu")  # from requests then
+
+    assert broken(tmp_path, "rayjob.yaml", edit) == []

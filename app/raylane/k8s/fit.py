@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 
 from raylane.config import BaseConfig
 from raylane.config.workerenv import references
+from raylane.k8s.groups import ray_resources
 from raylane.k8s.model import Obj, PodGroup, env_value, get
 from raylane.k8s.operator import ray_version
 
@@ -41,7 +42,6 @@ POLL_DEFAULT_S = 5.0  # ray.train.v2._internal.constants
 WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 RAYLANE_DRAIN_POLL_S = 0.5  # raylane.onray.runtime.DRAIN_POLL_S (that module imports Ray)
 GRACE_DEFAULT_S = 30  # Kubernetes' terminationGracePeriodSeconds
-GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")
 # MLflow 3's defaults when no --allowed-hosts is given (mlflow.server.security_utils).
 MLFLOW_DEFAULT_HOSTS = ["localhost", "127.0.0.1", "[::1]", "0.0.0.0"]
 SHARED_VOLUMES = ("persistentVolumeClaim", "nfs", "csi", "cephfs", "glusterfs", "azureFile")
@@ -62,34 +62,12 @@ def number(text: Any) -> float | None:
         return None
 
 
-def quantity(text: Any) -> float | None:
-    """A CPU or GPU count: 4, "4", "500m"."""
-    if isinstance(text, str) and text.endswith("m"):
-        value = number(text[:-1])
-        return None if value is None else value / 1000
-    return number(text)
-
-
 def gpus_per_pod(group: PodGroup) -> float:
-    """What KubeRay hands `ray start --num-gpus`: rayStartParams num-gpus, the group's resources,
-    else the Ray container's GPU limit."""
-    params = group.spec.get("rayStartParams") or {}
-    if "num-gpus" in params:
-        return quantity(params["num-gpus"]) or 0.0
-    if "GPU" in (group.spec.get("resources") or {}):
-        return quantity(group.spec["resources"]["GPU"]) or 0.0
-    limits = get(group.ray_container, "resources", "limits", default={}) or {}
-    return sum(quantity(limits.get(name)) or 0.0 for name in GPU_RESOURCES)
+    return ray_resources(group).get("GPU", 0.0)
 
 
 def cpus_per_pod(group: PodGroup) -> float | None:
-    params = group.spec.get("rayStartParams") or {}
-    if "num-cpus" in params:
-        return quantity(params["num-cpus"])
-    if "CPU" in (group.spec.get("resources") or {}):
-        return quantity(group.spec["resources"]["CPU"])
-    res = group.ray_container.get("resources") or {}
-    return quantity(get(res, "limits", "cpu")) or quantity(get(res, "requests", "cpu"))
+    return ray_resources(group).get("CPU")
 
 
 def check_run(cfg: BaseConfig, groups: list[PodGroup], env: dict[str, str | None]) -> Iterator[Rule]:
@@ -111,6 +89,7 @@ def check_run(cfg: BaseConfig, groups: list[PodGroup], env: dict[str, str | None
             ("run.name is not set: each RayJob retry would start a new run instead of resuming (--set run.name=...)"),
         )
     yield from check_workers(cfg, [g for g in groups if not g.is_head])
+    yield from check_placement(cfg, [g for g in groups if not g.is_head])
     for key, name in references(cfg.env).items():
         if name not in env:
             yield (
@@ -155,6 +134,49 @@ def check_workers(cfg: BaseConfig, workers: list[PodGroup]) -> Iterator[Rule]:
                 (
                     f"{gpus:g} GPUs make {int(gpus // sc.gpus_per_worker)} workers of {sc.cpus_per_worker:g} CPUs, "
                     f"{need:g} CPUs in all, but the pod offers Ray {cpus:g}"
+                ),
+            )
+
+
+def check_placement(cfg: BaseConfig, workers: list[PodGroup]) -> Iterator[Rule]:
+    """Every worker asks for resources, an accelerator type and labels that some worker group
+    offers, as the autoscaler sees the groups (raylane.k8s.groups): else, with the groups at 0,
+    no node is ever started for the workers and the run waits for them forever."""
+    sc = cfg.scaling
+    offered = [(g, ray_resources(g)) for g in workers if int(g.spec.get("maxReplicas") or 0) > 0]
+    for name, amount in sc.resources_per_worker.items():
+        if not any(have.get(name, 0.0) >= amount for _, have in offered):
+            yield (
+                "spec.entrypoint",
+                "raylane.placement",
+                (
+                    f"scaling.resources_per_worker.{name} = {amount:g}: no worker group offers {amount:g} {name} (its "
+                    "`resources` field or rayStartParams resources), so the autoscaler never starts a node for the workers"
+                ),
+            )
+    if sc.accelerator_type:
+        wanted = f"accelerator_type:{sc.accelerator_type}"
+        running = any(int(g.spec.get("minReplicas") or 0) > 0 and have.get("GPU") for g, have in offered)
+        if not running and not any(wanted in have for _, have in offered):
+            yield (
+                "spec.entrypoint",
+                "raylane.placement",
+                (
+                    f"scaling.accelerator_type = {sc.accelerator_type!r}: no worker group declares {wanted} in its "
+                    f'`resources` (e.g. {{"{wanted}": "1"}}); Ray detects the type only on a running node, so the '
+                    "autoscaler never starts one for the workers"
+                ),
+            )
+    for key, value in sc.label_selector.items():
+        if key.startswith("ray.io/") or any(c in value for c in "!(,"):
+            continue  # Ray's own labels, and expressions: not known before the node runs
+        if not any((g.spec.get("labels") or {}).get(key) == value for g, _ in offered):
+            yield (
+                "spec.entrypoint",
+                "raylane.placement",
+                (
+                    f"scaling.label_selector.{key} = {value!r}: no worker group has the label {key}={value} "
+                    "(its `labels` field), so the autoscaler never starts a node for the workers"
                 ),
             )
 
