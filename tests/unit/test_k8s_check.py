@@ -575,3 +575,24 @@ def test_what_a_group_offers_is_what_the_autoscaler_reads(tmp_path):
             g["template"]["spec"]["containers"][0]["resources"]["limits"].pop("cpu")  # from requests then
 
     assert broken(tmp_path, "rayjob.yaml", edit) == []
+
+
+def test_a_rayjob_on_the_raycluster_it_selects(tmp_path):
+    """A RayJob with a clusterSelector is checked against the RayCluster of the same files it
+    names (its GPUs, its head's environment); one on a cluster elsewhere skips what depends on it."""
+
+    def on_cluster(workers: str, name: str = "raylane") -> Edit:
+        def edit(d: Any) -> None:
+            spec = job_spec(d)
+            del spec["rayClusterSpec"]
+            spec.update(clusterSelector={"ray.io/cluster": name}, backoffLimit=0)
+            spec["entrypoint"] = spec["entrypoint"].replace(
+                "scaling.num_workers=8,16", f"scaling.num_workers={workers}"
+            )
+
+        return edit
+
+    assert broken(tmp_path / "a", "rayjob.yaml", on_cluster("8,16")) == []
+    lines = broken(tmp_path / "b", "rayjob.yaml", on_cluster("8,32"))
+    assert len(lines) == 1 and "more than the worker groups can ever hold (16:" in lines[0], lines
+    assert broken(tmp_path / "c", "rayjob.yaml", on_cluster("8,32", "elsewhere")) == []

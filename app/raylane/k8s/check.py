@@ -11,7 +11,9 @@ from raylane.errors import ConfigError
 from raylane.k8s import dockerfile, fit, operator, schema
 from raylane.k8s.entrypoint import ParserFactory, driver_env, read_entrypoint, runtime_env
 from raylane.k8s.inputs import ObjectSet, gather, shown
-from raylane.k8s.model import Finding, Obj, cluster_spec, pod_groups
+from raylane.k8s.model import Finding, Obj, PodGroup, cluster_spec, get, pod_groups
+
+Rule = tuple[str, str, str]
 
 MANIFESTS = Path(__file__).resolve().parent / "kuberay"  # the shipped manifests (package data)
 
@@ -81,38 +83,48 @@ def check_set(one: ObjectSet, parser: ParserFactory, report: Report) -> None:
 
 def check_raylane_side(obj: Obj, objects: list[Obj], parser: ParserFactory, report: Report) -> None:
     """Layer 3 for a RayJob or RayCluster."""
-    found = cluster_spec(obj.body)
     if obj.kind not in ("RayJob", "RayCluster"):
         return
-    env = driver_env(obj.body)
-    rules = []
+    found = cluster_spec(obj.body)
     groups = list(pod_groups(*found)) if found else []
-    if obj.kind == "RayJob":
-        job = read_entrypoint(obj.body, parser, obj.folder)
-        if job is not None and not job.is_raylane:
-            report.not_raylane += 1
-        elif job is not None:
-            rules += job.rules
-            if job.cfg is not None:
-                rules += list(fit.check_run(job.cfg, groups, env))
-                if job.cfg.mlflow.enabled and "MLFLOW_TRACKING_URI" not in env:
-                    rules.append(
-                        (
-                            "spec.runtimeEnvYAML",
-                            "raylane.mlflow-uri",
-                            "no MLFLOW_TRACKING_URI in runtimeEnvYAML's env_vars or the head's env: the run would "
-                            "record into the head's local store, deleted with the cluster (or set mlflow.enabled=false)",
-                        )
-                    )
+    rules = check_job(obj, objects, parser, report) if obj.kind == "RayJob" else []
     if found:
         rules += list(fit.check_versions(found[0], found[1], groups))
-        rules += list(fit.check_preemption(groups, env))
+        rules += list(fit.check_preemption(groups, driver_env(obj.body)))
     where = "spec.runtimeEnvYAML"
     if "MLFLOW_TRACKING_URI" not in (runtime_env(obj.body.get("spec") or {}).get("env_vars") or {}):
         where = f"{found[0] if found else 'spec'}.headGroupSpec.template.spec.containers[0].env"
-    rules += list(fit.check_mlflow(env.get("MLFLOW_TRACKING_URI"), where, objects))
+    rules += list(fit.check_mlflow(driver_env(obj.body).get("MLFLOW_TRACKING_URI"), where, objects))
     for path, rule, message in rules:
         obj.findings.append(obj.finding(path, rule, message))
+
+
+def check_job(obj: Obj, objects: list[Obj], parser: ParserFactory, report: Report) -> list[Rule]:
+    """A RayJob's entrypoint, its config, and what the config asks of the job's cluster: its own
+    (rayClusterSpec), or the RayCluster of these files its clusterSelector names (when it is
+    elsewhere, what depends on the cluster is not checked)."""
+    job = read_entrypoint(obj.body, parser, obj.folder)
+    if job is not None and not job.is_raylane:
+        report.not_raylane += 1
+    if job is None or not job.is_raylane:
+        return []
+    rules = list(job.rules)
+    if job.cfg is None:
+        return rules
+    found, env = cluster_spec(obj.body), driver_env(obj.body)
+    groups: list[PodGroup] | None = list(pod_groups(*found)) if found else None
+    name = get(obj.body, "spec", "clusterSelector", "ray.io/cluster")
+    target = next((o for o in objects if o.kind == "RayCluster" and name and o.name == name), None)
+    if groups is None and target is not None and (selected := cluster_spec(target.body)):
+        groups, env = list(pod_groups(*selected)), {**driver_env(target.body), **env}
+    rules += list(fit.check_run(job.cfg, groups, env))
+    if job.cfg.mlflow.enabled and "MLFLOW_TRACKING_URI" not in env and (groups is not None):
+        message = (
+            "no MLFLOW_TRACKING_URI in runtimeEnvYAML's env_vars or the head's env: the run would record into the "
+            "head's local store, deleted with the cluster (or set mlflow.enabled=false)"
+        )
+        rules.append(("spec.runtimeEnvYAML", "raylane.mlflow-uri", message))
+    return rules
 
 
 def init(folder: str, source: Path = MANIFESTS) -> list[Path]:

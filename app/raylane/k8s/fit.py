@@ -70,10 +70,11 @@ def cpus_per_pod(group: PodGroup) -> float | None:
     return ray_resources(group).get("CPU")
 
 
-def check_run(cfg: BaseConfig, groups: list[PodGroup], env: dict[str, str | None]) -> Iterator[Rule]:
-    """What the config asks of the cluster, for a RayJob that runs raylane."""
+def check_run(cfg: BaseConfig, groups: list[PodGroup] | None, env: dict[str, str | None]) -> Iterator[Rule]:
+    """What the config asks of the cluster, for a RayJob that runs raylane (`groups` None: a
+    cluster not in these files, whose pods and environment are not known)."""
     storage = str(cfg.run.storage_path)
-    if "://" not in storage and not shared_mount(storage, groups):
+    if "://" not in storage and not shared_mount(storage, groups or []):
         yield (
             "spec.entrypoint",
             "raylane.storage-path",
@@ -88,6 +89,8 @@ def check_run(cfg: BaseConfig, groups: list[PodGroup], env: dict[str, str | None
             "raylane.run-name",
             ("run.name is not set: each RayJob retry would start a new run instead of resuming (--set run.name=...)"),
         )
+    if groups is None:
+        return
     yield from check_workers(cfg, [g for g in groups if not g.is_head])
     yield from check_placement(cfg, [g for g in groups if not g.is_head])
     for key, name in references(cfg.env).items():
