@@ -194,6 +194,20 @@ VARIANTS: list[tuple[str, str, Edit, str, str]] = [
         "spec.submissionMode",
     ),
     (
+        "runtime-env-not-yaml",
+        "rayjob.yaml",
+        lambda d: job_spec(d).__setitem__("runtimeEnvYAML", "env_vars: {MLFLOW_TRACKING_URI: [\n"),
+        "operator.runtime-env",
+        "spec.runtimeEnvYAML: not valid YAML",
+    ),
+    (
+        "no-cluster-at-all",
+        "rayjob.yaml",
+        lambda d: job_spec(d).pop("rayClusterSpec"),
+        "operator.cluster",
+        "one of rayClusterSpec or clusterSelector must be set",
+    ),
+    (
         "rayjob-name-too-long",
         "rayjob.yaml",
         lambda d: d["metadata"].__setitem__("name", "g" * 48),

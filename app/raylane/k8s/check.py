@@ -92,7 +92,7 @@ def check_raylane_side(obj: Obj, objects: list[Obj], parser: ParserFactory, repo
         rules += list(fit.check_versions(found[0], found[1], groups))
         rules += list(fit.check_preemption(groups, driver_env(obj.body)))
     where = "spec.runtimeEnvYAML"
-    if "MLFLOW_TRACKING_URI" not in (runtime_env(obj.body.get("spec") or {}).get("env_vars") or {}):
+    if "MLFLOW_TRACKING_URI" not in ((runtime_env(obj.body.get("spec") or {}) or {}).get("env_vars") or {}):
         where = f"{found[0] if found else 'spec'}.headGroupSpec.template.spec.containers[0].env"
     rules += list(fit.check_mlflow(driver_env(obj.body).get("MLFLOW_TRACKING_URI"), where, objects))
     for path, rule, message in rules:
@@ -118,7 +118,9 @@ def check_job(obj: Obj, objects: list[Obj], parser: ParserFactory, report: Repor
     if groups is None and target is not None and (selected := cluster_spec(target.body)):
         groups, env = list(pod_groups(*selected)), {**driver_env(target.body), **env}
     rules += list(fit.check_run(job.cfg, groups, env))
-    if job.cfg.mlflow.enabled and "MLFLOW_TRACKING_URI" not in env and (groups is not None):
+    # Unknown where the cluster is elsewhere, or where runtimeEnvYAML does not parse (the operator's line says so).
+    env_known = groups is not None and runtime_env(obj.body.get("spec") or {}) is not None
+    if job.cfg.mlflow.enabled and "MLFLOW_TRACKING_URI" not in env and env_known:
         message = (
             "no MLFLOW_TRACKING_URI in runtimeEnvYAML's env_vars or the head's env: the run would record into the "
             "head's local store, deleted with the cluster (or set mlflow.enabled=false)"

@@ -41,13 +41,14 @@ class Job:
     is_raylane: bool = True
 
 
-def runtime_env(spec: dict[str, Any]) -> dict[str, Any]:
-    """The RayJob's runtimeEnvYAML as a mapping ({} when unset or broken: the operator layer names it)."""
+def runtime_env(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The RayJob's runtimeEnvYAML as a mapping ({} when unset), None when it is not one (the
+    operator layer names that)."""
     try:
         parsed = yaml.safe_load(spec.get("runtimeEnvYAML") or "") or {}
     except yaml.YAMLError:
-        return {}
-    return parsed if isinstance(parsed, dict) else {}
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 def shell_trap(entrypoint: str) -> str | None:
@@ -177,6 +178,6 @@ def driver_env(body: dict[str, Any]) -> dict[str, str | None]:
         if isinstance(var, dict) and "name" in var:
             env[str(var["name"])] = None if "valueFrom" in var else str(var.get("value", ""))
     if body.get("kind") == "RayJob":
-        for key, value in (runtime_env(body.get("spec") or {}).get("env_vars") or {}).items():
+        for key, value in ((runtime_env(body.get("spec") or {}) or {}).get("env_vars") or {}).items():
             env[str(key)] = None if value is None else str(value)
     return env
