@@ -489,9 +489,11 @@ def test_input_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, capsys):
     from raylane.cli import main
 
     (tmp_path / "bad.yaml").write_text("kind: RayJob\n  spec: [\n")
+    (tmp_path / "empty").mkdir()
     for path, said in (
         (tmp_path / "none.yaml", "no such file or folder"),
         (tmp_path / "bad.yaml", "not valid YAML (line 2)"),
+        (tmp_path / "empty", "no Kubernetes object or Dockerfile that raylane checks"),
     ):
         assert main(["k8s", "check", str(path)]) == 2
         out, err = capsys.readouterr()

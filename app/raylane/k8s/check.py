@@ -48,8 +48,11 @@ def check_paths(paths: list[str], parser: ParserFactory) -> Report:
     for one in sets:
         check_set(one, parser, report)
         versions |= {v for o in one.objects if (v := ray_version_of(o))}
-    for path in sets[0].dockerfiles if sets else []:
+    dockerfiles = sets[0].dockerfiles if sets else []
+    for path in dockerfiles:
         report.findings += dockerfile.check_dockerfile(path, shown(path), versions or {str(fit.installed_ray())})
+    if not report.checked and not report.findings and not dockerfiles:
+        raise ConfigError(f"{', '.join(paths)}: no Kubernetes object or Dockerfile that raylane checks")
     return report
 
 
