@@ -204,6 +204,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "raylane.config_keys",
             "raylane.__main__",
             "raylane.pipelines",
+            # `raylane k8s check`: loads a RayJob's config as `raylane submit` does (raylane.prepare).
+            "raylane.k8s",
         ),
     ),
 )
