@@ -60,6 +60,8 @@ def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(run_cli, tmp_path):
     s2, s1 = read_json(tmp_path / "two.json"), read_json(tmp_path / "one.json")
     assert (s2["world_size"], s2["backend"], s2["status"]) == (2, "gloo", "FINISHED")
     assert (s1["world_size"], s1["status"]) == (1, "FINISHED")
+    # A calm run: two identical ranks, their step times gathered on the votes, name no straggler.
+    assert s2["stragglers"] == [] and "straggler:" not in two.output, two.output
     assert s2["steps"] == s1["steps"] == 2 * 32  # 2,048 samples / 64 per step, 2 epochs
     cfg = load_config("regression")
     w2, w1 = _final_weights(s2, cfg), _final_weights(s1, cfg)
