@@ -92,11 +92,11 @@ def _check_health(project: Path, s: dict) -> None:
     assert len(at) >= 2 and all(1 <= b - a <= 3 for a, b in zip(at, at[1:], strict=False)), at
 
 
-# Slow (~70 s on 2 busy cores): the loop that measures and profiles is the same under every launcher (make test
+# Slow (~57 s on 2 busy cores; the slow step: its own compute, not data-bound): the loop is the same under every launcher (make test
 # runs it under torchrun above); this checks what Ray adds: the events relayed, the shared folder.
 @pytest.mark.slow
 @pytest.mark.shared_ray
-def test_a_profiled_rank_and_a_slow_loader_on_ray(run_cli, project):
+def test_a_profiled_rank_and_a_slow_step_on_ray(run_cli, project):
     p, s = _launch(run_cli, project, "train", "--set", "scaling.num_workers=2", faults=SLOW_STEP)
     _check(project, p.output, s, data_bound=False)
 
