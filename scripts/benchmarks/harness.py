@@ -381,7 +381,7 @@ def machine() -> dict[str, Any]:
     }
 
 
-ALL = ("B1", "B1b", "B2", "B2b", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11", "B12")
+ALL = ("B1", "B1b", "B2", "B2b", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11", "B12", "B13")
 
 
 def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | None) -> int:
@@ -416,6 +416,7 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
             ("B1b", lambda: b1b(bench)),
             ("B11", lambda: hf_bench(bench, "b11")),
             ("B12", lambda: hf_bench(bench, "b12")),
+            ("B13", lambda: b13(bench)),
         )
         if name in chosen
     ]
@@ -502,6 +503,12 @@ def b1b(bench: Bench) -> dict[str, Any]:
     from scripts.benchmarks.batches import b1b as run_b1b
 
     return run_b1b(bench)
+
+
+def b13(bench: Bench) -> dict[str, Any]:
+    from scripts.benchmarks.steptimes import b13 as run_b13
+
+    return run_b13(bench)
 
 
 def b10(bench: Bench) -> dict[str, Any]:

@@ -140,6 +140,9 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             )
         )
     out += _hf_rows(results.get("B11"), results.get("B12"))
+    from scripts.benchmarks.steptimes import rows as b13_rows
+
+    out += b13_rows(results.get("B13"))
     for name, error in results.get("failed", {}).items():
         first = error.strip().splitlines()[0] if error.strip() else "unknown error"
         out.append(

@@ -2,9 +2,11 @@
 on the rank chosen writes a gzipped Chrome trace holding the window's steps and its top-operations
 tables into the run's folder, both reach MLflow though rank 0 alone talks to it; the rank left out
 neither imports raylane's profiling nor runs a profiler. Every rank's step times ride on the
-step-boundary vote, MLflow records each window's aggregates, and a rank whose loader is slow
-(the user's own collate_fn sleeps on rank 1) is named once, with its node and as data-bound, on
-the terminal and in the summary. The figures and the naming in-process: tests/unit/test_step_times.py."""
+step-boundary vote, MLflow records each window's aggregates, and a rank slowed on purpose through
+the fault plan (RAYLANE_FAULTS: `slowdata`, a slow loader, under torchrun; `slow`, a slow step, on
+Ray) is named once, with its node, as data-bound or as its own compute, on the terminal and in the
+summary. The figures, the naming and both faults through the step timer in-process:
+tests/unit/test_step_times.py; a calm run naming none: tests/e2e/test_local.py."""
 
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RAYLANE, REPO, TORCHRUN, read_json
+from tests.conftest import RAYLANE, REPO, TORCHRUN, cli_env, read_json
 
 HELPER = REPO / "tests" / "helpers" / "slow_loader.py"
 # 512 samples, batch 8 on 2 ranks: 32 steps. Windows of 4 steps ride on the votes (about every
-# 0.5 s, ~10 steps of 0.05 s here): a straggler 2 windows running is named by step ~20.
+# 0.5 s, ~10 steps of 0.05 s here): a straggler 2 windows running is named by step ~20. Rank 1
+# sleeps 50 ms a step, waiting for its batch (SLOW_LOADER) or inside its step (SLOW_STEP).
+SLOW_LOADER = "slowdata@rank=1,ms=50"
+SLOW_STEP = "slow@rank=1,ms=50"
 RUN = [
     "train.batch_size=8",
     "train.max_epochs=1",
@@ -29,7 +34,6 @@ RUN = [
     "mlflow.log_model=false",
     "mlflow.system_metrics=false",
     "stragglers.windows=2",
-    "model.sleep_s=0.05",
     "profile.enabled=true",
     "profile.ranks=[1]",
     "profile.wait=1",
@@ -55,10 +59,13 @@ def _metrics(db: Path, run_id: str) -> dict[str, list[float]]:
     return out
 
 
-def _launch(run_cli, project: Path, *launch: str, launcher: list[str] = RAYLANE, also: tuple[str, ...] = ()):
+def _launch(
+    run_cli, project: Path, *launch: str, faults: str, launcher: list[str] = RAYLANE, also: tuple[str, ...] = ()
+):
     sets = [x for item in (*RUN, *also) for x in ("--set", item)]
     more = ["--set", f"model.probe={project / 'probe'}", "--set", f"run.storage_path={project / 'runs'}"]
-    p = run_cli(*launch, "cfg.yaml", *sets, *more, "--summary-json", "s.json", launcher=launcher, cwd=project)
+    env = cli_env(project, RAYLANE_FAULTS=faults)
+    p = run_cli(*launch, "cfg.yaml", *sets, *more, "--summary-json", "s.json", launcher=launcher, cwd=project, env=env)
     assert p.wait(180) == 0, p.output
     return p, read_json(project / "s.json")
 
@@ -66,8 +73,9 @@ def _launch(run_cli, project: Path, *launch: str, launcher: list[str] = RAYLANE,
 def test_a_profiled_rank_and_a_slow_loader_under_torchrun(run_cli, project):
     # With the node's health (item 4) sampled every second, recorded under the node's name.
     health = ("mlflow.system_metrics=true", "mlflow.system_metrics_interval_s=1")
-    p, s = _launch(run_cli, project, "--nproc_per_node", "2", "-m", "raylane", "train", launcher=TORCHRUN, also=health)
-    _check(project, p.output, s)
+    launch = ("--nproc_per_node", "2", "-m", "raylane", "train")
+    p, s = _launch(run_cli, project, *launch, faults=SLOW_LOADER, launcher=TORCHRUN, also=health)
+    _check(project, p.output, s, data_bound=True)
     _check_health(project, s)
 
 
@@ -84,24 +92,26 @@ def _check_health(project: Path, s: dict) -> None:
     assert len(at) >= 2 and all(1 <= b - a <= 3 for a, b in zip(at, at[1:], strict=False)), at
 
 
-# Slow (~70 s on 2 busy cores): the loop that measures and profiles is the same under every launcher (make test
+# Slow (~57 s on 2 busy cores; the slow step: its own compute, not data-bound): the loop is the same under every launcher (make test
 # runs it under torchrun above); this checks what Ray adds: the events relayed, the shared folder.
 @pytest.mark.slow
 @pytest.mark.shared_ray
-def test_a_profiled_rank_and_a_slow_loader_on_ray(run_cli, project):
-    p, s = _launch(run_cli, project, "train", "--set", "scaling.num_workers=2")
-    _check(project, p.output, s)
+def test_a_profiled_rank_and_a_slow_step_on_ray(run_cli, project):
+    p, s = _launch(run_cli, project, "train", "--set", "scaling.num_workers=2", faults=SLOW_STEP)
+    _check(project, p.output, s, data_bound=False)
 
 
-def _check(project: Path, output: str, s: dict) -> None:
+def _check(project: Path, output: str, s: dict, *, data_bound: bool) -> None:
     host = socket.gethostname()
 
-    # The straggler: rank 1, on this host, waiting on its data; named once on the terminal.
+    # The straggler: rank 1, on this host, waiting on its data or slow in its own step; named once
+    # on the terminal, and the data wait's share tells which.
     [straggler] = s["stragglers"]
-    assert (straggler["rank"], straggler["node"], straggler["data_bound"]) == (1, host, True), straggler
+    assert (straggler["rank"], straggler["node"], straggler["data_bound"]) == (1, host, data_bound), straggler
     assert straggler["ratio"] > 1.5 and straggler["windows"] == 2
     live = [line for line in output.splitlines() if line.startswith("[raylane] straggler: rank 1")]
-    assert len(live) == 1 and f"on {host} takes" in live[0] and "(data-bound)" in live[0], output
+    why = "(data-bound)" if data_bound else "its own compute is slow"
+    assert len(live) == 1 and f"on {host} takes" in live[0] and why in live[0], output
 
     # Per-window aggregates in MLflow (a few keys, whatever the world size), the slowest rank 1.
     m = _metrics(project / "mlflow.db", s["run_id"])
@@ -109,7 +119,7 @@ def _check(project: Path, output: str, s: dict) -> None:
         "steps/step_s_min", "steps/step_s_median", "steps/step_s_max", "steps/slowest_rank",
         "steps/slowest_vs_others", "steps/slowest_data_share", "steps/data_share_median",
     }  # fmt: skip
-    assert m["steps/slowest_rank"][-1] == 1 and m["steps/slowest_data_share"][-1] > 0.5
+    assert m["steps/slowest_rank"][-1] == 1 and (m["steps/slowest_data_share"][-1] > 0.5) == data_bound
 
     # The profile: rank 1's trace in the run's folder, holding the window's two active steps.
     folder = project / "runs" / s["run_name"] / "profiles"

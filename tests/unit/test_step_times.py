@@ -176,3 +176,76 @@ def test_the_others_median_leaves_out_the_rank_itself_at_any_size():
         for at in sorted({0, n // 2 - 1, n // 2, n - 2, n - 1} & set(range(n))):
             rest = values[:at] + values[at + 1 :]
             assert median_without(values, at) == (statistics.median(rest) if rest else 0.0)
+
+
+def _timed_steps(plans: list, steps: int) -> list[tuple[float, ...]]:
+    """Each rank's window, in a thread of its own: its steps marked in the Trainer's order around
+    the fault plan's hooks, every rank meeting at a barrier where DDP's gradient sync would be."""
+    import threading
+    import time
+
+    sync = threading.Barrier(len(plans), timeout=10)
+    rows: list = [None] * len(plans)
+
+    def rank(r: int) -> None:
+        timer = StepTimer()
+        for step in range(1, steps + 1):
+            timer.begin()
+            plans[r].before_fetch(step)  # the Trainer's loop, while it waits for the step's batch
+            timer.fetched()
+            plans[r].before_step(step)  # with the batch in hand, before the forward
+            time.sleep(0.002)  # the forward
+            timer.arrive()
+            sync.wait()  # the last backward's gradient all-reduce
+            timer.computed()
+            timer.ended()
+        rows[r] = timer.take()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(plans))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return rows
+
+
+@pytest.mark.parametrize(("kind", "data_bound"), [("slowdata", True), ("slow", False)])
+def test_a_rank_slowed_through_the_fault_plan_is_named_a_slow_loader_or_a_slow_step(kind, data_bound, monkeypatch):
+    """RAYLANE_FAULTS `slowdata` sleeps in the data wait, `slow` in the step's compute: the real
+    plan through the real timer names rank 1, as data-bound or as its own compute. The slow
+    loader end to end under torchrun, the slow step on Ray: tests/e2e/test_observability.py."""
+    from raylane.loop import faults
+
+    monkeypatch.setenv(faults.ENV, f"{kind}@rank=1,ms=20,step=2")
+    plans = [faults.load(r) for r in (0, 1)]
+    assert plans[0].slow == {"slow": None, "slowdata": None}  # rank 0 is not slowed
+    rows = _timed_steps(plans, 4)  # rank 1 slept at steps 2 to 4
+    steps, step_s, data_s, _, compute_s, _ = rows[1]
+    assert steps == 4 and step_s >= 0.015 and (data_s > compute_s) == data_bound, rows[1]
+    times = StepTimes(4, factor=1.5, windows=1, active=True)
+    times.start(0, ["node-a", "node-b"])
+    [named] = times.window(4, rows)[1]
+    assert (named.rank, named.node, named.data_bound) == (1, "node-b", data_bound)
+
+
+def test_an_unset_fault_plan_is_none_and_a_slow_fault_needs_its_duration(monkeypatch):
+    from raylane.loop import faults
+
+    monkeypatch.delenv(faults.ENV, raising=False)
+    assert faults.load(0) is None  # the Trainer's `if self.faults` skips every hook
+    with pytest.raises(ValueError, match="slow@rank=1,ms=60"):
+        faults.parse("slow@rank=1")
+
+
+def test_step_timing_off_reads_no_clock_and_gathers_nothing(monkeypatch):
+    """stragglers.enabled: false: the Trainer's marks do nothing, no window is due (no figures on
+    the vote), rank 0 has nothing to log or name."""
+    monkeypatch.setattr("raylane.loop.steptimes.time.perf_counter", lambda: pytest.fail("the clock was read"))
+    times = StepTimes(10, 1.5, 3, active=True, enabled=False)
+    for mark in ("begin", "fetched", "arrive", "computed", "ended"):
+        getattr(times.timer, mark)()
+    assert not any(times.due(s) for s in range(100)) and times.window(20, data_bound_window()) == ({}, [])
+    assert (
+        load_config(DIGITS).stragglers.enabled
+        and not load_config(DIGITS, ["stragglers.enabled=false"]).stragglers.enabled
+    )

@@ -57,6 +57,12 @@ class StragglersSection(Section):
     """When a rank is named as a straggler: every rank times its steps (data wait, forward and
     backward, optimizer, the whole step), and rank 0 compares them every logging window."""
 
+    enabled: bool = Field(
+        True,
+        description="Time every rank's steps and name stragglers. false: no step is timed, no figure rides on the "
+        "step-boundary vote, and MLflow gets no `steps/*` metrics nor the per-rank table (docs/benchmarks.md B13: "
+        "its cost).",
+    )
     factor: float = Field(
         1.5,
         gt=1,

@@ -1,14 +1,18 @@
 """Fault injection for tests and drills, planned through the environment of the workers:
 
     RAYLANE_FAULTS="raise@rank=1,step=5;nan@step=7;hang@rank=0,step=3;diskfull@rank=1,step=40;oom@rank=1,batch=32"
+    RAYLANE_FAULTS="slow@rank=1,ms=60"  or  "slowdata@rank=1,ms=60,step=10"
 
 `raise` raises RuntimeError on that rank at that step, `nan` turns that step's loss into NaN
 (on the given rank, or all), `hang` blocks that rank forever (a rank stuck outside a
 collective), `diskfull` makes that rank's checkpoint files at that step land on /dev/full, so
 its writes fail with the kernel's own ENOSPC, `oom` raises torch.OutOfMemoryError in that
 rank's forward of a micro-batch of at least `batch` samples (autotune's probe: a CPU cannot run
-out of device memory on cue). A plan costs nothing when the variable is unset:
-`load()` returns None."""
+out of device memory on cue). `slow` and `slowdata` make a straggler of that rank from `step` on
+(default: every step): `slow` sleeps `ms` inside its step, after its batch is in hand (its own
+compute is slow), `slowdata` sleeps `ms` while it waits for its batch (a slow loader), so the
+step timer (raylane.loop.steptimes) tells the one from the other. A plan costs nothing when the
+variable is unset: `load()` returns None."""
 
 from __future__ import annotations
 
@@ -22,16 +26,19 @@ import torch
 from raylane.errors import RaylaneError
 
 ENV = "RAYLANE_FAULTS"
-KINDS = ("raise", "nan", "hang", "diskfull", "oom")
+KINDS = ("raise", "nan", "hang", "diskfull", "oom", "slow", "slowdata")
+# Keyed by a duration, not a step: from `step` on (every step when unset).
+SLOW = ("slow", "slowdata")
 FULL_DEVICE = "/dev/full"
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    step: int  # -1 for oom, which is keyed by batch size
+    step: int  # -1 for oom, which is keyed by batch size; slow ones: the first step slowed (0: all)
     rank: int | None  # None: every rank
     batch: int | None = None
+    ms: float = 0.0  # slow, slowdata: the sleep each step
 
 
 class InjectedFault(RaylaneError, RuntimeError):
@@ -41,15 +48,27 @@ class InjectedFault(RaylaneError, RuntimeError):
 class FaultPlan:
     def __init__(self, faults: list[Fault], rank: int) -> None:
         mine = [f for f in faults if f.rank in (None, rank)]
-        self.by_step = {f.step: f for f in mine if f.kind != "oom"}
+        self.by_step = {f.step: f for f in mine if f.kind not in ("oom", *SLOW)}
         self.oom_from_batch = min((f.batch for f in mine if f.kind == "oom"), default=None)
+        self.slow = {kind: next(((f.step, f.ms / 1000) for f in mine if f.kind == kind), None) for kind in SLOW}
         self.rank = rank
+
+    def before_fetch(self, step: int) -> None:
+        """While this rank waits for the batch of `step` (timed as its data wait)."""
+        self._sleep("slowdata", step)
+
+    def _sleep(self, kind: str, step: int) -> None:
+        slow = self.slow[kind]
+        if slow is not None and step >= slow[0]:
+            time.sleep(slow[1])
 
     def before_forward(self, batch_size: int) -> None:
         if self.oom_from_batch is not None and batch_size >= self.oom_from_batch:
             raise torch.OutOfMemoryError(f"injected: rank {self.rank} out of memory at a micro-batch of {batch_size}")
 
     def before_step(self, step: int) -> None:
+        """With the batch of `step` in hand, before its forward (timed as the step's compute)."""
+        self._sleep("slow", step)
         fault = self.by_step.get(step)
         if fault and fault.kind == "raise":
             raise InjectedFault(f"injected failure on rank {self.rank} at step {step}")
@@ -79,14 +98,18 @@ def parse(text: str) -> list[Fault]:
     for item in filter(None, (part.strip() for part in text.split(";"))):
         kind, _, params = item.partition("@")
         fields = dict(p.split("=", 1) for p in params.split(",") if "=" in p)
-        if kind not in KINDS or ("batch" if kind == "oom" else "step") not in fields:
-            raise ValueError(f"{ENV}: cannot parse {item!r} (expected e.g. raise@rank=1,step=5 or oom@rank=1,batch=32)")
+        key = {"oom": "batch", "slow": "ms", "slowdata": "ms"}.get(kind, "step")
+        if kind not in KINDS or key not in fields:
+            raise ValueError(
+                f"{ENV}: cannot parse {item!r} (expected e.g. raise@rank=1,step=5, oom@rank=1,batch=32 or slow@rank=1,ms=60)"
+            )
         faults.append(
             Fault(
                 kind,
-                int(fields.get("step", -1)),
+                int(fields.get("step", 0 if kind in SLOW else -1)),
                 int(fields["rank"]) if "rank" in fields else None,
                 int(fields["batch"]) if "batch" in fields else None,
+                float(fields.get("ms", 0.0)),
             )
         )
     return faults

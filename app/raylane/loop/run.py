@@ -214,7 +214,11 @@ def _assemble(
         hooks=pipe.hooks,
         faults=plan,
         step_times=StepTimes(
-            cfg.mlflow.log_every_n_steps, cfg.stragglers.factor, cfg.stragglers.windows, active=runtime.rank == 0
+            cfg.mlflow.log_every_n_steps,
+            cfg.stragglers.factor,
+            cfg.stragglers.windows,
+            active=runtime.rank == 0,
+            enabled=cfg.stragglers.enabled,
         ),
         profiler=_profiler(cfg, runtime),
     )

@@ -74,6 +74,18 @@ class StepTimer:
         return out
 
 
+class OffTimer:
+    """`stragglers.enabled: false`: the Trainer's marks cost a call that does nothing."""
+
+    __slots__ = ()
+    steps = 0
+
+    def begin(self) -> None:
+        pass
+
+    fetched = arrive = computed = ended = begin
+
+
 def busy_times(rows: list[tuple[float, ...]]) -> list[float]:
     """Each rank's busy step time: its step less the time it waited at the gradient sync for the
     last rank to arrive (that rank waited none)."""
@@ -228,10 +240,12 @@ class StepTimes:
     same answer on every rank, from the step alone), and on rank 0 what the gathered figures give
     (`window`: MLflow's aggregates through `log`, a straggler through `name`)."""
 
-    def __init__(self, every: int, factor: float, windows: int, *, active: bool) -> None:
-        self.timer = StepTimer()
+    def __init__(self, every: int, factor: float, windows: int, *, active: bool, enabled: bool = True) -> None:
+        # Off: no clock read, nothing gathered (no window is ever due), no last gather after the loop.
+        self.timer: StepTimer | OffTimer = StepTimer() if enabled else OffTimer()
+        self.enabled = enabled
         self.every = every
-        self.active = active
+        self.active = active and enabled
         self.nodes: list[str] = []
         self.watch = StragglerWatch(factor, windows)
         self.table = RankTable(self.nodes)
@@ -243,7 +257,7 @@ class StepTimes:
 
     def due(self, step: int) -> bool:
         """A logging window ended since the last gather."""
-        return step // self.every > self._gathered_at // self.every
+        return self.enabled and step // self.every > self._gathered_at // self.every
 
     def take(self, step: int) -> tuple[float, ...]:
         self._gathered_at = step

@@ -256,6 +256,8 @@ class Trainer(RunFigures):
             timer.begin()
             if self.hang_watch:
                 self.hang_watch.beat()
+            if self.faults:
+                self.faults.before_fetch(self.step + 1)
             if (micro_batches := next(batches, None)) is None:
                 break
             timer.fetched()
@@ -338,7 +340,8 @@ class Trainer(RunFigures):
         self.stops.start(self.step)
         epoch_ends: list[float] = []  # seconds from the start to the end of each epoch's end work
         self._train_started = started
-        self.step_times.start(self.step, node_names(self.stops.vote.group))  # once, before the first step
+        if self.step_times.enabled:  # one all-gather of the nodes' names, once, before the first step
+            self.step_times.start(self.step, node_names(self.stops.vote.group))
         with (
             preemption.armed(),
             self.saver.settled_on_failure(min(self.timeout_s, FAILED_RUN_SAVE_WAIT_S)),
@@ -361,7 +364,8 @@ class Trainer(RunFigures):
                     epoch_ends.append(round(time.perf_counter() - started, 4))
             self.saver.settle()  # a save in flight is committed before the run ends or stops
             self.saver.close()
-        self._rank_figures(self.stops.gather(self.step_times.take(self.step)))  # the last window's: after the loop
+        if self.step_times.enabled:  # the last window's: after the loop
+            self._rank_figures(self.stops.gather(self.step_times.take(self.step)))
         self.stops.close()
         if self.window.loss_count:
             self._log_train_metrics(until=last_step_end)  # not the end-of-run save and evaluation

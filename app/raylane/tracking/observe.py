@@ -94,6 +94,7 @@ def log_rank_times(client: Any, run_id: str, rows: list[dict[str, Any]], straggl
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     named = {s["rank"] for s in stragglers}
     ranks = [r["rank"] for r in rows]
@@ -104,9 +105,11 @@ def log_rank_times(client: Any, run_id: str, rows: list[dict[str, Any]], straggl
     colours = ["tab:red" if r in named else "tab:blue" for r in ranks]
     ax.bar(ranks, rest, bottom=data, color=colours, label="forward, backward, optimizer")
     ax.set_xlabel("rank")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # ranks, not 0.25 steps
     ax.set_ylabel("busy seconds per step (mean)")
     ax.set_title("step time per rank" + (f"; straggler: rank {', '.join(map(str, sorted(named)))}" if named else ""))
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)  # below: clear of the bars
     ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
     client.log_figure(run_id, fig, "steps/ranks.png")
     plt.close(fig)
