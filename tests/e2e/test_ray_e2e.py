@@ -27,7 +27,7 @@ def default_run(tmp_path_factory):
     """`make run`'s command: an embedded Ray of its own, and MLflow on, into a fresh database
     (whose set-up MLflow announces). Yields (its folder, the exited process)."""
     tmp = tmp_path_factory.mktemp("default-run")
-    env = cli_env(tmp)
+    env = cli_env(tmp, new_database=False)  # MLflow lays it out: its chatter is checked below
     env.pop("RAYLANE_VERBOSE", None)  # as a newcomer's shell has it (the CLI's main, run in-process, sets it)
     proc = CliProcess(
         [
