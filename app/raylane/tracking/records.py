@@ -102,8 +102,8 @@ class RunRecorder:
             out.update(attempt("model", lambda: log_model(self.handle, checkpoint, register)) or {})
         attempt("plots", lambda: log_plots(client, self.handle))
         r, run_id = self._result, self.handle.run_id
-        if r is not None and r.rank_times:
-            attempt("per-rank step times", lambda: log_rank_times(client, run_id, r.rank_times, r.stragglers or []))
+        if r is not None and (rank_times := r.rank_times):
+            attempt("per-rank step times", lambda: log_rank_times(client, run_id, rank_times, r.stragglers or []))
         if self.cfg.profile.enabled:
             attempt("profiles", lambda: log_profiles(client, run_id, self.cfg))
         if status == Status.FAILED:  # a hang's stacks are written only as the run fails
