@@ -500,10 +500,14 @@ def run() -> None:
     threads were seen to abort a finished rank there ("terminate called without an active
     exception", about 1 run in 15)."""
     code = main()
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
+    cluster = sys.modules.get("raylane.onray.cluster")
+    # After a join given up on, what is left waits on the ray.init that cannot be cancelled (Ray's
+    # own atexit shutdown, a thread importing Ray Train): raylane's records are closed already.
+    if cluster is None or not cluster.join_abandoned():
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

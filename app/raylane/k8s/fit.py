@@ -36,9 +36,9 @@ from raylane.k8s.operator import ray_version
 
 Rule = tuple[str, str, str]
 DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
-DRAIN_DEFAULT_S = 30.0  # ray._private.ray_constants
+DRAIN_DEFAULT_S = 30.0  # Ray 2.60 default of RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (its ray_constants module)
 POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
-POLL_DEFAULT_S = 5.0  # ray.train.v2._internal.constants
+POLL_DEFAULT_S = 5.0  # Ray Train V2 default of RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S (its constants module)
 WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 RAYLANE_DRAIN_POLL_S = 0.5  # raylane.onray.runtime.DRAIN_POLL_S (that module imports Ray)
 GRACE_DEFAULT_S = 30  # Kubernetes' terminationGracePeriodSeconds

@@ -168,6 +168,9 @@ def join(address: str, **init_kwargs) -> None:
                 f"(something listens on that port, but not Ray's GCS); {join_hint(field)}"
             )
         done.wait()
+    except BaseException:  # Ctrl-C or SIGTERM while ray.init waits: it goes on waiting, abandoned
+        _given_up = (address, thread)
+        raise
     finally:
         restore()
     if failed:
@@ -188,6 +191,13 @@ def _gcs_connected() -> bool:
     from raylane.onray.internals import ray_worker
 
     return getattr(ray_worker, "_global_node", None) is not None
+
+
+def join_abandoned() -> bool:
+    """A join given up on (its limit, or Ctrl-C) whose ray.init still waits in Ray's native
+    connect loop, holding Ray's global lock: ray.shutdown, and an import that needs a module
+    ray.init is importing, would wait for it (minutes)."""
+    return _given_up is not None and _given_up[1].is_alive()
 
 
 def _interruptible():
