@@ -128,6 +128,8 @@ def test_the_oom_fault_leaves_a_snapshot_and_the_error_goes_on(tmp_path, cuda_me
     line = profile_line([], snaps)
     assert line.startswith("none written") and f"memory snapshots in {folder}: memory-rank0-n0-oom.pickle, " in line
     assert "https://pytorch.org/memory_viz" in line
+    both = profile_line([f"{folder}/trace-rank0-n0.json.gz"], snaps)
+    assert both.startswith(f"1 trace in {folder} (") and "; memory snapshots: memory-rank0-n0-oom.pickle, " in both
 
 
 def test_another_error_leaves_no_oom_snapshot(tmp_path, cuda_memory):
