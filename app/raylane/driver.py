@@ -238,7 +238,7 @@ def _summary(
     """The fields of the run's TrainSummary (raylane.results describes each); a run that failed
     has no result, and the summary's defaults stand for its figures."""
     from raylane.loop import baddata
-    from raylane.tracking.observe import profile_traces
+    from raylane.tracking.observe import memory_snapshots, profile_traces
 
     first = display.first_step_unix
     return {
@@ -257,6 +257,7 @@ def _summary(
         or (display.checkpoints[-1].location if display.checkpoints else None),
         "skipped_checkpoints": display.skipped_checkpoints,
         "profile_traces": profile_traces(cfg),  # every profiled rank's, in the run's folder
+        "memory_snapshots": memory_snapshots(cfg),
         "wall_s": round(time.time() - launched, 3),
         # Every (re)start of the worker group announces itself; the first one is not a restart.
         "restarts": max(display.starts - 1, 0),

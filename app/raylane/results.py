@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 
 
 class Status(str, Enum):
@@ -44,7 +44,7 @@ class _Model(BaseModel):
 
 
 class _Summary(_Model):
-    schema_version: Literal[3] = Field(SCHEMA_VERSION, description="This file's schema version.")
+    schema_version: Literal[4] = Field(SCHEMA_VERSION, description="This file's schema version.")
     status: Status = Field(description="FINISHED, FAILED or KILLED; the exit code is 0, 1 or 130.")
     error: str | None = Field(None, description="Why the command did not finish: one line, else null.")
 
@@ -210,6 +210,11 @@ class TrainSummary(_Summary):
     )
     profile_traces: list[str] = Field(
         default_factory=list, description="The profiled ranks' traces (profile.enabled): gzipped Chrome trace JSON."
+    )
+    memory_snapshots: list[str] = Field(
+        default_factory=list,
+        description="The profiled ranks' CUDA memory snapshots (profile.memory_snapshot_step, memory_snapshot_on_oom): "
+        "pickles https://pytorch.org/memory_viz opens.",
     )
     timing: Timing | None = Field(None, description="When things happened.")
     model_uri: str | None = Field(None, description="The MLflow model logged from the final checkpoint.")

@@ -21,6 +21,7 @@ RELEASED = {
     1: "aa2055c11546313678a1ee45182ddcda08089b35b87a07aa0e3fc2a6a474d979",
     2: "7e05ee98d19fb30db1eb0dc7217b98a95a1aa5d5be0ad721312085dc3f9cd39f",  # TrainSummary.skipped_rows
     3: "cf8b283cb24e3b8cd209eb77aae4be0f609f1f632b640fe1b255f12659ec011d",  # TrainSummary.stragglers, profile_traces
+    4: "c7b95f217acbb397286777524a3ac27398deacad051744e9a6c76bcfc97ec9fc",  # TrainSummary.memory_snapshots
 }
 
 

@@ -21,11 +21,13 @@ class ProfileSection(Section):
         "operations by self time in `<storage_path>/<run.name>/profiles/`, and in MLflow under `profiles/`. "
         "false: torch.profiler is neither started nor set up, and nothing is paid.",
     )
-    ranks: list[int] = Field(
-        [0],
+    ranks: list[int | Literal["slowest"]] = Field(
+        [0, "slowest"],
         min_length=1,
         max_length=64,
-        description="The ranks profiled (a rank the group does not have is not profiled).",
+        description="The ranks profiled (a rank the group does not have is not profiled), and `slowest`: the rank "
+        "the step times name as a straggler (stragglers.*) profiles one window (`active` steps, after 1 of warmup) "
+        "from its next step, unless listed already; with stragglers.enabled false, or a calm run, none is.",
     )
     wait: int = Field(5, ge=0, le=1_000_000, description="Steps skipped before the window (torch.profiler.schedule).")
     warmup: int = Field(
@@ -44,11 +46,32 @@ class ProfileSection(Section):
     profile_memory: bool = Field(False, description="Record the memory each operator allocates and frees.")
     with_stack: bool = Field(False, description="Record the Python stack of each operator (larger traces).")
     top_ops: int = Field(25, ge=1, le=1000, description="Rows of the top-operations table, by self time.")
+    memory_snapshot_step: int | None = Field(
+        None,
+        ge=1,
+        le=100_000_000,
+        description="On each profiled rank with a GPU: after this step (the run's count, as the logs give it) a "
+        "CUDA memory snapshot, `profiles/memory-rank<R>-<host>-step<S>.pickle` (open it in "
+        "https://pytorch.org/memory_viz): every live allocation, with its stack. null: none. Without a GPU: one "
+        "warning, nothing else.",
+    )
+    memory_snapshot_on_oom: bool = Field(
+        False,
+        description="On each profiled rank with a GPU: when it runs out of memory (torch.OutOfMemoryError), a "
+        "snapshot `profiles/memory-rank<R>-<host>-oom.pickle` before the error ends the run as it would anyway.",
+    )
+    memory_history_entries: int = Field(
+        100_000,
+        ge=1000,
+        le=10_000_000,
+        description="The allocation events a memory snapshot's timeline keeps, the last ones (max_entries of "
+        "torch.cuda.memory._record_memory_history); recorded from the first step on a rank that takes a snapshot.",
+    )
 
     @field_validator("ranks")
     @classmethod
-    def _ranks(cls, value: list[int]) -> list[int]:
-        if any(r < 0 for r in value):
+    def _ranks(cls, value: list[int | str]) -> list[int | str]:
+        if any(isinstance(r, int) and r < 0 for r in value):
             raise ValueError(f"profile.ranks = {value}: a rank is 0 or more")
         return value
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ class RunFigures:
     stops: StepVote
     step_times: StepTimes
     profiler: Any
+    slowest_profiler: Callable[[], Any] | None
     strategy: Strategy
     throughput: Throughput
     step: int
@@ -144,24 +145,41 @@ class RunFigures:
 
     @contextlib.contextmanager
     def _profiling(self) -> Iterator[None]:
-        """The profiler's window (profile.*), on a profiled rank: its trace is written however the
-        loop ends, before the last window's figures are gathered (so before rank 0 goes on)."""
-        if self.profiler is None:
-            yield
-            return
-        self.profiler.start()
+        """The profiler's window (profile.*), on a profiled rank (or one that the step times name
+        as the slowest, from then on: `_rank_figures`): its trace is written however the loop
+        ends, before the last window's figures are gathered (so before rank 0 goes on). A loop
+        ending out of memory leaves its memory snapshot first (profile.memory_snapshot_on_oom),
+        then fails as it would without a profile."""
+        if self.profiler is not None:
+            self.profiler.start()
         try:
             yield
-        finally:
-            self.profiler.close()
+        except BaseException as exc:
+            if self.profiler is not None:
+                from raylane.loop.profiling import is_out_of_memory  # imported already: the profiler's module
 
-    def _rank_figures(self, values: list[float]) -> None:
+                if is_out_of_memory(exc):
+                    self.profiler.out_of_memory()
+            raise
+        finally:
+            if self.profiler is not None:
+                self.profiler.close()
+
+    def _rank_figures(self, values: list[float], *, in_loop: bool = True) -> None:
         """A window's step times from every rank (gathered on a vote): on rank 0, its aggregates
-        to MLflow, and a rank it names as a straggler to the driver (once)."""
-        if not self.reporter.active or not values:
+        to MLflow, and a rank it names as a straggler to the driver (once). On a rank that profiles
+        itself once named the slowest (profile.ranks: `slowest`), the same naming, from the same
+        figures (every rank holds them, bit for bit, after the vote's all-reduce), starts its
+        profiler at its next step: no rank tells another."""
+        if not values or not (self.reporter.active or self.slowest_profiler):
             return
         metrics, named = self.step_times.window(self.step, split_rows(values, self.runtime.world_size))
-        if metrics:
-            self.reporter.log_metrics(metrics, self.step)
-        for straggler in named:
-            self.reporter.on_straggler(straggler.to_dict(), straggler.line())
+        if self.reporter.active:
+            if metrics:
+                self.reporter.log_metrics(metrics, self.step)
+            for straggler in named:
+                self.reporter.on_straggler(straggler.to_dict(), straggler.line())
+        if in_loop and self.slowest_profiler and any(s.rank == self.runtime.rank for s in named):
+            make, self.slowest_profiler = self.slowest_profiler, None  # once: a rank is named once
+            self.profiler = make()
+            self.profiler.start()

@@ -1,8 +1,10 @@
 """`profile:` on a rank: torch.profiler over a window of steps (raylane.config.observe.ProfileSection),
 driven by the Trainer's step end. Each window's trace goes into the run's folder as a gzipped
 Chrome trace, `profiles/trace-rank<R>-<node>.json.gz`, beside its table of the top operations by
-self time (`top-ops-rank<R>-<node>.txt`, `.md`, `.csv`); the driver logs the folder to MLflow.
-Imported only when this rank is profiled: with `profile` off, nothing here runs. Ray-free."""
+self time (`top-ops-rank<R>-<node>.txt`, `.md`, `.csv`), and on a GPU the rank's CUDA memory
+snapshots (`MemorySnapshots`: `memory-rank<R>-<node>-step<S>.pickle`, `-oom.pickle`); the driver
+logs the folder to MLflow. Imported only when this rank is profiled: with `profile` off, nothing
+here runs. Ray-free."""
 
 from __future__ import annotations
 
@@ -54,22 +56,31 @@ class StepProfiler:
             with_stack=cfg.with_stack,
         )
         self._on_gpu = device.type == "cuda"
+        self.memory = MemorySnapshots(cfg, store, rank, self.node, on_gpu=self._on_gpu)
         # The tracer's start asks torch for its compiler's config, which imports the compiler
         # (seconds, once): paid here, before training, not inside the steps being timed.
         if hasattr(torch, "_inductor"):
             importlib.import_module("torch._inductor.config")
 
     def start(self) -> None:
+        self.memory.start()
         self.prof.start()
 
-    def step(self) -> None:
+    def step(self, step: int) -> None:
+        """After the run's step `step` (its count, as the logs give it)."""
         self.prof.step()
+        self.memory.after_step(step)
+
+    def out_of_memory(self) -> None:
+        """The loop is ending on torch.OutOfMemoryError (raised on, after this returns)."""
+        self.memory.out_of_memory()
 
     def close(self) -> None:
         try:
             self.prof.stop()
         except Exception as exc:  # noqa: BLE001 - a profile is best effort; training's outcome stands
             log.warning("profile: rank %d's trace was not written: %s", self.rank, exc)
+        self.memory.stop()
 
     def _ready(self, prof: Any) -> None:
         try:
@@ -98,9 +109,94 @@ class StepProfiler:
         log.debug("profile: rank %d wrote %s", self.rank, self.written[-1])  # the run ends saying where
 
     def _put(self, local: str, target: str) -> None:
-        # compression=None: pyarrow would gzip a `.gz` name a second time.
-        with open(local, "rb") as src, self.store.fs.open_output_stream(target, compression=None) as dst:
-            shutil.copyfileobj(src, dst)
+        put(self.store, local, target)
+
+
+def put(store: CheckpointStore, local: str, target: str) -> None:
+    """A local file into the run's storage (a shared folder or `s3://`)."""
+    # compression=None: pyarrow would gzip a `.gz` name a second time.
+    with open(local, "rb") as src, store.fs.open_output_stream(target, compression=None) as dst:
+        shutil.copyfileobj(src, dst)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError, or an error raised from or while handling one."""
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        if isinstance(at, torch.OutOfMemoryError):
+            return True
+        seen.add(id(at))
+        at = at.__cause__ or at.__context__
+    return False
+
+
+class MemorySnapshots:
+    """CUDA memory snapshots on a profiled rank (profile.memory_snapshot_step, memory_snapshot_on_oom):
+    the allocator's history is recorded from `start` (only when a snapshot is asked for: recording
+    takes a stack at every allocation), dumped after the chosen step and, on request, when the loop
+    ends on an out-of-memory error; the history stops after the last dump it can still owe.
+
+    `torch.cuda.memory._record_memory_history` and `_dump_snapshot` are torch's documented API for
+    this (pytorch.org/docs/stable/torch_cuda_memory.html), underscored though they are: they are
+    called here and nowhere else in raylane, so a rename in torch is one place to follow."""
+
+    def __init__(self, cfg: ProfileSection, store: CheckpointStore, rank: int, node: str, *, on_gpu: bool) -> None:
+        self.at_step, self.on_oom = cfg.memory_snapshot_step, cfg.memory_snapshot_on_oom
+        self.entries = cfg.memory_history_entries
+        self.store, self.rank, self.node, self.on_gpu = store, rank, node, on_gpu
+        self.wanted = self.at_step is not None or self.on_oom
+        self.recording = False
+        self.written: list[str] = []
+
+    def start(self) -> None:
+        if not self.wanted:
+            return
+        if not self.on_gpu:  # the same config runs on a laptop: said once, not an error
+            log.warning(
+                "profile: rank %d has no GPU: CUDA memory snapshots (profile.memory_snapshot_step, "
+                "memory_snapshot_on_oom) need one; none is taken",
+                self.rank,
+            )
+            return
+        try:
+            torch.cuda.memory._record_memory_history(max_entries=self.entries)
+        except Exception as exc:  # noqa: BLE001 - a snapshot is best effort: training goes on without it
+            log.warning("profile: rank %d cannot record its memory history: %s: %s", self.rank, type(exc).__name__, exc)
+            return
+        self.recording = True
+
+    def after_step(self, step: int) -> None:
+        if self.recording and self.at_step is not None and step >= self.at_step:
+            if step == self.at_step:  # a launch resumed past it takes none
+                self._dump(f"step{step}")
+            if not self.on_oom:  # nothing more is owed: stop paying for the stacks
+                self.stop()
+
+    def out_of_memory(self) -> None:
+        if self.recording and self.on_oom:
+            self._dump("oom")
+
+    def stop(self) -> None:
+        if self.recording:
+            self.recording = False
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def _dump(self, tag: str) -> None:
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", self.node)
+        target = f"{self.store.root}/{FOLDER}/memory-rank{self.rank}-{safe}-{tag}.pickle"
+        try:
+            with tempfile.TemporaryDirectory(prefix="raylane-memory-") as tmp:
+                local = os.path.join(tmp, "snapshot.pickle")
+                torch.cuda.memory._dump_snapshot(local)
+                self.store.fs.create_dir(f"{self.store.root}/{FOLDER}", recursive=True)
+                put(self.store, local, target)
+        except Exception as exc:  # noqa: BLE001 - a snapshot is best effort: the run's outcome stands
+            log.warning(
+                "profile: rank %d's memory snapshot was not written: %s: %s", self.rank, type(exc).__name__, exc
+            )
+            return
+        self.written.append(target)
 
 
 def top_ops_tables(averages: Any, rows: int, on_gpu: bool) -> dict[str, str]:

@@ -188,6 +188,7 @@ def _assemble(
     if runtime.rank == 0 and (note := schedule_note(cfg, total_steps, pipe)):
         log.warning("%s", note)
     plan = faults.load(runtime.rank)
+    slowest = _slowest_profiler(cfg, runtime)
     return Trainer(
         model,
         train_loader,
@@ -213,15 +214,18 @@ def _assemble(
         strategy=strategy,
         hooks=pipe.hooks,
         faults=plan,
-        step_times=StepTimes(
-            cfg.mlflow.log_every_n_steps,
-            cfg.stragglers.factor,
-            cfg.stragglers.windows,
-            active=runtime.rank == 0,
-            enabled=cfg.stragglers.enabled,
-        ),
+        step_times=_step_times(cfg, runtime, slowest),
         profiler=_profiler(cfg, runtime),
+        slowest_profiler=slowest,
     )
+
+
+def _step_times(cfg: BaseConfig, runtime: Runtime, slowest: Callable[[], Any] | None) -> StepTimes:
+    """This rank's step timer; the straggler watch on rank 0, and on a rank that profiles itself
+    once named the slowest (the same watch over the same figures: `slowest`)."""
+    s = cfg.stragglers
+    active = runtime.rank == 0 or slowest is not None
+    return StepTimes(cfg.mlflow.log_every_n_steps, s.factor, s.windows, active=active, enabled=s.enabled)
 
 
 def _profiler(cfg: BaseConfig, runtime: Runtime) -> Any:
@@ -231,6 +235,27 @@ def _profiler(cfg: BaseConfig, runtime: Runtime) -> Any:
     from raylane.loop.profiling import StepProfiler
 
     return StepProfiler(cfg.profile, runtime.store, runtime.rank, runtime.device)
+
+
+def _slowest_profiler(cfg: BaseConfig, runtime: Runtime) -> Callable[[], Any] | None:
+    """profile.ranks' `slowest`, on a rank not profiled by number: what makes its profiler if the
+    step times name it the straggler (one window from its next step: wait 0, warmup 1, `active`
+    steps; no memory snapshot, whose history would start mid-run), or None. Nothing imported."""
+    p = cfg.profile
+    if not (p.enabled and "slowest" in p.ranks and cfg.stragglers.enabled and runtime.world_size > 1):
+        return None
+    if runtime.rank in p.ranks:
+        return None
+    window = p.model_copy(
+        update={"wait": 0, "warmup": 1, "repeat": 1, "memory_snapshot_step": None, "memory_snapshot_on_oom": False}
+    )
+
+    def make() -> Any:
+        from raylane.loop.profiling import StepProfiler
+
+        return StepProfiler(window, runtime.store, runtime.rank, runtime.device)
+
+    return make
 
 
 def _train_loader(

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -96,6 +96,7 @@ class Trainer(RunFigures):
         faults: FaultPlan | None = None,
         step_times: StepTimes | None = None,
         profiler: Any = None,
+        slowest_profiler: Callable[[], Any] | None = None,
     ) -> None:
         self.model, self.train_data, self.optimizer, self.scheduler = model, train_data, optimizer, scheduler
         # Walking the module tree costs ~70 us a step on a small model (7% of a digits step on one
@@ -110,6 +111,7 @@ class Trainer(RunFigures):
         self.step_times = step_times or StepTimes(log_every_n_steps, 1.5, 3, active=False)
         self.timer = self.step_times.timer
         self.profiler = profiler
+        self.slowest_profiler = slowest_profiler  # profile.ranks' `slowest`: made when the step times name this rank
         self.hang_watch: Any = None  # raylane.loop.hangs.HangWatch: its watchdog re-armed at each step's start
         self.device = runtime.device
         self.throughput = throughput or Throughput()
@@ -266,7 +268,7 @@ class Trainer(RunFigures):
             loss = self.run_step(micro_batches)
             timer.ended()
             if self.profiler:
-                self.profiler.step()
+                self.profiler.step(self.step + 1)
             if self.state_bytes is None:  # optimizer state exists from the first step on
                 self._state_bytes()
             self.step += 1
@@ -365,7 +367,7 @@ class Trainer(RunFigures):
             self.saver.settle()  # a save in flight is committed before the run ends or stops
             self.saver.close()
         if self.step_times.enabled:  # the last window's: after the loop
-            self._rank_figures(self.stops.gather(self.step_times.take(self.step)))
+            self._rank_figures(self.stops.gather(self.step_times.take(self.step)), in_loop=False)
         self.stops.close()
         if self.window.loss_count:
             self._log_train_metrics(until=last_step_end)  # not the end-of-run save and evaluation

@@ -1,8 +1,9 @@
 """What the driver records of a run's insides at its end: the per-rank step-time table (CSV, with a
-plot) from rank 0's result, and the profiled ranks' traces and top-operations tables from the run's
-folder (`<storage_path>/<run.name>/profiles/`, where every profiled rank wrote, whichever node it
-ran on: raylane.loop.profiling), logged to MLflow as artifacts under `steps/` and `profiles/`; and
-every rank's stacks a hang left in `stacks/` (raylane.loop.hangs), under `stacks/`."""
+plot) from rank 0's result, and the profiled ranks' traces and top-operations tables (and on a
+GPU, memory snapshots) from the run's folder (`<storage_path>/<run.name>/profiles/`, where every
+profiled rank wrote, whichever node it ran on: raylane.loop.profiling), logged to MLflow as
+artifacts under `steps/` and `profiles/`; and every rank's stacks a hang left in `stacks/`
+(raylane.loop.hangs), under `stacks/`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ log = logging.getLogger("raylane.tracking")
 PROFILES = "profiles"
 STACKS = "stacks"  # raylane.loop.hangs.STACKS: the tracking layer reads the folder, not the module
 OPEN_HINT = "open a trace in https://ui.perfetto.dev or chrome://tracing"
+MEMORY_HINT = "drag one onto https://pytorch.org/memory_viz"
 
 
 def profiles_folder(cfg: BaseConfig) -> tuple[Any, str]:
@@ -27,8 +29,9 @@ def profiles_folder(cfg: BaseConfig) -> tuple[Any, str]:
     return fs, f"{root.rstrip('/')}/{cfg.run.name}/{PROFILES}"
 
 
-def profile_traces(cfg: BaseConfig) -> list[str]:
-    """The traces in the run's profiles folder (every profiled rank's), by name; [] without a profile."""
+def profile_traces(cfg: BaseConfig, suffix: str = ".json.gz") -> list[str]:
+    """The traces in the run's profiles folder (every profiled rank's), or its files ending in
+    `suffix`, by name; [] without a profile."""
     if not cfg.profile.enabled:
         return []
     import pyarrow.fs as pafs
@@ -40,18 +43,31 @@ def profile_traces(cfg: BaseConfig) -> list[str]:
         log.warning("could not list the profiles in %s: %s", folder, exc)
         return []
     shown = folder if isinstance(fs, pafs.LocalFileSystem) else f"{fs.type_name}://{folder}"
-    names = sorted(i.base_name for i in infos if i.base_name.endswith(".json.gz"))
+    names = sorted(i.base_name for i in infos if i.base_name.endswith(suffix))
     return [f"{shown}/{name}" for name in names]
 
 
-def profile_line(traces: list[str]) -> str:
-    """The terminal's one line on a profile: where the traces and tables are, how to open them."""
-    if not traces:
-        return "none written (the run ended before the window: see profile.wait)"
-    folder = traces[0].rsplit("/", 1)[0]
-    tables = traces[0].rsplit("/", 1)[1].replace("trace-", "top-ops-").replace(".json.gz", ".md")
-    n = len(traces)
-    return f"{n} trace{'s' if n > 1 else ''} in {folder} ({OPEN_HINT}; top operations: {tables}, .txt, .csv)"
+def memory_snapshots(cfg: BaseConfig) -> list[str]:
+    """The CUDA memory snapshots in the run's profiles folder (raylane.loop.profiling.MemorySnapshots)."""
+    wanted = cfg.profile.memory_snapshot_step is not None or cfg.profile.memory_snapshot_on_oom
+    return profile_traces(cfg, ".pickle") if wanted else []
+
+
+def profile_line(traces: list[str], snapshots: list[str] | None = None) -> str:
+    """The terminal's one line on a profile: where the traces, tables and memory snapshots are,
+    how to open them."""
+    if traces:
+        folder = traces[0].rsplit("/", 1)[0]
+        tables = traces[0].rsplit("/", 1)[1].replace("trace-", "top-ops-").replace(".json.gz", ".md")
+        n = len(traces)
+        line = f"{n} trace{'s' if n > 1 else ''} in {folder} ({OPEN_HINT}; top operations: {tables}, .txt, .csv)"
+    else:
+        line = "none written (the run ended before the window: see profile.wait)"
+    if snapshots:
+        names = ", ".join(s.rsplit("/", 1)[1] for s in snapshots)
+        where = "" if traces else f" in {snapshots[0].rsplit('/', 1)[0]}"
+        line += f"; memory snapshots{where}: {names} ({MEMORY_HINT})"
+    return line
 
 
 def log_profiles(client: Any, run_id: str, cfg: BaseConfig, name: str = PROFILES) -> None:

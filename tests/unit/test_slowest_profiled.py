@@ -1,0 +1,97 @@
+"""profile.ranks' `slowest`: the rank the step times name as the straggler profiles one window from
+its next step, decided on that rank from the figures the step-boundary vote's all-reduce hands
+every rank (each rank fills its own slot of a zeroed block and the sum is exact, so every rank
+holds the same bits and names the same rank): no rank tells another, no collective is added.
+
+In-process, three ranks' Trainer states side by side, each fed the same gathered figures as the
+vote gives them (raylane.loop.distributed.ControlVote.poll's per-rank block), through the Trainer's
+own `_rank_figures` and a real torch.profiler window on the rank named. The vote itself over a real
+group: tests/e2e/test_observability.py."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+from types import SimpleNamespace
+
+import torch
+
+from raylane.config import load_config
+from raylane.loop.checkpoint.storage import CheckpointStore
+from raylane.loop.figures import RunFigures
+from raylane.loop.run import _slowest_profiler, _step_times
+from tests.conftest import REPO
+
+DIGITS = REPO / "pipelines" / "digits.yaml"
+EVERY = 4
+
+
+def gathered() -> list[float]:
+    """One window as every rank holds it after the vote: (steps, step, data, arrival at the sync,
+    compute, optimizer) per rank; rank 1 reaches the gradient sync 60 ms after the others (its
+    busy step 0.1 s, theirs 0.04 s: 2.5x)."""
+    rows = [(4, 0.1, 0.001, 0.03, 0.09, 0.009), (4, 0.1, 0.001, 0.09, 0.09, 0.009), (4, 0.1, 0.001, 0.03, 0.09, 0.009)]
+    return [v for row in rows for v in row]
+
+
+def rank_state(cfg, rank: int, tmp_path) -> SimpleNamespace:
+    """What `_rank_figures` reads of a rank's Trainer, made as raylane.loop.run makes it."""
+    runtime = SimpleNamespace(
+        rank=rank, world_size=3, store=CheckpointStore(f"{tmp_path}/r", None, rank), device=torch.device("cpu")
+    )
+    slowest = _slowest_profiler(cfg, runtime)
+    times = _step_times(cfg, runtime, slowest)
+    times.start(0, ["n0", "n1", "n2"])
+    return SimpleNamespace(
+        runtime=runtime,
+        step=0,
+        step_times=times,
+        reporter=SimpleNamespace(active=False),  # rank 0's reporter (MLflow, the driver): tests/unit/test_step_times.py
+        slowest_profiler=slowest,
+        profiler=None,
+    )
+
+
+def config(tmp_path, *more):
+    sets = ["profile.enabled=true", "profile.active=2", "profile.activities=[cpu]", "stragglers.windows=2"]
+    sets.append(f"mlflow.log_every_n_steps={EVERY}")
+    return load_config(DIGITS, [*sets, f"run.storage_path={tmp_path}", "run.name=r", *more])
+
+
+def test_the_rank_named_slowest_profiles_its_next_steps_and_no_other_does(tmp_path):
+    cfg = config(tmp_path)
+    assert cfg.profile.ranks == [0, "slowest"]  # the default: rank 0, and the slowest
+    ranks = [rank_state(cfg, r, tmp_path) for r in range(3)]
+    assert ranks[0].slowest_profiler is None  # profiled already, by number
+    for window in (1, 2):
+        for state in ranks:
+            state.step = EVERY * window
+            RunFigures._rank_figures(state, gathered())
+        made = [state.profiler is not None for state in ranks]
+        assert made == ([False, False, False] if window == 1 else [False, True, False])  # named after 2 windows
+    profiler = ranks[1].profiler
+    assert ranks[1].slowest_profiler is None and ranks[2].slowest_profiler is not None  # rank 2 still watches
+    x = torch.ones(16, 16)
+    for step in (9, 10, 11):  # warmup 1, active 2: the trace is written after the third
+        x = torch.mm(x, x) / 16
+        profiler.step(step)
+    profiler.close()
+    trace = tmp_path / "r" / "profiles" / f"trace-rank1-{socket.gethostname()}.json.gz"
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#1", "ProfilerStep#2"} and any(e.get("name") == "aten::mm" for e in events)
+    tables = {f"top-ops-rank1-{socket.gethostname()}.{ext}" for ext in ("csv", "md", "txt")}
+    assert {p.name for p in trace.parent.iterdir()} == {trace.name, *tables}  # rank 1's alone
+
+
+def test_named_after_the_loop_or_with_slowest_left_out_no_profiler_starts(tmp_path):
+    late = rank_state(config(tmp_path), 1, tmp_path)
+    for window in (1, 2):
+        late.step = EVERY * window
+        RunFigures._rank_figures(late, gathered(), in_loop=window == 1)  # the last window's gather is after the loop
+    assert late.profiler is None
+    for more in (["profile.ranks=[0]"], ["stragglers.enabled=false"], ["profile.ranks=[1,slowest]"]):
+        state = rank_state(config(tmp_path, *more), 1, tmp_path)
+        assert state.slowest_profiler is None, more
+    assert rank_state(load_config(DIGITS), 1, tmp_path).slowest_profiler is None  # profile off: nothing made
