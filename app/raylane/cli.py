@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from raylane import api, logs
+from raylane import cli_tools as tools
 from raylane.config import BaseConfig, ConfigError
 from raylane.onray import output
 from raylane.version import __version__
@@ -45,8 +46,8 @@ def parser() -> argparse.ArgumentParser:
     _add_cluster(sub)
     _add_export(sub)
     _add_bench(sub)
-    _add_stacks(sub)
-    _add_k8s(sub)
+    tools.add_stacks(sub)
+    tools.add_k8s(sub)
     return p
 
 
@@ -187,56 +188,6 @@ def _add_bench(sub: Any) -> None:
         default=None,
         help=VERBOSE_HELP + "; the runs it starts log to files under --out either way",
     )
-
-
-def _add_stacks(sub: Any) -> None:
-    stacks = sub.add_parser("stacks", help="print the Python stack of every rank of a live run (on this host)")
-    stacks.add_argument("run", help="the run's name (under --storage-path) or its folder")
-    stacks.add_argument("--storage-path", default="runs", help="the run's run.storage_path (default: runs)")
-
-
-def _stacks(args: argparse.Namespace) -> int:
-    from raylane.loop.hangs import live_stacks, run_folder_of
-
-    code, text = live_stacks(run_folder_of(args.run, args.storage_path))
-    print(text, file=sys.stderr if code else sys.stdout, flush=True)
-    return code
-
-
-def _add_k8s(sub: Any) -> None:
-    """`k8s check` and `k8s init`: KubeRay manifests, checked offline (docs/k8s-check.md)."""
-    k8s = sub.add_parser("k8s", help="check KubeRay manifests offline, or copy the shipped ones (docs/k8s-check.md)")
-    verbs = k8s.add_subparsers(dest="k8s_command", required=True)
-    check = verbs.add_parser(
-        "check",
-        help="validate manifests as the API server, the KubeRay operator and raylane would: exit 0 when all "
-        "pass, else 2 and one line per broken rule",
-    )
-    check.add_argument(
-        "paths",
-        nargs="+",
-        metavar="FILE_OR_DIR",
-        help="YAML files (every document), folders (their YAML files and Dockerfiles) and kustomize folders "
-        "(rendered with `kubectl kustomize`)",
-    )
-    init = verbs.add_parser("init", help="copy the shipped KubeRay manifests, Dockerfile and overlays into DIR")
-    init.add_argument("dir", metavar="DIR", help="where to write them (made if missing; no file is overwritten)")
-
-
-def _k8s(args: argparse.Namespace) -> int:
-    from raylane import k8s
-
-    if args.k8s_command == "init":
-        written = k8s.init(args.dir)
-        print(f"wrote {len(written)} files to {args.dir}; edit them, then: raylane k8s check {args.dir}", flush=True)
-        return 0
-    report = k8s.check_paths(args.paths, parser)
-    for finding in report.findings:
-        print(finding.line(), flush=True)
-    if report.findings:
-        return 2
-    print(report.summary(), flush=True)
-    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -459,10 +410,10 @@ COMMANDS = {
     "submit": _submit,
     "export": _export,
     "bench": _bench,
-    "k8s": _k8s,
+    "k8s": lambda args: tools.k8s(args, parser),
     "up": _up,
     "down": _down,
-    "stacks": _stacks,
+    "stacks": tools.stacks,
 }
 
 

@@ -201,6 +201,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "raylane.prepare",
             "raylane.api",
             "raylane.cli",
+            "raylane.cli_tools",
             "raylane.config_keys",
             "raylane.__main__",
             "raylane.pipelines",

@@ -106,13 +106,7 @@ class Trainer(RunFigures):
         self.train_cfg, self.forward, self.saver, self.runtime, self.reporter = train, forward, saver, runtime, reporter
         self.log_every_n_steps, self.timeout_s, self.config = log_every_n_steps, timeout_s, config
         self.faults = faults
-        # Every rank's step times (raylane.loop.steptimes); a torch.profiler window where this rank
-        # is profiled (raylane.loop.profiling), else None: nothing of it is imported.
-        self.step_times = step_times or StepTimes(log_every_n_steps, 1.5, 3, active=False)
-        self.timer = self.step_times.timer
-        self.profiler = profiler
-        self.slowest_profiler = slowest_profiler  # profile.ranks' `slowest`: made when the step times name this rank
-        self.hang_watch: Any = None  # raylane.loop.hangs.HangWatch: its watchdog re-armed at each step's start
+        self._init_observing(step_times, profiler, slowest_profiler)
         self.device = runtime.device
         self.throughput = throughput or Throughput()
         self.accum = train.grad_accum_steps
@@ -137,6 +131,17 @@ class Trainer(RunFigures):
         self.evaluation = Evaluation(evaluator, model, reporter, EarlyStopping(train.early_stopping), self.hooks)
         saver.on_committed = lambda step, where: self.hooks.call("on_checkpoint", step=step, checkpoint=where)
         self.hooks.call("setup")  # before a resume loads the hooks' state into what setup made
+
+    def _init_observing(
+        self, step_times: StepTimes | None, profiler: Any, slowest_profiler: Callable[[], Any] | None
+    ) -> None:
+        # Every rank's step times (raylane.loop.steptimes); a torch.profiler window where this rank
+        # is profiled (raylane.loop.profiling), else None: nothing of it is imported.
+        self.step_times = step_times or StepTimes(self.log_every_n_steps, 1.5, 3, active=False)
+        self.timer = self.step_times.timer
+        self.profiler = profiler
+        self.slowest_profiler = slowest_profiler  # profile.ranks' `slowest`: made when the step times name this rank
+        self.hang_watch: Any = None  # raylane.loop.hangs.HangWatch: its watchdog re-armed at each step's start
 
     def _init_progress(self, train_data: EpochData, data_ranks: int) -> None:
         # Progress, saved in every checkpoint: resume continues at exactly the next batch. Samples
