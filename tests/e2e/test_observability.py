@@ -25,7 +25,7 @@ HELPER = REPO / "tests" / "helpers" / "slow_loader.py"
 # 512 samples, batch 8 on 2 ranks: 32 steps. Windows of 4 steps ride on the votes (about every
 # 0.5 s, ~10 steps of 0.05 s here): a straggler 2 windows running is named by step ~20. Rank 1
 # sleeps 50 ms a step, waiting for its batch (SLOW_LOADER) or inside its step (SLOW_STEP).
-SLOW_LOADER = "slowdata@rank=1,ms=50"
+SLOW_LOADER = "slowdata@rank=1,ms=100"  # 100: its wait stays over half its step on busy cores
 SLOW_STEP = "slow@rank=1,ms=50"
 RUN = [
     "train.batch_size=8",
@@ -128,7 +128,11 @@ def _check(
         "steps/step_s_min", "steps/step_s_median", "steps/step_s_max", "steps/slowest_rank",
         "steps/slowest_vs_others", "steps/slowest_data_share", "steps/data_share_median",
     }  # fmt: skip
-    assert m["steps/slowest_rank"][-1] == 1 and (m["steps/slowest_data_share"][-1] > 0.5) == data_bound
+    # Judged over the windows rank 1 was slowest in, not the last alone: a window holding rank 1's
+    # profiled steps or the epoch's end can tip its share either way (0.486 seen under load).
+    assert m["steps/slowest_rank"][-1] == 1
+    shares = [d for r, d in zip(m["steps/slowest_rank"], m["steps/slowest_data_share"], strict=True) if r == 1]
+    assert (sorted(shares)[len(shares) // 2] > 0.5) == data_bound, shares
 
     # The profile: rank 1's trace in the run's folder, holding the window's two active steps.
     folder = project / "runs" / s["run_name"] / "profiles"

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent.futures import Executor
 from typing import Any
 
@@ -156,20 +157,19 @@ def join(address: str, **init_kwargs) -> None:
         finally:
             done.set()
 
-    restore = _interruptible()
+    restore, thread = _interruptible(), None
     try:
+        waited = _wait_for_grpc(address, field)
         # A daemon: a thread left waiting for a cluster that never answers must not keep the process.
         thread = threading.Thread(target=connect, name="raylane-ray-join", daemon=True)
         thread.start()
-        if not done.wait(JOIN_TIMEOUT_S) and not _gcs_connected():
+        if not done.wait(max(JOIN_TIMEOUT_S - waited, 1.0)) and not _gcs_connected():
             _given_up = (address, thread)
-            raise ConfigError(
-                f"{field} = {address!r}: no Ray cluster answers there within {JOIN_TIMEOUT_S:g} s "
-                f"(something listens on that port, but not Ray's GCS); {join_hint(field)}"
-            )
+            raise _no_answer(field, address)
         done.wait()
     except BaseException:  # Ctrl-C or SIGTERM while ray.init waits: it goes on waiting, abandoned
-        _given_up = (address, thread)
+        if thread is not None:
+            _given_up = (address, thread)
         raise
     finally:
         restore()
@@ -184,6 +184,37 @@ def join(address: str, **init_kwargs) -> None:
             ) from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"{field} = {address!r}: cannot join the Ray cluster there: {first[:300]}") from None
+
+
+def _wait_for_grpc(address: str, field: str) -> float:
+    """Wait, at most JOIN_TIMEOUT_S, until `address` speaks gRPC (HTTP/2), as a GCS does; returns
+    the seconds waited. Ray's own connect loop holds the interpreter's lock 5 s at a time while it
+    retries a peer that accepts and then says nothing (a wrong port, a hung head): every other
+    thread of the process, this command's way out after Ctrl-C included, crawls meanwhile. Here
+    the wait is grpc's, which holds nothing. Skipped where Ray speaks TLS (the probe has no
+    certificates) or through Ray Client (`ray://`)."""
+    if address.startswith("ray://") or os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return 0.0
+    import grpc
+
+    started = time.monotonic()
+    channel = grpc.insecure_channel(address)
+    ready = grpc.channel_ready_future(channel)
+    try:
+        ready.result(timeout=JOIN_TIMEOUT_S)
+    except grpc.FutureTimeoutError:
+        raise _no_answer(field, address) from None
+    finally:
+        ready.cancel()  # first: its watcher thread fails loudly on a channel closed under it
+        channel.close()
+    return time.monotonic() - started
+
+
+def _no_answer(field: str, address: str) -> ConfigError:
+    return ConfigError(
+        f"{field} = {address!r}: no Ray cluster answers there within {JOIN_TIMEOUT_S:g} s "
+        f"(something listens on that port, but not Ray's GCS); {join_hint(field)}"
+    )
 
 
 def _gcs_connected() -> bool:
