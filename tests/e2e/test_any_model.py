@@ -48,10 +48,9 @@ def _held_out_loss(weights: dict[str, torch.Tensor]) -> float:
         return model(**batch)["loss"].item()
 
 
-# Slow (~26 s): make test proves the same on Ray with a Hugging Face model (dict batches, its own
-# loss, rank 1 killed, bit-exact: tests/e2e/test_hf.py) and a dict-batch model's MLflow model under
-# torchrun (tests/e2e/test_own_pipeline.py, the records pipeline).
-@pytest.mark.slow
+# make test's one Ray worker killed with SIGKILL and the group restarted (~26 s): the same with a
+# Hugging Face model (tests/e2e/test_hf.py) and with an external kill (tests/e2e/test_faults.py)
+# are slow.
 @pytest.mark.shared_ray
 def test_a_dict_batch_model_with_its_own_loss_on_ray_resumes_bit_exact_after_kill_9_and_logs_its_model(
     run_cli, project, tmp_path, monkeypatch

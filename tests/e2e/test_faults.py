@@ -106,7 +106,7 @@ def _weights(summary: dict) -> dict[str, torch.Tensor]:
 
 @pytest.mark.ray
 @pytest.mark.untracked
-@pytest.mark.slow  # make test kills a Ray worker with SIGKILL too, and checks the bit-identical end (test_any_model)
+@pytest.mark.slow  # make test has a Ray worker kill itself with SIGKILL and checks the bit-identical end (test_any_model)
 def test_killed_worker_restarts_and_ends_bit_identical(run_cli, tmp_path):
     # Long enough (~5 s of steps after the first checkpoint) that the kill lands mid-run.
     epochs = 15

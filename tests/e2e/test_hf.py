@@ -365,19 +365,22 @@ def _ray_fine_tune(run_cli, tmp_path, name: str, strategy: str, *extra: str, lau
     [
         False,
         # ~60 s more: Ray's restart of the group. A kill -9 on Ray resuming bit-exact is in make
-        # test for any model (test_any_model.py, test_faults.py); this one adds the adapter's.
+        # test for a model of the user's own with dict batches (test_any_model.py); this one adds
+        # the adapter's.
         pytest.param(True, marks=pytest.mark.slow),
     ],
     ids=["calm", "kill-9"],
 )
-def test_a_lora_fine_tune_on_2_ray_workers_ends_bit_exact_with_torchrun_even_after_kill_9(
+def test_a_lora_fine_tune_on_2_ray_workers_learns_and_after_kill_9_ends_bit_exact_with_torchrun(
     run_cli, tmp_path, tiny, killed
 ):
     """On 2 Ray workers, a LoRA fine-tune under FSDP (whose rank 1 kills itself with SIGKILL after
     a committed checkpoint, in the `kill-9` case): it learns (held-out loss falls) and ends
     FINISHED in MLflow with tokens/s and MFU; rank 1 never opens a weight file; the checkpoint
-    holds the adapter alone; (restarted by Ray) it ends bit-identical to the same run under
-    torchrun, never killed.
+    holds the adapter alone; in the `kill-9` case, restarted by Ray, it ends bit-identical to the
+    same run under torchrun, never killed. (The calm case leaves that reference run out: ~40 s,
+    and Ray's layout equal to torchrun's is in make test for any model: test_strategies.py's
+    tensor-parallel run on Ray workers, test_ray_e2e.py.)
     Launched from another folder than the config's, whose model and data paths are relative to
     it (the workers' working directory is neither). Full fine-tunes under DDP and FSDP (FSDP's
     state half of DDP's) are the slow tests above; the same ratio for any model is in make test
@@ -399,9 +402,10 @@ def test_a_lora_fine_tune_on_2_ray_workers_ends_bit_exact_with_torchrun_even_aft
     kill = ["--set", f"source.kill_mark={tmp_path / 'killed'}", "--set", "failure.max_failures=1"] if killed else []
     p = _ray_fine_tune(run_cli, tmp_path, "lora", "fsdp", *lora, *kill)
     assert p.wait(300) == 0, p.output
-    p = _ray_fine_tune(run_cli, tmp_path, "calm", "fsdp", *lora, "--set", "mlflow.enabled=false", launcher=TORCHRUN)
-    assert p.wait(300) == 0, p.output
-    runs = {name: read_json(elsewhere / f"{name}.json") for name in ("lora", "calm")}
+    if killed:
+        p = _ray_fine_tune(run_cli, tmp_path, "calm", "fsdp", *lora, "--set", "mlflow.enabled=false", launcher=TORCHRUN)
+        assert p.wait(300) == 0, p.output
+    runs = {name: read_json(elsewhere / f"{name}.json") for name in ("lora", "calm") if killed or name == "lora"}
     db = tmp_path / "mlflow.db"
     losses = _eval_losses(db, runs["lora"]["run_id"])
     assert len(losses) == 2 and losses[-1] < losses[0], losses
@@ -416,16 +420,18 @@ def test_a_lora_fine_tune_on_2_ray_workers_ends_bit_exact_with_torchrun_even_aft
         }
     assert {"train/tokens_per_s", "train/mfu"} <= keys, sorted(keys)
 
-    hit, ref = runs["lora"], runs["calm"]
-    if killed:
-        assert (tmp_path / "killed").exists() and hit["restarts"] == 1 and hit["resumed_from_step"] >= 2
-    else:
-        assert hit["restarts"] == 0 and hit["resumed_from_step"] is None
-    assert hit["steps"] == ref["steps"] == 8
-    hit_state, ref_state = checkpoint_tensors(hit["checkpoint"]), checkpoint_tensors(ref["checkpoint"])
+    hit = runs["lora"]
+    assert hit["steps"] == 8
+    hit_state = checkpoint_tensors(hit["checkpoint"])
     weights = [k for k in hit_state if k.startswith("model.")]
     assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), weights
-    assert sorted(hit_state) == sorted(ref_state)
+    if not killed:
+        assert hit["restarts"] == 0 and hit["resumed_from_step"] is None
+        return
+    assert (tmp_path / "killed").exists() and hit["restarts"] == 1 and hit["resumed_from_step"] >= 2
+    ref = runs["calm"]
+    ref_state = checkpoint_tensors(ref["checkpoint"])
+    assert ref["steps"] == 8 and sorted(hit_state) == sorted(ref_state)
     for key, value in ref_state.items():
         assert torch.equal(hit_state[key], value) if isinstance(value, torch.Tensor) else hit_state[key] == value, key
 
