@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -644,7 +643,6 @@ def _through_the_api(argv: list[str]):
 def test_bad_input_end_to_end(name, tmp_path):
     case = CASES[name]
     _write(tmp_path, case.files)
-    started = time.monotonic()
     out = subprocess.run(
         [*RAYLANE, *case.argv],
         check=False,
@@ -654,7 +652,6 @@ def test_bad_input_end_to_end(name, tmp_path):
         text=True,
         timeout=60,
     )
-    assert time.monotonic() - started < 15, "took long enough to have started something"
     assert out.returncode == case.code and out.stdout == "", out.stdout + out.stderr
     assert out.stderr.splitlines() == [out.stderr.strip()] and _line(case, tmp_path) in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "mlflow.db").exists()
@@ -672,7 +669,6 @@ def test_bad_input_under_torchrun(argv, line, tmp_path):
     """Each rank finds the mistake before its process group starts; rank 0 alone prints it, and
     every rank exits 2. torchrun then reports the failed child in a block of its own and exits 1:
     a launcher's output that a rank cannot silence (see the closing note of issue 21)."""
-    started = time.monotonic()
     out = subprocess.run(
         [*TORCHRUN, "--nproc_per_node", "2", "-m", "raylane", *argv],
         check=False,
@@ -682,10 +678,12 @@ def test_bad_input_under_torchrun(argv, line, tmp_path):
         text=True,
         timeout=60,
     )
-    assert time.monotonic() - started < 15
     mine = [x for x in (out.stdout + out.stderr).splitlines() if x.startswith("raylane: ")]
     assert len(mine) == 1 and line in mine[0], out.stdout + out.stderr
     assert out.returncode != 0 and "exitcode  : 2" in out.stderr, out.stderr
+    # Nothing started: no MLflow run opened, no run's folder (not a time bound: the machine may be
+    # busy). The storage folder itself may be there, empty: the ranks agree on the run's name there.
+    assert not (tmp_path / "mlflow.db").exists() and not list((tmp_path / "runs").glob("*/*")), out.stderr
 
 
 def test_more_workers_than_cores_on_an_embedded_cluster_is_a_warning(tmp_path):
