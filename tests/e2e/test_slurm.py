@@ -108,7 +108,9 @@ def test_the_wait_for_the_nodes_asks_ray_and_fails_in_one_line(shared_head, tmp_
     assert (
         out.stderr == f"raylane slurm: 1 of 2 Ray nodes joined the head at {address} within 1 s (not joined: node-b)\n"
     )
-    assert time.monotonic() - start < 20  # Python, Ray's import and ray.init, then one look
+    # Python, Ray's import and ray.init, then one look: seconds, not the minutes an unbounded wait
+    # would take (loose: the machine may be busy).
+    assert time.monotonic() - start < 50
 
 
 def _committed(runs: Path, name: str, step: int) -> bool:
