@@ -148,6 +148,7 @@ def on_head(monkeypatch):
     monkeypatch.setattr(warm, "spawn_top_up", lambda: seen.__setitem__("spawned", seen["spawned"] + 1) or True)
     monkeypatch.setattr(warm, "BATCH_SETTLE_S", 0)
     monkeypatch.setattr(warm, "POLL_S", 0)
+    monkeypatch.setattr(warm, "QUIET_S", 0)
     monkeypatch.setattr(warm, "_busy", lambda sid, pool: False)
     monkeypatch.setattr(warm, "_joined", None)
     return seen

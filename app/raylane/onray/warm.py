@@ -36,6 +36,7 @@ STARTING_MARK = b"default_worker.py"  # in a worker's command line until it regi
 TOP_UP_S = 600.0  # it waits while a run keeps the head busy; the next run's end starts another
 BUSY_CORES = 0.5  # the machine busier than this, its pool aside: a run is starting or training
 BUSY_WINDOW_S = 0.5
+QUIET_S = 3.0
 BATCH_SETTLE_S = 0.5
 POLL_S = 0.25
 
@@ -175,14 +176,18 @@ def top_up(head: local.LocalCluster) -> int:
         recycle(head.pid, idle_workers(head.pid))
         local.record_code(stamp)
     concurrency = max(1, min(os.cpu_count() or 1, head.num_cpus))
-    asked, deadline = 0, time.monotonic() + TOP_UP_S
+    asked, deadline, quiet_since = 0, time.monotonic() + TOP_UP_S, time.monotonic()
     while time.monotonic() < deadline:
         pool = idle_workers(head.pid, starting=True)
         missing = head.warm - len(pool)
         if missing <= 0:
             break
+        if _busy(head.pid, set(pool)):
+            quiet_since = time.monotonic()
         starting = len(pool) - len(idle_workers(head.pid))
-        if not starting and not _busy(head.pid, set(pool)):  # the last batch registered, no run going
+        # The last batch registered, and the machine was quiet for QUIET_S: no run is starting (a
+        # run started back to back would otherwise share the CPU with the workers' imports).
+        if not starting and time.monotonic() - quiet_since >= QUIET_S:
             batch = min(missing, concurrency, PRESTART_MAX)
             prestart(head.raylet, batch)
             asked += batch
