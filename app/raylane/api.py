@@ -230,11 +230,10 @@ def _export(checkpoint: str, out: str, format: str, adapter_only: bool, summary_
     return summary
 
 
-def up(
-    num_cpus: int | None = None, port: int | None = None, dashboard_port: int | None = None, warm: int | None = None
-):
+def up(num_cpus: int | None = None, port: int | None = None, dashboard_port: int | None = None, warm: int | None = 0):
     """`raylane up`: a persistent local Ray head (returns it, and whether this call started it).
-    `warm`: the idle warm workers it keeps for runs' actors (None: sized from its CPUs; 0: none)."""
+    `warm`: the idle warm workers it keeps for runs' actors (0, the default: none; None: sized
+    from its CPUs)."""
     num_cpus = max(4, os.cpu_count() or 1) if num_cpus is None else num_cpus
     prepare.prepare_up(num_cpus, warm)
     from raylane.clusters import local as localcluster

@@ -150,8 +150,13 @@ def _add_cluster(sub: Any) -> None:
     start.add_argument(
         "--warm",
         type=int,
-        help="idle warm workers the head keeps for runs' actors, each a process that imported torch and "
-        "Ray Train (default: one per CPU up to 8, plus 3; 0: none)",
+        nargs="?",
+        const=None,
+        default=0,
+        metavar="N",
+        help="keep N idle warm workers for runs' actors, each a process that imported torch and Ray Train "
+        "(--warm alone: one per CPU up to 8, plus 3). Off by default: every worker of the head then imports "
+        "torch, which made a sweep slower (docs/clusters.md)",
     )
     start.add_argument("--port", type=int, help="GCS port (default: a free one)")
     start.add_argument("--dashboard-port", type=int, help="dashboard and jobs API port (default: a free one)")

@@ -32,7 +32,7 @@ def b2w(bench) -> dict[str, Any]:
     print("[bench] B2w first step on a head with warm workers", flush=True)
     first = [*QUIET, "train.max_steps=5", "scaling.num_workers=2"]
     whole = [*QUIET, f"train.max_epochs={EPOCHS}", "scaling.num_workers=2"]
-    with _head(bench, "cold-home", ["--warm", "0"]) as cold, _head(bench, "warm-home", []) as warm:
+    with _head(bench, "cold-home", ["--warm", "0"]) as cold, _head(bench, "warm-home", ["--warm"]) as warm:
         pool = _warm_of(warm)  # read while the head's record is there
         bench.raylane("regression", first, env=warm)  # the head's first run: later ones find it settled
         results = {}
