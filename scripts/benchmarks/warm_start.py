@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,10 @@ def b2w(bench) -> dict[str, Any]:
         results = {}
         for name, sets in (("first_step", first), ("five_epochs", whole)):
             sides: dict[str, Callable[[], dict[str, Any]]] = {
-                ARMS[0]: lambda sets=sets: _timed(bench, sets, cold),
-                ARMS[1]: lambda sets=sets: _timed(bench, sets, cold, launcher="torchrun"),
-                ARMS[2]: lambda sets=sets: _timed(bench, sets, warm, pool=True),
-                ARMS[3]: lambda sets=sets: _timed(bench, sets, warm),
+                ARMS[0]: partial(_timed, bench, sets, cold),
+                ARMS[1]: partial(_timed, bench, sets, cold, launcher="torchrun"),
+                ARMS[2]: partial(_timed, bench, sets, warm, pool=True),
+                ARMS[3]: partial(_timed, bench, sets, warm),
             }
             results[name] = _summarised(bench.interleaved(sides))
     return {"steps": 5, "epochs": EPOCHS, "workers": 2, "pool": pool, **results}
