@@ -173,7 +173,10 @@ class SharedHead:
         out = subprocess.run(
             # Logical CPUs for both workers' runs at once (the ASHA sweep alone holds 6): a run
             # short of CPUs would wait, not work.
-            [*RAYLANE, "up", "--num-cpus", "12"],
+            # No warm workers (issue 52): a pool for 12 CPUs would import torch 11 times at the
+            # session's start and once per run's actor after each run, on 2 cores shared by both
+            # workers' tests. tests/e2e/test_warm.py runs a warm head of its own.
+            [*RAYLANE, "up", "--num-cpus", "12", "--warm", "0"],
             env={**os.environ, **env, "PATH": path},
             capture_output=True,
             text=True,

@@ -230,13 +230,20 @@ def _export(checkpoint: str, out: str, format: str, adapter_only: bool, summary_
     return summary
 
 
-def up(num_cpus: int | None = None, port: int | None = None, dashboard_port: int | None = None):
-    """`raylane up`: a persistent local Ray head (returns it, and whether this call started it)."""
+def up(num_cpus: int | None = None, port: int | None = None, dashboard_port: int | None = None, warm: int | None = 0):
+    """`raylane up`: a persistent local Ray head (returns it, and whether this call started it).
+    `warm`: the idle warm workers it keeps for runs' actors (0, the default: none; None: sized
+    from its CPUs)."""
     num_cpus = max(4, os.cpu_count() or 1) if num_cpus is None else num_cpus
-    prepare.prepare_up(num_cpus)
+    prepare.prepare_up(num_cpus, warm)
     from raylane.clusters import local as localcluster
 
-    return localcluster.up(num_cpus, port, dashboard_port)
+    cluster, started = localcluster.up(num_cpus, port, dashboard_port, warm)
+    if started and cluster.warm:
+        from raylane.onray import warm as warm_pool
+
+        warm_pool.fill(cluster)  # the head's warm workers start in the background
+    return cluster, started
 
 
 def down():

@@ -147,6 +147,17 @@ def _add_cluster(sub: Any) -> None:
         default=max(4, os.cpu_count() or 1),
         help="logical CPUs the head offers (default: max(4, cores))",
     )
+    start.add_argument(
+        "--warm",
+        type=int,
+        nargs="?",
+        const=None,
+        default=0,
+        metavar="N",
+        help="keep N idle warm workers for runs' actors, each a process that imported torch and Ray Train "
+        "(--warm alone: one per CPU up to 8, plus 3). Off by default: every worker of the head then imports "
+        "torch, which made a sweep slower (docs/clusters.md)",
+    )
     start.add_argument("--port", type=int, help="GCS port (default: a free one)")
     start.add_argument("--dashboard-port", type=int, help="dashboard and jobs API port (default: a free one)")
     sub.add_parser("down", help="stop the local Ray head `raylane up` started")
@@ -382,14 +393,14 @@ def _show_job_log(chunks: Iterable[str]) -> None:
 
 def _up(args: argparse.Namespace) -> int:
     try:
-        cluster, started = api.up(args.num_cpus, args.port, args.dashboard_port)
+        cluster, started = api.up(args.num_cpus, args.port, args.dashboard_port, args.warm)
     except RuntimeError as exc:
         print(f"raylane: up: {exc}", file=sys.stderr)
         return 1
     took = f" in {time.time() - cluster.started_unix:.1f} s" if started else ""
     print(
         f"{'started' if started else 'already running:'} a local Ray head at {cluster.address}{took} "
-        f"({cluster.num_cpus} CPUs, dashboard {cluster.dashboard_url}, log {cluster.log}).\n"
+        f"({cluster.num_cpus} CPUs, {cluster.warm} warm workers, dashboard {cluster.dashboard_url}, log {cluster.log}).\n"
         f"raylane train/tune/bench/submit on this machine join it; `raylane down` stops it.",
         flush=True,
     )

@@ -272,8 +272,17 @@ def _summary(
             "restart_first_step_unix": display.first_steps_unix[1:],
             "startup": startup.seconds(),
             "startup_origin_unix": startup.unix.get("launch"),
+            "warm_actors": _warm_actors(startup),
         },
     }
+
+
+def _warm_actors(startup: Any) -> dict[str, bool]:
+    """Which actors started on warm workers (raylane.onray.warm), said in one line as well."""
+    warm = startup.warm_actors()
+    if warm:
+        log.info("%d of %d actors started on warm workers", sum(warm.values()), len(warm))
+    return warm
 
 
 def _result_fields(r: RunResult) -> dict[str, Any]:

@@ -242,9 +242,11 @@ def prepare_export(
     return checkpoint
 
 
-def prepare_up(num_cpus: int) -> None:
+def prepare_up(num_cpus: int, warm: int | None = None) -> None:
     if num_cpus < 1:
         raise ConfigError(f"up: --num-cpus must be at least 1, got {num_cpus}")
+    if warm is not None and warm < 0:
+        raise ConfigError(f"up: --warm must be 0 or more, got {warm}")
     prechecks.check_token_path()
 
 

@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION: Final = 4
+SCHEMA_VERSION: Final = 5
 
 
 class Status(str, Enum):
@@ -44,7 +44,7 @@ class _Model(BaseModel):
 
 
 class _Summary(_Model):
-    schema_version: Literal[4] = Field(SCHEMA_VERSION, description="This file's schema version.")
+    schema_version: Literal[5] = Field(SCHEMA_VERSION, description="This file's schema version.")
     status: Status = Field(description="FINISHED, FAILED or KILLED; the exit code is 0, 1 or 130.")
     error: str | None = Field(None, description="Why the command did not finish: one line, else null.")
 
@@ -108,6 +108,11 @@ class Timing(_Model):
         "(raylane.loop.startup.PHASES: ray_init, worker_imports, first_step, ...).",
     )
     startup_origin_unix: float | None = Field(None, description="The instant `startup`'s seconds count from.")
+    warm_actors: dict[str, bool] = Field(
+        default_factory=dict,
+        description="On Ray: whether each of the run's actors (controller, event sink, rank N) started on a warm "
+        "worker, a process a `raylane up` head had ready before the run joined.",
+    )
 
 
 class Resize(_Model):

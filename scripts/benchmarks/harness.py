@@ -381,7 +381,7 @@ def machine() -> dict[str, Any]:
     }
 
 
-ALL = ("B1", "B1b", "B2", "B2b", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11", "B12", "B13")
+ALL = ("B1", "B1b", "B2", "B2b", "B2w", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11", "B12", "B13")
 
 
 def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | None) -> int:
@@ -412,6 +412,7 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
             ("B8", b8),
             ("B9", lambda: _epoch_end(bench)),
             ("B2b", lambda: b2b(bench)),
+            ("B2w", lambda: b2w(bench)),
             ("B10", lambda: b10(bench)),
             ("B1b", lambda: b1b(bench)),
             ("B11", lambda: hf_bench(bench, "b11")),
@@ -470,6 +471,12 @@ def _write(
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     return bench_report.write(report, out) if final else ""
+
+
+def b2w(bench: Bench) -> dict[str, Any]:
+    from scripts.benchmarks.warm_start import b2w as run_b2w
+
+    return run_b2w(bench)
 
 
 def b2b(bench: Bench) -> dict[str, Any]:

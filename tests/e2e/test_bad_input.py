@@ -574,6 +574,9 @@ CASES: dict[str, Case] = {
         files={"tok": "\n"},
         env={"RAY_AUTH_TOKEN_PATH": "tok"},
     ),
+    "up keeping a negative number of warm workers": Case(
+        ["up", "--warm", "-1"], "up: --warm must be 0 or more, got -1"
+    ),
     "up with no token file": Case(
         ["up"],
         "RAY_AUTH_TOKEN_PATH = 'nope': cannot read it (No such file or directory)",
@@ -634,7 +637,7 @@ def _through_the_api(argv: list[str]):
         ),
         "submit": lambda: api.submit(a.config, a.overrides, address=a.address),
         "export": lambda: api.export(a.checkpoint, a.out),
-        "up": lambda: api.up(a.num_cpus, a.port, a.dashboard_port),
+        "up": lambda: api.up(a.num_cpus, a.port, a.dashboard_port, a.warm),
     }
     return calls[a.command]()
 

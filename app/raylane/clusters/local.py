@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from raylane.paths import home
@@ -38,7 +38,27 @@ HEAD_ENV = {
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "token",
+    # Ray Train gives its controller this one unless set: set here, the controller needs no
+    # runtime_env of its own and can start on a warm worker (raylane.onray.warm).
+    "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
 }
+# Warm workers (issue 52): the raylet starts job-less Python workers before any run and has each
+# import these, so that a run's Train controller, ranks, sync actor and event sink start on a
+# process that is ready (a fresh one each: Ray never gives one job's process to another). Nothing
+# here may touch CUDA: the process learns its GPU (CUDA_VISIBLE_DEVICES) only once an actor lands.
+WARM_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",  # DDP's constructor imports it (~3 s on 2 cores)
+    "ray.train.torch",
+    "raylane.onray.launch",
+    "raylane.loop.run",
+)
+# The variables Ray Train hands its controller and workers come under these names (ray.train's
+# ENV_VARS_TO_PROPAGATE): the record keeps what the head set of them, and nothing else (no token).
+TRAIN_ENV_PREFIXES = ("RAY_TRAIN_", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "TORCHFT_LIGHTHOUSE", "NCCL_RAS_ADDR")
+WARM_EXTRA = 3  # beside the ranks: Ray Train's controller and sync actor, raylane's event sink
+WARM_MAX_RANKS = 8  # a pool bigger than this costs memory (each idle worker holds torch) for few runs
 
 
 @dataclass
@@ -52,6 +72,10 @@ class LocalCluster:
     num_cpus: int
     started_unix: float
     log: str
+    warm: int = 0  # the warm workers the head keeps idle (0: none, a head of before issue 52)
+    env: dict[str, str] = field(default_factory=dict)  # what the head's processes (and workers) have set
+    code: str = ""  # raylane's code the warm workers imported (code_stamp), "" without warm workers
+    raylet: str = ""  # the raylet's gRPC address (host:port), where the warm pool is refilled
 
 
 def running() -> LocalCluster | None:
@@ -85,25 +109,66 @@ def resolve_address(address: str | None) -> str | None:
     return cluster.address
 
 
-def up(num_cpus: int, port: int | None = None, dashboard_port: int | None = None) -> tuple[LocalCluster, bool]:
-    """Start the head unless one is running; returns (cluster, started_now). Raises RuntimeError
-    with the head's log tail if it does not come up."""
+def warm_pool(num_cpus: int, num_gpus: int = 0) -> int:
+    """Warm workers for a head of `num_cpus` logical CPUs and `num_gpus` GPUs: the largest run's
+    actors (one rank per GPU, else per CPU, at most WARM_MAX_RANKS) and WARM_EXTRA beside them."""
+    return min(num_gpus or num_cpus, WARM_MAX_RANKS) + WARM_EXTRA
+
+
+def warm_env(pool: int, num_cpus: int) -> dict[str, str]:
+    """The raylet's settings for `pool` warm workers ({} for none). Every Python worker it starts
+    imports WARM_PRELOAD. The pool itself is started through the raylet's PrestartWorkers, by `up`
+    and after each run (raylane.onray.warm): Ray's own prestart starts one worker per logical CPU
+    (too many on a big node), and its start for the first driver binds them to that driver's job
+    and holds the driver until they are up. Idle workers beyond the soft limit are killed: the
+    limit leaves room for the pool beside a run that holds every CPU."""
+    if pool <= 0:
+        return {}
+    return {
+        "RAY_enable_worker_prestart": "0",
+        "RAY_prestart_worker_first_driver": "0",
+        "RAY_preload_python_modules": ",".join(WARM_PRELOAD),
+        "RAY_num_workers_soft_limit": str(pool + num_cpus),
+    }
+
+
+def code_stamp(folder: Path | None = None) -> str:
+    """Which raylane code a new Python process on this machine imports (`folder`: raylane's own):
+    its folder and its newest source's modification time. Warm workers that imported another are
+    recycled (raylane.onray.warm)."""
+    folder = folder or Path(__file__).resolve().parents[1]
+    newest = max((p.stat().st_mtime_ns for p in folder.rglob("*.py")), default=0)
+    return f"{folder}@{newest}"
+
+
+def up(
+    num_cpus: int, port: int | None = None, dashboard_port: int | None = None, warm: int | None = None
+) -> tuple[LocalCluster, bool]:
+    """Start the head unless one is running; returns (cluster, started_now). `warm`: the warm
+    workers it keeps (None: warm_pool's size for its CPUs; 0: none). Raises RuntimeError with the
+    head's log tail if it does not come up."""
     existing = running()
     if existing:
         return existing, False
     state = home()
     state.mkdir(parents=True, exist_ok=True)
-    gcs_port, dash_port = port or _free_port(), dashboard_port or _free_port()
+    gcs_port, dash_port, raylet_port = port or _free_port(), dashboard_port or _free_port(), _free_port()
     # Ray's unix socket paths are length-limited: a short temp dir of its own under /tmp.
     temp = tempfile.mkdtemp(prefix="raylane-", dir="/tmp")
     log_path = state / "head.log"
     # The placement-group cleaner's State API calls name the head's dashboard: with no address they
     # look for "the" Ray on this machine and fail beside any other cluster (see cluster.init_ray).
-    env = {**os.environ, **HEAD_ENV, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}"}
+    pool = warm_pool(num_cpus) if warm is None else max(warm, 0)
+    env = {
+        **os.environ,
+        **HEAD_ENV,
+        **warm_env(pool, num_cpus),
+        "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}",
+    }
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            _head_argv(num_cpus, gcs_port, dash_port, temp),
+            _head_argv(num_cpus, gcs_port, dash_port, temp, raylet_port),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -118,6 +183,10 @@ def up(num_cpus: int, port: int | None = None, dashboard_port: int | None = None
         num_cpus=num_cpus,
         started_unix=time.time(),
         log=str(log_path),
+        warm=pool,
+        env={k: v for k, v in env.items() if k.startswith(TRAIN_ENV_PREFIXES)},
+        code=code_stamp() if pool else "",
+        raylet=f"127.0.0.1:{raylet_port}",
     )
     _wait_started(proc, log_path)
     tmp = state / (STATE_FILE + ".tmp")
@@ -126,7 +195,7 @@ def up(num_cpus: int, port: int | None = None, dashboard_port: int | None = None
     return cluster, True
 
 
-def _head_argv(num_cpus: int, gcs_port: int, dash_port: int, temp: str) -> list[str]:
+def _head_argv(num_cpus: int, gcs_port: int, dash_port: int, temp: str, raylet_port: int) -> list[str]:
     """`ray start --head --block` on this machine's loopback, with ports of its own."""
     return [
         str(Path(sys.executable).parent / "ray"),
@@ -135,6 +204,7 @@ def _head_argv(num_cpus: int, gcs_port: int, dash_port: int, temp: str) -> list[
         "--block",
         "--node-ip-address=127.0.0.1",
         f"--port={gcs_port}",
+        f"--node-manager-port={raylet_port}",  # known here: the warm pool is refilled there
         f"--num-cpus={num_cpus}",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dash_port}",
@@ -168,6 +238,19 @@ def _wait_started(proc: subprocess.Popen, log_path: Path) -> None:
         time.sleep(0.2)
 
 
+def record_code(stamp: str) -> None:
+    """The raylane code the head's warm workers now import (raylane.onray.warm recycled the older)."""
+    path = home() / STATE_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    record["code"] = stamp
+    tmp = path.with_name(STATE_FILE + ".code.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
 def down() -> LocalCluster | None:
     """Stop the cluster `raylane up` started (every process of its session), forget it, and
     return it; None when none is running."""
@@ -196,17 +279,18 @@ def stop_session(sid: int, first: tuple[signal.Signals, float] = (signal.SIGTERM
     a killed process takes a moment to exit (on a busy machine, `down` returned while a daemon
     still ran). raylane.onray.slurm's nodes stop the same way, their SIGTERM held off."""
     for signum, grace in (first, (signal.SIGKILL, KILL_WAIT_S)):
-        for pid in _session_pids(sid):
+        for pid in session_pids(sid):
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace
-        while _session_pids(sid) and time.monotonic() < deadline:
+        while session_pids(sid) and time.monotonic() < deadline:
             time.sleep(0.1)
 
 
-def _session_pids(sid: int) -> list[int]:
+def session_pids(sid: int) -> list[int]:
+    """The live processes of session `sid` (a head's: Ray's daemons and workers)."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

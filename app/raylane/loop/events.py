@@ -127,9 +127,12 @@ class End:
 
 @dataclass(frozen=True, slots=True)
 class Startup:
-    """Start-up phases that end outside rank 0: on Ray, `fit` (the driver) and `controller`."""
+    """Start-up phases that end outside rank 0: on Ray, `fit` (the driver) and `controller`; and
+    when the processes of the run's actors started (`processes`: "controller", "event sink",
+    "rank N"), which says whether each was a warm worker (started before the run)."""
 
     phases: dict[str, float]
+    processes: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,7 @@ class StartupTimes:
         else:
             self._set("launch", process_start_unix())
         self._starts = 0
+        self.processes: dict[str, float] = {}  # actor -> when its process started (Startup.processes)
 
     def _set(self, phase: str, unix: float | None) -> None:
         if unix is not None:
@@ -90,6 +91,8 @@ class StartupTimes:
         match event:
             case Startup():
                 self._set_all(event.phases)
+                for actor, unix in event.processes.items():
+                    self.processes.setdefault(actor, unix)  # a restart's are not start-up
             case Start():
                 self._starts += 1
                 if self._starts == 1:
@@ -101,6 +104,15 @@ class StartupTimes:
     def _set_all(self, phases: dict[str, float]) -> None:
         for phase, unix in phases.items():
             self._set(phase, unix)
+
+    def warm_actors(self) -> dict[str, bool]:
+        """Each actor that said when its process started: whether that was before this run was
+        launched, so on a warm worker ({} off Ray). Not `ray_init`: an embedded cluster starts
+        workers of its own within ray.init, and a sink landing on one is no warm start."""
+        launched = self.unix.get("launch")
+        if launched is None or "ray_init" not in self.unix:
+            return {}
+        return {actor: unix < launched for actor, unix in sorted(self.processes.items())}
 
     def seconds(self) -> dict[str, float]:
         """Each phase seen: seconds since the launch (or since the first phase seen, where the

@@ -90,6 +90,12 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
             log_to_driver=logs.verbose(),
             **({"runtime_env": runtime_env} if runtime_env else {}),
         )
+        from raylane.onray import warm
+
+        # The start-up line: warm or cold, and why. The job's runtime_env as Ray holds it: inside a
+        # Ray job (`raylane submit`) it is the job's (its working_dir), not only what is passed here.
+        job_env = {**(runtime_env or {}), **dict(ray.get_runtime_context().runtime_env or {})}
+        log.info("%s", warm.joined(address, job_env))
         return False
     pipelines_ref.worker_environment()  # the raylet, and so every worker, inherits it
     for key, value in EMBEDDED_ENV_DEFAULTS.items():
@@ -256,7 +262,8 @@ def shutdown_ray(embedded: bool) -> None:
     """ray.shutdown(), less an idle second for an embedded cluster. Ray stops its autoscaler
     monitor last, with SIGTERM, and the monitor spends about 1 s reporting its own termination
     (a traceback on the driver's console) to a GCS that is already gone. An embedded cluster
-    never autoscales, so its monitor is killed outright first; the rest stops as Ray does it."""
+    never autoscales, so its monitor is killed outright first; the rest stops as Ray does it. A
+    joined `raylane up` head gets its warm workers back first (raylane.onray.warm.refill)."""
     if embedded:
         try:
             from raylane.onray.internals import ray_worker
@@ -268,6 +275,10 @@ def shutdown_ray(embedded: bool) -> None:
                 info.process.wait(5)
         except Exception as exc:  # noqa: BLE001 - a Ray internal moved: shut down the slow way
             log.debug("could not stop Ray's monitor first: %s", exc)
+    else:
+        from raylane.onray import warm
+
+        warm.refill()  # the warm workers this run took, asked for while Ray is still joined
     ray.shutdown()
     if embedded:
         from raylane.onray.leftovers import forget_embedded

@@ -86,6 +86,48 @@ NAMES: dict[str, tuple[str, str | None, str]] = {
         "NoopDecision",
         "the elastic policy waits for a handover",
     ),
+    "TrainController": (
+        "ray.train.v2._internal.execution.controller",
+        "TrainController",
+        "subclassed (warm workers): its worker group gives the ranks no env_vars the controller already has",
+    ),
+    "WorkerGroup": (
+        "ray.train.v2._internal.execution.worker_group",
+        "WorkerGroup",
+        "subclassed (warm workers): the ranks' runtime_env less what they inherit",
+    ),
+    "train_env_vars": (
+        "ray.train.v2._internal.constants",
+        "get_env_vars_to_propagate",
+        "the variables Ray Train hands its controller, compared with the cluster's environment",
+    ),
+    "WARN_ASYNC_GET_VAR": (
+        "ray._common.constants",
+        "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR",
+        "the variable Ray Train always sets on its controller (raylane up's head sets it alike)",
+    ),
+    "WARN_ASYNC_GET_DEFAULT": (
+        "ray.train.v2._internal.constants",
+        "DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE",
+        "its value there unless the driver sets one",
+    ),
+    "NODE_ID_KEY": (
+        "ray._raylet",
+        "RAY_NODE_ID_KEY",
+        "the label that keeps the Train controller on the driver's node, as Ray Train places it",
+    ),
+    "AuthInterceptor": (
+        "ray._private.authentication.grpc_authentication_client_interceptor",
+        "SyncAuthenticationMetadataClientInterceptor",
+        "the cluster's token on the raylet's PrestartWorkers call (the warm pool's refill)",
+    ),
+    "node_manager_pb2": (
+        "ray.core.generated.node_manager_pb2",
+        None,
+        "PrestartWorkersRequest: the raylet's only way to start job-less workers after its start",
+    ),
+    "node_manager_grpc": ("ray.core.generated.node_manager_pb2_grpc", None, "the raylet's gRPC stub"),
+    "ray_common_pb2": ("ray.core.generated.common_pb2", None, "the Language enum (PYTHON) of that request"),
     "ray_worker": (
         "ray._private.worker",
         None,
@@ -103,6 +145,21 @@ MEMBERS: tuple[tuple[str, str, str], ...] = (
         "overridden: raylane's failure and scaling policies go to the controller",
     ),
     ("ray.train.torch", "TorchTrainer._create_default_callbacks", "overridden: callbacks added and left out"),
+    (
+        "ray.train.torch",
+        "TorchTrainer._register_sigint_handler",
+        "called as Ray Train does, by raylane's own controller launch (warm workers)",
+    ),
+    (
+        "ray.train.v2._internal.execution.worker_group",
+        "WorkerGroup._get_worker_runtime_env",
+        "overridden (warm workers): without the env_vars the ranks inherit from the controller",
+    ),
+    (
+        "ray.train.v2._internal.execution.controller",
+        "TrainController.worker_group_cls",
+        "set (warm workers): the controller's worker group class",
+    ),
     ("ray.train", "DataConfig._resolve_execution_options", "the eval split's execution options"),
     (
         "ray.train.v2._internal.execution.scaling_policy",

@@ -58,6 +58,7 @@ def _train_fn(train_loop_config: dict[str, Any]) -> None:
         "worker_imports": time.time(),
     }
 
+    _threads_as_ray_set()
     for name in ("ray.train", ray_train_context.__file__):
         logging.getLogger(name).setLevel(logging.WARNING)
 
@@ -67,7 +68,22 @@ def _train_fn(train_loop_config: dict[str, Any]) -> None:
         spec.sink, cfg.scaling.use_gpu, spec.streams, restarts=spec.restarts, driver=dataclasses.asdict(spec.driver)
     )
     relay_warnings(runtime, spec.verbose)
+    if startup["worker_process"] is not None:  # was this rank's process a warm worker? (the summary says)
+        spec.sink.put.remote(Startup(phases={}, processes={f"rank {runtime.rank}": startup["worker_process"]}))
     spec.worker(cfg, runtime, spec, {k: v for k, v in startup.items() if v is not None})
+
+
+def _threads_as_ray_set() -> None:
+    """torch's thread count as OMP_NUM_THREADS says (Ray sets it to the actor's CPUs as the actor
+    starts): a warm worker imported torch before that, and torch kept the machine's core count,
+    which on 2 ranks per 2 cores would oversubscribe them (seen: 2 threads under OMP_NUM_THREADS=1)."""
+    import os
+
+    import torch
+
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    if wanted.isdigit() and int(wanted) > 0 and torch.get_num_threads() != int(wanted):
+        torch.set_num_threads(int(wanted))
 
 
 def train_worker(cfg: BaseConfig, runtime: RayRuntime, spec: LaunchSpec, startup: dict[str, float]) -> None:

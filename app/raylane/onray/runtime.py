@@ -17,7 +17,8 @@ import torch
 
 from raylane.loop import preemption
 from raylane.loop.distributed import node_layout
-from raylane.loop.events import End, Event, Handover, Log
+from raylane.loop.events import End, Event, Handover, Log, Startup
+from raylane.loop.startup import process_start_unix
 from raylane.onray.leftovers import DriverWatch, ProcessId
 from raylane.onray.store import DriverWatchedStore
 
@@ -32,7 +33,9 @@ class EventSink:
     """Holds rank 0's events until the driver drains them, and the driver's stop request."""
 
     def __init__(self) -> None:
-        self.events: list[Event] = []
+        # When this actor's process started: before the run, it was a warm worker (raylane.onray.warm).
+        started = process_start_unix()
+        self.events: list[Event] = [Startup(phases={}, processes={"event sink": started})] if started else []
         self.stop = False
         self.handover: str | None = None  # a larger group fits: None, "requested", then "done"
 

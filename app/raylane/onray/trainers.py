@@ -5,16 +5,21 @@ driver, an embedded cluster), each leaving out what that way does not need."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
 import time
 from typing import Any
 
+import ray
 from ray.train import FailureConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raylane.loop import preemption
 from raylane.loop.events import Startup
+from raylane.loop.startup import process_start_unix
+from raylane.onray import warm
 from raylane.onray.elastic import HandoverFailurePolicy, HeldBatchElasticPolicy, NoAutoscalerScalingPolicy
-from raylane.onray.internals import ControllerCallback, TorchBackend
+from raylane.onray.internals import ControllerCallback, TorchBackend, TrainController, WorkerGroup
 from raylane.onray.spec import launch_spec
 
 _process_group_unix: float | None = None
@@ -76,7 +81,27 @@ class TrialTorchTrainer(TorchTrainer):
             controller_init_kwargs["scaling_policy"] = HeldBatchElasticPolicy(
                 self.scaling_config, spec.world_sizes, spec.sink
             )
-        return super()._initialize_and_run_controller(**controller_init_kwargs)
+        return self._run_controller(**controller_init_kwargs)
+
+    def _run_controller(self, **controller_init_kwargs):
+        """Ray Train's own controller launch (DataParallelTrainer._initialize_and_run_controller,
+        Ray 2.59-2.60; tests/unit/test_warm.py holds it to Ray's), but the controller carries only
+        the variables the cluster's processes lack: none on a `raylane up` head, so it may start
+        on a warm worker (raylane.onray.warm). Elsewhere it carries what Ray's would."""
+        from raylane.onray.internals import NODE_ID_KEY, WARN_ASYNC_GET_DEFAULT, WARN_ASYNC_GET_VAR, train_env_vars
+
+        wanted = train_env_vars()
+        wanted.setdefault(WARN_ASYNC_GET_VAR, WARN_ASYNC_GET_DEFAULT)
+        env_vars = warm.carried(wanted, warm.cluster_env())
+        controller = ray.remote(
+            num_cpus=0,
+            label_selector={NODE_ID_KEY: ray.get_runtime_context().get_node_id()},  # the driver's node
+            **({"runtime_env": {"env_vars": env_vars}} if env_vars else {}),
+        )(WarmTrainController).remote(**controller_init_kwargs)
+        if threading.current_thread() is threading.main_thread():  # Tune runs trials on other threads
+            self._register_sigint_handler(controller)
+        ray.get(controller.run.remote())
+        return ray.get(controller.get_result.remote())
 
     def _create_default_callbacks(self):
         from raylane.onray.internals import DatasetsCallback
@@ -92,7 +117,23 @@ class ControllerStarted(ControllerCallback):
         self._sink = sink
 
     def after_controller_start(self, train_run_context) -> None:
-        self._sink.put.remote(Startup(phases={"controller": time.time()}))
+        started = process_start_unix()  # before the run: a warm worker
+        processes = {"controller": started} if started is not None else {}
+        self._sink.put.remote(Startup(phases={"controller": time.time()}, processes=processes))
+
+
+class WarmWorkerGroup(WorkerGroup):
+    """Ray Train's worker group, whose ranks' runtime_env leaves out the variables they inherit
+    from the controller (its runtime_env and its node's environment): empty on a `raylane up`
+    head, so that the ranks may start on warm workers."""
+
+    @staticmethod
+    def _get_worker_runtime_env(custom_runtime_env):
+        return warm.without_inherited(WorkerGroup._get_worker_runtime_env(custom_runtime_env), os.environ)
+
+
+class WarmTrainController(TrainController):
+    worker_group_cls = WarmWorkerGroup
 
 
 class DriverTorchTrainer(TrialTorchTrainer):
