@@ -278,9 +278,10 @@ def _summary(
 
 
 def _warm_actors(startup: Any) -> dict[str, bool]:
-    """Which actors started on warm workers (raylane.onray.warm), said in one line as well."""
+    """Which actors started on warm workers (raylane.onray.warm), said in one line as well where
+    any did (where none did, the start-up line said why, or there was no pool)."""
     warm = startup.warm_actors()
-    if warm:
+    if any(warm.values()):
         log.info("%d of %d actors started on warm workers", sum(warm.values()), len(warm))
     return warm
 

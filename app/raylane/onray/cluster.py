@@ -95,7 +95,8 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
         # The start-up line: warm or cold, and why. The job's runtime_env as Ray holds it: inside a
         # Ray job (`raylane submit`) it is the job's (its working_dir), not only what is passed here.
         job_env = {**(runtime_env or {}), **dict(ray.get_runtime_context().runtime_env or {})}
-        log.info("%s", warm.joined(address, job_env))
+        if line := warm.joined(address, job_env):
+            log.info("%s", line)
         return False
     pipelines_ref.worker_environment()  # the raylet, and so every worker, inherits it
     for key, value in EMBEDDED_ENV_DEFAULTS.items():

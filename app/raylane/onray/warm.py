@@ -53,20 +53,21 @@ class Pool:
 _joined: Pool | None = None
 
 
-def joined(address: str, runtime_env: Mapping[str, Any]) -> str:
+def joined(address: str, runtime_env: Mapping[str, Any]) -> str | None:
     """After ray.init joined `address` with the job's `runtime_env`: the start-up line, which says
-    whether this run's actors can start warm and, when not, why. Warm workers that imported
-    older raylane code are recycled here, before the run could land on them."""
+    whether this run's actors can start warm and, when not, why; None where there is no pool to
+    speak of (another cluster than this machine's `raylane up` head, or a head started without
+    `--warm`): every run there starts cold, as it always did, and a line each time would be noise.
+    Warm workers that imported older raylane code are recycled here, before the run could land
+    on them."""
     global _joined
     head = local.running()
-    if head is None or head.address != address:
+    if head is None or head.address != address or head.warm <= 0:
         _joined = None
-        return "starting cold: not the `raylane up` head of this machine (its warm workers are unknown)"
+        return None
     idle = idle_workers(head.pid)
     cold = None
-    if head.warm <= 0:
-        cold = "the head keeps no warm workers (`raylane up --warm N` keeps N)"
-    elif runtime_env:
+    if runtime_env:
         # Every actor of the job inherits it, and a warm worker started with none.
         cold = "the run carries a runtime_env (a pipeline of your own ships with it, or a fault drill's variables)"
     elif head.code != local.code_stamp():
