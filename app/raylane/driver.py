@@ -279,11 +279,18 @@ def _summary(
 
 def _warm_actors(startup: Any) -> dict[str, bool]:
     """Which actors started on warm workers (raylane.onray.warm), said in one line as well where
-    any did (where none did, the start-up line said why, or there was no pool)."""
+    the run joined a warm pool (where none started warm, its start-up line said why). Elsewhere
+    an actor may still land on a worker Ray itself started idle, unpreloaded: recorded, unsaid."""
     warm = startup.warm_actors()
-    if any(warm.values()):
+    if warm and _joined_a_warm_pool():
         log.info("%d of %d actors started on warm workers", sum(warm.values()), len(warm))
     return warm
+
+
+def _joined_a_warm_pool() -> bool:
+    from raylane.onray import warm  # no Ray: the head's record and /proc
+
+    return warm.joined_pool() is not None
 
 
 def _result_fields(r: RunResult) -> dict[str, Any]:

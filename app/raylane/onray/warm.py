@@ -82,6 +82,11 @@ def joined(address: str, runtime_env: Mapping[str, Any]) -> str | None:
     return f"warm start: {len(idle)} idle warm workers on the head"
 
 
+def joined_pool() -> Pool | None:
+    """The warm pool this process's run joined (`joined`), if any."""
+    return _joined
+
+
 def cluster_env() -> Mapping[str, str] | None:
     """What every process of the joined cluster already has set, for the variables a Train
     controller need not carry; None when unknown (an embedded cluster, or one other than
