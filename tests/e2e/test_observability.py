@@ -128,9 +128,11 @@ def _check(
         "steps/step_s_min", "steps/step_s_median", "steps/step_s_max", "steps/slowest_rank",
         "steps/slowest_vs_others", "steps/slowest_data_share", "steps/data_share_median",
     }  # fmt: skip
-    # Judged over the windows rank 1 was slowest in, not the last alone: a window holding rank 1's
-    # profiled steps or the epoch's end can tip its share either way (0.486 seen under load).
-    assert m["steps/slowest_rank"][-1] == 1
+    # The data share judged over the windows rank 1 was slowest in, not the last alone: a window
+    # holding rank 1's profiled steps or the epoch's end can tip its share (0.486 seen under load).
+    # Most windows name rank 1 (the last may not: rank 0's end-of-run work, seen under load).
+    ranks = m["steps/slowest_rank"]
+    assert sorted(ranks)[len(ranks) // 2] == 1, ranks
     shares = [d for r, d in zip(m["steps/slowest_rank"], m["steps/slowest_data_share"], strict=True) if r == 1]
     assert (sorted(shares)[len(shares) // 2] > 0.5) == data_bound, shares
 
