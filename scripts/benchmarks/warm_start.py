@@ -100,25 +100,17 @@ def _warm_of(env: dict[str, str]) -> int:
 
 def _pool_ready(env: dict[str, str]) -> float:
     """Seconds waited until the head's pool is whole and quiet (its imports done)."""
-    from raylane.onray.warm import idle_workers
+    from raylane.onray.warm import idle_workers, process_cpu_s
 
     record, t0 = _record(env), time.monotonic()
     ref: tuple[set[int], float] | None = None
     since = t0
     while time.monotonic() - t0 < POOL_WAIT_S:
         pids = set(idle_workers(record["pid"]))
-        now = (pids, sum(_cpu_s(p) for p in pids))
+        now = (pids, sum(process_cpu_s(p) for p in pids))
         if ref is None or now[0] != ref[0] or now[1] - ref[1] > QUIET_CPU_S:
             ref, since = now, time.monotonic()
         elif len(pids) >= record["warm"] and time.monotonic() - since >= QUIET_FOR_S:
             break
         time.sleep(0.25)
     return round(time.monotonic() - t0, 1)
-
-
-def _cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

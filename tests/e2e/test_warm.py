@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from raylane.onray.warm import idle_workers
+from raylane.onray.warm import idle_workers, process_cpu_s
 from tests.conftest import cli_env, read_json, wait_for
 
 pytestmark = pytest.mark.ray
@@ -29,14 +29,6 @@ SETS = [
 ]
 
 
-def _cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _pool_ready(sid: int, timeout_s: float = 300) -> list[int]:
     """The head's idle workers once POOL of them exist and together used under 0.1 s of CPU in
     the last 2 s: their imports are done (an idle worker's threads use a little CPU)."""
@@ -46,7 +38,7 @@ def _pool_ready(sid: int, timeout_s: float = 300) -> list[int]:
     def ready() -> list[int] | None:
         nonlocal ref, since
         pids = set(idle_workers(sid))
-        now = (pids, sum(_cpu_s(p) for p in pids))
+        now = (pids, sum(process_cpu_s(p) for p in pids))
         if ref is None or now[0] != ref[0] or now[1] - ref[1] > 0.1:
             ref, since = now, time.monotonic()
         return sorted(pids) if len(pids) >= POOL and time.monotonic() - since >= 2 else None

@@ -202,6 +202,15 @@ def top_up(head: local.LocalCluster) -> int:
     return asked
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) `pid` has used; 0 for a process that is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _busy(sid: int, pool: set[int]) -> bool:
     """Whether this machine's processes other than the pool's (a driver starting, a run's actors,
     anyone's work) used more than BUSY_CORES over BUSY_WINDOW_S."""
@@ -211,12 +220,7 @@ def _busy(sid: int, pool: set[int]) -> bool:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
         machine = (sum(fields) - fields[3] - fields[4]) / tick  # all but idle and iowait
-        own = 0.0
-        for pid in pool:
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                own += (int(stat[11]) + int(stat[12])) / tick
-        return machine - own
+        return machine - sum(process_cpu_s(pid) for pid in pool)
 
     before = cpu()
     time.sleep(BUSY_WINDOW_S)
