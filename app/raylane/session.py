@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import signal
 import sys
@@ -78,9 +79,43 @@ def failure_text(exc: Exception) -> str:
     return f"{type(exc).__name__}: {lines[0]}" + (" (the rest in the library log)" if len(lines) > 1 else "")
 
 
+class SignalInterrupt(KeyboardInterrupt):
+    """The KeyboardInterrupt a SIGTERM turns into (`raise_interrupt`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 def raise_interrupt(signum: int, frame: Any) -> None:
     """A signal handler: SIGTERM ends a launch as Ctrl-C does, through its `except`s and `finally`s."""
-    raise KeyboardInterrupt(f"signal {signum}")
+    _catch_swallowed_interrupts()
+    raise SignalInterrupt(signum)
+
+
+def _catch_swallowed_interrupts() -> None:
+    """Python runs a signal handler at the next safe point of the main thread, which may be inside
+    a garbage collector's or a weakref's callback: what the handler raises there is printed
+    ("Exception ignored in ...") and dropped, and the launch never hears of its SIGTERM (seen: a
+    sweep that trained on until it was killed). Such an interrupt is sent again, from a thread a
+    moment later (sent from the hook itself, it would run at once, still inside the callback), for
+    as long as the handler is still in place."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_raylane_redelivers", False):
+        return
+
+    def redeliver(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, SignalInterrupt) and signal.getsignal(exc.signum) is raise_interrupt:
+            resend = threading.Timer(0.05, os.kill, (os.getpid(), exc.signum))
+            resend.daemon = True
+            with contextlib.suppress(RuntimeError):  # no new thread while the interpreter exits
+                resend.start()
+            return
+        previous(unraisable)
+
+    redeliver._raylane_redelivers = True  # type: ignore[attr-defined]
+    sys.unraisablehook = redeliver
 
 
 @contextlib.contextmanager

@@ -131,6 +131,37 @@ def test_a_session_closes_its_run_once_on_every_way_out_then_the_rest_then_the_l
     assert _statuses(store)["slow"] == "KILLED"
 
 
+def test_a_sigterm_that_lands_inside_a_gc_callback_still_interrupts_the_launch(own_sigterm, monkeypatch):
+    """Python runs the handler at its next safe point, which can be a weakref's callback, where the
+    interrupt it raises is dropped ("Exception ignored"): it is sent again, and the launch stops."""
+    import gc
+    import os
+    import sys
+    import weakref
+
+    from raylane.session import raise_interrupt
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # given back after the test
+    signal.signal(signal.SIGTERM, raise_interrupt)
+
+    class Payload:
+        pass
+
+    def on_collect(_ref):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled at the next safe point: still in here
+        sum(range(1000))
+
+    payload = Payload()
+    watch = weakref.ref(payload, on_collect)
+    with pytest.raises(KeyboardInterrupt, match="signal 15"):
+        del payload
+        gc.collect()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            pass
+    assert watch() is None
+
+
 def test_a_second_launch_of_a_held_run_is_refused_naming_the_holder(tmp_path):
     folder = tmp_path / "runs" / "r"
     with RunSession() as first:
