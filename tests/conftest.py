@@ -350,25 +350,43 @@ class MlflowServer:
         self.data, self.port = data, free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.answered = False  # once: a restart keeps the port its clients know
 
     def start(self) -> None:
-        self.data.mkdir(parents=True, exist_ok=True)
-        env = dict(
-            os.environ,
-            MLFLOW_PORT=str(self.port),
-            MLFLOW_DATA=str(self.data),
-            MLFLOW_BIN=str(Path(sys.executable).parent / "mlflow"),
-        )
-        self.proc = subprocess.Popen(
-            [str(REPO / "scripts" / "mlflow-server.sh")],
-            env=env,
-            start_new_session=True,
-            stdout=open(self.data / "server.log", "a"),
-            stderr=subprocess.STDOUT,
-        )
+        """Started, and answering. The port free_port found may be taken before the server binds
+        it (another test's process, a Ray worker): the server then exits at once, and a first start
+        tries another port; a restart (after `stop`) keeps its port, which its clients know, and
+        tries again."""
         import urllib.request
 
-        wait_for(lambda: _answers(f"{self.uri}/health", urllib.request), timeout_s=90)
+        self.data.mkdir(parents=True, exist_ok=True)
+        first = not self.answered
+        for attempt in range(3):
+            env = dict(
+                os.environ,
+                MLFLOW_PORT=str(self.port),
+                MLFLOW_DATA=str(self.data),
+                MLFLOW_BIN=str(Path(sys.executable).parent / "mlflow"),
+            )
+            self.proc = proc = subprocess.Popen(
+                [str(REPO / "scripts" / "mlflow-server.sh")],
+                env=env,
+                start_new_session=True,
+                stdout=open(self.data / "server.log", "a"),
+                stderr=subprocess.STDOUT,
+            )
+            up = wait_for(
+                lambda p=proc: _answers(f"{self.uri}/health", urllib.request) or p.poll() is not None, timeout_s=90
+            )
+            if up and proc.poll() is None:
+                self.answered = True
+                return
+            self.stop()
+            if first:
+                self.port = free_port()
+                self.uri = f"http://127.0.0.1:{self.port}"
+            time.sleep(1 + attempt)
+        raise RuntimeError(f"mlflow server did not start (3 tries): see {self.data / 'server.log'}")
 
     def stop(self) -> None:
         if self.proc is None:
