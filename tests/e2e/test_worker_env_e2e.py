@@ -4,7 +4,7 @@ and a label, both on this machine): `raylane train --address` places its two wor
 `scaling.resources_per_worker`, `label_selector` and `placement_strategy` ask, each rank sees the
 `env:` variables, and a secret passed by name (`${NAME}`) is written nowhere (MLflow's database,
 the run's folder, the summary, the terminal, raylane's and Ray's logs); an accelerator type no
-node has exits 2 in one line before any worker starts."""
+node has exits 2 in one line before any worker starts (on the test suite's shared head)."""
 
 from __future__ import annotations
 
@@ -56,9 +56,15 @@ def _project(tmp_path: Path) -> dict[str, str]:
     return cli_env(tmp_path, MY_SECRET=SECRET)
 
 
-def test_an_accelerator_type_no_node_has_exits_2_before_any_worker_starts(tmp_path, run_cli, two_nodes):
+@pytest.mark.shared_ray  # refused before any worker: the test suite's head (no GPU, no autoscaler) serves
+def test_an_accelerator_type_no_node_has_exits_2_before_any_worker_starts(tmp_path, run_cli):
     env = _project(tmp_path)
-    refused = run_cli("train", "run.yaml", "--address", two_nodes[0], "--set", "scaling.accelerator_type=H100", env=env)
+    # What the suite's head can give: the fast node's resource and label aside.
+    (tmp_path / "run.yaml").write_text(
+        "pipeline: ./pipe.py\nenv:\n  HF_TOKEN: ${MY_SECRET}\nscaling:\n  num_workers: 2\n"
+        f"  accelerator_type: H100\nmodel:\n  record: {tmp_path / 'seen'}\n"
+    )
+    refused = run_cli("train", "run.yaml", env=env)
     assert refused.wait(60) == 2, refused.output  # without the check: Ray Train waits for a node, then fails
     assert refused.output.strip().splitlines()[-1] == (
         "raylane: scaling.accelerator_type = 'H100': no node has it (the nodes have: none), and this cluster "
