@@ -177,7 +177,11 @@ class SharedHead:
             # session's start and once per run's actor after each run, on 2 cores shared by both
             # workers' tests. tests/e2e/test_warm.py runs a warm head of its own.
             [*RAYLANE, "up", "--num-cpus", "12", "--warm", "0"],
-            env={**os.environ, **env, "PATH": path},
+            # Ray's log monitor globs for new worker log files every 0.1 s until there are 1,000
+            # of them, then every 0.5 s: at 0.1 s it was the session's busiest process after the
+            # tests' own (28 CPU-s in a full run, process accounting), for lines no driver reads
+            # (raylane's drivers stream workers' logs only with --verbose).
+            env={**os.environ, **env, "PATH": path, "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"},
             capture_output=True,
             text=True,
             timeout=180,

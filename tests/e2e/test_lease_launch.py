@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from raylane import lease
-from tests.conftest import wait_for
+from tests.conftest import cli_env, wait_for
 
 
 @pytest.mark.untracked
@@ -18,7 +18,10 @@ def test_the_second_of_two_launches_of_one_run_name_exits_2(run_cli, tmp_path):
     """Two terminals, one run.name. Before, the second printed 'continued' and both trained into
     the same checkpoint folder and MLflow run."""
     args = ["train", "digits", "--local", "--set", "run.name=twice"]
-    first = run_cli(*args, "--set", "train.max_epochs=200", name="first")
+    # It trains until killed: 20 ms asleep in each step leave the CPU to the tests beside it.
+    first = run_cli(
+        *args, "--set", "train.max_epochs=200", env=cli_env(tmp_path, RAYLANE_FAULTS="slow@rank=0,ms=20"), name="first"
+    )
     wait_for(lambda: (tmp_path / "runs" / "twice" / lease.LEASE_FILE).exists() or first.proc.poll() is not None, 120)
     assert first.proc.poll() is None, first.output
     second = run_cli(*args, name="second")

@@ -99,6 +99,11 @@ def test_a_run_on_two_workers_is_fully_recorded(run_cli, tmp_path, shared_mlflow
     assert plots == {"plots/loss.png", "plots/eval_metrics.png", "plots/throughput.png"}
 
 
+# A run that trains until the test stops it sleeps 20 ms in each step: it still takes hundreds of
+# steps while it waits, and leaves the CPU to the tests beside it (flat out, one took 27 CPU-s).
+IDLING = "slow@rank=0,ms=20"
+
+
 def test_failed_and_interrupted_runs_are_closed_with_their_status(run_cli, tmp_path, shared_mlflow_server):
     failed = run_cli(
         "train",
@@ -121,7 +126,7 @@ def test_failed_and_interrupted_runs_are_closed_with_their_status(run_cli, tmp_p
         "train.max_epochs=100000",
         "--summary-json",
         "k.json",
-        env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri),
+        env=cli_env(tmp_path, MLFLOW_TRACKING_URI=shared_mlflow_server.uri, RAYLANE_FAULTS=IDLING),
     )
     assert failed.wait(120) == 1, failed.output
     wait_for(lambda: "[raylane] epoch" in stopped.output, timeout_s=120)
@@ -147,7 +152,7 @@ def test_server_down_mid_run_loses_no_metric(run_cli, tmp_path, mlflow_server):
         "mlflow.system_metrics=false",
         "--summary-json",
         "s.json",
-        env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri),
+        env=cli_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server.uri, RAYLANE_FAULTS=IDLING),
     )
     client = MlflowClient(mlflow_server.uri)
     run_id = wait_for(
