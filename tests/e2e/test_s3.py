@@ -1,7 +1,9 @@
 """Checkpoints on `s3://` (pyarrow's S3 filesystem), against a real S3-compatible server on
-loopback: written by a run on Ray, committed and pruned there, and resumed from there by the same
-run relaunched under torchrun (storage is the same for every launcher; torchrun also starts in a
-third of Ray's time)."""
+loopback: written by a run on 2 Ray workers of a joined cluster (the test suite's head), which get
+the endpoint and the keys as a user hands them on, by name in the config's `env:` (the head's own
+environment has none of them), committed and pruned there, and resumed from there by the same run
+relaunched under torchrun (storage is the same for every launcher; torchrun also starts in a third
+of Ray's time)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ from raylane.loop import checkpoint
 from tests.conftest import TORCHRUN, cli_env, read_json
 
 # Nothing of MLflow is checked here (the same run continuing across launches: test_records, test_resume).
-pytestmark = [pytest.mark.ray, pytest.mark.untracked]
+pytestmark = [pytest.mark.ray, pytest.mark.shared_ray, pytest.mark.untracked]
 
 
 def test_checkpoints_on_s3_and_resume_from_there(run_cli, tmp_path, s3_endpoint):
     env = cli_env(tmp_path, **s3_endpoint)
+    handed_on = [x for name in s3_endpoint for x in ("--set", f"env.{name}=${{{name}}}")]
     args = [
         "train",
         "regression",
@@ -29,7 +32,7 @@ def test_checkpoints_on_s3_and_resume_from_there(run_cli, tmp_path, s3_endpoint)
         "--set",
         "checkpoint.keep=2",
     ]
-    first = run_cli(*args, "--set", "train.max_steps=30", "--summary-json", "a.json", env=env, name="first")
+    first = run_cli(*args, *handed_on, "--set", "train.max_steps=30", "--summary-json", "a.json", env=env, name="first")
     assert first.wait(300) == 0, first.output
     a = read_json(tmp_path / "a.json")
     assert a["status"] == "FINISHED" and a["steps"] == 30

@@ -56,6 +56,7 @@ def _project(tmp_path: Path) -> dict[str, str]:
     return cli_env(tmp_path, MY_SECRET=SECRET)
 
 
+@pytest.mark.untracked
 @pytest.mark.shared_ray  # refused before any worker: the test suite's head (no GPU, no autoscaler) serves
 def test_an_accelerator_type_no_node_has_exits_2_before_any_worker_starts(tmp_path, run_cli):
     env = _project(tmp_path)

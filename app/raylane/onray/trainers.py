@@ -8,6 +8,7 @@ import dataclasses
 import os
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -97,7 +98,7 @@ class TrialTorchTrainer(TorchTrainer):
             num_cpus=0,
             label_selector={NODE_ID_KEY: ray.get_runtime_context().get_node_id()},  # the driver's node
             **({"runtime_env": {"env_vars": env_vars}} if env_vars else {}),
-        )(WarmTrainController).remote(**controller_init_kwargs)
+        )(WarmTrainController).remote(run_env=getattr(self.backend_config, "env", None), **controller_init_kwargs)
         if threading.current_thread() is threading.main_thread():  # Tune runs trials on other threads
             self._register_sigint_handler(controller)
         ray.get(controller.run.remote())
@@ -133,7 +134,19 @@ class WarmWorkerGroup(WorkerGroup):
 
 
 class WarmTrainController(TrainController):
+    """Ray Train's controller, with the run's `env:` variables set before it starts: it opens the
+    run's storage (an `s3://` storage_path whose endpoint and keys the config hands on by name),
+    and on a joined cluster its process has only the cluster's environment. Passed as the ranks'
+    are, through the object store, not its runtime_env: Ray shows a runtime_env to anyone who
+    can read the cluster's state, and a runtime_env keeps it off the warm workers."""
+
     worker_group_cls = WarmWorkerGroup
+
+    def __init__(self, *, run_env: Mapping[str, str] | None = None, **kwargs: Any) -> None:
+        from raylane.onray.placement import set_env
+
+        set_env(run_env)  # Ray resolved the reference: an argument of the actor's own
+        super().__init__(**kwargs)
 
 
 class DriverTorchTrainer(TrialTorchTrainer):
