@@ -1,5 +1,5 @@
 """A real browser looks at the MLflow UI: headless Chromium (Debian's, driven by Playwright) opens
-a real `mlflow server` after a short training, and after the session's 4-trial ASHA sweep
+a real `mlflow server` after a short training, and after the session's ASHA sweep
 (conftest.asha_sweep), at the link raylane prints: the experiment opens in the model-training
 view, the runs table shows the eval metric and the throughput, a sweep's trials sit under their
 parent and open side by side in the compare view, and the run's metric charts are drawn. The
@@ -17,7 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from raylane.tracking.runs import EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND, VIEW_TAG, use_experiment
-from tests.conftest import REPO, cli_env, read_json
+from tests.conftest import ASHA_TRIALS, REPO, cli_env, read_json
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = REPO / "test-artifacts"
@@ -115,14 +115,14 @@ def test_mlflow_ui_shows_the_run_its_columns_and_its_charts(run_cli, tmp_path, s
 @needs_chromium
 @pytest.mark.shared_ray
 def test_mlflow_ui_nests_a_sweeps_trials_and_compares_them(asha_sweep):
-    """The session's ASHA sweep (conftest.asha_sweep; test_tune.py checks its records): 4 trials,
+    """The session's ASHA sweep (conftest.asha_sweep; test_tune.py checks its records): 3 trials,
     some stopped early by ASHA, under the parent run named after the sweep."""
     from playwright.sync_api import expect, sync_playwright
 
     s = asha_sweep.summary
     client = MlflowClient(asha_sweep.tracking_uri)
     trials = [client.get_run(r["run_id"]) for r in s["trials"]]
-    assert len(trials) == 4 and {t.data.tags["mlflow.parentRunId"] for t in trials} == {s["parent_run_id"]}
+    assert len(trials) == ASHA_TRIALS and {t.data.tags["mlflow.parentRunId"] for t in trials} == {s["parent_run_id"]}
     experiment_id = trials[0].info.experiment_id
     assert client.get_experiment(experiment_id).tags[EXPERIMENT_KIND_TAG] == MODEL_TRAINING_KIND
     names = [t.info.run_name for t in trials]

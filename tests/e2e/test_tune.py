@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from raylane import cli
-from tests.conftest import read_json
+from tests.conftest import ASHA_TRIALS, read_json
 
 # Every line a sweep prints: raylane's own, the trials table and the best trial. Not MLflow's
 # "View run" links or "Successfully registered model", nor what the raylets push to the driver.
@@ -65,13 +65,13 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(asha_sweep):
 
     s = asha_sweep.summary
     client = MlflowClient(asha_sweep.tracking_uri)
-    assert len(s["trials"]) == 4
+    assert len(s["trials"]) == ASHA_TRIALS
     parent_run = client.get_run(s["parent_run_id"])
     assert parent_run.info.run_name == s["sweep"] == "digits-asha"
     children = client.search_runs(
         [parent_run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{s['parent_run_id']}'"
     )
-    assert len(children) == 4
+    assert len(children) == ASHA_TRIALS
     assert {c.info.status for c in children} <= {"FINISHED", "KILLED"}
     assert {r["run_id"] for r in s["trials"]} == {c.info.run_id for c in children}
     for row in s["trials"]:
@@ -101,7 +101,7 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(asha_sweep):
     assert "plots/sweep.png" in {a.path for a in client.list_artifacts(s["parent_run_id"], "plots")}
     assert "accuracy" in asha_sweep.output and "best trial" in asha_sweep.output
     assert (
-        f"[raylane] sweep digits-asha: 4 trials, 2 at a time, 2 workers per trial; MLflow parent run {s['parent_run_id']}"
+        f"[raylane] sweep digits-asha: {ASHA_TRIALS} trials, 2 at a time, 2 workers per trial; MLflow parent run {s['parent_run_id']}"
         in asha_sweep.output
     )
     foreign = [line for line in asha_sweep.output.splitlines() if not any(f.fullmatch(line) for f in SWEEP_FORMATS)]
@@ -110,13 +110,15 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(asha_sweep):
     # The same seed draws the same trial configurations, whatever the trials then do: the sweep's
     # trials are the seeded search's first draws, in order, drawn here again without a cluster.
     first = [r["config"] for r in sorted(s["trials"], key=_trial_order)]
-    assert first == _draw("digits-sweep", 4) == _draw("digits-sweep", 4)
+    assert first == _draw("digits-sweep", ASHA_TRIALS) == _draw("digits-sweep", ASHA_TRIALS)
     # What `raylane check digits-sweep` lists is what ran.
     from raylane.config.sweep import load_sweep
     from raylane.onray.sweep_plan import planned_trials
 
-    assert planned_trials(*load_sweep("digits-sweep", ["train.max_epochs=3"])) == first
-    assert len({(c["optim.lr"], c["model.hidden_size"]) for c in first}) == 4  # and they do differ
+    assert (
+        planned_trials(*load_sweep("digits-sweep", [f"sweep.num_samples={ASHA_TRIALS}", "train.max_epochs=3"])) == first
+    )
+    assert len({(c["optim.lr"], c["model.hidden_size"]) for c in first}) == ASHA_TRIALS  # and they do differ
 
 
 def _draw(sweep_file: str, n: int) -> list[dict]:
