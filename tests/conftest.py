@@ -180,8 +180,16 @@ class SharedHead:
             # Ray's log monitor globs for new worker log files every 0.1 s until there are 1,000
             # of them, then every 0.5 s: at 0.1 s it was the session's busiest process after the
             # tests' own (28 CPU-s in a full run, process accounting), for lines no driver reads
-            # (raylane's drivers stream workers' logs only with --verbose).
-            env={**os.environ, **env, "PATH": path, "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0"},
+            # (raylane's drivers stream workers' logs only with --verbose). The dashboard agent's
+            # node report (psutil over every process, for the dashboard's pages, which no test
+            # reads) every 60 s, not 5: 14 CPU-s in a full run.
+            env={
+                **os.environ,
+                **env,
+                "PATH": path,
+                "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+                "REPORTER_UPDATE_INTERVAL_MS": "60000",
+            },
             capture_output=True,
             text=True,
             timeout=180,

@@ -83,6 +83,12 @@ def test_disk_full_with_on_error_warn_trains_on(run_cli, tmp_path):
     assert _steps_on_disk(tmp_path / "runs/warn") == [10, 30, 32, 40]  # 32: the end of epoch 1
 
 
+# ~30 s, 3 torchrun launches. Every checkpoint is asynchronous by default (checkpoint.async_save),
+# so make test resumes from async checkpoints bit-exact against runs that never read one: under
+# 2 DDP ranks (test_aliases.py's ddp-aliased case, a mid-epoch async checkpoint), on Ray after a
+# kill -9 (test_any_model.py); the staged copy's independence from later steps is proven in one
+# process (tests/unit/test_async_save.py). Added here: the same against a run with sync saves.
+@pytest.mark.slow
 def test_async_checkpoints_resume_bit_exact(run_cli, tmp_path):
     """Async saves stage a copy of the state before training changes it: a run stopped and resumed
     from async checkpoints ends bit-identical to an uninterrupted run with synchronous saves."""
