@@ -46,7 +46,12 @@ class RunRecorder:
             case FirstStep() if self._prewarm:
                 self._prewarm = False
                 # After the first step, so that start-up does not wait for it either.
-                self._prewarming = threading.Thread(target=_import_record_modules, name="raylane-prewarm", daemon=True)
+                self._prewarming = threading.Thread(
+                    target=_import_record_modules,
+                    args=(self.cfg.mlflow.log_model,),
+                    name="raylane-prewarm",
+                    daemon=True,
+                )
                 self._prewarming.start()
             case Start():
                 self._logger.set_tags({"raylane.host": event.host, **event.strategy_tags})
@@ -111,11 +116,12 @@ class RunRecorder:
         return out
 
 
-def _import_record_modules() -> None:
-    """Pay the end-of-run records' one-time costs while the workers train: imports (matplotlib,
-    MLflow's PyTorch flavour, DCP), and a first `save_model` of a two-weight model, which is
-    torch.export's set-up, MLflow's scan of the installed packages for the requirements check,
-    and the pyfunc loader that validates the input example (~3 s cold on 2 cores)."""
+def _import_record_modules(model: bool) -> None:
+    """Pay the end-of-run records' one-time costs while the workers train: the plots' imports
+    (matplotlib) and, when the run logs its `model`, MLflow's PyTorch flavour, DCP and a first
+    `save_model` of a two-weight model, which is torch.export's set-up, MLflow's scan of the
+    installed packages for the requirements check, and the pyfunc loader that validates the input
+    example (~3 s cold on 2 cores: spent for nothing by a run that logs no model)."""
     import tempfile
 
     try:
@@ -123,6 +129,9 @@ def _import_record_modules() -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot  # noqa: F401
+
+        if not model:
+            return
         import mlflow.pyfunc
         import mlflow.pytorch
         import numpy as np
