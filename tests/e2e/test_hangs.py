@@ -4,7 +4,7 @@ in-process) prints both ranks' current stacks: rank 1 in the user's function, ra
 the gradient sync. Past `dist.timeout_s` the run fails with one line naming rank 1 and the user's
 file:line, every rank's stack is in the run's `stacks/` folder and in MLflow, and the MLflow run
 is closed. On Ray, the same failure: tests/e2e/test_preemption.py (a rank hung in raylane's own
-fault hook); the parsing and the line in-process: tests/unit/test_hangs.py."""
+fault hook; make test-all); the parsing and the line in-process: tests/unit/test_hangs.py."""
 
 from __future__ import annotations
 

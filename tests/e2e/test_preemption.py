@@ -331,6 +331,10 @@ def test_a_second_signal_stops_at_once(run_cli, tmp_path):
     assert "checkpointing at the next step" in proc.output
 
 
+# ~30 CPU-s, a Ray run: make test names a hung rank and where it stood, with every rank's stack in
+# the run's folder and in MLflow, under torchrun (test_hangs.py: the watchdog is the loop's, the same
+# on every launcher), and fails a Ray run on a worker's error in one line (test_failures.py).
+@pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.shared_ray
 @pytest.mark.untracked
