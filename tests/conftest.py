@@ -430,10 +430,13 @@ def shared_mlflow_server(tmp_path_factory):
 
 
 # The ASHA sweep of test_tune.py, as a user runs it: the shipped digits-sweep (trials of 2 workers,
-# 2 at a time, ASHA after the first epoch), 3 epochs, its best model registered. 3 trials, not the
-# file's 4: the seeded draws' third and second both stop early, the first runs to the end, and a
-# trial is ~28 CPU-s of the suite's (its actor, controller and ranks).
-ASHA_TRIALS = 3
+# 2 at a time, ASHA after the first epoch), 3 epochs, its best model registered. 2 trials, not the
+# file's 4: the seeded draws' first learns, its second does not (ASHA stops it when it reaches the
+# first epoch's rung after the first), and a trial is ~28 CPU-s of the suite's (its actor,
+# controller and ranks). Which trial reaches the rung first is the machine's choice: the checks
+# hold either way, and a stopped trial's records are checked in-process
+# (test_tune.py::test_the_table_shows_each_trials_last_value_and_finished_for_a_trial_that_ran_its_course).
+ASHA_TRIALS = 2
 ASHA_SWEEP = [
     "tune",
     "digits-sweep",

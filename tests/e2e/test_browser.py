@@ -115,7 +115,7 @@ def test_mlflow_ui_shows_the_run_its_columns_and_its_charts(run_cli, tmp_path, s
 @needs_chromium
 @pytest.mark.shared_ray
 def test_mlflow_ui_nests_a_sweeps_trials_and_compares_them(asha_sweep):
-    """The session's ASHA sweep (conftest.asha_sweep; test_tune.py checks its records): 3 trials,
+    """The session's ASHA sweep (conftest.asha_sweep; test_tune.py checks its records): 2 trials,
     some stopped early by ASHA, under the parent run named after the sweep."""
     from playwright.sync_api import expect, sync_playwright
 
