@@ -31,11 +31,14 @@ def _tag(db, run_id: str, key: str) -> str | None:
     return row[0] if row else None
 
 
-def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_rank(run_cli, tmp_path):
+# DDP's checkpoint into FSDP through the command is a launch more: make test-all. make test loads
+# one into the other both ways in one 2-rank launch (test_aliases.py, weights and optimizer state).
+@pytest.mark.parametrize("into_fsdp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["", "ddp-into-fsdp"])
+def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_rank(run_cli, tmp_path, into_fsdp):
     """`auto` with a device too small for a replica picks FSDP, and with room picks DDP; 10 fp32
     steps then give the same loss at every step, FSDP holds about half the state per rank, and
     its 2-rank sharded checkpoint resumes under DDP on 1 rank with the same weights; DDP's
-    one-file checkpoint resumes under FSDP on 2 ranks with the same weights."""
+    one-file checkpoint resumes under FSDP on 2 ranks with the same weights (`into_fsdp`)."""
     common = [
         "--nproc_per_node",
         "2",
@@ -105,28 +108,10 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
         loss = pipe.eval_sums(pipe.model(x), y)["loss"].item() / len(x)
     assert loss == pytest.approx(fsdp["metrics"]["loss"], rel=1e-5)
 
-    # DDP's checkpoint is rank 0's one file; a 2-rank FSDP run starting from it takes its shard
-    # of every tensor and, with no step left to train, evaluates to the loss DDP measured.
+    # DDP's checkpoint is rank 0's one file.
     assert sorted(checkpoint.read_manifest(ddp["checkpoint"])["files"]) == ["state.pt"]
-    again = run_cli(
-        *common,
-        "--set",
-        "run.name=from-ddp",
-        "--set",
-        "strategy.name=fsdp",
-        "--set",
-        f"checkpoint.init_from={ddp['checkpoint']}",
-        "--set",
-        "mlflow.enabled=false",  # this run and the next check their summaries alone
-        "--summary-json",
-        "from-ddp.json",
-        launcher=TORCHRUN,
-        name="from-ddp",
-    )
-    assert again.wait(300) == 0, again.output
-    resumed = read_json(tmp_path / "from-ddp.json")
-    assert (resumed["strategy"], resumed["resumed_from_step"]) == ("fsdp", 10)
-    assert resumed["metrics"]["loss"] == pytest.approx(ddp["metrics"]["loss"], rel=1e-5)
+    if into_fsdp:
+        _ddp_into_fsdp(run_cli, tmp_path, common, ddp)
 
     one = run_cli(
         "train",
@@ -151,6 +136,30 @@ def test_fsdp_matches_ddp_with_half_the_state_and_its_checkpoint_loads_on_one_ra
     resumed = read_json(tmp_path / "one.json")
     assert (resumed["status"], resumed["resumed_from_step"], resumed["steps"]) == ("FINISHED", 10, 13)
     assert resumed["world_size"] == 1
+
+
+def _ddp_into_fsdp(run_cli, tmp_path, common: list[str], ddp: dict) -> None:
+    """A 2-rank FSDP run starting from DDP's one-file checkpoint takes its shard of every tensor
+    and, with no step left to train, evaluates to the loss DDP measured."""
+    again = run_cli(
+        *common,
+        "--set",
+        "run.name=from-ddp",
+        "--set",
+        "strategy.name=fsdp",
+        "--set",
+        f"checkpoint.init_from={ddp['checkpoint']}",
+        "--set",
+        "mlflow.enabled=false",  # this run and the next check their summaries alone
+        "--summary-json",
+        "from-ddp.json",
+        launcher=TORCHRUN,
+        name="from-ddp",
+    )
+    assert again.wait(300) == 0, again.output
+    resumed = read_json(tmp_path / "from-ddp.json")
+    assert (resumed["strategy"], resumed["resumed_from_step"]) == ("fsdp", 10)
+    assert resumed["metrics"]["loss"] == pytest.approx(ddp["metrics"]["loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -366,7 +375,23 @@ def test_fsdp_evaluates_held_out_shares_of_unequal_batch_counts(run_cli, tmp_pat
     assert s["metrics"]["rows"] == 1.0 and s["metrics"]["target"] == pytest.approx(2.0), s["metrics"]  # mean of 0..4
 
 
-def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_process(run_cli, tmp_path):
+# make test runs sequence and loss parallelism in one launch (each one's own code runs, on one
+# mesh); each alone is a launch of its own, in make test-all.
+TP_LAYOUTS = {
+    "sp+lp": {
+        "splp": ("tp2+sp+lp", ["strategy.tp=2", "strategy.sequence_parallel=true", "strategy.loss_parallel=true"])
+    },
+    "sp,lp": {
+        "lp": ("tp2+lp", ["strategy.tp=2", "strategy.loss_parallel=true"]),
+        "sp": ("tp2+sp", ["strategy.tp=2", "strategy.sequence_parallel=true"]),
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "layouts", [TP_LAYOUTS["sp+lp"], pytest.param(TP_LAYOUTS["sp,lp"], marks=pytest.mark.slow)], ids=list(TP_LAYOUTS)
+)
+def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_process(run_cli, tmp_path, layouts):
     """`strategy.tp=2` on 2 ranks (one tensor-parallel group: each block's weights split in two,
     both ranks reading the same batches), with loss parallelism (the head's logits split over the
     vocabulary into the cross-entropy, gathered for evaluation) and with sequence parallelism,
@@ -378,10 +403,6 @@ def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_proces
     (DCP, DTensors) loads into one plain process with the weights it trained."""
     sets = {"train.max_steps": 10, "mlflow.log_every_n_steps": 1, "optim.name": "sgd", "optim.lr": 0.3}
     common = [*GPT, *(x for k, v in sets.items() for x in ("--set", f"{k}={v}"))]
-    layouts = {
-        "lp": ["strategy.tp=2", "strategy.loss_parallel=true"],
-        "sp": ["strategy.tp=2", "strategy.sequence_parallel=true"],
-    }
     started = {
         name: run_cli(
             *(["--nproc_per_node", "2", "-m", "raylane"] if name in layouts else []),
@@ -389,7 +410,7 @@ def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_proces
             "gpt-tiny",
             *(["--local", "--set", "scaling.num_workers=1"] if name == "one" else []),
             *common,
-            *(x for s in layouts.get(name, []) for x in ("--set", s)),
+            *(x for s in layouts.get(name, ("", []))[1] for x in ("--set", s)),
             "--set",
             f"run.name={name}",
             "--summary-json",
@@ -397,17 +418,19 @@ def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_proces
             **({"launcher": TORCHRUN} if name in layouts else {}),
             name=name,
         )
-        for name in ("one", "lp", "sp")
+        for name in ("one", *layouts)
     }
     runs = {}
     for name, p in started.items():
         assert p.wait(300) == 0, p.output
         runs[name] = read_json(tmp_path / f"{name}.json")
     db = tmp_path / "mlflow.db"
-    assert (runs["lp"]["strategy"], runs["sp"]["strategy"], runs["one"]["strategy"]) == ("tp2+lp", "tp2+sp", "single")
-    assert runs["lp"]["mesh"] == [1, 1, 1, 1, 2] and _tag(db, runs["sp"]["run_id"], "raylane.strategy") == "tp2+sp"
-    assert _tag(db, runs["lp"]["run_id"], "raylane.strategy.mesh") == "dp_shard 1, tp 2"
-    assert "strategy tp2+lp (strategy.tp: 2, FSDP2 over 1 data-parallel rank)" in started["lp"].output
+    assert runs["one"]["strategy"] == "single"
+    for name, (layout, _) in layouts.items():  # named in the summary, the tags and the strategy line
+        assert runs[name]["strategy"] == layout and _tag(db, runs[name]["run_id"], "raylane.strategy") == layout
+        assert runs[name]["mesh"] == [1, 1, 1, 1, 2]
+        assert _tag(db, runs[name]["run_id"], "raylane.strategy.mesh") == "dp_shard 1, tp 2"
+        assert f"strategy {layout} (strategy.tp: 2, FSDP2 over 1 data-parallel rank)" in started[name].output
 
     one = _losses(db, runs["one"]["run_id"])
     assert sorted(one) == list(range(1, 11)) and one[10] < one[1]  # it trains
@@ -421,14 +444,15 @@ def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_proces
     from raylane.pipelines.gpt import build
 
     cfg = load_config("gpt-tiny", [f"{k}={v}" for k, v in sets.items()])
-    files = checkpoint.read_manifest(runs["lp"]["checkpoint"])["files"]
+    tp = next(iter(layouts))
+    files = checkpoint.read_manifest(runs[tp]["checkpoint"])["files"]
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(files), sorted(files)
     models = {}
-    for name in ("lp", "one"):
+    for name in (tp, "one"):
         pipe = build(cfg)
         checkpoint.load(runs[name]["checkpoint"], pipe.model, build_optimizer(pipe.model, cfg))
         models[name] = {k: v.detach() for k, v in pipe.model.named_parameters()}
-    worst = max(float((models["lp"][k] - v).abs().max()) for k, v in models["one"].items())
+    worst = max(float((models[tp][k] - v).abs().max()) for k, v in models["one"].items())
     assert worst <= 1e-6, worst
 
 
