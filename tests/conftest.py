@@ -10,12 +10,14 @@ import fcntl
 import functools
 import json
 import os
+import queue
 import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -115,6 +117,127 @@ class CliProcess:
                 pass
         self.proc.wait(timeout=30)
         self._log.close()
+
+
+class Zygote:
+    """This pytest process's fork server (tests/helpers/zygote.py), started at its first use and
+    stopped by closing its stdin (it exits) and then by its pid. The commands it forks are its
+    children: it reports their exit codes, on which `ForkedProcess` waits."""
+
+    def __init__(self, root: Path) -> None:
+        self.socket = str(root / f"zygote-{os.getpid()}.sock")
+        log_path = root / f"zygote-{os.getpid()}.log"
+        self._proc = subprocess.Popen(
+            [sys.executable, "-u", str(REPO / "tests/helpers/zygote.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(log_path, "w"),
+            cwd=REPO,
+            env={**os.environ, "RAYLANE_TESTS_ZYGOTE_SOCKET": self.socket},
+            start_new_session=True,
+        )
+        self._lock = threading.Lock()
+        self._codes: dict[int, int] = {}
+        self._pids: queue.Queue[int] = queue.Queue()
+        self._changed = threading.Condition()
+        ready = self._proc.stdout.readline()  # bounded: the imports end or the process dies
+        assert ready.startswith(b'{"ready"'), (ready, log_path.read_text()[-3000:])
+        threading.Thread(target=self._read, name="zygote-replies", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            message = json.loads(line)
+            if "pid" in message:
+                self._pids.put(message["pid"])
+            else:
+                with self._changed:
+                    self._codes[message["exited"]] = message["code"]
+                    self._changed.notify_all()
+
+    def fork(self, argv: list[str], cwd: Path, env: dict[str, str], log_path: Path) -> int:
+        """`python ARGV` in `cwd` with `env`, its output into log_path; returns its pid."""
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "log": str(log_path)}
+        with self._lock:
+            self._proc.stdin.write((json.dumps(request) + "\n").encode())
+            self._proc.stdin.flush()
+            return self._pids.get(timeout=60)
+
+    def code(self, pid: int, timeout: float | None) -> int | None:
+        """The exit code of forked `pid`, waiting up to `timeout` (None: not at all)."""
+        with self._changed:
+            if timeout:
+                self._changed.wait_for(lambda: pid in self._codes, timeout)
+            return self._codes.get(pid)
+
+    def stop(self) -> None:
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=30)
+
+
+class _Forked:
+    """What CliProcess's callers use of a Popen (pid, poll, wait, send_signal), for a fork."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self._zygote, self.pid = zygote, pid
+
+    def poll(self) -> int | None:
+        return self._zygote.code(self.pid, None)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._zygote.code(self.pid, timeout or 3600)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"forked process {self.pid}", timeout or 3600)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+
+class ForkedProcess(CliProcess):
+    """A command forked from the zygote: to a test the same as a CliProcess (its own session, its
+    output in log_path, its signals and exit code), without the imports."""
+
+    def __init__(self, zygote: Zygote, argv: list[str], cwd: Path, env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        log_path.touch()
+        self._log = open(log_path, "a")  # the fork writes the file; this handle only closes
+        self.proc = _Forked(zygote, zygote.fork(argv, cwd, env, log_path))
+
+
+_ZYGOTE: list[Zygote] = []
+FORKED_RANK = str(REPO / "tests/helpers/forked_rank.py")
+
+
+def zygote() -> Zygote:
+    if not _ZYGOTE:
+        _ZYGOTE.append(Zygote(Path(os.environ.get(SHARED_DIR, tempfile.gettempdir()))))
+    return _ZYGOTE[0]
+
+
+def forked_argv(launcher: list[str], args: tuple[str, ...]) -> list[str] | None:
+    """`python ARGV` for the zygote to fork in place of `[*launcher, *args]`, or None where the
+    command starts as a process of its own: Ray's drivers (Ray is never imported in the zygote),
+    other launchers, or with RAYLANE_TESTS_FORK=0. Under torchrun, the launcher is forked and
+    each rank is tests/helpers/forked_rank.py, which has the zygote fork the rank's own process."""
+    if os.environ.get("RAYLANE_TESTS_FORK", "1") == "0" or not args:
+        return None
+    if launcher == RAYLANE:
+        one_process = (args[0] == "train" and "--local" in args) or args[0] in ("check", "export")
+        return ["-m", "raylane", *args] if one_process else None
+    if launcher != TORCHRUN:
+        return None
+    args = tuple(a for a in args)
+    for i, arg in enumerate(args):
+        if arg == "-m" and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            return [*launcher[1:], *args[:i], FORKED_RANK, "-m", *args[i + 1 :]]
+        if arg.endswith(".py"):
+            return [*launcher[1:], *args[:i], FORKED_RANK, *args[i:]]
+    return None
 
 
 def session_processes(sid: int, prefix: str = "") -> list[int]:
@@ -221,6 +344,8 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+    for z in _ZYGOTE:
+        z.stop()
     shared = getattr(config, "raylane_shared", None)
     if shared is not None:
         SharedHead(shared / "shared-ray").stop()
@@ -248,15 +373,21 @@ def run_cli(tmp_path, request, shared_head):
         name: str = "cli",
         launcher: list[str] = RAYLANE,
         cwd: Path | None = None,
+        fresh: bool = False,
     ) -> CliProcess:
         if untracked and "train" in args:
             args = (*args, "--set", "mlflow.enabled=false")
-        p = CliProcess(
-            [*launcher, *args],
+        where, environ, log_path = (
             cwd or tmp_path,
             {**(env or cli_env(tmp_path)), **shared},
             tmp_path / f"{name}-{len(started)}.log",
         )
+        forked = None if fresh else forked_argv(launcher, args)
+        if forked:
+            environ["RAYLANE_TESTS_ZYGOTE_SOCKET"] = zygote().socket
+            p: CliProcess = ForkedProcess(zygote(), forked, where, environ, log_path)
+        else:
+            p = CliProcess([*launcher, *args], where, environ, log_path)
         started.append(p)
         return p
 

@@ -23,6 +23,7 @@ def test_startup_phases_in_order_under_torchrun(run_cli, tmp_path):
         "--summary-json",
         "s.json",
         launcher=TORCHRUN,
+        fresh=True,  # the phases start at torchrun's own start: the processes of their own
     )
     assert p.wait(180) == 0, p.output
     timing = read_json(tmp_path / "s.json")["timing"]
