@@ -102,7 +102,8 @@ def test_the_head_prestarts_and_preloads_the_loop_and_never_cuda():
     env = local.warm_env(local.warm_pool(4), 4)
     assert env["RAY_enable_worker_prestart"] == "0"  # one per CPU: the pool is prestarted by raylane
     assert env["RAY_prestart_worker_first_driver"] == "0"
-    preload = env["RAY_preload_python_modules"].split(",")
+    assert env["RAY_preload_python_modules"] == "raylane.onray.preload"  # a job-less worker imports the rest
+    preload = local.WARM_PRELOAD
     assert {"torch", "torch._dynamo", "ray.train.torch", "raylane.loop.run", "raylane.onray.launch"} <= set(preload)
     assert not [m for m in preload if "cuda" in m]
     assert int(env["RAY_num_workers_soft_limit"]) >= local.warm_pool(4) + 4  # a run holding every CPU
@@ -111,6 +112,29 @@ def test_the_head_prestarts_and_preloads_the_loop_and_never_cuda():
     # The head sets what Ray Train would hand its controller: the controller needs no runtime_env.
     assert set(TRAIN_ENV_DEFAULTS.items()) <= set(local.HEAD_ENV.items())
     assert local.HEAD_ENV[internals.WARN_ASYNC_GET_VAR] == internals.WARN_ASYNC_GET_DEFAULT
+
+
+def test_only_a_job_less_worker_imports_the_warm_modules(monkeypatch):
+    """Ray's preload runs in every Python worker the head starts: the pool's own (job-less)
+    import torch and the loop; one started for a job's actor (a sweep's trial, Ray Train's sync
+    actor, Ray Data's) imports nothing it would not have, and outside a worker nothing happens."""
+    import importlib
+    from types import SimpleNamespace
+
+    import ray
+
+    from raylane.onray import preload
+
+    imported: list[str] = []
+    monkeypatch.setattr(importlib, "import_module", imported.append)
+    importlib.reload(preload)  # this process is no Ray worker
+    assert imported == []
+    for job, expected in ((ray.JobID.nil().hex(), list(local.WARM_PRELOAD)), ("01000000", [])):
+        context = SimpleNamespace(get_job_id=lambda job=job: job)
+        monkeypatch.setattr(ray, "get_runtime_context", lambda context=context: context)
+        imported.clear()
+        importlib.reload(preload)
+        assert imported == expected, job
 
 
 def test_a_record_of_an_older_head_reads_as_one_without_warm_workers():

@@ -43,7 +43,7 @@ HEAD_ENV = {
     "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
 }
 # Warm workers (issue 52): the raylet starts job-less Python workers before any run and has each
-# import these, so that a run's Train controller, ranks, sync actor and event sink start on a
+# import these (through raylane.onray.preload: a worker started for a job imports none), so that a run's Train controller, ranks, sync actor and event sink start on a
 # process that is ready (a fresh one each: Ray never gives one job's process to another). Nothing
 # here may touch CUDA: the process learns its GPU (CUDA_VISIBLE_DEVICES) only once an actor lands.
 WARM_PRELOAD = (
@@ -54,6 +54,7 @@ WARM_PRELOAD = (
     "raylane.onray.launch",
     "raylane.loop.run",
 )
+WARM_PRELOAD_HOOK = "raylane.onray.preload"  # what Ray's preload imports in every worker
 # The variables Ray Train hands its controller and workers come under these names (ray.train's
 # ENV_VARS_TO_PROPAGATE): the record keeps what the head set of them, and nothing else (no token).
 TRAIN_ENV_PREFIXES = ("RAY_TRAIN_", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "TORCHFT_LIGHTHOUSE", "NCCL_RAS_ADDR")
@@ -116,8 +117,8 @@ def warm_pool(num_cpus: int, num_gpus: int = 0) -> int:
 
 
 def warm_env(pool: int, num_cpus: int) -> dict[str, str]:
-    """The raylet's settings for `pool` warm workers ({} for none). Every Python worker it starts
-    imports WARM_PRELOAD. The pool itself is started through the raylet's PrestartWorkers, by `up`
+    """The raylet's settings for `pool` warm workers ({} for none). Every job-less Python worker
+    it starts imports WARM_PRELOAD (raylane.onray.preload). The pool itself is started through the raylet's PrestartWorkers, by `up`
     and after each run (raylane.onray.warm): Ray's own prestart starts one worker per logical CPU
     (too many on a big node), and its start for the first driver binds them to that driver's job
     and holds the driver until they are up. Idle workers beyond the soft limit are killed: the
@@ -127,7 +128,7 @@ def warm_env(pool: int, num_cpus: int) -> dict[str, str]:
     return {
         "RAY_enable_worker_prestart": "0",
         "RAY_prestart_worker_first_driver": "0",
-        "RAY_preload_python_modules": ",".join(WARM_PRELOAD),
+        "RAY_preload_python_modules": WARM_PRELOAD_HOOK,
         "RAY_num_workers_soft_limit": str(pool + num_cpus),
     }
 
