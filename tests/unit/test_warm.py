@@ -223,3 +223,16 @@ def test_the_summary_says_which_actors_were_warm():
         "rank 0": False,
         "rank 1": True,
     }
+
+
+def test_the_heads_path_finds_this_installs_raylane_first(monkeypatch):
+    """A job on a `raylane up` head runs `raylane train ...` in the head's environment: the head
+    started from a shell without the venv activated still finds the raylane that started it."""
+    import sys
+    from pathlib import Path
+
+    here = str(Path(sys.executable).parent)
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", here, "/bin"]))
+    assert local.head_path().split(os.pathsep) == [here, "/usr/bin", "/bin"]
+    monkeypatch.setenv("PATH", "/usr/bin")
+    assert local.head_path().split(os.pathsep) == [here, "/usr/bin"]

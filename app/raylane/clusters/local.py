@@ -133,6 +133,16 @@ def warm_env(pool: int, num_cpus: int) -> dict[str, str]:
     }
 
 
+def head_path() -> str:
+    """The head's PATH: this interpreter's folder first. A job's entrypoint (`raylane submit`'s
+    `raylane train ...`, or a user's `ray job submit -- raylane train ...`) runs in the head's
+    environment: started as `.venv/bin/raylane up` from a shell where the venv is not activated,
+    the job found no `raylane` ("/bin/sh: 1: raylane: not found") or another install's."""
+    here = str(Path(sys.executable).parent)
+    rest = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and p != here]
+    return os.pathsep.join([here, *rest])
+
+
 def code_stamp(folder: Path | None = None) -> str:
     """Which raylane code a new Python process on this machine imports (`folder`: raylane's own):
     its folder and its newest source's modification time. Warm workers that imported another are
@@ -165,6 +175,7 @@ def up(
         **HEAD_ENV,
         **warm_env(pool, num_cpus),
         "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{dash_port}",
+        "PATH": head_path(),
     }
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "w") as log:
