@@ -10,6 +10,7 @@ from raylane.loop import checkpoint
 from raylane.loop.steps import clip_gradients, plain_parameters
 from raylane.pipelines.regression import build
 from tests.conftest import TORCHRUN, read_json
+from tests.helpers.own_lines import foreign
 
 
 def _final_weights(summary: dict, pipeline_cfg) -> dict[str, torch.Tensor]:
@@ -150,6 +151,21 @@ def test_single_process_digits_logs_to_mlflow(run_cli, tmp_path):
     assert run.info.status == "FINISHED"
     assert run.data.params["model.hidden_size"] == "128"
     assert set(run.data.metrics) >= {"train/loss", "train/lr", "train/samples_per_s", "eval/loss", "eval/accuracy"}
+
+
+def test_a_one_process_run_in_a_fresh_interpreter_prints_raylanes_lines_only(run_cli, tmp_path):
+    """The suite forks its other one-process runs from a process that imported torch, MLflow and
+    transformers already (tests/helpers/zygote.py), where what those say as they are imported
+    never reaches a run's output: this one starts as `python -m raylane` does, tracked."""
+    proc = run_cli(
+        "train",
+        "digits",
+        "--local",
+        *("--set", "scaling.num_workers=1", "--set", "train.max_steps=2", "--set", "mlflow.log_model=false"),
+        fresh=True,
+    )
+    assert proc.wait(120) == 0, proc.output
+    assert not foreign(proc.output), "\n".join(foreign(proc.output))
 
 
 @pytest.mark.parametrize("plain", [True, False])
