@@ -231,7 +231,6 @@ def forked_argv(launcher: list[str], args: tuple[str, ...]) -> list[str] | None:
         return ["-m", "raylane", *args] if one_process else None
     if launcher != TORCHRUN:
         return None
-    args = tuple(a for a in args)
     for i, arg in enumerate(args):
         if arg == "-m" and i + 1 < len(args) and not args[i + 1].startswith("-"):
             return [*launcher[1:], *args[:i], FORKED_RANK, "-m", *args[i + 1 :]]
