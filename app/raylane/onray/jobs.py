@@ -153,6 +153,7 @@ def submit(
             f"{given} = {address!r}: {why}; check the address (`raylane up` prints its dashboard) "
             "and that the cluster is up"
         )
+    config = config_for_job(config, working_dir, here)
     entrypoint = shlex.join(["raylane", "train", config, *[x for o in overrides for x in ("--set", o)]])
     client = _same_ray(job_client(url, given), given, address)
     job_id = _submit_job(
@@ -188,6 +189,25 @@ def _same_ray(client: Any, given: str, address: str) -> Any:
     if why := version_mismatch(given, address, getattr(client, "_server_ray_version", None), here):
         raise ConfigError(why)
     return client
+
+
+def config_for_job(config: str, working_dir: str, here: bool) -> str:
+    """The config as the job names it: the job starts in Ray's copy of `working_dir`. A file in
+    that folder: its path there; one outside it (`raylane submit ../other/train.yaml`): its
+    absolute path on a cluster on this machine, else ConfigError, as the upload would not carry
+    it (before, the job failed on the cluster, "no such file"). A shipped pipeline's name: as is."""
+    path = Path(config)
+    if not path.is_file():
+        return config
+    folder = Path(working_dir).resolve()
+    if path.resolve().is_relative_to(folder):
+        return path.resolve().relative_to(folder).as_posix()
+    if here:
+        return str(path.resolve())
+    raise ConfigError(
+        f"CONFIG = {config!r}: outside the folder `raylane submit` uploads ({folder}); run it from a "
+        "folder that holds the config and the pipeline's files"
+    )
 
 
 def _paths_here(config: str, overrides: list[str]) -> list[str]:
