@@ -127,6 +127,18 @@ def test_every_ray_pod_outlives_its_drain(overlay):
                 assert (grace, drain) == SPOT_WINDOWS[overlay], f"{overlay}: {name}"
 
 
+def test_the_checker_holds_each_overlay_to_its_platforms_window():
+    """`raylane k8s check` bounds a spot group by its platform's window (raylane.k8s.preemption):
+    the overlays' windows are the ones it names in its advice, and fit inside it."""
+    from raylane.k8s import preemption
+
+    assert preemption.KIT_WINDOWS == SPOT_WINDOWS
+    for overlay, (grace, drain) in SPOT_WINDOWS.items():
+        window = min(s for _, _, s, _, o in preemption.SPOT_LABELS if o == overlay)
+        notice = 1 + preemption.RAYLANE_DRAIN_POLL_S  # the overlays poll every second
+        assert grace <= window and drain - notice >= preemption.CHECKPOINT_MIN_S, overlay
+
+
 @needs_kubectl
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_mlflow_admits_the_host_the_runs_reach_it_by(overlay):

@@ -1,22 +1,41 @@
 """Layer 5: the image's Dockerfile, read as text (no Docker daemon needed).
 
-- The final stage's FROM names the Ray version the manifests' rayVersion names (and the Ray here).
+- The final stage's FROM, and any `pip install ray==X`, name the Ray raylane runs (the Ray
+  installed here, which rayVersion and the images' tags name too: raylane.k8s.versions).
 - No ENTRYPOINT or CMD: KubeRay starts `ray start --block` as the container's command, and an
   entrypoint of the image's own would wrap it, so that the pod's SIGTERM (Ray's drain notice)
   reaches a shell instead of `ray start`.
-- Every `pip install` keeps Ray: a `-c`/`--constraint` file that pins ray (or `ray==` on the line),
-  else installing torch or raylane may replace the image's Ray with another version.
+- Every `pip install` keeps Ray: the command itself pins `ray==X`, or names a `-c`/`--constraint`
+  (or `-r`) file that does: a file beside the Dockerfile (copied in), or one an earlier command
+  wrote from the image's own Ray (`python -c "import ray; print('ray==' + ray.__version__)" >
+  FILE`). Else installing torch or raylane may replace the image's Ray with another version. Each
+  RUN is split into its shell commands (quotes kept), so `python -c` or a `ray==` in another
+  command of the same RUN keeps nothing. A constraint file that comes from the base image cannot
+  be read here and is trusted.
 The build itself (pip check, the import assert) runs only where a daemon is."""
 
 from __future__ import annotations
 
+import posixpath
 import re
+import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from raylane.k8s.model import Finding
+from raylane.k8s.versions import image_parts, key, retagged, same, tag_version
 
-Rule = tuple[str, str, str]
-VERSION = re.compile(r"(\d+\.\d+\.\d+)")
+OPERATORS = {"&&", "||", ";", "|", "&", ";;", "|&"}
+REDIRECTS = {">", ">>", ">|", "&>", "&>>"}
+# pip options that take a value (the next word, or after `=`), which is no requirement.
+VALUED = set(
+    "-c --constraint -r --requirement -i --index-url --extra-index-url -f --find-links -t --target --prefix --root "
+    "--trusted-host --platform --python-version --implementation --abi --progress-bar --cache-dir --src -e "
+    "--editable --config-settings -C --no-binary --only-binary --upgrade-strategy --log --python".split()
+)
+RAY_PIN = re.compile(r"^ray(\[[^\]]*\])?\s*==\s*v?(\d[\w.]*)$")
+RAY_PIN_LINE = re.compile(r"(?m)^\s*ray(\[[^\]]*\])?\s*==\s*v?(\d[\w.]*)")
+TOOLS = {"pip", "setuptools", "wheel", "uv"}  # installing only these leaves Ray alone
 
 
 def instructions(text: str) -> list[tuple[int, str, str]]:
@@ -44,67 +63,198 @@ def substitute(text: str, args: dict[str, str]) -> str:
     return re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), text)
 
 
-def check_dockerfile(path: Path, shown: str, ray_versions: set[str]) -> list[Finding]:
-    """The Dockerfile's broken rules against the Ray versions the manifests name."""
+def commands(run: str) -> list[list[str]]:
+    """A RUN's shell text as its simple commands (words, quotes removed, redirections kept)."""
+    lexer = shlex.shlex(run, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        tokens = list(lexer)
+    except ValueError:  # unbalanced quotes: the shell would refuse it too; read it plainly
+        tokens = run.split()
+    out: list[list[str]] = [[]]
+    for token in tokens:
+        if token in OPERATORS:
+            out.append([])
+        else:
+            out[-1].append(token)
+    return [c for c in out if c]
+
+
+def pip_install(words: list[str]) -> list[str] | None:
+    """The arguments of a `pip install` (pip3, python -m pip, uv pip), None for another command."""
+    for i, word in enumerate(words[1:], 1):
+        if word != "install":
+            continue
+        before = words[:i]
+        if re.fullmatch(r"pip(3(\.\d+)?)?", Path(before[-1]).name) or (
+            len(before) >= 2 and Path(before[-2]).name == "uv" and before[-1] == "pip"
+        ):
+            return words[i + 1 :]
+    return None
+
+
+def pip_parts(args: list[str]) -> tuple[list[str], list[str]]:
+    """(constraint and requirement files, requirements) of pip install's arguments."""
+    files: list[str] = []
+    wanted: list[str] = []
+    i = 0
+    while i < len(args):
+        arg, value = args[i], None
+        if arg.startswith("--") and "=" in arg:
+            arg, value = arg.split("=", 1)
+        elif arg in VALUED:
+            value = args[i + 1] if i + 1 < len(args) else ""
+            i += 1
+        elif re.fullmatch(r"-[cr]\S+", arg):
+            arg, value = arg[:2], arg[2:]
+        elif not arg.startswith("-"):
+            wanted.append(arg)
+        if arg in ("-c", "--constraint", "-r", "--requirement") and value:
+            files.append(value)
+        i += 1
+    return files, wanted
+
+
+@dataclass
+class Image:
+    """What the Dockerfile has put where, so far: files copied in, files written by commands."""
+
+    folder: Path  # the Dockerfile's folder, taken as the build context
+    workdir: str = "/"
+    copied: dict[str, str] = field(default_factory=dict)  # path in the image -> path in the context
+    written: dict[str, str] = field(default_factory=dict)  # path in the image -> the command that wrote it
+
+    def at(self, path: str) -> str:
+        return posixpath.normpath(posixpath.join(self.workdir, path))
+
+    def copy(self, words: list[str]) -> None:
+        if any(w.startswith("--from") for w in words):
+            return  # from another stage or image: not in the context
+        words = [w for w in words if not w.startswith("--")]  # --chown, --chmod, --link
+        if len(words) < 2:
+            return
+        *sources, dest = words
+        for source in sources:
+            whole = source in (".", "./")
+            into = not whole and (dest.endswith("/") or len(sources) > 1)
+            self.copied[self.at(posixpath.join(dest, posixpath.basename(source)) if into else dest)] = source
+
+    def local(self, path: str) -> Path | None:
+        """The context's file that `path` in the image was copied from (or one of its name beside the Dockerfile)."""
+        for dest, source in self.copied.items():
+            if path == dest or path.startswith(dest.rstrip("/") + "/"):
+                candidate = self.folder / source / path[len(dest) :].lstrip("/")
+                if candidate.is_file():
+                    return candidate
+        beside = self.folder / posixpath.basename(path)
+        return beside if beside.is_file() else None
+
+    def ray_pin(self, path: str) -> tuple[bool, str | None]:
+        """(keeps Ray, the version it pins if written out) for a constraint or requirements file."""
+        path = self.at(path)
+        if path in self.written:
+            writer = self.written[path]
+            found = RAY_PIN_LINE.search(writer)
+            return bool(found) or "ray" in writer or "freeze" in writer, found.group(2) if found else None
+        local = self.local(path)
+        if local is None:
+            return True, None  # from the base image, say: not readable here
+        found = RAY_PIN_LINE.search(local.read_text(errors="replace"))
+        return bool(found), found.group(2) if found else None
+
+
+def check_dockerfile(path: Path, shown: str, here: str) -> list[Finding]:
+    """The Dockerfile's broken rules against `here`, the Ray raylane runs."""
     try:
         steps = instructions(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
         return [Finding(shown, "Dockerfile", "", "docker.read", f"cannot read it: {exc}")]
     out: list[Finding] = []
 
-    def say(line: int, rule: str, message: str) -> None:
-        out.append(Finding(shown, "Dockerfile", f"line {line}", rule, message))
+    def say(line: int, rule: str, message: str, merge: str = "") -> None:
+        out.append(Finding(shown, "Dockerfile", f"line {line}", rule, message, merge))
 
     args: dict[str, str] = {}
     stages: dict[str, str] = {}  # stage name -> the image it starts from
     final_from: tuple[int, str] | None = None
+    image = Image(path.parent)
+    pinned = False
     for line, word, rest in steps:
+        rest = substitute(rest, args)
         if word == "ARG" and "=" in rest:
-            key, _, value = rest.partition("=")
-            args[key.strip()] = value.strip().strip('"')
+            name, _, value = rest.partition("=")
+            args[name.strip()] = value.strip().strip('"')
         elif word == "FROM":
             words = [w for w in rest.split() if not w.startswith("--")]  # --platform=...
-            image = substitute(words[0], args) if words else ""
+            base = words[0] if words else ""
             if len(words) >= 3 and words[1].upper() == "AS":
-                stages[words[2]] = stages.get(image, image)
-            final_from = (line, stages.get(image, image))  # FROM <an earlier stage>: its base
+                stages[words[2]] = stages.get(base, base)
+            final_from = (line, stages.get(base, base))  # FROM <an earlier stage>: its base
+        elif word == "WORKDIR":
+            image.workdir = image.at(rest.strip())
+        elif word in ("COPY", "ADD"):
+            image.copy(shlex.split(rest) if not rest.startswith("[") else re.findall(r'"([^"]*)"', rest))
         elif word in ("ENTRYPOINT", "CMD"):
             say(
                 line,
                 "docker.entrypoint",
                 f"{word}: KubeRay runs `ray start` as the container's command; an {word} of the image's own keeps the pod's SIGTERM (the drain notice) from reaching it",
             )
-        elif word == "RUN" and re.search(r"\bpip3?\s+install\b|\buv\s+pip\s+install\b", rest):
-            if not keeps_ray(substitute(rest, args), path.parent):
-                say(
-                    line,
-                    "docker.ray-constraint",
-                    "pip install without a constraint that pins ray (-c FILE with ray==X): it may replace the image's Ray",
-                )
+        elif word == "RUN":
+            for rule, message, merge in check_run(rest, image, here):
+                pinned |= merge.startswith("ray:") or rule == "pinned"
+                if rule != "pinned":
+                    say(line, rule, message, merge)
     if final_from is None:
         say(1, "docker.from", "no FROM")
-        return out
-    line, image = final_from
-    found = VERSION.search(image.rsplit("/", 1)[-1].partition(":")[2])
-    for wanted in sorted(ray_versions):
-        if found is None or found.group(1) != wanted:
-            named = found.group(1) if found else "no version"
-            say(
-                line,
-                "docker.ray-version",
-                f"FROM {image}: its tag names Ray {named}, the manifests' rayVersion is {wanted}",
-            )
+    else:
+        out += check_from(shown, *final_from, here, pinned)
     return out
 
 
-def keeps_ray(command: str, folder: Path) -> bool:
-    """A pip install line pins ray directly or through a constraint file that does."""
-    if re.search(r"\bray(\[[^\]]*\])?==", command):
-        return True
-    for name in re.findall(r"(?:-c|--constraint)[ =]+(\S+)", command):
-        local = folder / Path(name).name
-        if not local.is_file():
-            return True  # made inside the image: trust it
-        if re.search(r"^\s*ray(\[[^\]]*\])?==", local.read_text(), re.M):
-            return True
-    return False
+def check_run(text: str, image: Image, here: str) -> list[tuple[str, str, str]]:
+    """(rule, message, merge key) for each pip install of one RUN that does not keep Ray on `here`;
+    ("pinned", "", "") where one pins it right. Files the commands write are noted as they go."""
+    out: list[tuple[str, str, str]] = []
+    for words in commands(text):
+        redirect = [i for i, w in enumerate(words) if w in REDIRECTS and i + 1 < len(words)]
+        for i in redirect:
+            image.written[image.at(words[i + 1])] = " ".join(words[:i])
+        args = pip_install(words[: redirect[0]] if redirect else words)
+        if args is None:
+            continue
+        files, wanted = pip_parts(args)
+        pins = [(m.group(2), f"it pins ray=={m.group(2)}") for r in wanted if (m := RAY_PIN.match(r.replace(" ", "")))]
+        kept = bool(pins)
+        for name in files:
+            keeps, version = image.ray_pin(name)
+            kept |= keeps
+            if version:
+                pins.append((version, f"its constraint file {name} pins ray=={version}"))
+        for version, said in pins:
+            if here and not same(version, here):
+                message = f"pip install: {said}, but raylane runs Ray {here}: pin ray=={here}"
+                out.append(("docker.ray-version", message, key(version)))
+            else:
+                out.append(("pinned", "", ""))
+        if not kept and not (wanted and all(re.split(r"[<>=~!\[ ]", w)[0].lower() in TOOLS for w in wanted)):
+            message = (
+                "pip install without a constraint that pins ray (-c FILE with ray==X): it may replace the image's Ray"
+            )
+            out.append(("docker.ray-constraint", message, ""))
+    return out
+
+
+def check_from(shown: str, line: int, base: str, here: str, pinned: bool) -> list[Finding]:
+    named = tag_version(base)
+    if named is not None and here and not same(named, here):
+        repo, tag, _ = image_parts(base)
+        message = (
+            f"FROM {base}: its tag names Ray {named}, but raylane runs Ray {here}: build on "
+            f"{repo.rsplit('/', 1)[0] + '/' if '/' in repo else ''}{retagged(base, here)}"
+        )
+        return [Finding(shown, "Dockerfile", f"line {line}", "docker.ray-version", message, key(named))]
+    if named is None and not pinned and here:
+        message = f"FROM {base}: names no Ray version, and no pip install pins one: build on rayproject/ray:{here}-..."
+        return [Finding(shown, "Dockerfile", f"line {line}", "docker.ray-version", message)]
+    return []

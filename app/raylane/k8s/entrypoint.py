@@ -26,6 +26,11 @@ from raylane.k8s.model import get
 # What bash treats specially in a word (globs, quotes, expansions, redirections, lists, comments).
 SHELL_SPECIAL = set("[]*?{}$`'\"\\;|&<>()!#~\n")
 RUN_COMMANDS = ("train", "tune", "autotune")
+# A user's pipeline is imported to check its config, as on the head; in CI that means installed.
+PIPELINE_HINT = (
+    "; the check loads the config as the head will, so the pipeline's code must be importable where `raylane k8s "
+    "check` runs (in CI: pip install the package that holds it, or run the check from the folder that holds the module)"
+)
 ParserFactory = Callable[[], argparse.ArgumentParser]
 Rule = tuple[str, str, str]
 
@@ -158,11 +163,18 @@ def load(args: argparse.Namespace, folder: str, rules: list[Rule]) -> BaseConfig
 
         return prepare_submit(source, args.overrides)
     except ConfigError as exc:
-        rules.append(("spec.entrypoint", "raylane.config", str(exc)))
+        rules.append(
+            ("spec.entrypoint", "raylane.config", str(exc) + (PIPELINE_HINT if "unknown pipeline" in str(exc) else ""))
+        )
     except Exception as exc:  # noqa: BLE001 - a user pipeline that does not import here: one line
         first = (str(exc).strip().splitlines() or [""])[0][:200]
+        hint = PIPELINE_HINT if isinstance(exc, ImportError) else ""
         rules.append(
-            ("spec.entrypoint", "raylane.config", f"loading {args.config!r} failed: {type(exc).__name__}: {first}")
+            (
+                "spec.entrypoint",
+                "raylane.config",
+                f"loading {args.config!r} failed: {type(exc).__name__}: {first}{hint}",
+            )
         )
     return None
 

@@ -72,3 +72,11 @@ def ray_resources(group: PodGroup) -> dict[str, float]:
     else:
         out.update(start_param_resources(params.get("resources")))
     return out
+
+
+def gpus_per_pod(group: PodGroup) -> float:
+    return ray_resources(group).get("GPU", 0.0)
+
+
+def cpus_per_pod(group: PodGroup) -> float | None:
+    return ray_resources(group).get("CPU")

@@ -18,6 +18,9 @@ class Finding:
     path: str  # the field, dotted (spec.rayClusterSpec.workerGroupSpecs[0].maxReplicas); "" for the object
     rule: str  # e.g. schema.unknown-field, operator.min-max-replicas, raylane.storage-path
     message: str
+    # Findings of one key are one line (raylane.k8s.check.merged): the same wrong Ray version in
+    # rayVersion, the images and the Dockerfile. "": the rule and the message are the key.
+    key: str = field(default="", compare=False)
 
     def line(self) -> str:
         where = f"{self.path}: " if self.path else ""
@@ -54,8 +57,28 @@ class Obj:
         kind = self.kind or "object"
         return f"{kind}/{self.name}" if self.name else f"{kind} #{self.index}"
 
-    def finding(self, path: str, rule: str, message: str) -> Finding:
-        return Finding(self.source, self.label, path, rule, message)
+    @property
+    def namespace(self) -> str:
+        """metadata.namespace ("" when the files leave it to `kubectl apply -n`)."""
+        return str(get(self.raw, "metadata", "namespace", default="") or "")
+
+    @property
+    def annotations(self) -> dict[str, Any]:
+        found = get(self.raw, "metadata", "annotations", default={})
+        return found if isinstance(found, dict) else {}
+
+    @property
+    def seen(self) -> Any:
+        """The object as the schema layer stored it, or as written where no schema covers it."""
+        return self.raw if self.body is None else self.body
+
+    def finding(self, path: str, rule: str, message: str, key: str = "") -> Finding:
+        return Finding(self.source, self.label, path, rule, message, key)
+
+
+def same_namespace(a: str, b: str) -> bool:
+    """Two objects' namespaces agree, or one is left to `kubectl apply -n` and cannot be told."""
+    return not a or not b or a == b
 
 
 def dotted(parts: Any) -> str:
