@@ -378,6 +378,13 @@ VARIANTS: list[tuple[str, str, Edit, str, str]] = [
         "Service/mlflow: spec.ports[0].target_port",
     ),
     (
+        "external-declaration-not-kind-and-name",
+        "rayjob.yaml",
+        lambda d: d["metadata"].__setitem__("annotations", {"raylane.io/external": "Secret/hf, Sekret/hf"}),
+        "ref.external",
+        "metadata.annotations.raylane.io/external: 'Sekret/hf': not Kind/name with Kind one of Secret, ConfigMap",
+    ),
+    (
         "token-auth-on-old-ray",
         "raycluster.yaml",
         lambda d: d["spec"].pop("rayVersion"),
@@ -537,6 +544,16 @@ DOCKER_RUNS = [
     ("ray-pinned-on-the-line", 'RUN uv pip install "ray[default]==2.60.0" torch', ""),
     ("only-pip-itself", "RUN pip install -U pip setuptools", ""),
     (
+        "requirements-file-pinning-ray",
+        "COPY keep.txt /app/requirements.txt\nRUN pip install -r /app/requirements.txt",
+        "",
+    ),
+    (
+        "a-base-without-ray-and-ray-pinned",
+        "FROM nvidia/cuda:12.4.1-runtime-ubuntu22.04\nRUN pip install ray==2.60.0",
+        "",
+    ),
+    (
         "ray-in-another-command-of-the-run",
         "RUN python -c \"print('ray==2.60.0')\" && pip install torch",
         "docker.ray-constraint",
@@ -563,7 +580,7 @@ def test_each_pip_install_of_a_run_keeps_the_images_ray(tmp_path, name, body, ru
     (tmp_path / "other.txt").write_text("numpy<3\n")
     (tmp_path / "old.txt").write_text("ray==2.59.0\n")
     path = tmp_path / "Dockerfile"
-    path.write_text(KEEP + body + "\n")
+    path.write_text(("" if body.startswith("FROM") else KEEP) + body + "\n")
     found = [f.line() for f in dockerfile.check_dockerfile(path, "Dockerfile", "2.60.0")]
     if not rule:
         assert found == []

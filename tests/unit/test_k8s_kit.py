@@ -242,6 +242,23 @@ BROKEN: list[tuple[str, Edit, str, str, str]] = [
         "ServiceAccount 'raylane-sa': not in these files (did you mean 'raylane'?)",
     ),
     (
+        "an-ingress-to-a-port-the-service-lacks",
+        both(
+            add_resource("ingress.yaml", INGRESS.replace("number: 5000", "number: 5001")),
+            tracking_uri("https://mlflow.ml.acme.internal", allowed="mlflow.ml.acme.internal"),
+        ),
+        "aws-karpenter",
+        "raylane.mlflow-service",
+        "Ingress/mlflow routes mlflow.ml.acme.internal to Service 'mlflow' port 5001, which these files do not define",
+    ),
+    (
+        "an-ingress-host-the-server-does-not-allow",
+        both(add_resource("ingress.yaml", INGRESS), tracking_uri("https://mlflow.ml.acme.internal")),
+        "aws-karpenter",
+        "raylane.mlflow-host",
+        "Host 'mlflow.ml.acme.internal' is not in the MLflow server's allowed hosts",
+    ),
+    (
         "workers-without-the-account-that-reaches-s3",
         docs("base/rayjob.yaml", no_service_account_on_workers),
         "aws-karpenter",
