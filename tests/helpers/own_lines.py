@@ -16,7 +16,7 @@ OWN_FORMATS = [
         r"raylane: (warning: )?.+",
         r"\[raylane\] strategy \w+ \(.+\)",
         rf"\[raylane\] epoch \d+(/\d+)? step \d+/\d+ \(\d+%\)( {FIGURES})? eta [\d:?]+",
-        r"\[raylane\] epoch \d+ eval: (\w+ [\d.]+ ?)+",
+        r"\[raylane\] (epoch|step) \d+ eval: (\w+ [\d.]+ ?)+",
         r"\[raylane\] (warning|error)( \(rank \d+\))?: .+",
         r"\[raylane\] (resumed from step \d+|worker group restarted \(\d+\))",
         r"\[raylane\] straggler: rank \d+ on \S+ takes .+",

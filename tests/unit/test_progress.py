@@ -132,3 +132,26 @@ def test_the_reporter_names_each_window_by_its_steps():
     result = reporter.on_end(run_result(steps=53))
     assert result.last_window == {"first_step": 51, "last_step": 53, "loss": 0.5, "samples_per_s": 20.0}
     assert result.steps_per_epoch == 30 and events[-1].result == result
+
+
+def test_the_last_line_names_the_epoch_its_last_step_was_in():
+    """A max_steps stop 15 steps into the second epoch of 45 (issue 60, finding 10: the last line
+    read `epoch 1/12 step 60/60` right after the second epoch's evaluation); a run that ended its
+    second epoch names the second."""
+    for steps, epochs, partial, shown in (
+        (60, 1, 0.3333, "epoch 2/12 step 60/60"),
+        (90, 2, 0.0, "epoch 2/12 step 90/90"),
+    ):
+        out = io.StringIO()
+        display = ProgressDisplay(stream=out, live=False, line_interval_s=3600)
+        display.handle(Start(total_steps=steps, steps_per_epoch=45, max_epochs=12, world_size=1, host="h"))
+        display.handle(Progress(epoch=1, step=steps - 1, window=None))
+        display.handle(Eval(epoch=1, step=steps, metrics={"accuracy": 0.9}, epoch_end=not partial))
+        display.handle(End(time_unix=1.0, result=run_result(steps=steps, epochs=epochs, partial_epoch=partial)))
+        lines = out.getvalue().splitlines()
+        assert lines[-2] == (
+            "[raylane] epoch 2 eval: accuracy 0.9000"
+            if not partial
+            else f"[raylane] step {steps} eval: accuracy 0.9000"
+        )
+        assert lines[-1].startswith(f"[raylane] {shown} (100%)"), lines

@@ -378,7 +378,9 @@ class Trainer(RunFigures):
             self._log_train_metrics(until=last_step_end)  # not the end-of-run save and evaluation
         # A max_steps stop mid-epoch, an epoch left unevaluated, or resumed at the end.
         if self.evaluation.step != self.step and not self.stops.preempted:
-            self.evaluation.run(self.step, self.epoch, final=True)
+            # Named as the display shows it: an ended epoch's (train() has moved past it), else its step.
+            ended = self.batch_in_epoch == 0 and self.epoch > 0
+            self.evaluation.run(self.step, self.epoch - ended, epoch_end=ended, final=True)
         result = self._result((started, started_cpu, first_step), last_step_end, epoch_ends)
         if self.reporter.active:
             result = dataclasses.replace(

@@ -134,7 +134,9 @@ class ProgressDisplay:
             case End(result=RunResult() as r):
                 self.end_unix = event.time_unix
                 self.result = r
-                self.info.update(step=r.steps, epoch=max(r.epochs - 1, 0))
+                # The epoch the last step was in: the one a stop cut short, else the last one ended.
+                running = r.epochs if r.partial_epoch else max(r.epochs - 1, 0)
+                self.info.update(step=r.steps, epoch=running)
                 if r.last_window:
                     self.info["window"] = r.last_window  # the last steps', not a stale one
                 self._show(force=True)
