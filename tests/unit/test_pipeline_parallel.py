@@ -215,3 +215,86 @@ def test_auto_splits_a_sequential_model_with_its_activations():
 
     with pytest.raises(ValueError, match=r"'1', between the blocks, is on no stage"):
         check_container(model, [["0", "2", "3"], ["4"]], "")
+
+
+def _natural_gpt(**fields):
+    from tests.helpers.natural_gpt import ModelSection, build_model
+
+    torch.manual_seed(0)
+    return build_model(ModelSection(**fields))
+
+
+def test_every_stage_runs_the_model_s_forward_on_the_model_s_own_input():
+    """nanoGPT's forward (`B, T = idx.shape`, a position embedding of `arange(T)`) on a later stage:
+    the stage is handed the micro-batch's own input beside the activation it received (the
+    schedule's keyword, which torch splits into micro-batches for every stage), so the chained
+    stages compute the model's output. Seen failing before: a later stage called with the hidden
+    state, as it was, raises `too many values to unpack (expected 2)` at `B, T = idx.shape`."""
+    from raylane.loop.pipeline_parallel import MODEL_INPUT
+
+    model = _natural_gpt(n_layer=4)
+    names, stages = _split(model, 2)
+    idx = torch.randint(64, (3, 16))
+    x = idx
+    for stage in stages:
+        x = stage(x, **{MODEL_INPUT: idx})
+    assert torch.allclose(x, model(idx), atol=1e-6)
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        stages[1](stages[0](idx))  # the hidden state alone, as the model's input
+
+
+def test_a_module_held_elsewhere_gives_zeros_of_its_own_shape():
+    """What another stage holds returns zeros shaped as its output would be (a stride-0 view), so
+    a forward reading the embedding's shape (`B, T, C = x.shape`) runs on every stage."""
+
+    class ReadsShape(Natural):
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.body.embed(idx)
+            b, t, c = x.shape
+            for layer in self.body.layers:
+                x = layer(x)
+            return self.head(self.body.norm(x)).view(b, t, -1)
+
+    from raylane.loop.pipeline_parallel import MODEL_INPUT, Elsewhere
+
+    torch.manual_seed(0)
+    model = ReadsShape()
+    _, stages = _split(model, 2)
+    assert isinstance(stages[1].body.embed, Elsewhere)
+    zeros = stages[1].body.embed(torch.zeros(3, 5, dtype=torch.long))
+    assert zeros.shape == (3, 5, 8) and zeros.stride() == (0, 0, 0) and not zeros.any()
+    assert not list(stages[1].body.embed.parameters())
+    idx = torch.randint(16, (3, 5))
+    out = stages[1](stages[0](idx, **{MODEL_INPUT: idx}), **{MODEL_INPUT: idx})
+    assert torch.allclose(out, model(idx))
+
+
+def test_stages_a_forward_cannot_run_in_turn_are_refused_before_launch():
+    """The forward check runs the stages one after the other on the meta device before launch:
+    nanoGPT's model passes (every stage gets the model's own input), and a forward that reaches its
+    blocks by index (`self.blocks[i]` for i in range(n_layer): the first stage holds blocks 0 and 1
+    only) is refused in one line naming strategy.pp, the stage, the user's file:line (where the
+    model's class is defined) and what a stage runs."""
+    from raylane.loop.forward_checks import check_model_parallel, check_pp_forward
+    from tests.helpers import natural_gpt
+
+    cfg = natural_gpt.Config(pipeline=natural_gpt.__file__, strategy={"pp": 2}, model={"n_layer": 4})
+    pipe = natural_gpt.build(cfg)
+    check_model_parallel(pipe, cfg)
+
+    class ByIndex(type(pipe.model)):
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for i in range(4):
+                x = self.blocks[i](x)
+            return self.lm_head(self.ln_f(x))
+
+    model = pipe.model
+    model.__class__ = ByIndex
+    names, _ = _split(model, 2)
+    with pytest.raises(ValueError) as failed:
+        check_pp_forward(model, names, "blocks", pipe.example_input, 2)
+    line = str(failed.value)
+    assert line.startswith("strategy.pp = 2: stage 0 of ByIndex's forward fails (") and "\n" not in line
+    assert "tests/unit/test_pipeline_parallel.py:" in line and "IndexError: index 2 is out of range" in line
+    assert "a stage runs the model's own forward on the model's input, with the blocks of 'blocks'" in line

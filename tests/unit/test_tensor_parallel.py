@@ -69,7 +69,7 @@ def test_a_rule_that_names_nothing_is_an_error():
     plan = {**_plan(), "blocks.*.attn": object()}
     with pytest.raises(ValueError, match=r"Pipeline.tp_plan: 'blocks.\*.attn' names no module of Tied"):
         plan_for(Tied(), plan, sequence_parallel=False)
-    assert set(plan_for(Tied(), lambda model, sp: _plan(), sequence_parallel=True)) == set(_plan())
+    assert set(plan_for(Tied(), lambda model, sp: _plan(), sequence_parallel=False)) == set(_plan())
 
 
 def test_clipping_over_two_meshes(one_rank):
@@ -140,3 +140,144 @@ def test_a_gpt_state_dict_with_the_fused_attention_still_loads():
     fresh.load_state_dict(old)
     for name, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], value), name
+
+
+def _natural(**fields):
+    from tests.helpers.natural_gpt import ModelSection, build_model, tp_plan
+
+    return build_model(ModelSection(**fields)), tp_plan()
+
+
+def test_a_split_attention_s_head_count_becomes_the_rank_s_own():
+    """nanoGPT's attention views q, k and v by `self.n_heads`: after the plan each attention's
+    head count is its rank's share (4 heads over 2 ranks: 2), the head size and the blocks'
+    other attributes untouched; applied again (a stage's plan after the model's) it stays 2. On a
+    rank's share of the plan (a fake world of 2, the meta device) the forward then runs, and its
+    output is the whole model's shape. Seen failing before: without local_heads the same forward
+    raises `shape '[2, 16, 4, 8]' is invalid for input of size 512` at the view."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from raylane.loop.tensor_parallel import local_heads
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with torch.device("meta"):
+            model, plan = _natural()
+        apply_plan(model, plan, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sequence_parallel=False)
+        attn = model.blocks[1].attn
+        assert (attn.n_heads, attn.head_dim) == (2, 8)
+        assert local_heads(model, plan, 2) == [] and attn.n_heads == 2
+        out = model(torch.zeros(2, 16, dtype=torch.long, device="meta"))
+        assert out.shape == (2, 16, 64)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_heads_refuses_heads_the_degree_does_not_divide():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from raylane.loop.tensor_parallel import local_heads
+
+    model, _ = _natural(n_heads=2, n_embd=32)
+    with pytest.raises(ValueError, match=r"strategy.tp = 4: does not divide blocks.0.attn.n_heads = 2"):
+        local_heads(model, {"blocks.*.attn.q_proj": ColwiseParallel()}, 4)
+
+
+def test_a_forward_no_rank_s_share_can_run_is_refused_before_launch():
+    """The forward check runs the model on one rank's share of the plan before launch: nanoGPT's
+    own line `C // self.n_heads` (the head size from the input's whole width) fails there, and
+    the refusal is one line naming strategy.tp, the attention, the user's file:line, torch's
+    error and what the forward must do; the same model with its head size set at init passes."""
+    from raylane.loop.forward_checks import check_tp_forward
+
+    example = torch.zeros(2, 16, dtype=torch.long)
+    model, plan = _natural()
+    check_tp_forward(model, plan, 2, example)  # passes: head_dim from init, n_heads divided
+    assert not dist.is_initialized()
+    model, plan = _natural(head_dim_from_input=True)
+    with pytest.raises(ValueError) as failed:
+        check_tp_forward(model, plan, 2, example)
+    line = str(failed.value)
+    assert "\n" not in line and not dist.is_initialized()
+    assert line.startswith("strategy.tp = 2: TinyLM's forward fails in blocks.0.attn (")
+    assert "tests/helpers/natural_gpt.py:" in line and "is invalid for input of size" in line
+    assert "view them with -1 heads" in line and "self.head_dim" in line
+
+
+def test_sequence_parallelism_needs_a_plan_written_for_it():
+    """A dict plan lays out nothing more with sequence parallelism, and neither does a function
+    that ignores its flag: both are refused in one line naming strategy.sequence_parallel (the run
+    was named `tp2+sp` while training as plain tp2). gpt's plan, which lays out its norms and
+    residual stream for it, passes."""
+    from raylane.loop.tensor_parallel import check_sequence_parallel
+    from raylane.pipelines.gpt import build_model, tp_plan
+
+    model, plan = _natural()
+    with pytest.raises(ValueError, match=r"^strategy.sequence_parallel = True: the pipeline's tp_plan is a dict; "):
+        plan_for(model, plan, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"tp_plan\(model, sequence_parallel\) gives the same plan either way"):
+        plan_for(model, lambda m, sp: plan, sequence_parallel=True)
+    assert set(plan_for(model, plan, sequence_parallel=False)) == set(plan)
+    from raylane.config import load_config
+
+    gpt = build_model(load_config("gpt-tiny").model)
+    check_sequence_parallel(gpt, tp_plan)
+
+
+@pytest.fixture
+def four_fake_ranks(monkeypatch):
+    """This process as rank 0 of 4 on one node, over torch's fake backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _tp_auto(*sets: str):
+    from raylane.config import load_config
+    from raylane.loop.data import first_batch
+    from raylane.loop.parallel import parallelize
+    from raylane.pipelines.gpt import build
+
+    cfg = load_config("gpt-tiny", ["model.n_head=4", "strategy.name=fsdp", "strategy.tp=auto", *sets])
+    pipe = build(cfg)
+    example = first_batch(pipe.train_set, cfg.train.batch_size)
+    _, strategy = parallelize(
+        pipe.model, cfg, torch.device("cpu"), 4, example=example, loss_fn=pipe.loss_fn, tp_plan=pipe.tp_plan
+    )
+    return strategy
+
+
+def test_tp_auto_counts_the_activations_each_layout_keeps_measured(four_fake_ranks):
+    """`tp: auto` weighs each tensor-parallel candidate with one rank's activations measured on a
+    meta copy with the plan laid out (a fake world of 4): tp2 keeps fewer than one process, sequence
+    parallelism fewer again (its norms and residual stream split by tokens), and both more than
+    half of one process's (the inputs gathered for each attention and MLP are kept whole). Seen
+    failing before: the estimate was the whole model's without sequence parallelism and exactly
+    half of it with (gpt-tiny's 4 heads at tp2: 15.7 MB, 7.9 MB with sp; measured 10.3 MB and 9.6 MB)."""
+    plain = _tp_auto("scaling.device_memory_gb=1000").estimate
+    sp = _tp_auto("scaling.device_memory_gb=1000", "strategy.sequence_parallel=true").estimate
+    whole = plain["activations"]
+    assert sp["activations"] == whole
+    assert whole > plain["activations_tp2"] > sp["activations_tp2"] > whole // 2, (plain, sp)
+    assert plain["activations_tp2"] > plain["activations_tp4"] and sp["activations_tp2"] > sp["activations_tp4"]
+
+
+def test_tp_auto_with_a_dict_plan_and_sequence_parallelism_is_refused(four_fake_ranks):
+    """The report's case: a dict plan, `sequence_parallel: true` and `tp: auto`; the plan cannot
+    lay sequence parallelism out, so no candidate is weighed as if it did: one line naming
+    strategy.sequence_parallel."""
+    from raylane.config import load_config
+    from raylane.loop.parallel import parallelize
+
+    model, plan = _natural()
+    cfg = load_config("gpt-tiny", ["strategy.name=fsdp", "strategy.tp=auto", "strategy.sequence_parallel=true"])
+    example = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^strategy.sequence_parallel = True: the pipeline's tp_plan is a dict"):
+        parallelize(model, cfg, torch.device("cpu"), 4, example=example, loss_fn=None, tp_plan=plan)

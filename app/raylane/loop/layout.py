@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,17 +81,25 @@ class Layout:
         return ", ".join(f"{d} {n}" for d, n in dims if n > 1 or d in ("dp_shard", "tp"))
 
 
+def fake_mesh(mesh_shape: tuple[int, int]) -> Any:
+    """A (dp_shard, tp) mesh over this process's world on torch's `fake` backend (shapes only;
+    nothing is sent). Collective (the groups are made by every rank)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the fake backend
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("dp_shard", "tp")
+    return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names, backend_override=dict.fromkeys(names, "fake"))
+
+
 def parameter_bytes(
-    model: nn.Module, blocks: Any, mesh_shape: tuple[int, int], plan: Any, *, sequence_parallel: bool
+    model: nn.Module, blocks: Any, mesh_shape: tuple[int, int], plan: Any, *, sequence_parallel: bool, mesh: Any = None
 ) -> int:
     """The bytes of parameters one rank holds under FSDP2 over `mesh_shape` = (dp_shard, tp), the
     pipeline's `plan` applied when tp > 1: measured, not computed, by laying out a meta copy of the
-    model on process groups of torch's `fake` backend (shapes only; nothing is sent) over this
-    process's world, whose size the mesh must have: the default process group's (a real one on
-    the ranks, or a fake one in a test). Rank 0's share, the largest where shards are uneven.
+    model on process groups of torch's `fake` backend (`fake_mesh`, or `mesh`: one made so) over
+    this process's world, whose size the mesh must have: the default process group's (a real one
+    on the ranks, or a fake one in a test). Rank 0's share, the largest where shards are uneven.
     Collective (the groups are made by every rank)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the fake backend
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from raylane.loop.blocks import blocks_of
@@ -98,8 +107,7 @@ def parameter_bytes(
 
     meta, blocks = copy.deepcopy((model, blocks_of(model, blocks)))  # one copy: the blocks are the copy's
     meta.to("meta")
-    names = ("dp_shard", "tp")
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names, backend_override=dict.fromkeys(names, "fake"))
+    mesh = mesh if mesh is not None else fake_mesh(mesh_shape)
     if mesh_shape[1] > 1:
         apply_plan(meta, plan, mesh["tp"], sequence_parallel=sequence_parallel)
     for block in blocks:
@@ -157,14 +165,18 @@ def weigh(
     estimate: dict[str, int],
     per_byte: int,
     device: tuple[int, float],
+    activations: Callable[[Callable[[nn.Module], None]], int] | None = None,
 ) -> tuple[Candidate, dict[str, int], str]:
     """(the layout chosen, every candidate's bytes per rank, the reason), for `strategy.tp: auto`:
     the simplest whose bytes fit the device's (bytes, usable share): DDP (with `strategy.name:
     auto`), FSDP, then FSDP x TP by growing tp (`tp_candidates`, with a plan); else the one that
     needs least. FSDP's and TP's parameter bytes are measured (`parameter_bytes`) and taken
-    `per_byte` times (parameters, gradients, optimizer state); activations are the estimate's
-    meta forward's, divided by tp with sequence parallelism (whole without: the norms and the
-    residual stream stay whole); plus two gathered blocks, divided by tp. Collective."""
+    `per_byte` times (parameters, gradients, optimizer state); plus two gathered blocks, divided
+    by tp; plus the activations: the estimate's meta forward's, and for a TP candidate
+    `activations(lay_out)`'s, one rank's measured on a meta copy with the plan laid out
+    (sequence parallelism as the config says): what the layout saves, and nothing it does not.
+    Where that cannot be measured (no example, a forward the plan breaks), the whole model's.
+    Collective."""
     from raylane.loop.blocks import blocks_of
     from raylane.loop.devices import GIB, local_world_size
 
@@ -175,9 +187,16 @@ def weigh(
     )
     tps = tp_candidates(cfg, world_size, local_world_size(default=world_size)) if plan is not None else []
     options = [Candidate("ddp", "ddp", 1, estimate["ddp"])] if s.name == "auto" else []
+    measured: dict[str, int] = {}
     for tp in [1, *tps]:
-        held = parameter_bytes(model, blocks, (world_size // tp, tp), plan, sequence_parallel=s.sequence_parallel)
-        need = held * per_byte + (acts // tp if s.sequence_parallel else acts) + 2 * largest // tp
+        mesh = fake_mesh((world_size // tp, tp))
+        held = parameter_bytes(
+            model, blocks, (world_size // tp, tp), plan, sequence_parallel=s.sequence_parallel, mesh=mesh
+        )
+        mine = acts
+        if tp > 1 and activations is not None:
+            mine = measured[f"activations_tp{tp}"] = _rank_activations(activations, plan, mesh, s, acts)
+        need = held * per_byte + mine + 2 * largest // tp
         options.append(Candidate("fsdp" if tp == 1 else f"fsdp_tp{tp}", "fsdp", tp, need))
     budget, share = device
     chosen = next((c for c in options if c.bytes <= share * budget), None)
@@ -185,4 +204,21 @@ def weigh(
     why = f"tp auto: per rank {needs}, of {budget / GIB:.2f} GiB per device ({share:.0%} usable)"
     if chosen is None:
         chosen, why = min(options, key=lambda c: c.bytes), f"{why}; none fits: the smallest"
-    return chosen, {"activations": acts, "device": budget, **{c.key: c.bytes for c in options}}, why
+    return chosen, {"activations": acts, **measured, "device": budget, **{c.key: c.bytes for c in options}}, why
+
+
+def _rank_activations(activations: Callable, plan: Any, mesh: Any, s: Any, whole: int) -> int:
+    """One rank's activations with the plan laid out over `mesh`'s tp ranks; `whole` where the
+    forward does not run so (said at debug level: the run itself will say why)."""
+    from raylane.loop.tensor_parallel import apply_plan
+
+    def lay_out(meta: nn.Module) -> None:
+        # the head's logits gathered: the estimate's loss runs outside loss_parallel's context,
+        # so loss parallelism's split logits are not counted as saved (never a saving not measured)
+        apply_plan(meta, plan, mesh["tp"], sequence_parallel=s.sequence_parallel)
+
+    try:
+        return activations(lay_out)
+    except Exception as exc:  # noqa: BLE001 - a forward the plan breaks: nothing saved is counted
+        log.debug("tp auto: activations under tp %d not measured (%s: %s)", mesh["tp"].size(), type(exc).__name__, exc)
+        return whole

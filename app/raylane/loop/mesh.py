@@ -14,7 +14,7 @@ from raylane.config import BaseConfig
 from raylane.loop.blocks import Blocks
 from raylane.loop.layout import MESH_DIMS
 from raylane.loop.sharding import Strategy, fully_shard, on_meta, prepare_blocks
-from raylane.loop.tensor_parallel import apply_plan, gather_when_evaluating, plan_for, retie, shared_parameters
+from raylane.loop.tensor_parallel import apply_plan, apply_rules, gather_when_evaluating, plan_for
 
 
 def model_parallel_strategy(cfg: BaseConfig, world_size: int, tp: int | None = None, why: str = "") -> Strategy:
@@ -105,11 +105,7 @@ def lay_out_pipeline_parallel(
 
     def prepare(stage: nn.Module, blocks: list[nn.Module]) -> nn.Module:
         if rules is not None:  # the plan's rules for the modules this stage holds
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            ties = shared_parameters(stage)
-            parallelize_module(stage, mesh["tp"], stage_plan(stage, rules))
-            retie(stage, ties)
+            apply_rules(stage, stage_plan(stage, rules), mesh["tp"])
         prepare_blocks(stage, cfg, blocks)
         return fully_shard(stage, blocks, cfg, device, strategy, fsdp_mesh(mesh))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -38,18 +39,35 @@ def _nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def _local_bytes(t: torch.Tensor) -> int:
+    """A tensor's bytes on this rank: a DTensor's local share (a tensor-parallel layout's)."""
+    if hasattr(t, "to_local"):
+        with torch.no_grad():
+            t = t.to_local()
+    return t.numel() * t.element_size()
+
+
 def activation_bytes(
-    model: nn.Module, example: Any, loss_fn, checkpointed: bool = False, step=None, blocks: Any = None
+    model: nn.Module,
+    example: Any,
+    loss_fn,
+    checkpointed: bool = False,
+    step=None,
+    blocks: Any = None,
+    lay_out: Callable[[nn.Module], None] | None = None,
 ) -> int:
     """Bytes autograd keeps for backward from one forward and loss at the example batch's size
     (any of the three forms, raylane.loop.batches), measured on a copy on the meta device:
     shapes only, no memory, no compute. With activation checkpointing, each block keeps only its
     input, and one block's are rebuilt at a time. `blocks`: the pipeline's (raylane.loop.blocks),
-    or None to find them."""
+    or None to find them. `lay_out(copy)`: a layout applied to the meta copy first (a
+    tensor-parallel plan over a fake process group): one rank's bytes under it."""
     from raylane.loop.batches import forward_loss, to_device
 
     meta, blocks = copy.deepcopy((model, blocks_of(model, blocks)))  # one copy: the blocks are the copy's
     meta.to("meta")
+    if lay_out is not None:
+        lay_out(meta)
     batch = to_device(example, torch.device("meta"))
     params = {id(p) for p in meta.parameters()}
     saved: dict[int, tuple[int, int]] = {}  # tensor id -> (bytes, block index or -1)
@@ -59,14 +77,14 @@ def activation_bytes(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in params and id(t) not in saved:
-            saved[id(t)] = (t.numel() * t.element_size(), where[0])
+            saved[id(t)] = (_local_bytes(t), where[0])
             keep.append(t)
         return t
 
     def enter(i: int):
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             where[0] = i
-            inputs.append(sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)))
+            inputs.append(sum(_local_bytes(a) for a in args if isinstance(a, torch.Tensor)))
 
         return hook
 
@@ -163,7 +181,17 @@ def _auto_layout(
     estimate = estimate_memory(model, cfg, world_size, example, loss_fn, step, blocks=blocks)
     per_byte = 2 + OPTIMIZER_STATES.get(o.name, 1 if o.momentum else 0)  # parameters, gradients, states
     budget = device_memory_bytes(device, cfg.scaling.device_memory_gb, local_world_size())
-    chosen, estimate, why = weigh(cfg, world_size, model, blocks, plan, estimate, per_byte, (budget, AUTO_MARGIN))
+
+    def activations(lay_out: Callable[[nn.Module], None]) -> int:
+        """One rank's activations under a tensor-parallel candidate, counted as estimate_memory's."""
+        checkpointed = cfg.train.activation_checkpointing
+        acts = activation_bytes(model, example, loss_fn, checkpointed, step, blocks, lay_out=lay_out)
+        return acts if cfg.train.precision == "fp32" else acts // 2
+
+    measure = activations if example is not None and estimate["activations"] else None
+    chosen, estimate, why = weigh(
+        cfg, world_size, model, blocks, plan, estimate, per_byte, (budget, AUTO_MARGIN), activations=measure
+    )
     if chosen.tp > 1:
         return replace(model_parallel_strategy(cfg, world_size, chosen.tp, why), estimate=estimate)
     if chosen.name == "ddp":

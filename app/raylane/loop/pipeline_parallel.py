@@ -7,16 +7,20 @@ A stage is the model itself, deep-copied, with what other stages hold taken out 
 way), so that the model's own `forward` runs unchanged on every stage:
 
 - blocks of other stages leave the blocks' container: iterating it yields this stage's only;
-- other modules that hold parameters become `Elsewhere`, which returns a zero;
+- every stage's forward is called with the model's own input (the micro-batch's, which every rank
+  of a pipeline reads: nothing more is sent), so `B, T = idx.shape`, positions and masks made
+  from it are what they are on one process;
+- other modules that hold parameters become `Elsewhere`, which returns zeros of the shape the
+  module would return (a stride-0 view: no memory), so `B, T, C = x.shape` after them holds too;
 - on a stage after the first, iterating the blocks first yields `Enter`, which hands the first
   block the activation the stage received (whatever the forward computed before it is discarded);
 - on a stage before the last, iterating them last yields `Exit`, which ends the forward there
   with the last block's output.
 
-So a model written the natural way, `x = embed(idx); for block in self.blocks: x = block(x);
-return head(norm(x))`, pipelines with `pp_stages="auto"`. Its blocks must be called in turn on
-the running activation, each taking and returning one tensor; parameter-free modules (dropout,
-rotary tables) run on every stage."""
+So a model written the natural way, `B, T = idx.shape; x = embed(idx) + pos(arange(T)); for
+block in self.blocks: x = block(x); return head(norm(x))`, pipelines with `pp_stages="auto"`.
+Its blocks must be called in turn on the running activation, each taking and returning one
+tensor; parameter-free modules (dropout, rotary tables) run on every stage."""
 
 from __future__ import annotations
 
@@ -42,12 +46,45 @@ class StageExit(Exception):  # noqa: N818 - control flow, not an error: the stag
         self.output = output
 
 
+# The keyword under which a stage's forward gets the micro-batch's own input (torch's schedules
+# split keyword arguments into micro-batches and hand them to every stage, the first included).
+MODEL_INPUT = "raylane_model_input"
+
+
 class Elsewhere(nn.Module):
-    """A module another stage holds: its output here is a zero, which `Enter` discards."""
+    """A module another stage holds: its output here is zeros of the shape it would have (worked
+    out by its copy on the meta device), which `Enter` discards; a scalar zero where the meta
+    copy cannot run."""
+
+    def __init__(self, module: nn.Module | None = None) -> None:
+        super().__init__()
+        # not a submodule: its parameters are another stage's (and on the meta device, no memory)
+        object.__setattr__(self, "shape_of", module.to("meta") if module is not None else None)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         like = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        return torch.zeros((), device=like.device if like is not None else None)
+        device = like.device if like is not None else None
+        zero = torch.zeros((), device=device)
+        if self.shape_of is None:
+            return zero
+        try:
+            with torch.no_grad():
+                out = self.shape_of(*_on_meta(args), **_on_meta(kwargs))
+        except Exception:  # noqa: BLE001 - a module that reads values: the scalar zero, as before
+            return zero
+        if not isinstance(out, torch.Tensor):
+            return zero
+        return torch.zeros((), dtype=out.dtype, device=device).expand(out.shape)
+
+
+def _on_meta(values: Any) -> Any:
+    if isinstance(values, torch.Tensor):
+        return values.to("meta")
+    if isinstance(values, dict):
+        return {k: _on_meta(v) for k, v in values.items()}
+    if isinstance(values, (list, tuple)):
+        return type(values)(_on_meta(v) for v in values)
+    return values
 
 
 @dataclass
@@ -102,10 +139,15 @@ class _StageForward:
         self.forward, self.slot, self.call, self.first = forward, slot, call, first
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given = kwargs.pop(MODEL_INPUT, None)
         self.slot.received = args[0] if args else next(iter(kwargs.values()), None)
         try:
             if self.call is not None:
                 return self.call(self.forward, *args, first=self.first, **kwargs)
+            if given is not None and not self.first:
+                # the model's forward as on one process, on its own input; Enter swaps in what
+                # this stage received where the blocks begin
+                return self.forward(given, **kwargs)
             return self.forward(*args, **kwargs)
         except StageExit as done:
             return done.output
@@ -156,8 +198,8 @@ def stage_module(
             holder = stage.get_submodule(parent)
             if parent == container:
                 del holder._modules[child]
-            elif any(True for _ in holder.get_submodule(child).parameters()):
-                holder._modules[child] = Elsewhere()
+            elif next((module := holder.get_submodule(child)).parameters(), None) is not None:
+                holder._modules[child] = Elsewhere(module)
     blocks = stage.get_submodule(container)
     if not any(n.rpartition(".")[0] == container for n in own):
         raise ValueError(f"Pipeline.pp_stages: stage {index} holds no block of {container!r}")
@@ -279,9 +321,10 @@ class Pipeline:
         for batch in batches:
             source, target = self.pair(batch)
             losses: list[torch.Tensor] = []  # fresh each step: the schedule clears the list it is given
-            args = (source.to(self.device),) if self.has_first else ()
+            source = source.to(self.device)
+            args = (source,) if self.has_first else ()
             target = target.to(self.device) if self.has_last else None
-            self.schedule.step(*args, target=target, losses=losses)
+            self.schedule.step(*args, target=target, losses=losses, **{MODEL_INPUT: source})
             if losses:
                 total = total + torch.stack([x.detach() for x in losses]).sum() * n
         return total
@@ -292,13 +335,14 @@ class Pipeline:
         batch size, every schedule): on the rank holding the last stage; None elsewhere."""
         mine = dict(self.stages)
         me = dist.get_rank(self.group)
+        source = source.to(self.device)
         x: Any = source
         for s in range(self.n_stages):
             if s not in mine:
                 continue
             if s > 0 and self.ranks[s - 1] != me:
                 x = _recv(self.ranks[s - 1], self.group, self.device)
-            x = mine[s](x)
+            x = mine[s](x, **{MODEL_INPUT: source})
             if s == self.n_stages - 1:
                 return x
             if self.ranks[s + 1] != me:

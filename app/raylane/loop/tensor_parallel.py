@@ -1,7 +1,14 @@
 """Tensor parallelism from a pipeline's plan (`Pipeline.tp_plan`): which of the model's modules
 torch's ParallelStyles split over the ranks of a tensor-parallel group, applied by
 `parallelize_module` before FSDP2 (torchtitan's order), with what that function leaves wrong put
-right: tied parameters come back untied (trap b of issue 49's study), so they are tied again."""
+right: tied parameters come back untied (trap b of issue 49's study), so they are tied again; and
+an attention's head count, held in an attribute its forward views q, k and v by
+(`view(B, T, self.n_heads, self.head_dim)`), becomes the rank's own (`local_heads`).
+
+Sequence parallelism lays out what lies between the split layers (the norms, the residual stream,
+the embeddings' outputs, the head's input), which only the model's author knows: it needs a plan
+that is a function of the flag, `tp_plan(model, sequence_parallel)`, that lays out something else
+with it (`plan_for` refuses a dict plan, or a function that ignores the flag)."""
 
 from __future__ import annotations
 
@@ -16,9 +23,26 @@ from torch import nn
 TpPlan = Mapping[str, Any] | Callable[[nn.Module, bool], Mapping[str, Any]]
 
 
+# Attributes that hold an attention module's head count, by the names nanoGPT, Llama's reference
+# code and transformers give them: under tensor parallelism a rank holds heads / tp of them.
+HEAD_COUNTS = (
+    "n_heads",
+    "n_head",
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_kv_heads",
+    "n_kv_head",
+    "num_kv_heads",
+)
+
+
 def plan_for(model: nn.Module, plan: TpPlan, *, sequence_parallel: bool) -> dict[str, Any]:
     """The plan as {pattern: ParallelStyle}; ValueError naming the first rule that names no module
-    (a misspelt path would otherwise leave its layers whole on every rank, silently)."""
+    (a misspelt path would otherwise leave its layers whole on every rank, silently), and for
+    sequence parallelism with a plan that cannot lay it out (`check_sequence_parallel`)."""
+    if sequence_parallel:
+        check_sequence_parallel(model, plan)
     rules = dict(plan(model, sequence_parallel) if callable(plan) else plan)
     names = [name.split(".") for name, _ in model.named_modules() if name]
     for pattern in rules:
@@ -28,21 +52,99 @@ def plan_for(model: nn.Module, plan: TpPlan, *, sequence_parallel: bool) -> dict
     return rules
 
 
+def check_sequence_parallel(model: nn.Module, plan: TpPlan) -> None:
+    """ValueError, one line naming strategy.sequence_parallel, unless `plan` lays the model out
+    differently with sequence parallelism than without: a dict plan is the same either way (the
+    flag would do nothing while the run is named `+sp`), and so is a function that ignores it."""
+    what = (
+        "sequence parallelism splits what lies between the split layers (the norms, the residual stream, the "
+        "embeddings' outputs and the head's input) by tokens, which only a plan written for it lays out"
+    )
+    fix = (
+        "give the pipeline tp_plan(model, sequence_parallel) -> plan, laying those out when the flag is true "
+        "(the gpt pipeline's tp_plan; docs/strategies.md, Sequence parallelism), or set "
+        "strategy.sequence_parallel: false"
+    )
+    if not callable(plan):
+        raise ValueError(f"strategy.sequence_parallel = True: the pipeline's tp_plan is a dict; {what}: {fix}")
+    if _same_plan(dict(plan(model, True)), dict(plan(model, False))):
+        raise ValueError(
+            f"strategy.sequence_parallel = True: the pipeline's tp_plan(model, sequence_parallel) gives the same "
+            f"plan either way; {what}: {fix}"
+        )
+
+
+def _same_plan(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    def shown(style: Any) -> Any:
+        return (type(style), repr(sorted(vars(style).items())) if hasattr(style, "__dict__") else repr(style))
+
+    return a.keys() == b.keys() and all(shown(a[k]) == shown(b[k]) for k in a)
+
+
 def apply_plan(
     model: nn.Module, plan: TpPlan, tp_mesh: Any, *, sequence_parallel: bool, loss_parallel: bool = False
 ) -> None:
     """In place: the plan on the model, over `tp_mesh`, and its ties kept. `loss_parallel`: the
     head's logits left split over the vocabulary (`with_split_head`)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     rules = plan_for(model, plan, sequence_parallel=sequence_parallel)
     if loss_parallel:
         rules = with_split_head(rules)
+    apply_rules(model, rules, tp_mesh)
+
+
+def apply_rules(model: nn.Module, rules: dict[str, Any], tp_mesh: Any) -> None:
+    """In place: `rules` ({pattern: ParallelStyle}) on the model over `tp_mesh`, its ties kept and
+    its attentions' head counts made the rank's own (`local_heads`)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
     ties = shared_parameters(model)
     parallelize_module(model, tp_mesh, rules)
     # parallelize_module gives each module a Parameter of its own: a head tied to the embedding
     # would then train apart from it (the study's step-0 gradients 99% off).
     retie(model, ties)
+    local_heads(model, rules, tp_mesh.size())
+
+
+def local_heads(model: nn.Module, rules: dict[str, Any], tp: int) -> list[str]:
+    """In place: each module with a child the plan splits by columns, leaving its output split (an
+    attention's q, k or v projection), has its head-count attributes (HEAD_COUNTS, integers)
+    divided by `tp`, as that rank's share of the heads: a forward written `view(B, T,
+    self.n_heads, self.head_dim)` then views the rank's own q, k and v. Returns the
+    `module.attribute` names changed; ValueError when `tp` does not divide one. A module is
+    changed once (a plan applied again leaves it)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    split = {
+        name
+        for name, _ in model.named_modules()
+        for pattern, style in rules.items()
+        if isinstance(style, ColwiseParallel) and isinstance(style.output_layouts[0], Shard) and _matches(name, pattern)
+    }
+    changed = []
+    for name, module in model.named_modules():
+        if getattr(module, "_raylane_local_heads", False):
+            continue
+        if not any(f"{name}.{child}".lstrip(".") in split for child in module._modules):
+            continue
+        for attr in HEAD_COUNTS:
+            value = module.__dict__.get(attr)  # a plain attribute, not a submodule or parameter
+            if not isinstance(value, int) or isinstance(value, bool):
+                continue
+            if value % tp:
+                raise ValueError(
+                    f"strategy.tp = {tp}: does not divide {name or type(model).__name__}.{attr} = {value}, the heads "
+                    "each rank takes a share of"
+                )
+            setattr(module, attr, value // tp)
+            changed.append(f"{name}.{attr}".lstrip("."))
+            module._raylane_local_heads = True
+    return changed
+
+
+def _matches(name: str, pattern: str) -> bool:
+    parts, atoms = name.split("."), pattern.split(".")
+    return len(parts) == len(atoms) and all(map(fnmatch, parts, atoms))
 
 
 def shared_parameters(model: nn.Module) -> list[list[str]]:
