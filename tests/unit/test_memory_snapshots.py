@@ -116,7 +116,7 @@ def test_the_oom_fault_leaves_a_snapshot_and_the_error_goes_on(tmp_path, cuda_me
     profiler.node = profiler.memory.node = "n0"
     plan = FaultPlan(parse("oom@rank=0,batch=4"), rank=0)
     with pytest.raises(torch.OutOfMemoryError, match="injected: rank 0 out of memory"):
-        with RunFigures._profiling(SimpleNamespace(profiler=profiler)):
+        with RunFigures._profiling(SimpleNamespace(profiler=profiler, step=0)):
             for step in (1, 2):
                 plan.before_forward(2)
                 profiler.step(step)
@@ -135,6 +135,6 @@ def test_the_oom_fault_leaves_a_snapshot_and_the_error_goes_on(tmp_path, cuda_me
 def test_another_error_leaves_no_oom_snapshot(tmp_path, cuda_memory):
     cfg = config(tmp_path, "profile.memory_snapshot_on_oom=true")
     profiler = StepProfiler(cfg.profile, CheckpointStore(f"{tmp_path}/r", None, 0), 0, torch.device("cuda"))
-    with pytest.raises(ValueError), RunFigures._profiling(SimpleNamespace(profiler=profiler)):
+    with pytest.raises(ValueError), RunFigures._profiling(SimpleNamespace(profiler=profiler, step=0)):
         raise ValueError("not memory")
     assert [c[0] for c in cuda_memory] == ["record", "record"] and not os.path.exists(f"{tmp_path}/r/profiles")

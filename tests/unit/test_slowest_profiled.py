@@ -20,7 +20,9 @@ import torch
 from raylane.config import load_config
 from raylane.loop.checkpoint.storage import CheckpointStore
 from raylane.loop.figures import RunFigures
-from raylane.loop.run import _slowest_profiler, _step_times
+from raylane.loop.run import _profiler, _slowest_profiler, _step_times
+from raylane.results import TrainSummary
+from raylane.tracking.progress import outcome_text
 from tests.conftest import REPO
 
 DIGITS = REPO / "pipelines" / "digits.yaml"
@@ -80,7 +82,9 @@ def test_the_rank_named_slowest_profiles_its_next_steps_and_no_other_does(tmp_pa
     trace = tmp_path / "r" / "profiles" / f"trace-rank1-{socket.gethostname()}.json.gz"
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
-    assert steps == {"ProfilerStep#1", "ProfilerStep#2"} and any(e.get("name") == "aten::mm" for e in events)
+    # The trace's steps are the run's (named at step 8: 9 warms up, 10 and 11 recorded), not the
+    # profiler's own count from its start (ProfilerStep#1-2, issue 60, finding 10).
+    assert steps == {"ProfilerStep#10", "ProfilerStep#11"} and any(e.get("name") == "aten::mm" for e in events)
     tables = {f"top-ops-rank1-{socket.gethostname()}.{ext}" for ext in ("csv", "md", "txt")}
     assert {p.name for p in trace.parent.iterdir()} == {trace.name, *tables}  # rank 1's alone
 
@@ -95,3 +99,51 @@ def test_named_after_the_loop_or_with_slowest_left_out_no_profiler_starts(tmp_pa
         state = rank_state(config(tmp_path, *more), 1, tmp_path)
         assert state.slowest_profiler is None, more
     assert rank_state(load_config(DIGITS), 1, tmp_path).slowest_profiler is None  # profile off: nothing made
+
+
+def test_a_rank_profiled_from_a_resume_counts_the_runs_steps(tmp_path):
+    """Rank 0 by number, resumed at step 40: wait 5, warmup 1, active 2 are steps 41-45, 46 and
+    47-48 of the run, and the trace says so."""
+    cfg = config(tmp_path, "profile.ranks=[0]", "profile.wait=5")
+    runtime = SimpleNamespace(rank=0, store=CheckpointStore(f"{tmp_path}/r", None, 0), device=torch.device("cpu"))
+    profiler = _profiler(cfg, runtime)
+    profiler.start(40)
+    x = torch.ones(16, 16)
+    for step in range(41, 51):
+        x = torch.mm(x, x) / 16
+        profiler.step(step)
+    profiler.close()
+    trace = tmp_path / "r" / "profiles" / f"trace-rank0-{socket.gethostname()}.json.gz"
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")} == {
+        "ProfilerStep#47",
+        "ProfilerStep#48",
+    }
+
+
+def test_the_end_line_names_every_profiled_ranks_table_and_the_stragglers():
+    """Rank 0's and the slowest rank's traces: both tables named, the straggler's marked (the
+    line named rank 0's alone); 6 ranks profiled by number: 4 named, then how many more."""
+    folder = "/runs/r/profiles"
+    row = {"node": "n1", "step": 8, "ratio": 2.5, "step_s": 0.1, "median_s": 0.04, "data_share": 0.1, "data_bound": False}
+    s = TrainSummary.model_validate(
+        {
+            "run_name": "r",
+            "status": "FINISHED",
+            "stragglers": [{"rank": 1, "windows": 2, **row}],
+            "profile_traces": [f"{folder}/trace-rank0-n0.json.gz", f"{folder}/trace-rank1-n1.json.gz"],
+        }
+    )
+    line = next(x for x in outcome_text(s, "ui").splitlines() if x.startswith("  profile:"))
+    assert line.endswith(
+        "2 traces in /runs/r/profiles (open a trace in https://ui.perfetto.dev or chrome://tracing; top operations: "
+        "top-ops-rank0-n0.md, top-ops-rank1-n1.md (the straggler's); each also .txt, .csv)"
+    ), line
+    many = s.model_copy(
+        update={"stragglers": [], "profile_traces": [f"{folder}/trace-rank{r}-n.json.gz" for r in range(6)]}
+    )
+    line = next(x for x in outcome_text(many, "ui").splitlines() if x.startswith("  profile:"))
+    assert (
+        "top operations: top-ops-rank0-n.md, top-ops-rank1-n.md, top-ops-rank2-n.md, top-ops-rank3-n.md, 2 more;"
+        in line
+    )

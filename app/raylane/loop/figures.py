@@ -151,7 +151,7 @@ class RunFigures:
         ending out of memory leaves its memory snapshot first (profile.memory_snapshot_on_oom),
         then fails as it would without a profile."""
         if self.profiler is not None:
-            self.profiler.start()
+            self.profiler.start(self.step)
         try:
             yield
         except BaseException as exc:
@@ -182,4 +182,4 @@ class RunFigures:
         if in_loop and self.slowest_profiler and any(s.rank == self.runtime.rank for s in named):
             make, self.slowest_profiler = self.slowest_profiler, None  # once: a rank is named once
             self.profiler = make()
-            self.profiler.start()
+            self.profiler.start(self.step)

@@ -47,9 +47,11 @@ class StepProfiler:
         activities = [tp.ProfilerActivity.CPU] if "cpu" in cfg.activities else []
         if "cuda" in cfg.activities and device.type == "cuda":
             activities.append(tp.ProfilerActivity.CUDA)
+        window = tp.schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat)
+        self._first = 1  # torch's step count of the run's first profiled step (`start`)
         self.prof = tp.profile(
             activities=activities or [tp.ProfilerActivity.CPU],
-            schedule=tp.schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat),
+            schedule=lambda n: window(max(n - self._first, 0)),
             on_trace_ready=self._ready,
             record_shapes=cfg.record_shapes,
             profile_memory=cfg.profile_memory,
@@ -62,7 +64,11 @@ class StepProfiler:
         if hasattr(torch, "_inductor"):
             importlib.import_module("torch._inductor.config")
 
-    def start(self) -> None:
+    def start(self, step: int = 0) -> None:
+        """Before the run's step `step + 1` (the run's count, as the logs give it): the trace's
+        `ProfilerStep#N` spans are the run's steps, on a rank profiled from a resume or named the
+        slowest mid-run as on rank 0 from the start; the window counts from here."""
+        self._first = self.prof.step_num = step + 1
         self.memory.start()
         self.prof.start()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from raylane.config import BaseConfig
@@ -19,6 +20,7 @@ PROFILES = "profiles"
 STACKS = "stacks"  # raylane.loop.hangs.STACKS: the tracking layer reads the folder, not the module
 OPEN_HINT = "open a trace in https://ui.perfetto.dev or chrome://tracing"
 MEMORY_HINT = "drag one onto https://pytorch.org/memory_viz"
+NAMED_TABLES = 4  # the end line names this many tables (256 ranks profiled would be 256 names)
 
 
 def profiles_folder(cfg: BaseConfig) -> tuple[Any, str]:
@@ -53,14 +55,22 @@ def memory_snapshots(cfg: BaseConfig) -> list[str]:
     return profile_traces(cfg, ".pickle") if wanted else []
 
 
-def profile_line(traces: list[str], snapshots: list[str] | None = None) -> str:
+def profile_line(traces: list[str], snapshots: list[str] | None = None, stragglers: Iterable[int] = ()) -> str:
     """The terminal's one line on a profile: where the traces, tables and memory snapshots are,
-    how to open them."""
+    how to open them. Every profiled rank's table is named (the first NAMED_TABLES of them, then
+    how many more), a named straggler's marked: rank 0's alone sent a reader to the fast rank."""
     if traces:
         folder = traces[0].rsplit("/", 1)[0]
-        tables = traces[0].rsplit("/", 1)[1].replace("trace-", "top-ops-").replace(".json.gz", ".md")
+        slow = {f"rank{r}" for r in stragglers}
+        tables = []
+        for trace in traces[:NAMED_TABLES]:
+            name = trace.rsplit("/", 1)[1].replace("trace-", "top-ops-").replace(".json.gz", ".md")
+            tables.append(name + (" (the straggler's)" if name.split("-")[2] in slow else ""))
+        if len(traces) > NAMED_TABLES:
+            tables.append(f"{len(traces) - NAMED_TABLES} more")
         n = len(traces)
-        line = f"{n} trace{'s' if n > 1 else ''} in {folder} ({OPEN_HINT}; top operations: {tables}, .txt, .csv)"
+        also = ", .txt, .csv" if n == 1 else "; each also .txt, .csv"
+        line = f"{n} trace{'s' if n > 1 else ''} in {folder} ({OPEN_HINT}; top operations: {', '.join(tables)}{also})"
     else:
         line = "none written (the run ended before the window: see profile.wait)"
     if snapshots:

@@ -275,7 +275,8 @@ def outcome_text(summary: TrainSummary, ui: str, log_file: Any = None) -> str:
         rows.append(("skipped rows", counts + (f"; the first: {first}" if first else "")))
     rows += [("straggler", StepStraggler(**x.model_dump()).line().removeprefix("straggler: ")) for x in s.stragglers]
     if s.profile_traces or s.memory_snapshots:
-        rows.append(("profile", profile_line(s.profile_traces, s.memory_snapshots)))
+        slow = [x.rank for x in s.stragglers]
+        rows.append(("profile", profile_line(s.profile_traces, s.memory_snapshots, slow)))
     rows.append(("MLflow run id", s.run_id) if s.run_id else ("MLflow", "not recorded"))
     rows.append(("checkpoint", s.checkpoint or "none"))
     if s.model_uri:
