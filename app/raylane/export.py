@@ -9,9 +9,11 @@ tensors); the config and the file's metadata list the other names (`aliases`).""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +27,40 @@ from raylane.loop.aliases import aliases, unexplained, with_aliases, without_ali
 from raylane.loop.frozen import base_of, frozen_names, mismatch, saved_part
 from raylane.loop.pipeline import example_batch
 
+# True while `consolidated` builds a checkpoint's model: in one process, whatever process group
+# the caller is in. Under torchrun the driver is rank 0, still in the group at the end of a run
+# whose peers have left: a collective there (a pipeline's init_weights broadcasting the base
+# weights) fails with "Connection closed by peer" or waits for ranks that are gone.
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("raylane_export_alone", default=False)
+
+
+def alone() -> bool:
+    """Whether this code runs in the one-process build of a checkpoint's model (`raylane export`,
+    the MLflow model at a run's end): a pipeline's `init_weights` must then start no collective,
+    though a process group may exist (raylane.hf.load_pretrained reads the weights itself)."""
+    return _ALONE.get()
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
 
 def consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     """(pipeline, its model with the checkpoint's full weights, train state), in one process.
     The weights hold each tensor once (canonical names); the model has every name back. A
     checkpoint of a model on a frozen base (LoRA) holds what trained: the rest is the base the
-    pipeline loaded, which must be the one the checkpoint records (raylane.loop.frozen)."""
+    pipeline loaded, which must be the one the checkpoint records (raylane.loop.frozen). No
+    collective runs, even in a process of a group (`alone`)."""
+    with _one_process():
+        return _consolidated(checkpoint_dir)
+
+
+def _consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     problem = checkpoint.verify(str(checkpoint_dir))
     if problem:
         raise ValueError(f"{checkpoint_dir}: not a valid checkpoint ({problem})")

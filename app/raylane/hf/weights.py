@@ -121,11 +121,16 @@ def load_pretrained(model: nn.Module, path: str | Path, *, key: str = "model.nam
     parameters), the other ranks receive their part by broadcast. Call it after raylane has
     parallelized the model (a pipeline's `init_weights`). Weights `from_pretrained` starts itself
     (a new classification head) are listed in one line; a LoRA adapter starts as peft starts it;
-    a tensor of the base model the files lack raises WeightsError on every rank, naming `key`."""
+    a tensor of the base model the files lack raises WeightsError on every rank, naming `key`.
+    In the one-process build of a checkpoint's model (`raylane export`, the run's MLflow model:
+    raylane.export.alone) this process reads them alone, even as rank 0 of a group whose peers
+    have left (the torchrun driver at a run's end)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    from raylane.export import alone
+
     model = getattr(model, "module", model)  # DDP's wrapper: its module's names
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    distributed = dist.is_initialized() and dist.get_world_size() > 1 and not alone()
     rank = dist.get_rank() if distributed else 0
     full: dict[str, torch.Tensor] = {}
     failure: WeightsError | None = None
