@@ -18,7 +18,6 @@ device's. Each refusal names strategy.tp or strategy.pp, the module that was run
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -114,9 +113,9 @@ def _runs_on_meta(model: nn.Module, example: Any) -> bool:
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
-    # the copy's parameters made on the meta device, never copied (ties kept: one memo entry each)
-    memo: dict[int, Any] = {id(p): nn.Parameter(p.to("meta"), p.requires_grad) for p in model.parameters()}
-    return copy.deepcopy(model, memo).to("meta")
+    from raylane.loop.layout import meta_copy
+
+    return meta_copy(model)[0]
 
 
 def _call(model: nn.Module, example: Any) -> Any:

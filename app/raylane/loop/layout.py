@@ -81,6 +81,17 @@ class Layout:
         return ", ".join(f"{d} {n}" for d, n in dims if n > 1 or d in ("dp_shard", "tp"))
 
 
+def meta_copy(model: nn.Module, blocks: Any = None) -> tuple[nn.Module, list[nn.Module]]:
+    """(a copy of `model` on the meta device, the copy's blocks: raylane.loop.blocks' of `blocks`),
+    its parameters made on the meta device and never copied (ties kept: one memo entry each), so
+    that a large model built with its weights costs no second copy of them."""
+    from raylane.loop.blocks import blocks_of
+
+    memo: dict[int, Any] = {id(p): nn.Parameter(p.to("meta"), p.requires_grad) for p in model.parameters()}
+    meta, found = copy.deepcopy((model, blocks_of(model, blocks)), memo)  # one copy: the blocks are the copy's
+    return meta.to("meta"), found
+
+
 def fake_mesh(mesh_shape: tuple[int, int]) -> Any:
     """A (dp_shard, tp) mesh over this process's world on torch's `fake` backend (shapes only;
     nothing is sent). Collective (the groups are made by every rank)."""
@@ -102,11 +113,9 @@ def parameter_bytes(
     Collective (the groups are made by every rank)."""
     from torch.distributed.fsdp import fully_shard
 
-    from raylane.loop.blocks import blocks_of
     from raylane.loop.tensor_parallel import apply_plan
 
-    meta, blocks = copy.deepcopy((model, blocks_of(model, blocks)))  # one copy: the blocks are the copy's
-    meta.to("meta")
+    meta, blocks = meta_copy(model, blocks)
     mesh = mesh if mesh is not None else fake_mesh(mesh_shape)
     if mesh_shape[1] > 1:
         apply_plan(meta, plan, mesh["tp"], sequence_parallel=sequence_parallel)
@@ -178,7 +187,7 @@ def weigh(
     Where that cannot be measured (no example, a forward the plan breaks), the whole model's.
     Collective."""
     from raylane.loop.blocks import blocks_of
-    from raylane.loop.devices import GIB, local_world_size
+    from raylane.loop.devices import local_world_size, size_text
 
     s = cfg.strategy
     acts = estimate["activations"]
@@ -200,8 +209,8 @@ def weigh(
         options.append(Candidate("fsdp" if tp == 1 else f"fsdp_tp{tp}", "fsdp", tp, need))
     budget, share = device
     chosen = next((c for c in options if c.bytes <= share * budget), None)
-    needs = ", ".join(f"{c.key.replace('_', '×').upper()} ~{c.bytes / GIB:.2f} GiB" for c in options)
-    why = f"tp auto: per rank {needs}, of {budget / GIB:.2f} GiB per device ({share:.0%} usable)"
+    needs = ", ".join(f"{c.key.replace('_', '×').upper()} ~{size_text(c.bytes)}" for c in options)
+    why = f"tp auto: per rank {needs}, of {size_text(budget)} per device ({share:.0%} usable)"
     if chosen is None:
         chosen, why = min(options, key=lambda c: c.bytes), f"{why}; none fits: the smallest"
     return chosen, {"activations": acts, **measured, "device": budget, **{c.key: c.bytes for c in options}}, why

@@ -9,7 +9,6 @@ stages) is raylane.loop.mesh; the Strategy record and FSDP2's wrapping, raylane.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -22,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raylane.config import BaseConfig
 from raylane.loop.blocks import Blocks, blocks_of, find_blocks
-from raylane.loop.devices import GIB, device_memory_bytes, local_world_size
+from raylane.loop.devices import device_memory_bytes, local_world_size, size_text
 from raylane.loop.mesh import lay_out_pipeline_parallel, lay_out_tensor_parallel, model_parallel_strategy
 from raylane.loop.sharding import Strategy, fully_shard, materialize, on_meta, prepare_blocks
 from raylane.loop.tensor_parallel import TpPlan
@@ -63,9 +62,9 @@ def activation_bytes(
     or None to find them. `lay_out(copy)`: a layout applied to the meta copy first (a
     tensor-parallel plan over a fake process group): one rank's bytes under it."""
     from raylane.loop.batches import forward_loss, to_device
+    from raylane.loop.layout import meta_copy
 
-    meta, blocks = copy.deepcopy((model, blocks_of(model, blocks)))  # one copy: the blocks are the copy's
-    meta.to("meta")
+    meta, blocks = meta_copy(model, blocks)
     if lay_out is not None:
         lay_out(meta)
     batch = to_device(example, torch.device("meta"))
@@ -159,8 +158,8 @@ def choose_strategy(
     estimate["device"] = budget
     fits = estimate["ddp"] <= AUTO_MARGIN * budget
     why = (
-        f"auto: DDP needs ~{estimate['ddp'] / GIB:.2f} GiB per rank, FSDP ~{estimate['fsdp'] / GIB:.2f} GiB, "
-        f"of {budget / GIB:.2f} GiB per device ({AUTO_MARGIN:.0%} usable)"
+        f"auto: DDP needs ~{size_text(estimate['ddp'])} per rank, FSDP ~{size_text(estimate['fsdp'])}, "
+        f"of {size_text(budget)} per device ({AUTO_MARGIN:.0%} usable)"
     )
     if fits:
         return Strategy("ddp", (world_size,), reason=why, estimate=estimate)
