@@ -20,7 +20,11 @@ from tests.conftest import REPO, TORCHRUN, cli_env, free_port, read_json
 RAY_NODES = ("node-a", "node-b")
 
 HELPER = REPO / "tests" / "helpers" / "slow_loader.py"
-FIELDS = {"cpu_percent", "memory_percent", "memory_used_gb"}
+# No GPU here: CPU, memory, the run folder's disk and the network, of every node.
+FIELDS = {"cpu_percent", "memory_percent", "memory_used_gb", "disk_percent", "disk_free_gb"} | {
+    "network_receive_mb_s",
+    "network_transmit_mb_s",
+}
 
 
 def _steps(db: Path, run_id: str) -> dict[str, list[int]]:
@@ -66,7 +70,7 @@ def test_two_nodes_health_lands_in_mlflow_under_each_nodes_name(run_cli, tmp_pat
     steps = _steps(tmp_path / "mlflow.db", s["run_id"])
     for node in ("node-0", "node-1"):
         keys = {k.split("/")[-1] for k in steps if k.startswith(f"system/{node}/")}
-        assert keys == FIELDS, (node, sorted(steps))  # no GPU here: CPU and memory only
+        assert keys == FIELDS, (node, sorted(steps))
         # At the interval set: a point a second (the step is the sample's unix second).
         at = steps[f"system/{node}/cpu_percent"]
         gaps = [b - a for a, b in zip(at, at[1:], strict=False)]

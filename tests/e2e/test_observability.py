@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RAYLANE, REPO, TORCHRUN, cli_env, read_json
+from tests.e2e.test_health import FIELDS
 
 HELPER = REPO / "tests" / "helpers" / "slow_loader.py"
 # 512 samples, batch 8 on 2 ranks: 32 steps. Windows of 4 steps ride on the votes (about every
@@ -80,14 +81,14 @@ def test_a_profiled_rank_and_a_slow_loader_under_torchrun(run_cli, project):
 
 
 def _check_health(project: Path, s: dict) -> None:
-    """One node (its local rank 0 samples it): its CPU and memory at a point a second (the step is
+    """One node (its local rank 0 samples it): its CPU, memory, disk and network at a point a second (the step is
     the sample's unix second), keyed by the node's name, not by rank. Two nodes: tests/e2e/test_health.py."""
     host = socket.gethostname()
     with sqlite3.connect(project / "mlflow.db") as con:
         rows = con.execute(
             "SELECT key, step FROM metrics WHERE run_uuid = ? AND key LIKE 'system/%/%' ORDER BY step", (s["run_id"],)
         ).fetchall()
-    assert {k for k, _ in rows} == {f"system/{host}/{f}" for f in ("cpu_percent", "memory_percent", "memory_used_gb")}
+    assert {k for k, _ in rows} == {f"system/{host}/{f}" for f in FIELDS}
     at = [step for k, step in rows if k.endswith("/cpu_percent")]
     assert len(at) >= 2 and all(1 <= b - a <= 3 for a, b in zip(at, at[1:], strict=False)), at
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from types import SimpleNamespace
 
 import pyarrow.fs as pafs
@@ -27,8 +28,49 @@ def test_a_sampler_reads_this_machine_and_keeps_its_last_samples(tmp_path):
     assert [s["n"] for s in data["samples"]] == list(range(2, KEEP + 2))  # the file stays small
     last = data["samples"][-1]
     assert 0 <= last["cpu_percent"] <= 100 and 0 < last["memory_percent"] < 100 and last["memory_used_gb"] > 0
+    # The disk that holds the run's folder, and the network (issue 60, finding 10: on Ray, MLflow's
+    # own disk and network metrics never came; now every node's sampler reads them).
+    disk = shutil.disk_usage(tmp_path)
+    assert 0 < last["disk_percent"] < 100 and abs(last["disk_free_gb"] - disk.free / 1024**3) < 1
+    assert last["network_receive_mb_s"] >= 0 and last["network_transmit_mb_s"] >= 0
     assert not [k for k in last if k.startswith("gpu")]  # no NVML GPU here: no GPU fields
     assert [p.name for p in (tmp_path / "health").iterdir()] == ["node_a.json"]  # no .tmp left
+
+
+def test_the_network_rate_leaves_out_loopback_and_a_counter_reset(monkeypatch, tmp_path):
+    """The counters are the kernel's (psutil): this sandbox sends nothing outward, so they are
+    given here. 10 MB in and 5 MB out on eth0 over 2 s, loopback's traffic left out; then a counter
+    that went back (an interface reset) reads 0, not a negative rate."""
+    import psutil
+
+    nic = SimpleNamespace
+    readings = iter(
+        [
+            (100.0, {"lo": nic(bytes_recv=0, bytes_sent=0), "eth0": nic(bytes_recv=0, bytes_sent=0)}),
+            (
+                102.0,
+                {
+                    "lo": nic(bytes_recv=9 * 2**30, bytes_sent=9 * 2**30),
+                    "eth0": nic(bytes_recv=10 * 2**20, bytes_sent=5 * 2**20),
+                },
+            ),
+            (104.0, {"lo0": nic(bytes_recv=0, bytes_sent=0), "eth0": nic(bytes_recv=0, bytes_sent=5 * 2**20)}),
+        ]
+    )
+    now = {"t": 0.0}
+
+    def counters(pernic: bool):
+        now["t"], nics = next(readings)
+        return nics
+
+    monkeypatch.setattr(psutil, "net_io_counters", counters)
+    monkeypatch.setattr(health.time, "monotonic", lambda: now["t"])
+    io = health.DiskAndNetwork(str(tmp_path / "runs" / "r" / "health"))  # not made yet: its nearest folder's disk
+    assert io.path == str(tmp_path)
+    first = io.read()
+    assert (first["network_receive_mb_s"], first["network_transmit_mb_s"]) == (5.0, 2.5)
+    second = io.read()
+    assert (second["network_receive_mb_s"], second["network_transmit_mb_s"]) == (0.0, 0.0)
 
 
 def test_a_gpu_reads_what_nvml_gives_and_skips_what_it_cannot():

@@ -1,6 +1,6 @@
 """Every node's health, sampled where the ranks run: one sampler per node (the rank with local rank
-0), a daemon thread that every `interval_s` reads the node's CPU, memory and GPUs and rewrites one
-small JSON file, `<run folder>/health/<node>.json`, holding its last few samples. The driver reads
+0), a daemon thread that every `interval_s` reads the node's CPU, memory, disk, network and GPUs
+and rewrites one small JSON file, `<run folder>/health/<node>.json`, holding its last few samples. The driver reads
 those files and records them in MLflow (raylane.tracking.health): the run folder is the channel
 every rank already shares (checkpoints need it), so no collective is made and nothing waits on a
 step; only rank 0's process talks to MLflow, as before.
@@ -26,6 +26,7 @@ HEALTH = "health"  # the run folder's subfolder
 KEEP = 5  # samples each node's file holds: a reader that polls late still sees each once
 NODE_ENV = "RAYLANE_NODE_NAME"
 GB = 1024**3
+MB = 1024**2
 
 
 def node_name() -> str:
@@ -86,8 +87,46 @@ def _ratio(info: Any) -> float:
     return info.used / info.total if info.total else 0.0
 
 
-def read_sample(gpus: Gpus | None = None) -> dict[str, float]:
-    """This node's CPU (percent of all cores since the previous call), memory and GPUs, now."""
+class DiskAndNetwork:
+    """The node's disk that holds `path` (the run's folder where it is on this node, else `/`): its
+    use and free space; and its network, every interface but loopback (traffic inside the node),
+    in MB/s received and sent since the previous `read` (or since this was made)."""
+
+    def __init__(self, path: str = os.sep) -> None:
+        while path and not os.path.exists(path):  # the run's folder may not be made yet
+            path = os.path.dirname(path.rstrip(os.sep)) or os.sep
+        self.path = path or os.sep
+        self._net = self._counters()
+
+    @staticmethod
+    def _counters() -> tuple[float, int, int]:
+        import psutil
+
+        nics = psutil.net_io_counters(pernic=True) or {}
+        outward = [c for nic, c in nics.items() if not (nic == "lo" or nic.startswith("lo") and nic[2:].isdigit())]
+        return time.monotonic(), sum(c.bytes_recv for c in outward), sum(c.bytes_sent for c in outward)
+
+    def read(self) -> dict[str, float]:
+        import psutil
+
+        out: dict[str, float] = {}
+        try:
+            disk = psutil.disk_usage(self.path)
+            out.update(disk_percent=disk.percent, disk_free_gb=round(disk.free / GB, 3))
+        except OSError:  # the folder's mount went away: the other fields still come
+            pass
+        (then, rx0, tx0), (now, rx, tx) = self._net, self._counters()
+        self._net = (now, rx, tx)
+        seconds = max(now - then, 1e-3)
+        # A counter that went back (an interface reset) reads as 0, not as a negative rate.
+        out["network_receive_mb_s"] = round(max(rx - rx0, 0) / MB / seconds, 3)
+        out["network_transmit_mb_s"] = round(max(tx - tx0, 0) / MB / seconds, 3)
+        return out
+
+
+def read_sample(gpus: Gpus | None = None, io: DiskAndNetwork | None = None) -> dict[str, float]:
+    """This node's CPU (percent of all cores since the previous call), memory, disk and network
+    (`io`) and GPUs, now."""
     import psutil
 
     memory = psutil.virtual_memory()
@@ -96,7 +135,7 @@ def read_sample(gpus: Gpus | None = None) -> dict[str, float]:
         "memory_percent": memory.percent,
         "memory_used_gb": round((memory.total - memory.available) / GB, 3),
     }
-    return {**sample, **(gpus.read() if gpus else {})}
+    return {**sample, **(io.read() if io else {}), **(gpus.read() if gpus else {})}
 
 
 class HealthSampler:
@@ -108,6 +147,9 @@ class HealthSampler:
     def __init__(self, fs: Any, folder: str, node: str, interval_s: float) -> None:
         self.fs, self.folder, self.node, self.interval_s = fs, folder.rstrip("/"), node, interval_s
         self.path = f"{self.folder}/{file_name(node)}"
+        import pyarrow.fs as pafs
+
+        self.io = DiskAndNetwork(self.folder if isinstance(fs, pafs.LocalFileSystem) else os.sep)
         self.samples: deque[dict[str, Any]] = deque(maxlen=KEEP)
         self._stop = threading.Event()
         self._warned = False
@@ -130,7 +172,7 @@ class HealthSampler:
             n += 1
 
     def sample_once(self, gpus: Gpus | None = None, n: int = 0) -> dict[str, Any]:
-        sample = {"t": round(time.time(), 3), "n": n, **read_sample(gpus)}
+        sample = {"t": round(time.time(), 3), "n": n, **read_sample(gpus, self.io)}
         self.samples.append(sample)
         try:
             self._write()

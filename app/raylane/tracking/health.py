@@ -1,7 +1,8 @@
 """Every node's health in MLflow: the driver reads the files each node's sampler rewrites in the
 run's folder (`<storage_path>/<run.name>/health/<node>.json`: raylane.loop.health) every
 `mlflow.system_metrics_interval_s`, and logs each sample not logged yet as `system/<node>/<field>`
-(cpu_percent, memory_percent, memory_used_gb; per GPU gpu<i>_utilization_percent,
+(cpu_percent, memory_percent, memory_used_gb, disk_percent, disk_free_gb, network_receive_mb_s,
+network_transmit_mb_s; per GPU gpu<i>_utilization_percent,
 gpu<i>_memory_percent, gpu<i>_memory_used_gb, gpu<i>_power_w, gpu<i>_temperature_c), at step =
 the sample's unix second. The keys grow with the nodes (and their GPUs), not the ranks.
 
