@@ -81,7 +81,7 @@ def _add_check(sub: Any) -> None:
         help="also build the model on the meta device here and print the layout (strategy.tp and pp over "
         "scaling.num_workers), its pipeline stages under strategy.pp (each one's modules and parameters) and "
         "the pipeline's tensor-parallel plan on it: which modules are split how, what every rank holds whole, "
-        "what is tied",
+        "what is tied (instead of the config)",
     )
     shown.add_argument(
         "--explain",
@@ -90,6 +90,9 @@ def _add_check(sub: Any) -> None:
         "type, default, allowed values and the value this config resolves it to "
         "(docs/configuration.md lists every key)",
     )
+    # Its builds (--blocks, --plan, a model-parallel config's checks) import torch and
+    # transformers: their warnings go to the library log, as a run's do.
+    check.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
 
 
 def _add_runs(sub: Any) -> None:
@@ -244,6 +247,9 @@ def _check(args: argparse.Namespace) -> int:
             text = text.rsplit("\n", 1)[0] + f"\n  {'resolved:':10}{value_text(node)}"
         print(text)
         return 0
+    if args.plan:  # the plan, not the config again (`raylane check CONFIG` prints that)
+        _print_plan(cfg)
+        return 0
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
     if args.blocks:
         from raylane.loop.usercode import pipeline_blocks
@@ -253,8 +259,6 @@ def _check(args: argparse.Namespace) -> int:
             print(f"blocks: {pipeline_blocks(cfg).describe()}", flush=True)
         except UserCodeError as exc:  # build(cfg) raised, or returned no Pipeline (its blocks included)
             raise ConfigError(str(exc)) from None
-    elif args.plan:
-        _print_plan(cfg)
     elif cfg.strategy.name != "ddp" or cfg.train.activation_checkpointing or cfg.train.compile:
         # Blocks matter to this run; finding them means building the model, which check does not.
         print(
@@ -266,12 +270,14 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _print_plan(cfg: BaseConfig) -> None:
+    from raylane.loop.meta_build import Unchecked
     from raylane.loop.plan_view import pipeline_plan
     from raylane.pipelines_ref import UserCodeError
 
+    world = int(os.environ.get("WORLD_SIZE", "0")) or cfg.scaling.num_workers  # torchrun's, as the check's
     try:
-        lines = pipeline_plan(cfg, cfg.scaling.num_workers)
-    except (UserCodeError, ValueError) as exc:  # build(cfg) failed, or its plan fits not the model
+        lines = pipeline_plan(cfg, world)
+    except (UserCodeError, ValueError, Unchecked) as exc:  # build(cfg) failed, or its plan fits not the model
         raise ConfigError(str(exc)) from None
     print("\n".join(lines), flush=True)
 

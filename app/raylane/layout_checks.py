@@ -86,3 +86,31 @@ def _check_pipeline_layout(cfg: BaseConfig, world_size: int, world: str) -> None
             "stages): give its Pipeline pp_stages='auto' or lists of module names (docs/strategies.md, Pipeline "
             "parallelism)"
         )
+
+
+def check_plan(cfg: BaseConfig, world_size: int) -> list[str]:
+    """A model-parallel run's plan and stages on its model, as `raylane check --plan` shows them
+    (raylane.loop.plan_view): the pipeline's build(cfg) run here with the model on the meta device,
+    so that a rule naming no module, a style that is none, heads that tp does not divide, tied
+    weights split apart or more stages than blocks is one ConfigError before any worker starts,
+    for a user's pipeline as for a shipped one. Returns the lines to show when the model could not
+    be looked at here (build() failing on this machine, which may lack what the ranks have: the
+    run goes on, and says so). Nothing for a run without tp or pp."""
+    s = cfg.strategy
+    if not (s.tensor_parallel or s.pp > 1):
+        return []
+    from raylane.loop.meta_build import Unchecked
+    from raylane.loop.plan_view import pipeline_plan
+    from raylane.pipelines_ref import UserCodeError
+
+    try:
+        pipeline_plan(cfg, world_size)
+    except Unchecked as exc:
+        return [f"raylane: the plan and stages are not checked before launch: {exc}"]
+    except UserCodeError as exc:
+        if isinstance(exc.__cause__, ConfigError):  # build()'s own refusal of the config: the ranks' too
+            raise ConfigError(str(exc.__cause__)) from None
+        return [f"raylane: the plan and stages are not checked before launch: {exc}"]
+    except ValueError as exc:  # one line naming the rule or the key (ConfigError's among them)
+        raise ConfigError(str(exc)) from None
+    return []

@@ -61,10 +61,14 @@ def prepare_train(
         layout_checks.check_layout(cfg, world, where)
         held_batch(cfg, world)
     else:
-        layout_checks.check_layout(cfg, cfg.scaling.num_workers, f"scaling.num_workers = {cfg.scaling.num_workers}")
+        world = cfg.scaling.num_workers
+        layout_checks.check_layout(cfg, world, f"scaling.num_workers = {world}")
         notes.extend(_skipped_sizes(cfg, world_sizes(cfg)))  # the global batch splits at min and max
     prechecks.check_global_order(cfg)
     run = PreparedRun(cfg, use_ray=not in_process, finished=prechecks.check_resume(cfg), notes=notes)
+    if not run.finished:  # the plan and stages on the model (tp, pp): one build of it, here
+        unchecked = layout_checks.check_plan(cfg, world)
+        notes.extend(unchecked if os.environ.get("RANK", "0") == "0" else [])  # under torchrun, rank 0 says it
     if joins and run.use_ray and not run.finished:
         check_address(address)
     return run

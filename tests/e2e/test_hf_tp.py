@@ -124,7 +124,8 @@ def test_check_plan_prints_the_layout_and_the_plan_for_gpt_and_a_tiny_llama(tmp_
     code, out, _ = _check(capsys, str(tmp_path / "cfg.yaml"), "--plan", *(x for s in sets for x in ("--set", s)))
     assert code == 0
     plan = out[out.index("layout: tp2 on 2 ranks: dp 1 × tp 2") :]
-    assert plan[1] == "plan on PeftModelForCausalLM (21 rules):"
+    assert plan[1] == "plan on PeftModelForCausalLM (13 rules, from 21 by module name):"  # a line per rule shown
+    assert len(plan) == 2 + 13 + 2 and out.count(plan[0]) == 1 and not out[0].startswith("pipeline:")
     body = [line.split()[:2] for line in plan[2:-2]]
     layer = "base_model.model.model.layers.*."
     assert [layer + "self_attn.q_proj.lora_B.default", "colwise:"] in body
@@ -141,7 +142,7 @@ def test_check_plan_prints_the_layout_and_the_plan_for_gpt_and_a_tiny_llama(tmp_
 def test_a_plan_that_cannot_be_laid_out_is_one_line_exit_2(tmp_path, capsys, no_work):
     """A pipeline's rule that names no module of its model; a Hugging Face model transformers
     gives no plan (GPT-2) under strategy.tp=2: one line each, exit 2, naming the rule or the class.
-    At strategy.tp=1 GPT-2 needs no plan: check --plan says it has none."""
+    At strategy.tp=1 no plan is laid out (GPT-2 needs none): check --plan says so."""
     from tests.helpers import hf_tiny
 
     (tmp_path / "own.py").write_text(
@@ -153,15 +154,16 @@ def test_a_plan_that_cannot_be_laid_out_is_one_line_exit_2(tmp_path, capsys, no_
         "    return pipe\n"
     )
     (tmp_path / "own.yaml").write_text(f"pipeline: {tmp_path / 'own.py'}\nmodel: {{n_layer: 1}}\n")
-    code, _, err = _check(capsys, str(tmp_path / "own.yaml"), "--plan")
+    code, _, err = _check(
+        capsys, str(tmp_path / "own.yaml"), "--plan", "--set", "strategy.tp=2", "--set", "scaling.num_workers=2"
+    )
     assert (code, err) == (2, "raylane: Pipeline.tp_plan: 'blocks.*.attn.qkv' names no module of GPT")
 
     gpt2, rows = hf_tiny.gpt2(tmp_path / "gpt2"), hf_tiny.rows(tmp_path / "rows", n=8)
     sets = [f"model.name_or_path={gpt2}", f"data.train={rows / 'train.jsonl'}", "model.seq_len=32"]
     code, out, _ = _check(capsys, "hf", "--plan", *(x for s in sets for x in ("--set", s)))
     assert code == 0 and out[-1] == (
-        "plan: none (GPT2LMHeadModel has no tensor-parallel plan (transformers declares none for a 'gpt2' model: "
-        "no base_model_tp_plan))"
+        "plan: not laid out (strategy.tp = 1: every rank holds whole layers; --set strategy.tp=2 shows it)"
     ), out[-2:]
     code, _, err = _check(
         capsys, "hf", *(x for s in [*sets, "strategy.tp=2", "strategy.name=fsdp"] for x in ("--set", s))

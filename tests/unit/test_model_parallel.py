@@ -212,3 +212,35 @@ def test_layouts_refused_by_the_config(sets, message):
     with pytest.raises(ConfigError) as caught:
         load_config("gpt-tiny", sets)
     assert message in str(caught.value) and "\n" not in str(caught.value).strip(), str(caught.value)
+
+
+def test_the_estimate_shows_small_sizes_apart(eight_fake_ranks):
+    """Each candidate's bytes in a unit that tells them apart: before, a small model's line read
+    `FSDP ~0.01 GiB, FSDP×TP2 ~0.01 GiB, ... of 0.01 GiB per device` (2 decimals of a GiB)."""
+    import re
+
+    from raylane.loop.devices import size_text
+
+    sets = ("strategy.name=fsdp", "strategy.tp=auto", "strategy.sequence_parallel=true")
+    cfg, pipe = _gpt(*sets, "scaling.device_memory_gb=0.0076")
+    chosen = _choose(cfg, pipe)
+    reason, estimate = chosen.reason, chosen.estimate
+    shown = dict(re.findall(r"(FSDP(?:×TP\d)?) ~([\d.]+ [KMG]iB)", reason))
+    assert list(shown) == ["FSDP", "FSDP×TP2", "FSDP×TP4", "FSDP×TP8"], reason
+    assert all(size.endswith("MiB") for size in shown.values()), reason
+    need = {k: estimate[k.lower().replace("×", "_")] for k in shown}
+    for a in shown:  # sizes 1% apart read apart (3 significant figures)
+        for b in shown:
+            if abs(need[a] - need[b]) > 0.01 * max(need[a], need[b]):
+                assert shown[a] != shown[b], reason
+    assert len(set(shown.values())) > 1, reason
+    assert "of 7.78 MiB per device (85% usable)" in reason
+    assert [size_text(n) for n in (0, 1536, 7_654_321, 0.0076 * GIB, 1.5 * GIB, 80 * GIB)] == [
+        "0 B",
+        "1.50 KiB",
+        "7.30 MiB",
+        "7.78 MiB",
+        "1.50 GiB",
+        "80.0 GiB",
+    ]
+    assert size_text(99.99 * 1024) == "100 KiB"  # rounded before the unit's format: not "100."

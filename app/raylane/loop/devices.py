@@ -13,6 +13,17 @@ import torch
 
 GIB = 1024**3
 
+
+def size_text(n_bytes: float) -> str:
+    """Bytes in the unit that keeps 3 significant figures readable (`12.3 MiB`, `1.50 GiB`,
+    `512 KiB`), so that sizes of small models differ visibly (not all `0.01 GiB`)."""
+    for unit, size in (("TiB", 1024**4), ("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n_bytes) >= size:
+            value = float(f"{n_bytes / size:.3g}")  # rounded first: 99.96 shows as 100, not 100.
+            return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:#.3g} {unit}"
+    return f"{n_bytes:.0f} B"
+
+
 # Dense peak TFLOP/s (no 2:4 sparsity), as torchtitan's get_peak_flops and the vendors' sheets
 # give them. fp32 is plain FP32 (TF32 is not enabled by raylane). Longest name first wins.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {

@@ -22,10 +22,13 @@ def auto_stages(model: nn.Module, found: Blocks, n: int) -> list[list[str]]:
     divide), the modules registered before the blocks on the first stage, after them on the last.
     ValueError, in one line, when the model cannot be split so."""
     kind = type(model).__name__
+    if not found.modules and (lone := _lone_block(model)):  # a stack of one block is still the blocks
+        raise ValueError(f"Pipeline.pp_stages = 'auto': {n} stages for the 1 block of {kind} ({lone}.0)")
     if not found.modules:
         raise ValueError(f"Pipeline.pp_stages = 'auto': no repeated blocks found in {kind} to split into stages")
     if len(found.modules) < n:
-        raise ValueError(f"Pipeline.pp_stages = 'auto': {n} stages for the {len(found.modules)} blocks of {kind}")
+        count = len(found.modules)
+        raise ValueError(f"Pipeline.pp_stages = 'auto': {n} stages for the {count} block{'s' * (count > 1)} of {kind}")
     names = _names(model)
     blocks = [names[id(b)] for b in found.modules]
     parents = {b.rpartition(".")[0] for b in blocks}
@@ -55,6 +58,15 @@ def auto_stages(model: nn.Module, found: Blocks, n: int) -> list[list[str]]:
     for rest in reversed(after):  # the innermost holder's first, as the forward meets them
         stages[-1].extend(rest)
     return stages
+
+
+def _lone_block(model: nn.Module) -> str | None:
+    """The path of a ModuleList or Sequential of one child with parameters (a model of one block,
+    which raylane.loop.blocks does not call repeated), or None."""
+    for name, module in model.named_modules():
+        if isinstance(module, CONTAINERS) and len(module) == 1 and any(True for _ in module.parameters()):
+            return name
+    return None
 
 
 def _split_container(model: nn.Module, container: str, blocks: list[str], n: int) -> list[list[str]]:

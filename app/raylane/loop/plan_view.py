@@ -1,10 +1,13 @@
-"""`raylane check --plan`: the layout a config asks for (`fsdp×tp2 on 4 ranks: dp 2 × tp 2`), its
-pipeline stages under `strategy.pp` (each stage's modules and parameters), and the pipeline's
-tensor-parallel plan on its model, built on the meta device (shapes, no memory, no
-process group): which modules each rule takes and how their weights are split, what every rank of
-a tensor-parallel group holds whole, and the parameters held under several names (tied), which
-must be split alike. A rule that names no module, or tied names split two ways, is an error here
-as it would be on the ranks."""
+"""`raylane check --plan`, and the same checks before every model-parallel launch: the layout a
+config asks for (`fsdp×tp2 on 4 ranks: dp 2 × tp 2`), its pipeline stages under `strategy.pp`
+(each stage's modules and parameters) and, under `strategy.tp`, the pipeline's tensor-parallel
+plan on its model, built with the model on the meta device (raylane.loop.meta_build: shapes, no
+memory, no process group; the data as on a rank): which modules each rule takes and how their
+weights are split, what every rank of a tensor-parallel group holds whole, and the parameters held
+under several names (tied), which must be split alike. What the ranks would fail on is an error
+here, one line naming the rule or the key: a rule that names no module, a style that is none
+(raylane.loop.tp_styles), a rule on a module torch's style cannot split, tied names split two
+ways, heads that tp does not divide, a split into stages that cannot work."""
 
 from __future__ import annotations
 
@@ -17,6 +20,20 @@ from torch import nn
 
 from raylane.loop.mesh import model_parallel_strategy
 from raylane.loop.tensor_parallel import plan_for, shared_parameters
+from raylane.loop.tp_styles import resolve_rules, style_name
+
+# Attributes that hold an attention module's head count (nanoGPT's, Llama's reference code's,
+# transformers'): a rank of a tensor-parallel group takes heads / tp of them.
+HEAD_COUNTS = (
+    "n_heads",
+    "n_head",
+    "num_heads",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_kv_heads",
+    "n_kv_head",
+    "num_kv_heads",
+)
 
 
 def layout_line(cfg: Any, world: int) -> str:
@@ -33,22 +50,29 @@ def layout_line(cfg: Any, world: int) -> str:
     return f"{strategy.label} on {ranks}: {' × '.join(dims)}"
 
 
-def plan_lines(model: nn.Module, plan: Any, *, sequence_parallel: bool) -> list[str]:
+def plan_lines(model: nn.Module, plan: Any, *, sequence_parallel: bool, tp: int | None = None) -> list[str]:
     """The plan on `model`: a line per rule (its modules, blocks' indices folded into `*`, and
     their split), then what stays whole and what is tied. ValueError, one line, for a rule that
-    names nothing or tied names split differently."""
-    rules = plan_for(model, plan, sequence_parallel=sequence_parallel)
+    names nothing, a style that is none, a module its style cannot split, tied names split
+    differently, and with `tp` a head count it does not divide (`check_heads`)."""
+    rules = resolve_rules(plan_for(model, plan, sequence_parallel=sequence_parallel))
     modules = dict(model.named_modules())
     placed: dict[str, str] = {}  # parameter name -> its layout over the tensor-parallel ranks
     rows: dict[tuple[str, str], int] = {}
+    taken: dict[str, list[str]] = {}  # rule -> the modules it takes
     for pattern, style in rules.items():
-        for name in (n for n in modules if _matches(n, pattern)):
-            text, params = describe(style, modules[name])
+        taken[pattern] = [n for n in modules if _matches(n, pattern)]
+        for name in taken[pattern]:
+            text, params = describe(style, modules[name], f"Pipeline.tp_plan[{pattern!r}]")
             placed |= {f"{name}.{p}": where for p, where in params.items()}
             key = (_folded(name), text)
             rows[key] = rows.get(key, 0) + 1
+    if tp is not None and tp > 1:
+        check_heads(model, rules, taken, tp)
     width = max((len(path) for path, _ in rows), default=0)
-    lines = [f"plan on {type(model).__name__} ({len(rules)} rules):"]
+    # One line per rule, a block's index folded: rules given per layer (a LoRA adapter's) fold too.
+    count = f"{len(rows)} rules" + (f", from {len(rules)} by module name" if len(rules) != len(rows) else "")
+    lines = [f"plan on {type(model).__name__} ({count}):"]
     lines += [f"  {path:{width}}  {text}" + (f"  (×{n})" if n > 1 else "") for (path, text), n in rows.items()]
     whole = [name for name, _ in model.named_parameters() if placed.get(name, "whole") == "whole"]
     lines.append("whole on every tensor-parallel rank: " + (_grouped(whole) or "nothing"))
@@ -63,8 +87,47 @@ def plan_lines(model: nn.Module, plan: Any, *, sequence_parallel: bool) -> list[
     return lines
 
 
-def describe(style: Any, module: nn.Module) -> tuple[str, dict[str, str]]:
-    """(the style in words, {its parameter: layout}) for one module a rule takes."""
+def check_heads(model: nn.Module, rules: dict[str, Any], taken: dict[str, list[str]], tp: int) -> None:
+    """ValueError naming strategy.tp, the module and the rule, when `tp` does not divide a head
+    count of a module whose projection a rule splits by columns (q, k or v: each rank then holds
+    whole heads): an attribute of HEAD_COUNTS on that module, or for a Hugging Face attention
+    (which holds its `config` and `head_dim`) the config's num_attention_heads and
+    num_key_value_heads. A user's model and a transformers model alike."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    modules = dict(model.named_modules())
+    for pattern, style in rules.items():
+        if not isinstance(style, ColwiseParallel):
+            continue
+        for name in taken[pattern]:
+            owner = name.rpartition(".")[0]
+            for where, heads in _head_counts(modules[owner]):
+                if heads % tp:
+                    raise ValueError(
+                        f"strategy.tp = {tp}: does not divide {owner or type(model).__name__}.{where} = {heads}, the "
+                        f"heads each rank takes a share of (Pipeline.tp_plan[{pattern!r}] splits {name} by columns)"
+                    )
+
+
+def _head_counts(module: nn.Module) -> list[tuple[str, int]]:
+    """(attribute, heads) of a module: its own HEAD_COUNTS, else a Hugging Face attention's config's."""
+    own = [(a, v) for a in HEAD_COUNTS if (v := _count(module.__dict__.get(a)))]
+    config = module.__dict__.get("config")
+    if own or config is None or not _count(module.__dict__.get("head_dim")):
+        return own
+    keys = ("num_attention_heads", "num_key_value_heads")
+    return [(f"config.{a}", v) for a in keys if (v := _count(getattr(config, a, None)))]
+
+
+def _count(value: Any) -> int:
+    """`value` when it is a count (a positive int, not a bool), else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def describe(style: Any, module: nn.Module, rule: str = "Pipeline.tp_plan") -> tuple[str, dict[str, str]]:
+    """(the style in words, {its parameter: layout}) for one module a rule takes; ValueError
+    naming `rule` when torch's style cannot split that module (colwise and rowwise split a Linear
+    or an Embedding only)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -73,7 +136,14 @@ def describe(style: Any, module: nn.Module) -> tuple[str, dict[str, str]]:
     )
 
     own = [n for n, _ in module.named_parameters(recurse=False)]
+    if style_name(style) == "replicate":
+        return "replicate: whole on every rank", {n: "whole" for n in own}
     if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise ValueError(
+                f"{rule} = {type(style).__name__}: splits a Linear or an Embedding only, and takes "
+                f"{type(module).__name__}; name its Linear layers"
+            )
         colwise = isinstance(style, ColwiseParallel)
         embedding = isinstance(module, nn.Embedding)
         # Linear weights are (out, in): columns of the output are rows of the weight.
@@ -125,7 +195,10 @@ def stage_lines(pipe: Any, cfg: Any) -> list[str]:
         )
     names = pipe.pp_stages.names if isinstance(pipe.pp_stages, Stages) else pipe.pp_stages
     n = s.pp * s.stages_per_rank
-    stages, container = split_names(pipe.model, find_blocks(pipe.model, pipe.blocks), names, n)
+    try:
+        stages, container = split_names(pipe.model, find_blocks(pipe.model, pipe.blocks), names, n)
+    except ValueError as exc:  # the key that asks for the stages, then what cannot split
+        raise ValueError(f"strategy.pp = {s.pp}: {exc}") from None
     ranks = stage_ranks(s.pp, s.stages_per_rank, s.pp_schedule in ("ZBVZeroBubble", "DualPipeV"))
     params = dict(pipe.model.named_parameters())
     lines = [f"stages of {type(pipe.model).__name__} ({n}, {s.pp_schedule}):"]
@@ -163,28 +236,38 @@ def _folded_run(names: list[str], container: str) -> str:
 
 
 def pipeline_plan(cfg: Any, world: int) -> list[str]:
-    """`raylane check --plan`: the layout line, the stages (with `strategy.pp` > 1) and the plan of
-    the config's pipeline, its `build(cfg)` run in this process with the meta device as the default (the model's shapes, no
-    memory). ValueError, one line, for a plan that cannot be laid out on the model."""
-    import torch
+    """`raylane check --plan`, and the checks before a model-parallel launch: the layout line, the
+    stages (with `strategy.pp` > 1) and the plan (with `strategy.tp` > 1 or auto) of the config's
+    pipeline, its `build(cfg)` run in this process with the model on the meta device
+    (raylane.loop.meta_build). ValueError, one line, for a plan or a split that cannot be laid out
+    on the model; build()'s own error (UserCodeError); meta_build.Unchecked when the model cannot
+    be built here. The same config's lines again come from the first call (check, then --plan)."""
+    global _last
+    key = (cfg.model_dump_json(), world)
+    if _last is not None and _last[0] == key:
+        return list(_last[1])
+    from raylane.loop.meta_build import build_for_checks
 
-    from raylane import pipelines_ref
-    from raylane.loop.usercode import build_pipeline
-
-    with torch.device("meta"):
-        pipe = build_pipeline(cfg)
+    pipe = build_for_checks(cfg)
     lines = [f"layout: {layout_line(cfg, world)}"]
     if cfg.strategy.pp > 1:
         lines += stage_lines(pipe, cfg)
+    lines += _tp_lines(pipe, cfg)
+    _last = (key, lines)
+    return list(lines)
+
+
+_last: tuple[Any, list[str]] | None = None
+
+
+def _tp_lines(pipe: Any, cfg: Any) -> list[str]:
+    """The plan's lines under tensor parallelism; one line saying why there is none to show."""
+    from raylane import pipelines_ref
+
+    s = cfg.strategy
     if pipe.tp_plan is None:
-        return [*lines, f"plan: none (the {pipelines_ref.label(cfg.pipeline)} pipeline gives no tp_plan)"]
-    plan, sp = pipe.tp_plan, cfg.strategy.sequence_parallel
-    if callable(plan):
-        try:
-            plan = plan(pipe.model, sp)
-        except ValueError as exc:  # the model has none (a Hugging Face model transformers gives none)
-            if cfg.strategy.tp_degree > 1:
-                raise
-            # What strategy.tp > 1 would refuse (its advice after "; "): tp 1 needs no plan.
-            return [*lines, f"plan: none ({str(exc).split('; ')[0]})"]
-    return lines + plan_lines(pipe.model, plan, sequence_parallel=sp)
+        return [f"plan: none (the {pipelines_ref.label(cfg.pipeline)} pipeline gives no tp_plan)"]
+    if not s.tensor_parallel:
+        return ["plan: not laid out (strategy.tp = 1: every rank holds whole layers; --set strategy.tp=2 shows it)"]
+    tp = s.tp if isinstance(s.tp, int) else None  # auto: the ranks try only the degrees the heads allow
+    return plan_lines(pipe.model, pipe.tp_plan, sequence_parallel=s.sequence_parallel, tp=tp)
