@@ -253,8 +253,25 @@ def pipeline_plan(cfg: Any, world: int) -> list[str]:
     if cfg.strategy.pp > 1:
         lines += stage_lines(pipe, cfg)
     lines += _tp_lines(pipe, cfg)
+    _check_forward(pipe, cfg)
     _last = (key, lines)
     return list(lines)
+
+
+def _check_forward(pipe: Any, cfg: Any) -> None:
+    """The model's forward as one rank of the layout runs it (raylane.loop.forward_checks), on
+    the plan with its styles resolved (a name is taken there as here)."""
+    import dataclasses
+    from collections.abc import Mapping
+
+    from raylane.loop.forward_checks import check_model_parallel
+
+    plan = pipe.tp_plan
+    if isinstance(plan, Mapping):
+        pipe = dataclasses.replace(pipe, tp_plan=resolve_rules(plan))
+    elif callable(plan):
+        pipe = dataclasses.replace(pipe, tp_plan=lambda model, sp: resolve_rules(plan(model, sp)))
+    check_model_parallel(pipe, cfg)
 
 
 _last: tuple[Any, list[str]] | None = None
