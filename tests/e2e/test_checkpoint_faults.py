@@ -83,6 +83,42 @@ def test_disk_full_with_on_error_warn_trains_on(run_cli, tmp_path):
     assert _steps_on_disk(tmp_path / "runs/warn") == [10, 30, 32, 40]  # 32: the end of epoch 1
 
 
+def test_a_checkpoint_folder_that_cannot_be_made_follows_on_error_and_names_the_ranks(run_cli, tmp_path):
+    """Issue 60, finding 11: a save whose folder `mkdir` refuses (a read-only or full file system;
+    here the kernel's own EEXIST: a file where the folder goes, as the tests run as root, whom a
+    read-only chmod does not stop) is the save's failure. `fail`: the run fails in one line naming
+    the ranks and the folder, the checkpoint before stays the latest; the relaunch resumes from
+    it, and with `warn` a folder refused again is one warning and the run trains on. Before, the
+    bare OSError of mkdir escaped the save's error handling: no rank named, `warn` not applied."""
+    run_dir = tmp_path / "runs/ro"
+    run_dir.mkdir(parents=True)
+    (run_dir / checkpoint.checkpoint_name(10)).write_text("")
+    common = ["--set", "run.name=ro", "--set", "checkpoint.every_n_steps=5", "--set", "strategy.name=fsdp"]
+    common += ["--set", "checkpoint.keep=null", "--set", "train.max_steps=20"]
+    proc = run_cli(*TWO_RANKS, *common, "--summary-json", "fail.json", launcher=TORCHRUN)
+    assert proc.wait(180) != 0
+    refused = "checkpoint at step {} was not saved (ranks 0, 1: FileExistsError: [Errno 17] File exists: {!r})"
+    error = "CheckpointSaveError: " + refused.format(10, str(run_dir / checkpoint.checkpoint_name(10)))
+    assert read_json(tmp_path / "fail.json")["error"] == error
+    assert [line.split("error:")[-1].strip() for line in proc.output.splitlines() if "not saved" in line] == [error]
+    assert _steps_on_disk(run_dir) == [5] and checkpoint.latest_valid(str(run_dir)).endswith(
+        checkpoint.checkpoint_name(5)
+    )
+
+    (run_dir / checkpoint.checkpoint_name(10)).unlink()  # the file system mended...
+    (run_dir / checkpoint.checkpoint_name(15)).write_text("")  # ...and refusing again later
+    proc = run_cli(
+        *TWO_RANKS, *common, "--set", "checkpoint.on_error=warn", "--summary-json", "warn.json", launcher=TORCHRUN
+    )
+    assert proc.wait(180) == 0, proc.output
+    s = read_json(tmp_path / "warn.json")
+    assert s["status"] == "FINISHED" and s["resumed_from_step"] == 5 and s["steps"] == 20
+    assert s["failed_checkpoints"] == 1
+    warning = refused.format(15, str(run_dir / checkpoint.checkpoint_name(15))) + " (checkpoint.on_error: warn)"
+    assert [line for line in proc.output.splitlines() if "not saved" in line] == [f"[raylane] warning: {warning}"]
+    assert _steps_on_disk(run_dir) == [5, 10, 20]
+
+
 # ~30 s, 3 torchrun launches. Every checkpoint is asynchronous by default (checkpoint.async_save),
 # so make test resumes from async checkpoints bit-exact against runs that never read one: under
 # 2 DDP ranks (test_aliases.py's ddp-aliased case, a mid-epoch async checkpoint), on Ray after a

@@ -126,5 +126,34 @@ def _from_rank_zero(message: str | None) -> str | None:
 
 def _fail_if(step: int, errors: list[str | None]) -> None:
     if failed := [e for e in errors if e]:
-        detail = "; ".join(dict.fromkeys(failed))  # one line per distinct failure
-        raise CheckpointSaveError(f"checkpoint at step {step} was not saved ({detail})")
+        raise CheckpointSaveError(f"checkpoint at step {step} was not saved ({grouped(failed)})")
+
+
+def grouped(failures: list[str]) -> str:
+    """Ranks' failures ('rank N: Type: message', `describe`) as one line, the ranks that failed
+    alike named together: a file system every rank writes to failing (read-only, full) is one
+    entry, `ranks 0-255: OSError: ...`, not one copy per rank."""
+    ranks: dict[str, list[int]] = {}
+    for failure in failures:
+        head, sep, text = failure.partition(": ")
+        number = head.removeprefix("rank ")
+        if sep and head.startswith("rank ") and number.isdigit():
+            ranks.setdefault(text, []).append(int(number))
+        else:
+            ranks.setdefault(failure, [])
+    return "; ".join(f"{_ranks(found)}: {text}" if found else text for text, found in ranks.items())
+
+
+def _ranks(numbers: list[int]) -> str:
+    """'rank 3', 'ranks 0, 2', 'ranks 0-255, 300': runs of three or more as a range."""
+    numbers = sorted(set(numbers))
+    if len(numbers) == 1:
+        return f"rank {numbers[0]}"
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    parts = [f"{r[0]}-{r[-1]}" if len(r) >= 3 else ", ".join(map(str, r)) for r in runs]
+    return "ranks " + ", ".join(parts)

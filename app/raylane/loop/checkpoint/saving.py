@@ -116,13 +116,13 @@ class Saver:
         if hooks:
             train_state = {**train_state, "hooks": sorted(hooks)}  # what a load asks the checkpoint for
         step = int(train_state["step"])
-        path = self.store.new_dir(step)
-        if self.faults:
+        path, error = self._new_dir(step)
+        if self.faults and error is None:
             self.faults.before_save(step, path)
-        rng, error, state = rng_state(), None, {}
+        rng, state = rng_state(), {}
         whole = replicated(model)
         try:
-            if self.store.rank == 0 or not whole:  # other ranks of DDP write no state
+            if error is None and (self.store.rank == 0 or not whole):  # other ranks of DDP write no state
                 state = (
                     self._live.take(model, optimizer, live_state) if whole else live_state(model, optimizer)
                 )  # references, and plain values copied
@@ -149,6 +149,16 @@ class Saver:
         else:
             self._write_and_commit(job)
             self.settle()
+
+    def _new_dir(self, step: int) -> tuple[str, str | None]:
+        """(where this rank writes the save at `step`, this rank's failure to make it or None). A
+        folder that cannot be made (a read-only or full file system) is the save's failure like a
+        file that cannot be written: this rank still takes part in the write's collectives, every
+        rank learns of it at the commit, and checkpoint.on_error decides."""
+        try:
+            return self.store.new_dir(step), None
+        except OSError as exc:
+            return self.store.unmade_dir(step), describe(exc, self.store.rank)
 
     def _writer(self) -> queue.SimpleQueue[_SaveJob | None]:
         """The one thread that writes this run's saves, started at the first. A thread per save

@@ -71,11 +71,19 @@ class CheckpointStore:
         return local
 
     def new_dir(self, step: int) -> str:
+        """The folder this rank writes the save at `step` into, made (OSError when it cannot be)."""
         if self.direct:
             path = Path(self.root) / checkpoint_name(step)
             path.mkdir(parents=True, exist_ok=True)
             return str(path)
         return tempfile.mkdtemp(prefix=f"raylane-{checkpoint_name(step)}-")
+
+    def unmade_dir(self, step: int) -> str:
+        """The folder `new_dir` could not make: where this rank's part of the failed save points
+        (a sharded write's collectives still name one), and what `discard` removes."""
+        if self.direct:
+            return str(Path(self.root) / checkpoint_name(step))
+        return os.path.join(tempfile.gettempdir(), f"raylane-{checkpoint_name(step)}-rank{self.rank}-unmade")
 
     def location(self, step: int) -> str:
         path = f"{self.root}/{checkpoint_name(step)}"
