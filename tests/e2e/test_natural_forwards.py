@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 
+import pytest
 import yaml
 
 from tests.conftest import REPO, TORCHRUN, read_json
@@ -72,3 +73,32 @@ def test_a_natural_decoder_trains_under_tp_and_pp_as_on_one_process(run_cli, tmp
         assert sorted(mine) == sorted(one), (name, mine)
         worst = max(abs(mine[s] - v) / v for s, v in one.items())
         assert worst <= 1e-6, (name, worst, mine, one)
+
+
+def _train(capsys, config: str, *sets: str) -> tuple[int, str]:
+    from raylane import cli
+
+    capsys.readouterr()
+    code = cli.main(["train", config, *(x for s in sets for x in ("--set", s))])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_what_a_layout_cannot_run_is_refused_before_launch(tmp_path, capsys, no_work):
+    """Before any worker starts, one line, exit 2: nanoGPT's own `C // self.n_heads` (a head
+    size from the input's whole width, which no rank's share of the heads satisfies) under tp2,
+    naming the attention, the user's file:line and what the forward must do; a dict plan with
+    strategy.sequence_parallel (before: trained as plain tp2, named `tp2+sp`). The natural
+    forward of the test above passes the same checks (here: no_work stops it once they pass)."""
+    workers = ["scaling.num_workers=2", "strategy.name=fsdp"]
+    code, err = _train(capsys, _config(tmp_path, head_dim_from_input=True), *workers, "strategy.tp=2")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("raylane: strategy.tp = 2: TinyLM's forward fails in blocks.0.attn (")
+    assert f"{PIPELINE}:" in err and "view them with -1 heads" in err
+    config = _config(tmp_path)
+    code, err = _train(capsys, config, *workers, "strategy.tp=2", "strategy.sequence_parallel=true")
+    assert code == 2 and err.startswith(
+        "raylane: strategy.sequence_parallel = True: the pipeline's tp_plan is a dict; "
+    ), err
+    for layout in ("strategy.tp=2", "strategy.pp=2"):
+        with pytest.raises(AssertionError, match="got past the checks"):
+            _train(capsys, config, *workers, layout)

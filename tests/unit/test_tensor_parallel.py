@@ -281,3 +281,27 @@ def test_tp_auto_with_a_dict_plan_and_sequence_parallelism_is_refused(four_fake_
     example = torch.zeros(2, 16, dtype=torch.long)
     with pytest.raises(ValueError, match=r"^strategy.sequence_parallel = True: the pipeline's tp_plan is a dict"):
         parallelize(model, cfg, torch.device("cpu"), 4, example=example, loss_fn=None, tp_plan=plan)
+
+
+def test_styles_given_by_name_are_torch_s_on_the_ranks_and_heads_follow_them():
+    """A plan in transformers' notation (`"colwise"`, `"rowwise"`, `"colwise_rep"`) is laid out as
+    torch's styles by plan_for, the one path of the ranks, of `tp: auto` and of the checks (before:
+    torch's `Expect Union[ParallelStyle, ...] <class 'str'> found!` on the ranks); the attentions'
+    head counts follow a named column split as a made one, and the forward runs on a rank's share.
+    A misspelt name is one line naming the rule (raylane.loop.tp_styles)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from raylane.loop.forward_checks import check_tp_forward
+
+    model, plan = _natural()
+    named = {k: "rowwise" if isinstance(v, RowwiseParallel) else "colwise" for k, v in plan.items()}
+    named["lm_head"] = "colwise_rep"
+    rules = plan_for(model, named, sequence_parallel=False)
+    assert isinstance(rules["blocks.*.attn.q_proj"], ColwiseParallel)
+    assert isinstance(rules["blocks.*.mlp.2"], RowwiseParallel)
+    check_tp_forward(model, named, 2, torch.zeros(2, 16, dtype=torch.long))
+    model, _ = _natural(head_dim_from_input=True)
+    with pytest.raises(ValueError, match="TinyLM's forward fails in blocks.0.attn"):
+        check_tp_forward(model, named, 2, torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"Pipeline.tp_plan\['lm_head'\] = 'colwize_rep'"):
+        plan_for(model, {**named, "lm_head": "colwize_rep"}, sequence_parallel=False)

@@ -35,7 +35,8 @@ class StrategySection(Section):
     sequence_parallel: bool = Field(
         False,
         description="With `tp` > 1: the norms, dropout and residual stream between the tensor-parallel layers "
-        "sharded along the sequence (less activation memory, the same results).",
+        "sharded along the sequence (less activation memory, the same results). Needs a `tp_plan(model, "
+        "sequence_parallel)` function that lays them out; a dict plan is refused before launch.",
     )
     pp: int = Field(
         1,

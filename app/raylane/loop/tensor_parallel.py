@@ -38,9 +38,13 @@ HEAD_COUNTS = (
 
 
 def plan_for(model: nn.Module, plan: TpPlan, *, sequence_parallel: bool) -> dict[str, Any]:
-    """The plan as {pattern: ParallelStyle}; ValueError naming the first rule that names no module
-    (a misspelt path would otherwise leave its layers whole on every rank, silently), and for
-    sequence parallelism with a plan that cannot lay it out (`check_sequence_parallel`)."""
+    """The plan as {pattern: ParallelStyle}, styles given by name (`"colwise"`, transformers'
+    notation) made torch's (raylane.loop.tp_styles); ValueError naming the first rule that names
+    no module (a misspelt path would otherwise leave its layers whole on every rank, silently) or
+    whose style is none, and for sequence parallelism with a plan that cannot lay it out
+    (`check_sequence_parallel`)."""
+    from raylane.loop.tp_styles import resolve_rules
+
     if sequence_parallel:
         check_sequence_parallel(model, plan)
     rules = dict(plan(model, sequence_parallel) if callable(plan) else plan)
@@ -49,7 +53,7 @@ def plan_for(model: nn.Module, plan: TpPlan, *, sequence_parallel: bool) -> dict
         atoms = pattern.split(".")
         if not any(len(n) == len(atoms) and all(map(fnmatch, n, atoms)) for n in names):
             raise ValueError(f"Pipeline.tp_plan: {pattern!r} names no module of {type(model).__name__}")
-    return rules
+    return resolve_rules(rules)
 
 
 def check_sequence_parallel(model: nn.Module, plan: TpPlan) -> None:
