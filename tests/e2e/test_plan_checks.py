@@ -138,3 +138,26 @@ def test_check_plan_prints_each_part_once_and_only_what_the_layout_uses(config, 
     lines = out.splitlines()
     assert lines[0].startswith("layout: fsdp on 2 ranks: tp chosen on the ranks")
     assert sum(line.startswith("layout:") for line in lines) == 1 and lines[1] == "plan on TinyLM (7 rules):"
+
+
+def test_check_sends_the_libraries_warnings_to_the_library_log(run_cli, tmp_path):
+    """peft's wrapping of a transformers model warns (`is_gradient_checkpointing` is deprecated: a
+    FutureWarning) while check builds a LoRA model: into the library log, as a run's library
+    output; before, check set no log up and the warning reached the terminal, twice."""
+    pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import hf_families, hf_tiny
+
+    torch.manual_seed(0)
+    hf_tiny.save(AutoModelForCausalLM.from_config(hf_families.llama(vocab_size=hf_tiny.VOCAB)), tmp_path / "model")
+    for part in ("train", "eval"):
+        hf_tiny.rows(tmp_path / "rows" / part, n=8)
+    (tmp_path / "cfg.yaml").write_text(f"pipeline: {REPO / 'tests' / 'helpers' / 'hf_classifier.py'}\n")
+    sets = [f"model.name_or_path={tmp_path / 'model'}", f"source.rows={tmp_path / 'rows'}", "model.seq_len=16"]
+    p = run_cli("check", "cfg.yaml", "--plan", *_sets(*sets, "strategy.tp=2", "scaling.num_workers=2", "lora.r=4"))
+    assert p.wait(timeout=240) == 0, p.output
+    assert p.output.startswith("layout: tp2 on 2 ranks") and "Warning" not in p.output, p.output
+    (log,) = (tmp_path / "raylane-home" / "logs").glob("check-*.log")
+    assert "FutureWarning" in log.read_text()
