@@ -169,3 +169,65 @@ def test_a_failed_run_names_its_newest_valid_checkpoint(run_cli, tmp_path):
     assert s["error"] == "FloatingPointError: non-finite loss or gradients at step 7 (train.on_nan: stop)", s
     assert s["checkpoint"] == str(tmp_path / "runs" / "nan" / checkpoint.checkpoint_name(6)), s
     assert checkpoint.verify(s["checkpoint"]) is None
+
+
+def _csv(path: Path, rows: int, seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    lines = ["x0,x1,label"]
+    for _ in range(rows):
+        x0, x1 = rng.uniform(-1, 1), rng.uniform(-1, 1)
+        lines.append(f"{x0:.4f},{x1:.4f},{int(x0 + x1 > 0)}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.untracked
+def test_a_resume_on_changed_data_starts_the_epoch_over_and_says_so(run_cli, tmp_path):
+    """Issue 60, finding 14: rows appended to a run's CSV files between two launches (19 steps an
+    epoch, then 38), then a file deleted (19 again). Each relaunch says in one line what changed
+    since its checkpoint and starts the epoch in progress over on the data as it is (the rule of
+    docs/training.md, Resume); before, it went on silently at the checkpoint's batch of an epoch
+    of another length. The checkpoints record the data they were trained on."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(2):
+        _csv(data / f"part{i}.csv", 152, seed=i)  # 304 rows, 19 steps of 16
+    args = [
+        "train",
+        "tabular",
+        "--local",
+        "--set",
+        "run.name=grown",
+        "--set",
+        "data.train=data",
+        "--set",
+        "data.format=csv",
+    ]
+    args += ["--set", "data.features=[x0,x1]", "--set", "data.eval=null", "--set", "train.batch_size=16"]
+    args += ["--set", "checkpoint.every_n_steps=5", "--set", "train.max_epochs=null"]
+
+    def launch(steps: int, name: str) -> tuple[dict, list[str]]:
+        p = run_cli(*args, "--set", f"train.max_steps={steps}", "--summary-json", f"{name}.json", name=name)
+        assert p.wait(120) == 0, p.output
+        lines = [line for line in p.output.splitlines() if "training data" in line]
+        return checkpoint.read_manifest(read_json(tmp_path / f"{name}.json")["checkpoint"])["train_state"], lines
+
+    state, lines = launch(10, "first")
+    assert (state["step"], state["batch_in_epoch"], state["data"]["samples"], lines) == (10, 10, 304, [])
+    for i in range(2):  # as many rows again in each file
+        with open(data / f"part{i}.csv", "a") as f:
+            f.write("".join((data / f"part{i}.csv").read_text().splitlines(keepends=True)[1:]))
+    state, lines = launch(30, "grown")
+    assert lines == [
+        "the training data changed since the checkpoint of step 10 (304 samples then, 608 now): epoch 1 "
+        "starts over on it from its first batch; the weights, optimizer and step go on"
+    ]
+    assert (state["step"], state["epoch"], state["batch_in_epoch"], state["data"]["samples"]) == (30, 0, 20, 608)
+    (data / "part1.csv").unlink()
+    state, lines = launch(40, "shrunk")
+    assert lines == [
+        "the training data changed since the checkpoint of step 30 (608 samples then, 304 now): epoch 1 "
+        "starts over on it from its first batch; the weights, optimizer and step go on"
+    ]
+    assert (state["step"], state["epoch"], state["batch_in_epoch"], state["data"]["samples"]) == (40, 0, 10, 304)

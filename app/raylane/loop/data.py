@@ -10,7 +10,9 @@ Ray Data's shard on Ray)."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import math
 import os
 import random
@@ -418,3 +420,54 @@ def first_batch(dataset, batch_size: int, collate_fn: Callable[[list[Any]], Any]
     if is_stream(dataset):
         return None
     return (collate_fn or default_collate)([dataset[i] for i in range(min(batch_size, len(dataset)))])
+
+
+def fingerprint(data: Any) -> dict[str, Any] | None:
+    """What the training data's epoch rests on, as cheap to find as the run's start already made
+    it: a map-style dataset's `len` (its samples), a stream's rows per epoch (a file stream's
+    per file or Parquet row group, from the footers or the counting pass it makes anyway: their
+    total, their number and a digest of the list). Never a hash of the data itself, which would
+    read terabytes at every start. None for data that knows none of these. Recorded in every
+    checkpoint: a resume on other data is found by it (`data_change`)."""
+    dataset = getattr(data, "dataset", None)  # a loader's, behind any wrapper of the loop's
+    if dataset is not None:
+        try:
+            return {"samples": len(dataset)}
+        except TypeError:  # an iterable dataset without a length
+            return None
+    rows = getattr(data, "rows", None)
+    if isinstance(rows, int):  # a Ray Data stream's rows per epoch
+        return {"samples": rows}
+    if isinstance(rows, list) and all(isinstance(n, int) for n in rows):  # a file stream's, per piece
+        digest = hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+        return {"samples": sum(rows), "pieces": len(rows), "rows_digest": digest}
+    return None
+
+
+def data_change(
+    saved: dict[str, Any] | None, now: dict[str, Any] | None, *, step: int, epoch: int, mid_epoch: bool
+) -> str | None:
+    """The line a resume says when the training data is not what the checkpoint of `step` was
+    trained on (`saved`, its fingerprint; `now`, this run's), else None: the same, or unknown on
+    either side (a checkpoint from before fingerprints). The rule it states: the epoch in
+    progress (`epoch`, from 0) starts over from its first batch on the data as it is now, as a
+    resume at another world size does; the weights, the optimizer, the schedule and the step go
+    on. At an epoch end (`mid_epoch` False) the next epoch simply reads the new data."""
+    if not saved or not now or saved == now:
+        return None
+    if saved.get("samples") != now.get("samples"):
+        what = f"{_count(saved.get('samples'))} samples then, {_count(now.get('samples'))} now"
+    elif saved.get("pieces") != now.get("pieces"):
+        what = f"{saved.get('pieces')} files or row groups then, {now.get('pieces')} now"
+    else:
+        what = f"{_count(now.get('samples'))} samples then and now, in files of other lengths"
+    where = f"the training data changed since the checkpoint of step {step} ({what})"
+    if mid_epoch:
+        return (
+            f"{where}: epoch {epoch + 1} starts over on it from its first batch; the weights, optimizer and step go on"
+        )
+    return f"{where}: epoch {epoch + 1} reads it as it is now"
+
+
+def _count(n: Any) -> str:
+    return f"{n:,}" if isinstance(n, int) else "?"

@@ -23,7 +23,7 @@ from raylane.loop.batches import Forward
 from raylane.loop.checkpoint.layout import layout_of
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.state import scheduler_state_for
-from raylane.loop.data import EpochData
+from raylane.loop.data import EpochData, data_change, fingerprint
 from raylane.loop.devices import Precision, reset_peak_memory
 from raylane.loop.distributed import node_names
 from raylane.loop.early_stop import EarlyStopping
@@ -156,6 +156,7 @@ class Trainer(RunFigures):
         self.resumed_from_step: int | None = None
         self.steps_per_epoch, self.total_steps = plan_steps(train_data, self.train_cfg)
         self.batches_per_epoch = train_data.batches_in_epoch(0)  # of the epoch running; see _run_epoch
+        self.data_fingerprint = fingerprint(train_data)  # in every checkpoint: a resume on other data is told
         self.samples_per_step = self.train_cfg.batch_size * data_ranks * self.accum
         # Rank 0's throughput over the last epoch's steps, sent with its checkpoint (sweeps rank by it).
         self.speed_metrics: dict[str, float] = {}
@@ -458,6 +459,7 @@ class Trainer(RunFigures):
             "world_size": self.runtime.world_size,
             "data_ranks": self.data_ranks,
             "layout": layout_of(self.strategy, self.runtime.world_size),  # the manifest's record of it
+            "data": self.data_fingerprint,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             # Metrics measured at this very step (an epoch end), for checkpoint.keep_best.
@@ -475,6 +477,14 @@ class Trainer(RunFigures):
         # A checkpoint from before samples_seen_in_epoch: its position is what it had trained.
         seen = state.get("samples_seen_in_epoch", state.get("samples_in_epoch"))
         self.samples_seen_in_epoch = int(seen) if seen is not None else 0
+        mid_epoch = self.batch_in_epoch > 0 or self.samples_seen_in_epoch > 0
+        if line := data_change(
+            state.get("data"), self.data_fingerprint, step=self.step, epoch=self.epoch, mid_epoch=mid_epoch
+        ):
+            # A position in an epoch of other data means nothing: the epoch starts over (docs/training.md, Resume).
+            self.batch_in_epoch = self.samples_seen_in_epoch = 0
+            if self.runtime.rank == 0:
+                log.warning("%s", line)
         self._trained_before_s = float(state.get("train_s_total") or 0.0)
         self.total_steps = last_step(
             self.train_data, self.train_cfg, epoch=self.epoch, batch_in_epoch=self.batch_in_epoch, step=self.step
