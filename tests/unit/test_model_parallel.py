@@ -244,3 +244,17 @@ def test_the_estimate_shows_small_sizes_apart(eight_fake_ranks):
         "80.0 GiB",
     ]
     assert size_text(99.99 * 1024) == "100 KiB"  # rounded before the unit's format: not "100."
+
+
+def test_tp_auto_tries_only_the_degrees_a_users_model_heads_allow(eight_fake_ranks):
+    """A user's own model says its heads by an attribute (`n_heads`), not by a config key the
+    config's checks read: 4 heads on a node of 8 give tp 2 and 4, not 8; 3 heads none (FSDP).
+    Before, tp 8 (or 2 for 3 heads) was weighed and the plan's head count failed on the ranks:
+    `strategy.tp = 2: does not divide layers.0.attn.n_heads = 3`."""
+    from raylane.loop.usercode import build_pipeline
+
+    for heads, tried in ((4, {"fsdp_tp2", "fsdp_tp4"}), (3, set())):
+        sets = ["strategy.name=fsdp", "strategy.tp=auto", "scaling.device_memory_gb=1e-6", f"model.heads={heads}"]
+        cfg = load_config({"pipeline": "tests.helpers.plan_mistakes"}, sets)
+        chosen = _choose(cfg, build_pipeline(cfg))
+        assert {k for k in chosen.estimate if k.startswith("fsdp_tp")} == tried, chosen.reason

@@ -195,6 +195,12 @@ def weigh(
         (sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks_of(model, blocks)), default=0
     )
     tps = tp_candidates(cfg, world_size, local_world_size(default=world_size)) if plan is not None else []
+    if tps:  # the degrees that split every attention's heads whole (raylane.loop.heads)
+        from raylane.loop.heads import heads_problem
+        from raylane.loop.tensor_parallel import plan_for
+
+        rules = plan_for(model, plan, sequence_parallel=s.sequence_parallel)
+        tps = [tp for tp in tps if heads_problem(model, rules, tp) is None]
     options = [Candidate("ddp", "ddp", 1, estimate["ddp"])] if s.name == "auto" else []
     measured: dict[str, int] = {}
     for tp in [1, *tps]:

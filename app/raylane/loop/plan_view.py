@@ -18,22 +18,10 @@ from typing import Any
 
 from torch import nn
 
+from raylane.loop.heads import heads_problem
 from raylane.loop.mesh import model_parallel_strategy
 from raylane.loop.tensor_parallel import plan_for, shared_parameters
 from raylane.loop.tp_styles import resolve_rules, style_name
-
-# Attributes that hold an attention module's head count (nanoGPT's, Llama's reference code's,
-# transformers'): a rank of a tensor-parallel group takes heads / tp of them.
-HEAD_COUNTS = (
-    "n_heads",
-    "n_head",
-    "num_heads",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "n_kv_heads",
-    "n_kv_head",
-    "num_kv_heads",
-)
 
 
 def layout_line(cfg: Any, world: int) -> str:
@@ -54,21 +42,19 @@ def plan_lines(model: nn.Module, plan: Any, *, sequence_parallel: bool, tp: int 
     """The plan on `model`: a line per rule (its modules, blocks' indices folded into `*`, and
     their split), then what stays whole and what is tied. ValueError, one line, for a rule that
     names nothing, a style that is none, a module its style cannot split, tied names split
-    differently, and with `tp` a head count it does not divide (`check_heads`)."""
+    differently, and with `tp` a head count it does not divide (raylane.loop.heads)."""
     rules = resolve_rules(plan_for(model, plan, sequence_parallel=sequence_parallel))
     modules = dict(model.named_modules())
     placed: dict[str, str] = {}  # parameter name -> its layout over the tensor-parallel ranks
     rows: dict[tuple[str, str], int] = {}
-    taken: dict[str, list[str]] = {}  # rule -> the modules it takes
     for pattern, style in rules.items():
-        taken[pattern] = [n for n in modules if _matches(n, pattern)]
-        for name in taken[pattern]:
+        for name in (n for n in modules if _matches(n, pattern)):
             text, params = describe(style, modules[name], f"Pipeline.tp_plan[{pattern!r}]")
             placed |= {f"{name}.{p}": where for p, where in params.items()}
             key = (_folded(name), text)
             rows[key] = rows.get(key, 0) + 1
-    if tp is not None and tp > 1:
-        check_heads(model, rules, taken, tp)
+    if tp is not None and tp > 1 and (problem := heads_problem(model, rules, tp)):
+        raise ValueError(problem)
     width = max((len(path) for path, _ in rows), default=0)
     # One line per rule, a block's index folded: rules given per layer (a LoRA adapter's) fold too.
     count = f"{len(rows)} rules" + (f", from {len(rules)} by module name" if len(rules) != len(rows) else "")
@@ -85,43 +71,6 @@ def plan_lines(model: nn.Module, plan: Any, *, sequence_parallel: bool, tp: int 
             )
         lines.append(f"tied: {' = '.join(names)} (one parameter, {layouts.pop()})")
     return lines
-
-
-def check_heads(model: nn.Module, rules: dict[str, Any], taken: dict[str, list[str]], tp: int) -> None:
-    """ValueError naming strategy.tp, the module and the rule, when `tp` does not divide a head
-    count of a module whose projection a rule splits by columns (q, k or v: each rank then holds
-    whole heads): an attribute of HEAD_COUNTS on that module, or for a Hugging Face attention
-    (which holds its `config` and `head_dim`) the config's num_attention_heads and
-    num_key_value_heads. A user's model and a transformers model alike."""
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    modules = dict(model.named_modules())
-    for pattern, style in rules.items():
-        if not isinstance(style, ColwiseParallel):
-            continue
-        for name in taken[pattern]:
-            owner = name.rpartition(".")[0]
-            for where, heads in _head_counts(modules[owner]):
-                if heads % tp:
-                    raise ValueError(
-                        f"strategy.tp = {tp}: does not divide {owner or type(model).__name__}.{where} = {heads}, the "
-                        f"heads each rank takes a share of (Pipeline.tp_plan[{pattern!r}] splits {name} by columns)"
-                    )
-
-
-def _head_counts(module: nn.Module) -> list[tuple[str, int]]:
-    """(attribute, heads) of a module: its own HEAD_COUNTS, else a Hugging Face attention's config's."""
-    own = [(a, v) for a in HEAD_COUNTS if (v := _count(module.__dict__.get(a)))]
-    config = module.__dict__.get("config")
-    if own or config is None or not _count(module.__dict__.get("head_dim")):
-        return own
-    keys = ("num_attention_heads", "num_key_value_heads")
-    return [(f"config.{a}", v) for a in keys if (v := _count(getattr(config, a, None)))]
-
-
-def _count(value: Any) -> int:
-    """`value` when it is a count (a positive int, not a bool), else 0."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def describe(style: Any, module: nn.Module, rule: str = "Pipeline.tp_plan") -> tuple[str, dict[str, str]]:
