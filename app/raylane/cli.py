@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     tools.add_stacks(sub)
     tools.add_k8s(sub)
+    tools.add_slurm(sub)
     return p
 
 
@@ -428,6 +429,7 @@ COMMANDS = {
     "export": _export,
     "bench": _bench,
     "k8s": lambda args: tools.k8s(args, parser),
+    "slurm": tools.slurm,
     "up": _up,
     "down": _down,
     "stacks": tools.stacks,

@@ -1,6 +1,6 @@
 """The CLI's tool commands, beside the run commands of raylane.cli: `raylane stacks` (a live
-run's ranks' stacks) and `raylane k8s` (KubeRay manifests, checked offline). Each imports its
-work only when run."""
+run's ranks' stacks), `raylane k8s` (KubeRay manifests, checked offline) and `raylane slurm`
+(the Slurm batch script). Each imports its work only when run."""
 
 from __future__ import annotations
 
@@ -57,4 +57,22 @@ def k8s(args: argparse.Namespace, cli_parser: Any) -> int:
     if report.findings:
         return 2
     print(report.summary(), flush=True)
+    return 0
+
+
+def add_slurm(sub: Any) -> None:
+    """`slurm init`: the shipped Slurm batch script (docs/clusters.md#slurm)."""
+    slurm = sub.add_parser("slurm", help="write the Slurm batch script that runs raylane on an allocation")
+    verbs = slurm.add_subparsers(dest="slurm_command", required=True)
+    init = verbs.add_parser("init", help="write slurm-ray.sbatch into DIR (a Ray cluster per job, then raylane train)")
+    init.add_argument(
+        "dir", nargs="?", default=".", metavar="DIR", help="where (default: here; no file is overwritten)"
+    )
+
+
+def slurm(args: argparse.Namespace) -> int:
+    from raylane.clusters.slurm import init
+
+    script = init(args.dir)
+    print(f"wrote {script}; from your project: sbatch --nodes=2 {script} CONFIG [--set KEY=VALUE ...]", flush=True)
     return 0

@@ -15,6 +15,44 @@ import time
 from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
+# A head slow to start, on purpose: the head's `ray start` starts its raylet (its node registers
+# with the GCS) this long after the GCS and the dashboard are up, as on a loaded node where the
+# dashboard's imports took 25-60 s. The GCS answers meanwhile. A sitecustomize in the job's
+# PYTHONPATH: every Python process imports it, only a head's `ray start` acts on it.
+SLOW_HEAD = """
+import importlib.abc, importlib.util, os, sys, time
+
+try:
+    _argv = open("/proc/self/cmdline", "rb").read().split(b"\\0")
+except OSError:
+    _argv = []
+
+
+class _LateRaylet(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "ray._private.node":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            start = module.Node.start_ray_processes
+
+            def late(node):
+                time.sleep(float(os.environ.get("RAYLANE_TESTS_HEAD_DELAY_S", "0")))
+                return start(node)
+
+            module.Node.start_ray_processes = late
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if len(_argv) > 2 and _argv[1].endswith(b"/ray") and _argv[2] == b"start" and b"--head" in _argv:
+    sys.meta_path.insert(0, _LateRaylet())
+"""
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 
@@ -27,6 +65,15 @@ def missing() -> str | None:
     if absent:
         return f"Slurm is not installed ({', '.join(absent)} not found: `make slurm` installs Debian's slurm-wlm)"
     return None
+
+
+def slow_head(folder: Path, delay_s: float) -> dict[str, str]:
+    """The environment that makes a Ray head started in it (a worker node's `ray start` is left
+    alone) register its node `delay_s` late (SLOW_HEAD)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SLOW_HEAD)
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "RAYLANE_TESTS_HEAD_DELAY_S": str(delay_s)}
 
 
 def _free_port() -> int:
@@ -185,6 +232,20 @@ class SlurmCluster:
                 if wanted in environ and any(v.startswith(b"SLURM_JOB_ID=") for v in environ):
                     found.append(int(entry.name))
         return found
+
+
+def session_alive(sid: int) -> list[int]:
+    """The live processes of session `sid` (a node's `ray start` and all it started)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
 
 
 def _alive(pid: int) -> bool:

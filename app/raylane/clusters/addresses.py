@@ -27,6 +27,13 @@ def address_field(address: str | None) -> str:
 
 def join_hint(field: str) -> str:
     """What to try when the cluster named by `field` does not answer."""
+    if job := os.environ.get("SLURM_JOB_ID"):
+        # A head on a Slurm allocation (the batch script's, raylane.clusters.slurm): `raylane up`
+        # is not in play there.
+        return (
+            f"under Slurm (job {job}) the head's srun output says why it did not answer; "
+            "RAYLANE_JOIN_TIMEOUT_S gives a slow head longer"
+        )
     if field == "RAY_ADDRESS":
         return "check it (`raylane up` prints its head's address) or unset RAY_ADDRESS for a local cluster"
     return f"check the address (`raylane up` prints it) or leave {field} out for a local cluster"

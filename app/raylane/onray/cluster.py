@@ -202,19 +202,27 @@ def _wait_for_grpc(address: str, field: str) -> float:
     certificates) or through Ray Client (`ray://`)."""
     if address.startswith("ray://") or os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
         return 0.0
+    started = time.monotonic()
+    if not gcs_answers(address, JOIN_TIMEOUT_S):
+        raise _no_answer(field, address)
+    return time.monotonic() - started
+
+
+def gcs_answers(address: str, timeout_s: float) -> bool:
+    """Whether `address` (HOST:PORT) speaks gRPC within `timeout_s`, as a GCS that is up does
+    (raylane.onray.slurm's wait asks the same, within its own bound)."""
     import grpc
 
-    started = time.monotonic()
     channel = grpc.insecure_channel(address)
     ready = grpc.channel_ready_future(channel)
     try:
-        ready.result(timeout=JOIN_TIMEOUT_S)
+        ready.result(timeout=timeout_s)
+        return True
     except grpc.FutureTimeoutError:
-        raise _no_answer(field, address) from None
+        return False
     finally:
         ready.cancel()  # first: its watcher thread fails loudly on a channel closed under it
         channel.close()
-    return time.monotonic() - started
 
 
 def _no_answer(field: str, address: str) -> ConfigError:

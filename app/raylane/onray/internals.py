@@ -127,6 +127,11 @@ NAMES: dict[str, tuple[str, str | None, str]] = {
         "PrestartWorkersRequest: the raylet's only way to start job-less workers after its start",
     ),
     "node_manager_grpc": ("ray.core.generated.node_manager_pb2_grpc", None, "the raylet's gRPC stub"),
+    "GcsClient": (
+        "ray._raylet",
+        "GcsClient",
+        "the Slurm wait counts the nodes that joined without becoming a driver (ray.init needs this host's raylet up)",
+    ),
     "ray_common_pb2": ("ray.core.generated.common_pb2", None, "the Language enum (PYTHON) of that request"),
     "ray_worker": (
         "ray._private.worker",
