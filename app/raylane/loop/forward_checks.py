@@ -53,7 +53,8 @@ def check_tp_forward(model: nn.Module, plan: Any, tp: int, example: Any, *, sequ
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from raylane.loop.tensor_parallel import HEAD_COUNTS, apply_plan
+    from raylane.loop.heads import HEAD_COUNTS
+    from raylane.loop.tensor_parallel import apply_plan
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
     try:

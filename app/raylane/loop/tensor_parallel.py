@@ -18,23 +18,13 @@ from typing import Any
 
 from torch import nn
 
+# The attributes that hold an attention module's head count (nanoGPT's, Llama's reference code's,
+# transformers' names): the checks' (raylane.loop.heads) and local_heads' alike.
+from raylane.loop.heads import HEAD_COUNTS
+
 # A pipeline's plan: {module path: ParallelStyle}, `*` standing for one name in the path (a
 # block's index), as torch's parallelize_module takes it; or plan(model, sequence_parallel) -> that.
 TpPlan = Mapping[str, Any] | Callable[[nn.Module, bool], Mapping[str, Any]]
-
-
-# Attributes that hold an attention module's head count, by the names nanoGPT, Llama's reference
-# code and transformers give them: under tensor parallelism a rank holds heads / tp of them.
-HEAD_COUNTS = (
-    "n_heads",
-    "n_head",
-    "num_heads",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "n_kv_heads",
-    "n_kv_head",
-    "num_kv_heads",
-)
 
 
 def plan_for(model: nn.Module, plan: TpPlan, *, sequence_parallel: bool) -> dict[str, Any]:
@@ -111,8 +101,8 @@ def apply_rules(model: nn.Module, rules: dict[str, Any], tp_mesh: Any) -> None:
 
 def local_heads(model: nn.Module, rules: dict[str, Any], tp: int) -> list[str]:
     """In place: each module with a child the plan splits by columns, leaving its output split (an
-    attention's q, k or v projection), has its head-count attributes (HEAD_COUNTS, integers)
-    divided by `tp`, as that rank's share of the heads: a forward written `view(B, T,
+    attention's q, k or v projection), has its own head-count attributes (HEAD_COUNTS, integers;
+    never a shared `config`'s, which transformers' attentions read and view by -1 heads) divided by `tp`, as that rank's share of the heads: a forward written `view(B, T,
     self.n_heads, self.head_dim)` then views the rank's own q, k and v. Returns the
     `module.attribute` names changed; ValueError when `tp` does not divide one. A module is
     changed once (a plan applied again leaves it)."""
