@@ -1,6 +1,8 @@
 """Warm workers (issue 52; raylane.onray.warm): what decides that a run's actors get an empty
-runtime_env, the head's settings, the start-up line's reasons, stale code and the refill. All
-in-process; a warm run end to end is tests/e2e/test_warm.py (slow)."""
+runtime_env, the head's settings, the start-up line's reasons, stale code, the refill, and how the
+pool fills on a head that is never quiet (issue 60: in batches, each once the last one imported,
+waiting only for a raylane run that is starting, within the memory and a budget, saying what it
+has and why not more). All in-process; a busy head's pool end to end is tests/e2e/test_warm.py."""
 
 from __future__ import annotations
 
@@ -114,10 +116,11 @@ def test_the_head_prestarts_and_preloads_the_loop_and_never_cuda():
     assert local.HEAD_ENV[internals.WARN_ASYNC_GET_VAR] == internals.WARN_ASYNC_GET_DEFAULT
 
 
-def test_only_a_job_less_worker_imports_the_warm_modules(monkeypatch):
+def test_only_a_job_less_worker_imports_the_warm_modules_and_marks_itself_ready(monkeypatch, tmp_path):
     """Ray's preload runs in every Python worker the head starts: the pool's own (job-less)
-    import torch and the loop; one started for a job's actor (a sweep's trial, Ray Train's sync
-    actor, Ray Data's) imports nothing it would not have, and outside a worker nothing happens."""
+    import torch and the loop, marked importing, then ready; one started for a job's actor (a
+    sweep's trial, Ray Train's sync actor, Ray Data's) imports nothing it would not have, and
+    outside a worker nothing happens."""
     import importlib
     from types import SimpleNamespace
 
@@ -125,16 +128,34 @@ def test_only_a_job_less_worker_imports_the_warm_modules(monkeypatch):
 
     from raylane.onray import preload
 
+    monkeypatch.setenv("RAYLANE_HOME", str(tmp_path))
     imported: list[str] = []
-    monkeypatch.setattr(importlib, "import_module", imported.append)
+    marks = tmp_path / "warm" / "ready" / str(os.getpid())
+    monkeypatch.setattr(importlib, "import_module", lambda name: imported.append(name) or _seen(marks, name))
     importlib.reload(preload)  # this process is no Ray worker
-    assert imported == []
+    assert imported == [] and not marks.exists()
     for job, expected in ((ray.JobID.nil().hex(), list(local.WARM_PRELOAD)), ("01000000", [])):
         context = SimpleNamespace(get_job_id=lambda job=job: job)
         monkeypatch.setattr(ray, "get_runtime_context", lambda context=context: context)
         imported.clear()
         importlib.reload(preload)
         assert imported == expected, job
+    assert marks.read_text() == ""  # ready: the pool counts it
+    assert _SEEN == {name: warm.IMPORTING for name in local.WARM_PRELOAD}  # marked importing meanwhile
+
+    def broken(name):
+        raise RuntimeError("no torch here")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    preload.warm_up()
+    assert marks.read_text() == "RuntimeError: no torch here"  # the top-up stops and says so
+
+
+_SEEN: dict[str, str] = {}
+
+
+def _seen(marks, name) -> None:
+    _SEEN[name] = marks.read_text()
 
 
 def test_a_record_of_an_older_head_reads_as_one_without_warm_workers():
@@ -150,40 +171,61 @@ def test_the_code_stamp_changes_when_raylanes_code_does(tmp_path):
 
 
 @pytest.fixture
-def on_head(monkeypatch):
-    """A `raylane up` head at 127.0.0.1:1 with idle workers 11 and 12, the code it started with;
-    each PrestartWorkers call adds that many idle workers."""
-    seen = {"idle": [11, 12], "recycled": [], "prestarted": [], "recorded": [], "spawned": 0}
+def on_head(monkeypatch, tmp_path):
+    """A `raylane up` head at 127.0.0.1:1 whose pool has two ready workers, 11 and 12, with the
+    code it started with, on a machine with memory to spare. A worker the raylet is asked for
+    (PrestartWorkers) shows as starting, then importing, then ready, one step per look at the
+    pool; every call to prestart records what the pool held then."""
+    monkeypatch.setenv("RAYLANE_HOME", str(tmp_path))
+    seen = {"ready": [11, 12], "importing": [], "starting": [], "unmarked": [], "gap": [], "recycled": []}
+    seen.update(prestarted=[], spawned=0, recorded=[], during=[])
+
+    def pool_workers(sid):
+        # starting, then registered but not yet marked (it imports raylane first: in no list, for
+        # two looks), then importing, then ready
+        state = (list(seen["ready"]), list(seen["importing"]), list(seen["starting"]))
+        seen["ready"] += seen["importing"]
+        seen["importing"], seen["gap"], seen["unmarked"] = seen["gap"], seen["unmarked"], seen["starting"]
+        seen["starting"] = []
+        return state
 
     def prestart(raylet, num):
+        seen["during"].append(tuple(len(seen[k]) for k in ("importing", "starting", "unmarked", "gap")))
         seen["prestarted"].append((raylet, num))
-        seen["idle"] += range(100 + len(seen["idle"]), 100 + len(seen["idle"]) + num)
+        new = 100 + len(seen["prestarted"]) * 10
+        seen["starting"] += range(new, new + num)
 
     def recycle(sid, pids):
         seen["recycled"].extend(pids)
-        seen["idle"] = [p for p in seen["idle"] if p not in pids]
+        seen["ready"] = [p for p in seen["ready"] if p not in pids]
 
     monkeypatch.setattr(local, "running", lambda: head())
     monkeypatch.setattr(local, "code_stamp", lambda: "stamp")
     monkeypatch.setattr(local, "record_code", seen["recorded"].append)
-    monkeypatch.setattr(warm, "idle_workers", lambda sid, starting=False: list(seen["idle"]))
+    monkeypatch.setattr(warm, "pool_workers", pool_workers)
     monkeypatch.setattr(warm, "recycle", recycle)
     monkeypatch.setattr(warm, "prestart", prestart)
     monkeypatch.setattr(warm, "spawn_top_up", lambda: seen.__setitem__("spawned", seen["spawned"] + 1) or True)
     monkeypatch.setattr(warm, "BATCH_SETTLE_S", 0)
     monkeypatch.setattr(warm, "POLL_S", 0)
-    monkeypatch.setattr(warm, "QUIET_S", 0)
-    monkeypatch.setattr(warm, "_busy", lambda sid, pool: False)
     monkeypatch.setattr(warm, "_joined", None)
+    monkeypatch.setattr(warm.os, "cpu_count", lambda: 2)
     return seen
 
 
 def test_the_start_up_line_says_warm_or_why_cold(on_head, monkeypatch):
-    assert warm.joined("127.0.0.1:1", {}) == "warm start: 2 idle warm workers on the head"
+    assert warm.joined("127.0.0.1:1", {}) == "warm start: 2 warm workers ready on the head"
+    on_head["starting"] = [13]
+    assert warm.joined("127.0.0.1:1", {}) == "warm start: 2 warm workers ready on the head, 1 more starting"
     assert "runtime_env" in warm.joined("127.0.0.1:1", {"py_modules": ["x"]})
     assert warm.joined("10.0.0.1:6379", {}) is None  # another cluster: no pool to speak of
-    on_head["idle"] = []
-    assert "no idle warm worker" in warm.joined("127.0.0.1:1", {})
+    on_head["ready"], on_head["importing"] = [], []
+    assert warm.joined("127.0.0.1:1", {}).startswith("starting cold: no warm worker ready on the head (still importing")
+    warm.write_status(head(), 0, 0, "the memory holds 0 of 7: 0.9 GiB available, each worker ~0.5 GiB")
+    assert warm.joined("127.0.0.1:1", {}) == (
+        "starting cold: no warm worker ready on the head (the memory holds 0 of 7: 0.9 GiB available, each worker "
+        "~0.5 GiB)"
+    )
     monkeypatch.setattr(local, "running", lambda: head(warm=0))
     assert warm.joined("127.0.0.1:1", {}) is None  # a head without `--warm`: as before, silent
     assert on_head["recycled"] == []
@@ -198,16 +240,88 @@ def test_workers_that_imported_older_code_are_recycled_before_the_run(on_head, m
 def test_a_run_on_the_head_starts_its_refill_and_a_run_elsewhere_none(on_head):
     assert warm.refill() is False and on_head["spawned"] == 0  # no head joined
     warm.joined("127.0.0.1:1", {})
+    assert warm.runs_starting() == [os.getpid()]  # the top-up waits for this run's start
     assert warm.refill() is True and on_head["spawned"] == 1
+    assert warm.runs_starting() == []  # its end: the mark is gone
 
 
-def test_the_top_up_asks_in_batches_the_raylet_takes_up_to_the_pools_size(on_head, monkeypatch):
-    monkeypatch.setattr(warm.os, "cpu_count", lambda: 2)  # the raylet starts 2 at a time here
-    assert warm.top_up(head()) == 5  # 7 kept, 2 idle
-    assert on_head["prestarted"] == [("127.0.0.1:3", 2), ("127.0.0.1:3", 2), ("127.0.0.1:3", 1)]
-    assert len(on_head["idle"]) == 7 and warm.top_up(head()) == 0  # whole: nothing more
+def test_the_top_up_asks_in_batches_of_half_the_cores_each_once_the_last_has_imported(on_head, monkeypatch):
+    """Nothing about the machine's load: a shared head is never quiet (the pool used to wait for 3
+    quiet seconds, and never filled). One at a time on 2 cores, 4 at a time on 8; never a batch
+    while another still starts, imports, or has registered and not yet said so."""
+    assert warm.top_up(head()) == 5  # 7 kept, 2 ready
+    assert on_head["prestarted"] == [("127.0.0.1:3", 1)] * 5 and set(on_head["during"]) == {(0, 0, 0, 0)}
+    assert len(on_head["ready"]) == 7 and warm.top_up(head()) == 0  # whole: nothing more
+    assert warm.status(head()) == {**warm.status(head()), "ready": 7, "starting": 0, "why": None, "done": True}
+    monkeypatch.setattr(warm.os, "cpu_count", lambda: 8)
+    on_head["ready"], on_head["prestarted"] = [11, 12], []
+    assert warm.top_up(head()) == 5 and on_head["prestarted"] == [("127.0.0.1:3", 4), ("127.0.0.1:3", 1)]
     monkeypatch.setattr(local, "code_stamp", lambda: "edited")  # raylane edited since they started
     assert warm.top_up(head()) == 7 and on_head["recorded"] == ["edited"] and 11 in on_head["recycled"]
+
+
+def test_the_top_up_waits_only_while_a_raylane_run_on_the_head_is_starting(on_head, monkeypatch):
+    looks = iter([[4321]] * 5 + [[]] * 100)
+    monkeypatch.setattr(warm, "runs_starting", lambda: next(looks))
+    asked_at: list[int] = []
+    monkeypatch.setattr(warm, "prestart", lambda raylet, num: asked_at.append(num) or on_head["ready"].append(99))
+    warm.top_up(head(warm=3))
+    assert asked_at == [1] and next(looks) == []  # asked once the run's start was over
+
+
+def test_the_pool_fills_what_the_memory_holds_and_says_why(on_head, monkeypatch):
+    from types import SimpleNamespace
+
+    def memory():  # room for 2 more beside the 2 ready: each worker the pool gains takes its share
+        pool = len(on_head["ready"]) + len(on_head["importing"]) + len(on_head["starting"])
+        return SimpleNamespace(available=warm.SPARE_BYTES + (4.5 - pool) * warm.WORKER_BYTES)
+
+    monkeypatch.setattr(warm.psutil, "virtual_memory", memory)
+    assert warm.top_up(head()) == 2
+    assert warm.status(head())["why"] == "the memory holds 4 of 7: 1.2 GiB available, each worker ~0.5 GiB"
+    assert warm.describe(head(), started=False) == (
+        "4 of 7 warm workers ready: the memory holds 4 of 7: 1.2 GiB available, each worker ~0.5 GiB"
+    )
+
+
+def test_the_top_up_stops_at_its_budget_and_says_how_far_it_got(on_head, monkeypatch):
+    monkeypatch.setattr(warm, "prestart", lambda raylet, num: None)  # workers that never come
+    monkeypatch.setattr(warm, "POLL_S", 0.01)
+    warm.top_up(head(), budget_s=0.2)
+    assert warm.status(head())["why"] == "2 of 7 ready after 0.2 s; the next run's end asks again"
+    assert warm.describe(head(), started=False).startswith("2 of 7 warm workers ready: 2 of 7 ready after 0.2 s")
+
+
+def test_a_failed_import_stops_the_top_up_and_says_why(on_head, monkeypatch):
+    monkeypatch.setattr(warm, "_marks", lambda pids: ["", "ModuleNotFoundError: No module named 'torch'"])
+    assert warm.top_up(head()) == 0
+    assert (
+        warm.status(head())["why"] == "the warm workers' imports failed (ModuleNotFoundError: No module named 'torch')"
+    )
+
+
+def test_up_says_what_the_pool_really_has(on_head):
+    assert warm.describe(head(), started=True) == "7 warm workers starting (`raylane up` again says how many are ready)"
+    on_head["importing"], on_head["starting"] = [13], [14]
+    assert warm.describe(head(), started=False) == "2 of 7 warm workers ready, 2 starting"
+    assert warm.describe(head(warm=0), started=False) == "no warm workers"
+    warm.write_status(head(pid=999), 0, 0, "another head's")
+    assert warm.status(head()) == {}  # a record of a head that is gone says nothing of this one
+
+
+def test_a_runs_starting_mark_lasts_while_its_driver_lives_and_its_start_may_last(monkeypatch, tmp_path):
+    import subprocess
+    import time
+
+    monkeypatch.setenv("RAYLANE_HOME", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for pid in (os.getpid(), gone.pid, os.getppid()):
+        warm._mark_run(pid)
+    old = tmp_path / "warm" / "runs" / str(os.getppid())
+    os.utime(old, (time.time() - warm.RUN_STARTING_S - 1,) * 2)
+    assert warm.runs_starting() == [os.getpid()]
+    assert sorted(p.name for p in (tmp_path / "warm" / "runs").iterdir()) == [str(os.getpid())]
 
 
 def test_the_summary_says_which_actors_were_warm():

@@ -163,6 +163,9 @@ def up(
         return existing, False
     state = home()
     state.mkdir(parents=True, exist_ok=True)
+    # The marks an earlier head's warm workers left (raylane.onray.warm): by process id, which a
+    # new worker may be given again.
+    shutil.rmtree(state / "warm", ignore_errors=True)
     gcs_port, dash_port, raylet_port = port or _free_port(), dashboard_port or _free_port(), _free_port()
     # Ray's unix socket paths are length-limited: a short temp dir of its own under /tmp.
     temp = tempfile.mkdtemp(prefix="raylane-", dir="/tmp")
