@@ -80,6 +80,10 @@ def _train(
         )
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says so
             print(run.finished.line, flush=True)
+            from raylane.tracking.runs import settle
+
+            if closed := settle(run.cfg):  # an MLflow run its server did not let close at the end
+                print(closed, flush=True)
             summary.write(summary_json)
         return summary
     for note in run.notes:

@@ -79,6 +79,15 @@ def failure_text(exc: Exception) -> str:
     return f"{type(exc).__name__}: {lines[0]}" + (" (the rest in the library log)" if len(lines) > 1 else "")
 
 
+def _first_line(exc: Exception) -> str:
+    """An error that left a launch uncaught, in one line for its MLflow run's tag (its traceback
+    goes wherever the launch's caller sends it)."""
+    from raylane.errors import RaylaneError
+
+    lines = str(exc).strip().splitlines() or [""]
+    return lines[0] if isinstance(exc, RaylaneError) else f"{type(exc).__name__}: {lines[0]}"
+
+
 class SignalInterrupt(KeyboardInterrupt):
     """The KeyboardInterrupt a SIGTERM turns into (`raise_interrupt`)."""
 
@@ -182,8 +191,9 @@ class RunSession:
 
     def open_on(self, pool: Executor, opener: Callable[..., RunHandle], *args: Any) -> None:
         """Open the launch's MLflow run with `opener(*args)` on `pool`, while the launch starts;
-        `handle` waits for it."""
-        self._run = pool.submit(opener, *args)
+        `handle` waits for it. Its imports (MLflow's) run beside the launch's own (Ray's), and
+        one that fails only because of the other (`import_race`) is tried once more."""
+        self._run = pool.submit(_opened, opener, *args)
 
     def track(self, handle: RunHandle) -> None:
         """Close `handle`, a run opened elsewhere (a trial's child run), as this session's."""
@@ -207,18 +217,20 @@ class RunSession:
             log.warning("MLflow at %s cannot be reached (%s): training without tracking", resolve_tracking_uri(), cause)
             return None
 
-    def close(self, status: Status) -> None:
-        """Close the MLflow run with `status` (the first call only)."""
+    def close(self, status: Status, error: str | None = None) -> None:
+        """Close the MLflow run with `status` (the first call only); `error`, the one line the
+        launch ended with, is the run's `raylane.error` tag unless it closes FINISHED."""
         if self.closed or self._run is None:
             return
         from raylane.tracking.runs import close_run
 
         self.closed = True
         self.status = final = self.closing(Status(status))
+        said = error if final != Status.FINISHED else None
 
         def closed_once_open(opened: Future[RunHandle]) -> None:
             if opened.exception() is None:  # else there is no run: tracking was unreachable
-                close_run(opened.result(), final)
+                close_run(opened.result(), final, said)
 
         self._run.add_done_callback(closed_once_open)
 
@@ -239,9 +251,41 @@ class RunSession:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:
         if exc is not None:
-            self.close(status_of(exc))
+            self.close(status_of(exc), _first_line(exc) if isinstance(exc, Exception) else INTERRUPTED)
         self._stack.__exit__(kind, exc, tb)
         return False  # what ended the launch goes on up
+
+
+def _opened(opener: Callable[..., RunHandle], *args: Any) -> RunHandle:
+    """`opener(*args)`, once more when the first try lost an import race (`import_race`): what it
+    left of MLflow half-imported is forgotten first (a second import would find the package it
+    re-runs without the submodules the first had bound to it)."""
+    before = set(sys.modules)
+    try:
+        return opener(*args)
+    except Exception as exc:
+        if not import_race(exc):
+            raise
+        from raylane.logs import record_traceback
+
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        record_traceback("opening the MLflow run lost an import race; trying once more:", text)
+        for name in [m for m in list(sys.modules) if m not in before and m.split(".")[0] == "mlflow"]:
+            sys.modules.pop(name, None)
+        return opener(*args)
+
+
+def import_race(exc: BaseException) -> bool:
+    """Whether `exc` is an import that failed because another thread was importing the same
+    modules: Python breaks a deadlock between two threads' imports by raising its _DeadlockError
+    in one, or by handing it a module still half-imported ("partially initialized module"). The
+    opener's MLflow and the main thread's Ray share dozens of dependencies (requests, urllib3,
+    asyncio, pandas, pyarrow, ...); seen once in about twelve full test runs: no MLflow run at all.
+    Such an import succeeds when tried again, once the half-imported modules are forgotten."""
+    text = str(exc)
+    return (
+        type(exc).__name__ == "_DeadlockError" or "partially initialized module" in text or "deadlock detected" in text
+    )
 
 
 def finalize_run(cfg: BaseConfig, session: RunSession, is_driver: bool) -> BaseConfig:
@@ -280,7 +324,7 @@ def not_started(session: RunSession, exc: BaseException) -> None:
     interrupt ends the launch KILLED, as one during training does, with one line; anything else
     is raised again (FAILED)."""
     status = status_of(exc)
-    session.close(status)
+    session.close(status, _first_line(exc) if isinstance(exc, Exception) else INTERRUPTED)
     if status != Status.KILLED:
         raise exc
     print("raylane: interrupted while waiting for the Ray cluster; nothing was trained", file=sys.stderr, flush=True)

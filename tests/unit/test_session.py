@@ -131,6 +131,61 @@ def test_a_session_closes_its_run_once_on_every_way_out_then_the_rest_then_the_l
     assert _statuses(store)["slow"] == "KILLED"
 
 
+def test_the_line_a_launch_failed_with_is_its_runs_tag_and_a_finished_run_has_none(store):
+    """`raylane.error`: the terminal's one line, on every way a launch fails or stops; none on a
+    run that closes FINISHED (one recorded FINISHED before stays so: closes_as_run)."""
+    from mlflow.tracking import MlflowClient
+
+    from raylane.tracking.runs import ERROR_TAG
+
+    handles = {}
+    for how, close in {
+        "failed": lambda s: s.close(Status.FAILED, "training failed on rank 1: ValueError: bad shape"),
+        "finished": lambda s: s.close(Status.FINISHED, None),
+        "raised": lambda s: (_ for _ in ()).throw(ValueError("boom\nmore")),
+        "interrupted": lambda s: (_ for _ in ()).throw(KeyboardInterrupt()),
+    }.items():
+        with pytest.raises((ValueError, KeyboardInterrupt)) if how in ("raised", "interrupted") else nullcontext():
+            with RunSession() as session:
+                session.track(handles.setdefault(how, _run(store, how)))
+                close(session)
+    tags = {how: MlflowClient(store).get_run(h.run_id).data.tags.get(ERROR_TAG) for how, h in handles.items()}
+    assert tags == {
+        "failed": "training failed on rank 1: ValueError: bad shape",
+        "finished": None,
+        "raised": "ValueError: boom",
+        "interrupted": "interrupted",
+    }
+
+
+def test_an_opener_that_lost_an_import_race_opens_the_run_once_more():
+    """The opener imports MLflow beside the main thread's Ray: a half-imported module caught from
+    the other thread fails it once (tests/e2e/test_join.py makes it happen in a real launch); a
+    server that cannot be reached is no race, and not tried again."""
+    from raylane.session import import_race
+
+    tries: list[int] = []
+
+    def opener(error: Exception):
+        tries.append(1)
+        if len(tries) == 1:
+            raise error
+        return "opened"
+
+    race = AttributeError("partially initialized module 'mlflow' has no attribute 'version' (most likely ...)")
+    with ThreadPoolExecutor(1) as pool:
+        session = RunSession()
+        session.open_on(pool, opener, race)
+        assert session.handle() == "opened" and len(tries) == 2
+        tries.clear()
+        session.open_on(pool, opener, ConnectionError("[Errno 111] Connection refused"))
+        assert session.handle() is None and len(tries) == 1  # said in one warning: training goes on untracked
+    assert import_race(
+        ImportError("cannot import name 'HTTPAdapter' from partially initialized module 'requests.adapters'")
+    )
+    assert not import_race(ImportError("No module named 'mlflow'")) and not import_race(ValueError("partial results"))
+
+
 def test_a_sigterm_that_lands_inside_a_gc_callback_still_interrupts_the_launch(own_sigterm, monkeypatch):
     """Python runs the handler at its next safe point, which can be a weakref's callback, where the
     interrupt it raises is dropped ("Exception ignored"): it is sent again, and the launch stops."""
@@ -179,8 +234,8 @@ class _Closes:
         self.statuses: list[Status] = []
         original = RunSession.close
 
-        def close(session: RunSession, status: Status) -> None:
-            original(session, status)
+        def close(session: RunSession, status: Status, error: str | None = None) -> None:
+            original(session, status, error)
             self.statuses.append(session.status)
 
         monkeypatch.setattr(RunSession, "close", close)

@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from raylane.config import BaseConfig
+from raylane.runrecord import run_folder
+from raylane.tracking import pending
 from raylane.version import __version__
 
 log = logging.getLogger("raylane.tracking")
 
 RUN_NAME_TAG = "raylane.run_name"
+ERROR_TAG = "raylane.error"  # why the run's last launch failed or stopped: its one line
+MAX_TAG_VALUE_LEN = 5000  # MLflow's limit on a tag's value (8,000 in 3.x; 5,000 in older servers)
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limits
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_VALUE_LEN = 6000
@@ -126,6 +130,7 @@ class RunHandle:
     experiment_id: str
     tracking_uri: str
     resumed: bool
+    run_name: str | None = None  # raylane's run.name
 
 
 def mlflow_client(tracking_uri: str):
@@ -257,7 +262,10 @@ def open_run(cfg: BaseConfig, tracking_uri: str, world_size: int) -> RunHandle:
     all_tags = run_tags(cfg, world_size)
     if found:
         run_id = found[0].info.run_id
+        pending.send_all(run_folder(cfg), mlflow_client, close=False)  # this launch closes the run itself
         client.update_run(run_id, status="RUNNING")
+        if ERROR_TAG in found[0].data.tags:  # an earlier launch's failure: this one may end otherwise
+            client.delete_tag(run_id, ERROR_TAG)
         known = found[0].data.params
     else:
         run_id = client.create_run(exp_id, run_name=cfg.run.name, tags=all_tags).info.run_id
@@ -269,18 +277,53 @@ def open_run(cfg: BaseConfig, tracking_uri: str, world_size: int) -> RunHandle:
     for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
     client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
-    return RunHandle(run_id, exp_id, tracking_uri, resumed=bool(found))
+    pending.keep_for(run_id, run_folder(cfg))
+    return RunHandle(run_id, exp_id, tracking_uri, resumed=bool(found), run_name=cfg.run.name)
 
 
-def close_run(handle: RunHandle, status: str) -> None:
-    """FINISHED, FAILED or KILLED: a run is never left RUNNING."""
+def settle(cfg: BaseConfig) -> str | None:
+    """For a launch with nothing to train (the run FINISHED): close the MLflow run an earlier launch
+    could not close (its server was gone at the end), with what it could not send; the line that
+    says so, or None when nothing was kept (raylane.tracking.pending)."""
+    return pending.settle(run_folder(cfg), str(cfg.run.name), mlflow_client)
+
+
+def close_run(handle: RunHandle, status: str, error: str | None = None) -> None:
+    """FINISHED, FAILED or KILLED: a run is never left RUNNING. `error`: the one line the launch
+    ended with (the terminal's), tagged `raylane.error`, so that the UI says why a run failed.
+    What the server does not take is kept for the run's next launch (raylane.tracking.pending),
+    and one line says so."""
+    tags = {ERROR_TAG: error[:MAX_TAG_VALUE_LEN]} if error else {}
+    run_id, name = handle.run_id, handle.run_name
     try:
-        mlflow_client(handle.tracking_uri).set_terminated(handle.run_id, status=status)
+        client = mlflow_client(handle.tracking_uri)
+        if tags:
+            client.set_tag(run_id, ERROR_TAG, tags[ERROR_TAG])
+        client.set_terminated(run_id, status=status)
     except Exception as exc:  # the result is on disk already; do not turn success into a crash
-        log.warning("could not mark MLflow run %s %s: %s", handle.run_id, status, exc)
+        kept = pending.keep(run_id, handle.tracking_uri, tags=tags, status=status)
+        if kept is None:
+            log.warning(
+                "could not mark MLflow run %s %s (%s): it stays RUNNING there", run_id, status, pending.cause(exc)
+            )
+            return
+        values = pending.count(kept.parent, run_id)
+        log.warning(
+            "MLflow at %s did not take the end of run %s (%s): it shows RUNNING there until the next launch of "
+            "run.name=%s sends its status %s%s, kept in %s",
+            handle.tracking_uri, run_id, pending.cause(exc), name, status,
+            f" and the {values} metric values it did not take" if values else "", kept.parent,
+        )  # fmt: skip
+        return
+    if values := pending.count(pending.where(run_id), run_id):
+        log.warning(
+            "MLflow did not take %d metric values of run %s: kept in %s, sent by the next launch of run.name=%s",
+            values, run_id, pending.where(run_id), name,
+        )  # fmt: skip
 
 
 def rank_zero_logger(cfg: BaseConfig, tracking_uri: str, run_id: str) -> MetricLogger:
+    pending.keep_for(run_id, run_folder(cfg))  # on a Ray worker too: its unsent values go there
     m = cfg.mlflow
     return MetricLogger(
         tracking_uri, run_id, system_metrics_interval_s=m.system_metrics_interval_s if m.system_metrics else None
@@ -317,6 +360,7 @@ class MetricLogger:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._warned = False
+        self._failure: Exception | None = None  # the last flush's error
         self._tags: dict[str, str] = {}
         self._logged: dict[str, int] | None = None  # logged_steps() when this logger started
         self._system_metrics_interval_s = system_metrics_interval_s
@@ -394,14 +438,15 @@ class MetricLogger:
         if not self._drop_logged(client):
             return
         with self._lock:
-            pending = list(self._buffer)
-        for i in range(0, len(pending), MAX_METRICS_PER_BATCH):
-            chunk = pending[i : i + MAX_METRICS_PER_BATCH]
+            buffered = list(self._buffer)
+        for i in range(0, len(buffered), MAX_METRICS_PER_BATCH):
+            chunk = buffered[i : i + MAX_METRICS_PER_BATCH]
             try:
                 client.log_batch(self.run_id, metrics=[Metric(k, v, ts, s) for k, v, ts, s in chunk])
             except Exception as exc:  # keep the rest buffered; training goes on
+                self._failure = exc
                 if not self._warned:
-                    log.warning("MLflow logging failed, metrics stay buffered: %s", exc)
+                    log.warning("MLflow logging failed (%s): metrics stay buffered", pending.cause(exc))
                     self._warned = True
                 return
             if self._warned:
@@ -417,7 +462,8 @@ class MetricLogger:
         if self._logged is None:
             try:
                 self._logged = logged_steps(client, self.run_id)
-            except Exception:  # noqa: BLE001 - retried at the next flush, as sending is
+            except Exception as exc:  # noqa: BLE001 - retried at the next flush, as sending is
+                self._failure = exc
                 return False
         if self._logged:
             with self._lock:
@@ -441,6 +487,31 @@ class MetricLogger:
                 pass
         if self._dropped:
             log.warning("MLflow buffer was full: %d metric values were dropped", self._dropped)
+        self._keep_unsent()
+
+    def _keep_unsent(self) -> None:
+        """What the server has not taken by now is kept for the run's next launch (the run's close
+        says so, in one line with its own: raylane.tracking.runs.close_run), or counted as dropped
+        where the run has no folder (object storage)."""
+        if self._thread.is_alive():  # still sending, past close's wait: what it sends is not kept twice
+            log.warning(
+                "MLflow: run %s's metric thread still sends %d values as this launch ends",
+                self.run_id,
+                len(self._buffer),
+            )
+            return
+        with self._lock:
+            unsent, tags = list(self._buffer), dict(self._tags)
+            self._buffer.clear()
+            self._tags = {}
+        if not unsent and not tags:
+            return
+        if pending.keep(self.run_id, self.tracking_uri, metrics=unsent, tags=tags) is None:
+            cause = f" ({pending.cause(self._failure)})" if self._failure else ""
+            log.warning(
+                "MLflow did not take %d metric values of run %s%s: dropped (no run folder to keep them in)",
+                len(unsent), self.run_id, cause,
+            )  # fmt: skip
 
 
 def _thread_cpu_s(thread: threading.Thread | None) -> float:
