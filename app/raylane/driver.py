@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +20,7 @@ from raylane.loop.result import RunResult
 from raylane.results import Status, TrainSummary
 from raylane.runrecord import record_finished
 from raylane.session import RunSession, failure_text, finalize_run, not_started, raise_interrupt, ran
-from raylane.tracking.progress import ProgressDisplay
+from raylane.tracking.progress import LABEL_WIDTH, ProgressDisplay
 
 log = logging.getLogger("raylane")
 
@@ -77,6 +79,7 @@ def train(
             return TrainSummary(status=Status.KILLED, error=NOT_STARTED, run_name=cfg.run.name)
         # From here on, a first SIGTERM or Ctrl-C asks the ranks to checkpoint and stop.
         preemption.install()
+        ending = None if use_ray or world_size < 2 else TorchrunEnding(env_ranks()[0])
         handle = _opened(cfg, session, startup)
         display = ProgressDisplay() if is_driver else None
         recorder = RunRecorder(handle, cfg, prewarm=use_ray) if handle else None
@@ -85,7 +88,7 @@ def train(
         embedded = bool(ray_stopper and ray_stopper.embedded)
         health = start_watch(cfg, handle.tracking_uri, handle.run_id) if handle else None
         status, error, result = _execute(
-            cfg, use_ray, embedded, handle, tracking_uri, [*listeners, startup.on_event], display
+            cfg, use_ray, embedded, handle, tracking_uri, [*listeners, startup.on_event], display, ending
         )
         stop_watch(health)  # the nodes' last samples logged; a node silent at the end is not named
         if ray_stopper:
@@ -95,8 +98,10 @@ def train(
         if not is_driver:
             return TrainSummary(status=status, error=error, run_name=cfg.run.name)
         fields = _summary(cfg, handle, status, error, result, display, launched, startup)
+        fields["world_size"] = result.world_size if result else world_size
         fields["resizes"] = resizes.resizes
-        return _finish(cfg, session, recorder, fields, register, summary_path, ui_command(tracking_uri, handle))
+        ui = ui_command(tracking_uri, handle)
+        return _finish(cfg, session, recorder, fields, register, summary_path, ui, ending.said if ending else [])
 
 
 def _begin(cfg: BaseConfig, use_ray: bool, startup: Any) -> bool:
@@ -159,16 +164,19 @@ def _finish(
     register: str | None,
     summary_path: str | None,
     ui: str,
+    failed_ranks: list[Any],
 ) -> TrainSummary:
-    """The end-of-run records, the MLflow run's close, the run's record and the summary."""
+    """The end-of-run records, the MLflow run's close (with the error line as a tag), the run's
+    record and the summary; `failed_ranks`: under torchrun, the other ranks whose failure the
+    error names (raylane.loop.rankfailures.RankFailure), whose logs are named below it."""
     if recorder:
         recorder.record_resizes(fields["resizes"])
         fields.update(recorder.finish(fields["status"], fields["checkpoint"], register))
-    session.close(fields["status"])
+    session.close(fields["status"], fields["error"])
     summary = TrainSummary.model_validate(fields)
     record_finished(cfg, summary)
     summary.write(summary_path)
-    _print_outcome(summary, ui)
+    _print_outcome(summary, ui, failed_ranks)
     return summary
 
 
@@ -180,9 +188,10 @@ def _execute(
     tracking_uri: str,
     listeners: list[Callable[[Event], None]],
     display: ProgressDisplay | None,
+    ending: TorchrunEnding | None = None,
 ) -> tuple[Status, str | None, RunResult | None]:
     """Run the ranks, passing rank 0's events to `listeners`; returns (MLflow status, error
-    message, result: None when the run failed)."""
+    message, result: None when the run failed). `ending`: a torchrun rank's, of several."""
     run_id = handle.run_id if handle else None
 
     def on_event(event: Event) -> None:
@@ -216,11 +225,15 @@ def _execute(
                 result,
             )
         return status, None, result
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        if ending:
+            return (*ending.interrupted(exc), None)
         return Status.KILLED, "interrupted", None
     except Exception as exc:  # the launcher's message names the rank and its exception
-        return Status.FAILED, failure_text(exc), None
+        return Status.FAILED, ending.failed(exc) if ending else failure_text(exc), None
     finally:
+        if ending:
+            ending.over = True
         if display:
             display.close()
 
@@ -344,8 +357,97 @@ def _newest_checkpoint(cfg: BaseConfig) -> str | None:
     return path if path is None or isinstance(fs, pafs.LocalFileSystem) else f"{fs.type_name}://{path}"
 
 
-def _print_outcome(summary: TrainSummary, ui: str) -> None:
+def _print_outcome(summary: TrainSummary, ui: str, failed_ranks: list[Any]) -> None:
     from raylane.logs import log_file
     from raylane.tracking.progress import outcome_text
 
-    print(outcome_text(summary, ui, log_file()), flush=True)
+    # The failed ranks' own logs (their whole tracebacks are in this one too), where torchrun's
+    # ranks write them: on their hosts.
+    ranks = [
+        f"  {f'rank {f.rank} log:':<{LABEL_WIDTH}}{f.log}"
+        + (f" (on {f.host})" if f.host != socket.gethostname() else "")
+        for f in failed_ranks
+        if f.log
+    ]
+    print("\n".join([outcome_text(summary, ui, log_file()), *ranks]), flush=True)
+
+
+class TorchrunEnding:
+    """How one torchrun rank's run ends when a rank fails (one of several ranks; the design:
+    docs/reliability.md, "A rank's failure under torchrun"). A rank whose own error ended its run
+    records it for rank 0 (raylane.loop.rankfailures.publish); rank 0, whose run ended in an echo
+    of another rank's failure (a peer gone) or in torchrun's SIGTERM, says the first recorded error
+    instead, FAILED, with the failed ranks' logs. Installed, it holds SIGTERM: once a rank failed,
+    torchrun's SIGTERM is no stop request (no checkpoint can be agreed with a rank gone) and, once
+    the run's end is decided (`over`), not an interrupt either: rank 0 closes its MLflow run and
+    writes the summary within torchrun's 30 s before SIGKILL."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.over = False
+        self.said: list[Any] = []  # rank 0: the other ranks' RankFailures its line names
+        self._previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        from raylane.loop import rankfailures
+
+        if self.over:
+            return
+        if not rankfailures.recorded():  # a stop asked by a person or a scheduler: as before
+            previous = self._previous
+            (previous if callable(previous) else raise_interrupt)(signum, frame)
+            return
+        if isinstance(sys.exc_info()[1], Exception):
+            return  # this rank's own failure is on its way out, and is said with the others'
+        raise_interrupt(signum, frame)  # another rank failed: stop now, no checkpoint to agree on
+
+    def failed(self, exc: Exception) -> str:
+        """The error line of a run that `exc` ended on this rank."""
+        from raylane.logs import log_file
+        from raylane.loop import rankfailures
+        from raylane.loop.usercode import TRACEBACK_ATTR
+
+        self.over = True
+        line = failure_text(exc)  # this rank's traceback into its library log
+        echo = rankfailures.is_echo(exc)
+        if self.rank != 0:
+            if not echo:
+                text = getattr(exc, TRACEBACK_ATTR, None) or "".join(_format_exception(exc))
+                rankfailures.publish(self.rank, line, text, str(log_file() or "") or None)
+            return line
+        return (self._others() or line) if echo else line
+
+    def interrupted(self, exc: KeyboardInterrupt) -> tuple[Status, str]:
+        """(status, error line) of a run that a signal ended on this rank: FAILED with this rank's
+        own error when the signal cut its way out short, or with another rank's (torchrun's SIGTERM
+        after that rank failed); else KILLED, interrupted."""
+        self.over = True
+        context = exc.__context__
+        while context is not None and not isinstance(context, Exception):
+            context = context.__context__
+        if context is not None:
+            return Status.FAILED, self.failed(context)
+        if self.rank == 0 and (line := self._others()):
+            return Status.FAILED, line
+        return Status.KILLED, "interrupted"
+
+    def _others(self) -> str | None:
+        """Rank 0: the other ranks' recorded failures in one line (their tracebacks into this
+        rank's library log, as a Ray driver's has them), or None when none is recorded."""
+        from raylane.logs import record_traceback
+        from raylane.loop import rankfailures
+
+        failures = [f for f in rankfailures.recorded(rankfailures.READ_WAIT_S) if f.rank != self.rank]
+        if not failures:
+            return None
+        self.said = rankfailures.said(failures)
+        for f in self.said:
+            record_traceback(f"training failed on rank {f.rank} ({f.host}):", f.traceback or f.line)
+        return rankfailures.first_line(failures)
+
+
+def _format_exception(exc: BaseException) -> list[str]:
+    import traceback
+
+    return traceback.format_exception(type(exc), exc, exc.__traceback__)

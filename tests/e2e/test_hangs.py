@@ -74,7 +74,10 @@ def test_a_hung_rank_is_named_where_it_stood_with_every_rank_stack(run_cli, tmp_
     assert {x.name for x in (artifacts / "stacks").iterdir()} == names
     with sqlite3.connect(tmp_path / "mlflow.db") as con:
         [(status,)] = con.execute("SELECT status FROM runs WHERE run_uuid = ?", (s["run_id"],)).fetchall()
-    assert status == "FAILED"
+        tag = con.execute(
+            "SELECT value FROM tags WHERE run_uuid = ? AND key = 'raylane.error'", (s["run_id"],)
+        ).fetchall()
+    assert status == "FAILED" and tag == [(s["error"],)]  # the UI says why, as the terminal did
     # The run is over: `raylane stacks` says so in one line (rank 1, killed by torchrun, left its record).
     wait_for(lambda: main(["stacks", "hung", "--storage-path", str(runs)]) == 2, 40, 0.5)
     err = capsys.readouterr().err.strip().splitlines()

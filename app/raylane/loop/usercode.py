@@ -37,6 +37,7 @@ _FRAME = re.compile(r'^  File "(.+)", line (\d+), in (\S+)$', re.MULTILINE)
 OPTIMIZER_ROLE = "optimizer(model, cfg)"
 SCHEDULER_ROLE = "scheduler(optimizer, cfg, total_steps)"
 _UNUSED = re.compile(r"Parameter indices which did not receive grad for rank (\d+): ([\d ]+)")
+_STAGE = re.compile(r"\s*\[Stage \d+\] failed to run forward:")  # torch.distributed.pipelining's wrapping
 _DDP_KEYWORD = "`find_unused_parameters=True`"  # in torch's message, which names no raylane key
 
 
@@ -172,6 +173,9 @@ def explain(exc: BaseException, cfg: Any, pipe: Any) -> BaseException:
 
     if isinstance(exc, (UserCodeError, DataError)):
         return exc
+    if (cause := _stage_cause(exc)) is not None:  # a pipeline stage's forward: its own error says where
+        explained = explain(cause, cfg, pipe)
+        return exc if explained is cause else explained
     if isinstance(exc, BatchFormError):  # a batch, output or step return of the wrong form (one line)
         return UserCodeError(f"pipeline {cfg.pipeline!r}: {exc}")
     if pipe is not None and _DDP_KEYWORD in str(exc):
@@ -206,6 +210,14 @@ def _worker_traceback(text: str) -> tuple[list[tuple[str, int, str]], str]:
         tail -= 1
     message = "\n".join(lines[tail:])
     return frames, message.split(": ", 1)[1] if ": " in message.split("\n")[0] else ""
+
+
+def _stage_cause(exc: BaseException) -> BaseException | None:
+    """What a pipeline stage's forward raised, where torch's schedule wrapped it ("[Stage 1] failed
+    to run forward: args: ...", raised from it), or None."""
+    if isinstance(exc, RuntimeError) and exc.__cause__ is not None and _STAGE.match(str(exc)):
+        return exc.__cause__
+    return None
 
 
 def _not_the_users(exc: BaseException) -> bool:
