@@ -477,8 +477,8 @@ class MlflowSection(Section):
     )
     system_metrics: bool = Field(
         True,
-        description="CPU, memory and GPUs of every node that runs a rank, as `system/<node>/*` (one sampler per "
-        "node); and MLflow's own system metrics of rank 0's node (`system/*`: with disk and network).",
+        description="CPU, memory, disk, network and GPUs of every node that runs a rank, as `system/<node>/*` (one "
+        "sampler per node); and MLflow's own system metrics of rank 0's process (`system/*`).",
     )
     system_metrics_interval_s: float = Field(
         10.0, ge=1, le=3600, description="Seconds between two samples of the system metrics, on each node."
