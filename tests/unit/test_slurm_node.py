@@ -101,6 +101,19 @@ def test_the_preflight_exits_2_with_one_line(monkeypatch, capsys):
     assert slurm.main(["preflight"]) == 0
 
 
+def test_a_join_that_fails_under_slurm_points_at_the_heads_srun_output_not_raylane_up(monkeypatch):
+    from raylane.clusters.addresses import join_hint
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert "`raylane up` prints it" in join_hint("--address")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    hint = join_hint("--address")
+    assert hint == (
+        "under Slurm (job 4242) the head's srun output says why it did not answer; "
+        "RAYLANE_JOIN_TIMEOUT_S gives a slow head longer"
+    )
+
+
 def test_slurm_init_writes_the_shipped_script_and_never_overwrites(tmp_path, capsys):
     assert cli.main(["slurm", "init", str(tmp_path / "kit")]) == 0
     script = tmp_path / "kit" / "slurm-ray.sbatch"
