@@ -84,6 +84,9 @@ def test_asha_sweep_nests_trials_under_a_parent_and_is_reproducible(asha_sweep):
         # whole-run throughput (ASHA's stop at max_t came before those records).
         history = client.get_metric_history(row["run_id"], "eval/accuracy")
         assert any(m.value == pytest.approx(row["metrics"]["accuracy"]) for m in history), (row, history)
+        # One point a step: a stopped trial's run has one writer (the driver's copy of what Tune
+        # judged it on is written only where rank 0's own never came: tests/e2e/test_sweep_stops.py).
+        assert len({m.step for m in history}) == len(history), (row, history)
         # The row's value is the trial's last, even where the trial trained on after its stop
         # (issue 47, finding 14).
         last = max(history, key=lambda m: m.step)
@@ -442,12 +445,13 @@ def test_the_table_shows_each_trials_last_value_and_finished_for_a_trial_that_ra
         trial = Trial("trial", trial_id=trial_id, stub=True)
         trial.update_last_result(last)
         handle = RunHandle(runs[trial_id], parent.experiment_id, uri, False)
-        if trial_id == "t_00000":  # the trial's own handler, when tune.report says it was stopped
-            client.set_tag(runs[trial_id], "raylane.early_stopped", "true")
-            close_run(handle, "KILLED")
-        elif trial_id == "t_00001":  # its Train run returned (max_steps): the trial closes its run
+        if trial_id == "t_00001":  # its Train run returned (max_steps): the trial closes its run
             close_run(handle, "FINISHED")
-        TrialRuns(parent, sweep, max_epochs=4)._close(trial, failed=False)  # Tune ends it
+        # Tune ends it; a stopped trial writes nothing more: the driver closes its run (no Ray here:
+        # no ranks to stop or wait for; that part: tests/e2e/test_sweep_stops.py)
+        ended = TrialRuns(parent, sweep, max_epochs=4)
+        ended.on_trial_complete(0, [], trial)
+        ended.wait()
 
     rows = sweep_results.rows(tune_results, sweep, parent)
     shown = {

@@ -181,13 +181,21 @@ def _stream_split():
     return StreamSplit()
 
 
-def _event_sink() -> Any:
+def _event_sink(name: str | None = None) -> Any:
     """The driver's event sink, on the driver's own node: anywhere else, losing that node (a spot
-    reclaim that an elastic run should survive) would end the run with it."""
+    reclaim that an elastic run should survive) would end the run with it. `name`: what another
+    process finds it by (a sweep's driver asks a trial's ranks to stop through it); a name still
+    held (a restarted trial's earlier sink, not yet gone) leaves it unnamed."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
-    return EventSink.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+    placed, make = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=True)}, EventSink.options
+    if name:
+        try:
+            return make(name=name, **placed).remote()
+        except ValueError:
+            log.debug("event sink %s: the name is taken; unnamed", name)
+    return make(**placed).remote()
 
 
 def launch_on_ray(
@@ -201,6 +209,7 @@ def launch_on_ray(
     in_trial: bool = False,
     restartable: bool = True,
     env: Any = None,
+    sink_name: str | None = None,
 ) -> RunResult | dict[str, Any] | None:
     """Run `worker` on a worker group of the connected cluster (see
     `raylane.onray.cluster.start_ray`), passing rank 0's events to `on_event`; returns what rank
@@ -209,8 +218,9 @@ def launch_on_ray(
     sweep goes on. `restartable`: the group may restart without a node that leaves
     (failure.max_failures permitting), as a training run's does; a search's does not. `env`: the
     `env:` variables already in Ray's object store (a sweep's driver resolved them: a trial runs
-    elsewhere); None: resolved here, in the driver."""
-    sink = _event_sink()
+    elsewhere); None: resolved here, in the driver. `sink_name`: the event sink's, for a stop
+    asked from another process (a sweep's driver: raylane.onray.trials)."""
+    sink = _event_sink(sink_name)
     trainer_cls = TrialTorchTrainer if in_trial else EmbeddedTorchTrainer if embedded else DriverTorchTrainer
     datasets, streams = _ray_datasets(cfg)
     restarts = max_failures(cfg) != 0 and restartable

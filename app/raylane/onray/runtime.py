@@ -38,11 +38,17 @@ class EventSink:
         self.events: list[Event] = [Startup(phases={}, processes={"event sink": started})] if started else []
         self.stop = False
         self.handover: str | None = None  # a larger group fits: None, "requested", then "done"
+        self.ended = False  # rank 0's End has come (its MLflow metrics were all sent before it)
 
     def put(self, event: Event) -> None:
         self.events.append(event)
         if isinstance(event, Handover) and self.handover == "requested":
             self.handover = "done"
+        self.ended = self.ended or isinstance(event, End)
+
+    def has_ended(self) -> bool:
+        """Rank 0 has ended the run (whether or not the driver has drained its End yet)."""
+        return self.ended
 
     def request_stop(self) -> None:
         self.stop = True

@@ -1,12 +1,16 @@
-"""What the sweep's driver watches while Tune runs the trials: each trial's MLflow run closed when
-Tune ends it (`TrialRuns`), and a sweep metric no trial reports (`MetricReported`)."""
+"""What the sweep's driver watches while Tune runs the trials: each trial Tune stops while it runs
+stopped at its ranks' next step boundary, and its MLflow run closed once they have (`TrialRuns`);
+a sweep metric no trial reports (`MetricReported`)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from typing import Any
 
+import ray
 from ray import tune
 from ray.tune.result import AUTO_RESULT_KEYS
 
@@ -17,6 +21,10 @@ from raylane.sweeps.results import find_child
 from raylane.tracking.runs import RunHandle, close_run, mlflow_client
 
 log = logging.getLogger("raylane")
+
+RANKS_STOP_S = 60.0  # a stopped trial's ranks: the next vote, a checkpoint, rank 0's last metrics
+RANKS_POLL_S = 0.5
+STOP_DELAY_ENV = "RAYLANE_TEST_TUNE_STOP_DELAY_S"
 
 
 class MetricReported(tune.Stopper):
@@ -58,13 +66,19 @@ class MetricReported(tune.Stopper):
 
 
 class TrialRuns(tune.Callback):
-    """On the driver: close each trial's MLflow run when Tune ends the trial (early-stopped
-    trials are killed with their actor, so they cannot close it themselves)."""
+    """On the driver: each trial's MLflow run has one writer that closes it. A trial that ran its
+    course or failed closes its own run, after its records (raylane.onray.tune._trial); one that
+    Tune ended while it ran (a scheduler's stop, or its process gone) writes nothing more, and is
+    closed here, KILLED or FAILED, never FINISHED: a stopped trial's ranks are asked to stop at
+    their next step-boundary vote (through the trial's event sink), and once rank 0 has ended (its
+    buffered metrics sent) or is gone, what Tune judged it on is kept and the run is closed. That
+    waits on a thread of its own, not on Tune's loop; `wait` joins them before the results are read."""
 
     def __init__(self, parent: RunHandle, sweep: SweepSection, max_epochs: int) -> None:
         self.parent, self.sweep, self.max_epochs = parent, sweep, max_epochs
+        self._closing: list[threading.Thread] = []
 
-    def _close(self, trial, failed: bool) -> None:
+    def _ended(self, trial, failed: bool) -> None:
         result = trial.last_result or {}
         shown = f"{self.sweep.metric} {result[self.sweep.metric]:.4f}, " if self.sweep.metric in result else ""
         print(
@@ -75,35 +89,97 @@ class TrialRuns(tune.Callback):
         try:
             client = mlflow_client(self.parent.tracking_uri)
             run = find_child(client, self.parent.experiment_id, self.sweep.name, trial.trial_id)
-            if run is None:
-                return
-            epochs = (trial.last_result or {}).get("epoch", 0)
-            if stopped_early(run.info.status, failed, epochs, self.max_epochs):
-                # Here, not in the trial: Tune may SIGTERM a stopped trial's actor (when no
-                # trial is left to reuse it) before the trial's own handler has written anything.
-                keep_stopped_trials_eval(client, run.info.run_id, result.get("step"), eval_metrics(result))
-                client.set_tag(run.info.run_id, "raylane.early_stopped", "true")
-                client.set_tag(run.info.run_id, "raylane.stopped_at_epoch", str(epochs))
-            if run.info.status == "RUNNING":
-                close_run(
-                    RunHandle(run.info.run_id, self.parent.experiment_id, self.parent.tracking_uri, False),
-                    Status.FAILED if failed else (Status.KILLED if epochs < self.max_epochs else Status.FINISHED),
-                )
+            if run is None or run.info.status != "RUNNING":
+                return  # closed by the trial itself, after its records
         except Exception as exc:  # noqa: BLE001 - records must not stop the sweep
             log.warning("MLflow: could not close trial %s: %s", trial.trial_id, exc)
+            return
+        if failed:  # its process is gone: closed now, before Tune may restart the trial in the same run
+            self._close(client, run.info.run_id, trial.trial_id, result, failed)
+            return
+        stop_ranks(run.info.run_id)
+        closing = threading.Thread(
+            target=self._close, args=(client, run.info.run_id, trial.trial_id, result, failed), daemon=True
+        )
+        closing.start()
+        self._closing.append(closing)
+
+    def _close(self, client, run_id: str, trial_id: str, result: dict[str, Any], failed: bool) -> None:
+        try:
+            if not failed:
+                wait_for_ranks(run_id, RANKS_STOP_S)
+            epochs = result.get("epoch", 0)
+            if stopped_early(failed, epochs, self.max_epochs):
+                # Rank 0's buffered evaluation is sent when its run ends, and lost with it when Tune
+                # kills the trial's process (no trial left to reuse it): kept here where it is missing.
+                keep_stopped_trials_eval(client, run_id, result.get("step"), eval_metrics(result))
+                client.set_tag(run_id, "raylane.early_stopped", "true")
+                client.set_tag(run_id, "raylane.stopped_at_epoch", str(epochs))
+            handle = RunHandle(run_id, self.parent.experiment_id, self.parent.tracking_uri, False)
+            close_run(handle, Status.FAILED if failed else Status.KILLED)
+        except Exception as exc:  # noqa: BLE001 - records must not stop the sweep
+            log.warning("MLflow: could not close trial %s: %s", trial_id, exc)
+
+    def wait(self, timeout_s: float = RANKS_STOP_S + 30) -> None:
+        """Every stopped trial's run closed (each wait is bounded: this is too)."""
+        deadline = time.monotonic() + timeout_s
+        for closing in self._closing:
+            closing.join(max(deadline - time.monotonic(), 0))
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        self._close(trial, failed=False)
+        self._ended(trial, failed=False)
+        _tune_stop_pause()
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        self._close(trial, failed=True)
+        self._ended(trial, failed=True)
 
 
-def stopped_early(status: str, failed: bool, epochs: int, max_epochs: int) -> bool:
-    """Whether Tune ended a trial before its run did (a scheduler's or stopper's stop), from its
-    MLflow run's status when Tune ends it. A trial whose Train run returned closed that run
-    FINISHED itself: it ran its course, at max_epochs or at train.max_steps before it."""
-    return not failed and status != Status.FINISHED and epochs < max_epochs
+def _tune_stop_pause() -> None:
+    """For tests only: RAYLANE_TEST_TUNE_STOP_DELAY_S holds Tune's loop after a trial's end, before
+    Tune stops the trial's process: Tune's stop reaching a stopped trial late, on purpose
+    (tests/e2e/test_sweep_stops.py). A trial's ranks must not train on meanwhile."""
+    if delay := os.environ.get(STOP_DELAY_ENV):
+        time.sleep(float(delay))
+
+
+def sink_name(run_id: str) -> str:
+    """The event sink's name of the trial whose MLflow run is `run_id` (raylane.onray.launch)."""
+    return f"raylane-trial-events-{run_id}"
+
+
+def stop_ranks(run_id: str) -> None:
+    """Ask the ranks of the trial recording `run_id` to stop: rank 0 reads the request from the
+    trial's event sink, and every rank stops at the group's next step-boundary vote, with a
+    checkpoint (raylane.loop.stopping). Nothing to do where the sink is gone already."""
+    if not ray.is_initialized():
+        return
+    try:
+        ray.get_actor(sink_name(run_id)).request_stop.remote()
+    except ValueError:  # no such actor
+        pass
+    except Exception as exc:  # noqa: BLE001 - Tune's own stop still ends the trial, later
+        log.warning("could not ask the stopped trial's ranks to stop: %s", exc)
+
+
+def wait_for_ranks(run_id: str, timeout_s: float) -> None:
+    """Until the trial's rank 0 has ended its run (its MLflow metrics sent), its event sink is
+    gone (the trial's process ended or was killed, and its ranks with it), or `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while ray.is_initialized() and time.monotonic() < deadline:
+        try:
+            sink = ray.get_actor(sink_name(run_id))
+            if ray.get(sink.has_ended.remote(), timeout=max(deadline - time.monotonic(), 0.1)):
+                return
+        except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(RANKS_POLL_S)
+
+
+def stopped_early(failed: bool, epochs: int, max_epochs: int) -> bool:
+    """Whether Tune stopped a trial whose run it ended before the run did (a scheduler's or
+    stopper's stop) short of its last epoch. A trial whose Train run returned closed that run
+    itself: it ran its course, at max_epochs or at train.max_steps before it."""
+    return not failed and epochs < max_epochs
 
 
 def eval_metrics(result: dict[str, Any]) -> dict[str, float]:

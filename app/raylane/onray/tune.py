@@ -5,8 +5,10 @@ Ray 2.60's Train V2 no longer runs `Tuner(trainer)`: every trial is a small driv
 (`_trial`) that builds its own `TorchTrainer` (through `raylane.onray.launch.launch_on_ray`, as `raylane
 train` does) and forwards rank 0's epoch-end results to Tune with a checkpoint that points at
 raylane's own checkpoint, which is what ASHA stops on and what PBT copies between trials. The
-MLflow child runs are opened by the trials and closed by this driver (`TrialRuns`, in `raylane.onray.trials`) when Tune
-ends a trial, so a trial stopped early is never left RUNNING."""
+MLflow child runs are opened by the trials; each is closed by one writer: the trial, after its
+records, when its run returns or fails; this driver (`TrialRuns`, in `raylane.onray.trials`) when
+Tune stops the trial while it runs, once its ranks have stopped at their next step boundary, so a
+trial stopped early is never left RUNNING, nor trains on."""
 
 from __future__ import annotations
 
@@ -33,9 +35,9 @@ from raylane.loop.result import RunResult
 from raylane.onray.cluster import data_cpus
 from raylane.onray.placement import check_placeable, put_env
 from raylane.onray.sweep_plan import param_space, search_alg, trials_text
-from raylane.onray.trials import MetricReported, TrialRuns
+from raylane.onray.trials import MetricReported, TrialRuns, sink_name
 from raylane.results import Status, SweepSummary
-from raylane.session import RunSession, interrupts, ran
+from raylane.session import RunSession, interrupts, ran, status_of
 from raylane.sweeps import results as sweep_results
 from raylane.sweeps.objective import Objective
 from raylane.sweeps.record import fresh_sweep_name, resolved, sweep_folder, write_record
@@ -44,6 +46,7 @@ from raylane.tracking.progress import plural
 from raylane.tracking.runs import (
     RUN_NAME_TAG,
     RunHandle,
+    close_run,
     mlflow_client,
     resolve_tracking_uri,
     run_tags,
@@ -253,39 +256,34 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     run_id = _child(client, parent, trial_id, sweep, cfg, params)
     _record_values(client, run_id, params, donor)
     reports = _Reports(sweep, cfg, trial_id, run_id, donor)
-    with RunSession() as session:  # the trial's child run, closed on every way out
-        session.track(RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False))
-        try:
-            ended = launch_on_ray(
-                cfg,
-                run_id,
-                parent.tracking_uri,
-                reports.on_event,
-                embedded=False,
-                in_trial=True,
-                worker=train_worker,
-                env=context.get("env"),  # read by the sweep's driver: this trial may run on another node
-            )
-        except SystemExit:  # tune.report's way of saying the scheduler stopped this trial
-            session.close(_stopped(client, run_id, reports.epoch, cfg.train.epoch_limit))
-            raise
+    handle = RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False)
+    try:
+        ended = launch_on_ray(
+            cfg,
+            run_id,
+            parent.tracking_uri,
+            reports.on_event,
+            embedded=False,
+            in_trial=True,
+            worker=train_worker,
+            env=context.get("env"),  # read by the sweep's driver: this trial may run on another node
+            sink_name=sink_name(run_id),  # the sweep's driver stops a stopped trial's ranks through it
+        )
+    except SystemExit:
+        # tune.report's way of saying Tune stopped this trial: the sweep's driver is the one writer
+        # that closes its run, once its ranks have stopped (TrialRuns); nothing more is written here.
+        raise
+    except BaseException as exc:
+        close_run(handle, status_of(exc))
+        raise
+    with RunSession() as session:  # the trial's child run, closed once its records are written
+        session.track(handle)
         result = ended if isinstance(ended, RunResult) else None  # None: no End came
         if result is not None:  # the trial's whole-run throughput, named as a train run's (the runs table's column)
             for key, value in result.rates().items():
                 client.log_metric(run_id, f"run/{key}", value, step=result.steps)
         session.close(ran(bool(result and result.preempted)))
     reports.last(result)
-
-
-def _stopped(client: Any, run_id: str, epoch: int, epochs: int) -> Status:
-    """The status of a trial the scheduler stopped at `epoch`: FINISHED when it had run every
-    epoch, else KILLED and tagged as stopped early (its last evaluation is recorded by the
-    driver: TrialRuns, which this may not outlive)."""
-    if epoch >= epochs:
-        return Status.FINISHED
-    client.set_tag(run_id, "raylane.early_stopped", "true")
-    client.set_tag(run_id, "raylane.stopped_at_epoch", str(epoch))
-    return Status.KILLED
 
 
 class _Reports:
@@ -441,11 +439,12 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
     # Tune's default loggers, less its TensorBoard one: tensorboardX imports torch into this
     # driver, ~2 s of CPU before the first trial starts (the sweep's metrics are in MLflow). Tune
     # adds all three unless told not to (_without_tune_auto_loggers), so the other two are named.
+    trial_runs = TrialRuns(parent, sweep, base.train.epoch_limit)
     run_config = tune.RunConfig(
         name=sweep.name,
         storage_path=base.run.storage_path,
         verbose=1 if logs.verbose() else 0,  # --verbose: Tune's status tables too
-        callbacks=[TrialRuns(parent, sweep, base.train.epoch_limit), CSVLoggerCallback(), JsonLoggerCallback()],
+        callbacks=[trial_runs, CSVLoggerCallback(), JsonLoggerCallback()],
         stop=stopper,
         failure_config=tune.FailureConfig(max_failures=base.failure.max_failures),
     )
@@ -468,8 +467,11 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
                 reuse_actors=sweep.scheduler != "pbt",
             ),
         )
-    with _without_tune_auto_loggers():
-        return tuner.fit()
+    try:
+        with _without_tune_auto_loggers():
+            return tuner.fit()
+    finally:
+        trial_runs.wait()  # the stopped trials' runs closed before the results are read
 
 
 @contextlib.contextmanager
