@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from raylane import cli
-from tests.conftest import REPO, TORCHRUN, cli_env
+from tests.conftest import REPO, TORCHRUN, cli_env, read_json
 
 HELPER = REPO / "tests" / "helpers" / "plan_mistakes.py"
 EXAMPLE = REPO / "examples" / "own-model"
@@ -117,11 +117,12 @@ def test_check_plan_prints_each_part_once_and_only_what_the_layout_uses(config, 
     lines = out.splitlines()
     assert lines[:3] == [
         "layout: tp2 on 2 ranks: dp 1 × tp 2",
-        "plan on TinyLM (6 rules):",
+        "plan on TinyLM (7 rules):",
         "  layers.*.attn.q_proj    colwise: weight Shard(0); in Replicate, out Shard(-1)  (×2)",
     ]
     assert "  layers.*.down           rowwise: weight Shard(1); in Shard(-1), out Replicate  (×2)" in lines
-    assert len(lines) == 2 + 6 + 1 and lines[-1].startswith("whole on every tensor-parallel rank: embed.weight, ")
+    assert "  head                    colwise: weight Shard(0); in Replicate, out Replicate" in lines
+    assert len(lines) == 2 + 7 + 1 and lines[-1].startswith("whole on every tensor-parallel rank: embed.weight, ")
 
     code, out, err = _run(capsys, "check", str(config), "--plan", *_sets("strategy.pp=2"))
     assert code == 0, err
@@ -161,3 +162,33 @@ def test_check_sends_the_libraries_warnings_to_the_library_log(run_cli, tmp_path
     assert p.output.startswith("layout: tp2 on 2 ranks") and "Warning" not in p.output, p.output
     (log,) = (tmp_path / "raylane-home" / "logs").glob("check-*.log")
     assert "FutureWarning" in log.read_text()
+
+
+@pytest.mark.slow  # ~70 s on a loaded 2-core machine; make test lays a named plan out on a fake process group (tests/unit/test_tensor_parallel.py)
+def test_a_plan_by_name_trains_on_the_ranks_as_the_same_plan_made_in_code(run_cli, config, tmp_path):
+    """`"colwise"`, `"rowwise"`, `"colwise_rep"` pass the checks and train under torchrun at tp 2
+    exactly as ColwiseParallel(), RowwiseParallel(), ColwiseParallel(output_layouts=Replicate())
+    (before: torch's `Expect Union[ParallelStyle, ...] <class 'str'> found!` on the ranks)."""
+    sets = ["strategy.tp=2", "train.max_steps=3", "optim.name=sgd", "optim.lr=0.5"]
+    started = {
+        plan: run_cli(
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "raylane",
+            "train",
+            str(config),
+            *_sets(*sets, f"model.plan={plan}", f"run.name={plan}"),
+            "--summary-json",
+            f"{plan}.json",
+            launcher=TORCHRUN,
+            name=plan,
+        )  # fmt: skip
+        for plan in ("strings", "objects")
+    }
+    summaries = {}
+    for plan, p in started.items():
+        assert p.wait(timeout=300) == 0, p.output
+        summaries[plan] = read_json(tmp_path / f"{plan}.json")
+    assert summaries["strings"]["strategy"] == "tp2" and summaries["strings"]["status"] == "FINISHED"
+    assert summaries["strings"]["metrics"]["loss"] == summaries["objects"]["metrics"]["loss"]

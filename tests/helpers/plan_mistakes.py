@@ -32,6 +32,9 @@ class Model(raylane.Section):
 class Config(raylane.BaseConfig):
     model: Model = Model()
 
+    def eval_metrics(self) -> tuple[str, ...]:
+        return ("loss",)
+
     def gives_tp_plan(self) -> bool:
         return True
 
@@ -88,7 +91,8 @@ def own_plan(kind: str) -> dict:
     if kind in ("strings", "misspelt"):
         col = "colwize" if kind == "misspelt" else "colwise"
         plan = {f"layers.*.attn.{p}": col for p in ("q_proj", "k_proj", "v_proj")}
-        return {**plan, "layers.*.attn.out_proj": "rowwise", "layers.*.up": "colwise", "layers.*.down": "rowwise"}
+        plan |= {"layers.*.attn.out_proj": "rowwise", "layers.*.up": "colwise", "layers.*.down": "rowwise"}
+        return {**plan, "head": "colwise_rep"}  # the objects' plan, by name
     plan = {f"layers.*.attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
     plan |= {"layers.*.attn.out_proj": RowwiseParallel(), "layers.*.up": ColwiseParallel()}
     plan |= {"layers.*.down": RowwiseParallel(), "head": ColwiseParallel(output_layouts=Replicate())}
@@ -148,9 +152,14 @@ def build(cfg: Config) -> raylane.Pipeline:
         def loss_fn(out, target):
             return F.cross_entropy(out.flatten(0, 1), target.flatten())
 
+    def eval_sums(out, target):
+        return {"loss": loss_fn(out, target) * len(target)}
+
     return raylane.Pipeline(
         model=model,
         train_set=data,
+        eval_set=TensorDataset(tokens[:16, :-1], tokens[:16, 1:]),
+        eval_sums=eval_sums,
         loss_fn=loss_fn,
         example_input=tokens[:2, :-1],
         tp_plan=plan,
