@@ -19,7 +19,15 @@ from raylane.loop.events import Event
 from raylane.loop.result import RunResult
 from raylane.results import Status, TrainSummary
 from raylane.runrecord import record_finished
-from raylane.session import RunSession, failure_text, finalize_run, not_started, raise_interrupt, ran
+from raylane.session import (
+    RunSession,
+    failure_text,
+    finalize_run,
+    import_exclusively,
+    not_started,
+    raise_interrupt,
+    ran,
+)
 from raylane.tracking.progress import LABEL_WIDTH, ProgressDisplay
 
 log = logging.getLogger("raylane")
@@ -139,6 +147,8 @@ def _start_ray(
 ) -> Any:
     """Join or start the cluster (raylane.onray.cluster.start_ray); returns its RayStopper, which
     `session` waits on last, after the summary is out."""
+    # Ray's imports take turns with the MLflow opener's on the pool (session.HEAVY_IMPORTS).
+    import_exclusively("raylane.onray.cluster", "raylane.onray.launch")
     from raylane.onray.cluster import start_ray
 
     ray_stopper = start_ray(cfg, address, pool, startup)

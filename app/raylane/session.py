@@ -256,12 +256,32 @@ class RunSession:
         return False  # what ended the launch goes on up
 
 
+# The launch's two threads import their heavy libraries one at a time: the opener's MLflow and
+# the main thread's Ray share dozens of dependencies, and Python breaks a cycle between two
+# threads' imports by handing one of them a half-imported module. Imports hold the GIL anyway,
+# so taking turns costs nothing; what overlaps is what waits (the tracking server, Ray's start).
+HEAVY_IMPORTS = threading.Lock()
+OPENER_IMPORTS = ("mlflow", "mlflow.entities", "mlflow.tracking")
+
+
+def import_exclusively(*modules: str) -> None:
+    """Import `modules` while no other launch thread imports its own (HEAVY_IMPORTS)."""
+    import importlib
+
+    with HEAVY_IMPORTS:
+        for name in modules:
+            importlib.import_module(name)
+
+
 def _opened(opener: Callable[..., RunHandle], *args: Any) -> RunHandle:
-    """`opener(*args)`, once more when the first try lost an import race (`import_race`): what it
-    left of MLflow half-imported is forgotten first (a second import would find the package it
-    re-runs without the submodules the first had bound to it)."""
+    """`opener(*args)` after MLflow's imports (taking turns with the main thread's, see
+    HEAVY_IMPORTS); once more when the first try still lost an import race (`import_race`, to a
+    module imported lazily later): what it left of MLflow half-imported is forgotten first (a
+    second import would find the package it re-runs without the submodules the first had bound
+    to it)."""
     before = set(sys.modules)
     try:
+        import_exclusively(*OPENER_IMPORTS)
         return opener(*args)
     except Exception as exc:
         if not import_race(exc):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -184,6 +185,31 @@ def test_an_opener_that_lost_an_import_race_opens_the_run_once_more():
         ImportError("cannot import name 'HTTPAdapter' from partially initialized module 'requests.adapters'")
     )
     assert not import_race(ImportError("No module named 'mlflow'")) and not import_race(ValueError("partial results"))
+
+
+def test_the_openers_imports_and_the_main_threads_take_turns(tmp_path, monkeypatch):
+    """The race above is prevented first: the opener's MLflow and the launch's Ray are imported
+    one thread at a time (session.HEAVY_IMPORTS), so neither thread can catch the other's
+    shared dependencies half-imported. Two slow modules imported from two threads never overlap."""
+    from raylane.session import import_exclusively
+
+    spans: dict[str, tuple[float, float]] = {}
+    for name in ("slow_opener_dep", "slow_ray_dep"):
+        (tmp_path / f"{name}.py").write_text(
+            "import time, spans\n"
+            f"start = time.monotonic(); time.sleep(0.3); spans.record({name!r}, start, time.monotonic())\n"
+        )
+    recorder = type(sys)("spans")
+    recorder.record = lambda name, start, end: spans.__setitem__(name, (start, end))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "spans", recorder)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    threads = [threading.Thread(target=import_exclusively, args=(n,)) for n in ("slow_opener_dep", "slow_ray_dep")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    (a_start, a_end), (b_start, b_end) = sorted(spans.values())
+    assert a_end <= b_start, spans
 
 
 def test_a_sigterm_that_lands_inside_a_gc_callback_still_interrupts_the_launch(own_sigterm, monkeypatch):
