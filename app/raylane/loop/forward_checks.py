@@ -54,22 +54,24 @@ def check_tp_forward(model: nn.Module, plan: Any, tp: int, example: Any, *, sequ
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from raylane.loop.heads import HEAD_COUNTS
+    from raylane.loop.layout import fake_work
     from raylane.loop.tensor_parallel import apply_plan
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
-    try:
-        meta = _meta_copy(model)
-        apply_plan(
-            meta, plan, init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)), sequence_parallel=sequence_parallel
-        )
-        with _running(meta) as running, torch.no_grad():
-            try:
-                _call(meta, example)
-            except Exception as exc:  # noqa: BLE001 - any failure of the user's forward, said in one line
-                advice = TP_FORWARD.format(tp=tp, attrs=", ".join(HEAD_COUNTS))
-                raise ValueError(f"strategy.tp = {tp}: {_failed(model, running, exc)}; {advice}") from None
-    finally:
-        dist.destroy_process_group()
+    # fake_work: a torchrun rank trains in this process next (its first steps were seen to change)
+    with fake_work():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+        try:
+            meta = _meta_copy(model)
+            mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+            apply_plan(meta, plan, mesh, sequence_parallel=sequence_parallel)
+            with _running(meta) as running, torch.no_grad():
+                try:
+                    _call(meta, example)
+                except Exception as exc:  # noqa: BLE001 - any failure of the user's forward, said in one line
+                    advice = TP_FORWARD.format(tp=tp, attrs=", ".join(HEAD_COUNTS))
+                    raise ValueError(f"strategy.tp = {tp}: {_failed(model, running, exc)}; {advice}") from None
+        finally:
+            dist.destroy_process_group()
 
 
 def check_pp_forward(

@@ -1,15 +1,18 @@
 """A run's layout over its ranks, named as the summary, the terminal's strategy line and MLflow's
 tags show it (`fsdp×tp2`, `hsdp×tp2×pp2`), and what `strategy.tp: auto` chooses it from: each
 candidate's per-rank bytes, measured by laying a meta copy of the model out for real on fake
-process groups (no memory, no communication), and the activations estimated.
+process groups (no memory, no communication), and the activations estimated. That work, and
+raylane.loop.forward_checks', runs inside `fake_work`, which leaves the process as it found it
+for the run it goes on to train.
 
 The mesh's dimensions are torchtitan's, outermost first: pp, dp_replicate, dp_shard, cp, tp."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +95,68 @@ def meta_copy(model: nn.Module, blocks: Any = None) -> tuple[nn.Module, list[nn.
     return meta.to("meta"), found
 
 
+@contextlib.contextmanager
+def fake_work() -> Iterator[None]:
+    """Inside: a check or a measurement on torch's `fake` backend (meshes, a plan laid out, a
+    forward of DTensors on the meta device); after it, the process as it was for the run it may
+    train next: DTensor's sharding caches emptied before and after (`forget_shardings`: why),
+    DTensor's RNG tracker as it was (a random op on a mesh makes one, which then draws every
+    DTensor's random numbers), and the fake process groups made inside destroyed (nothing of the
+    check stays registered beside the run's own groups)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import _random
+
+    tracker = _random._rng_tracker
+    before = _groups()
+    forget_shardings()
+    try:
+        yield
+    finally:
+        forget_shardings()
+        _random._rng_tracker = tracker
+        for group in _groups() - before:
+            if dist.get_backend(group) == "fake":  # a mesh over the whole world may hold the real default group
+                dist.destroy_process_group(group)
+
+
+def forget_shardings() -> None:
+    """DTensor's sharding-propagation and redistribution caches emptied, in this thread (torch's
+    C++ dispatch keeps one per thread) and the process. Why: they key an op by its meshes' shape,
+    ranks, dimension names and thread, not by their process groups, and keep the first call's
+    mesh in what they hand back; a run's mesh of the same shape then ran on a check's or a
+    measurement's fake mesh. Seen: `tp: auto` choosing tp2 trained gpt-tiny on the fake groups
+    (nothing sent; loss 5.517 against explicit tp2's 5.499 at step 1), the forward check on
+    torchrun's rank 1 made it compute as the fake group's rank 0 (tp2+sp+lp up to 1.5e-3 off from step
+    2), and a later measurement in the same process found a destroyed group's name ('Could not
+    resolve the process group registered under the name 30') and fell back to the whole model's
+    activations. Emptied before the fake work too, so that it never runs on a real mesh's entry.
+    Each cache is looked up, not assumed: torch's private names move between releases."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute as redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    clears = [
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),  # the C++ dispatch's (torch 2.10+)
+        getattr(propagator.propagate_op_sharding, "cache_clear", None),
+        getattr(getattr(propagator, "_propagate_tensor_meta_cached", None), "cache_clear", None),
+        getattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear", None),
+        getattr(redistribute, "clear_redistribute_planner_cache", None),  # planners hold their mesh
+    ]
+    for clear in clears:
+        if clear is not None:
+            clear()
+
+
+def _groups() -> set[Any]:
+    """The process groups this process has made (none without a default group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return set()
+    return set(dist.distributed_c10d._world.pg_map)
+
+
 def fake_mesh(mesh_shape: tuple[int, int]) -> Any:
     """A (dp_shard, tp) mesh over this process's world on torch's `fake` backend (shapes only;
     nothing is sent). Collective (the groups are made by every rank)."""
@@ -116,16 +181,17 @@ def parameter_bytes(
     from raylane.loop.tensor_parallel import apply_plan
 
     meta, blocks = meta_copy(model, blocks)
-    mesh = mesh if mesh is not None else fake_mesh(mesh_shape)
-    if mesh_shape[1] > 1:
-        apply_plan(meta, plan, mesh["tp"], sequence_parallel=sequence_parallel)
-    for block in blocks:
-        fully_shard(block, mesh=mesh["dp_shard"])
-    fully_shard(meta, mesh=mesh["dp_shard"])
-    total = 0
-    for p in meta.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
+    with fake_work():
+        mesh = mesh if mesh is not None else fake_mesh(mesh_shape)
+        if mesh_shape[1] > 1:
+            apply_plan(meta, plan, mesh["tp"], sequence_parallel=sequence_parallel)
+        for block in blocks:
+            fully_shard(block, mesh=mesh["dp_shard"])
+        fully_shard(meta, mesh=mesh["dp_shard"])
+        total = 0
+        for p in meta.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.numel() * local.element_size()
     return total
 
 
@@ -203,16 +269,17 @@ def weigh(
         tps = [tp for tp in tps if heads_problem(model, rules, tp) is None]
     options = [Candidate("ddp", "ddp", 1, estimate["ddp"])] if s.name == "auto" else []
     measured: dict[str, int] = {}
-    for tp in [1, *tps]:
-        mesh = fake_mesh((world_size // tp, tp))
-        held = parameter_bytes(
-            model, blocks, (world_size // tp, tp), plan, sequence_parallel=s.sequence_parallel, mesh=mesh
-        )
-        mine = acts
-        if tp > 1 and activations is not None:
-            mine = measured[f"activations_tp{tp}"] = _rank_activations(activations, plan, mesh, s, acts)
-        need = held * per_byte + mine + 2 * largest // tp
-        options.append(Candidate("fsdp" if tp == 1 else f"fsdp_tp{tp}", "fsdp", tp, need))
+    with fake_work():  # in the process that trains next: see fake_work
+        for tp in [1, *tps]:
+            mesh = fake_mesh((world_size // tp, tp))
+            held = parameter_bytes(
+                model, blocks, (world_size // tp, tp), plan, sequence_parallel=s.sequence_parallel, mesh=mesh
+            )
+            mine = acts
+            if tp > 1 and activations is not None:
+                mine = measured[f"activations_tp{tp}"] = _rank_activations(activations, plan, mesh, s, acts)
+            need = held * per_byte + mine + 2 * largest // tp
+            options.append(Candidate("fsdp" if tp == 1 else f"fsdp_tp{tp}", "fsdp", tp, need))
     budget, share = device
     chosen = next((c for c in options if c.bytes <= share * budget), None)
     needs = ", ".join(f"{c.key.replace('_', '×').upper()} ~{size_text(c.bytes)}" for c in options)
