@@ -413,8 +413,8 @@ def test_the_table_shows_each_trials_last_value_and_finished_for_a_trial_that_ra
 
     from raylane.config.sweep import load_sweep
     from raylane.onray.trials import TrialRuns
-    from raylane.onray.tune import _child, open_parent
     from raylane.sweeps import results as sweep_results
+    from raylane.sweeps.runs import open_parent, trial_run
     from raylane.tracking.runs import RunHandle, close_run
 
     # The session's MLflow server (the ASHA sweep's, already up in make test), an experiment of its own.
@@ -430,7 +430,7 @@ def test_the_table_shows_each_trials_last_value_and_finished_for_a_trial_that_ra
         ("t_00001", [0.5, 0.7], 2),  # (b)
         ("t_00002", [0.3], 1),  # stopped while it ran
     ):
-        runs[trial_id] = _child(client, parent, trial_id, sweep, base.with_run_name(), params)
+        runs[trial_id] = trial_run(client, parent, trial_id, sweep, base.with_run_name())
         for epoch, value in enumerate(accuracies, 1):
             client.log_metric(runs[trial_id], "eval/accuracy", value, step=23 * epoch)
         last = {"accuracy": accuracies[reported_epochs - 1], "epoch": reported_epochs, "step": 23 * reported_epochs}

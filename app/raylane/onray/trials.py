@@ -1,13 +1,19 @@
 """What the sweep's driver watches while Tune runs the trials: each trial Tune stops while it runs
 stopped at its ranks' next step boundary, and its MLflow run closed once they have (`TrialRuns`);
-a sweep metric no trial reports (`MetricReported`)."""
+every running trial stopped the same way, and every run of the sweep closed, when the driver is
+sent SIGTERM or Ctrl-C (`TrialRuns.interrupted`); a sweep metric no trial reports
+(`MetricReported`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -16,15 +22,26 @@ from ray.tune.result import AUTO_RESULT_KEYS
 
 from raylane.config import ConfigError
 from raylane.config.sweep import SweepSection
-from raylane.results import Status
+from raylane.onray.cluster import RayStopper
+from raylane.results import Status, SweepSummary
+from raylane.session import INTERRUPTED, RunSession, raise_interrupt
 from raylane.sweeps.results import find_child
-from raylane.tracking.runs import RunHandle, close_run, mlflow_client
+from raylane.sweeps.runs import open_children
+from raylane.tracking.runs import ERROR_TAG, RunHandle, close_run, mlflow_client
 
 log = logging.getLogger("raylane")
 
 RANKS_STOP_S = 60.0  # a stopped trial's ranks: the next vote, a checkpoint, rank 0's last metrics
 RANKS_POLL_S = 0.5
 STOP_DELAY_ENV = "RAYLANE_TEST_TUNE_STOP_DELAY_S"
+# SIGTERM or Ctrl-C to the sweep's driver. A scheduler's grace before its SIGKILL is often 30 s
+# (Kubernetes' default, Slurm's KillWait): the running trials' ranks get 20 s to reach their next
+# step-boundary vote, checkpoint and end, their trials to close their runs; then Ray stops and the
+# driver closes what is still open.
+INTERRUPT_STOP_S = 20.0
+ENDED_GRACE_S = 3.0  # a trial whose ranks have ended (or never started) closes its run within this
+SECOND_SIGNAL_S = 2.0  # a second signal sooner is the same stop (a terminal's Ctrl-C beside a wrapper's SIGTERM)
+CLOSING_JOIN_S = 10.0  # Tune's stops' closing threads, once Ray is gone (their wait ends with it)
 
 
 class MetricReported(tune.Stopper):
@@ -63,6 +80,28 @@ class MetricReported(tune.Stopper):
                 f"sweep.metric = {self.metric!r}: the trials report no such metric "
                 f"(they report: {', '.join(self.reported) or 'none'})"
             )
+
+
+@dataclass
+class Interrupted:
+    """What a sweep's SIGTERM or Ctrl-C ended: how many trials' runs (running at the signal, or
+    opened by a trial still starting before Ray stopped), and how many of those trials' ranks
+    stopped at a step boundary with a checkpoint."""
+
+    trials: int
+    checkpointed: int
+
+    def line(self, sweep: str) -> str:
+        """The one line the terminal shows (the summary's error, the parent run's raylane.error)."""
+        if self.trials == 0:
+            closed = "no trial was running; its MLflow parent run closed KILLED"
+        else:
+            trials = f"{self.trials} running trial{'' if self.trials == 1 else 's'}"
+            saved = f", {self.checkpointed} checkpointed where {'it' if self.checkpointed == 1 else 'they'} stopped"
+            closed = (
+                f"the MLflow runs of its {trials} and its parent run closed KILLED{saved if self.checkpointed else ''}"
+            )
+        return f"interrupted: sweep {sweep} stopped; {closed}; rerun the same command to continue the sweep"
 
 
 class TrialRuns(tune.Callback):
@@ -126,12 +165,115 @@ class TrialRuns(tune.Callback):
         for closing in self._closing:
             closing.join(max(deadline - time.monotonic(), 0))
 
+    def interrupted(self, stop_ray: Callable[[], None], timeout_s: float = INTERRUPT_STOP_S) -> Interrupted:
+        """The sweep's driver was sent SIGTERM or Ctrl-C, and Tune's loop left where the signal
+        found it. Each trial whose run is RUNNING has its ranks asked to stop at their next
+        step-boundary vote with a checkpoint (as for Tune's stop), and its trial closes its run
+        KILLED as a run that returned, within `timeout_s` (a second signal ends the wait; one
+        sooner than SECOND_SIGNAL_S is the first's echo, ignored). Then Ray stops (`stop_ray`: every trial's process with an
+        embedded cluster, or with the job of a joined one): what a trial still starting would
+        write comes before that, so every run of the sweep still RUNNING after it is closed
+        KILLED here, each tagged `interrupted`."""
+        with _echoes_ignored():
+            return self._interrupted(stop_ray, timeout_s)
+
+    def _interrupted(self, stop_ray: Callable[[], None], timeout_s: float) -> Interrupted:
+        client = mlflow_client(self.parent.tracking_uri)
+        running, checkpointed = self._ask_to_stop(client, timeout_s)
+        stop_ray()
+        self.wait(CLOSING_JOIN_S)
+        closed_here: list[str] = []
+        try:
+            for run_id in open_children(client, self.parent):
+                handle = RunHandle(run_id, self.parent.experiment_id, self.parent.tracking_uri, False)
+                close_run(handle, Status.KILLED, INTERRUPTED)
+                closed_here.append(run_id)
+            for run_id in running.difference(closed_here):  # closed by their trials, as runs that returned
+                if client.get_run(run_id).info.status == Status.KILLED:
+                    client.set_tag(run_id, ERROR_TAG, INTERRUPTED)  # why, as on the runs closed here
+        except Exception as exc:  # noqa: BLE001 - the parent run is closed all the same
+            log.warning("MLflow: could not close the sweep's trial runs: %s", exc)
+        return Interrupted(len(running.union(closed_here)), len(checkpointed))
+
+    def _ask_to_stop(self, client, timeout_s: float) -> tuple[set[str], set[str]]:
+        """Ask the ranks of every trial whose run is RUNNING to stop, and wait until its trial has
+        closed its run, or its ranks ended (or never started) ENDED_GRACE_S ago; returns (the
+        runs that were running, those whose ranks stopped with a checkpoint)."""
+        started = time.monotonic()
+        try:
+            running = set(open_children(client, self.parent))
+        except Exception as exc:  # noqa: BLE001 - Ray is stopped and the runs closed all the same
+            log.warning("MLflow: could not list the sweep's running trials: %s", exc)
+            return set(), set()
+        for run_id in running:
+            stop_ranks(run_id)
+        waiting, checkpointed = set(running), set()
+        done_at: dict[str, float] = {}  # when a trial's ranks were seen ended, or not there
+        while waiting and time.monotonic() < started + timeout_s:
+            try:
+                time.sleep(RANKS_POLL_S)
+                for run_id in sorted(waiting):
+                    state = ranks_state(run_id)
+                    if state == "ended":
+                        checkpointed.add(run_id)
+                    now = time.monotonic()
+                    if state != "training" and now - done_at.setdefault(run_id, now) >= ENDED_GRACE_S:
+                        waiting.discard(run_id)
+                closed = waiting - set(open_children(client, self.parent)) if waiting else set()
+                checkpointed |= closed  # a trial closes its own run when its ranks returned: after a checkpoint
+                waiting -= closed
+            except KeyboardInterrupt:  # asked again (not the first's echo: _echoes_ignored)
+                break  # what is still open is closed without waiting for it
+            except Exception as exc:  # noqa: BLE001 - Ray is stopped and the runs closed all the same
+                log.warning("while the sweep's trials stopped: %s", exc)
+                break
+        return running, checkpointed
+
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         self._ended(trial, failed=False)
         _tune_stop_pause()
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self._ended(trial, failed=True)
+
+
+@contextlib.contextmanager
+def _echoes_ignored() -> Iterator[None]:
+    """While a sweep's stop runs: SIGTERM and Ctrl-C within SECOND_SIGNAL_S of its start are the
+    first signal's echo (a terminal's Ctrl-C beside a wrapper's SIGTERM), ignored; a later one is
+    raised as the first was (raylane.session.raise_interrupt)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    started = time.monotonic()
+
+    def second(signum: int, frame: Any) -> None:
+        if time.monotonic() - started >= SECOND_SIGNAL_S:
+            raise_interrupt(signum, frame)
+
+    previous = {signum: signal.signal(signum, second) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def stop_on_interrupt(
+    sweep: SweepSection, parent: RunHandle, session: RunSession, trial_runs: TrialRuns, ray_stop: RayStopper
+) -> SweepSummary:
+    """SIGTERM or Ctrl-C while the trials run: every trial's run closed (`TrialRuns.interrupted`,
+    which stops Ray through `ray_stop`), then the parent run,
+    KILLED with the one line the terminal shows; returns the sweep's KILLED summary (exit 130)."""
+    line = trial_runs.interrupted(ray_stop.wait).line(sweep.name)
+    session.close(Status.KILLED, line)
+    return SweepSummary(
+        status=Status.KILLED,
+        error=line,
+        sweep=sweep.name,
+        parent_run_id=parent.run_id,
+        tracking_uri=parent.tracking_uri,
+    )
 
 
 def _tune_stop_pause() -> None:
@@ -166,13 +308,22 @@ def wait_for_ranks(run_id: str, timeout_s: float) -> None:
     gone (the trial's process ended or was killed, and its ranks with it), or `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while ray.is_initialized() and time.monotonic() < deadline:
-        try:
-            sink = ray.get_actor(sink_name(run_id))
-            if ray.get(sink.has_ended.remote(), timeout=max(deadline - time.monotonic(), 0.1)):
-                return
-        except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        if ranks_state(run_id, max(deadline - time.monotonic(), 0.1)) != "training":
             return
         time.sleep(RANKS_POLL_S)
+
+
+def ranks_state(run_id: str, timeout_s: float = 5.0) -> str:
+    """ "ended": the trial's rank 0 has ended its run (its MLflow metrics sent); "gone": its event
+    sink is not there (its ranks not started yet, or its process ended or was killed, and its
+    ranks with it), or does not answer within `timeout_s`; else "training"."""
+    if not ray.is_initialized():
+        return "gone"
+    try:
+        sink = ray.get_actor(sink_name(run_id))
+        return "ended" if ray.get(sink.has_ended.remote(), timeout=timeout_s) else "training"
+    except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return "gone"
 
 
 def stopped_early(failed: bool, epochs: int, max_epochs: int) -> bool:

@@ -8,7 +8,9 @@ raylane's own checkpoint, which is what ASHA stops on and what PBT copies betwee
 MLflow child runs are opened by the trials; each is closed by one writer: the trial, after its
 records, when its run returns or fails; this driver (`TrialRuns`, in `raylane.onray.trials`) when
 Tune stops the trial while it runs, once its ranks have stopped at their next step boundary, so a
-trial stopped early is never left RUNNING, nor trains on."""
+trial stopped early is never left RUNNING, nor trains on. On SIGTERM or Ctrl-C the driver stops
+every running trial the same way, then Ray, and closes every run of the sweep KILLED
+(`TrialRuns.interrupted`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import logging
 import math
 import os
 import random
+import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -32,32 +36,21 @@ from raylane.config import BaseConfig, ConfigError, validate
 from raylane.config.sweep import SweepSection, trial_config
 from raylane.loop.events import Checkpoint, Event
 from raylane.loop.result import RunResult
-from raylane.onray.cluster import data_cpus
+from raylane.onray.cluster import RayStopper, data_cpus
 from raylane.onray.placement import check_placeable, put_env
 from raylane.onray.sweep_plan import param_space, search_alg, trials_text
-from raylane.onray.trials import MetricReported, TrialRuns, sink_name
+from raylane.onray.trials import MetricReported, TrialRuns, sink_name, stop_on_interrupt
 from raylane.results import Status, SweepSummary
-from raylane.session import RunSession, interrupts, ran, status_of
+from raylane.session import RunSession, interrupts, raise_interrupt, ran, status_of
 from raylane.sweeps import results as sweep_results
 from raylane.sweeps.objective import Objective
 from raylane.sweeps.record import fresh_sweep_name, resolved, sweep_folder, write_record
-from raylane.sweeps.results import SWEEP_TAG, TRIAL_TAG
+from raylane.sweeps.runs import open_parent, record_values, trial_run
 from raylane.tracking.progress import plural
-from raylane.tracking.runs import (
-    RUN_NAME_TAG,
-    RunHandle,
-    close_run,
-    mlflow_client,
-    resolve_tracking_uri,
-    run_tags,
-    table_metrics,
-    ui_command,
-    use_experiment,
-)
+from raylane.tracking.runs import RunHandle, close_run, mlflow_client, resolve_tracking_uri, ui_command
 
 log = logging.getLogger("raylane")
 
-PARENT_TAG = "mlflow.parentRunId"
 POINTER_FILE = "raylane_checkpoint.json"
 # The trial function only waits on its Train run; Tune needs it to ask for some resource.
 TRIAL_DRIVER_CPU = 0.01
@@ -128,71 +121,6 @@ def check_resources(base: BaseConfig, sweep: SweepSection, total: dict[str, floa
     return min(fits, sweep.max_concurrent_trials or fits)
 
 
-# -- MLflow ------------------------------------------------------------------------------------
-
-
-def open_parent(sweep: SweepSection, base: BaseConfig, tracking_uri: str) -> RunHandle:
-    """The sweep's parent run: created, or continued when the same sweep name runs again."""
-    client = mlflow_client(tracking_uri)
-    exp_id = use_experiment(client, base.mlflow.experiment, table_metrics(base, sweep.metric))
-    found = [
-        r
-        for r in client.search_runs([exp_id], filter_string=f"tags.`{SWEEP_TAG}` = '{sweep.name}'")
-        if TRIAL_TAG not in r.data.tags
-    ]  # the parent: the one run of the sweep that is no trial
-    if found:
-        run_id = found[0].info.run_id
-        client.update_run(run_id, status="RUNNING")
-    else:
-        tags = {
-            **run_tags(base, base.scaling.num_workers),
-            SWEEP_TAG: sweep.name,
-            RUN_NAME_TAG: sweep.name,
-            "raylane.sweep.algorithm": sweep.algorithm,
-            "raylane.sweep.scheduler": sweep.scheduler,
-        }
-        run_id = client.create_run(exp_id, run_name=sweep.name, tags=tags).info.run_id
-        from mlflow.entities import Param
-
-        params = [
-            Param(f"sweep.{k}", json.dumps(v) if isinstance(v, (dict, list)) else str(v))
-            for k, v in sweep.model_dump(mode="json").items()
-        ]
-        client.log_batch(run_id, params=params)
-    return RunHandle(run_id, exp_id, tracking_uri, resumed=bool(found))
-
-
-def _child(
-    client, parent: RunHandle, trial_id: str, sweep: SweepSection, cfg: BaseConfig, params: dict[str, Any]
-) -> str:
-    found = client.search_runs(
-        [parent.experiment_id],
-        max_results=1,
-        filter_string=f"tags.`{TRIAL_TAG}` = '{trial_id}' and tags.`{SWEEP_TAG}` = '{sweep.name}'",
-    )
-    if found:  # the trial restarted: after a failure, a driver's death or a PBT pause
-        run_id = found[0].info.run_id
-        client.update_run(run_id, status="RUNNING")
-        for tag in ("raylane.early_stopped", "raylane.stopped_at_epoch"):  # paused, not stopped
-            if tag in found[0].data.tags:
-                client.delete_tag(run_id, tag)
-        return run_id
-    tags = {
-        **run_tags(cfg, cfg.scaling.num_workers),
-        PARENT_TAG: parent.run_id,
-        SWEEP_TAG: sweep.name,
-        TRIAL_TAG: trial_id,
-    }
-    run_id = client.create_run(parent.experiment_id, run_name=trial_id, tags=tags).info.run_id
-    from mlflow.entities import Param
-
-    flat = cfg.flat()
-    batch = [Param(k, str(v)[:6000]) for k, v in flat.items()]
-    for i in range(0, len(batch), 100):
-        client.log_batch(run_id, params=batch[i : i + 100])
-    return run_id
-
-
 # -- the trial ---------------------------------------------------------------------------------
 
 
@@ -228,18 +156,6 @@ def _trial_run_config(sweep: SweepSection, cfg: BaseConfig, own: str) -> tuple[B
     ), donor
 
 
-def _record_values(client: Any, run_id: str, params: dict[str, Any], donor: dict[str, Any] | None) -> None:
-    """The trial's values as `hparam/*` metrics (PBT may change them: a metric, not a param), and
-    under a PBT exploit, which trial it continues and how many times it has."""
-    if donor:
-        exploits = int(client.get_run(run_id).data.tags.get("raylane.pbt.exploits", "0")) + 1
-        client.set_tag(run_id, "raylane.pbt.exploits", str(exploits))
-        client.set_tag(run_id, "raylane.pbt.last_donor", f"{donor['trial_id']} at step {donor['step']}")
-    for key, value in params.items():
-        if isinstance(value, (int, float)):
-            client.log_metric(run_id, f"hparam/{key}", float(value), step=donor["step"] if donor else 0)
-
-
 def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     """One trial: a Ray Train run of the base config with `params`, reporting every epoch."""
     from raylane.onray.launch import launch_on_ray, train_worker
@@ -253,8 +169,8 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
     trial_id = tune.get_context().get_trial_id()
     cfg, donor = _trial_run_config(sweep, trial_config(base, params, sweep.global_batch), f"{sweep.name}-{trial_id}")
     client = mlflow_client(parent.tracking_uri)
-    run_id = _child(client, parent, trial_id, sweep, cfg, params)
-    _record_values(client, run_id, params, donor)
+    run_id = trial_run(client, parent, trial_id, sweep, cfg)
+    record_values(client, run_id, params, donor)
     reports = _Reports(sweep, cfg, trial_id, run_id, donor)
     handle = RunHandle(run_id, parent.experiment_id, parent.tracking_uri, False)
     try:
@@ -339,10 +255,11 @@ def run_sweep(
 ) -> SweepSummary:
     """Run (or continue) the sweep on the cluster at `address` (as resolved by
     raylane.clusters.local.resolve_address; None: an embedded one); returns its summary, whose
-    `status` is FINISHED when every trial ended cleanly and FAILED otherwise. Every way out closes
-    the sweep's MLflow parent run (KILLED on SIGTERM or Ctrl-C) and gives its lease back (its
-    session: raylane.session)."""
-    from raylane.onray.cluster import init_ray, shutdown_ray
+    `status` is FINISHED when every trial ended cleanly and FAILED otherwise, KILLED on SIGTERM or
+    Ctrl-C while the trials run (every run of the sweep closed KILLED: TrialRuns.interrupted).
+    Every way out closes the sweep's MLflow parent run and gives its lease back (its session:
+    raylane.session)."""
+    from raylane.onray.cluster import init_ray
 
     tracking_uri = resolve_tracking_uri()
     base = resolved(base)
@@ -355,10 +272,18 @@ def run_sweep(
             embedded = init_ray(
                 address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)), dashboard=True
             )
+            # ray.init put Ray's own in its place: its C++ failure handler (over its sys.exit on an
+            # embedded cluster) prints a stack and arms a 3 s alarm that aborts the process (exit
+            # 134), every trial's run left RUNNING.
+            signal.signal(signal.SIGTERM, raise_interrupt)
+            ray_stop = RayStopper(embedded)
             if embedded:
-                session.defer(shutdown_ray, embedded)
-            summary, rows, best = _sweep(sweep, base, session, parent, embedded, register)
+                session.defer(ray_stop.wait)
+            summary, rows, best = _sweep(sweep, base, session, parent, ray_stop, register)
     summary.write(summary_path)
+    if summary.status == Status.KILLED:
+        print(f"raylane: {summary.error}", file=sys.stderr, flush=True)
+        return summary
     print(sweep_results.table(rows, sweep), flush=True)
     if best:
         print(
@@ -370,10 +295,16 @@ def run_sweep(
 
 
 def _sweep(
-    sweep: SweepSection, base: BaseConfig, session: RunSession, parent: RunHandle, embedded: bool, register: str | None
+    sweep: SweepSection,
+    base: BaseConfig,
+    session: RunSession,
+    parent: RunHandle,
+    ray_stop: RayStopper,
+    register: str | None,
 ) -> tuple[SweepSummary, list[dict[str, Any]], dict[str, Any] | None]:
-    """The trials on the cluster Ray joined, and their results on the parent run: (summary,
-    rows, best trial)."""
+    """The trials on the cluster Ray joined (`ray_stop` stops it, or leaves a joined one), and
+    their results on the parent run: (summary, rows, best trial)."""
+    embedded = ray_stop.embedded
     check_placeable(base, embedded)  # a trial's workers fit some node (accelerator, resources, labels)
     concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
     print(
@@ -384,7 +315,13 @@ def _sweep(
     random.seed(sweep.seed)  # PBT's explore draws from Python's generator
     started = time.monotonic()
     stopper = MetricReported(sweep.metric)
-    grid = _fit(sweep, base, parent, concurrency, stopper)
+    trial_runs = TrialRuns(parent, sweep, base.train.epoch_limit)
+    try:
+        grid = _fit(sweep, base, parent, concurrency, stopper, trial_runs)
+    except KeyboardInterrupt:  # SIGTERM or Ctrl-C
+        interrupted = stop_on_interrupt(sweep, parent, session, trial_runs, ray_stop)
+        write_record(sweep, base, Status.KILLED, parent_run_id=parent.run_id)
+        return interrupted, [], None
     stopper.check()
     wall_s = time.monotonic() - started
     rows = sweep_results.rows(grid, sweep, parent)
@@ -420,7 +357,14 @@ def _lease(sweep: SweepSection, base: BaseConfig, session: RunSession) -> None:
         session.lease(folder, f"sweep {sweep.name!r}", "sweep.name", sweep.name, lambda: fresh_sweep_name(folder))
 
 
-def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: int, stopper: tune.Stopper):
+def _fit(
+    sweep: SweepSection,
+    base: BaseConfig,
+    parent: RunHandle,
+    concurrency: int,
+    stopper: tune.Stopper,
+    trial_runs: TrialRuns,
+):
     context = {
         "sweep": sweep.model_dump(mode="json"),
         "base": base.model_dump(mode="json"),
@@ -438,8 +382,7 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
     path = f"{base.run.storage_path.rstrip('/')}/{sweep.name}"
     # Tune's default loggers, less its TensorBoard one: tensorboardX imports torch into this
     # driver, ~2 s of CPU before the first trial starts (the sweep's metrics are in MLflow). Tune
-    # adds all three unless told not to (_without_tune_auto_loggers), so the other two are named.
-    trial_runs = TrialRuns(parent, sweep, base.train.epoch_limit)
+    # adds all three unless told not to (_tune_environment), so the other two are named.
     run_config = tune.RunConfig(
         name=sweep.name,
         storage_path=base.run.storage_path,
@@ -468,21 +411,33 @@ def _fit(sweep: SweepSection, base: BaseConfig, parent: RunHandle, concurrency: 
             ),
         )
     try:
-        with _without_tune_auto_loggers():
-            return tuner.fit()
-    finally:
-        trial_runs.wait()  # the stopped trials' runs closed before the results are read
+        with _tune_environment():
+            grid = tuner.fit()
+    except KeyboardInterrupt:  # SIGTERM or Ctrl-C: the sweep's stop closes these runs, within its bound
+        raise
+    except BaseException:
+        trial_runs.wait()
+        raise
+    trial_runs.wait()  # the stopped trials' runs closed before the results are read
+    return grid
+
+
+# Tune's TensorBoard logger (see _fit), and Tune's own Ctrl-C: it would end its loop and return the
+# trials as if the sweep had ended; Ctrl-C raises here as SIGTERM does (raylane.session), and
+# the sweep stops its trials itself (TrialRuns.interrupted).
+TUNE_ENVIRONMENT = {"TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1", "TUNE_DISABLE_SIGINT_HANDLER": "1"}
 
 
 @contextlib.contextmanager
-def _without_tune_auto_loggers():
+def _tune_environment():
     """For this fit only: `raylane.tune()` may run in a user's process with Tune runs of its own."""
-    key, previous = "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", os.environ.get("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS")
-    os.environ[key] = "1"
+    previous = {key: os.environ.get(key) for key in TUNE_ENVIRONMENT}
+    os.environ.update(TUNE_ENVIRONMENT)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
