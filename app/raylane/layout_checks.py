@@ -88,16 +88,16 @@ def _check_pipeline_layout(cfg: BaseConfig, world_size: int, world: str) -> None
         )
 
 
-def check_plan(cfg: BaseConfig, world_size: int, *, trains_here: bool = False) -> list[str]:
+def check_plan(cfg: BaseConfig, world_size: int) -> list[str]:
     """A model-parallel run's plan and stages on its model, as `raylane check --plan` shows them
     (raylane.loop.plan_view): the pipeline's build(cfg) run here with the model on the meta device,
     so that a rule naming no module, a style that is none, heads that tp does not divide, tied
     weights split apart or more stages than blocks is one ConfigError before any worker starts,
     for a user's pipeline as for a shipped one. Returns the lines to show when the model could not
     be looked at here (build() failing on this machine, which may lack what the ranks have: the
-    run goes on, and says so). Nothing for a run without tp or pp. `trains_here`: this process
-    trains afterwards (a torchrun rank): the forward on a fake process group is left to the first
-    step (raylane.loop.plan_view.pipeline_plan says why)."""
+    run goes on, and says so). Nothing for a run without tp or pp. The same in a process that
+    trains next (a torchrun rank): the forward on a fake process group leaves it as it found it
+    (raylane.loop.layout.fake_work)."""
     s = cfg.strategy
     if not (s.tensor_parallel or s.pp > 1):
         return []
@@ -106,7 +106,7 @@ def check_plan(cfg: BaseConfig, world_size: int, *, trains_here: bool = False) -
     from raylane.pipelines_ref import UserCodeError
 
     try:
-        pipeline_plan(cfg, world_size, forward=not trains_here)
+        pipeline_plan(cfg, world_size)
     except Unchecked as exc:
         return [f"raylane: the plan and stages are not checked before launch: {exc}"]
     except UserCodeError as exc:

@@ -67,7 +67,7 @@ def prepare_train(
     prechecks.check_global_order(cfg)
     run = PreparedRun(cfg, use_ray=not in_process, finished=prechecks.check_resume(cfg), notes=notes)
     if not run.finished:  # the plan and stages on the model (tp, pp): one build of it, here
-        unchecked = layout_checks.check_plan(cfg, world, trains_here=in_process)
+        unchecked = layout_checks.check_plan(cfg, world)
         notes.extend(unchecked if os.environ.get("RANK", "0") == "0" else [])  # under torchrun, rank 0 says it
     if joins and run.use_ray and not run.finished:
         check_address(address)

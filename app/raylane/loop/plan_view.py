@@ -184,19 +184,18 @@ def _folded_run(names: list[str], container: str) -> str:
     return ", ".join(out)
 
 
-def pipeline_plan(cfg: Any, world: int, *, forward: bool = True) -> list[str]:
+def pipeline_plan(cfg: Any, world: int) -> list[str]:
     """`raylane check --plan`, and the checks before a model-parallel launch: the layout line, the
     stages (with `strategy.pp` > 1) and the plan (with `strategy.tp` > 1 or auto) of the config's
     pipeline, its `build(cfg)` run in this process with the model on the meta device
     (raylane.loop.meta_build). ValueError, one line, for a plan or a split that cannot be laid out
     on the model; build()'s own error (UserCodeError); meta_build.Unchecked when the model cannot
     be built here. The same config's lines again come from the first call (check, then --plan).
-    `forward`: also run the forward as one rank of the layout runs it (`_check_forward`), which
-    lays the plan out on a process group of torch's fake backend: not in a process that trains
-    afterwards (a torchrun rank), whose run it was seen to change (tp2+sp+lp's losses 1.6e-3 off
-    one process's from step 2, within 1e-6 without); there the first step is that check."""
+    Then the forward as one rank of the layout runs it (`_check_forward`), on a process group of
+    torch's fake backend, which leaves a process that trains next (a torchrun rank) as it found it
+    (raylane.loop.layout.fake_work)."""
     global _last
-    key = (cfg.model_dump_json(), world, forward)
+    key = (cfg.model_dump_json(), world)
     if _last is not None and _last[0] == key:
         return list(_last[1])
     from raylane.loop.meta_build import build_for_checks
@@ -206,8 +205,7 @@ def pipeline_plan(cfg: Any, world: int, *, forward: bool = True) -> list[str]:
     if cfg.strategy.pp > 1:
         lines += stage_lines(pipe, cfg)
     lines += _tp_lines(pipe, cfg)
-    if forward:
-        _check_forward(pipe, cfg)
+    _check_forward(pipe, cfg)
     _last = (key, lines)
     return list(lines)
 
