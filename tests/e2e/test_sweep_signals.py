@@ -1,13 +1,14 @@
 """SIGTERM or Ctrl-C to `raylane tune` on an embedded cluster (issue 60): the sweep's driver stops
-its running trials at their ranks' next step boundary, closes every MLflow run of the sweep
-KILLED (the trials' and the parent's), says so in one line, exits 130, and leaves no process of
-its cluster behind; rerun, the same command continues the sweep.
+its running trials at their ranks' next step boundary (those that have trained), closes every
+MLflow run of the sweep KILLED (the trials' and the parent's), says so in one line, exits 130, and
+leaves no process of its cluster behind; rerun, the same command continues the sweep.
 
-Before (seen with the old code, this sweep): SIGTERM printed Ray's C++ '*** SIGTERM received'
-and the driver aborted 3 s later (exit 134: the handler Ray installs for SIGTERM arms a 3 s alarm
-that aborts), both trial runs left RUNNING and the parent KILLED; Ctrl-C ended Tune's loop as if
-the sweep had finished: exit 0, the parent run and the sweep's record FINISHED, both trial runs
-RUNNING, and a rerun found the sweep finished."""
+Before (seen with the old code, these sweeps): SIGTERM printed Ray's C++ '*** SIGTERM received'
+and the driver aborted 3 s later (exit 134, or 1 when it got out sooner: the handler Ray installs
+for SIGTERM arms a 3 s alarm that aborts), every trial's run left RUNNING and the parent KILLED;
+Ctrl-C ended Tune's loop as if the sweep had finished: exit 0, the parent run and the sweep's
+record FINISHED, both trial runs RUNNING, and a rerun found the sweep finished. The logic on a
+real sqlite store, without Ray: tests/unit/test_sweep_runs.py."""
 
 from __future__ import annotations
 
@@ -74,6 +75,10 @@ def _every_run(db) -> dict[str, tuple[str, str | None]]:
     return {run_id: (status, error) for run_id, status, error in rows}
 
 
+def _run_folders(tmp_path):
+    return sorted(p for p in (tmp_path / "runs").glob("ctrl-c-*") if p.is_dir())
+
+
 def _interrupted(sweep, tmp_path, name: str, checkpointed: str | None) -> str:
     """What every interrupted sweep leaves: exit 130, one line, every run closed KILLED with why,
     its summary and record KILLED, and nothing of its cluster running; returns the parent run.
@@ -99,41 +104,51 @@ def _interrupted(sweep, tmp_path, name: str, checkpointed: str | None) -> str:
     return s["parent_run_id"]
 
 
-def test_sigterm_while_a_trial_trains_closes_every_run_of_the_sweep_killed(run_cli, tmp_path):
-    """One trial (~80 CPU-s to the signal: Ray's start and the trial's); two, and Ctrl-C: below."""
+def test_sigterm_while_a_trial_starts_closes_every_run_of_the_sweep_killed(run_cli, tmp_path):
+    """SIGTERM once the trial has opened its run, before it trains: nothing to checkpoint, so
+    nothing is waited for; Ray stops and the driver closes the trial's run."""
     db = tmp_path / "mlflow.db"
     sweep = run_cli(*_args("sigterm", 1), "--summary-json", "s.json", env=cli_env(tmp_path, RAYLANE_FAULTS=SLOW))
-    wait_for(lambda: _training(db) == 1 or sweep.proc.poll() is not None, timeout_s=400)
-    assert sweep.proc.poll() is None, sweep.output
-    sweep.signal(signal.SIGTERM)
-    _interrupted(sweep, tmp_path, "sigterm", ", 1 checkpointed where it stopped")
-    # Its ranks stopped at a step boundary with a checkpoint, within its first of 4 epochs.
-    (folder,) = (tmp_path / "runs").glob("sigterm-*")
-    (checkpoint,) = folder.glob("checkpoint_*")
-    assert 0 < int(checkpoint.name.rsplit("_", 1)[1]) < STEPS_PER_EPOCH * 4, checkpoint
-
-
-@pytest.mark.slow  # two trials, interrupted, then run again to their end: ~4 minutes on 2 busy cores
-def test_ctrl_c_while_trials_start_then_the_same_command_continues_the_sweep(run_cli, tmp_path):
-    """Ctrl-C as the first of two trials opens its run (its ranks not started yet): a trial that
-    opens its run after the signal is closed too, once Ray has stopped. Run again, the sweep
-    continues under the same parent and ends FINISHED, its trials' runs too, with no 'interrupted'
-    left on any of them."""
-    db = tmp_path / "mlflow.db"
-    env = cli_env(tmp_path, RAYLANE_FAULTS=SLOW)
-    args = [*_args("ctrl-c", 2), "--set", "train.max_epochs=1"]
-    sweep = run_cli(*args, "--summary-json", "s.json", env=env)
     wait_for(lambda: _trials(db) or sweep.proc.poll() is not None, timeout_s=400)
     assert sweep.proc.poll() is None, sweep.output
+    sweep.signal(signal.SIGTERM)
+    _interrupted(sweep, tmp_path, "sigterm", "")
+
+
+@pytest.mark.slow  # two trials trained, interrupted, then run again to their end: ~4 minutes on 2 busy cores
+def test_ctrl_c_while_trials_train_stops_them_with_a_checkpoint_and_the_same_command_continues_the_sweep(
+    run_cli, tmp_path
+):
+    """Ctrl-C once both trials train: each trial's ranks stop at their next step boundary with a
+    checkpoint and the trial closes its own run. Run again, the sweep continues under the same
+    parent run, each trial from its checkpoint, and ends FINISHED, its trials' runs too, with no
+    'interrupted' left on any of them."""
+    db = tmp_path / "mlflow.db"
+    env = cli_env(tmp_path, RAYLANE_FAULTS=SLOW)
+    args = [*_args("ctrl-c", 2), "--set", "train.max_epochs=2"]
+    sweep = run_cli(*args, "--summary-json", "s.json", env=env)
+    wait_for(lambda: _training(db) == 2 or sweep.proc.poll() is not None, timeout_s=400)
+    assert sweep.proc.poll() is None, sweep.output
     sweep.signal(signal.SIGINT)
-    parent = _interrupted(sweep, tmp_path, "ctrl-c", None)
+    parent = _interrupted(sweep, tmp_path, "ctrl-c", ", 2 checkpointed where they stopped")
+    # Each trial's ranks stopped with a checkpoint before their run's end (an epoch's end saves one too).
+    stopped = {
+        f.name: max(int(c.name.rsplit("_", 1)[1]) for c in f.glob("checkpoint_*")) for f in _run_folders(tmp_path)
+    }
+    assert len(stopped) == 2 and all(0 < step < STEPS_PER_EPOCH * 2 for step in stopped.values()), stopped
+    trials = [run_id for run_id, _ in _trials(db)]
 
     again = run_cli(*args, "--summary-json", "again.json", env=env, name="again")
     assert again.wait(600) == 0, again.output
+    assert "[raylane] continuing sweep ctrl-c from " in again.output
     s = read_json(tmp_path / "again.json")
     assert s["status"] == "FINISHED" and s["parent_run_id"] == parent, s
     assert {r["status"] for r in s["trials"]} == {"FINISHED"}, s["trials"]
-    finished = _every_run(db)
-    assert finished[parent] == ("FINISHED", None)
-    assert all(finished[r["run_id"]] == ("FINISHED", None) for r in s["trials"]), finished
-    assert "RUNNING" not in {status for status, _ in finished.values()}, finished
+    assert _every_run(db) == {run_id: ("FINISHED", None) for run_id in [parent, *trials]}
+    # Each trial went on from its checkpoint to its end: no step trained (and logged) twice.
+    for run_id in trials:
+        ((last, points, steps),) = _query(
+            db, "SELECT MAX(step), COUNT(*), COUNT(DISTINCT step) FROM metrics WHERE run_uuid = ? AND key = 'train/loss'",
+            run_id,
+        )  # fmt: skip
+        assert last == STEPS_PER_EPOCH * 2 and points == steps, (run_id, last, points, steps)

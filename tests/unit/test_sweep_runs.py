@@ -1,7 +1,7 @@
 """A sweep's MLflow runs on a real sqlite store (raylane.sweeps.runs), and what the sweep's driver
 closes on SIGTERM or Ctrl-C (raylane.onray.trials.TrialRuns.interrupted) with no Ray running: every
 trial's run still RUNNING once Ray has stopped, a run opened while Ray stops included; a run its
-trial closed stays as its trial closed it. A sweep's runs continued by a rerun drop how the
+trial closed while the driver waited stays as its trial closed it. A sweep's runs continued by a rerun drop how the
 interrupted launch ended. The whole path on a real sweep: tests/e2e/test_sweep_signals.py."""
 
 from __future__ import annotations
@@ -50,11 +50,13 @@ def test_the_driver_closes_every_trial_run_still_open_once_ray_has_stopped(sweep
     client = MlflowClient(uri)
     parent = open_parent(section, base, uri)
     cfg = load_config("digits")
-    by_its_trial, training = (trial_run(client, parent, f"t_0000{i}", section, cfg) for i in (0, 1))
+    by_its_trial, training, starting = (trial_run(client, parent, f"t_0000{i}", section, cfg) for i in (0, 1, 2))
+    for run_id in (by_its_trial, training):  # their rank 0 sent a step's loss: they have trained
+        client.log_metric(run_id, "train/loss", 2.3, step=2)
     late: list[str] = []
 
     def stop_ray() -> None:  # a trial still starting opens its run before Ray has stopped it
-        late.append(trial_run(client, parent, "t_00002", section, cfg))
+        late.append(trial_run(client, parent, "t_00003", section, cfg))
 
     # One trial closes its own run while the driver waits, as a trial whose ranks stopped does.
     closes = threading.Timer(0.1, close_run, (parent_handle(parent, by_its_trial), Status.KILLED))
@@ -62,13 +64,13 @@ def test_the_driver_closes_every_trial_run_still_open_once_ray_has_stopped(sweep
     ended = TrialRuns(parent, section, 4).interrupted(stop_ray, timeout_s=1.5)
     closes.join()
 
-    assert _status(uri, training) == _status(uri, late[0]) == ("KILLED", "interrupted")
+    assert {_status(uri, run_id) for run_id in (training, starting, late[0])} == {("KILLED", "interrupted")}
     assert _status(uri, by_its_trial) == ("KILLED", "interrupted")  # why, as on the others
     assert _status(uri, parent.run_id) == ("RUNNING", None)  # the parent is the sweep's session's to close
     assert open_children(client, parent) == []
-    assert (ended.trials, ended.checkpointed) == (3, 1)
+    assert (ended.trials, ended.checkpointed) == (4, 1)
     assert ended.line(section.name) == (
-        "interrupted: sweep digits-asha stopped; the MLflow runs of its 3 running trials and its parent run closed "
+        "interrupted: sweep digits-asha stopped; the MLflow runs of its 4 running trials and its parent run closed "
         "KILLED, 1 checkpointed where it stopped; rerun the same command to continue the sweep"
     )
 

@@ -26,7 +26,7 @@ from raylane.onray.cluster import RayStopper
 from raylane.results import Status, SweepSummary
 from raylane.session import INTERRUPTED, RunSession, raise_interrupt
 from raylane.sweeps.results import find_child
-from raylane.sweeps.runs import open_children
+from raylane.sweeps.runs import has_trained, open_children
 from raylane.tracking.runs import ERROR_TAG, RunHandle, close_run, mlflow_client
 
 log = logging.getLogger("raylane")
@@ -169,11 +169,12 @@ class TrialRuns(tune.Callback):
         """The sweep's driver was sent SIGTERM or Ctrl-C, and Tune's loop left where the signal
         found it. Each trial whose run is RUNNING has its ranks asked to stop at their next
         step-boundary vote with a checkpoint (as for Tune's stop), and its trial closes its run
-        KILLED as a run that returned, within `timeout_s` (a second signal ends the wait; one
-        sooner than SECOND_SIGNAL_S is the first's echo, ignored). Then Ray stops (`stop_ray`: every trial's process with an
-        embedded cluster, or with the job of a joined one): what a trial still starting would
-        write comes before that, so every run of the sweep still RUNNING after it is closed
-        KILLED here, each tagged `interrupted`."""
+        KILLED as a run that returned; the driver waits for the trials that have trained, within
+        `timeout_s` (a second signal ends the wait; one sooner than SECOND_SIGNAL_S is the first's
+        echo, ignored). Then Ray stops (`stop_ray`: every trial's process with an embedded
+        cluster, or with the job of a joined one): what a trial still starting would write comes
+        before that, so every run of the sweep still RUNNING after it is closed KILLED here, each
+        tagged `interrupted`."""
         with _echoes_ignored():
             return self._interrupted(stop_ray, timeout_s)
 
@@ -189,25 +190,28 @@ class TrialRuns(tune.Callback):
                 close_run(handle, Status.KILLED, INTERRUPTED)
                 closed_here.append(run_id)
             for run_id in running.difference(closed_here):  # closed by their trials, as runs that returned
-                if client.get_run(run_id).info.status == Status.KILLED:
+                run = client.get_run(run_id)  # not one a scheduler's stop closed meanwhile
+                if run.info.status == Status.KILLED and "raylane.early_stopped" not in run.data.tags:
                     client.set_tag(run_id, ERROR_TAG, INTERRUPTED)  # why, as on the runs closed here
         except Exception as exc:  # noqa: BLE001 - the parent run is closed all the same
             log.warning("MLflow: could not close the sweep's trial runs: %s", exc)
         return Interrupted(len(running.union(closed_here)), len(checkpointed))
 
     def _ask_to_stop(self, client, timeout_s: float) -> tuple[set[str], set[str]]:
-        """Ask the ranks of every trial whose run is RUNNING to stop, and wait until its trial has
-        closed its run, or its ranks ended (or never started) ENDED_GRACE_S ago; returns (the
-        runs that were running, those whose ranks stopped with a checkpoint)."""
+        """Ask the ranks of every trial whose run is RUNNING to stop, and wait for those that have
+        trained (a trial still starting has nothing to checkpoint: it is not waited for) until
+        its trial has closed its run, or its ranks ended (or are gone) ENDED_GRACE_S ago; returns
+        (the runs that were running, those whose ranks stopped with a checkpoint)."""
         started = time.monotonic()
         try:
             running = set(open_children(client, self.parent))
+            trained = {run_id for run_id in running if has_trained(client, run_id)}
         except Exception as exc:  # noqa: BLE001 - Ray is stopped and the runs closed all the same
             log.warning("MLflow: could not list the sweep's running trials: %s", exc)
             return set(), set()
         for run_id in running:
             stop_ranks(run_id)
-        waiting, checkpointed = set(running), set()
+        waiting, checkpointed = set(trained), set()
         done_at: dict[str, float] = {}  # when a trial's ranks were seen ended, or not there
         while waiting and time.monotonic() < started + timeout_s:
             try:

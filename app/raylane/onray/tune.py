@@ -23,6 +23,7 @@ import random
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -272,10 +273,11 @@ def run_sweep(
             embedded = init_ray(
                 address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)), dashboard=True
             )
-            # ray.init put Ray's own in its place: its C++ failure handler (over its sys.exit on an
-            # embedded cluster) prints a stack and arms a 3 s alarm that aborts the process (exit
-            # 134), every trial's run left RUNNING.
-            signal.signal(signal.SIGTERM, raise_interrupt)
+            if threading.current_thread() is threading.main_thread():
+                # ray.init put Ray's own in its place: its C++ failure handler (over its sys.exit
+                # on an embedded cluster) prints a stack and arms a 3 s alarm that aborts the
+                # process (exit 134), every trial's run left RUNNING.
+                signal.signal(signal.SIGTERM, raise_interrupt)
             ray_stop = RayStopper(embedded)
             if embedded:
                 session.defer(ray_stop.wait)

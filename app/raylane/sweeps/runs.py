@@ -107,3 +107,10 @@ def open_children(client, parent: RunHandle) -> list[str]:
         filter_string=f"tags.`{PARENT_TAG}` = '{parent.run_id}' and attributes.status = 'RUNNING'",
     )
     return [run.info.run_id for run in runs]
+
+
+def has_trained(client, run_id: str) -> bool:
+    """Whether the trial recording `run_id` has trained: its rank 0 has sent a `train/` metric
+    (raylane.loop.reporting), which it does every mlflow.log_every_n_steps steps, 5 s at most
+    after the step. Its values as `hparam/*` are there from its start."""
+    return any(key.startswith("train/") for key in client.get_run(run_id).data.metrics)
