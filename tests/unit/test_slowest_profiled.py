@@ -125,7 +125,15 @@ def test_the_end_line_names_every_profiled_ranks_table_and_the_stragglers():
     """Rank 0's and the slowest rank's traces: both tables named, the straggler's marked (the
     line named rank 0's alone); 6 ranks profiled by number: 4 named, then how many more."""
     folder = "/runs/r/profiles"
-    row = {"node": "n1", "step": 8, "ratio": 2.5, "step_s": 0.1, "median_s": 0.04, "data_share": 0.1, "data_bound": False}
+    row = {
+        "node": "n1",
+        "step": 8,
+        "ratio": 2.5,
+        "step_s": 0.1,
+        "median_s": 0.04,
+        "data_share": 0.1,
+        "data_bound": False,
+    }
     s = TrainSummary.model_validate(
         {
             "run_name": "r",
