@@ -1,7 +1,7 @@
 """An MLP on your own table: Parquet or CSV files (local paths or `s3://`), feature and target
 columns named in the config, classification or regression. Nothing to write in Python.
 
-The files are streamed (raylane.loop.streaming.FileSource): on Ray through Ray Data, whose
+The files are streamed (raylane.loop.data.streaming.FileSource): on Ray through Ray Data, whose
 tasks select and cast the columns; under torchrun and in one process each rank reads its own
 share of the files with pyarrow. Classification targets are class ids 0..num_classes-1; the
 report is `loss` (cross-entropy or MSE) and, for classification, `accuracy`, on `data.eval`."""

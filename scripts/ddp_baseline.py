@@ -12,7 +12,7 @@ come from raylane's pipelines, so both sides train the same thing.
 Rank 0 writes {"train_s", "train_cpu_s", "steps", "first_step_unix", "last_step_unix", "startup"}
 to --json: train_s runs from the start of training to the end of the loop, as raylane's summary
 measures it; train_cpu_s is rank 0's process CPU time over the same span; startup, the unix time at
-which each start-up phase ended (the names of raylane.loop.startup.PHASES), for `raylane bench` B2b."""
+which each start-up phase ended (the names of raylane.loop.observe.startup.PHASES), for `raylane bench` B2b."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def run(
 
 
 def _ray_loop(config: dict) -> None:
-    from raylane.loop.startup import process_start_unix
+    from raylane.loop.observe.startup import process_start_unix
 
     run(
         config["pipeline"],
@@ -197,7 +197,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="with --ray: the number of workers")
     parser.add_argument("--address", help="with --ray: a running cluster to join (default: start one)")
     args = parser.parse_args()
-    from raylane.loop.startup import process_start_unix
+    from raylane.loop.observe.startup import process_start_unix
 
     args.startup = {"launch": process_start_unix(), "driver_imports": time.time()}
     if args.ray:

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from raylane import api
-from raylane.loop.batches import forward_loss, to_device
-from raylane.loop.data import first_batch
-from raylane.loop.mesh import lay_out_tensor_parallel, model_parallel_strategy
-from raylane.loop.parallel import estimate_memory
-from raylane.loop.sharding import prepare_blocks
+from raylane.loop.data.loader import first_batch
+from raylane.loop.distributed.fsdp import prepare_blocks
+from raylane.loop.distributed.mesh import lay_out_tensor_parallel, model_parallel_strategy
+from raylane.loop.distributed.parallelize import estimate_memory
+from raylane.loop.protocols.batches import forward_loss, to_device
 from raylane.loop.usercode import build_pipeline
 
 

@@ -1,4 +1,4 @@
-"""Prints raylane's per-rank memory estimate (raylane.loop.parallel.estimate_memory: parameters,
+"""Prints raylane's per-rank memory estimate (raylane.loop.distributed.parallelize.estimate_memory: parameters,
 gradients, optimizer state, one micro-batch's activations) for a config, as JSON, to set beside a
 run's measured peak (`memory.peak_bytes` in its summary):
 
@@ -13,8 +13,8 @@ import argparse
 import json
 
 from raylane import api
-from raylane.loop.data import first_batch
-from raylane.loop.parallel import estimate_memory
+from raylane.loop.data.loader import first_batch
+from raylane.loop.distributed.parallelize import estimate_memory
 from raylane.loop.usercode import build_pipeline
 
 

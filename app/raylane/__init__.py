@@ -76,12 +76,12 @@ __all__ = [
 
 # Names that import torch, resolved on first access (PEP 562).
 _LAZY = {
-    "Pipeline": "raylane.loop.pipeline",
-    "FileSource": "raylane.loop.streaming",
-    "Hook": "raylane.loop.hooks",
-    "HookContext": "raylane.loop.hooks",
-    "StepFn": "raylane.loop.pipeline",
-    "frozen_base": "raylane.loop.frozen",
+    "Pipeline": "raylane.loop.protocols.pipeline",
+    "FileSource": "raylane.loop.data.streaming",
+    "Hook": "raylane.loop.protocols.hooks",
+    "HookContext": "raylane.loop.protocols.hooks",
+    "StepFn": "raylane.loop.protocols.pipeline",
+    "frozen_base": "raylane.loop.checkpoint.frozen",
 }
 
 

@@ -244,9 +244,9 @@ def up(num_cpus: int | None = None, port: int | None = None, dashboard_port: int
 
     cluster, started = localcluster.up(num_cpus, port, dashboard_port, warm)
     if started and cluster.warm:
-        from raylane.onray import warm as warm_pool
+        from raylane.onray import warmpool
 
-        warm_pool.fill(cluster)  # the head's warm workers start in the background
+        warmpool.fill(cluster)  # the head's warm workers start in the background
     return cluster, started
 
 

@@ -404,10 +404,10 @@ def _up(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"raylane: up: {exc}", file=sys.stderr)
         return 1
-    from raylane.onray import warm
+    from raylane.onray import warmpool
 
     took = f" in {time.time() - cluster.started_unix:.1f} s" if started else ""
-    pool = warm.describe(cluster, started, asked=args.warm != 0)  # what it has, not what it was asked
+    pool = warmpool.describe(cluster, started, asked=args.warm != 0)  # what it has, not what it was asked
     print(
         f"{'started' if started else 'already running:'} a local Ray head at {cluster.address}{took} "
         f"({cluster.num_cpus} CPUs, {pool}, dashboard {cluster.dashboard_url}, log {cluster.log}).\n"

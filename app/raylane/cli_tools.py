@@ -16,7 +16,7 @@ def add_stacks(sub: Any) -> None:
 
 
 def stacks(args: argparse.Namespace) -> int:
-    from raylane.loop.hangs import live_stacks, run_folder_of
+    from raylane.loop.observe.hangs import live_stacks, run_folder_of
 
     code, text = live_stacks(run_folder_of(args.run, args.storage_path))
     print(text, file=sys.stderr if code else sys.stdout, flush=True)

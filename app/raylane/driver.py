@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from raylane.config import BaseConfig
-from raylane.loop.events import Event
-from raylane.loop.result import RunResult
+from raylane.loop.protocols.events import Event
+from raylane.loop.protocols.result import RunResult
 from raylane.results import Status, TrainSummary
 from raylane.runrecord import record_finished
 from raylane.session import (
@@ -37,10 +37,10 @@ NOT_STARTED = "interrupted before training started"  # the summary's error
 
 def _torchrun_rank_done(session: RunSession, world_size: int, stopped: bool) -> None:
     """Training is over on this torchrun rank. Only after a graceful stop do the ranks wait for
-    each other before they leave (raylane.loop.distributed.leave_process_group): the end of a
+    each other before they leave (raylane.loop.distributed.groups.leave_process_group): the end of a
     finished run is no collective, so rank 0's end-of-run records, however long, cannot turn it
     into a failure on another rank's timeout."""
-    from raylane.loop.distributed import leave_process_group
+    from raylane.loop.distributed.groups import leave_process_group
 
     if world_size > 1:
         # When another rank failed, torchrun now SIGTERMs the survivors (and SIGKILLs them 30 s
@@ -61,8 +61,8 @@ def train(
     """Run training to the end; returns the summary (on a torchrun rank other than 0, only its
     `status` and `error`), whose `exit_code` is the command's."""
     from raylane.loop import preemption
-    from raylane.loop.distributed import env_ranks
-    from raylane.loop.startup import StartupTimes
+    from raylane.loop.distributed.groups import env_ranks
+    from raylane.loop.observe.startup import StartupTimes
     from raylane.tracking.health import start_watch, stop_watch
     from raylane.tracking.records import RunRecorder
     from raylane.tracking.resizes import Resizes
@@ -115,8 +115,8 @@ def train(
 def _begin(cfg: BaseConfig, use_ray: bool, startup: Any) -> bool:
     """What comes before the run's name: returns whether this process is the driver (on Ray, or
     torchrun's rank 0)."""
-    from raylane.loop import baddata
-    from raylane.loop.distributed import env_ranks, init_process_group
+    from raylane.loop.data import baddata
+    from raylane.loop.distributed.groups import env_ranks, init_process_group
 
     baddata.forget_skipped()  # a second raylane.train() in this process counts its own data
     startup.mark("driver_imports")
@@ -133,7 +133,7 @@ def _begin(cfg: BaseConfig, use_ray: bool, startup: Any) -> bool:
 
 def _flight_recorder(cfg: BaseConfig) -> None:
     """NCCL's flight recorder, set before the process group (a variable of the user's own wins)."""
-    from raylane.loop.hangs import flight_recorder_env
+    from raylane.loop.observe.hangs import flight_recorder_env
     from raylane.runrecord import run_folder
 
     folder = run_folder(cfg)
@@ -178,7 +178,7 @@ def _finish(
 ) -> TrainSummary:
     """The end-of-run records, the MLflow run's close (with the error line as a tag), the run's
     record and the summary; `failed_ranks`: under torchrun, the other ranks whose failure the
-    error names (raylane.loop.rankfailures.RankFailure), whose logs are named below it."""
+    error names (raylane.loop.observe.rankfailures.RankFailure), whose logs are named below it."""
     if recorder:
         recorder.record_resizes(fields["resizes"])
         fields.update(recorder.finish(fields["status"], fields["checkpoint"], register))
@@ -218,7 +218,7 @@ def _execute(
                 ended = launch_on_ray(cfg, run_id, tracking_uri, on_event, embedded=embedded, worker=train_worker)
                 result = ended if isinstance(ended, RunResult) else None  # None: no End came
             else:
-                from raylane.loop.distributed import env_ranks
+                from raylane.loop.distributed.groups import env_ranks
                 from raylane.loop.run import launch_local
                 from raylane.tracking.runs import rank_zero_logger
 
@@ -260,7 +260,7 @@ def _summary(
 ) -> dict[str, Any]:
     """The fields of the run's TrainSummary (raylane.results describes each); a run that failed
     has no result, and the summary's defaults stand for its figures."""
-    from raylane.loop import baddata
+    from raylane.loop.data import baddata
     from raylane.tracking.observe import memory_snapshots, profile_traces
 
     first = display.first_step_unix
@@ -385,7 +385,7 @@ def _print_outcome(summary: TrainSummary, ui: str, failed_ranks: list[Any]) -> N
 class TorchrunEnding:
     """How one torchrun rank's run ends when a rank fails (one of several ranks; the design:
     docs/reliability.md, "A rank's failure under torchrun"). A rank whose own error ended its run
-    records it for rank 0 (raylane.loop.rankfailures.publish); rank 0, whose run ended in an echo
+    records it for rank 0 (raylane.loop.observe.rankfailures.publish); rank 0, whose run ended in an echo
     of another rank's failure (a peer gone) or in torchrun's SIGTERM, says the first recorded error
     instead, FAILED, with the failed ranks' logs. Installed, it holds SIGTERM: once a rank failed,
     torchrun's SIGTERM is no stop request (no checkpoint can be agreed with a rank gone) and, once
@@ -400,7 +400,7 @@ class TorchrunEnding:
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        from raylane.loop import rankfailures
+        from raylane.loop.observe import rankfailures
 
         if self.over:
             return
@@ -415,7 +415,7 @@ class TorchrunEnding:
     def failed(self, exc: Exception) -> str:
         """The error line of a run that `exc` ended on this rank."""
         from raylane.logs import log_file
-        from raylane.loop import rankfailures
+        from raylane.loop.observe import rankfailures
         from raylane.loop.usercode import TRACEBACK_ATTR
 
         self.over = True
@@ -446,7 +446,7 @@ class TorchrunEnding:
         """Rank 0: the other ranks' recorded failures in one line (their tracebacks into this
         rank's library log, as a Ray driver's has them), or None when none is recorded."""
         from raylane.logs import record_traceback
-        from raylane.loop import rankfailures
+        from raylane.loop.observe import rankfailures
 
         failures = [f for f in rankfailures.recorded(rankfailures.READ_WAIT_S) if f.rank != self.rank]
         if not failures:

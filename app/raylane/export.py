@@ -23,9 +23,9 @@ from safetensors.torch import save_file
 
 from raylane.config import validate
 from raylane.loop import checkpoint, usercode
-from raylane.loop.aliases import aliases, unexplained, with_aliases, without_aliases
-from raylane.loop.frozen import base_of, frozen_names, mismatch, saved_part
-from raylane.loop.pipeline import example_batch
+from raylane.loop.checkpoint.aliases import aliases, unexplained, with_aliases, without_aliases
+from raylane.loop.checkpoint.frozen import base_of, frozen_names, mismatch, saved_part
+from raylane.loop.protocols.pipeline import example_batch
 
 # True while `consolidated` builds a checkpoint's model: in one process, whatever process group
 # the caller is in. Under torchrun the driver is rank 0, still in the group at the end of a run
@@ -54,7 +54,7 @@ def consolidated(checkpoint_dir: str | Path) -> tuple[Any, Any, dict[str, Any]]:
     """(pipeline, its model with the checkpoint's full weights, train state), in one process.
     The weights hold each tensor once (canonical names); the model has every name back. A
     checkpoint of a model on a frozen base (LoRA) holds what trained: the rest is the base the
-    pipeline loaded, which must be the one the checkpoint records (raylane.loop.frozen). No
+    pipeline loaded, which must be the one the checkpoint records (raylane.loop.checkpoint.frozen). No
     collective runs, even in a process of a group (`alone`)."""
     with _one_process():
         return _consolidated(checkpoint_dir)
@@ -104,7 +104,7 @@ def _give_memory(pipe: Any) -> None:
     """A model built on the meta device (the hf pipeline's) gets memory here, in this process; a
     model on a frozen base gets its base weights from the pipeline (read from its files: the
     checkpoint holds what trained), any other's come whole from the checkpoint."""
-    from raylane.loop.sharding import materialize, on_meta
+    from raylane.loop.distributed.fsdp import materialize, on_meta
 
     if not on_meta(pipe.model):
         return

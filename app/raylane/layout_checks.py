@@ -18,7 +18,7 @@ def check_layout(cfg: BaseConfig, world_size: int, world: str) -> None:
     tp = cfg.strategy.tp
     if not cfg.strategy.tensor_parallel:
         return
-    from raylane.loop.streaming import declares_sources
+    from raylane.loop.data.streaming import declares_sources
 
     label = pipelines_ref.label(cfg.pipeline)
     if tp == "auto":  # any degree of the node's ranks may be chosen; one without a plan is not tried
@@ -56,7 +56,7 @@ def _check_pipeline_layout(cfg: BaseConfig, world_size: int, world: str) -> None
     s = cfg.strategy
     if s.pp == 1 and s.dp_replicate == 1:
         return
-    from raylane.loop.streaming import declares_sources
+    from raylane.loop.data.streaming import declares_sources
 
     label = pipelines_ref.label(cfg.pipeline)
     group = s.pp * s.dp_replicate * s.tp_degree
@@ -97,7 +97,7 @@ def check_plan(cfg: BaseConfig, world_size: int) -> list[str]:
     be looked at here (build() failing on this machine, which may lack what the ranks have: the
     run goes on, and says so). Nothing for a run without tp or pp. The same in a process that
     trains next (a torchrun rank): the forward on a fake process group leaves it as it found it
-    (raylane.loop.layout.fake_work)."""
+    (raylane.loop.distributed.layout.fake_work)."""
     s = cfg.strategy
     if not (s.tensor_parallel or s.pp > 1):
         return []

@@ -311,12 +311,12 @@ def check_resume(cfg: BaseConfig) -> Finished | None:
 
 
 def _check_base(cfg: BaseConfig, base: Any, recorded: dict[str, Any], checkpoint: Path) -> dict[str, Any]:
-    """A checkpoint of a model trained on a frozen base (LoRA: raylane.loop.frozen) resumes only
+    """A checkpoint of a model trained on a frozen base (LoRA: raylane.loop.checkpoint.frozen) resumes only
     on that base: the config key that names it must name files of the same fingerprint. Returns
     the recorded config with that key as it is now when the base only moved (same fingerprint)."""
     if not isinstance(base, dict) or not base.get("key") or not base.get("fingerprint"):
         return recorded
-    from raylane.loop.frozen import describe, fingerprint, tokenizer_changed, tokenizer_fingerprint
+    from raylane.loop.checkpoint.frozen import describe, fingerprint, tokenizer_changed, tokenizer_fingerprint
 
     key, flat = base["key"], cfg.flat()
     if key not in flat:
@@ -341,11 +341,11 @@ def _check_base(cfg: BaseConfig, base: Any, recorded: dict[str, Any], checkpoint
 
 def _check_tokenizer(cfg: BaseConfig, tokenizer: Any, checkpoint: Path) -> None:
     """A checkpoint that records the tokenizer its inputs were made with (the hf pipeline's,
-    raylane.loop.frozen.set_tokenizer) resumes only with the same tokenizer files under its config
+    raylane.loop.checkpoint.frozen.set_tokenizer) resumes only with the same tokenizer files under its config
     key: one retrained in place keeps its path, and every token id would mean another token."""
     if not isinstance(tokenizer, dict) or not tokenizer.get("key") or not tokenizer.get("fingerprint"):
         return
-    from raylane.loop.frozen import describe, tokenizer_fingerprint
+    from raylane.loop.checkpoint.frozen import describe, tokenizer_fingerprint
 
     key, flat = tokenizer["key"], cfg.flat()
     now = tokenizer_fingerprint(str(flat[key])) if flat.get(key) else None
@@ -364,7 +364,7 @@ def check_global_order(cfg: BaseConfig) -> None:
     streaming source's epochs are shared out by file, not by sample."""
     if effective_global_batch(cfg) is None:
         return
-    from raylane.loop.streaming import declares_sources
+    from raylane.loop.data.streaming import declares_sources
 
     if declares_sources(cfg):
         field = "train.global_batch" if cfg.train.global_batch else "scaling.num_workers"

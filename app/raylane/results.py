@@ -105,7 +105,7 @@ class Timing(_Model):
     startup: dict[str, float] = Field(
         default_factory=dict,
         description="Seconds from the launch to the end of each start-up phase "
-        "(raylane.loop.startup.PHASES: ray_init, worker_imports, first_step, ...).",
+        "(raylane.loop.observe.startup.PHASES: ray_init, worker_imports, first_step, ...).",
     )
     startup_origin_unix: float | None = Field(None, description="The instant `startup`'s seconds count from.")
     warm_actors: dict[str, bool] = Field(

@@ -69,7 +69,7 @@ def failure_text(exc: Exception) -> str:
     if isinstance(exc, TrainingError):
         return str(exc)
     record_traceback("the run failed:", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-    from raylane.loop.hangs import HangError
+    from raylane.loop.observe.hangs import HangError
 
     if isinstance(
         exc, (UserCodeError, DataError, HangError)

@@ -46,7 +46,7 @@ def main() -> None:
 
     import raylane.hf
     from raylane.hf.weights import empty_model, load_pretrained
-    from raylane.loop.parallel import parallelize
+    from raylane.loop.distributed.parallelize import parallelize
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -318,7 +318,7 @@ def _b2w_rows(r: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]:
 
 def startup_table(r: dict[str, Any]) -> str:
     """B2b as a table: each start-up phase (rows) on each side (columns), seconds since launch."""
-    from raylane.loop.startup import PHASES
+    from raylane.loop.observe.startup import PHASES
 
     phases, sides = r["phases_s"], list(r["phases_s"])
     n = next(iter(next(iter(phases.values())).values()))["n"]
@@ -399,7 +399,7 @@ def write(report: dict[str, Any], out: Path) -> str:
     ]
     text = "\n".join(lines) + "\n"
     if report["results"].get("B2b"):
-        text += "\nB2b, launch to first step phase by phase (raylane.loop.startup.PHASES):\n\n"
+        text += "\nB2b, launch to first step phase by phase (raylane.loop.observe.startup.PHASES):\n\n"
         text += startup_table(report["results"]["B2b"])
     (out / "results.md").write_text(text)
     _charts(report["results"], out)

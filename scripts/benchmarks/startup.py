@@ -4,7 +4,7 @@ Four ways to start the same short run of `regression` on 2 ranks: raylane on a f
 (cold), raylane joining a Ray head that is already up (warm: `raylane up`, or a `ray start --head`
 of the bench's own where that command does not exist), raylane under torchrun, and Ray's floor:
 the hand-written loop in a bare TorchTrainer (scripts/ddp_baseline.py --ray), cold and warm.
-Each phase is seconds since the launching process started (raylane.loop.startup.PHASES)."""
+Each phase is seconds since the launching process started (raylane.loop.observe.startup.PHASES)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _bare(bench, steps: int, *, env: dict[str, str], args: list[str] = ()) -> di
 
 
 def _phase_stats(runs: list[dict[str, float]], stats) -> dict[str, Any]:
-    from raylane.loop.startup import PHASES
+    from raylane.loop.observe.startup import PHASES
 
     seen = [p for p in PHASES if all(p in r for r in runs)]
     return {p: stats([r[p] for r in runs]) for p in seen}

@@ -1,4 +1,4 @@
-"""B13: what timing every rank's steps and naming stragglers costs (raylane.loop.steptimes): the
+"""B13: what timing every rank's steps and naming stragglers costs (raylane.loop.observe.steptimes): the
 per-step slope of the tutorial's workload (`regression`, 2 torchrun ranks) with step timing on
 (the default) ÷ off (`stragglers.enabled=false`: no timer, nothing extra on the step-boundary
 vote). The sides run interleaved; the spread between identical runs of a side says what

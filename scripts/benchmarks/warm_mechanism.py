@@ -126,18 +126,18 @@ def prestart(num: int, keep_alive_s: int = 600) -> None:
 
 def refill(cluster, num: int) -> int:
     """`num` more job-less workers through the raylet's PrestartWorkers, in the batches it takes
-    (raylane.onray.warm.top_up: at most min(cores, CPUs) starting at once)."""
+    (raylane.onray.warmpool.top_up: at most min(cores, CPUs) starting at once)."""
     import dataclasses
 
     from raylane.clusters.local import code_stamp
-    from raylane.onray.warm import idle_workers as pool
+    from raylane.onray.warmpool import idle_workers as pool
 
     target = len(pool(cluster.pid, starting=True)) + num
     return top_up(dataclasses.replace(cluster, warm=target, code=code_stamp()))
 
 
 def top_up(head) -> int:
-    from raylane.onray.warm import top_up as raylanes
+    from raylane.onray.warmpool import top_up as raylanes
 
     return raylanes(head)
 

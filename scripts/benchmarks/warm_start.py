@@ -100,7 +100,7 @@ def _warm_of(env: dict[str, str]) -> int:
 
 def _pool_ready(env: dict[str, str]) -> float:
     """Seconds waited until the head's pool is whole and quiet (its imports done)."""
-    from raylane.onray.warm import idle_workers, process_cpu_s
+    from raylane.onray.warmpool import idle_workers, process_cpu_s
 
     record, t0 = _record(env), time.monotonic()
     ref: tuple[set[int], float] | None = None

@@ -202,7 +202,7 @@ def test_to_device_moves_every_tensor_of_any_nesting_and_keeps_the_containers():
     import collections
     import dataclasses
 
-    from raylane.loop.batches import to_device
+    from raylane.loop.protocols.batches import to_device
 
     Pair = collections.namedtuple("Pair", "a b")
 

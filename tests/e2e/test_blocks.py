@@ -18,9 +18,9 @@ from torch import nn
 
 from raylane.cli import main
 from raylane.config import load_config
-from raylane.loop.blocks import find_blocks
-from raylane.loop.parallel import estimate_memory, parallelize
-from raylane.loop.pipeline import Pipeline
+from raylane.loop.distributed.blocks import find_blocks
+from raylane.loop.distributed.parallelize import estimate_memory, parallelize
+from raylane.loop.protocols.pipeline import Pipeline
 from raylane.loop.usercode import pipeline_problem
 from tests.conftest import REPO, TORCHRUN, read_json
 from tests.helpers.nested_blocks import Layer, Net

@@ -412,7 +412,7 @@ class Recording(torch.nn.Module):
 
 def build(cfg):
     from torch.utils.data import TensorDataset
-    from raylane.loop.pipeline import Pipeline
+    from raylane.loop.protocols.pipeline import Pipeline
 
     x = torch.arange(40, dtype=torch.float32)[:, None]
     return Pipeline(model=Recording(cfg.model.record, cfg.model.pace), train_set=TensorDataset(x, x / 80),

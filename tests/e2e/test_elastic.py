@@ -49,7 +49,7 @@ class Recording(torch.nn.Module):
 
 def build(cfg):
     from torch.utils.data import TensorDataset
-    from raylane.loop.pipeline import Pipeline
+    from raylane.loop.protocols.pipeline import Pipeline
 
     n = cfg.model.samples
     x = torch.arange(n, dtype=torch.float32)[:, None]
@@ -192,7 +192,7 @@ def test_a_handover_restarts_the_group_without_counting_as_a_failure():
 
 
 def test_the_global_order_splits_each_step_and_resumes_at_any_world_size_and_micro_batch():
-    from raylane.loop.data import GlobalOrderSampler
+    from raylane.loop.data.loader import GlobalOrderSampler
 
     def epoch(world: int, batch: int, skip_samples: int = 0) -> list[list[int]]:
         ranks = []
@@ -223,7 +223,7 @@ BLOCKS_PIPELINE = (
             with open(f"{os.environ['SEEN']}.{os.environ.get('RANK', '0')}", "a") as f:
                 f.write(json.dumps([int(i) for i in x[:, 0].tolist()]) + "\\n")
         return self.linear(x)""",
-        """        # Blocks, the unit FSDP shards (raylane.loop.parallel.blocks_of).
+        """        # Blocks, the unit FSDP shards (raylane.loop.distributed.parallelize.blocks_of).
         self.blocks = torch.nn.ModuleList([torch.nn.Linear(1, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)])
 
     def forward(self, x):

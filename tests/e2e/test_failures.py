@@ -409,7 +409,7 @@ def test_unused_parameters_under_ddp_name_raylanes_key_and_the_parameters(run_cl
     )
     assert p.wait(240) != 0, p.output
     # Both ranks raise it: rank 0's own line, or rank 1's (`training failed on rank 1: ...`) when
-    # torchrun's SIGTERM reached rank 0 first (raylane.loop.rankfailures).
+    # torchrun's SIGTERM reached rank 0 first (raylane.loop.observe.rankfailures).
     assert (
         "strategy.find_unused_parameters = false: the model's spare.weight, spare.bias got no "
         "gradient at a step on rank "

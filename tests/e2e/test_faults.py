@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from raylane.config import load_config
 from raylane.loop import checkpoint
-from raylane.loop.faults import parse
+from raylane.loop.observe.faults import parse
 from raylane.loop.run import build_optimizer
 from raylane.pipelines.digits import build_model
 from tests.conftest import TORCHRUN, cli_env, read_json, session_processes, wait_for

@@ -183,7 +183,7 @@ def test_a_checkpoint_loads_only_into_a_model_on_its_base(project):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from raylane.loop.frozen import set_base
+    from raylane.loop.checkpoint.frozen import set_base
 
     ck = read_json(project / "lora-4.json")["checkpoint"]
     model = get_peft_model(
@@ -205,7 +205,7 @@ def test_a_checkpoint_loads_only_into_a_model_on_its_base(project):
 
 
 def test_the_fingerprint_tells_a_retrained_base_of_the_same_shape(tmp_path):
-    from raylane.loop.frozen import fingerprint
+    from raylane.loop.checkpoint.frozen import fingerprint
 
     _make_base(tmp_path / "a", seed=0)
     shutil.copytree(tmp_path / "a", tmp_path / "copy")

@@ -11,7 +11,7 @@ import raylane.loop
 
 
 def test_no_loop_module_imports_ray():
-    modules = [f"raylane.loop.{m.name}" for m in pkgutil.iter_modules(raylane.loop.__path__)]
+    modules = [m.name for m in pkgutil.walk_packages(raylane.loop.__path__, "raylane.loop.")]
     assert "raylane.loop.trainer" in modules and "raylane.loop.run" in modules
     code = (
         "import importlib, sys\n"

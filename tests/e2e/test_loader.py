@@ -148,8 +148,8 @@ def test_the_cli_exits_2_on_a_loader_setting_without_workers(tmp_path):
 def test_the_loader_options_follow_the_device_and_reach_the_dataloader(tmp_path):
     """Nulls and auto, chosen from the device: pinned memory and workers on a GPU only. The
     options and the collate_fn reach the train and held-out DataLoaders."""
-    from raylane.loop.data import build_loader, cores, eval_data, worker_options
-    from raylane.loop.devices import local_world_size
+    from raylane.loop.data.loader import build_loader, cores, eval_data, worker_options
+    from raylane.loop.distributed.devices import local_world_size
 
     def options(device: str, *sets: str) -> dict:
         return worker_options(load_config("regression", list(sets)).loader, torch.device(device))

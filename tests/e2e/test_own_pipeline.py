@@ -250,7 +250,7 @@ def test_a_build_that_raises_fails_the_run_naming_the_pipeline(run_cli, tmp_path
 NO_EXAMPLE = """
 import torch
 import raylane
-from raylane.loop.pipeline import Pipeline
+from raylane.loop.protocols.pipeline import Pipeline
 
 
 class Config(raylane.BaseConfig):
@@ -292,7 +292,7 @@ def test_a_pipeline_without_an_example_input_logs_its_model_from_its_first_eval_
 def test_no_example_batch_from_inputs_that_do_not_stack_names_the_field():
     import torch
 
-    from raylane.loop.pipeline import Pipeline, example_batch
+    from raylane.loop.protocols.pipeline import Pipeline, example_batch
 
     rows = [({"x": torch.zeros(1)}, torch.zeros(1))] * 4  # dict inputs: nothing to stack
     pipe = Pipeline(model=torch.nn.Linear(1, 1), train_set=rows, eval_set=None, loss_fn=None, eval_sums=None)

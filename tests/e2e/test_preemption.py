@@ -15,7 +15,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from raylane.config import load_config
-from raylane.loop import checkpoint, faults
+from raylane.loop import checkpoint
+from raylane.loop.observe import faults
 from raylane.loop.run import build_optimizer
 from raylane.pipelines.digits import build_model
 from tests.conftest import TORCHRUN, cli_env, read_json, session_processes, wait_for
@@ -142,7 +143,7 @@ import time
 import torch
 import raylane
 from raylane.loop import preemption
-from raylane.loop.pipeline import Pipeline
+from raylane.loop.protocols.pipeline import Pipeline
 
 
 class Config(raylane.BaseConfig):
@@ -212,7 +213,7 @@ NOTICE_DURING_BUILD = """
 import os, signal
 import torch
 import raylane
-from raylane.loop.pipeline import Pipeline
+from raylane.loop.protocols.pipeline import Pipeline
 
 
 class Config(raylane.BaseConfig):
@@ -358,7 +359,7 @@ def test_a_rank_stuck_outside_a_collective_is_reported_within_the_timeout(run_cl
     s = read_json(tmp_path / "s.json")
     assert s["status"] == "FAILED" and s["restarts"] == 0  # failure.max_failures 0: no restart
     # The one line names the rank that never came and where it stood (the fault hook's sleep); every
-    # rank's stack is in the run's folder (raylane.loop.hangs; under torchrun: tests/e2e/test_hangs.py).
+    # rank's stack is in the run's folder (raylane.loop.observe.hangs; under torchrun: tests/e2e/test_hangs.py).
     folder = tmp_path / "runs" / "hang" / "stacks"
     assert s["error"] == (
         "training failed on rank 1: a collective waited past dist.timeout_s = 5 s: never reached it: rank 0 at "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raylane.loop.startup import TORCHRUN_PHASES
+from raylane.loop.observe.startup import TORCHRUN_PHASES
 from tests.conftest import TORCHRUN, read_json
 
 

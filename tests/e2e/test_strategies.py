@@ -12,8 +12,8 @@ import torch
 
 from raylane.config import load_config
 from raylane.loop import checkpoint
+from raylane.loop.distributed.parallelize import activation_bytes, choose_strategy, estimate_memory
 from raylane.loop.optim import build_optimizer
-from raylane.loop.parallel import activation_bytes, choose_strategy, estimate_memory
 from tests.conftest import REPO, TORCHRUN, read_json
 
 GPT = ["--set", "mlflow.log_model=false", "--set", "checkpoint.every_n_steps=0"]
@@ -303,7 +303,7 @@ def test_two_nodes_shard_inside_a_node_and_replicate_across(run_cli, tmp_path):
 def test_gpt2_small_flops_per_token_and_mfu():
     """The reference count for GPT-2 124M (T=1024) is ~855 MFLOP per token: 6N plus 13% of
     attention; MFU divides achieved FLOP/s by the peak of every device."""
-    from raylane.loop.devices import PEAK_TFLOPS, peak_flops
+    from raylane.loop.distributed.devices import PEAK_TFLOPS, peak_flops
     from raylane.loop.steps import Throughput
     from raylane.pipelines.gpt import build_model, flops_per_token
 

@@ -1,4 +1,4 @@
-"""Streaming sources (raylane.loop.streaming.FileSource): on Ray through Ray Data split by Ray
+"""Streaming sources (raylane.loop.data.streaming.FileSource): on Ray through Ray Data split by Ray
 Train, under torchrun and in one process read by each rank with pyarrow. A pipeline of the
 test's own records which rows each rank trained on (its loss function writes the row ids of
 every batch it is given) and which files each rank read (its transform, which runs where the

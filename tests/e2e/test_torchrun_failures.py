@@ -1,6 +1,6 @@
 """Under torchrun a rank's failure is said as on Ray: rank 0, which closes the MLflow run and
 writes the summary, names the first error by time (another rank's, read from torchrun's store:
-raylane.loop.rankfailures), not its own echo of it ("Connection closed by peer") nor torchrun's
+raylane.loop.observe.rankfailures), not its own echo of it ("Connection closed by peer") nor torchrun's
 SIGTERM, which once read `raylane: interrupted` and left the run KILLED. The run ends FAILED with
 that line as its MLflow tag, its summary written, and the failed rank's log named. The choice of
 the line, the store's records and the SIGTERM guard are proved in-process:

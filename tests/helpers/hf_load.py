@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from raylane.hf.files import AUTO_CLASSES
 from raylane.hf.weights import empty_model, load_pretrained
-from raylane.loop.parallel import parallelize
-from raylane.loop.sharding import unwrap
+from raylane.loop.distributed.fsdp import unwrap
+from raylane.loop.distributed.parallelize import parallelize
 from raylane.pipelines.gpt import Config
 
 cases, out = json.loads(open(sys.argv[1]).read()), sys.argv[2]

@@ -28,9 +28,9 @@ from raylane.hf.lora import LoraSection, apply_lora
 from raylane.hf.parallel import tp_plan
 from raylane.hf.stages import causal_lm_stages
 from raylane.hf.weights import empty_model, load_pretrained
+from raylane.loop.distributed.parallelize import parallelize
 from raylane.loop.evaluation import Evaluator
 from raylane.loop.optim import build_optimizer
-from raylane.loop.parallel import parallelize
 from raylane.loop.run import local_runtime, step_trainer
 from raylane.loop.steps import Throughput
 

@@ -106,7 +106,7 @@ def checkpoint(config: dict, run_folder: str | Path, step: int = 1) -> str:
     from raylane.config import validate
     from raylane.loop import checkpoint as ck
     from raylane.loop import usercode
-    from raylane.loop.sharding import materialize, on_meta
+    from raylane.loop.distributed.fsdp import materialize, on_meta
 
     cfg = validate(config)
     pipe = usercode.build_pipeline(cfg)

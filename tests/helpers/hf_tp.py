@@ -25,8 +25,8 @@ from raylane.hf.lora import LoraSection, apply_lora
 from raylane.hf.parallel import tp_plan
 from raylane.hf.weights import empty_model, load_pretrained
 from raylane.loop import checkpoint
+from raylane.loop.distributed.parallelize import parallelize
 from raylane.loop.optim import build_optimizer
-from raylane.loop.parallel import parallelize
 from raylane.loop.steps import clip_gradients
 from raylane.pipelines.gpt import Config
 

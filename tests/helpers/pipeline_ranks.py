@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from raylane.config import load_config
+from raylane.loop.distributed.parallelize import parallelize
 from raylane.loop.evaluation import Evaluator
 from raylane.loop.optim import build_optimizer
-from raylane.loop.parallel import parallelize
 from raylane.loop.run import local_runtime, step_trainer
 from raylane.loop.steps import Throughput
 from raylane.pipelines.gpt import build

@@ -1,11 +1,11 @@
-"""A RunResult with every field set to a plain value (raylane.loop.result), for the tests of what
+"""A RunResult with every field set to a plain value (raylane.loop.protocols.result), for the tests of what
 reads one: give the fields a test is about."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from raylane.loop.result import RunResult
+from raylane.loop.protocols.result import RunResult
 
 
 def run_result(**changes: Any) -> RunResult:

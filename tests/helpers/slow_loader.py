@@ -64,6 +64,6 @@ class Probe(raylane.Hook):
         import json
         import sys
 
-        state = {"profiled_steps": self.profiled_steps, "imported": "raylane.loop.profiling" in sys.modules}
+        state = {"profiled_steps": self.profiled_steps, "imported": "raylane.loop.observe.profiling" in sys.modules}
         with open(os.path.join(self.folder, f"rank{ctx.rank}.json"), "w") as f:
             json.dump(state, f)

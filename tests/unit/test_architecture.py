@@ -185,7 +185,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("config", ("raylane.config", "raylane.lease")),
-    # The run record reads checkpoint manifests (raylane.loop.checkpoint.manifest, torch-free).
+    # The loop by concept (issue 61), bottom up: where a run's state is kept (every other part
+    # writes into the run's folder through its store); what the loop and its launcher or the
+    # user's pipeline agree on; the layout over devices; the data; what is measured and watched;
+    # the loop itself. The run record reads checkpoint manifests (torch-free).
+    ("loop: checkpoints", ("raylane.loop.checkpoint",)),
+    ("loop: protocols", ("raylane.loop.protocols",)),
+    ("loop: distributed", ("raylane.loop.distributed",)),
+    ("loop: data", ("raylane.loop.data",)),
+    ("loop: observe", ("raylane.loop.observe",)),
     ("loop", ("raylane.loop", "raylane.prechecks", "raylane.layout_checks", "raylane.export", "raylane.runrecord")),
     ("tracking and hf", ("raylane.tracking", "raylane.hf")),
     # The Ray-free halves of every run kind: the lifecycle, where a cluster is (addresses, a local
@@ -253,11 +261,11 @@ def layer_edges() -> dict[str, set[str]]:
     return edges
 
 
-def climbs() -> list[str]:
+def climbs(edges: dict[str, set[str]] | None = None) -> list[str]:
     """Every "importer -> imported" where the imported module sits on a higher floor."""
     return sorted(
         f"{a} -> {b}"
-        for a, targets in layer_edges().items()
+        for a, targets in (layer_edges() if edges is None else edges).items()
         for b in targets
         if (layer_of(a) or 0) < (layer_of(b) or 0)
     )
@@ -282,6 +290,25 @@ def test_the_floor_checker_finds_a_climb():
     assert layer_of("raylane.config.autotune") == layer_of("raylane.config") == 1
     assert layer_of("raylane.config_keys") == layer_of(DOOR) == len(LAYERS) - 1
     assert layer_of("raylane.loop.checkpoint.saving") == 2 and layer_of("raylane.nowhere") is None
+    floors = [layer_of(f"raylane.loop.{p}.x") for p in ("checkpoint", "protocols", "distributed", "data", "observe")]
+    assert floors == sorted(floors) and len(set(floors)) == 5 and layer_of("raylane.loop.run") == floors[-1] + 1
+
+
+def test_a_planted_upward_import_in_the_loop_fails():
+    """The loop's floors hold in the source (test above) and catch a climb planted among its real
+    edges: a checkpoint module taking the reporter, a layout module the health sampler."""
+    planted = {
+        "raylane.loop.checkpoint.saving": {"raylane.loop.reporting"},
+        "raylane.loop.distributed.groups": {"raylane.loop.observe.health"},
+        "raylane.loop.observe.health": {"raylane.loop.distributed.groups"},  # downward: fine
+    }
+    edges = layer_edges()
+    for a, targets in planted.items():
+        edges[a] = edges.get(a, set()) | targets
+    assert set(climbs(edges)) - set(climbs()) == {
+        "raylane.loop.checkpoint.saving -> raylane.loop.reporting",
+        "raylane.loop.distributed.groups -> raylane.loop.observe.health",
+    }
 
 
 # -- private names -----------------------------------------------------------------------------
@@ -366,19 +393,25 @@ def test_the_private_finder_sees_imports_and_attributes(tmp_path):
     code.write_text(
         "from raylane.errors import _missing, DataError\n"
         "import raylane.loop.checkpoint.state as st\n"
-        "from raylane.loop import files\n"
+        "from raylane.loop.data import files\n"
         "import raylane.driver\n"
         "def f(self):\n"
         "    st._describe(files._open, self._x, raylane.driver._start_ray, files.__name__)\n"
     )
     mods = {
         m: Path()
-        for m in ("raylane", "raylane.errors", "raylane.loop.checkpoint.state", "raylane.loop.files", "raylane.driver")
+        for m in (
+            "raylane",
+            "raylane.errors",
+            "raylane.loop.checkpoint.state",
+            "raylane.loop.data.files",
+            "raylane.driver",
+        )
     }
     assert private_reaches(code, mods) == {
         "raylane.errors._missing",
         "raylane.loop.checkpoint.state._describe",
-        "raylane.loop.files._open",
+        "raylane.loop.data.files._open",
         "raylane.driver._start_ray",
     }
 

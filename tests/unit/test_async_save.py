@@ -15,8 +15,8 @@ from raylane.loop import checkpoint
 from raylane.loop.checkpoint import writing
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.storage import CheckpointStore
-from raylane.loop.events import Checkpoint, CheckpointFailed, Event
-from raylane.loop.faults import Fault, FaultPlan
+from raylane.loop.observe.faults import Fault, FaultPlan
+from raylane.loop.protocols.events import Checkpoint, CheckpointFailed, Event
 from raylane.loop.reporting import Reporter
 
 

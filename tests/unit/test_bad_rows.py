@@ -15,8 +15,8 @@ import pyarrow.fs as pafs
 import pytest
 
 from raylane import DataError
-from raylane.loop import baddata
-from raylane.loop.streaming import FileEvalStream, FileStream
+from raylane.loop.data import baddata
+from raylane.loop.data.streaming import FileEvalStream, FileStream
 from tests.helpers.hf_lm import make_base
 
 pytest.importorskip("transformers")
@@ -103,7 +103,7 @@ def test_a_value_of_another_type_than_the_columns_names_its_row_and_column(base,
     """pyarrow cannot read a JSON block whose column changes type: its message counts the row
     from 0 in the block; the line counts it from 1 in the file, and shows the value. In the first
     block, the config's check says so (exit 2); later, the reader."""
-    from raylane.loop import files
+    from raylane.loop.data import files
 
     rows = [{"text": "w5 " * 100}] * 12_000  # 3.6 MB: pyarrow parses a JSON Lines file in blocks of 1 MB or so
     path = _jsonl(tmp_path / "first.jsonl", _with(rows, 8, {"text": [1]}))
@@ -278,7 +278,7 @@ def test_ray_datas_counting_pass_tallies_each_batch_and_finds_the_first_skipped_
     """What Ray Data's tasks run on the driver's counting pass (FileSource.tally, one row per
     batch), and how the driver adds the tallies up (raylane.onray.datasets._skipped): here on
     the batches pyarrow gives, in-process."""
-    from raylane.loop import files
+    from raylane.loop.data import files
     from raylane.onray.datasets import _skipped
 
     folder = _two_files(tmp_path)

@@ -21,7 +21,7 @@ from raylane.config import ConfigError, load_config
 from raylane.loop import checkpoint
 from raylane.loop.checkpoint.layout import change_line, layout_of
 from raylane.loop.checkpoint.state import flat_optim, nested_optim, regrouped, scheduler_state_for
-from raylane.loop.sharding import Strategy
+from raylane.loop.distributed.fsdp import Strategy
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.untracked
@@ -117,7 +117,7 @@ def test_the_driver_says_the_move_once_after_the_strategy_line():
     """A restarted group (elastic, a failure) sends its start again: the move was said once."""
     import io
 
-    from raylane.loop.events import Start
+    from raylane.loop.protocols.events import Start
     from raylane.tracking.progress import ProgressDisplay
 
     out = io.StringIO()

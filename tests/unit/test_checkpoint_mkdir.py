@@ -18,7 +18,7 @@ from raylane.loop import checkpoint
 from raylane.loop.checkpoint.agree import grouped
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.storage import CheckpointStore
-from raylane.loop.events import Checkpoint, CheckpointFailed, Event
+from raylane.loop.protocols.events import Checkpoint, CheckpointFailed, Event
 from raylane.loop.reporting import Reporter
 
 

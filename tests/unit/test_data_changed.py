@@ -1,5 +1,5 @@
 """The training data changed between two launches of one run (issue 60, finding 14): rows
-appended, a file deleted. Every checkpoint records the data's fingerprint (raylane.loop.data.
+appended, a file deleted. Every checkpoint records the data's fingerprint (raylane.loop.data.loader.
 fingerprint: a map-style dataset's length, a file stream's rows per file); a resume on data whose
 fingerprint differs says so in one line and starts the epoch in progress over from its first
 batch (the weights, optimizer, schedule and step go on), as a resume at another world size does.
@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 import raylane
 from raylane.config import validate
 from raylane.loop import checkpoint
-from raylane.loop.data import data_change, fingerprint
+from raylane.loop.data.loader import data_change, fingerprint
 from raylane.loop.run import build_trainer, local_runtime, seed_everything
 
 
@@ -85,7 +85,7 @@ def test_a_resume_on_the_same_data_goes_on_at_its_batch_and_says_nothing(tmp_pat
 
 
 def test_the_fingerprint_of_a_file_stream_and_the_line_of_each_change():
-    class Stream:  # raylane.loop.streaming.FileStream's rows per piece (file or Parquet row group)
+    class Stream:  # raylane.loop.data.streaming.FileStream's rows per piece (file or Parquet row group)
         def __init__(self, rows: list[int]) -> None:
             self.rows = rows
 

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from raylane.loop.events import End, Log
+from raylane.loop.protocols.events import End, Log
 from raylane.onray import launch
 
 

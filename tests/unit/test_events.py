@@ -1,4 +1,4 @@
-"""The events between rank 0 and the driver are typed (raylane.loop.events): each kind pickles, as
+"""The events between rank 0 and the driver are typed (raylane.loop.protocols.events): each kind pickles, as
 it must to cross Ray's event actor, the Reporter sends nothing else, and the driver's listeners
 read them as they read the old dicts."""
 
@@ -11,7 +11,8 @@ import typing
 
 import pytest
 
-from raylane.loop.events import (
+from raylane.loop.observe.startup import StartupTimes
+from raylane.loop.protocols.events import (
     Candidate,
     Checkpoint,
     CheckpointFailed,
@@ -30,7 +31,6 @@ from raylane.loop.events import (
 )
 from raylane.loop.reporting import Reporter
 from raylane.loop.run import _with_startup
-from raylane.loop.startup import StartupTimes
 from raylane.tracking.progress import ProgressDisplay
 from raylane.tracking.resizes import Resizes
 from tests.helpers.run_result import run_result

@@ -1,4 +1,4 @@
-"""Hangs diagnosed, in-process (raylane.loop.hangs): faulthandler's text parsed into a thread's
+"""Hangs diagnosed, in-process (raylane.loop.observe.hangs): faulthandler's text parsed into a thread's
 frames, where a rank stood and whether it waited in a collective, the one failure line, a rank's
 record, its answer to SIGUSR1 and its watchdog's dump in this very process, `raylane stacks` on a
 run that is not there or not live, and NCCL's flight recorder set only for NCCL. The launches:
@@ -12,7 +12,7 @@ import threading
 import time
 
 from raylane.cli import main
-from raylane.loop import hangs
+from raylane.loop.observe import hangs
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 DUMP = f"""Thread 0x00007f1c54bfc6c0 (most recent call first):
@@ -22,7 +22,7 @@ DUMP = f"""Thread 0x00007f1c54bfc6c0 (most recent call first):
 
 Current thread 0x00007f1c55685b80 (most recent call first):
   File "/home/me/pipe.py", line 38 in loss
-  File "/app/raylane/loop/batches.py", line 60 in __call__
+  File "/app/raylane/loop/protocols/batches.py", line 60 in __call__
 """
 
 

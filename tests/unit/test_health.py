@@ -14,8 +14,8 @@ import pyarrow.fs as pafs
 import pytest
 
 from raylane.config import BaseConfig
-from raylane.loop import health
-from raylane.loop.health import KEEP, HealthSampler, start_sampler
+from raylane.loop.observe import health
+from raylane.loop.observe.health import KEEP, HealthSampler, start_sampler
 from raylane.tracking.health import SILENT_TAG, HealthWatch, metric_key
 
 

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from raylane import cli  # noqa: E402
 from raylane.config import ConfigError, load_config  # noqa: E402
 from raylane.hf.weights import empty_model, load_pretrained  # noqa: E402
-from raylane.loop.sharding import materialize  # noqa: E402
+from raylane.loop.distributed.fsdp import materialize  # noqa: E402
 from tests.helpers.fake_hub import FakeHub  # noqa: E402
 from tests.helpers.hf_lm import make_base  # noqa: E402
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from raylane.hf.stages import causal_lm_stages, check_pp
-from raylane.loop.batches import BatchFormError
-from raylane.loop.blocks import find_blocks
-from raylane.loop.pipeline_parallel import stage_module
-from raylane.loop.pipeline_split import split_names
+from raylane.loop.distributed.blocks import find_blocks
+from raylane.loop.distributed.pipeline_parallel import stage_module
+from raylane.loop.distributed.pipeline_split import split_names
+from raylane.loop.protocols.batches import BatchFormError
 from tests.helpers import hf_families
 
 pytest.importorskip("transformers")

@@ -81,7 +81,7 @@ def test_the_workers_load_and_the_export_refuse_a_checkpoint_of_another_tokenize
     from raylane import api
     from raylane.config import ConfigError, validate
     from raylane.loop import usercode
-    from raylane.loop.sharding import materialize
+    from raylane.loop.distributed.fsdp import materialize
 
     model = hf_tiny.gpt2(tmp_path / "gpt2")
     config = _hf(tmp_path, name_or_path=str(model))
@@ -114,7 +114,7 @@ def test_a_lora_bases_record_covers_its_tokenizer_and_an_older_record_still_resu
     code, err = _check(capsys, config_file)
     assert code == 2 and len(err.splitlines()) == 1, err
 
-    from raylane.loop.frozen import base_mismatch, fingerprint, set_base, tokenizer_fingerprint
+    from raylane.loop.checkpoint.frozen import base_mismatch, fingerprint, set_base, tokenizer_fingerprint
 
     assert "tokenizer" not in checkpoint.read_manifest(ck)
     now = tokenizer_fingerprint(tmp_path / "base")

@@ -17,7 +17,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from raylane.hf.weights import empty_model, load_pretrained  # noqa: E402
-from raylane.loop.sharding import materialize  # noqa: E402
+from raylane.loop.distributed.fsdp import materialize  # noqa: E402
 from tests.helpers import hf_families  # noqa: E402
 
 

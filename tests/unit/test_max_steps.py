@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 from raylane import prechecks, runrecord
 from raylane.config import EPOCHS_AS_NEEDED, load_config, validate
-from raylane.loop.data import build_loader
+from raylane.loop.data.loader import build_loader
 from raylane.loop.steps import plan_steps
 
 

@@ -1,5 +1,5 @@
 """CUDA memory snapshots on a profiled rank (profile.memory_snapshot_step, memory_snapshot_on_oom:
-raylane.loop.profiling.MemorySnapshots), in-process.
+raylane.loop.observe.profiling.MemorySnapshots), in-process.
 
 CUDA cannot run here (a CPU-only torch), so the two torch.cuda.memory functions a snapshot needs,
 `_record_memory_history` and `_dump_snapshot`, are replaced by recorders (the dump writes a
@@ -20,9 +20,9 @@ import torch
 
 from raylane.config import ConfigError, load_config
 from raylane.loop.checkpoint.storage import CheckpointStore
-from raylane.loop.faults import FaultPlan, parse
 from raylane.loop.figures import RunFigures
-from raylane.loop.profiling import MemorySnapshots, StepProfiler
+from raylane.loop.observe.faults import FaultPlan, parse
+from raylane.loop.observe.profiling import MemorySnapshots, StepProfiler
 from raylane.tracking.observe import memory_snapshots, profile_line
 from tests.conftest import REPO
 

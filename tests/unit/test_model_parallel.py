@@ -14,11 +14,11 @@ from torch import nn
 
 from raylane.config import load_config
 from raylane.errors import ConfigError
-from raylane.loop.data import first_batch
-from raylane.loop.layout import Layout, parameter_bytes
-from raylane.loop.parallel import parallelize
-from raylane.loop.sharding import Strategy, resharded
-from raylane.loop.tensor_parallel import plan_for, with_split_head
+from raylane.loop.data.loader import first_batch
+from raylane.loop.distributed.fsdp import Strategy, resharded
+from raylane.loop.distributed.layout import Layout, parameter_bytes
+from raylane.loop.distributed.parallelize import parallelize
+from raylane.loop.distributed.tensor_parallel import plan_for, with_split_head
 
 GIB = 1024**3
 
@@ -109,7 +109,7 @@ def test_tp_auto_weighs_no_degree_when_the_config_fails_its_checks_here(monkeypa
     """The degrees come from the config's own checks at each degree (gpt's 8 heads: 2, 4 and 8 of
     8 ranks on a node of 8; 2 and 4 on a node of 4); where the checks fail at tp 1 too (whatever
     the reason on this host), they tell nothing: no degree is weighed, and it says why."""
-    from raylane.loop.layout import tp_candidates
+    from raylane.loop.distributed.layout import tp_candidates
 
     cfg = load_config("gpt-tiny", ["model.n_head=8", "strategy.name=fsdp", "strategy.tp=auto"])
     assert tp_candidates(cfg, 8, 8) == [2, 4, 8] and tp_candidates(cfg, 8, 4) == [2, 4]
@@ -219,7 +219,7 @@ def test_the_estimate_shows_small_sizes_apart(eight_fake_ranks):
     `FSDP ~0.01 GiB, FSDP×TP2 ~0.01 GiB, ... of 0.01 GiB per device` (2 decimals of a GiB)."""
     import re
 
-    from raylane.loop.devices import size_text
+    from raylane.loop.distributed.devices import size_text
 
     sets = ("strategy.name=fsdp", "strategy.tp=auto", "strategy.sequence_parallel=true")
     cfg, pipe = _gpt(*sets, "scaling.device_memory_gb=0.0076")

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from raylane.config import load_config
-from raylane.loop import checkpoint, faults
+from raylane.loop import checkpoint
 from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
+from raylane.loop.observe import faults
 from raylane.loop.optim import build_optimizer, build_scheduler, lr_factor, param_groups, schedule_note
+from raylane.loop.protocols.runtime import LocalRuntime
 from raylane.loop.run import run_worker
-from raylane.loop.runtime import LocalRuntime
 from raylane.pipelines_ref import UserCodeError
 from tests.conftest import REPO
 

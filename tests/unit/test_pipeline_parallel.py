@@ -11,11 +11,11 @@ from torch import nn
 
 from raylane.config import load_config
 from raylane.errors import ConfigError
-from raylane.loop.blocks import find_blocks
-from raylane.loop.data import data_ranks
-from raylane.loop.pipeline_parallel import PipelineModel, stage_module, stage_ranks
-from raylane.loop.pipeline_split import auto_stages, check_stages
-from raylane.loop.sharding import Strategy
+from raylane.loop.data.loader import data_ranks
+from raylane.loop.distributed.blocks import find_blocks
+from raylane.loop.distributed.fsdp import Strategy
+from raylane.loop.distributed.pipeline_parallel import PipelineModel, stage_module, stage_ranks
+from raylane.loop.distributed.pipeline_split import auto_stages, check_stages
 
 
 class Natural(nn.Module):
@@ -164,9 +164,9 @@ def test_an_epoch_under_a_pipeline_runs_whole_batches_only():
     refused in one line."""
     from torch.utils.data import TensorDataset
 
-    from raylane.loop.batches import BatchFormError
-    from raylane.loop.data import _SeededBatches, build_loader
-    from raylane.loop.pipeline_parallel import pair
+    from raylane.loop.data.loader import _SeededBatches, build_loader
+    from raylane.loop.distributed.pipeline_parallel import pair
+    from raylane.loop.protocols.batches import BatchFormError
 
     rows = TensorDataset(torch.arange(10.0), torch.arange(10.0))
     loader = build_loader(rows, batch_size=4, rank=0, world_size=1, seed=0, shuffle=False, whole_batches=True)
@@ -194,7 +194,7 @@ def test_stages_given_by_name_split_where_the_pipeline_says():
 
 
 def test_dp_replicate_makes_fsdp_hsdp_without_model_parallelism():
-    from raylane.loop.parallel import choose_strategy
+    from raylane.loop.distributed.parallelize import choose_strategy
 
     cfg = load_config("gpt-tiny", ["strategy.name=fsdp", "strategy.dp_replicate=2"])
     chosen = choose_strategy(cfg, torch.device("cpu"), 4, nn.Linear(1, 1), None, None)
@@ -211,7 +211,7 @@ def test_auto_splits_a_sequential_model_with_its_activations():
     stages = [stage_module(model, check_stages(model, names, 2), i, "") for i in range(2)]
     x = torch.randn(3, 4)
     assert torch.allclose(_chain(stages, x), model(x))
-    from raylane.loop.pipeline_split import check_container
+    from raylane.loop.distributed.pipeline_split import check_container
 
     with pytest.raises(ValueError, match=r"'1', between the blocks, is on no stage"):
         check_container(model, [["0", "2", "3"], ["4"]], "")
@@ -230,7 +230,7 @@ def test_every_stage_runs_the_model_s_forward_on_the_model_s_own_input():
     schedule's keyword, which torch splits into micro-batches for every stage), so the chained
     stages compute the model's output. Seen failing before: a later stage called with the hidden
     state, as it was, raises `too many values to unpack (expected 2)` at `B, T = idx.shape`."""
-    from raylane.loop.pipeline_parallel import MODEL_INPUT
+    from raylane.loop.distributed.pipeline_parallel import MODEL_INPUT
 
     model = _natural_gpt(n_layer=4)
     names, stages = _split(model, 2)
@@ -255,7 +255,7 @@ def test_a_module_held_elsewhere_gives_zeros_of_its_own_shape():
                 x = layer(x)
             return self.head(self.body.norm(x)).view(b, t, -1)
 
-    from raylane.loop.pipeline_parallel import MODEL_INPUT, Elsewhere
+    from raylane.loop.distributed.pipeline_parallel import MODEL_INPUT, Elsewhere
 
     torch.manual_seed(0)
     model = ReadsShape()
@@ -275,7 +275,7 @@ def test_stages_a_forward_cannot_run_in_turn_are_refused_before_launch():
     blocks by index (`self.blocks[i]` for i in range(n_layer): the first stage holds blocks 0 and 1
     only) is refused in one line naming strategy.pp, the stage, the user's file:line (where the
     model's class is defined) and what a stage runs."""
-    from raylane.loop.forward_checks import check_model_parallel, check_pp_forward
+    from raylane.loop.distributed.forward_checks import check_model_parallel, check_pp_forward
     from tests.helpers import natural_gpt
 
     cfg = natural_gpt.Config(pipeline=natural_gpt.__file__, strategy={"pp": 2}, model={"n_layer": 4})

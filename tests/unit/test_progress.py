@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from raylane.loop.events import Checkpoint, End, Eval, FirstStep, Log, Progress, Start
+from raylane.loop.protocols.events import Checkpoint, End, Eval, FirstStep, Log, Progress, Start
 from raylane.loop.reporting import Reporter
 from raylane.results import TrainSummary
 from raylane.tracking.progress import ProgressDisplay, epochs_text, outcome_text, plural

@@ -124,9 +124,9 @@ def test_shipped_pipelines_import_only_public_names():
 
 def test_the_check_names_an_internal_import(tmp_path):
     pipeline = tmp_path / "mine.py"
-    pipeline.write_text("import raylane\nfrom raylane.loop.pipeline import Pipeline\nx = raylane.prepare\n")
+    pipeline.write_text("import raylane\nfrom raylane.loop.protocols.pipeline import Pipeline\nx = raylane.prepare\n")
     lines = [line.split(": ", 1)[1] for line in non_public_imports(pipeline)]
-    assert lines == ["from raylane.loop.pipeline import Pipeline", "raylane.prepare"]
+    assert lines == ["from raylane.loop.protocols.pipeline import Pipeline", "raylane.prepare"]
 
 
 # Modules a user is told to import or call beside raylane and raylane.hf: their public names are
@@ -169,7 +169,7 @@ def doc_internals(page: Path) -> list[str]:
 
 
 def test_no_page_tells_users_to_use_an_internal_module():
-    """The docs hold users to the public API: a page that says `raylane.loop.frozen.set_base(...)`
+    """The docs hold users to the public API: a page that says `raylane.loop.checkpoint.frozen.set_base(...)`
     (docs/pipelines.md did, while docs/training.md calls raylane.loop internal) fails here."""
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
     bad = [line for page in pages for line in doc_internals(page)]
@@ -179,10 +179,10 @@ def test_no_page_tells_users_to_use_an_internal_module():
 def test_the_doc_check_names_an_internal_call_and_import(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
-        "Call `raylane.loop.frozen.set_base(model, base)` or `raylane.frozen_base(model, path)`.\n\n"
+        "Call `raylane.loop.checkpoint.frozen.set_base(model, base)` or `raylane.frozen_base(model, path)`.\n\n"
         "```python\nimport raylane\nfrom raylane.onray.tune import run_sweep\n```\n"
     )
     assert doc_internals(page) == [
         "page.md:5: from raylane.onray.tune import run_sweep",
-        "page.md:1: raylane.loop.frozen.set_base()",
+        "page.md:1: raylane.loop.checkpoint.frozen.set_base()",
     ]

@@ -1,4 +1,4 @@
-"""A torchrun rank's failure, said by rank 0 (raylane.loop.rankfailures, raylane.driver.TorchrunEnding),
+"""A torchrun rank's failure, said by rank 0 (raylane.loop.observe.rankfailures, raylane.driver.TorchrunEnding),
 over a real TCPStore in this process, as torchrun's agent holds one: which errors are echoes of
 another rank's, the records and the one line, and how each way a rank's run ends is said; the
 SIGTERM guard with real signals. The whole path under torchrun: tests/e2e/test_torchrun_failures.py."""
@@ -14,8 +14,8 @@ import pytest
 import torch.distributed as dist
 
 from raylane.driver import TorchrunEnding
-from raylane.loop import rankfailures
-from raylane.loop.hangs import HangError
+from raylane.loop.observe import rankfailures
+from raylane.loop.observe.hangs import HangError
 from raylane.results import Status
 
 GLOO = (

@@ -11,7 +11,7 @@ import pytest
 from raylane.onray import internals
 
 APP = Path(internals.__file__).resolve().parents[1]
-# A dotted name with a private part, except torch's own (its fake process group: raylane.loop.layout).
+# A dotted name with a private part, except torch's own (its fake process group: raylane.loop.distributed.layout).
 PRIVATE = re.compile(r"(?<![\w.])(?!torch\.)(?:ray|_?ray_\w*)?[\w.]*\._(?:internal|private)\b|\b_TorchBackend\b")
 
 

@@ -4,7 +4,7 @@ every rank (each rank fills its own slot of a zeroed block and the sum is exact,
 holds the same bits and names the same rank): no rank tells another, no collective is added.
 
 In-process, three ranks' Trainer states side by side, each fed the same gathered figures as the
-vote gives them (raylane.loop.distributed.ControlVote.poll's per-rank block), through the Trainer's
+vote gives them (raylane.loop.distributed.groups.ControlVote.poll's per-rank block), through the Trainer's
 own `_rank_figures` and a real torch.profiler window on the rank named. The vote itself over a real
 group: tests/e2e/test_observability.py."""
 

@@ -270,6 +270,34 @@ def test_a_node_whose_ray_did_not_start_ends_the_wait_at_once():
     assert time.monotonic() - start < 5
 
 
+def test_an_ended_srun_task_is_told_as_the_proc_reader_told_it():
+    """A node's srun task, as the wait sees it through psutil (issue 61), against the /proc reader it
+    replaced: running, exited but not yet reaped by the batch script (a zombie), and reaped."""
+    import psutil
+
+    running = subprocess.Popen(["sleep", "30"])
+    unreaped = subprocess.Popen(["true"])
+    reaped = subprocess.Popen(["true"])
+    reaped.wait()
+    try:
+        wait_for(lambda: psutil.Process(unreaped.pid).status() == psutil.STATUS_ZOMBIE, timeout_s=30)
+        for pid, ended in ((running.pid, False), (unreaped.pid, True), (reaped.pid, True)):
+            assert (slurm._ended({pid: "b"}) is not None) is ended is _proc_ended(pid), pid
+    finally:
+        running.kill()
+        running.wait()
+        unreaped.wait()
+
+
+def _proc_ended(pid: int) -> bool:
+    """slurm._ended's test before issue 61: /proc read by hand."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    return state in ("Z", "gone")
+
+
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]

@@ -1,4 +1,4 @@
-"""Per-rank step times, stragglers and the `profile:` section, in-process (raylane.loop.steptimes,
+"""Per-rank step times, stragglers and the `profile:` section, in-process (raylane.loop.observe.steptimes,
 raylane.config.observe): the figures a window gives, a slow rank named once (data-bound or not), a
 calm group naming none, the summary's lines. A real torch.profiler window (~4 s on its own: torch
 imports its compiler's config when a profiler starts) and the figures gathered over a real group
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from raylane.config import ConfigError, load_config
-from raylane.loop.steptimes import FIGURES, StepTimer, StepTimes, busy_times, split_rows, window_figures
+from raylane.loop.observe.steptimes import FIGURES, StepTimer, StepTimes, busy_times, split_rows, window_figures
 from raylane.results import Status, TrainSummary
 from raylane.tracking.observe import profile_line, rank_table_csv
 from raylane.tracking.progress import outcome_text
@@ -89,7 +89,7 @@ def test_a_window_rides_on_the_first_vote_after_a_logging_window_ends_the_same_o
 
 def test_the_timer_splits_a_step_into_its_parts(monkeypatch):
     clock = iter([0.0, 0.3, 0.4, 0.9, 1.0, 1.0, 1.0, 1.5, 1.5, 2.0])
-    monkeypatch.setattr("raylane.loop.steptimes.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("raylane.loop.observe.steptimes.time.perf_counter", lambda: next(clock))
     timer = StepTimer()
     for _ in range(2):  # the second step's batch was ready: no data wait
         timer.begin()
@@ -168,7 +168,7 @@ def test_the_others_median_leaves_out_the_rank_itself_at_any_size():
     import random
     import statistics
 
-    from raylane.loop.steptimes import median_without
+    from raylane.loop.observe.steptimes import median_without
 
     rng = random.Random(0)
     for n in (1, 2, 3, 4, 7, 256):
@@ -214,7 +214,7 @@ def test_a_rank_slowed_through_the_fault_plan_is_named_a_slow_loader_or_a_slow_s
     """RAYLANE_FAULTS `slowdata` sleeps in the data wait, `slow` in the step's compute: the real
     plan through the real timer names rank 1, as data-bound or as its own compute. The slow
     loader end to end under torchrun, the slow step on Ray: tests/e2e/test_observability.py."""
-    from raylane.loop import faults
+    from raylane.loop.observe import faults
 
     monkeypatch.setenv(faults.ENV, f"{kind}@rank=1,ms=20,step=2")
     plans = [faults.load(r) for r in (0, 1)]
@@ -229,7 +229,7 @@ def test_a_rank_slowed_through_the_fault_plan_is_named_a_slow_loader_or_a_slow_s
 
 
 def test_an_unset_fault_plan_is_none_and_a_slow_fault_needs_its_duration(monkeypatch):
-    from raylane.loop import faults
+    from raylane.loop.observe import faults
 
     monkeypatch.delenv(faults.ENV, raising=False)
     assert faults.load(0) is None  # the Trainer's `if self.faults` skips every hook
@@ -240,7 +240,7 @@ def test_an_unset_fault_plan_is_none_and_a_slow_fault_needs_its_duration(monkeyp
 def test_step_timing_off_reads_no_clock_and_gathers_nothing(monkeypatch):
     """stragglers.enabled: false: the Trainer's marks do nothing, no window is due (no figures on
     the vote), rank 0 has nothing to log or name."""
-    monkeypatch.setattr("raylane.loop.steptimes.time.perf_counter", lambda: pytest.fail("the clock was read"))
+    monkeypatch.setattr("raylane.loop.observe.steptimes.time.perf_counter", lambda: pytest.fail("the clock was read"))
     times = StepTimes(10, 1.5, 3, active=True, enabled=False)
     for mark in ("begin", "fetched", "arrive", "computed", "ended"):
         getattr(times.timer, mark)()

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raylane.loop.data import data_ranks
-from raylane.loop.sharding import Strategy
+from raylane.loop.data.loader import data_ranks
+from raylane.loop.distributed.fsdp import Strategy
+from raylane.loop.distributed.tensor_parallel import apply_plan, plan_for
 from raylane.loop.steps import clip_gradients
-from raylane.loop.tensor_parallel import apply_plan, plan_for
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_a_split_attention_s_head_count_becomes_the_rank_s_own():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from raylane.loop.tensor_parallel import local_heads
+    from raylane.loop.distributed.tensor_parallel import local_heads
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -178,7 +178,7 @@ def test_a_split_attention_s_head_count_becomes_the_rank_s_own():
 def test_local_heads_refuses_heads_the_degree_does_not_divide():
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from raylane.loop.tensor_parallel import local_heads
+    from raylane.loop.distributed.tensor_parallel import local_heads
 
     model, _ = _natural(n_heads=2, n_embd=32)
     with pytest.raises(ValueError, match=r"strategy.tp = 4: does not divide blocks.0.attn.n_heads = 2"):
@@ -190,7 +190,7 @@ def test_a_forward_no_rank_s_share_can_run_is_refused_before_launch():
     own line `C // self.n_heads` (the head size from the input's whole width) fails there, and
     the refusal is one line naming strategy.tp, the attention, the user's file:line, torch's
     error and what the forward must do; the same model with its head size set at init passes."""
-    from raylane.loop.forward_checks import check_tp_forward
+    from raylane.loop.distributed.forward_checks import check_tp_forward
 
     example = torch.zeros(2, 16, dtype=torch.long)
     model, plan = _natural()
@@ -211,7 +211,7 @@ def test_sequence_parallelism_needs_a_plan_written_for_it():
     that ignores its flag: both are refused in one line naming strategy.sequence_parallel (the run
     was named `tp2+sp` while training as plain tp2). gpt's plan, which lays out its norms and
     residual stream for it, passes."""
-    from raylane.loop.tensor_parallel import check_sequence_parallel
+    from raylane.loop.distributed.tensor_parallel import check_sequence_parallel
     from raylane.pipelines.gpt import build_model, tp_plan
 
     model, plan = _natural()
@@ -241,8 +241,8 @@ def four_fake_ranks(monkeypatch):
 
 def _tp_auto(*sets: str):
     from raylane.config import load_config
-    from raylane.loop.data import first_batch
-    from raylane.loop.parallel import parallelize
+    from raylane.loop.data.loader import first_batch
+    from raylane.loop.distributed.parallelize import parallelize
     from raylane.pipelines.gpt import build
 
     cfg = load_config("gpt-tiny", ["model.n_head=4", "strategy.name=fsdp", "strategy.tp=auto", *sets])
@@ -274,7 +274,7 @@ def test_tp_auto_with_a_dict_plan_and_sequence_parallelism_is_refused(four_fake_
     lay sequence parallelism out, so no candidate is weighed as if it did: one line naming
     strategy.sequence_parallel."""
     from raylane.config import load_config
-    from raylane.loop.parallel import parallelize
+    from raylane.loop.distributed.parallelize import parallelize
 
     model, plan = _natural()
     cfg = load_config("gpt-tiny", ["strategy.name=fsdp", "strategy.tp=auto", "strategy.sequence_parallel=true"])
@@ -288,10 +288,10 @@ def test_styles_given_by_name_are_torch_s_on_the_ranks_and_heads_follow_them():
     torch's styles by plan_for, the one path of the ranks, of `tp: auto` and of the checks (before:
     torch's `Expect Union[ParallelStyle, ...] <class 'str'> found!` on the ranks); the attentions'
     head counts follow a named column split as a made one, and the forward runs on a rank's share.
-    A misspelt name is one line naming the rule (raylane.loop.tp_styles)."""
+    A misspelt name is one line naming the rule (raylane.loop.distributed.tp_styles)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from raylane.loop.forward_checks import check_tp_forward
+    from raylane.loop.distributed.forward_checks import check_tp_forward
 
     model, plan = _natural()
     named = {k: "rowwise" if isinstance(v, RowwiseParallel) else "colwise" for k, v in plan.items()}

@@ -1,4 +1,4 @@
-"""A tensor-parallel plan's styles given by name (raylane.loop.tp_styles): transformers' names
+"""A tensor-parallel plan's styles given by name (raylane.loop.distributed.tp_styles): transformers' names
 read as torch's styles of the same split, everything else refused in one line naming the rule."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from raylane.errors import ConfigError
-from raylane.loop.tp_styles import STYLES, Whole, resolve_rules, resolve_style, style_name
+from raylane.loop.distributed.tp_styles import STYLES, Whole, resolve_rules, resolve_style, style_name
 
 KEY = "Pipeline.tp_plan['blocks.*.attn.q_proj']"
 

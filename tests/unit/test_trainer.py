@@ -19,9 +19,10 @@ from torch.utils.data import TensorDataset
 
 import raylane
 from raylane.config import validate
-from raylane.loop import checkpoint, faults
-from raylane.loop.events import Checkpoint, Eval, Event
-from raylane.loop.result import RunResult
+from raylane.loop import checkpoint
+from raylane.loop.observe import faults
+from raylane.loop.protocols.events import Checkpoint, Eval, Event
+from raylane.loop.protocols.result import RunResult
 from raylane.loop.run import build_trainer, local_runtime, seed_everything
 
 ROWS = 48  # 6 steps an epoch at batch 8

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raylane.loop.runtime import Runtime
+from raylane.loop.protocols.runtime import Runtime
 
 
 class Agreement:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from raylane.config import BaseConfig
 from raylane.loop import checkpoint
-from raylane.loop.data import eval_data, is_stream, worker_options
+from raylane.loop.data.loader import eval_data, is_stream, worker_options
 from raylane.loop.evaluation import Evaluator
 
 # Held-out batches timed (after one untimed) to estimate an evaluation of the whole share.

@@ -33,13 +33,13 @@ from raylane.autotuning.report import (
 from raylane.autotuning.settings import SearchSettings
 from raylane.config import BaseConfig, ConfigError
 from raylane.config.autotune import AutotuneSection, settings, winner_config
-from raylane.loop.events import Candidate, Event, Log, Round, SearchStart
+from raylane.loop.protocols.events import Candidate, Event, Log, Round, SearchStart
 from raylane.results import AutotuneSummary, Status
 from raylane.results import Candidate as CandidateRow
 from raylane.session import RunSession, finalize_run, outcome
 
 if TYPE_CHECKING:
-    from raylane.loop.runtime import Runtime
+    from raylane.loop.protocols.runtime import Runtime
     from raylane.onray.spec import LaunchSpec
     from raylane.tracking.runs import RunHandle
 
@@ -55,7 +55,7 @@ def execute(
 ) -> AutotuneSummary:
     """Run the search on Ray, as this torchrun rank, or in this process; returns the summary (on
     a torchrun rank other than 0, only its status)."""
-    from raylane.loop.distributed import env_ranks, init_process_group
+    from raylane.loop.distributed.groups import env_ranks, init_process_group
     from raylane.tracking.runs import open_run, resolve_tracking_uri
 
     launched = time.time()
@@ -92,7 +92,7 @@ def _search(
     summary_path: str | None,
     session: RunSession,
 ) -> AutotuneSummary:
-    from raylane.loop.distributed import env_ranks, leave_process_group
+    from raylane.loop.distributed.groups import env_ranks, leave_process_group
 
     try:
         result = _launch(cfg, params, use_ray, address, recorder, tracking_uri, session)
@@ -140,7 +140,7 @@ def _launch(
         return run_search(cfg, local_runtime(cfg, on_event), params)
     from concurrent.futures import ThreadPoolExecutor
 
-    from raylane.loop.startup import StartupTimes
+    from raylane.loop.observe.startup import StartupTimes
     from raylane.onray.cluster import start_ray
 
     pool = session.enter(ThreadPoolExecutor(1, thread_name_prefix="raylane-start"))

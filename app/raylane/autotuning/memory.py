@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from raylane.loop.sharding import unwrap
+from raylane.loop.distributed.fsdp import unwrap
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -25,14 +25,14 @@ from raylane.autotuning.ranking import summarize
 from raylane.autotuning.settings import SearchSettings
 from raylane.config import BaseConfig, apply_values
 from raylane.config.batching import hold_global_batch
-from raylane.loop import faults as fault_plans
-from raylane.loop.batches import checked_own_loss, forward_loss, to_device
-from raylane.loop.data import first_batch, train_data, worker_options
-from raylane.loop.devices import device_memory_bytes, local_world_size, peak_flops
-from raylane.loop.parallel import estimate_memory, parallelize
+from raylane.loop.data.loader import first_batch, train_data, worker_options
+from raylane.loop.distributed.devices import device_memory_bytes, local_world_size, peak_flops
+from raylane.loop.distributed.fsdp import Strategy, materialize, on_meta, prepare_blocks, unwrap
+from raylane.loop.distributed.parallelize import estimate_memory, parallelize
+from raylane.loop.observe import faults as fault_plans
+from raylane.loop.protocols.batches import checked_own_loss, forward_loss, to_device
+from raylane.loop.protocols.runtime import Runtime
 from raylane.loop.run import step_trainer
-from raylane.loop.runtime import Runtime
-from raylane.loop.sharding import Strategy, materialize, on_meta, prepare_blocks, unwrap
 from raylane.loop.steps import Throughput
 from raylane.loop.trainer import Trainer
 

@@ -35,9 +35,9 @@ from raylane.autotuning.record import SearchRecord, fingerprint
 from raylane.autotuning.settings import SearchSettings
 from raylane.config import BaseConfig
 from raylane.loop import usercode
-from raylane.loop.events import Candidate, End, Event, Round, SearchStart
-from raylane.loop.runtime import Runtime
-from raylane.loop.sharding import on_meta
+from raylane.loop.distributed.fsdp import on_meta
+from raylane.loop.protocols.events import Candidate, End, Event, Round, SearchStart
+from raylane.loop.protocols.runtime import Runtime
 
 Planner = Generator[dict[str, Any], Outcome, None]
 

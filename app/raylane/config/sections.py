@@ -125,7 +125,7 @@ class ScalingSection(Section):
         gt=0,
         le=1_000_000,
         description="One device's dense peak TFLOP/s at `train.precision`, for MFU. null: the GPU looked up in "
-        "raylane's table (raylane.loop.devices); no MFU on CPU unless given.",
+        "raylane's table (raylane.loop.distributed.devices); no MFU on CPU unless given.",
     )
 
     @model_validator(mode="before")

@@ -31,8 +31,8 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
     from raylane.hf import data
     from raylane.hf.parallel import tp_plan
     from raylane.hf.weights import empty_model, load_pretrained
-    from raylane.loop.frozen import set_tokenizer, tokenizer_fingerprint
-    from raylane.loop.pipeline import Pipeline
+    from raylane.loop.checkpoint.frozen import set_tokenizer, tokenizer_fingerprint
+    from raylane.loop.protocols.pipeline import Pipeline
 
     m = cfg.model
     causal = m.task == "causal-lm"

@@ -294,7 +294,7 @@ def tokenizer_size(path: str) -> int | None:
 
 def check_columns(cfg: Config, field: str) -> None:
     """The first file of data.<field> has the text column (and the label column for a classifier)."""
-    from raylane.loop import files
+    from raylane.loop.data import files
 
     d = cfg.data
     paths = getattr(d, field)

@@ -12,7 +12,7 @@ Rows become numpy arrays in `transform` (Ray Data's CPU tasks on Ray, the reader
 torchrun, or once for an in-memory dataset), and tensors in `to_tensors` (per batch, on the rank).
 A row whose text is missing, null or not a string, or whose label is not a class id, is a
 DataError naming its row and column before anything is tokenized (`data.skip_bad_rows` drops
-such rows instead: raylane.loop.baddata.skipping)."""
+such rows instead: raylane.loop.data.baddata.skipping)."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def transform_for(cfg: Config):
 
 
 def file_source(cfg: Config, paths: Any, key: str):
-    from raylane.loop.streaming import FileSource
+    from raylane.loop.data.streaming import FileSource
 
     d, causal = cfg.data, cfg.model.task == "causal-lm"
     text = "text" if d.format == "text" else d.text_column
@@ -240,7 +240,7 @@ def _column(values: Any) -> np.ndarray:
 def _transformed(transform: Any, batch: dict[str, np.ndarray], name: str, skip: bool | int) -> dict[str, np.ndarray]:
     """A dataset's rows transformed at once; a bad row named by its place in the dataset (from 1),
     or skipped and recorded as the `<name> dataset`'s."""
-    from raylane.loop import baddata
+    from raylane.loop.data import baddata
 
     try:
         if not skip:

@@ -3,7 +3,7 @@
 Only the adapter's parameters train (peft freezes the rest), so raylane's optimizer holds state
 for them alone (raylane.loop.optim leaves frozen parameters out), and a checkpoint of the run
 holds them, their optimizer state and the loop's state, not the base weights
-(raylane.loop.frozen): `apply_lora` marks the model with the base it was built on (its path and
+(raylane.loop.checkpoint.frozen): `apply_lora` marks the model with the base it was built on (its path and
 a fingerprint), which the checkpoint's manifest records, and a resume on another base is refused
 naming both."""
 
@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import Field
 
 from raylane.config import ConfigError, Section
-from raylane.loop.frozen import frozen_base
+from raylane.loop.checkpoint.frozen import frozen_base
 
 # Names of a model's attention projections, when no module class says "Attention" (the
 # fallback after the projections of its attention modules, then peft's own defaults).

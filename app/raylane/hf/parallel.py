@@ -1,7 +1,7 @@
 """Tensor parallelism for Hugging Face models: the model's own plan (transformers' `tp_plan`, from
 its config's `base_model_tp_plan` and its class's `_tp_plan`: `model.layers.*.self_attn.q_proj:
 colwise`, ...) as torch's ParallelStyles, which raylane applies on its own mesh
-(raylane.loop.tensor_parallel.apply_plan) like any pipeline's plan. transformers builds no mesh
+(raylane.loop.distributed.tensor_parallel.apply_plan) like any pipeline's plan. transformers builds no mesh
 and no process group here: its `from_pretrained(tp_plan="auto")` makes its own mesh of the whole
 world, which cannot hold data-parallel ranks beside the tensor-parallel ones (issue 49's study, 3.2 f).
 

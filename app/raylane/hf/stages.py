@@ -1,7 +1,7 @@
 """Pipeline parallelism for Hugging Face decoder-only causal LMs (Llama, Qwen2, Mistral, GPT-2 and
 their kin, with or without a LoRA adapter): the `Pipeline.pp_stages` of `raylane.hf.pipeline`.
 
-The split is raylane's own (raylane.loop.pipeline_parallel): each stage is the model deep-copied
+The split is raylane's own (raylane.loop.distributed.pipeline_parallel): each stage is the model deep-copied
 with what other stages hold taken out, its decoder layers (`model.layers`, `transformer.h`: the
 found blocks) split evenly, the embeddings on the first stage, the final norm and `lm_head` on
 the last; parameter names stay the model's, so checkpoints and `save_pretrained` folders do not
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from raylane.loop.pipeline_parallel import Stages
+from raylane.loop.distributed.pipeline_parallel import Stages
 
 # The keys of the batches a stage runs: packed rows, with labels the model shifts itself.
 _KEYS = ("input_ids", "labels")
@@ -42,7 +42,7 @@ def _call(forward: Any, x: Any, *, first: bool) -> Any:
 
 
 def _pair(batch: Any) -> tuple[Any, Any]:
-    from raylane.loop.batches import BatchFormError, describe
+    from raylane.loop.protocols.batches import BatchFormError, describe
 
     if isinstance(batch, Mapping) and set(batch) == set(_KEYS):
         return batch["input_ids"], batch["labels"]
@@ -63,8 +63,8 @@ def check_pp(model: Any, n_stages: int) -> list[list[str]]:
     """Before launch: the stages of `model` (built on the meta device), or ValueError in one line
     naming what cannot be split (fewer layers than stages, tied embeddings)."""
     from raylane.hf.parallel import pretrained_of
-    from raylane.loop.blocks import find_blocks
-    from raylane.loop.pipeline_split import split_names
+    from raylane.loop.distributed.blocks import find_blocks
+    from raylane.loop.distributed.pipeline_split import split_names
 
     _, pretrained = pretrained_of(model)
     cls = type(pretrained).__name__

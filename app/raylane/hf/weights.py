@@ -1,7 +1,7 @@
 """Pretrained weights as transformers loads them, read once per run, not once per rank.
 
 Every rank builds the model on the meta device (`empty_model`: shapes, no memory; buffers real);
-raylane parallelizes it (DDP, or FSDP2 per block) and gives it storage (`raylane.loop.sharding.
+raylane parallelizes it (DDP, or FSDP2 per block) and gives it storage (`raylane.loop.distributed.fsdp.
 materialize`); then `load_pretrained` runs on every rank: rank 0 alone loads the checkpoint with
 transformers' own `from_pretrained` (its key renamings and conversions: experts saved one by one
 and fused on load, say), and torch's `set_model_state_dict(..., broadcast_from_rank0=True)` sends
@@ -161,7 +161,7 @@ def load_pretrained(model: nn.Module, path: str | Path, *, key: str = "model.nam
 
 def _tensors(model: nn.Module, distributed: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{name: (shape, dtype)} of the model's state: every rank's under pipeline parallelism, where a
-    rank holds its stages only (raylane.loop.pipeline_parallel.PipelineModel: `stages`), so that
+    rank holds its stages only (raylane.loop.distributed.pipeline_parallel.PipelineModel: `stages`), so that
     rank 0 reads and sends the other stages' tensors too (a collective there)."""
     mine = {name: (tuple(value.shape), value.dtype) for name, value in model.state_dict().items()}
     if not distributed or not hasattr(model, "stages"):

@@ -13,11 +13,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from raylane.errors import RaylaneError
-from raylane.loop.batches import batch_size, call_model, checked_own_loss, form_of, forward_loss, to_device
-from raylane.loop.distributed import all_reduce_max, all_reduce_sums
+from raylane.loop.distributed.groups import all_reduce_max, all_reduce_sums
+from raylane.loop.distributed.pipeline_parallel import PipelineModel
 from raylane.loop.early_stop import EarlyStopping
-from raylane.loop.hooks import Hooks
-from raylane.loop.pipeline_parallel import PipelineModel
+from raylane.loop.protocols.batches import batch_size, call_model, checked_own_loss, form_of, forward_loss, to_device
+from raylane.loop.protocols.hooks import Hooks
 from raylane.loop.reporting import Reporter
 
 SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a named held-out set

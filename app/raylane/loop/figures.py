@@ -13,17 +13,17 @@ from typing import Any
 import torch
 
 from raylane.config import TrainSection
-from raylane.loop import baddata
 from raylane.loop.checkpoint.saving import Saver
-from raylane.loop.devices import largest_memory, peak_memory_bytes, state_bytes
-from raylane.loop.distributed import backend_name
+from raylane.loop.data import baddata
+from raylane.loop.distributed.devices import largest_memory, peak_memory_bytes, state_bytes
+from raylane.loop.distributed.fsdp import Strategy
+from raylane.loop.distributed.groups import backend_name
 from raylane.loop.evaluation import Evaluation
+from raylane.loop.observe.steptimes import StepTimes, split_rows
+from raylane.loop.protocols.result import RunResult
+from raylane.loop.protocols.runtime import Runtime
 from raylane.loop.reporting import Reporter
-from raylane.loop.result import RunResult
-from raylane.loop.runtime import Runtime
-from raylane.loop.sharding import Strategy
 from raylane.loop.steps import Throughput
-from raylane.loop.steptimes import StepTimes, split_rows
 from raylane.loop.stopping import StepVote
 
 # Throughput in the result leaves out this launch's first steps (compilation, allocator and
@@ -156,7 +156,7 @@ class RunFigures:
             yield
         except BaseException as exc:
             if self.profiler is not None:
-                from raylane.loop.profiling import is_out_of_memory  # imported already: the profiler's module
+                from raylane.loop.observe.profiling import is_out_of_memory  # imported already: the profiler's module
 
                 if is_out_of_memory(exc):
                     self.profiler.out_of_memory()

@@ -26,7 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
-from raylane.loop.devices import size_text
+from raylane.loop.distributed.devices import size_text
 
 # The most a model's constructors may make on the CPU when the meta device cannot build it.
 CPU_CAP_BYTES = 1 << 30

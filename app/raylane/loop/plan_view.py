@@ -6,7 +6,7 @@ memory, no process group; the data as on a rank): which modules each rule takes 
 weights are split, what every rank of a tensor-parallel group holds whole, and the parameters held
 under several names (tied), which must be split alike. What the ranks would fail on is an error
 here, one line naming the rule or the key: a rule that names no module, a style that is none
-(raylane.loop.tp_styles), a rule on a module torch's style cannot split, tied names split two
+(raylane.loop.distributed.tp_styles), a rule on a module torch's style cannot split, tied names split two
 ways, heads that tp does not divide, a split into stages that cannot work."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 
 from torch import nn
 
-from raylane.loop.heads import heads_problem
-from raylane.loop.mesh import model_parallel_strategy
-from raylane.loop.tensor_parallel import plan_for, shared_parameters
-from raylane.loop.tp_styles import resolve_rules, style_name
+from raylane.loop.distributed.heads import heads_problem
+from raylane.loop.distributed.mesh import model_parallel_strategy
+from raylane.loop.distributed.tensor_parallel import plan_for, shared_parameters
+from raylane.loop.distributed.tp_styles import resolve_rules, style_name
 
 
 def layout_line(cfg: Any, world: int) -> str:
@@ -42,7 +42,7 @@ def plan_lines(model: nn.Module, plan: Any, *, sequence_parallel: bool, tp: int 
     """The plan on `model`: a line per rule (its modules, blocks' indices folded into `*`, and
     their split), then what stays whole and what is tied. ValueError, one line, for a rule that
     names nothing, a style that is none, a module its style cannot split, tied names split
-    differently, and with `tp` a head count it does not divide (raylane.loop.heads)."""
+    differently, and with `tp` a head count it does not divide (raylane.loop.distributed.heads)."""
     rules = resolve_rules(plan_for(model, plan, sequence_parallel=sequence_parallel))
     modules = dict(model.named_modules())
     placed: dict[str, str] = {}  # parameter name -> its layout over the tensor-parallel ranks
@@ -132,9 +132,9 @@ def stage_lines(pipe: Any, cfg: Any) -> list[str]:
     """With `strategy.pp` > 1: a line per pipeline stage, its rank, its modules (a run of blocks
     folded, `blocks.0-3`) and its parameters. ValueError, one line, for a split that cannot work."""
     from raylane import pipelines_ref
-    from raylane.loop.blocks import find_blocks
-    from raylane.loop.pipeline_parallel import Stages, stage_ranks
-    from raylane.loop.pipeline_split import split_names
+    from raylane.loop.distributed.blocks import find_blocks
+    from raylane.loop.distributed.pipeline_parallel import Stages, stage_ranks
+    from raylane.loop.distributed.pipeline_split import split_names
 
     s = cfg.strategy
     if pipe.pp_stages is None:
@@ -193,7 +193,7 @@ def pipeline_plan(cfg: Any, world: int) -> list[str]:
     be built here. The same config's lines again come from the first call (check, then --plan).
     Then the forward as one rank of the layout runs it (`_check_forward`), on a process group of
     torch's fake backend, which leaves a process that trains next (a torchrun rank) as it found it
-    (raylane.loop.layout.fake_work)."""
+    (raylane.loop.distributed.layout.fake_work)."""
     global _last
     key = (cfg.model_dump_json(), world)
     if _last is not None and _last[0] == key:
@@ -211,12 +211,12 @@ def pipeline_plan(cfg: Any, world: int) -> list[str]:
 
 
 def _check_forward(pipe: Any, cfg: Any) -> None:
-    """The model's forward as one rank of the layout runs it (raylane.loop.forward_checks), on
+    """The model's forward as one rank of the layout runs it (raylane.loop.distributed.forward_checks), on
     the plan with its styles resolved (a name is taken there as here)."""
     import dataclasses
     from collections.abc import Mapping
 
-    from raylane.loop.forward_checks import check_model_parallel
+    from raylane.loop.distributed.forward_checks import check_model_parallel
 
     plan = pipe.tp_plan
     if isinstance(plan, Mapping):

@@ -1,5 +1,5 @@
 """Graceful stop on a preemption notice: SIGTERM (a scheduler, a spot reclaim, `ray job stop`) or
-Ctrl-C asks; every rank agrees on the same step boundary (see `raylane.loop.distributed.ControlVote`);
+Ctrl-C asks; every rank agrees on the same step boundary (see `raylane.loop.distributed.groups.ControlVote`);
 the loop checkpoints there and returns, so a relaunch loses no steps.
 
 The request is process-wide: a signal handler, or the launcher relaying the driver's signal, sets

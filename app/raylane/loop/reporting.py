@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raylane.loop.events import (
+from raylane.loop.protocols.events import (
     Checkpoint,
     CheckpointFailed,
     End,
@@ -23,7 +23,7 @@ from raylane.loop.events import (
     Start,
     Straggler,
 )
-from raylane.loop.result import RunResult
+from raylane.loop.protocols.result import RunResult
 
 PROGRESS_INTERVAL_S = 0.5
 # The training figures of one window of steps, as MLflow records them at the window's last step.
@@ -90,12 +90,12 @@ class Reporter:
         self._publish(Eval(epoch=epoch, step=step, metrics=metrics, epoch_end=epoch_end))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """A hook's own metrics, to MLflow under the names given (raylane.loop.hooks)."""
+        """A hook's own metrics, to MLflow under the names given (raylane.loop.protocols.hooks)."""
         if self._metrics is not None:
             self._metrics.log(metrics, step)
 
     def on_straggler(self, record: dict[str, Any], line: str) -> None:
-        """A rank named as slow (raylane.loop.steptimes): the driver says it once, on the terminal."""
+        """A rank named as slow (raylane.loop.observe.steptimes): the driver says it once, on the terminal."""
         if self.active:
             self._publish(Straggler(record=record, line=line))
             if self._metrics is not None:

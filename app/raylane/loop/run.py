@@ -20,24 +20,26 @@ import torch.distributed as dist
 
 from raylane.config import BaseConfig
 from raylane.config.batching import held_batch
-from raylane.loop import checkpoint, faults, frozen, hangs, health, usercode
-from raylane.loop.batches import Forward
+from raylane.loop import checkpoint, usercode
+from raylane.loop.checkpoint import frozen
 from raylane.loop.checkpoint.layout import change_line, layout_of
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
-from raylane.loop.data import data_ranks, eval_data, first_batch, is_stream, train_data, worker_options
-from raylane.loop.devices import peak_flops
-from raylane.loop.distributed import default_device, env_ranks, init_process_group
+from raylane.loop.data.loader import data_ranks, eval_data, first_batch, is_stream, train_data, worker_options
+from raylane.loop.distributed.devices import peak_flops
+from raylane.loop.distributed.fsdp import Strategy, on_meta, resharded, unwrap
+from raylane.loop.distributed.groups import default_device, env_ranks, init_process_group
+from raylane.loop.distributed.parallelize import parallelize
 from raylane.loop.evaluation import EvalSets, Evaluator
-from raylane.loop.events import Event, FirstStep, Start
+from raylane.loop.observe import faults, hangs, health
+from raylane.loop.observe.steptimes import StepTimes
 from raylane.loop.optim import build_optimizer, build_scheduler, schedule_note
-from raylane.loop.parallel import parallelize
+from raylane.loop.protocols.batches import Forward
+from raylane.loop.protocols.events import Event, FirstStep, Start
+from raylane.loop.protocols.result import RunResult
+from raylane.loop.protocols.runtime import LocalRuntime, Runtime
 from raylane.loop.reporting import Reporter
-from raylane.loop.result import RunResult
-from raylane.loop.runtime import LocalRuntime, Runtime
-from raylane.loop.sharding import Strategy, on_meta, resharded, unwrap
 from raylane.loop.steps import Throughput, plan_steps
-from raylane.loop.steptimes import StepTimes
 from raylane.loop.trainer import Trainer
 
 log = logging.getLogger("raylane")
@@ -65,7 +67,7 @@ def run_worker(
     cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = None, startup: dict[str, float] | None = None
 ) -> RunResult:
     """One rank's whole run. Returns the result (the same on every rank but for timings).
-    `startup`: the launcher's start-up phases on this rank (see raylane.loop.startup); rank 0 adds
+    `startup`: the launcher's start-up phases on this rank (see raylane.loop.observe.startup); rank 0 adds
     its own and sends them with its start and first-step events. An exception of the user's
     pipeline code leaves it as one line naming the function and the place (raylane.loop.usercode)."""
     startup = {} if startup is None else startup
@@ -232,7 +234,7 @@ def _profiler(cfg: BaseConfig, runtime: Runtime) -> Any:
     """torch.profiler's window on this rank (profile.*), or None: not profiled, nothing imported."""
     if not (cfg.profile.enabled and runtime.rank in cfg.profile.ranks):
         return None
-    from raylane.loop.profiling import StepProfiler
+    from raylane.loop.observe.profiling import StepProfiler
 
     return StepProfiler(cfg.profile, runtime.store, runtime.rank, runtime.device)
 
@@ -251,7 +253,7 @@ def _slowest_profiler(cfg: BaseConfig, runtime: Runtime) -> Callable[[], Any] | 
     )
 
     def make() -> Any:
-        from raylane.loop.profiling import StepProfiler
+        from raylane.loop.observe.profiling import StepProfiler
 
         return StepProfiler(window, runtime.store, runtime.rank, runtime.device)
 
@@ -433,7 +435,7 @@ def _init_from(cfg: BaseConfig) -> str | None:
 
 def local_runtime(cfg: BaseConfig, on_event: Callable[[Event], None]) -> LocalRuntime:
     """This process as one rank: a single process, or a torchrun rank (env vars say which). The
-    caller leaves the process group (`raylane.loop.distributed.leave_process_group`)."""
+    caller leaves the process group (`raylane.loop.distributed.groups.leave_process_group`)."""
     rank, local_rank, world_size = env_ranks()
     init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # normally done already by the driver
     fs, root = filesystem_for(cfg.run.storage_path)

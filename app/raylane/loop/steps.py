@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from raylane.config import TrainSection
-from raylane.loop.batches import StepMetrics
-from raylane.loop.data import EpochData
+from raylane.loop.data.loader import EpochData
+from raylane.loop.protocols.batches import StepMetrics
 
 
 def plan_steps(train_data: EpochData, train: TrainSection) -> tuple[int, int]:

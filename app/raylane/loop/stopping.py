@@ -6,7 +6,7 @@ save in flight has been committed by every rank (raylane.loop.checkpoint.saving)
 Each vote is a collective outside DDP's, which costs a few ms on 2 busy CPU cores (one rank waits
 to be scheduled): the group votes about every VOTE_INTERVAL_S, after a step count agreed at each
 vote from rank 0's step time. A stop waits at most that long; nothing is lost either way. Every
-rank's step times of a logging window ride on the vote that follows it (raylane.loop.steptimes):
+rank's step times of a logging window ride on the vote that follows it (raylane.loop.observe.steptimes):
 a few more numbers in the same all-reduce, not a collective of their own."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 from raylane.loop import preemption
-from raylane.loop.distributed import ControlVote
-from raylane.loop.runtime import Runtime
+from raylane.loop.distributed.groups import ControlVote
+from raylane.loop.protocols.runtime import Runtime
 
 VOTE_EVERY_N_STEPS = 10  # the first vote; then about every VOTE_INTERVAL_S
 VOTE_INTERVAL_S = 0.5

@@ -19,24 +19,25 @@ import torch
 
 from raylane.config import TrainSection
 from raylane.loop import preemption
-from raylane.loop.batches import Forward
 from raylane.loop.checkpoint.layout import layout_of
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.state import scheduler_state_for
-from raylane.loop.data import EpochData, data_change, fingerprint
-from raylane.loop.devices import Precision, reset_peak_memory
-from raylane.loop.distributed import node_names
+from raylane.loop.data.loader import EpochData, data_change, fingerprint
+from raylane.loop.distributed.devices import Precision, reset_peak_memory
+from raylane.loop.distributed.fsdp import Strategy, no_gradient_sync
+from raylane.loop.distributed.groups import node_names
+from raylane.loop.distributed.pipeline_parallel import PipelineModel
 from raylane.loop.early_stop import EarlyStopping
 from raylane.loop.evaluation import EvalSets, Evaluation
-from raylane.loop.faults import FaultPlan
 from raylane.loop.figures import WARMUP_STEPS, RunFigures
-from raylane.loop.hooks import Hooks
+from raylane.loop.observe.faults import FaultPlan
+from raylane.loop.observe.steptimes import StepTimes
 from raylane.loop.optim import Schedule
-from raylane.loop.pipeline_parallel import PipelineModel
+from raylane.loop.protocols.batches import Forward
+from raylane.loop.protocols.hooks import Hooks
+from raylane.loop.protocols.result import RunResult
+from raylane.loop.protocols.runtime import Runtime
 from raylane.loop.reporting import Reporter
-from raylane.loop.result import RunResult
-from raylane.loop.runtime import Runtime
-from raylane.loop.sharding import Strategy, no_gradient_sync
 from raylane.loop.steps import (
     MetricsWindow,
     Throughput,
@@ -46,7 +47,6 @@ from raylane.loop.steps import (
     plan_steps,
     resumed_batch,
 )
-from raylane.loop.steptimes import StepTimes
 from raylane.loop.stopping import StepVote
 from raylane.version import __version__
 
@@ -125,7 +125,7 @@ class Trainer(RunFigures):
         # which every run pays whether saves are asynchronous or not, is left out.
         self.checkpoint_stall_s = 0.0
         self._init_progress(train_data, runtime.world_size // (self.strategy.tp * self.strategy.pp))
-        # Under pipeline parallelism: this rank's stages, run by their schedule (raylane.loop.pipeline_parallel).
+        # Under pipeline parallelism: this rank's stages, run by their schedule (raylane.loop.distributed.pipeline_parallel).
         self.pipeline = model.pipeline if isinstance(model, PipelineModel) else None
         self.hooks = Hooks(hooks, self)
         self.evaluation = Evaluation(evaluator, model, reporter, EarlyStopping(train.early_stopping), self.hooks)
@@ -135,13 +135,13 @@ class Trainer(RunFigures):
     def _init_observing(
         self, step_times: StepTimes | None, profiler: Any, slowest_profiler: Callable[[], Any] | None
     ) -> None:
-        # Every rank's step times (raylane.loop.steptimes); a torch.profiler window where this rank
-        # is profiled (raylane.loop.profiling), else None: nothing of it is imported.
+        # Every rank's step times (raylane.loop.observe.steptimes); a torch.profiler window where this rank
+        # is profiled (raylane.loop.observe.profiling), else None: nothing of it is imported.
         self.step_times = step_times or StepTimes(self.log_every_n_steps, 1.5, 3, active=False)
         self.timer = self.step_times.timer
         self.profiler = profiler
         self.slowest_profiler = slowest_profiler  # profile.ranks' `slowest`: made when the step times name this rank
-        self.hang_watch: Any = None  # raylane.loop.hangs.HangWatch: its watchdog re-armed at each step's start
+        self.hang_watch: Any = None  # raylane.loop.observe.hangs.HangWatch: its watchdog re-armed at each step's start
 
     def _init_progress(self, train_data: EpochData, data_ranks: int) -> None:
         # Progress, saved in every checkpoint: resume continues at exactly the next batch. Samples

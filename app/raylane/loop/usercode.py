@@ -45,7 +45,7 @@ def pipeline_problem(pipe: Any) -> str | None:
     """What is wrong with `build(cfg)`'s return value, or None: the loop's contract."""
     import torch
 
-    from raylane.loop.pipeline import Pipeline
+    from raylane.loop.protocols.pipeline import Pipeline
 
     if not isinstance(pipe, Pipeline):
         return f"{type(pipe).__name__}, not raylane.Pipeline"
@@ -72,7 +72,7 @@ def pipeline_problem(pipe: Any) -> str | None:
 
 
 def _blocks_problem(pipe: Any) -> str | None:
-    from raylane.loop.blocks import given_blocks
+    from raylane.loop.distributed.blocks import given_blocks
 
     if pipe.blocks is None:
         return None
@@ -84,7 +84,7 @@ def _blocks_problem(pipe: Any) -> str | None:
 
 
 def _hooks_problem(hooks: Any) -> str | None:
-    from raylane.loop.hooks import METHODS
+    from raylane.loop.protocols.hooks import METHODS
 
     if isinstance(hooks, (str, bytes, dict)) or not hasattr(hooks, "__iter__"):
         return f"a Pipeline whose hooks is {type(hooks).__name__}, not a list of hooks (raylane.Hook)"
@@ -100,8 +100,8 @@ def _hooks_problem(hooks: Any) -> str | None:
 def check_first_calls(trainer: Any, pipe: Any, cfg: Any) -> None:
     """Check what loss_fn and eval_sums return, at their first call; later calls go straight to
     the user's functions (the wrappers put them back). The batch's form, the model's own loss and
-    a step's return are checked by the trainer's Forward at the first batch (raylane.loop.batches)."""
-    from raylane.loop.batches import loss_problem
+    a step's return are checked by the trainer's Forward at the first batch (raylane.loop.protocols.batches)."""
+    from raylane.loop.protocols.batches import loss_problem
 
     if pipe.loss_fn is not None:
         _once(trainer.forward, "loss_fn", pipe.loss_fn, loss_problem, LOSS_ROLE, cfg)
@@ -169,7 +169,7 @@ def _sums_problem(sums: Any) -> str | None:
 def explain(exc: BaseException, cfg: Any, pipe: Any) -> BaseException:
     """The exception a rank's run ends with, for `exc` that left it: one line naming the user's
     function and place when the user's code raised, else `exc` itself."""
-    from raylane.loop.batches import BatchFormError  # torch: loaded by now, on a rank
+    from raylane.loop.protocols.batches import BatchFormError  # torch: loaded by now, on a rank
 
     if isinstance(exc, (UserCodeError, DataError)):
         return exc
@@ -268,7 +268,7 @@ def _role_of(frame: tuple[str, int, Any], roles: dict[CodeType, str]) -> str | N
 
 def _roles(pipe: Any, module: Any) -> dict[CodeType, str]:
     """The code of each function of the pipeline's contract -> how a message names it."""
-    from raylane.loop.batches import STEP_ROLE
+    from raylane.loop.protocols.batches import STEP_ROLE
 
     named: list[tuple[str, Any]] = [
         ("build(cfg)", getattr(module, "build", None)),
@@ -315,7 +315,7 @@ def _roles(pipe: Any, module: Any) -> dict[CodeType, str]:
 
 def _hook_roles(hooks: Any) -> list[tuple[str, Any]]:
     """Each hook's own methods (not raylane.Hook's empty ones), named `hook Class.method`."""
-    from raylane.loop.hooks import METHODS, Hook
+    from raylane.loop.protocols.hooks import METHODS, Hook
 
     named = []
     for hook in hooks or ():
@@ -369,9 +369,9 @@ def build_pipeline(cfg: Any) -> Any:
 
 
 def pipeline_blocks(cfg: Any) -> Any:
-    """`raylane check --blocks`: the blocks of the config's pipeline (raylane.loop.blocks.Blocks),
+    """`raylane check --blocks`: the blocks of the config's pipeline (raylane.loop.distributed.blocks.Blocks),
     built in this process."""
-    from raylane.loop.blocks import find_blocks
+    from raylane.loop.distributed.blocks import find_blocks
 
     pipe = build_pipeline(cfg)
     return find_blocks(pipe.model, pipe.blocks)

@@ -79,7 +79,7 @@ def init_ray(address: str | None, cfg: BaseConfig, num_cpus: float = 0, dashboar
         # A pipeline of the user's own reaches the cluster's workers with the run; inside a Ray
         # job (the supervisor sets this variable) the job's working_dir already carries it.
         runtime_env = pipelines_ref.joined_runtime_env(in_job="RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ)
-        # A fault drill's plan (raylane.loop.faults) is read by the workers: an embedded cluster
+        # A fault drill's plan (raylane.loop.observe.faults) is read by the workers: an embedded cluster
         # inherits it from this process, a joined one gets it with the run.
         drill = {k: v for k, v in os.environ.items() if k.startswith("RAYLANE_FAULT")}
         if drill:
@@ -260,7 +260,7 @@ def _interruptible():
 
 def data_cpus(cfg: BaseConfig) -> float:
     """CPUs a run needs beside its workers: Ray Data's read and map tasks, for a pipeline that
-    streams (declares `sources`, see raylane.loop.streaming). Without a free CPU they would wait
+    streams (declares `sources`, see raylane.loop.data.streaming). Without a free CPU they would wait
     forever behind workers that wait for their data."""
     from raylane import pipelines_ref
 

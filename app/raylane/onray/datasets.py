@@ -26,9 +26,9 @@ from ray.train import DataConfig
 
 from raylane import pipelines_ref
 from raylane.config import BaseConfig
-from raylane.loop import baddata
-from raylane.loop import files as _files
-from raylane.loop.streaming import FileSource, locate
+from raylane.loop.data import baddata
+from raylane.loop.data import files as _files
+from raylane.loop.data.streaming import FileSource, locate
 
 READ_PREFETCH_BATCHES = 2
 
@@ -50,7 +50,7 @@ def build_datasets(cfg: BaseConfig) -> tuple[dict[str, ray.data.Dataset], dict[s
 
 def _named(sources: dict[str, Any]) -> dict[str, Any]:
     """Named held-out sets ("eval": {name: FileSource}) as datasets "eval.<name>", each split
-    on its own (raylane.loop.data.eval_data asks for them by that name)."""
+    on its own (raylane.loop.data.loader.eval_data asks for them by that name)."""
     out = {k: v for k, v in sources.items() if not (k == "eval" and isinstance(v, dict))}
     for name, source in (sources.get("eval") if isinstance(sources.get("eval"), dict) else {}).items():
         out[f"eval.{name}"] = source
@@ -98,7 +98,7 @@ def _to_dataset(source: FileSource, name: str, *, train: bool):
 
 def _skipped(source: FileSource, tallies: list[dict[str, Any]]) -> int:
     """Rows after the transform, bad ones skipped, from a counting pass of Ray Data's tasks that
-    tallied each batch to one row (raylane.loop.streaming.FileSource.tally). What was skipped is
+    tallied each batch to one row (raylane.loop.data.streaming.FileSource.tally). What was skipped is
     recorded for the summary (more than skip_bad_rows allows: a DataError, before the workers
     start); the first row skipped is found again, with its file and row, by reading the files in
     order with pyarrow up to it (a search bounded in time)."""
@@ -185,7 +185,7 @@ def batches(shard: Any, source: FileSource, **options: Any):
 
 
 def _found_again(source: FileSource, exc: BaseException) -> BaseException:
-    """What Ray Data failed on, read again with pyarrow (raylane.loop.streaming.locate), else
+    """What Ray Data failed on, read again with pyarrow (raylane.loop.data.streaming.locate), else
     one line from Ray's text: the original exception's, without Ray's wrappers and colours."""
     found = locate(source)
     if found is not None:

@@ -7,7 +7,7 @@ import re
 
 from raylane import logs
 from raylane.errors import DataError
-from raylane.loop.hangs import HangError
+from raylane.loop.observe.hangs import HangError
 from raylane.loop.usercode import TRACEBACK_ATTR
 from raylane.pipelines_ref import UserCodeError
 

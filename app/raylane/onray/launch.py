@@ -24,8 +24,8 @@ from raylane.config import BaseConfig, validate
 from raylane.config.batching import world_sizes
 from raylane.errors import TrainingError
 from raylane.loop import preemption
-from raylane.loop.events import End, Event, Startup
-from raylane.loop.result import RunResult
+from raylane.loop.protocols.events import End, Event, Startup
+from raylane.loop.protocols.result import RunResult
 from raylane.onray.elastic import HANDOVER_WAIT_S, NodeLeaving, failure_config, max_failures, ray_num_workers
 from raylane.onray.failures import format_failure
 from raylane.onray.leftovers import ProcessId
@@ -49,7 +49,7 @@ LISTENER_STOP_GRACE_S = 60.0
 def _train_fn(train_loop_config: dict[str, Any]) -> None:
     # Ray logs every report and checkpoint at INFO; the driver's display already shows them.
     # (One of those loggers is named after its file path, not its module.)
-    from raylane.loop.startup import process_start_unix
+    from raylane.loop.observe.startup import process_start_unix
     from raylane.onray.internals import train_context_module as ray_train_context
 
     startup = {
@@ -166,7 +166,7 @@ def _fit_and_pump(
 def _ray_datasets(cfg: BaseConfig) -> tuple[dict[str, Any], dict[str, int | None]]:
     """The pipeline's streaming sources as Ray Datasets, with what the workers need to know of
     them; ({}, {}) for a map-style pipeline (without importing Ray Data)."""
-    from raylane.loop.streaming import declares_sources
+    from raylane.loop.data.streaming import declares_sources
 
     if not declares_sources(cfg):
         return {}, {}

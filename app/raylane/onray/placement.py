@@ -107,9 +107,9 @@ def _may_grow() -> bool:
 
 def put_env(cfg: BaseConfig) -> Any:
     """The `env:` variables (each `${NAME}` read from this, the driver's, environment), and on GPUs
-    NCCL's flight recorder's (raylane.loop.hangs), in Ray's object store, for the workers; None
+    NCCL's flight recorder's (raylane.loop.observe.hangs), in Ray's object store, for the workers; None
     when there are none."""
-    from raylane.loop.hangs import flight_recorder_env
+    from raylane.loop.observe.hangs import flight_recorder_env
     from raylane.runrecord import run_folder
 
     folder = run_folder(cfg)

@@ -1,4 +1,4 @@
-"""What a Ray Train worker's loop sees of Ray (`RayRuntime`, raylane.loop.runtime's protocol) and the
+"""What a Ray Train worker's loop sees of Ray (`RayRuntime`, raylane.loop.protocols.runtime's protocol) and the
 small actor through which rank 0's events reach the driver (`EventSink`); raylane's warnings on a
 worker are relayed through it too (`relay_warnings`)."""
 
@@ -16,9 +16,9 @@ import ray.train
 import torch
 
 from raylane.loop import preemption
-from raylane.loop.distributed import node_layout
-from raylane.loop.events import End, Event, Handover, Log, Startup
-from raylane.loop.startup import process_start_unix
+from raylane.loop.distributed.groups import node_layout
+from raylane.loop.observe.startup import process_start_unix
+from raylane.loop.protocols.events import End, Event, Handover, Log, Startup
 from raylane.onray.leftovers import DriverWatch, ProcessId
 from raylane.onray.store import DriverWatchedStore
 
@@ -84,7 +84,7 @@ def notice_reason(info: Any) -> str:
 
 
 class RayRuntime:
-    """The `Runtime` seen by a Ray Train worker (see raylane.loop.runtime)."""
+    """The `Runtime` seen by a Ray Train worker (see raylane.loop.protocols.runtime)."""
 
     def __init__(
         self,

@@ -16,8 +16,8 @@ from ray.train import FailureConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raylane.loop import preemption
-from raylane.loop.events import Startup
-from raylane.loop.startup import process_start_unix
+from raylane.loop.observe.startup import process_start_unix
+from raylane.loop.protocols.events import Startup
 from raylane.onray import warm
 from raylane.onray.elastic import HandoverFailurePolicy, HeldBatchElasticPolicy, NoAutoscalerScalingPolicy
 from raylane.onray.internals import ControllerCallback, TorchBackend, TrainController, WorkerGroup
@@ -112,7 +112,7 @@ class TrialTorchTrainer(TorchTrainer):
 
 
 class ControllerStarted(ControllerCallback):
-    """Tells the driver when Ray Train's controller is up: a start-up phase (raylane.loop.startup)."""
+    """Tells the driver when Ray Train's controller is up: a start-up phase (raylane.loop.observe.startup)."""
 
     def __init__(self, sink: Any) -> None:
         self._sink = sink

@@ -35,8 +35,8 @@ from ray import tune
 from raylane import logs
 from raylane.config import BaseConfig, ConfigError, validate
 from raylane.config.sweep import SweepSection, trial_config
-from raylane.loop.events import Checkpoint, Event
-from raylane.loop.result import RunResult
+from raylane.loop.protocols.events import Checkpoint, Event
+from raylane.loop.protocols.result import RunResult
 from raylane.onray.cluster import RayStopper, data_cpus
 from raylane.onray.placement import check_placeable, put_env
 from raylane.onray.sweep_plan import param_space, search_alg, trials_text

@@ -1,5 +1,5 @@
 """Every node's health in MLflow: the driver reads the files each node's sampler rewrites in the
-run's folder (`<storage_path>/<run.name>/health/<node>.json`: raylane.loop.health) every
+run's folder (`<storage_path>/<run.name>/health/<node>.json`: raylane.loop.observe.health) every
 `mlflow.system_metrics_interval_s`, and logs each sample not logged yet as `system/<node>/<field>`
 (cpu_percent, memory_percent, memory_used_gb, disk_percent, disk_free_gb, network_receive_mb_s,
 network_transmit_mb_s; per GPU gpu<i>_utilization_percent,
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raylane.loop.health import HEALTH, file_name
+from raylane.loop.observe.health import HEALTH, file_name
 
 log = logging.getLogger("raylane")
 

@@ -1,9 +1,9 @@
 """What the driver records of a run's insides at its end: the per-rank step-time table (CSV, with a
 plot) from rank 0's result, and the profiled ranks' traces and top-operations tables (and on a
 GPU, memory snapshots) from the run's folder (`<storage_path>/<run.name>/profiles/`, where every
-profiled rank wrote, whichever node it ran on: raylane.loop.profiling), logged to MLflow as
+profiled rank wrote, whichever node it ran on: raylane.loop.observe.profiling), logged to MLflow as
 artifacts under `steps/` and `profiles/`; and every rank's stacks a hang left in `stacks/`
-(raylane.loop.hangs), under `stacks/`."""
+(raylane.loop.observe.hangs), under `stacks/`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from raylane.config import BaseConfig
 
 log = logging.getLogger("raylane.tracking")
 PROFILES = "profiles"
-STACKS = "stacks"  # raylane.loop.hangs.STACKS: the tracking layer reads the folder, not the module
+STACKS = "stacks"  # raylane.loop.observe.hangs.STACKS: the tracking layer reads the folder, not the module
 OPEN_HINT = "open a trace in https://ui.perfetto.dev or chrome://tracing"
 MEMORY_HINT = "drag one onto https://pytorch.org/memory_viz"
 NAMED_TABLES = 4  # the end line names this many tables (256 ranks profiled would be 256 names)
@@ -50,7 +50,7 @@ def profile_traces(cfg: BaseConfig, suffix: str = ".json.gz") -> list[str]:
 
 
 def memory_snapshots(cfg: BaseConfig) -> list[str]:
-    """The CUDA memory snapshots in the run's profiles folder (raylane.loop.profiling.MemorySnapshots)."""
+    """The CUDA memory snapshots in the run's profiles folder (raylane.loop.observe.profiling.MemorySnapshots)."""
     wanted = cfg.profile.memory_snapshot_step is not None or cfg.profile.memory_snapshot_on_oom
     return profile_traces(cfg, ".pickle") if wanted else []
 
@@ -96,7 +96,7 @@ def log_profiles(client: Any, run_id: str, cfg: BaseConfig, name: str = PROFILES
 
 
 def log_stacks(client: Any, run_id: str, cfg: BaseConfig) -> None:
-    """Every rank's stacks written on a hang (raylane.loop.hangs: `stacks/` in the run's folder,
+    """Every rank's stacks written on a hang (raylane.loop.observe.hangs: `stacks/` in the run's folder,
     with NCCL's flight-recorder dumps), as the run's artifacts under stacks/."""
     log_profiles(client, run_id, cfg, STACKS)
 

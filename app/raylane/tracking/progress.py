@@ -1,7 +1,7 @@
 """The driver's live display: a bar on a terminal, periodic plain lines in a log (`ray job logs`),
 and the block a finished run ends with.
 
-It consumes the events rank 0 publishes (raylane.loop.events) and remembers what the summary needs
+It consumes the events rank 0 publishes (raylane.loop.protocols.events) and remembers what the summary needs
 (first and last step times, the final result). Training figures are always shown with the steps
 they cover: the display, the summary and MLflow's train/* metrics give the same window the same
 numbers, and the whole run's throughput is named as such."""
@@ -14,7 +14,8 @@ import time
 from typing import IO, Any
 
 from raylane.config import EPOCHS_AS_NEEDED
-from raylane.loop.events import (
+from raylane.loop.observe.steptimes import Straggler as StepStraggler
+from raylane.loop.protocols.events import (
     Checkpoint,
     CheckpointFailed,
     End,
@@ -27,8 +28,7 @@ from raylane.loop.events import (
     Start,
     Straggler,
 )
-from raylane.loop.result import RunResult
-from raylane.loop.steptimes import Straggler as StepStraggler
+from raylane.loop.protocols.result import RunResult
 from raylane.results import TrainSummary
 from raylane.tracking.observe import profile_line
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from raylane.config import BaseConfig
-from raylane.loop.events import Checkpoint, End, Event, FirstStep, Start
-from raylane.loop.result import RunResult
+from raylane.loop.protocols.events import Checkpoint, End, Event, FirstStep, Start
+from raylane.loop.protocols.result import RunResult
 from raylane.results import Status
 from raylane.tracking.observe import log_profiles, log_rank_times, log_stacks
 from raylane.tracking.runs import MetricLogger, RunHandle, mlflow_client

@@ -6,7 +6,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from raylane.loop.events import Checkpoint, CheckpointFailed, Eval, Event, FirstStep, Handover, Progress, Start
+from raylane.loop.protocols.events import (
+    Checkpoint,
+    CheckpointFailed,
+    Eval,
+    Event,
+    FirstStep,
+    Handover,
+    Progress,
+    Start,
+)
 
 
 class Resizes:

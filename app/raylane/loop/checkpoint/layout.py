@@ -12,7 +12,7 @@ from typing import Any
 
 
 def layout_of(strategy: Any, world_size: int) -> dict[str, Any]:
-    """How `strategy` (raylane.loop.sharding.Strategy) lays a model out on `world_size` ranks: its
+    """How `strategy` (raylane.loop.distributed.fsdp.Strategy) lays a model out on `world_size` ranks: its
     label (`fsdp×tp2`), how the data-parallel ranks hold the model (`name`), the tensor- and
     pipeline-parallel sizes, the data-parallel size and the world size."""
     tp, pp, cp = (int(getattr(strategy, dim, 1) or 1) for dim in ("tp", "pp", "cp"))

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from raylane.errors import RaylaneError
-from raylane.loop.aliases import aliases, unexplained, without_aliases
 from raylane.loop.checkpoint.agree import describe
+from raylane.loop.checkpoint.aliases import aliases, unexplained, without_aliases
+from raylane.loop.checkpoint.frozen import base_of, frozen_names, mismatch, saved_part
 from raylane.loop.checkpoint.manifest import MANIFEST_FILE, read_manifest
 from raylane.loop.checkpoint.rng import rng_file, set_rng_state
 from raylane.loop.checkpoint.state import (
@@ -33,7 +34,6 @@ from raylane.loop.checkpoint.state import (
     regrouped,
     replicated,
 )
-from raylane.loop.frozen import base_of, frozen_names, mismatch, saved_part
 
 
 class CheckpointLoadError(RaylaneError, RuntimeError):
@@ -51,7 +51,7 @@ def load(
     """Collective. Loads in place (resharding if the world size changed); returns the train state.
     With `rank`, also restores that rank's random generators when the layout is unchanged
     (`layout`: this run's, raylane.loop.checkpoint.layout.layout_of; else the world size).
-    `hooks`: the hooks' states by key as they are now (raylane.loop.hooks), which a sharded
+    `hooks`: the hooks' states by key as they are now (raylane.loop.protocols.hooks), which a sharded
     checkpoint loads into in place; the train state's "hook_states" holds what was saved of them.
 
     A sharded checkpoint's DCP `.metadata` is a pickle: only load checkpoints this project wrote

@@ -19,24 +19,36 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from raylane.config import CheckpointSection
-from raylane.loop.aliases import aliases
 from raylane.loop.checkpoint import writing
 from raylane.loop.checkpoint.agree import CheckpointSaveError, collectives_on, describe, save_errors
+from raylane.loop.checkpoint.aliases import aliases
+from raylane.loop.checkpoint.frozen import records_of
 from raylane.loop.checkpoint.rng import rng_state
 from raylane.loop.checkpoint.staging import LiveState, Stager
 from raylane.loop.checkpoint.state import live_state, partial, replicated
 from raylane.loop.checkpoint.storage import CheckpointStore
-from raylane.loop.faults import FaultPlan
-from raylane.loop.frozen import records_of
-from raylane.loop.reporting import Reporter
 
 log = logging.getLogger("raylane.checkpoint")
+
+
+# What a save tells and asks of the loop above it (raylane.loop.reporting.Reporter and
+# raylane.loop.observe.faults.FaultPlan), as interfaces: checkpoints sit below both.
+class SaveReporter(Protocol):
+    def on_checkpoint(
+        self, *, step: int, location: str, epoch: int, metrics: dict[str, float], speed: dict[str, float] | None = None
+    ) -> None: ...
+
+    def on_checkpoint_failed(self, *, step: int, error: str) -> None: ...
+
+
+class SaveFaults(Protocol):
+    def before_save(self, step: int, path: str) -> None: ...
 
 
 @dataclass
@@ -67,10 +79,10 @@ class Saver:
         self,
         store: CheckpointStore,
         cfg: CheckpointSection,
-        reporter: Reporter,
+        reporter: SaveReporter,
         *,
         group: Any = None,
-        faults: FaultPlan | None = None,
+        faults: SaveFaults | None = None,
     ) -> None:
         self.store, self.cfg, self.reporter, self.group, self.faults = store, cfg, reporter, group, faults
         distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -111,7 +123,7 @@ class Saver:
         hooks: dict[str, Any] | None = None,
     ) -> None:
         """Collective. Returns once the state is staged (async) or committed (sync). `hooks`: the
-        pipeline's hooks' states by key (raylane.loop.hooks), saved with the model's."""
+        pipeline's hooks' states by key (raylane.loop.protocols.hooks), saved with the model's."""
         self.settle()  # at most one save in flight, and the staging buffers are free again
         if hooks:
             train_state = {**train_state, "hooks": sorted(hooks)}  # what a load asks the checkpoint for

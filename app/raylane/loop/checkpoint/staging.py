@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from raylane.loop.aliases import aliases, without_aliases
-from raylane.loop.frozen import saved_part
+from raylane.loop.checkpoint.aliases import aliases, without_aliases
+from raylane.loop.checkpoint.frozen import saved_part
 
 
 class Stager:
@@ -88,7 +88,7 @@ class LiveState:
     state_dict() renamed by a map built once. The first call checks the two agree, key for key
     and tensor for tensor, and keeps to DCP for good if they do not (a wrapper this map does not
     know). Both hold each tensor once: a tied weight or a submodule under two names is saved
-    under its canonical name only (raylane.loop.aliases)."""
+    under its canonical name only (raylane.loop.checkpoint.aliases)."""
 
     def __init__(self) -> None:
         self._names: list[str] | None = None  # the optimizer's parameter index -> name

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from raylane.loop.aliases import aliases, without_aliases
-from raylane.loop.frozen import saved_part
+from raylane.loop.checkpoint.aliases import aliases, without_aliases
+from raylane.loop.checkpoint.frozen import saved_part
 
 # A single process without a process group is a supported DCP mode, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -40,8 +40,8 @@ def dcp() -> ModuleType:
 
 def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The state DCP saves and loads: the model's and the optimizer's, keyed by parameter name,
-    each tensor once (under its canonical name: raylane.loop.aliases), and without the frozen
-    base of a model trained on one (raylane.loop.frozen)."""
+    each tensor once (under its canonical name: raylane.loop.checkpoint.aliases), and without the frozen
+    base of a model trained on one (raylane.loop.checkpoint.frozen)."""
     model_sd, optim_sd = dcp().state_dict.get_state_dict(model, optimizer)
     return {"model": saved_part(model, without_aliases(model_sd, aliases(model))), "optim": optim_sd}
 

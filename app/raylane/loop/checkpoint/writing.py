@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from raylane.loop.aliases import aliases
 from raylane.loop.checkpoint.agree import current_group, describe, raise_if_any, save_errors, vote
+from raylane.loop.checkpoint.aliases import aliases
+from raylane.loop.checkpoint.frozen import records_of
 from raylane.loop.checkpoint.manifest import MANIFEST_FILE, sha256
 from raylane.loop.checkpoint.rng import rng_file, rng_state
 from raylane.loop.checkpoint.state import (
@@ -45,7 +46,6 @@ from raylane.loop.checkpoint.state import (
     partial,
     replicated,
 )
-from raylane.loop.frozen import records_of
 
 
 class PendingSave:
@@ -107,9 +107,9 @@ class PendingSave:
 
     def _manifest(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
         """The commit record, naming every file of every rank (`parts`: each rank's "files")."""
-        # The model's other names for tensors saved once (raylane.loop.aliases), for readers.
+        # The model's other names for tensors saved once (raylane.loop.checkpoint.aliases), for readers.
         named: dict[str, Any] = {"aliases": self.aliases} if self.aliases else {}
-        # What the state depends on and does not hold (raylane.loop.frozen): a frozen
+        # What the state depends on and does not hold (raylane.loop.checkpoint.frozen): a frozen
         # base, whose weights it leaves out, and the tokenizer of its inputs.
         named.update(self.records)
         return {
@@ -210,7 +210,7 @@ def write(
     holding every rank's generators too. Every rank would write an identical copy, and DCP's
     planning (about a dozen collectives and their pickles) and metadata cost more than the write
     itself for small models (bench B9). `aliases`: the model's other names for tensors the state
-    holds once (recorded in the manifest); `records`: raylane.loop.frozen.records_of (idem);
+    holds once (recorded in the manifest); `records`: raylane.loop.checkpoint.frozen.records_of (idem);
     `part`: the model is a part of the whole (raylane.loop.checkpoint.state.partial). The
     optimizer's state is written flat, by parameter name, whatever the layout."""
     path = Path(path)

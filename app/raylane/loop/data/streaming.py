@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from raylane.loop import baddata
-from raylane.loop import files as _files
+from raylane.loop.data import baddata
+from raylane.loop.data import files as _files
 
 Batch = dict[str, np.ndarray]
 FORMATS = ("parquet", "csv", "json", "text")
@@ -266,7 +266,7 @@ class _Reader:
     def counted(self) -> list[int]:
         """Rows of every piece after the transform, read once: each rank counts a stride of the
         pieces and the counts are exchanged (one all_gather_object, before training). Bad rows
-        skipped are recorded for the summary (raylane.loop.baddata.record_skipped), and more
+        skipped are recorded for the summary (raylane.loop.data.baddata.record_skipped), and more
         than skip_bad_rows allows fails every rank alike."""
         skip = bool(self.source.skip_bad_rows)
         mine: dict[int, tuple[int, baddata.Skipped | None]] = {}
@@ -290,7 +290,7 @@ class _Reader:
 
 class FileStream(_Reader):
     """A rank's training share of a FileSource, read with pyarrow; the `EpochData` the Trainer
-    iterates (see raylane.loop.data). The pieces are dealt round-robin from a permutation drawn
+    iterates (see raylane.loop.data.loader). The pieces are dealt round-robin from a permutation drawn
     from (seed, epoch); every rank runs as many batches as the smallest share makes."""
 
     epochs_alike = False

@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from raylane.loop import baddata
 from raylane.loop.checkpoint.storage import filesystem_for
+from raylane.loop.data import baddata
 from raylane.paths import is_uri, one_line, quick_filesystem
 
 EXTENSIONS = {"parquet": (".parquet",), "csv": (".csv",), "json": (".json", ".jsonl"), "text": ()}

@@ -13,26 +13,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from raylane.loop.distributed.groups import node_name
+
 log = logging.getLogger("raylane")
 
 HEALTH = "health"  # the run folder's subfolder
 KEEP = 5  # samples each node's file holds: a reader that polls late still sees each once
-NODE_ENV = "RAYLANE_NODE_NAME"
 GB = 1024**3
 MB = 1024**2
-
-
-def node_name() -> str:
-    """This node's name in a run's records: $RAYLANE_NODE_NAME where set (nodes that share a host
-    name, e.g. containers, or two launches on one machine), else the host name."""
-    return os.environ.get(NODE_ENV) or socket.gethostname()
 
 
 def file_name(node: str) -> str:

@@ -10,9 +10,9 @@ process: the driver's listeners, called directly):
   the driver and Ray Train's controller: launch, trainers).
 
 Readers, on the driver: raylane.tracking.progress.ProgressDisplay, raylane.tracking.records.
-RunRecorder, raylane.tracking.resizes.Resizes, raylane.loop.startup.StartupTimes, Tune's trial
+RunRecorder, raylane.tracking.resizes.Resizes, raylane.loop.observe.startup.StartupTimes, Tune's trial
 (raylane.onray.tune: Checkpoint), autotune's Recorder (raylane.autotuning.driver), and the Ray
-launcher itself (End's result, Handover). A training run's result is a RunResult (raylane.loop.result).
+launcher itself (End's result, Handover). A training run's result is a RunResult (raylane.loop.protocols.result).
 
 Plain frozen dataclasses: on Ray they cross the event actor by pickling, and this module, like
 the rest of the loop, imports neither Ray nor torch (the driver reads startup events before
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from raylane.loop.result import RunResult
+from raylane.loop.protocols.result import RunResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,9 @@ class Start:
     strategy: str | None = None
     strategy_reason: str = ""
     strategy_tags: dict[str, str] = field(default_factory=dict)  # MLflow tags
-    startup: dict[str, float] = field(default_factory=dict)  # start-up phase -> unix time (raylane.loop.startup)
+    startup: dict[str, float] = field(
+        default_factory=dict
+    )  # start-up phase -> unix time (raylane.loop.observe.startup)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +104,9 @@ class Log:
 
 @dataclass(frozen=True, slots=True)
 class Straggler:
-    """A rank named as slow by its step times, once (raylane.loop.steptimes)."""
+    """A rank named as slow by its step times, once (raylane.loop.observe.steptimes)."""
 
-    record: dict[str, Any]  # raylane.loop.steptimes.Straggler.to_dict()
+    record: dict[str, Any]  # raylane.loop.observe.steptimes.Straggler.to_dict()
     line: str  # what the terminal says
 
 

@@ -3,10 +3,10 @@ group), the column and the value, e.g. `data.num_classes = 3: data/train.csv row
 'label' has 5; class ids are 0..2`.
 
 A FileSource's transform raises `DataError` for a bad value, with the row's index in the batch it
-was given; the reader (raylane.loop.files.checked_chunks) knows which file and rows the batch
+was given; the reader (raylane.loop.data.files.checked_chunks) knows which file and rows the batch
 came from and fills in the place. Rows are counted from 1 in each file (a CSV's header is not a
 row). What arrives without a place (Ray Data's tasks report only text) is found again by reading
-the files with pyarrow (raylane.loop.streaming.locate), once the run has already failed."""
+the files with pyarrow (raylane.loop.data.streaming.locate), once the run has already failed."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ transformers attention, which holds its `config` and `head_dim` and views by `-1
 config's `num_attention_heads` and `num_key_value_heads`. A plan that splits no attention's
 projection (the MLPs alone) is held to no head count. The checks before launch
 (raylane.loop.plan_view) refuse with `heads_problem`'s line; `tp: auto` tries only the degrees it
-allows (raylane.loop.layout.weigh)."""
+allows (raylane.loop.distributed.layout.weigh)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ HEAD_COUNTS = (
 def heads_problem(model: nn.Module, rules: dict[str, Any], tp: int) -> str | None:
     """One line naming strategy.tp, the module, its attribute and the rule, for the first head
     count `tp` does not divide; None when it divides them all. `rules`: {pattern: ParallelStyle}
-    (raylane.loop.tensor_parallel.plan_for's)."""
+    (raylane.loop.distributed.tensor_parallel.plan_for's)."""
     from fnmatch import fnmatch
 
     from torch.distributed.tensor.parallel import ColwiseParallel

@@ -5,8 +5,8 @@ run is refused in one line before any worker starts, not at the first step on ev
 - `check_tp_forward`: under tensor parallelism, on one rank's share of the plan: the plan laid
   out for real over a process group of torch's `fake` backend with `tp` ranks (DTensors of one
   rank's shapes, nothing sent), the attentions' head counts made the rank's own
-  (raylane.loop.tensor_parallel.local_heads), then the forward on the example input.
-- `check_pp_forward`: under pipeline parallelism, the stages (raylane.loop.pipeline_parallel)
+  (raylane.loop.distributed.tensor_parallel.local_heads), then the forward on the example input.
+- `check_pp_forward`: under pipeline parallelism, the stages (raylane.loop.distributed.pipeline_parallel)
   run one after the other, each on the model's own input and the activation the stage before
   sent, as the schedule runs them.
 
@@ -53,9 +53,9 @@ def check_tp_forward(model: nn.Module, plan: Any, tp: int, example: Any, *, sequ
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from raylane.loop.heads import HEAD_COUNTS
-    from raylane.loop.layout import fake_work
-    from raylane.loop.tensor_parallel import apply_plan
+    from raylane.loop.distributed.heads import HEAD_COUNTS
+    from raylane.loop.distributed.layout import fake_work
+    from raylane.loop.distributed.tensor_parallel import apply_plan
 
     # fake_work: a torchrun rank trains in this process next (its first steps were seen to change)
     with fake_work():
@@ -81,7 +81,7 @@ def check_pp_forward(
     blocks in `container`; `call`: a Stages' own) run in turn on `example` fail, or end in an
     output of another shape than the whole model's. Nothing is checked where the whole model does
     not run on the meta device."""
-    from raylane.loop.pipeline_parallel import MODEL_INPUT, stage_module
+    from raylane.loop.distributed.pipeline_parallel import MODEL_INPUT, stage_module
 
     if example is None or not _runs_on_meta(model, example):
         return
@@ -116,13 +116,13 @@ def _runs_on_meta(model: nn.Module, example: Any) -> bool:
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
-    from raylane.loop.layout import meta_copy
+    from raylane.loop.distributed.layout import meta_copy
 
     return meta_copy(model)[0]
 
 
 def _call(model: nn.Module, example: Any) -> Any:
-    """The model's output for its example input (the forms of raylane.loop.pipeline.example_batch)."""
+    """The model's output for its example input (the forms of raylane.loop.protocols.pipeline.example_batch)."""
     example = _on_meta(example)
     if isinstance(example, Mapping):
         return model(**example)
@@ -194,16 +194,16 @@ def _innermost(exc: BaseException) -> str:
 def check_model_parallel(pipe: Any, cfg: Any) -> None:
     """Before launch, on the pipeline `build(cfg)` made (on the meta device, or not): what the
     config's model-parallel layout needs of its model's forward. ValueError, one line: sequence
-    parallelism with a plan that cannot lay it out (raylane.loop.tensor_parallel.
+    parallelism with a plan that cannot lay it out (raylane.loop.distributed.tensor_parallel.
     check_sequence_parallel); a forward that fails on one rank's share of the tp_plan at a fixed
     `strategy.tp`; stages that fail run in turn under `strategy.pp`. What the pipeline lacks (no
     tp_plan, no pp_stages) is raylane.layout_checks' to say, and a split that cannot work
-    raylane.loop.pipeline_split's."""
-    from raylane.loop.blocks import find_blocks
-    from raylane.loop.pipeline import example_batch
-    from raylane.loop.pipeline_parallel import Stages
-    from raylane.loop.pipeline_split import split_names
-    from raylane.loop.tensor_parallel import check_sequence_parallel
+    raylane.loop.distributed.pipeline_split's."""
+    from raylane.loop.distributed.blocks import find_blocks
+    from raylane.loop.distributed.pipeline_parallel import Stages
+    from raylane.loop.distributed.pipeline_split import split_names
+    from raylane.loop.distributed.tensor_parallel import check_sequence_parallel
+    from raylane.loop.protocols.pipeline import example_batch
 
     s = cfg.strategy
     plan = pipe.tp_plan if s.tensor_parallel else None

@@ -1,6 +1,6 @@
 """How a model splits into pipeline stages, by module name: `pp_stages="auto"`'s even split of the
 found blocks (`auto_stages`), a given split checked (`check_stages`, `check_container`), and both
-behind `split_names`. Every refusal is one line naming what is wrong; raylane.loop.pipeline_parallel
+behind `split_names`. Every refusal is one line naming what is wrong; raylane.loop.distributed.pipeline_parallel
 builds the stages from the names."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from raylane.loop.blocks import CONTAINERS, Blocks
+from raylane.loop.distributed.blocks import CONTAINERS, Blocks
 
 
 def _names(model: nn.Module) -> dict[int, str]:
@@ -62,7 +62,7 @@ def auto_stages(model: nn.Module, found: Blocks, n: int) -> list[list[str]]:
 
 def _lone_block(model: nn.Module) -> str | None:
     """The path of a ModuleList or Sequential of one child with parameters (a model of one block,
-    which raylane.loop.blocks does not call repeated), or None."""
+    which raylane.loop.distributed.blocks does not call repeated), or None."""
     for name, module in model.named_modules():
         if isinstance(module, CONTAINERS) and len(module) == 1 and any(True for _ in module.parameters()):
             return name
@@ -107,7 +107,7 @@ def check_stages(model: nn.Module, stages: Sequence[Sequence[str]], n: int) -> l
         if len(holders) != 1:
             what = "no stage holds" if not holders else f"stages {holders[0]} and {holders[1]} both hold"
             raise ValueError(f"Pipeline.pp_stages: {what} the parameter {pname!r} of {kind}")
-    from raylane.loop.tensor_parallel import shared_parameters
+    from raylane.loop.distributed.tensor_parallel import shared_parameters
 
     for tied in shared_parameters(model):
         owners = {next(i for i, names in enumerate(listed) if any(is_under(t, m) for m in names)) for t in tied}

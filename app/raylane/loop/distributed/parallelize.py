@@ -1,11 +1,11 @@
 """The one place that decides how a model is distributed. Models know nothing of it: their
 repeated layers, the unit of sharding, recompute and compilation, are the pipeline's `blocks`, or
-else found in the model (raylane.loop.blocks: `model.blocks`, a Hugging Face model's
+else found in the model (raylane.loop.distributed.blocks: `model.blocks`, a Hugging Face model's
 `_no_split_modules`, its largest repeated ModuleList). A model with none is sharded as one unit.
 
 Order matters and follows torchtitan: tensor parallelism (the pipeline's tp_plan), activation
 checkpointing, then compile, then DDP or FSDP2. The model-parallel layout (the mesh, TP, pipeline
-stages) is raylane.loop.mesh; the Strategy record and FSDP2's wrapping, raylane.loop.sharding."""
+stages) is raylane.loop.distributed.mesh; the Strategy record and FSDP2's wrapping, raylane.loop.distributed.fsdp."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raylane.config import BaseConfig
-from raylane.loop.blocks import Blocks, blocks_of, find_blocks
-from raylane.loop.devices import device_memory_bytes, local_world_size, size_text
-from raylane.loop.mesh import lay_out_pipeline_parallel, lay_out_tensor_parallel, model_parallel_strategy
-from raylane.loop.sharding import Strategy, fully_shard, materialize, on_meta, prepare_blocks
-from raylane.loop.tensor_parallel import TpPlan
+from raylane.loop.distributed.blocks import Blocks, blocks_of, find_blocks
+from raylane.loop.distributed.devices import device_memory_bytes, local_world_size, size_text
+from raylane.loop.distributed.fsdp import Strategy, fully_shard, materialize, on_meta, prepare_blocks
+from raylane.loop.distributed.mesh import lay_out_pipeline_parallel, lay_out_tensor_parallel, model_parallel_strategy
+from raylane.loop.distributed.tensor_parallel import TpPlan
 
 log = logging.getLogger("raylane")
 
@@ -56,13 +56,13 @@ def activation_bytes(
     lay_out: Callable[[nn.Module], None] | None = None,
 ) -> int:
     """Bytes autograd keeps for backward from one forward and loss at the example batch's size
-    (any of the three forms, raylane.loop.batches), measured on a copy on the meta device:
+    (any of the three forms, raylane.loop.protocols.batches), measured on a copy on the meta device:
     shapes only, no memory, no compute. With activation checkpointing, each block keeps only its
-    input, and one block's are rebuilt at a time. `blocks`: the pipeline's (raylane.loop.blocks),
+    input, and one block's are rebuilt at a time. `blocks`: the pipeline's (raylane.loop.distributed.blocks),
     or None to find them. `lay_out(copy)`: a layout applied to the meta copy first (a
     tensor-parallel plan over a fake process group): one rank's bytes under it."""
-    from raylane.loop.batches import forward_loss, to_device
-    from raylane.loop.layout import meta_copy
+    from raylane.loop.distributed.layout import meta_copy
+    from raylane.loop.protocols.batches import forward_loss, to_device
 
     meta, blocks = meta_copy(model, blocks)
     if lay_out is not None:
@@ -169,9 +169,9 @@ def choose_strategy(
 def _auto_layout(
     cfg: BaseConfig, device: torch.device, world_size: int, model: nn.Module, probe: tuple, blocks: Any, plan: Any
 ) -> Strategy:
-    """`strategy.tp: auto`: the simplest layout that fits the device (raylane.loop.layout.weigh).
+    """`strategy.tp: auto`: the simplest layout that fits the device (raylane.loop.distributed.layout.weigh).
     `probe`: (example, loss_fn, step), for the activations."""
-    from raylane.loop.layout import weigh
+    from raylane.loop.distributed.layout import weigh
 
     if world_size == 1:
         return Strategy("single", reason="one rank")
@@ -232,7 +232,7 @@ def parallelize(
     """(the model ready to train on this rank, the strategy chosen). `blocks`: the pipeline's
     (None: found in the model). `blocks_prepared`: the caller already ran prepare_blocks on it.
     `tp_plan`: the pipeline's, for `strategy.tp` > 1; `pp_stages`, for `strategy.pp` > 1 (then the
-    model is this rank's stages, a raylane.loop.pipeline_parallel.PipelineModel)."""
+    model is this rank's stages, a raylane.loop.distributed.pipeline_parallel.PipelineModel)."""
     found = find_blocks(model, blocks)
     blocks = found.modules
     if cfg.strategy.pp > 1:

@@ -47,10 +47,10 @@ class Pipeline:
     # -> an LRScheduler or None, in place of raylane's (cfg.optim).
     optimizer: Callable[..., Any] | None = None
     scheduler: Callable[..., Any] | None = None
-    # Callbacks at step ends, evaluation ends and checkpoints (raylane.loop.hooks).
+    # Callbacks at step ends, evaluation ends and checkpoints (raylane.loop.protocols.hooks).
     hooks: Sequence[Any] = ()
     # The model's repeated layers, the unit of FSDP sharding, activation checkpointing and
-    # compile: a list or ModuleList of its modules. None: found (raylane.loop.parallel).
+    # compile: a list or ModuleList of its modules. None: found (raylane.loop.distributed.parallelize).
     blocks: Any = None
     # init_weights(model): fills the weights of a model built on the meta device (shapes, no
     # memory), on every rank once it is parallelized and given storage: raylane.hf.load_pretrained
@@ -64,7 +64,7 @@ class Pipeline:
     # split evenly, what comes before them on the first stage, after them on the last), or a list
     # per stage of the module names it holds (["wte", "wpe", "blocks.0"], ["blocks.1", "ln_f",
     # "lm_head"]). Names stay the model's (checkpoints load at any layout). Or a
-    # raylane.loop.pipeline_parallel.Stages, for a model whose forward needs help to run as a stage
+    # raylane.loop.distributed.pipeline_parallel.Stages, for a model whose forward needs help to run as a stage
     # (raylane.hf's causal LMs). None: no pipeline.
     pp_stages: str | Sequence[Sequence[str]] | Any | None = None
 

@@ -1,5 +1,5 @@
 """How a model is held on its ranks, below the choice of layout: the `Strategy` record that
-raylane.loop.parallel.parallelize returns, recompute and compile on the blocks (`prepare_blocks`),
+raylane.loop.distributed.parallelize.parallelize returns, recompute and compile on the blocks (`prepare_blocks`),
 FSDP2 (`fully_shard`), a meta-device model's storage (`on_meta`, `materialize`), and what the
 loop does with a wrapped model (`resharded`, `unwrap`, `no_gradient_sync`)."""
 
@@ -14,10 +14,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raylane.config import BaseConfig
-from raylane.loop.blocks import blocks_of
-from raylane.loop.devices import GIB
-from raylane.loop.layout import Layout
-from raylane.loop.tensor_parallel import loss_context, retie, shared_parameters
+from raylane.loop.distributed.blocks import blocks_of
+from raylane.loop.distributed.devices import GIB
+from raylane.loop.distributed.layout import Layout
+from raylane.loop.distributed.tensor_parallel import loss_context, retie, shared_parameters
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Strategy:
 
     @property
     def layout(self) -> Layout:
-        """The mesh's dimensions by name (raylane.loop.layout)."""
+        """The mesh's dimensions by name (raylane.loop.distributed.layout)."""
         return Layout.of(self)
 
     @property

@@ -1,7 +1,7 @@
 """Pipeline parallelism from a pipeline's `pp_stages`: the model cut into stages by module name,
 each rank holding its stages (torch.distributed.pipelining's PipelineStage), run by one of torch's
 schedules. Names stay the model's (`blocks.5` stays `blocks.5` on whichever stage holds it), so a
-checkpoint loads at any layout. Which names each stage holds: raylane.loop.pipeline_split.
+checkpoint loads at any layout. Which names each stage holds: raylane.loop.distributed.pipeline_split.
 
 A stage is the model itself, deep-copied, with what other stages hold taken out (torchtitan's
 way), so that the model's own `forward` runs unchanged on every stage:
@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raylane.loop.blocks import Blocks
-from raylane.loop.pipeline_split import is_under, split_names
+from raylane.loop.distributed.blocks import Blocks
+from raylane.loop.distributed.pipeline_split import is_under, split_names
 
 
 class StageExit(Exception):  # noqa: N818 - control flow, not an error: the stage's output
@@ -243,7 +243,9 @@ class PipelineModel(nn.Module):
         object.__setattr__(self, "pipeline", pipeline)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError("a pipeline-parallel model runs through its schedule (raylane.loop.pipeline_parallel)")
+        raise TypeError(
+            "a pipeline-parallel model runs through its schedule (raylane.loop.distributed.pipeline_parallel)"
+        )
 
     def train(self, mode: bool = True) -> PipelineModel:
         super().train(mode)
@@ -354,7 +356,7 @@ def pair(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """An (input, target) batch of tensors, the one form a pipeline schedule runs; else one line."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
         return batch[0], batch[1]
-    from raylane.loop.batches import BatchFormError, describe
+    from raylane.loop.protocols.batches import BatchFormError, describe
 
     raise BatchFormError(
         f"strategy.pp: a pipeline schedule runs (input, target) batches of two tensors through loss_fn; "
@@ -415,7 +417,7 @@ def pipeline_model(
     loss_fn: Any,
 ) -> PipelineModel:
     """This rank's stages of `model` (`s`: the strategy section), each made ready by
-    `prepare(stage, its blocks)` (raylane.loop.mesh: the TP plan, recompute, compile, FSDP2),
+    `prepare(stage, its blocks)` (raylane.loop.distributed.mesh: the TP plan, recompute, compile, FSDP2),
     and the schedule over them on the pipeline's mesh `pp_mesh`."""
     if pp_stages is None:
         raise ValueError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 
-from raylane.loop.events import Event, FirstStep, Start, Startup
+from raylane.loop.protocols.events import Event, FirstStep, Start, Startup
 
 # In the order they end on Ray (without Ray, the process group comes before tracking:
 # TORCHRUN_PHASES). On Ray the worker's process may also start before the controller: a raylet

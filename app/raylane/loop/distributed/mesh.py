@@ -1,7 +1,7 @@
 """The model-parallel layout: the (pp, dp_replicate, dp_shard, cp, tp) mesh of a run's ranks
 (`model_parallel_strategy`, `device_mesh`, `fsdp_mesh`), a model laid out over it with tensor
 parallelism (`lay_out_tensor_parallel`) or as this rank's pipeline stages
-(`lay_out_pipeline_parallel`). raylane.loop.parallel.parallelize calls it."""
+(`lay_out_pipeline_parallel`). raylane.loop.distributed.parallelize.parallelize calls it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from raylane.config import BaseConfig
-from raylane.loop.blocks import Blocks
-from raylane.loop.layout import MESH_DIMS
-from raylane.loop.sharding import Strategy, fully_shard, on_meta, prepare_blocks
-from raylane.loop.tensor_parallel import apply_plan, apply_rules, gather_when_evaluating, plan_for
+from raylane.loop.distributed.blocks import Blocks
+from raylane.loop.distributed.fsdp import Strategy, fully_shard, on_meta, prepare_blocks
+from raylane.loop.distributed.layout import MESH_DIMS
+from raylane.loop.distributed.tensor_parallel import apply_plan, apply_rules, gather_when_evaluating, plan_for
 
 
 def model_parallel_strategy(cfg: BaseConfig, world_size: int, tp: int | None = None, why: str = "") -> Strategy:
@@ -98,7 +98,7 @@ def lay_out_pipeline_parallel(
     """This rank's pipeline stages, each in issue 49's order: the split (on the model as built, on
     the meta device or not), the TP plan and its ties, recompute and compile, FSDP2 (over one rank
     too: every parameter a DTensor, so a checkpoint is sharded by stage), then storage."""
-    from raylane.loop.pipeline_parallel import pipeline_model, stage_plan
+    from raylane.loop.distributed.pipeline_parallel import pipeline_model, stage_plan
 
     mesh = device_mesh(device, strategy.mesh_shape)
     rules = plan_for(model, plan, sequence_parallel=strategy.sequence_parallel) if strategy.tp > 1 else None

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from raylane.loop.checkpoint.storage import CheckpointStore
-from raylane.loop.events import Event
+from raylane.loop.protocols.events import Event
 
 
 class Runtime(Protocol):
@@ -45,7 +45,7 @@ class Runtime(Protocol):
 
     def data_stream(self, name: str, source: Any, *, batch_size: int) -> Any | None:
         """The launcher's own reader of a streaming source ("train" or "eval"; Ray Data's shard
-        on Ray), or None: the loop reads the source itself (raylane.loop.streaming)."""
+        on Ray), or None: the loop reads the source itself (raylane.loop.data.streaming)."""
 
 
 class LocalRuntime:

@@ -5,12 +5,21 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
+import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger("raylane")
+# One name per node in every record (health, step times, stacks, profiles).
+NODE_ENV = "RAYLANE_NODE_NAME"
+
+
+def node_name() -> str:
+    """This node's name in a run's records: $RAYLANE_NODE_NAME where set (nodes that share a host
+    name, e.g. containers, or two launches on one machine), else the host name."""
+    return os.environ.get(NODE_ENV) or socket.gethostname()
 
 
 def env_ranks() -> tuple[int, int, int]:
@@ -138,10 +147,8 @@ class ControlVote:
 
 
 def node_names(group: dist.ProcessGroup | None = None) -> list[str]:
-    """Each rank's node name (its host name, or $RAYLANE_NODE_NAME: raylane.loop.health), in rank
+    """Each rank's node name (node_name()), in rank
     order: one all-gather, once, before the first step."""
-    from raylane.loop.health import node_name
-
     mine = node_name()
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [mine]

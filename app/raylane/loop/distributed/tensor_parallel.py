@@ -19,8 +19,8 @@ from typing import Any
 from torch import nn
 
 # The attributes that hold an attention module's head count (nanoGPT's, Llama's reference code's,
-# transformers' names): the checks' (raylane.loop.heads) and local_heads' alike.
-from raylane.loop.heads import HEAD_COUNTS
+# transformers' names): the checks' (raylane.loop.distributed.heads) and local_heads' alike.
+from raylane.loop.distributed.heads import HEAD_COUNTS
 
 # A pipeline's plan: {module path: ParallelStyle}, `*` standing for one name in the path (a
 # block's index), as torch's parallelize_module takes it; or plan(model, sequence_parallel) -> that.
@@ -29,11 +29,11 @@ TpPlan = Mapping[str, Any] | Callable[[nn.Module, bool], Mapping[str, Any]]
 
 def plan_for(model: nn.Module, plan: TpPlan, *, sequence_parallel: bool) -> dict[str, Any]:
     """The plan as {pattern: ParallelStyle}, styles given by name (`"colwise"`, transformers'
-    notation) made torch's (raylane.loop.tp_styles); ValueError naming the first rule that names
+    notation) made torch's (raylane.loop.distributed.tp_styles); ValueError naming the first rule that names
     no module (a misspelt path would otherwise leave its layers whole on every rank, silently) or
     whose style is none, and for sequence parallelism with a plan that cannot lay it out
     (`check_sequence_parallel`)."""
-    from raylane.loop.tp_styles import resolve_rules
+    from raylane.loop.distributed.tp_styles import resolve_rules
 
     if sequence_parallel:
         check_sequence_parallel(model, plan)

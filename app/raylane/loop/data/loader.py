@@ -5,7 +5,7 @@ depends on the seed and the epoch alone, and a resume on another world size cont
 epoch at the same sample.
 
 The Trainer iterates any `EpochData`: this module's `EpochLoader` for map-style datasets, or a
-stream of a `raylane.loop.streaming.FileSource` (pyarrow's `FileStream`, or the launcher's own,
+stream of a `raylane.loop.data.streaming.FileSource` (pyarrow's `FileStream`, or the launcher's own,
 Ray Data's shard on Ray)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler, Subset
 
-from raylane.loop.devices import local_world_size
+from raylane.loop.distributed.devices import local_world_size
 
 
 class EpochData(Protocol):
@@ -270,7 +270,7 @@ def data_ranks(runtime: Any, tp: int, pp: int = 1) -> Any:
 
 
 def is_stream(data: Any) -> bool:
-    from raylane.loop.streaming import FileSource
+    from raylane.loop.data.streaming import FileSource
 
     return isinstance(data, FileSource)
 
@@ -310,7 +310,7 @@ def train_data(
             "train.global_batch: a streaming source's epochs are shared out by file, not by sample; "
             "leave train.global_batch unset for it"
         )
-    from raylane.loop.streaming import FileStream
+    from raylane.loop.data.streaming import FileStream
 
     return runtime.data_stream("train", dataset, batch_size=batch_size) or FileStream(
         dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size, seed=seed
@@ -346,7 +346,7 @@ def eval_data(
             for name, data in dataset.items()
         }
     if is_stream(dataset):
-        from raylane.loop.streaming import FileEvalStream
+        from raylane.loop.data.streaming import FileEvalStream
 
         return runtime.data_stream(stream, dataset, batch_size=batch_size) or FileEvalStream(
             dataset, batch_size=batch_size, rank=runtime.rank, world_size=runtime.world_size

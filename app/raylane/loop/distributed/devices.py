@@ -115,7 +115,7 @@ def local_world_size(default: int = 1) -> int:
 def largest_memory(state: int, device: torch.device) -> dict[str, int]:
     """Collective. The summary's memory figures, the largest over the ranks: the model and
     optimizer state a rank holds (`state`, this rank's), and the device's peak."""
-    from raylane.loop.distributed import all_reduce_max
+    from raylane.loop.distributed.groups import all_reduce_max
 
     worst = all_reduce_max({"state_bytes_per_rank": state, "peak_bytes": peak_memory_bytes(device)}, device)
     return {k: int(v) for k, v in worst.items()}

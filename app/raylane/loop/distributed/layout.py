@@ -2,7 +2,7 @@
 tags show it (`fsdp×tp2`, `hsdp×tp2×pp2`), and what `strategy.tp: auto` chooses it from: each
 candidate's per-rank bytes, measured by laying a meta copy of the model out for real on fake
 process groups (no memory, no communication), and the activations estimated. That work, and
-raylane.loop.forward_checks', runs inside `fake_work`, which leaves the process as it found it
+raylane.loop.distributed.forward_checks', runs inside `fake_work`, which leaves the process as it found it
 for the run it goes on to train.
 
 The mesh's dimensions are torchtitan's, outermost first: pp, dp_replicate, dp_shard, cp, tp."""
@@ -39,7 +39,7 @@ class Layout:
 
     @classmethod
     def of(cls, strategy: Any) -> Layout:
-        """A raylane.loop.sharding.Strategy's: a model-parallel run's one mesh read by dimension
+        """A raylane.loop.distributed.fsdp.Strategy's: a model-parallel run's one mesh read by dimension
         (FSDP2 with replicas named hsdp), else its data-parallel ranks as replicas under DDP,
         shards under FSDP, both under HSDP."""
         mesh: tuple[int, ...] = tuple(strategy.mesh_shape) or (1,)
@@ -85,10 +85,10 @@ class Layout:
 
 
 def meta_copy(model: nn.Module, blocks: Any = None) -> tuple[nn.Module, list[nn.Module]]:
-    """(a copy of `model` on the meta device, the copy's blocks: raylane.loop.blocks' of `blocks`),
+    """(a copy of `model` on the meta device, the copy's blocks: raylane.loop.distributed.blocks' of `blocks`),
     its parameters made on the meta device and never copied (ties kept: one memo entry each), so
     that a large model built with its weights costs no second copy of them."""
-    from raylane.loop.blocks import blocks_of
+    from raylane.loop.distributed.blocks import blocks_of
 
     memo: dict[int, Any] = {id(p): nn.Parameter(p.to("meta"), p.requires_grad) for p in model.parameters()}
     meta, found = copy.deepcopy((model, blocks_of(model, blocks)), memo)  # one copy: the blocks are the copy's
@@ -178,7 +178,7 @@ def parameter_bytes(
     Collective (the groups are made by every rank)."""
     from torch.distributed.fsdp import fully_shard
 
-    from raylane.loop.tensor_parallel import apply_plan
+    from raylane.loop.distributed.tensor_parallel import apply_plan
 
     meta, blocks = meta_copy(model, blocks)
     with fake_work():
@@ -252,8 +252,8 @@ def weigh(
     (sequence parallelism as the config says): what the layout saves, and nothing it does not.
     Where that cannot be measured (no example, a forward the plan breaks), the whole model's.
     Collective."""
-    from raylane.loop.blocks import blocks_of
-    from raylane.loop.devices import local_world_size, size_text
+    from raylane.loop.distributed.blocks import blocks_of
+    from raylane.loop.distributed.devices import local_world_size, size_text
 
     s = cfg.strategy
     acts = estimate["activations"]
@@ -261,9 +261,9 @@ def weigh(
         (sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks_of(model, blocks)), default=0
     )
     tps = tp_candidates(cfg, world_size, local_world_size(default=world_size)) if plan is not None else []
-    if tps:  # the degrees that split every attention's heads whole (raylane.loop.heads)
-        from raylane.loop.heads import heads_problem
-        from raylane.loop.tensor_parallel import plan_for
+    if tps:  # the degrees that split every attention's heads whole (raylane.loop.distributed.heads)
+        from raylane.loop.distributed.heads import heads_problem
+        from raylane.loop.distributed.tensor_parallel import plan_for
 
         rules = plan_for(model, plan, sequence_parallel=s.sequence_parallel)
         tps = [tp for tp in tps if heads_problem(model, rules, tp) is None]
@@ -292,7 +292,7 @@ def weigh(
 def _rank_activations(activations: Callable, plan: Any, mesh: Any, s: Any, whole: int) -> int:
     """One rank's activations with the plan laid out over `mesh`'s tp ranks; `whole` where the
     forward does not run so (said at debug level: the run itself will say why)."""
-    from raylane.loop.tensor_parallel import apply_plan
+    from raylane.loop.distributed.tensor_parallel import apply_plan
 
     def lay_out(meta: nn.Module) -> None:
         # the head's logits gathered: the estimate's loss runs outside loss_parallel's context,

@@ -67,9 +67,9 @@ class RankFailure:
 def is_echo(exc: BaseException) -> bool:
     """Whether `exc` is this rank's echo of another rank's failure (see the module's doc): its
     message, or one of those it was raised from, is a peer gone or a collective's timeout.
-    raylane's hang report (raylane.loop.hangs.HangError) is no echo: it names the ranks that
+    raylane's hang report (raylane.loop.observe.hangs.HangError) is no echo: it names the ranks that
     never came, and where they stood."""
-    from raylane.loop.hangs import HangError
+    from raylane.loop.observe.hangs import HangError
 
     seen: set[int] = set()
     current: BaseException | None = exc

@@ -49,7 +49,7 @@ class RunResult:
     last_window: dict[str, Any] | None = None  # the last logged steps' train figures
     steps_per_epoch: int | None = None
     tracking_cost_s: dict[str, float] | None = None  # what logging to MLflow cost rank 0
-    # Rank 0's, from every rank's step times (raylane.loop.steptimes):
+    # Rank 0's, from every rank's step times (raylane.loop.observe.steptimes):
     stragglers: list[dict[str, Any]] | None = None  # each rank named as slow (Straggler.to_dict)
     rank_times: list[dict[str, Any]] | None = None  # each rank's step times over the run (RankTable.rows)
 

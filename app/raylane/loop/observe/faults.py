@@ -11,7 +11,7 @@ rank's forward of a micro-batch of at least `batch` samples (autotune's probe: a
 out of device memory on cue). `slow` and `slowdata` make a straggler of that rank from `step` on
 (default: every step): `slow` sleeps `ms` inside its step, after its batch is in hand (its own
 compute is slow), `slowdata` sleeps `ms` while it waits for its batch (a slow loader), so the
-step timer (raylane.loop.steptimes) tells the one from the other. A plan costs nothing when the
+step timer (raylane.loop.observe.steptimes) tells the one from the other. A plan costs nothing when the
 variable is unset: `load()` returns None."""
 
 from __future__ import annotations
