@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from raylane.onray.warm import idle_workers, pool_workers, ready_workers
+from raylane.onray.warmpool import idle_workers, pool_workers, ready_workers
 from tests.conftest import cli_env, read_json, wait_for
 
 pytestmark = pytest.mark.ray

@@ -1,8 +1,8 @@
-"""Warm workers (issue 52; raylane.onray.warm): what decides that a run's actors get an empty
-runtime_env, the head's settings, the start-up line's reasons, stale code, the refill, and how the
-pool fills on a head that is never quiet (issue 60: in batches, each once the last one imported,
-waiting only for a raylane run that is starting, within the memory and a budget, saying what it
-has and why not more). All in-process; a busy head's pool end to end is tests/e2e/test_warm.py."""
+"""Warm workers (issue 52; raylane.onray.warm, raylane.onray.warmpool): what decides that a run's
+actors get an empty runtime_env, the head's settings, the start-up line's reasons, stale code, the
+refill, and how the pool fills on a head that is never quiet (issue 60: in batches, each once the
+last one imported, waiting only for a raylane run that is starting, within the memory and a
+budget, saying what it has and why not more). All in-process; a busy head's pool end to end is tests/e2e/test_warm.py."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import os
 import pytest
 
 from raylane.clusters import local
-from raylane.loop.events import Startup
-from raylane.loop.startup import StartupTimes
-from raylane.onray import internals, warm
+from raylane.loop.observe.startup import StartupTimes
+from raylane.loop.protocols.events import Startup
+from raylane.onray import internals, raylet, warm, warmpool
 from raylane.onray.cluster import TRAIN_ENV_DEFAULTS
 
 TRAIN_VARS = ("RAY_TRAIN_", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC", "TORCHFT_LIGHTHOUSE", "NCCL_RAS_ADDR")
@@ -141,7 +141,7 @@ def test_only_a_job_less_worker_imports_the_warm_modules_and_marks_itself_ready(
         importlib.reload(preload)
         assert imported == expected, job
     assert marks.read_text() == ""  # ready: the pool counts it
-    assert _SEEN == {name: warm.IMPORTING for name in local.WARM_PRELOAD}  # marked importing meanwhile
+    assert _SEEN == {name: warmpool.IMPORTING for name in local.WARM_PRELOAD}  # marked importing meanwhile
 
     def broken(name):
         raise RuntimeError("no torch here")
@@ -202,14 +202,14 @@ def on_head(monkeypatch, tmp_path):
     monkeypatch.setattr(local, "running", lambda: head())
     monkeypatch.setattr(local, "code_stamp", lambda: "stamp")
     monkeypatch.setattr(local, "record_code", seen["recorded"].append)
-    monkeypatch.setattr(warm, "pool_workers", pool_workers)
-    monkeypatch.setattr(warm, "recycle", recycle)
-    monkeypatch.setattr(warm, "prestart", prestart)
-    monkeypatch.setattr(warm, "spawn_top_up", lambda: seen.__setitem__("spawned", seen["spawned"] + 1) or True)
-    monkeypatch.setattr(warm, "BATCH_SETTLE_S", 0)
-    monkeypatch.setattr(warm, "POLL_S", 0)
+    monkeypatch.setattr(warmpool, "pool_workers", pool_workers)
+    monkeypatch.setattr(warmpool, "recycle", recycle)
+    monkeypatch.setattr(raylet, "prestart", prestart)
+    monkeypatch.setattr(warmpool, "spawn_top_up", lambda: seen.__setitem__("spawned", seen["spawned"] + 1) or True)
+    monkeypatch.setattr(warmpool, "BATCH_SETTLE_S", 0)
+    monkeypatch.setattr(warmpool, "POLL_S", 0)
     monkeypatch.setattr(warm, "_joined", None)
-    monkeypatch.setattr(warm.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(warmpool.os, "cpu_count", lambda: 2)
     return seen
 
 
@@ -221,7 +221,7 @@ def test_the_start_up_line_says_warm_or_why_cold(on_head, monkeypatch):
     assert warm.joined("10.0.0.1:6379", {}) is None  # another cluster: no pool to speak of
     on_head["ready"], on_head["importing"] = [], []
     assert warm.joined("127.0.0.1:1", {}).startswith("starting cold: no warm worker ready on the head (still importing")
-    warm.write_status(head(), 0, 0, "the memory holds 0 of 7: 0.9 GiB available, each worker ~0.5 GiB")
+    warmpool.write_status(head(), 0, 0, "the memory holds 0 of 7: 0.9 GiB available, each worker ~0.5 GiB")
     assert warm.joined("127.0.0.1:1", {}) == (
         "starting cold: no warm worker ready on the head (the memory holds 0 of 7: 0.9 GiB available, each worker "
         "~0.5 GiB)"
@@ -240,32 +240,32 @@ def test_workers_that_imported_older_code_are_recycled_before_the_run(on_head, m
 def test_a_run_on_the_head_starts_its_refill_and_a_run_elsewhere_none(on_head):
     assert warm.refill() is False and on_head["spawned"] == 0  # no head joined
     warm.joined("127.0.0.1:1", {})
-    assert warm.runs_starting() == [os.getpid()]  # the top-up waits for this run's start
+    assert warmpool.runs_starting() == [os.getpid()]  # the top-up waits for this run's start
     assert warm.refill() is True and on_head["spawned"] == 1
-    assert warm.runs_starting() == []  # its end: the mark is gone
+    assert warmpool.runs_starting() == []  # its end: the mark is gone
 
 
 def test_the_top_up_asks_in_batches_of_half_the_cores_each_once_the_last_has_imported(on_head, monkeypatch):
     """Nothing about the machine's load: a shared head is never quiet (the pool used to wait for 3
     quiet seconds, and never filled). One at a time on 2 cores, 4 at a time on 8; never a batch
     while another still starts, imports, or has registered and not yet said so."""
-    assert warm.top_up(head()) == 5  # 7 kept, 2 ready
+    assert warmpool.top_up(head()) == 5  # 7 kept, 2 ready
     assert on_head["prestarted"] == [("127.0.0.1:3", 1)] * 5 and set(on_head["during"]) == {(0, 0, 0, 0)}
-    assert len(on_head["ready"]) == 7 and warm.top_up(head()) == 0  # whole: nothing more
-    assert warm.status(head()) == {**warm.status(head()), "ready": 7, "starting": 0, "why": None, "done": True}
-    monkeypatch.setattr(warm.os, "cpu_count", lambda: 8)
+    assert len(on_head["ready"]) == 7 and warmpool.top_up(head()) == 0  # whole: nothing more
+    assert warmpool.status(head()) == {**warmpool.status(head()), "ready": 7, "starting": 0, "why": None, "done": True}
+    monkeypatch.setattr(warmpool.os, "cpu_count", lambda: 8)
     on_head["ready"], on_head["prestarted"] = [11, 12], []
-    assert warm.top_up(head()) == 5 and on_head["prestarted"] == [("127.0.0.1:3", 4), ("127.0.0.1:3", 1)]
+    assert warmpool.top_up(head()) == 5 and on_head["prestarted"] == [("127.0.0.1:3", 4), ("127.0.0.1:3", 1)]
     monkeypatch.setattr(local, "code_stamp", lambda: "edited")  # raylane edited since they started
-    assert warm.top_up(head()) == 7 and on_head["recorded"] == ["edited"] and 11 in on_head["recycled"]
+    assert warmpool.top_up(head()) == 7 and on_head["recorded"] == ["edited"] and 11 in on_head["recycled"]
 
 
 def test_the_top_up_waits_only_while_a_raylane_run_on_the_head_is_starting(on_head, monkeypatch):
     looks = iter([[4321]] * 5 + [[]] * 100)
-    monkeypatch.setattr(warm, "runs_starting", lambda: next(looks))
+    monkeypatch.setattr(warmpool, "runs_starting", lambda: next(looks))
     asked_at: list[int] = []
-    monkeypatch.setattr(warm, "prestart", lambda raylet, num: asked_at.append(num) or on_head["ready"].append(99))
-    warm.top_up(head(warm=3))
+    monkeypatch.setattr(raylet, "prestart", lambda raylet, num: asked_at.append(num) or on_head["ready"].append(99))
+    warmpool.top_up(head(warm=3))
     assert asked_at == [1] and next(looks) == []  # asked once the run's start was over
 
 
@@ -274,39 +274,43 @@ def test_the_pool_fills_what_the_memory_holds_and_says_why(on_head, monkeypatch)
 
     def memory():  # room for 2 more beside the 2 ready: each worker the pool gains takes its share
         pool = len(on_head["ready"]) + len(on_head["importing"]) + len(on_head["starting"])
-        return SimpleNamespace(available=warm.SPARE_BYTES + (4.5 - pool) * warm.WORKER_BYTES)
+        return SimpleNamespace(available=warmpool.SPARE_BYTES + (4.5 - pool) * warmpool.WORKER_BYTES)
 
-    monkeypatch.setattr(warm.psutil, "virtual_memory", memory)
-    assert warm.top_up(head()) == 2
-    assert warm.status(head())["why"] == "the memory holds 4 of 7: 1.2 GiB available, each worker ~0.5 GiB"
-    assert warm.describe(head(), started=False) == (
+    monkeypatch.setattr(warmpool.psutil, "virtual_memory", memory)
+    assert warmpool.top_up(head()) == 2
+    assert warmpool.status(head())["why"] == "the memory holds 4 of 7: 1.2 GiB available, each worker ~0.5 GiB"
+    assert warmpool.describe(head(), started=False) == (
         "4 of 7 warm workers ready: the memory holds 4 of 7: 1.2 GiB available, each worker ~0.5 GiB"
     )
 
 
 def test_the_top_up_stops_at_its_budget_and_says_how_far_it_got(on_head, monkeypatch):
-    monkeypatch.setattr(warm, "prestart", lambda raylet, num: None)  # workers that never come
-    monkeypatch.setattr(warm, "POLL_S", 0.01)
-    warm.top_up(head(), budget_s=0.2)
-    assert warm.status(head())["why"] == "2 of 7 ready after 0.2 s; the next run's end asks again"
-    assert warm.describe(head(), started=False).startswith("2 of 7 warm workers ready: 2 of 7 ready after 0.2 s")
+    monkeypatch.setattr(raylet, "prestart", lambda raylet, num: None)  # workers that never come
+    monkeypatch.setattr(warmpool, "POLL_S", 0.01)
+    warmpool.top_up(head(), budget_s=0.2)
+    assert warmpool.status(head())["why"] == "2 of 7 ready after 0.2 s; the next run's end asks again"
+    assert warmpool.describe(head(), started=False).startswith("2 of 7 warm workers ready: 2 of 7 ready after 0.2 s")
 
 
 def test_a_failed_import_stops_the_top_up_and_says_why(on_head, monkeypatch):
-    monkeypatch.setattr(warm, "_marks", lambda pids: ["", "ModuleNotFoundError: No module named 'torch'"])
-    assert warm.top_up(head()) == 0
+    monkeypatch.setattr(warmpool, "_marks", lambda pids: ["", "ModuleNotFoundError: No module named 'torch'"])
+    assert warmpool.top_up(head()) == 0
     assert (
-        warm.status(head())["why"] == "the warm workers' imports failed (ModuleNotFoundError: No module named 'torch')"
+        warmpool.status(head())["why"]
+        == "the warm workers' imports failed (ModuleNotFoundError: No module named 'torch')"
     )
 
 
 def test_up_says_what_the_pool_really_has(on_head):
-    assert warm.describe(head(), started=True) == "7 warm workers starting (`raylane up` again says how many are ready)"
+    assert (
+        warmpool.describe(head(), started=True)
+        == "7 warm workers starting (`raylane up` again says how many are ready)"
+    )
     on_head["importing"], on_head["starting"] = [13], [14]
-    assert warm.describe(head(), started=False) == "2 of 7 warm workers ready, 2 starting"
-    assert warm.describe(head(warm=0), started=False) == "no warm workers"
-    warm.write_status(head(pid=999), 0, 0, "another head's")
-    assert warm.status(head()) == {}  # a record of a head that is gone says nothing of this one
+    assert warmpool.describe(head(), started=False) == "2 of 7 warm workers ready, 2 starting"
+    assert warmpool.describe(head(warm=0), started=False) == "no warm workers"
+    warmpool.write_status(head(pid=999), 0, 0, "another head's")
+    assert warmpool.status(head()) == {}  # a record of a head that is gone says nothing of this one
 
 
 def test_a_runs_starting_mark_lasts_while_its_driver_lives_and_its_start_may_last(monkeypatch, tmp_path):
@@ -317,10 +321,10 @@ def test_a_runs_starting_mark_lasts_while_its_driver_lives_and_its_start_may_las
     gone = subprocess.Popen(["true"])
     gone.wait()
     for pid in (os.getpid(), gone.pid, os.getppid()):
-        warm._mark_run(pid)
+        warmpool.mark_run(pid)
     old = tmp_path / "warm" / "runs" / str(os.getppid())
-    os.utime(old, (time.time() - warm.RUN_STARTING_S - 1,) * 2)
-    assert warm.runs_starting() == [os.getpid()]
+    os.utime(old, (time.time() - warmpool.RUN_STARTING_S - 1,) * 2)
+    assert warmpool.runs_starting() == [os.getpid()]
     assert sorted(p.name for p in (tmp_path / "warm" / "runs").iterdir()) == [str(os.getpid())]
 
 

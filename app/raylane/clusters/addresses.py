@@ -102,6 +102,14 @@ def unreachable(host: str, port: int, what: str = "Ray cluster", timeout_s: floa
         return f"no {what} answers there ({exc.strerror or type(exc).__name__})"
 
 
+def listening(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection on host:port within `timeout_s`: a local head's
+    GCS (raylane.clusters.local), a Slurm head's (raylane.onray.slurm). A connect rather than the
+    kernel's socket table (psutil.net_connections): the host may be another node, and a listening
+    socket bound to another interface would not answer."""
+    return unreachable(host, port, timeout_s=timeout_s) is None
+
+
 def on_this_machine(host: str) -> bool:
     """`host` is this machine: a loopback address, or one of its own (a socket can bind to it).
     socket.gaierror when it does not resolve."""

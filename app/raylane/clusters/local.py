@@ -22,6 +22,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+
+from raylane.clusters.addresses import listening, split_host_port
 from raylane.paths import home
 
 STATE_FILE = "cluster.json"
@@ -85,7 +88,8 @@ def running() -> LocalCluster | None:
         cluster = LocalCluster(**json.loads((home() / STATE_FILE).read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    return cluster if _alive(cluster.pid) and _listening(cluster.address) else None
+    host, port = split_host_port(cluster.address)
+    return cluster if psutil.pid_exists(cluster.pid) and host and listening(host, port) else None
 
 
 def resolve_address(address: str | None) -> str | None:
@@ -119,7 +123,7 @@ def warm_pool(num_cpus: int, num_gpus: int = 0) -> int:
 def warm_env(pool: int, num_cpus: int) -> dict[str, str]:
     """The raylet's settings for `pool` warm workers ({} for none). Every job-less Python worker
     it starts imports WARM_PRELOAD (raylane.onray.preload). The pool itself is started through the raylet's PrestartWorkers, by `up`
-    and after each run (raylane.onray.warm): Ray's own prestart starts one worker per logical CPU
+    and after each run (raylane.onray.warmpool): Ray's own prestart starts one worker per logical CPU
     (too many on a big node), and its start for the first driver binds them to that driver's job
     and holds the driver until they are up. Idle workers beyond the soft limit are killed: the
     limit leaves room for the pool beside a run that holds every CPU."""
@@ -146,7 +150,7 @@ def head_path() -> str:
 def code_stamp(folder: Path | None = None) -> str:
     """Which raylane code a new Python process on this machine imports (`folder`: raylane's own):
     its folder and its newest source's modification time. Warm workers that imported another are
-    recycled (raylane.onray.warm)."""
+    recycled (raylane.onray.warmpool)."""
     folder = folder or Path(__file__).resolve().parents[1]
     newest = max((p.stat().st_mtime_ns for p in folder.rglob("*.py")), default=0)
     return f"{folder}@{newest}"
@@ -163,7 +167,7 @@ def up(
         return existing, False
     state = home()
     state.mkdir(parents=True, exist_ok=True)
-    # The marks an earlier head's warm workers left (raylane.onray.warm): by process id, which a
+    # The marks an earlier head's warm workers left (raylane.onray.warmpool): by process id, which a
     # new worker may be given again.
     shutil.rmtree(state / "warm", ignore_errors=True)
     gcs_port, dash_port, raylet_port = port or _free_port(), dashboard_port or _free_port(), _free_port()
@@ -254,7 +258,7 @@ def _wait_started(proc: subprocess.Popen, log_path: Path) -> None:
 
 
 def record_code(stamp: str) -> None:
-    """The raylane code the head's warm workers now import (raylane.onray.warm recycled the older)."""
+    """The raylane code the head's warm workers now import (raylane.onray.warmpool recycled the older)."""
     path = home() / STATE_FILE
     try:
         record = json.loads(path.read_text())
@@ -305,39 +309,17 @@ def stop_session(sid: int, first: tuple[signal.Signals, float] = (signal.SIGTERM
 
 
 def session_pids(sid: int) -> list[int]:
-    """The live processes of session `sid` (a head's: Ray's daemons and workers)."""
+    """The live processes of session `sid` (a head's: Ray's daemons and workers). A zombie has
+    exited; only its parent (or an init that reaps orphans) can remove it. psutil has no session
+    id: os.getsid asks the kernel for each process, and only the session's are read further."""
     pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in psutil.pids():
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            if os.getsid(pid) == sid and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                pids.append(pid)
+        except (OSError, psutil.Error):  # gone meanwhile
             continue
-        # After the command: state, ppid, pgrp, session. A zombie has exited; only its parent (or
-        # an init that reaps orphans) can remove it.
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry.name))
     return pids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _listening(address: str) -> bool:
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 def _free_port() -> int:

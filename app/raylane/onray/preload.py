@@ -1,7 +1,7 @@
 """The one module a warm `raylane up` head has each new Python worker import as it starts (Ray's
 `RAY_preload_python_modules`): in a job-less worker, one the pool's refill started
-(raylane.onray.warm), the warm modules (raylane.clusters.local.WARM_PRELOAD), then a mark that it
-is ready (raylane.onray.warm.mark: the pool counts ready workers, not started ones); in a
+(raylane.onray.warmpool), the warm modules (raylane.clusters.local.WARM_PRELOAD), then a mark that it
+is ready (raylane.onray.warmpool.mark: the pool counts ready workers, not started ones); in a
 worker the raylet started for a job's task or actor, nothing.
 
 Ray passes the preload list to every Python worker it starts. Handed the warm modules directly, a
@@ -31,9 +31,9 @@ def job_less() -> bool:
 def warm_up() -> None:
     """The warm modules, then the mark: with the error, where one failed (the worker stays, a
     job-less worker without them; the pool's top-up says why and stops asking for more)."""
-    from raylane.onray import warm
+    from raylane.onray import warmpool
 
-    warm.mark(warm.IMPORTING)
+    warmpool.mark(warmpool.IMPORTING)
     error = ""
     try:
         for name in WARM_PRELOAD:
@@ -41,7 +41,7 @@ def warm_up() -> None:
     except Exception as exc:  # noqa: BLE001 - recorded for the top-up, which says it in one line
         error = f"{type(exc).__name__}: {exc}"
         print(f"raylane: a warm worker could not import the warm modules: {error}", file=sys.stderr, flush=True)
-    warm.mark(error)
+    warmpool.mark(error)
 
 
 if job_less():

@@ -130,7 +130,7 @@ def wait_for_nodes(
     One bound for all of it: a head slow to start (its raylet registers only once its dashboard
     is up, 25-60 s on a loaded node) is waited for as long as a node slow to join. Nothing here
     joins as a driver: ray.init would need this host's raylet up, and gives up on its own."""
-    from raylane.clusters.addresses import split_host_port
+    from raylane.clusters.addresses import listening, split_host_port
     from raylane.onray.cluster import gcs_answers
     from raylane.onray.internals import GcsClient  # Ray's import (seconds on a busy node): before the bound
 
@@ -139,7 +139,7 @@ def wait_for_nodes(
     bound = f"within {timeout_s:g} s (RAYLANE_NODES_TIMEOUT_S)"
     host, port = split_host_port(address)
     # The port first (a refused connect costs nothing), then gRPC, as the GCS speaks it.
-    while host is None or not (_listening(host, port) and gcs_answers(address, _left(deadline, 2.0))):
+    while host is None or not (listening(host, port) and gcs_answers(address, _left(deadline, 2.0))):
         if failed := _ended(tasks or {}):
             return failed
         if time.monotonic() > deadline:
@@ -183,23 +183,20 @@ def _left(deadline: float, most: float) -> float:
 
 
 def _ended(tasks: dict[int, str]) -> str | None:
-    """The line for a node whose srun task has ended (its Ray failed to start), else None."""
+    """The line for a node whose srun task has ended (its Ray failed to start), else None. The
+    batch script reaps its srun tasks only after this wait: an ended one is a zombie till then."""
+    import psutil
+
     for pid, host in tasks.items():
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            state = "gone"
-        if state in ("Z", "gone"):
+            ended = psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            ended = True
+        except psutil.Error:  # another user's, say: not known to have ended
+            ended = False
+        if ended:
             return f"{PREFIX} the Ray node on {host} ended before the cluster was up (its srun output is above)"
     return None
-
-
-def _listening(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 def _free_ports(n: int) -> list[int]:
