@@ -12,15 +12,27 @@
   RUN is split into its shell commands (quotes kept), so `python -c` or a `ray==` in another
   command of the same RUN keeps nothing. A constraint file that comes from the base image cannot
   be read here and is trusted.
-The build itself (pip check, the import assert) runs only where a daemon is."""
+The build itself (pip check, the import assert) runs only where a daemon is.
+
+dockerfile-parse reads the file as Docker does (continuation lines, comments inside them, the
+`escape` directive) and says which ARG and ENV values each instruction sees (an ARG declared
+before the first FROM reaches only the FROM lines, unless a stage declares it again); its word
+splitter substitutes them (Docker's own substitution in FROM, COPY, ADD, WORKDIR; the shell's in
+a RUN, where a name not in scope is left as written: the base image's environment may hold it)."""
 
 from __future__ import annotations
 
+import io
+import json
 import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dockerfile_parse import DockerfileParser
+from dockerfile_parse.parser import image_from
+from dockerfile_parse.util import WordSplitter
 
 from raylane.k8s.model import Finding
 from raylane.k8s.versions import image_parts, key, retagged, same, tag_version
@@ -38,29 +50,62 @@ RAY_PIN_LINE = re.compile(r"(?m)^\s*ray(\[[^\]]*\])?\s*==\s*v?(\d[\w.]*)")
 TOOLS = {"pip", "setuptools", "wheel", "uv"}  # installing only these leaves Ray alone
 
 
-def instructions(text: str) -> list[tuple[int, str, str]]:
-    """(line, INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    out: list[tuple[int, str, str]] = []
-    pending, start = "", 0
-    for number, line in enumerate(text.splitlines(), 1):
-        stripped = line.strip()
-        if not pending and (not stripped or stripped.startswith("#")):
+class InScope(dict[str, str]):
+    """The values a RUN's shell sees; any other name stays as written (`${NAME}`, and the `$` of
+    a `$(...)`), where WordSplitter would drop it."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+    def __missing__(self, name: str) -> str:
+        return f"${{{name}}}" if name else "$"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One instruction: its first line, its word, its arguments, the ARG and ENV values it sees."""
+
+    line: int
+    word: str
+    value: str
+    args: dict[str, str]
+    envs: dict[str, str]
+
+    def words(self) -> list[str]:
+        """The arguments as Docker reads them (COPY, ADD, WORKDIR): the exec form's JSON list, or
+        words substituted and unquoted."""
+        if self.value.startswith("["):
+            try:
+                found = json.loads(self.value)
+            except ValueError:
+                found = None
+            if isinstance(found, list):
+                return [str(w) for w in found]
+        return list(WordSplitter(self.value, args=self.args, envs=self.envs).split())
+
+    def shell(self) -> str:
+        """A RUN's text with the values in scope substituted, quotes kept for the shell's split."""
+        scope = InScope({**self.args, **self.envs})
+        return "".join(WordSplitter(self.value, envs=scope).split(maxsplit=0, dequote=False))
+
+
+def instructions(text: str) -> list[Step]:
+    """The Dockerfile's instructions, comments dropped; a FROM's value is its image with the
+    ARGs before the first FROM substituted (and its stage name)."""
+    parser = DockerfileParser(fileobj=io.BytesIO(text.encode()))
+    images = iter(parser.parent_images)
+    out: list[Step] = []
+    for step, context in zip(parser.structure, parser.context_structure, strict=True):
+        word, value = step["instruction"], step["value"].strip()
+        if word == "COMMENT":
             continue
-        if pending and stripped.startswith("#"):
-            continue
-        start = start if pending else number
-        if stripped.endswith("\\"):
-            pending += stripped[:-1] + " "
-            continue
-        full = (pending + stripped).strip()
-        pending = ""
-        word, _, rest = full.partition(" ")
-        out.append((start, word.upper(), rest.strip()))
+        if word == "FROM":
+            written, stage = image_from(value)
+            if written is None:
+                continue  # an empty FROM: no image, as if absent
+            value = next(images) + (f" AS {stage}" if stage else "")
+        out.append(Step(step["startline"] + 1, word, value, dict(context.args), dict(context.envs)))
     return out
-
-
-def substitute(text: str, args: dict[str, str]) -> str:
-    return re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), text)
 
 
 def commands(run: str) -> list[list[str]]:
@@ -174,26 +219,21 @@ def check_dockerfile(path: Path, shown: str, here: str) -> list[Finding]:
     def say(line: int, rule: str, message: str, merge: str = "") -> None:
         out.append(Finding(shown, "Dockerfile", f"line {line}", rule, message, merge))
 
-    args: dict[str, str] = {}
     stages: dict[str, str] = {}  # stage name -> the image it starts from
     final_from: tuple[int, str] | None = None
     image = Image(path.parent)
     pinned = False
-    for line, word, rest in steps:
-        rest = substitute(rest, args)
-        if word == "ARG" and "=" in rest:
-            name, _, value = rest.partition("=")
-            args[name.strip()] = value.strip().strip('"')
-        elif word == "FROM":
-            words = [w for w in rest.split() if not w.startswith("--")]  # --platform=...
-            base = words[0] if words else ""
-            if len(words) >= 3 and words[1].upper() == "AS":
-                stages[words[2]] = stages.get(base, base)
+    for step in steps:
+        line, word = step.line, step.word
+        if word == "FROM":
+            base, _, stage = step.value.partition(" AS ")
+            if stage:
+                stages[stage] = stages.get(base, base)
             final_from = (line, stages.get(base, base))  # FROM <an earlier stage>: its base
         elif word == "WORKDIR":
-            image.workdir = image.at(rest.strip())
+            image.workdir = image.at(" ".join(step.words()))
         elif word in ("COPY", "ADD"):
-            image.copy(shlex.split(rest) if not rest.startswith("[") else re.findall(r'"([^"]*)"', rest))
+            image.copy(step.words())
         elif word in ("ENTRYPOINT", "CMD"):
             say(
                 line,
@@ -201,7 +241,7 @@ def check_dockerfile(path: Path, shown: str, here: str) -> list[Finding]:
                 f"{word}: KubeRay runs `ray start` as the container's command; an {word} of the image's own keeps the pod's SIGTERM (the drain notice) from reaching it",
             )
         elif word == "RUN":
-            for rule, message, merge in check_run(rest, image, here):
+            for rule, message, merge in check_run(step.shell(), image, here):
                 pinned |= merge.startswith("ray:") or rule == "pinned"
                 if rule != "pinned":
                     say(line, rule, message, merge)

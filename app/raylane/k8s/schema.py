@@ -6,11 +6,12 @@ nulls are pruned (unless the field is `nullable`), `default`s are applied, and t
 (an object that lists `properties` and has neither `additionalProperties` nor
 `x-kubernetes-preserve-unknown-fields` takes no other field: kubectl's default server-side
 `fieldValidation=Strict`). The CEL rules (`x-kubernetes-validations`) that apply on create are
-evaluated from a table (CEL_RULES; `self == oldSelf` rules only apply to updates), and list maps
-and sets may hold no two entries with the same key.
+evaluated by cel-python (rules that read `oldSelf` apply to updates only), and list maps and sets
+may hold no two entries with the same key.
 
 The KubeRay schemas are vendored from the operator's CRDs by scripts/kuberay_schemas.py (see
-schemas/kuberay-<version>/SOURCE.json for the tag and commit)."""
+schemas/kuberay-<version>/SOURCE.json for the tag and commit); the plain kinds' schemas and every
+object's metadata are Kubernetes' own, from kubernetes-validate (raylane.k8s.plain)."""
 
 from __future__ import annotations
 
@@ -18,42 +19,22 @@ import copy
 import functools
 import gzip
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from jsonschema import Draft4Validator, validators
+from jsonschema import Draft4Validator, Draft202012Validator, validators
 from jsonschema.exceptions import ValidationError
 
 from raylane.config import did_you_mean
 from raylane.config.sections import short
-from raylane.k8s import plain
+from raylane.k8s import cel, plain
 from raylane.k8s.model import Finding, Obj, dotted
 
 KUBERAY_VERSION = "1.7.0"  # the operator version the docs and the shipped manifests name
 SCHEMAS = Path(__file__).resolve().parent / "schemas" / f"kuberay-{KUBERAY_VERSION}"
 CRD_FILES = {("ray.io/v1", "RayJob"): "rayjob.v1.json.gz", ("ray.io/v1", "RayCluster"): "raycluster.v1.json.gz"}
-KNOWN_KINDS = sorted({k for _, k in CRD_FILES} | {k for _, k in plain.PLAIN} | {"Deployment"})
-
-# The CEL rules of the vendored CRDs, as Python. None: a rule that needs the stored object
-# (`oldSelf`), which a create does not have. A rule missing here is reported by
-# unknown_cel_rules() (tests/unit/test_k8s_check.py fails on one after a schema refresh).
-CEL_RULES: dict[str, Callable[[Any], bool] | None] = {
-    "self == oldSelf": None,
-    "!(has(self.jobStatus) && has(self.jobDeploymentStatus))": lambda s: (
-        not ("jobStatus" in s and "jobDeploymentStatus" in s)
-    ),
-    "has(self.jobStatus) || has(self.jobDeploymentStatus)": lambda s: "jobStatus" in s or "jobDeploymentStatus" in s,
-    "!((has(self.onSuccess) || has(self.onFailure)) && has(self.deletionRules))": lambda s: (
-        not (("onSuccess" in s or "onFailure" in s) and "deletionRules" in s)
-    ),
-    "((has(self.onSuccess) && has(self.onFailure)) || has(self.deletionRules))": lambda s: (
-        ("onSuccess" in s and "onFailure" in s) or "deletionRules" in s
-    ),
-    "self in ['ray.io/kuberay-operator', 'kueue.x-k8s.io/multikueue']": lambda s: (
-        s in ("ray.io/kuberay-operator", "kueue.x-k8s.io/multikueue")
-    ),
-}
+KNOWN_KINDS = sorted({k for _, k in CRD_FILES} | {k for _, k in plain.KINDS})
 
 
 def make_strict(node: Any) -> Any:
@@ -80,11 +61,35 @@ def make_strict(node: Any) -> Any:
 
 
 @functools.cache
+def raw_crd(kind: str) -> dict[str, Any]:
+    return json.loads(gzip.decompress((SCHEMAS / CRD_FILES[("ray.io/v1", kind)]).read_bytes()))
+
+
+def walk(node: Any) -> Iterator[dict[str, Any]]:
+    """Every mapping of a schema, at any depth."""
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from walk(value)
+
+
+@functools.cache
+def quantity_pattern() -> str:
+    """Kubernetes' quantity pattern, as the vendored CRDs carry it (a container's resources)."""
+    for node in walk(raw_crd("RayCluster")):
+        if node.get("x-kubernetes-int-or-string") and "pattern" in node:
+            return str(node["pattern"])
+    raise RuntimeError(f"KubeRay {KUBERAY_VERSION}'s RayCluster schema has no quantity pattern")
+
+
+@functools.cache
 def crd_schema(kind: str) -> dict[str, Any]:
     """The vendored v1 schema of a KubeRay kind, strict, its metadata Kubernetes' ObjectMeta."""
-    raw = json.loads(gzip.decompress((SCHEMAS / CRD_FILES[("ray.io/v1", kind)]).read_bytes()))
-    schema = make_strict(raw)
-    schema["properties"]["metadata"] = plain.OBJECT_META
+    schema = make_strict(raw_crd(kind))
+    schema["properties"]["metadata"] = plain.object_meta(quantity_pattern())
     return schema
 
 
@@ -92,30 +97,22 @@ def crd_schema(kind: str) -> dict[str, Any]:
 def schema_for(api_version: str, kind: str) -> dict[str, Any] | None:
     if (api_version, kind) in CRD_FILES:
         return crd_schema(kind)
-    if (api_version, kind) == ("apps/v1", "Deployment"):
-        head = crd_schema("RayCluster")["properties"]["spec"]["properties"]["headGroupSpec"]
-        return plain.deployment(head["properties"]["template"])
-    return plain.PLAIN.get((api_version, kind))
+    return plain.kind_schema(api_version, kind, quantity_pattern())
+
+
+def cel_rules() -> set[str]:
+    """Every CEL rule of the vendored schemas."""
+    return {
+        str(rule["rule"])
+        for _, kind in CRD_FILES
+        for node in walk(raw_crd(kind))
+        for rule in node.get("x-kubernetes-validations") or []
+    }
 
 
 def unknown_cel_rules() -> set[str]:
-    """CEL rules of the vendored schemas that CEL_RULES does not know."""
-    found: set[str] = set()
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            for rule in node.get("x-kubernetes-validations") or []:
-                found.add(rule["rule"])
-            for key, value in node.items():
-                if key != "x-kubernetes-validations":
-                    walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    for _, kind in CRD_FILES:
-        walk(crd_schema(kind))
-    return found - set(CEL_RULES)
+    """CEL rules of the vendored schemas that cel-python cannot compile (a function it lacks)."""
+    return {rule for rule in cel_rules() if not cel.on_update(rule) and cel.program(rule) is None}
 
 
 # -- what the API server does before it validates ---------------------------------------------------
@@ -170,12 +167,7 @@ def _type(validator: Any, types: Any, instance: Any, schema: dict[str, Any]) -> 
 
 def _cel(validator: Any, rules: Any, instance: Any, schema: dict[str, Any]) -> Iterator[ValidationError]:
     for rule in rules:
-        check = CEL_RULES.get(rule.get("rule"))
-        try:
-            ok = check is None or bool(check(instance))
-        except TypeError:  # a value of the wrong type: the type check names it
-            ok = True
-        if not ok:
+        if not cel.holds(str(rule.get("rule")), instance):
             yield ValidationError(rule.get("message") or f"fails the CEL rule {rule.get('rule')}")
 
 
@@ -195,16 +187,18 @@ def _list_type(validator: Any, list_type: Any, instance: Any, schema: dict[str, 
         seen.setdefault(ident, i)
 
 
-KubeValidator = validators.extend(
-    Draft4Validator,
-    {"type": _type, "x-kubernetes-validations": _cel, "x-kubernetes-list-type": _list_type},
-)
+KUBERNETES_KEYWORDS = {"type": _type, "x-kubernetes-validations": _cel, "x-kubernetes-list-type": _list_type}
+# The CRDs' schemas are OpenAPI 3.0's (JSON Schema draft 4); kubernetes-validate's are 2020-12.
+KubeValidator = validators.extend(Draft4Validator, KUBERNETES_KEYWORDS)
+PlainValidator = validators.extend(Draft202012Validator, KUBERNETES_KEYWORDS)
 
 
 @functools.cache
 def validator_for(api_version: str, kind: str) -> Any:
     schema = schema_for(api_version, kind)
-    return None if schema is None else KubeValidator(schema)
+    if schema is None:
+        return None
+    return (KubeValidator if (api_version, kind) in CRD_FILES else PlainValidator)(schema)
 
 
 def check_object(obj: Obj) -> bool:
