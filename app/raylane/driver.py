@@ -311,7 +311,7 @@ def _warm_actors(startup: Any) -> dict[str, bool]:
 
 
 def _joined_a_warm_pool() -> bool:
-    from raylane.onray import warm  # no Ray: the head's record and /proc
+    from raylane.onray import warm  # no Ray: the head's record and its processes (psutil)
 
     return warm.joined_pool() is not None
 
