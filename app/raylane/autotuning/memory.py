@@ -38,10 +38,10 @@ def memory_now(device: torch.device) -> int:
 
 
 def rss() -> int:
-    import resource
+    """This process's resident set, in bytes."""
+    import psutil
 
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+    return psutil.Process().memory_info().rss
 
 
 class PeakSampler:

@@ -49,17 +49,23 @@ TORCHRUN_PHASES = (
 )
 
 
-def process_start_unix(pid: int | str = "self") -> float | None:
-    """When a process started, on the wall clock; None where /proc cannot say. From its start in
-    clock ticks since boot against the uptime now: /proc/stat's boot time is in whole seconds."""
+def process_start_unix(pid: int | None = None) -> float | None:
+    """When a process (this one by default) started, on the wall clock; None where it cannot be
+    told. psutil's create_time adds the boot time in whole seconds (the kernel's btime): its start
+    since boot, that boot time taken back out, against the time since boot now (CLOCK_BOOTTIME,
+    the uptime's clock) keeps it to the clock tick."""
+    import psutil
+
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
+        for _ in range(3):  # a clock stepped between the two boot times: asked again
+            boot = psutil.boot_time()
+            since_boot = psutil.Process(pid).create_time() - boot
+            if psutil.boot_time() == boot:
+                break
+        uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (psutil.Error, OSError, AttributeError):  # AttributeError: no CLOCK_BOOTTIME (not Linux)
         return None
-    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - uptime + since_boot
 
 
 def under_torchrun_agent() -> bool:
