@@ -4,8 +4,10 @@ into it, every mistake a one-line `ConfigError`). The sweep file's schema (`swee
 `autotune:` section's (`autotune`) sit beside them, imported by name. Nothing here imports torch or
 Ray, so a bad config is rejected before either starts.
 
-`from raylane.config import X` gives the names below, wherever they live in the package."""
+`from raylane.config import X` gives the names below and every shared section (`sections.__all__`,
+the one list a new section is added to), wherever they live in the package."""
 
+from raylane.config import sections
 from raylane.config.base import BaseConfig, flatten
 from raylane.config.load import (
     PIPELINES,
@@ -25,42 +27,13 @@ from raylane.config.load import (
     shipped_configs,
     validate,
 )
-from raylane.config.sections import (
-    EPOCHS_AS_NEEDED,
-    NAME_PATTERN,
-    CheckpointSection,
-    DistSection,
-    EarlyStoppingSection,
-    FailureSection,
-    LoaderSection,
-    MlflowSection,
-    OptimSection,
-    RunSection,
-    ScalingSection,
-    Section,
-    StrategySection,
-    TrainSection,
-)
+from raylane.config.sections import *  # noqa: F403 - the shared sections, as sections.__all__ lists them
 from raylane.errors import ConfigError
 
 __all__ = [
-    "EPOCHS_AS_NEEDED",
-    "NAME_PATTERN",
     "PIPELINES",
     "BaseConfig",
-    "CheckpointSection",
     "ConfigError",
-    "DistSection",
-    "EarlyStoppingSection",
-    "FailureSection",
-    "LoaderSection",
-    "MlflowSection",
-    "OptimSection",
-    "RunSection",
-    "ScalingSection",
-    "Section",
-    "StrategySection",
-    "TrainSection",
     "apply_overrides",
     "apply_values",
     "check_metric",
@@ -78,3 +51,4 @@ __all__ = [
     "shipped_configs",
     "validate",
 ]
+__all__ += sections.__all__

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from raylane.config.base import BaseConfig
 from raylane.config.batching import GlobalBatch, hold_global_batch
@@ -17,11 +17,11 @@ from raylane.config.load import (
     apply_overrides,
     apply_values,
     config_path,
-    format_validation_error,
     normalize_pipeline,
     read_config_file,
     read_yaml,
     validate,
+    validate_section,
 )
 from raylane.config.sections import Section
 from raylane.errors import ConfigError
@@ -115,14 +115,7 @@ def load(source: str, overrides: Iterable[str] = ()) -> tuple[AutotuneSection, B
         raise ConfigError(f"config file {source!r}: is a sweep file; autotune a pipeline config")
     overrides = list(overrides)
     raw = apply_overrides(raw, [o for o in overrides if o.strip().startswith("autotune.")])
-    try:
-        section = AutotuneSection.model_validate(raw.pop("autotune", None) or {})
-    except ValidationError as exc:
-        text = format_validation_error(exc, AutotuneSection, "autotune.").removeprefix("invalid config: ")
-        raise ConfigError(
-            "invalid autotune section: "
-            + "; ".join(p if p.startswith("autotune.") else f"autotune.{p}" for p in text.split("; "))
-        ) from None
+    section = validate_section(AutotuneSection, raw.pop("autotune", None) or {}, "autotune", "autotune section")
     raw = apply_overrides(
         read_config_file(source, raw), [o for o in overrides if not o.strip().startswith("autotune.")]
     )

@@ -12,44 +12,30 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from raylane import pipelines_ref
-from raylane.config.observe import ProfileSection, StragglersSection
-from raylane.config.sections import (
-    SINGLE_STAGE_SCHEDULES,
-    V_SCHEDULES,
-    CheckpointSection,
-    DistSection,
-    FailureSection,
-    LoaderSection,
-    MlflowSection,
-    OptimSection,
-    RunSection,
-    ScalingSection,
-    Section,
-    StrategySection,
-    TrainSection,
-)
+from raylane.config import observe, sections
+from raylane.config.strategy import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 from raylane.config.workerenv import check_entries as check_env_entries
 
 
-class BaseConfig(Section):
+class BaseConfig(sections.Section):
     """Sections shared by every pipeline; each pipeline adds its own `model` section."""
 
     pipeline: str = Field(
         description="The pipeline: a shipped one's name (regression, digits, gpt, tabular, text, hf), a dotted "
         "module, or a `.py` file (relative to the config file's folder)."
     )
-    run: RunSection = RunSection()
-    scaling: ScalingSection = ScalingSection()
-    strategy: StrategySection = StrategySection()
-    train: TrainSection = TrainSection()
-    optim: OptimSection = OptimSection()
-    loader: LoaderSection = LoaderSection()
-    checkpoint: CheckpointSection = CheckpointSection()
-    failure: FailureSection = FailureSection()
-    dist: DistSection = DistSection()
-    mlflow: MlflowSection = MlflowSection()
-    profile: ProfileSection = ProfileSection()
-    stragglers: StragglersSection = StragglersSection()
+    run: sections.RunSection = sections.RunSection()
+    scaling: sections.ScalingSection = sections.ScalingSection()
+    strategy: sections.StrategySection = sections.StrategySection()
+    train: sections.TrainSection = sections.TrainSection()
+    optim: sections.OptimSection = sections.OptimSection()
+    loader: sections.LoaderSection = sections.LoaderSection()
+    checkpoint: sections.CheckpointSection = sections.CheckpointSection()
+    failure: sections.FailureSection = sections.FailureSection()
+    dist: sections.DistSection = sections.DistSection()
+    mlflow: sections.MlflowSection = sections.MlflowSection()
+    profile: observe.ProfileSection = observe.ProfileSection()
+    stragglers: observe.StragglersSection = observe.StragglersSection()
     env: dict[str, str] = Field(
         {},
         description="Environment variables every rank gets (`NCCL_DEBUG: INFO`, `HF_TOKEN: ${HF_TOKEN}`): set in "

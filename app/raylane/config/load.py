@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -28,6 +28,7 @@ from raylane.errors import ConfigError, DataError
 # user's own (raylane.pipelines_ref).
 PIPELINES: dict[str, str] = pipelines_ref.SHIPPED
 
+M = TypeVar("M", bound=BaseModel)
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
@@ -293,6 +294,18 @@ def format_validation_error(exc: ValidationError, model: type[BaseModel] | None 
         else:
             lines.append(f"{field} = {short(err['input'])}: {err['msg']}")
     return "invalid config: " + "; ".join(lines)
+
+
+def validate_section(model: type[M], raw: Any, key: str, what: str) -> M:
+    """`raw` as the top-level `key:` section of a file (a sweep file's `sweep:`, a config's
+    `autotune:`), or one ConfigError, `invalid <what>: ...`, each field named from the file's top
+    (`sweep.metric = ...`)."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        text = format_validation_error(exc, model, f"{key}.").removeprefix("invalid config: ")
+        parts = (p if p.startswith(f"{key}.") else f"{key}.{p}" for p in text.split("; "))
+        raise ConfigError(f"invalid {what}: " + "; ".join(parts)) from None
 
 
 def _own_message(error: Any) -> bool:

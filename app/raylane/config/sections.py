@@ -12,14 +12,15 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from raylane.config.section import Section
-from raylane.config.strategy import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, StrategySection
+from raylane.config.strategy import StrategySection
 from raylane.paths import InputPath, OutputPath
 
+# The one list of the shared sections' names: raylane.config exports these (BaseConfig holds each
+# section as a field). A new section: its class here (or beside, imported here), its name below, its
+# field in BaseConfig.
 __all__ = [
     "EPOCHS_AS_NEEDED",
     "NAME_PATTERN",
-    "SINGLE_STAGE_SCHEDULES",
-    "V_SCHEDULES",
     "CheckpointSection",
     "DistSection",
     "EarlyStoppingSection",
@@ -32,7 +33,6 @@ __all__ = [
     "Section",
     "StrategySection",
     "TrainSection",
-    "short",
 ]
 
 # A run's or a sweep's name: it names a folder, and MLflow shows it.

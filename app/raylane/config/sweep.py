@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from raylane.config.base import BaseConfig
 from raylane.config.batching import GlobalBatch, hold_global_batch
@@ -23,10 +23,10 @@ from raylane.config.load import (
     apply_values,
     check_metric,
     config_path,
-    format_validation_error,
     read_config_file,
     read_yaml,
     validate,
+    validate_section,
 )
 from raylane.config.sections import NAME_PATTERN, Section
 from raylane.errors import ConfigError
@@ -206,14 +206,7 @@ def load_sweep(path: str, overrides: Iterable[str] = ()) -> tuple[SweepSection, 
                 "names it (e.g. pipelines/digits-sweep.yaml)"
             )
         raise ConfigError(f"sweep file {str(path)!r}: needs a `sweep:` section")
-    try:
-        sweep = SweepSection.model_validate(raw.pop("sweep"))
-    except ValidationError as exc:
-        text = format_validation_error(exc, SweepSection, "sweep.").removeprefix("invalid config: ")
-        raise ConfigError(
-            "invalid sweep: "
-            + "; ".join(part if part.startswith("sweep.") else f"sweep.{part}" for part in text.split("; "))
-        ) from None
+    sweep = validate_section(SweepSection, raw.pop("sweep"), "sweep", "sweep")
     # Relative paths are the sweep file's: `base:` (else from the working directory), and the
     # `pipeline:` of each file from that file's directory.
     sweep_dir = config_path(path).resolve().parent
