@@ -5,7 +5,6 @@ run, show progress, close the run with the right status and write the summary. T
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import sys
@@ -116,30 +115,18 @@ def _begin(cfg: BaseConfig, use_ray: bool, startup: Any) -> bool:
     """What comes before the run's name: returns whether this process is the driver (on Ray, or
     torchrun's rank 0)."""
     from raylane.loop.data import baddata
-    from raylane.loop.distributed.groups import env_ranks, init_process_group
+    from raylane.loop.distributed.groups import env_ranks
+
+    if not use_ray:
+        from raylane.loop.run import prelude  # the loop this process runs: its imports are the driver's
 
     baddata.forget_skipped()  # a second raylane.train() in this process counts its own data
     startup.mark("driver_imports")
     signal.signal(signal.SIGTERM, raise_interrupt)  # before training can stop gracefully: like Ctrl-C
     if not use_ray:
-        from raylane.config.workerenv import apply_here
-
-        apply_here(cfg.env)  # the ranks are this process: its environment, before the process group
-        _flight_recorder(cfg)
-        init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # ranks agree on the run name first
+        prelude(cfg)  # env:, NCCL's flight recorder, the process group: the ranks agree on the run name first
         startup.mark("process_group")
     return use_ray or env_ranks()[0] == 0
-
-
-def _flight_recorder(cfg: BaseConfig) -> None:
-    """NCCL's flight recorder, set before the process group (a variable of the user's own wins)."""
-    from raylane.loop.observe.hangs import flight_recorder_env
-    from raylane.runrecord import run_folder
-
-    folder = run_folder(cfg)
-    env = flight_recorder_env(cfg.scaling.use_gpu, cfg.dist.flight_recorder_entries, str(folder) if folder else None)
-    for key, value in env.items():
-        os.environ.setdefault(key, value)
 
 
 def _start_ray(

@@ -192,7 +192,7 @@ def _assert_ranked(s: dict) -> None:
 
 def test_the_search_order_finds_the_largest_micro_batch_that_fits_then_tries_each_knob():
     from raylane.autotuning.order import plan
-    from raylane.autotuning.outcome import Fit, Outcome
+    from raylane.loop.protocols.result import Fit, Outcome
 
     space = {
         "strategy.name": ["ddp"],

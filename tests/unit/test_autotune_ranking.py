@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raylane.autotuning.order import plan
-from raylane.autotuning.outcome import Fit, Outcome
 from raylane.autotuning.ranking import (
+    Ranking,
     median_interval,
     merge,
     next_round,
@@ -19,6 +19,7 @@ from raylane.autotuning.ranking import (
     summarize,
     verdict,
 )
+from raylane.loop.protocols.result import Fit, Outcome
 
 SPACE = {
     "strategy.name": ["ddp", "fsdp"],
@@ -69,14 +70,14 @@ def test_overlapping_intervals_are_a_tie_won_by_the_simplest():
     own = candidate([100, 120, 110, 90, 105])
     small_buckets = candidate([108, 125, 115, 95, 112], **{"strategy.bucket_cap_mb": 5.0})
     found = verdict([own, small_buckets], OWN, SPACE)
-    assert found == {"leader": 1, "ties": [0, 1], "winner": 0}
-    assert verdict([small_buckets, own], OWN, SPACE) == {"leader": 0, "ties": [1, 0], "winner": 1}
+    assert found == Ranking(leader=1, ties=[0, 1], winner=0) and not found.clear
+    assert verdict([small_buckets, own], OWN, SPACE) == Ranking(leader=0, ties=[1, 0], winner=1)
 
 
 def test_a_clearly_faster_candidate_wins_however_complex():
     own = candidate([100, 120, 110, 90, 105])
     mixed = candidate([200, 210, 190, 205, 199], **{"train.precision": "bf16", "strategy.bucket_cap_mb": 5.0})
-    assert verdict([own, mixed], OWN, SPACE) == {"leader": 1, "ties": [1], "winner": 1}
+    assert verdict([own, mixed], OWN, SPACE) == Ranking(leader=1, ties=[1], winner=1)
 
 
 def test_overlap_asks_for_more_rounds_of_the_leader_and_the_tied_until_the_cap():
@@ -86,7 +87,7 @@ def test_overlap_asks_for_more_rounds_of_the_leader_and_the_tied_until_the_cap()
     assert next_round([own, other, slow], OWN, SPACE, min_rounds=2, max_rounds=4) == [1, 0]
     capped = [replace(own, rounds=4), replace(other, rounds=4), slow]
     assert next_round(capped, OWN, SPACE, min_rounds=2, max_rounds=4) == []
-    assert verdict(capped, OWN, SPACE)["winner"] == 0  # still tied at the cap: the simplest
+    assert verdict(capped, OWN, SPACE).winner == 0  # still tied at the cap: the simplest
 
 
 def test_a_simpler_candidate_beaten_on_one_round_is_measured_again_with_the_leader():
@@ -98,7 +99,7 @@ def test_a_simpler_candidate_beaten_on_one_round_is_measured_again_with_the_lead
     assert next_round([own, lead, less_simple], OWN, SPACE, min_rounds=2, max_rounds=4) == [1, 0]
     again = merge(own, one_round([101, 99, 103, 100, 98]))  # the busy spell is gone
     assert again.rounds == 2 and [len(w) for w in again.windows] == [5, 5]
-    assert verdict([again, merge(lead, one_round([100, 103, 97, 99, 102])), less_simple], OWN, SPACE)["winner"] == 0
+    assert verdict([again, merge(lead, one_round([100, 103, 97, 99, 102])), less_simple], OWN, SPACE).winner == 0
 
 
 def test_a_clear_leader_is_measured_until_min_rounds_and_then_no_more():
@@ -161,15 +162,15 @@ def test_rounds_end_and_the_winner_is_the_simplest_of_those_tied_with_the_leader
             measured += 1
         assert measured <= len(outcomes) * max_rounds
     found = verdict(outcomes, OWN, SPACE)
-    lead = outcomes[found["leader"]]
+    lead = outcomes[found.leader]
     assert lead.samples_per_s == max(o.samples_per_s for o in outcomes)
-    assert found["leader"] in found["ties"] and found["winner"] in found["ties"]
+    assert found.leader in found.ties and found.winner in found.ties
     for i, o in enumerate(outcomes):  # a tie is an overlap with the leader's interval
         apart = o.interval[1] < lead.interval[0]
-        assert (i in found["ties"]) == (not apart)
+        assert (i in found.ties) == (not apart)
         assert o.rounds <= max_rounds
-    keys = [simplicity(outcomes[i].values, OWN, SPACE) for i in found["ties"]]
-    assert keys == sorted(keys) and found["winner"] == found["ties"][0]  # simplest first
+    keys = [simplicity(outcomes[i].values, OWN, SPACE) for i in found.ties]
+    assert keys == sorted(keys) and found.winner == found.ties[0]  # simplest first
 
 
 def test_the_search_order_keeps_the_simpler_value_within_the_noise():

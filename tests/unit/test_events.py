@@ -24,11 +24,13 @@ from raylane.loop.protocols.events import (
     Log,
     Progress,
     Round,
+    SearchEnd,
     SearchStart,
     Start,
     Startup,
     Straggler,
 )
+from raylane.loop.protocols.result import Fit, Outcome, SearchResult
 from raylane.loop.reporting import Reporter
 from raylane.loop.run import _with_startup
 from raylane.tracking.progress import ProgressDisplay
@@ -72,8 +74,18 @@ ONE_OF_EACH = [
     End(time_unix=3.0, result=run_result(steps=20, epochs=2, last_window={"first_step": 11, "last_step": 20})),
     Startup(phases={"fit": 0.1}),
     SearchStart(time_unix=0.2),
-    Candidate(index=0, replayed=True, outcome={"values": {"train.batch_size": 8}, "status": "ok", "replayed": True}),
-    Round(index=0, rounds=2, replayed=False, outcome={"values": {"train.batch_size": 8}, "status": "ok", "rounds": 2}),
+    Candidate(index=0, replayed=True, outcome=Outcome({"train.batch_size": 8}, replayed=True)),
+    Round(index=0, rounds=2, replayed=False, outcome=Outcome({"train.batch_size": 8}, rounds=2, samples_per_s=9.5)),
+    SearchEnd(
+        time_unix=4.0,
+        result=SearchResult(
+            candidates=[Outcome({"train.batch_size": 8}, rounds=2), Outcome({"train.batch_size": 16}, Fit.OOM)],
+            wall_s=3.5,
+            world_size=2,
+            estimate_margin=0.1,
+            device="cpu",
+        ),
+    ),
 ]
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raylane.autotuning.outcome import Fit, Outcome
-from raylane.autotuning.ranking import CONFIDENCE, verdict
+from raylane.autotuning.ranking import CONFIDENCE, Ranking, verdict
 from raylane.autotuning.record import RECORD_FILE
 from raylane.autotuning.report import (
     chosen_line,
@@ -30,13 +30,14 @@ from raylane.autotuning.report import (
     table,
     write_yaml,
 )
-from raylane.autotuning.settings import SearchSettings
 from raylane.config import BaseConfig, ConfigError
-from raylane.config.autotune import AutotuneSection, settings, winner_config
-from raylane.loop.protocols.events import Candidate, Event, Log, Round, SearchStart
+from raylane.config.autotune import AutotuneSection, SearchSettings, settings, winner_config
+from raylane.loop.protocols.events import Candidate, Event, Log, Round, SearchEnd, SearchStart
+from raylane.loop.protocols.result import Fit, Outcome, SearchResult
 from raylane.results import AutotuneSummary, Status
 from raylane.results import Candidate as CandidateRow
 from raylane.session import RunSession, finalize_run, outcome
+from raylane.sweeps.runs import PARENT_TAG
 
 if TYPE_CHECKING:
     from raylane.loop.protocols.runtime import Runtime
@@ -45,9 +46,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("raylane")
 
-PARENT_TAG = "mlflow.parentRunId"
 # A candidate's child run ends as MLflow's status for how the candidate ended.
 CHILD_STATUS = {Fit.OK: Status.FINISHED, Fit.OOM: Status.FAILED, Fit.FAILED: Status.FAILED, Fit.PRUNED: Status.KILLED}
+
+
+@dataclass(frozen=True, slots=True)
+class SearchLaunch:
+    """One search as its driver runs it: the config, the settings every rank gets, where the
+    ranks run, and the driver's side of it."""
+
+    cfg: BaseConfig
+    settings: SearchSettings
+    use_ray: bool
+    address: str | None
+    recorder: Recorder | None  # rank 0's (None on another torchrun rank)
+    tracking_uri: str
+    session: RunSession
 
 
 def execute(
@@ -55,15 +69,14 @@ def execute(
 ) -> AutotuneSummary:
     """Run the search on Ray, as this torchrun rank, or in this process; returns the summary (on
     a torchrun rank other than 0, only its status)."""
-    from raylane.loop.distributed.groups import env_ranks, init_process_group
+    from raylane.loop.distributed.groups import env_ranks
     from raylane.tracking.runs import open_run, resolve_tracking_uri
 
     launched = time.time()
     if not use_ray:
-        from raylane.config.workerenv import apply_here
+        from raylane.loop.run import prelude
 
-        apply_here(cfg.env)  # the ranks are this process: its environment, before the process group
-        init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)
+        prelude(cfg)  # env:, NCCL's flight recorder and the process group, as for a training run
         # The ranks torchrun started (or this one process), whatever scaling.num_workers says.
         cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": env_ranks()[2]})})
     rank0 = use_ray or env_ranks()[0] == 0
@@ -71,45 +84,37 @@ def execute(
     with RunSession() as session:
         cfg = finalize_run(_named(cfg), session, rank0)
         storage = cfg.run.storage_path
-        record = None if "://" in storage else str(Path(storage) / cfg.run.name / RECORD_FILE)
-        params = settings(section, cfg, record)
+        record = None if "://" in storage else str(Path(storage) / str(cfg.run.name) / RECORD_FILE)
         tracking_uri = resolve_tracking_uri()
         recorder = None
         if rank0:
             parent = session.open(open_run, cfg, tracking_uri, cfg.scaling.num_workers) if cfg.mlflow.enabled else None
             recorder = Recorder(cfg, tracking_uri, launched, parent)
-        return _search(cfg, params, use_ray, address, recorder, tracking_uri, out, summary_path, session)
+        launch = SearchLaunch(cfg, settings(section, cfg, record), use_ray, address, recorder, tracking_uri, session)
+        return _search(launch, out, summary_path)
 
 
-def _search(
-    cfg: BaseConfig,
-    params: dict[str, Any],
-    use_ray: bool,
-    address: str | None,
-    recorder: Any,
-    tracking_uri: str,
-    out: str,
-    summary_path: str | None,
-    session: RunSession,
-) -> AutotuneSummary:
+def _search(launch: SearchLaunch, out: str, summary_path: str | None) -> AutotuneSummary:
     from raylane.loop.distributed.groups import env_ranks, leave_process_group
 
+    cfg, session = launch.cfg, launch.session
+    result: SearchResult | None = None
     try:
-        result = _launch(cfg, params, use_ray, address, recorder, tracking_uri, session)
+        result = _launch(launch)
         status, error = Status.FINISHED, None
     except ConfigError as exc:
-        if use_ray:  # a cluster that never answered: one line and exit 2, as for train and tune
+        if launch.use_ray:  # a cluster that never answered: one line and exit 2, as for train and tune
             raise  # the session closes the parent run FAILED
-        result, status, error = {}, Status.FAILED, f"ConfigError: {exc}"
+        status, error = Status.FAILED, f"ConfigError: {exc}"
     except (KeyboardInterrupt, Exception) as exc:  # the launcher's message names the rank and its exception
-        result, (status, error) = {}, outcome(exc)
-    if not use_ray and cfg.scaling.num_workers and env_ranks()[2] > 1:
+        status, error = outcome(exc)
+    if not launch.use_ray and cfg.scaling.num_workers and env_ranks()[2] > 1:
         # As for a training run (driver._torchrun_rank_done): only a stop is waited out; after
         # a finished search rank 0's records have no length a peer's wait could bound.
         session.defer(leave_process_group, wait_for_peers=status == Status.KILLED)
-    if recorder is None:
+    if launch.recorder is None:
         return AutotuneSummary(status=status, error=error, run_name=cfg.run.name)
-    summary = recorder.finish(result, status, error, params, out, summary_path)
+    summary = launch.recorder.finish(result, status, error, launch.settings, out, summary_path)
     session.close(summary.status)
     return summary
 
@@ -123,54 +128,49 @@ def _named(cfg: BaseConfig) -> BaseConfig:
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
 
 
-def _launch(
-    cfg: BaseConfig,
-    params: dict[str, Any],
-    use_ray: bool,
-    address: str | None,
-    recorder: Any,
-    tracking_uri: str,
-    session: RunSession,
-) -> dict[str, Any]:
+def _launch(launch: SearchLaunch) -> SearchResult | None:
+    """The search's result: as this rank's search returned it, or on Ray as rank 0's SearchEnd
+    brought it to the recorder (None: the search never ended)."""
+    recorder = launch.recorder
     on_event = recorder.on_event if recorder else (lambda e: None)
-    if not use_ray:
+    if not launch.use_ray:
         from raylane.autotuning.search import run_search
         from raylane.loop.run import local_runtime
 
-        return run_search(cfg, local_runtime(cfg, on_event), params)
+        return run_search(launch.cfg, local_runtime(launch.cfg, on_event), launch.settings)
     from concurrent.futures import ThreadPoolExecutor
 
     from raylane.loop.observe.startup import StartupTimes
     from raylane.onray.cluster import start_ray
 
-    pool = session.enter(ThreadPoolExecutor(1, thread_name_prefix="raylane-start"))
-    ray_stopper = start_ray(cfg, address, pool, StartupTimes())
-    session.defer(ray_stopper.wait)
+    pool = launch.session.enter(ThreadPoolExecutor(1, thread_name_prefix="raylane-start"))
+    ray_stopper = start_ray(launch.cfg, launch.address, pool, StartupTimes())
+    launch.session.defer(ray_stopper.wait)
     from raylane.onray.launch import launch_on_ray
 
     try:
-        ended = launch_on_ray(
-            cfg,
+        launch_on_ray(
+            launch.cfg,
             None,
-            tracking_uri,
+            launch.tracking_uri,
             on_event,
             embedded=ray_stopper.embedded,
-            worker=functools.partial(search_worker, params),
+            worker=functools.partial(search_worker, launch.settings),
             restartable=False,
         )
-        return ended if isinstance(ended, dict) else {}  # the search's End result (none: it never ended)
+        return recorder.result if recorder else None
     finally:
         ray_stopper.start()
 
 
 def search_worker(
-    params: dict[str, Any], cfg: BaseConfig, runtime: Runtime, spec: LaunchSpec, startup: dict[str, float]
+    settings: SearchSettings, cfg: BaseConfig, runtime: Runtime, spec: LaunchSpec, startup: dict[str, float]
 ) -> None:
     """The search as a Ray worker group's function (raylane.onray.launch.launch_on_ray's
     `worker`, with the search's settings bound): the whole search runs in that one group."""
     from raylane.autotuning.search import run_search
 
-    run_search(cfg, runtime, params)
+    run_search(cfg, runtime, settings)
 
 
 class Recorder:
@@ -182,6 +182,7 @@ class Recorder:
         self.parent = parent  # opened and closed by the search's session (raylane.session)
         self.run_ids: list[str | None] = []
         self.search_started: float | None = None
+        self.result: SearchResult | None = None  # rank 0's SearchEnd's
         if self.parent:
             from raylane.tracking.runs import mlflow_client
 
@@ -197,15 +198,13 @@ class Recorder:
         match event:
             case SearchStart():
                 self.search_started = event.time_unix
-            case Candidate(index=index):
-                c = Outcome.from_dict(event.outcome)
+            case Candidate(index=index, outcome=c):
                 print(f"[autotune] {index}: {describe(c)}" + (" (recorded)" if event.replayed else ""), flush=True)
                 run_id = None
                 if self.parent:
                     run_id = (self._earlier_child(index) if event.replayed else None) or self._child(index, c)
                 self.run_ids.append(run_id)
-            case Round(index=index):
-                c = Outcome.from_dict(event.outcome)
+            case Round(index=index, outcome=c):
                 print(
                     f"[autotune] {index} again (round {event.rounds}): {describe(c)}"
                     + (" (recorded)" if event.replayed else ""),
@@ -214,6 +213,8 @@ class Recorder:
                 run_id = self.run_ids[index] if index < len(self.run_ids) else None
                 if run_id and not event.replayed:  # a replayed round is in its child already
                     self.client.log_batch(run_id, metrics=metrics(c, step=event.rounds or 0))
+            case SearchEnd():
+                self.result = event.result
             case Log() if event.level in ("warning", "error"):
                 print(f"raylane: warning: {event.message}", flush=True)
 
@@ -247,28 +248,26 @@ class Recorder:
 
     def finish(
         self,
-        result: dict[str, Any],
+        result: SearchResult | None,
         status: Status,
         error: str | None,
-        params: SearchSettings | dict[str, Any],
+        settings: SearchSettings,
         out: str,
         summary_path: str | None,
     ) -> AutotuneSummary:
-        """The end of the search: `result` as the search returned it (Search.run), `params` as
-        settings() built it."""
+        """The end of the search: `result` as the search returned it (Search.run; None: it never
+        ended), `settings` as it ran with."""
         from raylane.tracking.runs import ui_command
 
-        settings = SearchSettings.of(params)
-        candidates = [Outcome.from_dict(c) for c in result.get("candidates", [])]
-        self.device = result.get("device")
-        ranking = verdict(candidates, settings.own or {}, settings.space)
-        best = candidates[ranking["winner"]] if ranking else None
+        candidates = result.candidates if result else []
+        self.device = result.device if result else None
+        ranking = verdict(candidates, settings.own, settings.space)
+        best = candidates[ranking.winner] if ranking else None
         if status == Status.FINISHED and best is None:
             status, error = Status.FAILED, "no candidate fitted in memory"
         summary = AutotuneSummary.model_validate(self._summary(candidates, ranking, status, error, settings, out))
         if best is not None and ranking is not None:
-            held = settings.global_batch.model_dump()
-            write_yaml(out, winner_config(self.cfg, held, best.values), best, ranking["ties"])
+            write_yaml(out, winner_config(self.cfg, settings.global_batch, best.values), best, ranking.ties)
         if candidates:
             print(table(candidates, list(settings.space), ranking), flush=True)
         self._artifacts(candidates, summary)
@@ -291,7 +290,7 @@ class Recorder:
     def _summary(
         self,
         candidates: list[Outcome],
-        ranking: dict[str, Any] | None,
+        ranking: Ranking | None,
         status: Status,
         error: str | None,
         settings: SearchSettings,
@@ -300,7 +299,7 @@ class Recorder:
         """AutotuneSummary's fields."""
         ended = time.time()
         startup = (self.search_started - self.launched) if self.search_started else None
-        best = candidates[ranking["winner"]] if ranking else None
+        best = candidates[ranking.winner] if ranking else None
         run_ids = self.run_ids + [None] * len(candidates)
         return {
             "status": status,
@@ -313,12 +312,12 @@ class Recorder:
             "best": None
             if best is None or ranking is None
             else {
-                "candidate": ranking["winner"],
+                "candidate": ranking.winner,
                 "config": {**best.values, "train.grad_accum_steps": best.grad_accum_steps},
                 "samples_per_s": best.samples_per_s,
                 "interval": best.interval,
                 "rounds": best.rounds,
-                "tied_with": ranking["ties"][1:],
+                "tied_with": ranking.ties[1:],
                 "tokens_per_s": best.tokens_per_s,
                 "mfu": best.mfu,
                 "peak_memory_bytes": best.peak_memory_bytes,
@@ -326,8 +325,10 @@ class Recorder:
             },
             "ranking": ranking
             and {
-                **ranking,
-                "clear": len(ranking["ties"]) == 1,
+                "leader": ranking.leader,
+                "ties": ranking.ties,
+                "winner": ranking.winner,
+                "clear": ranking.clear,
                 "confidence": CONFIDENCE,
                 "windows": settings.windows,
                 "min_rounds": settings.min_rounds,

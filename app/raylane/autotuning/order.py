@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from typing import Any, TypeGuard
 
-from raylane.autotuning.outcome import Fit, Outcome
 from raylane.autotuning.ranking import beats
+from raylane.loop.protocols.result import Fit, Outcome
 
 MIN_SIZES_SCANNED = 3
 # Knobs tried one at a time from the best configuration so far, after strategy and micro-batch.

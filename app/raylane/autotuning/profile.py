@@ -20,10 +20,9 @@ import torch
 from raylane.autotuning.agree import Agreement
 from raylane.autotuning.costs import eval_seconds, per_step_seconds, save_seconds
 from raylane.autotuning.memory import PeakSampler, attempt, error_text, is_oom, memory_now, release, rss
-from raylane.autotuning.outcome import Fit, Outcome
 from raylane.autotuning.ranking import summarize
-from raylane.autotuning.settings import SearchSettings
 from raylane.config import BaseConfig, apply_values
+from raylane.config.autotune import SearchSettings
 from raylane.config.batching import hold_global_batch
 from raylane.loop.data.loader import first_batch, train_data, worker_options
 from raylane.loop.distributed.devices import device_memory_bytes, local_world_size, peak_flops
@@ -31,6 +30,7 @@ from raylane.loop.distributed.fsdp import Strategy, materialize, on_meta, prepar
 from raylane.loop.distributed.parallelize import estimate_memory, parallelize
 from raylane.loop.observe import faults as fault_plans
 from raylane.loop.protocols.batches import checked_own_loss, forward_loss, to_device
+from raylane.loop.protocols.result import Fit, Outcome
 from raylane.loop.protocols.runtime import Runtime
 from raylane.loop.run import step_trainer
 from raylane.loop.steps import Throughput

@@ -17,10 +17,10 @@ from __future__ import annotations
 import random
 import statistics
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-from raylane.autotuning.outcome import Outcome
+from raylane.loop.protocols.result import Outcome
 
 CONFIDENCE = 0.9
 BOOTSTRAP_DRAWS = 2000
@@ -38,6 +38,20 @@ SIMPLICITY_ORDER = (
 )
 
 Rounds = Sequence[Sequence[float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """The verdict over a search's candidates, as indices into them."""
+
+    leader: int  # the highest median
+    ties: list[int]  # whose interval overlaps the leader's (the leader among them), simplest first
+    winner: int  # the simplest of the ties
+
+    @property
+    def clear(self) -> bool:
+        """No other candidate is within the noise of the winner."""
+        return len(self.ties) == 1
 
 
 def median_interval(rates: Rounds) -> tuple[float, float, float]:
@@ -120,10 +134,8 @@ def simplicity(values: dict[str, Any], own: dict[str, Any], space: dict[str, lis
     return (sum(r > 0 for r in ranks), tuple(ranks))
 
 
-def verdict(outcomes: Sequence[Outcome], own: dict[str, Any], space: dict[str, list[Any]]) -> dict[str, Any] | None:
-    """{"leader": the highest median, "ties": the candidates whose interval overlaps the
-    leader's (the leader among them), simplest first, "winner": the simplest of them}, as
-    indices; None when no candidate ran."""
+def verdict(outcomes: Sequence[Outcome], own: dict[str, Any], space: dict[str, list[Any]]) -> Ranking | None:
+    """The leader, the candidates tied with it and the winner among them; None when no candidate ran."""
     measured = [i for i, o in enumerate(outcomes) if ok(o)]
     if not measured:
         return None
@@ -132,7 +144,7 @@ def verdict(outcomes: Sequence[Outcome], own: dict[str, Any], space: dict[str, l
         (i for i in measured if i == lead or overlaps(outcomes[i], outcomes[lead])),
         key=lambda i: (simplicity(outcomes[i].values, own, space), i),
     )
-    return {"leader": lead, "ties": ties, "winner": ties[0]}
+    return Ranking(leader=lead, ties=ties, winner=ties[0])
 
 
 def beats(
@@ -163,7 +175,7 @@ def next_round(
     found = verdict(outcomes, own, space)
     if found is None:
         return []
-    lead = found["leader"]
+    lead = found.leader
 
     def more(i: int) -> bool:  # may be measured again
         return rounds(outcomes[i]) < max_rounds and not outcomes[i].final

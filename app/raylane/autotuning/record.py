@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
-from raylane.autotuning.outcome import Fit, Outcome
-from raylane.autotuning.settings import SearchSettings
+from raylane.config.autotune import SearchSettings
+from raylane.loop.protocols.result import Fit, Outcome
+
+log = logging.getLogger("raylane")
 
 RECORD_FILE = "autotune.jsonl"
 DIED = "the worker group died while profiling it"
@@ -102,9 +105,21 @@ def read_record(
         elif "started_round" in entry:
             round_started = entry["started_round"]
         elif "round_of" in entry:
-            rounds.append((entry["round_of"], Outcome.from_dict(entry["outcome"])))
+            if (again := _outcome(entry["outcome"], path)) is not None:
+                rounds.append((entry["round_of"], again))
             round_started = None
         else:
-            done.append(Outcome.from_dict(entry))
+            if (first := _outcome({k: v for k, v in entry.items() if k != "fingerprint"}, path)) is not None:
+                done.append(first)
             started = None
     return done, rounds, started, round_started
+
+
+def _outcome(data: dict[str, Any], path: Path) -> Outcome | None:
+    """A recorded outcome, or None (said) when it has keys this raylane does not know: that
+    candidate is measured again rather than replayed without them."""
+    try:
+        return Outcome.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        log.warning("%s: an outcome measured again: %s", path, exc)
+        return None

@@ -12,8 +12,9 @@ from typing import Any
 
 import yaml
 
-from raylane.autotuning.outcome import Fit, Outcome
+from raylane.autotuning.ranking import Ranking
 from raylane.config import BaseConfig
+from raylane.loop.protocols.result import Fit, Outcome
 
 METRIC_KEYS = (
     "samples_per_s",
@@ -55,27 +56,27 @@ def rate(c: Outcome) -> str:
     return f"{c.samples_per_s:.1f}" + (f" [{low:.1f}-{high:.1f}]" if low is not None else "")
 
 
-def verdict_of(index: int, c: Outcome, ranking: dict[str, Any] | None) -> str | None:
+def verdict_of(index: int, c: Outcome, ranking: Ranking | None) -> str | None:
     if not ranking or not c.ok:
         return None
-    if index == ranking["winner"]:
+    if index == ranking.winner:
         return "winner"
-    return "tie" if index in ranking["ties"] else "slower"
+    return "tie" if index in ranking.ties else "slower"
 
 
-def chosen_line(candidates: list[Outcome], ranking: dict[str, Any]) -> str:
-    best = ranking["winner"]
+def chosen_line(candidates: list[Outcome], ranking: Ranking) -> str:
+    best = ranking.winner
     text = f"candidate {best}, {describe(candidates[best])}"
-    others = [i for i in ranking["ties"] if i != best]
+    others = [i for i in ranking.ties if i != best]
     if not others:
         return f"fastest: {text}; clearly (no other interval overlaps its)"
     return (
         f"chosen: {text}; the simplest of {len(others) + 1} candidates tied within the noise "
-        f"(with {', '.join(map(str, others))}; the highest median: {ranking['leader']})"
+        f"(with {', '.join(map(str, others))}; the highest median: {ranking.leader})"
     )
 
 
-def row(c: Outcome, index: int, ranking: dict[str, Any] | None, run_id: str | None) -> dict[str, Any]:
+def row(c: Outcome, index: int, ranking: Ranking | None, run_id: str | None) -> dict[str, Any]:
     """A candidate in the summary (raylane.results.Candidate's fields)."""
     return {
         "config": c.values,
@@ -132,7 +133,7 @@ def write_yaml(path: str, cfg: BaseConfig, best: Outcome, ties: list[int]) -> No
     Path(path).write_text(header + yaml.safe_dump(tree, sort_keys=False))
 
 
-def table(candidates: list[Outcome], space_keys: list[str], ranking: dict[str, Any] | None = None) -> str:
+def table(candidates: list[Outcome], space_keys: list[str], ranking: Ranking | None = None) -> str:
     varied = [k for k in space_keys if len({json.dumps(c.values.get(k)) for c in candidates}) > 1]
     header = [
         "#",

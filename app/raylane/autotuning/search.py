@@ -22,21 +22,21 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from typing import Any
 
 from raylane.autotuning.agree import Agreement
 from raylane.autotuning.order import plan
-from raylane.autotuning.outcome import Outcome
 from raylane.autotuning.profile import Profiler
 from raylane.autotuning.ranking import merge, next_round
 from raylane.autotuning.record import SearchRecord, fingerprint
-from raylane.autotuning.settings import SearchSettings
 from raylane.config import BaseConfig
+from raylane.config.autotune import SearchSettings
 from raylane.loop import usercode
 from raylane.loop.distributed.fsdp import on_meta
-from raylane.loop.protocols.events import Candidate, End, Event, Round, SearchStart
+from raylane.loop.protocols.events import Candidate, Event, Round, SearchEnd, SearchStart
+from raylane.loop.protocols.result import Outcome, SearchResult
 from raylane.loop.protocols.runtime import Runtime
 
 Planner = Generator[dict[str, Any], Outcome, None]
@@ -55,7 +55,7 @@ class Message:
 class Search:
     """The whole search on this rank: rank 0 plans and every rank profiles each candidate it
     sends; rank 0 publishes a `Candidate` per outcome, a `Round` per later round, and the result
-    as the `End` event."""
+    as the `SearchEnd` event."""
 
     def __init__(
         self, cfg: BaseConfig, runtime: Runtime, settings: SearchSettings, publish: Callable[[Event], None]
@@ -65,8 +65,8 @@ class Search:
         self.agree = Agreement(runtime, cfg.scaling.use_gpu)
         self.record = SearchRecord(settings.record, fingerprint(cfg.flat(), settings))
 
-    def run(self) -> dict[str, Any]:
-        """The result End carries: each candidate's outcome (as Outcome.to_dict()), in order."""
+    def run(self) -> SearchResult:
+        """Every candidate's outcome, in order (what SearchEnd carries)."""
         started = time.perf_counter()
         pipe = usercode.build_pipeline(self.cfg)  # the data, and the model every candidate copies
         if not on_meta(pipe.model):  # a meta model gets memory in each candidate
@@ -83,15 +83,15 @@ class Search:
         deadline = started + self.settings.budget_s if self.settings.budget_s else None
         outcomes = self._first_rounds(planner, replay, deadline)
         self._measure_again(outcomes, rounds_replay, deadline)
-        result = {
-            "candidates": [o.to_dict() for o in outcomes],
-            "wall_s": time.perf_counter() - started,
-            "world_size": self.runtime.world_size,
-            "estimate_margin": self.settings.safety_margin,
-            "device": self.runtime.device.type,
-        }
+        result = SearchResult(
+            candidates=outcomes,
+            wall_s=time.perf_counter() - started,
+            world_size=self.runtime.world_size,
+            estimate_margin=self.settings.safety_margin,
+            device=self.runtime.device.type,
+        )
         if self.rank0:
-            self.publish(End(time_unix=time.time(), result=result))
+            self.publish(SearchEnd(time_unix=time.time(), result=result))
         gc.unfreeze()
         return result
 
@@ -114,7 +114,7 @@ class Search:
                     self.record.outcome(outcome)
             outcomes.append(outcome)
             if self.rank0:
-                self.publish(Candidate(index=len(outcomes) - 1, replayed=outcome.replayed, outcome=outcome.to_dict()))
+                self.publish(Candidate(index=len(outcomes) - 1, replayed=outcome.replayed, outcome=outcome))
 
     def _measure_again(
         self, outcomes: list[Outcome], replay: list[tuple[int, Outcome]], deadline: float | None
@@ -144,7 +144,7 @@ class Search:
                         index=index,
                         rounds=outcomes[index].rounds,
                         replayed=message.replayed is not None,
-                        outcome=outcomes[index].to_dict(),
+                        outcome=outcomes[index],
                     )
                 )
 
@@ -157,7 +157,7 @@ class Search:
             queue.extend(
                 next_round(
                     outcomes,
-                    self.settings.own or {},
+                    self.settings.own,
                     self.settings.space,
                     min_rounds=self.settings.min_rounds,
                     max_rounds=self.settings.max_rounds,
@@ -186,9 +186,9 @@ class Search:
         return Message(values)
 
 
-def run_search(cfg: BaseConfig, runtime: Runtime, settings: SearchSettings | Mapping[str, Any]) -> dict[str, Any]:
-    """The whole search on this rank (every rank calls it); rank 0 publishes a `candidate` event
-    per outcome and the result as the `end` event. `settings`: autotune's settings() (a dict, as
-    the driver hands it to the worker group), read here once."""
+def run_search(cfg: BaseConfig, runtime: Runtime, settings: SearchSettings) -> SearchResult:
+    """The whole search on this rank (every rank calls it); rank 0 publishes a `Candidate` event
+    per outcome and the result as the `SearchEnd` event. `settings`: autotune's settings(), as
+    the driver hands them to the worker group."""
     publish = runtime.publish if runtime.rank == 0 else (lambda e: None)
-    return Search(cfg, runtime, SearchSettings.of(settings), publish).run()
+    return Search(cfg, runtime, settings, publish).run()

@@ -1,15 +1,16 @@
 """A pipeline config's optional `autotune:` section (`raylane autotune`'s search space: each knob
 a list of values, narrowing raylane's defaults) and what follows from it without running
 anything: the space checked against the config (`space`), the settings the search runs with and
-a relaunch compares (`settings`), and the winner as it trains (`winner_config`). How the search
-runs is raylane.autotuning's. Nothing here imports torch or Ray."""
+a relaunch compares (`SearchSettings`, built by `settings`: the driver hands them to the ranks
+as they are), and the winner as it trains (`winner_config`). How the search runs is
+raylane.autotuning's. Nothing here imports torch or Ray."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from raylane.config.base import BaseConfig
 from raylane.config.batching import GlobalBatch, hold_global_batch
@@ -173,38 +174,58 @@ def space(section: AutotuneSection, cfg: BaseConfig) -> tuple[dict[str, list[Any
     return out, held
 
 
-def settings(section: AutotuneSection, cfg: BaseConfig, record: str | None) -> dict[str, Any]:
+class SearchSettings(BaseModel):
+    """What one search runs with, as the driver hands it to every rank (pickled on Ray): the space,
+    the budget, and how each candidate is measured. Built by `settings`; a key it does not know
+    is refused, never dropped."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    space: dict[str, list[Any]]  # dotted key -> the values to try, the config's own first
+    own: dict[str, Any]  # the config's own value of each key (the simplest)
+    global_batch: GlobalBatch  # held by every candidate
+    warmup_steps: int
+    profile_steps: int  # timed per round, in `windows` windows
+    windows: int
+    min_window_s: float
+    min_rounds: int
+    max_rounds: int
+    max_candidates: int
+    safety_margin: float  # added to a memory estimate before it prunes
+    budget_s: float | None = None
+    record: str | None = None  # the search's record (a relaunch replays it); None: not kept
+
+
+def settings(section: AutotuneSection, cfg: BaseConfig, record: str | None) -> SearchSettings:
     """What the search runs with (the space, the config's own values of its knobs, the global
     batch held, the section's measuring settings) and `record`, the file a relaunch replays."""
     knobs, held = space(section, cfg)
     flat = cfg.flat()
-    return {
-        "space": knobs,
-        "own": {k: flat[k] for k in knobs},
-        "global_batch": held.model_dump(),
-        "warmup_steps": section.warmup_steps,
-        "profile_steps": section.profile_steps,
-        "windows": section.windows,
-        "min_window_s": section.min_window_s,
-        "min_rounds": section.min_rounds,
-        "max_rounds": section.max_rounds,
-        "max_candidates": section.max_candidates,
-        "budget_s": section.budget_s,
-        "safety_margin": section.safety_margin,
-        "record": record,
-    }
+    return SearchSettings(
+        space=knobs,
+        own={k: flat[k] for k in knobs},
+        global_batch=held,
+        warmup_steps=section.warmup_steps,
+        profile_steps=section.profile_steps,
+        windows=section.windows,
+        min_window_s=section.min_window_s,
+        min_rounds=section.min_rounds,
+        max_rounds=section.max_rounds,
+        max_candidates=section.max_candidates,
+        budget_s=section.budget_s,
+        safety_margin=section.safety_margin,
+        record=record,
+    )
 
 
-def winner_config(cfg: BaseConfig, held: dict[str, Any], values: dict[str, Any]) -> BaseConfig:
+def winner_config(cfg: BaseConfig, held: GlobalBatch, values: dict[str, Any]) -> BaseConfig:
     """The winner, as it trains: a train.global_batch of the config's own is kept (with the split
     the search measured), so that a resume on another world size holds it as before."""
-    won = hold_global_batch(apply_values(cfg, values), GlobalBatch(**held), "autotune.global_batch")
+    won = hold_global_batch(apply_values(cfg, values), held, "autotune.global_batch")
     if cfg.train.global_batch is None:
         return won
     return won.model_copy(
         update={
-            "train": won.train.model_copy(
-                update={"global_batch": held["size"], "global_batch_adjust": "grad_accum_steps"}
-            )
+            "train": won.train.model_copy(update={"global_batch": held.size, "global_batch_adjust": "grad_accum_steps"})
         }
     )

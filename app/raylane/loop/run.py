@@ -76,8 +76,7 @@ def run_worker(
     pipe = None
     sampler = health.start_sampler(cfg, runtime.local_rank, runtime.store)  # this node's, on its local rank 0
     folder = runtime.store.root if runtime.store.direct else None  # where every rank's stacks go on a hang
-    for key, value in hangs.flight_recorder_env(cfg.scaling.use_gpu, cfg.dist.flight_recorder_entries, folder).items():
-        os.environ.setdefault(key, value)  # the dump's path, where the run's name was not known before its group
+    flight_recorder(cfg, folder)  # the dump's path, where the run's name was not known before its group
     try:
         with hangs.watched(folder, runtime.rank, runtime.world_size, cfg.dist.timeout_s) as watch:
             pipe = usercode.build_pipeline(cfg)  # its exception, or a return that is no Pipeline, names the pipeline
@@ -433,11 +432,33 @@ def _init_from(cfg: BaseConfig) -> str | None:
     return path
 
 
+def prelude(cfg: BaseConfig) -> None:
+    """A torchrun rank's, or a one-process run's, start, whatever it runs (training, autotune's
+    search): the config's `env:` as this process's own environment, NCCL's flight recorder, then
+    the process group, which reads both when it starts. Once a process, first: the ranks agree on
+    the run's name through the group (raylane.session.finalize_run). On Ray, the driver ships the
+    same variables to each worker before Ray Train starts its group (raylane.onray.placement)."""
+    from raylane.config.workerenv import apply_here
+    from raylane.runrecord import run_folder
+
+    apply_here(cfg.env)
+    folder = run_folder(cfg)
+    flight_recorder(cfg, str(folder) if folder else None)
+    init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)
+
+
+def flight_recorder(cfg: BaseConfig, folder: str | None) -> None:
+    """NCCL's flight recorder (raylane.loop.observe.hangs), dumping into `folder`'s stacks where
+    the run's folder is known; a variable of the user's own wins."""
+    for key, value in hangs.flight_recorder_env(cfg.scaling.use_gpu, cfg.dist.flight_recorder_entries, folder).items():
+        os.environ.setdefault(key, value)
+
+
 def local_runtime(cfg: BaseConfig, on_event: Callable[[Event], None]) -> LocalRuntime:
-    """This process as one rank: a single process, or a torchrun rank (env vars say which). The
-    caller leaves the process group (`raylane.loop.distributed.groups.leave_process_group`)."""
+    """This process as one rank: a single process, or a torchrun rank (env vars say which), whose
+    `prelude` has run. The caller leaves the process group
+    (`raylane.loop.distributed.groups.leave_process_group`)."""
     rank, local_rank, world_size = env_ranks()
-    init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)  # normally done already by the driver
     fs, root = filesystem_for(cfg.run.storage_path)
     return LocalRuntime(
         CheckpointStore(f"{root.rstrip('/')}/{cfg.run.name}", fs, rank),

@@ -45,18 +45,35 @@ EMBEDDED_OBJECT_STORE_BYTES = 512 * 1024**2
 DATA_CPUS = 1.0
 
 
-def start_ray(cfg: BaseConfig, address: str | None, pool: Executor, startup: Any = None) -> RayStopper:
-    """Join the cluster at `address` (as raylane.clusters.local.resolve_address returned it,
-    before Ray's import: raylane.prepare.resolve_address) or start an embedded one, for a launch
-    that trains on it; returns the RayStopper its caller waits on last (`embedded`: whether this
-    process started the cluster, and so stops it). `startup`: the launch's StartupTimes."""
-    # Ray Train and torch import (~3.5 s of CPU on 2 cores) while Ray's processes start:
-    # ray.init mostly waits for them. launch_on_ray's import joins this one.
-    pool.submit(importlib.import_module, "raylane.onray.launch")
-    embedded = init_ray(address, cfg)
+def start_ray(
+    cfg: BaseConfig,
+    address: str | None,
+    pool: Executor | None = None,
+    startup: Any = None,
+    *,
+    num_cpus: float = 0,
+    dashboard: bool = False,
+) -> RayStopper:
+    """The one way every launch (train, autotune, a sweep's driver) joins the cluster at `address`
+    (as raylane.clusters.local.resolve_address returned it, before Ray's import:
+    raylane.prepare.resolve_address) or starts an embedded one (`num_cpus`, `dashboard`: see
+    init_ray); returns the RayStopper its caller waits on last (`embedded`: whether this process
+    started the cluster, and so stops it). ConfigError, with the cluster stopped, when the
+    config's workers fit no node. `pool`: where Ray Train is imported meanwhile, for a launch
+    whose driver starts the workers itself; `startup`: the launch's StartupTimes."""
+    if pool is not None:
+        # Ray Train and torch import (~3.5 s of CPU on 2 cores) while Ray's processes start:
+        # ray.init mostly waits for them. launch_on_ray's import joins this one.
+        pool.submit(importlib.import_module, "raylane.onray.launch")
+    embedded = init_ray(address, cfg, num_cpus, dashboard)
     if startup is not None:
         startup.mark("ray_init")
-    signal.signal(signal.SIGTERM, raise_interrupt)  # ray.init replaced the launch's own
+    if threading.current_thread() is threading.main_thread():
+        # ray.init put Ray's own in place of the launch's: its C++ failure handler (over its
+        # sys.exit on an embedded cluster) prints a stack and arms a 3 s alarm that aborts the
+        # process (exit 134), the MLflow runs left RUNNING. raylane.tune() from a thread: the
+        # handler is its caller's.
+        signal.signal(signal.SIGTERM, raise_interrupt)
     try:
         check_placeable(cfg, embedded)
     except ConfigError:

@@ -18,7 +18,7 @@ import torch
 from raylane.loop import preemption
 from raylane.loop.distributed.groups import node_layout
 from raylane.loop.observe.startup import process_start_unix
-from raylane.loop.protocols.events import End, Event, Handover, Log, Startup
+from raylane.loop.protocols.events import End, Event, Handover, Log, SearchEnd, Startup
 from raylane.onray.leftovers import DriverWatch, ProcessId
 from raylane.onray.store import DriverWatchedStore
 
@@ -185,7 +185,7 @@ class RayRuntime:
 
     def publish(self, event: Event) -> None:
         ref = self._sink.put.remote(event)
-        if isinstance(event, (End, Handover)):
+        if isinstance(event, (End, Handover, SearchEnd)):
             ray.get(ref)  # the driver reads the result after fit() returns: make sure it is there
 
     def data_stream(self, name: str, source: Any, *, batch_size: int) -> Any | None:

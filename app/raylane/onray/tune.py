@@ -20,10 +20,8 @@ import logging
 import math
 import os
 import random
-import signal
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -38,11 +36,11 @@ from raylane.config.sweep import SweepSection, trial_config
 from raylane.loop.protocols.events import Checkpoint, Event
 from raylane.loop.protocols.result import RunResult
 from raylane.onray.cluster import RayStopper, data_cpus
-from raylane.onray.placement import check_placeable, put_env
+from raylane.onray.placement import put_env
 from raylane.onray.sweep_plan import param_space, search_alg, trials_text
 from raylane.onray.trials import MetricReported, TrialRuns, sink_name, stop_on_interrupt
 from raylane.results import Status, SweepSummary
-from raylane.session import RunSession, interrupts, raise_interrupt, ran, status_of
+from raylane.session import RunSession, interrupts, ran, status_of
 from raylane.sweeps import results as sweep_results
 from raylane.sweeps.objective import Objective
 from raylane.sweeps.record import fresh_sweep_name, resolved, sweep_folder, write_record
@@ -260,7 +258,7 @@ def run_sweep(
     Ctrl-C while the trials run (every run of the sweep closed KILLED: TrialRuns.interrupted).
     Every way out closes the sweep's MLflow parent run and gives its lease back (its session:
     raylane.session)."""
-    from raylane.onray.cluster import init_ray
+    from raylane.onray.cluster import start_ray
 
     tracking_uri = resolve_tracking_uri()
     base = resolved(base)
@@ -270,16 +268,12 @@ def run_sweep(
             parent = session.open(open_parent, sweep, base, tracking_uri)
             write_record(sweep, base, "RUNNING", parent_run_id=parent.run_id)
             per_trial = trial_resources(base)["CPU"]
-            embedded = init_ray(
-                address, base, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)), dashboard=True
+            # A trial's workers must fit some node (accelerator, resources, labels): checked there.
+            # Ray Train is imported by the trials, not here.
+            ray_stop = start_ray(
+                base, address, num_cpus=math.ceil(per_trial * (sweep.max_concurrent_trials or 2)), dashboard=True
             )
-            if threading.current_thread() is threading.main_thread():
-                # ray.init put Ray's own in its place: its C++ failure handler (over its sys.exit
-                # on an embedded cluster) prints a stack and arms a 3 s alarm that aborts the
-                # process (exit 134), every trial's run left RUNNING.
-                signal.signal(signal.SIGTERM, raise_interrupt)
-            ray_stop = RayStopper(embedded)
-            if embedded:
+            if ray_stop.embedded:
                 session.defer(ray_stop.wait)
             summary, rows, best = _sweep(sweep, base, session, parent, ray_stop, register)
     summary.write(summary_path)
@@ -307,7 +301,6 @@ def _sweep(
     """The trials on the cluster Ray joined (`ray_stop` stops it, or leaves a joined one), and
     their results on the parent run: (summary, rows, best trial)."""
     embedded = ray_stop.embedded
-    check_placeable(base, embedded)  # a trial's workers fit some node (accelerator, resources, labels)
     concurrency = check_resources(base, sweep, ray.cluster_resources(), embedded)
     print(
         f"[raylane] sweep {sweep.name}: {trials_text(sweep)}, {concurrency} at a time, "
@@ -376,7 +369,8 @@ def _fit(
             "tracking_uri": parent.tracking_uri,
             "resumed": False,
         },
-        "env": put_env(base),  # a reference: the trial's `params.json` and Tune's records never hold the values
+        # A reference: the trial's `params.json` and Tune's records never hold the values.
+        "env": put_env(base),
     }
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 

@@ -5,14 +5,15 @@ process: the driver's listeners, called directly):
 - raylane.loop.reporting.Reporter (rank 0's Trainer): Start, FirstStep, Progress, Eval,
   Checkpoint, CheckpointFailed, Straggler, and at the end End, or Handover when the group restarts without
   a leaving node or for a larger group.
-- raylane.autotuning.search (rank 0 of `raylane autotune`): SearchStart, Candidate, Round, End.
+- raylane.autotuning.search (rank 0 of `raylane autotune`): SearchStart, Candidate, Round, SearchEnd.
 - raylane.onray: Log (a worker's raylane warning: runtime), Startup (Ray's start-up phases, from
   the driver and Ray Train's controller: launch, trainers).
 
 Readers, on the driver: raylane.tracking.progress.ProgressDisplay, raylane.tracking.records.
 RunRecorder, raylane.tracking.resizes.Resizes, raylane.loop.observe.startup.StartupTimes, Tune's trial
 (raylane.onray.tune: Checkpoint), autotune's Recorder (raylane.autotuning.driver), and the Ray
-launcher itself (End's result, Handover). A training run's result is a RunResult (raylane.loop.protocols.result).
+launcher itself (End's result, Handover). A training run's result is a RunResult, a search's a
+SearchResult of each candidate's Outcome (raylane.loop.protocols.result).
 
 Plain frozen dataclasses: on Ray they cross the event actor by pickling, and this module, like
 the rest of the loop, imports neither Ray nor torch (the driver reads startup events before
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from raylane.loop.protocols.result import RunResult
+from raylane.loop.protocols.result import Outcome, RunResult, SearchResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,11 +121,10 @@ class Handover:
 
 @dataclass(frozen=True, slots=True)
 class End:
-    """Rank 0's result: training's RunResult (Trainer.train), or autotune's search's own
-    (raylane.autotuning.search)."""
+    """Rank 0's result of a training run (Trainer.train)."""
 
     time_unix: float
-    result: RunResult | dict[str, Any]
+    result: RunResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +148,7 @@ class Candidate:
 
     index: int
     replayed: bool
-    outcome: dict[str, Any]  # raylane.autotuning.outcome.Outcome.to_dict(), as End's result lists it
+    outcome: Outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +158,15 @@ class Round:
     index: int
     rounds: int | None
     replayed: bool
-    outcome: dict[str, Any]
+    outcome: Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class SearchEnd:
+    """Rank 0's result of an autotune search: every candidate's outcome, in order."""
+
+    time_unix: float
+    result: SearchResult
 
 
 Event = (
@@ -176,4 +184,5 @@ Event = (
     | SearchStart
     | Candidate
     | Round
+    | SearchEnd
 )

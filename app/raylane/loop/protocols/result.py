@@ -1,13 +1,20 @@
-"""What a training run hands back when its loop ends: rank 0's `RunResult`, carried to the driver by
-the `End` event (or `Handover`, when the group restarts), read by attribute. Built by the Trainer
-(`Trainer._result`); rank 0's Reporter adds what it alone knows (`Reporter.on_end`, through
-`dataclasses.replace`). The driver's summary (raylane.results.TrainSummary) is built from its
-attributes. A frozen dataclass: it pickles across Ray's event actor, and neither torch nor Ray is
-imported here."""
+"""What a launch's ranks hand back when their loop ends, read by attribute on the driver.
+
+- A training run: rank 0's `RunResult`, carried by the `End` event (or `Handover`, when the group
+  restarts). Built by the Trainer (`Trainer._result`); rank 0's Reporter adds what it alone knows
+  (`Reporter.on_end`, through `dataclasses.replace`). The driver's summary
+  (raylane.results.TrainSummary) is built from its attributes.
+- An autotune search (raylane.autotuning.search): each candidate's `Outcome` (and the `Fit` it
+  ended with), carried by the `Candidate` and `Round` events, and the whole `SearchResult` by
+  `SearchEnd`. Here, below the events, because they cross processes in them.
+
+Frozen dataclasses: they pickle across Ray's event actor, and neither torch nor Ray is imported
+here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from enum import StrEnum
 from typing import Any
 
 
@@ -71,3 +78,81 @@ class RunResult:
             "train_s": self.train_wall_s,  # every launch's, as a time-to-target objective counts
         }
         return {name: float(value) for name, value in speed.items() if value is not None}
+
+
+class Fit(StrEnum):
+    """How an autotune candidate (or one of its rounds) ended. The value is what the summary, the
+    table and the child run's `raylane.autotune.status` tag show."""
+
+    OK = "ok"  # measured
+    OOM = "oom"  # out of memory on some rank (agreed by all)
+    FAILED = "failed"  # another error, or its worker group died while profiling it
+    PRUNED = "pruned"  # rank 0's memory estimate said it would not fit: never run
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """An autotune candidate's figures: its first round, or its rounds merged
+    (raylane.autotuning.ranking). None: not measured (a candidate that did not run, or a figure
+    this pipeline has none of). Built on the ranks, read by the search order, the ranking and
+    the driver's report; written to the search's record as `to_dict()`."""
+
+    values: dict[str, Any]  # the searched keys (dotted) and the values this candidate tried
+    status: Fit = Fit.OK
+    error: str | None = None
+    grad_accum_steps: int | None = None
+    samples_per_s: float | None = None  # the median of all its windows
+    interval: list[float] | None = None  # [low, high] around that median
+    windows: list[list[float]] | None = None  # samples/s of each window, a list per round
+    window_s: list[list[float]] | None = None  # the seconds each window lasted
+    rounds: int | None = None
+    samples_per_step: int | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    peak_memory_bytes: int | None = None
+    estimated_bytes: int | None = None  # rank 0's estimate, before anything ran
+    unreleased_bytes: int | None = None  # still allocated after its teardown (GPU)
+    profile_s: float | None = None
+    setup_s: float | None = None
+    eval_s: float | None = None
+    save_s: float | None = None
+    steps_per_epoch: int | None = None
+    pid: int | None = None
+    replayed: bool = False  # from an earlier launch's record, not measured by this one
+    final: bool = False  # a later round failed: no more rounds
+    round_error: str | None = None  # that round's error
+
+    @property
+    def ok(self) -> bool:
+        """Measured: it has a figure to rank."""
+        return self.status == Fit.OK and self.samples_per_s is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record's form (JSON): `status` as its value, flags only when set."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["status"] = self.status.value
+        for flag in ("replayed", "final"):
+            if not out[flag]:
+                del out[flag]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Outcome:
+        """Back from to_dict() (a record an earlier launch wrote); ValueError naming a key it does
+        not know, rather than a figure silently lost."""
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"an autotune outcome with unknown keys {unknown}")
+        return cls(**{"values": {}, **data, "status": Fit(data.get("status", Fit.OK))})
+
+
+@dataclass(frozen=True, slots=True)
+class SearchResult:
+    """One autotune search, from its ranks (raylane.autotuning.search.Search.run)."""
+
+    candidates: list[Outcome]  # every candidate's outcome, its rounds merged, in the order tried
+    wall_s: float
+    world_size: int
+    estimate_margin: float  # autotune.safety_margin, as the memory estimates were pruned with
+    device: str  # the ranks' device type: cpu or cuda
