@@ -667,7 +667,7 @@ def no_work(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("got past the checks: something was started")
 
-    monkeypatch.setattr("raylane.prepare.resolve_address", started)
+    monkeypatch.setattr("raylane.clusters.local.resolve_address", started)  # past the checks of a Ray launch
     monkeypatch.setattr("raylane.onray.jobs.job_client", started)
     monkeypatch.setattr("raylane.driver.train", started)
     monkeypatch.setattr("raylane.clusters.local.up", started)

@@ -56,42 +56,49 @@ def train(
     `already_finished`. `verbose`: also print what the libraries say (`--verbose`; None: the
     RAYLANE_VERBOSE environment variable decides)."""
     with output.scope(verbose, "train"):
-        return _train(config, overrides, address, local, register, summary_json)
-
-
-def _train(
-    config: Any,
-    overrides: Iterable[str],
-    address: str | None,
-    local: bool,
-    register: str | None,
-    summary_json: str | None,
-) -> TrainSummary:
-    run = prepare.prepare_train(config, overrides, summary_json=summary_json, local=local, address=address, joins=True)
-    _stop_leftovers()
-    if run.finished:  # nothing is trained or logged again
-        earlier = run.finished.summary
-        summary = TrainSummary.model_validate(
-            {
-                # A record an older raylane wrote carries its own schema_version: this summary is today's.
-                **{k: v for k, v in earlier.items() if k in TrainSummary.model_fields and k != "schema_version"},
-                "already_finished": True,
-            }
+        run = prepare.prepare_train(
+            config, overrides, summary_json=summary_json, local=local, address=address, joins=True
         )
-        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says so
-            print(run.finished.line, flush=True)
-            from raylane.tracking.runs import settle
+        _stop_leftovers()
+        if run.finished:  # nothing is trained or logged again
+            return _already_finished(run, summary_json)
+        for note in run.notes:
+            print(note, flush=True)
+        from raylane import driver
 
-            if closed := settle(run.cfg):  # an MLflow run its server did not let close at the end
-                print(closed, flush=True)
-            summary.write(summary_json)
-        return summary
-    for note in run.notes:
-        print(note, flush=True)
-    address = prepare.resolve_address(address, run.cfg) if run.use_ray else address
-    from raylane import driver
+        return driver.train(
+            run.cfg,
+            use_ray=run.use_ray,
+            folder=run.folder,
+            pipeline=run.pipeline,
+            address=run.address,
+            summary_path=summary_json,
+            register=register,
+        )
 
-    return driver.train(run.cfg, use_ray=run.use_ray, address=address, summary_path=summary_json, register=register)
+
+def _already_finished(run: prepare.PreparedRun, summary_json: str | None) -> TrainSummary:
+    """The summary of a run that FINISHED as far as its config asks, which says so."""
+    assert run.finished is not None
+    summary = TrainSummary.model_validate(
+        {
+            # A record an older raylane wrote carries its own schema_version: this summary is today's.
+            **{
+                k: v
+                for k, v in run.finished.summary.items()
+                if k in TrainSummary.model_fields and k != "schema_version"
+            },
+            "already_finished": True,
+        }
+    )
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says so
+        print(run.finished.line, flush=True)
+        from raylane.tracking.runs import settle
+
+        if closed := settle(run.cfg, run.folder):  # an MLflow run its server did not let close at the end
+            print(closed, flush=True)
+        summary.write(summary_json)
+    return summary
 
 
 def _stop_leftovers() -> None:
@@ -122,11 +129,10 @@ def tune(
             summary.write(summary_json)
             return summary
         _stop_leftovers()
-        address = prepare.resolve_address(address, prepared.base)
         from raylane.onray.tune import run_sweep
 
         summary = run_sweep(
-            prepared.sweep, prepared.base, address=address, summary_path=summary_json, register=register
+            prepared.sweep, prepared.base, address=prepared.address, summary_path=summary_json, register=register
         )
         if logs.log_file():
             print(f"[raylane] library log: {logs.log_file()} (Ray, MLflow, Tune, torch; --verbose prints them)")
@@ -151,11 +157,15 @@ def autotune(
             config, overrides, out=out, summary_json=summary_json, budget_s=budget_s, local=local, address=address
         )
         _stop_leftovers()
-        address = prepare.resolve_address(address, search.cfg) if search.use_ray else None
         from raylane.autotuning import driver as search_module
 
         return search_module.execute(
-            search.section, search.cfg, use_ray=search.use_ray, address=address, out=out, summary_path=summary_json
+            search.section,
+            search.cfg,
+            use_ray=search.use_ray,
+            address=search.address,
+            out=out,
+            summary_path=summary_json,
         )
 
 
@@ -177,12 +187,13 @@ def submit(
     if verbose is not None:
         env_vars = {logs.VERBOSE_ENV: "1" if verbose else "0", **(env_vars or {})}
     with output.scope(verbose, "submit"):
-        overrides = list(overrides)
-        # ConfigError before anything leaves this machine; a remote cluster's storage is its own to check.
-        cfg = prepare.prepare_submit(config, overrides)
-        from raylane.onray.jobs import submit as submit_job
+        from raylane.onray import jobs
 
-        return submit_job(config, cfg, overrides, address=address, working_dir=working_dir, env_vars=env_vars)
+        overrides = list(overrides)
+        target = jobs.job_target(address)  # on this machine or not decides how the config is checked
+        # The one load and check of the config: ConfigError before anything leaves this machine.
+        cfg = prepare.prepare_submit(config, overrides, here=target.here)
+        return jobs.submit(config, cfg, target, overrides, working_dir=working_dir, env_vars=env_vars)
 
 
 def export(

@@ -283,43 +283,11 @@ def _print_plan(cfg: BaseConfig) -> None:
     print("\n".join(lines), flush=True)
 
 
-def _train(args: argparse.Namespace) -> int:
-    summary = api.train(
-        args.config,
-        args.overrides,
-        address=args.address,
-        local=args.local,
-        register=args.register,
-        summary_json=args.summary_json,
-    )
-    return 0 if summary.already_finished else summary.exit_code
-
-
 def _export(args: argparse.Namespace) -> int:
     api.export(
         args.checkpoint, args.out, format=args.format, adapter_only=args.adapter_only, summary_json=args.summary_json
     )  # which says what it wrote
     return 0
-
-
-def _tune(args: argparse.Namespace) -> int:
-    summary = api.tune(
-        args.config, args.overrides, address=args.address, register=args.register, summary_json=args.summary_json
-    )
-    return 0 if summary.already_finished else summary.exit_code
-
-
-def _autotune(args: argparse.Namespace) -> int:
-    summary = api.autotune(
-        args.config,
-        args.overrides,
-        address=args.address,
-        local=args.local,
-        budget_s=args.budget_s,
-        out=args.out,
-        summary_json=args.summary_json,
-    )
-    return summary.exit_code
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -423,11 +391,15 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
+# The commands that are one call of the Python API of the same name (raylane.api.train, ...) with
+# these options, after CONFIG and --set: what the call returns is the command's exit code.
+API_RUNS = {
+    "train": ("address", "local", "register", "summary_json"),
+    "tune": ("address", "register", "summary_json"),
+    "autotune": ("address", "local", "budget_s", "out", "summary_json"),
+}
 COMMANDS = {
     "check": _check,
-    "train": _train,
-    "tune": _tune,
-    "autotune": _autotune,
     "submit": _submit,
     "export": _export,
     "bench": _bench,
@@ -445,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         logs.setup(args.verbose, args.command)
         output.install()  # before Ray is imported
     try:
+        if args.command in API_RUNS:
+            call = getattr(api, args.command)
+            summary = call(args.config, args.overrides, **{k: getattr(args, k) for k in API_RUNS[args.command]})
+            return 0 if getattr(summary, "already_finished", False) else summary.exit_code  # nothing left to do
         return COMMANDS[args.command](args)
     except ConfigError as exc:  # before anything started, or found once the cluster is known
         return _config_error(exc)

@@ -11,11 +11,15 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from raylane.config import BaseConfig
+from raylane.errors import TrainingError
 from raylane.loop.protocols.events import Event
 from raylane.loop.protocols.result import RunResult
+from raylane.pipelines_ref import Resolved
 from raylane.results import Status, TrainSummary
 from raylane.runrecord import record_finished
 from raylane.session import (
@@ -24,8 +28,10 @@ from raylane.session import (
     finalize_run,
     import_exclusively,
     not_started,
+    outcome,
     raise_interrupt,
     ran,
+    status_of,
 )
 from raylane.tracking.progress import LABEL_WIDTH, ProgressDisplay
 
@@ -53,12 +59,16 @@ def train(
     cfg: BaseConfig,
     *,
     use_ray: bool,
+    folder: Path | None,
+    pipeline: Resolved,
     address: str | None = None,
     summary_path: str | None = None,
     register: str | None = None,
 ) -> TrainSummary:
     """Run training to the end; returns the summary (on a torchrun rank other than 0, only its
-    `status` and `error`), whose `exit_code` is the command's."""
+    `status` and `error`), whose `exit_code` is the command's. `folder` and `pipeline`: the run's
+    as the checks before it found them once (raylane.prepare.PreparedRun); `address`: the cluster
+    a Ray run joins, as they resolved it."""
     from raylane.loop import preemption
     from raylane.loop.distributed.groups import env_ranks
     from raylane.loop.observe.startup import StartupTimes
@@ -69,34 +79,36 @@ def train(
 
     launched = time.time()
     startup = StartupTimes()
-    is_driver = _begin(cfg, use_ray, startup)
+    is_driver = _begin(cfg, use_ray, startup, folder)
     tracking_uri = resolve_tracking_uri()
     with RunSession() as session:
-        cfg = finalize_run(cfg, session, is_driver)
+        cfg = finalize_run(cfg, session, is_driver, folder)
         session.closes_as_run(cfg)
         # Opening the MLflow run (import + database) overlaps with starting Ray.
         pool = session.enter(ThreadPoolExecutor(2, thread_name_prefix="raylane-start"))
         world_size = cfg.scaling.num_workers if use_ray else env_ranks()[2]
         if is_driver and cfg.mlflow.enabled:
-            session.open_on(pool, open_run, cfg, tracking_uri, world_size)
+            session.open_on(pool, open_run, cfg, tracking_uri, world_size, session.folder)
         try:
             ray_stopper = _start_ray(cfg, address, pool, session, startup) if use_ray else None
         except BaseException as exc:  # noqa: BLE001 - each way out closes the MLflow run
-            not_started(session, exc)
-            return TrainSummary(status=Status.KILLED, error=NOT_STARTED, run_name=cfg.run.name)
+            not_started(session, exc)  # raised again unless an interrupt
+            return TrainSummary(status=status_of(exc), error=NOT_STARTED, run_name=cfg.run.name)
         # From here on, a first SIGTERM or Ctrl-C asks the ranks to checkpoint and stop.
         preemption.install()
         ending = None if use_ray or world_size < 2 else TorchrunEnding(env_ranks()[0])
-        handle = _opened(cfg, session, startup)
+        # None: MLflow is off, or its server cannot be reached (training does not wait for tracking).
+        if handle := session.handle():
+            startup.mark("tracking")
+            log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id, ", continued" if handle.resumed else "")
         display = ProgressDisplay() if is_driver else None
         recorder = RunRecorder(handle, cfg, prewarm=use_ray) if handle else None
         resizes = Resizes()
         listeners = [x.handle if x is display else x.on_event for x in (resizes, display, recorder) if x is not None]
         embedded = bool(ray_stopper and ray_stopper.embedded)
         health = start_watch(cfg, handle.tracking_uri, handle.run_id) if handle else None
-        status, error, result = _execute(
-            cfg, use_ray, embedded, handle, tracking_uri, [*listeners, startup.on_event], display, ending
-        )
+        launch = Launch(use_ray, embedded, session.folder, pipeline, handle, tracking_uri)
+        status, error, result = _execute(cfg, launch, [*listeners, startup.on_event], display, ending)
         stop_watch(health)  # the nodes' last samples logged; a node silent at the end is not named
         if ray_stopper:
             ray_stopper.start()  # the ranks are done; the records below need MLflow, not Ray
@@ -111,7 +123,7 @@ def train(
         return _finish(cfg, session, recorder, fields, register, summary_path, ui, ending.said if ending else [])
 
 
-def _begin(cfg: BaseConfig, use_ray: bool, startup: Any) -> bool:
+def _begin(cfg: BaseConfig, use_ray: bool, startup: Any, folder: Path | None) -> bool:
     """What comes before the run's name: returns whether this process is the driver (on Ray, or
     torchrun's rank 0)."""
     from raylane.loop.data import baddata
@@ -124,7 +136,7 @@ def _begin(cfg: BaseConfig, use_ray: bool, startup: Any) -> bool:
     startup.mark("driver_imports")
     signal.signal(signal.SIGTERM, raise_interrupt)  # before training can stop gracefully: like Ctrl-C
     if not use_ray:
-        prelude(cfg)  # env:, NCCL's flight recorder, the process group: the ranks agree on the run name first
+        prelude(cfg, folder)  # env:, NCCL's flight recorder, the process group: the ranks agree on the run name first
         startup.mark("process_group")
     return use_ray or env_ranks()[0] == 0
 
@@ -141,16 +153,6 @@ def _start_ray(
     ray_stopper = start_ray(cfg, address, pool, startup)
     session.defer(ray_stopper.wait)
     return ray_stopper
-
-
-def _opened(cfg: BaseConfig, session: RunSession, startup: Any) -> Any:
-    """The MLflow run, or None: MLflow is off, or its server cannot be reached (training does not
-    wait for tracking)."""
-    handle = session.handle()
-    if handle:
-        startup.mark("tracking")
-        log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id, ", continued" if handle.resumed else "")
-    return handle
 
 
 def _finish(
@@ -171,24 +173,35 @@ def _finish(
         fields.update(recorder.finish(fields["status"], fields["checkpoint"], register))
     session.close(fields["status"], fields["error"])
     summary = TrainSummary.model_validate(fields)
-    record_finished(cfg, summary)
+    record_finished(session.folder, summary)
     summary.write(summary_path)
     _print_outcome(summary, ui, failed_ranks)
     return summary
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How `_execute` runs the ranks: on Ray (on a cluster this process started: `embedded`) or
+    here, with the run's folder and pipeline, and the MLflow run rank 0 logs to (`handle`)."""
+
+    use_ray: bool
+    embedded: bool
+    folder: Path | None
+    pipeline: Resolved
+    handle: Any
+    tracking_uri: str
+
+
 def _execute(
     cfg: BaseConfig,
-    use_ray: bool,
-    embedded: bool,
-    handle: Any,
-    tracking_uri: str,
+    launch: Launch,
     listeners: list[Callable[[Event], None]],
     display: ProgressDisplay | None,
     ending: TorchrunEnding | None = None,
 ) -> tuple[Status, str | None, RunResult | None]:
     """Run the ranks, passing rank 0's events to `listeners`; returns (MLflow status, error
     message, result: None when the run failed). `ending`: a torchrun rank's, of several."""
+    tracking_uri, handle = launch.tracking_uri, launch.handle
     run_id = handle.run_id if handle else None
 
     def on_event(event: Event) -> None:
@@ -199,17 +212,28 @@ def _execute(
 
     try:
         with preemption.armed():
-            if use_ray:
+            if launch.use_ray:
                 from raylane.onray.launch import launch_on_ray, train_worker
 
-                ended = launch_on_ray(cfg, run_id, tracking_uri, on_event, embedded=embedded, worker=train_worker)
+                ended = launch_on_ray(
+                    cfg,
+                    run_id,
+                    tracking_uri,
+                    on_event,
+                    embedded=launch.embedded,
+                    worker=train_worker,
+                    folder=launch.folder,
+                    pipeline=launch.pipeline,
+                )
                 result = ended if isinstance(ended, RunResult) else None  # None: no End came
             else:
                 from raylane.loop.distributed.groups import env_ranks
                 from raylane.loop.run import launch_local
                 from raylane.tracking.runs import rank_zero_logger
 
-                logger = rank_zero_logger(cfg, tracking_uri, run_id) if run_id and env_ranks()[0] == 0 else None
+                logger = None
+                if run_id and env_ranks()[0] == 0:
+                    logger = rank_zero_logger(cfg, tracking_uri, run_id, launch.folder)
                 result = launch_local(cfg, on_event, logger)
         status = ran(bool(result is not None and result.preempted))
         if result is not None and status == Status.KILLED:
@@ -222,12 +246,8 @@ def _execute(
                 result,
             )
         return status, None, result
-    except KeyboardInterrupt as exc:
-        if ending:
-            return (*ending.interrupted(exc), None)
-        return Status.KILLED, "interrupted", None
-    except Exception as exc:  # the launcher's message names the rank and its exception
-        return Status.FAILED, ending.failed(exc) if ending else failure_text(exc), None
+    except (KeyboardInterrupt, Exception) as exc:  # the launcher's message names the rank and its exception
+        return (*(ending.ended(exc) if ending else outcome(exc)), None)
     finally:
         if ending:
             ending.over = True
@@ -399,6 +419,10 @@ class TorchrunEnding:
             return  # this rank's own failure is on its way out, and is said with the others'
         raise_interrupt(signum, frame)  # another rank failed: stop now, no checkpoint to agree on
 
+    def ended(self, exc: BaseException) -> tuple[Status, str]:
+        """(status, error line) of a run that `exc`, an error or an interrupt, ended on this rank."""
+        return (status_of(exc), self.failed(exc)) if isinstance(exc, Exception) else self.interrupted(exc)
+
     def failed(self, exc: Exception) -> str:
         """The error line of a run that `exc` ended on this rank."""
         from raylane.logs import log_file
@@ -415,7 +439,7 @@ class TorchrunEnding:
             return line
         return (self._others() or line) if echo else line
 
-    def interrupted(self, exc: KeyboardInterrupt) -> tuple[Status, str]:
+    def interrupted(self, exc: BaseException) -> tuple[Status, str]:
         """(status, error line) of a run that a signal ended on this rank: FAILED with this rank's
         own error when the signal cut its way out short, or with another rank's (torchrun's SIGTERM
         after that rank failed); else KILLED, interrupted."""
@@ -424,10 +448,10 @@ class TorchrunEnding:
         while context is not None and not isinstance(context, Exception):
             context = context.__context__
         if context is not None:
-            return Status.FAILED, self.failed(context)
+            return status_of(context), self.failed(context)
         if self.rank == 0 and (line := self._others()):
-            return Status.FAILED, line
-        return Status.KILLED, "interrupted"
+            return outcome(TrainingError(line))  # another rank's failure, as the Ray launcher says one
+        return outcome(exc)
 
     def _others(self) -> str | None:
         """Rank 0: the other ranks' recorded failures in one line (their tracebacks into this

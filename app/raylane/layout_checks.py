@@ -10,19 +10,19 @@ from raylane import pipelines_ref
 from raylane.config import BaseConfig, ConfigError
 
 
-def check_layout(cfg: BaseConfig, world_size: int, world: str) -> None:
+def check_layout(cfg: BaseConfig, world_size: int, world: str, pipeline: pipelines_ref.Resolved | None = None) -> None:
     """`strategy.tp` on `world_size` ranks (`world`: where that number comes from, as the user
     set it): a world it divides, replicas only through FSDP2, map-style data, and a pipeline that
-    gives a tp_plan. The checks of the config alone are its validators' (raylane.config.base)."""
-    _check_pipeline_layout(cfg, world_size, world)
+    gives a tp_plan. The checks of the config alone are its validators' (raylane.config.base).
+    `pipeline`: the config's, as the launch looked it up once (raylane.prepare; None: looked up here)."""
+    pipeline = pipeline or pipelines_ref.resolve(cfg.pipeline)
+    _check_pipeline_layout(cfg, world_size, world, pipeline)
     tp = cfg.strategy.tp
     if not cfg.strategy.tensor_parallel:
         return
-    from raylane.loop.data.streaming import declares_sources
-
-    label = pipelines_ref.label(cfg.pipeline)
+    label = pipeline.label
     if tp == "auto":  # any degree of the node's ranks may be chosen; one without a plan is not tried
-        if declares_sources(cfg):
+        if pipeline.streams:
             raise ConfigError(
                 f"strategy.tp = 'auto': the {label} pipeline streams its data (sources), split by rank, and the "
                 "ranks of a tensor-parallel group must read the same batches; give strategy.tp: 1"
@@ -37,7 +37,7 @@ def check_layout(cfg: BaseConfig, world_size: int, world: str) -> None:
             f"tensor-parallel weights, and replicas through FSDP2 are not built yet; use strategy.name: fsdp "
             f"(FSDP2 over the {replicas} data-parallel ranks)"
         )
-    if declares_sources(cfg):
+    if pipeline.streams:
         raise ConfigError(
             f"strategy.tp = {tp}: the {label} pipeline streams its data (sources), split by rank, and the "
             "ranks of a tensor-parallel group must read the same batches; tensor parallelism needs a map-style dataset"
@@ -49,16 +49,14 @@ def check_layout(cfg: BaseConfig, world_size: int, world: str) -> None:
         )
 
 
-def _check_pipeline_layout(cfg: BaseConfig, world_size: int, world: str) -> None:
+def _check_pipeline_layout(cfg: BaseConfig, world_size: int, world: str, pipeline: pipelines_ref.Resolved) -> None:
     """`strategy.pp` and `strategy.dp_replicate` on `world_size` ranks: a world that splits into
     pp x dp_replicate x tp, data-parallel replicas through FSDP2, map-style data, and a pipeline
     that says how its model splits into stages."""
     s = cfg.strategy
     if s.pp == 1 and s.dp_replicate == 1:
         return
-    from raylane.loop.data.streaming import declares_sources
-
-    label = pipelines_ref.label(cfg.pipeline)
+    label = pipeline.label
     group = s.pp * s.dp_replicate * s.tp_degree
     if world_size % group:
         sizes = " x ".join(
@@ -75,7 +73,7 @@ def _check_pipeline_layout(cfg: BaseConfig, world_size: int, world: str) -> None
             f"strategy.pp = {s.pp} with strategy.name = 'ddp' on {world_size} ranks: the {replicas} data-parallel "
             "replicas of each stage are FSDP2's; use strategy.name: fsdp"
         )
-    if declares_sources(cfg):
+    if pipeline.streams:
         raise ConfigError(
             f"strategy.pp = {s.pp}: the {label} pipeline streams its data (sources), split by rank, and the "
             "stages of a pipeline must read the same batches; pipeline parallelism needs a map-style dataset"

@@ -22,6 +22,7 @@ import re
 import sys
 import traceback
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -165,6 +166,32 @@ def load(ref: str) -> ModuleType:
     _loaded[ref] = module
     register_for_pickling()
     return module
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A config's pipeline, looked up once for a launch (`resolve`) and handed to what asks about
+    it (the layout checks, the global batch's, the Ray launcher), rather than each looking it up
+    again by its reference."""
+
+    ref: str
+    module: ModuleType
+
+    @property
+    def label(self) -> str:
+        return label(self.ref)
+
+    @property
+    def streams(self) -> bool:
+        """Its module declares `sources(cfg)`, a dict of FileSource by dataset name ("train",
+        "eval"), which the Ray driver turns into Ray Data without building the model (without it,
+        a FileSource from build() is read by each rank: raylane.loop.data.streaming)."""
+        return callable(getattr(self.module, "sources", None))
+
+
+def resolve(ref: str) -> Resolved:
+    """The pipeline `ref` (normalized) names, imported once per process (`load`)."""
+    return Resolved(ref, load(ref))
 
 
 def _load_file(ref: str) -> ModuleType:

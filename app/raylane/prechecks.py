@@ -25,18 +25,25 @@ from raylane.config.batching import effective_global_batch
 from raylane.config.workerenv import resolve as resolve_env
 from raylane.errors import RaylaneError
 from raylane.loop.checkpoint.manifest import CHECKPOINT_PREFIX, MANIFEST_FILE, newest_valid, read_manifest, verify
-from raylane.runrecord import Finished, already_finished, fresh_name, newest_manifest, run_folder
+from raylane.runrecord import Finished, already_finished, fresh_name, newest_manifest
 
 _UNSET = "(not set)"
 
 
 def check_run(
-    cfg: BaseConfig, *, summary_json: str | None = None, local_storage: bool = True, driver_env: bool = True
+    cfg: BaseConfig,
+    *,
+    folder: Path | None = None,
+    summary_json: str | None = None,
+    local_storage: bool = True,
+    driver_env: bool = True,
 ) -> None:
-    """A run's config and outputs. `local_storage`: `run.storage_path` is on this machine (not
-    under `raylane submit`, whose job resolves it on the cluster). `driver_env`: this process's
-    environment is the driver's, where each `${NAME}` value of `env:` is read (not under `raylane
-    submit`: the job's driver reads them where it runs)."""
+    """A run's config and outputs. `folder`: the run's own folder (raylane.runrecord.run_folder,
+    found once by the launch), whose checkpoints take precedence over `checkpoint.init_from`.
+    `local_storage`: `run.storage_path` is on this machine (not under `raylane submit` to a remote
+    cluster, whose job resolves it there). `driver_env`: this process's environment is the
+    driver's, where each `${NAME}` value of `env:` is read (not under `raylane submit`: the job's
+    driver reads them where it runs)."""
     if summary_json:
         writable_file("--summary-json", summary_json)
     if cfg.checkpoint.keep_best:  # best_metric ranks checkpoints only then
@@ -48,7 +55,7 @@ def check_run(
     if local_storage:
         check_storage("run.storage_path", cfg.run.storage_path)
         check_inputs(cfg)
-        check_init_from(cfg)
+        check_init_from(cfg, folder)
 
 
 def check_inputs(cfg: BaseConfig) -> None:
@@ -131,15 +138,14 @@ def _bounded(probe: Any, what: str) -> None:
         raise ConfigError(f"{what}: cannot write a probe there ({paths.one_line(exc)})") from None
 
 
-def check_init_from(cfg: BaseConfig) -> None:
+def check_init_from(cfg: BaseConfig, folder: Path | None) -> None:
     """`checkpoint.init_from`, a local checkpoint: committed, its files the sizes its manifest
     records (the checksums are the worker's, at load: seconds for a large model), and loadable
     with this config. Skipped for object storage, and when the run resumes a checkpoint of its
-    own, which takes precedence over init_from."""
+    own (in its `folder`), which takes precedence over init_from."""
     path, field = cfg.checkpoint.init_from, "checkpoint.init_from"
     if not path or "://" in path:
         return
-    folder = run_folder(cfg)
     if folder is not None and folder.is_dir() and newest_manifest(folder) is not None:
         return
     where = Path(path).expanduser()
@@ -290,11 +296,11 @@ def oversubscription(cfg: BaseConfig, address: str | None) -> str | None:
 # -- an earlier launch of the same run (its folder and record: raylane.runrecord) --------------
 
 
-def check_resume(cfg: BaseConfig) -> Finished | None:
-    """A launch that continues an existing run: its newest checkpoint must be loadable with this
-    config (else ConfigError naming the first key that prevents it); returns Finished when the
-    run already trained as far as this config asks, so that nothing is trained or logged again."""
-    folder = run_folder(cfg)
+def check_resume(cfg: BaseConfig, folder: Path | None) -> Finished | None:
+    """A launch that continues an existing run (in its `folder`, raylane.runrecord.run_folder):
+    its newest checkpoint must be loadable with this config (else ConfigError naming the first
+    key that prevents it); returns Finished when the run already trained as far as this config
+    asks, so that nothing is trained or logged again."""
     if folder is None or not folder.is_dir():
         return None
     newest = newest_manifest(folder)
@@ -359,18 +365,16 @@ def _check_tokenizer(cfg: BaseConfig, tokenizer: Any, checkpoint: Path) -> None:
     )
 
 
-def check_global_order(cfg: BaseConfig) -> None:
+def check_global_order(cfg: BaseConfig, pipeline: pipelines_ref.Resolved) -> None:
     """A held global batch (train.global_batch, or an elastic run's) needs map-style data: a
-    streaming source's epochs are shared out by file, not by sample."""
+    streaming source's epochs (`pipeline.streams`) are shared out by file, not by sample."""
     if effective_global_batch(cfg) is None:
         return
-    from raylane.loop.data.streaming import declares_sources
-
-    if declares_sources(cfg):
+    if pipeline.streams:
         field = "train.global_batch" if cfg.train.global_batch else "scaling.num_workers"
         value = cfg.train.global_batch if cfg.train.global_batch else [cfg.scaling.min_workers, cfg.scaling.num_workers]
         raise ConfigError(
-            f"{field} = {value!r}: the {pipelines_ref.label(cfg.pipeline)} pipeline streams its data "
+            f"{field} = {value!r}: the {pipeline.label} pipeline streams its data "
             "(sources), whose epochs are shared out by file, not by sample: a held global batch "
             "and elastic runs need a map-style dataset"
         )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raylane import layout_checks, prechecks, runrecord
+from raylane import layout_checks, pipelines_ref, prechecks, runrecord
 from raylane.autotuning.record import RECORD_FILE
 from raylane.config import BaseConfig, ConfigError, autotune, load_config
 from raylane.config.batching import held_batch, world_sizes
@@ -30,11 +30,17 @@ def under_torchrun() -> bool:
 
 @dataclass
 class PreparedRun:
-    """A training run that passed every check: its config, whether it runs on Ray, and, for a
-    run that already FINISHED as far as this config asks, what to say instead of training."""
+    """A training run that passed every check, with what the checks found once for the whole
+    launch: its config, whether it runs on Ray, its folder and pipeline, the cluster it joins,
+    and, for a run that already FINISHED as far as this config asks, what to say instead."""
 
     cfg: BaseConfig
     use_ray: bool
+    # raylane.runrecord.run_folder of the name the config gives (None: none given, or object
+    # storage); a generated name's is found with the name (raylane.session.finalize_run).
+    folder: Path | None
+    pipeline: pipelines_ref.Resolved
+    address: str | None = None  # the cluster a Ray run joins (None: a fresh embedded one)
     finished: runrecord.Finished | None = None
     notes: list[str] = field(default_factory=list)  # lines to show before it starts
 
@@ -50,36 +56,48 @@ def prepare_train(
 ) -> PreparedRun:
     """`raylane check` and `raylane train` (on Ray, in one process with `local`, or as a torchrun
     rank): the config, what the run writes, the global batch on its world sizes, and what an
-    earlier launch of the same run left; with `joins`, that the cluster it joins answers."""
+    earlier launch of the same run left; with `joins`, the cluster a Ray run joins (`address`, or
+    RAY_ADDRESS, or `raylane up`'s head), which must answer."""
     cfg = load_config(config, list(overrides))
-    prechecks.check_run(cfg, summary_json=summary_json)
+    folder, pipeline = runrecord.run_folder(cfg), pipelines_ref.resolve(cfg.pipeline)
+    prechecks.check_run(cfg, folder=folder, summary_json=summary_json)
     in_process = local or under_torchrun()
     notes = []
     if in_process:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         where = f"torchrun's WORLD_SIZE = {world}" if under_torchrun() else "the one process of --local"
-        layout_checks.check_layout(cfg, world, where)
+        layout_checks.check_layout(cfg, world, where, pipeline)
+        # A check: the rank holds the batch on the world it has (raylane.loop.run); this config,
+        # as given, is what MLflow records.
         held_batch(cfg, world)
     else:
         world = cfg.scaling.num_workers
-        layout_checks.check_layout(cfg, world, f"scaling.num_workers = {world}")
+        layout_checks.check_layout(cfg, world, f"scaling.num_workers = {world}", pipeline)
         notes.extend(_skipped_sizes(cfg, world_sizes(cfg)))  # the global batch splits at min and max
-    prechecks.check_global_order(cfg)
-    run = PreparedRun(cfg, use_ray=not in_process, finished=prechecks.check_resume(cfg), notes=notes)
+    prechecks.check_global_order(cfg, pipeline)
+    finished = prechecks.check_resume(cfg, folder)
+    run = PreparedRun(cfg, not in_process, folder, pipeline, finished=finished, notes=notes)
     if not run.finished:  # the plan and stages on the model (tp, pp): one build of it, here
         unchecked = layout_checks.check_plan(cfg, world)
         notes.extend(unchecked if os.environ.get("RANK", "0") == "0" else [])  # under torchrun, rank 0 says it
     if joins and run.use_ray and not run.finished:
-        check_address(address)
+        run.address = joined_address(address, cfg)
     return run
 
 
-def check_address(address: str | None) -> None:
-    """The cluster a Ray run joins, when one is named, answers as one (raylane.clusters.addresses:
-    sockets only, milliseconds): Ray itself would wait for minutes."""
+def joined_address(address: str | None, cfg: BaseConfig) -> str | None:
+    """The cluster a Ray run joins (None: a fresh embedded one), resolved before Ray's import (see
+    raylane.clusters.local.resolve_address): one named must answer as one
+    (raylane.clusters.addresses: sockets only, milliseconds; Ray itself would wait for minutes).
+    A fresh embedded one that would give the workers more CPUs than this machine has is warned of."""
     from raylane.clusters.addresses import check_gcs_address
+    from raylane.clusters.local import resolve_address
 
     check_gcs_address(address or os.environ.get("RAY_ADDRESS"))
+    address = resolve_address(address)
+    if warning := prechecks.oversubscription(cfg, address):
+        print(f"raylane: {warning}", file=sys.stderr, flush=True)
+    return address
 
 
 def _skipped_sizes(cfg: BaseConfig, sizes: list[int]) -> list[str]:
@@ -97,12 +115,13 @@ def _skipped_sizes(cfg: BaseConfig, sizes: list[int]) -> list[str]:
 
 @dataclass
 class PreparedSweep:
-    """A sweep that passed every check: its section, its base config, and for a sweep that
-    already FINISHED with these settings, what to say instead of sweeping again."""
+    """A sweep that passed every check: its section, its base config, the cluster it joins, and
+    for a sweep that already FINISHED with these settings, what to say instead of sweeping again."""
 
     sweep: SweepSection
     base: BaseConfig
     finished: str | None  # the line to show instead of sweeping again
+    address: str | None = None
 
 
 def prepare_tune(
@@ -112,10 +131,10 @@ def prepare_tune(
 
     sweep, base = load_sweep(sweep_file, list(overrides))
     _check_sweep_layout(sweep, base)
-    prechecks.check_run(base, summary_json=summary_json)
+    prechecks.check_run(base, folder=runrecord.run_folder(base), summary_json=summary_json)
     prepared = PreparedSweep(sweep, base, check_rerun(sweep, base))
     if not prepared.finished:
-        check_address(address)
+        prepared.address = joined_address(address, base)
     return prepared
 
 
@@ -147,18 +166,20 @@ def prepare_check_sweep(sweep_file: Any, overrides: Iterable[str] = ()) -> Any:
 
     sweep, base = load_sweep(sweep_file, list(overrides))
     _check_sweep_layout(sweep, base)
-    prechecks.check_run(base)
+    prechecks.check_run(base, folder=runrecord.run_folder(base))
     finished = check_rerun(sweep, base)
     return SweepPlan(sweep, base, planned_trials(sweep, base), finished)
 
 
 @dataclass
 class PreparedSearch:
-    """An autotune search that passed every check: its section, its config, whether it runs on Ray."""
+    """An autotune search that passed every check: its section, its config, whether it runs on
+    Ray, and the cluster it joins there."""
 
     section: autotune.AutotuneSection
     cfg: BaseConfig
     use_ray: bool
+    address: str | None = None
 
 
 def prepare_autotune(
@@ -190,14 +211,14 @@ def prepare_autotune(
     _check_autotune(cfg, out, summary_json)
     search = PreparedSearch(section, cfg, use_ray=not (local or under_torchrun()))
     if search.use_ray:
-        check_address(address)
+        search.address = joined_address(address, cfg)
     return search
 
 
 def _check_autotune(cfg: BaseConfig, out: str, summary_json: str | None) -> None:
     """What can fail before a search starts: the outputs (never overwritten) and the config."""
-    prechecks.check_run(cfg, summary_json=summary_json)
-    folder = runrecord.run_folder(cfg) if cfg.run.name else None
+    folder = runrecord.run_folder(cfg)
+    prechecks.check_run(cfg, folder=folder, summary_json=summary_json)
     if (
         folder is not None
         and folder.is_dir()
@@ -215,17 +236,22 @@ def _check_autotune(cfg: BaseConfig, out: str, summary_json: str | None) -> None
     prechecks.writable_file("--out", out)
 
 
-def prepare_submit(config: Any, overrides: Iterable[str] = ()) -> BaseConfig:
-    """A job's config, checked on this machine before anything is uploaded; `run.storage_path`
-    is the cluster's to check, and left as written (raylane.onray.jobs decides what the job gets)."""
+def prepare_submit(config: Any, overrides: Iterable[str] = (), *, here: bool = False) -> BaseConfig:
+    """A job's config, loaded and checked once, on this machine, before anything is uploaded. On
+    a cluster elsewhere, `run.storage_path` and the inputs are the cluster's to check and left as
+    written (raylane.onray.jobs decides what the job gets); on one `here`, on this machine, the
+    job uses this machine's paths: resolved and checked as `raylane train` here would (its storage
+    probed, its inputs found). The job's driver reads `env:`'s `${NAME}` values where it runs."""
     if not isinstance(config, (str, os.PathLike)):
         raise ConfigError(
             f"config = {type(config).__name__}: a job reads its config on the cluster; give the path "
             "of a config file (or a shipped config's name), not a mapping"
         )
-    cfg = load_config(config, list(overrides), outputs=False)
-    prechecks.check_run(cfg, local_storage=False)
-    layout_checks.check_layout(cfg, cfg.scaling.num_workers, f"scaling.num_workers = {cfg.scaling.num_workers}")
+    cfg = load_config(config, list(overrides), outputs=here)
+    folder = runrecord.run_folder(cfg) if here else None
+    prechecks.check_run(cfg, folder=folder, local_storage=here, driver_env=False)
+    world = cfg.scaling.num_workers
+    layout_checks.check_layout(cfg, world, f"scaling.num_workers = {world}", pipelines_ref.resolve(cfg.pipeline))
     return cfg
 
 
@@ -252,15 +278,3 @@ def prepare_up(num_cpus: int, warm: int | None = None) -> None:
     if warm is not None and warm < 0:
         raise ConfigError(f"up: --warm must be 0 or more, got {warm}")
     prechecks.check_token_path()
-
-
-def resolve_address(address: str | None, cfg: BaseConfig) -> str | None:
-    """The cluster a Ray run joins (None: a fresh embedded one), with a warning when an embedded
-    one would give the workers more CPUs than this machine has."""
-    from raylane.clusters.local import resolve_address as resolve
-
-    address = resolve(address)  # before Ray's import: see resolve_address
-    warning = prechecks.oversubscription(cfg, address)
-    if warning:
-        print(f"raylane: {warning}", file=sys.stderr, flush=True)
-    return address

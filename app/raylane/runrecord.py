@@ -33,17 +33,19 @@ class Finished:
 
 def run_folder(cfg: BaseConfig) -> Path | None:
     """Where the run's checkpoints and record live, when it has a name and local storage (the
-    checks skip object storage: a round trip per launch, for a rare case)."""
+    checks skip object storage: a round trip per launch, for a rare case). Found once per launch,
+    as soon as the run's name is known (raylane.prepare for a name the config gives,
+    raylane.session.finalize_run for one it generates), and handed to everything after."""
     if not cfg.run.name or "://" in cfg.run.storage_path:
         return None
     return Path(cfg.run.storage_path).expanduser().resolve() / cfg.run.name
 
 
-def fresh_start(cfg: BaseConfig) -> str | None:
-    """The line a launch that names its run says when no run of that name is where it looks:
-    outputs are relative to the working directory, so the same config launched from another
-    folder starts afresh there. None when the run is there, or its storage is object storage."""
-    folder = run_folder(cfg)
+def fresh_start(cfg: BaseConfig, folder: Path | None) -> str | None:
+    """The line a launch that names its run says when no run of that name is where it looks
+    (`folder`): outputs are relative to the working directory, so the same config launched from
+    another folder starts afresh there. None when the run is there, or its storage is object
+    storage."""
     if folder is None or folder.exists():
         return None
     where, here = folder.parent, Path.cwd()
@@ -115,9 +117,9 @@ def already_finished(cfg: BaseConfig, folder: Path) -> Finished | None:
     return Finished(line, summary)
 
 
-def record_finished(cfg: BaseConfig, summary: TrainSummary) -> None:
-    """The driver, after a run FINISHED (its MLflow run closed): the record the next launch reads."""
-    folder = run_folder(cfg)
+def record_finished(folder: Path | None, summary: TrainSummary) -> None:
+    """The driver, after a run FINISHED (its MLflow run closed): the record the next launch reads,
+    in the run's `folder`."""
     if folder is None or summary.status != Status.FINISHED or not folder.is_dir():
         return
     tmp = folder / (RUN_RECORD + ".tmp")
@@ -126,21 +128,18 @@ def record_finished(cfg: BaseConfig, summary: TrainSummary) -> None:
         tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
         os.replace(tmp, folder / RUN_RECORD)  # whole or not at all: a torn record would hide the run's end
     except OSError as exc:
-        log.warning("could not record run %s as finished in %s: %s", cfg.run.name, folder, exc)
+        log.warning("could not record run %s as finished in %s: %s", summary.run_name, folder, exc)
 
 
-def closing_status(cfg: BaseConfig, status: Status) -> Status:
-    """The MLflow status a launch closes its run with. A run recorded FINISHED stays FINISHED
-    whatever a later launch of it (a longer schedule) did: that launch's own outcome is its exit
-    code and summary; the finished result is still there and must not read as lost."""
-    folder = run_folder(cfg)
+def closing_status(folder: Path | None, name: str | None, status: Status) -> Status:
+    """The MLflow status a launch closes run `name` (in its `folder`) with. A run recorded FINISHED
+    stays FINISHED whatever a later launch of it (a longer schedule) did: that launch's own outcome
+    is its exit code and summary; the finished result is still there and must not read as lost."""
     if (
         status != Status.FINISHED
         and folder is not None
         and (read_record(folder) or {}).get("status") == Status.FINISHED
     ):
-        log.warning(
-            "run %s: this launch ended %s; its MLflow run stays FINISHED (the earlier result)", cfg.run.name, status
-        )
+        log.warning("run %s: this launch ended %s; its MLflow run stays FINISHED (the earlier result)", name, status)
         return Status.FINISHED
     return status

@@ -53,10 +53,9 @@ def ran(preempted: bool) -> Status:
 
 
 def outcome(exc: BaseException) -> tuple[Status, str]:
-    """(status, the one line the summary shows) for a launch that `exc` ended."""
-    if not isinstance(exc, Exception):
-        return Status.KILLED, INTERRUPTED
-    return Status.FAILED, failure_text(exc)
+    """(status, the one line the summary shows) for a launch that `exc` ended: `status_of`'s, and
+    `failure_text` for an error."""
+    return status_of(exc), failure_text(exc) if isinstance(exc, Exception) else INTERRUPTED
 
 
 def failure_text(exc: Exception) -> str:
@@ -164,11 +163,12 @@ class RunSession:
         self._run: Future[RunHandle] | None = None
         self.closed = False
         self.status: Status | None = None  # the status the MLflow run was closed with
+        self.folder: Path | None = None  # a training run's folder (finalize_run), where its records go
 
     def closes_as_run(self, cfg: BaseConfig) -> None:
-        """The MLflow run is the training run `cfg` names: one recorded FINISHED stays FINISHED
-        whatever this launch did (raylane.prechecks.closing_status)."""
-        self.closing = lambda status: closing_status(cfg, Status(status))
+        """The MLflow run is the training run `cfg` names, in `folder`: one recorded FINISHED
+        stays FINISHED whatever this launch did (raylane.runrecord.closing_status)."""
+        self.closing = lambda status: closing_status(self.folder, cfg.run.name, Status(status))
 
     # -- the lease --------------------------------------------------------------------------
 
@@ -308,20 +308,31 @@ def import_race(exc: BaseException) -> bool:
     )
 
 
-def finalize_run(cfg: BaseConfig, session: RunSession, is_driver: bool) -> BaseConfig:
+FIND: Literal["find"] = "find"  # finalize_run's `folder` for a launch that has not found it yet
+
+
+def finalize_run(
+    cfg: BaseConfig, session: RunSession, is_driver: bool, folder: Path | None | Literal["find"] = FIND
+) -> BaseConfig:
     """Fill what the driver decides, the run name (agreed by all torchrun ranks), and take the
-    run's lease into `session`: ConfigError, on every rank, when another launch holds it."""
+    run's lease into `session`: ConfigError, on every rank, when another launch holds it. The
+    run's folder is `session.folder` from here on: `folder`, the one the launch found for the name
+    the config gives (raylane.prepare), else found here once the name is known (the driver's, and
+    on the other torchrun ranks the one they agreed on)."""
     named = cfg.run.name is not None
     cfg = cfg.with_run_name()
+    found: Path | None = None if isinstance(folder, str) else folder
+    known = named and not isinstance(folder, str)  # found by the launch for the name the config gives
     error = None
     if is_driver:
+        found = found if known else run_folder(cfg)
         # A name the user gave, found nowhere here: most likely a relaunch from another folder
         # (outputs are relative to the working directory). A generated name is always new.
-        if named and (line := fresh_start(cfg)):
+        if named and (line := fresh_start(cfg, found)):
             log.info("%s", line)
         try:
             name = str(cfg.run.name)  # with_run_name named it
-            session.lease(run_folder(cfg), f"run {name!r}", "run.name", name, lambda: fresh_name(cfg))
+            session.lease(found, f"run {name!r}", "run.name", name, lambda: fresh_name(cfg))
         except ConfigError as exc:
             error = str(exc)
     import torch.distributed as dist
@@ -331,6 +342,9 @@ def finalize_run(cfg: BaseConfig, session: RunSession, is_driver: bool) -> BaseC
         dist.broadcast_object_list(agreed, src=0)  # rank 0's generated name wins
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": agreed[0]})})
         error = agreed[1]
+    if not (is_driver or known):
+        found = run_folder(cfg)  # the agreed name's
+    session.folder = found
     if error:
         raise ConfigError(error)
     storage = cfg.run.storage_path

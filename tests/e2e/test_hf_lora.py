@@ -166,14 +166,17 @@ def test_a_lora_run_resumes_bit_exact_and_not_on_another_base(project):
     # copied to another folder passes; that folder's files replaced by another base's do not.
     from raylane import api, prechecks
     from raylane.config import ConfigError
+    from raylane.runrecord import run_folder
 
     shutil.copytree(project / "base", project / "moved")
     sets = [f"run.storage_path={project / 'runs'}", "run.name=resumed", f"model.name_or_path={project / 'moved'}"]
-    prechecks.check_resume(api.check(str(project / "lora.yaml"), sets))
+    cfg = api.check(str(project / "lora.yaml"), sets)
+    prechecks.check_resume(cfg, run_folder(cfg))
     shutil.rmtree(project / "moved")
     shutil.copytree(project / "other", project / "moved")
     with pytest.raises(ConfigError, match="this base is") as refused:
-        prechecks.check_resume(api.check(str(project / "lora.yaml"), sets))
+        cfg = api.check(str(project / "lora.yaml"), sets)
+        prechecks.check_resume(cfg, run_folder(cfg))
     assert str(refused.value).count(repr(str(project / "moved"))) == 2  # the key's value, and this base
 
 

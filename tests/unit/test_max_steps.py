@@ -81,7 +81,7 @@ def test_the_finished_line_names_the_limit_that_stopped_the_run(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     _finished_run(tmp_path, steps=68, epochs=1)
     cfg = load_config({"pipeline": "regression", "run": {"name": "r"}, "train": train})
-    finished = prechecks.check_resume(cfg)
+    finished = prechecks.check_resume(cfg, runrecord.run_folder(cfg))
     if hint is None:
         assert finished is None
     else:

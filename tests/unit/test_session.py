@@ -289,7 +289,7 @@ def test_train_a_sweep_and_autotune_each_end_killed_through_the_session_when_ray
 
     summary_json = str(tmp_path / "train.json")
     run = prepare.prepare_train("digits", ["run.name=r"], summary_json=summary_json)
-    summary = driver.train(run.cfg, use_ray=True, summary_path=summary_json)
+    summary = driver.train(run.cfg, use_ray=True, folder=run.folder, pipeline=run.pipeline, summary_path=summary_json)
     assert (summary.status, summary.error) == (Status.KILLED, "interrupted before training started")
     # One failure line and no traceback; the fresh-start line shows too when an earlier test of
     # this process left raylane's terminal logging on (as the CLI has it).

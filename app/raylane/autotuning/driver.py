@@ -75,8 +75,9 @@ def execute(
     launched = time.time()
     if not use_ray:
         from raylane.loop.run import prelude
+        from raylane.runrecord import run_folder
 
-        prelude(cfg)  # env:, NCCL's flight recorder and the process group, as for a training run
+        prelude(cfg, run_folder(cfg))  # env:, NCCL's flight recorder and the process group, as for a training run
         # The ranks torchrun started (or this one process), whatever scaling.num_workers says.
         cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"num_workers": env_ranks()[2]})})
     rank0 = use_ray or env_ranks()[0] == 0
@@ -88,7 +89,11 @@ def execute(
         tracking_uri = resolve_tracking_uri()
         recorder = None
         if rank0:
-            parent = session.open(open_run, cfg, tracking_uri, cfg.scaling.num_workers) if cfg.mlflow.enabled else None
+            parent = (
+                session.open(open_run, cfg, tracking_uri, cfg.scaling.num_workers, session.folder)
+                if cfg.mlflow.enabled
+                else None
+            )
             recorder = Recorder(cfg, tracking_uri, launched, parent)
         launch = SearchLaunch(cfg, settings(section, cfg, record), use_ray, address, recorder, tracking_uri, session)
         return _search(launch, out, summary_path)

@@ -12,6 +12,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -432,17 +433,16 @@ def _init_from(cfg: BaseConfig) -> str | None:
     return path
 
 
-def prelude(cfg: BaseConfig) -> None:
+def prelude(cfg: BaseConfig, folder: Path | None) -> None:
     """A torchrun rank's, or a one-process run's, start, whatever it runs (training, autotune's
-    search): the config's `env:` as this process's own environment, NCCL's flight recorder, then
-    the process group, which reads both when it starts. Once a process, first: the ranks agree on
+    search): the config's `env:` as this process's own environment, NCCL's flight recorder (into
+    the run's `folder`, where its name is known already: raylane.runrecord.run_folder), then the
+    process group, which reads both when it starts. Once a process, first: the ranks agree on
     the run's name through the group (raylane.session.finalize_run). On Ray, the driver ships the
     same variables to each worker before Ray Train starts its group (raylane.onray.placement)."""
     from raylane.config.workerenv import apply_here
-    from raylane.runrecord import run_folder
 
     apply_here(cfg.env)
-    folder = run_folder(cfg)
     flight_recorder(cfg, str(folder) if folder else None)
     init_process_group(cfg.scaling.use_gpu, cfg.dist.timeout_s)
 

@@ -116,48 +116,72 @@ class SubmitError(RaylaneError, RuntimeError):
     """The job could not be submitted, for a reason other than the user's input; one line."""
 
 
+@dataclass(frozen=True)
+class JobTarget:
+    """The jobs API a submit goes to (`job_target`): the address, what named it (the option or
+    variable a mistake names), its URL, host and port, and whether it is on this machine."""
+
+    address: str
+    given: str
+    url: str
+    host: str
+    port: int
+    here: bool
+
+
+def job_target(address: str | None) -> JobTarget:
+    """Where a job goes (`--address`, else RAY_ADDRESS, else `raylane up`'s, else Ray's default),
+    without asking it anything yet: ConfigError for an address that is no jobs API URL or a host
+    that does not resolve. Known first, because it decides how the config is checked: a cluster
+    on this machine runs the job with this machine's paths (raylane.prepare.prepare_submit)."""
+    address, given = _address(address)
+    url, host, port = jobs_url(address, given)
+    return JobTarget(address, given, url, host, port, _here(host, given, address))
+
+
 def submit(
     config: str,
     cfg: BaseConfig,
+    target: JobTarget,
     overrides: Iterable[str] = (),
     *,
-    address: str | None = None,
     working_dir: str = ".",
     env_vars: dict[str, str] | None = None,
 ) -> SubmittedRun:
-    """Submit `raylane train config` with `overrides` as a Ray job; `cfg` is that config, checked
-    on this machine (raylane.prepare.prepare_submit: raylane.api.submit calls it). The job records
-    where the submitter looks: its MLflow tracking URI (MLFLOW_TRACKING_URI, from `env_vars` or
-    this environment; MLflow's default sqlite:///mlflow.db) and `run.storage_path`, resolved here.
-    For a cluster on this machine, relative paths become absolute ones of this machine; a remote
-    cluster needs a tracking server and remote or shared storage (ConfigError otherwise). An
-    address that does not answer, or a refused token: ConfigError; any other failure to submit:
-    SubmitError. Each with a one-line message."""
+    """Submit `raylane train config` with `overrides` as a Ray job to `target`; `cfg` is that
+    config, loaded and checked once on this machine (raylane.prepare.prepare_submit, for a cluster
+    `target.here` or not: raylane.api.submit calls both). The job records where the submitter
+    looks: its MLflow tracking URI (MLFLOW_TRACKING_URI, from `env_vars` or this environment;
+    MLflow's default sqlite:///mlflow.db) and `run.storage_path`, resolved here. For a cluster on
+    this machine, relative paths become absolute ones of this machine; a remote cluster needs a
+    tracking server and remote or shared storage (ConfigError otherwise). An address that does not
+    answer, or a refused token: ConfigError; any other failure to submit: SubmitError. Each with
+    a one-line message."""
     overrides = list(overrides)
     config = str(config)
-    address, given = _address(address)
-    url, host, port = jobs_url(address, given)
     env = {k: v for k, v in os.environ.items() if k == "MLFLOW_TRACKING_URI"}
     env.update(env_vars or {})
-    here = _here(host, given, address)
-    tracking_uri, storage = destinations(cfg, url, here, env.get("MLFLOW_TRACKING_URI"))
+    tracking_uri, storage = destinations(cfg, target.url, target.here, env.get("MLFLOW_TRACKING_URI"))
     if tracking_uri:
         env["MLFLOW_TRACKING_URI"] = tracking_uri
-    if storage != cfg.run.storage_path:
-        overrides.append(f"run.storage_path={storage}")
-    if here:
-        overrides.extend(_paths_here(config, overrides))
-    why = unreachable(host, port, "Ray jobs API")
-    if why:
+    if target.here:
+        # The job reads the config file as written, in its temporary working directory: this
+        # machine's paths go with it as `--set`s.
+        overrides.extend(_paths_here(cfg, storage))
+    if why := unreachable(target.host, target.port, "Ray jobs API"):
         raise ConfigError(
-            f"{given} = {address!r}: {why}; check the address (`raylane up` prints its dashboard) "
+            f"{target.given} = {target.address!r}: {why}; check the address (`raylane up` prints its dashboard) "
             "and that the cluster is up"
         )
-    config = config_for_job(config, working_dir, here)
+    config = config_for_job(config, working_dir, target.here)
     entrypoint = shlex.join(["raylane", "train", config, *[x for o in overrides for x in ("--set", o)]])
-    client = _same_ray(job_client(url, given), given, address)
+    client = _same_ray(job_client(target.url, target.given), target.given, target.address)
     job_id = _submit_job(
-        client, given, url, entrypoint, {"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env}
+        client,
+        target.given,
+        target.url,
+        entrypoint,
+        {"working_dir": working_dir, "excludes": EXCLUDES, "env_vars": env},
     )
     return SubmittedRun(
         job_id,
@@ -210,19 +234,15 @@ def config_for_job(config: str, working_dir: str, here: bool) -> str:
     )
 
 
-def _paths_here(config: str, overrides: list[str]) -> list[str]:
-    """For a cluster on this machine: the config resolved and checked as `raylane train` here
-    would (its storage probed, its inputs found: raylane.paths), and its input paths as absolute
-    `--set`s for the job, whose working directory is Ray's temporary copy of this one (and whose
-    upload would carry data that sits inside it)."""
-    from raylane.config import load_config
+def _paths_here(cfg: BaseConfig, storage: str) -> list[str]:
+    """For a cluster on this machine: `storage` (`run.storage_path` as `destinations` resolved
+    it) and the inputs of `cfg`, resolved as `raylane train` here would and checked there
+    (raylane.prepare.prepare_submit), as absolute `--set`s for the job, whose working directory is
+    Ray's temporary copy of this one (and whose upload would carry data that sits inside it)."""
     from raylane.paths import path_keys
-    from raylane.prechecks import check_run
 
-    cfg = load_config(config, overrides)
-    check_run(cfg, driver_env=False)  # the job's driver reads `env:`'s `${NAME}` values where it runs
     flat = cfg.flat()
-    return [
+    return [f"run.storage_path={storage}"] * ("://" not in storage) + [
         f"{key}={json.dumps(flat[key])}"
         for key, marker in path_keys(type(cfg)).items()
         if marker.must_exist and flat.get(key) is not None

@@ -13,13 +13,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from raylane import logs
+from raylane import logs, pipelines_ref
 from raylane.config import BaseConfig, validate
 from raylane.config.batching import world_sizes
 from raylane.errors import TrainingError
@@ -39,6 +40,8 @@ from raylane.onray.trainers import (
     TrialTorchTrainer,
     process_group_unix,
 )
+from raylane.runrecord import run_folder
+from raylane.session import FIND
 
 log = logging.getLogger("raylane")
 
@@ -93,7 +96,8 @@ def train_worker(cfg: BaseConfig, runtime: RayRuntime, spec: LaunchSpec, startup
 
     metric_logger = None
     if runtime.rank == 0 and spec.run_id:
-        metric_logger = rank_zero_logger(cfg, spec.tracking_uri, spec.run_id)
+        folder = Path(spec.run_folder) if spec.run_folder else None
+        metric_logger = rank_zero_logger(cfg, spec.tracking_uri, spec.run_id, folder)
     result = run_worker(cfg, runtime, metric_logger, startup)
     if result.growing:
         # Checkpointed for a larger group: Ray's elastic policy now stops this one and starts
@@ -110,10 +114,11 @@ def pump(
     drain: Callable[[], list[Event]],
     request_stop: Callable[[], Any],
     on_event: Callable[[Event], None],
-) -> RunResult | dict[str, Any] | None:
+) -> RunResult | None:
     """Relay rank 0's events until `thread` (fit) has ended and its last events are read; returns
-    what End carried (training's RunResult, autotune's search's), None when no End came."""
-    ended: RunResult | dict[str, Any] | None = None
+    what End carried, None when no End came (an autotune search's ends with SearchEnd, which its
+    listener reads)."""
+    ended: RunResult | None = None
     relayed = False
     while True:
         thread.join(EVENT_POLL_S)
@@ -139,36 +144,10 @@ def pump(
             return ended
 
 
-def _fit_and_pump(
-    trainer: TorchTrainer, sink: Any, on_event: Callable[[Event], None], world_size: int
-) -> RunResult | dict[str, Any] | None:
-    """fit() runs on a helper thread so that this (main) thread keeps Ctrl-C and SIGTERM: Ray
-    installs its own SIGINT handler only from the main thread. Here we relay rank 0's events."""
-    outcome: dict[str, Any] = {}
-
-    def fit() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as exc:  # re-raised on the main thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=fit, name="raylane-fit", daemon=True)
-    thread.start()
-    ended = pump(thread, lambda: ray.get(sink.drain.remote()), lambda: sink.request_stop.remote(), on_event)
-    if "error" in outcome:
-        exc = outcome["error"]
-        if isinstance(exc, ray.train.TrainingFailedError):
-            raise TrainingError(format_failure(exc, world_size)) from None
-        raise exc
-    return ended
-
-
-def _ray_datasets(cfg: BaseConfig) -> tuple[dict[str, Any], dict[str, int | None]]:
+def _ray_datasets(cfg: BaseConfig, pipeline: pipelines_ref.Resolved) -> tuple[dict[str, Any], dict[str, int | None]]:
     """The pipeline's streaming sources as Ray Datasets, with what the workers need to know of
     them; ({}, {}) for a map-style pipeline (without importing Ray Data)."""
-    from raylane.loop.data.streaming import declares_sources
-
-    if not declares_sources(cfg):
+    if not pipeline.streams:
         return {}, {}
     from raylane.onray.datasets import build_datasets
 
@@ -210,35 +189,72 @@ def launch_on_ray(
     restartable: bool = True,
     env: Any = None,
     sink_name: str | None = None,
-) -> RunResult | dict[str, Any] | None:
+    folder: Path | None | Literal["find"] = FIND,
+    pipeline: pipelines_ref.Resolved | None = None,
+) -> RunResult | None:
     """Run `worker` on a worker group of the connected cluster (see
     `raylane.onray.cluster.start_ray`), passing rank 0's events to `on_event`; returns what rank
-    0's End carried (a training run's RunResult, a search's outcome), None when no End came. The
-    caller shuts Ray down. `in_trial`: a Tune trial's run, whose controller Tune may kill while the
-    sweep goes on. `restartable`: the group may restart without a node that leaves
-    (failure.max_failures permitting), as a training run's does; a search's does not. `env`: the
-    `env:` variables already in Ray's object store (a sweep's driver resolved them: a trial runs
-    elsewhere); None: resolved here, in the driver. `sink_name`: the event sink's, for a stop
-    asked from another process (a sweep's driver: raylane.onray.trials)."""
+    0's End carried (a training run's RunResult), None when no End came (a search's SearchEnd
+    goes to `on_event` with the rest). The caller shuts Ray down. `in_trial`: a Tune trial's run,
+    whose controller Tune may kill while the sweep goes on. `restartable`: the group may restart
+    without a node that leaves (failure.max_failures permitting), as a training run's does; a
+    search's does not. `env`: the `env:` variables already in Ray's object store (a sweep's driver
+    resolved them: a trial runs elsewhere); None: resolved here, in the driver. `sink_name`: the
+    event sink's, for a stop asked from another process (a sweep's driver: raylane.onray.trials).
+    `folder` and `pipeline`: the run's, as the driver found them (`raylane train`); a trial's and
+    a search's are found here."""
+    folder = run_folder(cfg) if isinstance(folder, str) else folder
     sink = _event_sink(sink_name)
-    trainer_cls = TrialTorchTrainer if in_trial else EmbeddedTorchTrainer if embedded else DriverTorchTrainer
-    datasets, streams = _ray_datasets(cfg)
-    restarts = max_failures(cfg) != 0 and restartable
-    spec = LaunchSpec(
-        config=cfg.model_dump(mode="json"),
-        worker=worker,
-        sink=sink,
-        driver=ProcessId.here(),
-        run_id=run_id,
-        tracking_uri=tracking_uri,
-        streams=streams,
-        verbose=logs.verbose(),
-        world_sizes=world_sizes(cfg) if cfg.scaling.elastic else None,
-        restarts=restarts,
+    trainer = _trainer(
+        cfg,
+        LaunchSpec(
+            config=cfg.model_dump(mode="json"),
+            worker=worker,
+            sink=sink,
+            driver=ProcessId.here(),
+            run_id=run_id,
+            tracking_uri=tracking_uri,
+            run_folder=str(folder) if folder else None,
+            verbose=logs.verbose(),
+            world_sizes=world_sizes(cfg) if cfg.scaling.elastic else None,
+            restarts=max_failures(cfg) != 0 and restartable,
+        ),
+        TrialTorchTrainer if in_trial else EmbeddedTorchTrainer if embedded else DriverTorchTrainer,
+        put_env(cfg, folder) if env is None else env,
+        pipeline or pipelines_ref.resolve(cfg.pipeline),
     )
-    trainer = trainer_cls(
+    on_event(Startup(phases={"fit": time.time()}))
+    # fit() runs on a helper thread so that this (main) thread keeps Ctrl-C and SIGTERM: Ray
+    # installs its own SIGINT handler only from the main thread. Here rank 0's events are relayed.
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # re-raised on the main thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, name="raylane-fit", daemon=True)
+    thread.start()
+    ended = pump(thread, lambda: ray.get(sink.drain.remote()), lambda: sink.request_stop.remote(), on_event)
+    if "error" in outcome:
+        exc = outcome["error"]
+        if isinstance(exc, ray.train.TrainingFailedError):
+            raise TrainingError(format_failure(exc, cfg.scaling.num_workers)) from None
+        raise exc
+    return ended
+
+
+def _trainer(
+    cfg: BaseConfig, spec: LaunchSpec, trainer_cls: type[TorchTrainer], env: Any, pipeline: pipelines_ref.Resolved
+) -> TorchTrainer:
+    """The TorchTrainer that runs `spec.worker` on the run's worker group, with the pipeline's
+    streaming sources as Ray Datasets (`spec.streams`: their rows per epoch) and `env`, the `env:`
+    variables in Ray's object store."""
+    datasets, streams = _ray_datasets(cfg, pipeline)
+    return trainer_cls(
         _train_fn,
-        train_loop_config={SPEC_KEY: spec},
+        train_loop_config={SPEC_KEY: dataclasses.replace(spec, streams=streams)},
         datasets=datasets,
         **({"dataset_config": _stream_split()} if datasets else {}),
         scaling_config=ScalingConfig(
@@ -247,14 +263,10 @@ def launch_on_ray(
             elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s,
             **scaling_options(cfg),
         ),
-        torch_config=RaylaneTorchConfig(
-            timeout_s=cfg.dist.timeout_s, restarts=restarts, env=put_env(cfg) if env is None else env
-        ),
+        torch_config=RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s, restarts=spec.restarts, env=env),
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=cfg.run.storage_path,
             failure_config=failure_config(cfg),
         ),
     )
-    on_event(Startup(phases={"fit": time.time()}))
-    return _fit_and_pump(trainer, sink, on_event, cfg.scaling.num_workers)

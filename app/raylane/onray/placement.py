@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -105,14 +106,12 @@ def _may_grow() -> bool:
     return os.environ.get("RAY_enable_autoscaler_v2") == "1"  # v2 reports elsewhere: assume it may
 
 
-def put_env(cfg: BaseConfig) -> Any:
+def put_env(cfg: BaseConfig, folder: Path | None) -> Any:
     """The `env:` variables (each `${NAME}` read from this, the driver's, environment), and on GPUs
-    NCCL's flight recorder's (raylane.loop.observe.hangs), in Ray's object store, for the workers; None
-    when there are none."""
+    NCCL's flight recorder's (raylane.loop.observe.hangs, dumping into the run's `folder`), in Ray's
+    object store, for the workers; None when there are none."""
     from raylane.loop.observe.hangs import flight_recorder_env
-    from raylane.runrecord import run_folder
 
-    folder = run_folder(cfg)
     recorder = flight_recorder_env(
         cfg.scaling.use_gpu, cfg.dist.flight_recorder_entries, str(folder) if folder else None
     )

@@ -29,6 +29,7 @@ class LaunchSpec:
     sink: Any  # the driver's EventSink actor
     driver: ProcessId  # the process whose end stops the workers (raylane.onray.leftovers)
     run_id: str | None = None  # the MLflow run rank 0 logs metrics to
+    run_folder: str | None = None  # the run's folder (raylane.runrecord.run_folder), as the driver found it
     tracking_uri: str = ""
     streams: dict[str, int | None] = dataclasses.field(default_factory=dict)  # Ray Datasets: name -> rows per epoch
     verbose: bool = False  # the workers' own output reaches the driver (raylane.logs)

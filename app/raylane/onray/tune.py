@@ -40,6 +40,7 @@ from raylane.onray.placement import put_env
 from raylane.onray.sweep_plan import param_space, search_alg, trials_text
 from raylane.onray.trials import MetricReported, TrialRuns, sink_name, stop_on_interrupt
 from raylane.results import Status, SweepSummary
+from raylane.runrecord import run_folder
 from raylane.session import RunSession, interrupts, ran, status_of
 from raylane.sweeps import results as sweep_results
 from raylane.sweeps.objective import Objective
@@ -370,7 +371,7 @@ def _fit(
             "resumed": False,
         },
         # A reference: the trial's `params.json` and Tune's records never hold the values.
-        "env": put_env(base),
+        "env": put_env(base, run_folder(base)),
     }
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 

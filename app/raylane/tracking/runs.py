@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from raylane.config import BaseConfig
-from raylane.runrecord import run_folder
 from raylane.tracking import pending
 from raylane.version import __version__
 
@@ -249,8 +248,9 @@ def _inflated(text: str) -> str:
     return text
 
 
-def open_run(cfg: BaseConfig, tracking_uri: str, world_size: int) -> RunHandle:
-    """Create the run for `cfg.run.name`, or continue the one a previous launch of it opened."""
+def open_run(cfg: BaseConfig, tracking_uri: str, world_size: int, folder: Path | None) -> RunHandle:
+    """Create the run for `cfg.run.name`, or continue the one a previous launch of it opened;
+    what MLflow does not take is kept in the run's `folder` (raylane.runrecord.run_folder)."""
     client = mlflow_client(tracking_uri)
     exp_id = use_experiment(client, cfg.mlflow.experiment, table_metrics(cfg))
     found = client.search_runs(
@@ -262,7 +262,7 @@ def open_run(cfg: BaseConfig, tracking_uri: str, world_size: int) -> RunHandle:
     all_tags = run_tags(cfg, world_size)
     if found:
         run_id = found[0].info.run_id
-        pending.send_all(run_folder(cfg), mlflow_client, close=False)  # this launch closes the run itself
+        pending.send_all(folder, mlflow_client, close=False)  # this launch closes the run itself
         client.update_run(run_id, status="RUNNING")
         if ERROR_TAG in found[0].data.tags:  # an earlier launch's failure: this one may end otherwise
             client.delete_tag(run_id, ERROR_TAG)
@@ -277,15 +277,15 @@ def open_run(cfg: BaseConfig, tracking_uri: str, world_size: int) -> RunHandle:
     for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
     client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in all_tags.items()])
-    pending.keep_for(run_id, run_folder(cfg))
+    pending.keep_for(run_id, folder)
     return RunHandle(run_id, exp_id, tracking_uri, resumed=bool(found), run_name=cfg.run.name)
 
 
-def settle(cfg: BaseConfig) -> str | None:
+def settle(cfg: BaseConfig, folder: Path | None) -> str | None:
     """For a launch with nothing to train (the run FINISHED): close the MLflow run an earlier launch
-    could not close (its server was gone at the end), with what it could not send; the line that
-    says so, or None when nothing was kept (raylane.tracking.pending)."""
-    return pending.settle(run_folder(cfg), str(cfg.run.name), mlflow_client)
+    could not close (its server was gone at the end), with what it could not send (kept in the
+    run's `folder`); the line that says so, or None when nothing was kept (raylane.tracking.pending)."""
+    return pending.settle(folder, str(cfg.run.name), mlflow_client)
 
 
 def close_run(handle: RunHandle, status: str, error: str | None = None) -> None:
@@ -322,8 +322,8 @@ def close_run(handle: RunHandle, status: str, error: str | None = None) -> None:
         )  # fmt: skip
 
 
-def rank_zero_logger(cfg: BaseConfig, tracking_uri: str, run_id: str) -> MetricLogger:
-    pending.keep_for(run_id, run_folder(cfg))  # on a Ray worker too: its unsent values go there
+def rank_zero_logger(cfg: BaseConfig, tracking_uri: str, run_id: str, folder: Path | None) -> MetricLogger:
+    pending.keep_for(run_id, folder)  # the run's folder, on a Ray worker too: its unsent values go there
     m = cfg.mlflow
     return MetricLogger(
         tracking_uri, run_id, system_metrics_interval_s=m.system_metrics_interval_s if m.system_metrics else None

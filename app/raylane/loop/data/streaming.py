@@ -155,15 +155,6 @@ class FileSource:
         return checked
 
 
-def declares_sources(cfg: Any) -> bool:
-    """Whether the config's pipeline streams: its module declares `sources(cfg)`, a dict of
-    FileSource by dataset name ("train", "eval"), which the Ray driver turns into Ray Data
-    without building the model. (Without it, a FileSource from build() is read by each rank.)"""
-    from raylane import pipelines_ref
-
-    return callable(getattr(pipelines_ref.load(cfg.pipeline), "sources", None))
-
-
 def num_rows(batch: Batch) -> int:
     return len(next(iter(batch.values()))) if batch else 0
 
