@@ -222,5 +222,13 @@ def test_the_pipelines_questions_are_asked_of_one_lookup():
         "raylane.config_keys:all_models",  # every shipped pipeline's Config, for the reference
         "raylane.loop.usercode:build_pipeline",
         "raylane.loop.usercode:explain",  # which function of the user's raised
+    }
+    # An embedded Ray cluster's CPUs for Ray Data (raylane.onray.cluster.data_cpus) ask the same
+    # question of their own lookup: Ray's one start (start_ray) serves sweeps and searches too.
+    assert _callers("resolve", "pipelines_ref") == {
+        "raylane.prepare:prepare_train",
+        "raylane.prepare:prepare_submit",
+        "raylane.layout_checks:check_layout",  # called without one (a test, a check outside a launch)
+        "raylane.onray.launch:launch_on_ray",  # a sweep's trial, a search
         "raylane.onray.cluster:data_cpus",
     }
