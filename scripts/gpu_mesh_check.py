@@ -20,8 +20,8 @@ import torch.distributed as dist
 from raylane import api
 from raylane.loop.data.loader import first_batch
 from raylane.loop.distributed.fsdp import prepare_blocks
-from raylane.loop.distributed.mesh import lay_out_tensor_parallel, model_parallel_strategy
-from raylane.loop.distributed.parallelize import estimate_memory
+from raylane.loop.distributed.parallelize import estimate_memory, model_parallel_strategy
+from raylane.loop.distributed.tensor_parallel import lay_out_tensor_parallel
 from raylane.loop.protocols.batches import forward_loss, to_device
 from raylane.loop.usercode import build_pipeline
 

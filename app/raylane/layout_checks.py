@@ -1,41 +1,47 @@
 """The layout checks run before any work starts: `strategy.tp`, `strategy.pp` and
-`strategy.dp_replicate` on the number of ranks a run will have (a world they divide, replicas
-through FSDP2, map-style data, a pipeline that gives a tp_plan or pp_stages). raylane.prepare calls
-`check_layout` beside raylane.prechecks' checks; each failure is one ConfigError naming the field
-and the value; nothing here imports torch or Ray."""
+`strategy.dp_replicate` on the number of ranks a run will have, read as the run builds its layout
+(raylane.loop.distributed.layout.Layout: a world they divide, replicas through FSDP2, map-style
+data, a pipeline that gives a tp_plan or pp_stages). raylane.prepare calls `check_layout` beside
+raylane.prechecks' checks; each failure is one ConfigError naming the field and the value; nothing
+here imports torch or Ray."""
 
 from __future__ import annotations
 
 from raylane import pipelines_ref
 from raylane.config import BaseConfig, ConfigError
+from raylane.loop.distributed.layout import Layout, LayoutError
 
 
 def check_layout(cfg: BaseConfig, world_size: int, world: str, pipeline: pipelines_ref.Resolved | None = None) -> None:
-    """`strategy.tp` on `world_size` ranks (`world`: where that number comes from, as the user
-    set it): a world it divides, replicas only through FSDP2, map-style data, and a pipeline that
-    gives a tp_plan. The checks of the config alone are its validators' (raylane.config.base).
-    `pipeline`: the config's, as the launch looked it up once (raylane.prepare; None: looked up here)."""
+    """The layout `cfg` asks for on `world_size` ranks (`world`: where that number comes from, as
+    the user set it), read as the run will build it (raylane.loop.distributed.layout.Layout):
+    sizes the world divides, replicas only through FSDP2, map-style data, and a pipeline that
+    gives a tp_plan or pp_stages. The checks of the config alone are its validators'
+    (raylane.config.base). `pipeline`: the config's, as the launch looked it up once
+    (raylane.prepare; None: looked up here)."""
+    s = cfg.strategy
     pipeline = pipeline or pipelines_ref.resolve(cfg.pipeline)
-    _check_pipeline_layout(cfg, world_size, world, pipeline)
-    tp = cfg.strategy.tp
-    if not cfg.strategy.tensor_parallel:
+    layout = _asked(cfg, world_size, world)
+    if layout is not None and layout.pp > 1:
+        _check_pipeline_layout(cfg, layout, world_size, pipeline)
+    if not s.tensor_parallel:
         return
     label = pipeline.label
-    if tp == "auto":  # any degree of the node's ranks may be chosen; one without a plan is not tried
+    if (
+        layout is None or s.tp == "auto"
+    ):  # any degree of the node's ranks may be chosen; one without a plan is not tried
         if pipeline.streams:
             raise ConfigError(
                 f"strategy.tp = 'auto': the {label} pipeline streams its data (sources), split by rank, and the "
                 "ranks of a tensor-parallel group must read the same batches; give strategy.tp: 1"
             )
         return
-    if world_size % tp:
-        raise ConfigError(f"strategy.tp = {tp}: does not divide {world} (a tensor-parallel group is tp ranks)")
-    replicas = world_size // tp
-    if cfg.strategy.name == "ddp" and replicas > 1:
+    tp, groups = layout.tp, layout.world_size // layout.tp  # DDP would hold a replica on each group
+    if s.name == "ddp" and groups > 1:
         raise ConfigError(
             f"strategy.tp = {tp} with strategy.name = 'ddp' on {world_size} ranks: torch's DDP does not take "
             f"tensor-parallel weights, and replicas through FSDP2 are not built yet; use strategy.name: fsdp "
-            f"(FSDP2 over the {replicas} data-parallel ranks)"
+            f"(FSDP2 over the {groups} data-parallel ranks)"
         )
     if pipeline.streams:
         raise ConfigError(
@@ -49,38 +55,42 @@ def check_layout(cfg: BaseConfig, world_size: int, world: str, pipeline: pipelin
         )
 
 
-def _check_pipeline_layout(cfg: BaseConfig, world_size: int, world: str, pipeline: pipelines_ref.Resolved) -> None:
-    """`strategy.pp` and `strategy.dp_replicate` on `world_size` ranks: a world that splits into
-    pp x dp_replicate x tp, data-parallel replicas through FSDP2, map-style data, and a pipeline
-    that says how its model splits into stages."""
+def _asked(cfg: BaseConfig, world_size: int, world: str) -> Layout | None:
+    """The layout the config fixes on `world_size` ranks where it lays the model out over more than
+    the data-parallel ranks (tp, pp) or replicates FSDP2's shards (dp_replicate): None where each
+    rank holds whole layers without replicas, or tp is chosen on the ranks (`tp: auto`, with no
+    pp or replicas). ConfigError, one line naming the fields, where their sizes do not divide the
+    world."""
     s = cfg.strategy
-    if s.pp == 1 and s.dp_replicate == 1:
-        return
+    try:
+        if s.pp > 1 or s.tp_degree > 1:
+            return Layout.model_parallel_of(s, world_size, world=world)
+        if s.dp_replicate > 1:
+            return Layout.data_parallel_of(s.name, world_size, replicas=s.dp_replicate, world=world)
+    except LayoutError as exc:
+        raise ConfigError(str(exc)) from None
+    return None
+
+
+def _check_pipeline_layout(cfg: BaseConfig, layout: Layout, world_size: int, pipeline: pipelines_ref.Resolved) -> None:
+    """`strategy.pp` in `layout` on `world_size` ranks: data-parallel replicas of each stage
+    through FSDP2, map-style data, and a pipeline that says how its model splits into stages."""
+    s, pp = cfg.strategy, layout.pp
     label = pipeline.label
-    group = s.pp * s.dp_replicate * s.tp_degree
-    if world_size % group:
-        sizes = " x ".join(
-            f"strategy.{k} = {n}"
-            for k, n in (("pp", s.pp), ("dp_replicate", s.dp_replicate), ("tp", s.tp_degree))
-            if n > 1
-        )
-        raise ConfigError(f"{sizes}: {group} ranks do not divide {world}")
-    if s.pp == 1:
-        return
-    replicas = world_size // (s.pp * s.tp_degree)
+    replicas = layout.data_parallel
     if s.name == "ddp" and replicas > 1:
         raise ConfigError(
-            f"strategy.pp = {s.pp} with strategy.name = 'ddp' on {world_size} ranks: the {replicas} data-parallel "
+            f"strategy.pp = {pp} with strategy.name = 'ddp' on {world_size} ranks: the {replicas} data-parallel "
             "replicas of each stage are FSDP2's; use strategy.name: fsdp"
         )
     if pipeline.streams:
         raise ConfigError(
-            f"strategy.pp = {s.pp}: the {label} pipeline streams its data (sources), split by rank, and the "
+            f"strategy.pp = {pp}: the {label} pipeline streams its data (sources), split by rank, and the "
             "stages of a pipeline must read the same batches; pipeline parallelism needs a map-style dataset"
         )
     if cfg.gives_pp_stages() is False:
         raise ConfigError(
-            f"strategy.pp = {s.pp}: the {label} pipeline gives no pp_stages (how its model splits into "
+            f"strategy.pp = {pp}: the {label} pipeline gives no pp_stages (how its model splits into "
             "stages): give its Pipeline pp_stages='auto' or lists of module names (docs/strategies.md, Pipeline "
             "parallelism)"
         )
@@ -95,7 +105,7 @@ def check_plan(cfg: BaseConfig, world_size: int) -> list[str]:
     be looked at here (build() failing on this machine, which may lack what the ranks have: the
     run goes on, and says so). Nothing for a run without tp or pp. The same in a process that
     trains next (a torchrun rank): the forward on a fake process group leaves it as it found it
-    (raylane.loop.distributed.layout.fake_work)."""
+    (raylane.loop.distributed.fake.fake_work)."""
     s = cfg.strategy
     if not (s.tensor_parallel or s.pp > 1):
         return []

@@ -11,6 +11,7 @@ stages: tied weights across stages are refused)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,9 @@ def _untied(layouts: list[str]) -> bool:
     return any(s.startswith("strategy.pp=") for layout in layouts for s in LAYOUTS[layout][1])
 
 
-def _launch(run_cli, name: str, layout: str, untied: bool, init_from: str | None = None):
+def _launch(run_cli, name: str, layout: str, untied: bool, init_from: str | None = None, more: tuple = ()):
     ranks, extra, _, _ = LAYOUTS[layout]
-    extra = [*extra, UNTIED] if untied else extra
+    extra = [*extra, UNTIED, *more] if untied else [*extra, *more]
     sets = {**SETS, "run.name": name, **({"checkpoint.init_from": init_from} if init_from else {})}
     args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")] + [x for s in extra for x in ("--set", s)]
     if ranks == 1:
@@ -216,3 +217,32 @@ def test_a_pp_fsdp_checkpoint_resumes_as_one_process_and_under_fsdp_tp(run_cli, 
     runs = moved(run_cli, tmp_path, {"pp-fsdp": ["one", "fsdp-tp", "pp-fsdp"]})
     _same(runs, "pp-fsdp", "pp-fsdp-from-pp-fsdp", untied=True)
     _moved_bit_exact(half(runs["pp-fsdp"]), untied=True)
+
+
+def test_a_checkpoint_whose_manifest_holds_the_old_layout_record_resumes(run_cli, tmp_path):
+    """A checkpoint written before the layout had one type (issue 61), whose manifest holds the
+    layout as the dict raylane wrote then (the record's first six keys: its label, flavour, tp,
+    pp, data-parallel size and world size). One process with dropout (so that its random
+    generators matter) trains 6 steps, saving at step 3; that checkpoint's record is cut back
+    to the old dict; a run resumed from it says no move (the layout that saved it), and ends at
+    the uninterrupted run's weights bit for bit: its generators were restored, which they are
+    only at the layout that saved them. Its own checkpoints hold the whole record again."""
+    dropout = ("model.dropout=0.1",)
+    p = _launch(run_cli, "one", "one", False, more=dropout)
+    assert p.wait(300) == 0, p.output
+    runs = {"one": read_json(tmp_path / "one.json")}
+    manifest = Path(half(runs["one"])) / checkpoint.MANIFEST_FILE
+    written = json.loads(manifest.read_text())
+    old = {k: written["train_state"]["layout"][k] for k in ("strategy", "name", "tp", "pp", "dp", "world_size")}
+    assert old == {"strategy": "single", "name": "single", "tp": 1, "pp": 1, "dp": 1, "world_size": 1}
+    written["train_state"]["layout"] = old
+    manifest.write_text(json.dumps(written))
+
+    p = _launch(run_cli, "again", "one", False, init_from=half(runs["one"]), more=dropout)
+    assert p.wait(300) == 0, p.output
+    runs["again"] = read_json(tmp_path / "again.json")
+    assert (runs["again"]["resumed_from_step"], runs["again"]["steps"]) == (STEPS // 2, STEPS)
+    assert "resuming a " not in p.output, p.output
+    _same(runs, "one", "again", untied=False)
+    layout = checkpoint.read_manifest(runs["again"]["checkpoint"])["train_state"]["layout"]
+    assert layout["dp_shard"] == 1 and layout["model_parallel"] is False, layout

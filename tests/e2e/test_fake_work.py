@@ -1,7 +1,7 @@
 """`strategy.tp: auto` measures each layout on fake process groups inside the training processes,
 and each torchrun rank runs the forward check on a fake group before its own: under torchrun on
 2 ranks, `tp: auto` choosing tp2 trains gpt-tiny exactly as the same layout given explicitly,
-both with the forward check on every rank (raylane.loop.distributed.layout.fake_work). The explicit layout
+both with the forward check on every rank (raylane.loop.distributed.fake.fake_work). The explicit layout
 against one process (within 1e-6, with the check on the ranks too): test_strategies'
 test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_process. And what the
 forward check finds, each rank refuses before its process group."""

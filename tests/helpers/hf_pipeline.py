@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from raylane.config import load_config
 from raylane.hf.build import _predicted_tokens
 from raylane.hf.lora import LoraSection, apply_lora
-from raylane.hf.parallel import tp_plan
-from raylane.hf.stages import causal_lm_stages
+from raylane.hf.pipeline_parallel import causal_lm_stages
+from raylane.hf.tensor_parallel import tp_plan
 from raylane.hf.weights import empty_model, load_pretrained
 from raylane.loop.distributed.parallelize import parallelize
 from raylane.loop.evaluation import Evaluator

@@ -1,6 +1,6 @@
 """Run under torchrun (gloo): for each case of the JSON list in argv[1] ({name, path, tp, lora}),
 a transformers model (or a LoRA adapter on one) built on the meta device, laid out by raylane's
-`parallelize` with the model's own plan (raylane.hf.parallel.tp_plan: transformers' tp_plan as
+`parallelize` with the model's own plan (raylane.hf.tensor_parallel.tp_plan: transformers' tp_plan as
 torch's styles, on raylane's (dp_shard, tp) mesh), loaded by raylane.hf.load_pretrained (rank 0
 reads, the rest receive), then trained 3 SGD steps (raylane's optimizer and clipping) beside a
 one-process copy started from the same full state, each on the whole batch (the parallel run's
@@ -22,7 +22,7 @@ import transformers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from raylane.hf.lora import LoraSection, apply_lora
-from raylane.hf.parallel import tp_plan
+from raylane.hf.tensor_parallel import tp_plan
 from raylane.hf.weights import empty_model, load_pretrained
 from raylane.loop import checkpoint
 from raylane.loop.distributed.parallelize import parallelize

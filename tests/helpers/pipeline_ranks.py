@@ -64,7 +64,7 @@ def run_layout(sets: list[str], world: int, root: str, meta: bool = False) -> di
     optimizer = build_optimizer(model, cfg, pipe)
     ref_opt = build_optimizer(reference, cfg, pipe)
     trainer = step_trainer(cfg, runtime, pipe, model, _Batches(), optimizer, strategy, Throughput())
-    dp, dp_rank = strategy.data_parallel, _dp_rank(strategy)
+    dp, dp_rank = strategy.data_parallel, strategy.layout.data_rank(dist.get_rank())
     b, accum = cfg.train.batch_size, cfg.train.grad_accum_steps
     gen = torch.Generator().manual_seed(1)
     losses, expected = [], []
@@ -133,11 +133,6 @@ class _Batches:
 
     def batches_in_epoch(self, epoch: int) -> int:
         return 1000
-
-
-def _dp_rank(strategy) -> int:
-    pp, replicate, shard, cp, tp = strategy.mesh_shape
-    return (dist.get_rank() // (cp * tp)) % (replicate * shard)
 
 
 def main() -> None:

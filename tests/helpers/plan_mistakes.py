@@ -139,7 +139,7 @@ def build(cfg: Config) -> raylane.Pipeline:
     vocab = int(tokens.max().item()) + 1  # data code reads values: no meta tensor has them
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
     if m.kind == "hf":
-        from raylane.hf.parallel import tp_plan
+        from raylane.hf.tensor_parallel import tp_plan
 
         model = hf_model(m, vocab)
         plan = tp_plan if m.plan == "hf" else hf_strings(m.plan)

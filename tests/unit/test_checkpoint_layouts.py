@@ -19,9 +19,8 @@ import torch
 
 from raylane.config import ConfigError, load_config
 from raylane.loop import checkpoint
-from raylane.loop.checkpoint.layout import change_line, layout_of
 from raylane.loop.checkpoint.state import flat_optim, nested_optim, regrouped, scheduler_state_for
-from raylane.loop.distributed.fsdp import Strategy
+from raylane.loop.distributed.layout import Layout
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.untracked
@@ -100,17 +99,18 @@ def test_a_replicated_checkpoint_is_written_flat_and_a_regrouped_optimizer_is_re
 
 
 def test_the_layout_is_recorded_and_a_resume_at_another_says_so_in_one_line():
-    fsdp_tp = layout_of(Strategy("fsdp", mesh_shape=(1, 1, 2, 1, 2), tp=2), 4)  # (pp, dp_replicate, dp_shard, cp, tp)
-    assert fsdp_tp == {"strategy": "fsdp×tp2", "name": "fsdp", "tp": 2, "pp": 1, "dp": 2, "world_size": 4}
-    tp = layout_of(Strategy("fsdp", mesh_shape=(1, 1, 1, 1, 2), tp=2), 2)
-    one, ddp = layout_of(Strategy("single"), 1), layout_of(Strategy("ddp"), 2)
-    assert change_line({"layout": fsdp_tp}, ddp) == "resuming a fsdp×tp2 checkpoint of 4 ranks as ddp on 2"
-    assert change_line({"layout": tp}, one) == "resuming a tp2 checkpoint of 2 ranks as one process"
-    assert change_line({"layout": one}, tp) == "resuming a one-process checkpoint of 1 rank as tp2 on 2"
-    assert change_line({"layout": ddp}, dict(ddp)) is None
+    fsdp_tp = Layout("fsdp", dp_shard=2, tp=2)  # (pp, dp_replicate, dp_shard, cp, tp) = (1, 1, 2, 1, 2)
+    record = fsdp_tp.record()
+    kept = {k: record[k] for k in ("strategy", "name", "tp", "pp", "dp", "world_size")}
+    assert kept == {"strategy": "fsdp×tp2", "name": "fsdp", "tp": 2, "pp": 1, "dp": 2, "world_size": 4}
+    tp, one, ddp = Layout("fsdp", tp=2), Layout("single"), Layout.data_parallel_of("ddp", 2)
+    assert ddp.resumed_from({"layout": record}) == "resuming a fsdp×tp2 checkpoint of 4 ranks as ddp on 2"
+    assert one.resumed_from({"layout": tp.record()}) == "resuming a tp2 checkpoint of 2 ranks as one process"
+    assert tp.resumed_from({"layout": one.record()}) == "resuming a one-process checkpoint of 1 rank as tp2 on 2"
+    assert ddp.resumed_from({"layout": dict(ddp.record())}) is None
     # A checkpoint from before the record: its world size alone.
-    assert change_line({"world_size": 2}, one) == "resuming a checkpoint of 2 ranks as one process"
-    assert change_line({"world_size": 2}, ddp) is None
+    assert one.resumed_from({"world_size": 2}) == "resuming a checkpoint of 2 ranks as one process"
+    assert ddp.resumed_from({"world_size": 2}) is None
 
 
 def test_the_driver_says_the_move_once_after_the_strategy_line():

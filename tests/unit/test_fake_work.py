@@ -1,6 +1,6 @@
 """The work on torch's fake process groups that runs in a process before it trains (the forward
 check on each torchrun rank, `tp: auto`'s measurement on every rank) leaves that process as it
-found it (raylane.loop.distributed.layout.fake_work), in one process: a model laid out afterwards computes on
+found it (raylane.loop.distributed.fake.fake_work), in one process: a model laid out afterwards computes on
 its own mesh, as its own rank; the measurement gives the same bytes alone and after other work;
 no fake group stays registered. Before, DTensor's sharding caches handed the run the check's
 mesh (torchrun's rank 1 computed as the fake group's rank 0: tp2+sp+lp's losses off one
@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from raylane.config import load_config
 from raylane.loop.data.loader import first_batch
+from raylane.loop.distributed.layout import Layout, loss_context
 from raylane.loop.distributed.parallelize import parallelize
-from raylane.loop.distributed.tensor_parallel import loss_context
 from raylane.loop.protocols.batches import forward_loss
 
 TP2 = ("strategy.tp=2", "strategy.sequence_parallel=true", "strategy.loss_parallel=true", "optim.name=sgd")
@@ -68,8 +68,8 @@ def test_a_model_laid_out_after_the_forward_check_computes_as_its_own_rank():
     in the same process, the run as rank 1: every DTensor of its forward and backward is on rank
     1's mesh. Seen failing without fake_work: outputs on the check's mesh, tensor-parallel rank 0,
     {0, 1} (under torchrun, tp2+sp+lp's losses off from step 2)."""
+    from raylane.loop.distributed.fake import forget_shardings
     from raylane.loop.distributed.forward_checks import check_model_parallel
-    from raylane.loop.distributed.layout import forget_shardings
     from raylane.pipelines.gpt import build
 
     forget_shardings()  # DTensor's caches as in a new torchrun rank, whatever ran here before
@@ -86,7 +86,8 @@ def test_tp_auto_measures_the_same_alone_and_after_other_work(monkeypatch):
     fell back to the whole model's (TP2 ~19.4 MiB, against 11.6 alone; B1's report), its forward
     under the plan finding a group of the world before in DTensor's caches ('Could not resolve
     the process group registered under the name ...')."""
-    from raylane.loop.distributed.layout import forget_shardings, parameter_bytes
+    from raylane.loop.distributed.auto import parameter_bytes
+    from raylane.loop.distributed.fake import forget_shardings
     from raylane.pipelines.gpt import build
 
     def gpt(budget: float = 1000):
@@ -106,8 +107,8 @@ def test_tp_auto_measures_the_same_alone_and_after_other_work(monkeypatch):
     try:
         _, pipe = gpt()
         for _ in range(6):  # other work: meshes made (and, with fake_work, destroyed)
-            parameter_bytes(pipe.model, None, (8, 1), None, sequence_parallel=False)
-            parameter_bytes(pipe.model, None, (1, 8), pipe.tp_plan, sequence_parallel=True)
+            parameter_bytes(pipe.model, None, Layout("fsdp", dp_shard=8), None)
+            parameter_bytes(pipe.model, None, Layout("fsdp", tp=8, sequence_parallel=True), pipe.tp_plan)
         after = measured()
     finally:
         dist.destroy_process_group()
@@ -126,8 +127,8 @@ def test_fake_work_leaves_no_group_and_puts_dtensor_s_rng_tracker_back():
     before; and the forward check, before any group, leaves none."""
     from torch.distributed.tensor import _random
 
+    from raylane.loop.distributed.fake import fake_mesh, fake_work
     from raylane.loop.distributed.forward_checks import check_model_parallel
-    from raylane.loop.distributed.layout import fake_mesh, fake_work
     from raylane.pipelines.gpt import build
 
     tracker = _random._rng_tracker
@@ -135,7 +136,7 @@ def test_fake_work_leaves_no_group_and_puts_dtensor_s_rng_tracker_back():
     try:
         groups = set(dist.distributed_c10d._world.pg_map)
         with fake_work():
-            mesh = fake_mesh((1, 1))
+            mesh = fake_mesh(Layout("single"))
             made = set(dist.distributed_c10d._world.pg_map) - groups
             assert made and {dist.get_backend(g) for g in made} == {"fake"}, made
             assert mesh["tp"].get_group() in made

@@ -1,4 +1,4 @@
-"""raylane.hf.stages: the pipeline stages of Hugging Face causal LMs, in one process. The split
+"""raylane.hf.pipeline_parallel: the pipeline stages of Hugging Face causal LMs, in one process. The split
 keeps the model's own names with every parameter on exactly one stage (on the meta device, Llama,
 GPT-2 and Mixtral, with and without LoRA); the stages run one after the other give the model's
 logits and loss exactly (transformers' forward rebuilds positions, rotary embeddings and the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylane.hf.stages import causal_lm_stages, check_pp
+from raylane.hf.pipeline_parallel import causal_lm_stages, check_pp
 from raylane.loop.distributed.blocks import find_blocks
 from raylane.loop.distributed.pipeline_parallel import stage_module
 from raylane.loop.distributed.pipeline_split import split_names

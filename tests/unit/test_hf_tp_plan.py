@@ -1,4 +1,4 @@
-"""A Hugging Face model's own tensor-parallel plan as torch's styles (raylane.hf.parallel), and what
+"""A Hugging Face model's own tensor-parallel plan as torch's styles (raylane.hf.tensor_parallel), and what
 `raylane check --plan` prints of a plan (raylane.loop.plan_view), on models built on the meta
 device: no process group, no weights. The plans applied on 2 and 4 gloo ranks are
 tests/e2e/test_hf_tp.py's."""
@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: E402
 
 from raylane.hf.lora import LoraSection, apply_lora  # noqa: E402
-from raylane.hf.parallel import check_tp, tp_plan  # noqa: E402
+from raylane.hf.tensor_parallel import check_tp, tp_plan  # noqa: E402
 from raylane.loop.plan_view import layout_line, plan_lines  # noqa: E402
 from tests.helpers import hf_families  # noqa: E402
 

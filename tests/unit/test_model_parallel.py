@@ -15,8 +15,9 @@ from torch import nn
 from raylane.config import load_config
 from raylane.errors import ConfigError
 from raylane.loop.data.loader import first_batch
+from raylane.loop.distributed.auto import parameter_bytes
 from raylane.loop.distributed.fsdp import Strategy, resharded
-from raylane.loop.distributed.layout import Layout, parameter_bytes
+from raylane.loop.distributed.layout import Layout
 from raylane.loop.distributed.parallelize import parallelize
 from raylane.loop.distributed.tensor_parallel import plan_for, with_split_head
 
@@ -78,8 +79,10 @@ def test_tp_auto_measures_each_layout_and_adds_tp_only_when_fsdp_does_not_fit(ei
     with torch.device("meta"):
         meta = type(pipe.model)()
     chunks = sum(math.ceil(p.shape[0] / 8) * p[0].numel() * 4 for p in meta.parameters())
-    assert parameter_bytes(meta, None, (8, 1), None, sequence_parallel=False) == chunks
-    assert parameter_bytes(meta, None, (1, 8), pipe.tp_plan, sequence_parallel=True) > chunks  # norms whole
+    assert parameter_bytes(meta, None, Layout("fsdp", dp_shard=8), None) == chunks
+    assert (
+        parameter_bytes(meta, None, Layout("fsdp", tp=8, sequence_parallel=True), pipe.tp_plan) > chunks
+    )  # norms whole
 
     big = _choose(cfg, pipe)
     assert (big.label, big.tp, big.mesh_shape) == ("fsdp", 1, (8,))
@@ -109,7 +112,7 @@ def test_tp_auto_weighs_no_degree_when_the_config_fails_its_checks_here(monkeypa
     """The degrees come from the config's own checks at each degree (gpt's 8 heads: 2, 4 and 8 of
     8 ranks on a node of 8; 2 and 4 on a node of 4); where the checks fail at tp 1 too (whatever
     the reason on this host), they tell nothing: no degree is weighed, and it says why."""
-    from raylane.loop.distributed.layout import tp_candidates
+    from raylane.loop.distributed.auto import tp_candidates
 
     cfg = load_config("gpt-tiny", ["model.n_head=8", "strategy.name=fsdp", "strategy.tp=auto"])
     assert tp_candidates(cfg, 8, 8) == [2, 4, 8] and tp_candidates(cfg, 8, 4) == [2, 4]
@@ -184,10 +187,13 @@ def test_the_layout_names_every_dimension():
     assert Layout("fsdp", pp=2, dp_shard=2, tp=2).mesh_text() == "pp 2, dp_shard 2, tp 2"
     assert Layout("fsdp", tp=2, sequence_parallel=True).label() == "tp2+sp"
     assert Layout("single").label() == "single" and Layout("fsdp", dp_shard=4).mesh_text() == ""
-    s = Strategy("fsdp", (1, 1, 2, 1, 2), tp=2, loss_parallel=True)  # (pp, dp_replicate, dp_shard, cp, tp)
+    s = Strategy(Layout("fsdp", dp_shard=2, tp=2, loss_parallel=True))
     assert s.label == "fsdp×tp2+lp" and s.tags()["raylane.strategy.mesh"] == "dp_shard 2, tp 2"
-    assert Strategy("hsdp", (2, 4)).label == "hsdp" and Strategy("ddp", (4,)).layout.dp_replicate == 4
-    assert Strategy("fsdp", (2, 2, 2, 1, 1), pp=2).label == "hsdp×pp2"  # FSDP2 with replicas is HSDP
+    hsdp, ddp = Layout.data_parallel_of("fsdp", 8, replicas=2), Layout.data_parallel_of("ddp", 4)
+    assert Strategy(hsdp).label == "hsdp" and Strategy(ddp).layout.dp_replicate == 4
+    sets = ["strategy.name=fsdp", "strategy.pp=2", "strategy.dp_replicate=2", "model.tie_embeddings=false"]
+    section = load_config("gpt-tiny", sets).strategy
+    assert Layout.model_parallel_of(section, 8).label() == "hsdp×pp2"  # FSDP2 with replicas is HSDP
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from raylane.errors import ConfigError
 from raylane.loop.data.loader import data_ranks
 from raylane.loop.distributed.blocks import find_blocks
 from raylane.loop.distributed.fsdp import Strategy
+from raylane.loop.distributed.layout import Layout
 from raylane.loop.distributed.pipeline_parallel import PipelineModel, stage_module, stage_ranks
 from raylane.loop.distributed.pipeline_split import auto_stages, check_stages
 
@@ -125,14 +126,14 @@ def test_stages_by_rank_and_data_by_data_parallel_rank():
     seen = {}
     for rank in range(8):
         Runtime.rank = rank
-        data = data_ranks(Runtime(), 2, 2)
+        data = data_ranks(Runtime(), Layout("fsdp", pp=2, dp_shard=2, tp=2))
         seen[rank] = (data.rank, data.world_size)
     assert seen == {0: (0, 2), 1: (0, 2), 2: (1, 2), 3: (1, 2), 4: (0, 2), 5: (0, 2), 6: (1, 2), 7: (1, 2)}
 
 
 def test_the_layout_names_itself():
-    assert Strategy("fsdp", (2, 1, 1, 1, 1), pp=2, pp_schedule="1F1B").label == "pp2"
-    s = Strategy("fsdp", (2, 1, 2, 1, 2), tp=2, pp=2, pp_schedule="GPipe")
+    assert Strategy(Layout("fsdp", pp=2), pp_schedule="1F1B").label == "pp2"
+    s = Strategy(Layout("fsdp", pp=2, dp_shard=2, tp=2), pp_schedule="GPipe")
     assert s.label == "fsdp×tp2×pp2" and s.data_parallel == 2
     tags = s.tags()
     assert tags["raylane.strategy.mesh"] == "pp 2, dp_shard 2, tp 2" and tags["raylane.strategy.pp_schedule"] == "GPipe"

@@ -13,6 +13,7 @@ from torch import nn
 
 from raylane.loop.data.loader import data_ranks
 from raylane.loop.distributed.fsdp import Strategy
+from raylane.loop.distributed.layout import Layout
 from raylane.loop.distributed.tensor_parallel import apply_plan, plan_for
 from raylane.loop.steps import clip_gradients
 
@@ -103,18 +104,18 @@ def test_clipping_over_two_meshes(one_rank):
 
 
 def test_the_layout_names_itself_and_splits_the_data_by_group():
-    assert Strategy("fsdp", (1, 1, 1, 1, 2), tp=2).label == "tp2"  # (pp, dp_replicate, dp_shard, cp, tp)
-    assert Strategy("fsdp", (1, 1, 2, 1, 2), tp=2, sequence_parallel=True).label == "fsdp×tp2+sp"
-    assert Strategy("ddp", (2,)).label == "ddp"
-    tags = Strategy("fsdp", (1, 1, 2, 1, 2), tp=2).tags()
+    assert Strategy(Layout("fsdp", tp=2)).label == "tp2"
+    assert Strategy(Layout("fsdp", dp_shard=2, tp=2, sequence_parallel=True)).label == "fsdp×tp2+sp"
+    assert Strategy(Layout.data_parallel_of("ddp", 2)).label == "ddp"
+    tags = Strategy(Layout("fsdp", dp_shard=2, tp=2)).tags()
     assert tags["raylane.strategy"] == "fsdp×tp2" and tags["raylane.strategy.mesh"] == "dp_shard 2, tp 2"
 
     class Runtime:
         rank, world_size = 3, 4
 
-    data = data_ranks(Runtime(), 2)
+    data = data_ranks(Runtime(), Layout("fsdp", dp_shard=2, tp=2))
     assert (data.rank, data.world_size) == (1, 2)  # ranks 2 and 3 are one group, reading one share
-    assert data_ranks(Runtime(), 1) is not data  # tp 1: the runtime itself
+    assert data_ranks(Runtime(), Layout.data_parallel_of("fsdp", 4)) is not data  # tp 1: the runtime itself
     assert data.data_stream("train", None, batch_size=1) is None
 
 

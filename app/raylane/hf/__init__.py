@@ -41,7 +41,7 @@ _LAZY = {
     "empty_model": "raylane.hf.weights",
     "load_pretrained": "raylane.hf.weights",
     "file_source": "raylane.hf.data",
-    "tp_plan": "raylane.hf.parallel",
+    "tp_plan": "raylane.hf.tensor_parallel",
 }
 
 

@@ -29,7 +29,7 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
     data: `train` and `eval` when given (a `datasets.Dataset`, or `{name: Dataset}` for eval),
     tokenized here, else the files of `data.train` and `data.eval`, streamed."""
     from raylane.hf import data
-    from raylane.hf.parallel import tp_plan
+    from raylane.hf.tensor_parallel import tp_plan
     from raylane.hf.weights import empty_model, load_pretrained
     from raylane.loop.checkpoint.frozen import set_tokenizer, tokenizer_fingerprint
     from raylane.loop.protocols.pipeline import Pipeline
@@ -51,7 +51,7 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
     example = {"input_ids": _zeros(2, m.seq_len)}
     extra: dict[str, Any]  # the fields of one task or the other, each of its own type
     if causal:
-        from raylane.hf.stages import causal_lm_stages
+        from raylane.hf.pipeline_parallel import causal_lm_stages
 
         extra = {
             "pp_stages": causal_lm_stages(),  # strategy.pp: its decoder layers split, names kept

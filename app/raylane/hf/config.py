@@ -89,10 +89,10 @@ class Config(BaseConfig):
     )
 
     def gives_tp_plan(self) -> bool:
-        return True  # the model's own (raylane.hf.parallel); one without is refused by _hf_is_usable
+        return True  # the model's own (raylane.hf.tensor_parallel); one without is refused by _hf_is_usable
 
     def gives_pp_stages(self) -> bool:
-        return True  # a causal LM's decoder layers (raylane.hf.stages); other tasks are refused by _hf_is_usable
+        return True  # a causal LM's decoder layers (raylane.hf.pipeline_parallel); other tasks are refused by _hf_is_usable
 
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "accuracy") if self.model.task == "sequence-classification" else ("loss",)
@@ -120,7 +120,7 @@ def check_tensor_parallel(cfg: Config) -> None:
     own that raylane can lay out, whole heads on every rank, and no dropout on the adapter's input
     (its masks would differ over the ranks of a group, which see the same tokens)."""
     from raylane.hf.lora import apply_lora
-    from raylane.hf.parallel import check_tp
+    from raylane.hf.tensor_parallel import check_tp
     from raylane.hf.weights import empty_model
 
     m, tp = cfg.model, cfg.strategy.tp
@@ -140,7 +140,7 @@ def check_pipeline_parallel(cfg: Config) -> None:
     """`strategy.pp` > 1: a causal LM (with its adapter, built on the meta device) that splits into
     `pp x pp_stages_per_rank` stages of its decoder layers, its embeddings untied."""
     from raylane.hf.lora import apply_lora
-    from raylane.hf.stages import check_pp
+    from raylane.hf.pipeline_parallel import check_pp
     from raylane.hf.weights import empty_model
 
     m, s = cfg.model, cfg.strategy

@@ -19,8 +19,9 @@ from typing import Any
 from torch import nn
 
 from raylane.loop.distributed.heads import heads_problem
-from raylane.loop.distributed.mesh import model_parallel_strategy
-from raylane.loop.distributed.tensor_parallel import plan_for, shared_parameters
+from raylane.loop.distributed.layout import Layout
+from raylane.loop.distributed.tensor_parallel import plan_for
+from raylane.loop.distributed.ties import shared_parameters
 from raylane.loop.distributed.tp_styles import resolve_rules, style_name
 
 
@@ -33,9 +34,9 @@ def layout_line(cfg: Any, world: int) -> str:
     if s.tp == 1 and s.pp == 1:
         name = "single" if world == 1 else s.name
         return f"{name} on {ranks}: dp {world} (strategy.tp = 1: every rank holds whole layers)"
-    strategy = model_parallel_strategy(cfg, world)
-    dims = [f"dp {strategy.data_parallel}"] + [f"{d} {n}" for d, n in (("tp", s.tp), ("pp", s.pp)) if n > 1]
-    return f"{strategy.label} on {ranks}: {' × '.join(dims)}"
+    layout = Layout.model_parallel_of(s, world)
+    dims = [f"dp {layout.data_parallel}"] + [f"{d} {n}" for d, n in (("tp", layout.tp), ("pp", layout.pp)) if n > 1]
+    return f"{layout.label()} on {ranks}: {' × '.join(dims)}"
 
 
 def plan_lines(model: nn.Module, plan: Any, *, sequence_parallel: bool, tp: int | None = None) -> list[str]:
@@ -193,7 +194,7 @@ def pipeline_plan(cfg: Any, world: int) -> list[str]:
     be built here. The same config's lines again come from the first call (check, then --plan).
     Then the forward as one rank of the layout runs it (`_check_forward`), on a process group of
     torch's fake backend, which leaves a process that trains next (a torchrun rank) as it found it
-    (raylane.loop.distributed.layout.fake_work)."""
+    (raylane.loop.distributed.fake.fake_work)."""
     global _last
     key = (cfg.model_dump_json(), world)
     if _last is not None and _last[0] == key:

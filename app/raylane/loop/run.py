@@ -23,7 +23,6 @@ from raylane.config import BaseConfig
 from raylane.config.batching import held_batch
 from raylane.loop import checkpoint, usercode
 from raylane.loop.checkpoint import frozen
-from raylane.loop.checkpoint.layout import change_line, layout_of
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.loop.data.loader import data_ranks, eval_data, first_batch, is_stream, train_data, worker_options
@@ -182,7 +181,7 @@ def _assemble(
     # By data-parallel rank: a tensor-parallel group, and a pipeline's stages, read the same batches.
     # Evaluation sums over every rank all the same: each group's ranks add the same sums and counts
     # (a pipeline's last stage alone counts), and the means hold.
-    data = data_ranks(runtime, strategy.tp, strategy.pp)
+    data = data_ranks(runtime, strategy.layout)
     train_loader = _train_loader(cfg, runtime, pipe, data, batching, strategy.pp, startup)
     eval_loader = eval_data(pipe.eval_set, data, **batching)
     control_group, save_group = _side_groups(cfg, runtime.world_size)
@@ -333,14 +332,14 @@ def step_trainer(
 
 def _resume(trainer: Trainer, latest: str, *, own: bool, runtime: Runtime) -> None:
     """`trainer` at the step of checkpoint `latest`: the run's own (`own`), or checkpoint.init_from's."""
-    layout = layout_of(trainer.strategy, runtime.world_size)  # random generators are restored only at the saved one
+    layout = trainer.strategy.layout  # random generators are restored only at the saved one
     state = checkpoint.load(
         latest, trainer.model, trainer.optimizer, rank=runtime.rank, hooks=trainer.hooks.state_dict(), layout=layout
     )
     if not own:  # another run's early stop (a PBT donor's, say) is not this run's
         state.pop("early_stopping", None)
     trainer.load_state_dict(state)
-    trainer.resumed_layout = change_line(state, layout)  # said by the driver, with the start
+    trainer.resumed_layout = layout.resumed_from(state)  # said by the driver, with the start
     trainer.last_checkpoint = latest
     # By name: a checkpoint on object storage was loaded from a local copy.
     trainer.resumed_from = checkpoint.checkpoint_name(trainer.step) if own else latest

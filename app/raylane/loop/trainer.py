@@ -19,13 +19,13 @@ import torch
 
 from raylane.config import TrainSection
 from raylane.loop import preemption
-from raylane.loop.checkpoint.layout import layout_of
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.state import scheduler_state_for
 from raylane.loop.data.loader import EpochData, data_change, fingerprint
 from raylane.loop.distributed.devices import Precision, reset_peak_memory
 from raylane.loop.distributed.fsdp import Strategy, no_gradient_sync
 from raylane.loop.distributed.groups import node_names
+from raylane.loop.distributed.layout import Layout
 from raylane.loop.distributed.pipeline_parallel import PipelineModel
 from raylane.loop.early_stop import EarlyStopping
 from raylane.loop.evaluation import EvalSets, Evaluation
@@ -110,7 +110,7 @@ class Trainer(RunFigures):
         self.device = runtime.device
         self.throughput = throughput or Throughput()
         self.accum = train.grad_accum_steps
-        self.strategy = strategy or Strategy("single" if runtime.world_size == 1 else "ddp")
+        self.strategy = strategy or Strategy(Layout.data_parallel_of("ddp", runtime.world_size))
         self.precision = Precision(train.precision, self.strategy.name, self.device)
         self.scaler = self.precision.scaler
         self.state_bytes: int | None = None
@@ -124,7 +124,7 @@ class Trainer(RunFigures):
         # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
         # which every run pays whether saves are asynchronous or not, is left out.
         self.checkpoint_stall_s = 0.0
-        self._init_progress(train_data, runtime.world_size // (self.strategy.tp * self.strategy.pp))
+        self._init_progress(train_data, self.strategy.data_parallel)
         # Under pipeline parallelism: this rank's stages, run by their schedule (raylane.loop.distributed.pipeline_parallel).
         self.pipeline = model.pipeline if isinstance(model, PipelineModel) else None
         self.hooks = Hooks(hooks, self)
@@ -458,7 +458,7 @@ class Trainer(RunFigures):
             "global_order": self.train_cfg.global_batch is not None,
             "world_size": self.runtime.world_size,
             "data_ranks": self.data_ranks,
-            "layout": layout_of(self.strategy, self.runtime.world_size),  # the manifest's record of it
+            "layout": self.strategy.layout.record(),  # the manifest's record of it
             "data": self.data_fingerprint,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,

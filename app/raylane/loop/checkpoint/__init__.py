@@ -7,9 +7,9 @@
   size, with `weights_only=True` where a file is a pickle of ours.
 - `manifest`: the commit record (`manifest.json`, written last) and its checks, torch-free so
   that the driver's checks before a launch can read it.
-- `layout`: the layout a checkpoint was saved at (the manifest's record of it) and the line a
-  resume at another says; every layout loads every other's checkpoints (`state`: parameters and
-  the optimizer's state keyed by name).
+- Every layout loads every other's checkpoints (`state`: parameters and the optimizer's state
+  keyed by name); the layout a checkpoint was saved at is in its manifest, recorded and read by
+  raylane.loop.distributed.layout.Layout, which says the line a resume at another says.
 - `staging` and `saving`: the asynchronous save, which copies the state into reused CPU
   buffers and writes it on a thread of its own while training goes on.
 - `storage`: where checkpoints live (a local or shared folder, or object storage) and which to keep.

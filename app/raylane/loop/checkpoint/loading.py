@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,17 +40,24 @@ class CheckpointLoadError(RaylaneError, RuntimeError):
     """A committed checkpoint that this model and optimizer cannot load; raised on every rank."""
 
 
+class RunLayout(Protocol):
+    """This run's layout as a load compares it with a checkpoint's (raylane.loop.distributed.
+    layout.Layout: the one reader of the manifest's record)."""
+
+    def same_as(self, record: Any) -> bool: ...
+
+
 def load(
     path: str | os.PathLike,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     rank: int | None = None,
     hooks: dict[str, Any] | None = None,
-    layout: dict[str, Any] | None = None,
+    layout: RunLayout | None = None,
 ) -> dict[str, Any]:
     """Collective. Loads in place (resharding if the world size changed); returns the train state.
     With `rank`, also restores that rank's random generators when the layout is unchanged
-    (`layout`: this run's, raylane.loop.checkpoint.layout.layout_of; else the world size).
+    (`layout`: this run's, which reads the manifest's record of the saved one; else the world size).
     `hooks`: the hooks' states by key as they are now (raylane.loop.protocols.hooks), which a sharded
     checkpoint loads into in place; the train state's "hook_states" holds what was saved of them.
 
@@ -172,7 +179,7 @@ def _restore_rng(
     rank: int | None,
     train_state: dict[str, Any],
     rngs: list[str] | None,
-    layout: dict[str, Any] | None,
+    layout: RunLayout | None,
 ) -> None:
     """`rank`'s random generators as saved, when the layout (or without one, the world size) is
     the one that saved them (a replicated checkpoint's from `rngs`, a sharded one's from its own
@@ -180,7 +187,7 @@ def _restore_rng(
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if rank is None or train_state.get("world_size") != world_size:
         return
-    if layout is not None and train_state.get("layout") not in (None, layout):
+    if layout is not None and not layout.same_as(train_state.get("layout")):
         return
     rng = Path(path) / rng_file(rank)
     if rngs is not None and rank < len(rngs):

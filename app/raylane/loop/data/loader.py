@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler, Subset
 
 from raylane.loop.distributed.devices import local_world_size
+from raylane.loop.distributed.layout import Layout
 
 
 class EpochData(Protocol):
@@ -256,17 +257,18 @@ class DataRanks:
     (the mesh's (dp_replicate, dp_shard)). A stream is read here, by group: the launcher's own (Ray
     Data's) splits by world rank."""
 
-    def __init__(self, runtime: Any, tp: int, pp: int = 1) -> None:
-        self.world_size = runtime.world_size // (tp * pp)
-        self.rank = (runtime.rank // tp) % self.world_size
+    def __init__(self, runtime: Any, layout: Layout) -> None:
+        self.world_size = layout.data_parallel
+        self.rank = layout.data_rank(runtime.rank)
 
     def data_stream(self, name: str, source: Any, *, batch_size: int) -> Any | None:
         return None
 
 
-def data_ranks(runtime: Any, tp: int, pp: int = 1) -> Any:
-    """`runtime`, or with tensor or pipeline parallelism its DataRanks: what the loaders split the data by."""
-    return runtime if tp == pp == 1 else DataRanks(runtime, tp, pp)
+def data_ranks(runtime: Any, layout: Layout) -> Any:
+    """`runtime`, or with tensor or pipeline parallelism in `layout` its DataRanks: what the loaders
+    split the data by."""
+    return runtime if layout.tp == layout.pp == 1 else DataRanks(runtime, layout)
 
 
 def is_stream(data: Any) -> bool:

@@ -53,8 +53,8 @@ def check_tp_forward(model: nn.Module, plan: Any, tp: int, example: Any, *, sequ
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from raylane.loop.distributed.fake import fake_work
     from raylane.loop.distributed.heads import HEAD_COUNTS
-    from raylane.loop.distributed.layout import fake_work
     from raylane.loop.distributed.tensor_parallel import apply_plan
 
     # fake_work: a torchrun rank trains in this process next (its first steps were seen to change)
@@ -116,7 +116,7 @@ def _runs_on_meta(model: nn.Module, example: Any) -> bool:
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
-    from raylane.loop.distributed.layout import meta_copy
+    from raylane.loop.distributed.fake import meta_copy
 
     return meta_copy(model)[0]
 

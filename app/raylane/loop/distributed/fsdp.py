@@ -1,13 +1,14 @@
 """How a model is held on its ranks, below the choice of layout: the `Strategy` record that
-raylane.loop.distributed.parallelize.parallelize returns, recompute and compile on the blocks (`prepare_blocks`),
-FSDP2 (`fully_shard`), a meta-device model's storage (`on_meta`, `materialize`), and what the
-loop does with a wrapped model (`resharded`, `unwrap`, `no_gradient_sync`)."""
+raylane.loop.distributed.parallelize.parallelize returns (its Layout and why it was chosen),
+recompute and compile on the blocks (`prepare_blocks`), FSDP2 (`fully_shard`), a meta-device
+model's storage (`on_meta`, `materialize`), and what the loop does with a wrapped model
+(`resharded`, `unwrap`, `no_gradient_sync`)."""
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,32 +18,47 @@ from raylane.config import BaseConfig
 from raylane.loop.distributed.blocks import blocks_of
 from raylane.loop.distributed.devices import GIB
 from raylane.loop.distributed.layout import Layout
-from raylane.loop.distributed.tensor_parallel import loss_context, retie, shared_parameters
+from raylane.loop.distributed.ties import retie, shared_parameters
 
 
 @dataclass
 class Strategy:
-    """How `parallelize()` laid the model out on this run's ranks, and why: the name the summary,
-    the terminal's strategy line and MLflow's tags show (`tags`), the device mesh's shape, the
-    memory estimate an `auto` choice was made from, and which blocks FSDP, recompute or compile
-    took. With tensor parallelism (`tp` > 1) the mesh is (data-parallel ranks, tp): consecutive
-    ranks form a tensor-parallel group, which reads the same batches."""
+    """How `parallelize()` laid the model out on this run's ranks (`layout`: the one Layout
+    everything reads) and why: the reason the strategy line and MLflow's tags give (`tags`), the
+    memory estimate an `auto` choice was made from, which blocks FSDP, recompute or compile took,
+    and the pipeline schedule under pipeline parallelism."""
 
-    name: Literal["single", "ddp", "fsdp", "hsdp"]
-    mesh_shape: tuple[int, ...] = ()
+    layout: Layout
     reason: str = ""
     estimate: dict[str, int] | None = None
     blocks: str = ""  # the blocks FSDP, activation checkpointing or compile took, where any found and used
-    tp: int = 1
-    sequence_parallel: bool = False
-    loss_parallel: bool = False
-    pp: int = 1
     pp_schedule: str = ""
 
     @property
-    def layout(self) -> Layout:
-        """The mesh's dimensions by name (raylane.loop.distributed.layout)."""
-        return Layout.of(self)
+    def name(self) -> str:
+        """How the data-parallel ranks hold the model: single, ddp, fsdp or hsdp."""
+        return self.layout.name
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layout.sequence_parallel
+
+    @property
+    def loss_parallel(self) -> bool:
+        return self.layout.loss_parallel
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The device mesh's shape, as the summary's `mesh` gives it (raylane.loop.distributed.layout)."""
+        return self.layout.mesh_shape
 
     @property
     def label(self) -> str:
@@ -58,9 +74,9 @@ class Strategy:
         return self.layout.data_parallel
 
     def step_context(self) -> Any:
-        """What a training step's forward, loss and backward run in: torch's loss_parallel, whose
-        cross-entropy takes the head's vocabulary-split logits, under loss parallelism."""
-        return loss_context(self.tp > 1 and self.loss_parallel)
+        """What a training step's forward, loss and backward run in (the layout's: torch's
+        loss_parallel under loss parallelism)."""
+        return self.layout.step_context()
 
     def tags(self) -> dict[str, str]:
         tags = {"raylane.strategy": self.label, "raylane.strategy.reason": self.reason}
@@ -102,15 +118,13 @@ def fully_shard(
     strategy: Strategy,
     mesh: Any = None,
 ) -> nn.Module:
-    """FSDP2 on each block, then the root; a 2-D mesh (replicate across nodes, shard inside
-    one) is HSDP. `mesh`: the data-parallel ranks' (under tensor parallelism), else made here."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """FSDP2 on each block, then the root; HSDP over a (replicas, shards) mesh. `mesh`: FSDP2's
+    part of the run's mesh (under model parallelism), else the layout's made here."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as shard
 
     if mesh is None:
-        names = ("replicate", "shard") if len(strategy.mesh_shape) == 2 else ("shard",)
-        mesh = init_device_mesh(device.type, strategy.mesh_shape, mesh_dim_names=names)
+        mesh = strategy.layout.device_mesh(device.type)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
     options: dict[str, Any] = {
         "mesh": mesh,

@@ -6,7 +6,7 @@ transformers attention, which holds its `config` and `head_dim` and views by `-1
 config's `num_attention_heads` and `num_key_value_heads`. A plan that splits no attention's
 projection (the MLPs alone) is held to no head count. The checks before launch
 (raylane.loop.plan_view) refuse with `heads_problem`'s line; `tp: auto` tries only the degrees it
-allows (raylane.loop.distributed.layout.weigh)."""
+allows (raylane.loop.distributed.auto.weigh)."""
 
 from __future__ import annotations
 

@@ -1,32 +1,38 @@
-"""A run's layout over its ranks, named as the summary, the terminal's strategy line and MLflow's
-tags show it (`fsdp×tp2`, `hsdp×tp2×pp2`), and what `strategy.tp: auto` chooses it from: each
-candidate's per-rank bytes, measured by laying a meta copy of the model out for real on fake
-process groups (no memory, no communication), and the activations estimated. That work, and
-raylane.loop.distributed.forward_checks', runs inside `fake_work`, which leaves the process as it found it
-for the run it goes on to train.
+"""A run's layout over its ranks, one type (`Layout`, after torchtitan's `ParallelDims`): how
+many ranks each dimension of the device mesh spans, outermost first as torchtitan orders them
+(pp, dp_replicate, dp_shard, cp, tp), and how the data-parallel ranks hold the model (DDP's
+replicas, FSDP's shards, HSDP's replicas of shards). Built once a run knows its world, from the
+config's `strategy` section and what the ranks chose where it says `auto`
+(raylane.loop.distributed.parallelize), and held by the run's Strategy, which keeps why
+(raylane.loop.distributed.fsdp). It names itself (`fsdp×tp2+sp`: the summary, the strategy line,
+MLflow's tags), builds the device mesh, says which data-parallel rank a rank is, and is what a
+checkpoint's manifest records and reads back (`record`, `from_record`, `resumed_from`), what
+`raylane check --plan` shows (raylane.loop.plan_view) and what the checks before launch read
+(raylane.layout_checks).
 
-The mesh's dimensions are torchtitan's, outermost first: pp, dp_replicate, dp_shard, cp, tp."""
+Torch-free at import: the checks before launch use it before torch is imported."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import logging
-from collections.abc import Callable, Iterator
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
-
-log = logging.getLogger("raylane")
-
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+NAMES = ("single", "ddp", "fsdp", "hsdp")
+
+
+class LayoutError(ValueError):
+    """Sizes the world does not divide, in one line naming the config's fields (a ConfigError
+    before launch: raylane.layout_checks)."""
 
 
 @dataclass(frozen=True)
 class Layout:
     """How many ranks each mesh dimension spans, and how the data-parallel ranks hold the model
-    (`name`: ddp, fsdp or hsdp; single for one rank)."""
+    (`name`: single for one process, ddp, fsdp, or hsdp: FSDP2 with replicas). `model_parallel`:
+    the run's one five-dimensional mesh (always with tp, pp or cp over more than one rank; a
+    one-rank mesh of all five for a check of that path on one device)."""
 
     name: str
     pp: int = 1
@@ -36,34 +42,69 @@ class Layout:
     tp: int = 1
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    model_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pp * self.cp * self.tp > 1:
+            object.__setattr__(self, "model_parallel", True)
 
     @classmethod
-    def of(cls, strategy: Any) -> Layout:
-        """A raylane.loop.distributed.fsdp.Strategy's: a model-parallel run's one mesh read by dimension
-        (FSDP2 with replicas named hsdp), else its data-parallel ranks as replicas under DDP,
-        shards under FSDP, both under HSDP."""
-        mesh: tuple[int, ...] = tuple(strategy.mesh_shape) or (1,)
-        name = strategy.name
-        if len(mesh) == len(MESH_DIMS):
-            pp, replicate, shard, cp, tp = mesh
-            name = "hsdp" if name == "fsdp" and replicate > 1 else name
-        else:
-            pp, cp, tp = 1, 1, 1
-            replicate, shard = {"ddp": (mesh[0], 1), "hsdp": (mesh[0], mesh[-1])}.get(name, (1, mesh[-1]))
+    def data_parallel_of(cls, name: str, world_size: int, replicas: int = 1, world: str | None = None) -> Layout:
+        """Every rank holding whole layers: one process (`single`, whatever `name`), DDP's
+        replicas, FSDP's shards, or with `replicas` > 1 (strategy.dp_replicate, or the nodes)
+        HSDP's replicas of shards. LayoutError where `replicas` does not divide the world
+        (`world`: as the user gave it)."""
+        shards = _rest(world_size, replicate=replicas, world=world)
+        if world_size == 1:
+            return cls("single")
+        if name == "ddp":
+            return cls("ddp", dp_replicate=world_size)
+        return cls("hsdp" if replicas > 1 else "fsdp", dp_replicate=replicas, dp_shard=shards)
+
+    @classmethod
+    def model_parallel_of(cls, s: Any, world_size: int, tp: int | None = None, world: str | None = None) -> Layout:
+        """The (pp, dp_replicate, dp_shard, cp, tp) layout that strategy section `s` asks for on
+        `world_size` ranks, dp_shard the rest, FSDP2 over the data-parallel ranks (HSDP with
+        replicas); `tp`: the degree `tp: auto` chose. LayoutError where the sizes do not divide
+        the world (`world`: as the user gave it)."""
+        tp = tp or s.tp_degree
+        shards = _rest(world_size, pp=s.pp, replicate=s.dp_replicate, cp=s.cp, tp=tp, world=world)
         return cls(
-            name,
-            pp=pp,
-            dp_replicate=replicate,
-            dp_shard=shard,
-            cp=cp,
+            "hsdp" if s.dp_replicate > 1 else "fsdp",
+            pp=s.pp,
+            dp_replicate=s.dp_replicate,
+            dp_shard=shards,
+            cp=s.cp,
             tp=tp,
-            sequence_parallel=strategy.sequence_parallel,
-            loss_parallel=strategy.loss_parallel,
+            sequence_parallel=s.sequence_parallel,
+            loss_parallel=s.loss_parallel,
+            model_parallel=True,
         )
 
     @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
     def data_parallel(self) -> int:
+        """The ranks that read different batches (dp_replicate x dp_shard)."""
         return self.dp_replicate * self.dp_shard
+
+    def data_rank(self, rank: int) -> int:
+        """Which data-parallel rank `rank` is: the ranks of a tensor-parallel group (innermost), and
+        a pipeline's stages (outermost), read the same batches."""
+        return (rank // (self.cp * self.tp)) % self.data_parallel
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The device mesh's shape, as the summary's `mesh` gives it: (pp, dp_replicate, dp_shard,
+        cp, tp) under model parallelism, else HSDP's (replicas, shards), FSDP's or DDP's (ranks),
+        () for one process."""
+        if self.model_parallel:
+            return tuple(getattr(self, dim) for dim in MESH_DIMS)
+        if self.name == "single":
+            return ()
+        return (self.dp_replicate, self.dp_shard) if self.name == "hsdp" else (self.world_size,)
 
     def label(self) -> str:
         """`fsdp×tp2+sp`, `ddp×tp2`, `hsdp×tp2×pp2`: the data-parallel flavour where more than one
@@ -83,224 +124,153 @@ class Layout:
         dims = [(d, getattr(self, d)) for d in MESH_DIMS]
         return ", ".join(f"{d} {n}" for d, n in dims if n > 1 or d in ("dp_shard", "tp"))
 
+    def described(self) -> str:
+        """`fsdp×tp2 on 4`, or `one process`."""
+        return "one process" if self.world_size == 1 else f"{self.label()} on {self.world_size}"
 
-def meta_copy(model: nn.Module, blocks: Any = None) -> tuple[nn.Module, list[nn.Module]]:
-    """(a copy of `model` on the meta device, the copy's blocks: raylane.loop.distributed.blocks' of `blocks`),
-    its parameters made on the meta device and never copied (ties kept: one memo entry each), so
-    that a large model built with its weights costs no second copy of them."""
-    from raylane.loop.distributed.blocks import blocks_of
+    # -- the checkpoint manifest's record ------------------------------------------------------
 
-    memo: dict[int, Any] = {id(p): nn.Parameter(p.to("meta"), p.requires_grad) for p in model.parameters()}
-    meta, found = copy.deepcopy((model, blocks_of(model, blocks)), memo)  # one copy: the blocks are the copy's
-    return meta.to("meta"), found
+    def record(self) -> dict[str, Any]:
+        """The manifest's record of the layout (its train state's "layout"): the keys every record
+        has held (the label as `strategy`, the flavour, tp, pp, the data-parallel size as `dp`,
+        the world size), then every field, from which `from_record` gives this layout back."""
+        fields = dataclasses.asdict(self)
+        return {
+            "strategy": self.label(),
+            "name": self.name,
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.data_parallel,
+            "world_size": self.world_size,
+            **{k: v for k, v in fields.items() if k not in ("name", "tp", "pp")},
+        }
 
-
-@contextlib.contextmanager
-def fake_work() -> Iterator[None]:
-    """Inside: a check or a measurement on torch's `fake` backend (meshes, a plan laid out, a
-    forward of DTensors on the meta device); after it, the process as it was for the run it may
-    train next: DTensor's sharding caches emptied before and after (`forget_shardings`: why),
-    DTensor's RNG tracker as it was (a random op on a mesh makes one, which then draws every
-    DTensor's random numbers), and the fake process groups made inside destroyed (nothing of the
-    check stays registered beside the run's own groups)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import _random
-
-    tracker = _random._rng_tracker
-    before = _groups()
-    forget_shardings()
-    try:
-        yield
-    finally:
-        forget_shardings()
-        _random._rng_tracker = tracker
-        for group in _groups() - before:
-            if dist.get_backend(group) == "fake":  # a mesh over the whole world may hold the real default group
-                dist.destroy_process_group(group)
-
-
-def forget_shardings() -> None:
-    """DTensor's sharding-propagation and redistribution caches emptied, in this thread (torch's
-    C++ dispatch keeps one per thread) and the process. Why: they key an op by its meshes' shape,
-    ranks, dimension names and thread, not by their process groups, and keep the first call's
-    mesh in what they hand back; a run's mesh of the same shape then ran on a check's or a
-    measurement's fake mesh. Seen: `tp: auto` choosing tp2 trained gpt-tiny on the fake groups
-    (nothing sent; loss 5.517 against explicit tp2's 5.499 at step 1), the forward check on
-    torchrun's rank 1 made it compute as the fake group's rank 0 (tp2+sp+lp up to 1.5e-3 off from step
-    2), and a later measurement in the same process found a destroyed group's name ('Could not
-    resolve the process group registered under the name 30') and fell back to the whole model's
-    activations. Emptied before the fake work too, so that it never runs on a real mesh's entry.
-    Each cache is looked up, not assumed: torch's private names move between releases."""
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute as redistribute
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    clears = [
-        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),  # the C++ dispatch's (torch 2.10+)
-        getattr(propagator.propagate_op_sharding, "cache_clear", None),
-        getattr(getattr(propagator, "_propagate_tensor_meta_cached", None), "cache_clear", None),
-        getattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear", None),
-        getattr(redistribute, "clear_redistribute_planner_cache", None),  # planners hold their mesh
-    ]
-    for clear in clears:
-        if clear is not None:
-            clear()
-
-
-def _groups() -> set[Any]:
-    """The process groups this process has made (none without a default group)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return set()
-    return set(dist.distributed_c10d._world.pg_map)
-
-
-def fake_mesh(mesh_shape: tuple[int, int]) -> Any:
-    """A (dp_shard, tp) mesh over this process's world on torch's `fake` backend (shapes only;
-    nothing is sent). Collective (the groups are made by every rank)."""
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the fake backend
-    from torch.distributed.device_mesh import init_device_mesh
-
-    names = ("dp_shard", "tp")
-    return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names, backend_override=dict.fromkeys(names, "fake"))
-
-
-def parameter_bytes(
-    model: nn.Module, blocks: Any, mesh_shape: tuple[int, int], plan: Any, *, sequence_parallel: bool, mesh: Any = None
-) -> int:
-    """The bytes of parameters one rank holds under FSDP2 over `mesh_shape` = (dp_shard, tp), the
-    pipeline's `plan` applied when tp > 1: measured, not computed, by laying out a meta copy of the
-    model on process groups of torch's `fake` backend (`fake_mesh`, or `mesh`: one made so) over
-    this process's world, whose size the mesh must have: the default process group's (a real one
-    on the ranks, or a fake one in a test). Rank 0's share, the largest where shards are uneven.
-    Collective (the groups are made by every rank)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from raylane.loop.distributed.tensor_parallel import apply_plan
-
-    meta, blocks = meta_copy(model, blocks)
-    with fake_work():
-        mesh = mesh if mesh is not None else fake_mesh(mesh_shape)
-        if mesh_shape[1] > 1:
-            apply_plan(meta, plan, mesh["tp"], sequence_parallel=sequence_parallel)
-        for block in blocks:
-            fully_shard(block, mesh=mesh["dp_shard"])
-        fully_shard(meta, mesh=mesh["dp_shard"])
-        total = 0
-        for p in meta.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            total += local.numel() * local.element_size()
-    return total
-
-
-def tp_candidates(cfg: Any, world_size: int, node_ranks: int) -> list[int]:
-    """The tensor-parallel degrees `strategy.tp: auto` may choose, smallest first: above 1,
-    dividing the ranks of a node (a group's collectives stay on its links) and the world, and
-    allowed by the config's own checks at that degree (a model's heads, vocabulary, block size).
-    None when the config does not pass its checks here at tp 1 either (an input path this host
-    cannot see): nothing would tell an allowed degree from another."""
-    found = []
-    for tp in range(1, node_ranks + 1):
-        if node_ranks % tp or world_size % tp:
-            continue
-        as_fixed = cfg.model_dump()
-        as_fixed["strategy"] |= {"tp": tp, "name": "fsdp"}
-        if tp == 1:  # what needs tp > 1 is off there
-            as_fixed["strategy"] |= {"sequence_parallel": False, "loss_parallel": False}
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Layout:
+        """The layout a manifest recorded (`record`). One written before every field was (issue
+        61) holds its label, flavour, tp, pp, data-parallel size and world size: its flags are
+        read from its label (`+sp`, `+lp`) and its flavour too (FSDP2 with replicas was recorded
+        as `fsdp`, labelled `hsdp`); how HSDP's data-parallel ranks split into replicas and
+        shards it never held, and they are read as shards (only named and compared, never laid
+        out). ValueError for a record neither writes."""
         try:
-            type(cfg).model_validate(as_fixed)
-        except ValueError as exc:
-            if tp == 1:
-                log.warning("strategy.tp: auto tries no tensor parallelism: the config's checks fail here (%s)", exc)
-                return []
-            continue
-        found.append(tp)
-    return found[1:]
+            if "dp_shard" in record:
+                return cls(**{f.name: record[f.name] for f in dataclasses.fields(cls)})
+            label, dp, tp, pp = str(record["strategy"]), int(record["dp"]), int(record["tp"]), int(record["pp"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a layout record: {record!r}") from exc
+        head = label.split("×")[0]
+        name = head if head in NAMES else str(record["name"])
+        replicate, shard = (dp, 1) if name == "ddp" else (1, dp)
+        return cls(
+            name,
+            pp=pp,
+            dp_replicate=replicate,
+            dp_shard=shard,
+            tp=tp,
+            sequence_parallel="+sp" in label,
+            loss_parallel="+lp" in label,
+        )
+
+    def _saved(self, record: Any) -> Layout | None:
+        """`record` read (None where it is missing or not one: the world size alone tells then)."""
+        if not isinstance(record, dict):
+            return None
+        try:
+            return self.from_record(record)
+        except ValueError:
+            return None
+
+    def same_as(self, record: Any) -> bool:
+        """Whether a checkpoint that recorded `record` was saved at this layout, as restoring its
+        random generators needs (raylane.loop.checkpoint.loading): the same label on as many ranks,
+        as every record can say (an HSDP checkpoint from before the whole record holds no split).
+        True where there is no record: the world size alone decides there."""
+        was = self._saved(record)
+        return was is None or (was.label(), was.world_size) == (self.label(), self.world_size)
+
+    def resumed_from(self, train_state: dict[str, Any]) -> str | None:
+        """`resuming a fsdp×tp2 checkpoint of 4 ranks as ddp on 2`: what resuming a checkpoint (its
+        `train_state`) at this layout says; None at the layout that saved it. A checkpoint from
+        before the layout record has its world size alone: `resuming a checkpoint of 2 ranks as
+        one process`, nothing at the same world size."""
+        was = self._saved(train_state.get("layout"))
+        if was is not None:
+            if self.same_as(train_state["layout"]):
+                return None
+            what = "one-process checkpoint" if was.world_size == 1 else f"{was.label()} checkpoint"
+            return f"resuming a {what} of {_ranks(was.world_size)} as {self.described()}"
+        world = train_state.get("world_size")
+        if not isinstance(world, int) or world == self.world_size:
+            return None
+        return f"resuming a checkpoint of {_ranks(world)} as {self.described()}"
+
+    # -- on the ranks: the mesh and the step's context -----------------------------------------
+
+    def device_mesh(self, device_type: str) -> Any:
+        """The run's device mesh. Collective: every rank makes its groups. Under model parallelism
+        the one mesh over (pp, dp_replicate, dp_shard, cp, tp), size-1 dims kept, with flattened
+        views: `batch` (dp_replicate x dp_shard: who reads which data), `fsdp` (dp_shard x cp:
+        FSDP2's shards) and `loss` (batch x cp: over whom the loss averages); else FSDP's
+        (`shard`) or HSDP's (`replicate`, `shard`); None under DDP and in one process (the
+        default group serves)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not self.model_parallel:
+            if self.name not in ("fsdp", "hsdp"):
+                return None
+            names = ("replicate", "shard") if self.name == "hsdp" else ("shard",)
+            return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=names)
+        mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_DIMS)
+        # torch keeps flattened views apart from the mesh (slicing them from it is deprecated)
+        mesh.views = {  # type: ignore[attr-defined]
+            "batch": mesh["dp_replicate", "dp_shard"]._flatten("batch"),
+            "fsdp": mesh["dp_shard", "cp"]._flatten("fsdp"),
+            "loss": mesh["dp_replicate", "dp_shard", "cp"]._flatten("loss"),
+        }
+        return mesh
+
+    def fsdp_mesh(self, mesh: Any) -> Any:
+        """FSDP2's part of `mesh` (this layout's `device_mesh`): the shards, or (replicas, shards)
+        for HSDP; the mesh itself without model parallelism."""
+        if not self.model_parallel:
+            return mesh
+        if self.dp_replicate > 1:
+            return mesh["dp_replicate", "dp_shard"]  # (with context parallelism: dp_shard x cp, flattened)
+        return mesh.views["fsdp"]
+
+    def step_context(self) -> Any:
+        """What a training step's forward, loss and backward run in (`loss_context`)."""
+        return loss_context(self.tp > 1 and self.loss_parallel)
 
 
-@dataclass
-class Candidate:
-    """One layout `strategy.tp: auto` weighs: its name in the estimate, its data-parallel flavour,
-    tp, and the bytes one rank would hold."""
+def loss_context(loss_parallel: bool) -> Any:
+    """torch's loss_parallel, whose cross-entropy takes the head's vocabulary-split logits
+    (backward included), under loss parallelism; else nothing."""
+    if loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel as context
 
-    key: str
-    name: str
-    tp: int
-    bytes: int
+        return context()
+    import contextlib
 
-
-def weigh(
-    cfg: Any,
-    world_size: int,
-    model: nn.Module,
-    blocks: Any,
-    plan: Any,
-    estimate: dict[str, int],
-    per_byte: int,
-    device: tuple[int, float],
-    activations: Callable[[Callable[[nn.Module], None]], int] | None = None,
-) -> tuple[Candidate, dict[str, int], str]:
-    """(the layout chosen, every candidate's bytes per rank, the reason), for `strategy.tp: auto`:
-    the simplest whose bytes fit the device's (bytes, usable share): DDP (with `strategy.name:
-    auto`), FSDP, then FSDP x TP by growing tp (`tp_candidates`, with a plan); else the one that
-    needs least. FSDP's and TP's parameter bytes are measured (`parameter_bytes`) and taken
-    `per_byte` times (parameters, gradients, optimizer state); plus two gathered blocks, divided
-    by tp; plus the activations: the estimate's meta forward's, and for a TP candidate
-    `activations(lay_out)`'s, one rank's measured on a meta copy with the plan laid out
-    (sequence parallelism as the config says): what the layout saves, and nothing it does not.
-    Where that cannot be measured (no example, a forward the plan breaks), the whole model's.
-    Collective."""
-    from raylane.loop.distributed.blocks import blocks_of
-    from raylane.loop.distributed.devices import local_world_size, size_text
-
-    s = cfg.strategy
-    acts = estimate["activations"]
-    largest = max(
-        (sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks_of(model, blocks)), default=0
-    )
-    tps = tp_candidates(cfg, world_size, local_world_size(default=world_size)) if plan is not None else []
-    if tps:  # the degrees that split every attention's heads whole (raylane.loop.distributed.heads)
-        from raylane.loop.distributed.heads import heads_problem
-        from raylane.loop.distributed.tensor_parallel import plan_for
-
-        rules = plan_for(model, plan, sequence_parallel=s.sequence_parallel)
-        tps = [tp for tp in tps if heads_problem(model, rules, tp) is None]
-    options = [Candidate("ddp", "ddp", 1, estimate["ddp"])] if s.name == "auto" else []
-    measured: dict[str, int] = {}
-    with fake_work():  # in the process that trains next: see fake_work
-        for tp in [1, *tps]:
-            mesh = fake_mesh((world_size // tp, tp))
-            held = parameter_bytes(
-                model, blocks, (world_size // tp, tp), plan, sequence_parallel=s.sequence_parallel, mesh=mesh
-            )
-            mine = acts
-            if tp > 1 and activations is not None:
-                mine = measured[f"activations_tp{tp}"] = _rank_activations(activations, plan, mesh, s, acts)
-            need = held * per_byte + mine + 2 * largest // tp
-            options.append(Candidate("fsdp" if tp == 1 else f"fsdp_tp{tp}", "fsdp", tp, need))
-    budget, share = device
-    chosen = next((c for c in options if c.bytes <= share * budget), None)
-    needs = ", ".join(f"{c.key.replace('_', '×').upper()} ~{size_text(c.bytes)}" for c in options)
-    why = f"tp auto: per rank {needs}, of {size_text(budget)} per device ({share:.0%} usable)"
-    if chosen is None:
-        chosen, why = min(options, key=lambda c: c.bytes), f"{why}; none fits: the smallest"
-    return chosen, {"activations": acts, **measured, "device": budget, **{c.key: c.bytes for c in options}}, why
+    return contextlib.nullcontext()
 
 
-def _rank_activations(activations: Callable, plan: Any, mesh: Any, s: Any, whole: int) -> int:
-    """One rank's activations with the plan laid out over `mesh`'s tp ranks; `whole` where the
-    forward does not run so (said at debug level: the run itself will say why)."""
-    from raylane.loop.distributed.tensor_parallel import apply_plan
+def _rest(
+    world_size: int, *, pp: int = 1, replicate: int = 1, cp: int = 1, tp: int = 1, world: str | None = None
+) -> int:
+    """The ranks left for FSDP's shards once the other dimensions took theirs; LayoutError naming
+    the config's fields where their product does not divide the world."""
+    group = pp * replicate * cp * tp
+    if world_size % group == 0:
+        return world_size // group
+    world = world or f"the {world_size} ranks"
+    if group == tp:
+        raise LayoutError(f"strategy.tp = {tp}: does not divide {world} (a tensor-parallel group is tp ranks)")
+    sizes = (("pp", pp), ("dp_replicate", replicate), ("cp", cp), ("tp", tp))
+    named = " x ".join(f"strategy.{k} = {n}" for k, n in sizes if n > 1)
+    raise LayoutError(f"{named}: {group} ranks do not divide {world}")
 
-    def lay_out(meta: nn.Module) -> None:
-        # the head's logits gathered: the estimate's loss runs outside loss_parallel's context,
-        # so loss parallelism's split logits are not counted as saved (never a saving not measured)
-        apply_plan(meta, plan, mesh["tp"], sequence_parallel=s.sequence_parallel)
 
-    try:
-        return activations(lay_out)
-    except Exception as exc:  # noqa: BLE001 - a forward the plan breaks: nothing saved is counted
-        log.debug("tp auto: activations under tp %d not measured (%s: %s)", mesh["tp"].size(), type(exc).__name__, exc)
-        return whole
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"

@@ -4,14 +4,16 @@ else found in the model (raylane.loop.distributed.blocks: `model.blocks`, a Hugg
 `_no_split_modules`, its largest repeated ModuleList). A model with none is sharded as one unit.
 
 Order matters and follows torchtitan: tensor parallelism (the pipeline's tp_plan), activation
-checkpointing, then compile, then DDP or FSDP2. The model-parallel layout (the mesh, TP, pipeline
-stages) is raylane.loop.distributed.mesh; the Strategy record and FSDP2's wrapping, raylane.loop.distributed.fsdp."""
+checkpointing, then compile, then DDP or FSDP2. The layout chosen is one Layout (raylane.loop.
+distributed.layout), held by the Strategy record (raylane.loop.distributed.fsdp, with FSDP2's
+wrapping); tensor parallelism and pipeline stages are laid out by raylane.loop.distributed.
+tensor_parallel and pipeline_parallel; what `tp: auto` weighs is raylane.loop.distributed.auto."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,8 +25,9 @@ from raylane.config import BaseConfig
 from raylane.loop.distributed.blocks import Blocks, blocks_of, find_blocks
 from raylane.loop.distributed.devices import device_memory_bytes, local_world_size, size_text
 from raylane.loop.distributed.fsdp import Strategy, fully_shard, materialize, on_meta, prepare_blocks
-from raylane.loop.distributed.mesh import lay_out_pipeline_parallel, lay_out_tensor_parallel, model_parallel_strategy
-from raylane.loop.distributed.tensor_parallel import TpPlan
+from raylane.loop.distributed.layout import Layout
+from raylane.loop.distributed.pipeline_parallel import lay_out_pipeline_parallel
+from raylane.loop.distributed.tensor_parallel import TpPlan, lay_out_tensor_parallel
 
 log = logging.getLogger("raylane")
 
@@ -61,7 +64,7 @@ def activation_bytes(
     input, and one block's are rebuilt at a time. `blocks`: the pipeline's (raylane.loop.distributed.blocks),
     or None to find them. `lay_out(copy)`: a layout applied to the meta copy first (a
     tensor-parallel plan over a fake process group): one rank's bytes under it."""
-    from raylane.loop.distributed.layout import meta_copy
+    from raylane.loop.distributed.fake import meta_copy
     from raylane.loop.protocols.batches import forward_loss, to_device
 
     meta, blocks = meta_copy(model, blocks)
@@ -144,15 +147,15 @@ def choose_strategy(
     blocks: Any = None,
 ) -> Strategy:
     if world_size == 1:
-        return Strategy("single", reason="one rank")
+        return Strategy(Layout("single"), reason="one rank")
     nodes = _nodes(world_size)
     if (replicas := cfg.strategy.dp_replicate) > 1:  # checked before launch: it divides the world
         nodes = replicas
-    sharded = ("hsdp", (nodes, world_size // nodes)) if nodes > 1 else ("fsdp", (world_size,))
+    sharded = Layout.data_parallel_of("fsdp", world_size, replicas=nodes)  # HSDP across nodes
     if cfg.strategy.name == "ddp":
-        return Strategy("ddp", (world_size,), reason="strategy.name: ddp")
+        return Strategy(Layout.data_parallel_of("ddp", world_size), reason="strategy.name: ddp")
     if cfg.strategy.name == "fsdp":
-        return Strategy(*sharded, reason="strategy.name: fsdp")
+        return Strategy(sharded, reason="strategy.name: fsdp")
     estimate = estimate_memory(model, cfg, world_size, example, loss_fn, step, blocks=blocks)
     budget = device_memory_bytes(device, cfg.scaling.device_memory_gb, local_world_size())
     estimate["device"] = budget
@@ -162,19 +165,19 @@ def choose_strategy(
         f"of {size_text(budget)} per device ({AUTO_MARGIN:.0%} usable)"
     )
     if fits:
-        return Strategy("ddp", (world_size,), reason=why, estimate=estimate)
-    return Strategy(*sharded, reason=why, estimate=estimate)
+        return Strategy(Layout.data_parallel_of("ddp", world_size), reason=why, estimate=estimate)
+    return Strategy(sharded, reason=why, estimate=estimate)
 
 
 def _auto_layout(
     cfg: BaseConfig, device: torch.device, world_size: int, model: nn.Module, probe: tuple, blocks: Any, plan: Any
 ) -> Strategy:
-    """`strategy.tp: auto`: the simplest layout that fits the device (raylane.loop.distributed.layout.weigh).
+    """`strategy.tp: auto`: the simplest layout that fits the device (raylane.loop.distributed.auto.weigh).
     `probe`: (example, loss_fn, step), for the activations."""
-    from raylane.loop.distributed.layout import weigh
+    from raylane.loop.distributed.auto import weigh
 
     if world_size == 1:
-        return Strategy("single", reason="one rank")
+        return Strategy(Layout("single"), reason="one rank")
     o = cfg.optim
     example, loss_fn, step = probe
     estimate = estimate_memory(model, cfg, world_size, example, loss_fn, step, blocks=blocks)
@@ -193,12 +196,8 @@ def _auto_layout(
     )
     if chosen.tp > 1:
         return replace(model_parallel_strategy(cfg, world_size, chosen.tp, why), estimate=estimate)
-    if chosen.name == "ddp":
-        return Strategy("ddp", (world_size,), reason=why, estimate=estimate)
-    nodes = _nodes(world_size)
-    if nodes > 1:
-        return Strategy("hsdp", (nodes, world_size // nodes), reason=why, estimate=estimate)
-    return Strategy("fsdp", (world_size,), reason=why, estimate=estimate)
+    layout = Layout.data_parallel_of(chosen.name, world_size, replicas=_nodes(world_size))
+    return Strategy(layout, reason=why, estimate=estimate)
 
 
 def _nodes(world_size: int) -> int:
@@ -209,10 +208,27 @@ def _nodes(world_size: int) -> int:
 def _agreed(strategy: Strategy) -> Strategy:
     """Rank 0's choice on every rank: detected memory may differ between hosts."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [asdict(strategy)]
+        box = [strategy]
         dist.broadcast_object_list(box, src=0)
-        return Strategy(**{**box[0], "mesh_shape": tuple(box[0]["mesh_shape"])})
+        return box[0]
     return strategy
+
+
+def model_parallel_strategy(cfg: BaseConfig, world_size: int, tp: int | None = None, why: str = "") -> Strategy:
+    """The (pp, dp_replicate, dp_shard, cp, tp) layout of `world_size` ranks that the config asks
+    for (checked before launch: raylane.layout_checks), and why; `tp`: the degree `tp: auto`
+    chose, with `why`."""
+    s = cfg.strategy
+    layout = Layout.model_parallel_of(s, world_size, tp=tp)
+    said = [f"strategy.tp: {layout.tp}"] if layout.tp > 1 else []
+    if layout.pp > 1:
+        said.append(
+            f"strategy.pp: {layout.pp} ({s.pp_schedule}, {s.microbatches} micro-batches, "
+            f"{layout.pp * s.stages_per_rank} stages)"
+        )
+    dp = layout.data_parallel
+    reason = why or f"{', '.join(said)}, FSDP2 over {dp} data-parallel rank{'s' if dp > 1 else ''}"
+    return Strategy(layout, reason=reason, pp_schedule=s.pp_schedule if layout.pp > 1 else "")
 
 
 def parallelize(

@@ -34,8 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raylane.config import BaseConfig
 from raylane.loop.distributed.blocks import Blocks
+from raylane.loop.distributed.fsdp import Strategy, fully_shard, prepare_blocks
 from raylane.loop.distributed.pipeline_split import is_under, split_names
+from raylane.loop.distributed.tensor_parallel import apply_rules, plan_for
 
 
 class StageExit(Exception):  # noqa: N818 - control flow, not an error: the stage's output
@@ -133,7 +136,7 @@ class _StageBlocks:
 class _StageForward:
     """A stage's forward: the model's own, given the received activation, ended by Exit.
     `call(forward, x, first)`: how a stage's input reaches the model's forward and what of its
-    output the stage sends (raylane.hf.stages: input_ids or inputs_embeds in, logits out)."""
+    output the stage sends (raylane.hf.pipeline_parallel: input_ids or inputs_embeds in, logits out)."""
 
     def __init__(self, forward: Any, slot: _Slot, call: Callable | None = None, first: bool = False) -> None:
         self.forward, self.slot, self.call, self.first = forward, slot, call, first
@@ -158,7 +161,7 @@ class _StageForward:
 @dataclass
 class Stages:
     """A `Pipeline.pp_stages` for a model whose own forward needs help to run as a stage (a
-    Hugging Face causal LM: raylane.hf.stages): the split (`names`: "auto" or lists of module
+    Hugging Face causal LM: raylane.hf.pipeline_parallel): the split (`names`: "auto" or lists of module
     names, as `pp_stages` itself), `call(forward, x, first=...)` (the stage's input to the model's
     forward, and the output it sends on), `pair(batch)` ((input, target) of a batch of the
     pipeline's form) and `loss_fn(output, target)` (the last stage's, in place of the pipeline's)."""
@@ -334,7 +337,15 @@ class Pipeline:
     @torch.no_grad()
     def forward_only(self, source: torch.Tensor) -> torch.Tensor | None:
         """The model's output for a whole batch, stage after stage with no micro-batches (any
-        batch size, every schedule): on the rank holding the last stage; None elsewhere."""
+        batch size, every schedule): on the rank holding the last stage; None elsewhere.
+
+        Not torch's `schedule.eval()` (torch 2.13, tried on 2 gloo ranks, issue 61): it gives the
+        same outputs (bit for bit) for a batch of the training step's shape only, since its
+        stages keep the shapes they inferred at the first step: an epoch's last, smaller
+        held-out batch (7 rows after steps of 8) came back as 8 rows, silently, and one larger
+        failed; under ZBVZeroBubble and DualPipeV it fails ('can't steal_bwd_input if this stage
+        doesn't have backward'). A schedule per batch shape, and another for V-shaped stages,
+        would be more code than this forward."""
         mine = dict(self.stages)
         me = dist.get_rank(self.group)
         source = source.to(self.device)
@@ -406,6 +417,26 @@ def build_schedule(pipeline: Pipeline, name: str, microbatches: int) -> Any:
     )
 
 
+def lay_out_pipeline_parallel(
+    model: nn.Module, found: Blocks, cfg: BaseConfig, device: torch.device, strategy: Strategy, plan, stages, loss_fn
+) -> nn.Module:
+    """A run's layout step under `strategy.pp`: this rank's pipeline stages, each in issue 49's
+    order: the split (on the model as built, on the meta device or not), the TP plan and its ties,
+    recompute and compile, FSDP2 (over one rank too: every parameter a DTensor, so a checkpoint is
+    sharded by stage), then storage."""
+    layout = strategy.layout
+    mesh = layout.device_mesh(device.type)
+    rules = plan_for(model, plan, sequence_parallel=layout.sequence_parallel) if layout.tp > 1 else None
+
+    def prepare(stage: nn.Module, blocks: list[nn.Module]) -> nn.Module:
+        if rules is not None:  # the plan's rules for the modules this stage holds
+            apply_rules(stage, stage_plan(stage, rules), mesh["tp"])
+        prepare_blocks(stage, cfg, blocks)
+        return fully_shard(stage, blocks, cfg, device, strategy, layout.fsdp_mesh(mesh))
+
+    return pipeline_model(model, found, cfg.strategy, device, mesh["pp"], prepare, stages, loss_fn)
+
+
 def pipeline_model(
     model: nn.Module,
     found: Blocks,
@@ -417,7 +448,7 @@ def pipeline_model(
     loss_fn: Any,
 ) -> PipelineModel:
     """This rank's stages of `model` (`s`: the strategy section), each made ready by
-    `prepare(stage, its blocks)` (raylane.loop.distributed.mesh: the TP plan, recompute, compile, FSDP2),
+    `prepare(stage, its blocks)` (`lay_out_pipeline_parallel`'s: the TP plan, recompute, compile, FSDP2),
     and the schedule over them on the pipeline's mesh `pp_mesh`."""
     if pp_stages is None:
         raise ValueError(

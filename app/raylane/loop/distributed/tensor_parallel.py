@@ -8,7 +8,10 @@ an attention's head count, held in an attribute its forward views q, k and v by
 Sequence parallelism lays out what lies between the split layers (the norms, the residual stream,
 the embeddings' outputs, the head's input), which only the model's author knows: it needs a plan
 that is a function of the flag, `tp_plan(model, sequence_parallel)`, that lays out something else
-with it (`plan_for` refuses a dict plan, or a function that ignores the flag)."""
+with it (`plan_for` refuses a dict plan, or a function that ignores the flag).
+
+`lay_out_tensor_parallel` is a run's layout step under `strategy.tp` (without pipeline stages:
+raylane.loop.distributed.pipeline_parallel lays out each stage)."""
 
 from __future__ import annotations
 
@@ -16,11 +19,16 @@ from collections.abc import Callable, Mapping
 from fnmatch import fnmatch
 from typing import Any
 
+import torch
 from torch import nn
+
+from raylane.config import BaseConfig
+from raylane.loop.distributed.fsdp import Strategy, fully_shard, on_meta, prepare_blocks
 
 # The attributes that hold an attention module's head count (nanoGPT's, Llama's reference code's,
 # transformers' names): the checks' (raylane.loop.distributed.heads) and local_heads' alike.
 from raylane.loop.distributed.heads import HEAD_COUNTS
+from raylane.loop.distributed.ties import retie, shared_parameters
 
 # A pipeline's plan: {module path: ParallelStyle}, `*` standing for one name in the path (a
 # block's index), as torch's parallelize_module takes it; or plan(model, sequence_parallel) -> that.
@@ -141,33 +149,6 @@ def _matches(name: str, pattern: str) -> bool:
     return len(parts) == len(atoms) and all(map(fnmatch, parts, atoms))
 
 
-def shared_parameters(model: nn.Module) -> list[list[str]]:
-    """The names under which one parameter is held more than once (tied embeddings)."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
-
-
-def retie(model: nn.Module, ties: list[list[str]]) -> None:
-    """Every name of each group holds its first name's parameter again. ValueError when a plan
-    laid the tied names out differently (one parameter cannot have two layouts)."""
-    for names in ties:
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            other = model.get_parameter(name)
-            if other is first:
-                continue
-            if getattr(other, "placements", None) != getattr(first, "placements", None):
-                raise ValueError(
-                    f"Pipeline.tp_plan: {names[0]!r} and {name!r} are one tied parameter, which the plan lays "
-                    f"out as {getattr(first, 'placements', 'whole')} and {getattr(other, 'placements', 'whole')}; "
-                    "give both the same sharding"
-                )
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, first)
-
-
 def with_split_head(rules: dict[str, Any]) -> dict[str, Any]:
     """The plan with its head's output left split over the vocabulary, as a DTensor, for the
     cross-entropy under torch's loss_parallel (torchtitan's loss parallel). The head is the plan's
@@ -206,13 +187,23 @@ def gather_when_evaluating(model: nn.Module) -> None:
     model.register_forward_hook(whole)
 
 
-def loss_context(loss_parallel: bool) -> Any:
-    """The context a training step's forward, loss and backward run in: torch's loss_parallel,
-    whose cross-entropy takes vocabulary-split logits (backward included), or none."""
-    if loss_parallel:
-        from torch.distributed.tensor.parallel import loss_parallel as context
-
-        return context()
-    import contextlib
-
-    return contextlib.nullcontext()
+def lay_out_tensor_parallel(
+    model: nn.Module, blocks: list[nn.Module], cfg: BaseConfig, device: torch.device, strategy: Strategy, plan: Any
+) -> nn.Module:
+    """The plan on each tensor-parallel group of the strategy's mesh, then recompute and compile,
+    then FSDP2 over the data-parallel ranks: over one rank too, so that every parameter is a
+    DTensor (torch's fused optimizers and its clipping take no plain tensors beside DTensors)."""
+    if plan is None:
+        raise ValueError(
+            f"strategy.tp = {strategy.tp}: the pipeline gives no tp_plan (which layers tensor parallelism "
+            "splits): give its Pipeline a tp_plan (docs/strategies.md, Tensor parallelism)"
+        )
+    layout = strategy.layout
+    mesh = layout.device_mesh(device.type)
+    if not on_meta(model):
+        model = model.to(device)
+    apply_plan(model, plan, mesh["tp"], sequence_parallel=layout.sequence_parallel, loss_parallel=layout.loss_parallel)
+    if layout.loss_parallel:
+        gather_when_evaluating(model)
+    prepare_blocks(model, cfg, blocks)
+    return fully_shard(model, blocks, cfg, device, strategy, layout.fsdp_mesh(mesh))

@@ -55,7 +55,9 @@ def pretrained_of(model: Any) -> tuple[str, Any]:
     for name, module in model.named_modules():
         if isinstance(module, PreTrainedModel):
             return name, module
-    raise ValueError(f"{type(model).__name__} holds no transformers model: raylane.hf.parallel has no plan for it")
+    raise ValueError(
+        f"{type(model).__name__} holds no transformers model: raylane.hf.tensor_parallel has no plan for it"
+    )
 
 
 def tp_plan(model: Any, sequence_parallel: bool = False) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def causal_lm_loss(logits: Any, labels: Any) -> Any:
 def check_pp(model: Any, n_stages: int) -> list[list[str]]:
     """Before launch: the stages of `model` (built on the meta device), or ValueError in one line
     naming what cannot be split (fewer layers than stages, tied embeddings)."""
-    from raylane.hf.parallel import pretrained_of
+    from raylane.hf.tensor_parallel import pretrained_of
     from raylane.loop.distributed.blocks import find_blocks
     from raylane.loop.distributed.pipeline_split import split_names
 
