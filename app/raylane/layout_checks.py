@@ -27,9 +27,7 @@ def check_layout(cfg: BaseConfig, world_size: int, world: str, pipeline: pipelin
     if not s.tensor_parallel:
         return
     label = pipeline.label
-    if (
-        layout is None or s.tp == "auto"
-    ):  # any degree of the node's ranks may be chosen; one without a plan is not tried
+    if layout is None or s.tp == "auto":  # any degree of the node's ranks may be chosen; none without a plan
         if pipeline.streams:
             raise ConfigError(
                 f"strategy.tp = 'auto': the {label} pipeline streams its data (sources), split by rank, and the "
