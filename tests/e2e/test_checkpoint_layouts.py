@@ -219,6 +219,7 @@ def test_a_pp_fsdp_checkpoint_resumes_as_one_process_and_under_fsdp_tp(run_cli, 
     _moved_bit_exact(half(runs["pp-fsdp"]), untied=True)
 
 
+@pytest.mark.slow  # ~55 s on a loaded 2-core machine; make test loads such a manifest in-process (tests/unit/test_layout_type.py)
 def test_a_checkpoint_whose_manifest_holds_the_old_layout_record_resumes(run_cli, tmp_path):
     """A checkpoint written before the layout had one type (issue 61), whose manifest holds the
     layout as the dict raylane wrote then (the record's first six keys: its label, flavour, tp,
