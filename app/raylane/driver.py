@@ -90,7 +90,13 @@ def train(
         if is_driver and cfg.mlflow.enabled:
             session.open_on(pool, open_run, cfg, tracking_uri, world_size, session.folder)
         try:
-            ray_stopper = _start_ray(cfg, address, pool, session, startup) if use_ray else None
+            ray_stopper = None
+            if use_ray:  # Ray's imports take turns with the MLflow opener's on the pool (session.HEAVY_IMPORTS)
+                import_exclusively("raylane.onray.cluster", "raylane.onray.launch")
+                from raylane.onray.cluster import start_ray
+
+                ray_stopper = start_ray(cfg, address, pool, startup)
+                session.defer(ray_stopper.wait)  # last, after the summary is out
         except BaseException as exc:  # noqa: BLE001 - each way out closes the MLflow run
             not_started(session, exc)  # raised again unless an interrupt
             return TrainSummary(status=status_of(exc), error=NOT_STARTED, run_name=cfg.run.name)
@@ -105,8 +111,8 @@ def train(
         recorder = RunRecorder(handle, cfg, prewarm=use_ray) if handle else None
         resizes = Resizes()
         listeners = [x.handle if x is display else x.on_event for x in (resizes, display, recorder) if x is not None]
-        embedded = bool(ray_stopper and ray_stopper.embedded)
         health = start_watch(cfg, handle.tracking_uri, handle.run_id) if handle else None
+        embedded = bool(ray_stopper and ray_stopper.embedded)
         launch = Launch(use_ray, embedded, session.folder, pipeline, handle, tracking_uri)
         status, error, result = _execute(cfg, launch, [*listeners, startup.on_event], display, ending)
         stop_watch(health)  # the nodes' last samples logged; a node silent at the end is not named
@@ -117,8 +123,7 @@ def train(
         if not is_driver:
             return TrainSummary(status=status, error=error, run_name=cfg.run.name)
         fields = _summary(cfg, handle, status, error, result, display, launched, startup)
-        fields["world_size"] = result.world_size if result else world_size
-        fields["resizes"] = resizes.resizes
+        fields.update(world_size=result.world_size if result else world_size, resizes=resizes.resizes)
         ui = ui_command(tracking_uri, handle)
         return _finish(cfg, session, recorder, fields, register, summary_path, ui, ending.said if ending else [])
 
@@ -139,20 +144,6 @@ def _begin(cfg: BaseConfig, use_ray: bool, startup: Any, folder: Path | None) ->
         prelude(cfg, folder)  # env:, NCCL's flight recorder, the process group: the ranks agree on the run name first
         startup.mark("process_group")
     return use_ray or env_ranks()[0] == 0
-
-
-def _start_ray(
-    cfg: BaseConfig, address: str | None, pool: ThreadPoolExecutor, session: RunSession, startup: Any
-) -> Any:
-    """Join or start the cluster (raylane.onray.cluster.start_ray); returns its RayStopper, which
-    `session` waits on last, after the summary is out."""
-    # Ray's imports take turns with the MLflow opener's on the pool (session.HEAVY_IMPORTS).
-    import_exclusively("raylane.onray.cluster", "raylane.onray.launch")
-    from raylane.onray.cluster import start_ray
-
-    ray_stopper = start_ray(cfg, address, pool, startup)
-    session.defer(ray_stopper.wait)
-    return ray_stopper
 
 
 def _finish(
