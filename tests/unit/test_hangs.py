@@ -7,11 +7,13 @@ tests/e2e/test_hangs.py (torchrun), tests/e2e/test_preemption.py (Ray)."""
 from __future__ import annotations
 
 import os
+import socket
 import sysconfig
 import threading
 import time
 
 from raylane.cli import main
+from raylane.loop.distributed.groups import node_name
 from raylane.loop.observe import hangs
 
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -40,7 +42,7 @@ def test_where_skips_python_and_torch_for_the_users_or_raylanes_frame():
 
 
 def test_the_line_names_the_ranks_that_never_came_and_those_that_did_not_answer():
-    entry = lambda r, t: hangs.RankEntry(r, 100 + r, "h", t, "/runs/x")  # noqa: E731
+    entry = lambda r, t: hangs.RankEntry(r, 100 + r, "h", t, "/runs/x", "h")  # noqa: E731
     peers = [entry(1, 0x7F1C55685B80), entry(2, 0x7F1C54BFC6C0), entry(3, 1)]
     line = hangs.hang_line(5, peers, {1: DUMP, 2: DUMP}, 3, "/runs/x/stacks")
     assert line == (
@@ -125,7 +127,33 @@ def test_diagnose_writes_its_own_stack_and_names_a_peer_that_left_no_stack(tmp_p
         f"no stack from rank 1 (not on this host, or gone); every rank's stack in {stacks}"
     )
     [own] = stacks.iterdir()
-    assert own.name == f"rank0-{hangs.node_name()}.txt" and "Timed out waiting 1000ms" in own.read_text()
+    assert own.name == f"rank0-{hangs.file_part(node_name())}.txt" and "Timed out waiting 1000ms" in own.read_text()
+
+
+def test_a_node_named_apart_from_its_host_is_named_so_in_its_stacks_and_still_asked_here(tmp_path, monkeypatch):
+    """RAYLANE_NODE_NAME (nodes that share a host: two raylets, or torchrun's --nnodes on one
+    machine): a rank's stacks file and its header carry the node's name, as its health and step
+    times do; whether `raylane stacks` can signal it goes by the host, where its pid means
+    something. Failed on the old code, which named the file by the host (rank0-<host>.txt); and
+    with the record's host taken from node_name(), the rank is not asked (no stacks, exit 2)."""
+    monkeypatch.setenv("RAYLANE_NODE_NAME", "node/b")
+    watch = hangs.HangWatch(str(tmp_path), 0, 2, bound_s=5)
+    watch.start()
+    try:
+        [entry] = hangs.read_ranks(tmp_path)
+        assert (entry.host, entry.node) == (socket.gethostname(), "node/b") and entry.here()
+        code, text = hangs.live_stacks(tmp_path, wait_s=3.0)
+        assert code == 0 and text.startswith(f"== rank 0 (pid {os.getpid()}, {socket.gethostname()}): running"), text
+        hangs.ANSWER_WAIT_S, wait = 0.2, hangs.ANSWER_WAIT_S
+        try:
+            assert watch.diagnose(RuntimeError("Timed out waiting 1000ms for recv")) is not None
+        finally:
+            hangs.ANSWER_WAIT_S = wait
+    finally:
+        watch.close()
+    [own] = (tmp_path / "stacks").iterdir()
+    assert own.name == "rank0-node_b.txt"
+    assert own.read_text().startswith(f"# rank 0, pid {os.getpid()}, host {socket.gethostname()}, node node/b,")
 
 
 def test_stacks_says_in_one_line_when_the_run_is_not_there_or_not_live(tmp_path, capsys):
@@ -135,7 +163,7 @@ def test_stacks_says_in_one_line_when_the_run_is_not_there_or_not_live(tmp_path,
     )
     (tmp_path / "done" / "ranks").mkdir(parents=True)
     (tmp_path / "done" / "ranks" / "rank0.json").write_text(
-        f'{{"rank": 0, "pid": 999999999, "host": "{hangs.node_name()}", "thread": 1}}'
+        f'{{"rank": 0, "pid": 999999999, "host": "{hangs.host_name()}", "thread": 1}}'
     )
     assert main(["stacks", str(tmp_path / "done")]) == 2
     err = capsys.readouterr().err

@@ -13,15 +13,14 @@ import logging
 import os
 import pickle
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from raylane.config import ConfigError, load_config
 from raylane.loop.checkpoint.storage import CheckpointStore
-from raylane.loop.figures import RunFigures
 from raylane.loop.observe.faults import FaultPlan, parse
+from raylane.loop.observe.observer import observing
 from raylane.loop.observe.profiling import MemorySnapshots, StepProfiler
 from raylane.tracking.observe import memory_snapshots, profile_line
 from tests.conftest import REPO
@@ -108,15 +107,16 @@ def test_a_snapshot_after_the_chosen_step_then_the_history_stops(tmp_path, cuda_
 
 
 def test_the_oom_fault_leaves_a_snapshot_and_the_error_goes_on(tmp_path, cuda_memory):
-    """The Trainer's profiling context around a loop that the real `oom` fault ends: the rank's
-    snapshot is written, the OutOfMemoryError is the one raised, the history is stopped."""
+    """The Trainer's observers' context (the profiler among them) around a loop that the real `oom`
+    fault ends: the rank's snapshot is written, the OutOfMemoryError is the one raised, the
+    history is stopped."""
     cfg = config(tmp_path, "profile.memory_snapshot_on_oom=true", "profile.memory_snapshot_step=1")
     store = CheckpointStore(f"{tmp_path}/r", None, 0)
     profiler = StepProfiler(cfg.profile, store, 0, torch.device("cuda"))  # the rank a GPU would be
     profiler.node = profiler.memory.node = "n0"
     plan = FaultPlan(parse("oom@rank=0,batch=4"), rank=0)
     with pytest.raises(torch.OutOfMemoryError, match="injected: rank 0 out of memory"):
-        with RunFigures._profiling(SimpleNamespace(profiler=profiler, step=0)):
+        with observing([profiler], 0):
             for step in (1, 2):
                 plan.before_forward(2)
                 profiler.step(step)
@@ -135,6 +135,6 @@ def test_the_oom_fault_leaves_a_snapshot_and_the_error_goes_on(tmp_path, cuda_me
 def test_another_error_leaves_no_oom_snapshot(tmp_path, cuda_memory):
     cfg = config(tmp_path, "profile.memory_snapshot_on_oom=true")
     profiler = StepProfiler(cfg.profile, CheckpointStore(f"{tmp_path}/r", None, 0), 0, torch.device("cuda"))
-    with pytest.raises(ValueError), RunFigures._profiling(SimpleNamespace(profiler=profiler, step=0)):
+    with pytest.raises(ValueError), observing([profiler], 0):
         raise ValueError("not memory")
     assert [c[0] for c in cuda_memory] == ["record", "record"] and not os.path.exists(f"{tmp_path}/r/profiles")

@@ -3,10 +3,10 @@ its next step, decided on that rank from the figures the step-boundary vote's al
 every rank (each rank fills its own slot of a zeroed block and the sum is exact, so every rank
 holds the same bits and names the same rank): no rank tells another, no collective is added.
 
-In-process, three ranks' Trainer states side by side, each fed the same gathered figures as the
-vote gives them (raylane.loop.distributed.groups.ControlVote.poll's per-rank block), through the Trainer's
-own `_rank_figures` and a real torch.profiler window on the rank named. The vote itself over a real
-group: tests/e2e/test_observability.py."""
+In-process, three ranks' observers side by side, made as raylane.loop.run makes them, each fed the
+same gathered figures as the vote gives them (raylane.loop.distributed.groups.ControlVote.poll's
+per-rank block), through the step times' own `gathered` and a real torch.profiler window on the
+rank named. The vote itself over a real group: tests/e2e/test_observability.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import torch
 
 from raylane.config import load_config
 from raylane.loop.checkpoint.storage import CheckpointStore
-from raylane.loop.figures import RunFigures
 from raylane.loop.run import _profiler, _slowest_profiler, _step_times
 from raylane.results import TrainSummary
 from raylane.tracking.progress import outcome_text
@@ -38,21 +37,19 @@ def gathered() -> list[float]:
 
 
 def rank_state(cfg, rank: int, tmp_path) -> SimpleNamespace:
-    """What `_rank_figures` reads of a rank's Trainer, made as raylane.loop.run makes it."""
+    """A rank's step times and its profiler on demand (`slowest`), made as raylane.loop.run makes them."""
     runtime = SimpleNamespace(
         rank=rank, world_size=3, store=CheckpointStore(f"{tmp_path}/r", None, rank), device=torch.device("cpu")
     )
     slowest = _slowest_profiler(cfg, runtime)
-    times = _step_times(cfg, runtime, slowest)
+    # Rank 0's reporter (MLflow, the driver) is tests/unit/test_step_times.py's: here nothing is reported.
+    times = _step_times(cfg, runtime, SimpleNamespace(active=False), slowest)
     times.start(0, ["n0", "n1", "n2"])
-    return SimpleNamespace(
-        runtime=runtime,
-        step=0,
-        step_times=times,
-        reporter=SimpleNamespace(active=False),  # rank 0's reporter (MLflow, the driver): tests/unit/test_step_times.py
-        slowest_profiler=slowest,
-        profiler=None,
-    )
+    return SimpleNamespace(step_times=times, slowest=slowest)
+
+
+def profiler_of(state: SimpleNamespace):
+    return state.slowest.made if state.slowest is not None else None
 
 
 def config(tmp_path, *more):
@@ -65,20 +62,18 @@ def test_the_rank_named_slowest_profiles_its_next_steps_and_no_other_does(tmp_pa
     cfg = config(tmp_path)
     assert cfg.profile.ranks == [0, "slowest"]  # the default: rank 0, and the slowest
     ranks = [rank_state(cfg, r, tmp_path) for r in range(3)]
-    assert ranks[0].slowest_profiler is None  # profiled already, by number
+    assert ranks[0].slowest is None  # profiled already, by number
     for window in (1, 2):
         for state in ranks:
-            state.step = EVERY * window
-            RunFigures._rank_figures(state, gathered())
-        made = [state.profiler is not None for state in ranks]
+            state.step_times.gathered(EVERY * window, gathered(), 3)
+        made = [profiler_of(state) is not None for state in ranks]
         assert made == ([False, False, False] if window == 1 else [False, True, False])  # named after 2 windows
-    profiler = ranks[1].profiler
-    assert ranks[1].slowest_profiler is None and ranks[2].slowest_profiler is not None  # rank 2 still watches
+    assert ranks[1].step_times.on_named is None and ranks[2].step_times.on_named is not None  # rank 2 still watches
     x = torch.ones(16, 16)
     for step in (9, 10, 11):  # warmup 1, active 2: the trace is written after the third
         x = torch.mm(x, x) / 16
-        profiler.step(step)
-    profiler.close()
+        ranks[1].slowest.on_step_end(step)  # as the Trainer tells its observers
+    ranks[1].slowest.on_train_end(None)
     trace = tmp_path / "r" / "profiles" / f"trace-rank1-{socket.gethostname()}.json.gz"
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
@@ -91,14 +86,13 @@ def test_the_rank_named_slowest_profiles_its_next_steps_and_no_other_does(tmp_pa
 
 def test_named_after_the_loop_or_with_slowest_left_out_no_profiler_starts(tmp_path):
     late = rank_state(config(tmp_path), 1, tmp_path)
-    for window in (1, 2):
-        late.step = EVERY * window
-        RunFigures._rank_figures(late, gathered(), in_loop=window == 1)  # the last window's gather is after the loop
-    assert late.profiler is None
+    for window in (1, 2):  # the last window's gather is after the loop
+        late.step_times.gathered(EVERY * window, gathered(), 3, in_loop=window == 1)
+    assert profiler_of(late) is None
     for more in (["profile.ranks=[0]"], ["stragglers.enabled=false"], ["profile.ranks=[1,slowest]"]):
         state = rank_state(config(tmp_path, *more), 1, tmp_path)
-        assert state.slowest_profiler is None, more
-    assert rank_state(load_config(DIGITS), 1, tmp_path).slowest_profiler is None  # profile off: nothing made
+        assert state.slowest is None, more
+    assert rank_state(load_config(DIGITS), 1, tmp_path).slowest is None  # profile off: nothing made
 
 
 def test_a_rank_profiled_from_a_resume_counts_the_runs_steps(tmp_path):

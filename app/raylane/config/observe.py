@@ -51,14 +51,14 @@ class ProfileSection(Section):
         ge=1,
         le=100_000_000,
         description="On each profiled rank with a GPU: after this step (the run's count, as the logs give it) a "
-        "CUDA memory snapshot, `profiles/memory-rank<R>-<host>-step<S>.pickle` (open it in "
+        "CUDA memory snapshot, `profiles/memory-rank<R>-<node>-step<S>.pickle` (open it in "
         "https://pytorch.org/memory_viz): every live allocation, with its stack. null: none. Without a GPU: one "
         "warning, nothing else.",
     )
     memory_snapshot_on_oom: bool = Field(
         False,
         description="On each profiled rank with a GPU: when it runs out of memory (torch.OutOfMemoryError), a "
-        "snapshot `profiles/memory-rank<R>-<host>-oom.pickle` before the error ends the run as it would anyway.",
+        "snapshot `profiles/memory-rank<R>-<node>-oom.pickle` before the error ends the run as it would anyway.",
     )
     memory_history_entries: int = Field(
         100_000,

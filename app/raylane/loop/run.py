@@ -32,6 +32,8 @@ from raylane.loop.distributed.groups import default_device, env_ranks, init_proc
 from raylane.loop.distributed.parallelize import parallelize
 from raylane.loop.evaluation import EvalSets, Evaluator
 from raylane.loop.observe import faults, hangs, health
+from raylane.loop.observe.observer import Deferred, Observer
+from raylane.loop.observe.observers import Observers
 from raylane.loop.observe.steptimes import StepTimes
 from raylane.loop.optim import build_optimizer, build_scheduler, schedule_note
 from raylane.loop.protocols.batches import Forward
@@ -40,7 +42,7 @@ from raylane.loop.protocols.result import RunResult
 from raylane.loop.protocols.runtime import LocalRuntime, Runtime
 from raylane.loop.reporting import Reporter
 from raylane.loop.steps import Throughput, plan_steps
-from raylane.loop.trainer import Trainer
+from raylane.loop.trainer import Parts, Trainer
 
 log = logging.getLogger("raylane")
 
@@ -81,7 +83,11 @@ def run_worker(
         with hangs.watched(folder, runtime.rank, runtime.world_size, cfg.dist.timeout_s) as watch:
             pipe = usercode.build_pipeline(cfg)  # its exception, or a return that is no Pipeline, names the pipeline
             startup["pipeline"] = time.time()
-            return _train(cfg, runtime, pipe, metric_logger, startup, watch)
+            publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
+            reporter = Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger)
+            trainer = build_trainer(cfg, runtime, pipe, reporter, startup, hang_watch=watch)
+            startup["ready"] = time.time()
+            return trainer.train()
     except hangs.HangError as exc:  # one line already: the ranks that never came, and where they stood
         usercode.keep_traceback(exc, exc)
         raise
@@ -96,34 +102,20 @@ def run_worker(
             sampler.stop()
 
 
-def _train(
-    cfg: BaseConfig,
-    runtime: Runtime,
-    pipe: Any,
-    metric_logger: Any | None,
-    startup: dict[str, float],
-    watch: hangs.HangWatch | None = None,
-) -> RunResult:
-    publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
-    reporter = Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger)
-    trainer = build_trainer(cfg, runtime, pipe, reporter, startup)
-    trainer.hang_watch = watch
-    startup["ready"] = time.time()
-    return trainer.train()
-
-
 def build_trainer(
     cfg: BaseConfig,
     runtime: Runtime,
     pipe: Any,
     reporter: Reporter | None = None,
     startup: dict[str, float] | None = None,
+    *,
+    hang_watch: hangs.HangWatch | None = None,
 ) -> Trainer:
     """This rank's Trainer over the pipeline `pipe`: the model parallelized, its optimizer, schedule
     and loaders built from `cfg`, resumed from the run's newest checkpoint (or from
     `checkpoint.init_from`) when there is one. What `run_worker` trains, and what a test builds in
     one process (`reporter`: rank 0's, publishing to `runtime.publish` when not given; `startup`:
-    the start-up phases, marked as they end)."""
+    the start-up phases, marked as they end; `hang_watch`: run_worker's, re-armed at each step)."""
     startup = {} if startup is None else startup
     reporter = reporter or Reporter(is_rank_zero=runtime.rank == 0, publish=runtime.publish)
     # Only strategy.name auto estimates memory: the user's collate_fn runs no more than needed.
@@ -153,9 +145,8 @@ def build_trainer(
         _init_weights(pipe, model, meta)
     # Over the wrapped model's parameters (DTensors under FSDP), in their shards whatever ran before.
     optimizer = build_optimizer(resharded(model), cfg, pipe)
-    trainer = _assemble(cfg, runtime, pipe, reporter, startup, model, strategy, optimizer)
+    trainer = _assemble(cfg, runtime, pipe, reporter, startup, (model, strategy, optimizer), hang_watch)
     usercode.check_first_calls(trainer, pipe, cfg)
-    trainer.skipped_checkpoints = runtime.store.skipped  # said on the driver, with the start
     if latest:
         _resume(trainer, latest, own=bool(own), runtime=runtime)
     return trainer
@@ -167,11 +158,12 @@ def _assemble(
     pipe: Any,
     reporter: Reporter,
     startup: dict[str, float],
-    model: torch.nn.Module,
-    strategy: Strategy,
-    optimizer: torch.optim.Optimizer,
+    built: tuple[torch.nn.Module, Strategy, torch.optim.Optimizer],
+    hang_watch: hangs.HangWatch | None,
 ) -> Trainer:
-    """The Trainer over the built model and optimizer: its loaders, schedule and side groups."""
+    """The Trainer over the `built` model (parallelized, its layout) and optimizer: its loaders,
+    schedule, side groups and observers."""
+    model, strategy, optimizer = built
     batching = {
         "batch_size": cfg.train.batch_size,
         "seed": cfg.train.seed,
@@ -188,45 +180,64 @@ def _assemble(
     total_steps = plan_steps(train_loader, cfg.train)[1]
     if runtime.rank == 0 and (note := schedule_note(cfg, total_steps, pipe)):
         log.warning("%s", note)
-    plan = faults.load(runtime.rank)
-    slowest = _slowest_profiler(cfg, runtime)
-    return Trainer(
-        model,
-        train_loader,
-        optimizer,
-        train=cfg.train,
+    plan = faults.load(runtime.rank)  # RAYLANE_FAULTS: the loop's and the saver's
+    parts = Parts(
         forward=Forward(
             pipe.loss_fn, pipe.step, runtime.device, split_logits=strategy.tp > 1 and strategy.loss_parallel
         ),
-        saver=Saver(runtime.store, cfg.checkpoint, reporter, group=save_group, faults=plan),
-        evaluator=_evaluator(eval_loader, pipe, runtime),
-        runtime=runtime,
-        reporter=reporter,
-        log_every_n_steps=cfg.mlflow.log_every_n_steps,
-        timeout_s=cfg.dist.timeout_s,
-        config=cfg.model_dump(mode="json"),
+        strategy=strategy,
         scheduler=build_scheduler(optimizer, cfg, total_steps, pipe),
-        control_group=control_group,
         throughput=Throughput(
             pipe.tokens_per_sample,
             pipe.flops_per_token,
             peak_flops(runtime.device, cfg.train.precision, cfg.scaling.peak_tflops),
         ),
-        strategy=strategy,
+        evaluator=_evaluator(eval_loader, pipe, runtime),
         hooks=pipe.hooks,
-        faults=plan,
-        step_times=_step_times(cfg, runtime, slowest),
-        profiler=_profiler(cfg, runtime),
-        slowest_profiler=slowest,
+        vote_group=control_group,
+    )
+    return Trainer(
+        model,
+        train_loader,
+        optimizer,
+        parts,
+        config=cfg,
+        runtime=runtime,
+        saver=Saver(runtime.store, cfg.checkpoint, reporter, group=save_group, faults=plan),
+        reporter=reporter,
+        observers=_observers(cfg, runtime, reporter, hang_watch, plan),
     )
 
 
-def _step_times(cfg: BaseConfig, runtime: Runtime, slowest: Callable[[], Any] | None) -> StepTimes:
-    """This rank's step timer; the straggler watch on rank 0, and on a rank that profiles itself
-    once named the slowest (the same watch over the same figures: `slowest`)."""
+def _observers(
+    cfg: BaseConfig, runtime: Runtime, reporter: Reporter, hang_watch: hangs.HangWatch | None, plan: Any
+) -> Observers:
+    """What watches this rank's loop: its step times, a torch.profiler window where this rank is
+    profiled (by number, or once named the slowest), the hang watch, the faults planned."""
+    slowest = _slowest_profiler(cfg, runtime)
+    return Observers(
+        step_times=_step_times(cfg, runtime, reporter, slowest),
+        profiler=_profiler(cfg, runtime) or slowest,
+        hang_watch=hang_watch,
+        faults=plan,
+    )
+
+
+def _step_times(cfg: BaseConfig, runtime: Runtime, reporter: Reporter, slowest: Deferred | None) -> StepTimes:
+    """This rank's step timer; the straggler watch on rank 0 (reported through `reporter`), and on
+    a rank that profiles itself once named the slowest (the same watch over the same figures,
+    beginning `slowest`, its profiler deferred to then)."""
     s = cfg.stragglers
-    active = runtime.rank == 0 or slowest is not None
-    return StepTimes(cfg.mlflow.log_every_n_steps, s.factor, s.windows, active=active, enabled=s.enabled)
+    return StepTimes(
+        cfg.mlflow.log_every_n_steps,
+        s.factor,
+        s.windows,
+        active=runtime.rank == 0 or slowest is not None,
+        enabled=s.enabled,
+        rank=runtime.rank,
+        sink=reporter,
+        on_named=slowest.begin if slowest is not None else None,
+    )
 
 
 def _profiler(cfg: BaseConfig, runtime: Runtime) -> Any:
@@ -238,10 +249,11 @@ def _profiler(cfg: BaseConfig, runtime: Runtime) -> Any:
     return StepProfiler(cfg.profile, runtime.store, runtime.rank, runtime.device)
 
 
-def _slowest_profiler(cfg: BaseConfig, runtime: Runtime) -> Callable[[], Any] | None:
-    """profile.ranks' `slowest`, on a rank not profiled by number: what makes its profiler if the
-    step times name it the straggler (one window from its next step: wait 0, warmup 1, `active`
-    steps; no memory snapshot, whose history would start mid-run), or None. Nothing imported."""
+def _slowest_profiler(cfg: BaseConfig, runtime: Runtime) -> Deferred | None:
+    """profile.ranks' `slowest`, on a rank not profiled by number: its profiler, Deferred to the
+    step the step times name this rank the straggler (one window from its next step: wait 0,
+    warmup 1, `active` steps; no memory snapshot, whose history would start mid-run), or None.
+    Nothing of profiling is imported unless it is made."""
     p = cfg.profile
     if not (p.enabled and "slowest" in p.ranks and cfg.stragglers.enabled and runtime.world_size > 1):
         return None
@@ -251,12 +263,12 @@ def _slowest_profiler(cfg: BaseConfig, runtime: Runtime) -> Callable[[], Any] | 
         update={"wait": 0, "warmup": 1, "repeat": 1, "memory_snapshot_step": None, "memory_snapshot_on_oom": False}
     )
 
-    def make() -> Any:
+    def make() -> Observer:
         from raylane.loop.observe.profiling import StepProfiler
 
         return StepProfiler(window, runtime.store, runtime.rank, runtime.device)
 
-    return make
+    return Deferred(make)
 
 
 def _train_loader(
@@ -316,17 +328,11 @@ def step_trainer(
         model,
         loader,
         optimizer,
-        train=cfg.train,
-        forward=Forward(pipe.loss_fn, pipe.step, runtime.device),
-        saver=Saver(runtime.store, cfg.checkpoint.model_copy(update={"async_save": False}), reporter),
-        evaluator=None,
+        Parts(forward=Forward(pipe.loss_fn, pipe.step, runtime.device), strategy=strategy, throughput=throughput),
+        config=cfg,
         runtime=runtime,
+        saver=Saver(runtime.store, cfg.checkpoint.model_copy(update={"async_save": False}), reporter),
         reporter=reporter,
-        log_every_n_steps=cfg.mlflow.log_every_n_steps,
-        timeout_s=cfg.dist.timeout_s,
-        config=cfg.model_dump(mode="json"),
-        strategy=strategy,
-        throughput=throughput,
     )
 
 
@@ -338,11 +344,9 @@ def _resume(trainer: Trainer, latest: str, *, own: bool, runtime: Runtime) -> No
     )
     if not own:  # another run's early stop (a PBT donor's, say) is not this run's
         state.pop("early_stopping", None)
-    trainer.load_state_dict(state)
-    trainer.resumed_layout = layout.resumed_from(state)  # said by the driver, with the start
-    trainer.last_checkpoint = latest
     # By name: a checkpoint on object storage was loaded from a local copy.
-    trainer.resumed_from = checkpoint.checkpoint_name(trainer.step) if own else latest
+    name = checkpoint.checkpoint_name(int(state["step"])) if own else latest
+    trainer.resume(state, checkpoint=latest, name=name, layout_line=layout.resumed_from(state))
     if runtime.rank == 0:
         log.info("resuming from step %d (%s)", trainer.step, latest)
 

@@ -4,15 +4,17 @@ from samples/s. Ray-free."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from raylane.config import TrainSection
-from raylane.loop.data.loader import EpochData
+from raylane.loop.data.loader import EpochData, data_change
 from raylane.loop.protocols.batches import StepMetrics
 
 
@@ -62,6 +64,37 @@ def resumed_batch(state: dict[str, Any], train: TrainSection, world_size: int, s
         # order; on the same world each rank's order is the same whatever the batch).
         return int(samples) // (train.batch_size * world_size)
     return int(state["batch_in_epoch"]) if same_world else 0
+
+
+def partial_epoch(samples_seen: int, epoch_samples: int) -> float:
+    """The share of the running epoch trained (`samples_seen` of the group's `epoch_samples`, as
+    this launch splits the epoch), over every launch of the run; a resume that restarted the epoch
+    (another world size) counts what it trained before too, so it is capped at 1."""
+    return round(min(samples_seen / max(epoch_samples, 1), 1.0), 4)
+
+
+def resumed_position(
+    state: dict[str, Any], train: TrainSection, data_ranks: int, samples_per_step: int, data: dict[str, Any] | None
+) -> tuple[int, int, str | None]:
+    """(the micro-batch of its epoch, the group's samples seen in it) a checkpoint's train `state`
+    resumes at (`resumed_batch`), and the line said when it was saved on other data than this
+    run's (`data`: its fingerprint): a position in an epoch of other data means nothing, and the
+    epoch starts over (docs/training.md, Resume)."""
+    batch = resumed_batch(state, train, data_ranks, samples_per_step)
+    # A checkpoint from before samples_seen_in_epoch: its position is what it had trained.
+    seen = state.get("samples_seen_in_epoch", state.get("samples_in_epoch"))
+    seen = int(seen) if seen is not None else 0
+    step, epoch = int(state["step"]), int(state["epoch"])
+    if line := data_change(state.get("data"), data, step=step, epoch=epoch, mid_epoch=batch > 0 or seen > 0):
+        return 0, 0, line
+    return batch, seen, None
+
+
+def step_groups(data: Iterable[Any], accum: int) -> Iterator[list[Any]]:
+    """An epoch's batches, grouped by optimizer step (the last group may be shorter)."""
+    batches = iter(data)
+    while group := list(itertools.islice(batches, accum)):
+        yield group
 
 
 def plain_parameters(params: list[torch.nn.Parameter]) -> bool:

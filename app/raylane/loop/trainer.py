@@ -1,6 +1,6 @@
 """The training loop, in the tutorial's shape (`run_step`, `_run_epoch`, `_save_checkpoint`,
-`train`). Model, data, optimizer and what it is composed of are built outside and passed in
-(raylane.loop.run.build_trainer); it never imports Ray.
+`train`). Model, data, optimizer and what it is composed of (`Parts`) and watched by (`Observers`)
+are built outside and passed in (raylane.loop.run.build_trainer); it never imports Ray.
 
 Collectives happen only at fixed steps (the step-boundary vote, checkpoints, evaluation), so every
 rank calls them in the same order."""
@@ -9,28 +9,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
+import functools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from raylane.config import TrainSection
+from raylane.config import BaseConfig
 from raylane.loop import preemption
 from raylane.loop.checkpoint.saving import Saver
 from raylane.loop.checkpoint.state import scheduler_state_for
-from raylane.loop.data.loader import EpochData, data_change, fingerprint
-from raylane.loop.distributed.devices import Precision, reset_peak_memory
+from raylane.loop.data import baddata
+from raylane.loop.data.loader import EpochData, fingerprint
+from raylane.loop.distributed.devices import Precision, reset_peak_memory, state_bytes
 from raylane.loop.distributed.fsdp import Strategy, no_gradient_sync
-from raylane.loop.distributed.groups import node_names
+from raylane.loop.distributed.groups import backend_name, node_names
 from raylane.loop.distributed.layout import Layout
 from raylane.loop.distributed.pipeline_parallel import PipelineModel
 from raylane.loop.early_stop import EarlyStopping
 from raylane.loop.evaluation import EvalSets, Evaluation
-from raylane.loop.figures import WARMUP_STEPS, RunFigures
-from raylane.loop.observe.faults import FaultPlan
+from raylane.loop.observe.figures import RunFigures
+from raylane.loop.observe.observer import observing, watching
+from raylane.loop.observe.observers import Observers
 from raylane.loop.observe.steptimes import StepTimes
 from raylane.loop.optim import Schedule
 from raylane.loop.protocols.batches import Forward
@@ -43,9 +45,11 @@ from raylane.loop.steps import (
     Throughput,
     clip_gradients,
     last_step,
+    partial_epoch,
     plain_parameters,
     plan_steps,
-    resumed_batch,
+    resumed_position,
+    step_groups,
 )
 from raylane.loop.stopping import StepVote
 from raylane.version import __version__
@@ -60,88 +64,93 @@ def _every(count: int, n: int) -> bool:
     return n > 0 and count % n == 0
 
 
-class Trainer(RunFigures):
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What the loop runs besides its model, batches and optimizer, built outside with them: how
+    a batch goes through the model (`forward`), the layout (`strategy`; None: one process or
+    DDP), the learning-rate schedule, the rates throughput is counted in, the held-out sets, the
+    pipeline's hooks, and the process group the step-boundary vote runs on (None: the default)."""
+
+    forward: Forward
+    strategy: Strategy | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    throughput: Throughput = dataclasses.field(default_factory=Throughput)
+    evaluator: EvalSets | None = None
+    hooks: Sequence[Any] = ()
+    vote_group: Any = None
+
+
+class Trainer:
     """One rank's training, as a recipe: each epoch's batches, grouped into optimizer steps
     (`run_step`); after each step, the train metrics of its window, the hooks, and an evaluation
     and a checkpoint when due; after each epoch, its evaluation and its checkpoint; at the end,
     the run's last evaluation and its result.
 
     What it is composed of is built outside (raylane.loop.run.build_trainer): the `saver` decides
-    when a checkpoint is due (`Saver.due`) and writes it; the `evaluator` measures the held-out
-    sets, inside an `Evaluation` that reports, counts for early stopping and calls the hooks; the
-    `reporter` tells the driver (rank 0). `train` is the run's TrainSection; `config` the whole
-    config as a dict, stored in every checkpoint. Progress (epoch, step, batch in the epoch) is
-    saved in every checkpoint, and `load_state_dict` continues at exactly the next batch."""
+    when a checkpoint is due (`Saver.due`) and writes it; the `parts`' evaluator measures the
+    held-out sets, inside an `Evaluation` that reports, counts for early stopping and calls the
+    hooks; the `reporter` tells the driver (rank 0). `config` is the run's, stored in every
+    checkpoint. What it measures are objects it holds, each told the loop's moments through one
+    interface (raylane.loop.observe.observer): the `observers`, and its own figures (`figures`:
+    its speed, for its result). Progress (epoch, step, batch in the epoch) is saved in every
+    checkpoint, and `resume` continues at exactly the next batch."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         train_data: EpochData,
         optimizer: torch.optim.Optimizer,
+        parts: Parts,
         *,
-        train: TrainSection,
-        forward: Forward,
-        saver: Saver,
-        evaluator: EvalSets | None,
+        config: BaseConfig,
         runtime: Runtime,
+        saver: Saver,
         reporter: Reporter,
-        log_every_n_steps: int,
-        timeout_s: float,
-        config: dict[str, Any],
-        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-        control_group: Any = None,
-        throughput: Throughput | None = None,
-        strategy: Strategy | None = None,
-        hooks: Iterable[Any] = (),
-        faults: FaultPlan | None = None,
-        step_times: StepTimes | None = None,
-        profiler: Any = None,
-        slowest_profiler: Callable[[], Any] | None = None,
+        observers: Observers | None = None,
     ) -> None:
-        self.model, self.train_data, self.optimizer, self.scheduler = model, train_data, optimizer, scheduler
+        self.model, self.train_data, self.optimizer, self.scheduler = model, train_data, optimizer, parts.scheduler
         # Walking the module tree costs ~70 us a step on a small model (7% of a digits step on one
         # CPU core): the parameters are fixed once parallelized, and loads copy into them in place.
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._plain_grads = plain_parameters(self._params)
-        self.train_cfg, self.forward, self.saver, self.runtime, self.reporter = train, forward, saver, runtime, reporter
-        self.log_every_n_steps, self.timeout_s, self.config = log_every_n_steps, timeout_s, config
-        self.faults = faults
-        self._init_observing(step_times, profiler, slowest_profiler)
+        self.forward, self.saver, self.runtime, self.reporter = parts.forward, saver, runtime, reporter
+        self.train_cfg, self.log_every_n_steps = config.train, config.mlflow.log_every_n_steps
+        self.timeout_s, self.config = config.dist.timeout_s, config.model_dump(mode="json")
         self.device = runtime.device
-        self.throughput = throughput or Throughput()
-        self.accum = train.grad_accum_steps
-        self.strategy = strategy or Strategy(Layout.data_parallel_of("ddp", runtime.world_size))
-        self.precision = Precision(train.precision, self.strategy.name, self.device)
+        self.throughput = parts.throughput
+        self.accum = self.train_cfg.grad_accum_steps
+        self.strategy = parts.strategy or Strategy(Layout.data_parallel_of("ddp", runtime.world_size))
+        self.precision = Precision(self.train_cfg.precision, self.strategy.name, self.device)
         self.scaler = self.precision.scaler
-        self.state_bytes: int | None = None
-        # (wall time, process CPU time, step) once the warm-up steps are done
-        self._warm: tuple[float, float, int] | None = None
-        self.stops = StepVote(runtime, control_group)
+        self.stops = StepVote(runtime, parts.vote_group)
         # A forward in training mode may update buffers (BatchNorm's statistics) that a save in
         # flight is still copying; parameters and optimizer state change only in the step.
         self._forward_writes_state = any(True for _ in model.buffers())
         self._saved_step: int | None = None
-        # Time the loop waited on checkpoints before its last step (B7): the end-of-run save,
-        # which every run pays whether saves are asynchronous or not, is left out.
-        self.checkpoint_stall_s = 0.0
         self._init_progress(train_data, self.strategy.data_parallel)
+        self._init_observers(observers or Observers())
         # Under pipeline parallelism: this rank's stages, run by their schedule (raylane.loop.distributed.pipeline_parallel).
         self.pipeline = model.pipeline if isinstance(model, PipelineModel) else None
-        self.hooks = Hooks(hooks, self)
-        self.evaluation = Evaluation(evaluator, model, reporter, EarlyStopping(train.early_stopping), self.hooks)
+        self.hooks = Hooks(parts.hooks, self)
+        self.evaluation = Evaluation(
+            parts.evaluator, model, reporter, EarlyStopping(self.train_cfg.early_stopping), self.hooks
+        )
         saver.on_committed = lambda step, where: self.hooks.call("on_checkpoint", step=step, checkpoint=where)
         self.hooks.call("setup")  # before a resume loads the hooks' state into what setup made
 
-    def _init_observing(
-        self, step_times: StepTimes | None, profiler: Any, slowest_profiler: Callable[[], Any] | None
-    ) -> None:
-        # Every rank's step times (raylane.loop.observe.steptimes); a torch.profiler window where this rank
-        # is profiled (raylane.loop.observe.profiling), else None: nothing of it is imported.
-        self.step_times = step_times or StepTimes(self.log_every_n_steps, 1.5, 3, active=False)
-        self.timer = self.step_times.timer
-        self.profiler = profiler
-        self.slowest_profiler = slowest_profiler  # profile.ranks' `slowest`: made when the step times name this rank
-        self.hang_watch: Any = None  # raylane.loop.observe.hangs.HangWatch: its watchdog re-armed at each step's start
+    def _init_observers(self, observers: Observers) -> None:
+        # Every rank's step times (raylane.loop.observe.steptimes): timed, reported where made so.
+        self.step_times = observers.step_times or StepTimes(self.log_every_n_steps, 1.5, 3, active=False)
+        observers = dataclasses.replace(observers, step_times=self.step_times)
+        self.timer = self.step_times.timer  # its marks inside a step (run_step)
+        self.faults = observers.faults  # also inside a step: a loss made NaN on purpose
+        state_size = functools.partial(state_bytes, self.model, self.optimizer)
+        self.figures = RunFigures(self.samples_per_step, self.throughput, self.runtime, self.reporter, state_size)
+        self.observers = observers.in_order(self.figures)
+        # Bound once: a step calls only the observers that watch each of its moments.
+        self._on_step_start = watching(self.observers, "on_step_start")
+        self._on_batch = watching(self.observers, "on_batch")
+        self._on_step_end = watching(self.observers, "on_step_end")
 
     def _init_progress(self, train_data: EpochData, data_ranks: int) -> None:
         # Progress, saved in every checkpoint: resume continues at exactly the next batch. Samples
@@ -157,15 +166,14 @@ class Trainer(RunFigures):
         self.steps_per_epoch, self.total_steps = plan_steps(train_data, self.train_cfg)
         self.batches_per_epoch = train_data.batches_in_epoch(0)  # of the epoch running; see _run_epoch
         self.data_fingerprint = fingerprint(train_data)  # in every checkpoint: a resume on other data is told
-        self.samples_per_step = self.train_cfg.batch_size * data_ranks * self.accum
+        self.group_batch = self.train_cfg.batch_size * data_ranks  # the group's samples per micro-batch
+        self.samples_per_step = self.group_batch * self.accum
         # Rank 0's throughput over the last epoch's steps, sent with its checkpoint (sweeps rank by it).
         self.speed_metrics: dict[str, float] = {}
-        self._train_started = time.perf_counter()
-        self._trained_before_s = 0.0  # by earlier launches of this run (from its checkpoint)
         self.skipped_steps = 0
         self.last_checkpoint: str | None = None
         # Newer checkpoints the resume passed over (damaged, unfinished): {"path", "reason"}.
-        self.skipped_checkpoints: list[dict[str, str]] = []
+        self.skipped_checkpoints: list[dict[str, str]] = list(self.runtime.store.skipped)
         self.resumed_from: str | None = None  # the checkpoint loaded, by name
         self.resumed_layout: str | None = None  # the line a resume at another layout says
         self.window = MetricsWindow(self.device)
@@ -224,9 +232,8 @@ class Trainer(RunFigures):
     def _wait_for_staging(self) -> None:
         """Before the state changes: the copy a save in flight is taking must be complete."""
         if self.saver.staging():
-            blocked = time.perf_counter()
-            self.saver.wait_staged()
-            self.checkpoint_stall_s += time.perf_counter() - blocked
+            with self.figures.checkpoint_wait():
+                self.saver.wait_staged()
 
     def _clip_gradients(self, carry: torch.Tensor | None = None) -> bool:
         """The global gradient norm (over every shard under FSDP, every stage of a pipeline),
@@ -249,43 +256,24 @@ class Trainer(RunFigures):
             self.window.grad_norm = clipped[0].detach()
         return clipped[1]
 
-    def _micro_batches(self):
-        """The epoch's batches, grouped by optimizer step (the last group may be shorter)."""
-        batches = iter(self.train_data)
-        while group := list(itertools.islice(batches, self.accum)):
-            yield group
-
     def _run_epoch(self, epoch: int) -> None:
         self.model.train()
         self.batches_per_epoch = self.train_data.batches_in_epoch(epoch)
         self.train_data.set_epoch(epoch, skip_batches=self.batch_in_epoch)
-        batches, timer = self._micro_batches(), self.timer
+        batches = step_groups(self.train_data, self.accum)
         while True:
-            timer.begin()
-            if self.hang_watch:
-                self.hang_watch.beat()
-            if self.faults:
-                self.faults.before_fetch(self.step + 1)
+            for watch in self._on_step_start:
+                watch(self.step + 1)
             if (micro_batches := next(batches, None)) is None:
                 break
-            timer.fetched()
-            if self.faults:
-                self.faults.before_step(self.step + 1)
+            for watch in self._on_batch:
+                watch(self.step + 1)
             loss = self.run_step(micro_batches)
-            timer.ended()
-            if self.profiler:
-                self.profiler.step(self.step + 1)
-            if self.state_bytes is None:  # optimizer state exists from the first step on
-                self._state_bytes()
             self.step += 1
+            for watch in self._on_step_end:
+                watch(self.step)
             self.batch_in_epoch += len(micro_batches)
-            self.samples_seen_in_epoch += len(micro_batches) * self.train_cfg.batch_size * self.data_ranks
-            if (
-                self._warm is None
-                and self.step - (self.resumed_from_step or 0) >= WARMUP_STEPS
-                and not self.reporter.warming()
-            ):
-                self._warm = (time.perf_counter(), time.process_time(), self.step)
+            self.samples_seen_in_epoch += len(micro_batches) * self.group_batch
             self.window.add(loss)
             self.reporter.on_step(epoch=epoch, step=self.step, first=self.step == (self.resumed_from_step or 0) + 1)
             logged = self._log_train_metrics() if self.step % self.log_every_n_steps == 0 else {}
@@ -311,11 +299,10 @@ class Trainer(RunFigures):
         due = self.step_times.due(self.step)  # the same on every rank: a window's figures ride on this vote
         stop, committed = self.stops.poll(self.step, self.saver.busy(), self.step_times.take(self.step) if due else ())
         if due:
-            self._rank_figures(self.stops.gathered)
+            self.step_times.gathered(self.step, self.stops.gathered, self.runtime.world_size)
         if self.saver.unsettled() and committed:  # committed on every rank: only its outcome is left
-            blocked = time.perf_counter()
-            self.saver.settle()
-            self.checkpoint_stall_s += time.perf_counter() - blocked
+            with self.figures.checkpoint_wait():
+                self.saver.settle()
         return stop
 
     def _log_train_metrics(self, until: float | None = None) -> dict[str, float]:
@@ -333,29 +320,24 @@ class Trainer(RunFigures):
     def _save_checkpoint(self) -> None:
         if self._saved_step == self.step:
             return
-        blocked = time.perf_counter()
-        self.saver.save(self.model, self.optimizer, self.state_dict(), hooks=self.hooks.state_dict())
+        with self.figures.checkpoint_wait(counted=self.step < self.total_steps):
+            self.saver.save(self.model, self.optimizer, self.state_dict(), hooks=self.hooks.state_dict())
         self._saved_step = self.step
-        if self.step < self.total_steps:
-            self.checkpoint_stall_s += time.perf_counter() - blocked
 
     def train(self) -> RunResult:
         """Train from where the run is (step 0, or the checkpoint loaded) to its last step or a
         stop; returns the run's result (rank 0's with what the reporter adds)."""
         self._announce()
         reset_peak_memory(self.device)
-        started, started_cpu, first_step = time.perf_counter(), time.process_time(), self.step
         self.stops.start(self.step)
-        epoch_ends: list[float] = []  # seconds from the start to the end of each epoch's end work
-        self._train_started = started
         if self.step_times.enabled:  # one all-gather of the nodes' names, once, before the first step
             self.step_times.start(self.step, node_names(self.stops.vote.group))
         with (
+            observing(self.observers, self.step),  # a profiler's trace written before the last gather
             preemption.armed(),
             self.saver.settled_on_failure(min(self.timeout_s, FAILED_RUN_SAVE_WAIT_S)),
-            self._profiling(),
         ):
-            last_step_end = started
+            last_step_end = self.figures.started[0]
             while not self._over():
                 epoch_start = (time.perf_counter(), self.step)
                 self._run_epoch(self.epoch)
@@ -369,11 +351,13 @@ class Trainer(RunFigures):
                 if self.saver.due(self.step, epoch_end=epoch_ended, stopping=stopping, epochs=self.epoch):
                     self._save_checkpoint()
                 if epoch_ended:
-                    epoch_ends.append(round(time.perf_counter() - started, 4))
+                    for observer in self.observers:
+                        observer.on_epoch_end(self.epoch - 1)
             self.saver.settle()  # a save in flight is committed before the run ends or stops
             self.saver.close()
         if self.step_times.enabled:  # the last window's: after the loop
-            self._rank_figures(self.stops.gather(self.step_times.take(self.step)), in_loop=False)
+            taken = self.step_times.take(self.step)
+            self.step_times.gathered(self.step, self.stops.gather(taken), self.runtime.world_size, in_loop=False)
         self.stops.close()
         if self.window.loss_count:
             self._log_train_metrics(until=last_step_end)  # not the end-of-run save and evaluation
@@ -382,14 +366,36 @@ class Trainer(RunFigures):
             # Named as the display shows it: an ended epoch's (train() has moved past it), else its step.
             ended = self.batch_in_epoch == 0 and self.epoch > 0
             self.evaluation.run(self.step, self.epoch - ended, epoch_end=ended, final=True)
-        result = self._result((started, started_cpu, first_step), last_step_end, epoch_ends)
-        if self.reporter.active:
-            result = dataclasses.replace(
-                result,
-                stragglers=[s.to_dict() for s in self.step_times.watch.named],
-                rank_times=self.step_times.table.rows(),
-            )
-        return self.reporter.on_end(result)
+        return self.reporter.on_end(self._result(last_step_end))
+
+    def _result(self, last_step_end: float) -> RunResult:
+        """The run's result: what the loop knows of its end, and its figures (a collective); on
+        rank 0, the stragglers named and every rank's step times."""
+        told = self.reporter.active
+        return RunResult(
+            steps=self.step,
+            epochs=self.epoch,
+            partial_epoch=partial_epoch(self.samples_seen_in_epoch, self.batches_per_epoch * self.group_batch),
+            **self.figures.result_figures(self.step, last_step_end),
+            metrics=self.evaluation.metrics,
+            strategy=self.strategy.label,
+            mesh=list(self.strategy.mesh_shape),
+            node_ranks=self.runtime.node_ranks,
+            world_size=self.runtime.world_size,
+            backend=backend_name(),
+            resumed_from_step=self.resumed_from_step,
+            checkpoint=self.saver.last_checkpoint or self.last_checkpoint,
+            skipped_steps=self.skipped_steps,
+            skipped_rows=baddata.skipped_rows(),  # what this process counted (the summary's)
+            failed_checkpoints=self.saver.failed,
+            preempted=self.stops.preempted,
+            node_leaving=self.stops.node_leaving,
+            growing=self.stops.growing,
+            stop_reason=self.stops.reason() if self.stops.preempted else self.evaluation.early_stop.reason,
+            early_stopped=self.evaluation.stopped and not self.stops.preempted,
+            stragglers=self.step_times.stragglers() if told else None,
+            rank_times=self.step_times.table.rows() if told else None,
+        )
 
     def _announce(self) -> None:
         self.reporter.on_start(
@@ -408,7 +414,7 @@ class Trainer(RunFigures):
 
     def _end_epoch(self, start: tuple[float, int], last_step_end: float) -> None:
         """The epoch's throughput and, when due, its evaluation; then the next epoch's position."""
-        self.speed_metrics = self._epoch_speed(start, last_step_end)
+        self.speed_metrics = self.figures.epoch_speed(start, last_step_end, self.step)
         if _every(self.epoch + 1, self.train_cfg.eval_every_n_epochs) or _every(
             self.step, self.train_cfg.eval_every_n_steps
         ):
@@ -450,11 +456,11 @@ class Trainer(RunFigures):
             "batch_in_epoch": self.batch_in_epoch,
             # The position in samples of the whole group: what a resume on another world size
             # continues from when the global batch is held (train.global_batch).
-            "samples_in_epoch": self.batch_in_epoch * self.train_cfg.batch_size * self.data_ranks,
+            "samples_in_epoch": self.batch_in_epoch * self.group_batch,
             "samples_seen_in_epoch": self.samples_seen_in_epoch,
             "samples_per_step": self.samples_per_step,
             # Training seconds over every launch of the run (a time-to-target sweep ranks by it).
-            "train_s_total": self._trained_before_s + time.perf_counter() - self._train_started,
+            "train_s_total": self.figures.train_s_total(),
             "global_order": self.train_cfg.global_batch is not None,
             "world_size": self.runtime.world_size,
             "data_ranks": self.data_ranks,
@@ -473,19 +479,12 @@ class Trainer(RunFigures):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch = int(state["epoch"])
         self.step = int(state["step"])
-        self.batch_in_epoch = resumed_batch(state, self.train_cfg, self.data_ranks, self.samples_per_step)
-        # A checkpoint from before samples_seen_in_epoch: its position is what it had trained.
-        seen = state.get("samples_seen_in_epoch", state.get("samples_in_epoch"))
-        self.samples_seen_in_epoch = int(seen) if seen is not None else 0
-        mid_epoch = self.batch_in_epoch > 0 or self.samples_seen_in_epoch > 0
-        if line := data_change(
-            state.get("data"), self.data_fingerprint, step=self.step, epoch=self.epoch, mid_epoch=mid_epoch
-        ):
-            # A position in an epoch of other data means nothing: the epoch starts over (docs/training.md, Resume).
-            self.batch_in_epoch = self.samples_seen_in_epoch = 0
-            if self.runtime.rank == 0:
-                log.warning("%s", line)
-        self._trained_before_s = float(state.get("train_s_total") or 0.0)
+        self.batch_in_epoch, self.samples_seen_in_epoch, line = resumed_position(
+            state, self.train_cfg, self.data_ranks, self.samples_per_step, self.data_fingerprint
+        )
+        if line and self.runtime.rank == 0:
+            log.warning("%s", line)
+        self.figures.trained_before_s = float(state.get("train_s_total") or 0.0)
         self.total_steps = last_step(
             self.train_data, self.train_cfg, epoch=self.epoch, batch_in_epoch=self.batch_in_epoch, step=self.step
         )
@@ -500,3 +499,10 @@ class Trainer(RunFigures):
         self.evaluation.early_stop.load_state_dict(state.get("early_stopping"))
         self.hooks.load_state_dict(state.get("hook_states") or {})
         self.resumed_from_step = self.step
+
+    def resume(self, state: dict[str, Any], *, checkpoint: str, name: str, layout_line: str | None) -> None:
+        """At the step of `checkpoint`, whose `state` the model and optimizer hold already: its
+        progress loaded, and what the start says of it (`name`: the checkpoint as the driver
+        names it; `layout_line`: the line a resume at another layout says, or None)."""
+        self.load_state_dict(state)
+        self.last_checkpoint, self.resumed_from, self.resumed_layout = checkpoint, name, layout_line

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from raylane.errors import RaylaneError
+from raylane.loop.observe.observer import Observer
 
 ENV = "RAYLANE_FAULTS"
 KINDS = ("raise", "nan", "hang", "diskfull", "oom", "slow", "slowdata")
@@ -45,13 +46,24 @@ class InjectedFault(RaylaneError, RuntimeError):
     pass
 
 
-class FaultPlan:
+class FaultPlan(Observer):
+    """This rank's faults. An observer of the loop placed after the step timer, so that each
+    sleep is timed where a real one would be: `slowdata` at a step's start (its data wait),
+    `slow` and the step's `raise` or `hang` with its batch in hand (its compute); the loss is
+    corrupted inside the step (`corrupt_loss`), a save's files in the save (`before_save`)."""
+
     def __init__(self, faults: list[Fault], rank: int) -> None:
         mine = [f for f in faults if f.rank in (None, rank)]
         self.by_step = {f.step: f for f in mine if f.kind not in ("oom", *SLOW)}
         self.oom_from_batch = min((f.batch for f in mine if f.kind == "oom"), default=None)
         self.slow = {kind: next(((f.step, f.ms / 1000) for f in mine if f.kind == kind), None) for kind in SLOW}
         self.rank = rank
+
+    def on_step_start(self, step: int) -> None:
+        self.before_fetch(step)
+
+    def on_batch(self, step: int) -> None:
+        self.before_step(step)
 
     def before_fetch(self, step: int) -> None:
         """While this rank waits for the batch of `step` (timed as its data wait)."""

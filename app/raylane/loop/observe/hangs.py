@@ -2,7 +2,7 @@
 runs past `dist.timeout_s`. Ray-free.
 
 Each rank, in the run's folder (local or shared storage):
-- records itself in `ranks/rank<R>.json` (pid, host, the training thread), removed at its end;
+- records itself in `ranks/rank<R>.json` (pid, host, node, the training thread), removed at its end;
 - registers SIGUSR1 with faulthandler: the signal makes it write every thread's stack into
   `ranks/rank<R>.stack`. faulthandler's handler is C, run at the signal, without the GIL: it
   answers whatever the rank does (a user's sleep, a collective, a C loop that holds the GIL),
@@ -14,7 +14,7 @@ Each rank, in the run's folder (local or shared storage):
 
 A rank whose collective times out (`diagnose`) signals its peers on this host, waits a few
 seconds for their answers (or their watchdogs' dumps), copies every stack into
-`stacks/rank<R>-<host>.txt` and fails with one line naming the ranks that never reached the
+`stacks/rank<R>-<node>.txt` and fails with one line naming the ranks that never reached the
 collective and the file:line where each stood. `live_stacks` is `raylane stacks`."""
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from raylane.errors import RaylaneError
+from raylane.loop.observe.observer import Observer
 
 RANKS, STACKS = "ranks", "stacks"
 SIGNAL = signal.SIGUSR1
@@ -53,8 +54,17 @@ class HangError(RaylaneError, RuntimeError):
     and where each stood, and the folder of every rank's stack."""
 
 
-def node_name() -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+def host_name() -> str:
+    """This machine's name: which recorded ranks a signal from here reaches (a pid means something
+    on its own host only). Not the node's name in the run's records (`node`: groups.node_name),
+    which RAYLANE_NODE_NAME sets apart for nodes that share a host, such as two raylets on one
+    machine: their ranks are still this host's processes, signalled from here."""
+    return socket.gethostname()
+
+
+def file_part(name: str) -> str:
+    """`name` as part of a file's name."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 @dataclass(frozen=True)
@@ -102,9 +112,10 @@ class RankEntry:
 
     rank: int
     pid: int
-    host: str
+    host: str  # host_name(): whether a signal from here reaches it
     thread: int
     folder: str
+    node: str  # groups.node_name(): its name in the run's records (the stacks' files)
 
     @property
     def live_file(self) -> Path:
@@ -116,7 +127,7 @@ class RankEntry:
 
     def here(self) -> bool:
         """On this host, and its process alive."""
-        if self.host != node_name():
+        if self.host != host_name():
             return False
         try:
             os.kill(self.pid, 0)
@@ -133,7 +144,9 @@ def read_ranks(folder: str | Path) -> list[RankEntry]:
     for path in sorted(Path(folder, RANKS).glob("rank*.json")):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             d = json.loads(path.read_text())
-            out.append(RankEntry(int(d["rank"]), int(d["pid"]), str(d["host"]), int(d["thread"]), str(folder)))
+            host = str(d["host"])
+            node = str(d.get("node", host))  # a record of a release before the node's own name
+            out.append(RankEntry(int(d["rank"]), int(d["pid"]), host, int(d["thread"]), str(folder), node))
     return sorted(out, key=lambda e: e.rank)
 
 
@@ -179,16 +192,25 @@ def _size(path: Path) -> int:
 
 
 def header(e: RankEntry) -> str:
-    return f"# rank {e.rank}, pid {e.pid}, host {e.host}, training thread {e.thread:#x}\n"
+    node = f", node {e.node}" if e.node != e.host else ""
+    return f"# rank {e.rank}, pid {e.pid}, host {e.host}{node}, training thread {e.thread:#x}\n"
 
 
-class HangWatch:
+def stacks_file(folder: Path, e: RankEntry) -> Path:
+    return folder / f"rank{e.rank}-{file_part(e.node)}.txt"
+
+
+class HangWatch(Observer):
     """This rank's side (see the module's doc): `start` once the run folder is known, `beat` at
-    each step's start, `close` at the end; `diagnose` a timed-out collective's exception."""
+    each step's start (the loop's observer: `on_step_start`), `close` at the end; `diagnose` a
+    timed-out collective's exception."""
 
     def __init__(self, folder: str, rank: int, world_size: int, bound_s: float) -> None:
+        # Here, not at the top: groups imports torch, which `raylane stacks` has no use for.
+        from raylane.loop.distributed.groups import node_name
+
         self.folder, self.rank, self.world_size, self.bound_s = folder, rank, world_size, bound_s
-        self.entry = RankEntry(rank, os.getpid(), node_name(), threading.get_ident(), folder)
+        self.entry = RankEntry(rank, os.getpid(), host_name(), threading.get_ident(), folder, node_name())
         self._files: list[Any] = []
         self._armed_at = float("-inf")
 
@@ -206,6 +228,9 @@ class HangWatch:
         tmp = Path(self.folder, RANKS, f".rank{self.rank}.json.tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, Path(self.folder, RANKS, f"rank{self.rank}.json"))
+
+    def on_step_start(self, step: int) -> None:
+        self.beat()
 
     def beat(self) -> None:
         """A step starts: the watchdog dumps this rank's stacks if the next `bound_s` pass without
@@ -245,7 +270,7 @@ class HangWatch:
         asked = ask(peers)
         stacks = Path(self.folder, STACKS)
         stacks.mkdir(exist_ok=True)
-        with open(stacks / f"rank{self.rank}-{self.entry.host}.txt", "w") as f:
+        with open(stacks_file(stacks, self.entry), "w") as f:
             f.write(header(self.entry) + "# its collective timed out:\n")
             f.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) + "\n# every thread now:\n")
             f.flush()
@@ -254,7 +279,7 @@ class HangWatch:
         got = collect(asked, others, ANSWER_WAIT_S)
         for e in peers:
             if e.rank in got:
-                (stacks / f"rank{e.rank}-{e.host}.txt").write_text(header(e) + got[e.rank])
+                stacks_file(stacks, e).write_text(header(e) + got[e.rank])
         return HangError(hang_line(self.bound_s, peers, got, self.world_size - 1, str(stacks)))
 
 
@@ -347,7 +372,7 @@ def live_stacks(folder: Path, wait_s: float = ANSWER_WAIT_S) -> tuple[int, str]:
         return 2, f"raylane: stacks: no run at {folder} (a run's name under --storage-path, or its folder)"
     entries = read_ranks(folder)
     here = [e for e in entries if e.here()]
-    away = [e for e in entries if e.host != node_name()]
+    away = [e for e in entries if e.host != host_name()]
     if not here and not away:
         return 2, f"raylane: stacks: run {folder.name} is not live: no rank of it runs (its folder: {folder})"
     got = collect(ask(here), [], wait_s)

@@ -1,6 +1,8 @@
 """`profile:` on a rank: torch.profiler over a window of steps (raylane.config.observe.ProfileSection),
-driven by the Trainer's step end. Each window's trace goes into the run's folder as a gzipped
-Chrome trace, `profiles/trace-rank<R>-<node>.json.gz`, beside its table of the top operations by
+an observer of the Trainer's loop (`StepProfiler`; made mid-run on a rank the step times name the
+slowest, raylane.loop.observe.observer.Deferred). Each window's trace goes into the run's folder as a gzipped
+Chrome trace, `profiles/trace-rank<R>-<node>.json.gz` (`<node>`: the node's name in the run's
+records, raylane.loop.distributed.groups.node_name), beside its table of the top operations by
 self time (`top-ops-rank<R>-<node>.txt`, `.md`, `.csv`), and on a GPU the rank's CUDA memory
 snapshots (`MemorySnapshots`: `memory-rank<R>-<node>-step<S>.pickle`, `-oom.pickle`); the driver
 logs the folder to MLflow. Imported only when this rank is profiled: with `profile` off, nothing
@@ -16,7 +18,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
 from typing import Any
 
@@ -25,6 +26,8 @@ import torch.profiler as tp
 
 from raylane.config.observe import ProfileSection
 from raylane.loop.checkpoint.storage import CheckpointStore
+from raylane.loop.distributed.groups import node_name
+from raylane.loop.observe.observer import Observer
 
 log = logging.getLogger("raylane")
 FOLDER = "profiles"
@@ -36,13 +39,16 @@ def trace_stem(rank: int, node: str, cycle: int, repeat: int) -> str:
     return f"rank{rank}-{safe}" + (f"-w{cycle}" if repeat != 1 else "")
 
 
-class StepProfiler:
+class StepProfiler(Observer):
     """torch.profiler on this rank: `start` before the first step, `step` after each, `close`
-    after the last (a window the run cut short is written as far as it got)."""
+    after the last (a window the run cut short is written as far as it got); as the loop's
+    observer, from `on_train_start` to `on_train_end`, where a loop ending out of memory leaves
+    its memory snapshot first (profile.memory_snapshot_on_oom), then fails as it would without a
+    profile. Made before the loop starts: its set-up's imports are not in the steps timed."""
 
     def __init__(self, cfg: ProfileSection, store: CheckpointStore, rank: int, device: torch.device) -> None:
         self.cfg, self.store, self.rank = cfg, store, rank
-        self.node = socket.gethostname()
+        self.node = node_name()
         self.written: list[str] = []
         activities = [tp.ProfilerActivity.CPU] if "cpu" in cfg.activities else []
         if "cuda" in cfg.activities and device.type == "cuda":
@@ -87,6 +93,19 @@ class StepProfiler:
         except Exception as exc:  # noqa: BLE001 - a profile is best effort; training's outcome stands
             log.warning("profile: rank %d's trace was not written: %s", self.rank, exc)
         self.memory.stop()
+
+    def on_train_start(self, step: int) -> None:
+        self.start(step)
+
+    def on_step_end(self, step: int) -> None:
+        self.step(step)
+
+    def on_train_end(self, error: BaseException | None) -> None:
+        """Its trace written however the loop ends, before the last window's figures are
+        gathered (so before rank 0 goes on)."""
+        if error is not None and is_out_of_memory(error):
+            self.out_of_memory()
+        self.close()
 
     def _ready(self, prof: Any) -> None:
         try:

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from raylane.loop.observe.observer import Observer
 
 # Per rank and window, in this order: steps, then the means of the whole step, the data wait, the
 # time to reach the gradient sync, forward and backward, and the optimizer.
@@ -238,21 +241,56 @@ class RankTable:
         return out
 
 
-class StepTimes:
-    """What the Trainer holds: this rank's timer, which windows ride on which vote (`due`: the
-    same answer on every rank, from the step alone), and on rank 0 what the gathered figures give
-    (`window`: MLflow's aggregates through `log`, a straggler through `name`)."""
+class FigureSink(Protocol):
+    """Where rank 0's window figures go (raylane.loop.reporting.Reporter: MLflow and the driver)."""
 
-    def __init__(self, every: int, factor: float, windows: int, *, active: bool, enabled: bool = True) -> None:
+    active: bool
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def on_straggler(self, straggler: dict[str, Any], line: str) -> None: ...
+
+
+class StepTimes(Observer):
+    """What the Trainer holds: this rank's timer, driven by the loop's moments (a step's start,
+    its batch in hand, its end) and its own marks inside a step; which windows ride on which vote
+    (`due`: the same answer on every rank, from the step alone); what the gathered figures give
+    (`gathered`: on rank 0, MLflow's aggregates and a straggler to `sink`; on a rank that profiles
+    itself once named the slowest, `on_named`)."""
+
+    def __init__(
+        self,
+        every: int,
+        factor: float,
+        windows: int,
+        *,
+        active: bool,
+        enabled: bool = True,
+        rank: int = 0,
+        sink: FigureSink | None = None,
+        on_named: Callable[[int], None] | None = None,
+    ) -> None:
         # Off: no clock read, nothing gathered (no window is ever due), no last gather after the loop.
         self.timer: StepTimer | OffTimer = StepTimer() if enabled else OffTimer()
         self.enabled = enabled
         self.every = every
         self.active = active and enabled
+        self.rank, self.sink, self.on_named = rank, sink, on_named
         self.nodes: list[str] = []
         self.watch = StragglerWatch(factor, windows)
         self.table = RankTable(self.nodes)
         self._gathered_at = 0
+
+    # The loop's moments: a slow loader's wait counts as the data's (a fault's `slowdata` sleeps
+    # after `on_step_start`), a slow step's as its compute (`slow` sleeps after `on_batch`).
+    def on_step_start(self, step: int) -> None:
+        self.timer.begin()
+
+    def on_batch(self, step: int) -> None:
+        self.timer.fetched()
+
+    def on_step_end(self, step: int) -> None:
+        self.timer.ended()
 
     def start(self, step: int, nodes: list[str]) -> None:
         self._gathered_at = step
@@ -276,6 +314,29 @@ class StepTimes:
         figures["nodes"] = {r: self.nodes[r] if r < len(self.nodes) else "?" for r in figures["busy"]}
         self.table.add(rows, figures["busy"])
         return figures["metrics"], self.watch.observe(step, figures)
+
+    def gathered(self, step: int, values: list[float], world_size: int, *, in_loop: bool = True) -> None:
+        """A window's step times from every rank (gathered on a vote, `values`): on rank 0, its
+        aggregates to MLflow and a rank it names as a straggler to the driver (once). On a rank
+        that profiles itself once named the slowest (profile.ranks: `slowest`), the same naming,
+        from the same figures (every rank holds them, bit for bit, after the vote's all-reduce),
+        calls `on_named` with the step, once, in the loop only: no rank tells another."""
+        reports = self.sink is not None and self.sink.active
+        if not values or not (reports or self.on_named):
+            return
+        metrics, named = self.window(step, split_rows(values, world_size))
+        if reports and self.sink is not None:
+            if metrics:
+                self.sink.log_metrics(metrics, step)
+            for straggler in named:
+                self.sink.on_straggler(straggler.to_dict(), straggler.line())
+        if in_loop and self.on_named and any(s.rank == self.rank for s in named):
+            call, self.on_named = self.on_named, None  # once: a rank is named once
+            call(step)
+
+    def stragglers(self) -> list[dict[str, Any]]:
+        """The ranks named, for the run's result (rank 0's)."""
+        return [s.to_dict() for s in self.watch.named]
 
 
 def split_rows(values: list[float], world_size: int) -> list[tuple[float, ...]]:
