@@ -201,3 +201,26 @@ def test_no_build_without_tp_or_pp(tmp_path):
         "import raylane\nclass Config(raylane.BaseConfig):\n    pass\ndef build(cfg):\n    raise SystemExit(9)\n"
     )
     assert check_plan(load_config({"pipeline": str(tmp_path / "never.py")}), 2) == []
+
+
+def test_a_factory_wrapped_for_a_while_by_a_library_is_still_put_on_meta(monkeypatch):
+    """transformers' loading puts its own `_safe_linspace` in place of torch.linspace for a while;
+    torch's cached list of factories, first made then, kept the wrapper, and a constructor's real
+    linspace after it went unredirected: a model that reads values was built on meta (seen in make
+    test, after an HF test on the same worker)."""
+    from torch.utils import _device
+
+    real = torch.linspace
+
+    def _safe_linspace(*args, **kwargs):
+        return real(*args, **kwargs)
+
+    _device._device_constructors.cache_clear()
+    monkeypatch.setattr(torch, "linspace", _safe_linspace)
+    _device._device_constructors()  # torch's list, made while the wrapper is in place
+    monkeypatch.setattr(torch, "linspace", real)
+    try:
+        with pytest.raises(NotImplementedError, match="meta"), meta_build.modules_on_meta():
+            _Rates()
+    finally:
+        _device._device_constructors.cache_clear()

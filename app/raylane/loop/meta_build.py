@@ -48,6 +48,20 @@ def _in_module_init() -> bool:
     return False
 
 
+def _name(func: Any) -> str | None:
+    return getattr(func, "__name__", None)
+
+
+# The factory functions by name, listed when this module is imported, not torch's cached list:
+# torch caches its list on first use, and transformers' loading puts its own `_safe_linspace` in
+# place of torch.linspace for a while; a list first made then keeps the wrapper for good, and the
+# real function went by unredirected (seen: a model whose constructor reads values built on meta
+# after an HF model's load in the same process). The real function keeps its name, wrapped or not.
+_CONSTRUCTORS = frozenset(
+    filter(None, map(_name, getattr(_device_constructors, "__wrapped__", _device_constructors)()))
+)
+
+
 class _ModulesOn(TorchFunctionMode):
     """Factory calls without a device made inside a module's constructor go to `device`; on the
     CPU (`cap` set), their bytes are counted and Unchecked raised past `cap`."""
@@ -58,7 +72,7 @@ class _ModulesOn(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func not in _device_constructors() or kwargs.get("device") is not None or not _in_module_init():
+        if _name(func) not in _CONSTRUCTORS or kwargs.get("device") is not None or not _in_module_init():
             return func(*args, **kwargs)
         if self.cap is None:
             kwargs["device"] = self.device
