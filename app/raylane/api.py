@@ -74,6 +74,7 @@ def train(
             address=run.address,
             summary_path=summary_json,
             register=register,
+            held=run.held,
         )
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from raylane.config import BaseConfig
+from raylane.config.batching import HeldBatch
 from raylane.errors import TrainingError
 from raylane.loop.protocols.events import Event
 from raylane.loop.protocols.result import RunResult
@@ -64,22 +65,30 @@ def train(
     address: str | None = None,
     summary_path: str | None = None,
     register: str | None = None,
+    held: HeldBatch | None = None,
 ) -> TrainSummary:
     """Run training to the end; returns the summary (on a torchrun rank other than 0, only its
-    `status` and `error`), whose `exit_code` is the command's. `folder` and `pipeline`: the run's
-    as the checks before it found them once (raylane.prepare.PreparedRun); `address`: the cluster
-    a Ray run joins, as they resolved it."""
+    `status` and `error`), whose `exit_code` is the command's. `folder`, `pipeline` and `held`
+    (the global batch held on the planned world): the run's as the checks before it found them
+    once (raylane.prepare.PreparedRun); `address`: the cluster a Ray run joins, as they resolved it."""
     from raylane.loop import preemption
+    from raylane.loop.data import baddata
     from raylane.loop.distributed.groups import env_ranks
     from raylane.loop.observe.startup import StartupTimes
-    from raylane.tracking.health import start_watch, stop_watch
-    from raylane.tracking.records import RunRecorder
-    from raylane.tracking.resizes import Resizes
+    from raylane.tracking.health import stop_watch
     from raylane.tracking.runs import open_run, resolve_tracking_uri, ui_command
 
     launched = time.time()
     startup = StartupTimes()
-    is_driver = _begin(cfg, use_ray, startup, folder)
+    if not use_ray:
+        from raylane.loop.run import prelude  # the loop this process runs: its imports are the driver's
+    baddata.forget_skipped()  # a second raylane.train() in this process counts its own data
+    startup.mark("driver_imports")
+    signal.signal(signal.SIGTERM, raise_interrupt)  # before training can stop gracefully: like Ctrl-C
+    if not use_ray:
+        prelude(cfg, folder)  # env:, NCCL's flight recorder, the process group: the ranks agree on the run name first
+        startup.mark("process_group")
+    is_driver = use_ray or env_ranks()[0] == 0  # on Ray, or torchrun's rank 0
     tracking_uri = resolve_tracking_uri()
     with RunSession() as session:
         cfg = finalize_run(cfg, session, is_driver, folder)
@@ -103,18 +112,11 @@ def train(
         # From here on, a first SIGTERM or Ctrl-C asks the ranks to checkpoint and stop.
         preemption.install()
         ending = None if use_ray or world_size < 2 else TorchrunEnding(env_ranks()[0])
-        # None: MLflow is off, or its server cannot be reached (training does not wait for tracking).
-        if handle := session.handle():
-            startup.mark("tracking")
-            log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id, ", continued" if handle.resumed else "")
-        display = ProgressDisplay() if is_driver else None
-        recorder = RunRecorder(handle, cfg, prewarm=use_ray) if handle else None
-        resizes = Resizes()
-        listeners = [x.handle if x is display else x.on_event for x in (resizes, display, recorder) if x is not None]
-        health = start_watch(cfg, handle.tracking_uri, handle.run_id) if handle else None
+        handle = session.handle()  # None: MLflow is off, or its server cannot be reached
+        display, recorder, resizes, listeners, health = _watchers(cfg, handle, is_driver, use_ray, startup)
         embedded = bool(ray_stopper and ray_stopper.embedded)
-        launch = Launch(use_ray, embedded, session.folder, pipeline, handle, tracking_uri)
-        status, error, result = _execute(cfg, launch, [*listeners, startup.on_event], display, ending)
+        launch = Launch(use_ray, embedded, session.folder, pipeline, handle, tracking_uri, held)
+        status, error, result = _execute(cfg, launch, listeners, display, ending)
         stop_watch(health)  # the nodes' last samples logged; a node silent at the end is not named
         if ray_stopper:
             ray_stopper.start()  # the ranks are done; the records below need MLflow, not Ray
@@ -128,22 +130,24 @@ def train(
         return _finish(cfg, session, recorder, fields, register, summary_path, ui, ending.said if ending else [])
 
 
-def _begin(cfg: BaseConfig, use_ray: bool, startup: Any, folder: Path | None) -> bool:
-    """What comes before the run's name: returns whether this process is the driver (on Ray, or
-    torchrun's rank 0)."""
-    from raylane.loop.data import baddata
-    from raylane.loop.distributed.groups import env_ranks
+def _watchers(cfg: BaseConfig, handle: Any, is_driver: bool, use_ray: bool, startup: Any) -> tuple[Any, ...]:
+    """What hears rank 0's events on the driver: (progress display, MLflow recorder, resizes,
+    the listeners in their order, the nodes' health watch); the display and the recorder are
+    None where there is none (a torchrun rank other than 0; MLflow off or unreachable: training
+    does not wait for tracking)."""
+    from raylane.tracking.health import start_watch
+    from raylane.tracking.records import RunRecorder
+    from raylane.tracking.resizes import Resizes
 
-    if not use_ray:
-        from raylane.loop.run import prelude  # the loop this process runs: its imports are the driver's
-
-    baddata.forget_skipped()  # a second raylane.train() in this process counts its own data
-    startup.mark("driver_imports")
-    signal.signal(signal.SIGTERM, raise_interrupt)  # before training can stop gracefully: like Ctrl-C
-    if not use_ray:
-        prelude(cfg, folder)  # env:, NCCL's flight recorder, the process group: the ranks agree on the run name first
-        startup.mark("process_group")
-    return use_ray or env_ranks()[0] == 0
+    if handle:
+        startup.mark("tracking")
+        log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id, ", continued" if handle.resumed else "")
+    display = ProgressDisplay() if is_driver else None
+    recorder = RunRecorder(handle, cfg, prewarm=use_ray) if handle else None
+    resizes = Resizes()
+    listeners = [x.handle if x is display else x.on_event for x in (resizes, display, recorder) if x is not None]
+    health = start_watch(cfg, handle.tracking_uri, handle.run_id) if handle else None
+    return display, recorder, resizes, [*listeners, startup.on_event], health
 
 
 def _finish(
@@ -181,6 +185,7 @@ class Launch:
     pipeline: Resolved
     handle: Any
     tracking_uri: str
+    held: HeldBatch | None = None  # the global batch held on the planned world (raylane.prepare)
 
 
 def _execute(
@@ -215,6 +220,7 @@ def _execute(
                     worker=train_worker,
                     folder=launch.folder,
                     pipeline=launch.pipeline,
+                    held=launch.held,
                 )
                 result = ended if isinstance(ended, RunResult) else None  # None: no End came
             else:
@@ -225,7 +231,7 @@ def _execute(
                 logger = None
                 if run_id and env_ranks()[0] == 0:
                     logger = rank_zero_logger(cfg, tracking_uri, run_id, launch.folder)
-                result = launch_local(cfg, on_event, logger)
+                result = launch_local(cfg, on_event, logger, launch.held)
         status = ran(bool(result is not None and result.preempted))
         if result is not None and status == Status.KILLED:
             return (

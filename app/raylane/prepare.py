@@ -19,7 +19,7 @@ from typing import Any
 from raylane import layout_checks, pipelines_ref, prechecks, runrecord
 from raylane.autotuning.record import RECORD_FILE
 from raylane.config import BaseConfig, ConfigError, autotune, load_config
-from raylane.config.batching import held_batch, world_sizes
+from raylane.config.batching import HeldBatch, world_sizes
 from raylane.config.sweep import SweepSection, load_sweep
 from raylane.lease import LEASE_FILES
 
@@ -43,6 +43,7 @@ class PreparedRun:
     address: str | None = None  # the cluster a Ray run joins (None: a fresh embedded one)
     finished: runrecord.Finished | None = None
     notes: list[str] = field(default_factory=list)  # lines to show before it starts
+    held: HeldBatch | None = None  # the global batch held on the world the run is planned for
 
 
 def prepare_train(
@@ -67,16 +68,17 @@ def prepare_train(
         world = int(os.environ.get("WORLD_SIZE", "1"))
         where = f"torchrun's WORLD_SIZE = {world}" if under_torchrun() else "the one process of --local"
         layout_checks.check_layout(cfg, world, where, pipeline)
-        # A check: the rank holds the batch on the world it has (raylane.loop.run); this config,
-        # as given, is what MLflow records.
-        held_batch(cfg, world)
     else:
         world = cfg.scaling.num_workers
         layout_checks.check_layout(cfg, world, f"scaling.num_workers = {world}", pipeline)
+    # Held once, here: the ranks train with it on this world (raylane.loop.run holds it again only
+    # on another: an elastic run's); this config, as given, is what MLflow records.
+    held = HeldBatch.of(cfg, world)
+    if not in_process and cfg.scaling.elastic:
         notes.extend(_skipped_sizes(cfg, world_sizes(cfg)))  # the global batch splits at min and max
     prechecks.check_global_order(cfg, pipeline)
     finished = prechecks.check_resume(cfg, folder)
-    run = PreparedRun(cfg, not in_process, folder, pipeline, finished=finished, notes=notes)
+    run = PreparedRun(cfg, not in_process, folder, pipeline, finished=finished, notes=notes, held=held)
     if not run.finished:  # the plan and stages on the model (tp, pp): one build of it, here
         unchecked = layout_checks.check_plan(cfg, world)
         notes.extend(unchecked if os.environ.get("RANK", "0") == "0" else [])  # under torchrun, rank 0 says it

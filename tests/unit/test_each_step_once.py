@@ -251,3 +251,52 @@ def test_the_path_the_architecture_page_lists_is_the_codes():
             listed += 1
     claimed = section.split("**", 2)[1]  # "22 functions in 10 files"
     assert claimed == f"{listed} functions in {len(rows)} files", claimed
+
+
+def test_the_held_global_batch_is_computed_once_per_world(project):
+    """train.global_batch held once, by the checks before anything starts, on the world the run
+    will have, and handed to the rank (before: again by run_worker on every rank). The rank
+    trains with the held split; MLflow records the config as given."""
+    from raylane.config import batching
+
+    watched = Calls(held_batch=batching.held_batch)
+    sets = ["run.name=h", "train.max_steps=1", "train.batch_size=4", "train.global_batch=16", "mlflow.enabled=false"]
+    with watched.watching():
+        summary = raylane.train("train.yaml", sets, local=True)
+    assert summary.status == Status.FINISHED, summary.error
+    assert [caller for caller, _ in watched.of("held_batch")] == ["of"]  # HeldBatch.of, in prepare_train
+    held = watched.of("held_batch")[0][1]
+    assert (held.train.batch_size, held.train.grad_accum_steps) == (4, 4)
+
+    # A Ray run's, prepared (no Ray here): held once on scaling.num_workers, for the ranks.
+    watched = Calls(held_batch=batching.held_batch)
+    with watched.watching():
+        run = prepare.prepare_train("train.yaml", [*sets, "scaling.num_workers=2"])
+    assert [caller for caller, _ in watched.of("held_batch")] == ["of"]
+    assert run.held is not None and run.held.workers == 2 and run.held.train["grad_accum_steps"] == 2
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["train.global_batch=48", "train.batch_size=4"],
+        ["train.global_batch=48", "train.grad_accum_steps=2", "train.global_batch_adjust=batch_size"],
+        ["scaling.min_workers=1", "scaling.num_workers=4", "train.batch_size=3"],  # elastic, no global_batch
+        [],  # nothing to hold
+    ],
+)
+def test_a_rank_holds_the_batch_again_only_on_another_world(project, sets):
+    """What the rank trains with is what holding the given config on its world gives: the
+    launch's held section where the worlds agree (held_batch not called), held again where they
+    do not (an elastic run's other size)."""
+    from raylane.config import batching
+
+    cfg = load.load_config("train.yaml", sets)
+    planned = batching.HeldBatch.of(cfg, 4)
+    for world in (4, 2):
+        watched = Calls(held_batch=batching.held_batch)
+        with watched.watching():
+            got = batching.held_for(cfg, world, planned)
+        assert got == batching.held_batch(cfg, world)
+        assert len(watched.of("held_batch")) == (world != 4)
+    assert batching.held_for(cfg, 4, None) == batching.held_batch(cfg, 4)

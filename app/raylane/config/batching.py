@@ -4,7 +4,8 @@ split (sweeps, autotune): each such config trains the same model."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationError
 
@@ -28,6 +29,30 @@ def held_batch(cfg: BaseConfig, workers: int) -> BaseConfig:
         return cfg
     held = GlobalBatch(size=size, adjust=t.global_batch_adjust)
     return hold_global_batch(cfg, held, "train.global_batch", workers // (cfg.strategy.tp_degree * cfg.strategy.pp))
+
+
+@dataclass(frozen=True)
+class HeldBatch:
+    """train.global_batch held once, before the launch, on the world the run is planned for
+    (`workers` ranks): the train section the ranks train with, as JSON (a pipeline's own config
+    class reads it back where the ranks validate theirs). Only that section is held: the config
+    MLflow records is the one given."""
+
+    workers: int
+    train: dict[str, Any]
+
+    @classmethod
+    def of(cls, cfg: BaseConfig, workers: int) -> HeldBatch:
+        """ConfigError, as held_batch, when the batch does not split over `workers`."""
+        return cls(workers, held_batch(cfg, workers).train.model_dump(mode="json"))
+
+
+def held_for(cfg: BaseConfig, workers: int, held: HeldBatch | None) -> BaseConfig:
+    """`cfg` held on `workers` ranks: the section handed down when it was held on as many, else
+    (an elastic run's other size, a launch that held nothing) held here."""
+    if held is not None and held.workers == workers:
+        return cfg.model_copy(update={"train": type(cfg.train).model_validate(held.train)})
+    return held_batch(cfg, workers)
 
 
 def effective_global_batch(cfg: BaseConfig) -> int | None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from raylane.config import BaseConfig
-from raylane.config.batching import held_batch
+from raylane.config.batching import HeldBatch, held_for
 from raylane.loop import checkpoint, usercode
 from raylane.loop.checkpoint import frozen
 from raylane.loop.checkpoint.saving import Saver
@@ -66,14 +66,21 @@ def _side_groups(cfg: BaseConfig, world_size: int) -> tuple[Any, Any]:
 
 
 def run_worker(
-    cfg: BaseConfig, runtime: Runtime, metric_logger: Any | None = None, startup: dict[str, float] | None = None
+    cfg: BaseConfig,
+    runtime: Runtime,
+    metric_logger: Any | None = None,
+    startup: dict[str, float] | None = None,
+    *,
+    held: HeldBatch | None = None,
 ) -> RunResult:
     """One rank's whole run. Returns the result (the same on every rank but for timings).
     `startup`: the launcher's start-up phases on this rank (see raylane.loop.observe.startup); rank 0 adds
-    its own and sends them with its start and first-step events. An exception of the user's
-    pipeline code leaves it as one line naming the function and the place (raylane.loop.usercode)."""
+    its own and sends them with its start and first-step events. `held`: train.global_batch as the
+    launch held it before it started, on the world it planned (held here only on another: an
+    elastic run's size is known only here). An exception of the user's pipeline code leaves it as
+    one line naming the function and the place (raylane.loop.usercode)."""
     startup = {} if startup is None else startup
-    cfg = held_batch(cfg, runtime.world_size)  # train.global_batch on this many ranks (checked before launch)
+    cfg = held_for(cfg, runtime.world_size, held)
     seed_everything(cfg.train.seed)
     pipe = None
     sampler = health.start_sampler(cfg, runtime.local_rank, runtime.store)  # this node's, on its local rank 0
@@ -145,25 +152,40 @@ def build_trainer(
         _init_weights(pipe, model, meta)
     # Over the wrapped model's parameters (DTensors under FSDP), in their shards whatever ran before.
     optimizer = build_optimizer(resharded(model), cfg, pipe)
-    trainer = _assemble(cfg, runtime, pipe, reporter, startup, (model, strategy, optimizer), hang_watch)
+    # Its loaders, schedule, side groups and observers: what the Trainer is built over, beside them.
+    train_loader, parts, saver, observers = _parts(
+        cfg, runtime, pipe, reporter, startup, (strategy, optimizer), hang_watch
+    )
+    trainer = Trainer(
+        model,
+        train_loader,
+        optimizer,
+        parts,
+        config=cfg,
+        runtime=runtime,
+        saver=saver,
+        reporter=reporter,
+        observers=observers,
+    )
     usercode.check_first_calls(trainer, pipe, cfg)
     if latest:
         _resume(trainer, latest, own=bool(own), runtime=runtime)
     return trainer
 
 
-def _assemble(
+def _parts(
     cfg: BaseConfig,
     runtime: Runtime,
     pipe: Any,
     reporter: Reporter,
     startup: dict[str, float],
-    built: tuple[torch.nn.Module, Strategy, torch.optim.Optimizer],
+    built: tuple[Strategy, torch.optim.Optimizer],
     hang_watch: hangs.HangWatch | None,
-) -> Trainer:
-    """The Trainer over the `built` model (parallelized, its layout) and optimizer: its loaders,
-    schedule, side groups and observers."""
-    model, strategy, optimizer = built
+) -> tuple[Any, Parts, Saver, Observers]:
+    """What the Trainer over the parallelized model (laid out as `built`'s Strategy) and its
+    optimizer is built with: (the training loader, its Parts: schedule, evaluation, side groups,
+    ..., its Saver, its Observers)."""
+    strategy, optimizer = built
     batching = {
         "batch_size": cfg.train.batch_size,
         "seed": cfg.train.seed,
@@ -196,17 +218,8 @@ def _assemble(
         hooks=pipe.hooks,
         vote_group=control_group,
     )
-    return Trainer(
-        model,
-        train_loader,
-        optimizer,
-        parts,
-        config=cfg,
-        runtime=runtime,
-        saver=Saver(runtime.store, cfg.checkpoint, reporter, group=save_group, faults=plan),
-        reporter=reporter,
-        observers=_observers(cfg, runtime, reporter, hang_watch, plan),
-    )
+    saver = Saver(runtime.store, cfg.checkpoint, reporter, group=save_group, faults=plan)
+    return train_loader, parts, saver, _observers(cfg, runtime, reporter, hang_watch, plan)
 
 
 def _observers(
@@ -473,8 +486,14 @@ def local_runtime(cfg: BaseConfig, on_event: Callable[[Event], None]) -> LocalRu
     )
 
 
-def launch_local(cfg: BaseConfig, on_event: Callable[[Event], None], metric_logger: Any | None = None) -> RunResult:
+def launch_local(
+    cfg: BaseConfig,
+    on_event: Callable[[Event], None],
+    metric_logger: Any | None = None,
+    held: HeldBatch | None = None,
+) -> RunResult:
     """Train as this rank (see local_runtime); `metric_logger`: rank 0's MLflow logger, if any
-    (raylane.tracking.runs.rank_zero_logger: the loop itself knows nothing of MLflow)."""
+    (raylane.tracking.runs.rank_zero_logger: the loop itself knows nothing of MLflow); `held`:
+    the global batch the launch held on this world (raylane.prepare)."""
     startup = {"worker_imports": time.time()}
-    return run_worker(cfg, local_runtime(cfg, on_event), metric_logger, startup)
+    return run_worker(cfg, local_runtime(cfg, on_event), metric_logger, startup, held=held)

@@ -22,7 +22,7 @@ from ray.train.torch import TorchTrainer
 
 from raylane import logs, pipelines_ref
 from raylane.config import BaseConfig, validate
-from raylane.config.batching import world_sizes
+from raylane.config.batching import HeldBatch, world_sizes
 from raylane.errors import TrainingError
 from raylane.loop import preemption
 from raylane.loop.protocols.events import End, Event, Startup
@@ -98,7 +98,7 @@ def train_worker(cfg: BaseConfig, runtime: RayRuntime, spec: LaunchSpec, startup
     if runtime.rank == 0 and spec.run_id:
         folder = Path(spec.run_folder) if spec.run_folder else None
         metric_logger = rank_zero_logger(cfg, spec.tracking_uri, spec.run_id, folder)
-    result = run_worker(cfg, runtime, metric_logger, startup)
+    result = run_worker(cfg, runtime, metric_logger, startup, held=spec.held)
     if result.growing:
         # Checkpointed for a larger group: Ray's elastic policy now stops this one and starts
         # that (a return would end the run). Should it not come, a restart does the same.
@@ -191,6 +191,7 @@ def launch_on_ray(
     sink_name: str | None = None,
     folder: Path | None | Literal["find"] = FIND,
     pipeline: pipelines_ref.Resolved | None = None,
+    held: HeldBatch | None = None,
 ) -> RunResult | None:
     """Run `worker` on a worker group of the connected cluster (see
     `raylane.onray.cluster.start_ray`), passing rank 0's events to `on_event`; returns what rank
@@ -201,8 +202,9 @@ def launch_on_ray(
     search's does not. `env`: the `env:` variables already in Ray's object store (a sweep's driver
     resolved them: a trial runs elsewhere); None: resolved here, in the driver. `sink_name`: the
     event sink's, for a stop asked from another process (a sweep's driver: raylane.onray.trials).
-    `folder` and `pipeline`: the run's, as the driver found them (`raylane train`); a trial's and
-    a search's are found here."""
+    `folder`, `pipeline` and `held` (the global batch held on the planned world): the run's, as
+    the driver found them (`raylane train`); a trial's and a search's are found here (and their
+    ranks hold their batch)."""
     folder = run_folder(cfg) if isinstance(folder, str) else folder
     sink = _event_sink(sink_name)
     trainer = _trainer(
@@ -218,6 +220,7 @@ def launch_on_ray(
             verbose=logs.verbose(),
             world_sizes=world_sizes(cfg) if cfg.scaling.elastic else None,
             restarts=max_failures(cfg) != 0 and restartable,
+            held=held,
         ),
         TrialTorchTrainer if in_trial else EmbeddedTorchTrainer if embedded else DriverTorchTrainer,
         put_env(cfg, folder) if env is None else env,
