@@ -134,6 +134,8 @@ def test_only_a_job_less_worker_imports_the_warm_modules_and_marks_itself_ready(
     monkeypatch.setattr(importlib, "import_module", lambda name: imported.append(name) or _seen(marks, name))
     importlib.reload(preload)  # this process is no Ray worker
     assert imported == [] and not marks.exists()
+    assert not ray.is_initialized()  # asking a process that is no worker for its job started a local Ray (~20 s)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # a worker: Ray imports the preload once connected
     for job, expected in ((ray.JobID.nil().hex(), list(local.WARM_PRELOAD)), ("01000000", [])):
         context = SimpleNamespace(get_job_id=lambda job=job: job)
         monkeypatch.setattr(ray, "get_runtime_context", lambda context=context: context)

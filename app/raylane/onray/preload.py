@@ -22,6 +22,10 @@ from raylane.clusters.local import WARM_PRELOAD
 
 def job_less() -> bool:
     """Whether this worker was started for no job: prestarted for the warm pool."""
+    # Ray's worker imports the preload list after it connects; imported anywhere else (a test
+    # importing every module), asking for the runtime context would start a local Ray.
+    if not ray.is_initialized():
+        return False
     try:
         return ray.get_runtime_context().get_job_id() == ray.JobID.nil().hex()
     except Exception:  # noqa: BLE001 - not a connected worker (imported elsewhere): nothing to warm
