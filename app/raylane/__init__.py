@@ -9,7 +9,7 @@ The public API is what this module exports:
   trains (what LoRA's `apply_lora` does).
 - `check`, `train`, `tune`, `autotune`, `submit`, `up` and `down`: the `raylane` commands of
   those names as calls (raylane.api, which also has `export`), checked by the same preparation
-  path as the CLI (raylane.prepare).
+  path as the CLI (raylane.api: prepare_train, ...).
 - `InputPath`, `InputPaths`, `OutputPath`: the types of a pipeline's path-valued config keys,
   which raylane resolves before any worker sees them (raylane.paths).
 - `ConfigError`: bad input, with a message that names the field and the value.

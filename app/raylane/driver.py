@@ -1,32 +1,32 @@
-"""The driver's side of a run, whichever launcher runs the ranks: name the run, open its MLflow
-run, show progress, close the run with the right status and write the summary. The lifecycle
-(lease, MLflow run, status, interrupts) is raylane.session's, as for every launch."""
+"""The driver's side of a run, whichever launcher runs the ranks: name the run and take its lease
+(`finalize_run`, also a search's), open its MLflow run, show progress, close the run with the right
+status and write the summary. The lifecycle (lease, MLflow run, status, interrupts) is
+raylane.session's, as for every launch."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import socket
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from raylane.config import BaseConfig
+from raylane.config import BaseConfig, ConfigError
 from raylane.config.batching import HeldBatch
-from raylane.errors import TrainingError
 from raylane.loop.protocols.events import Event
 from raylane.loop.protocols.result import RunResult
 from raylane.pipelines_ref import Resolved
 from raylane.results import Status, TrainSummary
-from raylane.runrecord import record_finished
+from raylane.runrecord import fresh_name, fresh_start, record_finished, run_folder
 from raylane.session import (
+    FIND,
     RunSession,
-    failure_text,
-    finalize_run,
+    TorchrunEnding,
     import_exclusively,
     not_started,
     outcome,
@@ -70,186 +70,207 @@ def train(
     """Run training to the end; returns the summary (on a torchrun rank other than 0, only its
     `status` and `error`), whose `exit_code` is the command's. `folder`, `pipeline` and `held`
     (the global batch held on the planned world): the run's as the checks before it found them
-    once (raylane.prepare.PreparedRun); `address`: the cluster a Ray run joins, as they resolved it."""
+    once (raylane.api.PreparedRun); `address`: the cluster a Ray run joins, as they resolved it."""
     from raylane.loop import preemption
-    from raylane.loop.data import baddata
     from raylane.loop.distributed.groups import env_ranks
-    from raylane.loop.observe.startup import StartupTimes
-    from raylane.tracking.health import stop_watch
-    from raylane.tracking.runs import open_run, resolve_tracking_uri, ui_command
+    from raylane.tracking.runs import open_run
 
-    launched = time.time()
-    startup = StartupTimes()
-    if not use_ray:
-        from raylane.loop.run import prelude  # the loop this process runs: its imports are the driver's
-    baddata.forget_skipped()  # a second raylane.train() in this process counts its own data
-    startup.mark("driver_imports")
-    signal.signal(signal.SIGTERM, raise_interrupt)  # before training can stop gracefully: like Ctrl-C
-    if not use_ray:
-        prelude(cfg, folder)  # env:, NCCL's flight recorder, the process group: the ranks agree on the run name first
-        startup.mark("process_group")
-    is_driver = use_ray or env_ranks()[0] == 0  # on Ray, or torchrun's rank 0
-    tracking_uri = resolve_tracking_uri()
+    run = _Driving.start(cfg, use_ray, folder, summary_path, register)
     with RunSession() as session:
-        cfg = finalize_run(cfg, session, is_driver, folder)
+        cfg = finalize_run(cfg, session, run.is_driver, folder)
         session.closes_as_run(cfg)
         # Opening the MLflow run (import + database) overlaps with starting Ray.
         pool = session.enter(ThreadPoolExecutor(2, thread_name_prefix="raylane-start"))
-        world_size = cfg.scaling.num_workers if use_ray else env_ranks()[2]
-        if is_driver and cfg.mlflow.enabled:
-            session.open_on(pool, open_run, cfg, tracking_uri, world_size, session.folder)
+        run.world_size = cfg.scaling.num_workers if use_ray else env_ranks()[2]
+        if run.is_driver and cfg.mlflow.enabled:
+            session.open_on(pool, open_run, cfg, run.tracking_uri, run.world_size, session.folder)
         try:
             ray_stopper = None
             if use_ray:  # Ray's imports take turns with the MLflow opener's on the pool (session.HEAVY_IMPORTS)
                 import_exclusively("raylane.onray.cluster", "raylane.onray.launch")
                 from raylane.onray.cluster import start_ray
 
-                ray_stopper = start_ray(cfg, address, pool, startup)
+                ray_stopper = start_ray(cfg, address, pool, run.startup)
                 session.defer(ray_stopper.wait)  # last, after the summary is out
         except BaseException as exc:  # noqa: BLE001 - each way out closes the MLflow run
             not_started(session, exc)  # raised again unless an interrupt
             return TrainSummary(status=status_of(exc), error=NOT_STARTED, run_name=cfg.run.name)
         # From here on, a first SIGTERM or Ctrl-C asks the ranks to checkpoint and stop.
         preemption.install()
-        ending = None if use_ray or world_size < 2 else TorchrunEnding(env_ranks()[0])
-        handle = session.handle()  # None: MLflow is off, or its server cannot be reached
-        display, recorder, resizes, listeners, health = _watchers(cfg, handle, is_driver, use_ray, startup)
-        embedded = bool(ray_stopper and ray_stopper.embedded)
-        launch = Launch(use_ray, embedded, session.folder, pipeline, handle, tracking_uri, held)
-        status, error, result = _execute(cfg, launch, listeners, display, ending)
-        stop_watch(health)  # the nodes' last samples logged; a node silent at the end is not named
-        if ray_stopper:
-            ray_stopper.start()  # the ranks are done; the records below need MLflow, not Ray
-        else:
-            _torchrun_rank_done(session, world_size, stopped=bool(result and result.preempted))
-        if not is_driver:
-            return TrainSummary(status=status, error=error, run_name=cfg.run.name)
-        fields = _summary(cfg, handle, status, error, result, display, launched, startup)
-        fields.update(world_size=result.world_size if result else world_size, resizes=resizes.resizes)
-        ui = ui_command(tracking_uri, handle)
-        return _finish(cfg, session, recorder, fields, register, summary_path, ui, ending.said if ending else [])
-
-
-def _watchers(cfg: BaseConfig, handle: Any, is_driver: bool, use_ray: bool, startup: Any) -> tuple[Any, ...]:
-    """What hears rank 0's events on the driver: (progress display, MLflow recorder, resizes,
-    the listeners in their order, the nodes' health watch); the display and the recorder are
-    None where there is none (a torchrun rank other than 0; MLflow off or unreachable: training
-    does not wait for tracking)."""
-    from raylane.tracking.health import start_watch
-    from raylane.tracking.records import RunRecorder
-    from raylane.tracking.resizes import Resizes
-
-    if handle:
-        startup.mark("tracking")
-        log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id, ", continued" if handle.resumed else "")
-    display = ProgressDisplay() if is_driver else None
-    recorder = RunRecorder(handle, cfg, prewarm=use_ray) if handle else None
-    resizes = Resizes()
-    listeners = [x.handle if x is display else x.on_event for x in (resizes, display, recorder) if x is not None]
-    health = start_watch(cfg, handle.tracking_uri, handle.run_id) if handle else None
-    return display, recorder, resizes, [*listeners, startup.on_event], health
-
-
-def _finish(
-    cfg: BaseConfig,
-    session: RunSession,
-    recorder: Any,
-    fields: dict[str, Any],
-    register: str | None,
-    summary_path: str | None,
-    ui: str,
-    failed_ranks: list[Any],
-) -> TrainSummary:
-    """The end-of-run records, the MLflow run's close (with the error line as a tag), the run's
-    record and the summary; `failed_ranks`: under torchrun, the other ranks whose failure the
-    error names (raylane.loop.observe.rankfailures.RankFailure), whose logs are named below it."""
-    if recorder:
-        recorder.record_resizes(fields["resizes"])
-        fields.update(recorder.finish(fields["status"], fields["checkpoint"], register))
-    session.close(fields["status"], fields["error"])
-    summary = TrainSummary.model_validate(fields)
-    record_finished(session.folder, summary)
-    summary.write(summary_path)
-    _print_outcome(summary, ui, failed_ranks)
-    return summary
-
-
-@dataclass(frozen=True)
-class Launch:
-    """How `_execute` runs the ranks: on Ray (on a cluster this process started: `embedded`) or
-    here, with the run's folder and pipeline, and the MLflow run rank 0 logs to (`handle`)."""
-
-    use_ray: bool
-    embedded: bool
-    folder: Path | None
-    pipeline: Resolved
-    handle: Any
-    tracking_uri: str
-    held: HeldBatch | None = None  # the global batch held on the planned world (raylane.prepare)
-
-
-def _execute(
-    cfg: BaseConfig,
-    launch: Launch,
-    listeners: list[Callable[[Event], None]],
-    display: ProgressDisplay | None,
-    ending: TorchrunEnding | None = None,
-) -> tuple[Status, str | None, RunResult | None]:
-    """Run the ranks, passing rank 0's events to `listeners`; returns (MLflow status, error
-    message, result: None when the run failed). `ending`: a torchrun rank's, of several."""
-    tracking_uri, handle = launch.tracking_uri, launch.handle
-    run_id = handle.run_id if handle else None
-
-    def on_event(event: Event) -> None:
-        for listener in listeners:
-            listener(event)
-
-    from raylane.loop import preemption
-
-    try:
-        with preemption.armed():
-            if launch.use_ray:
+        ending = None if use_ray or run.world_size < 2 else TorchrunEnding(env_ranks()[0])
+        watch = _Watchers.start(cfg, session.handle(), run)  # the handle: None when MLflow is off or unreachable
+        run_id = watch.handle.run_id if watch.handle else None
+        with _ended(cfg, ending, watch.display) as ended, preemption.armed():
+            if use_ray:
                 from raylane.onray.launch import launch_on_ray, train_worker
 
-                ended = launch_on_ray(
-                    cfg,
-                    run_id,
-                    tracking_uri,
-                    on_event,
-                    embedded=launch.embedded,
-                    worker=train_worker,
-                    folder=launch.folder,
-                    pipeline=launch.pipeline,
-                    held=launch.held,
+                embedded = bool(ray_stopper and ray_stopper.embedded)
+                where: dict[str, Any] = {"folder": session.folder, "pipeline": pipeline, "held": held}
+                ended.result = launch_on_ray(
+                    cfg, run_id, run.tracking_uri, watch.on_event, embedded=embedded, worker=train_worker, **where
                 )
-                result = ended if isinstance(ended, RunResult) else None  # None: no End came
             else:
-                from raylane.loop.distributed.groups import env_ranks
                 from raylane.loop.run import launch_local
-                from raylane.tracking.runs import rank_zero_logger
 
-                logger = None
-                if run_id and env_ranks()[0] == 0:
-                    logger = rank_zero_logger(cfg, tracking_uri, run_id, launch.folder)
-                result = launch_local(cfg, on_event, logger, launch.held)
-        status = ran(bool(result is not None and result.preempted))
-        if result is not None and status == Status.KILLED:
-            return (
-                status,
-                (
-                    f"stopped at step {result.steps} ({result.stop_reason}); "
-                    f"checkpoint saved: relaunch with run.name={cfg.run.name} to resume"
-                ),
-                result,
+                logger = _rank_zero_logger(cfg, run.tracking_uri, run_id, session.folder)
+                ended.result = launch_local(cfg, watch.on_event, logger, held)
+        return _finish(cfg, session, run, watch, ended, ray_stopper, ending.said if ending else [])
+
+
+@dataclass
+class _Driving:
+    """What the driver keeps of the run it drives from its start to its summary."""
+
+    use_ray: bool
+    is_driver: bool  # on Ray, or torchrun's rank 0
+    tracking_uri: str
+    launched: float
+    startup: Any  # raylane.loop.observe.startup.StartupTimes
+    summary_path: str | None
+    register: str | None
+    world_size: int = 0
+
+    @staticmethod
+    def start(
+        cfg: BaseConfig, use_ray: bool, folder: Path | None, summary_path: str | None, register: str | None
+    ) -> _Driving:
+        """The driver's first steps: SIGTERM as Ctrl-C, and under torchrun or in one process the
+        rank's prelude (env:, NCCL's flight recorder, the process group: the ranks agree on the
+        run name first)."""
+        from raylane.loop.data import baddata
+        from raylane.loop.distributed.groups import env_ranks
+        from raylane.loop.observe.startup import StartupTimes
+        from raylane.tracking.runs import resolve_tracking_uri
+
+        launched = time.time()
+        startup = StartupTimes()
+        if not use_ray:
+            from raylane.loop.run import prelude  # the loop this process runs: its imports are the driver's
+        baddata.forget_skipped()  # a second raylane.train() in this process counts its own data
+        startup.mark("driver_imports")
+        signal.signal(signal.SIGTERM, raise_interrupt)  # before training can stop gracefully: like Ctrl-C
+        if not use_ray:
+            prelude(cfg, folder)
+            startup.mark("process_group")
+        is_driver = use_ray or env_ranks()[0] == 0
+        return _Driving(use_ray, is_driver, resolve_tracking_uri(), launched, startup, summary_path, register)
+
+
+@dataclass
+class _Watchers:
+    """What hears rank 0's events on the driver, in this order: the resizes, the progress display,
+    the MLflow recorder, the start-up phases; and the nodes' health watch. The display and the
+    recorder are None where there is none (a torchrun rank other than 0; MLflow off or
+    unreachable, `handle` None: training does not wait for tracking)."""
+
+    handle: Any
+    display: ProgressDisplay | None
+    recorder: Any
+    resizes: Any
+    health: Any
+    listeners: list[Callable[[Event], None]]
+
+    @staticmethod
+    def start(cfg: BaseConfig, handle: Any, run: _Driving) -> _Watchers:
+        from raylane.tracking.health import start_watch
+        from raylane.tracking.records import RunRecorder
+        from raylane.tracking.resizes import Resizes
+
+        if handle:
+            run.startup.mark("tracking")
+            log.info("run %s (MLflow run %s%s)", cfg.run.name, handle.run_id, ", continued" if handle.resumed else "")
+        display = ProgressDisplay() if run.is_driver else None
+        recorder = RunRecorder(handle, cfg, prewarm=run.use_ray) if handle else None
+        resizes = Resizes()
+        listeners = [x.handle if x is display else x.on_event for x in (resizes, display, recorder) if x is not None]
+        health = start_watch(cfg, handle.tracking_uri, handle.run_id) if handle else None
+        return _Watchers(handle, display, recorder, resizes, health, [*listeners, run.startup.on_event])
+
+    def on_event(self, event: Event) -> None:
+        for listener in self.listeners:
+            listener(event)
+
+
+def _rank_zero_logger(cfg: BaseConfig, tracking_uri: str, run_id: str | None, folder: Path | None) -> Any:
+    """Rank 0's MLflow logger in a launch here (the loop itself knows nothing of MLflow)."""
+    from raylane.loop.distributed.groups import env_ranks
+    from raylane.tracking.runs import rank_zero_logger
+
+    return rank_zero_logger(cfg, tracking_uri, run_id, folder) if run_id and env_ranks()[0] == 0 else None
+
+
+@dataclass
+class _Ended:
+    """How the launch in `_ended`'s block ended: its MLflow status, the error line, and what rank
+    0's End carried (None: the run failed, or no End came)."""
+
+    status: Status = Status.FINISHED
+    error: str | None = None
+    result: RunResult | None = None
+
+
+@contextlib.contextmanager
+def _ended(cfg: BaseConfig, ending: TorchrunEnding | None, display: ProgressDisplay | None) -> Iterator[_Ended]:
+    """Around the launch: how it ended, an error or an interrupt included (the launcher's message
+    names the rank and its exception; raylane.session maps the status). `ending`: a torchrun
+    rank's, of several."""
+    ended = _Ended()
+    try:
+        yield ended
+    except (KeyboardInterrupt, Exception) as exc:
+        ended.status, ended.error = ending.ended(exc) if ending else outcome(exc)
+        ended.result = None
+    else:
+        result = ended.result
+        ended.status = ran(bool(result is not None and result.preempted))
+        if result is not None and ended.status == Status.KILLED:
+            ended.error = (
+                f"stopped at step {result.steps} ({result.stop_reason}); "
+                f"checkpoint saved: relaunch with run.name={cfg.run.name} to resume"
             )
-        return status, None, result
-    except (KeyboardInterrupt, Exception) as exc:  # the launcher's message names the rank and its exception
-        return (*(ending.ended(exc) if ending else outcome(exc)), None)
     finally:
         if ending:
             ending.over = True
         if display:
             display.close()
+
+
+def _finish(
+    cfg: BaseConfig,
+    session: RunSession,
+    run: _Driving,
+    watch: _Watchers,
+    ended: _Ended,
+    ray_stopper: Any,
+    failed_ranks: list[Any],
+) -> TrainSummary:
+    """Once the ranks are done: Ray stopping meanwhile (`ray_stopper`, on Ray), the end-of-run
+    records, the MLflow run's close (with the error line as a tag), the run's record and the
+    summary; `failed_ranks`: under torchrun, the other ranks whose failure the error names
+    (raylane.loop.observe.rankfailures.RankFailure), whose logs are named below it."""
+    from raylane.tracking.health import stop_watch
+    from raylane.tracking.runs import ui_command
+
+    stop_watch(watch.health)  # the nodes' last samples logged; a node silent at the end is not named
+    if ray_stopper:
+        ray_stopper.start()  # the records below need MLflow, not Ray
+    else:
+        _torchrun_rank_done(session, run.world_size, stopped=bool(ended.result and ended.result.preempted))
+
+    if not run.is_driver:
+        return TrainSummary(status=ended.status, error=ended.error, run_name=cfg.run.name)
+    result = ended.result
+    fields = _summary(cfg, watch.handle, ended.status, ended.error, result, watch.display, run.launched, run.startup)
+    fields.update(world_size=result.world_size if result else run.world_size, resizes=watch.resizes.resizes)
+    if watch.recorder:
+        watch.recorder.record_resizes(fields["resizes"])
+        fields.update(watch.recorder.finish(fields["status"], fields["checkpoint"], run.register))
+    session.close(fields["status"], fields["error"])
+    summary = TrainSummary.model_validate(fields)
+    record_finished(session.folder, summary)
+    summary.write(run.summary_path)
+    _print_outcome(summary, ui_command(run.tracking_uri, watch.handle), failed_ranks)
+    return summary
 
 
 def _summary(
@@ -386,86 +407,43 @@ def _print_outcome(summary: TrainSummary, ui: str, failed_ranks: list[Any]) -> N
     print("\n".join([outcome_text(summary, ui, log_file()), *ranks]), flush=True)
 
 
-class TorchrunEnding:
-    """How one torchrun rank's run ends when a rank fails (one of several ranks; the design:
-    docs/reliability.md, "A rank's failure under torchrun"). A rank whose own error ended its run
-    records it for rank 0 (raylane.loop.observe.rankfailures.publish); rank 0, whose run ended in an echo
-    of another rank's failure (a peer gone) or in torchrun's SIGTERM, says the first recorded error
-    instead, FAILED, with the failed ranks' logs. Installed, it holds SIGTERM: once a rank failed,
-    torchrun's SIGTERM is no stop request (no checkpoint can be agreed with a rank gone) and, once
-    the run's end is decided (`over`), not an interrupt either: rank 0 closes its MLflow run and
-    writes the summary within torchrun's 30 s before SIGKILL."""
+def finalize_run(
+    cfg: BaseConfig, session: RunSession, is_driver: bool, folder: Path | None | Literal["find"] = FIND
+) -> BaseConfig:
+    """Fill what the driver decides, the run name (agreed by all torchrun ranks), and take the
+    run's lease into `session`: ConfigError, on every rank, when another launch holds it. The
+    run's folder is `session.folder` from here on: `folder`, the one the launch found for the name
+    the config gives (raylane.api.prepare_train), else found here once the name is known (the driver's, and
+    on the other torchrun ranks the one they agreed on)."""
+    named = cfg.run.name is not None
+    cfg = cfg.with_run_name()
+    found: Path | None = None if isinstance(folder, str) else folder
+    known = named and not isinstance(folder, str)  # found by the launch for the name the config gives
+    error = None
+    if is_driver:
+        found = found if known else run_folder(cfg)
+        # A name the user gave, found nowhere here: most likely a relaunch from another folder
+        # (outputs are relative to the working directory). A generated name is always new.
+        if named and (line := fresh_start(cfg, found)):
+            log.info("%s", line)
+        try:
+            name = str(cfg.run.name)  # with_run_name named it
+            session.lease(found, f"run {name!r}", "run.name", name, lambda: fresh_name(cfg))
+        except ConfigError as exc:
+            error = str(exc)
+    import torch.distributed as dist
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.over = False
-        self.said: list[Any] = []  # rank 0: the other ranks' RankFailures its line names
-        self._previous = signal.getsignal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        from raylane.loop.observe import rankfailures
-
-        if self.over:
-            return
-        if not rankfailures.recorded():  # a stop asked by a person or a scheduler: as before
-            previous = self._previous
-            (previous if callable(previous) else raise_interrupt)(signum, frame)
-            return
-        if isinstance(sys.exc_info()[1], Exception):
-            return  # this rank's own failure is on its way out, and is said with the others'
-        raise_interrupt(signum, frame)  # another rank failed: stop now, no checkpoint to agree on
-
-    def ended(self, exc: BaseException) -> tuple[Status, str]:
-        """(status, error line) of a run that `exc`, an error or an interrupt, ended on this rank."""
-        return (status_of(exc), self.failed(exc)) if isinstance(exc, Exception) else self.interrupted(exc)
-
-    def failed(self, exc: Exception) -> str:
-        """The error line of a run that `exc` ended on this rank."""
-        from raylane.logs import log_file
-        from raylane.loop.observe import rankfailures
-        from raylane.loop.usercode import TRACEBACK_ATTR
-
-        self.over = True
-        line = failure_text(exc)  # this rank's traceback into its library log
-        echo = rankfailures.is_echo(exc)
-        if self.rank != 0:
-            if not echo:
-                text = getattr(exc, TRACEBACK_ATTR, None) or "".join(_format_exception(exc))
-                rankfailures.publish(self.rank, line, text, str(log_file() or "") or None)
-            return line
-        return (self._others() or line) if echo else line
-
-    def interrupted(self, exc: BaseException) -> tuple[Status, str]:
-        """(status, error line) of a run that a signal ended on this rank: FAILED with this rank's
-        own error when the signal cut its way out short, or with another rank's (torchrun's SIGTERM
-        after that rank failed); else KILLED, interrupted."""
-        self.over = True
-        context = exc.__context__
-        while context is not None and not isinstance(context, Exception):
-            context = context.__context__
-        if context is not None:
-            return status_of(context), self.failed(context)
-        if self.rank == 0 and (line := self._others()):
-            return outcome(TrainingError(line))  # another rank's failure, as the Ray launcher says one
-        return outcome(exc)
-
-    def _others(self) -> str | None:
-        """Rank 0: the other ranks' recorded failures in one line (their tracebacks into this
-        rank's library log, as a Ray driver's has them), or None when none is recorded."""
-        from raylane.logs import record_traceback
-        from raylane.loop.observe import rankfailures
-
-        failures = [f for f in rankfailures.recorded(rankfailures.READ_WAIT_S) if f.rank != self.rank]
-        if not failures:
-            return None
-        self.said = rankfailures.said(failures)
-        for f in self.said:
-            record_traceback(f"training failed on rank {f.rank} ({f.host}):", f.traceback or f.line)
-        return rankfailures.first_line(failures)
-
-
-def _format_exception(exc: BaseException) -> list[str]:
-    import traceback
-
-    return traceback.format_exception(type(exc), exc, exc.__traceback__)
+    if dist.is_available() and dist.is_initialized():
+        agreed = [cfg.run.name, error]
+        dist.broadcast_object_list(agreed, src=0)  # rank 0's generated name wins
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": agreed[0]})})
+        error = agreed[1]
+    if not (is_driver or known):
+        found = run_folder(cfg)  # the agreed name's
+    session.folder = found
+    if error:
+        raise ConfigError(error)
+    storage = cfg.run.storage_path
+    if "://" not in storage:
+        storage = str(Path(storage).expanduser().resolve())
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_path": storage})})

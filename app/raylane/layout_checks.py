@@ -1,7 +1,7 @@
 """The layout checks run before any work starts: `strategy.tp`, `strategy.pp` and
 `strategy.dp_replicate` on the number of ranks a run will have, read as the run builds its layout
 (raylane.loop.distributed.layout.Layout: a world they divide, replicas through FSDP2, map-style
-data, a pipeline that gives a tp_plan or pp_stages). raylane.prepare calls `check_layout` beside
+data, a pipeline that gives a tp_plan or pp_stages). raylane.api.prepare_train calls `check_layout` beside
 raylane.prechecks' checks; each failure is one ConfigError naming the field and the value; nothing
 here imports torch or Ray."""
 
@@ -18,7 +18,7 @@ def check_layout(cfg: BaseConfig, world_size: int, world: str, pipeline: pipelin
     sizes the world divides, replicas only through FSDP2, map-style data, and a pipeline that
     gives a tp_plan or pp_stages. The checks of the config alone are its validators'
     (raylane.config.base). `pipeline`: the config's, as the launch looked it up once
-    (raylane.prepare; None: looked up here)."""
+    (raylane.api.prepare_train; None: looked up here)."""
     s = cfg.strategy
     pipeline = pipeline or pipelines_ref.resolve(cfg.pipeline)
     layout = _asked(cfg, world_size, world)

@@ -34,8 +34,8 @@ class Finished:
 def run_folder(cfg: BaseConfig) -> Path | None:
     """Where the run's checkpoints and record live, when it has a name and local storage (the
     checks skip object storage: a round trip per launch, for a rare case). Found once per launch,
-    as soon as the run's name is known (raylane.prepare for a name the config gives,
-    raylane.session.finalize_run for one it generates), and handed to everything after."""
+    as soon as the run's name is known (raylane.api.prepare_train for a name the config gives,
+    raylane.driver.finalize_run for one it generates), and handed to everything after."""
     if not cfg.run.name or "://" in cfg.run.storage_path:
         return None
     return Path(cfg.run.storage_path).expanduser().resolve() / cfg.run.name

@@ -3,8 +3,10 @@ and each of its trials (raylane.onray.tune), a search (raylane.autotuning.driver
 
 Each takes the lease on its folder, opens its MLflow run, closes that run exactly once on every
 way out with the one status mapping below (`status_of`: nothing raised is FINISHED, an error
-FAILED, an interrupt KILLED), turns SIGTERM into the same interrupt as Ctrl-C, and says a failure
-in one line (`failure_text`). Ray-free: starting Ray is raylane.onray.cluster.start_ray's."""
+FAILED, an interrupt KILLED; a torchrun rank's, when one of several failed: `TorchrunEnding`),
+turns SIGTERM into the same interrupt as Ctrl-C, and says a failure in one line (`failure_text`).
+Ray-free: starting Ray is raylane.onray.cluster.start_ray's. Naming the run and taking its lease is
+the driver's (raylane.driver.finalize_run, with RunSession.lease)."""
 
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from raylane.config import BaseConfig, ConfigError
+from raylane.config import BaseConfig
+from raylane.errors import TrainingError
 from raylane.results import Status
-from raylane.runrecord import closing_status, fresh_name, fresh_start, run_folder
+from raylane.runrecord import closing_status
 
 if TYPE_CHECKING:
     from raylane.tracking.runs import RunHandle
@@ -311,48 +314,6 @@ def import_race(exc: BaseException) -> bool:
 FIND: Literal["find"] = "find"  # finalize_run's `folder` for a launch that has not found it yet
 
 
-def finalize_run(
-    cfg: BaseConfig, session: RunSession, is_driver: bool, folder: Path | None | Literal["find"] = FIND
-) -> BaseConfig:
-    """Fill what the driver decides, the run name (agreed by all torchrun ranks), and take the
-    run's lease into `session`: ConfigError, on every rank, when another launch holds it. The
-    run's folder is `session.folder` from here on: `folder`, the one the launch found for the name
-    the config gives (raylane.prepare), else found here once the name is known (the driver's, and
-    on the other torchrun ranks the one they agreed on)."""
-    named = cfg.run.name is not None
-    cfg = cfg.with_run_name()
-    found: Path | None = None if isinstance(folder, str) else folder
-    known = named and not isinstance(folder, str)  # found by the launch for the name the config gives
-    error = None
-    if is_driver:
-        found = found if known else run_folder(cfg)
-        # A name the user gave, found nowhere here: most likely a relaunch from another folder
-        # (outputs are relative to the working directory). A generated name is always new.
-        if named and (line := fresh_start(cfg, found)):
-            log.info("%s", line)
-        try:
-            name = str(cfg.run.name)  # with_run_name named it
-            session.lease(found, f"run {name!r}", "run.name", name, lambda: fresh_name(cfg))
-        except ConfigError as exc:
-            error = str(exc)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        agreed = [cfg.run.name, error]
-        dist.broadcast_object_list(agreed, src=0)  # rank 0's generated name wins
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": agreed[0]})})
-        error = agreed[1]
-    if not (is_driver or known):
-        found = run_folder(cfg)  # the agreed name's
-    session.folder = found
-    if error:
-        raise ConfigError(error)
-    storage = cfg.run.storage_path
-    if "://" not in storage:
-        storage = str(Path(storage).expanduser().resolve())
-    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_path": storage})})
-
-
 def not_started(session: RunSession, exc: BaseException) -> None:
     """Ray could not be started or joined, or a signal came while the launch waited for it. An
     interrupt ends the launch KILLED, as one during training does, with one line; anything else
@@ -362,3 +323,82 @@ def not_started(session: RunSession, exc: BaseException) -> None:
     if status != Status.KILLED:
         raise exc
     print("raylane: interrupted while waiting for the Ray cluster; nothing was trained", file=sys.stderr, flush=True)
+
+
+class TorchrunEnding:
+    """How one torchrun rank's run ends when a rank fails (one of several ranks; the design:
+    docs/reliability.md, "A rank's failure under torchrun"). A rank whose own error ended its run
+    records it for rank 0 (raylane.loop.observe.rankfailures.publish); rank 0, whose run ended in an echo
+    of another rank's failure (a peer gone) or in torchrun's SIGTERM, says the first recorded error
+    instead, FAILED, with the failed ranks' logs. Installed, it holds SIGTERM: once a rank failed,
+    torchrun's SIGTERM is no stop request (no checkpoint can be agreed with a rank gone) and, once
+    the run's end is decided (`over`), not an interrupt either: rank 0 closes its MLflow run and
+    writes the summary within torchrun's 30 s before SIGKILL."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.over = False
+        self.said: list[Any] = []  # rank 0: the other ranks' RankFailures its line names
+        self._previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        from raylane.loop.observe import rankfailures
+
+        if self.over:
+            return
+        if not rankfailures.recorded():  # a stop asked by a person or a scheduler: as before
+            previous = self._previous
+            (previous if callable(previous) else raise_interrupt)(signum, frame)
+            return
+        if isinstance(sys.exc_info()[1], Exception):
+            return  # this rank's own failure is on its way out, and is said with the others'
+        raise_interrupt(signum, frame)  # another rank failed: stop now, no checkpoint to agree on
+
+    def ended(self, exc: BaseException) -> tuple[Status, str]:
+        """(status, error line) of a run that `exc`, an error or an interrupt, ended on this rank."""
+        return (status_of(exc), self.failed(exc)) if isinstance(exc, Exception) else self.interrupted(exc)
+
+    def failed(self, exc: Exception) -> str:
+        """The error line of a run that `exc` ended on this rank."""
+        from raylane.logs import log_file
+        from raylane.loop.observe import rankfailures
+        from raylane.loop.usercode import TRACEBACK_ATTR
+
+        self.over = True
+        line = failure_text(exc)  # this rank's traceback into its library log
+        echo = rankfailures.is_echo(exc)
+        if self.rank != 0:
+            if not echo:
+                text = getattr(exc, TRACEBACK_ATTR, None) or "".join(traceback.format_exception(exc))
+                rankfailures.publish(self.rank, line, text, str(log_file() or "") or None)
+            return line
+        return (self._others() or line) if echo else line
+
+    def interrupted(self, exc: BaseException) -> tuple[Status, str]:
+        """(status, error line) of a run that a signal ended on this rank: FAILED with this rank's
+        own error when the signal cut its way out short, or with another rank's (torchrun's SIGTERM
+        after that rank failed); else KILLED, interrupted."""
+        self.over = True
+        context = exc.__context__
+        while context is not None and not isinstance(context, Exception):
+            context = context.__context__
+        if context is not None:
+            return status_of(context), self.failed(context)
+        if self.rank == 0 and (line := self._others()):
+            return outcome(TrainingError(line))  # another rank's failure, as the Ray launcher says one
+        return outcome(exc)
+
+    def _others(self) -> str | None:
+        """Rank 0: the other ranks' recorded failures in one line (their tracebacks into this
+        rank's library log, as a Ray driver's has them), or None when none is recorded."""
+        from raylane.logs import record_traceback
+        from raylane.loop.observe import rankfailures
+
+        failures = [f for f in rankfailures.recorded(rankfailures.READ_WAIT_S) if f.rank != self.rank]
+        if not failures:
+            return None
+        self.said = rankfailures.said(failures)
+        for f in self.said:
+            record_traceback(f"training failed on rank {f.rank} ({f.host}):", f.traceback or f.line)
+        return rankfailures.first_line(failures)

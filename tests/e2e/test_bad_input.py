@@ -608,7 +608,7 @@ def test_bad_input_exits_2_with_one_line_from_the_cli_and_the_api(name, tmp_path
     assert out == "" and len(err.splitlines()) == 1, err
     assert err.startswith("raylane: ") and _line(case, tmp_path) in err, err
     assert "Traceback" not in err
-    # Every door checks alike (raylane.prepare): the Python API raises ConfigError with that line.
+    # Every door checks alike (raylane.api.prepare_train): the Python API raises ConfigError with that line.
     with pytest.raises(ConfigError) as raised:
         _through_the_api(case.argv)
     assert str(raised.value) == err.strip().removeprefix("raylane: ")

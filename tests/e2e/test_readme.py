@@ -169,7 +169,7 @@ def check_raylane(argv: list[str], cwd: Path) -> None:
         return
     source = str(cwd / config) if (cwd / config).exists() else config  # else a shipped name
     from raylane.config import ConfigError
-    from raylane.prepare import is_sweep_file
+    from raylane.config.sweep import is_sweep_file
 
     try:
         sweep = args.command == "tune" or (args.command == "check" and is_sweep_file(source))

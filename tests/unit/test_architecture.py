@@ -206,14 +206,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "doors",
         (
-            "raylane.prepare",
             "raylane.api",
             "raylane.cli",
             "raylane.cli_tools",
             "raylane.config_keys",
             "raylane.__main__",
             "raylane.pipelines",
-            # `raylane k8s check`: loads a RayJob's config as `raylane submit` does (raylane.prepare).
+            # `raylane k8s check`: loads a RayJob's config as `raylane submit` does (raylane.api.prepare_submit).
             "raylane.k8s",
         ),
     ),

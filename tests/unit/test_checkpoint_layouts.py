@@ -133,7 +133,7 @@ def test_the_driver_says_the_move_once_after_the_strategy_line():
 
 def test_a_layout_whose_data_parallel_ranks_do_not_split_the_held_global_batch_exits_before_launch(monkeypatch):
     """fsdp×tp2 on 6 ranks has 3 data-parallel ranks: 32 samples a step do not split."""
-    from raylane.prepare import prepare_train
+    from raylane.api import prepare_train
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "6")

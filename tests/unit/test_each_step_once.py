@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import raylane
-from raylane import api, cli, pipelines_ref, prechecks, prepare, runrecord
+from raylane import api, cli, pipelines_ref, prechecks, runrecord
 from raylane.config import ConfigError, load
 from raylane.results import Status
 from tests.conftest import cli_env
@@ -151,7 +151,7 @@ def test_submit_loads_and_checks_its_config_once(project, monkeypatch):
     from raylane.onray import jobs
 
     target = jobs.job_target(address)
-    cfg = prepare.prepare_submit("train.yaml", [], here=target.here)
+    cfg = api.prepare_submit("train.yaml", [], here=target.here)
     assert target.here and Path(cfg.run.storage_path).is_absolute()  # as `raylane train` here resolves it
     storage = str((project / "runs").resolve())
     assert jobs._paths_here(cfg, storage) == [f"run.storage_path={storage}"]
@@ -198,12 +198,12 @@ def test_the_run_folder_is_found_where_a_launch_knows_the_name_and_nowhere_after
     finds it there. Before: also the metric logger, the MLflow run's opening, the close, the
     record, the fresh-start line, the checks of init_from and of a resume, the flight recorder."""
     assert _callers("run_folder", "runrecord") <= {
-        "raylane.prepare:prepare_train",
-        "raylane.prepare:prepare_tune",
-        "raylane.prepare:prepare_check_sweep",
-        "raylane.prepare:_check_autotune",
-        "raylane.prepare:prepare_submit",
-        "raylane.session:finalize_run",  # a name generated, or a launch (a search) that found none
+        "raylane.api:prepare_train",
+        "raylane.api:prepare_tune",
+        "raylane.api:prepare_check_sweep",
+        "raylane.api:_check_autotune",
+        "raylane.api:prepare_submit",
+        "raylane.driver:finalize_run",  # a name generated, or a launch (a search) that found none
         "raylane.onray.launch:launch_on_ray",  # a sweep's trial, a search
         "raylane.onray.tune:_fit",  # the sweep's base config, for its trials' environment
         "raylane.autotuning.driver:execute",  # a search as torchrun ranks: the flight recorder's
@@ -226,8 +226,8 @@ def test_the_pipelines_questions_are_asked_of_one_lookup():
     # An embedded Ray cluster's CPUs for Ray Data (raylane.onray.cluster.data_cpus) ask the same
     # question of their own lookup: Ray's one start (start_ray) serves sweeps and searches too.
     assert _callers("resolve", "pipelines_ref") == {
-        "raylane.prepare:prepare_train",
-        "raylane.prepare:prepare_submit",
+        "raylane.api:prepare_train",
+        "raylane.api:prepare_submit",
         "raylane.layout_checks:check_layout",  # called without one (a test, a check outside a launch)
         "raylane.onray.launch:launch_on_ray",  # a sweep's trial, a search
         "raylane.onray.cluster:data_cpus",
@@ -253,6 +253,38 @@ def test_the_path_the_architecture_page_lists_is_the_codes():
     assert claimed == f"{listed} functions in {len(rows)} files", claimed
 
 
+def test_a_local_launchs_stack_at_the_first_optimizer_step_is_the_one_the_page_names(project):
+    """The real stack, not the listing: raylane's frames from the API's call to the first
+    optimizer step of an in-process launch are the ones docs/architecture.md names for it (before
+    this issue's last cut, `driver._execute` stood between `driver.train` and `launch_local`)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    seen: list[list[str]] = []
+
+    def first(optimizer, args, kwargs):  # before every optimizer's step, whichever the run has
+        if not seen:
+            frames = [f for f in inspect.stack() if Path(f.filename).resolve().is_relative_to(APP)]
+            seen.append([f"{Path(f.filename).resolve().relative_to(APP)}:{f.function}" for f in reversed(frames)])
+
+    hook = register_optimizer_step_pre_hook(first)
+    try:
+        summary = raylane.train("train.yaml", ["train.max_steps=1", "mlflow.enabled=false"], local=True)
+    finally:
+        hook.remove()
+    assert summary.status == Status.FINISHED, summary.error
+    assert seen[0] == [
+        "api.py:train",
+        "driver.py:train",
+        "loop/run.py:launch_local",
+        "loop/run.py:run_worker",
+        "loop/trainer.py:train",
+        "loop/trainer.py:_run_epoch",
+        "loop/trainer.py:run_step",
+    ]
+    page = (APP.parents[1] / "docs" / "architecture.md").read_text()
+    assert "`cli.main`, `api.train`, `driver.train`, `loop/run.py:launch_local`" in page
+
+
 def test_the_held_global_batch_is_computed_once_per_world(project):
     """train.global_batch held once, by the checks before anything starts, on the world the run
     will have, and handed to the rank (before: again by run_worker on every rank). The rank
@@ -271,7 +303,7 @@ def test_the_held_global_batch_is_computed_once_per_world(project):
     # A Ray run's, prepared (no Ray here): held once on scaling.num_workers, for the ranks.
     watched = Calls(held_batch=batching.held_batch)
     with watched.watching():
-        run = prepare.prepare_train("train.yaml", [*sets, "scaling.num_workers=2"])
+        run = api.prepare_train("train.yaml", [*sets, "scaling.num_workers=2"])
     assert [caller for caller, _ in watched.of("held_batch")] == ["of"]
     assert run.held is not None and run.held.workers == 2 and run.held.train["grad_accum_steps"] == 2
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 
 from raylane.config import load_config
-from raylane.session import RunSession, finalize_run
+from raylane.driver import finalize_run
+from raylane.session import RunSession
 
 
 def _launch(config, overrides=()) -> tuple[str, list[str]]:

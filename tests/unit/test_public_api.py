@@ -124,9 +124,9 @@ def test_shipped_pipelines_import_only_public_names():
 
 def test_the_check_names_an_internal_import(tmp_path):
     pipeline = tmp_path / "mine.py"
-    pipeline.write_text("import raylane\nfrom raylane.loop.protocols.pipeline import Pipeline\nx = raylane.prepare\n")
+    pipeline.write_text("import raylane\nfrom raylane.loop.protocols.pipeline import Pipeline\nx = raylane.driver\n")
     lines = [line.split(": ", 1)[1] for line in non_public_imports(pipeline)]
-    assert lines == ["from raylane.loop.protocols.pipeline import Pipeline", "raylane.prepare"]
+    assert lines == ["from raylane.loop.protocols.pipeline import Pipeline", "raylane.driver"]
 
 
 # Modules a user is told to import or call beside raylane and raylane.hf: their public names are

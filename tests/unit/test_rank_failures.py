@@ -1,4 +1,4 @@
-"""A torchrun rank's failure, said by rank 0 (raylane.loop.observe.rankfailures, raylane.driver.TorchrunEnding),
+"""A torchrun rank's failure, said by rank 0 (raylane.loop.observe.rankfailures, raylane.session.TorchrunEnding),
 over a real TCPStore in this process, as torchrun's agent holds one: which errors are echoes of
 another rank's, the records and the one line, and how each way a rank's run ends is said; the
 SIGTERM guard with real signals. The whole path under torchrun: tests/e2e/test_torchrun_failures.py."""
@@ -13,10 +13,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from raylane.driver import TorchrunEnding
 from raylane.loop.observe import rankfailures
 from raylane.loop.observe.hangs import HangError
 from raylane.results import Status
+from raylane.session import TorchrunEnding
 
 GLOO = (
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "

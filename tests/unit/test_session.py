@@ -279,7 +279,7 @@ def test_train_a_sweep_and_autotune_each_end_killed_through_the_session_when_ray
     through RunSession.close; its MLflow run (the sweep's and the search's parent) KILLED; its
     lease given back; one line; a summary, where the command writes one, KILLED."""
     import raylane.onray.cluster as cluster
-    from raylane import driver, prepare
+    from raylane import api, driver
     from raylane.autotuning.driver import execute
     from raylane.onray.tune import run_sweep
 
@@ -288,7 +288,7 @@ def test_train_a_sweep_and_autotune_each_end_killed_through_the_session_when_ray
     closes = _Closes(monkeypatch)
 
     summary_json = str(tmp_path / "train.json")
-    run = prepare.prepare_train("digits", ["run.name=r"], summary_json=summary_json)
+    run = api.prepare_train("digits", ["run.name=r"], summary_json=summary_json)
     summary = driver.train(run.cfg, use_ray=True, folder=run.folder, pipeline=run.pipeline, summary_path=summary_json)
     assert (summary.status, summary.error) == (Status.KILLED, "interrupted before training started")
     # One failure line and no traceback; the fresh-start line shows too when an earlier test of
@@ -299,12 +299,12 @@ def test_train_a_sweep_and_autotune_each_end_killed_through_the_session_when_ray
     ]
     assert "Traceback" not in err
 
-    prepared = prepare.prepare_tune("digits-sweep", ["sweep.name=s"])
+    prepared = api.prepare_tune("digits-sweep", ["sweep.name=s"])
     with pytest.raises(KeyboardInterrupt):  # the CLI says "raylane: interrupted" and exits 130
         run_sweep(prepared.sweep, prepared.base, address=None, summary_path=None, register=None)
 
     out, autotune_json = str(tmp_path / "w.yaml"), str(tmp_path / "autotune.json")
-    search = prepare.prepare_autotune("digits", ["run.name=a"], out=out, summary_json=autotune_json)
+    search = api.prepare_autotune("digits", ["run.name=a"], out=out, summary_json=autotune_json)
     summary = execute(search.section, search.cfg, use_ray=True, address=None, out=out, summary_path=autotune_json)
     assert (summary.status, summary.error) == (Status.KILLED, "interrupted")
     assert "raylane: autotune killed: interrupted" in capsys.readouterr().out

@@ -32,11 +32,12 @@ from raylane.autotuning.report import (
 )
 from raylane.config import BaseConfig, ConfigError
 from raylane.config.autotune import AutotuneSection, SearchSettings, settings, winner_config
+from raylane.driver import finalize_run
 from raylane.loop.protocols.events import Candidate, Event, Log, Round, SearchEnd, SearchStart
 from raylane.loop.protocols.result import Fit, Outcome, SearchResult
 from raylane.results import AutotuneSummary, Status
 from raylane.results import Candidate as CandidateRow
-from raylane.session import RunSession, finalize_run, outcome
+from raylane.session import RunSession, outcome
 from raylane.sweeps.runs import PARENT_TAG
 
 if TYPE_CHECKING:

@@ -126,6 +126,16 @@ def load(source: str, overrides: Iterable[str] = ()) -> tuple[AutotuneSection, B
 def space(section: AutotuneSection, cfg: BaseConfig) -> tuple[dict[str, list[Any]], GlobalBatch]:
     """Dotted key -> values, the config's own value first; and the global batch held. Checks
     every value against the config (ConfigError naming the field and the value)."""
+    if cfg.strategy.tensor_parallel:
+        raise ConfigError(
+            f"strategy.tp = {cfg.strategy.tp!r}: autotune does not search tensor-parallel layouts yet; "
+            "autotune with strategy.tp: 1"
+        )
+    if cfg.strategy.pp > 1:
+        raise ConfigError(
+            f"strategy.pp = {cfg.strategy.pp}: autotune does not search pipeline-parallel layouts yet; "
+            "autotune with strategy.pp: 1"
+        )
     t, s, workers = cfg.train, cfg.strategy, cfg.scaling.num_workers
     gpu = cfg.scaling.use_gpu
     if cfg.scaling.elastic:

@@ -125,3 +125,16 @@ def hold_global_batch(cfg: BaseConfig, held: GlobalBatch | None, field: str, wor
     except ValidationError:
         raise ConfigError(f"{field} = {held.size}: needs train.{held.adjust} = {share}, out of its range") from None
     return cfg.model_copy(update={"train": train})
+
+
+def skipped_sizes(cfg: BaseConfig, sizes: list[int]) -> list[str]:
+    """An elastic run skips the sizes between min and max that do not split its global batch."""
+    skipped = sorted(set(range(sizes[0], sizes[-1] + 1)) - set(sizes))
+    if not (skipped and cfg.scaling.elastic):
+        return []
+    shown = ", ".join(map(str, skipped[:8])) + (", ..." if len(skipped) > 8 else "")
+    line = (
+        f"raylane: elastic run on {', '.join(map(str, sizes[:8]))}{', ...' if len(sizes) > 8 else ''} "
+        f"workers: {shown} would not split the global batch, so it runs on the next size down"
+    )
+    return [line]

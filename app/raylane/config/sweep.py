@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -275,3 +276,21 @@ def trial_config(base: BaseConfig, params: dict[str, Any], global_batch: GlobalB
     """The base config with one trial's values at their dotted keys, validated; with
     `global_batch`, its `adjust` key then set to hold it."""
     return hold_global_batch(apply_values(base, params), global_batch, "sweep.global_batch.size")
+
+
+def is_sweep_file(config: Any) -> bool:
+    """A config file with a `sweep:` section (`raylane tune`'s), which `raylane check` also takes."""
+    return isinstance(config, (str, Path)) and isinstance(read_yaml(config).get("sweep"), dict)
+
+
+def check_sweep_layout(sweep: SweepSection, base: BaseConfig) -> None:
+    """Sweeps train data-parallel trials only, for now: each trial's layout is not checked."""
+    swept = [k for k in sweep.space if k in ("strategy.tp", "strategy.sequence_parallel", "strategy.pp")]
+    if base.strategy.pp > 1:
+        raise ConfigError(
+            f"strategy.pp = {base.strategy.pp}: sweeps of pipeline-parallel runs are not built yet; sweep with "
+            "strategy.pp: 1"
+        )
+    if swept or base.strategy.tensor_parallel:
+        key = f"sweep.space.{swept[0]}" if swept else f"strategy.tp = {base.strategy.tp!r}"
+        raise ConfigError(f"{key}: sweeps of tensor-parallel runs are not built yet; sweep with strategy.tp: 1")

@@ -159,7 +159,7 @@ def load(args: argparse.Namespace, folder: str, rules: list[Rule]) -> BaseConfig
             from raylane.config import autotune
 
             return autotune.load(source, args.overrides)[1]
-        from raylane.prepare import prepare_submit
+        from raylane.api import prepare_submit
 
         return prepare_submit(source, args.overrides)
     except ConfigError as exc:

@@ -454,7 +454,7 @@ def prelude(cfg: BaseConfig, folder: Path | None) -> None:
     search): the config's `env:` as this process's own environment, NCCL's flight recorder (into
     the run's `folder`, where its name is known already: raylane.runrecord.run_folder), then the
     process group, which reads both when it starts. Once a process, first: the ranks agree on
-    the run's name through the group (raylane.session.finalize_run). On Ray, the driver ships the
+    the run's name through the group (raylane.driver.finalize_run). On Ray, the driver ships the
     same variables to each worker before Ray Train starts its group (raylane.onray.placement)."""
     from raylane.config.workerenv import apply_here
 
@@ -494,6 +494,6 @@ def launch_local(
 ) -> RunResult:
     """Train as this rank (see local_runtime); `metric_logger`: rank 0's MLflow logger, if any
     (raylane.tracking.runs.rank_zero_logger: the loop itself knows nothing of MLflow); `held`:
-    the global batch the launch held on this world (raylane.prepare)."""
+    the global batch the launch held on this world (raylane.api.prepare_train)."""
     startup = {"worker_imports": time.time()}
     return run_worker(cfg, local_runtime(cfg, on_event), metric_logger, startup, held=held)

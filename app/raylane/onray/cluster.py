@@ -56,7 +56,7 @@ def start_ray(
 ) -> RayStopper:
     """The one way every launch (train, autotune, a sweep's driver) joins the cluster at `address`
     (as raylane.clusters.local.resolve_address returned it, before Ray's import:
-    raylane.prepare.joined_address) or starts an embedded one (`num_cpus`, `dashboard`: see
+    raylane.api.joined_address) or starts an embedded one (`num_cpus`, `dashboard`: see
     init_ray); returns the RayStopper its caller waits on last (`embedded`: whether this process
     started the cluster, and so stops it). ConfigError, with the cluster stopped, when the
     config's workers fit no node. `pool`: where Ray Train is imported meanwhile, for a launch

@@ -1,7 +1,7 @@
 """`raylane submit` and `app.submit(...)`: run `raylane train` as a Ray job on a cluster, through
 Ray's Jobs SDK (the counterpart of a cloud training estimator's `fit()`).
 
-The config is validated first (raylane.api.submit, through raylane.prepare), so bad input fails on
+The config is validated first (raylane.api.submit and its preparation, prepare_submit), so bad input fails on
 the laptop with exit 2, not on the cluster. This checkout is the job's working directory, minus local state. That directory is a
 temporary copy on the cluster: the MLflow tracking URI and run.storage_path are resolved here, on
 the submitter's machine, so that the run and its checkpoints land where the submitter looks."""
@@ -133,7 +133,7 @@ def job_target(address: str | None) -> JobTarget:
     """Where a job goes (`--address`, else RAY_ADDRESS, else `raylane up`'s, else Ray's default),
     without asking it anything yet: ConfigError for an address that is no jobs API URL or a host
     that does not resolve. Known first, because it decides how the config is checked: a cluster
-    on this machine runs the job with this machine's paths (raylane.prepare.prepare_submit)."""
+    on this machine runs the job with this machine's paths (raylane.api.prepare_submit)."""
     address, given = _address(address)
     url, host, port = jobs_url(address, given)
     return JobTarget(address, given, url, host, port, _here(host, given, address))
@@ -149,7 +149,7 @@ def submit(
     env_vars: dict[str, str] | None = None,
 ) -> SubmittedRun:
     """Submit `raylane train config` with `overrides` as a Ray job to `target`; `cfg` is that
-    config, loaded and checked once on this machine (raylane.prepare.prepare_submit, for a cluster
+    config, loaded and checked once on this machine (raylane.api.prepare_submit, for a cluster
     `target.here` or not: raylane.api.submit calls both). The job records where the submitter
     looks: its MLflow tracking URI (MLFLOW_TRACKING_URI, from `env_vars` or this environment;
     MLflow's default sqlite:///mlflow.db) and `run.storage_path`, resolved here. For a cluster on
@@ -237,7 +237,7 @@ def config_for_job(config: str, working_dir: str, here: bool) -> str:
 def _paths_here(cfg: BaseConfig, storage: str) -> list[str]:
     """For a cluster on this machine: `storage` (`run.storage_path` as `destinations` resolved
     it) and the inputs of `cfg`, resolved as `raylane train` here would and checked there
-    (raylane.prepare.prepare_submit), as absolute `--set`s for the job, whose working directory is
+    (raylane.api.prepare_submit), as absolute `--set`s for the job, whose working directory is
     Ray's temporary copy of this one (and whose upload would carry data that sits inside it)."""
     from raylane.paths import path_keys
 

@@ -36,7 +36,7 @@ class LaunchSpec:
     verbose: bool = False  # the workers' own output reaches the driver (raylane.logs)
     world_sizes: list[int] | None = None  # an elastic run's sizes that hold the global batch
     restarts: bool = False  # the group restarts without a node that leaves, rather than the run stopping
-    held: HeldBatch | None = None  # the global batch the driver held on the planned world (raylane.prepare)
+    held: HeldBatch | None = None  # the global batch the driver held on the planned world (raylane.api.prepare_train)
 
 
 # A worker group's function: (the run's config, the worker's runtime, the launch, its start-up
