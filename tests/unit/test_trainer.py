@@ -76,7 +76,9 @@ class Run:
     """One rank's run in this process: its Trainer (resumed when the run has a checkpoint), and
     the events rank 0 published."""
 
-    def __init__(self, cfg: raylane.BaseConfig, *, dropout: float = 0.0, hooks: tuple[Any, ...] = ()) -> None:
+    def __init__(
+        self, cfg: raylane.BaseConfig, *, dropout: float = 0.0, hooks: tuple[Any, ...] = (), eval_sums: Any = None
+    ) -> None:
         self.events: list[Event] = []
         seed_everything(cfg.train.seed)  # as run_worker does, before the pipeline is built
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(dropout), torch.nn.Linear(8, 1))
@@ -85,6 +87,7 @@ class Run:
             train_set=_data(ROWS, 0),
             eval_set=_data(16, 1),
             loss_fn=torch.nn.functional.mse_loss,
+            eval_sums=eval_sums,
             hooks=hooks,
         )
         self.trainer = build_trainer(cfg, local_runtime(cfg, self.events.append), pipe)
@@ -106,6 +109,10 @@ class Run:
 
     def evaluated(self) -> list[int]:
         return [e.step for e in self.events if isinstance(e, Eval)]
+
+    def evaluations(self) -> list[tuple[int, int, bool]]:
+        """(step, epoch, whether at an epoch's end) of each evaluation, as the display names it."""
+        return [(e.step, e.epoch, e.epoch_end) for e in self.events if isinstance(e, Eval)]
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.trainer.model.state_dict().items()}
@@ -231,3 +238,71 @@ def test_a_hooks_state_is_saved_with_each_checkpoint_and_restored_on_resume(tmp_
     resumed.train()
     assert int(again.steps) == 12 and again.committed == [6, 8, 12]
     assert torch.equal(again.weight_sum, hook.weight_sum)
+
+
+# Planted in Evaluation.due: `step + 1` (eval_every_n_steps off by one), `epoch` for `epoch + 1`
+# (eval_every_n_epochs), the epoch end not asking eval_every_n_steps; and Evaluation.last taking
+# no account of a step already measured (the last step evaluated twice). The Trainer's own
+# schedule, before it moved into Evaluation (c8b0060), gave the same lists.
+@pytest.mark.parametrize(
+    ("train", "evaluations"),
+    [
+        ({"max_epochs": 2}, [(6, 0, True), (12, 1, True)]),
+        # The 3rd epoch's end is not one of every 2: the run's last evaluation, after its last step.
+        ({"max_epochs": 3, "eval_every_n_epochs": 2}, [(12, 1, True), (18, 2, True)]),
+        # Step 6 ends an epoch and is one of every 3: evaluated as its end, though every_n_epochs is 0.
+        (
+            {"eval_every_n_epochs": 0, "eval_every_n_steps": 3},
+            [(3, 0, False), (6, 0, True), (9, 1, False), (12, 1, True)],
+        ),
+        # Step 8 is the last, and measured already: no second evaluation at the end.
+        (
+            {"max_epochs": None, "max_steps": 8, "eval_every_n_epochs": 0, "eval_every_n_steps": 4},
+            [(4, 0, False), (8, 1, False)],
+        ),
+        # A max_steps stop mid-epoch: the last evaluation is named by its step, in its epoch.
+        ({"max_epochs": None, "max_steps": 8}, [(6, 0, True), (8, 1, False)]),
+        ({"eval_every_n_epochs": 0, "eval_every_n_steps": 0}, [(12, 1, True)]),  # the run's last alone
+        (
+            {"eval_every_n_epochs": 1, "eval_every_n_steps": 5},
+            [(5, 0, False), (6, 0, True), (10, 1, False), (12, 1, True)],
+        ),
+    ],
+)
+def test_evaluations_land_at_their_every_n_steps_every_n_epochs_and_the_runs_end(tmp_path, train, evaluations):
+    run = Run(_config(tmp_path, "r", train=train, checkpoint={"async_save": False}))
+    run.train()
+    assert run.evaluations() == evaluations
+
+
+def _sums_breaking_at(evaluation: int) -> Any:
+    """eval_sums that raises from the `evaluation`-th evaluation on (two held-out batches each)."""
+    calls = [0]
+
+    def sums(output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        calls[0] += 1
+        if calls[0] > 2 * (evaluation - 1):
+            raise ValueError("a bad held-out row")
+        return {"loss": torch.nn.functional.mse_loss(output, target, reduction="sum")}
+
+    return sums
+
+
+# Planted: the failed evaluation's save left out (the newest checkpoint is an earlier step's); the
+# epoch not moved on at an epoch end (a resume would train the ended epoch again); the position
+# moved on mid-epoch too (a resume would skip the rest of the epoch).
+@pytest.mark.parametrize(
+    ("train", "breaks_at", "saved"),
+    [
+        ({"max_epochs": 3}, 2, (12, 2, 0)),  # at the 2nd epoch's end: saved as the 3rd epoch's start
+        ({"eval_every_n_epochs": 0, "eval_every_n_steps": 4}, 2, (8, 1, 2)),  # mid-epoch: where it is
+    ],
+)
+def test_an_evaluation_that_raises_saves_its_step_before_the_error_ends_the_run(tmp_path, train, breaks_at, saved):
+    cadence = {"async_save": False, "every_n_epochs": 0, "every_n_steps": 0}
+    run = Run(_config(tmp_path, "r", train=train, checkpoint=cadence), eval_sums=_sums_breaking_at(breaks_at))
+    with pytest.raises(ValueError, match="^a bad held-out row$"):
+        run.train()
+    assert run.saved() == run.on_disk() == [saved[0]]
+    state = checkpoint.read_manifest(run.root / checkpoint.checkpoint_name(saved[0]))["train_state"]
+    assert (state["step"], state["epoch"], state["batch_in_epoch"], state["eval_metrics"]) == (*saved, None)

@@ -1,10 +1,11 @@
 """Held-out evaluation: the pipeline's metric sums over this rank's share of the held-out data,
 summed over every rank and divided by the number of samples: exact over all ranks, whatever
-their shares (`Evaluator`, one per named set: `EvalSets`); and the Trainer's evaluations, with
-what follows each, composed (`Evaluation`)."""
+their shares (`Evaluator`, one per named set: `EvalSets`); and the Trainer's evaluations, when
+each is due and what follows it, composed (`Evaluation`)."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from raylane.config import TrainSection
 from raylane.errors import RaylaneError
 from raylane.loop.distributed.groups import all_reduce_max, all_reduce_sums
 from raylane.loop.distributed.pipeline_parallel import PipelineModel
@@ -20,6 +22,7 @@ from raylane.loop.protocols.batches import batch_size, call_model, checked_own_l
 from raylane.loop.protocols.hooks import Hooks
 from raylane.loop.reporting import Reporter
 
+log = logging.getLogger("raylane")
 SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a named held-out set
 FAILED = "raylane.failed"  # a sum every rank reduces: how many ranks' evaluation raised
 
@@ -215,22 +218,26 @@ class EvalSets:
 
 
 class Evaluation:
-    """The Trainer's evaluations (at epoch ends, every `train.eval_every_n_steps`, at the end of
-    the run), composed of the held-out sets' `evaluator` (None: no held-out set, empty metrics),
-    the `reporter` that logs their metrics, the `early_stop` that counts them, and the `hooks`
-    called after each. The metrics are all-reduced, so that every rank takes the same decision at
-    the same step. `metrics` are the last measured, at `step`."""
+    """The Trainer's evaluations and their schedule (train.eval_every_n_epochs at epoch ends,
+    train.eval_every_n_steps, the run's last after its last step), composed of the held-out sets'
+    `evaluator` (None: no held-out set, empty metrics), the `reporter` that logs their metrics,
+    early stopping (train.early_stopping), which counts them, the `hooks` called after each, and
+    `keep(epoch_end)`, the Trainer's save of the step an evaluation failed at. The metrics are
+    all-reduced, so that every rank takes the same decision at the same step. `metrics` are the
+    last measured, at `step`."""
 
     def __init__(
         self,
         evaluator: EvalSets | None,
         model: torch.nn.Module,
         reporter: Reporter,
-        early_stop: EarlyStopping,
+        train: TrainSection,
         hooks: Hooks,
+        keep: Callable[[bool], None],
     ) -> None:
         self.evaluator, self.model, self.reporter = evaluator, model, reporter
-        self.early_stop, self.hooks = early_stop, hooks
+        self.early_stop, self.hooks, self.keep = EarlyStopping(train.early_stopping), hooks, keep
+        self.every_n_steps, self.every_n_epochs = train.eval_every_n_steps, train.eval_every_n_epochs
         self.metrics: dict[str, float] = {}
         self.step: int | None = None
 
@@ -238,6 +245,40 @@ class Evaluation:
     def stopped(self) -> bool:
         """Early stopping has ended the run (or had, before a resume)."""
         return self.early_stop.stopped
+
+    def due(self, step: int, epoch: int, *, epoch_end: bool) -> bool:
+        """An evaluation is due at `step` of `epoch` (counted from 0; `epoch_end`: its last step):
+        one of every train.eval_every_n_steps, and at an epoch's end one of every
+        train.eval_every_n_epochs too."""
+        return _every(step, self.every_n_steps) or (epoch_end and _every(epoch + 1, self.every_n_epochs))
+
+    def at_step(self, step: int, epoch: int, *, epoch_end: bool) -> None:
+        """Collective. The evaluation due at `step` of `epoch` (none when none is), measured before
+        the checkpoint of its step, which carries the metrics checkpoint.keep_best ranks by.
+        Should the measurement fail (the user's eval_sums, a bad held-out row: on any rank, all
+        learn of it), the step is saved (`keep`) before the error ends the run, so that no step
+        trained since the last checkpoint is lost."""
+        if not self.due(step, epoch, epoch_end=epoch_end):
+            return
+        try:
+            metrics = self.measure()
+        except Exception:
+            try:
+                self.keep(epoch_end)  # without metrics: none were measured
+            except Exception as exc:  # noqa: BLE001 - the evaluation's error is the run's
+                log.warning("the checkpoint at step %d, after the evaluation failed, was not saved: %s", step, exc)
+            raise
+        self.record(metrics, step, epoch, epoch_end=epoch_end)
+
+    def last(self, step: int, epoch: int, batch_in_epoch: int) -> None:
+        """Collective. The run's last evaluation, at its last `step` (a max_steps stop mid-epoch, an
+        epoch left unevaluated, a run resumed at its end), unless that step is measured already;
+        `epoch` and `batch_in_epoch`: the loop's position, moved past an epoch that ended."""
+        if self.step == step:
+            return
+        # Named as the display shows it: an ended epoch's (the loop has moved past it), else its step.
+        ended = batch_in_epoch == 0 and epoch > 0
+        self.run(step, epoch - ended, epoch_end=ended, final=True)
 
     def run(self, step: int, epoch: int, *, epoch_end: bool = True, final: bool = False) -> dict[str, float]:
         """Collective. Evaluate the model at `step` of `epoch`, report the metrics (`epoch_end`:
@@ -256,6 +297,20 @@ class Evaluation:
         self.hooks.call("on_eval_end", metrics=metrics)
         return metrics
 
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """What a checkpoint at `step` holds of it: the metrics measured at that very step (an
+        epoch end's), which checkpoint.keep_best ranks by, and early stopping's count."""
+        return {
+            "eval_metrics": self.metrics if self.step == step else None,
+            "early_stopping": self.early_stop.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], step: int) -> None:
+        """From a checkpoint's train `state`, at its `step`."""
+        if state.get("eval_metrics"):
+            self.metrics, self.step = dict(state["eval_metrics"]), step
+        self.early_stop.load_state_dict(state.get("early_stopping"))
+
     def measure(self) -> dict[str, float]:
         """Collective. The model as it is, on the held-out sets ({} without one); back in train
         mode after (a hook's ctx.evaluate())."""
@@ -267,6 +322,11 @@ class Evaluation:
             self.model.train()
             if callable(reshard := getattr(self.model, "reshard", None)):  # FSDP's root keeps its gathered
                 reshard()  # parameters after a forward: sharded again, as hooks and saves expect
+
+
+def _every(count: int, n: int) -> bool:
+    """Whether the `count`-th occurrence is one of every `n` (never when n is 0)."""
+    return n > 0 and count % n == 0
 
 
 def set_names_problem(eval_set: Any) -> str | None:

@@ -28,7 +28,6 @@ from raylane.loop.distributed.fsdp import Strategy, no_gradient_sync
 from raylane.loop.distributed.groups import backend_name, node_names
 from raylane.loop.distributed.layout import Layout
 from raylane.loop.distributed.pipeline_parallel import PipelineModel
-from raylane.loop.early_stop import EarlyStopping
 from raylane.loop.evaluation import EvalSets, Evaluation
 from raylane.loop.observe.figures import RunFigures
 from raylane.loop.observe.observer import observing, watching
@@ -57,11 +56,6 @@ from raylane.version import __version__
 log = logging.getLogger("raylane")
 # A failing run waits this long at most for the save in flight: a peer that died never commits it.
 FAILED_RUN_SAVE_WAIT_S = 60.0
-
-
-def _every(count: int, n: int) -> bool:
-    """Whether the `count`-th occurrence is one of every `n` (never when n is 0)."""
-    return n > 0 and count % n == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +126,7 @@ class Trainer:
         # Under pipeline parallelism: this rank's stages, run by their schedule (raylane.loop.distributed.pipeline_parallel).
         self.pipeline = model.pipeline if isinstance(model, PipelineModel) else None
         self.hooks = Hooks(parts.hooks, self)
-        self.evaluation = Evaluation(
-            parts.evaluator, model, reporter, EarlyStopping(self.train_cfg.early_stopping), self.hooks
-        )
+        self.evaluation = Evaluation(parts.evaluator, model, reporter, self.train_cfg, self.hooks, self._keep_failed)
         saver.on_committed = lambda step, where: self.hooks.call("on_checkpoint", step=step, checkpoint=where)
         self.hooks.call("setup")  # before a resume loads the hooks' state into what setup made
 
@@ -281,8 +273,8 @@ class Trainer:
                 self._wait_for_staging()  # a skipped step did not wait, and a hook may change its saved state
                 self.hooks.call("on_step_end", metrics=logged)
             epoch_end = self.batch_in_epoch >= self.batches_per_epoch  # evaluated by train(), with the epoch's
-            if _every(self.step, self.train_cfg.eval_every_n_steps) and not epoch_end:
-                self._evaluate_at_step(epoch_end=False)  # before the checkpoint due at this step
+            if not epoch_end:  # before the checkpoint due at this step
+                self.evaluation.at_step(self.step, self.epoch, epoch_end=False)
             # The last batch of an epoch, or of the run, is saved by train(), after its evaluation.
             last_batch = epoch_end or self.step >= self.total_steps
             if not last_batch and self.saver.due(self.step, epoch_end=False, stopping=False):
@@ -361,11 +353,8 @@ class Trainer:
         self.stops.close()
         if self.window.loss_count:
             self._log_train_metrics(until=last_step_end)  # not the end-of-run save and evaluation
-        # A max_steps stop mid-epoch, an epoch left unevaluated, or resumed at the end.
-        if self.evaluation.step != self.step and not self.stops.preempted:
-            # Named as the display shows it: an ended epoch's (train() has moved past it), else its step.
-            ended = self.batch_in_epoch == 0 and self.epoch > 0
-            self.evaluation.run(self.step, self.epoch - ended, epoch_end=ended, final=True)
+        if not self.stops.preempted:  # a stopped run is not over: its last evaluation comes at its end
+            self.evaluation.last(self.step, self.epoch, self.batch_in_epoch)
         return self.reporter.on_end(self._result(last_step_end))
 
     def _result(self, last_step_end: float) -> RunResult:
@@ -415,31 +404,17 @@ class Trainer:
     def _end_epoch(self, start: tuple[float, int], last_step_end: float) -> None:
         """The epoch's throughput and, when due, its evaluation; then the next epoch's position."""
         self.speed_metrics = self.figures.epoch_speed(start, last_step_end, self.step)
-        if _every(self.epoch + 1, self.train_cfg.eval_every_n_epochs) or _every(
-            self.step, self.train_cfg.eval_every_n_steps
-        ):
-            self._evaluate_at_step()
+        self.evaluation.at_step(self.step, self.epoch, epoch_end=True)
         self.epoch += 1
         self.batch_in_epoch = self.samples_seen_in_epoch = 0
 
-    def _evaluate_at_step(self, *, epoch_end: bool = True) -> None:
-        """An evaluation measured before the checkpoint of its step (an epoch end's, or one of
-        train.eval_every_n_steps), which carries the metrics checkpoint.keep_best ranks by.
-        Should the measurement fail (the user's eval_sums, a bad held-out row: on any rank, all
-        learn of it), the step is saved before the error ends the run, so that no step trained
-        since the last checkpoint is lost."""
-        try:
-            metrics = self.evaluation.measure()
-        except Exception:
-            if epoch_end:
-                self.epoch, self.batch_in_epoch, self.samples_seen_in_epoch = self.epoch + 1, 0, 0
-            try:
-                self._save_checkpoint()  # without metrics: none were measured
-                self.saver.settle()
-            except Exception as exc:  # noqa: BLE001 - the evaluation's error is the run's
-                log.warning("the checkpoint at step %d, after the evaluation failed, was not saved: %s", self.step, exc)
-            raise
-        self.evaluation.record(metrics, self.step, self.epoch, epoch_end=epoch_end)
+    def _keep_failed(self, epoch_end: bool) -> None:
+        """The step an evaluation failed at, saved before its error ends the run; at an epoch's
+        end, as the next epoch's start (a resume does not train the ended epoch again)."""
+        if epoch_end:
+            self.epoch, self.batch_in_epoch, self.samples_seen_in_epoch = self.epoch + 1, 0, 0
+        self._save_checkpoint()
+        self.saver.settle()
 
     def step_clock(self) -> float:
         """Now, once the device has finished the steps queued so far."""
@@ -468,9 +443,7 @@ class Trainer:
             "data": self.data_fingerprint,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            # Metrics measured at this very step (an epoch end), for checkpoint.keep_best.
-            "eval_metrics": self.evaluation.metrics if self.evaluation.step == self.step else None,
-            "early_stopping": self.evaluation.early_stop.state_dict(),
+            **self.evaluation.state_dict(self.step),  # eval_metrics (for checkpoint.keep_best), early_stopping
             "speed_metrics": self.speed_metrics if self.evaluation.step == self.step else None,
             "config": self.config,
             "raylane_version": __version__,
@@ -494,9 +467,7 @@ class Trainer:
             self.scheduler.set_total_steps(self.total_steps)
         if self.scaler is not None and state.get("grad_scaler"):
             self.scaler.load_state_dict(state["grad_scaler"])
-        if state.get("eval_metrics"):
-            self.evaluation.metrics, self.evaluation.step = dict(state["eval_metrics"]), self.step
-        self.evaluation.early_stop.load_state_dict(state.get("early_stopping"))
+        self.evaluation.load_state_dict(state, self.step)
         self.hooks.load_state_dict(state.get("hook_states") or {})
         self.resumed_from_step = self.step
 
