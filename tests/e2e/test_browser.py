@@ -16,7 +16,7 @@ import zlib
 import pytest
 from mlflow.tracking import MlflowClient
 
-from raylane.tracking.runs import EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND, VIEW_TAG, use_experiment
+from raylane.tracking.experiment import EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND, VIEW_TAG, use_experiment
 from tests.conftest import ASHA_TRIALS, REPO, cli_env, read_json
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -9,15 +9,8 @@ from typing import Any
 from raylane.config import BaseConfig
 from raylane.config.sweep import SweepSection
 from raylane.sweeps.results import SWEEP_TAG, TRIAL_TAG
-from raylane.tracking.runs import (
-    ERROR_TAG,
-    RUN_NAME_TAG,
-    RunHandle,
-    mlflow_client,
-    run_tags,
-    table_metrics,
-    use_experiment,
-)
+from raylane.tracking.experiment import table_metrics, use_experiment
+from raylane.tracking.runs import ERROR_TAG, RUN_NAME_TAG, RunHandle, mlflow_client, run_tags
 
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a trial's run under the sweep's
 # What a trial's earlier launch ended with, dropped when the trial continues its run.
