@@ -209,19 +209,7 @@ def launch_on_ray(
     sink = _event_sink(sink_name)
     trainer = _trainer(
         cfg,
-        LaunchSpec(
-            config=cfg.model_dump(mode="json"),
-            worker=worker,
-            sink=sink,
-            driver=ProcessId.here(),
-            run_id=run_id,
-            tracking_uri=tracking_uri,
-            run_folder=str(folder) if folder else None,
-            verbose=logs.verbose(),
-            world_sizes=world_sizes(cfg) if cfg.scaling.elastic else None,
-            restarts=max_failures(cfg) != 0 and restartable,
-            held=held,
-        ),
+        _launch_spec(cfg, worker, sink, run_id, tracking_uri, folder, restartable=restartable, held=held),
         TrialTorchTrainer if in_trial else EmbeddedTorchTrainer if embedded else DriverTorchTrainer,
         put_env(cfg, folder) if env is None else env,
         pipeline or pipelines_ref.resolve(cfg.pipeline),
@@ -246,6 +234,36 @@ def launch_on_ray(
             raise TrainingError(format_failure(exc, cfg.scaling.num_workers)) from None
         raise exc
     return ended
+
+
+def _launch_spec(
+    cfg: BaseConfig,
+    worker: Worker,
+    sink: Any,
+    run_id: str | None,
+    tracking_uri: str,
+    folder: Path | None,
+    *,
+    restartable: bool,
+    held: HeldBatch | None,
+) -> LaunchSpec:
+    """What each worker of the group is handed (raylane.onray.spec): the config as JSON, the
+    worker function, the event sink, this process (whose end stops the workers), the MLflow run,
+    the run's folder, an elastic run's world sizes, whether the group restarts, the held batch.
+    Its streams are the TorchTrainer's to add (`_trainer`)."""
+    return LaunchSpec(
+        config=cfg.model_dump(mode="json"),
+        worker=worker,
+        sink=sink,
+        driver=ProcessId.here(),
+        run_id=run_id,
+        tracking_uri=tracking_uri,
+        run_folder=str(folder) if folder else None,
+        verbose=logs.verbose(),
+        world_sizes=world_sizes(cfg) if cfg.scaling.elastic else None,
+        restarts=max_failures(cfg) != 0 and restartable,
+        held=held,
+    )
 
 
 def _trainer(

@@ -376,7 +376,6 @@ def _fit(
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
     trainable = tune.with_resources(tune.with_parameters(_trial, context=context), {"CPU": TRIAL_DRIVER_CPU})
-    path = f"{base.run.storage_path.rstrip('/')}/{sweep.name}"
     # Tune's default loggers, less its TensorBoard one: tensorboardX imports torch into this
     # driver, ~2 s of CPU before the first trial starts (the sweep's metrics are in MLflow). Tune
     # adds all three unless told not to (_tune_environment), so the other two are named.
@@ -388,25 +387,7 @@ def _fit(
         stop=stopper,
         failure_config=tune.FailureConfig(max_failures=base.failure.max_failures),
     )
-    # A trial's driver process, reused by the next trial, keeps torch, Ray Train and raylane
-    # imported. Not under PBT: its exploit must restart a trial from the donor's checkpoint.
-    if tune.Tuner.can_restore(path):
-        print(f"[raylane] continuing sweep {sweep.name} from {path}", flush=True)
-        tuner = tune.Tuner.restore(
-            path, trainable, resume_unfinished=True, resume_errored=True, param_space=param_space(sweep)
-        )
-    else:
-        tuner = tune.Tuner(
-            trainable,
-            param_space=param_space(sweep),
-            run_config=run_config,
-            tune_config=tune.TuneConfig(
-                num_samples=sweep.num_samples,
-                search_alg=search_alg(sweep, concurrency),
-                scheduler=_scheduler(sweep, base),
-                reuse_actors=sweep.scheduler != "pbt",
-            ),
-        )
+    tuner = _tuner(sweep, base, trainable, run_config, concurrency)
     try:
         with _tune_environment():
             grid = tuner.fit()
@@ -417,6 +398,34 @@ def _fit(
         raise
     trial_runs.wait()  # the stopped trials' runs closed before the results are read
     return grid
+
+
+def _tuner(
+    sweep: SweepSection, base: BaseConfig, trainable: Any, run_config: tune.RunConfig, concurrency: int
+) -> tune.Tuner:
+    """The sweep's Tuner: continued from Tune's records in the sweep's folder when an earlier
+    launch of the sweep left them (its trials resumed, its unfinished and errored ones run again),
+    else a new one with the sweep's search and scheduler and `run_config` (a restored Tuner has
+    the run config its records hold)."""
+    path = f"{base.run.storage_path.rstrip('/')}/{sweep.name}"
+    if tune.Tuner.can_restore(path):
+        print(f"[raylane] continuing sweep {sweep.name} from {path}", flush=True)
+        return tune.Tuner.restore(
+            path, trainable, resume_unfinished=True, resume_errored=True, param_space=param_space(sweep)
+        )
+    return tune.Tuner(
+        trainable,
+        param_space=param_space(sweep),
+        run_config=run_config,
+        tune_config=tune.TuneConfig(
+            num_samples=sweep.num_samples,
+            search_alg=search_alg(sweep, concurrency),
+            scheduler=_scheduler(sweep, base),
+            # A trial's driver process, reused by the next trial, keeps torch, Ray Train and raylane
+            # imported. Not under PBT: its exploit must restart a trial from the donor's checkpoint.
+            reuse_actors=sweep.scheduler != "pbt",
+        ),
+    )
 
 
 # Tune's TensorBoard logger (see _fit), and Tune's own Ctrl-C: it would end its loop and return the
