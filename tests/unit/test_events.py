@@ -11,7 +11,7 @@ import typing
 
 import pytest
 
-from raylane.loop.observe.startup import StartupTimes
+from raylane.loop.observe.startup import StartupTimes, with_phases
 from raylane.loop.protocols.events import (
     Candidate,
     Checkpoint,
@@ -32,7 +32,6 @@ from raylane.loop.protocols.events import (
 )
 from raylane.loop.protocols.result import Fit, Outcome, SearchResult
 from raylane.loop.reporting import Reporter
-from raylane.loop.run import _with_startup
 from raylane.tracking.progress import ProgressDisplay
 from raylane.tracking.resizes import Resizes
 from tests.helpers.run_result import run_result
@@ -203,7 +202,7 @@ def test_the_reporter_sends_only_events_the_listeners_read():
         for listener in (display.handle, times.on_event, resizes.on_event):
             listener(event)
 
-    reporter = Reporter(is_rank_zero=True, publish=_with_startup(driver, {"pipeline": 5.0}))
+    reporter = Reporter(is_rank_zero=True, publish=with_phases(driver, {"pipeline": 5.0}))
     reporter.on_start(
         total_steps=4,
         steps_per_epoch=2,

@@ -21,7 +21,7 @@ import raylane
 from raylane.config import validate
 from raylane.loop import checkpoint
 from raylane.loop.observe import faults
-from raylane.loop.protocols.events import Checkpoint, Eval, Event
+from raylane.loop.protocols.events import Checkpoint, Eval, Event, FirstStep
 from raylane.loop.protocols.result import RunResult
 from raylane.loop.run import build_trainer, local_runtime, seed_everything
 
@@ -77,7 +77,13 @@ class Run:
     the events rank 0 published."""
 
     def __init__(
-        self, cfg: raylane.BaseConfig, *, dropout: float = 0.0, hooks: tuple[Any, ...] = (), eval_sums: Any = None
+        self,
+        cfg: raylane.BaseConfig,
+        *,
+        dropout: float = 0.0,
+        hooks: tuple[Any, ...] = (),
+        eval_sums: Any = None,
+        startup: dict[str, float] | None = None,
     ) -> None:
         self.events: list[Event] = []
         seed_everything(cfg.train.seed)  # as run_worker does, before the pipeline is built
@@ -90,7 +96,7 @@ class Run:
             eval_sums=eval_sums,
             hooks=hooks,
         )
-        self.trainer = build_trainer(cfg, local_runtime(cfg, self.events.append), pipe)
+        self.trainer = build_trainer(cfg, local_runtime(cfg, self.events.append), pipe, startup=startup)
         self.root = Path(cfg.run.storage_path) / str(cfg.run.name)
 
     def train(self) -> RunResult:
@@ -306,3 +312,16 @@ def test_an_evaluation_that_raises_saves_its_step_before_the_error_ends_the_run(
     assert run.saved() == run.on_disk() == [saved[0]]
     state = checkpoint.read_manifest(run.root / checkpoint.checkpoint_name(saved[0]))["train_state"]
     assert (state["step"], state["epoch"], state["batch_in_epoch"], state["eval_metrics"]) == (*saved, None)
+
+
+# Planted: the train data not behind rank 0's FirstBatchClock (no first_batch phase); the clock
+# marking each epoch's first batch (first_batch moves to the 2nd epoch's).
+def test_rank_zeros_start_up_phases_are_marked_as_they_end_the_first_batch_once(tmp_path):
+    phases: dict[str, float] = {}
+    run = Run(_config(tmp_path, "r"), startup=phases)
+    assert list(phases) == ["parallelize"]  # build_trainer's; run_worker marks the rest
+    built = phases["parallelize"]
+    result = run.train()
+    assert result.steps == 12 and list(phases) == ["parallelize", "first_batch"]
+    first = next(e.time_unix for e in run.events if isinstance(e, FirstStep))
+    assert built <= phases["first_batch"] <= first

@@ -5,13 +5,11 @@ torchrun or in a single process by `launch_local` below. It never imports Ray.""
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +32,11 @@ from raylane.loop.evaluation import EvalSets, Evaluator
 from raylane.loop.observe import faults, hangs, health
 from raylane.loop.observe.observer import Deferred, Observer
 from raylane.loop.observe.observers import Observers
+from raylane.loop.observe.startup import FirstBatchClock, with_phases
 from raylane.loop.observe.steptimes import StepTimes
 from raylane.loop.optim import build_optimizer, build_scheduler, schedule_note
 from raylane.loop.protocols.batches import Forward
-from raylane.loop.protocols.events import Event, FirstStep, Start
+from raylane.loop.protocols.events import Event
 from raylane.loop.protocols.result import RunResult
 from raylane.loop.protocols.runtime import LocalRuntime, Runtime
 from raylane.loop.reporting import Reporter
@@ -90,7 +89,7 @@ def run_worker(
         with hangs.watched(folder, runtime.rank, runtime.world_size, cfg.dist.timeout_s) as watch:
             pipe = usercode.build_pipeline(cfg)  # its exception, or a return that is no Pipeline, names the pipeline
             startup["pipeline"] = time.time()
-            publish = _with_startup(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
+            publish = with_phases(runtime.publish, startup) if runtime.rank == 0 else runtime.publish
             reporter = Reporter(is_rank_zero=runtime.rank == 0, publish=publish, metric_logger=metric_logger)
             trainer = build_trainer(cfg, runtime, pipe, reporter, startup, hang_watch=watch)
             startup["ready"] = time.time()
@@ -144,12 +143,7 @@ def build_trainer(
     startup["parallelize"] = time.time()
     if getattr(strategy, "pp", 1) > 1:  # a pipeline stage: each rank saves its own parameters
         checkpoint.state.mark_partial(model)
-    own = runtime.store.latest()
-    latest = own or _init_from(cfg)
-    # A checkpoint loaded below holds every weight, nothing to read twice; except a model on a
-    # frozen base (LoRA), whose checkpoints hold what trains: its base comes from its files again.
-    if not latest or frozen.base_of(model) is not None:
-        _init_weights(pipe, model, meta)
+    latest, own = _start_point(cfg, runtime, pipe, model, meta)
     # Over the wrapped model's parameters (DTensors under FSDP), in their shards whatever ran before.
     optimizer = build_optimizer(resharded(model), cfg, pipe)
     # Its loaders, schedule, side groups and observers: what the Trainer is built over, beside them.
@@ -169,8 +163,23 @@ def build_trainer(
     )
     usercode.check_first_calls(trainer, pipe, cfg)
     if latest:
-        _resume(trainer, latest, own=bool(own), runtime=runtime)
+        _resume(trainer, latest, own=own, runtime=runtime)
     return trainer
+
+
+def _start_point(
+    cfg: BaseConfig, runtime: Runtime, pipe: Any, model: torch.nn.Module, meta: bool
+) -> tuple[str | None, bool]:
+    """Where the run starts: (the checkpoint it resumes from, None at step 0; whether that is the
+    run's own newest or checkpoint.init_from's), and, where the checkpoint will not give them, the
+    weights the pipeline's init_weights gives."""
+    own = runtime.store.latest()
+    latest = own or _init_from(cfg)
+    # A checkpoint holds every weight, nothing to read twice; except a model on a frozen base
+    # (LoRA), whose checkpoints hold what trains: its base comes from its files again.
+    if not latest or frozen.base_of(model) is not None:
+        _init_weights(pipe, model, meta)
+    return latest, bool(own)
 
 
 def _parts(
@@ -302,7 +311,7 @@ def _train_loader(
         _note_small_epoch(pipe.train_set, train_loader, cfg, data.world_size)
         if pp > 1:
             _note_left_out(train_loader, cfg)
-        train_loader = _FirstBatchClock(train_loader, startup)
+        train_loader = FirstBatchClock(train_loader, startup)
     return train_loader
 
 
@@ -406,40 +415,6 @@ def _note_left_out(loader: Any, cfg: BaseConfig) -> None:
             left,
             cfg.train.batch_size,
         )
-
-
-def _with_startup(publish: Callable[[Event], None], startup: dict[str, float]) -> Callable[[Event], None]:
-    """`publish`, with the start-up phases so far on the start and first-step events (the
-    start event leaves before the first batch is read)."""
-
-    def send(event: Event) -> None:
-        if isinstance(event, (Start, FirstStep)):
-            event = dataclasses.replace(event, startup=dict(startup))
-        publish(event)
-
-    return send
-
-
-class _FirstBatchClock:
-    """The train data, timing rank 0's first batch. The first epoch's iterator is the loader's
-    own behind a C-level chain; later epochs get the loader's own iterator untouched."""
-
-    def __init__(self, data: Any, startup: dict[str, float]) -> None:
-        self._data, self._startup = data, startup
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._data, name)
-
-    def __iter__(self) -> Iterator[Any]:
-        batches = iter(self._data)
-        if "first_batch" in self._startup:
-            return batches
-        try:
-            first = next(batches)
-        except StopIteration:
-            return iter(())
-        self._startup["first_batch"] = time.time()
-        return itertools.chain((first,), batches)
 
 
 def _init_from(cfg: BaseConfig) -> str | None:

@@ -4,12 +4,17 @@ Unix times, because the phases end in several processes (the driver, Ray Train's
 rank 0's worker) that share a clock on one machine. The summary gives them as seconds since the
 launch (`timing.startup`, see `StartupTimes.seconds`). Each phase costs one time.time(): nothing
 here runs per step. Neither torch nor Ray is imported: the driver marks its phases before either
-is loaded."""
+is loaded. On a rank: the phases marked as they end, which rank 0 sends with its start and
+first-step events (`with_phases`), the first batch's among them (`FirstBatchClock`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from raylane.loop.protocols.events import Event, FirstStep, Start, Startup
 
@@ -128,3 +133,37 @@ class StartupTimes:
         origin = self.unix.get("launch", min(self.unix.values()))
         order = PHASES if "ray_init" in self.unix else TORCHRUN_PHASES
         return {p: round(self.unix[p] - origin, 3) for p in order if p in self.unix}
+
+
+def with_phases(publish: Callable[[Event], None], phases: dict[str, float]) -> Callable[[Event], None]:
+    """`publish`, with a rank's start-up `phases` so far on the start and first-step events (the
+    start event leaves before the first batch is read)."""
+
+    def send(event: Event) -> None:
+        if isinstance(event, (Start, FirstStep)):
+            event = dataclasses.replace(event, startup=dict(phases))
+        publish(event)
+
+    return send
+
+
+class FirstBatchClock:
+    """The train data, timing rank 0's first batch into `phases`. The first epoch's iterator is
+    the loader's own behind a C-level chain; later epochs get the loader's own iterator untouched."""
+
+    def __init__(self, data: Any, phases: dict[str, float]) -> None:
+        self._data, self._phases = data, phases
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._data, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = iter(self._data)
+        if "first_batch" in self._phases:
+            return batches
+        try:
+            first = next(batches)
+        except StopIteration:
+            return iter(())
+        self._phases["first_batch"] = time.time()
+        return itertools.chain((first,), batches)
