@@ -12,7 +12,7 @@ MODULE_LINES = 500
 FUNCTION_LINES = 60
 # Over the limits when this test came (HEAD 03fd656), being cut by its owner: its size then. An
 # entry goes once its cut is in.
-CEILINGS = {"raylane.loop.run:build_trainer": 62}
+CEILINGS: dict[str, int] = {}  # raylane.loop.run:build_trainer (62) is cut: 57 lines at 7de6a13
 
 
 def oversized(sources: dict[str, str]) -> list[str]:
