@@ -322,10 +322,12 @@ def prepare_train(
     if in_process:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         where = f"torchrun's WORLD_SIZE = {world}" if under_torchrun() else "the one process of --local"
+        layout_checks.check_replica_groups(cfg, where)
         layout_checks.check_layout(cfg, world, where, pipeline)
     else:
         world = cfg.scaling.num_workers
-        layout_checks.check_layout(cfg, world, f"scaling.num_workers = {world}", pipeline)
+        layout_checks.check_replica_groups(cfg, None)
+        layout_checks.check_layout(cfg, *layout_checks.layout_world(cfg), pipeline)  # a replica group's, if any
     # Held once, here: the ranks train with it on this world (raylane.loop.run holds it again only
     # on another: an elastic run's); this config, as given, is what MLflow records.
     held = HeldBatch.of(cfg, world)
@@ -335,7 +337,7 @@ def prepare_train(
     finished = prechecks.check_resume(cfg, folder)
     run = PreparedRun(cfg, not in_process, folder, pipeline, finished=finished, notes=notes, held=held)
     if not run.finished:  # the plan and stages on the model (tp, pp): one build of it, here
-        unchecked = layout_checks.check_plan(cfg, world)
+        unchecked = layout_checks.check_plan(cfg, world if in_process else layout_checks.layout_world(cfg)[0])
         notes.extend(unchecked if os.environ.get("RANK", "0") == "0" else [])  # under torchrun, rank 0 says it
     if joins and run.use_ray and not run.finished:
         run.address = joined_address(address, cfg)

@@ -7,6 +7,8 @@ here imports torch or Ray."""
 
 from __future__ import annotations
 
+import importlib.util
+
 from raylane import pipelines_ref
 from raylane.config import BaseConfig, ConfigError
 from raylane.loop.distributed.layout import Layout, LayoutError
@@ -122,3 +124,33 @@ def check_plan(cfg: BaseConfig, world_size: int) -> list[str]:
     except ValueError as exc:  # one line naming the rule or the key (ConfigError's among them)
         raise ConfigError(str(exc)) from None
     return []
+
+
+def layout_world(cfg: BaseConfig) -> tuple[int, str]:
+    """The ranks a Ray run's layout spans, and where that number comes from: a replica group's
+    (fault_tolerance: each group lays the model out on its own workers), else the whole world."""
+    world, ft = cfg.scaling.num_workers, cfg.fault_tolerance
+    if not ft.enabled:
+        return world, f"scaling.num_workers = {world}"
+    size = ft.group_size(world)
+    workers = f"{size} worker{'s' if size != 1 else ''}"
+    return size, f"a replica group's {workers} (scaling.num_workers = {world} / fault_tolerance.replica_groups)"
+
+
+def check_replica_groups(cfg: BaseConfig, in_process: str | None) -> None:
+    """Replica groups where they can run: on Ray (`in_process`, None there: the one process of
+    --local or torchrun's ranks, which no launcher restarts one group at a time), with torchft
+    installed (looked up, not imported: the check stays fast). The rest is the config's own check
+    (raylane.config.base)."""
+    if not cfg.fault_tolerance.enabled:
+        return
+    if in_process is not None:
+        raise ConfigError(
+            f"fault_tolerance.enabled with {in_process}: replica groups need a launcher that restarts one group "
+            "alone, which Ray is and torchrun and --local are not; run it on Ray"
+        )
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "fault_tolerance.enabled: needs torchft, which is not installed here; "
+            "pip install 'raylane[fault-tolerance]' (x86-64 Linux)"
+        )

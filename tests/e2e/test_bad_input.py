@@ -567,6 +567,76 @@ CASES: dict[str, Case] = {
         "MLflow server",
         env={"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"},
     ),
+    # fault_tolerance: replica groups (issue 62)
+    "replica groups that do not divide the world": Case(
+        ["train", "digits", "--set", "fault_tolerance.enabled=true", "--set", "scaling.num_workers=3"],
+        "fault_tolerance.replica_groups = 2: does not divide scaling.num_workers = 3",
+    ),
+    "a quorum floor above the groups": Case(
+        ["check", "digits", "--set", "fault_tolerance.enabled=true", "--set", "fault_tolerance.min_replicas=3"],
+        "fault_tolerance.min_replicas = 3: above fault_tolerance.replica_groups = 2",
+    ),
+    "replica groups with pipeline stages": Case(
+        [
+            "check",
+            "gpt-tiny",
+            "--set",
+            "fault_tolerance.enabled=true",
+            "--set",
+            "scaling.num_workers=4",
+            "--set",
+            "strategy.pp=2",
+        ],
+        "strategy.pp = 2 with fault_tolerance.enabled: pipeline stages inside a replica group are not built yet",
+    ),
+    "replica groups beside HSDP replicas": Case(
+        [
+            "check",
+            "digits",
+            "--set",
+            "fault_tolerance.enabled=true",
+            "--set",
+            "scaling.num_workers=4",
+            "--set",
+            "strategy.name=fsdp",
+            "--set",
+            "strategy.dp_replicate=2",
+        ],
+        "strategy.dp_replicate = 2 with fault_tolerance.enabled: the replica groups are the replicas",
+    ),
+    "replica groups elastic": Case(
+        ["check", "digits", "--set", "fault_tolerance.enabled=true", "--set", "scaling.num_workers=2,4"],
+        "with fault_tolerance.enabled: an elastic run with replica groups is not built yet",
+    ),
+    "replica groups in one process": Case(
+        ["train", "digits", "--local", "--set", "fault_tolerance.enabled=true"],
+        "fault_tolerance.enabled with the one process of --local: replica groups need a launcher that restarts "
+        "one group alone",
+    ),
+    "a layout that does not fit a replica group": Case(
+        [
+            "check",
+            "gpt-tiny",
+            "--set",
+            "fault_tolerance.enabled=true",
+            "--set",
+            "scaling.num_workers=2",
+            "--set",
+            "strategy.name=fsdp",
+            "--set",
+            "strategy.tp=2",
+        ],
+        "strategy.tp = 2: does not divide a replica group's 1 worker",
+    ),
+    "a sweep of replica-group runs": Case(
+        ["tune", "s.yaml"],
+        "fault_tolerance.enabled: sweeps of replica-group runs are not built yet",
+        files=sweep("{fault_tolerance.enabled: {grid: [true]}}"),
+    ),
+    "autotune of a replica-group run": Case(
+        ["autotune", "digits", "--set", "fault_tolerance.enabled=true", "--set", "scaling.num_workers=2"],
+        "fault_tolerance.enabled: autotune measures one worker group",
+    ),
     # up: the token the head will require
     "up with an empty token file": Case(
         ["up"],
@@ -666,6 +736,10 @@ def test_bad_input_end_to_end(name, tmp_path):
         (["train", "digits", "--set", "train.max_epoch=2"], "did you mean train.max_epochs?"),
         (["train", "digits", "--summary-json", "out/s.json"], "folder 'out' does not exist"),
         (["train", "digits", "--set", "strategy.tp=3"], "strategy.tp = 3: does not divide torchrun's WORLD_SIZE = 2"),
+        (
+            ["train", "digits", "--set", "fault_tolerance.enabled=true"],
+            "fault_tolerance.enabled with torchrun's WORLD_SIZE = 2: replica groups need a launcher",
+        ),
     ],
 )
 def test_bad_input_under_torchrun(argv, line, tmp_path):

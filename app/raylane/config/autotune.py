@@ -123,9 +123,13 @@ def load(source: str, overrides: Iterable[str] = ()) -> tuple[AutotuneSection, B
     return section, validate(normalize_pipeline(raw, config_path(source).resolve().parent))
 
 
-def space(section: AutotuneSection, cfg: BaseConfig) -> tuple[dict[str, list[Any]], GlobalBatch]:
-    """Dotted key -> values, the config's own value first; and the global batch held. Checks
-    every value against the config (ConfigError naming the field and the value)."""
+def _searchable(cfg: BaseConfig) -> None:
+    """The runs a search measures: one worker group, laid out data-parallel."""
+    if cfg.fault_tolerance.enabled:
+        raise ConfigError(
+            "fault_tolerance.enabled: autotune measures one worker group; autotune without fault_tolerance and "
+            "train the winner with it"
+        )
     if cfg.strategy.tensor_parallel:
         raise ConfigError(
             f"strategy.tp = {cfg.strategy.tp!r}: autotune does not search tensor-parallel layouts yet; "
@@ -136,6 +140,12 @@ def space(section: AutotuneSection, cfg: BaseConfig) -> tuple[dict[str, list[Any
             f"strategy.pp = {cfg.strategy.pp}: autotune does not search pipeline-parallel layouts yet; "
             "autotune with strategy.pp: 1"
         )
+
+
+def space(section: AutotuneSection, cfg: BaseConfig) -> tuple[dict[str, list[Any]], GlobalBatch]:
+    """Dotted key -> values, the config's own value first; and the global batch held. Checks
+    every value against the config (ConfigError naming the field and the value)."""
+    _searchable(cfg)
     t, s, workers = cfg.train, cfg.strategy, cfg.scaling.num_workers
     gpu = cfg.scaling.use_gpu
     if cfg.scaling.elastic:

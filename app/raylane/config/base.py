@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from raylane import pipelines_ref
 from raylane.config import observe, sections
+from raylane.config.fault_tolerance import FaultToleranceSection
 from raylane.config.strategy import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 from raylane.config.workerenv import check_entries as check_env_entries
 
@@ -36,6 +37,7 @@ class BaseConfig(sections.Section):
     mlflow: sections.MlflowSection = sections.MlflowSection()
     profile: observe.ProfileSection = observe.ProfileSection()
     stragglers: observe.StragglersSection = observe.StragglersSection()
+    fault_tolerance: FaultToleranceSection = FaultToleranceSection()
     env: dict[str, str] = Field(
         {},
         description="Environment variables every rank gets (`NCCL_DEBUG: INFO`, `HF_TOKEN: ${HF_TOKEN}`): set in "
@@ -135,6 +137,39 @@ class BaseConfig(sections.Section):
                 "run does not have; use strategy.cp: 1"
             )
         raise ValueError(f"strategy.cp = {cp}: context parallelism is not built yet; use strategy.cp: 1")
+
+    @model_validator(mode="after")
+    def _replica_groups(self) -> BaseConfig:
+        """What replica groups need of the rest of the config: whole groups, and none of what they
+        do not combine with yet (docs/fault-tolerance.md), each refused by the key that asks for it."""
+        ft, s, workers = self.fault_tolerance, self.strategy, self.scaling.num_workers
+        if not ft.enabled:
+            return self
+        if workers % ft.replica_groups:
+            raise ValueError(
+                f"fault_tolerance.replica_groups = {ft.replica_groups}: does not divide scaling.num_workers = "
+                f"{workers} (every group has as many workers)"
+            )
+        refused = {
+            f"scaling.num_workers = {[self.scaling.min_workers, workers]}": (
+                self.scaling.elastic,
+                "an elastic run with replica groups is not built yet: the groups are the unit that comes and goes; "
+                "give one number",
+            ),
+            f"strategy.pp = {s.pp}": (s.pp > 1, "pipeline stages inside a replica group are not built yet"),
+            f"strategy.dp_replicate = {s.dp_replicate}": (
+                s.dp_replicate > 1,
+                "the replica groups are the replicas (torchft averages gradients across them); use 1",
+            ),
+            "fault_tolerance.process_group = 'nccl'": (
+                ft.process_group == "nccl" and not self.scaling.use_gpu,
+                "NCCL needs scaling.use_gpu: true; on CPU use gloo",
+            ),
+        }
+        for key, (on, why) in refused.items():
+            if on:
+                raise ValueError(f"{key} with fault_tolerance.enabled: {why}")
+        return self
 
     @model_validator(mode="after")
     def _pipeline_parallel(self) -> BaseConfig:
