@@ -38,6 +38,10 @@ class Reporter:
         self, *, is_rank_zero: bool, publish: Callable[[Event], None], metric_logger: Any | None = None
     ) -> None:
         self.active = is_rank_zero
+        # With replica groups, the run's figures (progress, metrics, evaluations, checkpoints) come
+        # from the group that leads (the lowest alive: raylane.loop.distributed.ft), so MLflow and
+        # the terminal get one series; each group's rank 0 still says its own start and end.
+        self.leads = True
         self._publish = publish
         self._metrics = metric_logger if is_rank_zero else None
         self._last_publish = float("-inf")
@@ -62,7 +66,7 @@ class Reporter:
         now = time.monotonic()
         if first:
             self._publish(FirstStep(step=step, time_unix=time.time()))
-        if now - self._last_publish >= PROGRESS_INTERVAL_S:
+        if self.leads and now - self._last_publish >= PROGRESS_INTERVAL_S:
             self._last_publish = now
             state = dict(self._state)
             self._publish(Progress(epoch=epoch, step=step, window=state.pop("window", None), state=state))
@@ -78,12 +82,12 @@ class Reporter:
             **{k: metrics[k] for k in WINDOW_KEYS if k in metrics},
         }
         self._window_from = step + 1
-        if self._metrics is not None:
+        if self._metrics is not None and self.leads:
             self._metrics.log({f"train/{k}": v for k, v in metrics.items()}, step)
 
     def on_eval(self, *, epoch: int, step: int, metrics: dict[str, float], epoch_end: bool = True) -> None:
         """`epoch_end`: False for an evaluation part-way through an epoch (train.eval_every_n_steps)."""
-        if not self.active:
+        if not (self.active and self.leads):
             return
         if self._metrics is not None:
             self._metrics.log({f"eval/{k}": v for k, v in metrics.items()}, step)
@@ -91,7 +95,7 @@ class Reporter:
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """A hook's own metrics, to MLflow under the names given (raylane.loop.protocols.hooks)."""
-        if self._metrics is not None:
+        if self._metrics is not None and self.leads:
             self._metrics.log(metrics, step)
 
     def on_straggler(self, record: dict[str, Any], line: str) -> None:

@@ -26,6 +26,7 @@ from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.loop.data.loader import data_ranks, eval_data, first_batch, is_stream, train_data, worker_options
 from raylane.loop.distributed.devices import peak_flops
 from raylane.loop.distributed.fsdp import Strategy, on_meta, resharded, unwrap
+from raylane.loop.distributed.ft import OneReplica, replicas_for, train_ranks, world_of
 from raylane.loop.distributed.groups import default_device, env_ranks, init_process_group
 from raylane.loop.distributed.parallelize import parallelize
 from raylane.loop.evaluation import EvalSets, Evaluator
@@ -79,7 +80,7 @@ def run_worker(
     elastic run's size is known only here). An exception of the user's pipeline code leaves it as
     one line naming the function and the place (raylane.loop.usercode)."""
     startup = {} if startup is None else startup
-    cfg = held_for(cfg, runtime.world_size, held)
+    cfg = held_for(cfg, world_of(runtime.world_size), held)  # the whole run's, with replica groups
     seed_everything(cfg.train.seed)
     pipe = None
     sampler = health.start_sampler(cfg, runtime.local_rank, runtime.store)  # this node's, on its local rank 0
@@ -146,9 +147,10 @@ def build_trainer(
     latest, own = _start_point(cfg, runtime, pipe, model, meta)
     # Over the wrapped model's parameters (DTensors under FSDP), in their shards whatever ran before.
     optimizer = build_optimizer(resharded(model), cfg, pipe)
+    replicas = replicas_for(cfg, runtime, model, optimizer, reporter)  # torchft's, with replica groups
     # Its loaders, schedule, side groups and observers: what the Trainer is built over, beside them.
     train_loader, parts, saver, observers = _parts(
-        cfg, runtime, pipe, reporter, startup, (strategy, optimizer), hang_watch
+        cfg, runtime, pipe, reporter, startup, (strategy, optimizer, replicas), hang_watch
     )
     trainer = Trainer(
         model,
@@ -188,13 +190,13 @@ def _parts(
     pipe: Any,
     reporter: Reporter,
     startup: dict[str, float],
-    built: tuple[Strategy, torch.optim.Optimizer],
+    built: tuple[Strategy, torch.optim.Optimizer, OneReplica],
     hang_watch: hangs.HangWatch | None,
 ) -> tuple[Any, Parts, Saver, Observers]:
-    """What the Trainer over the parallelized model (laid out as `built`'s Strategy) and its
-    optimizer is built with: (the training loader, its Parts: schedule, evaluation, side groups,
-    ..., its Saver, its Observers)."""
-    strategy, optimizer = built
+    """What the Trainer over the parallelized model (laid out as `built`'s Strategy), its
+    optimizer and its replica groups is built with: (the training loader, its Parts: schedule,
+    evaluation, side groups, ..., its Saver, its Observers)."""
+    strategy, optimizer, replicas = built
     batching = {
         "batch_size": cfg.train.batch_size,
         "seed": cfg.train.seed,
@@ -205,7 +207,8 @@ def _parts(
     # Evaluation sums over every rank all the same: each group's ranks add the same sums and counts
     # (a pipeline's last stage alone counts), and the means hold.
     data = data_ranks(runtime, strategy.layout)
-    train_loader = _train_loader(cfg, runtime, pipe, data, batching, strategy.pp, startup)
+    # The training data across replica groups too (the held-out sets are each group's to measure).
+    train_loader = _train_loader(cfg, runtime, pipe, train_ranks(data, replicas), batching, strategy.pp, startup)
     eval_loader = eval_data(pipe.eval_set, data, **batching)
     control_group, save_group = _side_groups(cfg, runtime.world_size)
     total_steps = plan_steps(train_loader, cfg.train)[1]
@@ -226,6 +229,7 @@ def _parts(
         evaluator=_evaluator(eval_loader, pipe, runtime),
         hooks=pipe.hooks,
         vote_group=control_group,
+        replicas=replicas,
     )
     saver = Saver(runtime.store, cfg.checkpoint, reporter, group=save_group, faults=plan)
     return train_loader, parts, saver, _observers(cfg, runtime, reporter, hang_watch, plan)

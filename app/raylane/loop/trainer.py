@@ -25,6 +25,7 @@ from raylane.loop.data import baddata
 from raylane.loop.data.loader import EpochData, fingerprint
 from raylane.loop.distributed.devices import Precision, reset_peak_memory, state_bytes
 from raylane.loop.distributed.fsdp import Strategy, no_gradient_sync
+from raylane.loop.distributed.ft import OneReplica
 from raylane.loop.distributed.groups import backend_name, node_names
 from raylane.loop.distributed.layout import Layout
 from raylane.loop.distributed.pipeline_parallel import PipelineModel
@@ -63,7 +64,8 @@ class Parts:
     """What the loop runs besides its model, batches and optimizer, built outside with them: how
     a batch goes through the model (`forward`), the layout (`strategy`; None: one process or
     DDP), the learning-rate schedule, the rates throughput is counted in, the held-out sets, the
-    pipeline's hooks, and the process group the step-boundary vote runs on (None: the default)."""
+    pipeline's hooks, the process group the step-boundary vote runs on (None: the default), the
+    replica groups (raylane.loop.distributed.ft)."""
 
     forward: Forward
     strategy: Strategy | None = None
@@ -72,6 +74,7 @@ class Parts:
     evaluator: EvalSets | None = None
     hooks: Sequence[Any] = ()
     vote_group: Any = None
+    replicas: OneReplica = dataclasses.field(default_factory=OneReplica)
 
 
 class Trainer:
@@ -117,17 +120,19 @@ class Trainer:
         self.precision = Precision(self.train_cfg.precision, self.strategy.name, self.device)
         self.scaler = self.precision.scaler
         self.stops = StepVote(runtime, parts.vote_group)
+        self.replicas = parts.replicas  # a step not committed is not counted; a heal moves the position
         # A forward in training mode may update buffers (BatchNorm's statistics) that a save in
         # flight is still copying; parameters and optimizer state change only in the step.
         self._forward_writes_state = any(True for _ in model.buffers())
         self._saved_step: int | None = None
-        self._init_progress(train_data, self.strategy.data_parallel)
+        self._init_progress(train_data, self.strategy.data_parallel * self.replicas.count)  # every group's
         self._init_observers(observers or Observers())
         # Under pipeline parallelism: this rank's stages, run by their schedule (raylane.loop.distributed.pipeline_parallel).
         self.pipeline = model.pipeline if isinstance(model, PipelineModel) else None
         self.hooks = Hooks(parts.hooks, self)
         self.evaluation = Evaluation(parts.evaluator, model, reporter, self.train_cfg, self.hooks, self._keep_failed)
         saver.on_committed = lambda step, where: self.hooks.call("on_checkpoint", step=step, checkpoint=where)
+        self.replicas.carry(self.state_dict, self.load_state_dict)  # what a healing group copies besides the weights
         self.hooks.call("setup")  # before a resume loads the hooks' state into what setup made
 
     def _init_observers(self, observers: Observers) -> None:
@@ -180,6 +185,7 @@ class Trainer:
         every stage with the gradient norm (one all-reduce, which the NaN vote and the clipping
         of parameters spread over stages need anyway)."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.replicas.begin(self.step)
         if self._forward_writes_state:
             self._wait_for_staging()
         n = len(micro_batches)
@@ -202,6 +208,9 @@ class Trainer:
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             losses.append(loss.detach())
         self.timer.computed()
+        self.replicas.reduce()
+        if not self.replicas.commit():  # a replica group failed in the step: no group takes it
+            return None
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         if not self._clip_gradients(carried) and not self.scaler:  # the scaler skips such steps itself
@@ -250,22 +259,27 @@ class Trainer:
 
     def _run_epoch(self, epoch: int) -> None:
         self.model.train()
-        self.batches_per_epoch = self.train_data.batches_in_epoch(epoch)
-        self.train_data.set_epoch(epoch, skip_batches=self.batch_in_epoch)
-        batches = step_groups(self.train_data, self.accum)
+        batches = self._batches(epoch)
+        again: list[Any] = []  # a step no replica group took: its batches are taken again
         while True:
             for watch in self._on_step_start:
                 watch(self.step + 1)
-            if (micro_batches := next(batches, None)) is None:
+            if not (micro_batches := again or next(batches, [])):
                 break
             for watch in self._on_batch:
                 watch(self.step + 1)
             loss = self.run_step(micro_batches)
+            if not self.replicas.committed:
+                again = micro_batches
+                continue
+            again = []
             self.step += 1
             for watch in self._on_step_end:
                 watch(self.step)
             self.batch_in_epoch += len(micro_batches)
             self.samples_seen_in_epoch += len(micro_batches) * self.group_batch
+            if self.replicas.healed():  # the step was taken at a peer's position: go on from there
+                epoch, batches = self.epoch, self._batches(self.epoch)
             self.window.add(loss)
             self.reporter.on_step(epoch=epoch, step=self.step, first=self.step == (self.resumed_from_step or 0) + 1)
             logged = self._log_train_metrics() if self.step % self.log_every_n_steps == 0 else {}
@@ -281,6 +295,12 @@ class Trainer:
                 self._save_checkpoint()
             if self._over() or (self.stops.due(self.step) and self._step_boundary()):
                 break
+
+    def _batches(self, epoch: int) -> Any:
+        """`epoch`'s optimizer steps' micro-batches, from the position the loop is at."""
+        self.batches_per_epoch = self.train_data.batches_in_epoch(epoch)
+        self.train_data.set_epoch(epoch, skip_batches=self.batch_in_epoch)
+        return step_groups(self.train_data, self.accum)
 
     def _over(self) -> bool:
         """The loop ends: its last step is taken, the group stops, or early stopping ended the run."""
@@ -310,7 +330,7 @@ class Trainer:
         return metrics
 
     def _save_checkpoint(self) -> None:
-        if self._saved_step == self.step:
+        if self._saved_step == self.step or not self.replicas.leads():  # one group writes the run's
             return
         with self.figures.checkpoint_wait(counted=self.step < self.total_steps):
             self.saver.save(self.model, self.optimizer, self.state_dict(), hooks=self.hooks.state_dict())
@@ -327,6 +347,7 @@ class Trainer:
         with (
             observing(self.observers, self.step),  # a profiler's trace written before the last gather
             preemption.armed(),
+            self.replicas.joined(self.step),  # from the step resumed at: only a peer ahead heals this group
             self.saver.settled_on_failure(min(self.timeout_s, FAILED_RUN_SAVE_WAIT_S)),
         ):
             last_step_end = self.figures.started[0]

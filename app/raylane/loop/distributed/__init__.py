@@ -4,4 +4,5 @@ how the data-parallel ranks hold the model; built once, read by all), `paralleli
 `tensor_parallel` (with `tp_styles`, `heads`) and `pipeline_parallel` (with `pipeline_split`,
 `blocks`) apply it, `ties` keeps tied parameters tied; `auto` measures what `tp: auto` weighs and
 `forward_checks` tries a layout before launch, both on `fake`'s process groups; `devices` and
-`groups` are the devices and process groups below."""
+`groups` are the devices and process groups below; `ft` joins replica groups across the run
+(torchft: quorum, the cross-group reduce, commit and heal; `fault_tolerance:`)."""

@@ -1,0 +1,36 @@
+"""One rank of a replica group, through raylane's own loop as a torchrun rank runs it (prelude,
+launch_local), for tests/e2e/test_ft_loop.py: `python ft_group.py CONFIG.json EVENTS.jsonl`.
+The launcher's contract comes in the environment (RAYLANE_REPLICA_GROUP, RAYLANE_REPLICA_GROUPS,
+TORCHFT_LIGHTHOUSE, MASTER_ADDR/MASTER_PORT, RANK/WORLD_SIZE). Rank 0 writes each event it
+publishes as a JSON line: its kind and its plain fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+
+def main() -> int:
+    from raylane.config import validate
+    from raylane.loop.distributed.groups import leave_process_group
+    from raylane.loop.run import launch_local, prelude
+
+    cfg = validate(json.loads(open(sys.argv[1]).read()))
+    out = open(sys.argv[2], "a")
+
+    def on_event(event: object) -> None:
+        fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}  # type: ignore[arg-type]
+        plain = {k: v for k, v in fields.items() if isinstance(v, (int, float, str, bool, type(None)))}
+        out.write(json.dumps({"kind": type(event).__name__, **plain}) + "\n")
+        out.flush()
+
+    prelude(cfg, None)
+    result = launch_local(cfg, on_event)
+    on_event(result)
+    leave_process_group(wait_for_peers=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
