@@ -16,22 +16,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-import ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from raylane import logs, pipelines_ref
 from raylane.config import BaseConfig, validate
 from raylane.config.batching import HeldBatch, world_sizes
-from raylane.errors import TrainingError
 from raylane.loop import preemption
 from raylane.loop.protocols.events import End, Event, Startup
 from raylane.loop.protocols.result import RunResult
 from raylane.onray.elastic import HANDOVER_WAIT_S, NodeLeaving, failure_config, max_failures, ray_num_workers
-from raylane.onray.failures import format_failure
+from raylane.onray.fit import Fit, Group, event_sink
 from raylane.onray.leftovers import ProcessId
 from raylane.onray.placement import put_env, scaling_options
-from raylane.onray.runtime import EventSink, RayRuntime, relay_warnings
+from raylane.onray.runtime import RayRuntime, relay_warnings
 from raylane.onray.spec import SPEC_KEY, LaunchSpec, Worker, launch_spec
 from raylane.onray.trainers import (
     DriverTorchTrainer,
@@ -68,7 +66,12 @@ def _train_fn(train_loop_config: dict[str, Any]) -> None:
     spec = launch_spec(train_loop_config)
     cfg = validate(spec.config)
     runtime = RayRuntime(
-        spec.sink, cfg.scaling.use_gpu, spec.streams, restarts=spec.restarts, driver=dataclasses.asdict(spec.driver)
+        spec.sink,
+        cfg.scaling.use_gpu,
+        spec.streams,
+        restarts=spec.restarts,
+        driver=dataclasses.asdict(spec.driver),
+        replica_group=spec.replica_group,
     )
     relay_warnings(runtime, spec.verbose)
     if startup["worker_process"] is not None:  # was this rank's process a warm worker? (the summary says)
@@ -160,23 +163,6 @@ def _stream_split():
     return StreamSplit()
 
 
-def _event_sink(name: str | None = None) -> Any:
-    """The driver's event sink, on the driver's own node: anywhere else, losing that node (a spot
-    reclaim that an elastic run should survive) would end the run with it. `name`: what another
-    process finds it by (a sweep's driver asks a trial's ranks to stop through it); a name still
-    held (a restarted trial's earlier sink, not yet gone) leaves it unnamed."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = ray.get_runtime_context().get_node_id()
-    placed, make = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=True)}, EventSink.options
-    if name:
-        try:
-            return make(name=name, **placed).remote()
-        except ValueError:
-            log.debug("event sink %s: the name is taken; unnamed", name)
-    return make(**placed).remote()
-
-
 def launch_on_ray(
     cfg: BaseConfig,
     run_id: str | None,
@@ -204,90 +190,91 @@ def launch_on_ray(
     event sink's, for a stop asked from another process (a sweep's driver: raylane.onray.trials).
     `folder`, `pipeline` and `held` (the global batch held on the planned world): the run's, as
     the driver found them (`raylane train`); a trial's and a search's are found here (and their
-    ranks hold their batch)."""
+    ranks hold their batch). With `fault_tolerance.enabled`, one worker group per replica group
+    (raylane.onray.replicas)."""
     folder = run_folder(cfg) if isinstance(folder, str) else folder
-    sink = _event_sink(sink_name)
-    trainer = _trainer(
-        cfg,
-        _launch_spec(cfg, worker, sink, run_id, tracking_uri, folder, restartable=restartable, held=held),
-        TrialTorchTrainer if in_trial else EmbeddedTorchTrainer if embedded else DriverTorchTrainer,
-        put_env(cfg, folder) if env is None else env,
-        pipeline or pipelines_ref.resolve(cfg.pipeline),
-    )
+    trainer_cls = TrialTorchTrainer if in_trial else EmbeddedTorchTrainer if embedded else DriverTorchTrainer
+    resolved = pipeline or pipelines_ref.resolve(cfg.pipeline)
+    launch = Launch(cfg, worker, run_id, tracking_uri, folder, resolved, trainer_cls, restartable, held)
+    if cfg.fault_tolerance.enabled:
+        from raylane.onray.replicas import launch_replicas
+
+        return launch_replicas(launch, on_event, pump, env, loopback=embedded)
+    fit = launch.fit(event_sink(sink_name), put_env(cfg, folder) if env is None else env)
     on_event(Startup(phases={"fit": time.time()}))
-    # fit() runs on a helper thread so that this (main) thread keeps Ctrl-C and SIGTERM: Ray
-    # installs its own SIGINT handler only from the main thread. Here rank 0's events are relayed.
-    outcome: dict[str, Any] = {}
-
-    def fit() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as exc:  # re-raised on the main thread
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=fit, name="raylane-fit", daemon=True)
-    thread.start()
-    ended = pump(thread, lambda: ray.get(sink.drain.remote()), lambda: sink.request_stop.remote(), on_event)
-    if "error" in outcome:
-        exc = outcome["error"]
-        if isinstance(exc, ray.train.TrainingFailedError):
-            raise TrainingError(format_failure(exc, cfg.scaling.num_workers)) from None
-        raise exc
+    ended = pump(fit.start(), fit.drain, fit.request_stop, on_event)
+    if (failure := fit.failure()) is not None:
+        raise failure
     return ended
 
 
-def _launch_spec(
-    cfg: BaseConfig,
-    worker: Worker,
-    sink: Any,
-    run_id: str | None,
-    tracking_uri: str,
-    folder: Path | None,
-    *,
-    restartable: bool,
-    held: HeldBatch | None,
-) -> LaunchSpec:
-    """What each worker of the group is handed (raylane.onray.spec): the config as JSON, the
-    worker function, the event sink, this process (whose end stops the workers), the MLflow run,
-    the run's folder, an elastic run's world sizes, whether the group restarts, the held batch.
-    Its streams are the TorchTrainer's to add (`_trainer`)."""
-    return LaunchSpec(
-        config=cfg.model_dump(mode="json"),
-        worker=worker,
-        sink=sink,
-        driver=ProcessId.here(),
-        run_id=run_id,
-        tracking_uri=tracking_uri,
-        run_folder=str(folder) if folder else None,
-        verbose=logs.verbose(),
-        world_sizes=world_sizes(cfg) if cfg.scaling.elastic else None,
-        restarts=max_failures(cfg) != 0 and restartable,
-        held=held,
-    )
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What every worker group of one launch starts from: the run's config and what the driver
+    found for it (its folder, its pipeline, the global batch held on the planned world), the
+    worker function, the MLflow run, and the TorchTrainer for the way the run meets Ray. A run
+    has one group; a fault-tolerant run one per replica group (raylane.onray.replicas)."""
 
+    cfg: BaseConfig
+    worker: Worker
+    run_id: str | None
+    tracking_uri: str
+    folder: Path | None
+    pipeline: pipelines_ref.Resolved
+    trainer_cls: type[TorchTrainer]
+    restartable: bool = True
+    held: HeldBatch | None = None
 
-def _trainer(
-    cfg: BaseConfig, spec: LaunchSpec, trainer_cls: type[TorchTrainer], env: Any, pipeline: pipelines_ref.Resolved
-) -> TorchTrainer:
-    """The TorchTrainer that runs `spec.worker` on the run's worker group, with the pipeline's
-    streaming sources as Ray Datasets (`spec.streams`: their rows per epoch) and `env`, the `env:`
-    variables in Ray's object store."""
-    datasets, streams = _ray_datasets(cfg, pipeline)
-    return trainer_cls(
-        _train_fn,
-        train_loop_config={SPEC_KEY: dataclasses.replace(spec, streams=streams)},
-        datasets=datasets,
-        **({"dataset_config": _stream_split()} if datasets else {}),
-        scaling_config=ScalingConfig(
-            num_workers=ray_num_workers(cfg),
-            use_gpu=cfg.scaling.use_gpu,
-            elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s,
-            **scaling_options(cfg),
-        ),
-        torch_config=RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s, restarts=spec.restarts, env=env),
-        run_config=RunConfig(
-            name=cfg.run.name,
-            storage_path=cfg.run.storage_path,
-            failure_config=failure_config(cfg),
-        ),
-    )
+    def fit(self, sink: Any, env: Any, group: Group | None = None) -> Fit:
+        """A worker group's fit (not started), its rank 0 sending to `sink`, with `env` (the `env:`
+        variables in Ray's object store); `group`: the run's own when None."""
+        cfg = self.cfg
+        group = group or Group(cfg.run.name, cfg.run.storage_path, ray_num_workers(cfg))
+        spec = self.spec(sink, group.replica_group)
+        size = group.num_workers if isinstance(group.num_workers, int) else group.num_workers[1]
+        return Fit(self.trainer(spec, env, group), sink, size)
+
+    def spec(self, sink: Any, replica_group: int | None = None) -> LaunchSpec:
+        """What each worker of the group is handed (raylane.onray.spec): the config as JSON, the
+        worker function, the event sink, this process (whose end stops the workers), the MLflow
+        run, the run's folder, an elastic run's world sizes, whether the group restarts, the held
+        batch, the replica group. Its streams are the TorchTrainer's to add (`trainer`)."""
+        cfg = self.cfg
+        return LaunchSpec(
+            config=cfg.model_dump(mode="json"),
+            worker=self.worker,
+            sink=sink,
+            driver=ProcessId.here(),
+            run_id=self.run_id,
+            tracking_uri=self.tracking_uri,
+            run_folder=str(self.folder) if self.folder else None,
+            verbose=logs.verbose(),
+            world_sizes=world_sizes(cfg) if cfg.scaling.elastic else None,
+            restarts=max_failures(cfg) != 0 and self.restartable,
+            held=self.held,
+            replica_group=replica_group,
+        )
+
+    def trainer(self, spec: LaunchSpec, env: Any, group: Group) -> TorchTrainer:
+        """The TorchTrainer that runs `spec.worker` on `group`, with the pipeline's streaming
+        sources as Ray Datasets (`spec.streams`: their rows per epoch) and `env`."""
+        cfg = self.cfg
+        datasets, streams = _ray_datasets(cfg, self.pipeline)
+        return self.trainer_cls(
+            _train_fn,
+            train_loop_config={SPEC_KEY: dataclasses.replace(spec, streams=streams)},
+            datasets=datasets,
+            **({"dataset_config": _stream_split()} if datasets else {}),
+            scaling_config=ScalingConfig(
+                num_workers=group.num_workers,
+                use_gpu=cfg.scaling.use_gpu,
+                elastic_resize_monitor_interval_s=cfg.scaling.resize_check_s,
+                **scaling_options(cfg),
+            ),
+            torch_config=RaylaneTorchConfig(timeout_s=cfg.dist.timeout_s, restarts=spec.restarts, env=env),
+            run_config=RunConfig(
+                name=group.name,
+                storage_path=group.storage_path,
+                failure_config=failure_config(cfg),
+            ),
+        )

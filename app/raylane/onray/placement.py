@@ -106,16 +106,18 @@ def _may_grow() -> bool:
     return os.environ.get("RAY_enable_autoscaler_v2") == "1"  # v2 reports elsewhere: assume it may
 
 
-def put_env(cfg: BaseConfig, folder: Path | None) -> Any:
+def put_env(cfg: BaseConfig, folder: Path | None, launcher: Mapping[str, str] | None = None) -> Any:
     """The `env:` variables (each `${NAME}` read from this, the driver's, environment), and on GPUs
     NCCL's flight recorder's (raylane.loop.observe.hangs, dumping into the run's `folder`), in Ray's
-    object store, for the workers; None when there are none."""
+    object store, for the workers; None when there are none. `launcher`: the launcher's own
+    variables (a replica group's: raylane.onray.replicas), which win over `env:`."""
     from raylane.loop.observe.hangs import flight_recorder_env
 
     recorder = flight_recorder_env(
         cfg.scaling.use_gpu, cfg.dist.flight_recorder_entries, str(folder) if folder else None
     )
-    values = {**recorder, **resolve(cfg.env)}  # NCCL's flight recorder, before the process group; env: wins
+    # NCCL's flight recorder, before the process group; env: wins over it, the launcher over env:.
+    values = {**recorder, **resolve(cfg.env), **(launcher or {})}
     return ray.put(values) if values else None
 
 

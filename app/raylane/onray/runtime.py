@@ -93,6 +93,7 @@ class RayRuntime:
         streams: dict[str, int | None] | None = None,
         restarts: bool = False,
         driver: dict[str, Any] | None = None,
+        replica_group: int | None = None,
     ) -> None:
         ctx = ray.train.get_context()
         # The process that runs this group's fit(): `raylane train`'s, or a sweep's trial.
@@ -106,7 +107,10 @@ class RayRuntime:
         self._sink = sink
         self.node_ranks = self._number_nodes_by_id()
         storage = ctx.get_storage()
-        self.store = DriverWatchedStore(storage.experiment_fs_path, storage.storage_filesystem, self.rank, self._driver)
+        # A replica group's Ray run (raylane.onray.replicas) is stored inside the run's folder, as
+        # `{run}-g{i}`: its checkpoints are the run's, in the run's folder, shared by every group.
+        root = storage.experiment_fs_path if replica_group is None else storage.storage_fs_path
+        self.store = DriverWatchedStore(root, storage.storage_filesystem, self.rank, self._driver)
         if self.rank == 0:  # one rank is enough: the per-step vote spreads the request
             threading.Thread(target=self._watch_driver, name="raylane-stop-watch", daemon=True).start()
         # Whatever failure.max_failures says: Ray Train passes the drain notice to every worker

@@ -37,6 +37,8 @@ class LaunchSpec:
     world_sizes: list[int] | None = None  # an elastic run's sizes that hold the global batch
     restarts: bool = False  # the group restarts without a node that leaves, rather than the run stopping
     held: HeldBatch | None = None  # the global batch the driver held on the planned world (raylane.api.prepare_train)
+    # fault_tolerance: the replica group these workers are (raylane.onray.replicas), None without.
+    replica_group: int | None = None
 
 
 # A worker group's function: (the run's config, the worker's runtime, the launch, its start-up

@@ -1,0 +1,188 @@
+"""Fault-tolerant replica groups on Ray (issue 62; raylane.onray.replicas): one Ray Train run per
+replica group, `{run}-g{i}`, all meeting in one torchft Lighthouse actor of the run's, on the
+session's shared head (so that the actor's end is the run's doing, not the cluster's).
+
+Each worker runs a probe pipeline (written into the test's folder): a Linear(4, 1) on fixed data
+whose hook writes, per group and rank, what the worker saw of its group in its environment, its
+pid, and at each step's end the time, the step and the parameters (bit for bit, as float.hex)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.conftest import read_json, wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.shared_ray, pytest.mark.untracked]
+
+PIPE = """
+import json, os, time
+from pathlib import Path
+
+import torch
+from torch.utils.data import TensorDataset
+
+import raylane
+
+WATCH = ("TORCHFT_LIGHTHOUSE", "RAYLANE_REPLICA_GROUP", "RAYLANE_REPLICA_GROUPS", "RUST_LOG")
+
+
+class Model(raylane.Section):
+    record: str = "seen"
+    samples: int = 64
+
+
+class Config(raylane.BaseConfig):
+    model: Model = Model()
+
+    def eval_metrics(self):
+        return ("loss",)
+
+
+class Probe(raylane.Hook):
+    def __init__(self, folder):
+        self.folder = Path(folder)
+
+    def _write(self, ctx, **record):
+        group = os.environ.get("RAYLANE_REPLICA_GROUP", "-")
+        record.update(time=time.time(), pid=os.getpid(), step=ctx.step)
+        with open(self.folder / f"g{group}-r{ctx.rank}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\\n")
+
+    def setup(self, ctx):
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._write(ctx, kind="setup", env={k: os.environ.get(k) for k in WATCH})
+
+    def on_step_end(self, ctx):
+        params = [v.hex() for p in ctx.model.parameters() for v in p.detach().flatten().tolist()]
+        self._write(ctx, kind="step", params=params)
+
+
+def build(cfg):
+    gen = torch.Generator().manual_seed(0)
+    n = cfg.model.samples
+    x = torch.rand(n + 16, 4, generator=gen)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.rand(n + 16, 1, generator=gen)
+    return raylane.Pipeline(
+        model=torch.nn.Linear(4, 1),
+        train_set=TensorDataset(x[:n], y[:n]),
+        eval_set=TensorDataset(x[n:], y[n:]),
+        loss_fn=torch.nn.functional.mse_loss,
+        eval_sums=lambda out, target: {"loss": torch.nn.functional.mse_loss(out, target, reduction="sum")},
+        hooks=[Probe(cfg.model.record)],
+    )
+"""
+
+
+def _project(tmp_path: Path, *, groups: int, workers: int, samples: int, extra: str = "") -> Path:
+    (tmp_path / "pipe.py").write_text(PIPE)
+    (tmp_path / "run.yaml").write_text(
+        "pipeline: ./pipe.py\n"
+        f"scaling: {{num_workers: {workers}}}\n"
+        "train: {max_epochs: 1, batch_size: 8, seed: 0}\n"
+        "optim: {name: adamw, lr: 0.01}\n"
+        f"fault_tolerance: {{enabled: true, replica_groups: {groups}}}\n"
+        f"model: {{record: {tmp_path / 'seen'}, samples: {samples}}}\n"
+        f"run: {{storage_path: {tmp_path / 'runs'}}}\n" + extra
+    )
+    return tmp_path / "seen"
+
+
+def _records(seen: Path, group: int, rank: int = 0) -> list[dict]:
+    path = seen / f"g{group}-r{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _refused(address: str) -> bool:
+    """Nothing listens at the lighthouse's address any more."""
+    where = urlsplit(address)
+    try:
+        socket.create_connection((where.hostname, where.port), timeout=2).close()
+        return False
+    except OSError:
+        return True
+
+
+def test_two_replica_groups_each_its_own_ray_run_share_one_lighthouse_gone_after(run_cli, tmp_path):
+    """2 groups of 1 CPU worker (plain DDP inside, 4 steps): each group is its own Ray Train run
+    (`{run}-g0`, `{run}-g1`, stored inside the run's folder), its worker told its group, the group
+    count and the run's one lighthouse, with torchft's Rust logs at warn; both groups step
+    together to the end; the run is FINISHED with one checkpoint in its own folder; and the
+    lighthouse is gone once the run has ended (the head lives on)."""
+    seen = _project(tmp_path, groups=2, workers=2, samples=64)  # 64 samples over 2 groups x 8: 4 steps
+    p = run_cli("train", "run.yaml", "--set", "run.name=ft", "--summary-json", "s.json")
+    assert p.wait(300) == 0, p.output
+    s = read_json(tmp_path / "s.json")
+    assert s["status"] == "FINISHED" and s["steps"] == 4, s
+
+    run = tmp_path / "runs" / "ft"
+    assert (run / "ft-g0").is_dir() and (run / "ft-g1").is_dir(), sorted(run.iterdir())  # Ray's two runs
+    assert Path(s["checkpoint"]).parent == run
+    lighthouses = set()
+    for group in (0, 1):
+        records = _records(seen, group)
+        setups = [r for r in records if r["kind"] == "setup"]
+        assert len(setups) == 1, records  # started once
+        env = setups[0]["env"]
+        assert (env["RAYLANE_REPLICA_GROUP"], env["RAYLANE_REPLICA_GROUPS"], env["RUST_LOG"]) == (
+            str(group),
+            "2",
+            "warn",
+        )
+        lighthouses.add(env["TORCHFT_LIGHTHOUSE"])
+        assert [r["step"] for r in records if r["kind"] == "step"] == [1, 2, 3, 4], records
+    (address,) = lighthouses  # one for the run
+    assert address.startswith("http://") and urlsplit(address).port
+    # The run's end killed its actor; the shared head it ran on lives on.
+    wait_for(lambda: _refused(address), timeout_s=20)
+    assert "restarted" not in p.output and "lost for good" not in p.output, p.output
+
+
+@pytest.mark.slow  # ~3 minutes on 2 cores
+def test_a_killed_worker_restarts_its_group_alone_which_heals_from_the_other(run_cli, tmp_path):
+    """Issue 62's Done-when under plain DDP: 2 groups of 1 worker, 60 steps of ~0.3 s; group 1's
+    worker is killed (SIGKILL, by pid) at its step 20. Group 0 never restarts (one process; its
+    steps never go back; no gap between two of them longer than the quorum timeout plus 5 s);
+    group 1 restarts alone (a second process) and heals from group 0 (its first step after the
+    restart is group 0's, not a checkpoint's: there is none before the end); the run ends
+    FINISHED at step 60 with both groups' final weights equal bit for bit."""
+    slow = "env: {RAYLANE_FAULTS: 'slow@ms=300'}\nfailure: {max_failures: 2}\ncheckpoint: {every_n_steps: 0}\n"
+    seen = _project(tmp_path, groups=2, workers=2, samples=960, extra=slow)  # 960 / (2 x 8): 60 steps
+    p = run_cli("train", "run.yaml", "--set", "run.name=ftkill", "--summary-json", "s.json")
+
+    def at_20():
+        steps = [r for r in _records(seen, 1) if r["kind"] == "step"]
+        return steps[-1] if steps and steps[-1]["step"] >= 20 else None
+
+    victim = wait_for(at_20, timeout_s=240, interval_s=0.05)
+    killed_at = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    assert p.wait(400) == 0, p.output
+    s = read_json(tmp_path / "s.json")
+    assert s["status"] == "FINISHED" and s["steps"] == 60, s
+
+    g0, g1 = _records(seen, 0), _records(seen, 1)
+    steps0 = [r for r in g0 if r["kind"] == "step"]
+    assert {r["pid"] for r in g0} == {g0[0]["pid"]}  # group 0: one process throughout
+    assert [r["step"] for r in steps0] == list(range(1, 61))  # never back, none missed
+    gaps = [b["time"] - a["time"] for a, b in zip(steps0, steps0[1:], strict=False)]
+    assert max(gaps) < 120 + 5, max(gaps)  # fault_tolerance.quorum_timeout_s's default + 5 s
+    pids1 = list(dict.fromkeys(r["pid"] for r in g1))
+    assert pids1[0] == victim["pid"] and len(pids1) == 2, pids1  # group 1: restarted once
+    after = [r for r in g1 if r["pid"] == pids1[1] and r["kind"] == "step"]
+    assert after[0]["step"] > victim["step"] + 1, after[0]  # healed from group 0, which stepped on
+    assert after[-1]["step"] == steps0[-1]["step"] == 60
+    assert after[-1]["params"] == steps0[-1]["params"]  # bit for bit
+    assert "replica group 1 restarted (1)" in p.output and "replica group 0 restarted" not in p.output
+    longest = max(gaps)
+    print(
+        f"group 0's longest gap between steps: {longest:.2f} s; group 1 back at step {after[0]['step']}, "
+        f"{after[0]['time'] - killed_at:.1f} s after the kill"
+    )
