@@ -1,7 +1,7 @@
 """A pipeline for replica-group tests (tests/e2e/test_ft_loop.py): a small MLP regression on fixed
-data, with a hook that records, after every step, the step, the time and a digest of this rank's
-parameters and optimizer state (the local shards under FSDP) as one JSON line in the file
-$FT_RECORD. `model.sharded`: FSDP2 inside each group (strategy fsdp with its blocks)."""
+data, with a hook that records, after every step, the step, the time, the training samples this
+rank read for it (their indices) and a digest of its parameters and optimizer state (the local
+shards under FSDP) as one JSON line in the file $FT_RECORD."""
 
 from __future__ import annotations
 
@@ -11,9 +11,25 @@ import os
 import time
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 import raylane
+
+READ: list[int] = []  # the training samples read since the last step's end, in order
+
+
+class Indexed(Dataset):
+    """The training set, noting each sample read (the loader reads in the rank's own process)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        READ.append(int(i))
+        return self.x[i], self.y[i]
 
 
 class Model(raylane.Section):
@@ -52,8 +68,9 @@ class Record(raylane.Hook):
     def on_step_end(self, ctx: raylane.HookContext) -> None:
         if self.path:
             with open(self.path, "a") as f:
-                line = {"step": ctx.step, "epoch": ctx.epoch, "t": time.time(), "pid": os.getpid()}
+                line = {"step": ctx.step, "epoch": ctx.epoch, "t": time.time(), "pid": os.getpid(), "read": READ[:]}
                 f.write(json.dumps({**line, "digest": digest(ctx.model, ctx.optimizer)}) + "\n")
+        READ.clear()
 
 
 class Block(torch.nn.Module):
@@ -84,7 +101,7 @@ def build(cfg: Config):
     y = x.sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(m.rows + 256, 1, generator=gen)
     return raylane.Pipeline(
         model=Net(m.width),
-        train_set=TensorDataset(x[: m.rows], y[: m.rows]),
+        train_set=Indexed(x[: m.rows], y[: m.rows]),
         eval_set=TensorDataset(x[m.rows :], y[m.rows :]),
         loss_fn=torch.nn.functional.mse_loss,
         eval_sums=lambda out, target: {"loss": torch.nn.functional.mse_loss(out, target, reduction="sum")},

@@ -181,6 +181,9 @@ class ReplicaGroups(OneReplica):
             self._reduce_gradients()
 
     def commit(self) -> bool:
+        # A heal is applied in should_commit only once the quorum is in (the reduce waits for it;
+        # a step with no gradient to reduce would not).
+        self.manager.wait_quorum()
         self.committed = self.manager.should_commit()
         if self._reporter is not None:
             self._reporter.leads = self.leads()

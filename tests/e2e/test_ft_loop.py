@@ -1,0 +1,236 @@
+"""Replica groups through raylane's own loop, without Ray (the loop knows nothing of its launcher):
+each group's ranks are processes running tests/helpers/ft_group.py (prelude + launch_local, as a
+torchrun rank does) with the launcher's contract in their environment, joined by torchft's
+LighthouseServer started here on 127.0.0.1. A group is killed by pid (SIGKILL) and started again,
+as Ray restarts a group alone (raylane.onray.replicas); the other group never stops.
+
+Each rank records after every step its step, time and a digest of its parameters and optimizer
+state (tests/helpers/ft_pipeline.py's Record hook). Every process started here is killed by pid in
+a finally."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import free_port
+
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side (the lighthouse here) logs each quorum at info
+pytest.importorskip("torchft", reason="needs raylane[fault-tolerance]")
+
+REPO = Path(__file__).resolve().parents[2]
+HELPERS = REPO / "tests" / "helpers"
+HEARTBEAT_S = 1.0
+ROWS, BATCH, SEED = 2048, 8, 0
+
+
+class Groups:
+    """A lighthouse in this process and the ranks of each group as processes, tracked by pid."""
+
+    def __init__(self, folder: Path, cfg: dict[str, Any], group_size: int = 1, slow_ms: int = 250) -> None:
+        from torchft.coordination import LighthouseServer
+
+        self.folder, self.group_size, self.slow_ms = folder, group_size, slow_ms
+        self.lighthouse = LighthouseServer(
+            bind="127.0.0.1:0",
+            min_replicas=1,
+            join_timeout_ms=10_000,
+            quorum_tick_ms=100,
+            heartbeat_timeout_ms=int(HEARTBEAT_S * 1000),
+        )
+        self.cfg_path = folder / "cfg.json"
+        self.cfg_path.write_text(json.dumps(cfg))
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, index: int, tag: str) -> list[subprocess.Popen]:
+        """Group `index`'s ranks, their records, events and output under `tag`."""
+        port, ranks = free_port(), []
+        for rank in range(self.group_size):
+            env = {
+                **os.environ,
+                "RAYLANE_REPLICA_GROUP": str(index),
+                "RAYLANE_REPLICA_GROUPS": "2",
+                "TORCHFT_LIGHTHOUSE": self.lighthouse.address(),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(self.group_size),
+                "FT_RECORD": str(self.folder / f"{tag}r{rank}.jsonl"),
+                "RAYLANE_FAULTS": f"slow@ms={self.slow_ms}",  # steps long enough to kill one in the middle
+                "PYTHONPATH": str(REPO),
+                "OMP_NUM_THREADS": "1",
+                "RUST_LOG": "warn",
+            }
+            out = open(self.folder / f"{tag}r{rank}.log", "a")
+            argv = [
+                sys.executable,
+                str(HELPERS / "ft_group.py"),
+                str(self.cfg_path),
+                str(self.folder / f"{tag}.events"),
+            ]
+            ranks.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT))
+        self.procs += ranks
+        return ranks
+
+    def records(self, tag: str, rank: int = 0) -> list[dict[str, Any]]:
+        path = self.folder / f"{tag}r{rank}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def events(self, tag: str) -> list[dict[str, Any]]:
+        path = self.folder / f"{tag}.events"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def log(self, tag: str, rank: int = 0) -> str:
+        return (self.folder / f"{tag}r{rank}.log").read_text()
+
+    def wait_for_step(self, tag: str, step: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (recs := self.records(tag)) == [] or recs[-1]["step"] < step:
+            ended = [p.pid for p in self.procs if p.poll() is not None]
+            assert not ended, f"ranks {ended} ended before {tag} reached step {step}: {self._tails()}"
+            assert time.monotonic() < deadline, f"{tag} not at step {step} after {timeout_s} s: {self._tails()}"
+            time.sleep(0.05)
+
+    def kill(self, ranks: list[subprocess.Popen]) -> None:
+        for p in ranks:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+
+    def finish(self, timeout_s: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.poll() for p in self.procs]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+        self.lighthouse.shutdown()
+
+    def _tails(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(self.folder.glob("*.log")))
+
+
+def _shard(rank: int, ranks: int, step: int) -> list[int]:
+    """The samples data rank `rank` of `ranks` reads at `step` (epoch 0): torch's DistributedSampler
+    with raylane's seed, one batch a step."""
+    from torch.utils.data import DistributedSampler
+
+    order = list(DistributedSampler(range(ROWS), num_replicas=ranks, rank=rank, shuffle=True, seed=SEED))
+    return order[(step - 1) * BATCH : step * BATCH]
+
+
+def _config(folder: Path, steps: int, group_size: int = 1) -> dict[str, Any]:
+    return {
+        "pipeline": str(HELPERS / "ft_pipeline.py"),
+        "model": {"rows": ROWS},
+        "run": {"name": "ft", "storage_path": str(folder)},
+        "scaling": {"num_workers": 2 * group_size},
+        "strategy": {"name": "fsdp" if group_size > 1 else "ddp"},
+        # 2,048 rows: 128 steps an epoch at 8 x 2 samples a step, so no epoch ends (nor checkpoint) early.
+        "train": {"batch_size": BATCH, "max_steps": steps, "max_epochs": 10, "seed": SEED},
+        "optim": {"name": "adamw", "lr": 0.01},
+        "checkpoint": {"every_n_steps": 0, "keep": None},
+        "mlflow": {"enabled": False, "log_every_n_steps": 5},
+        "fault_tolerance": {
+            "enabled": True,
+            "replica_groups": 2,
+            "min_replicas": 1,
+            "heartbeat_timeout_s": HEARTBEAT_S,
+        },
+    }
+
+
+def _check_kill_and_heal(groups: Groups, steps: int, kill_at: int, rank_of_g1: int) -> dict[str, float]:
+    """Group 1 killed at `kill_at` (its rank `rank_of_g1` by SIGKILL, then the rest, as the
+    launcher stops a group one of whose ranks died), started again; both run to `steps`. The
+    checks of a heal without a checkpoint, the survivor's steps and the end's weights; returns
+    what was measured."""
+    g0, g1 = groups.start(0, "g0"), groups.start(1, "g1")
+    groups.wait_for_step("g1", kill_at, timeout_s=240)
+    killed_at = time.time()
+    os.kill(g1[rank_of_g1].pid, signal.SIGKILL)
+    groups.kill(g1)
+    survivor_then = groups.records("g0")[-1]["step"]
+    assert not list((groups.folder / "ft").glob("checkpoint_*")), "a checkpoint already: the heal could read it"
+    restarted = groups.start(1, "g1b")
+    groups.finish(timeout_s=300)
+    assert all(p.returncode == 0 for p in g0 + restarted), groups._tails()
+
+    for rank in range(groups.group_size):
+        survivor, back = groups.records("g0", rank), groups.records("g1b", rank)
+        steps_seen = [r["step"] for r in survivor]
+        # The survivor never restarts nor goes back: one process, each step once, in order, to the end.
+        assert len({r["pid"] for r in survivor}) == 1
+        assert steps_seen == list(range(steps_seen[0], steps + 1)), steps_seen
+        # The restarted group read no checkpoint (there was none, and its start says so) and yet
+        # took its first step far past 0, with its peer's weights and optimizer state.
+        assert back[0]["step"] > survivor_then >= kill_at, (back[0], survivor_then)
+        by_step = {r["step"]: r["digest"] for r in survivor}
+        assert [r["digest"] for r in back] == [by_step[r["step"]] for r in back]
+        # Each group read its own shard at every step: data rank index x size + rank of 2 x size (a
+        # group of 2 FSDP ranks reads two shards), the restarted one from its peer's position on.
+        for group, recs in ((0, survivor), (1, back)):
+            recs = recs[1:] if recs[0]["step"] > 1 else recs  # a heal's own step read at the old position
+            shard = group * groups.group_size + rank
+            assert [r["read"] for r in recs] == [_shard(shard, 2 * groups.group_size, r["step"]) for r in recs]
+        assert back[-1]["step"] == steps == survivor[-1]["step"]
+    start = next(e for e in groups.events("g1b") if e["kind"] == "Start")
+    assert start["resumed_from_step"] is None and start["resumed_from"] is None
+    assert "replica group 1 healed from a peer" in groups.log("g1b")
+    # One group writes the run's checkpoints and reports its figures: the lowest alive, group 0.
+    kinds = {tag: {e["kind"] for e in groups.events(tag)} for tag in ("g0", "g1", "g1b")}
+    assert "Checkpoint" in kinds["g0"] and "Checkpoint" not in kinds["g1"] | kinds["g1b"], kinds
+    assert "Progress" not in kinds["g1"] | kinds["g1b"], kinds
+    assert [p.name for p in (groups.folder / "ft").glob("checkpoint_*")] == [f"checkpoint_{steps:09d}"]
+
+    survivor = groups.records("g0")
+    gaps = [b["t"] - a["t"] for a, b in zip(survivor, survivor[1:], strict=False)]
+    healed = groups.records("g1b")[0]
+    return {
+        "survivor_longest_gap_s": max(gaps),
+        "survivor_typical_step_s": sorted(gaps)[len(gaps) // 2],
+        "killed_to_healed_step_s": healed["t"] - killed_at,
+        "survivor_steps_meanwhile": healed["step"] - survivor_then,
+    }
+
+
+def test_a_killed_group_heals_from_its_peer_while_the_other_steps_on(tmp_path):
+    """2 groups of one process (gloo), 80 steps; group 1 SIGKILLed at step 8 and started again."""
+    groups = Groups(tmp_path, _config(tmp_path, steps=80))
+    try:
+        measured = _check_kill_and_heal(groups, steps=80, kill_at=8, rank_of_g1=0)
+    finally:
+        groups.close()
+    print("measured:", json.dumps({k: round(v, 2) for k, v in measured.items()}))
+    # The survivor stalls about one heartbeat timeout, never a quorum timeout.
+    assert measured["survivor_longest_gap_s"] < HEARTBEAT_S + 5, measured
+
+
+@pytest.mark.slow
+def test_a_group_of_two_fsdp_ranks_heals_from_its_peer(tmp_path):
+    """2 groups of 2 processes with FSDP2 inside each; one rank of group 1 SIGKILLed at step 8, the
+    rest of its group stopped (the launcher's part), the group started again: each rank's shards
+    and optimizer state equal their peer rank's in group 0 at every step after the heal."""
+    groups = Groups(tmp_path, _config(tmp_path, steps=80, group_size=2), group_size=2)
+    try:
+        measured = _check_kill_and_heal(groups, steps=80, kill_at=8, rank_of_g1=1)
+    finally:
+        groups.close()
+    print("measured:", json.dumps({k: round(v, 2) for k, v in measured.items()}))
+    assert measured["survivor_longest_gap_s"] < HEARTBEAT_S + 5, measured
