@@ -127,22 +127,23 @@ class Groups:
 
 
 def _shard(rank: int, ranks: int, step: int) -> list[int]:
-    """The samples data rank `rank` of `ranks` reads at `step` (epoch 0): torch's DistributedSampler
-    with raylane's seed, one batch a step."""
+    """The samples data rank `rank` of `ranks` reads at `step` (in epoch 0: ROWS x ranks / 2 rows, 128
+    steps): torch's DistributedSampler with raylane's seed, one batch a step."""
     from torch.utils.data import DistributedSampler
 
-    order = list(DistributedSampler(range(ROWS), num_replicas=ranks, rank=rank, shuffle=True, seed=SEED))
+    rows = ROWS * ranks // 2
+    order = list(DistributedSampler(range(rows), num_replicas=ranks, rank=rank, shuffle=True, seed=SEED))
     return order[(step - 1) * BATCH : step * BATCH]
 
 
 def _config(folder: Path, steps: int, group_size: int = 1) -> dict[str, Any]:
     return {
         "pipeline": str(HELPERS / "ft_pipeline.py"),
-        "model": {"rows": ROWS},
+        "model": {"rows": ROWS * group_size},
         "run": {"name": "ft", "storage_path": str(folder)},
         "scaling": {"num_workers": 2 * group_size},
         "strategy": {"name": "fsdp" if group_size > 1 else "ddp"},
-        # 2,048 rows: 128 steps an epoch at 8 x 2 samples a step, so no epoch ends (nor checkpoint) early.
+        # 128 steps an epoch at 8 x 2 x group_size samples a step: no epoch ends (nor checkpoint) early.
         "train": {"batch_size": BATCH, "max_steps": steps, "max_epochs": 10, "seed": SEED},
         "optim": {"name": "adamw", "lr": 0.01},
         "checkpoint": {"every_n_steps": 0, "keep": None},
