@@ -194,6 +194,18 @@ def _check_kill_and_heal(groups: Groups, steps: int, kill_at: int, rank_of_g1: i
     start = next(e for e in groups.events("g1b") if e["kind"] == "Start")
     assert start["resumed_from_step"] is None and start["resumed_from"] is None
     assert "replica group 1 healed from a peer" in groups.log("g1b")
+    # What the driver is told: the heal by the healed group, the groups taking part by the leader
+    # (one group from a step after the kill, both again from the step after the heal's: the healing
+    # group's gradient counts from then), and the counts.
+    healed = [e for e in groups.events("g1b") if e["kind"] == "ReplicaHealed"]
+    first = groups.records("g1b")[0]["step"]
+    assert [(e["group"], e["step"], e["from_step"]) for e in healed] == [(1, first, 0)]
+    quorum = [(e["step"], e["alive"]) for e in groups.events("g0") if e["kind"] == "ReplicaQuorum"]
+    lost = next(step for step, alive in quorum if alive == 1 and step > kill_at)
+    assert quorum[-2:] == [(lost, 1), (first + 1, 2)], quorum
+    ends = {tag: next(e["replicas"] for e in groups.events(tag) if e["kind"] == "RunResult") for tag in ("g0", "g1b")}
+    assert ends["g0"]["steps_below_full"] >= first + 1 - lost
+    assert ends["g1b"] == {"groups": 2, "heals": 1, "steps_below_full": 1}  # the heal's own step
     # One group writes the run's checkpoints and reports its figures: the lowest alive, group 0.
     kinds = {tag: {e["kind"] for e in groups.events(tag)} for tag in ("g0", "g1", "g1b")}
     assert "Checkpoint" in kinds["g0"] and "Checkpoint" not in kinds["g1"] | kinds["g1b"], kinds
@@ -204,6 +216,7 @@ def _check_kill_and_heal(groups: Groups, steps: int, kill_at: int, rank_of_g1: i
     gaps = [b["t"] - a["t"] for a, b in zip(survivor, survivor[1:], strict=False)]
     healed = groups.records("g1b")[0]
     return {
+        "heal_s_into_step": next(e["seconds"] for e in groups.events("g1b") if e["kind"] == "ReplicaHealed"),
         "survivor_longest_gap_s": max(gaps),
         "survivor_typical_step_s": sorted(gaps)[len(gaps) // 2],
         "killed_to_healed_step_s": healed["t"] - killed_at,

@@ -2,7 +2,7 @@
 launch_local), for tests/e2e/test_ft_loop.py: `python ft_group.py CONFIG.json EVENTS.jsonl`.
 The launcher's contract comes in the environment (RAYLANE_REPLICA_GROUP, RAYLANE_REPLICA_GROUPS,
 TORCHFT_LIGHTHOUSE, MASTER_ADDR/MASTER_PORT, RANK/WORLD_SIZE). Rank 0 writes each event it
-publishes as a JSON line: its kind and its plain fields."""
+publishes as a JSON line: its kind and its fields that JSON holds."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def main() -> int:
 
     def on_event(event: object) -> None:
         fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}  # type: ignore[arg-type]
-        plain = {k: v for k, v in fields.items() if isinstance(v, (int, float, str, bool, type(None)))}
+        plain = {k: v for k, v in fields.items() if _jsonable(v)}
         out.write(json.dumps({"kind": type(event).__name__, **plain}) + "\n")
         out.flush()
 
@@ -30,6 +30,14 @@ def main() -> int:
     on_event(result)
     leave_process_group(wait_for_peers=False)
     return 0
+
+
+def _jsonable(value: object) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from raylane.loop.protocols.events import (
     FirstStep,
     Handover,
     Progress,
+    ReplicaHealed,
+    ReplicaQuorum,
     Start,
     Straggler,
 )
@@ -42,6 +44,7 @@ class Reporter:
         # from the group that leads (the lowest alive: raylane.loop.distributed.ft), so MLflow and
         # the terminal get one series; each group's rank 0 still says its own start and end.
         self.leads = True
+        self.replicas: Any = None  # their figures: each window's (`window()`) and the run's (`summary()`)
         self._publish = publish
         self._metrics = metric_logger if is_rank_zero else None
         self._last_publish = float("-inf")
@@ -82,6 +85,8 @@ class Reporter:
             **{k: metrics[k] for k in WINDOW_KEYS if k in metrics},
         }
         self._window_from = step + 1
+        if self.replicas is not None:  # the fewest groups that stepped together in the window
+            metrics = {**metrics, **self.replicas.window()}
         if self._metrics is not None and self.leads:
             self._metrics.log({f"train/{k}": v for k, v in metrics.items()}, step)
 
@@ -97,6 +102,11 @@ class Reporter:
         """A hook's own metrics, to MLflow under the names given (raylane.loop.protocols.hooks)."""
         if self._metrics is not None and self.leads:
             self._metrics.log(metrics, step)
+
+    def on_replicas(self, event: ReplicaHealed | ReplicaQuorum) -> None:
+        """A replica group healed, or the groups taking part changed (raylane.loop.distributed.ft)."""
+        if self.active:
+            self._publish(event)
 
     def on_straggler(self, record: dict[str, Any], line: str) -> None:
         """A rank named as slow (raylane.loop.observe.steptimes): the driver says it once, on the terminal."""
@@ -131,6 +141,8 @@ class Reporter:
         result = dataclasses.replace(
             result, last_window=self._state.get("window"), steps_per_epoch=self._state.get("steps_per_epoch")
         )
+        if self.replicas is not None:
+            result = dataclasses.replace(result, replicas=self.replicas.summary())
         if self._metrics is not None:
             self._metrics.close()
             result = dataclasses.replace(result, tracking_cost_s=self._metrics.cost())

@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from raylane.loop.protocols.events import ReplicaHealed, ReplicaQuorum
+
 log = logging.getLogger("raylane")
 
 GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV = "RAYLANE_REPLICA_GROUP", "RAYLANE_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"
@@ -134,7 +136,7 @@ class ReplicaGroups(OneReplica):
     ) -> None:
         self.manager, self.group, self.count = manager, group, group.count
         self._store = kw.get("store")  # the Manager's TCPStore, while it lives (group rank 0)
-        self._seed, self._reporter = int(kw.get("seed", 0)), kw.get("reporter")
+        self._seed, self._reporter = int(kw.get("seed", 0)), kw["reporter"]  # rank 0's tells the driver
         self._rank0 = kw.get("rank", 0) == 0
         self.optimizer = optimizer
         # Taken once: reading them later runs no module hook (see the module's doc).
@@ -143,6 +145,10 @@ class ReplicaGroups(OneReplica):
         self._params = list(self._named.values())
         self._sharded = _hook_fsdp(model, self._all_reduce)
         self._healed, self._started, self._began_at, self.heals = False, 0.0, 0, 0
+        # The groups that took part: at the last commit, the fewest over the window, and the steps
+        # taken with fewer than the run's.
+        self._alive, self._alive_min, self.steps_below_full = group.count, group.count, 0
+        self._reporter.replicas = self
         manager.register_state_dict_fn("model", self._load_model, self._model_state)
         manager.register_state_dict_fn("optimizer", self._load_optimizer, self._optimizer_state)
 
@@ -185,21 +191,46 @@ class ReplicaGroups(OneReplica):
         # a step with no gradient to reduce would not).
         self.manager.wait_quorum()
         self.committed = self.manager.should_commit()
-        if self._reporter is not None:
-            self._reporter.leads = self.leads()
-        if self._healed and self._rank0:
-            log.warning(
-                "replica group %d healed from a peer: at step %d (it was at %d), %.2f s into the step",
-                self.group.index,
-                self.manager.current_step(),
-                self._began_at,
-                time.perf_counter() - self._started,
-            )
+        if self.committed:
+            self._count(self.manager.num_participants())
         return self.committed
+
+    def _count(self, alive: int) -> None:
+        """A step taken by `alive` groups: the window's and run's figures, the events."""
+        step, leads = self.manager.current_step(), self.leads()
+        self._alive_min = min(self._alive_min, alive)
+        self.steps_below_full += alive < self.count
+        reporter = self._reporter
+        reporter.leads = leads
+        if leads and alive != self._alive:
+            reporter.on_replicas(ReplicaQuorum(step=step, alive=alive, groups=self.count))
+        self._alive = alive
+        if self._healed:
+            self.heals += 1
+            seconds = time.perf_counter() - self._started
+            reporter.on_replicas(ReplicaHealed(self.group.index, step, self._began_at, round(seconds, 3)))
+            if self._rank0:
+                log.warning(
+                    "replica group %d healed from a peer: it took step %d with them, its own state at step %d "
+                    "(%.2f s into the step)",
+                    self.group.index,
+                    step,
+                    self._began_at,
+                    seconds,
+                )
+
+    def window(self) -> dict[str, float]:
+        """The logging window's figure (MLflow's train/replica_groups): the fewest groups that took
+        a step of it together; the next window counts from the groups now."""
+        fewest, self._alive_min = self._alive_min, self._alive
+        return {"replica_groups": float(fewest)}
+
+    def summary(self) -> dict[str, int]:
+        """The run's figures from this group (RunResult.replicas)."""
+        return {"groups": self.count, "heals": self.heals, "steps_below_full": self.steps_below_full}
 
     def healed(self) -> bool:
         healed, self._healed = self._healed, False
-        self.heals += healed
         return healed
 
     def leads(self) -> bool:

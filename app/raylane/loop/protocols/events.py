@@ -4,7 +4,8 @@ Senders, through `Runtime.publish` (Ray: raylane.onray.runtime's EventSink actor
 process: the driver's listeners, called directly):
 - raylane.loop.reporting.Reporter (rank 0's Trainer): Start, FirstStep, Progress, Eval,
   Checkpoint, CheckpointFailed, Straggler, and at the end End, or Handover when the group restarts without
-  a leaving node or for a larger group.
+  a leaving node or for a larger group. With replica groups (raylane.loop.distributed.ft, through the
+  Reporter): ReplicaHealed from the group that healed, ReplicaQuorum from the group that leads.
 - raylane.autotuning.search (rank 0 of `raylane autotune`): SearchStart, Candidate, Round, SearchEnd.
 - raylane.onray: Log (a worker's raylane warning: runtime), Startup (Ray's start-up phases, from
   the driver and Ray Train's controller: launch, trainers).
@@ -112,6 +113,28 @@ class Straggler:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaHealed:
+    """Replica group `group` healed from a live peer (raylane.loop.distributed.ft): it took step
+    `step` with its peers' state and gradients (its own count from the next step), its own state
+    having been at step `from_step` (its checkpoint's, or 0), the copy done `seconds` into that step."""
+
+    group: int
+    step: int
+    from_step: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaQuorum:
+    """The replica groups taking part changed, as the leading group (the lowest alive) saw it:
+    from step `step`, `alive` of the run's `groups` step together."""
+
+    step: int
+    alive: int
+    groups: int
+
+
+@dataclass(frozen=True, slots=True)
 class Handover:
     """The group checkpointed and stops for a restart: a node is leaving, or a larger group fits."""
 
@@ -178,6 +201,8 @@ Event = (
     | CheckpointFailed
     | Log
     | Straggler
+    | ReplicaHealed
+    | ReplicaQuorum
     | Handover
     | End
     | Startup

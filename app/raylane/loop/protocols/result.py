@@ -56,6 +56,9 @@ class RunResult:
     last_window: dict[str, Any] | None = None  # the last logged steps' train figures
     steps_per_epoch: int | None = None
     tracking_cost_s: dict[str, float] | None = None  # what logging to MLflow cost rank 0
+    # With replica groups (raylane.loop.distributed.ft): groups, heals (this group's), steps_below_full
+    # (steps this group took with fewer groups than the run has).
+    replicas: dict[str, int] | None = None
     # Rank 0's, from every rank's step times (raylane.loop.observe.steptimes):
     stragglers: list[dict[str, Any]] | None = None  # each rank named as slow (Straggler.to_dict)
     rank_times: list[dict[str, Any]] | None = None  # each rank's step times over the run (RankTable.rows)
