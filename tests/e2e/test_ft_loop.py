@@ -49,21 +49,26 @@ class Groups:
         self.cfg_path = folder / "cfg.json"
         self.cfg_path.write_text(json.dumps(cfg))
         self.procs: list[subprocess.Popen] = []
+        self.train: dict[str, Any] = {}  # the train section's changes for the next start
 
-    def start(self, index: int, tag: str) -> list[subprocess.Popen]:
-        """Group `index`'s ranks, their records, events and output under `tag`."""
-        port, ranks = free_port(), []
-        for rank in range(self.group_size):
+    def start(self, index: int | None, tag: str, size: int | None = None) -> list[subprocess.Popen]:
+        """Group `index`'s ranks, their records, events and output under `tag`; with `index`
+        None, a run of `size` ranks without replica groups (as torchrun's)."""
+        port, ranks, size = free_port(), [], size or self.group_size
+        grouped = {
+            "RAYLANE_REPLICA_GROUP": str(index),
+            "RAYLANE_REPLICA_GROUPS": "2",
+            "TORCHFT_LIGHTHOUSE": self.lighthouse.address(),
+        }
+        for rank in range(size):
             env = {
-                **os.environ,
-                "RAYLANE_REPLICA_GROUP": str(index),
-                "RAYLANE_REPLICA_GROUPS": "2",
-                "TORCHFT_LIGHTHOUSE": self.lighthouse.address(),
+                **{k: v for k, v in os.environ.items() if k not in grouped},
+                **(grouped if index is not None else {}),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(self.group_size),
+                "WORLD_SIZE": str(size),
                 "FT_RECORD": str(self.folder / f"{tag}r{rank}.jsonl"),
                 "RAYLANE_FAULTS": f"slow@ms={self.slow_ms}",  # steps long enough to kill one in the middle
                 "PYTHONPATH": str(REPO),
@@ -77,6 +82,7 @@ class Groups:
                 str(self.cfg_path),
                 str(self.folder / f"{tag}.events"),
             ]
+            argv += [json.dumps(self.train)] if self.train else []
             ranks.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT))
         self.procs += ranks
         return ranks
@@ -248,3 +254,42 @@ def test_a_group_of_two_fsdp_ranks_heals_from_its_peer(tmp_path):
         groups.close()
     print("measured:", json.dumps({k: round(v, 2) for k, v in measured.items()}))
     assert measured["survivor_longest_gap_s"] < HEARTBEAT_S + 5, measured
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_between_replica_groups_and_a_run_without_them(tmp_path):
+    """2 groups of 1 to step 6 (checkpoints at 3 and 6, by group 0); the same run without groups
+    (DDP on 2 processes) from 6 to 9; with groups again from 9 to 12. Each launch resumes the
+    last one's checkpoint at its step and goes on reading the same shards (2 data ranks each way:
+    the position in the epoch carries), and the groups end equal."""
+    cfg = _config(tmp_path, steps=6)
+    cfg["checkpoint"]["every_n_steps"] = 3
+    groups = Groups(tmp_path, cfg, slow_ms=0)
+    try:
+        for tags, limit in ((("g0", "g1"), 6), (("ddp",), 9), (("h0", "h1"), 12)):
+            groups.train = {"max_steps": limit}
+            if tags == ("ddp",):
+                started = groups.start(None, "ddp", size=2)
+            else:
+                started = groups.start(0, tags[0]) + groups.start(1, tags[1])
+            groups.finish(timeout_s=300)
+            assert all(p.returncode == 0 for p in started), groups._tails()
+        launches = (
+            ("g0", (0,), 1, 6),
+            ("g1", (1,), 1, 6),
+            ("ddp", (0, 1), 7, 9),
+            ("h0", (0,), 10, 12),
+            ("h1", (1,), 10, 12),
+        )
+        for tag, shards, first, last in launches:
+            for rank, shard in enumerate(shards):
+                recs = groups.records(tag, rank)
+                # A group that came late to the first launch healed at its first step (read at step 1's place).
+                recs = recs[1:] if recs[0]["step"] > first else recs
+                assert [r["step"] for r in recs] == list(range(last - len(recs) + 1, last + 1)) and len(recs) >= 2, tag
+                assert [r["read"] for r in recs] == [_shard(shard, 2, r["step"]) for r in recs], tag
+        starts = {tag: next(e for e in groups.events(tag) if e["kind"] == "Start") for tag in ("ddp", "h0", "h1")}
+        assert [starts[t]["resumed_from_step"] for t in ("ddp", "h0", "h1")] == [6, 9, 9]
+        assert groups.records("h0")[-1]["digest"] == groups.records("h1")[-1]["digest"]
+    finally:
+        groups.close()

@@ -1,5 +1,6 @@
 """One rank of a replica group, through raylane's own loop as a torchrun rank runs it (prelude,
-launch_local), for tests/e2e/test_ft_loop.py: `python ft_group.py CONFIG.json EVENTS.jsonl`.
+launch_local), for tests/e2e/test_ft_loop.py: `python ft_group.py CONFIG.json EVENTS.jsonl [TRAIN]`
+(TRAIN: JSON of changes to the config's train section).
 The launcher's contract comes in the environment (RAYLANE_REPLICA_GROUP, RAYLANE_REPLICA_GROUPS,
 TORCHFT_LIGHTHOUSE, MASTER_ADDR/MASTER_PORT, RANK/WORLD_SIZE). Rank 0 writes each event it
 publishes as a JSON line: its kind and its fields that JSON holds."""
@@ -16,7 +17,9 @@ def main() -> int:
     from raylane.loop.distributed.groups import leave_process_group
     from raylane.loop.run import launch_local, prelude
 
-    cfg = validate(json.loads(open(sys.argv[1]).read()))
+    raw = json.loads(open(sys.argv[1]).read())
+    raw["train"].update(json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})
+    cfg = validate(raw)
     out = open(sys.argv[2], "a")
 
     def on_event(event: object) -> None:
