@@ -314,6 +314,10 @@ def replicas_for(cfg: Any, runtime: Any, model: torch.nn.Module, optimizer: Any,
     from torchft.manager import Manager
 
     ft = cfg.fault_tolerance
+    if ft.semi_sync.method != "none":  # averaging every step would silently replace it
+        raise ValueError(
+            f"fault_tolerance.semi_sync.method = {ft.semi_sync.method!r}: not built yet in raylane's loop; use none"
+        )
     host, store = _manager_store(runtime)
     manager = Manager(
         pg=_process_group(ft.pg_backend(cfg.scaling.use_gpu), ft.timeout_s),
