@@ -40,6 +40,10 @@ def test_groups_split_the_world_and_pick_their_process_group():
         ),
         (["fault_tolerance.process_group=nccl"], "fault_tolerance.process_group = 'nccl' with fault_tolerance.enabled"),
         (["fault_tolerance.semi_sync.method=adam"], "fault_tolerance.semi_sync.method = 'adam'"),
+        (
+            ["fault_tolerance.semi_sync.method=diloco"],
+            "fault_tolerance.semi_sync.method = 'diloco' with fault_tolerance",
+        ),
         (["fault_tolerance.heartbeat_timeout_s=0"], "fault_tolerance.heartbeat_timeout_s = 0"),
     ],
 )
