@@ -262,6 +262,8 @@ def _finish(
     result = ended.result
     fields = _summary(cfg, watch.handle, ended.status, ended.error, result, watch.display, run.launched, run.startup)
     fields.update(world_size=result.world_size if result else run.world_size, resizes=watch.resizes.resizes)
+    if cfg.fault_tolerance.enabled:
+        fields["replicas"] = watch.resizes.replicas(cfg.fault_tolerance.replica_groups, result)
     if watch.recorder:
         watch.recorder.record_resizes(fields["resizes"])
         fields.update(watch.recorder.finish(fields["status"], fields["checkpoint"], run.register))

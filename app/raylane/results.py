@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION: Final = 5
+SCHEMA_VERSION: Final = 6
 
 
 class Status(str, Enum):
@@ -44,7 +44,7 @@ class _Model(BaseModel):
 
 
 class _Summary(_Model):
-    schema_version: Literal[5] = Field(SCHEMA_VERSION, description="This file's schema version.")
+    schema_version: Literal[6] = Field(SCHEMA_VERSION, description="This file's schema version.")
     status: Status = Field(description="FINISHED, FAILED or KILLED; the exit code is 0, 1 or 130.")
     error: str | None = Field(None, description="Why the command did not finish: one line, else null.")
 
@@ -124,6 +124,14 @@ class Resize(_Model):
     time_lost_s: float = Field(description="From the group before's last report to the new group's first step.")
 
 
+class ReplicaGroups(_Model):
+    groups: int = Field(description="The run's replica groups (fault_tolerance.replica_groups).")
+    heals: int = Field(description="Times a group rejoined by copying a live group's state (after a restart).")
+    longest_heal_s: float | None = Field(None, description="The longest heal: seconds of the copy.")
+    fewest_alive: int = Field(description="The fewest groups that stepped together.")
+    steps_below_full: int = Field(description="Steps taken with fewer groups than the run has.")
+
+
 class Straggler(_Model):
     rank: int = Field(description="The rank named as slow.")
     node: str = Field(description="Its node's host name.")
@@ -194,6 +202,9 @@ class TrainSummary(_Summary):
     memory: Memory | None = Field(None, description="The largest figures over the ranks.")
     restarts: int = Field(0, description="Restarts of the worker group (a failure, a resize).")
     resizes: list[Resize] = Field(default_factory=list, description="An elastic run's changes of world size.")
+    replicas: ReplicaGroups | None = Field(
+        None, description="With fault_tolerance: the replica groups' heals and the steps taken below full strength."
+    )
     skipped_steps: int = Field(0, description="Steps skipped for a non-finite loss (train.on_nan: skip).")
     skipped_rows: dict[str, SkippedRows] = Field(
         default_factory=dict,
