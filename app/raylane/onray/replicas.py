@@ -15,7 +15,6 @@ and `RAYLANE_REPLICA_GROUPS`. Inside the loop, Ray Train's world is the group's.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -105,17 +104,6 @@ Relay = Callable[
 ]
 
 
-@dataclasses.dataclass
-class _Replica:
-    """One replica group's Ray Train run as the driver follows it."""
-
-    index: int
-    fit: Fit
-    end: End | None = None  # its rank 0's End, held back: the run sends one, the best group's
-    starts: int = 0  # its rank 0's Starts: one per start of its worker group
-    said: bool = False  # its loss for good was said
-
-
 def launch_replicas(
     launch: Launching, on_event: Callable[[Event], None], relay: Relay, env: Any = None, *, loopback: bool
 ) -> RunResult | None:
@@ -131,17 +119,14 @@ def launch_replicas(
     try:
         address = _address(lighthouse)
         count = launch.cfg.fault_tolerance.replica_groups
-        replicas = [
-            _Replica(i, launch.fit(event_sink(), _env(launch, env, address, i), _group(launch, i)))
-            for i in range(count)
-        ]
+        groups = Replicas(
+            [launch.fit(event_sink(), _env(launch, env, address, i), _group(launch, i)) for i in range(count)]
+        )
         on_event(Startup(phases={"fit": time.time()}))
-        for replica in replicas:
-            replica.fit.start()
-        relay(_every_fit(replicas), lambda: _drain(replicas), lambda: _stop(replicas), on_event)
+        relay(groups.start(), groups.drain, groups.stop, on_event)
     finally:
         ray.kill(lighthouse, no_restart=True)
-    return _ended(replicas, on_event)
+    return groups.ended(on_event)
 
 
 def _address(lighthouse: Any) -> str:
@@ -172,64 +157,79 @@ def _env(launch: Launching, env: Any, lighthouse: str, index: int) -> Any:
     return put_env(cfg, launch.folder, {**quiet, **group})
 
 
-def _every_fit(replicas: list[_Replica]) -> threading.Thread:
-    """A thread that ends when every group's fit has ended (what `pump` waits on)."""
+class Replicas:
+    """The replica groups' Ray Train runs as the driver follows them, their events relayed as the
+    run's (`drain`), and the run's end (`ended`)."""
 
-    def join() -> None:
-        for replica in replicas:
-            replica.fit.thread.join()
+    def __init__(self, fits: list[Fit]) -> None:
+        self.fits = fits
+        self.ends: list[End | None] = [None] * len(fits)  # each group's rank 0's End, held back
+        self.starts = [0] * len(fits)  # each group's rank 0's Starts: one per start of its worker group
+        self._said: set[int] = set()  # the groups whose loss for good was said
 
-    thread = threading.Thread(target=join, name="raylane-replicas", daemon=True)
-    thread.start()
-    return thread
+    def start(self) -> threading.Thread:
+        """Every group's fit started; returns a thread that ends when every one has ended."""
+        for fit in self.fits:
+            fit.start()
 
+        def join() -> None:
+            for fit in self.fits:
+                fit.thread.join()
 
-def _drain(replicas: list[_Replica]) -> list[Event]:
-    """Every group's events since the last drain (one round trip for all), as the run's: the first
-    group's first Start alone (the driver counts a Start after the first as a restart of the run's
-    worker group), a group's restart and its loss for good said here in one line (as soon as its
-    fit has ended), and no End (`_ended` sends the run's)."""
-    ended = [not r.fit.thread.is_alive() for r in replicas]  # before the drain: its last events are in it
-    drained = ray.get([r.fit.sink.drain.remote() for r in replicas])
-    events: list[Event] = []
-    for replica, got, done in zip(replicas, drained, ended, strict=True):
-        for event in got:
-            if isinstance(event, End):
-                replica.end = event
-            elif isinstance(event, Start):
-                replica.starts += 1
-                if replica.starts > 1:
-                    log.warning("replica group %d restarted (%d)", replica.index, replica.starts - 1)
-                elif not any(r.starts for r in replicas if r is not replica):
+        thread = threading.Thread(target=join, name="raylane-replicas", daemon=True)
+        thread.start()
+        return thread
+
+    def drain(self) -> list[Event]:
+        """Every group's events since the last drain (one round trip for all), as `relay` passes them."""
+        ended = [not fit.thread.is_alive() for fit in self.fits]  # before the drain: its last events are in it
+        return self.relay(ray.get([fit.sink.drain.remote() for fit in self.fits]), ended)
+
+    def relay(self, drained: list[list[Event]], ended: list[bool]) -> list[Event]:
+        """What of each group's events (`drained`) the run's listeners get: the first group's first
+        Start alone (the driver counts a Start after the first as a restart of the run's worker
+        group), no End (`ended` sends the run's); a group's restart, and its loss for good once its
+        fit has `ended` with an error, are said in one line each."""
+        events: list[Event] = []
+        for index, got in enumerate(drained):
+            for event in got:
+                if isinstance(event, End):
+                    self.ends[index] = event
+                elif isinstance(event, Start):
+                    self.starts[index] += 1
+                    if self.starts[index] > 1:
+                        log.warning("replica group %d restarted (%d)", index, self.starts[index] - 1)
+                    elif sum(self.starts) == 1:
+                        events.append(event)
+                else:
                     events.append(event)
-            else:
-                events.append(event)
-        if done and replica.fit.error is not None and not replica.said:
-            replica.said = True
-            log.warning("replica group %d lost for good: %s", replica.index, replica.fit.failure())
-    return events
+            if ended[index] and self.fits[index].error is not None and index not in self._said:
+                self._said.add(index)
+                log.warning("replica group %d lost for good: %s", index, self.fits[index].failure())
+        return events
 
+    def stop(self) -> None:
+        """Ctrl-C, SIGTERM or a listener's stop: every group checkpoints at its next step and ends."""
+        for fit in self.fits:
+            fit.request_stop()
 
-def _stop(replicas: list[_Replica]) -> None:
-    """Ctrl-C, SIGTERM or a listener's stop: every group checkpoints at its next step and ends."""
-    for replica in replicas:
-        replica.fit.request_stop()
-
-
-def _ended(replicas: list[_Replica], on_event: Callable[[Event], None]) -> RunResult | None:
-    finished = [r for r in replicas if r.end is not None]
-    if finished:
-        best = min(finished, key=lambda r: (-r.end.result.steps, r.index))  # type: ignore[union-attr]
-        assert best.end is not None
-        on_event(best.end)
-        return best.end.result
-    failed = [r for r in replicas if r.fit.error is not None]
-    if not failed:
-        return None  # no End came (an autotune search's ends with SearchEnd)
-    if len(failed) == 1 and len(replicas) == 1:
-        raise failed[0].fit.failure()  # type: ignore[misc]
-    alike: dict[str, list[int]] = {}
-    for r in failed:
-        alike.setdefault(str(r.fit.failure()), []).append(r.index)
-    parts = [f"group{'s' if len(i) > 1 else ''} {', '.join(map(str, i))}: {text}" for text, i in alike.items()]
-    raise TrainingError("no replica group finished: " + "; ".join(parts))
+    def ended(self, on_event: Callable[[Event], None]) -> RunResult | None:
+        """The run's end, once every group's fit has: the End of the best finished group (the most
+        steps, then the lowest index) sent to `on_event`, its result returned; None when no End
+        came (an autotune search's ends with SearchEnd); TrainingError when no group finished,
+        each group's failure (groups that failed alike together)."""
+        finished = [(end.result.steps, -i, end) for i, end in enumerate(self.ends) if end is not None]
+        if finished:
+            best = max(finished, key=lambda f: f[:2])[2]
+            on_event(best)
+            return best.result
+        failed = [(i, fit.failure()) for i, fit in enumerate(self.fits) if fit.error is not None]
+        if not failed:
+            return None
+        if len(self.fits) == 1:
+            raise failed[0][1]  # type: ignore[misc]
+        alike: dict[str, list[int]] = {}
+        for i, failure in failed:
+            alike.setdefault(str(failure), []).append(i)
+        parts = [f"group{'s' if len(g) > 1 else ''} {', '.join(map(str, g))}: {text}" for text, g in alike.items()]
+        raise TrainingError("no replica group finished: " + "; ".join(parts))
