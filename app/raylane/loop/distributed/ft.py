@@ -8,7 +8,9 @@ takes the place of the data-parallel replicate dimension: each step starts a quo
 take part), the gradients are averaged over the groups in it, and the optimizer steps only if the
 step is committed. A group that joins behind the others (restarted, or a step it did not commit)
 copies a live peer's state at its next step: weights, optimizer state, the Trainer's progress
-(step, epoch, batch in epoch, LR schedule), not a checkpoint from storage.
+(step, epoch, batch in epoch, LR schedule), not a checkpoint from storage, over raylane's own
+transport (raylane.loop.distributed.ft_transport: served on this node's address, not every
+interface, and loaded with `weights_only=True`, not torchft's default's unpickling).
 
 What the launcher gives each worker (environment): `RAYLANE_REPLICA_GROUP` (the group's index, from
 0), `RAYLANE_REPLICA_GROUPS` (their count), `TORCHFT_LIGHTHOUSE` (the quorum service's address),
@@ -193,7 +195,18 @@ class ReplicaGroups(OneReplica):
         self.committed = self.manager.should_commit()
         if self.committed:
             self._count(self.manager.num_participants())
+        else:
+            self._refused()
         return self.committed
+
+    def _refused(self) -> None:
+        """A heal whose state was refused (not only tensors and plain values) ends the run: every
+        step would fetch it again."""
+        from raylane.loop.distributed.ft_transport import HealRefused
+
+        error = self.manager.errored()
+        if isinstance(getattr(error, "original_exception", None), HealRefused):
+            raise HealRefused(f"replica group {self.group.index}: {error.original_exception}") from None
 
     def _count(self, alive: int) -> None:
         """A step taken by `alive` groups: the window's and run's figures, the events."""
@@ -313,19 +326,22 @@ def replicas_for(cfg: Any, runtime: Any, model: torch.nn.Module, optimizer: Any,
     logging.getLogger("torchft.manager").setLevel(logging.ERROR)
     from torchft.manager import Manager
 
+    from raylane.loop.distributed.ft_transport import BoundTransport, serving_host
+
     ft = cfg.fault_tolerance
     if ft.semi_sync.method != "none":  # averaging every step would silently replace it
         raise ValueError(
             f"fault_tolerance.semi_sync.method = {ft.semi_sync.method!r}: not built yet in raylane's loop; use none"
         )
     host, store = _manager_store(runtime)
+    timeout = datetime.timedelta(seconds=ft.timeout_s)
     manager = Manager(
         pg=_process_group(ft.pg_backend(cfg.scaling.use_gpu), ft.timeout_s),
         load_state_dict=None,
         state_dict=None,
         min_replica_size=ft.min_replicas,
         use_async_quorum=ft.semi_sync.method == "none",
-        timeout=datetime.timedelta(seconds=ft.timeout_s),
+        timeout=timeout,
         quorum_timeout=datetime.timedelta(seconds=ft.quorum_timeout_s),
         connect_timeout=datetime.timedelta(seconds=ft.connect_timeout_s),
         rank=runtime.rank,
@@ -334,6 +350,8 @@ def replicas_for(cfg: Any, runtime: Any, model: torch.nn.Module, optimizer: Any,
         store_port=store[1],
         lighthouse_addr=group.lighthouse or None,
         replica_id=f"{cfg.run.name}-g{group.index}",
+        # The state a healing group copies: served on this node's address, loaded as tensors only.
+        checkpoint_transport=BoundTransport(serving_host(host), timeout),
     )
     return ReplicaGroups(
         manager, group, model, optimizer, store=store[0], seed=cfg.train.seed, reporter=reporter, rank=runtime.rank
