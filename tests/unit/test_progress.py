@@ -155,3 +155,19 @@ def test_the_last_line_names_the_epoch_its_last_step_was_in():
             else f"[raylane] step {steps} eval: accuracy 0.9000"
         )
         assert lines[-1].startswith(f"[raylane] {shown} (100%)"), lines
+
+
+def test_replica_groups_lost_and_back_are_said_with_the_steps_taken_meanwhile():
+    """The leading group's ReplicaQuorum events (issue 62): a loss from the step it showed, a return
+    with the steps the others took without the lost group; nothing while all step together."""
+    from raylane.loop.protocols.events import ReplicaQuorum
+
+    out = io.StringIO()
+    display = ProgressDisplay(stream=out, live=False)
+    for alive, step in [(2, 0), (1, 21), (1, 30), (2, 46), (2, 50)]:
+        display.handle(ReplicaQuorum(step=step, alive=alive, groups=2))
+    assert out.getvalue().splitlines() == [
+        "[raylane] replica groups: 1 of 2 step on from step 21",
+        "[raylane] replica groups: 1 of 2 step on from step 30",
+        "[raylane] replica groups: all 2 step together again from step 46 (the others took 25 steps meanwhile)",
+    ]

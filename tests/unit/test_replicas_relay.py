@@ -5,7 +5,6 @@ the loop's own types. The end to end run on Ray: tests/e2e/test_ft_ray.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
@@ -13,9 +12,9 @@ from ray.train.v2.api.exceptions import WorkerGroupError
 
 from raylane.errors import TrainingError
 from raylane.loop.protocols.events import End, Log, Progress, Start
-from raylane.loop.protocols.result import RunResult
 from raylane.onray.fit import Fit
 from raylane.onray.replicas import Replicas
+from tests.helpers.run_result import run_result
 
 
 class _Trainer:
@@ -40,8 +39,7 @@ def _start() -> Start:
 
 
 def _end(steps: int) -> End:
-    result = RunResult(**{f.name: None for f in dataclasses.fields(RunResult) if f.default is dataclasses.MISSING})
-    return End(time_unix=1.0, result=dataclasses.replace(result, steps=steps))
+    return End(time_unix=1.0, result=run_result(steps=steps))
 
 
 def _lost(rank: int, message: str) -> WorkerGroupError:

@@ -25,6 +25,7 @@ from raylane.loop.protocols.events import (
     Handover,
     Log,
     Progress,
+    ReplicaQuorum,
     Start,
     Straggler,
 )
@@ -99,6 +100,7 @@ class ProgressDisplay:
         self._bar = None
         self._task = None
         self._warned: set[str] = set()
+        self._short_since: int | None = None  # the step from which fewer replica groups step together
 
     # Events from rank 0 ---------------------------------------------------------------------
 
@@ -126,6 +128,8 @@ class ProgressDisplay:
                 self._relayed(event)
             case Straggler():
                 self._print(event.line)
+            case ReplicaQuorum():
+                self._quorum(event)
             case Handover(result=r):
                 then = "larger" if r.stop_reason == "more workers fit" else "without the leaving node"
                 self._print(
@@ -215,6 +219,21 @@ class ProgressDisplay:
         eta = _fmt_eta((now - t0) / (step - step0) * (total - step)) if step > step0 else "?"
         line = f"{self._epoch_text(epoch)} step {step}/{total} ({pct:.0f}%)"
         self._print(" ".join([line, *stats, f"eta {eta}"]))
+
+    def _quorum(self, event: ReplicaQuorum) -> None:
+        """The replica groups that step together changed (the leading group says): a loss, and a
+        return with the steps the others took meanwhile. A group's restart and its heal are said by
+        the driver (raylane.onray.replicas) and by the healed group (raylane.loop.distributed.ft)."""
+        if event.alive < event.groups:
+            self._short_since = event.step if self._short_since is None else self._short_since
+            self._print(f"replica groups: {event.alive} of {event.groups} step on from step {event.step}")
+        elif self._short_since is not None:
+            meanwhile = plural(event.step - self._short_since, "step")
+            self._print(
+                f"replica groups: all {event.groups} step together again from step {event.step} "
+                f"(the others took {meanwhile} meanwhile)"
+            )
+            self._short_since = None
 
     def _epoch_text(self, epoch: int) -> str:
         """'epoch 2/5'; 'epoch 2' when train.max_steps alone ends the run."""
