@@ -381,7 +381,7 @@ def machine() -> dict[str, Any]:
     }
 
 
-ALL = ("B1", "B1b", "B2", "B2b", "B2w", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11", "B12", "B13")
+ALL = ("B1", "B1b", "B2", "B2b", "B2w", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11", "B12", "B13", "B14")
 
 
 def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | None) -> int:
@@ -418,6 +418,7 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
             ("B11", lambda: hf_bench(bench, "b11")),
             ("B12", lambda: hf_bench(bench, "b12")),
             ("B13", lambda: b13(bench)),
+            ("B14", lambda: b14(bench)),
         )
         if name in chosen
     ]
@@ -516,6 +517,12 @@ def b13(bench: Bench) -> dict[str, Any]:
     from scripts.benchmarks.steptimes import b13 as run_b13
 
     return run_b13(bench)
+
+
+def b14(bench: Bench) -> dict[str, Any]:
+    from scripts.benchmarks.faults import b14 as run_b14
+
+    return run_b14(bench)
 
 
 def b10(bench: Bench) -> dict[str, Any]:

@@ -3,6 +3,10 @@ harness's runs are tests/e2e/test_bench.py)."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from scripts.benchmarks.report import rows, startup_table
 
 
@@ -77,3 +81,48 @@ def test_step_timing_cost_is_met_under_one_percent_or_within_the_spread_of_ident
     [wall, cpu] = [r for r in rows({"B13": b13}) if r[0] == "B13"]
     assert wall[4] == "yes" and "within noise" in wall[2] and "±6%" in wall[2]
     assert cpu[4] == "**no**" and "within noise" not in cpu[2] and cpu[2].startswith("1.099")
+
+
+def test_worker_seconds_lost_per_fault_are_each_workers_wait_past_the_kill(tmp_path):
+    """B14's measure from a probe's step records: per worker, the kill to its first step past the
+    kill's step, less one step's time; a worker that never got past it is an error, not a zero."""
+    from scripts.benchmarks.faults import _lost
+    from scripts.benchmarks.faults import rows as b14_rows
+
+    def write(name, records):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    # Steps of 1 s; the kill at t=10.5 after both workers' step 10. Worker 0 stalls 2 s (its next
+    # step at 13.0: 1.5 s lost); worker 1 dies and comes back at step 14 at t=30.0 (18.5 s lost).
+    write(
+        "g0-r0",
+        [{"time": float(t), "pid": 1, "step": t} for t in range(1, 11)] + [{"time": 13.0, "pid": 1, "step": 11}],
+    )
+    write(
+        "g1-r0",
+        [{"time": float(t), "pid": 2, "step": t} for t in range(1, 11)] + [{"time": 30.0, "pid": 3, "step": 14}],
+    )
+    assert _lost(tmp_path, killed=10.5) == pytest.approx(1.5 + 18.5)
+    # A restarted whole group that redoes steps 6-10 first: only its step 11 counts.
+    write(
+        "g1-r0",
+        [{"time": float(t), "pid": 2, "step": t} for t in range(1, 11)]
+        + [{"time": 20.0 + i, "pid": 3, "step": s} for i, s in enumerate(range(6, 12))],
+    )
+    assert _lost(tmp_path, killed=10.5) == pytest.approx(1.5 + (25.0 - 10.5 - 1.0))
+    write("g1-r0", [{"time": float(t), "pid": 2, "step": t} for t in range(1, 11)])  # never back
+    with pytest.raises(RuntimeError, match="g1-r0: no step past 10 after the kill"):
+        _lost(tmp_path, killed=10.5)
+
+    def s(*values):
+        return {"median": sorted(values)[len(values) // 2], "min": min(values), "max": max(values)}
+
+    r = {
+        "kill_at_step": 25,
+        "step_ms": 1000,
+        "checkpoint_every": 10,
+        "whole_over_groups": 3.0,
+        "lost_worker_s": {"whole group restarts from its checkpoint": s(60.0, 66.0), "replica groups": s(20.0, 22.0)},
+    }
+    [row] = b14_rows(r)
+    assert row[4] == "yes" and "whole ÷ groups 3.0x" in row[2] and "66.0 [60.0–66.0]" in row[2]
