@@ -82,14 +82,14 @@ def build(cfg):
 """
 
 
-def _project(tmp_path: Path, *, groups: int, workers: int, samples: int, extra: str = "") -> Path:
+def _project(tmp_path: Path, *, groups: int, workers: int, samples: int, extra: str = "", least: int = 1) -> Path:
     (tmp_path / "pipe.py").write_text(PIPE)
     (tmp_path / "run.yaml").write_text(
         "pipeline: ./pipe.py\n"
         f"scaling: {{num_workers: {workers}}}\n"
         "train: {max_epochs: 1, batch_size: 8, seed: 0}\n"
         "optim: {name: adamw, lr: 0.01}\n"
-        f"fault_tolerance: {{enabled: true, replica_groups: {groups}}}\n"
+        f"fault_tolerance: {{enabled: true, replica_groups: {groups}, min_replicas: {least}}}\n"
         f"model: {{record: {tmp_path / 'seen'}, samples: {samples}}}\n"
         f"run: {{storage_path: {tmp_path / 'runs'}}}\n" + extra
     )
@@ -115,9 +115,12 @@ def test_two_replica_groups_each_its_own_ray_run_share_one_lighthouse_gone_after
     """2 groups of 1 CPU worker (plain DDP inside, 4 steps): each group is its own Ray Train run
     (`{run}-g0`, `{run}-g1`, stored inside the run's folder), its worker told its group, the group
     count and the run's one lighthouse, with torchft's Rust logs at warn; both groups step
-    together to the end; the run is FINISHED with one checkpoint in its own folder; and the
+    together to the end, with the same weights; the run is FINISHED with one checkpoint in its own folder; and the
     lighthouse is gone once the run has ended (the head lives on)."""
-    seen = _project(tmp_path, groups=2, workers=2, samples=64)  # 64 samples over 2 groups x 8: 4 steps
+    # 64 samples over 2 groups x 8: 4 steps. Every step needs both groups in the quorum: two runs
+    # that reached different lighthouses, or one group stepping alone before the other is up (a
+    # step takes milliseconds here), would not make it.
+    seen = _project(tmp_path, groups=2, workers=2, samples=64, least=2)
     p = run_cli("train", "run.yaml", "--set", "run.name=ft", "--summary-json", "s.json")
     assert p.wait(300) == 0, p.output
     s = read_json(tmp_path / "s.json")
@@ -126,7 +129,7 @@ def test_two_replica_groups_each_its_own_ray_run_share_one_lighthouse_gone_after
     run = tmp_path / "runs" / "ft"
     assert (run / "ft-g0").is_dir() and (run / "ft-g1").is_dir(), sorted(run.iterdir())  # Ray's two runs
     assert Path(s["checkpoint"]).parent == run
-    lighthouses = set()
+    lighthouses, ends = set(), []
     for group in (0, 1):
         records = _records(seen, group)
         setups = [r for r in records if r["kind"] == "setup"]
@@ -138,7 +141,10 @@ def test_two_replica_groups_each_its_own_ray_run_share_one_lighthouse_gone_after
             "warn",
         )
         lighthouses.add(env["TORCHFT_LIGHTHOUSE"])
-        assert [r["step"] for r in records if r["kind"] == "step"] == [1, 2, 3, 4], records
+        steps = [r for r in records if r["kind"] == "step"]
+        assert [r["step"] for r in steps] == [1, 2, 3, 4], records
+        ends.append(steps[-1]["params"])
+    assert ends[0] == ends[1]  # the groups' final weights, bit for bit
     (address,) = lighthouses  # one for the run
     assert address.startswith("http://") and urlsplit(address).port
     # The run's end killed its actor; the shared head it ran on lives on.
@@ -213,3 +219,28 @@ def test_a_killed_worker_restarts_its_group_alone_which_heals_from_the_other(run
             f"rank {rank}: group 0's longest gap between steps {max(gaps):.2f} s; group 1 back at step "
             f"{after[0]['step']}, {after[0]['time'] - killed_at:.1f} s after the kill"
         )
+
+
+@pytest.mark.slow  # ~2 minutes on 2 cores; make test stops a Ray run this way (test_preemption)
+def test_sigterm_to_the_driver_stops_every_group_at_a_step_with_a_checkpoint(run_cli, tmp_path):
+    """SIGTERM (as Ctrl-C) to a replica-group run's driver: a stop is asked of every group, each
+    checkpoints at its next step and ends; the run ends KILLED, preempted, at a committed
+    checkpoint of its last step; no group stepped on after it; the lighthouse is gone."""
+    from raylane.loop import checkpoint
+
+    extra = "env: {RAYLANE_FAULTS: 'slow@ms=500'}\ncheckpoint: {every_n_steps: 0}\n"
+    seen = _project(tmp_path, groups=2, workers=2, samples=960, extra=extra)  # 60 steps
+    p = run_cli("train", "run.yaml", "--set", "run.name=ftstop", "--summary-json", "s.json")
+    wait_for(lambda: all(any(r["kind"] == "step" for r in _records(seen, g)) for g in (0, 1)), timeout_s=240)
+    p.signal(signal.SIGTERM)
+    assert p.wait(120) == 130, p.output
+    s = read_json(tmp_path / "s.json")
+    assert s["status"] == "KILLED" and s["preempted"] is True, s
+    assert "a stop request from the driver" in s["error"], s["error"]
+    assert s["checkpoint"].endswith(checkpoint.checkpoint_name(s["steps"]))
+    assert checkpoint.verify(s["checkpoint"]) is None  # committed, intact
+    for group in (0, 1):
+        last = [r for r in _records(seen, group) if r["kind"] == "step"][-1]
+        assert 0 < last["step"] <= s["steps"] < 60, (group, last["step"], s["steps"])
+    (address,) = {r["env"]["TORCHFT_LIGHTHOUSE"] for g in (0, 1) for r in _records(seen, g) if r["kind"] == "setup"}
+    wait_for(lambda: _refused(address), timeout_s=20)
