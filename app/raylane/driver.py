@@ -262,8 +262,10 @@ def _finish(
     result = ended.result
     fields = _summary(cfg, watch.handle, ended.status, ended.error, result, watch.display, run.launched, run.startup)
     fields.update(world_size=result.world_size if result else run.world_size, resizes=watch.resizes.resizes)
-    if cfg.fault_tolerance.enabled:
-        fields["replicas"] = watch.resizes.replicas(cfg.fault_tolerance.replica_groups, result)
+    if cfg.fault_tolerance.enabled:  # a group's result says its own world; the run's is every group's
+        fields.update(
+            world_size=run.world_size, replicas=watch.resizes.replicas(cfg.fault_tolerance.replica_groups, result)
+        )
     if watch.recorder:
         watch.recorder.record_resizes(fields["resizes"])
         fields.update(watch.recorder.finish(fields["status"], fields["checkpoint"], run.register))

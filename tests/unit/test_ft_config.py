@@ -40,10 +40,6 @@ def test_groups_split_the_world_and_pick_their_process_group():
         ),
         (["fault_tolerance.process_group=nccl"], "fault_tolerance.process_group = 'nccl' with fault_tolerance.enabled"),
         (["fault_tolerance.semi_sync.method=adam"], "fault_tolerance.semi_sync.method = 'adam'"),
-        (
-            ["fault_tolerance.semi_sync.method=diloco"],
-            "fault_tolerance.semi_sync.method = 'diloco' with fault_tolerance",
-        ),
         (["fault_tolerance.heartbeat_timeout_s=0"], "fault_tolerance.heartbeat_timeout_s = 0"),
     ],
 )
@@ -52,6 +48,13 @@ def test_the_config_alone_refuses_by_the_key(sets, line):
     with pytest.raises(ConfigError) as raised:
         ft(*world, *sets)
     assert line in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_semi_sync_runs_with_replica_groups():
+    """local_sgd and diloco pass the checks before launch (raylane.loop.distributed.ft_semisync runs them)."""
+    for method in ("local_sgd", "diloco"):
+        cfg = ft("scaling.num_workers=2", f"fault_tolerance.semi_sync.method={method}")
+        assert cfg.fault_tolerance.semi_sync.method == method
 
 
 def test_a_disabled_section_asks_nothing_of_the_rest():
@@ -74,3 +77,9 @@ def test_where_and_with_what_replica_groups_run(monkeypatch):
         "fault_tolerance.enabled: needs torchft, which is not installed here; "
         "pip install 'raylane[fault-tolerance]' (x86-64 Linux)"
     )
+
+
+@pytest.mark.parametrize("name", ["TORCHFT_LIGHTHOUSE", "RAYLANE_REPLICA_GROUP", "RAYLANE_REPLICA_GROUPS"])
+def test_the_launchers_replica_variables_are_not_the_configs(name):
+    with pytest.raises(ConfigError, match=f"env.{name} = 'x': set by the launcher for each rank"):
+        load_config("digits", [f"env.{name}=x"])

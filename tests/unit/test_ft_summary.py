@@ -40,3 +40,11 @@ def test_the_driver_counts_heals_and_quorums_from_every_group():
         "fewest_alive": 3,  # no quorum heard of fewer
         "steps_below_full": 0,
     }
+
+
+def test_the_outcome_names_the_runs_workers_and_its_groups():
+    from raylane.tracking.progress import outcome_text
+
+    replicas = {"groups": 2, "heals": 1, "longest_heal_s": 0.3, "fewest_alive": 1, "steps_below_full": 20}
+    summary = TrainSummary(status="FINISHED", run_name="r", steps=60, epochs=1, world_size=4, replicas=replicas)
+    assert "steps:         60 in 1 epoch on 4 workers in 2 replica groups" in outcome_text(summary, "ui", None)

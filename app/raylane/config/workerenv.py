@@ -28,6 +28,10 @@ RESERVED = frozenset(
         "MASTER_PORT",
         "CUDA_VISIBLE_DEVICES",
         "TORCHELASTIC_RUN_ID",
+        # Replica groups' (fault_tolerance): the launcher tells each worker its group and the lighthouse.
+        "TORCHFT_LIGHTHOUSE",
+        "RAYLANE_REPLICA_GROUP",
+        "RAYLANE_REPLICA_GROUPS",
     }
 )
 

@@ -269,6 +269,7 @@ def outcome_text(summary: TrainSummary, ui: str, log_file: Any = None) -> str:
                 "steps",
                 f"{s.steps:,} in {epochs_text(s.steps, s.epochs or 0, s.steps_per_epoch, partial=s.partial_epoch)}"
                 f" on {plural(s.world_size or 0, 'worker')}"
+                + (f" in {s.replicas.groups} replica groups" if s.replicas else "")
                 + (f" across {plural(nodes, 'node')}" if nodes > 1 else ""),
             )
         )
