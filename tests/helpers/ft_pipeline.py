@@ -1,7 +1,9 @@
 """A pipeline for replica-group tests (tests/e2e/test_ft_loop.py): a small MLP regression on fixed
 data, with a hook that records, after every step, the step, the time, the training samples this
 rank read for it (their indices) and a digest of its parameters and optimizer state (the local
-shards under FSDP) as one JSON line in the file $FT_RECORD."""
+shards under FSDP) as one JSON line in the file $FT_RECORD; with $FT_PARAMS, its parameters
+after each step in the file $FT_PARAMS<step>.pt (torch.save); with $FT_GATE (STEP:PATH), it
+waits after step STEP until the file PATH exists (a test's gate)."""
 
 from __future__ import annotations
 
@@ -64,8 +66,17 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
 class Record(raylane.Hook):
     def __init__(self) -> None:
         self.path = os.environ.get("FT_RECORD")
+        self.params = os.environ.get("FT_PARAMS")  # a prefix: the parameters after each step, as torch.save
+        self.gate = os.environ.get("FT_GATE")  # STEP:PATH, after step STEP wait (up to 5 min) for PATH
 
     def on_step_end(self, ctx: raylane.HookContext) -> None:
+        if self.params:
+            params = {name: _local(p).detach().clone() for name, p in ctx.model.named_parameters()}
+            torch.save(params, f"{self.params}{ctx.step}.pt")
+        if self.gate and ctx.step == int(self.gate.split(":")[0]):
+            deadline = time.monotonic() + 300
+            while not os.path.exists(self.gate.split(":", 1)[1]) and time.monotonic() < deadline:
+                time.sleep(0.05)
         if self.path:
             with open(self.path, "a") as f:
                 line = {"step": ctx.step, "epoch": ctx.epoch, "t": time.time(), "pid": os.getpid(), "read": READ[:]}

@@ -161,10 +161,6 @@ class BaseConfig(sections.Section):
                 s.dp_replicate > 1,
                 "the replica groups are the replicas (torchft averages gradients across them); use 1",
             ),
-            f"fault_tolerance.semi_sync.method = {ft.semi_sync.method!r}": (
-                ft.semi_sync.method != "none",
-                "semi-synchronous training (LocalSGD, DiLoCo) is not built yet; use none",
-            ),
             "fault_tolerance.process_group = 'nccl'": (
                 ft.process_group == "nccl" and not self.scaling.use_gpu,
                 "NCCL needs scaling.use_gpu: true; on CPU use gloo",

@@ -26,7 +26,8 @@ from raylane.loop.checkpoint.storage import CheckpointStore, filesystem_for
 from raylane.loop.data.loader import data_ranks, eval_data, first_batch, is_stream, train_data, worker_options
 from raylane.loop.distributed.devices import peak_flops
 from raylane.loop.distributed.fsdp import Strategy, on_meta, resharded, unwrap
-from raylane.loop.distributed.ft import OneReplica, replicas_for, train_ranks, world_of
+from raylane.loop.distributed.ft import OneReplica, train_ranks, world_of
+from raylane.loop.distributed.ft_manager import replicas_for
 from raylane.loop.distributed.groups import default_device, env_ranks, init_process_group
 from raylane.loop.distributed.parallelize import parallelize
 from raylane.loop.evaluation import EvalSets, Evaluator

@@ -10,7 +10,9 @@ step is committed. A group that joins behind the others (restarted, or a step it
 copies a live peer's state at its next step: weights, optimizer state, the Trainer's progress
 (step, epoch, batch in epoch, LR schedule), not a checkpoint from storage, over raylane's own
 transport (raylane.loop.distributed.ft_transport: served on this node's address, not every
-interface, and loaded with `weights_only=True`, not torchft's default's unpickling).
+interface, and loaded with `weights_only=True`, not torchft's default's unpickling). Under
+`fault_tolerance.semi_sync` the groups meet every `sync_steps` steps instead, through torchft's
+LocalSGD or DiLoCo (raylane.loop.distributed.ft_semisync).
 
 What the launcher gives each worker (environment): `RAYLANE_REPLICA_GROUP` (the group's index, from
 0), `RAYLANE_REPLICA_GROUPS` (their count), `TORCHFT_LIGHTHOUSE` (the quorum service's address),
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import logging
 import os
 import time
@@ -133,6 +134,8 @@ def train_ranks(data: Any, replicas: OneReplica) -> Any:
 class ReplicaGroups(OneReplica):
     """A replica group's steps under torchft's Manager (see the module's doc)."""
 
+    reduces_gradients = True  # every step's, across groups (semi-sync's groups meet every few steps instead)
+
     def __init__(
         self, manager: Any, group: ReplicaGroup, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kw: Any
     ) -> None:
@@ -145,7 +148,7 @@ class ReplicaGroups(OneReplica):
         self._named = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self._buffers = dict(model.named_buffers())
         self._params = list(self._named.values())
-        self._sharded = _hook_fsdp(model, self._all_reduce)
+        self._sharded = _hook_fsdp(model, self._all_reduce) if self.reduces_gradients else False
         self._healed, self._started, self._began_at, self.heals = False, 0.0, 0, 0
         # The groups that took part: at the last commit, the fewest over the window, and the steps
         # taken with fewer than the run's.
@@ -194,7 +197,7 @@ class ReplicaGroups(OneReplica):
         self.manager.wait_quorum()
         self.committed = self.manager.should_commit()
         if self.committed:
-            self._count(self.manager.num_participants())
+            self._count(self.manager.num_participants(), self.manager.current_step())
         else:
             self._refused()
         return self.committed
@@ -208,11 +211,11 @@ class ReplicaGroups(OneReplica):
         if isinstance(getattr(error, "original_exception", None), HealRefused):
             raise HealRefused(f"replica group {self.group.index}: {error.original_exception}") from None
 
-    def _count(self, alive: int) -> None:
-        """A step taken by `alive` groups: the window's and run's figures, the events."""
-        step, leads = self.manager.current_step(), self.leads()
+    def _count(self, alive: int, step: int, steps: int = 1) -> None:
+        """`steps` to `step` taken by `alive` groups: the window's and run's figures, the events."""
+        leads = self.leads()
         self._alive_min = min(self._alive_min, alive)
-        self.steps_below_full += alive < self.count
+        self.steps_below_full += steps if alive < self.count else 0
         reporter = self._reporter
         reporter.leads = leads
         if leads and alive != self._alive:
@@ -312,75 +315,6 @@ class ReplicaGroups(OneReplica):
                         mine[key] = _like(p, value, kept_on_device)
         for group, theirs in zip(self.optimizer.param_groups, state["groups"], strict=True):
             group.update(theirs)
-
-
-def replicas_for(cfg: Any, runtime: Any, model: torch.nn.Module, optimizer: Any, reporter: Any) -> OneReplica:
-    """This worker's replicas: its group's `ReplicaGroups` over `model` (parallelized) and its
-    `optimizer`, with torchft's Manager joined to the lighthouse; `OneReplica` without groups."""
-    group = replica_group()
-    if group is None:
-        return OneReplica()
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every step at info
-    # Its Manager warns at every quorum that NCCL's flight recorder has no reset (torch 2.13); its
-    # errors still show.
-    logging.getLogger("torchft.manager").setLevel(logging.ERROR)
-    from torchft.manager import Manager
-
-    from raylane.loop.distributed.ft_transport import BoundTransport, serving_host
-
-    ft = cfg.fault_tolerance
-    if ft.semi_sync.method != "none":  # averaging every step would silently replace it
-        raise ValueError(
-            f"fault_tolerance.semi_sync.method = {ft.semi_sync.method!r}: not built yet in raylane's loop; use none"
-        )
-    host, store = _manager_store(runtime)
-    timeout = datetime.timedelta(seconds=ft.timeout_s)
-    manager = Manager(
-        pg=_process_group(ft.pg_backend(cfg.scaling.use_gpu), ft.timeout_s),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=ft.min_replicas,
-        use_async_quorum=ft.semi_sync.method == "none",
-        timeout=timeout,
-        quorum_timeout=datetime.timedelta(seconds=ft.quorum_timeout_s),
-        connect_timeout=datetime.timedelta(seconds=ft.connect_timeout_s),
-        rank=runtime.rank,
-        world_size=runtime.world_size,
-        store_addr=host,
-        store_port=store[1],
-        lighthouse_addr=group.lighthouse or None,
-        replica_id=f"{cfg.run.name}-g{group.index}",
-        # The state a healing group copies: served on this node's address, loaded as tensors only.
-        checkpoint_transport=BoundTransport(serving_host(host), timeout),
-    )
-    return ReplicaGroups(
-        manager, group, model, optimizer, store=store[0], seed=cfg.train.seed, reporter=reporter, rank=runtime.rank
-    )
-
-
-def _process_group(backend: str, timeout_s: float) -> Any:
-    """torchft's process group across groups, reconfigured at each new quorum."""
-    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-
-    kind = ProcessGroupNCCL if backend == "nccl" else ProcessGroupGloo
-    return kind(timeout=datetime.timedelta(seconds=timeout_s))
-
-
-def _manager_store(runtime: Any) -> tuple[str, tuple[Any, int]]:
-    """(the host, (the TCPStore, or None off rank 0; its port)) of the Manager's store: hosted by
-    the group's rank 0 on a free port, the port shared over the group (one broadcast, at start)."""
-    import torch.distributed as dist
-
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    store, port = None, 0
-    if runtime.rank == 0:
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        port = store.port
-    if runtime.world_size > 1:
-        shared = [port]
-        dist.broadcast_object_list(shared, src=0)
-        port = int(shared[0])
-    return host, (store, port)
 
 
 def _hook_fsdp(model: torch.nn.Module, all_reduce: Callable[[torch.Tensor], None]) -> bool:
