@@ -83,3 +83,18 @@ def test_where_and_with_what_replica_groups_run(monkeypatch):
 def test_the_launchers_replica_variables_are_not_the_configs(name):
     with pytest.raises(ConfigError, match=f"env.{name} = 'x': set by the launcher for each rank"):
         load_config("digits", [f"env.{name}=x"])
+
+
+def test_sweep_and_search_records_from_before_the_section_still_match(tmp_path):
+    """A sweep or an autotune search recorded before `fault_tolerance:` existed continues or
+    replays: neither compares the section's keys (neither runs replica groups). Before, a sweep
+    rerun failed with 'fault_tolerance.enabled = False: sweep ... already ran with
+    fault_tolerance.enabled = (not set)', and test_autotune_types' stored record stopped
+    replaying."""
+    from raylane.config.sweep import load_sweep
+    from raylane.sweeps.record import settings
+
+    (tmp_path / "s.yaml").write_text("sweep: {name: s, base: digits, space: {optim.lr: {grid: [0.1]}}}\n")
+    sweep, base = load_sweep(str(tmp_path / "s.yaml"))
+    recorded = settings(sweep, base)
+    assert recorded and not [k for k in recorded if k.startswith("fault_tolerance.")]

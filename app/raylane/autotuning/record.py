@@ -23,7 +23,10 @@ DIED = "the worker group died while profiling it"
 def fingerprint(flat: dict[str, Any], settings: SearchSettings) -> str:
     """What an earlier launch's record must match to be replayed: the config (but its run
     section) and the space and how it is measured."""
-    same = {k: v for k, v in flat.items() if not k.startswith("run.")}
+    # A search never has replica groups (config.autotune refuses them): their keys, added to the
+    # config after records were written, change nothing measured, and would stop every earlier
+    # record from replaying.
+    same = {k: v for k, v in flat.items() if not k.startswith(("run.", "fault_tolerance."))}
     return hashlib.sha256(
         json.dumps(
             [

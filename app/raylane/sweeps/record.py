@@ -49,7 +49,9 @@ def settings(sweep: SweepSection, base: BaseConfig) -> dict[str, Any]:
     space = own.pop("space")  # one entry per searched key: its whole domain is its value
     flat = {**flatten({"sweep": own}), **{f"sweep.space.{k}": v for k, v in space.items()}, **base.flat()}
     flat.pop("run.storage_path", None)
-    return flat
+    # A sweep never has replica groups (config.sweep refuses them): their keys, added after sweeps
+    # were recorded, decide nothing it runs, and would stop every earlier sweep from continuing.
+    return {k: v for k, v in flat.items() if not k.startswith("fault_tolerance.")}
 
 
 def _shown(settings_: dict[str, Any], key: str) -> str:
