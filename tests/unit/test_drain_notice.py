@@ -103,3 +103,22 @@ def test_a_run_that_may_not_restart_gets_no_restart_from_a_preemption_either():
     default = FailureConfig().max_preemption_failures
     restarts = cfg.model_copy(update={"failure": cfg.failure.model_copy(update={"max_failures": 2})})
     assert elastic.failure_config(restarts) == FailureConfig(max_failures=2, max_preemption_failures=default)
+
+
+def test_a_notice_to_every_rank_of_a_replica_group_restarts_that_group_alone(monkeypatch):
+    """A drain notice to all the ranks of a run stops the run (a scheduler stopping it); to all
+    the ranks of one replica group (fault_tolerance), it is that group's node leaving: the group
+    hands over to a restart without the node while the other groups step on (issue 62; before,
+    the group's run ended KILLED and never came back: tests/e2e/test_ft_drain.py)."""
+    one_rank = types.SimpleNamespace(rank=0, world_size=1, restarts_without_leaving_nodes=True)
+    preemption.request("the node is leaving", node_leaving=True)
+    whole_run = StepVote(one_rank)
+    assert whole_run.poll(1, save_busy=False)[0] and not whole_run.node_leaving
+    for name, value in (("RAYLANE_REPLICA_GROUP", "1"), ("RAYLANE_REPLICA_GROUPS", "2")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
+    group = StepVote(one_rank)
+    assert group.poll(1, save_busy=False)[0] and group.node_leaving
+    assert group.reason() == "notice to 1 of 1 ranks that their node is leaving"
+    no_restarts = StepVote(types.SimpleNamespace(rank=0, world_size=1, restarts_without_leaving_nodes=False))
+    assert no_restarts.poll(1, save_busy=False)[0] and not no_restarts.node_leaving  # max_failures 0: it stops

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from raylane.loop import preemption
+from raylane.loop.distributed.ft import replica_group
 from raylane.loop.distributed.groups import ControlVote
 from raylane.loop.protocols.runtime import Runtime
 
@@ -34,6 +35,7 @@ class StepVote:
         self.vote = ControlVote(3, control_group)
         self.rank, self.world_size = runtime.rank, runtime.world_size
         self.restarts = runtime.restarts_without_leaving_nodes
+        self.replica_group = replica_group() is not None  # one group of the run (fault_tolerance)
         self.preempted = False
         self.node_leaving = False
         self.growing = False
@@ -68,9 +70,12 @@ class StepVote:
         self.leaving_ranks = round(leaving)
         restarts = stop and self.restarts
         # A notice to some of the ranks: restart without them. To every rank (a scheduler's
-        # scancel, `timeout`): the run is being stopped, as by the driver. A notice wins over a
-        # growth request in the same vote (the group that would grow is about to lose a node).
-        self.node_leaving = restarts and 0 < self.leaving_ranks < self.world_size
+        # scancel, `timeout`): the run is being stopped, as by the driver; but every rank of a
+        # replica group is one group of the run, whose node is leaving: it restarts alone while
+        # the others step on (a stop of the whole run reaches every group from the driver). A
+        # notice wins over a growth request in the same vote (the group would lose a node).
+        every = self.replica_group and self.leaving_ranks == self.world_size
+        self.node_leaving = restarts and (0 < self.leaving_ranks < self.world_size or every)
         self.growing = restarts and growing and not self.leaving_ranks
         return stop, not busy
 
