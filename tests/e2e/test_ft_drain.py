@@ -33,12 +33,6 @@ def _steps(seen, group: int) -> list[dict]:
     return [r for r in _records(seen, group) if r["kind"] == "step"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a 1-worker group's ranks all get the notice, which StepVote reads as a stop of the run "
-    "(node_leaving needs 0 < leaving ranks < world size): group 1's Ray run ends KILLED, preempted, and is never "
-    "restarted",
-)
 @pytest.mark.slow  # ~3 minutes on 2 cores: 60 steps of ~1 s, a group's stop, a node's return and a restart
 def test_a_drained_groups_node_stops_that_group_alone_which_rejoins_on_the_node_that_returns(run_cli, tmp_path):
     """2 replica groups of 1 CPU worker (DDP), 60 steps of ~1 s, each group's worker on its own fake
