@@ -91,6 +91,17 @@ def _add_check(sub: Any) -> None:
         "type, default, allowed values and the value this config resolves it to "
         "(docs/configuration.md lists every key)",
     )
+    shown.add_argument(
+        "--world",
+        type=int,
+        metavar="N",
+        help="rehearse the run at N ranks instead, in this process on torch's fake process group: each rank's "
+        "memory against the GPU's, the mesh, the batch, the step time, a checkpoint's files, MLflow's entries per "
+        "window; what would fail at N exits 2 (docs/scale.md, Rehearse at full size)",
+    )
+    check.add_argument("--nodes", type=int, metavar="M", help="with --world: on M nodes of N/M ranks (default 1)")
+    gpu = "with --world: H100, H200, A100, L4, ... (default: scaling.accelerator_type, else H100)"
+    check.add_argument("--gpu", metavar="MODEL", help=gpu)
     # Its builds (--blocks, --plan, a model-parallel config's checks) import torch and
     # transformers: their warnings go to the library log, as a run's do.
     check.add_argument("--verbose", action="store_true", default=None, help=VERBOSE_HELP)
@@ -225,6 +236,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    if args.world is not None or args.nodes is not None or args.gpu is not None:
+        return _rehearse(args)
     checked = api.check(args.config, args.overrides)
     sweep: dict[str, Any] = {}
     if isinstance(checked, BaseConfig):
@@ -267,6 +280,25 @@ def _check(args: argparse.Namespace) -> int:
             "activation checkpointing recomputes and compile takes",
             flush=True,
         )
+    return 0
+
+
+def _rehearse(args: argparse.Namespace) -> int:
+    """`raylane check --world N [--nodes M] [--gpu MODEL]`: the config's checks at N ranks, then
+    the rehearsal (raylane.loop.rehearsal); what would fail at N is a ConfigError."""
+    from raylane.loop.rehearsal import rehearse, target_of
+
+    if args.world is None:
+        raise ConfigError(f"{'--nodes' if args.nodes is not None else '--gpu'}: rehearses a run of --world N ranks")
+    target_of(args.world, args.nodes or 1, args.gpu)  # the flags first: before the config is built
+    try:
+        checked = api.check(args.config, [*args.overrides, f"scaling.num_workers={args.world}"])
+    except ConfigError as exc:  # the config's own checks at N: say it as the user asked it
+        raise ConfigError(str(exc).replace(f"scaling.num_workers = {args.world}", f"--world {args.world}")) from None
+    if not isinstance(checked, BaseConfig):
+        raise ConfigError(f"--world {args.world}: rehearses a pipeline config; a sweep's trials are its base's")
+    report = rehearse(checked, target_of(args.world, args.nodes or 1, args.gpu, checked.scaling.accelerator_type))
+    print("\n".join(report.lines + [f"warning: {w}" for w in report.warnings]), flush=True)
     return 0
 
 

@@ -41,6 +41,45 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 
+# Memory per device, GiB, as the vendors' sheets give it (NVIDIA's H100 SXM/PCIe 80 GB, H100 NVL
+# 94 GB, H200 141 GB, HGX B200 180 GB per GPU, A100 40 or 80 GB, L40S 48 GB, L4, A10G and A10 24
+# GB, V100 16 or 32 GB): what `raylane check --world` (raylane.loop.rehearsal) weighs a rank
+# against. torch reports a little less (an 80 GB H100's total_memory is ~79.6 GiB), which the
+# rehearsal's 85% usable share (parallelize.AUTO_MARGIN) more than covers. Longest name first wins.
+MEMORY_GIB: dict[str, float] = {
+    "H100 PCIe": 80.0,
+    "H100 NVL": 94.0,
+    "H100": 80.0,
+    "H200": 141.0,
+    "B200": 180.0,
+    "A100 40GB": 40.0,
+    "A100": 80.0,
+    "L40S": 48.0,
+    "L4": 24.0,
+    "A10G": 24.0,
+    "A10": 24.0,
+    "V100 16GB": 16.0,
+    "V100": 32.0,
+}
+
+
+def named_gpu(name: str) -> str | None:
+    """The table's name for a GPU model as a user writes it (`h100`, `A100 40GB`, `NVIDIA H200`), or None."""
+    wanted = " ".join(name.upper().replace("NVIDIA", "").split())
+    for key in sorted(MEMORY_GIB, key=len, reverse=True):
+        if key.upper() == wanted:
+            return key
+    return None
+
+
+def table_peak_flops(gpu: str, precision: str) -> float | None:
+    """A table GPU's peak FLOP/s at `precision` (its family's: `A100 40GB` is an A100's)."""
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if gpu.startswith(key):
+            return PEAK_TFLOPS[key].get(precision, 0.0) * 1e12 or None
+    return None
+
+
 def peak_flops(device: torch.device, precision: str, override_tflops: float | None) -> float | None:
     """Peak FLOP/s of one device at `precision`, or None when unknown (CPU without an override)."""
     if override_tflops:

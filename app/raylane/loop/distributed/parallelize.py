@@ -206,8 +206,9 @@ def _nodes(world_size: int) -> int:
 
 
 def _agreed(strategy: Strategy) -> Strategy:
-    """Rank 0's choice on every rank: detected memory may differ between hosts."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    """Rank 0's choice on every rank: detected memory may differ between hosts. Not on torch's
+    fake backend (a rehearsal plays each rank in one process, and a fake broadcast sends nothing)."""
+    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
         box = [strategy]
         dist.broadcast_object_list(box, src=0)
         return box[0]
