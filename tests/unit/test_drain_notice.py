@@ -119,6 +119,6 @@ def test_a_notice_to_every_rank_of_a_replica_group_restarts_that_group_alone(mon
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
     group = StepVote(one_rank)
     assert group.poll(1, save_busy=False)[0] and group.node_leaving
-    assert group.reason() == "notice to 1 of 1 ranks that their node is leaving"
+    assert group.reason() == "notice to 1 of 1 ranks that their node is leaving (the node is leaving)"
     no_restarts = StepVote(types.SimpleNamespace(rank=0, world_size=1, restarts_without_leaving_nodes=False))
     assert no_restarts.poll(1, save_busy=False)[0] and not no_restarts.node_leaving  # max_failures 0: it stops

@@ -84,7 +84,11 @@ class StepVote:
         if self.growing:
             return preemption.GROWING
         if self.node_leaving:
-            return f"notice to {self.leaving_ranks} of {self.world_size} ranks that their node is leaving"
+            # Which node: the launcher's notice where it names it (Ray's drain notice, which every
+            # rank reads, rank 0 too); a signal to a leaving rank's own process names none here.
+            notice = preemption.reason()
+            which = f" ({notice})" if notice else ""
+            return f"notice to {self.leaving_ranks} of {self.world_size} ranks that their node is leaving{which}"
         return preemption.reason() or "a stop request from another rank"
 
     def gather(self, per_rank: tuple[float, ...]) -> list[float]:
