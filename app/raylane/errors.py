@@ -90,3 +90,19 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "tolist") and hasattr(value, "ndim"):
         return value.tolist()
     return value
+
+
+def ranks_text(numbers: list[int]) -> str:
+    """'rank 3', 'ranks 0, 2', 'ranks 0-255, 300': runs of three or more as a range, so that a line
+    naming ranks does not grow with them when they come in runs (a node's, every rank but one)."""
+    numbers = sorted(set(numbers))
+    if len(numbers) == 1:
+        return f"rank {numbers[0]}"
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    parts = [f"{r[0]}-{r[-1]}" if len(r) >= 3 else ", ".join(map(str, r)) for r in runs]
+    return "ranks " + ", ".join(parts)

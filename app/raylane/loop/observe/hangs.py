@@ -36,12 +36,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from raylane.errors import RaylaneError
+from raylane.errors import RaylaneError, ranks_text
 from raylane.loop.observe.observer import Observer
 
 RANKS, STACKS = "ranks", "stacks"
 SIGNAL = signal.SIGUSR1
 ANSWER_WAIT_S = 3.0  # a rank that answers at all writes its stacks within milliseconds
+POLL_S = 0.05
+MAX_PLACES = 4  # places named in a hang's line; the stacks have the rest
+LINE_WAIT_S = ANSWER_WAIT_S + 2.0  # the collector's collection, and its reads
+# In `ranks/`: who collects a hang's stacks (the first rank to time out), and its line.
+COLLECTOR, LINE = ".hang-collector", ".hang-line"
 # A wait in these is a wait on the other ranks: a collective, or DDP's gradient sync in backward.
 WAITING = ("/torch/distributed/", "/torch/autograd/", "/torch/_tensor.py", "/torch/nn/parallel/")
 _LIBRARY = tuple(p for p in {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]} if p)
@@ -164,24 +169,24 @@ def ask(entries: list[RankEntry]) -> list[RankEntry]:
 
 
 def collect(asked: list[RankEntry], others: list[RankEntry], wait_s: float) -> dict[int, str]:
-    """rank -> its stacks: the answers of the ranks `asked` (whole once their size holds for a
-    poll), and the watchdog dumps of `others`, waited for at most `wait_s`."""
+    """rank -> its stacks: the answers of the ranks `asked` and the watchdog dumps of `others`,
+    each taken once its size holds for a poll (whole: faulthandler writes as it walks the
+    threads), waited for at most `wait_s` in all, whatever the number of ranks."""
+    files = {e.rank: e.live_file for e in asked} | {e.rank: e.watchdog_file for e in others if e not in asked}
     got: dict[int, str] = {}
     sizes: dict[int, int] = {}
     deadline = time.monotonic() + wait_s
     while True:
-        for e in asked:
-            size = _size(e.live_file)
-            if e.rank not in got and size > 0 and sizes.get(e.rank) == size:
-                got[e.rank] = e.live_file.read_text(errors="replace")
-            sizes[e.rank] = size
-        for e in others:
-            if e.rank not in got and _size(e.watchdog_file) > 0:
-                time.sleep(0.05)  # the watchdog writes as it walks the threads
-                got[e.rank] = e.watchdog_file.read_text(errors="replace")
-        if len(got) == len(asked) + len(others) or time.monotonic() > deadline:
+        for rank, path in files.items():
+            if rank in got:
+                continue
+            size = _size(path)
+            if size > 0 and sizes.get(rank) == size:
+                got[rank] = path.read_text(errors="replace")
+            sizes[rank] = size
+        if len(got) == len(files) or time.monotonic() > deadline:
             return got
-        time.sleep(0.05)
+        time.sleep(POLL_S)
 
 
 def _size(path: Path) -> int:
@@ -213,6 +218,7 @@ class HangWatch(Observer):
         self.entry = RankEntry(rank, os.getpid(), host_name(), threading.get_ident(), folder, node_name())
         self._files: list[Any] = []
         self._armed_at = float("-inf")
+        self._started = 0.0
 
     def start(self) -> None:
         os.makedirs(Path(self.folder, RANKS), exist_ok=True)
@@ -223,6 +229,8 @@ class HangWatch(Observer):
         for f in self._files:
             os.ftruncate(f.fileno(), 0)  # a run resumed: the last launch's dumps
         faulthandler.register(SIGNAL, file=live, all_threads=True, chain=False)
+        # A claim to collect a hang's stacks made before this is an earlier launch's (COLLECTOR).
+        self._started = time.time() - 1.0  # a file's time, as a shared folder's server may round it
         record = {**self.entry.__dict__, "started_unix": time.time()}
         record.pop("folder")
         tmp = Path(self.folder, RANKS, f".rank{self.rank}.json.tmp")
@@ -257,17 +265,24 @@ class HangWatch(Observer):
         for path in (Path(self.folder, RANKS, f"rank{self.rank}.json"), self.entry.live_file, self.entry.watchdog_file):
             with contextlib.suppress(OSError):
                 os.remove(path)
+        records = Path(self.folder, RANKS)
+        if not any(records.glob("rank*.json")):  # the last rank out: a hang's claim and line go too
+            for name in (COLLECTOR, LINE):
+                with contextlib.suppress(OSError):
+                    os.remove(records / name)
         with contextlib.suppress(OSError):
-            os.rmdir(Path(self.folder, RANKS))  # the last rank out
+            os.rmdir(records)
 
     def diagnose(self, exc: BaseException) -> HangError | None:
-        """After `exc`, a collective's timeout (else None): every rank's stacks into `stacks/`,
-        and the error the rank fails with instead, naming who never came and where it stood."""
+        """After `exc`, a collective's timeout (else None): this rank's stacks into `stacks/`, and
+        the error the rank fails with instead, naming who never came and where it stood. Every
+        rank in the collective times out at about the same time: the first to claim the run's
+        folder (`COLLECTOR`) collects every rank's stacks and writes the line (`LINE`), which the
+        others wait for (bounded) and fail with, so a hang costs the shared folder a file per
+        rank, not one per rank per rank."""
         if not timed_out(exc):
             return None
         faulthandler.cancel_dump_traceback_later()
-        peers = [e for e in read_ranks(self.folder) if e.rank != self.rank]
-        asked = ask(peers)
         stacks = Path(self.folder, STACKS)
         stacks.mkdir(exist_ok=True)
         with open(stacks_file(stacks, self.entry), "w") as f:
@@ -275,12 +290,63 @@ class HangWatch(Observer):
             f.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)) + "\n# every thread now:\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        others = [e for e in peers if e not in asked]
-        got = collect(asked, others, ANSWER_WAIT_S)
+        records = Path(self.folder, RANKS)
+        collector = claim(records / COLLECTOR, self.rank, self._started)
+        if collector != self.rank:
+            return HangError(self._collected_line(records / LINE, collector, stacks))
+        peers = [e for e in read_ranks(self.folder) if e.rank != self.rank]
+        asked = ask(peers)
+        got = collect(asked, [e for e in peers if e not in asked], ANSWER_WAIT_S)
         for e in peers:
-            if e.rank in got:
-                stacks_file(stacks, e).write_text(header(e) + got[e.rank])
-        return HangError(hang_line(self.bound_s, peers, got, self.world_size - 1, str(stacks)))
+            path = stacks_file(stacks, e)
+            if e.rank in got and not _since(path, self._started):  # a rank's own file says more
+                path.write_text(header(e) + got[e.rank])
+        line = hang_line(self.bound_s, peers, got, self.world_size - 1, str(stacks))
+        tmp = records / f"{LINE}.{self.rank}.tmp"
+        tmp.write_text(line)
+        os.replace(tmp, records / LINE)
+        return HangError(line)
+
+    def _collected_line(self, path: Path, collector: int, stacks: Path) -> str:
+        """The collector's line (at `path`), once it has written it (at most LINE_WAIT_S)."""
+        deadline = time.monotonic() + LINE_WAIT_S
+        while time.monotonic() < deadline:
+            if _since(path, self._started):
+                with contextlib.suppress(OSError):
+                    return path.read_text()
+            time.sleep(POLL_S)
+        return (
+            f"a collective waited past dist.timeout_s = {self.bound_s:g} s; rank {collector} collects every "
+            f"rank's stack in {stacks}"
+        )
+
+
+def claim(path: Path, rank: int, since: float) -> int:
+    """The rank that collects this hang's stacks: `rank` when it is the first to create `path`
+    (or the one there is an earlier launch's, older than `since`), else the one that did."""
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _since(path, since):
+                with contextlib.suppress(OSError, ValueError):
+                    return int(path.read_text() or -1)
+                return -1  # being written: another rank's
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(rank))
+        return rank
+    return rank  # the file could neither be made nor read: this rank collects, as one alone would
+
+
+def _since(path: Path, since: float) -> bool:
+    """Whether `path` was written by this launch (at or after `since`, unix seconds)."""
+    try:
+        return path.stat().st_mtime >= since
+    except OSError:
+        return False
 
 
 # What gloo's and NCCL's timeouts say (a user's own timeout, a socket's, is no collective's).
@@ -299,23 +365,28 @@ def timed_out(exc: BaseException | None) -> bool:
 
 def hang_line(bound_s: float, peers: list[RankEntry], got: dict[int, str], n_peers: int, folder: str) -> str:
     """The failure's one line: the ranks that never reached the collective and where each stood
-    (`peers`: the other ranks recorded, of `n_peers`; `got`: their stacks, by rank)."""
-    stuck, silent = [], []
+    (`peers`: the other ranks recorded, of `n_peers`; `got`: their stacks, by rank). Ranks that
+    stood at one place are named together, as ranges, and MAX_PLACES places at most: the line's
+    length does not grow with the number of ranks."""
+    places: dict[str, list[int]] = {}
+    silent = []
     for e in peers:
         if e.rank not in got:
             silent.append(e.rank)
             continue
         frames = thread_frames(got[e.rank], e.thread)
         if not waiting(frames):
-            stuck.append(f"rank {e.rank} at {where(frames) or 'an unknown place'}")
+            places.setdefault(str(where(frames) or "an unknown place"), []).append(e.rank)
     unrecorded = n_peers - len(peers)  # ranks that never wrote their record (not started, no shared folder)
     text = f"a collective waited past dist.timeout_s = {bound_s:g} s: "
-    if stuck:
-        text += f"never reached it: {'; '.join(stuck)}"
+    if places:
+        shown = [f"{ranks_text(ranks)} at {place}" for place, ranks in list(places.items())[:MAX_PLACES]]
+        more = len(places) - MAX_PLACES
+        text += f"never reached it: {'; '.join(shown)}" + (f"; and {more} more places" if more > 0 else "")
     else:
         text += "every rank that answered was in a collective"
     if silent:
-        text += f"; no stack from rank {', '.join(map(str, sorted(silent)))} (not on this host, or gone)"
+        text += f"; no stack from {ranks_text(silent)} (not on this host, or gone)"
     if unrecorded > 0:
         text += f"; {unrecorded} rank{'s' if unrecorded > 1 else ''} left no record in the run folder"
     return text + f"; every rank's stack in {folder}"
