@@ -4,16 +4,24 @@ run's folder (`<storage_path>/<run.name>/health/<node>.json`: raylane.loop.obser
 (cpu_percent, memory_percent, memory_used_gb, disk_percent, disk_free_gb, network_receive_mb_s,
 network_transmit_mb_s; per GPU gpu<i>_utilization_percent,
 gpu<i>_memory_percent, gpu<i>_memory_used_gb, gpu<i>_power_w, gpu<i>_temperature_c), at step =
-the sample's unix second. The keys grow with the nodes (and their GPUs), not the ranks.
+the sample's unix second, for runs of up to MAX_NODE_SERIES nodes. On more, the keys would grow
+with the nodes and their GPUs, so with the ranks (6,016 values an interval at 1,024 GPUs, bench
+B15): each interval is then one set of figures over the nodes, whatever their number:
+`system/nodes/<field>_min`, `_median` and `_max` (a GPU's fields over every GPU: `gpu_<field>`),
+and `system/nodes/reporting`, the nodes whose sample it covers. Each node's last samples stay in
+its file in the run's folder.
 
 A node whose file has not changed for `mlflow.system_metrics_silent_after` intervals, as the
 driver's own clock sees it (the nodes' clocks need not agree), is named once: a warning on the
-terminal and the run's tag `raylane.node_silent.<node>`."""
+terminal and the run's tag `raylane.node_silent.<node>`, for MAX_SILENT_NAMED nodes; past them
+(a rack lost), one tag and one line count the others."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +32,10 @@ from raylane.loop.observe.health import HEALTH, file_name
 log = logging.getLogger("raylane")
 
 SILENT_TAG = "raylane.node_silent."
+MAX_NODE_SERIES = 8  # nodes recorded one by one; on more, figures over the nodes
+MAX_SILENT_NAMED = 8  # silent nodes named one by one (a tag and a line each); then counted
+MORE_SILENT_TAG = "raylane.nodes_silent_more"
+_GPU = re.compile(r"^gpu\d+_")
 
 
 def metric_key(node: str, field: str) -> str:
@@ -64,10 +76,12 @@ class HealthWatch:
             # Files an earlier launch of this run left: logged (MLflow keeps no point twice), but a
             # node is watched for silence only once it writes during this launch.
             self._before = {node: _newest(samples) for node, samples in found.items()}
+        fresh = {
+            n: samples for n, samples in found.items() if _newest(samples) > self.last_logged.get(n, float("-inf"))
+        }
+        self._record_all(fresh, nodes=len(found))
         for node, samples in found.items():
             newest = _newest(samples)
-            if newest > self.last_logged.get(node, float("-inf")):
-                self._record(node, samples)
             if newest > max(self._before.get(node, float("-inf")), self._newest_heard.get(node, float("-inf"))):
                 self._newest_heard[node] = newest
                 self.heard[node] = now
@@ -82,11 +96,45 @@ class HealthWatch:
             t = sample.get("t", 0.0)
             if t <= since:
                 continue
-            fields = {k: float(v) for k, v in sample.items() if k not in ("t", "n") and isinstance(v, (int, float))}
+            fields = _fields(sample)
             self._log({metric_key(node, k): v for k, v in fields.items()}, int(t))
             self.last_logged[node] = t
 
+    def _record_all(self, fresh: dict[str, list[dict[str, Any]]], nodes: int) -> None:
+        """The new samples of each node, or, past MAX_NODE_SERIES nodes, figures over the nodes."""
+        if nodes <= MAX_NODE_SERIES:
+            for node, samples in fresh.items():
+                self._record(node, samples)
+        elif fresh:
+            self._record_over_nodes(fresh)
+
+    def _record_over_nodes(self, fresh: dict[str, list[dict[str, Any]]]) -> None:
+        """Min, median and max of each field over the newest sample of each node that sent one
+        (a GPU's over every GPU), at the newest one's second: as many keys whatever the nodes."""
+        values: dict[str, list[float]] = {}
+        at = 0.0
+        for node, samples in fresh.items():
+            sample = max(samples, key=lambda s: s.get("t", 0.0))
+            at = max(at, float(sample.get("t", 0.0)))
+            for k, v in _fields(sample).items():
+                values.setdefault(_GPU.sub("gpu_", k), []).append(v)
+            self.last_logged[node] = _newest(samples)
+        metrics = {"system/nodes/reporting": float(len(fresh))}
+        for field, vs in values.items():
+            metrics.update(
+                {f"system/nodes/{field}_min": min(vs), f"system/nodes/{field}_median": statistics.median(vs),
+                 f"system/nodes/{field}_max": max(vs)}
+            )  # fmt: skip
+        self._log(metrics, int(at))
+
     def _name_silent(self, node: str, quiet: float) -> None:
+        if len(self.silent) >= MAX_SILENT_NAMED:
+            self.silent[node] = ""
+            more = len(self.silent) - MAX_SILENT_NAMED
+            self._tags({MORE_SILENT_TAG: str(more)})
+            if more in (1, 10, 100, 1000):  # a line now and then, not one per node
+                log.warning("%d more nodes have sent no health sample for %.0f s", more, quiet)
+            return
         line = (
             f"node {node} has sent no health sample for {quiet:.0f} s ({self.silent_after} intervals of "
             f"{self.interval_s:g} s; mlflow.system_metrics_silent_after): it may be down, hung or cut off "
@@ -140,8 +188,15 @@ class HealthWatch:
             log.debug("health watch: %s", exc)
 
     def _record_last(self) -> None:
-        for node, samples in self._read().items():
-            self._record(node, samples)
+        found = self._read()
+        fresh = {
+            n: samples for n, samples in found.items() if _newest(samples) > self.last_logged.get(n, float("-inf"))
+        }
+        self._record_all(fresh, nodes=len(found))
+
+
+def _fields(sample: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in sample.items() if k not in ("t", "n") and isinstance(v, (int, float))}
 
 
 def _newest(samples: list[dict[str, Any]]) -> float:
