@@ -19,6 +19,7 @@ from raylane.loop.protocols.events import (
     Event,
     FirstStep,
     Handover,
+    Log,
     Progress,
     ReplicaHealed,
     ReplicaQuorum,
@@ -30,6 +31,10 @@ from raylane.loop.protocols.result import RunResult
 PROGRESS_INTERVAL_S = 0.5
 # The training figures of one window of steps, as MLflow records them at the window's last step.
 WINDOW_KEYS = ("loss", "samples_per_s", "tokens_per_s")
+# Stragglers named one by one (an event and the tag `raylane.straggler.rank<R>` each); past them
+# (a slow rack at 1,024 ranks), one line says so and the run's end counts the others in the tag
+# `raylane.stragglers_more`: the run's summary lists every one.
+MAX_STRAGGLERS_NAMED = 8
 
 
 class Reporter:
@@ -50,6 +55,7 @@ class Reporter:
         self._last_publish = float("-inf")
         self._state: dict[str, Any] = {}
         self._window_from = 1  # the first step of the window the next train metrics cover
+        self._stragglers = 0
 
     def warming(self) -> bool:
         """Rank 0's MLflow logger is still starting (importing MLflow, ~1.5 s of CPU on a thread):
@@ -110,10 +116,17 @@ class Reporter:
 
     def on_straggler(self, record: dict[str, Any], line: str) -> None:
         """A rank named as slow (raylane.loop.observe.steptimes): the driver says it once, on the terminal."""
-        if self.active:
+        if not self.active:
+            return
+        self._stragglers += 1
+        if self._stragglers <= MAX_STRAGGLERS_NAMED:
             self._publish(Straggler(record=record, line=line))
             if self._metrics is not None:
                 self._metrics.set_tags({f"raylane.straggler.rank{record['rank']}": line})
+            return
+        if self._stragglers == MAX_STRAGGLERS_NAMED + 1:  # the driver says it once; the summary lists them all
+            self._publish(Log(rank=0, level="warning", message=f"more than {MAX_STRAGGLERS_NAMED} stragglers: the "
+                              "run's summary lists them all"))  # fmt: skip
 
     def on_checkpoint(
         self, *, step: int, location: str, epoch: int, metrics: dict[str, float], speed: dict[str, float] | None = None
@@ -144,6 +157,8 @@ class Reporter:
         if self.replicas is not None:
             result = dataclasses.replace(result, replicas=self.replicas.summary())
         if self._metrics is not None:
+            if self._stragglers > MAX_STRAGGLERS_NAMED:
+                self._metrics.set_tags({"raylane.stragglers_more": str(self._stragglers - MAX_STRAGGLERS_NAMED)})
             self._metrics.close()
             result = dataclasses.replace(result, tracking_cost_s=self._metrics.cost())
         # A group that hands over to a restart without a leaving node has not ended the run.

@@ -30,6 +30,7 @@ from raylane.loop.protocols.events import (
     Straggler,
 )
 from raylane.loop.protocols.result import RunResult
+from raylane.loop.reporting import MAX_STRAGGLERS_NAMED
 from raylane.results import TrainSummary
 from raylane.tracking.observe import profile_line
 
@@ -293,7 +294,10 @@ def outcome_text(summary: TrainSummary, ui: str, log_file: Any = None) -> str:
         counts = ", ".join(f"{k} {v.skipped:,} of {v.rows:,}" for k, v in s.skipped_rows.items())
         first = next((v.first for v in s.skipped_rows.values() if v.first), None)
         rows.append(("skipped rows", counts + (f"; the first: {first}" if first else "")))
-    rows += [("straggler", StepStraggler(**x.model_dump()).line().removeprefix("straggler: ")) for x in s.stragglers]
+    shown = s.stragglers[:MAX_STRAGGLERS_NAMED]  # the summary's JSON has every one
+    rows += [("straggler", StepStraggler(**x.model_dump()).line().removeprefix("straggler: ")) for x in shown]
+    if len(s.stragglers) > len(shown):
+        rows.append(("straggler", f"and {len(s.stragglers) - len(shown)} more ranks (the summary lists them)"))
     if s.profile_traces or s.memory_snapshots:
         slow = [x.rank for x in s.stragglers]
         rows.append(("profile", profile_line(s.profile_traces, s.memory_snapshots, slow)))
