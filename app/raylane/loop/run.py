@@ -5,6 +5,7 @@ torchrun or in a single process by `launch_local` below. It never imports Ray.""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import random
@@ -61,8 +62,10 @@ def _side_groups(cfg: BaseConfig, world_size: int) -> tuple[Any, Any]:
     background thread, which must not share a group with the training loop's."""
     if world_size == 1 or not dist.is_initialized():
         return None, None
-    control = dist.new_group(backend="gloo") if cfg.scaling.use_gpu else None
-    saves = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
+    # dist.timeout_s bounds their waits too: torch's default for a new group is 30 minutes.
+    bound = datetime.timedelta(seconds=cfg.dist.timeout_s)
+    control = dist.new_group(backend="gloo", timeout=bound) if cfg.scaling.use_gpu else None
+    saves = dist.new_group(backend="gloo", timeout=bound) if cfg.checkpoint.async_save else None
     return control, saves
 
 
