@@ -216,7 +216,7 @@ class Layout:
         default group serves)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        # A rehearsal lays a meta model out on fake groups (raylane.loop.distributed.rehearse): its
+        # A rehearsal lays a meta model out on fake groups (raylane.loop.rehearsal): its
         # mesh is the CPU's (FSDP2 asks a mesh for its device's handle; the meta device has none).
         device_type = "cpu" if device_type == "meta" else device_type
         if not self.model_parallel:

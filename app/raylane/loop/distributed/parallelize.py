@@ -270,8 +270,10 @@ def parallelize(
     if strategy.name in ("fsdp", "hsdp"):
         return fully_shard(model, blocks, cfg, device, strategy), strategy
     model = materialize(model, device) if on_meta(model) else model.to(device)
-    if strategy.name == "single":
-        return model, strategy  # DDP on one rank only adds hooks and a broadcast
+    # DDP on one rank only adds hooks and a broadcast; on the meta device (a rehearsal's, raylane.
+    # loop.rehearsal) its wrapper would check and broadcast values there are none of.
+    if strategy.name == "single" or device.type == "meta":
+        return model, strategy
     return _ddp(model, cfg, device), strategy
 
 

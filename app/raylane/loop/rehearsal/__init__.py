@@ -43,22 +43,28 @@ def at_size(cfg: Any, target: Target) -> Any:
     """`cfg` at the target's world, its checks run again there, and its device memory the GPU's
     (what `strategy: auto` weighs); ConfigError naming the key where the config does not hold at N
     (sizes it does not divide: raylane.layout_checks; a global batch it does not split)."""
-    from pydantic import ValidationError
-
     from raylane.config.batching import held_batch
     from raylane.layout_checks import check_layout
 
     raw = cfg.model_dump()
     raw["scaling"] |= {"num_workers": target.world, "min_workers": None}
     raw["scaling"]["device_memory_gb"] = raw["scaling"].get("device_memory_gb") or target.memory_bytes / 2**30
-    try:
-        sized = type(cfg).model_validate(raw)
-    except ValidationError as exc:
-        from raylane.config.load import format_validation_error
-
-        raise ConfigError(format_validation_error(exc, type(cfg))) from None
+    sized = _validated(type(cfg), raw, target)
     check_layout(sized, target.world, f"--world {target.world}")
-    return held_batch(sized, target.world)
+    # The global batch held at N sets batch_size or grad_accum_steps there: the config's checks
+    # again on what that gives (a pipeline's micro-batches must divide the batch_size it gets).
+    return _validated(type(cfg), held_batch(sized, target.world).model_dump(), target)
+
+
+def _validated(cls: Any, raw: dict[str, Any], target: Target) -> Any:
+    from pydantic import ValidationError
+
+    from raylane.config.load import format_validation_error
+
+    try:
+        return cls.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"at --world {target.world}: {format_validation_error(exc, cls)}") from None
 
 
 def rehearse(cfg: Any, target: Target) -> Rehearsal:
@@ -109,7 +115,7 @@ def _describe(out: Rehearsal, pipe: Any, cfg: Any, target: Target, layout: Any) 
     n = sum(p.numel() for p in pipe.model.parameters())
     out.lines += [
         f"rehearsal of the {pipelines_ref.label(cfg.pipeline)} pipeline at {target.text()} ({gpu} each), "
-        f"{len(out.shares)} ranks laid out on torch's fake process group in this process",
+        f"{len(out.shares)} rank{'s' if len(out.shares) > 1 else ''} laid out on torch's fake process group in this process",
         f"model: {type(pipe.model).__name__}, {n / 1e9:,.2f}B parameters ({size_text(figures.model_bytes(pipe.model))})",
         f"layout: {layout.label()} ({layout.mesh_text() or f'{layout.data_parallel} data-parallel ranks'}): "
         f"{mesh_line(layout, target)}",
@@ -176,18 +182,6 @@ def _batch_and_step(out: Rehearsal, pipe: Any, cfg: Any, target: Target, layout:
         f"{t.grad_accum_steps} x {dp} data-parallel ranks)" + (f", {tokens:,} tokens" if tokens else "")
     )
     _check_data(out, pipe, cfg, samples)
-    n = sum(p.numel() for p in pipe.model.parameters())
-    per_token = pipe.flops_per_token or 6 * n
-    how = "the pipeline's flops_per_token" if pipe.flops_per_token else "6 x parameters per token"
-    seconds = figures.step_seconds(per_token, tokens or samples, target, t.precision) if tokens else None
-    if seconds is None:
-        out.lines.append("step: not estimated (no tokens per sample, or no peak FLOP/s for this precision)")
-        return
-    out.lines.append(
-        f"step: ~{seconds:.2f} s estimated ({per_token * tokens:.2e} FLOPs: {how} x tokens, at {MFU:.0%} MFU of "
-        f"{target.world} x {target.peak_flops(t.precision) / 1e12:,.0f} TFLOP/s; no pipeline bubble, no "
-        "communication left unoverlapped)"
-    )
     s = cfg.strategy
     if layout.pp > 1 and s.microbatches < 2 * layout.pp:
         idle = (layout.pp - 1) / (s.microbatches + layout.pp - 1)
@@ -195,6 +189,18 @@ def _batch_and_step(out: Rehearsal, pipe: Any, cfg: Any, target: Target, layout:
             f"strategy.pp_microbatches = {s.microbatches} with strategy.pp = {layout.pp}: the pipeline's bubble "
             f"idles ~{idle:.0%} of each step (1F1B's (pp-1)/(m+pp-1)); more micro-batches shrink it"
         )
+    n = sum(p.numel() for p in pipe.model.parameters())
+    per_token = pipe.flops_per_token or 6 * n
+    how = "the pipeline's flops_per_token" if pipe.flops_per_token else "6 x parameters per token"
+    peak = target.peak_flops(t.precision)
+    if not (tokens and peak):
+        out.lines.append("step: not estimated (no tokens per sample, or no peak FLOP/s for this precision)")
+        return
+    seconds = figures.step_seconds(per_token, tokens, target, t.precision)
+    out.lines.append(
+        f"step: ~{seconds:.2f} s estimated ({per_token * tokens:.2e} FLOPs: {how} x tokens, at {MFU:.0%} MFU of "
+        f"{target.world} x {peak / 1e12:,.0f} TFLOP/s; no pipeline bubble, no communication left unoverlapped)"
+    )
 
 
 def _check_data(out: Rehearsal, pipe: Any, cfg: Any, samples: int) -> None:

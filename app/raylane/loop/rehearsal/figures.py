@@ -130,14 +130,11 @@ def memory(share: Share, cfg: Any, largest_block: int, acts: int | None) -> Memo
     return Memory(share.param_bytes, share.trainable_bytes, states * share.trainable_bytes, gathered, acts)
 
 
-def step_seconds(flops_per_token: float, tokens: int, target: Target, precision: str) -> float | None:
+def step_seconds(flops_per_token: float, tokens: int, target: Target, precision: str) -> float:
     """A step's time at MFU of the target's peak: its FLOPs (forward and backward per token, the
     pipeline's count, times tokens per step) over world x peak x MFU. Leaves out what MFU does not
     hold: a pipeline's bubble, communication not overlapped, the data's wait."""
-    peak = target.peak_flops(precision)
-    if not peak:
-        return None
-    return flops_per_token * tokens / (target.world * peak * MFU)
+    return flops_per_token * tokens / (target.world * (target.peak_flops(precision) or float("inf")) * MFU)
 
 
 def checkpoint_files(layout: Layout, world: int) -> tuple[int, str]:
@@ -167,7 +164,7 @@ def window_entries(world: int, nodes: list[str], throughput: Any, samples_per_st
     window.grad_norm = torch.tensor(1.0)
     train = window.metrics(samples_per_step, 1e-4, throughput, world)
     # each rank's (steps, step s, data s, arrival, compute s, optimizer s), as the vote gathers them
-    rows = [(1.0, 1.0 + i / world, 0.01, 0.5, 0.9, 0.1) for i in range(world)]
+    rows: list[tuple[float, ...]] = [(1.0, 1.0 + i / world, 0.01, 0.5, 0.9, 0.1) for i in range(world)]
     steps = window_figures(rows, nodes).get("metrics", {})
     return {"train/*": len(train), "steps/*": len(steps)}
 
