@@ -9,6 +9,7 @@ import pytest
 from raylane.cli import main
 from raylane.loop.distributed.layout import Layout
 from raylane.loop.rehearsal.target import Target, mesh_line, nodes_spanned
+from tests.conftest import REPO
 
 PP = ["strategy.name=fsdp", "model.tie_embeddings=false", "model.n_layer=4"]
 # gpt 1.6B (2048 wide, 32 blocks): 24 GiB of parameters, gradients and AdamW state whole, 3 GiB in 8 shards
@@ -122,3 +123,29 @@ def test_a_7b_gpt_under_fsdp_and_pp4_x_fsdp_x_tp8(run_cli):
     assert (
         "parameters 112 MiB" in stages["  rank 0 (stage 0)"] and "parameters 104 MiB" in stages["  rank 192 (stage 3)"]
     )
+
+
+@pytest.mark.slow
+def test_hugging_face_configs_without_weights_at_256_ranks(run_cli, tmp_path):
+    """Llama-2-7B's and Mixtral-8x7B's config.json alone (examples/rehearse: transformers'
+    from_config on the meta device). Mixtral under FSDP over 32 nodes of 8 is refused: HSDP's 8
+    shards leave each rank 87 GiB of parameters, gradients and AdamW state; under pp 4 its 8
+    experts over 64 shards leave ranks 8-63 of each stage padding only (a warning)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "examples/rehearse"))
+    from make_configs import write
+
+    folders = write(tmp_path)
+    args = ["check", str(REPO / "examples/rehearse/llama.yaml"), "--world", "256", "--nodes", "32", "--gpu", "H100"]
+    p = run_cli(*args, "--set", f"model.config_dir={folders['llama-2-7b']}", "--set", "strategy.tp=8")
+    assert p.wait(300) == 0, p.output
+    assert "model: LlamaForCausalLM, 6.74B parameters" in p.output and "parameters 100 MiB" in p.output, p.output
+    mixtral = [*args, "--set", f"model.config_dir={folders['mixtral-8x7b']}"]
+    mixtral[1] = str(REPO / "examples/rehearse/mixtral.yaml")
+    p = run_cli(*mixtral)
+    assert p.wait(300) == 2, p.output
+    assert "raylane: --gpu H100: rank 0 would need ~92.4 GiB of its 80.0 GiB under hsdp" in p.output, p.output
+    p = run_cli(*mixtral, "--set", "strategy.pp=4", "--set", "train.batch_size=4")
+    assert p.wait(300) == 0, p.output
+    assert "  rank 63 (stage 0): 16.0 GiB" in p.output and "warning: uneven shards" in p.output, p.output

@@ -139,10 +139,12 @@ def _weigh(out: Rehearsal, pipe: Any, cfg: Any, target: Target, layout: Any, exa
         + (", measured with the tp plan laid out)" if layout.tp > 1 else ")")
     )
     device = target.memory_bytes
+    firsts = {tuple(sh.stages): sh for sh in reversed(out.shares)}  # each stage's first shard
     for share in out.shares:
         held = len(blocks) if not share.stages else _blocks_held(len(blocks), layout, cfg, share)
         mine = None if acts is None else figures.stage_activations(acts, share, layout, cfg, len(blocks), held)
-        out.memory[share.rank] = mem = figures.memory(share, cfg, largest, mine)
+        padded = firsts[tuple(share.stages)]
+        out.memory[share.rank] = mem = figures.memory(share, cfg, largest, mine, padded)
         stage = f" (stage {', '.join(map(str, share.stages))})" if share.stages else ""
         out.lines.append(f"  rank {share.rank}{stage}: {mem.text(device)}")
     worst = max(out.shares, key=lambda sh: out.memory[sh.rank].total)
@@ -158,6 +160,12 @@ def _weigh(out: Rehearsal, pipe: Any, cfg: Any, target: Target, layout: Any, exa
         out.warnings.append(
             f"rank {worst.rank} would fill {need / device:.0%} of the {target.gpu}'s memory, past the {USABLE:.0%} "
             "raylane plans for (the allocator's fragmentation, the CUDA context)"
+        )
+    if short := figures.short_rows(pipe.model, layout.dp_shard, layout.tp):
+        out.warnings.append(
+            f"uneven shards: FSDP2 splits dim 0 over {layout.dp_shard} shards, and {', '.join(short[:4])}"
+            f"{' ...' if len(short) > 4 else ''} have fewer rows: the ranks past them hold padding (memory, "
+            "no work), and each gather moves it"
         )
     if acts is None:
         out.warnings.append("activations not measured (no example batch, or a forward the meta device cannot run)")

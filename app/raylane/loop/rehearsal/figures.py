@@ -112,11 +112,14 @@ class Memory:
         return f"{size_text(self.total)} of {size_text(device)} ({self.total / device:.0%}): {parts}"
 
 
-def memory(share: Share, cfg: Any, largest_block: int, acts: int | None) -> Memory:
+def memory(share: Share, cfg: Any, largest_block: int, acts: int | None, padded: Share | None = None) -> Memory:
     """`share`'s bytes under `cfg`: gradients as the trainable parameters' (FSDP2 keeps them in the
     shards' dtype), the optimizer's states per trainable parameter (raylane.loop.distributed.
     parallelize.OPTIMIZER_STATES: AdamW's two, in the shards' fp32), under FSDP two blocks gathered
-    in the compute precision (one in use, one prefetched) over tp, under DDP its gradient buckets."""
+    in the compute precision (one in use, one prefetched) over tp, under DDP its gradient buckets.
+    `padded`: the first shard of `share`'s stage, whose size FSDP2 gives every shard's parameter
+    and gradient storage (it pads dim 0 to a multiple of the shards: a rank past the rows holds
+    padding), while the optimizer's states are the local shard's."""
     from raylane.loop.distributed.parallelize import OPTIMIZER_STATES
 
     o, layout = cfg.optim, share.layout
@@ -127,7 +130,22 @@ def memory(share: Share, cfg: Any, largest_block: int, acts: int | None) -> Memo
     else:
         half = cfg.train.precision != "fp32"
         gathered = 2 * largest_block // layout.tp // (2 if half else 1)
-    return Memory(share.param_bytes, share.trainable_bytes, states * share.trainable_bytes, gathered, acts)
+    params, grads = share.param_bytes, share.trainable_bytes
+    if padded is not None and layout.name not in ("ddp", "single"):
+        params, grads = max(params, padded.param_bytes), max(grads, padded.trainable_bytes)
+    return Memory(params, grads, states * share.trainable_bytes, gathered, acts)
+
+
+def short_rows(model: torch.nn.Module, shards: int, tp: int) -> list[str]:
+    """The parameters (folded over blocks, `layers.*.experts.w`) whose dim 0 has fewer rows than
+    FSDP2's `shards` once tp took its share: ranks past those rows hold padding for them."""
+    import re
+
+    seen: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        if p.dim() and max(p.shape[0] // tp, 1) < shards:
+            seen.setdefault(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name, count=1), p.shape[0])
+    return [f"{name} ({rows})" for name, rows in seen.items()]
 
 
 def step_seconds(flops_per_token: float, tokens: int, target: Target, precision: str) -> float:
