@@ -63,7 +63,7 @@ def test_a_hung_rank_is_named_where_it_stood_with_every_rank_stack(run_cli, tmp_
     s = read_json(tmp_path / "s.json")
     folder = runs / "hung" / "stacks"
     assert s["status"] == "FAILED" and s["error"] == (
-        f"a collective waited past dist.timeout_s = 10 s: never reached it: rank 1 at {pipe}:{HANG_LINE} in loss; "
+        f"a collective waited past dist.timeout_s = 10 s: never reached it: rank 1 on {host} at {pipe}:{HANG_LINE} in loss; "
         f"every rank's stack in {folder}"
     ), s["error"]
     names = {f"rank0-{host}.txt", f"rank1-{host}.txt"}

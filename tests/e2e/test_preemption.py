@@ -362,8 +362,8 @@ def test_a_rank_stuck_outside_a_collective_is_reported_within_the_timeout(run_cl
     # rank's stack is in the run's folder (raylane.loop.observe.hangs; under torchrun: tests/e2e/test_hangs.py).
     folder = tmp_path / "runs" / "hang" / "stacks"
     assert s["error"] == (
-        "training failed on rank 1: a collective waited past dist.timeout_s = 5 s: never reached it: rank 0 at "
-        f"{faults.__file__}:{HANG_LINE} in before_step; every rank's stack in {folder}"
+        "training failed on rank 1: a collective waited past dist.timeout_s = 5 s: never reached it: rank 0 on "
+        f"{socket.gethostname()} at {faults.__file__}:{HANG_LINE} in before_step; every rank's stack in {folder}"
     ), s["error"]
     host = socket.gethostname()
     assert {x.name for x in folder.iterdir()} == {f"rank0-{host}.txt", f"rank1-{host}.txt"}

@@ -30,3 +30,37 @@ def test_a_handover_for_a_drain_notice_names_the_leaving_node(monkeypatch, tmp_p
         "notice to 1 of 2 ranks that their node is leaving (Ray's preemption notice: node a1b2c3d4 is draining, "
         "going in "
     ), vote.reason()
+
+
+def _dump(*frames: str) -> str:
+    """A rank's stacks as faulthandler writes them: its training thread (the main one), innermost first."""
+    return "Current thread 0x0000000000000001 (most recent call first):\n" + "".join(
+        f'  File "{file}", line {line} in {function}\n' for file, line, function in frames
+    )
+
+
+def test_a_hang_names_the_hung_rank_with_its_node_and_not_the_ranks_collecting_stacks():
+    """At 8 ranks on 4 fake nodes (the soak), rank 7 hung in the fault plan while every other
+    rank's collective timed out at once; the line read 'never reached it: rank 1 at
+    .../hangs.py:290 in diagnose; rank 2 at .../hangs.py:317 in _collected_line; rank 7 at
+    .../faults.py:90 in before_step': the ranks asked while they diagnosed were named as hung,
+    and no rank's node was said. Now: rank 7 alone, on its node."""
+    from raylane.loop.observe import hangs
+
+    entry = lambda rank, node: hangs.RankEntry(rank, 100 + rank, "h", 1, "/runs/soak", node)  # noqa: E731
+    diagnosing = _dump((hangs.__file__, 317, "_collected_line"), (hangs.__file__, 290, "diagnose"))
+    collecting = _dump((hangs.__file__, 150, "collect"), (hangs.__file__, 301, "diagnose"))
+    hung = _dump(
+        ("/app/raylane/loop/observe/faults.py", 90, "before_step"), ("/app/raylane/loop/trainer.py", 260, "step")
+    )
+    peers = [entry(1, "node-0"), entry(2, "node-1"), entry(7, "node-3")]
+    line = hangs.hang_line(15, peers, {1: diagnosing, 2: collecting, 7: hung}, 7, "/runs/soak/stacks")
+    assert line == (
+        "a collective waited past dist.timeout_s = 15 s: never reached it: rank 7 on node-3 at "
+        "/app/raylane/loop/observe/faults.py:90 in before_step; 4 ranks left no record in the run folder; "
+        "every rank's stack in /runs/soak/stacks"
+    )
+    # Ranks stuck at one place on many nodes: two named, the rest counted (the line stays bounded).
+    stuck = [entry(r, f"node-{r // 2}") for r in range(8, 16)]
+    line = hangs.hang_line(15, stuck, {e.rank: hung for e in stuck}, 8, "/s")
+    assert "never reached it: ranks 8-15 on node-4, node-5 and 2 more nodes at /app/raylane/loop/" in line, line

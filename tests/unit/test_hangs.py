@@ -46,7 +46,7 @@ def test_the_line_names_the_ranks_that_never_came_and_those_that_did_not_answer(
     peers = [entry(1, 0x7F1C55685B80), entry(2, 0x7F1C54BFC6C0), entry(3, 1)]
     line = hangs.hang_line(5, peers, {1: DUMP, 2: DUMP}, 3, "/runs/x/stacks")
     assert line == (
-        "a collective waited past dist.timeout_s = 5 s: never reached it: rank 1 at /home/me/pipe.py:38 in loss; "
+        "a collective waited past dist.timeout_s = 5 s: never reached it: rank 1 on h at /home/me/pipe.py:38 in loss; "
         "no stack from rank 3 (not on this host, or gone); every rank's stack in /runs/x/stacks"
     )
     line = hangs.hang_line(2.5, [entry(2, 0x7F1C54BFC6C0)], {2: DUMP}, 2, "/s")

@@ -44,6 +44,7 @@ SIGNAL = signal.SIGUSR1
 ANSWER_WAIT_S = 3.0  # a rank that answers at all writes its stacks within milliseconds
 POLL_S = 0.05
 MAX_PLACES = 4  # places named in a hang's line; the stacks have the rest
+MAX_NODES = 2  # nodes named for the ranks at one place; past them a count
 LINE_WAIT_S = ANSWER_WAIT_S + 2.0  # the collector's collection, and its reads
 # In `ranks/`: who collects a hang's stacks (the first rank to time out), and its line.
 COLLECTOR, LINE = ".hang-collector", ".hang-line"
@@ -98,8 +99,10 @@ def thread_frames(dump: str, thread: int | None) -> list[Frame]:
 
 
 def waiting(frames: list[Frame]) -> bool:
-    """Whether these frames wait on the other ranks (in a collective)."""
-    return any(any(w in f.file for w in WAITING) for f in frames)
+    """Whether these frames wait on the other ranks (in a collective), or came out of one that
+    timed out: a rank in this module's diagnosis, asked while it collects, reached the collective
+    (at 8 ranks every rank but the hung one times out at once, and was named as never reaching it)."""
+    return any(any(w in f.file for w in WAITING) or (f.file == __file__ and f.function == "diagnose") for f in frames)
 
 
 def where(frames: list[Frame]) -> Frame | None:
@@ -368,7 +371,7 @@ def hang_line(bound_s: float, peers: list[RankEntry], got: dict[int, str], n_pee
     (`peers`: the other ranks recorded, of `n_peers`; `got`: their stacks, by rank). Ranks that
     stood at one place are named together, as ranges, and MAX_PLACES places at most: the line's
     length does not grow with the number of ranks."""
-    places: dict[str, list[int]] = {}
+    places: dict[str, list[RankEntry]] = {}
     silent = []
     for e in peers:
         if e.rank not in got:
@@ -376,11 +379,14 @@ def hang_line(bound_s: float, peers: list[RankEntry], got: dict[int, str], n_pee
             continue
         frames = thread_frames(got[e.rank], e.thread)
         if not waiting(frames):
-            places.setdefault(str(where(frames) or "an unknown place"), []).append(e.rank)
+            places.setdefault(str(where(frames) or "an unknown place"), []).append(e)
     unrecorded = n_peers - len(peers)  # ranks that never wrote their record (not started, no shared folder)
     text = f"a collective waited past dist.timeout_s = {bound_s:g} s: "
     if places:
-        shown = [f"{ranks_text(ranks)} at {place}" for place, ranks in list(places.items())[:MAX_PLACES]]
+        shown = [
+            f"{ranks_text([e.rank for e in stood])} on {nodes_text(stood)} at {place}"
+            for place, stood in list(places.items())[:MAX_PLACES]
+        ]
         more = len(places) - MAX_PLACES
         text += f"never reached it: {'; '.join(shown)}" + (f"; and {more} more places" if more > 0 else "")
     else:
@@ -390,6 +396,14 @@ def hang_line(bound_s: float, peers: list[RankEntry], got: dict[int, str], n_pee
     if unrecorded > 0:
         text += f"; {unrecorded} rank{'s' if unrecorded > 1 else ''} left no record in the run folder"
     return text + f"; every rank's stack in {folder}"
+
+
+def nodes_text(entries: list[RankEntry]) -> str:
+    """The nodes these ranks run on, as their records name them: 'node-3', 'node-3, node-4', or
+    past MAX_NODES a count ('node-3, node-4 and 6 more nodes'), so that the line stays bounded."""
+    nodes = list(dict.fromkeys(e.node for e in entries))
+    more = len(nodes) - MAX_NODES
+    return ", ".join(nodes[:MAX_NODES]) + (f" and {more} more node{'s' if more > 1 else ''}" if more > 0 else "")
 
 
 def flight_recorder_env(use_gpu: bool, entries: int, folder: str | None) -> dict[str, str]:
