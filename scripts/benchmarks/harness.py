@@ -381,7 +381,26 @@ def machine() -> dict[str, Any]:
     }
 
 
-ALL = ("B1", "B1b", "B2", "B2b", "B2w", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11", "B12", "B13", "B14")
+ALL = (
+    "B1",
+    "B1b",
+    "B2",
+    "B2b",
+    "B2w",
+    "B3",
+    "B4",
+    "B5",
+    "B6",
+    "B7",
+    "B8",
+    "B9",
+    "B10",
+    "B11",
+    "B12",
+    "B13",
+    "B14",
+    "B15",
+)
 
 
 def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | None) -> int:
@@ -419,6 +438,7 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
             ("B12", lambda: hf_bench(bench, "b12")),
             ("B13", lambda: b13(bench)),
             ("B14", lambda: b14(bench)),
+            ("B15", lambda: b15(bench)),
         )
         if name in chosen
     ]
@@ -523,6 +543,12 @@ def b14(bench: Bench) -> dict[str, Any]:
     from scripts.benchmarks.faults import b14 as run_b14
 
     return run_b14(bench)
+
+
+def b15(bench: Bench) -> dict[str, Any]:
+    from scripts.benchmarks.driverscale import b15 as run_b15
+
+    return run_b15(bench)
 
 
 def b10(bench: Bench) -> dict[str, Any]:

@@ -145,11 +145,13 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             )
         )
     out += _hf_rows(results.get("B11"), results.get("B12"))
+    from scripts.benchmarks.driverscale import rows as b15_rows
     from scripts.benchmarks.faults import rows as b14_rows
     from scripts.benchmarks.steptimes import rows as b13_rows
 
     out += b13_rows(results.get("B13"))
     out += b14_rows(results.get("B14"))
+    out += b15_rows(results.get("B15"))
     for name, error in results.get("failed", {}).items():
         first = error.strip().splitlines()[0] if error.strip() else "unknown error"
         out.append(
