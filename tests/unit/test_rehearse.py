@@ -149,3 +149,15 @@ def test_hugging_face_configs_without_weights_at_256_ranks(run_cli, tmp_path):
     p = run_cli(*mixtral, "--set", "strategy.pp=4", "--set", "train.batch_size=4")
     assert p.wait(300) == 0, p.output
     assert "  rank 63 (stage 0): 16.0 GiB" in p.output and "warning: uneven shards" in p.output, p.output
+
+
+def test_every_played_rank_takes_rank_0s_auto_choice():
+    """On the ranks, rank 0's `auto` choice is broadcast; played on the fake group, rank 12 (the
+    last shard) measured its own, smaller shard and chose FSDP alone where rank 0 chose tp 4."""
+    from raylane.config import load_config
+    from raylane.loop.rehearsal import rehearse
+
+    sets = ["strategy.name=fsdp", "strategy.tp=auto", "model.n_head=4", "scaling.device_memory_gb=0.001"]
+    shares = rehearse(load_config("gpt-tiny", sets), Target(16, 2, "H100")).shares
+    assert [s.rank for s in shares] == [0, 12]
+    assert [s.layout.label() for s in shares] == ["fsdp×tp4", "fsdp×tp4"]

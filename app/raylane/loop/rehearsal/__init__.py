@@ -84,7 +84,8 @@ def rehearse(cfg: Any, target: Target) -> Rehearsal:
     out = Rehearsal()
     example = _example(pipe, cfg)
     first = lay_out(pipe, cfg, target, 0, example if "auto" in (s.name, s.tp) else None)
-    out.shares = [first] + [lay_out(pipe, cfg, target, r) for r in ranks_to_play(first.layout)[1:]]
+    others = _as_chosen(cfg, first.layout)
+    out.shares = [first] + [lay_out(pipe, others, target, r) for r in ranks_to_play(first.layout)[1:]]
     layout = first.layout
     check_nodes(layout, target)  # the degree tp auto chose, too
     _describe(out, pipe, cfg, target, layout)
@@ -92,6 +93,18 @@ def rehearse(cfg: Any, target: Target) -> Rehearsal:
     _batch_and_step(out, pipe, cfg, target, layout)
     _records(out, pipe, cfg, target, layout)
     return out
+
+
+def _as_chosen(cfg: Any, layout: Any) -> Any:
+    """`cfg` with what rank 0 chose where it says `auto`, for the other ranks played: on the ranks,
+    rank 0's choice is broadcast (parallelize._agreed), and each rank's own measure of its shard
+    (a last shard holds less) could choose otherwise."""
+    s = cfg.strategy
+    if "auto" not in (s.name, s.tp):
+        return cfg
+    name = "ddp" if layout.name in ("ddp", "single") else "fsdp"
+    strategy = s.model_copy(update={"name": name, "tp": layout.tp})
+    return cfg.model_copy(update={"strategy": strategy})
 
 
 def _example(pipe: Any, cfg: Any) -> Any:
@@ -113,10 +126,11 @@ def _describe(out: Rehearsal, pipe: Any, cfg: Any, target: Target, layout: Any) 
     peak = target.peak_flops(cfg.train.precision)
     gpu += f", {peak / 1e12:,.0f} TFLOP/s {cfg.train.precision}" if peak else f", no {cfg.train.precision} peak known"
     n = sum(p.numel() for p in pipe.model.parameters())
+    count = f"{n / 1e9:,.2f}B" if n >= 1e8 else f"{n:,}"
     out.lines += [
         f"rehearsal of the {pipelines_ref.label(cfg.pipeline)} pipeline at {target.text()} ({gpu} each), "
         f"{len(out.shares)} rank{'s' if len(out.shares) > 1 else ''} laid out on torch's fake process group in this process",
-        f"model: {type(pipe.model).__name__}, {n / 1e9:,.2f}B parameters ({size_text(figures.model_bytes(pipe.model))})",
+        f"model: {type(pipe.model).__name__}, {count} parameters ({size_text(figures.model_bytes(pipe.model))})",
         f"layout: {layout.label()} ({layout.mesh_text() or f'{layout.data_parallel} data-parallel ranks'}): "
         f"{mesh_line(layout, target)}",
     ]

@@ -98,6 +98,7 @@ class Memory:
     optimizer: int
     gathered: int
     activations: int | None
+    besides: str = "gathered"  # FSDP's gathered blocks, or DDP's gradient buckets
 
     @property
     def total(self) -> int:
@@ -107,7 +108,7 @@ class Memory:
         acts = "activations not measured" if self.activations is None else f"activations {size_text(self.activations)}"
         parts = (
             f"parameters {size_text(self.params)}, gradients {size_text(self.grads)}, "
-            f"optimizer {size_text(self.optimizer)}, gathered {size_text(self.gathered)}, {acts}"
+            f"optimizer {size_text(self.optimizer)}, {self.besides} {size_text(self.gathered)}, {acts}"
         )
         return f"{size_text(self.total)} of {size_text(device)} ({self.total / device:.0%}): {parts}"
 
@@ -133,7 +134,8 @@ def memory(share: Share, cfg: Any, largest_block: int, acts: int | None, padded:
     params, grads = share.param_bytes, share.trainable_bytes
     if padded is not None and layout.name not in ("ddp", "single"):
         params, grads = max(params, padded.param_bytes), max(grads, padded.trainable_bytes)
-    return Memory(params, grads, states * share.trainable_bytes, gathered, acts)
+    besides = "buckets" if layout.name in ("ddp", "single") else "gathered"
+    return Memory(params, grads, states * share.trainable_bytes, gathered, acts, besides)
 
 
 def short_rows(model: torch.nn.Module, shards: int, tp: int) -> list[str]:
