@@ -131,6 +131,10 @@ def train_ranks(data: Any, replicas: OneReplica) -> Any:
     return data if group is None else GroupDataRanks(data, group)
 
 
+class StartBarrier(Exception):
+    """Why a group did not commit a step: the others have not joined the run's first quorum yet."""
+
+
 class ReplicaGroups(OneReplica):
     """A replica group's steps under torchft's Manager (see the module's doc)."""
 
@@ -150,6 +154,7 @@ class ReplicaGroups(OneReplica):
         self._params = list(self._named.values())
         self._sharded = _hook_fsdp(model, self._all_reduce) if self.reduces_gradients else False
         self._healed, self._started, self._began_at, self.heals = False, 0.0, 0, 0
+        self._start_wait_s, self._waiting_since = float(kw.get("start_wait_s", 0.0)), 0.0
         # The groups that took part: at the last commit, the fewest over the window, and the steps
         # taken with fewer than the run's.
         self._alive, self._alive_min, self.steps_below_full = group.count, group.count, 0
@@ -195,12 +200,39 @@ class ReplicaGroups(OneReplica):
         # A heal is applied in should_commit only once the quorum is in (the reduce waits for it;
         # a step with no gradient to reduce would not).
         self.manager.wait_quorum()
+        self._await_the_others()
         self.committed = self.manager.should_commit()
         if self.committed:
             self._count(self.manager.num_participants(), self.manager.current_step())
         else:
             self._refused()
         return self.committed
+
+    def _await_the_others(self) -> None:
+        """The start barrier: a step from the run's first state (step 0 in the quorum: no group
+        has trained) taken by fewer than all groups is not committed, until all are in or
+        `start_wait_s` (the quorum timeout) has passed since this group's first such quorum. Why:
+        the first group up would step alone and the others heal from it, and a restarted group
+        whose first quorum missed the live ones (their heartbeats late on a busy machine) would
+        step alone from its fresh weights; either loses steps. The quorum's participants all see
+        the same step and count, so they decide alike (at the deadline one may commit while
+        another repeats the step: it heals from the first at the next)."""
+        if self.manager.current_step() != 0 or self.manager.num_participants() >= self.count:
+            return
+        now = time.monotonic()
+        if not self._waiting_since:
+            self._waiting_since = now
+            if self._rank0:  # a warning: a rank's info lines stay in its log, and this wait shows
+                log.warning(
+                    "replica group %d: %d of %d groups in the quorum at the start; waiting for the others "
+                    "(up to %.0f s: fault_tolerance.quorum_timeout_s)",
+                    self.group.index,
+                    self.manager.num_participants(),
+                    self.count,
+                    self._start_wait_s,
+                )
+        if now - self._waiting_since < self._start_wait_s:
+            self.manager.report_error(StartBarrier("waiting for the other replica groups at the run's start"))
 
     def _refused(self) -> None:
         """A heal whose state was refused (not only tensors and plain values) ends the run: every

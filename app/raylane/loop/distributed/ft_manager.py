@@ -54,6 +54,7 @@ def replicas_for(cfg: Any, runtime: Any, model: torch.nn.Module, optimizer: Any,
         checkpoint_transport=BoundTransport(serving_host(host), timeout),
     )
     kw = {"store": store[0], "seed": cfg.train.seed, "reporter": reporter, "rank": runtime.rank}
+    kw["start_wait_s"] = ft.quorum_timeout_s  # the start barrier's bound (ReplicaGroups._await_the_others)
     if ft.semi_sync.method != "none":  # the groups meet every sync_steps steps, not every step
         return SemiSync(manager, group, model, optimizer, semi_sync=ft.semi_sync, **kw)
     return ReplicaGroups(manager, group, model, optimizer, **kw)
