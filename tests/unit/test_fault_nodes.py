@@ -64,3 +64,25 @@ def test_a_hang_names_the_hung_rank_with_its_node_and_not_the_ranks_collecting_s
     stuck = [entry(r, f"node-{r // 2}") for r in range(8, 16)]
     line = hangs.hang_line(15, stuck, {e.rank: hung for e in stuck}, 8, "/s")
     assert "never reached it: ranks 8-15 on node-4, node-5 and 2 more nodes at /app/raylane/loop/" in line, line
+
+
+def test_a_failed_groups_line_leaves_the_ranks_that_lost_a_peer_as_a_count():
+    """16 ranks on 8 fake nodes, rank 15 hung: 12 ranks failed with the hang's line and 3 with
+    gloo's 'Connection closed by peer [addr]:port' (the collector exited first), each port its own:
+    the line carried each of them, 150 characters a rank, and would carry 255 at 256 ranks. Now
+    the ranks that echo another's failure are a count after it; distinct causes, 3 at most."""
+    from raylane.loop.observe.hangs import HangError
+    from raylane.onray.failures import format_failure
+
+    hang = "a collective waited past dist.timeout_s = 15 s: never reached it: rank 15 on node-1 at /p.py:9 in f"
+    closed = "[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:{}. This is typically caused"
+    failures = {r: HangError(hang) for r in (0, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12, 14)}
+    failures |= {r: RuntimeError(closed.format(30000 + r)) for r in (1, 6, 13)}
+    line = format_failure(type("E", (Exception,), {"worker_failures": failures})(), 16)
+    assert line == f"training failed on ranks 0, 2-5, 7-12, 14: {hang} (ranks 1, 6, 13: a peer gone, after it)"
+    at_256 = {0: ValueError("bad shape")} | {r: RuntimeError(closed.format(r)) for r in range(1, 256)}
+    line = format_failure(type("E", (Exception,), {"worker_failures": at_256})(), 256)
+    assert line == "training failed on rank 0: ValueError: bad shape (ranks 1-255: a peer gone, after it)"
+    distinct = {r: ValueError(f"bad row {r}") for r in range(5)}
+    line = format_failure(type("E", (Exception,), {"worker_failures": distinct})(), 5)
+    assert line.endswith("rank 2: ValueError: bad row 2 (and 2 other errors)"), line

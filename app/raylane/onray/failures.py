@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 
 from raylane import logs
-from raylane.errors import DataError
+from raylane.errors import DataError, ranks_text
 from raylane.loop.observe.hangs import HangError
+from raylane.loop.observe.rankfailures import MAX_SHOWN, is_echo
 from raylane.loop.usercode import TRACEBACK_ATTR
 from raylane.pipelines_ref import UserCodeError
 
@@ -27,16 +28,26 @@ def format_failure(exc: BaseException, world_size: int) -> str:
         logs.record_traceback("training failed; the ranks' tracebacks:", str(exc))
     if not failures:
         return f"training failed: {type(exc).__name__}: {_one_line(exc)}"
+    # A rank whose peer went (gloo's 'Connection closed by peer [addr]:port', a different port each)
+    # echoes another's failure: said as a count after it, so that the line does not grow with the
+    # ranks (at 16 ranks a hang's line carried three such echoes, 150 characters each).
+    causes = {rank: err for rank, err in failures.items() if not is_echo(err)} or failures
     ranks: dict[str, list[int]] = {}
-    for rank, err in sorted(failures.items()):
+    for rank, err in sorted(causes.items()):
         shown = (
             str(err)
             if isinstance(err, (UserCodeError, DataError, HangError))
             else f"{type(err).__name__}: {_one_line(err)}"
         )
         ranks.setdefault(shown, []).append(rank)
-    parts = [f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}" for text, r in ranks.items()]
-    text = "training failed on " + "; ".join(parts)
+    parts = [f"{ranks_text(r)}: {text}" for text, r in list(ranks.items())[:MAX_SHOWN]]
+    more = len(ranks) - MAX_SHOWN
+    text = (
+        "training failed on " + "; ".join(parts) + (f" (and {more} other error{'s' * (more > 1)})" if more > 0 else "")
+    )
+    echoes = sorted(set(failures) - set(causes))
+    if echoes:
+        text += f" ({ranks_text(echoes)}: a peer gone, after it)"
     silent = sorted(set(range(world_size)) - set(failures))
     hung = any(isinstance(err, HangError) for err in failures.values())  # its line names them, and where
     if silent and not hung and any("timed out" in str(err).lower() for err in failures.values()):
