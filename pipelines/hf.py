@@ -20,7 +20,11 @@ class Config(raylane.hf.Config):
     @model_validator(mode="after")
     def _has_data(self) -> Config:
         if self.data.train is None:
-            raise ValueError("data.train = None: pipeline 'hf' reads files; give data.train (a file, folder or glob)")
+            raise ValueError(
+                "data.train = None: pipeline 'hf' reads files (a rehearsal, `raylane check --world N`, one "
+                "micro-batch of them: train.batch_size packed rows of model.seq_len tokens, for the activations); "
+                "give data.train (a file, folder or glob; a local text file that long will do, data.format: text)"
+            )
         return self
 
 

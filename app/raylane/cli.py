@@ -18,7 +18,7 @@ import yaml
 
 from raylane import api, logs
 from raylane import cli_tools as tools
-from raylane.config import BaseConfig, ConfigError
+from raylane.config import BaseConfig, ConfigError, for_shapes
 from raylane.onray import output
 from raylane.version import __version__
 
@@ -236,8 +236,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    if args.world is not None or args.nodes is not None or args.gpu is not None:
-        return _rehearse(args)
+    rehearsal = args.world is not None or args.nodes is not None or args.gpu is not None
+    with for_shapes(rehearsal or bool(args.plan or args.blocks)):  # the model on meta: no weights read
+        return _rehearse(args) if rehearsal else _checked(args)
+
+
+def _checked(args: argparse.Namespace) -> int:
     checked = api.check(args.config, args.overrides)
     sweep: dict[str, Any] = {}
     if isinstance(checked, BaseConfig):
@@ -275,11 +279,8 @@ def _check(args: argparse.Namespace) -> int:
             raise ConfigError(str(exc)) from None
     elif cfg.strategy.name != "ddp" or cfg.train.activation_checkpointing or cfg.train.compile:
         # Blocks matter to this run; finding them means building the model, which check does not.
-        print(
-            "# blocks: `raylane check --blocks` builds the model and lists the blocks FSDP shards, "
-            "activation checkpointing recomputes and compile takes",
-            flush=True,
-        )
+        print("# blocks: `raylane check --blocks` builds the model and lists the blocks FSDP shards, "
+              "activation checkpointing recomputes and compile takes", flush=True)  # fmt: skip
     return 0
 
 

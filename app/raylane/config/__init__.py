@@ -28,6 +28,7 @@ from raylane.config.load import (
     validate,
 )
 from raylane.config.sections import *  # noqa: F403 - the shared sections, as sections.__all__ lists them
+from raylane.config.shapes import for_shapes, shapes_only
 from raylane.errors import ConfigError
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "config_path",
     "did_you_mean",
     "flatten",
+    "for_shapes",
     "format_validation_error",
     "load_config",
     "normalize_pipeline",
@@ -48,6 +50,7 @@ __all__ = [
     "pipeline_config",
     "read_config_file",
     "read_yaml",
+    "shapes_only",
     "shipped_configs",
     "validate",
 ]

@@ -76,9 +76,15 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
 def _data_sets(cfg: Config, train: Any, eval: Any) -> tuple[Any, Any]:
     """(the training set, the held-out set or sets): the datasets handed in, tokenized here, else
     the files of `data.train` and `data.eval`, streamed."""
-    from raylane.config import ConfigError
+    from raylane.config import ConfigError, shapes_only
     from raylane.hf import data
 
+    if train is None and cfg.data.train is None and shapes_only():
+        raise ConfigError(
+            "data.train = None: the rehearsal reads one micro-batch of it (train.batch_size packed rows of "
+            "model.seq_len tokens) to measure activations; give data.train: a local text file that long will do "
+            "(data.format: text)"
+        )
     if train is None and cfg.data.train is None:
         raise ConfigError(
             "data.train = None: give data.train (files), or hand a dataset to raylane.hf.pipeline(cfg, train=...)"

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from raylane.config import BaseConfig, Section
+from raylane.config import BaseConfig, Section, shapes_only
 from raylane.hf.files import AUTO_CLASSES, WEIGHTS, WEIGHTS_INDEX, weight_files  # noqa: F401 - theirs, used here too
 from raylane.hf.lora import LoraSection
 from raylane.hf.tasks import class_names, mapping
@@ -167,8 +167,8 @@ def check_installed() -> None:
 
 
 def check_model(m: ModelSection) -> None:
-    """The folder holds a model the task can load and its weights, and the tokenizer's vocabulary
-    fits the model's embedding."""
+    """The folder holds a model the task can load and its weights (a build of shapes alone, the
+    rehearsal's, needs only its config.json), and the tokenizer's vocabulary fits the model's embedding."""
     from raylane.hf.hub import local_folder
 
     # A hub id becomes its snapshot in the Hugging Face cache, for every check and reader after this.
@@ -183,14 +183,20 @@ def check_model(m: ModelSection) -> None:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{key}: config.json cannot be read ({exc})") from None
-    if not weight_files(folder):
-        raise ValueError(f"{key}: no weights (model.safetensors, or model.safetensors.index.json and its shards)")
+    weights = bool(weight_files(folder))
+    if not weights and not shapes_only():  # a rehearsal builds the model from config.json alone
+        raise ValueError(
+            f"{key}: no weights (model.safetensors, or model.safetensors.index.json and its shards); a "
+            "config.json alone is rehearsed by `raylane check --world N`, not trained"
+        )
     _check_task(key, m.task, config.get("model_type"))
     _check_vocabulary(m, config)
     _check_positions(m, folder)
     if m.task == "sequence-classification":
         _check_head(m, config)
     _check_special_tokens(m)
+    if not weights:
+        return
     from raylane.hf.weights import check_weights
 
     overrides: dict[str, Any] = {"num_labels": m.num_labels} if m.task == "sequence-classification" else {}

@@ -108,15 +108,26 @@ def _as_chosen(cfg: Any, layout: Any) -> Any:
 
 
 def _example(pipe: Any, cfg: Any) -> Any:
-    """One micro-batch as a rank reads it (under pp, a pipeline micro-batch's rows); None for a stream."""
+    """One micro-batch as a rank reads it (under pp, a pipeline micro-batch's rows): of a file
+    stream (raylane.hf's), its first rows as its transform makes them (packed token rows); None for
+    another stream, or files too short for one batch."""
     from raylane.loop.data.loader import first_batch
+    from raylane.loop.data.streaming import FileEvalStream, FileSource
 
     s = cfg.strategy
     rows = cfg.train.batch_size // s.microbatches if s.pp > 1 else cfg.train.batch_size
     try:
+        if isinstance(pipe.train_set, FileSource):  # rank 0's first batch of the files: a stream, read in order
+            batch = next(iter(FileEvalStream(pipe.train_set, batch_size=max(rows, 1), rank=0, world_size=1)), None)
+            return batch if batch is not None and _rows_of(batch) == max(rows, 1) else None  # never a short batch
         return first_batch(pipe.train_set, max(rows, 1), pipe.collate_fn)
     except Exception:  # noqa: BLE001 - data the meta build could not read here: activations unmeasured
         return None
+
+
+def _rows_of(batch: Any) -> int:
+    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0] if isinstance(batch, tuple) else batch
+    return len(first)
 
 
 def _describe(out: Rehearsal, pipe: Any, cfg: Any, target: Target, layout: Any) -> None:
