@@ -108,6 +108,15 @@ def test_a_7b_gpt_at_256_ranks_on_32_nodes_of_h100s(run_cli):
     assert "batch: 32 samples per step" in out and "131,072 tokens" in out, out
     assert "checkpoint: 514 files per save" in out, out
     assert "the same at 2 ranks: none per rank" in out, out
+    # 32 nodes: MLflow's health is figures over the nodes, as the driver records past 8 of them.
+    assert "system/nodes/* over the 32 nodes (min, median, max)" in out, out
+
+
+def test_the_rehearsal_names_the_drivers_limit_on_node_series():
+    from raylane.loop.rehearsal import NODE_SERIES
+    from raylane.tracking.health import MAX_NODE_SERIES
+
+    assert NODE_SERIES == MAX_NODE_SERIES
 
 
 def test_a_7b_gpt_under_fsdp_and_pp4_x_fsdp_x_tp8(run_cli):

@@ -22,6 +22,10 @@ from raylane.loop.rehearsal import figures
 from raylane.loop.rehearsal.ranks import Share, lay_out, ranks_to_play
 from raylane.loop.rehearsal.target import MFU, Target, check_nodes, mesh_line, target_of
 
+# The nodes whose health MLflow records one by one (raylane.tracking.health.MAX_NODE_SERIES, a
+# layer above the loop; tests/unit/test_rehearse.py holds the two equal).
+NODE_SERIES = 8
+
 __all__ = ["Rehearsal", "Target", "at_size", "rehearse", "target_of"]
 
 # The share of a GPU's memory a rank may plan to fill: raylane's own (parallelize.AUTO_MARGIN,
@@ -280,10 +284,11 @@ def _records(out: Rehearsal, pipe: Any, cfg: Any, target: Target, layout: Any) -
     same = "the same at 2 ranks: none per rank" if at_n == at_2 else f"{sum(at_2.values())} at 2 ranks"
     line = f"mlflow: {sum(at_n.values())} metrics per logging window of {cfg.mlflow.log_every_n_steps} steps ({counts}; {same})"
     if cfg.mlflow.system_metrics:
-        line += (
-            f"; apart from windows, system/<node>/* from each of the {target.nodes} nodes every "
-            f"{cfg.mlflow.system_metrics_interval_s:g} s"
-        )
+        every = f"every {cfg.mlflow.system_metrics_interval_s:g} s"
+        if target.nodes <= NODE_SERIES:
+            line += f"; apart from windows, system/<node>/* from each of the {target.nodes} nodes {every}"
+        else:
+            line += f"; apart from windows, system/nodes/* over the {target.nodes} nodes (min, median, max) {every}"
     out.lines.append(line)
     if at_n != at_2:
         out.warnings.append(f"MLflow's metrics per window grow with the ranks: {at_2} at 2, {at_n} at {target.world}")
