@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +170,22 @@ def test_a_hub_id_not_in_the_cache_and_not_downloadable_is_refused_in_one_line(
         f"Hugging Face cache ({cache})"
     ), err
     assert why in err and "fetch it where the hub is reachable (`hf download org/absent`" in err, err
+
+
+def test_a_rehearsal_of_a_hub_id_fetches_its_config_and_tokenizer_not_its_weights(tmp_path, cache, monkeypatch):
+    """Under `raylane check --world N` (raylane.config.shapes) the hub id resolves to a snapshot of
+    config.json and the tokenizer, its weights never downloaded; a run's check then fetches them.
+    Before, the rehearsal downloaded the safetensors too (a 7B model's 13 GB for a config's shapes)."""
+    from raylane.config import for_shapes
+    from raylane.hf.hub import local_folder
+
+    make_base(tmp_path / "repo", seed=3)
+    with FakeHub({"org/tiny": tmp_path / "repo"}) as hub:
+        _serve(monkeypatch, hub)
+        with for_shapes():
+            light = local_folder("org/tiny", "model.name_or_path")
+        assert not any(name.endswith(".safetensors") for name in hub.downloads), dict(hub.downloads)
+        assert "org/tiny/config.json" in hub.downloads and "org/tiny/tokenizer.json" in hub.downloads
+        assert not list(Path(light).glob("*.safetensors"))
+        full = local_folder("org/tiny", "model.name_or_path")
+        assert full == light and "org/tiny/model.safetensors" in hub.downloads, dict(hub.downloads)

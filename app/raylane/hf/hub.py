@@ -8,7 +8,8 @@ otherwise, where the hub is reachable and `HF_HUB_OFFLINE` is not set, it is dow
 hub client, once per cache: the driver's check downloads it before any worker starts, and
 processes of another machine that fetch it at once take the client's lock on each file, one
 downloading while the others wait for it (bounded by the client's own timeouts; a holder that
-dies releases its lock), then find it cached. Not cached and not downloadable: one line naming
+dies releases its lock), then find it cached. A rehearsal (`raylane check --world N`: raylane.config.shapes) fetches only
+config.json and the tokenizer's files, and takes a snapshot of those alone. Not cached and not downloadable: one line naming
 the key and the value, and how to fetch it beforehand.
 
 The config then holds the snapshot's path. A process on another machine, whose cache lacks that
@@ -20,6 +21,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from raylane.config import shapes_only
 from raylane.paths import is_hub_id, is_uri
 
 # What a model or a tokenizer needs from a repository: no other weight format (.bin, .h5, GGUF,
@@ -38,7 +40,9 @@ def local_folder(value: str, key: str, tokenizer: bool = False) -> str:
     repo, revision = _reference(value)
     if repo is None:
         return value
-    found = _cached(repo, revision, tokenizer)
+    # A rehearsal (a build of shapes alone) reads config.json and the tokenizer: no weights fetched.
+    light = tokenizer or shapes_only()
+    found = _cached(repo, revision, tokenizer, light)
     if found is not None:
         return found
     shown = f"{key} = {value!r}"
@@ -56,7 +60,7 @@ def local_folder(value: str, key: str, tokenizer: bool = False) -> str:
 
     try:
         snapshot_download(
-            repo, revision=revision, allow_patterns=TOKENIZER_FILES if tokenizer else MODEL_FILES, cache_dir=_cache()
+            repo, revision=revision, allow_patterns=TOKENIZER_FILES if light else MODEL_FILES, cache_dir=_cache()
         )
     except Exception as exc:  # noqa: BLE001 - whatever the hub client raises is this one line
         cause = exc.__cause__ or exc  # the request's own error, under the client's "not in the cache"
@@ -65,9 +69,9 @@ def local_folder(value: str, key: str, tokenizer: bool = False) -> str:
             f"{shown}: no such folder, and the hub id {repo!r} is not in the Hugging Face cache ({_cache()}) "
             f"and cannot be downloaded ({type(cause).__name__}: {reason}): {how}"
         ) from None
-    found = _cached(repo, revision, tokenizer)
+    found = _cached(repo, revision, tokenizer, light)
     if found is None:
-        wanted = "tokenizer files" if tokenizer else "config.json and safetensors weights"
+        wanted = "tokenizer files" if tokenizer else "config.json" if light else "config.json and safetensors weights"
         raise ValueError(f"{shown}: the hub's {repo!r} has no {wanted} (raylane reads no other format): {how}")
     return found
 
@@ -83,24 +87,29 @@ def _reference(value: str) -> tuple[str | None, str | None]:
     return match["repo"].replace("--", "/"), match["commit"]
 
 
-def _cached(repo: str, revision: str | None, tokenizer: bool) -> str | None:
-    """The snapshot folder of the cache when it holds what a model (or a tokenizer) needs."""
+def _cached(repo: str, revision: str | None, tokenizer: bool, light: bool) -> str | None:
+    """The snapshot folder of the cache when it holds what a model (or a tokenizer; `light`: a
+    model without its weights) needs."""
     from huggingface_hub import snapshot_download
 
     try:
-        folder = snapshot_download(repo, revision=revision, local_files_only=True, cache_dir=_cache())
+        # `light`: the files it needs (the client calls a snapshot without its weights incomplete).
+        patterns = TOKENIZER_FILES if light else None
+        folder = snapshot_download(
+            repo, revision=revision, local_files_only=True, allow_patterns=patterns, cache_dir=_cache()
+        )
     except Exception:  # noqa: BLE001 - not cached, or an incomplete snapshot: not usable
         return None
-    return folder if _complete(Path(folder), tokenizer) else None
+    return folder if _complete(Path(folder), tokenizer, light) else None
 
 
-def _complete(folder: Path, tokenizer: bool) -> bool:
+def _complete(folder: Path, tokenizer: bool, light: bool = False) -> bool:
     from raylane.hf.files import weight_files
 
     has_tokenizer = (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
     if tokenizer:
         return has_tokenizer
-    return (folder / "config.json").is_file() and bool(weight_files(folder))
+    return (folder / "config.json").is_file() and (light or bool(weight_files(folder)))
 
 
 def _cache() -> str:
