@@ -262,7 +262,10 @@ def test_on_8_nodes_16_workers_hand_over_without_a_drained_node_then_a_hang_is_n
         _spread(after, [n for n in nodes.named if n != leaving])
         last = _group(seen, workers, 1, set(group.values()) | set(restarted.values()))  # after the first hang
         final = _placed(nodes, last)
-        _spread(final, [n for n in nodes.named if n != leaving])
+        # SPREAD is Ray's best effort: a restart after a failure places the new group while the old
+        # one's CPUs are still being freed (seen: 4, 4, 3, 2, 1, 1, 1 over the 7 nodes), so only
+        # the drained node's absence is asked of it (a GPU a worker leaves Ray no such choice).
+        assert leaving not in final.values() and len(final) == workers, final
         assert p.wait(900) == 1, p.output
     finally:
         nodes.shutdown()
