@@ -1,5 +1,8 @@
 """Writes the config.json (no weights) of Llama-2-7B and of Mixtral-8x7B, as their model cards on
-the Hugging Face hub give them, into llama-2-7b/ and mixtral-8x7b/ beside this file (or under OUT)."""
+the Hugging Face hub give them, into llama-2-7b/ and mixtral-8x7b/ beside this file (or under OUT),
+each with a stand-in tokenizer (a few words: the rehearsal reads the token rows' shapes, not their
+ids; a real model's own tokenizer files do as well), and sample.txt, 20,000 of its words: the
+`data.train` of hf.yaml, for the shipped hf pipeline's rehearsal."""
 
 from __future__ import annotations
 
@@ -41,8 +44,22 @@ def write(out: Path) -> dict[str, Path]:
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
         config.to_json_file(str(folder / "config.json"))
+        _tokenizer().save_pretrained(folder)
         written[name] = folder
+    words = [f"w{i % 60}" for i in range(20_000)]
+    (out / "sample.txt").write_text("\n".join(" ".join(words[i : i + 100]) for i in range(0, len(words), 100)) + "\n")
     return written
+
+
+def _tokenizer():
+    """A word-level tokenizer of 64 ids: w0..w59, with an EOS token (hf ends each document with it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(60)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", bos_token="</s>")
 
 
 if __name__ == "__main__":
