@@ -86,3 +86,28 @@ def test_a_failed_groups_line_leaves_the_ranks_that_lost_a_peer_as_a_count():
     distinct = {r: ValueError(f"bad row {r}") for r in range(5)}
     line = format_failure(type("E", (Exception,), {"worker_failures": distinct})(), 5)
     assert line.endswith("rank 2: ValueError: bad row 2 (and 2 other errors)"), line
+
+
+def test_a_rank_that_lost_a_peer_to_a_hangs_diagnosis_fails_with_the_hangs_line(tmp_path):
+    """16 ranks on 8 fake nodes, rank 15 hung: gloo closed the timed-out ranks' connections and
+    ranks 1, 6 and 13 failed at once with 'Connection closed by peer', before any rank's hang
+    line was written; Ray Train tore the group down on those alone, and the run's line named no
+    hang. Now such a rank fails with the line of the rank that collects (once it has claimed the
+    diagnosis); an echo with no hang behind it is left as it was, within ECHO_WAIT_S."""
+    from raylane.loop.observe import hangs
+
+    watch = hangs.HangWatch(str(tmp_path), 6, 16, 15.0)
+    watch.start()
+    closed = RuntimeError("[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:48541")
+    try:
+        started = time.monotonic()
+        assert watch.diagnose(closed) is None  # no hang behind it
+        assert time.monotonic() - started < hangs.ECHO_WAIT_S + 1
+        line = "a collective waited past dist.timeout_s = 15 s: never reached it: rank 15 on node-1 at /p.py:9 in f"
+        (tmp_path / hangs.RANKS / hangs.COLLECTOR).write_text("3")
+        (tmp_path / hangs.RANKS / hangs.LINE).write_text(line)
+        error = watch.diagnose(closed)
+        assert isinstance(error, hangs.HangError) and str(error) == line
+        assert watch.diagnose(ValueError("bad shape")) is None  # a rank's own error is its own
+    finally:
+        watch.close()

@@ -43,6 +43,7 @@ RANKS, STACKS = "ranks", "stacks"
 SIGNAL = signal.SIGUSR1
 ANSWER_WAIT_S = 3.0  # a rank that answers at all writes its stacks within milliseconds
 POLL_S = 0.05
+ECHO_WAIT_S = 1.0  # a peer's failure felt here: how long to look for a hang's diagnosis behind it
 MAX_PLACES = 4  # places named in a hang's line; the stacks have the rest
 MAX_NODES = 2  # nodes named for the ranks at one place; past them a count
 LINE_WAIT_S = ANSWER_WAIT_S + 2.0  # the collector's collection, and its reads
@@ -284,7 +285,7 @@ class HangWatch(Observer):
         others wait for (bounded) and fail with, so a hang costs the shared folder a file per
         rank, not one per rank per rank."""
         if not timed_out(exc):
-            return None
+            return self._echoed(exc)
         faulthandler.cancel_dump_traceback_later()
         stacks = Path(self.folder, STACKS)
         stacks.mkdir(exist_ok=True)
@@ -309,6 +310,19 @@ class HangWatch(Observer):
         tmp.write_text(line)
         os.replace(tmp, records / LINE)
         return HangError(line)
+
+    def _echoed(self, exc: BaseException) -> HangError | None:
+        """A peer gone (gloo closes a timed-out rank's connections): with a hang's diagnosis claimed
+        within ECHO_WAIT_S, its line, not the echo, which Ray tore the group down on alone (16 ranks)."""
+        records = Path(self.folder, RANKS)
+        deadline = time.monotonic() + ECHO_WAIT_S
+        while timed_out(exc, _PEER_GONE) and time.monotonic() < deadline:
+            if _since(records / COLLECTOR, self._started):
+                with contextlib.suppress(OSError, ValueError):
+                    collector = int((records / COLLECTOR).read_text())
+                    return HangError(self._collected_line(records / LINE, collector, Path(self.folder, STACKS)))
+            time.sleep(POLL_S)
+        return None
 
     def _collected_line(self, path: Path, collector: int, stacks: Path) -> str:
         """The collector's line (at `path`), once it has written it (at most LINE_WAIT_S)."""
@@ -356,11 +370,17 @@ def _since(path: Path, since: float) -> bool:
 _TIMEOUTS = re.compile(r"Timed out waiting \d+ ?ms|collective operation timeout", re.I)
 
 
-def timed_out(exc: BaseException | None) -> bool:
-    """Whether `exc` (or what it was raised from) is a collective's timeout (gloo's, NCCL's)."""
+_PEER_GONE = re.compile(  # as gloo and NCCL say it (rankfailures' echoes, less the timeouts above)
+    r"connection (closed|reset) by peer|broken pipe|pair closure|communicator was aborted|remote process exited", re.I
+)
+
+
+def timed_out(exc: BaseException | None, said: re.Pattern[str] = _TIMEOUTS) -> bool:
+    """Whether `exc` (or what it was raised from) is a collective's timeout (gloo's, NCCL's), or
+    says what `said` matches."""
     seen = 0
     while exc is not None and seen < 8:
-        if _TIMEOUTS.search(str(exc)):
+        if said.search(str(exc)):
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
