@@ -9,9 +9,10 @@ tests/e2e/test_ft_drain.py does), before the drain and after it, without the dra
 The nodes have 4 CPUs each for 2 workers each: the CPUs leave room for PACK's 4 a node, so an
 even spread is the strategy's doing, and the group fits on the nodes left after a drain.
 
-make test runs 4 nodes and 8 workers, in two launches (failure.max_failures 0: the drain ends
-the first KILLED, naming the node; the relaunch resumes on the 3 nodes left and hangs); slow,
-8 nodes and 16 workers in one launch that restarts (failure.max_failures 1: the group hands over
+make test runs 2 nodes and 4 workers, one launch with a straggler and a hang (~2 minutes here);
+slow, 4 nodes and 8 workers in two launches (failure.max_failures 0: the drain ends the first
+KILLED, naming the node; the relaunch resumes on the 3 nodes left and hangs), and 8 nodes and 16
+workers in one launch that restarts (failure.max_failures 1: the group hands over
 without the drained node, then hangs, is restarted once, hangs again and fails)."""
 
 from __future__ import annotations
@@ -182,6 +183,36 @@ def _report(name: str, started: float, memory: PeakMemory, *outputs: str) -> Non
         print("\n".join(x for x in out.splitlines() if x.startswith(("[raylane]", "run ", "  error"))))
 
 
+def test_on_2_nodes_a_straggler_and_a_hang_are_each_named_with_their_node(run_cli, tmp_path):
+    """make test's short soak: 4 workers on 2 nodes, SPREAD: 2 a node. Rank 3 is slow (0.5 s a
+    step): the straggler line names it and its node; rank 1 hangs at step 16: the run fails past
+    dist.timeout_s in one line naming rank 1, its node and where it stood, its stack in the run's
+    stacks/ under its node's name, the straggler's MLflow tag with its node. (The drained node's
+    name, on the 4- and 8-node soaks below, slow; in make test, tests/unit/test_fault_nodes.py.)"""
+    workers, straggler, hung = 4, 3, 1
+    seen = _project(tmp_path, workers, max_failures=0)
+    memory, started, launched = PeakMemory(), time.monotonic(), []
+    nodes = Nodes(2)
+    try:
+        env = cli_env(tmp_path, RAYLANE_FAULTS=f"slow@rank={straggler},ms={STRAGGLER_MS};hang@rank={hung},step=16")
+        launched.append(
+            p := run_cli("train", "run.yaml", "--address", nodes.address, "--summary-json", "s.json", env=env)
+        )
+        where = _placed(nodes, _group(seen, workers, 1, set()))
+        _spread(where, list(nodes.named))
+        line = _straggler_named(p, straggler, where[straggler])
+        assert p.wait(300) == 1, p.output
+    finally:
+        nodes.shutdown()
+        _report("2 nodes, 4 workers", started, memory, *(x.output for x in launched))
+    s = read_json(tmp_path / "s.json")
+    assert s["status"] == "FAILED" and _hung_line(hung, where[hung]) in s["error"], s["error"]
+    assert (tmp_path / "runs" / "soak" / "stacks" / f"rank{hung}-{where[hung]}.txt").exists()
+    tags = MlflowClient(s["tracking_uri"]).get_run(s["run_id"]).data.tags  # a failed run's summary has no ranks' rows
+    assert tags[f"raylane.straggler.rank{straggler}"] == line.removeprefix("[raylane] "), tags
+
+
+@pytest.mark.slow  # 6-8 minutes on 2 cores: a fake cluster of 4 nodes, 8 workers started twice
 def test_on_4_nodes_a_straggler_a_drained_node_and_a_hang_are_each_named_with_their_node(run_cli, tmp_path):
     """8 workers on 4 nodes, SPREAD: 2 a node. Rank 5 is slow (its compute, 0.5 s a step): the
     straggler line names it and its node. Ray's drain notice to a node that holds neither rank 5
