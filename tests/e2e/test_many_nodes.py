@@ -9,8 +9,8 @@ tests/e2e/test_ft_drain.py does), before the drain and after it, without the dra
 The nodes have 4 CPUs each for 2 workers each: the CPUs leave room for PACK's 4 a node, so an
 even spread is the strategy's doing, and the group fits on the nodes left after a drain.
 
-make test runs 2 nodes and 4 workers, one launch with a straggler and a hang (~2 minutes here);
-slow, 4 nodes and 8 workers in two launches (failure.max_failures 0: the drain ends the first
+The shortest: 2 nodes and 4 workers, one launch with a straggler and a hang (~2 minutes here);
+4 nodes and 8 workers in two launches (failure.max_failures 0: the drain ends the first
 KILLED, naming the node; the relaunch resumes on the 3 nodes left and hangs), and 8 nodes and 16
 workers in one launch that restarts (failure.max_failures 1: the group hands over
 without the drained node, then hangs, is restarted once, hangs again and fails)."""
@@ -183,6 +183,7 @@ def _report(name: str, started: float, memory: PeakMemory, *outputs: str) -> Non
         print("\n".join(x for x in out.splitlines() if x.startswith(("[raylane]", "run ", "  error"))))
 
 
+@pytest.mark.slow  # 66 s of call in make test's fresh-clone run (which it took past 15 minutes); ~2 minutes here
 def test_on_2_nodes_a_straggler_and_a_hang_are_each_named_with_their_node(run_cli, tmp_path):
     """make test's short soak: 4 workers on 2 nodes, SPREAD: 2 a node. Rank 3 is slow (0.5 s a
     step): the straggler line names it and its node; rank 1 hangs at step 16: the run fails past

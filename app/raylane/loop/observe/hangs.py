@@ -270,7 +270,11 @@ class HangWatch(Observer):
             with contextlib.suppress(OSError):
                 os.remove(path)
         records = Path(self.folder, RANKS)
-        if not any(records.glob("rank*.json")):  # the last rank out: a hang's claim and line go too
+        try:  # Python 3.11's glob raises if another rank removed the folder meanwhile
+            others = any(records.glob("rank*.json"))
+        except OSError:
+            others = False
+        if not others:  # the last rank out: a hang's claim and line go too
             for name in (COLLECTOR, LINE):
                 with contextlib.suppress(OSError):
                     os.remove(records / name)
