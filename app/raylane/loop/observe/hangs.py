@@ -270,13 +270,9 @@ class HangWatch(Observer):
             with contextlib.suppress(OSError):
                 os.remove(path)
         records = Path(self.folder, RANKS)
-        try:  # Python 3.11's glob raises if another rank removed the folder meanwhile
-            others = any(records.glob("rank*.json"))
-        except OSError:
-            others = False
-        if not others:  # the last rank out: a hang's claim and line go too
-            for name in (COLLECTOR, LINE):
-                with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # 3.11's glob raises if another rank removed the folder meanwhile
+            if not any(records.glob("rank*.json")):  # the last rank out: a hang's claim and line go too
+                for name in (COLLECTOR, LINE):  # a line only after a claim: the first missing ends it
                     os.remove(records / name)
         with contextlib.suppress(OSError):
             os.rmdir(records)
