@@ -183,9 +183,9 @@ def _report(name: str, started: float, memory: PeakMemory, *outputs: str) -> Non
         print("\n".join(x for x in out.splitlines() if x.startswith(("[raylane]", "run ", "  error"))))
 
 
-@pytest.mark.slow  # 66 s of call in make test's fresh-clone run (which it took past 15 minutes); ~2 minutes here
+@pytest.mark.slow  # 66 s of call took the fresh-clone make test past 15 minutes; ~2 minutes here
 def test_on_2_nodes_a_straggler_and_a_hang_are_each_named_with_their_node(run_cli, tmp_path):
-    """make test's short soak: 4 workers on 2 nodes, SPREAD: 2 a node. Rank 3 is slow (0.5 s a
+    """The shortest soak: 4 workers on 2 nodes, SPREAD: 2 a node. Rank 3 is slow (0.5 s a
     step): the straggler line names it and its node; rank 1 hangs at step 16: the run fails past
     dist.timeout_s in one line naming rank 1, its node and where it stood, its stack in the run's
     stacks/ under its node's name, the straggler's MLflow tag with its node. (The drained node's
