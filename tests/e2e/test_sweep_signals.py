@@ -13,8 +13,11 @@ real sqlite store, without Ray: tests/unit/test_sweep_runs.py."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 
@@ -152,3 +155,35 @@ def test_ctrl_c_while_trials_train_stops_them_with_a_checkpoint_and_the_same_com
             run_id,
         )  # fmt: skip
         assert last == STEPS_PER_EPOCH * 2 and points == steps, (run_id, last, points, steps)
+
+
+STOPPING_PROBE = """
+import ray
+from raylane.onray.trials import stopping_flag, sweep_stopping
+
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+flag = stopping_flag("p1")
+seen = [sweep_stopping("p1")]
+ray.get(flag.set.remote())
+seen += [sweep_stopping("p1"), sweep_stopping("another-sweep", timeout_s=1)]
+ray.kill(flag)
+seen.append(sweep_stopping("p1", timeout_s=1))
+print(seen)
+"""
+
+
+def test_a_trial_whose_launch_fails_leaves_its_run_to_a_stopping_sweeps_driver(shared_head, tmp_path):
+    """A trial still starting when its sweep is stopped loses its workers to Ray's stop, and its
+    launch fails with their loss. Seen in CI with the test above: that trial closed its run FAILED,
+    with no line, before Ray's stop reached its own process, and the driver (which closes only the
+    runs still RUNNING) left it so. The trial now asks the sweep's flag first: set by the driver as
+    its stop begins, or gone with the cluster, it leaves the run to the driver (KILLED, interrupted);
+    unset, it closes its own run as before. On the shared head, the driver's flag as a trial finds it."""
+    head = shared_head.start()
+    env = {**os.environ, **head, "RAY_ADDRESS": shared_head.cluster()["address"]}
+    out = subprocess.run(
+        [sys.executable, "-c", STOPPING_PROBE], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    # unset: the trial closes its run; set: the driver does; no flag, or no answer: the driver does
+    assert out.stdout.strip().splitlines()[-1] == "[False, True, True, True]", out.stdout + out.stderr

@@ -41,6 +41,8 @@ STOP_DELAY_ENV = "RAYLANE_TEST_TUNE_STOP_DELAY_S"
 INTERRUPT_STOP_S = 20.0
 ENDED_GRACE_S = 3.0  # a trial whose ranks have ended (or never started) closes its run within this
 SECOND_SIGNAL_S = 2.0  # a second signal sooner is the same stop (a terminal's Ctrl-C beside a wrapper's SIGTERM)
+STOPPING_SET_S = 5.0  # the driver marks the sweep stopping (an actor on its own node)
+STOPPING_ASK_S = 5.0  # a failed trial asks whether the sweep is stopping
 CLOSING_JOIN_S = 10.0  # Tune's stops' closing threads, once Ray is gone (their wait ends with it)
 
 
@@ -113,9 +115,10 @@ class TrialRuns(tune.Callback):
     buffered metrics sent) or is gone, what Tune judged it on is kept and the run is closed. That
     waits on a thread of its own, not on Tune's loop; `wait` joins them before the results are read."""
 
-    def __init__(self, parent: RunHandle, sweep: SweepSection, max_epochs: int) -> None:
+    def __init__(self, parent: RunHandle, sweep: SweepSection, max_epochs: int, stopping: Any = None) -> None:
         self.parent, self.sweep, self.max_epochs = parent, sweep, max_epochs
         self._closing: list[threading.Thread] = []
+        self._stopping = stopping  # the sweep's SweepStopping actor (None: no trial asks it, as in unit tests)
 
     def _ended(self, trial, failed: bool) -> None:
         result = trial.last_result or {}
@@ -179,6 +182,11 @@ class TrialRuns(tune.Callback):
             return self._interrupted(stop_ray, timeout_s)
 
     def _interrupted(self, stop_ray: Callable[[], None], timeout_s: float) -> Interrupted:
+        if self._stopping is not None:
+            try:  # before any trial's workers go: a trial whose launch fails from here on leaves its run to us
+                ray.get(self._stopping.set.remote(), timeout=STOPPING_SET_S)
+            except Exception as exc:  # noqa: BLE001 - a trial that cannot ask it leaves its run to us all the same
+                log.warning("could not mark the sweep as stopping: %s", exc)
         client = mlflow_client(self.parent.tracking_uri)
         running, checkpointed = self._ask_to_stop(client, timeout_s)
         stop_ray()
@@ -286,6 +294,40 @@ def _tune_stop_pause() -> None:
     (tests/e2e/test_sweep_stops.py). A trial's ranks must not train on meanwhile."""
     if delay := os.environ.get(STOP_DELAY_ENV):
         time.sleep(float(delay))
+
+
+@ray.remote(num_cpus=0)
+class SweepStopping:
+    """Set by the sweep's driver as its SIGTERM or Ctrl-C stop begins (`TrialRuns.interrupted`). A
+    trial still starting then has nothing to stop at a step boundary: Ray's stop kills its workers
+    and its launch fails with their loss, which is the sweep's stop, not the trial's failure. Seen
+    in CI: such a trial closed its run FAILED, with no line, in the moment before Ray's stop
+    reached its own process, and the driver (which closes only runs still RUNNING) left it so."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+
+    def set(self) -> None:
+        self.stopping = True
+
+    def get(self) -> bool:
+        return self.stopping
+
+
+def stopping_flag(parent_run_id: str) -> Any:
+    """The sweep's SweepStopping actor, named for its parent run, for its trials to find."""
+    return SweepStopping.options(name=f"raylane-sweep-stopping-{parent_run_id}").remote()  # type: ignore[attr-defined]
+
+
+def sweep_stopping(parent_run_id: str, timeout_s: float = STOPPING_ASK_S) -> bool:
+    """In a trial whose launch failed: whether the sweep's driver is stopping the sweep, or cannot
+    be asked (its cluster going down with it). Either way the driver closes the trial's run: KILLED
+    by its stop, or FAILED by Tune's report of the trial's error (`TrialRuns.on_trial_error`)."""
+    try:
+        actor = ray.get_actor(f"raylane-sweep-stopping-{parent_run_id}")
+        return bool(ray.get(actor.get.remote(), timeout=timeout_s))
+    except Exception:  # noqa: BLE001 - no answer: the cluster is going
+        return True
 
 
 def sink_name(run_id: str) -> str:

@@ -38,7 +38,14 @@ from raylane.loop.protocols.result import RunResult
 from raylane.onray.cluster import RayStopper, data_cpus
 from raylane.onray.placement import put_env
 from raylane.onray.sweep_plan import param_space, search_alg, trials_text
-from raylane.onray.trials import MetricReported, TrialRuns, sink_name, stop_on_interrupt
+from raylane.onray.trials import (
+    MetricReported,
+    TrialRuns,
+    sink_name,
+    stop_on_interrupt,
+    stopping_flag,
+    sweep_stopping,
+)
 from raylane.results import Status, SweepSummary
 from raylane.runrecord import run_folder
 from raylane.session import RunSession, interrupts, ran, status_of
@@ -190,7 +197,8 @@ def _trial(params: dict[str, Any], context: dict[str, Any]) -> None:
         # that closes its run, once its ranks have stopped (TrialRuns); nothing more is written here.
         raise
     except BaseException as exc:
-        close_run(handle, status_of(exc))
+        if not (isinstance(exc, Exception) and sweep_stopping(parent.run_id)):
+            close_run(handle, status_of(exc))
         raise
     with RunSession() as session:  # the trial's child run, closed once its records are written
         session.track(handle)
@@ -311,7 +319,7 @@ def _sweep(
     random.seed(sweep.seed)  # PBT's explore draws from Python's generator
     started = time.monotonic()
     stopper = MetricReported(sweep.metric)
-    trial_runs = TrialRuns(parent, sweep, base.train.epoch_limit)
+    trial_runs = TrialRuns(parent, sweep, base.train.epoch_limit, stopping_flag(parent.run_id))
     try:
         grid = _fit(sweep, base, parent, concurrency, stopper, trial_runs)
     except KeyboardInterrupt:  # SIGTERM or Ctrl-C
