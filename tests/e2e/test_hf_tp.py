@@ -33,15 +33,22 @@ def llama(tmp_path):
     hf_tiny.save(AutoModelForCausalLM.from_config(config), root / "model")
     for part in ("train", "eval"):
         hf_tiny.rows(root / "rows" / part, n=8)
+    # A tied tiny Mixtral (4 experts, 2 a token) beside it: its experts and router whole on each rank.
+    hf_families.save(root / "mixtral", "mixtral", vocab_size=hf_tiny.VOCAB, tie_word_embeddings=True)
     return root
 
 
-def _fine_tunes(run_cli, tmp_path, llama, ranks: int, tp: int, saved: bool = False) -> dict[str, list[dict]]:
+def _fine_tunes(
+    run_cli, tmp_path, llama, ranks: int, tp: int, saved: bool = False, moe: bool = False
+) -> dict[str, list[dict]]:
     """`saved`: the full fine-tune saves raylane's checkpoint of its trained model in ck/, its
-    config a user's pipeline on raylane.hf.pipeline of the model (what `raylane export` rebuilds)."""
+    config a user's pipeline on raylane.hf.pipeline of the model (what `raylane export` rebuilds).
+    `moe`: the tiny Mixtral's fine-tunes too, in the same torchrun ("mixtral-full", "mixtral-lora")."""
     cases = [
         {"name": name, "path": str(llama / "model"), "tp": tp, "lora": name == "lora"} for name in ("full", "lora")
     ]
+    if moe:
+        cases += [{**c, "name": f"mixtral-{c['name']}", "path": str(llama / "mixtral")} for c in cases]
     if saved:
         config = {"pipeline": "tests.helpers.hf_classifier", "source": {"rows": str(llama / "rows")}}
         config["model"] = {"name_or_path": str(llama / "model"), "seq_len": 16}
@@ -68,9 +75,12 @@ def _matches_one_process(runs: dict[str, list[dict]], label: str) -> None:
             assert r["logits_diff"] <= 1e-6, (name, r["logits_diff"])
             assert all(abs(ours - one) <= 1e-6 * one for ours, one in r["losses"]), (name, r["losses"])
             assert r["weights_diff"] <= 1e-6, (name, r["weights_diff"])
-    full, lora = runs["full"][0], runs["lora"][0]
-    assert len(full["trained"]) >= 10  # every layer's weights moved
-    assert lora["trained"] and all(".lora_" in k for k in lora["trained"]) and lora["frozen_trained"] == []
+    for model in {name.removesuffix("full").removesuffix("lora") for name in runs}:
+        full, lora = runs[f"{model}full"][0], runs[f"{model}lora"][0]
+        assert len(full["trained"]) >= 10  # every layer's weights moved
+        assert lora["trained"] and all(".lora_" in k for k in lora["trained"]) and lora["frozen_trained"] == []
+    if "mixtral-full" in runs:  # the experts trained too, whole on each rank
+        assert any(".experts." in k for k in runs["mixtral-full"][0]["trained"]), runs["mixtral-full"][0]["trained"]
 
 
 def test_a_tiny_llama_fine_tunes_in_full_and_with_lora_under_tp2_as_one_process(run_cli, tmp_path, llama, capsys):
@@ -80,8 +90,10 @@ def test_a_tiny_llama_fine_tunes_in_full_and_with_lora_under_tp2_as_one_process(
     logits within 1e-6 of from_pretrained's (fp32), 3 SGD steps clipped over two meshes (trap a)
     with each loss within 1e-6 relative of one process's and the weights within 1e-6 after; under
     LoRA only the adapter moves. The full fine-tune's checkpoint (each tensor split over the two
-    ranks) exports with `raylane export --format hf` to a from_pretrained folder."""
-    _matches_one_process(_fine_tunes(run_cli, tmp_path, llama, 2, 2, saved=True), "tp2")
+    ranks) exports with `raylane export --format hf` to a from_pretrained folder. The same for a
+    tiny Mixtral in the same torchrun: attention split, its experts and router whole on each rank
+    (transformers' packed expert split has no torch counterpart; issue 63's Mixtral under FSDP x TP8)."""
+    _matches_one_process(_fine_tunes(run_cli, tmp_path, llama, 2, 2, saved=True, moe=True), "tp2")
     (ck,) = (tmp_path / "ck").iterdir()
     _exports_from_pretrained(str(ck), tmp_path / "full-hf", llama / "model", capsys)
 

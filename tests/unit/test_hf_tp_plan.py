@@ -29,6 +29,18 @@ def _meta(family: str = "llama", **extra):
         return AutoModelForCausalLM.from_config(hf_families.CONFIGS[family](**extra))
 
 
+def _deepseek_v2():
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+    shapes = {"kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8}
+    config = DeepseekV2Config(
+        **{**hf_families.DECODER, "num_key_value_heads": 4, "intermediate_size": 64, "moe_intermediate_size": 16},
+        **{"n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 0, **shapes},
+    )
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def _kind(style) -> tuple[str, tuple, tuple]:
     return type(style).__name__, style.input_layouts, style.output_layouts
 
@@ -76,7 +88,7 @@ def test_a_lora_adapter_is_split_with_its_layer():
 
 def test_what_cannot_be_laid_out_is_one_line_naming_it():
     """Heads that tp does not divide; a model without a plan (GPT-2); a style torch has no
-    counterpart of here (Mixtral's fused experts); sequence parallelism, which transformers'
+    counterpart of here (DeepSeek-V2's latent attention); sequence parallelism, which transformers'
     plans lay out no norms for; dropout on a LoRA adapter's input under tp."""
     from raylane.hf.config import check_tensor_parallel
 
@@ -90,17 +102,31 @@ def test_what_cannot_be_laid_out_is_one_line_naming_it():
         check_tp(_meta(), 4)
     with pytest.raises(ValueError, match=r"^strategy.tp = 2: GPT2LMHeadModel has no tensor-parallel plan "):
         check_tp(_meta("gpt2"), 2)
-    with pytest.raises(ValueError) as moe:
-        check_tp(_meta("mixtral"), 2)
-    assert str(moe.value).startswith(
-        "strategy.tp = 2: MixtralForCausalLM's plan lays out 'model.layers.*.mlp.experts.gate_up_proj' as "
-        "'packed_colwise', a transformers style raylane has no torch counterpart of"
+    with pytest.raises(ValueError) as mla:
+        check_tp(_deepseek_v2(), 2)
+    assert str(mla.value).startswith(
+        "strategy.tp = 2: DeepseekV2ForCausalLM's plan lays out 'model.layers.*.self_attn.kv_a_proj_with_mqa' as "
+        "'mla_kv_a_proj', a transformers style raylane has no torch counterpart of"
     )
     with pytest.raises(ValueError, match=r"^strategy.sequence_parallel = True: LlamaForCausalLM's plan"):
         check_tp(_meta(), 2, sequence_parallel=True)
     cfg = SimpleNamespace(model=None, strategy=SimpleNamespace(tp=2), lora=LoraSection(dropout=0.1))
     with pytest.raises(ValueError, match=r"^lora.dropout = 0.1 with strategy.tp = 2: dropout's masks"):
         check_tensor_parallel(cfg)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_keeps_its_experts_and_router_whole_on_each_tensor_parallel_rank(family):
+    """transformers' plan splits fused experts in its own way (`moe_tp_experts`, `packed_colwise`),
+    which torch has no counterpart of: the experts and the router stay whole on every rank of the
+    group (FSDP still shards them over the data-parallel ranks), as Qwen2-MoE's shared expert,
+    which its plan leaves out; attention is split as the plan says."""
+    model = _meta(family)
+    plan = check_tp(model, 2)
+    assert not [name for name in plan if ".experts" in name or name.endswith("mlp.gate")], plan
+    assert _kind(plan["model.layers.*.self_attn.q_proj"])[0] == "ColwiseParallel"
+    assert _kind(plan["model.layers.*.self_attn.o_proj"])[0] == "RowwiseParallel"
+    assert not [name for name in plan if ".mlp." in name], plan  # Qwen2-MoE's plan names no shared expert
 
 
 class Tied(nn.Module):

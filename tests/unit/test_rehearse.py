@@ -138,8 +138,8 @@ def test_a_7b_gpt_under_fsdp_and_pp4_x_fsdp_x_tp8(run_cli):
 def test_hugging_face_configs_without_weights_at_256_ranks(run_cli, tmp_path):
     """Llama-2-7B's and Mixtral-8x7B's config.json alone (examples/rehearse: transformers'
     from_config on the meta device). Mixtral under FSDP over 32 nodes of 8 is refused: HSDP's 8
-    shards leave each rank 87 GiB of parameters, gradients and AdamW state; under pp 4 its 8
-    experts over 64 shards leave ranks 8-63 of each stage padding only (a warning)."""
+    shards leave each rank 87 GiB of parameters, gradients and AdamW state; under PP4 x FSDP,
+    FSDP x TP8 and PP4 x FSDP x TP8 it fits."""
     import sys
 
     sys.path.insert(0, str(REPO / "examples/rehearse"))
@@ -155,9 +155,17 @@ def test_hugging_face_configs_without_weights_at_256_ranks(run_cli, tmp_path):
     p = run_cli(*mixtral)
     assert p.wait(300) == 2, p.output
     assert "raylane: --gpu H100: rank 0 would need ~92.4 GiB of its 80.0 GiB under hsdp" in p.output, p.output
+    # Its 8 experts over 64 shards: split on dim 1 (FSDP2's dim 0 left ranks 8-63 of each stage
+    # 16.0 GiB of padding and a warning), whole on each rank of a tensor-parallel group.
     p = run_cli(*mixtral, "--set", "strategy.pp=4", "--set", "train.batch_size=4")
     assert p.wait(300) == 0, p.output
-    assert "  rank 63 (stage 0): 16.0 GiB" in p.output and "warning: uneven shards" in p.output, p.output
+    assert "  rank 63 (stage 0): 8.14 GiB" in p.output and "warning: uneven shards" not in p.output, p.output
+    p = run_cli(*mixtral, "--set", "strategy.tp=8")  # 84.8 GiB a rank with dim 0's split: refused
+    assert p.wait(300) == 0, p.output
+    assert "layout: fsdp×tp8 (dp_shard 32, tp 8)" in p.output and "  rank 248: 21.8 GiB" in p.output, p.output
+    p = run_cli(*mixtral, "--set", "strategy.tp=8", "--set", "strategy.pp=4", "--set", "train.batch_size=4")
+    assert p.wait(300) == 0, p.output
+    assert "  rank 0 (stage 0): 21.8 GiB" in p.output and "  rank 248 (stage 3): 21.8 GiB" in p.output, p.output
 
 
 def test_every_played_rank_takes_rank_0s_auto_choice():

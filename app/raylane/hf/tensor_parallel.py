@@ -31,6 +31,13 @@ _STYLES: dict[str, tuple[str, dict[str, str]]] = {
 }
 # Left out of the plan: each rank of the group holds the whole module, as every unplanned one.
 _WHOLE = {"replicate"}
+# A mixture of experts' fused experts (transformers' `moe_tp_experts`, with `packed_colwise`
+# gate_up_proj and a rowwise 3-D down_proj under it): left whole on every rank of the
+# tensor-parallel group, as the router beside them, so each rank runs the block on the whole
+# hidden state it holds after attention; FSDP still shards them over the data-parallel ranks.
+# torch has no packed column split (gate's and up's halves each split), and splitting experts
+# across ranks is expert parallelism's (issue 65), not tensor parallelism's.
+_WHOLE_EXPERTS = "moe_tp_experts"
 
 
 def hf_plan(pretrained: Any) -> dict[str, str]:
@@ -81,8 +88,9 @@ def tp_plan(model: Any, sequence_parallel: bool = False) -> dict[str, Any]:
         )
     modules = dict(model.named_modules())
     rules: dict[str, Any] = {}
+    experts = [pattern for pattern, style in plan.items() if style == _WHOLE_EXPERTS]
     for pattern, style in plan.items():
-        if style in _WHOLE:
+        if style in _WHOLE or any(pattern == e or pattern.startswith(f"{e}.") for e in experts):
             continue
         if style not in _STYLES:
             raise ValueError(

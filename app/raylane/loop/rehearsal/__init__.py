@@ -192,8 +192,8 @@ def _weigh(out: Rehearsal, pipe: Any, cfg: Any, target: Target, layout: Any, exa
         )
     if short := figures.short_rows(pipe.model, layout.dp_shard, layout.tp):
         out.warnings.append(
-            f"uneven shards: FSDP2 splits dim 0 over {layout.dp_shard} shards, and {', '.join(short[:4])}"
-            f"{' ...' if len(short) > 4 else ''} have fewer rows: the ranks past them hold padding (memory, "
+            f"uneven shards: FSDP2 splits a parameter over {layout.dp_shard} shards, and {', '.join(short[:4])}"
+            f"{' ...' if len(short) > 4 else ''} have fewer rows in every dimension: the ranks past them hold padding (memory, "
             "no work), and each gather moves it"
         )
     if acts is None:

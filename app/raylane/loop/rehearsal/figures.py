@@ -139,13 +139,15 @@ def memory(share: Share, cfg: Any, largest_block: int, acts: int | None, padded:
 
 
 def short_rows(model: torch.nn.Module, shards: int, tp: int) -> list[str]:
-    """The parameters (folded over blocks, `layers.*.experts.w`) whose dim 0 has fewer rows than
-    FSDP2's `shards` once tp took its share: ranks past those rows hold padding for them."""
+    """The parameters (folded over blocks, `layers.*.experts.w`) with fewer rows than FSDP2's
+    `shards` in dim 0 once tp took its share, and in every other dimension (raylane splits one
+    short in dim 0 on another: raylane.loop.distributed.fsdp.spread_placement): ranks past those
+    rows hold padding for them."""
     import re
 
     seen: dict[str, int] = {}
     for name, p in model.named_parameters():
-        if p.dim() and max(p.shape[0] // tp, 1) < shards:
+        if p.dim() and max(p.shape[0] // tp, 1) < shards and max(p.shape[1:], default=0) < shards:
             seen.setdefault(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name, count=1), p.shape[0])
     return [f"{name} ({rows})" for name, rows in seen.items()]
 
