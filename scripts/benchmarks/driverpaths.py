@@ -115,6 +115,8 @@ class Entries:
     def set_tags(self, tags: dict[str, Any]) -> None:
         self.tags += len(tags)
 
+    set_first_tags = set_tags
+
     def take(self) -> dict[str, int]:
         out = {"metrics": self.metrics, "tags": self.tags}
         self.metrics = self.tags = 0

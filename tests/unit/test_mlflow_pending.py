@@ -69,3 +69,21 @@ def test_a_server_still_gone_keeps_it_for_the_launch_after(tmp_path, monkeypatch
     [kept] = (tmp_path / "run" / pending.FOLDER).iterdir()
     assert json.loads(kept.read_text())["status"] == "FINISHED"
     assert pending.keep("no folder", "http://x") is None  # object storage: nowhere to keep it
+
+
+def test_a_restarted_group_naming_a_straggler_again_keeps_the_first_line(store):
+    """A group restarted on Ray (or by torchrun) starts its Reporter anew, and named rank 3 again
+    with another line, its node's or its figures: the tag set at the first naming was overwritten.
+    Set as first tags, the run keeps the first line, and a straggler named only later is added."""
+    from raylane.loop.reporting import Reporter
+
+    uri, run_id = store
+    for lines in ({3: "rank 3 on node-1 takes 2.1x"}, {3: "rank 3 on node-2 takes 1.8x", 5: "rank 5 on node-0"}):
+        logger = MetricLogger(uri, run_id, flush_interval_s=0.1)
+        reporter = Reporter(is_rank_zero=True, publish=lambda event: None, metric_logger=logger)
+        for rank, line in lines.items():
+            reporter.on_straggler({"rank": rank}, line)
+        logger.close(timeout_s=60)
+    tags = mlflow_client(uri).get_run(run_id).data.tags
+    assert tags["raylane.straggler.rank3"] == "rank 3 on node-1 takes 2.1x"
+    assert tags["raylane.straggler.rank5"] == "rank 5 on node-0"

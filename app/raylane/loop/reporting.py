@@ -122,7 +122,8 @@ class Reporter:
         if self._stragglers <= MAX_STRAGGLERS_NAMED:
             self._publish(Straggler(record=record, line=line))
             if self._metrics is not None:
-                self._metrics.set_tags({f"raylane.straggler.rank{record['rank']}": line})
+                # First set, kept: a restarted group names its stragglers anew (this count starts again).
+                self._metrics.set_first_tags({f"raylane.straggler.rank{record['rank']}": line})
             return
         if self._stragglers == MAX_STRAGGLERS_NAMED + 1:  # the driver says it once; the summary lists them all
             self._publish(Log(rank=0, level="warning", message=f"more than {MAX_STRAGGLERS_NAMED} stragglers: the "
@@ -158,7 +159,7 @@ class Reporter:
             result = dataclasses.replace(result, replicas=self.replicas.summary())
         if self._metrics is not None:
             if self._stragglers > MAX_STRAGGLERS_NAMED:
-                self._metrics.set_tags({"raylane.stragglers_more": str(self._stragglers - MAX_STRAGGLERS_NAMED)})
+                self._metrics.set_first_tags({"raylane.stragglers_more": str(self._stragglers - MAX_STRAGGLERS_NAMED)})
             self._metrics.close()
             result = dataclasses.replace(result, tracking_cost_s=self._metrics.cost())
         # A group that hands over to a restart without a leaving node has not ended the run.

@@ -267,6 +267,7 @@ class MetricLogger:
         self._warned = False
         self._failure: Exception | None = None  # the last flush's error
         self._tags: dict[str, str] = {}
+        self._first: dict[str, str] = {}  # set_first_tags'
         self._logged: dict[str, int] | None = None  # logged_steps() when this logger started
         self._system_metrics_interval_s = system_metrics_interval_s
         self._monitor = None
@@ -304,6 +305,13 @@ class MetricLogger:
         with self._lock:
             self._tags.update({k: str(v) for k, v in tags.items()})
 
+    def set_first_tags(self, tags: dict[str, Any]) -> None:
+        """Tags that a run keeps as first set: one the run has already (an earlier group of the
+        run, restarted since, named the same straggler) keeps its value. Read from the run before
+        they are sent, on this logger's thread."""
+        with self._lock:
+            self._first.update({k: str(v) for k, v in tags.items()})
+
     def _loop(self) -> None:
         try:
             client = mlflow_client(self.tracking_uri)
@@ -334,6 +342,14 @@ class MetricLogger:
 
         with self._lock:
             tags, self._tags = self._tags, {}
+            first, self._first = self._first, {}
+        if first:
+            try:
+                had = client.get_run(self.run_id).data.tags
+                tags = {**{k: v for k, v in first.items() if k not in had}, **tags}
+            except Exception:  # noqa: BLE001 - retried at the next flush
+                with self._lock:
+                    self._first = {**first, **self._first}
         if tags:
             try:
                 client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
