@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from raylane.hf.config import Config
+from raylane.hf.config import Config, packed
 
 
 def flops_per_token(model: Any, seq_len: int) -> float:
@@ -43,6 +43,10 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
         from raylane.hf.lora import apply_lora
 
         model = apply_lora(model, cfg.lora, base=str(m.name_or_path))
+    if causal and (packed(cfg.data) or cfg.data.document_mask):
+        from raylane.hf.packing import prepare_model
+
+        prepare_model(model)  # its documents kept apart by the mask its attention builds from position ids
     # Its checkpoints record the tokenizer: a resume with one retrained in place is refused.
     where = data.tokenizer_path(cfg)
     key = "model.tokenizer_path" if m.tokenizer_path else "model.name_or_path"

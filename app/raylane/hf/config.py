@@ -67,6 +67,39 @@ class DataSection(Section):
     text_column: str = Field("text", min_length=1, description="The column holding the text.")
     label_column: str = Field("label", min_length=1, description="`sequence-classification`: the column of class ids.")
     shuffle_rows: int = Field(4096, ge=1, le=100_000_000, description="Rows in each rank's shuffle buffer.")
+    style: Literal["auto", "text", "messages", "prompt_completion"] = Field(
+        "auto",
+        description="What a row holds (`model.task: causal-lm`): `text`; `messages`, a conversation (a list of "
+        "{role, content}) rendered by the tokenizer's chat template; `prompt_completion`, a prompt and its "
+        "completion, strings or message lists. `auto`: `messages` when the files have data.messages_column, "
+        "`prompt_completion` when they have data.prompt_column and data.completion_column, else `text`.",
+    )
+    messages_column: str = Field("messages", min_length=1, description="`messages`: the column of conversations.")
+    prompt_column: str = Field("prompt", min_length=1, description="`prompt_completion`: the prompts' column.")
+    completion_column: str = Field(
+        "completion", min_length=1, description="`prompt_completion`: the completions' column."
+    )
+    loss_on: Literal["answers", "all"] = Field(
+        "answers",
+        description="`messages` and `prompt_completion`: `answers`, the loss on the assistant's turns (with the "
+        "template's end-of-turn token) or the completion only; `all`, on every token.",
+    )
+    packing: bool | None = Field(
+        None,
+        description="Examples packed into model.seq_len by best-fit decreasing, each document's attention and "
+        "loss kept to itself (per-document position ids). null: on for `messages` and `prompt_completion`, off "
+        "for `text` (documents joined end to end and cut, as before).",
+    )
+    document_mask: bool = Field(
+        False,
+        description="`text` joined and cut (data.packing off): each document's attention and loss kept to "
+        "itself, as packing does.",
+    )
+    drop_cut: bool = Field(
+        False,
+        description="An example longer than model.seq_len is cut to it, and counted: `true` drops it instead "
+        "(an answer cut away trains on what is left of it).",
+    )
     skip_bad_rows: bool | int = Field(
         False,
         ge=0,
@@ -112,6 +145,7 @@ class Config(BaseConfig):
         for field in ("train", "eval"):
             if getattr(self.data, field) is not None:
                 check_columns(self, field)
+        check_style(self)
         return self
 
 
@@ -298,6 +332,35 @@ def tokenizer_size(path: str) -> int | None:
     return None
 
 
+def check_style(cfg: Config) -> None:
+    """data.style and what it needs: a causal LM; for `messages`, a tokenizer with a chat template;
+    for packed or document-masked rows, a model whose attention keeps documents apart."""
+    d, m = cfg.data, cfg.model
+    if d.style not in ("auto", "text") and m.task != "causal-lm":
+        raise ValueError(f"data.style = {d.style!r}: for model.task causal-lm; a classifier reads data.text_column")
+    if d.style not in ("auto", "text") and d.format == "text":
+        raise ValueError(f"data.style = {d.style!r}: data.format 'text' holds plain lines; use json or parquet")
+    if d.style == "messages" and not shapes_only():
+        from transformers import AutoTokenizer
+
+        from raylane.hf.examples import check_template
+
+        key = "model.tokenizer_path" if m.tokenizer_path else "model.name_or_path"
+        check_template(AutoTokenizer.from_pretrained(str(m.tokenizer_path or m.name_or_path)), "messages", False, key)
+    if m.task == "causal-lm" and (packed(d) or d.document_mask):
+        from raylane.hf.packing import packable
+
+        why = packable(m.name_or_path)
+        if why is not None:
+            setting = "data.packing = True" if packed(d) else "data.document_mask = True"
+            raise ValueError(f"{setting}: {why}; set it false")
+
+
+def packed(d: DataSection) -> bool:
+    """Whether examples are packed: data.packing, or by default for the conversational styles."""
+    return d.packing if d.packing is not None else d.style in ("messages", "prompt_completion")
+
+
 def check_columns(cfg: Config, field: str) -> None:
     """The first file of data.<field> has the text column (and the label column for a classifier)."""
     from raylane.loop.data import files
@@ -306,6 +369,19 @@ def check_columns(cfg: Config, field: str) -> None:
     paths = getattr(d, field)
     fs, found = files.list_files(paths, d.format, f"data.{field}", True)
     names = files.schema_names(fs, found[0], d.format, f"data.{field}")
+    if cfg.model.task == "causal-lm" and d.format != "text":
+        from raylane.hf.examples import style_of
+
+        try:
+            style = style_of(
+                names, d.style, messages=d.messages_column, prompt=d.prompt_column,
+                completion=d.completion_column, text=d.text_column, key="data.style",
+            )  # fmt: skip
+        except ValueError as exc:
+            raise ValueError(f"{exc} (in {found[0]}, data.{field})") from None
+        d.style = style  # type: ignore[assignment]  # `auto` resolved once, by the training files: the held-out ones must agree
+        if style != "text":
+            return
     wanted = [("data.text_column", d.text_column)]
     if cfg.model.task == "sequence-classification":
         wanted.append(("data.label_column", d.label_column))

@@ -16,7 +16,6 @@ such rows instead: raylane.loop.data.baddata.skipping)."""
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -24,22 +23,7 @@ import numpy as np
 
 from raylane.errors import SKIP_HINT, DataError, is_missing
 from raylane.hf.config import Config
-
-
-@functools.cache
-def tokenizer(path: str):
-    """The tokenizer saved in `path`, loaded once per process (each Ray Data task reuses it)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def tokenizer_path(cfg: Config) -> str:
-    return cfg.model.tokenizer_path or cfg.model.name_or_path
-
-
-def pad_id(tok: Any) -> int:
-    return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+from raylane.hf.tokens import pad_id, tokenizer, tokenizer_path  # noqa: F401 - read as raylane.hf.data's too
 
 
 def _kind(value: Any) -> str:
@@ -102,6 +86,23 @@ def pack(texts: Any, path: str, seq_len: int, column: str = "text") -> dict[str,
     return {"input_ids": flat[: n * seq_len].reshape(n, seq_len)}
 
 
+def masked_text(texts: Any, path: str, seq_len: int, column: str = "text") -> dict[str, np.ndarray]:
+    """causal-lm with data.document_mask: `pack`'s rows, each document's positions and loss its
+    own in the rows it is cut into (raylane.hf.packing.documents_in_rows)."""
+    from raylane.hf.packing import documents_in_rows
+
+    texts = list(texts)
+    bad = bad_texts(texts)
+    if bad:
+        raise text_error(texts, bad, column)
+    if not texts:
+        empty: np.ndarray = np.zeros((0, seq_len), dtype=np.int64)
+        return {"input_ids": empty, "labels": empty, "position_ids": empty}
+    tok = tokenizer(path)
+    end = [] if tok.eos_token_id is None else [tok.eos_token_id]
+    return documents_in_rows([[*doc, *end] for doc in tok(texts, add_special_tokens=False)["input_ids"]], seq_len)
+
+
 def encode(
     texts: Any,
     labels: Any,
@@ -144,10 +145,15 @@ def encode(
 
 
 def causal_tensors(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A causal LM's batch: its labels are its ids, unless the rows carry their own (the answers
+    only, a document's first token left out), with each document's position ids where packed."""
     import torch
 
     ids = torch.as_tensor(batch["input_ids"], dtype=torch.long)
-    return {"input_ids": ids, "labels": ids}
+    out = {"input_ids": ids, "labels": torch.as_tensor(batch["labels"], dtype=torch.long) if "labels" in batch else ids}
+    if "position_ids" in batch:
+        out["position_ids"] = torch.as_tensor(batch["position_ids"], dtype=torch.long)
+    return out
 
 
 def classification_tensors(batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -166,26 +172,36 @@ def collate(items: list[dict[str, np.ndarray]]) -> dict[str, Any]:
     return classification_tensors({k: np.stack([item[k] for item in items]) for k in items[0]})
 
 
-def transform_for(cfg: Config):
-    """The FileSource transform of the config's task (rows -> numpy arrays)."""
+def transform_for(cfg: Config, kind: str = "text"):
+    """The FileSource transform of the config's task (rows -> numpy arrays); `kind`: a causal
+    LM's data.style, resolved (raylane.hf.rows)."""
+    from raylane.hf import rows
+
     m, d, path = cfg.model, cfg.data, tokenizer_path(cfg)
     text = "text" if d.format == "text" else d.text_column
     if m.task == "causal-lm":
+        own = rows.transform(cfg, kind, str(path))
+        if own is not None:
+            return own
+        if d.document_mask:
+            return lambda batch: masked_text(batch[text], path, m.seq_len, text)
         return lambda batch: pack(batch[text], path, m.seq_len, text)
     return lambda batch: encode(batch[text], batch[d.label_column], path, m.seq_len, m.num_labels, d.label_column, text)
 
 
 def file_source(cfg: Config, paths: Any, key: str):
+    from raylane.hf import rows
     from raylane.loop.data.streaming import FileSource
 
     d, causal = cfg.data, cfg.model.task == "causal-lm"
     text = "text" if d.format == "text" else d.text_column
-    columns = [text] if causal else [text, d.label_column]
+    kind = rows.style(cfg)
+    columns = list(rows.columns(cfg, kind).values()) if causal else [text, d.label_column]
     return FileSource(
         paths=paths,
         format=d.format,
         columns=columns,
-        transform=transform_for(cfg),
+        transform=transform_for(cfg, kind),
         keeps_rows=not causal,
         to_tensors=causal_tensors if causal else classification_tensors,
         shuffle_rows=d.shuffle_rows,
@@ -206,27 +222,34 @@ class Rows:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if self.causal:
-            return causal_tensors({"input_ids": self.arrays["input_ids"][i]})
+            return causal_tensors({k: v[i] for k, v in self.arrays.items() if k != "real_tokens"})
         return {k: v[i] for k, v in self.arrays.items()}
 
 
 def from_dataset(cfg: Config, dataset: Any, name: str) -> Rows:
     """A `datasets.Dataset` (or any table whose columns read as `dataset[column]`), tokenized at once."""
     from raylane.config import ConfigError
+    from raylane.hf import rows
 
     d, causal = cfg.data, cfg.model.task == "causal-lm"
     columns = list(getattr(dataset, "column_names", None) or [])
-    wanted = [("data.text_column", d.text_column)] + ([] if causal else [("data.label_column", d.label_column)])
-    for key, column in wanted:
+    text_cfg = cfg.model_copy(update={"data": d.model_copy(update={"format": "json"})})
+    try:
+        kind = rows.style(text_cfg, columns) if causal and columns else rows.style(text_cfg)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (the {name} dataset)") from None
+    fields = rows.columns(text_cfg, kind) if causal else {"text": d.text_column, "label": d.label_column}
+    keys = {"text": "data.text_column", "label": "data.label_column", "messages": "data.messages_column"}
+    keys |= {"prompt": "data.prompt_column", "completion": "data.completion_column"}
+    for field, column in fields.items():
         if columns and column not in columns:
             raise ConfigError(
-                f"{key} = {column!r}: no such column in the {name} dataset (it has: {', '.join(columns)})"
+                f"{keys[field]} = {column!r}: no such column in the {name} dataset (it has: {', '.join(columns)})"
             )
-    batch = {d.text_column: _column(dataset[d.text_column])}
+    batch = {column: _column(dataset[column]) for field, column in fields.items() if field != "label"}
     if not causal:
         batch[d.label_column] = np.asarray(list(dataset[d.label_column]))
-    text_cfg = cfg.model_copy(update={"data": d.model_copy(update={"format": "json"})})
-    return Rows(_transformed(transform_for(text_cfg), batch, name, d.skip_bad_rows), causal)
+    return Rows(_transformed(transform_for(text_cfg, kind), batch, name, d.skip_bad_rows), causal)
 
 
 def _column(values: Any) -> np.ndarray:

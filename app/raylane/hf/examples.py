@@ -64,7 +64,8 @@ def style_of(
 ) -> str:
     """`style` as configured ('auto' or one of STYLES) resolved against the files' columns: auto ->
     'messages' when the messages column is there, 'prompt_completion' when both prompt and
-    completion are, else 'text'. A style the columns do not hold -> ConfigError, one line naming
+    completion are, else 'text' (whose column the caller checks). A style the columns do not hold
+    -> ConfigError, one line naming
     `key`, the value and the columns the files have."""
     have = list(columns)
     needs = {"messages": [messages], "prompt_completion": [prompt, completion], "text": [text]}
@@ -73,10 +74,7 @@ def style_of(
         for found, wanted in needs.items():
             if all(c in have for c in wanted):
                 return found
-        raise ConfigError(
-            f"{key} = 'auto': the files have no {messages!r} column, no {prompt!r} and {completion!r} columns "
-            f"and no {text!r} column (they have: {shown})"
-        )
+        return "text"  # its column's own check names data.text_column and what the files have
     if style not in needs:
         raise ConfigError(f"{key} = {style!r}: not a style; choose auto, {', '.join(STYLES)}")
     missing = [c for c in needs[style] if c not in have]

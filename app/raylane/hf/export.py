@@ -54,6 +54,9 @@ def export_hf(
     else:
         if is_peft(model):
             model = model.merge_and_unload()
+        # Packed rows turned the cache off for training (raylane.hf.packing.prepare_model); the
+        # export is for generation, which wants it, as transformers' configs have it by default.
+        model.config.use_cache = True
         model.save_pretrained(str(out), max_shard_size=max_shard_size)
     if tokenizer is not None:
         with_pad(tokenizer, model).save_pretrained(str(out))

@@ -58,12 +58,21 @@ class PackedRows:
     input_ids: np.ndarray
     labels: np.ndarray
     position_ids: np.ndarray
-    real_tokens: int
+    row_tokens: np.ndarray  # each row's real tokens
     answer_tokens: int
     cut: int
 
+    @property
+    def real_tokens(self) -> int:
+        return int(self.row_tokens.sum())
+
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
+        return {
+            "input_ids": self.input_ids,
+            "labels": self.labels,
+            "position_ids": self.position_ids,
+            "real_tokens": self.row_tokens,
+        }
 
 
 def pack(
@@ -79,9 +88,10 @@ def pack(
     lengths = [len(ids) for ids, _ in docs]
     bins = best_fit_decreasing(lengths, seq_len) if packing else [[i] for i in range(len(docs))]
     shape = (len(bins), seq_len)
-    input_ids = np.full(shape, pad_id, dtype=np.int64)
-    labels = np.full(shape, IGNORE, dtype=np.int64)
-    positions = np.zeros(shape, dtype=np.int64)
+    input_ids: np.ndarray = np.full(shape, pad_id, dtype=np.int64)
+    labels: np.ndarray = np.full(shape, IGNORE, dtype=np.int64)
+    positions: np.ndarray = np.zeros(shape, dtype=np.int64)
+    row_tokens: np.ndarray = np.zeros(len(bins), dtype=np.int64)
     for row, members in enumerate(bins):
         at = 0
         for i in members:
@@ -93,16 +103,16 @@ def pack(
             positions[row, at : at + n] = np.arange(n)
             at += n
         positions[row, at:] = np.arange(seq_len - at)
-    real = sum(lengths)
-    return PackedRows(input_ids, labels, positions, real, int((labels != IGNORE).sum()), cut)
+        row_tokens[row] = at
+    return PackedRows(input_ids, labels, positions, row_tokens, int((labels != IGNORE).sum()), cut)
 
 
 def documents_in_rows(docs: Sequence[Sequence[int]], seq_len: int) -> dict[str, np.ndarray]:
     """Plain text with `data.document_mask`: the documents concatenated and cut into rows of
     `seq_len` as before (the tail shorter than a row dropped), each document's position ids from
     0 where it starts, or where a row cuts it, and no label on its first token in a row."""
-    flat = np.fromiter((t for d in docs for t in d), dtype=np.int64)
-    starts = np.zeros(len(flat), dtype=bool)
+    flat: np.ndarray = np.fromiter((t for d in docs for t in d), dtype=np.int64)
+    starts: np.ndarray = np.zeros(len(flat), dtype=bool)
     offsets = np.cumsum([0, *[len(d) for d in docs[:-1]]]) if docs else np.zeros(0, dtype=np.int64)
     starts[offsets[offsets < len(flat)]] = True
     n = len(flat) // seq_len
@@ -119,22 +129,42 @@ def prepare_model(model) -> None:
     """Make `model` (a transformers model, or a peft model around one) take packed rows: its own
     attention mask from the position ids, which transformers builds only without a cache, and a
     forward without `use_cache` makes one (the model's config says True: training needs none).
-    ValueError (one line) for a model whose attention builds no such mask: an architecture
-    written before transformers' mask functions, or one without position ids."""
-    import inspect
-    import sys
-
+    ValueError (one line) for a model whose attention builds no such mask."""
     from raylane.hf.tensor_parallel import pretrained_of
 
     _, pretrained = pretrained_of(model)
-    module = sys.modules.get(type(pretrained).__module__)
-    takes = "position_ids" in inspect.signature(pretrained.forward).parameters
+    why = _unpackable(type(pretrained))
+    if why is not None:
+        raise ValueError(f"{why}; set data.packing: false")
+    pretrained.config.use_cache = False
+
+
+def packable(folder: str) -> str | None:
+    """Before anything starts: why the causal LM saved in `folder` cannot keep packed documents
+    apart, or None when it can (its class read from config.json, no model built)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(folder)
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return f"{type(config).__name__} has no causal LM class in transformers"
+    return _unpackable(cls)
+
+
+def _unpackable(cls: type) -> str | None:
+    """Why the transformers model class `cls` cannot: an architecture written before
+    transformers' mask functions (they build the mask from position ids), or one without
+    position ids (a state-space model: mamba, rwkv)."""
+    import inspect
+    import sys
+
+    module = sys.modules.get(cls.__module__)
+    takes = "position_ids" in inspect.signature(getattr(cls, "forward")).parameters  # noqa: B009 - any class
     masks = module is not None and any(
         hasattr(module, name) for name in ("create_causal_mask", "create_sliding_window_causal_mask")
     )
-    if not (takes and masks):
-        raise ValueError(
-            f"{type(pretrained).__name__} cannot keep packed documents apart (its attention builds no mask from "
-            "position ids); set data.packing: false"
-        )
-    pretrained.config.use_cache = False
+    if takes and masks:
+        return None
+    return f"{cls.__name__} cannot keep packed documents apart (its attention builds no mask from position ids)"
