@@ -76,3 +76,46 @@ def test_a_tokenizer_without_a_chat_template_is_one_line_before_start(run_cli, c
     assert p.wait(120) == 2, p.output
     (line,) = [x for x in p.output.splitlines() if x.strip()]
     assert line.startswith("raylane: invalid config: model.tokenizer_path") and "chat template" in line, line
+
+
+CHAT_PROBE = """
+import sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model, tok = AutoModelForCausalLM.from_pretrained(sys.argv[1]), AutoTokenizer.from_pretrained(sys.argv[1])
+prompt = tok.apply_chat_template([{"role": "user", "content": "w5 w6 w7"}], add_generation_prompt=True,
+                                 return_dict=True, return_tensors="pt")
+out = model.generate(**prompt, max_new_tokens=6, do_sample=False)
+print("PROMPT", tok.decode(prompt["input_ids"][0]).replace(chr(10), "|"))
+print("ANSWER", len(out[0]) - prompt["input_ids"].shape[1], model.config.use_cache)
+"""
+
+
+@pytest.mark.slow  # ~1 minute on the shared head; make test's 15 minutes are spent
+@pytest.mark.shared_ray
+def test_a_lora_fine_tune_on_conversations_on_2_ray_workers_under_fsdp_exports_a_model_that_chats(run_cli, chat):
+    """The files streamed by Ray Data's tasks (each batch of rows encoded and packed there), the
+    LoRA-adapted tiny Llama under FSDP on 2 workers, 4 steps; exported with `raylane export
+    --format hf`, the model loads with from_pretrained and answers through the template
+    (generate), its cache on again."""
+    import subprocess
+    import sys
+
+    env = cli_env(chat)
+    sets = ["scaling.num_workers=2", "strategy.name=fsdp", "lora.r=4", "lora.dropout=0", "train.max_steps=4"]
+    sets += ["data.eval=null", "run.name=ray"]
+    p = run_cli("train", "sft.yaml", *(x for s in sets for x in ("--set", s)), "--summary-json", "ray.json", env=env)
+    assert p.wait(400) == 0, p.output
+    s = read_json(chat / "ray.json")
+    assert (s["status"], s["strategy"], s["world_size"], s["steps"]) == ("FINISHED", "fsdp", 2, 4), s
+    exported = run_cli("export", s["checkpoint"], "--format", "hf", "--out", "exported", env=env, name="export")
+    assert exported.wait(300) == 0, exported.output
+    probe = subprocess.run(
+        [sys.executable, "-c", CHAT_PROBE, str(chat / "exported")], capture_output=True, text=True, timeout=120
+    )
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    lines = dict(x.split(" ", 1) for x in probe.stdout.splitlines() if x.startswith(("PROMPT", "ANSWER")))
+    # The word-level tokenizer decodes with spaces between its tokens (and has no newline token).
+    assert lines["PROMPT"] == "<|im_start|> user w5 w6 w7 <|im_end|> <|im_start|> assistant", lines
+    generated, cache = lines["ANSWER"].split()
+    assert 1 <= int(generated) <= 6 and cache == "True", lines  # an answer (EOS may end it early)
