@@ -30,7 +30,7 @@ def chat(tmp_path):
         "pipeline: hf\n"
         "model: {name_or_path: model, seq_len: 128}\n"
         "data: {train: train.jsonl, eval: eval.jsonl, format: json, shuffle_rows: 16}\n"
-        "train: {batch_size: 2, max_epochs: 1, seed: 0}\n"
+        "train: {batch_size: 2, max_epochs: 1, max_steps: 8, seed: 0}\n"
         "optim: {name: adamw, lr: 0.003}\n"
         "checkpoint: {every_n_steps: 3}\n"
         "mlflow: {log_every_n_steps: 1, log_model: false, system_metrics: false}\n"
@@ -62,7 +62,7 @@ def test_a_run_stopped_mid_epoch_resumes_on_the_same_next_packed_examples(run_cl
     assert again.wait(400) == 0, again.output
     assert "resumed from step 3" in again.output, again.output
     resumed = read_json(chat / "cut.json")
-    assert resumed["status"] == "FINISHED" and resumed["steps"] == first["steps"], resumed
+    assert resumed["status"] == "FINISHED" and resumed["steps"] == first["steps"] == 8, resumed
     ours, theirs = _losses(resumed), _losses(first)
     assert [s for s in theirs if s >= 4] and all(ours[s] == theirs[s] for s in theirs if s >= 4), (ours, theirs)
     assert resumed["metrics"]["loss"] == first["metrics"]["loss"]
