@@ -112,3 +112,15 @@ def llama(folder: str | Path, *, template: str = "chatml", positions: int = 512,
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def answer_examples(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """`n` (ids, labels) examples of mixed lengths (3-32 tokens) as raylane.hf.examples encodes a
+    prompt and its completion: the labels on the answer, a tail of 1-12 tokens, -100 before it."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt, answer = rng.randint(2, 20), rng.randint(1, 12)
+        ids = [rng.randrange(3, hf_tiny.VOCAB) for _ in range(prompt + answer)]
+        out.append((ids, [-100] * prompt + ids[prompt:]))
+    return out

@@ -9,28 +9,18 @@ ranks) between the packed copy and the padded one, and between the unmasked one 
 from __future__ import annotations
 
 import json
-import random
 import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from raylane.hf.packing import IGNORE, pack, prepare_model
+from raylane.hf.packing import pack, prepare_model
 from raylane.loop.distributed.parallelize import parallelize
 from raylane.pipelines.gpt import Config
+from tests.helpers.hf_chat import answer_examples
 
 SEQ = 48
-
-
-def examples(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        prompt, answer = rng.randint(2, 20), rng.randint(1, 12)
-        ids = [rng.randrange(3, 64) for _ in range(prompt + answer)]
-        out.append((ids, [IGNORE] * prompt + ids[prompt:]))
-    return out
 
 
 def model(family: str):
@@ -57,7 +47,7 @@ def gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 dist.init_process_group("gloo")
 rank, family, out = dist.get_rank(), sys.argv[1], sys.argv[2]
-mine = examples(24, seed=3)[rank::2]
+mine = answer_examples(24, seed=3)[rank::2]
 packed, padded = pack(mine, SEQ, 0), pack(mine, SEQ, 0, packing=False)
 inputs = {k: v for k, v in packed.arrays().items() if k != "real_tokens"}
 lengths = np.array([[min(len(ids), SEQ)] for ids, _ in mine])

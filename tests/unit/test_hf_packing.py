@@ -6,8 +6,6 @@ position ids) the packed loss differs: the test says by how much."""
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raylane.hf.packing import IGNORE, best_fit_decreasing, documents_in_rows, pack, prepare_model
+from tests.helpers.hf_chat import answer_examples
 
 pytest.importorskip("transformers")
 
@@ -28,25 +27,15 @@ def test_best_fit_decreasing_puts_every_example_in_one_bin_within_capacity_the_s
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= capacity for b in bins)
     assert best_fit_decreasing(lengths, capacity) == bins
-    # No two bins could be merged: best fit never opens a bin an earlier one had room for.
+    # No two bins could be merged: a bin is opened only for an example no earlier bin had room
+    # for, so any two bins' loads sum past capacity (the two lightest included).
     loads = sorted(sum(lengths[i] for i in b) for b in bins)
-    assert len(loads) < 2 or loads[0] + loads[1] > capacity or min(lengths[i] for b in bins for i in b) > 0
+    assert len(loads) < 2 or loads[0] + loads[1] > capacity, loads
 
 
 def test_best_fit_takes_the_fullest_bin_that_fits():
     # 30 and 25 open two bins of 48; 18 fits both: the one with less room (30's, 18 left) takes it.
     assert best_fit_decreasing([30, 25, 18, 20], 48) == [[0, 2], [1, 3]]
-
-
-def _examples(n: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """Prompt-completion-like examples of mixed lengths: labels on a tail (the answer) only."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        prompt, answer = rng.randint(2, 20), rng.randint(1, 12)
-        ids = [rng.randrange(3, 64) for _ in range(prompt + answer)]
-        out.append((ids, [IGNORE] * prompt + ids[prompt:]))
-    return out
 
 
 def test_a_packed_row_restarts_positions_and_never_labels_a_documents_first_token():
@@ -59,7 +48,7 @@ def test_a_packed_row_restarts_positions_and_never_labels_a_documents_first_toke
 
 
 def test_packing_fills_sequences_where_one_a_row_pads_them():
-    examples = _examples(400, seed=1)
+    examples = answer_examples(400, seed=1)
     packed, padded = pack(examples, SEQ, 0), pack(examples, SEQ, 0, packing=False)
     assert packed.real_tokens == padded.real_tokens
     efficiency = packed.real_tokens / packed.input_ids.size
@@ -99,7 +88,7 @@ def test_a_packed_batch_has_the_loss_and_gradients_of_its_examples_one_a_row(fam
     documents masked from each other by position ids), or one a row, right-padded with an
     attention mask. Loss and every gradient within 1e-5 (fp32). With an all-ones attention mask
     beside the position ids, which turns transformers' document mask off, the packed loss is off."""
-    model, examples = _model(family), _examples(12, seed=2)
+    model, examples = _model(family), answer_examples(12, seed=2)
     packed = pack(examples, SEQ, 0)
     assert len(packed.input_ids) < len(examples) // 1.5  # several documents a row
     padded = pack(examples, SEQ, 0, packing=False)
