@@ -49,7 +49,7 @@ dist.init_process_group("gloo")
 rank, family, out = dist.get_rank(), sys.argv[1], sys.argv[2]
 mine = answer_examples(24, seed=3)[rank::2]
 packed, padded = pack(mine, SEQ, 0), pack(mine, SEQ, 0, packing=False)
-inputs = {k: v for k, v in packed.arrays().items() if k != "real_tokens"}
+inputs = packed.arrays()
 lengths = np.array([[min(len(ids), SEQ)] for ids, _ in mine])
 one_a_row = {"input_ids": padded.input_ids, "labels": padded.labels, "attention_mask": np.arange(SEQ) < lengths}
 loss, grads = run(model(family), inputs)

@@ -222,7 +222,7 @@ class Rows:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if self.causal:
-            return causal_tensors({k: v[i] for k, v in self.arrays.items() if k != "real_tokens"})
+            return causal_tensors({k: v[i] for k, v in self.arrays.items()})
         return {k: v[i] for k, v in self.arrays.items()}
 
 

@@ -67,12 +67,7 @@ class PackedRows:
         return int(self.row_tokens.sum())
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {
-            "input_ids": self.input_ids,
-            "labels": self.labels,
-            "position_ids": self.position_ids,
-            "real_tokens": self.row_tokens,
-        }
+        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
 
 
 def pack(

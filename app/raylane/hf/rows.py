@@ -6,7 +6,7 @@ keeps its own way unless packed (documents joined end to end and cut: raylane.hf
 
 A transform here runs where the data is read (Ray Data's tasks, the reader thread, or once over
 an in-memory dataset), on numpy batches, and returns `input_ids`, `labels` and `position_ids`,
-each (rows, seq_len), with `real_tokens` per row (the tokens that are not padding). A bad row (not a conversation, an unknown role) is a DataError naming
+each (rows, seq_len). A bad row (not a conversation, an unknown role) is a DataError naming
 its row and column; `data.skip_bad_rows` drops it as any other bad row."""
 
 from __future__ import annotations
