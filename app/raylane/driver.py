@@ -359,6 +359,8 @@ def _result_fields(r: RunResult) -> dict[str, Any]:
         "last_window": r.last_window,
         "samples_per_s": r.samples_per_s,
         "tokens_per_s": r.tokens_per_s,
+        "real_tokens_per_s": r.real_tokens_per_s,
+        "packing_efficiency": r.packing_efficiency,
         "mfu": r.mfu,
         "train_s": r.train_s,
         "train_cpu_s": r.train_cpu_s,

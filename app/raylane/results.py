@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION: Final = 6
+SCHEMA_VERSION: Final = 7
 
 
 class Status(str, Enum):
@@ -44,7 +44,7 @@ class _Model(BaseModel):
 
 
 class _Summary(_Model):
-    schema_version: Literal[6] = Field(SCHEMA_VERSION, description="This file's schema version.")
+    schema_version: Literal[7] = Field(SCHEMA_VERSION, description="This file's schema version.")
     status: Status = Field(description="FINISHED, FAILED or KILLED; the exit code is 0, 1 or 130.")
     error: str | None = Field(None, description="Why the command did not finish: one line, else null.")
 
@@ -86,6 +86,10 @@ class Window(_Model):
     loss: float | None = Field(None, description="Mean train loss over the window.")
     samples_per_s: float | None = Field(None, description="Rank 0's samples a second over the window, whole group.")
     tokens_per_s: float | None = Field(None, description="Tokens a second over the window (token pipelines).")
+    real_tokens_per_s: float | None = Field(
+        None, description="Of them, the tokens that were data, not padding (rows that hold padding)."
+    )
+    padding_share: float | None = Field(None, description="The share of the window's tokens that were padding.")
 
 
 class TrackingCost(_Model):
@@ -190,6 +194,12 @@ class TrainSummary(_Summary):
     wall_s: float | None = Field(None, description="Seconds from the launch to the summary.")
     samples_per_s: float | None = Field(None, description="Samples a second over the whole training, whole group.")
     tokens_per_s: float | None = Field(None, description="Tokens a second over the whole training.")
+    real_tokens_per_s: float | None = Field(
+        None, description="Of them, the tokens that were data, not padding (packed or padded rows)."
+    )
+    packing_efficiency: float | None = Field(
+        None, description="The tokens that were data, of every row's tokens (rank 0's, this launch): 1 is no padding."
+    )
     mfu: float | None = Field(None, description="Model FLOPs utilisation (GPU runs with a known peak).")
     train_s: float | None = Field(
         None, description="Rank 0's seconds from the start of training to the end of its loop."

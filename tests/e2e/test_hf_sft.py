@@ -54,6 +54,14 @@ def test_a_run_stopped_mid_epoch_resumes_on_the_same_next_packed_examples(run_cl
     first = read_json(chat / "whole.json")
     assert first["status"] == "FINISHED" and first["steps"] >= 6, first
     assert 0 < first["metrics"]["loss"] < 10, first["metrics"]
+    # The data's share of the row tokens: the summary's packing efficiency, and each window's.
+    assert 0.5 < first["packing_efficiency"] <= 1 and first["real_tokens_per_s"] < first["tokens_per_s"], first
+    assert "of the tokens were data" in whole.output, whole.output
+    client = MlflowClient(first["tracking_uri"])
+    shares = [m.value for m in client.get_metric_history(first["run_id"], "train/padding_share")]
+    assert len(shares) == 8 and all(0 <= x < 0.5 for x in shares), shares
+    run = client.get_run(first["run_id"]).data.metrics
+    assert run["run/packing_efficiency"] == pytest.approx(first["packing_efficiency"]), run
 
     args = ["train", "sft.yaml", "--local", "--set", "run.name=cut", "--summary-json", "cut.json"]
     cut = run_cli(*args, env=cli_env(chat, RAYLANE_FAULTS="raise@step=5"), name="cut")

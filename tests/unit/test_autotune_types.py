@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from raylane import results
 from raylane.autotuning.driver import Recorder, execute
 from raylane.autotuning.record import SearchRecord, fingerprint
 from raylane.config import load_config
@@ -120,8 +121,8 @@ def test_the_typed_search_writes_the_summary_lines_and_fingerprint_the_dict_one_
     expected = before["summary"]
     expected["timing"].pop("wall_s")
     expected["best"]["yaml"] = str(out)
-    # Every summary's schema version moved on since (6: TrainSummary.replicas); this one's fields did not.
-    assert written.pop("schema_version") == 6 and expected.pop("schema_version") == 5
+    # Every summary's schema version moved on since (7: TrainSummary.packing_efficiency); this one's fields did not.
+    assert written.pop("schema_version") == results.SCHEMA_VERSION and expected.pop("schema_version") == 5
     assert written == expected
     assert summary.ranking is not None and summary.ranking.winner == 0 and summary.ranking.ties == [0, 1]
     lines = capsys.readouterr().out.replace(str(tmp_path), "OUT").splitlines()

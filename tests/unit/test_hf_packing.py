@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raylane.hf.packing import IGNORE, best_fit_decreasing, documents_in_rows, pack, prepare_model
+from raylane.hf.data import causal_tensors
+from raylane.hf.packing import IGNORE, best_fit_decreasing, documents_in_rows, pack, prepare_model, real_tokens
 from tests.helpers.hf_chat import answer_examples
 
 pytest.importorskip("transformers")
@@ -54,6 +55,22 @@ def test_packing_fills_sequences_where_one_a_row_pads_them():
     efficiency = packed.real_tokens / packed.input_ids.size
     assert efficiency >= 0.95, efficiency
     assert padded.real_tokens / padded.input_ids.size < 0.5  # the same examples one a row
+
+
+@pytest.mark.parametrize("pad_id", [0, 2], ids=["a pad token of its own", "pad is an example's token"])
+def test_the_loop_counts_a_batchs_real_tokens_as_packing_placed_them(pad_id):
+    """What raylane.loop.steps.Throughput reads from each micro-batch on the host (the padding
+    share, real tokens/s): exactly the packer's own count, packed and one a row, whether or not
+    the pad id is also a token of the examples (an end-of-turn token, say)."""
+    examples = answer_examples(120, seed=3)
+    examples += [([4, 2, 2], [IGNORE, 2, 2])]  # ends in the pad id, with labels: data, not padding
+    for packing in (True, False):
+        rows = pack(examples, SEQ, pad_id, packing=packing)
+        batch = causal_tensors(rows.arrays())
+        assert int(real_tokens(batch, pad_id)) == rows.real_tokens
+    full = pack([([5] * 8, [5] * 8)], 8, pad_id)  # a row with no padding at all
+    assert int(real_tokens(causal_tensors(full.arrays()), pad_id)) == 8
+    assert real_tokens({"input_ids": torch.ones(2, 8, dtype=torch.long)}, pad_id) is None  # joined text
 
 
 def test_plain_text_with_the_document_mask_restarts_positions_where_a_document_or_a_row_starts():

@@ -55,12 +55,14 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
     example = {"input_ids": _zeros(2, m.seq_len)}
     extra: dict[str, Any]  # the fields of one task or the other, each of its own type
     if causal:
+        from raylane.hf.packing import real_tokens
         from raylane.hf.pipeline_parallel import causal_lm_stages
 
         extra = {
             "pp_stages": causal_lm_stages(),  # strategy.pp: its decoder layers split, names kept
             "eval_count": _predicted_tokens,
             "tokens_per_sample": m.seq_len,
+            "real_tokens": functools.partial(real_tokens, pad_id=data.pad_id(tok)),  # packed or padded rows
             "flops_per_token": flops_per_token(model, m.seq_len),
         }
     else:

@@ -102,6 +102,24 @@ def pack(
     return PackedRows(input_ids, labels, positions, row_tokens, int((labels != IGNORE).sum()), cut)
 
 
+def real_tokens(batch: dict, pad_id: int):
+    """The tokens of a batch of `pack`'s rows that are data (a tensor of one number), or None for
+    rows without position ids (plain text joined and cut: no padding). A row's padding is its last
+    document when every token of it is `pad_id` with no label: a real example always carries
+    some label or some other token (one with neither has nothing to learn and is left out)."""
+    import torch
+
+    positions = batch.get("position_ids")
+    if positions is None:
+        return None
+    ids, labels = batch["input_ids"], batch["labels"]
+    index = torch.arange(ids.shape[-1]).expand_as(ids)
+    last = torch.where(positions == 0, index, 0).amax(dim=-1, keepdim=True)  # each row's last document's start
+    tail = index >= last
+    padding = (tail & ((ids != pad_id) | (labels != IGNORE))).sum(-1) == 0  # its last document is padding
+    return ids.numel() - torch.where(padding, tail.sum(-1), 0).sum()
+
+
 def documents_in_rows(docs: Sequence[Sequence[int]], seq_len: int) -> dict[str, np.ndarray]:
     """Plain text with `data.document_mask`: the documents concatenated and cut into rows of
     `seq_len` as before (the tail shorter than a row dropped), each document's position ids from

@@ -30,7 +30,7 @@ from raylane.loop.protocols.result import RunResult
 
 PROGRESS_INTERVAL_S = 0.5
 # The training figures of one window of steps, as MLflow records them at the window's last step.
-WINDOW_KEYS = ("loss", "samples_per_s", "tokens_per_s")
+WINDOW_KEYS = ("loss", "samples_per_s", "tokens_per_s", "real_tokens_per_s", "padding_share")
 # Stragglers named one by one (an event and the tag `raylane.straggler.rank<R>` each); past them
 # (a slow rack at 1,024 ranks), one line says so and the run's end counts the others in the tag
 # `raylane.stragglers_more`: the run's summary lists every one.

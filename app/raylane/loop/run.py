@@ -229,6 +229,7 @@ def _parts(
             pipe.tokens_per_sample,
             pipe.flops_per_token,
             peak_flops(runtime.device, cfg.train.precision, cfg.scaling.peak_tflops),
+            real_tokens=pipe.real_tokens,
         ),
         evaluator=_evaluator(eval_loader, pipe, runtime),
         hooks=pipe.hooks,

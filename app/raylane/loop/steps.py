@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +15,7 @@ import torch
 
 from raylane.config import TrainSection
 from raylane.loop.data.loader import EpochData, data_change
-from raylane.loop.protocols.batches import StepMetrics
+from raylane.loop.protocols.batches import StepMetrics, batch_size
 
 
 def plan_steps(train_data: EpochData, train: TrainSection) -> tuple[int, int]:
@@ -193,16 +193,44 @@ def _all_finite(grads: list[torch.Tensor]) -> bool:
 
 @dataclass
 class Throughput:
-    """What turns samples per second into tokens per second and MFU (None: not reported)."""
+    """What turns samples per second into tokens per second and MFU (None: not reported), and,
+    for a pipeline whose rows hold padding (`real_tokens`: batch -> its tokens that are data), the
+    share of the tokens that are data: `real_tokens_per_s` and `padding_share`. The counts are
+    this rank's, over this launch, taken from each micro-batch on the host before its forward (no
+    device sync, no collective: ranks draw rows alike, so rank 0's share stands for the group)."""
 
     tokens_per_sample: int | None = None
     flops_per_token: float | None = None
     peak_flops_per_device: float | None = None
+    real_tokens: Callable[[Any], Any] | None = None
+    data_tokens: int = 0  # counted tokens that are data ...
+    slot_tokens: int = 0  # ... of this many (rows x tokens_per_sample)
 
-    def rates(self, samples_per_s: float, world_size: int) -> dict[str, float]:
+    def count(self, batches: Iterable[Any]) -> None:
+        """A step's micro-batches counted (nothing without `real_tokens`)."""
+        if self.real_tokens is None or not self.tokens_per_sample:
+            return
+        for batch in batches:
+            data = self.real_tokens(batch)
+            if data is not None:  # None: rows of this kind hold no padding
+                self.data_tokens += int(data)
+                self.slot_tokens += batch_size(batch) * self.tokens_per_sample
+
+    def counted(self) -> tuple[int, int]:
+        return self.data_tokens, self.slot_tokens
+
+    def share(self, since: tuple[int, int] = (0, 0)) -> float | None:
+        """The tokens that were data, of those counted since `since` (a `counted()`); None: none counted."""
+        slots = self.slot_tokens - since[1]
+        return (self.data_tokens - since[0]) / slots if slots > 0 else None
+
+    def rates(self, samples_per_s: float, world_size: int, share: float | None = None) -> dict[str, float]:
+        """`share`: the tokens that were data over the same span (None: not counted)."""
         if not self.tokens_per_sample:
             return {}
         out = {"tokens_per_s": samples_per_s * self.tokens_per_sample}
+        if share is not None:
+            out |= {"real_tokens_per_s": out["tokens_per_s"] * share, "padding_share": 1.0 - share}
         if self.flops_per_token and self.peak_flops_per_device:
             out["mfu"] = self.flops_per_token * out["tokens_per_s"] / (self.peak_flops_per_device * world_size)
         return out
@@ -216,6 +244,7 @@ class MetricsWindow:
     def __init__(self, device: torch.device) -> None:
         self.loss_sum = torch.zeros((), device=device)
         self.step_metrics = StepMetrics(device)
+        self.tokens_mark = (0, 0)  # Throughput.counted() at the last window's end
         self.reset()
 
     def reset(self) -> None:
@@ -238,12 +267,13 @@ class MetricsWindow:
     ) -> dict[str, float]:
         """The window's figures, its time up to `until` (default: now)."""
         samples_per_s = self.steps * samples_per_step / max((until or time.perf_counter()) - self.start, 1e-9)
+        share, self.tokens_mark = throughput.share(self.tokens_mark), throughput.counted()
         return {
             "loss": float(self.loss_sum) / max(self.loss_count, 1),
             "lr": lr,
             # the window's last measured norm (a window cut short by a stop may have none)
             **({"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {}),
             "samples_per_s": samples_per_s,
-            **throughput.rates(samples_per_s, world_size),
+            **throughput.rates(samples_per_s, world_size, share),
             **self.step_metrics.means(),
         }

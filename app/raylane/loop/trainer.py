@@ -178,13 +178,13 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def run_step(self, micro_batches: list[Any]) -> torch.Tensor | None:
-        """One optimizer step over its micro-batches, as training takes it (autotune times it);
-        returns the mean loss, or None when a non-finite update was skipped. Gradients are
-        reduced on the last micro-batch only. The step count and checkpoints are the caller's.
-        Under pipeline parallelism the schedule runs them, and the last stage's loss reaches
-        every stage with the gradient norm (one all-reduce, which the NaN vote and the clipping
-        of parameters spread over stages need anyway)."""
+        """One optimizer step over its micro-batches, as training takes it (autotune times it): the
+        mean loss, or None when a non-finite update was skipped. Gradients are reduced on the last
+        micro-batch only; the step count and checkpoints are the caller's. Under pipeline parallelism
+        the schedule runs them, and the last stage's loss reaches every stage with the gradient norm
+        (one all-reduce, which the NaN vote and the clipping of parameters over stages need anyway)."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.throughput.count(micro_batches)  # on the host, before they move: padding's share
         self.replicas.begin(self.step)
         if self._forward_writes_state:
             self._wait_for_staging()

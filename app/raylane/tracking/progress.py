@@ -68,6 +68,8 @@ def figures(window: dict[str, Any] | None, with_loss: bool = True) -> str:
         parts.append(f"{window['samples_per_s']:,.0f} samples/s")
     if "tokens_per_s" in window:
         parts.append(f"{window['tokens_per_s']:,.0f} tokens/s")
+    if "real_tokens_per_s" in window:  # rows that hold padding: what of it was data
+        parts.append(f"({window['real_tokens_per_s']:,.0f} real)")
     return " ".join(parts)
 
 
@@ -253,6 +255,26 @@ class ProgressDisplay:
             self._bar = None
 
 
+def _speed_rows(s: TrainSummary) -> list[tuple[str, str]]:
+    """The train loss and throughput over the last window, the whole run's, and the share of the
+    tokens that were data where rows hold padding."""
+    rows: list[tuple[str, str]] = []
+    window = s.last_window.model_dump(exclude_none=True) if s.last_window else None
+    if window and "loss" in window:
+        rows.append(("train loss", f"{window['loss']:.4f} ({window_span(window)}, rank 0)"))
+    rates = (
+        [f"{figures(window, with_loss=False)} ({window_span(window)})"] if window and "samples_per_s" in window else []
+    )
+    whole = {"samples_per_s": s.samples_per_s, "tokens_per_s": s.tokens_per_s, "real_tokens_per_s": s.real_tokens_per_s}
+    if text := figures({k: v for k, v in whole.items() if v is not None}):
+        rates.append(f"{text} (whole run)")
+    if rates:
+        rows.append(("throughput", ", ".join(rates)))
+    if s.packing_efficiency is not None:
+        rows.append(("packing", f"{s.packing_efficiency:.1%} of the tokens were data, the rest padding (rank 0)"))
+    return rows
+
+
 def outcome_text(summary: TrainSummary, ui: str, log_file: Any = None) -> str:
     """The block a run ends with. Each figure names what it measures: the eval metrics the step
     they were taken at, train loss and throughput the window of steps they cover (the last line of
@@ -274,18 +296,7 @@ def outcome_text(summary: TrainSummary, ui: str, log_file: Any = None) -> str:
                 + (f" across {plural(nodes, 'node')}" if nodes > 1 else ""),
             )
         )
-    window = s.last_window.model_dump(exclude_none=True) if s.last_window else None
-    if window and "loss" in window:
-        rows.append(("train loss", f"{window['loss']:.4f} ({window_span(window)}, rank 0)"))
-    rates = (
-        [f"{figures(window, with_loss=False)} ({window_span(window)})"] if window and "samples_per_s" in window else []
-    )
-    whole = figures(
-        {k: v for k, v in (("samples_per_s", s.samples_per_s), ("tokens_per_s", s.tokens_per_s)) if v is not None}
-    )
-    rates += [f"{whole} (whole run)"] if whole else []
-    if rates:
-        rows.append(("throughput", ", ".join(rates)))
+    rows += _speed_rows(s)
     metrics = " ".join(f"{k} {v:.4f}" for k, v in sorted(s.metrics.items()))
     rows.append(("eval", metrics or "-"))
     if s.early_stopped:

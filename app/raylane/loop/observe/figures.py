@@ -23,9 +23,12 @@ WARMUP_STEPS = 3
 
 
 class Rates(Protocol):
-    """raylane.loop.steps.Throughput: tokens per second and MFU from samples per second."""
+    """raylane.loop.steps.Throughput: tokens per second and MFU from samples per second, and the
+    share of the tokens that were data (padding aside)."""
 
-    def rates(self, samples_per_s: float, world_size: int) -> dict[str, float]: ...
+    def rates(self, samples_per_s: float, world_size: int, share: float | None = None) -> dict[str, float]: ...
+
+    def share(self, since: tuple[int, int] = (0, 0)) -> float | None: ...
 
 
 class Teller(Protocol):
@@ -129,11 +132,14 @@ class RunFigures(Observer):
         start = self.warm if self.warm is not None and step - self.warm[2] >= WARMUP_STEPS else self.started
         started, started_cpu, first_step = start
         samples_per_s = (step - first_step) * self.samples_per_step / max(last_step_end - started, 1e-9)
-        rates = self.throughput.rates(samples_per_s, self.world_size)
+        share = self.throughput.share()  # this launch's, warm-up included: padding is the data's, not the clock's
+        rates = self.throughput.rates(samples_per_s, self.world_size, share)
         return {
             "step_time_s": (last_step_end - started) / max(step - first_step, 1),
             "samples_per_s": samples_per_s,
             "tokens_per_s": rates.get("tokens_per_s"),
+            "real_tokens_per_s": rates.get("real_tokens_per_s"),
+            "packing_efficiency": share,
             "mfu": rates.get("mfu"),
             "train_s": ended - started,
             "train_wall_s": self.trained_before_s + ended - self.started[0],

@@ -34,6 +34,8 @@ RESERVED_METRICS = frozenset(
         "grad_norm",
         "samples_per_s",
         "tokens_per_s",
+        "real_tokens_per_s",
+        "padding_share",
         "mfu",
         "epoch",
         "step",

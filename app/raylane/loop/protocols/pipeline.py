@@ -35,6 +35,10 @@ class Pipeline:
     # for tokens_per_s and MFU.
     tokens_per_sample: int | None = None
     flops_per_token: float | None = None
+    # Rows that hold padding (packed or padded sequences): batch -> the batch's tokens that are
+    # data (an int, or a CPU tensor of one; None for a batch without padding), read before each
+    # forward, for real_tokens_per_s, padding_share and the summary's packing efficiency.
+    real_tokens: Callable[[Any], Any] | None = None
     # step(model, batch) -> loss, or (loss, {metric: value}): the whole forward and loss, for
     # what loss_fn cannot express (several outputs, a frozen teacher, a contrastive pair).
     step: StepFn | None = None

@@ -51,6 +51,8 @@ class RunResult:
     stop_reason: str | None  # why the loop ended before its last step
     early_stopped: bool  # train.early_stopping ended the run
     tokens_per_s: float | None = None  # language models (Pipeline.tokens_per_sample)
+    real_tokens_per_s: float | None = None  # ... of them, those that were data (Pipeline.real_tokens)
+    packing_efficiency: float | None = None  # the tokens that were data, of every row's (rank 0's)
     mfu: float | None = None  # with a known peak of the device
     # Rank 0's Reporter adds these (Reporter.on_end):
     last_window: dict[str, Any] | None = None  # the last logged steps' train figures
@@ -65,8 +67,14 @@ class RunResult:
 
     def rates(self) -> dict[str, float]:
         """The whole run's throughput, as MLflow records it (run/<name>): samples a second, and
-        tokens a second for a language model."""
-        rates = {"samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s}
+        tokens a second for a language model (and of them the data's, with its packing efficiency,
+        for rows that hold padding)."""
+        rates = {
+            "samples_per_s": self.samples_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "real_tokens_per_s": self.real_tokens_per_s,
+            "packing_efficiency": self.packing_efficiency,
+        }
         return {name: float(value) for name, value in rates.items() if value is not None}
 
     def speed(self) -> dict[str, float]:
