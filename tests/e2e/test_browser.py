@@ -66,6 +66,7 @@ def _assert_row_shows(page, run_name: str, run, metrics: tuple[str, ...]) -> Non
         assert float(cell.inner_text().replace(",", "")) == pytest.approx(run.data.metrics[key], rel=1e-3)
 
 
+@pytest.mark.slow  # ~40 s: a run of its own; make test opens the UI in Chromium on the session's sweep (below): its trials nested under the parent and compared
 @needs_chromium
 def test_mlflow_ui_shows_the_run_its_columns_and_its_charts(run_cli, tmp_path, shared_mlflow_server):
     from playwright.sync_api import expect, sync_playwright

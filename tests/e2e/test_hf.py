@@ -363,7 +363,11 @@ def _ray_fine_tune(run_cli, tmp_path, name: str, strategy: str, *extra: str, lau
 @pytest.mark.parametrize(
     "killed",
     [
-        False,
+        # ~85 s on 2 busy cores (FSDP on 2 Ray workers, transformers imported in each): make test
+        # loads every family as from_pretrained on 2 ranks under DDP and FSDP under torchrun
+        # (below), trains, resumes and logs LoRA runs under torchrun (test_hf_lora*.py), and
+        # runs Ray's workers through the same loop (test_any_model.py, test_strategies.py).
+        pytest.param(False, marks=pytest.mark.slow),
         # ~60 s more: Ray's restart of the group. A kill -9 on Ray resuming bit-exact is in make
         # test for a model of the user's own with dict batches (test_any_model.py); this one adds
         # the adapter's.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import cli_env, read_json, wait_for
 
 # 40 steps, a value of train/loss every 4, and 0.25 s a step (rank 0's fault-injected sleep): the
@@ -20,6 +22,7 @@ ARGS = (
 )  # fmt: skip
 
 
+@pytest.mark.slow  # ~30 s: two launches around a server stopped and started; make test keeps the records and closes them in-process (tests/unit/test_mlflow_pending.py) and loses no metric of a server down mid-run (test_mlflow_server.py)
 def test_a_server_back_after_the_end_gets_the_run_closed_with_its_values_by_the_next_launch(
     run_cli, tmp_path, mlflow_server
 ):

@@ -233,6 +233,7 @@ def build(cfg):
 """
 
 
+@pytest.mark.slow  # ~25 s on Ray; make test stops gracefully on a notice mid-run (test_sigterm_to_the_driver_...) and keeps a notice that comes early in-process (tests/unit/test_drain_notice.py)
 @pytest.mark.ray
 @pytest.mark.shared_ray
 def test_a_notice_before_the_loop_starts_still_stops_gracefully(run_cli, tmp_path):

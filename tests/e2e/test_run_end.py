@@ -5,6 +5,8 @@ dist.timeout_s: a tiny Mixtral's MLflow model outlasted it, and the run ended FA
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import TORCHRUN, read_json
 
 TIMEOUT_S = 10
@@ -47,6 +49,7 @@ def build(cfg):
 """
 
 
+@pytest.mark.slow  # ~20 s: dist.timeout_s waited out under torchrun (make test runs every other end of a run)
 def test_rank_zero_end_of_run_work_longer_than_the_timeout_still_finishes(run_cli, tmp_path):
     (tmp_path / "pipe.py").write_text(PIPELINE)
     (tmp_path / "cfg.yaml").write_text(

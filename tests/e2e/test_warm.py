@@ -72,6 +72,7 @@ def _head_env(tmp_path: Path, monkeypatch) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # ~30 s: a head started beside two spinners; make test fills, tops up and budgets the pool in-process (the tests below)
 def test_a_busy_heads_pool_fills_and_up_says_what_it_has(run_cli, tmp_path, monkeypatch):
     """The machine is kept busy from the moment `raylane up` returns, when its pool starts to
     fill (the head's own start is Ray's, which on 2 cores beside two spinners can outlast Ray's
