@@ -400,6 +400,7 @@ ALL = (
     "B13",
     "B14",
     "B15",
+    "B16",
 )
 
 
@@ -439,6 +440,7 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
             ("B13", lambda: b13(bench)),
             ("B14", lambda: b14(bench)),
             ("B15", lambda: b15(bench)),
+            ("B16", lambda: hf_bench(bench, "b16")),
         )
         if name in chosen
     ]
@@ -558,11 +560,15 @@ def b10(bench: Bench) -> dict[str, Any]:
 
 
 def hf_bench(bench: Bench, name: str) -> dict[str, Any]:
-    """B11 and B12 need raylane[hf]; without it they are skipped, saying why."""
+    """B11, B12 and B16 need raylane[hf]; without it they are skipped, saying why."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
         return {"skipped": "raylane[hf] is not installed (pip install 'raylane[hf]')"}
+    if name == "b16":
+        from scripts.benchmarks.sft import b16
+
+        return b16(bench)
     from scripts.benchmarks import hf
 
     return getattr(hf, name)(bench)

@@ -152,6 +152,9 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     out += b13_rows(results.get("B13"))
     out += b14_rows(results.get("B14"))
     out += b15_rows(results.get("B15"))
+    from scripts.benchmarks.sft import rows as b16_rows
+
+    out += b16_rows(results.get("B16"))
     for name, error in results.get("failed", {}).items():
         first = error.strip().splitlines()[0] if error.strip() else "unknown error"
         out.append(
