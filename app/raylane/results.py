@@ -73,6 +73,11 @@ class SkippedRows(_Model):
     rows: int = Field(description="Rows read (before any was skipped).")
     skipped: int = Field(description="Bad rows skipped: each counted once, however many epochs read it.")
     first: str | None = Field(None, description="The first row skipped: its file, row, column and value.")
+    counts: dict[str, int] = Field(
+        default_factory=dict,
+        description="What the data's transform counted before training, by what it is: the hf pipeline's "
+        "examples cut to model.seq_len, dropped past it, and conversations without an answer, left out.",
+    )
 
 
 class Memory(_Model):
@@ -218,8 +223,8 @@ class TrainSummary(_Summary):
     skipped_steps: int = Field(0, description="Steps skipped for a non-finite loss (train.on_nan: skip).")
     skipped_rows: dict[str, SkippedRows] = Field(
         default_factory=dict,
-        description="Bad rows skipped (data.skip_bad_rows), by the config key of their files (`data.train`), "
-        "or `<name> dataset` for a dataset handed over in memory.",
+        description="Bad rows skipped (data.skip_bad_rows), and what the data's transform counted, by the config "
+        "key of their files (`data.train`), or `<name> dataset` for a dataset handed over in memory.",
     )
     failed_checkpoints: int = Field(
         0, description="Checkpoint saves that failed (checkpoint.on_error: warn; the run went on)."

@@ -24,8 +24,11 @@ def chat(tmp_path):
     hf_chat.llama(tmp_path / "model")
     for name, n, seed in (("train", 48, 0), ("eval", 12, 1)):
         with open(tmp_path / f"{name}.jsonl", "w") as f:
-            for messages in hf_chat.conversations(n, seed=seed):
+            for i, messages in enumerate(hf_chat.conversations(n, seed=seed)):
                 f.write(json.dumps({"messages": messages}) + "\n")
+                if name == "train" and i in (5, 30):  # a question never answered: counted, left out
+                    asked = [m for m in messages if m["role"] != "assistant"]
+                    f.write(json.dumps({"messages": asked}) + "\n")
     (tmp_path / "sft.yaml").write_text(
         "pipeline: hf\n"
         "model: {name_or_path: model, seq_len: 128}\n"
@@ -57,6 +60,8 @@ def test_a_run_stopped_mid_epoch_resumes_on_the_same_next_packed_examples(run_cl
     # The data's share of the row tokens: the summary's packing efficiency, and each window's.
     assert 0.5 < first["packing_efficiency"] <= 1 and first["real_tokens_per_s"] < first["tokens_per_s"], first
     assert "of the tokens were data" in whole.output, whole.output
+    assert "  examples:      data.train: 2 without an answer (left out)" in whole.output.splitlines(), whole.output
+    assert first["skipped_rows"]["data.train"]["counts"] == {"without an answer (left out)": 2}, first
     client = MlflowClient(first["tracking_uri"])
     shares = [m.value for m in client.get_metric_history(first["run_id"], "train/padding_share")]
     assert len(shares) == 8 and all(0 <= x < 0.5 for x in shares), shares

@@ -212,6 +212,7 @@ def test_skipped_rows_are_dropped_and_counted_once_in_file_order(base, tmp_path)
             "rows": 60,
             "skipped": 3,
             "first": f"data.text_column: {folder / 'a.jsonl'} row 1, column 'text' has no value; each row needs its text",
+            "counts": {},
         }
     }
 
@@ -294,6 +295,7 @@ def test_ray_datas_counting_pass_tallies_each_batch_and_finds_the_first_skipped_
         "rows": 60,
         "skipped": 3,
         "first": f"data.text_column: {folder / 'a.jsonl'} row 1, column 'text' has no value; each row needs its text",
+        "counts": {},
     }
 
 

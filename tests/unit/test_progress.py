@@ -171,3 +171,14 @@ def test_replica_groups_lost_and_back_are_said_with_the_steps_taken_meanwhile():
         "[raylane] replica groups: 1 of 2 step on from step 30",
         "[raylane] replica groups: all 2 step together again from step 46 (the others took 25 steps meanwhile)",
     ]
+
+
+def test_an_evaluation_without_metrics_prints_no_line():
+    """A run without held-out data that stops at train.max_steps ends with an evaluation of
+    nothing: before, '[raylane] step 3 eval: ' came out with nothing after it."""
+    out = io.StringIO()
+    display = ProgressDisplay(stream=out, live=False, line_interval_s=3600)
+    display.handle(Start(total_steps=3, steps_per_epoch=45, max_epochs=1, world_size=1, host="h"))
+    display.handle(Eval(epoch=0, step=3, metrics={}, epoch_end=False))
+    display.handle(Eval(epoch=0, step=3, metrics={"loss": 0.5}, epoch_end=False))
+    assert [line for line in out.getvalue().splitlines() if "eval" in line] == ["[raylane] step 3 eval: loss 0.5000"]

@@ -24,7 +24,7 @@ RELEASED = {
     4: "c7b95f217acbb397286777524a3ac27398deacad051744e9a6c76bcfc97ec9fc",  # TrainSummary.memory_snapshots
     5: "ff45be3f9884aeea8b1775ca3706cf863c1d70c306aaf0656f73a1c7ed792f35",  # Timing.warm_actors
     6: "61568c7f7ad5c127560b7af9590c3f9b1929c2f8feb121e2346baa1e0dc57e77",  # TrainSummary.replicas
-    7: "0fa7e999b31d47529f4fb1774340ffd4262fdc44e2c3e1d16c4bf83310e261f5",  # TrainSummary.real_tokens_per_s, packing_efficiency; Window.real_tokens_per_s, padding_share
+    7: "b6db263582b695f61e67e88537889ee79914113edc4654627025a42dfb76734b",  # TrainSummary.real_tokens_per_s, packing_efficiency; Window.real_tokens_per_s, padding_share; SkippedRows.counts
 }
 
 

@@ -262,20 +262,23 @@ def _column(values: Any) -> np.ndarray:
 
 def _transformed(transform: Any, batch: dict[str, np.ndarray], name: str, skip: bool | int) -> dict[str, np.ndarray]:
     """A dataset's rows transformed at once; a bad row named by its place in the dataset (from 1),
-    or skipped and recorded as the `<name> dataset`'s."""
+    or skipped; what was skipped, and what the transform counted (examples cut to a sequence),
+    recorded as the `<name> dataset`'s."""
     from raylane.loop.data import baddata
+    from raylane.loop.data.streaming import split_counts
 
     try:
-        if not skip:
-            return transform(batch)
-        out, dropped, first = baddata.skipping(transform, batch)
+        out, dropped, first = baddata.skipping(transform, batch) if skip else (transform(batch), 0, None)
     except DataError as exc:
         if exc.place is None and exc.row is not None:
             exc.place = f"the {name} dataset row {exc.row + 1}"
         raise
+    out, counts = split_counts(out)
     if first is not None:
         first.place = f"the {name} dataset row {(first.row or 0) + 1}"
-    rows = len(next(iter(batch.values())))
-    tally = baddata.Skipped(rows=rows, skipped=dropped, first=None if first is None else baddata.skipped_line(first))
-    baddata.record_skipped(f"{name} dataset", tally, skip, "data.skip_bad_rows")
+    if skip or counts:
+        rows = len(next(iter(batch.values())))
+        line = None if first is None else baddata.skipped_line(first)
+        tally = baddata.Skipped(rows=rows, skipped=dropped, first=line, counts=counts)
+        baddata.record_skipped(f"{name} dataset", tally, skip, "data.skip_bad_rows")
     return out

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from raylane.errors import ConfigError, DataError
+from raylane.errors import SKIP_HINT, ConfigError, DataError
 
 STYLES = ("text", "messages", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
@@ -114,7 +114,9 @@ class _Cell:
     column: str
     row: int
 
-    def error(self, value: Any, why: str) -> DataError:
+    def error(self, value: Any, why: str, *, skippable: bool = True) -> DataError:
+        """A bad row's error; `skippable`: one row's fault (not the template's, which every row meets)."""
+        why += SKIP_HINT if skippable else ""
         return DataError(key_of(self.field), column=self.column, row=self.row, rows=[self.row], value=value, why=why)
 
 
@@ -157,7 +159,8 @@ def _conversation(tok: Any, messages: list[dict], loss_on: str, cell: _Cell) -> 
         start = _prefix(tok, messages[:i], True, ids, cell, messages)
         end = len(ids) if i + 1 == len(messages) else _prefix(tok, messages[: i + 1], False, ids, cell, messages)
         if end < start:
-            raise cell.error(messages, _broken(tok, i + 1, "its answer renders shorter than its generation prompt"))
+            why = _broken(tok, i + 1, "its answer renders shorter than its generation prompt")
+            raise cell.error(messages, why, skippable=False)
         labels[start:end] = ids[start:end]
     return Example(ids, labels, len(ids) - labels.count(IGNORE))
 
@@ -202,9 +205,8 @@ def _prefix(tok: Any, part: list[dict], generation: bool, ids: list[int], cell: 
     head = _render(tok, part, generation, cell, value)
     if ids[: len(head)] != head:
         after = "with the generation prompt" if generation else "as the conversation's start"
-        raise cell.error(
-            value, _broken(tok, len(part), f"rendered {after}, they are not a prefix of the whole's tokens")
-        )
+        why = _broken(tok, len(part), f"rendered {after}, they are not a prefix of the whole's tokens")
+        raise cell.error(value, why, skippable=False)
     return len(head)
 
 

@@ -19,8 +19,13 @@ import numpy as np
 from raylane.errors import DataError
 from raylane.hf.config import Config, packed
 from raylane.hf.tokens import pad_id, tokenizer
+from raylane.loop.data.streaming import COUNT
 
 Batch = dict[str, np.ndarray]
+# What a batch's rows counted (raylane.loop.data.streaming.COUNT), as the summary names them.
+UNANSWERED = "without an answer (left out)"
+CUT = "cut to model.seq_len"
+DROPPED = "longer than model.seq_len, dropped (data.drop_cut)"
 
 
 def style(cfg: Config, names: list[str] | None = None) -> str:
@@ -83,6 +88,7 @@ def encoded_rows(
     tok = tokenizer(path)
     n = len(next(iter(batch.values()))) if batch else 0
     examples, bad, first = [], [], None
+    unanswered = long = 0
     for i in range(n):
         row = {field: batch[column][i] for field, column in fields.items()}
         try:
@@ -91,12 +97,19 @@ def encoded_rows(
             bad.append(i)
             first = first or exc
             continue
-        if example is not None and not (drop_cut and len(example.ids) > seq_len):
+        if example is None:
+            unanswered += 1
+            continue
+        long += len(example.ids) > seq_len
+        if not (drop_cut and len(example.ids) > seq_len):
             examples.append((example.ids, example.labels))
     if first is not None:
         first.rows = bad
         raise first
-    return pack(examples, seq_len, pad_id(tok), packing=packing).arrays()
+    counted = {UNANSWERED: unanswered, DROPPED if drop_cut else CUT: long}
+    return pack(examples, seq_len, pad_id(tok), packing=packing).arrays() | {
+        COUNT + what: np.array([k]) for what, k in counted.items() if k
+    }
 
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ may be seen twice and others not at all. "eval" is split unequally: every row ex
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -86,8 +87,9 @@ def _to_dataset(source: FileSource, name: str, *, train: bool):
         if not source.counts_rows and fmt == "parquet":
             return sum(p.rows for p in _files.pieces(fs, found, fmt, source.label))
         try:
-            if not source.skip_bad_rows:
-                return (read if source.keeps_rows else ds).count()
+            if source.keeps_rows and not source.skip_bad_rows:
+                return read.count()
+            # One row a batch: the rows kept, skipped and the transform's counts, in one pass.
             tallies = read.map_batches(source.tally, batch_format="numpy").take_all()
         except Exception as exc:
             raise _found_again(source, exc) from exc
@@ -103,6 +105,10 @@ def _skipped(source: FileSource, tallies: list[dict[str, Any]]) -> int:
     start); the first row skipped is found again, with its file and row, by reading the files in
     order with pyarrow up to it (a search bounded in time)."""
     total = baddata.Skipped(rows=sum(int(t["read"]) for t in tallies), skipped=sum(int(t["skipped"]) for t in tallies))
+    for t in tallies:
+        total.add(baddata.Skipped(), json.loads(t["counts"]))
+    if not (source.skip_bad_rows or total.counts):
+        return sum(int(t["kept"]) for t in tallies)
     if total.skipped:
         found = locate(dataclasses.replace(source, skip_bad_rows=False))
         if isinstance(found, baddata.DataError):

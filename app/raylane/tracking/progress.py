@@ -119,7 +119,7 @@ class ProgressDisplay:
                 if event.window is not None:
                     self.info["window"] = event.window
                 self._show()
-            case Eval():
+            case Eval() if event.metrics:  # none: a run without held-out data ended (nothing to say)
                 shown = " ".join(f"{k} {v:.4f}" for k, v in sorted(event.metrics.items()))
                 at = f"epoch {event.epoch + 1}" if event.epoch_end else f"step {event.step}"
                 self._print(f"{at} eval: {shown}")
@@ -301,10 +301,14 @@ def outcome_text(summary: TrainSummary, ui: str, log_file: Any = None) -> str:
     rows.append(("eval", metrics or "-"))
     if s.early_stopped:
         rows.append(("stopped", s.stop_reason or "early stopping"))
-    if s.skipped_rows:  # data.skip_bad_rows: how much, and where to look first
-        counts = ", ".join(f"{k} {v.skipped:,} of {v.rows:,}" for k, v in s.skipped_rows.items())
-        first = next((v.first for v in s.skipped_rows.values() if v.first), None)
+    skipping = {k: v for k, v in s.skipped_rows.items() if v.skipped or not v.counts}
+    if skipping:  # data.skip_bad_rows: how much, and where to look first
+        counts = ", ".join(f"{k} {v.skipped:,} of {v.rows:,}" for k, v in skipping.items())
+        first = next((v.first for v in skipping.values() if v.first), None)
         rows.append(("skipped rows", counts + (f"; the first: {first}" if first else "")))
+    for key, v in s.skipped_rows.items():  # what the data's transform counted: examples cut, unanswered
+        if v.counts:
+            rows.append(("examples", f"{key}: " + ", ".join(f"{n:,} {what}" for what, n in sorted(v.counts.items()))))
     shown = s.stragglers[:MAX_STRAGGLERS_NAMED]  # the summary's JSON has every one
     rows += [("straggler", StepStraggler(**x.model_dump()).line().removeprefix("straggler: ")) for x in shown]
     if len(s.stragglers) > len(shown):

@@ -15,7 +15,7 @@ import io
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -212,17 +212,22 @@ def locate_row(error: DataError, fs: Any, piece: Any, fmt: str, offset: int) -> 
 @dataclass
 class Skipped:
     """What readers skipped of one data set: the rows read, the bad ones dropped, and the first
-    bad row's line (its place named where the reader knows it)."""
+    bad row's line (its place named where the reader knows it); and what its transform counted
+    (raylane.loop.data.streaming.COUNT: examples cut to a sequence, say)."""
 
     rows: int = 0
     skipped: int = 0
     first: str | None = None
+    counts: dict[str, int] = field(default_factory=dict)
 
-    def add(self, other: Skipped) -> Skipped:
-        """`other`'s counts added to these; the first line stays this one's (earlier in file order)."""
+    def add(self, other: Skipped, counts: dict[str, int] | None = None) -> Skipped:
+        """`other`'s counts (and `counts`) added to these; the first line stays this one's
+        (earlier in file order)."""
         self.rows += other.rows
         self.skipped += other.skipped
         self.first = self.first or other.first
+        for name, n in (*other.counts.items(), *(counts or {}).items()):
+            self.counts[name] = self.counts.get(name, 0) + n
         return self
 
 
@@ -280,7 +285,7 @@ def record_skipped(label: str, tally: Skipped, limit: bool | int, key: str | Non
 
 def skipped_rows() -> dict[str, dict[str, Any]]:
     """What this process recorded, as the summary's `skipped_rows`."""
-    return {label: vars(tally).copy() for label, tally in _SKIPPED.items()}
+    return {label: {**vars(tally), "counts": dict(tally.counts)} for label, tally in _SKIPPED.items()}
 
 
 def forget_skipped() -> None:

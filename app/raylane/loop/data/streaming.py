@@ -14,6 +14,7 @@ there the guarantee is per epoch (see `raylane.onray.datasets`)."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import queue
 import threading
@@ -126,26 +127,33 @@ class FileSource:
 
     def tally(self, batch: Batch) -> Batch:
         """A counting pass's view of one batch (Ray Data's tasks): one row of the rows read, the
-        rows the transform gives, the rows skipped and the first one's line (its place unknown)."""
-        fn = self.checked_transform()
+        rows the transform gives, the rows skipped and the first one's line (its place unknown),
+        and the transform's own counts (JSON)."""
+        counts: dict[str, int] = {}
+        fn = self.checked_transform(counts)
         out, dropped, first = baddata.skipping(fn, batch) if fn is not None else (batch, 0, None)
         return {
             "read": np.array([num_rows(batch)]),
             "kept": np.array([num_rows(out)]),
             "skipped": np.array([dropped]),
             "first": np.array(["" if first is None else baddata.skipped_line(first)], dtype=object),
+            "counts": np.array([json.dumps(counts)], dtype=object),
         }
 
-    def checked_transform(self) -> Callable[[Batch], Batch] | None:
-        """The transform, failing loudly when it changes the row count while keeps_rows says not:
-        the batch counts every rank agreed on would be wrong, and DDP would hang."""
+    def checked_transform(self, counts: dict[str, int] | None = None) -> Callable[[Batch], Batch] | None:
+        """The transform, its counts (`COUNT`) taken out of its rows (added to `counts` when
+        given: a counting pass's), failing loudly when it changes the row count while keeps_rows
+        says not: the batch counts every rank agreed on would be wrong, and DDP would hang."""
         fn = self.transform
-        if fn is None or not self.keeps_rows:
-            return fn
+        if fn is None:
+            return None
 
         def checked(batch: Batch) -> Batch:
-            out = fn(batch)
-            if num_rows(out) != num_rows(batch):
+            out, found = split_counts(fn(batch))
+            if counts is not None:
+                for name, n in found.items():
+                    counts[name] = counts.get(name, 0) + n
+            if self.keeps_rows and num_rows(out) != num_rows(batch):
                 raise ValueError(
                     f"FileSource.transform turned {num_rows(batch)} rows into {num_rows(out)}: "
                     "set keeps_rows=False for a transform that changes the number of rows"
@@ -153,6 +161,20 @@ class FileSource:
             return out
 
         return checked
+
+
+# A transform's counts of a batch, beside its rows: `{"count:<what>": np.array([n])}` (examples cut
+# to a sequence, say). Taken out before the rows go on (Ray Data's blocks, the tensors), summed by
+# the counting pass before training and recorded for the summary with the source's skipped rows.
+COUNT = "count:"
+
+
+def split_counts(out: Batch) -> tuple[Batch, dict[str, int]]:
+    """(a transform's rows, its counts)."""
+    if not any(k.startswith(COUNT) for k in out):
+        return out, {}
+    counts = {k.removeprefix(COUNT): int(np.sum(v)) for k, v in out.items() if k.startswith(COUNT)}
+    return {k: v for k, v in out.items() if not k.startswith(COUNT)}, counts
 
 
 def num_rows(batch: Batch) -> int:
@@ -242,14 +264,16 @@ class _Reader:
         # Training and evaluation drop bad rows again each epoch: counted once, by `counted`.
         self._dropped = baddata.Skipped() if source.skip_bad_rows else None
 
-    def chunks(self, piece: _files.Piece, tally: baddata.Skipped | None = None) -> Iterator[Batch]:
+    def chunks(
+        self, piece: _files.Piece, tally: baddata.Skipped | None = None, transform: Callable | None = None
+    ) -> Iterator[Batch]:
         self.opened.append(piece)
         return _files.checked_chunks(
             self.fs,
             piece,
             self.source.format,
             self.source.columns,
-            self._transform,
+            transform or self._transform,
             self.source.label,
             tally if tally is not None else self._dropped,
         )
@@ -260,10 +284,11 @@ class _Reader:
         skipped are recorded for the summary (raylane.loop.data.baddata.record_skipped), and more
         than skip_bad_rows allows fails every rank alike."""
         skip = bool(self.source.skip_bad_rows)
-        mine: dict[int, tuple[int, baddata.Skipped | None]] = {}
+        mine: dict[int, tuple[int, baddata.Skipped | None, dict[str, int]]] = {}
         for i in range(self.rank, len(self.pieces), self.world_size):
-            tally = baddata.Skipped() if skip else None
-            mine[i] = (sum(num_rows(c) for c in self.chunks(self.pieces[i], tally)), tally)
+            tally, counts = baddata.Skipped() if skip else None, {}
+            rows = sum(num_rows(c) for c in self.chunks(self.pieces[i], tally, self.source.checked_transform(counts)))
+            mine[i] = (rows, tally, counts)
         self.opened.clear()  # counting is not the epoch's reading
         if self.world_size > 1:
             import torch.distributed as dist
@@ -271,10 +296,10 @@ class _Reader:
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, mine)
             mine = {i: n for part in gathered for i, n in part.items()}
-        if skip:
-            total = baddata.Skipped()
-            for i in range(len(self.pieces)):  # in file order: the first line is the first row skipped
-                total.add(mine[i][1] or baddata.Skipped())
+        total = baddata.Skipped()
+        for i in range(len(self.pieces)):  # in file order: the first line is the first row skipped
+            total.add(mine[i][1] or baddata.Skipped(), mine[i][2])
+        if skip or total.counts:
             baddata.record_skipped(self.source.label, total, self.source.skip_bad_rows)
         return [mine[i][0] for i in range(len(self.pieces))]
 
