@@ -19,7 +19,7 @@ class Config(raylane.hf.Config):
 
     @model_validator(mode="after")
     def _has_data(self) -> Config:
-        if self.data.train is None:
+        if self.data.train is None and self.data.mix is None:
             raise ValueError(
                 "data.train = None: pipeline 'hf' reads files (a rehearsal, `raylane check --world N`, one "
                 "micro-batch of them: train.batch_size packed rows of model.seq_len tokens, for the activations); "
@@ -29,9 +29,10 @@ class Config(raylane.hf.Config):
 
 
 def sources(cfg: Config):
-    """What the Ray driver streams (Ray Data), without building a model."""
+    """What the Ray driver streams (Ray Data), without building a model: not a mixture, which each
+    worker draws in memory (raylane.hf.mixture)."""
     return {
-        "train": raylane.hf.file_source(cfg, cfg.data.train, "data.train"),
+        "train": raylane.hf.file_source(cfg, cfg.data.train, "data.train") if cfg.data.train is not None else None,
         "eval": raylane.hf.file_source(cfg, cfg.data.eval, "data.eval") if cfg.data.eval is not None else None,
     }
 

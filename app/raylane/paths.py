@@ -155,22 +155,45 @@ def resolve(
         default = _default(model, key) if defaults else None
         fill = isinstance(default, str) and bool(default) and _sections_exist(model, parents, raw)
         node: Any = raw
-        for part in parents:
+        for i, part in enumerate(parents):
+            if isinstance(node, list):  # a list of sections (data.mix): each one's key
+                for item in node:
+                    _resolve_in(item, [*parents[i:], leaf], base, marker)
+                break
             if not isinstance(node, dict):
                 break
             if fill and part not in node:
                 node[part] = {}
             node = node.get(part)
-        if not isinstance(node, dict):
-            continue  # a section that is not a mapping: validation names it
-        if fill and leaf not in node:
-            node[leaf] = default
-        value = node.get(leaf)
-        if isinstance(value, str):
-            node[leaf] = _resolved(value, base, marker)
-        elif isinstance(value, list):
-            node[leaf] = [absolute(v, base) if isinstance(v, str) else v for v in value]
+        else:
+            if isinstance(node, list):
+                for item in node:
+                    _resolve_in(item, [leaf], base, marker)
+                continue
+            if not isinstance(node, dict):
+                continue  # a section that is not a mapping: validation names it
+            if fill and leaf not in node:
+                node[leaf] = default
+            _resolve_in(node, [leaf], base, marker)
     return raw
+
+
+def _resolve_in(node: Any, parts: list[str], base: Path, marker: PathValue) -> None:
+    """The path at `parts` under `node` made absolute, through any lists of sections on the way."""
+    if isinstance(node, list):
+        for item in node:
+            _resolve_in(item, parts, base, marker)
+        return
+    if not isinstance(node, dict):
+        return  # not a mapping: validation names it
+    if len(parts) > 1:
+        _resolve_in(node.get(parts[0]), parts[1:], base, marker)
+        return
+    value = node.get(parts[0])
+    if isinstance(value, str):
+        node[parts[0]] = _resolved(value, base, marker)
+    elif isinstance(value, list):
+        node[parts[0]] = [absolute(v, base) if isinstance(v, str) else v for v in value]
 
 
 def _resolved(value: str, base: Path, marker: PathValue) -> str:

@@ -29,6 +29,7 @@ logging.getLogger("after").info("the script's own logging, as it was")
 AFTER = "SCRIPT after: the script's own logging, as it was"
 
 
+@pytest.mark.slow  # ~30 s on Ray; make test holds the command's own output to its formats (test_ray_e2e.py), which raylane.train() prints through the same driver
 @pytest.mark.shared_ray
 def test_raylane_train_in_a_script_prints_what_the_command_prints(run_cli, tmp_path):
     """Every line the call prints is one `raylane train` prints (tests/helpers/own_lines.py holds

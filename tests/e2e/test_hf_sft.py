@@ -60,8 +60,10 @@ def test_a_run_stopped_mid_epoch_resumes_on_the_same_next_packed_examples(run_cl
     # The data's share of the row tokens: the summary's packing efficiency, and each window's.
     assert 0.5 < first["packing_efficiency"] <= 1 and first["real_tokens_per_s"] < first["tokens_per_s"], first
     assert "of the tokens were data" in whole.output, whole.output
-    assert "  examples:      data.train: 2 without an answer (left out)" in whole.output.splitlines(), whole.output
-    assert first["skipped_rows"]["data.train"]["counts"] == {"without an answer (left out)": 2}, first
+    counts = first["skipped_rows"]["data.train"]["counts"]  # the long conversations are cut to 128 tokens
+    assert counts["without an answer (left out)"] == 2 and counts["cut to model.seq_len"] > 0, first
+    line = f"  examples:      data.train: {counts['cut to model.seq_len']} cut to model.seq_len, 2 without an answer (left out)"
+    assert line in whole.output.splitlines(), whole.output
     client = MlflowClient(first["tracking_uri"])
     shares = [m.value for m in client.get_metric_history(first["run_id"], "train/padding_share")]
     assert len(shares) == 8 and all(0 <= x < 0.5 for x in shares), shares
@@ -79,6 +81,45 @@ def test_a_run_stopped_mid_epoch_resumes_on_the_same_next_packed_examples(run_cl
     ours, theirs = _losses(resumed), _losses(first)
     assert [s for s in theirs if s >= 4] and all(ours[s] == theirs[s] for s in theirs if s >= 4), (ours, theirs)
     assert resumed["metrics"]["loss"] == first["metrics"]["loss"]
+
+
+def test_a_mixture_resumed_mid_epoch_draws_the_same_next_examples(run_cli, chat):
+    """data.mix of the training conversations and 20 others at 0.8 / 0.2, in one process: an
+    uninterrupted run, and the same run failing at step 5 then run again, whose every step's loss
+    from step 4 on is the uninterrupted run's, bit for bit; the summary says what each source
+    gave. A weight of 0 is one line naming its key, before anything starts."""
+    from tests.helpers import hf_chat
+
+    with open(chat / "other.jsonl", "w") as f:
+        for messages in hf_chat.conversations(20, seed=7):
+            f.write(json.dumps({"messages": messages}) + "\n")
+    text = (chat / "sft.yaml").read_text().replace("{train: train.jsonl, ", "{")
+    mixed = text.replace(
+        "data: {", "data: {mix: [{train: train.jsonl, weight: 0.8, name: chat}, {train: other.jsonl, weight: 0.2}], "
+    )
+    (chat / "mix.yaml").write_text(mixed)
+    whole = run_cli(
+        "train", "mix.yaml", "--local", "--set", "run.name=mixed", "--summary-json", "m1.json", env=cli_env(chat)
+    )
+    assert whole.wait(400) == 0, whole.output
+    first = read_json(chat / "m1.json")
+    counts = first["skipped_rows"]["data.mix"]["counts"]  # 70 drawn at 0.8 / 0.2, and what their rows counted
+    assert (counts["from chat"], counts["from source 1"], counts["without an answer (left out)"]) == (56, 14, 2), first
+    shown = ", ".join(f"{n} {what}" for what, n in sorted(counts.items()))
+    assert f"  examples:      data.mix: {shown}" in whole.output.splitlines(), whole.output
+    args = ["train", "mix.yaml", "--local", "--set", "run.name=mixcut", "--summary-json", "m2.json"]
+    cut = run_cli(*args, env=cli_env(chat, RAYLANE_FAULTS="raise@step=5"), name="mixcut")
+    assert cut.wait(400) == 1, cut.output
+    again = run_cli(*args, env=cli_env(chat), name="mixagain")
+    assert again.wait(400) == 0 and "resumed from step 3" in again.output, again.output
+    ours, theirs = _losses(read_json(chat / "m2.json")), _losses(first)
+    assert [s for s in theirs if s >= 4] and all(ours[s] == theirs[s] for s in theirs if s >= 4), (ours, theirs)
+
+    (chat / "zero.yaml").write_text(mixed.replace("weight: 0.2", "weight: 0"))
+    bad = run_cli("train", "zero.yaml", "--local", env=cli_env(chat), name="zero")
+    assert bad.wait(120) == 2, bad.output
+    (line,) = [x for x in bad.output.splitlines() if x.strip()]
+    assert line.startswith("raylane: invalid config: data.mix.1.weight = 0"), line
 
 
 def test_a_tokenizer_without_a_chat_template_is_one_line_before_start(run_cli, chat):

@@ -107,6 +107,7 @@ def test_bad_input_fails_the_job_in_one_line_before_ray(slurm, tmp_path):
 HEAD_DELAY_S = 15  # beyond the 10 s join the wait used to give a head whose GCS answered
 
 
+@pytest.mark.slow  # ~40 s: a head 15 s late, then a 10 s wait for a node that never comes; make test runs a job under Slurm to its one-line refusal (above) and the node's lifetime in-process (tests/unit/test_slurm_node.py)
 @pytest.mark.ray
 def test_a_head_slow_to_start_is_waited_for_and_a_node_that_never_joins_is_named(tmp_path):
     """The script's node and wait, as srun and the script run them, without Slurm: a head whose

@@ -85,6 +85,10 @@ def _data_sets(cfg: Config, train: Any, eval: Any) -> tuple[Any, Any]:
     from raylane.config import ConfigError, shapes_only
     from raylane.hf import data
 
+    if cfg.data.mix is not None:
+        if train is not None:
+            raise ConfigError("data.mix with a dataset handed to raylane.hf.pipeline(cfg, train=...): give one")
+        return data.from_mix(cfg), _eval_sets(cfg, eval)
     if train is None and cfg.data.train is None and shapes_only():
         raise ConfigError(
             "data.train = None: the rehearsal reads one micro-batch of it (train.batch_size packed rows of "
@@ -100,13 +104,20 @@ def _data_sets(cfg: Config, train: Any, eval: Any) -> tuple[Any, Any]:
         if train is not None
         else data.file_source(cfg, cfg.data.train, "data.train")
     )
+    return train_set, _eval_sets(cfg, eval)
+
+
+def _eval_sets(cfg: Config, eval: Any) -> Any:
+    """The held-out set or sets: the datasets handed in, else the files of data.eval, streamed."""
+    from raylane.hf import data
+
     if isinstance(eval, dict):
-        return train_set, {name: data.from_dataset(cfg, ds, name) for name, ds in eval.items()}
+        return {name: data.from_dataset(cfg, ds, name) for name, ds in eval.items()}
     if eval is not None:
-        return train_set, data.from_dataset(cfg, eval, "eval")
+        return data.from_dataset(cfg, eval, "eval")
     if cfg.data.eval is not None:
-        return train_set, data.file_source(cfg, cfg.data.eval, "data.eval")
-    return train_set, None
+        return data.file_source(cfg, cfg.data.eval, "data.eval")
+    return None
 
 
 def _zeros(*shape: int):

@@ -52,6 +52,16 @@ class ModelSection(Section):
     )
 
 
+class MixSource(Section):
+    """One source of a mixture (data.mix)."""
+
+    train: InputPaths = Field(
+        description="Its files, folders or globs, local or `s3://`, with the columns data.style reads."
+    )
+    weight: float = Field(gt=0, description="Its share of the examples drawn, relative to the others' weights.")
+    name: str | None = Field(None, min_length=1, description="How the summary names it (default: `source N`).")
+
+
 class DataSection(Section):
     """The text files a fine-tune reads, streamed and tokenized where they are read."""
 
@@ -61,6 +71,17 @@ class DataSection(Section):
         "`datasets.Dataset`.",
     )
     eval: InputPaths | None = Field(None, description="Held-out files, folders or globs, with the same columns.")
+    mix: list[MixSource] | None = Field(
+        None,
+        min_length=2,
+        description="In place of data.train (`model.task: causal-lm`): sources drawn by weight at the example level "
+        "(`[{train: chat/, weight: 0.8}, {train: code/, weight: 0.2}]`), each within one example of its share "
+        "everywhere in the draw, the same at any world size and on resume. The sources are read whole into "
+        "memory (docs/hf.md, Mixtures).",
+    )
+    mix_examples: int | None = Field(
+        None, ge=1, description="data.mix: the examples an epoch draws; null: as many as the sources hold together."
+    )
     format: Literal["parquet", "csv", "json", "text"] = Field(
         "json", description="The files' format (`json`: JSON Lines; `text`: one row per line)."
     )
@@ -142,9 +163,12 @@ class Config(BaseConfig):
             check_tensor_parallel(self)
         if self.strategy.pp > 1:
             check_pipeline_parallel(self)
+        check_mix(self)
         for field in ("train", "eval"):
             if getattr(self.data, field) is not None:
                 check_columns(self, field)
+        for i, source in enumerate(self.data.mix or ()):
+            check_columns(self, "train", source.train, f"data.mix.{i}.train")
         check_style(self)
         return self
 
@@ -361,14 +385,31 @@ def packed(d: DataSection) -> bool:
     return d.packing if d.packing is not None else d.style in ("messages", "prompt_completion")
 
 
-def check_columns(cfg: Config, field: str) -> None:
-    """The first file of data.<field> has the text column (and the label column for a classifier)."""
+def check_mix(cfg: Config) -> None:
+    """data.mix: in place of data.train, for a causal LM's files."""
+    d = cfg.data
+    if d.mix is None:
+        if d.mix_examples is not None:
+            raise ValueError(f"data.mix_examples = {d.mix_examples}: for data.mix, which is not set")
+        return
+    if d.train is not None:
+        raise ValueError(
+            f"data.train = {d.train!r} with data.mix: the mixture's sources are the training data; give one"
+        )
+    if cfg.model.task != "causal-lm":
+        raise ValueError(f"data.mix: for model.task causal-lm, not {cfg.model.task!r}")
+
+
+def check_columns(cfg: Config, field: str, paths: Any = None, key: str | None = None) -> None:
+    """The first file of data.<field> (or `paths`, named `key`) has the text column (and the label
+    column for a classifier), or the columns of the style it resolves."""
     from raylane.loop.data import files
 
     d = cfg.data
-    paths = getattr(d, field)
-    fs, found = files.list_files(paths, d.format, f"data.{field}", True)
-    names = files.schema_names(fs, found[0], d.format, f"data.{field}")
+    paths = getattr(d, field) if paths is None else paths
+    key = key or f"data.{field}"
+    fs, found = files.list_files(paths, d.format, key, True)
+    names = files.schema_names(fs, found[0], d.format, key)
     if cfg.model.task == "causal-lm" and d.format != "text":
         from raylane.hf.examples import style_of
 
@@ -378,15 +419,13 @@ def check_columns(cfg: Config, field: str) -> None:
                 completion=d.completion_column, text=d.text_column, key="data.style",
             )  # fmt: skip
         except ValueError as exc:
-            raise ValueError(f"{exc} (in {found[0]}, data.{field})") from None
+            raise ValueError(f"{exc} (in {found[0]}, {key})") from None
         d.style = style  # type: ignore[assignment]  # `auto` resolved once, by the training files: the held-out ones must agree
         if style != "text":
             return
     wanted = [("data.text_column", d.text_column)]
     if cfg.model.task == "sequence-classification":
         wanted.append(("data.label_column", d.label_column))
-    for key, column in wanted:
+    for name, column in wanted:
         if column not in names:
-            raise ValueError(
-                f"{key} = {column!r}: no such column in {found[0]} (data.{field}; it has: {', '.join(names)})"
-            )
+            raise ValueError(f"{name} = {column!r}: no such column in {found[0]} ({key}; it has: {', '.join(names)})")

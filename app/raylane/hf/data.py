@@ -252,6 +252,30 @@ def from_dataset(cfg: Config, dataset: Any, name: str) -> Rows:
     return Rows(_transformed(transform_for(text_cfg, kind), batch, name, d.skip_bad_rows), causal)
 
 
+def from_mix(cfg: Config) -> Rows:
+    """data.mix: an epoch's examples drawn from the sources by weight (raylane.hf.mixture),
+    encoded and packed at once; what each source gave is recorded for the summary. A bad row is
+    named by its source and its row in the source's files (counted together, in file order)."""
+    from raylane.hf import mixture, rows
+    from raylane.loop.data import baddata
+
+    kind = rows.style(cfg)
+    columns = list(rows.columns(cfg, kind).values())
+    batch, which, where, taken = mixture.mixed_rows(cfg, columns)
+    try:
+        out = _transformed(transform_for(cfg, kind), batch, "data.mix", cfg.data.skip_bad_rows)
+    except DataError as exc:
+        if exc.row is not None:  # its place in the draw, named in its source
+            exc.place = f"data.mix.{which[exc.row]}.train row {where[exc.row] + 1}"
+        raise
+    mix = cfg.data.mix or []
+    drawn = {f"from {mixture.name_of(mix, i)}": n for i, n in enumerate(taken)}
+    tally = baddata.take_skipped("data.mix dataset") or baddata.Skipped()  # its rows' own: skipped, cut
+    tally.rows = int(sum(taken))
+    baddata.record_skipped("data.mix", tally.add(baddata.Skipped(), drawn), True)
+    return Rows(out, causal=True)
+
+
 def _column(values: Any) -> np.ndarray:
     """A column as an object array, row for row (np.array would make a list of lists 2-D)."""
     values = list(values)

@@ -291,3 +291,8 @@ def skipped_rows() -> dict[str, dict[str, Any]]:
 def forget_skipped() -> None:
     """A new launch in this process (raylane.train() called again) starts with no record."""
     _SKIPPED.clear()
+
+
+def take_skipped(label: str) -> Skipped | None:
+    """`label`'s record, removed (to be recorded again, merged, under another label)."""
+    return _SKIPPED.pop(label, None)

@@ -286,9 +286,10 @@ class _Reader:
         skip = bool(self.source.skip_bad_rows)
         mine: dict[int, tuple[int, baddata.Skipped | None, dict[str, int]]] = {}
         for i in range(self.rank, len(self.pieces), self.world_size):
-            tally, counts = baddata.Skipped() if skip else None, {}
-            rows = sum(num_rows(c) for c in self.chunks(self.pieces[i], tally, self.source.checked_transform(counts)))
-            mine[i] = (rows, tally, counts)
+            tally = baddata.Skipped() if skip else None
+            counts: dict[str, int] = {}
+            chunks = self.chunks(self.pieces[i], tally, self.source.checked_transform(counts))
+            mine[i] = (sum(num_rows(c) for c in chunks), tally, counts)
         self.opened.clear()  # counting is not the epoch's reading
         if self.world_size > 1:
             import torch.distributed as dist

@@ -1,0 +1,134 @@
+"""data.mix (raylane.hf.mixture): sources drawn by weight at the example level, within one example
+of their shares at every point of the draw, the same for a seed whatever else runs; each
+source's rows shuffled anew each time it runs out; the config refusing what cannot be mixed, in
+one line naming the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from raylane.hf.mixture import draw, shares
+
+pytest.importorskip("transformers")
+
+
+def test_two_sources_at_0_8_and_0_2_are_within_one_example_of_their_shares_over_2000():
+    sources, rows = draw([5000, 3000], [0.8, 0.2], 2000, seed=0)
+    assert shares(sources, 2) == [0.8, 0.2]
+    counts = np.cumsum(np.eye(2, dtype=int)[sources], axis=0)  # each prefix's examples per source
+    expected = np.outer(np.arange(1, 2001), [0.8, 0.2])
+    assert np.abs(counts - expected).max() <= 1  # everywhere in the draw, not only at its end
+    assert len(set(rows[sources == 0].tolist())) == 1600  # no row twice before its source runs out
+    again = draw([5000, 3000], [0.8, 0.2], 2000, seed=0)
+    assert np.array_equal(again[0], sources) and np.array_equal(again[1], rows)
+    assert not np.array_equal(draw([5000, 3000], [0.8, 0.2], 2000, seed=1)[1], rows)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 40), min_size=2, max_size=4),
+    st.lists(st.floats(0.05, 5), min_size=4, max_size=4),
+    st.integers(1, 300),
+)
+def test_any_mixture_stays_within_one_example_and_repeats_a_small_source_only_once_it_ran_out(sizes, weights, n):
+    weights = weights[: len(sizes)]
+    sources, rows = draw(sizes, weights, n, seed=3)
+    target = np.asarray(weights) / sum(weights) * n
+    got = np.bincount(sources, minlength=len(sizes))
+    assert np.abs(got - target).max() <= 1, (got, target)
+    for i, size in enumerate(sizes):
+        mine = rows[sources == i]
+        assert all(0 <= r < size for r in mine)
+        for start in range(0, len(mine), size):  # each pass through the source: every row once
+            chunk = mine[start : start + size].tolist()
+            assert len(set(chunk)) == len(chunk)
+
+
+def _chat(folder: Path, name: str, n: int, word: str) -> Path:
+    path = folder / f"{name}.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"{word} {i}"}, {"role": "assistant", "content": word}]}
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> Path:
+    from tests.helpers.hf_chat import llama
+
+    return llama(tmp_path_factory.mktemp("mix-llama"))
+
+
+def _config(model: Path, data: dict):
+    from raylane.hf.config import Config
+
+    return Config.model_validate(
+        {"pipeline": "hf", "model": {"name_or_path": str(model), "seq_len": 32}, "data": {"format": "json", **data}}
+    )
+
+
+def test_a_mixture_draws_its_rows_and_says_what_each_source_gave(chat_model, tmp_path):
+    from raylane.hf.data import from_mix
+    from raylane.loop.data import baddata
+
+    a, b = _chat(tmp_path, "a", 30, "w1"), _chat(tmp_path, "b", 5, "w2")
+    cfg = _config(chat_model, {"mix": [{"train": str(a), "weight": 3, "name": "a"}, {"train": str(b), "weight": 1}]})
+    assert cfg.data.style == "messages"  # auto, read off the sources' columns
+    baddata.forget_skipped()
+    rows = from_mix(cfg)
+    assert len(rows) > 0 and set(rows.arrays) == {"input_ids", "labels", "position_ids"}
+    drawn = baddata.skipped_rows()["data.mix"]["counts"]
+    assert drawn == {"from a": 26, "from source 1": 9}  # 35 examples at 3:1; b's 5 rows drawn 9 times
+    baddata.forget_skipped()
+
+
+@pytest.mark.parametrize(
+    "mix, line",
+    [
+        ([{"weight": 0.5}, {"weight": 0}], "data.mix.1.weight"),
+        ([{"weight": -1}, {"weight": 1}], "data.mix.0.weight"),
+        ([{"weight": 1}], "data.mix"),
+    ],
+)
+def test_a_weight_not_positive_or_a_mixture_of_one_is_refused_naming_its_key(chat_model, tmp_path, mix, line):
+    from pydantic import ValidationError
+
+    a = _chat(tmp_path, "a", 3, "w1")
+    with pytest.raises(ValidationError) as caught:
+        _config(chat_model, {"mix": [{"train": str(a), **m} for m in mix]})
+    assert line in str(caught.value).replace(" -> ", ".").replace("\n  ", " "), str(caught.value)
+
+
+def test_a_mixture_beside_data_train_or_a_source_without_the_columns_is_one_line(chat_model, tmp_path):
+    a = _chat(tmp_path, "a", 3, "w1")
+    (tmp_path / "plain.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    both = {"train": str(a), "mix": [{"train": str(a), "weight": 1}, {"train": str(a), "weight": 1}]}
+    with pytest.raises(ValueError, match=r"data.train = .* with data.mix: .* give one"):
+        _config(chat_model, both)
+    odd = {"mix": [{"train": str(a), "weight": 1}, {"train": str(tmp_path / "plain.jsonl"), "weight": 1}]}
+    with pytest.raises(ValueError, match=r"data.mix.1.train"):
+        _config(chat_model, odd)
+
+
+def test_a_sources_relative_paths_are_the_config_files_folders(chat_model, tmp_path, monkeypatch):
+    """As data.train's: a Ray worker's working directory is neither the config's nor the shell's."""
+    from raylane.config import load_config
+
+    project = tmp_path / "project"
+    project.mkdir()
+    _chat(project, "a", 3, "w1"), _chat(project, "b", 3, "w2")
+    (project / "mix.yaml").write_text(
+        f"pipeline: hf\nmodel: {{name_or_path: {chat_model}, seq_len: 32}}\n"
+        "data: {format: json, mix: [{train: a.jsonl, weight: 1}, {train: [b.jsonl], weight: 2}]}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(str(project / "mix.yaml"))
+    assert [s.train for s in cfg.data.mix] == [str(project / "a.jsonl"), [str(project / "b.jsonl")]]
