@@ -573,7 +573,7 @@ ASHA_SWEEP = [
     "--set",
     f"sweep.num_samples={ASHA_TRIALS}",
     "--set",
-    "train.max_epochs=3",
+    "train.max_epochs=2",
     "--set",
     "mlflow.log_every_n_steps=5",
     "--register",

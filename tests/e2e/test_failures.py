@@ -243,7 +243,7 @@ def test_a_row_without_its_text_fails_a_fine_tune_in_one_line_or_is_skipped_and_
     p = run_cli("train", "cfg.yaml", "--local", "--summary-json", "skip.json", *skipping, name="skip")
     assert p.wait(240) == 0, p.output
     summary = read_json(tmp_path / "skip.json")
-    assert summary["skipped_rows"] == {"data.train": {"rows": 40, "skipped": 1, "first": said}}
+    assert summary["skipped_rows"] == {"data.train": {"rows": 40, "skipped": 1, "first": said, "counts": {}}}
     assert summary["steps"] == 2
     assert f"  skipped rows:  data.train 1 of 40; the first: {said}" in p.output.splitlines()
 
@@ -274,7 +274,9 @@ def test_skipped_rows_on_ray_are_counted_once_by_the_drivers_counting_pass(run_c
     first = (
         f"data.text_column: {tmp_path / 'data' / 'p0.jsonl'} row 6, column 'text' has no value; each row needs its text"
     )
-    assert read_json(tmp_path / "s.json")["skipped_rows"] == {"data.train": {"rows": 80, "skipped": 2, "first": first}}
+    assert read_json(tmp_path / "s.json")["skipped_rows"] == {
+        "data.train": {"rows": 80, "skipped": 2, "first": first, "counts": {}}
+    }
 
 
 # -- the user's code ------------------------------------------------------------------------

@@ -366,7 +366,7 @@ def _ray_fine_tune(run_cli, tmp_path, name: str, strategy: str, *extra: str, lau
         # ~85 s on 2 busy cores (FSDP on 2 Ray workers, transformers imported in each): make test
         # loads every family as from_pretrained on 2 ranks under DDP and FSDP under torchrun
         # (below), trains, resumes and logs LoRA runs under torchrun (test_hf_lora*.py), and
-        # runs Ray's workers through the same loop (test_any_model.py, test_strategies.py).
+        # runs Ray's workers through the same loop (test_any_model.py, test_ray_e2e.py).
         pytest.param(False, marks=pytest.mark.slow),
         # ~60 s more: Ray's restart of the group. A kill -9 on Ray resuming bit-exact is in make
         # test for a model of the user's own with dict batches (test_any_model.py); this one adds
@@ -383,8 +383,8 @@ def test_a_lora_fine_tune_on_2_ray_workers_learns_and_after_kill_9_ends_bit_exac
     FINISHED in MLflow with tokens/s and MFU; rank 1 never opens a weight file; the checkpoint
     holds the adapter alone; in the `kill-9` case, restarted by Ray, it ends bit-identical to the
     same run under torchrun, never killed. (The calm case leaves that reference run out: ~40 s,
-    and Ray's layout equal to torchrun's is in make test for any model: test_strategies.py's
-    tensor-parallel run on Ray workers, test_ray_e2e.py.)
+    and Ray's run equal to torchrun's is in make test for any model: test_any_model.py's kill -9,
+    which ends bit-identical to torchrun's.)
     Launched from another folder than the config's, whose model and data paths are relative to
     it (the workers' working directory is neither). Full fine-tunes under DDP and FSDP (FSDP's
     state half of DDP's) are the slow tests above; the same ratio for any model is in make test

@@ -456,6 +456,7 @@ def test_tensor_parallel_matches_one_rank_and_its_checkpoint_loads_in_one_proces
     assert worst <= 1e-6, worst
 
 
+@pytest.mark.slow  # ~35 s on Ray; make test runs tp2 under torchrun against one rank (below), splits the data by tensor-parallel group in-process (tests/unit/test_tensor_parallel.py), and runs the same loop on Ray's workers (test_any_model.py, test_ray_e2e.py)
 @pytest.mark.shared_ray
 @pytest.mark.untracked
 def test_tensor_parallel_on_ray_workers_matches_one_process(run_cli, tmp_path):
