@@ -210,6 +210,7 @@ CROSS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # ~20 s: 4 processes; make test loads checkpoints across DDP and FSDP (test_strategies.py) and trains and exports a tied model (test_hf_lora.py's full fine-tune)
 def test_shared_tensors_load_across_ddp_and_fsdp(tmp_path):
     """A DDP checkpoint (rank 0's state.pt) loads into FSDP and an FSDP one (DCP shards) into DDP,
     and each into its own kind, for both models: weights and optimizer state exactly as saved."""

@@ -7,7 +7,6 @@ what only the run reads fails it (exit 1): by pyarrow in one process, by Ray Dat
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import RAYLANE, TORCHRUN, cli_env, read_json
+from tests.conftest import TORCHRUN, read_json
 
 TABULAR = [
     "--set",
@@ -111,19 +110,12 @@ def _bad_first_files(tmp: Path) -> dict[str, tuple[Path, str, str]]:
     }
 
 
-def test_bad_data_in_the_first_rows_exits_2_naming_its_file_row_column_and_value(tmp_path):
+def test_bad_data_in_the_first_rows_exits_2_naming_its_file_row_column_and_value(run_cli, tmp_path):
+    # `raylane check` forked from the tests' zygote: the same command without an interpreter's imports each.
     for case, (path, fmt, expected) in _bad_first_files(tmp_path / "data").items():
-        out = subprocess.run(
-            [*RAYLANE, "check", "tabular", "--set", f"data.train={path}", "--set", f"data.format={fmt}", *TABULAR],
-            cwd=tmp_path,
-            env=cli_env(tmp_path),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert out.returncode == 2, (case, out.stdout + out.stderr)
-        line = _error_line(out.stderr)
+        p = run_cli("check", "tabular", "--set", f"data.train={path}", "--set", f"data.format={fmt}", *TABULAR)
+        assert p.wait(120) == 2, (case, p.output)
+        line = _error_line(p.output)
         assert line.startswith("raylane: invalid config: ") and expected in line, (case, line)
 
 

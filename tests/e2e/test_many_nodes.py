@@ -9,7 +9,7 @@ tests/e2e/test_ft_drain.py does), before the drain and after it, without the dra
 The nodes have 4 CPUs each for 2 workers each: the CPUs leave room for PACK's 4 a node, so an
 even spread is the strategy's doing, and the group fits on the nodes left after a drain.
 
-The shortest, make test's: 2 nodes and 4 workers, one launch with a straggler and a hang;
+The shortest, make test's: 2 nodes and 4 workers, one launch with a straggler (its hang is in-process there);
 4 nodes and 8 workers in two launches (failure.max_failures 0: the drain ends the first
 KILLED, naming the node; the relaunch resumes on the 3 nodes left and hangs), and 8 nodes and 16
 workers in one launch that restarts (failure.max_failures 1: the group hands over
@@ -148,14 +148,14 @@ def _spread(where: dict[int, str], over: list[str]) -> None:
     assert max(counts.values()) - min(counts.values()) <= 1, counts
 
 
-def _project(tmp_path: Path, workers: int, max_failures: int, timeout_s: int = 15) -> Path:
+def _project(tmp_path: Path, workers: int, max_failures: int, timeout_s: int = 15, steps: int = 400) -> Path:
     shutil.copy(HELPER, tmp_path / "pipe.py")
     seen = tmp_path / "seen"
     seen.mkdir()
     (tmp_path / "run.yaml").write_text(
         "pipeline: ./pipe.py\n"
         f"scaling: {{num_workers: {workers}, placement_strategy: SPREAD}}\n"
-        "train: {max_steps: 400, batch_size: 4, seed: 0}\n"
+        f"train: {{max_steps: {steps}, batch_size: 4, seed: 0}}\n"
         f"failure: {{max_failures: {max_failures}}}\n"
         "checkpoint: {every_n_steps: 0, every_n_epochs: 0}\n"
         f"dist: {{timeout_s: {timeout_s}}}\n"
@@ -188,36 +188,35 @@ def _report(name: str, started: float, memory: PeakMemory, *outputs: str) -> Non
         print("\n".join(x for x in out.splitlines() if x.startswith(("[raylane]", "run ", "  error"))))
 
 
-def test_on_2_nodes_a_straggler_and_a_hang_are_each_named_with_their_node(run_cli, tmp_path):
+def test_on_2_nodes_a_straggler_is_named_with_its_node(run_cli, tmp_path):
     """make test's soak, the shortest: 4 workers on 2 nodes, SPREAD: 2 a node. Rank 3 is slow
-    (0.5 s a step): the straggler line names it and its node (at step 15, its second window);
-    rank 1 hangs at step 21 (at 16 the straggler's line came a step before the hang, at 14 never):
-    the run fails past dist.timeout_s (10 s) in one line naming rank 1, its node and where it stood, its
-    stack in the run's stacks/ under its node's name, the straggler's MLflow tag with its node.
-    (With 2 workers no straggler can be named: the other rank's step waits on the slow one's.
-    The drained node's name: the 4- and 8-node soaks below, slow; in make test,
-    tests/unit/test_fault_nodes.py.)"""
-    workers, straggler, hung = 4, 3, 1
-    seen = _project(tmp_path, workers, max_failures=0, timeout_s=10)
+    (0.5 s a step): the straggler line names it and its node (at step 15, its second window), as
+    does its MLflow tag, and the run ends FINISHED at step 20. (With 2 workers no straggler can be
+    named: the other rank's step waits on the slow one's. A hang and a drained node, each named
+    with its node: the 4- and 8-node soaks below, slow; in make test, in-process,
+    tests/unit/test_fault_nodes.py. The hang was here too until make test's 15 minutes ran out:
+    it cost ~25 s of the ~95.)"""
+    workers, straggler = 4, 3
+    seen = _project(tmp_path, workers, max_failures=0, timeout_s=10, steps=20)
     memory, started, launched = PeakMemory(), time.monotonic(), []
     nodes = Nodes(2)
     try:
-        env = cli_env(tmp_path, RAYLANE_FAULTS=f"slow@rank={straggler},ms={STRAGGLER_MS};hang@rank={hung},step=21")
+        env = cli_env(tmp_path, RAYLANE_FAULTS=f"slow@rank={straggler},ms={STRAGGLER_MS}")
         launched.append(
             p := run_cli("train", "run.yaml", "--address", nodes.address, "--summary-json", "s.json", env=env)
         )
         where = _placed(nodes, _group(seen, workers, 1, set()))
         _spread(where, list(nodes.named))
         line = _straggler_named(p, straggler, where[straggler])
-        assert p.wait(300) == 1, p.output
+        assert p.wait(300) == 0, p.output
     finally:
         nodes.shutdown()
         _report("2 nodes, 4 workers", started, memory, *(x.output for x in launched))
     s = read_json(tmp_path / "s.json")
-    assert s["status"] == "FAILED" and _hung_line(hung, where[hung]) in s["error"], s["error"]
-    assert (tmp_path / "runs" / "soak" / "stacks" / f"rank{hung}-{where[hung]}.txt").exists()
-    tags = MlflowClient(s["tracking_uri"]).get_run(s["run_id"]).data.tags  # a failed run's summary has no ranks' rows
+    assert s["status"] == "FINISHED" and s["steps"] == 20, s
+    tags = MlflowClient(s["tracking_uri"]).get_run(s["run_id"]).data.tags
     assert tags[f"raylane.straggler.rank{straggler}"] == line.removeprefix("[raylane] "), tags
+    assert [(x["rank"], x.get("node")) for x in s["stragglers"]] == [(straggler, where[straggler])], s["stragglers"]
 
 
 @pytest.mark.slow  # 6-8 minutes on 2 cores: a fake cluster of 4 nodes, 8 workers started twice
