@@ -98,7 +98,8 @@ def test_a_cluster_that_never_answers_is_given_up_on_within_the_join_timeout(com
     ], cli.output
     # 3 s of waiting plus start-up; before, it waited for good. A loose bound: the machine may be busy.
     assert took < 60, f"gave up after {took:.0f} s"
-    assert _statuses(uri) == ["FAILED"]  # the run (or the sweep's or search's parent) opened beside the wait
+    # The run (or the sweep's or search's parent) opened beside the wait.
+    assert _statuses(uri) == ["FAILED"], cli.output
 
 
 def test_sigterm_while_waiting_for_the_cluster_stops_at_once_and_closes_the_run(run_cli, tmp_path, silent_peer):
