@@ -42,11 +42,6 @@ def draw(sizes: Sequence[int], weights: Sequence[float], n: int, seed: int) -> t
     return sources, rows
 
 
-def shares(sources: np.ndarray, count: int) -> list[float]:
-    """Each source's share of the examples drawn."""
-    return (np.bincount(sources, minlength=count) / max(len(sources), 1)).tolist()
-
-
 def read_columns(paths: Any, fmt: str, columns: list[str], key: str) -> dict[str, np.ndarray]:
     """Every row of `paths`' files (local or s3://), the `columns` only, as object arrays."""
     from raylane.loop.data import files

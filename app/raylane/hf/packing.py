@@ -11,7 +11,7 @@ Packing is best-fit decreasing (TRL's `bfd`) within the examples handed over (a 
 first, each into the fullest sequence it fits, ties to the earliest; the documents of a sequence
 keep their order in the buffer. The result depends on the examples alone, not on the rank or the
 world size, and is the same for the same buffer every time. An example longer than a sequence is
-cut to it (its tail, answer tokens included, is lost: counted, `PackedRows.cut`).
+cut to it (its tail, answer tokens included, is lost: raylane.hf.rows counts it).
 
 Pure numpy: rows in, arrays out, where the data is read (Ray Data's tasks, the reader thread)."""
 
@@ -51,16 +51,13 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
 
 @dataclass
 class PackedRows:
-    """Packed sequences: `input_ids`, `labels` and `position_ids`, each (rows, seq_len), and what
-    the figures need: the real (non-padding) tokens, the tokens that carry a label, and the
-    examples cut to fit a sequence."""
+    """Packed sequences: `input_ids`, `labels` and `position_ids`, each (rows, seq_len), and each
+    row's real (non-padding) tokens."""
 
     input_ids: np.ndarray
     labels: np.ndarray
     position_ids: np.ndarray
     row_tokens: np.ndarray  # each row's real tokens
-    answer_tokens: int
-    cut: int
 
     @property
     def real_tokens(self) -> int:
@@ -76,7 +73,6 @@ def pack(
     """`examples` ((ids, labels) each, -100 where no loss) into rows of `seq_len`: packed by
     best-fit decreasing, or one a row (`packing=False`, padded: an unpacked run's rows). Padding
     has label -100 and position ids of its own from 0 (a document no real token attends to)."""
-    cut = sum(len(ids) > seq_len for ids, _ in examples)
     docs = [
         (np.asarray(ids[:seq_len], dtype=np.int64), np.asarray(lab[:seq_len], dtype=np.int64)) for ids, lab in examples
     ]
@@ -99,7 +95,7 @@ def pack(
             at += n
         positions[row, at:] = np.arange(seq_len - at)
         row_tokens[row] = at
-    return PackedRows(input_ids, labels, positions, row_tokens, int((labels != IGNORE).sum()), cut)
+    return PackedRows(input_ids, labels, positions, row_tokens)
 
 
 def real_tokens(batch: dict, pad_id: int):
