@@ -299,8 +299,12 @@ def sources(cfg: Any) -> dict[str, Any]:
 
 def call(cfg: Any, module: ModuleType, name: str) -> Any:
     """`name(cfg)` of a pipeline module, its exception one line naming the function and the place."""
+    from raylane.errors import DataError
+
     try:
         return getattr(module, name)(cfg)
+    except DataError:  # bad data, already one line naming its place: not the pipeline's code's fault
+        raise
     except Exception as exc:
         text = " ".join(str(exc).split())
         error = PipelineBuildError if name == "build" else UserCodeError

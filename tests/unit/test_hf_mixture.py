@@ -132,3 +132,23 @@ def test_a_sources_relative_paths_are_the_config_files_folders(chat_model, tmp_p
     monkeypatch.chdir(tmp_path)
     cfg = load_config(str(project / "mix.yaml"))
     assert [s.train for s in cfg.data.mix] == [str(project / "a.jsonl"), [str(project / "b.jsonl")]]
+
+
+def test_a_bad_row_is_named_by_its_source_and_its_row_there_failed_or_skipped(chat_model, tmp_path):
+    """Not by its place in the draw, which no file has (before: 'the data.mix dataset row 16')."""
+    from raylane import DataError
+    from raylane.hf.data import from_mix
+    from raylane.loop.data import baddata
+
+    a, b = _chat(tmp_path, "a", 6, "w1"), _chat(tmp_path, "b", 4, "w2")
+    rows = b.read_text().splitlines()
+    rows[2] = json.dumps({"messages": [{"role": "robot", "content": "w3"}, {"role": "assistant", "content": "w4"}]})
+    b.write_text("\n".join(rows) + "\n")
+    mix = [{"train": str(a), "weight": 1}, {"train": str(b), "weight": 1}]
+    with pytest.raises(DataError, match=r"data.mix.1.train row 3, column 'messages'"):
+        from_mix(_config(chat_model, {"mix": mix}))
+    baddata.forget_skipped()
+    from_mix(_config(chat_model, {"mix": mix, "skip_bad_rows": True}))
+    recorded = baddata.skipped_rows()["data.mix"]
+    assert recorded["skipped"] >= 1 and "data.mix.1.train row 3" in recorded["first"], recorded
+    baddata.forget_skipped()

@@ -262,12 +262,11 @@ def from_mix(cfg: Config) -> Rows:
     kind = rows.style(cfg)
     columns = list(rows.columns(cfg, kind).values())
     batch, which, where, taken = mixture.mixed_rows(cfg, columns)
-    try:
-        out = _transformed(transform_for(cfg, kind), batch, "data.mix", cfg.data.skip_bad_rows)
-    except DataError as exc:
-        if exc.row is not None:  # its place in the draw, named in its source
-            exc.place = f"data.mix.{which[exc.row]}.train row {where[exc.row] + 1}"
-        raise
+
+    def place(row: int) -> str:  # a row of the draw, named in its source
+        return f"data.mix.{which[row]}.train row {where[row] + 1}"
+
+    out = _transformed(transform_for(cfg, kind), batch, "data.mix", cfg.data.skip_bad_rows, place)
     mix = cfg.data.mix or []
     drawn = {f"from {mixture.name_of(mix, i)}": n for i, n in enumerate(taken)}
     tally = baddata.take_skipped("data.mix dataset") or baddata.Skipped()  # its rows' own: skipped, cut
@@ -284,22 +283,25 @@ def _column(values: Any) -> np.ndarray:
     return out
 
 
-def _transformed(transform: Any, batch: dict[str, np.ndarray], name: str, skip: bool | int) -> dict[str, np.ndarray]:
-    """A dataset's rows transformed at once; a bad row named by its place in the dataset (from 1),
-    or skipped; what was skipped, and what the transform counted (examples cut to a sequence),
-    recorded as the `<name> dataset`'s."""
+def _transformed(
+    transform: Any, batch: dict[str, np.ndarray], name: str, skip: bool | int, place: Any = None
+) -> dict[str, np.ndarray]:
+    """A dataset's rows transformed at once; a bad row named by its place (`place(row)`; by
+    default its place in the dataset, from 1), or skipped; what was skipped, and what the
+    transform counted (examples cut to a sequence), recorded as the `<name> dataset`'s."""
     from raylane.loop.data import baddata
     from raylane.loop.data.streaming import split_counts
 
+    place = place or (lambda row: f"the {name} dataset row {row + 1}")
     try:
         out, dropped, first = baddata.skipping(transform, batch) if skip else (transform(batch), 0, None)
     except DataError as exc:
         if exc.place is None and exc.row is not None:
-            exc.place = f"the {name} dataset row {exc.row + 1}"
+            exc.place = place(exc.row)
         raise
     out, counts = split_counts(out)
     if first is not None:
-        first.place = f"the {name} dataset row {(first.row or 0) + 1}"
+        first.place = place(first.row or 0)
     if skip or counts:
         rows = len(next(iter(batch.values())))
         line = None if first is None else baddata.skipped_line(first)
