@@ -107,6 +107,12 @@ def test_a_mixture_resumed_mid_epoch_draws_the_same_next_examples(run_cli, chat)
     assert (counts["from chat"], counts["from source 1"], counts["without an answer (left out)"]) == (56, 14, 2), first
     shown = ", ".join(f"{n} {what}" for what, n in sorted(counts.items()))
     assert f"  examples:      data.mix: {shown}" in whole.output.splitlines(), whole.output
+    client = MlflowClient(first["tracking_uri"])  # each window's realised shares: of its own examples
+    chat_share, other = ({m.step: m.value for m in client.get_metric_history(first["run_id"], k)} for k in (
+        "train/source_share/chat", "train/source_share/source 1"))  # fmt: skip
+    assert chat_share and set(chat_share) == set(other), (chat_share, other)
+    assert all(chat_share[s] + other[s] == pytest.approx(1) for s in chat_share), (chat_share, other)
+    assert 0.6 < sum(chat_share.values()) / len(chat_share) < 0.95, chat_share
     args = ["train", "mix.yaml", "--local", "--set", "run.name=mixcut", "--summary-json", "m2.json"]
     cut = run_cli(*args, env=cli_env(chat, RAYLANE_FAULTS="raise@step=5"), name="mixcut")
     assert cut.wait(400) == 1, cut.output

@@ -84,10 +84,52 @@ def test_a_mixture_draws_its_rows_and_says_what_each_source_gave(chat_model, tmp
     assert cfg.data.style == "messages"  # auto, read off the sources' columns
     baddata.forget_skipped()
     rows = from_mix(cfg)
-    assert len(rows) > 0 and set(rows.arrays) == {"input_ids", "labels", "position_ids"}
+    assert len(rows) > 0 and set(rows.arrays) == {"input_ids", "labels", "position_ids", "tally:a", "tally:source 1"}
     drawn = baddata.skipped_rows()["data.mix"]["counts"]
     assert drawn == {"from a": 26, "from source 1": 9}  # 35 examples at 3:1; b's 5 rows drawn 9 times
+    # Each packed row says how many of its examples each source gave: together, every one drawn.
+    assert (rows.arrays["tally:a"].sum(), rows.arrays["tally:source 1"].sum()) == (26, 9)
+    starts = (rows.arrays["position_ids"] == 0).sum(1)  # a row's documents (and its padding, if any)
+    assert ((rows.arrays["tally:a"] + rows.arrays["tally:source 1"]) <= starts).all()
     baddata.forget_skipped()
+
+
+def test_the_loop_takes_a_batch_s_tallies_out_before_the_forward_and_logs_each_source_s_share_per_window():
+    """The tallies never reach the model (the batch loses them on the host, before its forward),
+    and each window's shares are of that window's examples alone."""
+    import torch
+
+    from raylane.loop.steps import MetricsWindow, Throughput
+
+    def batch(a: list[int], b: list[int]) -> dict:
+        return {"input_ids": torch.zeros(len(a), 4), "tally:a": torch.tensor(a), "tally:b b": torch.tensor(b)}
+
+    throughput, window = Throughput(tokens_per_sample=4), MetricsWindow(torch.device("cpu"))
+    first = [batch([3, 1], [0, 1]), batch([2], [2])]
+    throughput.count(first)
+    assert all(set(b) == {"input_ids"} for b in first)
+    window.add(torch.tensor(1.0))
+    got = window.metrics(1, 0.1, throughput, 1)
+    assert (got["source_share/a"], got["source_share/b b"]) == (6 / 9, 3 / 9)
+    window.reset()
+    throughput.count([batch([1], [3])])
+    window.add(torch.tensor(1.0))
+    got = window.metrics(1, 0.1, throughput, 1)
+    assert (got["source_share/a"], got["source_share/b b"]) == (1 / 4, 3 / 4)
+    throughput.count([{"input_ids": torch.zeros(1, 4)}])  # a window without tallies has no shares
+    window.reset()
+    window.add(torch.tensor(1.0))
+    assert not [k for k in window.metrics(1, 0.1, throughput, 1) if k.startswith("source_share/")]
+
+
+def test_a_sources_name_becomes_a_metric_name_mlflow_takes():
+    from raylane.hf.mixture import tally_name
+
+    class Source:
+        def __init__(self, name):
+            self.name = name
+
+    assert [tally_name([Source("chat:v2 (en)"), Source(None)], i) for i in (0, 1)] == ["chat_v2 _en_", "source 1"]
 
 
 @pytest.mark.parametrize(

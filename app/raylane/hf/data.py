@@ -149,10 +149,13 @@ def causal_tensors(batch: dict[str, np.ndarray]) -> dict[str, Any]:
     only, a document's first token left out), with each document's position ids where packed."""
     import torch
 
+    from raylane.loop.protocols.batches import TALLY
+
     ids = torch.as_tensor(batch["input_ids"], dtype=torch.long)
     out = {"input_ids": ids, "labels": torch.as_tensor(batch["labels"], dtype=torch.long) if "labels" in batch else ids}
     if "position_ids" in batch:
         out["position_ids"] = torch.as_tensor(batch["position_ids"], dtype=torch.long)
+    out |= {k: torch.as_tensor(v) for k, v in batch.items() if k.startswith(TALLY)}  # the loop's
     return out
 
 
@@ -262,12 +265,14 @@ def from_mix(cfg: Config) -> Rows:
     kind = rows.style(cfg)
     columns = list(rows.columns(cfg, kind).values())
     batch, which, where, taken = mixture.mixed_rows(cfg, columns)
+    mix = cfg.data.mix or []
+    names = np.array([mixture.tally_name(mix, i) for i in range(len(mix))], dtype=object)
+    batch[rows.GROUP] = names[which]  # each row's source: its share per window (train/source_share/<name>)
 
     def place(row: int) -> str:  # a row of the draw, named in its source
         return f"data.mix.{which[row]}.train row {where[row] + 1}"
 
     out = _transformed(transform_for(cfg, kind), batch, "data.mix", cfg.data.skip_bad_rows, place)
-    mix = cfg.data.mix or []
     drawn = {f"from {mixture.name_of(mix, i)}": n for i, n in enumerate(taken)}
     tally = baddata.take_skipped("data.mix dataset") or baddata.Skipped()  # its rows' own: skipped, cut
     tally.rows = int(sum(taken))

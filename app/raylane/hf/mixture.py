@@ -80,3 +80,10 @@ def mixed_rows(cfg: Any, columns: list[str]) -> tuple[dict[str, np.ndarray], np.
 
 def name_of(mix: Sequence[Any], i: int) -> str:
     return mix[i].name or f"source {i}"
+
+
+def tally_name(mix: Sequence[Any], i: int) -> str:
+    """The source's name as a metric's (MLflow takes letters, digits and `_-. /`)."""
+    import re
+
+    return re.sub(r"[^\w.\- ]", "_", name_of(mix, i))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,21 +58,31 @@ class PackedRows:
     labels: np.ndarray
     position_ids: np.ndarray
     row_tokens: np.ndarray  # each row's real tokens
+    groups: dict[str, np.ndarray] = field(default_factory=dict)  # `pack(groups=)`: each row's examples of each
 
     @property
     def real_tokens(self) -> int:
         return int(self.row_tokens.sum())
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids}
+        from raylane.loop.protocols.batches import TALLY
+
+        tallies = {TALLY + name: counts for name, counts in self.groups.items()}
+        return {"input_ids": self.input_ids, "labels": self.labels, "position_ids": self.position_ids} | tallies
 
 
 def pack(
-    examples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int, pad_id: int, *, packing: bool = True
+    examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+    seq_len: int,
+    pad_id: int,
+    *,
+    packing: bool = True,
+    groups: Sequence[str] | None = None,
 ) -> PackedRows:
     """`examples` ((ids, labels) each, -100 where no loss) into rows of `seq_len`: packed by
     best-fit decreasing, or one a row (`packing=False`, padded: an unpacked run's rows). Padding
-    has label -100 and position ids of its own from 0 (a document no real token attends to)."""
+    has label -100 and position ids of its own from 0 (a document no real token attends to).
+    `groups`: each example's group (a mixture's source), counted per row (PackedRows.groups)."""
     docs = [
         (np.asarray(ids[:seq_len], dtype=np.int64), np.asarray(lab[:seq_len], dtype=np.int64)) for ids, lab in examples
     ]
@@ -95,7 +105,11 @@ def pack(
             at += n
         positions[row, at:] = np.arange(seq_len - at)
         row_tokens[row] = at
-    return PackedRows(input_ids, labels, positions, row_tokens)
+    counted: dict[str, np.ndarray] = {}
+    if groups is not None:
+        for name in dict.fromkeys(groups):
+            counted[name] = np.array([sum(groups[i] == name for i in b) for b in bins], dtype=np.int64)
+    return PackedRows(input_ids, labels, positions, row_tokens, counted)
 
 
 def real_tokens(batch: dict, pad_id: int):

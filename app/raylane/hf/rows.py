@@ -26,6 +26,9 @@ Batch = dict[str, np.ndarray]
 UNANSWERED = "without an answer (left out)"
 CUT = "cut to model.seq_len"
 DROPPED = "longer than model.seq_len, dropped (data.drop_cut)"
+# A column of each row's group (a mixture's source name, raylane.hf.data.from_mix): its examples
+# are counted per packed row and reach the loop as tallies (raylane.loop.protocols.batches.TALLY).
+GROUP = "raylane:group"
 
 
 def style(cfg: Config, names: list[str] | None = None) -> str:
@@ -88,6 +91,8 @@ def encoded_rows(
     tok = tokenizer(path)
     n = len(next(iter(batch.values()))) if batch else 0
     examples, bad, first = [], [], None
+    group = batch.get(GROUP)
+    groups: list[str] | None = None if group is None else []
     unanswered = long = 0
     for i in range(n):
         row = {field: batch[column][i] for field, column in fields.items()}
@@ -103,11 +108,13 @@ def encoded_rows(
         long += len(example.ids) > seq_len
         if not (drop_cut and len(example.ids) > seq_len):
             examples.append((example.ids, example.labels))
+            if groups is not None:
+                groups.append(str(group[i]))  # type: ignore[index]  # set with groups
     if first is not None:
         first.rows = bad
         raise first
     counted = {UNANSWERED: unanswered, DROPPED if drop_cut else CUT: long}
-    return pack(examples, seq_len, pad_id(tok), packing=packing).arrays() | {
+    return pack(examples, seq_len, pad_id(tok), packing=packing, groups=groups).arrays() | {
         COUNT + what: np.array([k]) for what, k in counted.items() if k
     }
 

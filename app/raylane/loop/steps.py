@@ -8,14 +8,14 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from raylane.config import TrainSection
 from raylane.loop.data.loader import EpochData, data_change
-from raylane.loop.protocols.batches import StepMetrics, batch_size
+from raylane.loop.protocols.batches import StepMetrics, batch_size, take_tallies
 
 
 def plan_steps(train_data: EpochData, train: TrainSection) -> tuple[int, int]:
@@ -205,9 +205,13 @@ class Throughput:
     real_tokens: Callable[[Any], Any] | None = None
     data_tokens: int = 0  # counted tokens that are data ...
     slot_tokens: int = 0  # ... of this many (rows x tokens_per_sample)
+    tallies: dict[str, int] = field(default_factory=dict)  # the batches' own (batches.TALLY), summed
 
     def count(self, batches: Iterable[Any]) -> None:
-        """A step's micro-batches counted (nothing without `real_tokens`)."""
+        """A step's micro-batches counted, their tallies taken out of them (before the forward)."""
+        for batch in batches:
+            for name, n in take_tallies(batch).items():
+                self.tallies[name] = self.tallies.get(name, 0) + n
         if self.real_tokens is None or not self.tokens_per_sample:
             return
         for batch in batches:
@@ -223,6 +227,12 @@ class Throughput:
         """The tokens that were data, of those counted since `since` (a `counted()`); None: none counted."""
         slots = self.slot_tokens - since[1]
         return (self.data_tokens - since[0]) / slots if slots > 0 else None
+
+    def tally_shares(self, since: dict[str, int]) -> dict[str, float]:
+        """Each tally's share of those counted since `since` (an earlier copy of `tallies`)."""
+        got = {name: n - since.get(name, 0) for name, n in self.tallies.items()}
+        total = sum(got.values())
+        return {f"source_share/{name}": n / total for name, n in got.items()} if total > 0 else {}
 
     def rates(self, samples_per_s: float, world_size: int, share: float | None = None) -> dict[str, float]:
         """`share`: the tokens that were data over the same span (None: not counted)."""
@@ -245,6 +255,7 @@ class MetricsWindow:
         self.loss_sum = torch.zeros((), device=device)
         self.step_metrics = StepMetrics(device)
         self.tokens_mark = (0, 0)  # Throughput.counted() at the last window's end
+        self.tally_mark: dict[str, int] = {}  # Throughput.tallies then
         self.reset()
 
     def reset(self) -> None:
@@ -268,6 +279,7 @@ class MetricsWindow:
         """The window's figures, its time up to `until` (default: now)."""
         samples_per_s = self.steps * samples_per_step / max((until or time.perf_counter()) - self.start, 1e-9)
         share, self.tokens_mark = throughput.share(self.tokens_mark), throughput.counted()
+        shares, self.tally_mark = throughput.tally_shares(self.tally_mark), dict(throughput.tallies)
         return {
             "loss": float(self.loss_sum) / max(self.loss_count, 1),
             "lr": lr,
@@ -275,5 +287,6 @@ class MetricsWindow:
             **({"grad_norm": float(self.grad_norm)} if self.grad_norm is not None else {}),
             "samples_per_s": samples_per_s,
             **throughput.rates(samples_per_s, world_size, share),
+            **shares,
             **self.step_metrics.means(),
         }

@@ -419,9 +419,13 @@ def first_batch(dataset, batch_size: int, collate_fn: Callable[[list[Any]], Any]
     keeps dicts and tuples); None for a stream, which has no batch to spare before its first epoch."""
     from torch.utils.data import default_collate
 
+    from raylane.loop.protocols.batches import take_tallies
+
     if is_stream(dataset):
         return None
-    return (collate_fn or default_collate)([dataset[i] for i in range(min(batch_size, len(dataset)))])
+    batch = (collate_fn or default_collate)([dataset[i] for i in range(min(batch_size, len(dataset)))])
+    take_tallies(batch)  # the loop's, not the model's inputs
+    return batch
 
 
 def fingerprint(data: Any) -> dict[str, Any] | None:

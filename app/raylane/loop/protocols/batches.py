@@ -61,6 +61,21 @@ class BatchFormError(RaylaneError, ValueError):
     expected and what came. raylane.loop.usercode prefixes the pipeline's name."""
 
 
+# A batch's per-row tallies for the loop, not the model's inputs: `{"tally:<name>": counts per
+# row}` (the examples each row holds from each source of a mixture, raylane.hf.mixture). They ride
+# with the rows to the rank, where the loop takes them out of the batch before its forward and logs
+# each name's share of the window's tallies (train/source_share/<name>): on the host, no collective.
+TALLY = "tally:"
+
+
+def take_tallies(batch: Any) -> dict[str, int]:
+    """The tallies of a dict batch, taken out of it (a micro-batch's, before its forward)."""
+    if not isinstance(batch, dict) or not any(isinstance(k, str) and k.startswith(TALLY) for k in batch):
+        return {}
+    keys = [k for k in batch if isinstance(k, str) and k.startswith(TALLY)]
+    return {k.removeprefix(TALLY): int(batch.pop(k).sum()) for k in keys}
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """`batch` with every tensor in it on `device`, at any nesting of tuples, lists, dicts and
     Mappings (kept as their own type where it can be rebuilt from a dict, else a dict),

@@ -114,7 +114,13 @@ def _model_inputs(batch: Any) -> Any:
     if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor):
         return batch[0]
     if isinstance(batch, Mapping):
-        inputs = {k: v for k, v in batch.items() if k not in LABEL_KEYS and isinstance(v, torch.Tensor)}
+        from raylane.loop.protocols.batches import TALLY
+
+        inputs = {
+            k: v
+            for k, v in batch.items()
+            if k not in LABEL_KEYS and isinstance(v, torch.Tensor) and not str(k).startswith(TALLY)
+        }
         return inputs or None
     if isinstance(batch, (tuple, list)) and batch and all(isinstance(x, torch.Tensor) for x in batch):
         return tuple(batch)
