@@ -25,6 +25,12 @@ class Config(raylane.hf.Config):
                 "micro-batch of them: train.batch_size packed rows of model.seq_len tokens, for the activations); "
                 "give data.train (a file, folder or glob; a local text file that long will do, data.format: text)"
             )
+        for i, source in enumerate(self.data.mix or ()):
+            if source.train is None:
+                raise ValueError(
+                    f"data.mix.{i}.train = None: pipeline 'hf' reads files; a source without train takes a dataset "
+                    "that a pipeline's own build(cfg) hands to raylane.hf.pipeline(cfg, train={name: dataset})"
+                )
         return self
 
 

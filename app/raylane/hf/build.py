@@ -4,6 +4,7 @@ shipped `hf` pipeline and for a user's own `build(cfg)` that hands over `dataset
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 from raylane.hf.config import Config, packed
@@ -83,12 +84,20 @@ def _data_sets(cfg: Config, train: Any, eval: Any) -> tuple[Any, Any]:
     """(the training set, the held-out set or sets): the datasets handed in, tokenized here, else
     the files of `data.train` and `data.eval`, streamed."""
     from raylane.config import ConfigError, shapes_only
-    from raylane.hf import data
+    from raylane.hf import data, mixture
 
     if cfg.data.mix is not None:
-        if train is not None:
-            raise ConfigError("data.mix with a dataset handed to raylane.hf.pipeline(cfg, train=...): give one")
-        return data.from_mix(cfg), _eval_sets(cfg, eval)
+        if train is not None and not isinstance(train, Mapping):
+            raise ConfigError(
+                "data.mix with a dataset handed to raylane.hf.pipeline(cfg, train=...): hand a mixture's datasets "
+                "by source name, train={name: dataset}, each for a data.mix source of that name without train"
+            )
+        return data.from_mix(cfg, mixture.handed_datasets(cfg.data.mix, train or {})), _eval_sets(cfg, eval)
+    if isinstance(train, Mapping):  # a DatasetDict of splits is one too
+        raise ConfigError(
+            f"raylane.hf.pipeline(cfg, train={{{', '.join(f'{k!r}: ...' for k in train)}}}): datasets by name are the "
+            "sources of data.mix, which is not set; hand one dataset (train=dataset), or set data.mix"
+        )
     if train is None and cfg.data.train is None and shapes_only():
         raise ConfigError(
             "data.train = None: the rehearsal reads one micro-batch of it (train.batch_size packed rows of "

@@ -55,11 +55,19 @@ class ModelSection(Section):
 class MixSource(Section):
     """One source of a mixture (data.mix)."""
 
-    train: InputPaths = Field(
-        description="Its files, folders or globs, local or `s3://`, with the columns data.style reads."
+    train: InputPaths | None = Field(
+        None,
+        description="Its files, folders or globs, local or `s3://`, with the columns data.style reads. null: the "
+        "`datasets.Dataset` a pipeline's own build(cfg) hands to `raylane.hf.pipeline(cfg, train={name: dataset})` "
+        "under this source's `name`.",
     )
     weight: float = Field(gt=0, description="Its share of the examples drawn, relative to the others' weights.")
-    name: str | None = Field(None, min_length=1, description="How the summary names it (default: `source N`).")
+    name: str | None = Field(
+        None,
+        min_length=1,
+        description="How the summary names it (default: `source N`); a source without `train`: the name of its "
+        "dataset.",
+    )
 
 
 class DataSection(Section):
@@ -76,8 +84,9 @@ class DataSection(Section):
         min_length=2,
         description="In place of data.train (`model.task: causal-lm`): sources drawn by weight at the example level "
         "(`[{train: chat/, weight: 0.8}, {train: code/, weight: 0.2}]`), each within one example of its share "
-        "everywhere in the draw, the same at any world size and on resume. The sources are read whole into "
-        "memory (docs/hf.md, Mixtures).",
+        "everywhere in the draw, the same at any world size and on resume. A source without `train` takes the "
+        "`datasets.Dataset` of its `name` handed to `raylane.hf.pipeline(cfg, train={name: dataset})`. The sources "
+        "are read whole into memory (docs/hf.md, Mixtures).",
     )
     mix_examples: int | None = Field(
         None, ge=1, description="data.mix: the examples an epoch draws; null: as many as the sources hold together."
@@ -168,7 +177,8 @@ class Config(BaseConfig):
             if getattr(self.data, field) is not None:
                 check_columns(self, field)
         for i, source in enumerate(self.data.mix or ()):
-            check_columns(self, "train", source.train, f"data.mix.{i}.train")
+            if source.train is not None:  # a dataset's columns are checked when it is handed in
+                check_columns(self, "train", source.train, f"data.mix.{i}.train")
         check_style(self)
         return self
 
@@ -386,7 +396,8 @@ def packed(d: DataSection) -> bool:
 
 
 def check_mix(cfg: Config) -> None:
-    """data.mix: in place of data.train, for a causal LM's files."""
+    """data.mix: in place of data.train, for a causal LM; each source's files, or a dataset
+    handed in under its name (matched when it is: raylane.hf.mixture.handed_datasets)."""
     d = cfg.data
     if d.mix is None:
         if d.mix_examples is not None:
@@ -398,6 +409,17 @@ def check_mix(cfg: Config) -> None:
         )
     if cfg.model.task != "causal-lm":
         raise ValueError(f"data.mix: for model.task causal-lm, not {cfg.model.task!r}")
+    named: dict[str, int] = {}
+    for i, source in enumerate(d.mix):
+        if source.train is None and source.name is None:
+            raise ValueError(
+                f"data.mix.{i}: neither train (its files) nor name (the dataset of that name handed to "
+                "raylane.hf.pipeline(cfg, train={name: dataset})): give one"
+            )
+        if source.name is not None and source.name in named:
+            raise ValueError(f"data.mix.{i}.name = {source.name!r}: data.mix.{named[source.name]} has that name too")
+        if source.name is not None:
+            named[source.name] = i
 
 
 def check_columns(cfg: Config, field: str, paths: Any = None, key: str | None = None) -> None:

@@ -255,22 +255,23 @@ def from_dataset(cfg: Config, dataset: Any, name: str) -> Rows:
     return Rows(_transformed(transform_for(text_cfg, kind), batch, name, d.skip_bad_rows), causal)
 
 
-def from_mix(cfg: Config) -> Rows:
+def from_mix(cfg: Config, datasets: list[Any] | None = None) -> Rows:
     """data.mix: an epoch's examples drawn from the sources by weight (raylane.hf.mixture),
     encoded and packed at once; what each source gave is recorded for the summary. A bad row is
-    named by its source and its row in the source's files (counted together, in file order)."""
+    named by its source and its row in the source's files (counted together, in file order) or
+    dataset. `datasets`: each source's dataset, None for a source of files (mixture.handed_datasets)."""
     from raylane.hf import mixture, rows
     from raylane.loop.data import baddata
 
-    kind = rows.style(cfg)
+    kind = rows.style(cfg, mixture.dataset_columns(cfg, datasets))  # no files resolved data.style auto
     columns = list(rows.columns(cfg, kind).values())
-    batch, which, where, taken = mixture.mixed_rows(cfg, columns)
+    batch, which, where, taken = mixture.mixed_rows(cfg, columns, datasets)
     mix = cfg.data.mix or []
     names = np.array([mixture.tally_name(mix, i) for i in range(len(mix))], dtype=object)
     batch[rows.GROUP] = names[which]  # each row's source: its share per window (train/source_share/<name>)
 
     def place(row: int) -> str:  # a row of the draw, named in its source
-        return f"data.mix.{which[row]}.train row {where[row] + 1}"
+        return f"{mixture.source_key(mix, int(which[row]))} row {where[row] + 1}"
 
     out = _transformed(transform_for(cfg, kind), batch, "data.mix", cfg.data.skip_bad_rows, place)
     drawn = {f"from {mixture.name_of(mix, i)}": n for i, n in enumerate(taken)}

@@ -10,12 +10,15 @@ order shuffled from the seed, a new one each time the source runs out (a small s
 as a weight above its size asks). An epoch draws `data.mix_examples` examples (by default as
 many as the sources hold together).
 
-The sources are read whole, once, into memory (the columns data.style reads): mixtures are for
-data sets a process holds, as fine-tuning's are; data beyond memory streams from data.train."""
+A source is files (`train`: local or s3://) or a `datasets.Dataset` that a pipeline's own
+`build(cfg)` hands to raylane.hf.pipeline(cfg, train={name: dataset}): a source without `train`
+takes the dataset of its `name`. The sources are read whole, once, into memory (the columns
+data.style reads): mixtures are for data sets a process holds, as fine-tuning's are; data beyond
+memory streams from data.train."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,6 +45,66 @@ def draw(sizes: Sequence[int], weights: Sequence[float], n: int, seed: int) -> t
     return sources, rows
 
 
+def source_key(mix: Sequence[Any], i: int) -> str:
+    """How a bad row's place, or an empty source, names source `i`: its files' key, or the
+    dataset it takes."""
+    return f"data.mix.{i}.train" if mix[i].train is not None else f"data.mix.{i} (dataset {mix[i].name!r})"
+
+
+def handed_datasets(mix: Sequence[Any], handed: Mapping[str, Any]) -> list[Any]:
+    """Each source's dataset (None for a source of files): a source without `train` takes the
+    dataset handed to raylane.hf.pipeline(cfg, train={name: dataset}) under its name. The names
+    are matched before anything is read, each mismatch one line (ConfigError)."""
+    from raylane.config import ConfigError
+
+    given = ", ".join(repr(name) for name in handed) or "none"
+    names = [s.name for s in mix]
+    for name in handed:
+        if name not in names:
+            known = ", ".join(repr(n) for n in names if n) or "none named"
+            raise ConfigError(
+                f"raylane.hf.pipeline(cfg, train={{{name!r}: ...}}): no data.mix source is named {name!r} "
+                f"(the sources: {known})"
+            )
+    out: list[Any] = []
+    for i, s in enumerate(mix):
+        if s.train is not None and s.name in handed:
+            raise ConfigError(
+                f"data.mix.{i}: train = {s.train!r} and a dataset named {s.name!r} handed to raylane.hf.pipeline: "
+                "give one"
+            )
+        if s.train is None and s.name not in handed:
+            raise ConfigError(
+                f"data.mix.{i}: no train, and no dataset named {s.name!r} handed to "
+                f"raylane.hf.pipeline(cfg, train={{name: dataset}}) (handed in: {given})"
+            )
+        out.append(handed[s.name] if s.train is None else None)
+    return out
+
+
+def dataset_columns(cfg: Any, datasets: Sequence[Any] | None) -> list[str] | None:
+    """The first dataset source's columns, which resolve data.style auto where no source has
+    files (their check resolves it: raylane.hf.config.check_columns); None: no such dataset."""
+    if cfg.data.style != "auto" or cfg.data.format == "text":
+        return None
+    for ds in datasets or ():
+        if ds is not None and getattr(ds, "column_names", None):
+            return list(ds.column_names)
+    return None
+
+
+def read_dataset(dataset: Any, columns: Mapping[str, str], key: str) -> dict[str, np.ndarray]:
+    """Every row of a `datasets.Dataset` (or any table whose columns read as `dataset[column]`),
+    the `columns` only (the batch's name -> the dataset's), as object arrays."""
+    from raylane.config import ConfigError
+
+    names = list(getattr(dataset, "column_names", None) or [])
+    for column in columns.values():
+        if names and column not in names:
+            raise ConfigError(f"{key}: no column {column!r} in the dataset (it has: {', '.join(names)})")
+    return {c: _objects(dataset[column]) for c, column in columns.items()}
+
+
 def read_columns(paths: Any, fmt: str, columns: list[str], key: str) -> dict[str, np.ndarray]:
     """Every row of `paths`' files (local or s3://), the `columns` only, as object arrays."""
     from raylane.loop.data import files
@@ -52,22 +115,38 @@ def read_columns(paths: Any, fmt: str, columns: list[str], key: str) -> dict[str
         for chunk in files.read_chunks(fs, files.Piece(path), fmt, columns):
             for c in columns:
                 out[c].extend(chunk[c].tolist())
-    arrays: dict[str, np.ndarray] = {}
-    for c, values in out.items():
-        arrays[c] = np.empty(len(values), dtype=object)
-        arrays[c][:] = values
-    return arrays
+    return {c: _objects(values) for c, values in out.items()}
 
 
-def mixed_rows(cfg: Any, columns: list[str]) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, list[int]]:
+def _objects(values: Any) -> np.ndarray:
+    """A column as an object array, row for row (np.array would make a list of lists 2-D)."""
+    values = list(values)
+    out: np.ndarray = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+def mixed_rows(
+    cfg: Any, columns: list[str], datasets: Sequence[Any] | None = None
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, list[int]]:
     """The rows of an epoch of `cfg.data.mix`, drawn (every source read whole): (the rows, each
-    one's source, its row in the source, the examples each source gave)."""
+    one's source, its row in the source, the examples each source gave). `datasets`: each
+    source's dataset, None for a source of files (handed_datasets)."""
     d = cfg.data
-    sources = [read_columns(s.train, d.format, columns, f"data.mix.{i}.train") for i, s in enumerate(d.mix)]
+    datasets = datasets or [None] * len(d.mix)
+    # A dataset's text is data.text_column even where data.format 'text' names the files' lines `text`.
+    named = {c: d.text_column if d.format == "text" and c == "text" else c for c in columns}
+    sources = [
+        read_columns(s.train, d.format, columns, f"data.mix.{i}.train")
+        if ds is None
+        else read_dataset(ds, named, source_key(d.mix, i))
+        for i, (s, ds) in enumerate(zip(d.mix, datasets, strict=True))
+    ]
     sizes = [len(next(iter(s.values()))) for s in sources]
     for i, size in enumerate(sizes):
         if not size:
-            raise ValueError(f"data.mix.{i}.train = {d.mix[i].train!r}: no rows in its files")
+            where = f" = {d.mix[i].train!r}: no rows in its files" if d.mix[i].train is not None else ": no rows"
+            raise ValueError(f"{source_key(d.mix, i)}{where}")
     n = d.mix_examples or sum(sizes)
     which, rows = draw(sizes, [s.weight for s in d.mix], n, cfg.train.seed)
     batch: dict[str, np.ndarray] = {c: np.empty(n, dtype=object) for c in columns}
