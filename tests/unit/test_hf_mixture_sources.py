@@ -214,3 +214,22 @@ def test_a_local_and_an_s3_source_are_drawn_at_their_weights(chat_model, tmp_pat
 
     batch, which, _, _ = mixture.mixed_rows(cfg, ["messages"])
     assert set(_words(batch["messages"][which == 1])) == {"w2"}  # the bucket's rows, 30 of them drawn 40 times
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["dataset", "mixture-of-datasets"])
+def test_conversations_handed_in_as_datasets_are_packed_by_default_as_files_are(chat_model, drawn, mixed):
+    """data.style auto resolved by a dataset's columns before the model is prepared: `messages`
+    rows are packed (several documents a row) and the model takes packed rows (no cache), as the
+    same conversations in files would be (before: one a row, padded, the model unprepared)."""
+    import raylane.hf
+
+    if mixed:
+        cfg = _config(chat_model, {"mix": [{"name": "chat", "weight": 1}, {"name": "code", "weight": 1}]})
+        pipe = raylane.hf.pipeline(cfg, train={"chat": _dataset(12, "w1"), "code": _dataset(12, "w2")})
+    else:
+        cfg = _config(chat_model, {})
+        pipe = raylane.hf.pipeline(cfg, train=_dataset(24, "w1"))
+    assert cfg.data.style == "messages"
+    starts = (pipe.train_set.arrays["position_ids"] == 0).sum(1)
+    assert len(starts) < 24 and starts.max() > 2, starts  # 24 short conversations in fewer rows of 32
+    assert pipe.model.config.use_cache is False

@@ -44,6 +44,7 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
         from raylane.hf.lora import apply_lora
 
         model = apply_lora(model, cfg.lora, base=str(m.name_or_path))
+    train_set, eval_set = _data_sets(cfg, train, eval)  # a dataset's columns resolve data.style auto
     if causal and (packed(cfg.data) or cfg.data.document_mask):
         from raylane.hf.packing import prepare_model
 
@@ -52,7 +53,6 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
     where = data.tokenizer_path(cfg)
     key = "model.tokenizer_path" if m.tokenizer_path else "model.name_or_path"
     set_tokenizer(model, {"path": str(where), "fingerprint": tokenizer_fingerprint(where), "key": key})
-    train_set, eval_set = _data_sets(cfg, train, eval)
     example = {"input_ids": _zeros(2, m.seq_len)}
     extra: dict[str, Any]  # the fields of one task or the other, each of its own type
     if causal:

@@ -241,6 +241,8 @@ def from_dataset(cfg: Config, dataset: Any, name: str) -> Rows:
         kind = rows.style(text_cfg, columns) if causal and columns else rows.style(text_cfg)
     except ValueError as exc:
         raise ConfigError(f"{exc} (the {name} dataset)") from None
+    if causal and d.style == "auto":  # resolved once, by the training data, as files resolve it: packed by default
+        d.style = text_cfg.data.style = kind  # type: ignore[assignment]  # one of the styles
     fields = rows.columns(text_cfg, kind) if causal else {"text": d.text_column, "label": d.label_column}
     keys = {"text": "data.text_column", "label": "data.label_column", "messages": "data.messages_column"}
     keys |= {"prompt": "data.prompt_column", "completion": "data.completion_column"}
@@ -264,6 +266,7 @@ def from_mix(cfg: Config, datasets: list[Any] | None = None) -> Rows:
     from raylane.loop.data import baddata
 
     kind = rows.style(cfg, mixture.dataset_columns(cfg, datasets))  # no files resolved data.style auto
+    cfg.data.style = kind  # type: ignore[assignment]  # resolved: packed by default for the conversational styles
     columns = list(rows.columns(cfg, kind).values())
     batch, which, where, taken = mixture.mixed_rows(cfg, columns, datasets)
     mix = cfg.data.mix or []
