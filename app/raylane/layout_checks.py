@@ -1,9 +1,9 @@
-"""The layout checks run before any work starts: `strategy.tp`, `strategy.pp` and
-`strategy.dp_replicate` on the number of ranks a run will have, read as the run builds its layout
-(raylane.loop.distributed.layout.Layout: a world they divide, replicas through FSDP2, map-style
-data, a pipeline that gives a tp_plan or pp_stages). raylane.api.prepare_train calls `check_layout` beside
-raylane.prechecks' checks; each failure is one ConfigError naming the field and the value; nothing
-here imports torch or Ray."""
+"""The layout checks run before any work starts: `strategy.tp`, `strategy.pp`,
+`strategy.dp_replicate` and `strategy.ep` on the number of ranks a run will have, read as the run
+builds its layout (raylane.loop.distributed.layout.Layout: a world they divide, replicas through
+FSDP2, map-style data, a pipeline that gives a tp_plan, pp_stages or an ep_plan).
+raylane.api.prepare_train calls `check_layout` beside raylane.prechecks' checks; each failure is
+one ConfigError naming the field and the value; nothing here imports torch or Ray."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ def check_layout(cfg: BaseConfig, world_size: int, world: str, pipeline: pipelin
     """The layout `cfg` asks for on `world_size` ranks (`world`: where that number comes from, as
     the user set it), read as the run will build it (raylane.loop.distributed.layout.Layout):
     sizes the world divides, replicas only through FSDP2, map-style data, and a pipeline that
-    gives a tp_plan or pp_stages. The checks of the config alone are its validators'
+    gives a tp_plan, pp_stages or an ep_plan. The checks of the config alone are its validators'
     (raylane.config.base). `pipeline`: the config's, as the launch looked it up once
     (raylane.api.prepare_train; None: looked up here)."""
     s = cfg.strategy
     pipeline = pipeline or pipelines_ref.resolve(cfg.pipeline)
     layout = _asked(cfg, world_size, world)
+    if s.ep > 1:
+        _check_expert_layout(cfg, world_size, world, pipeline)
     if layout is not None and layout.pp > 1:
         _check_pipeline_layout(cfg, layout, world_size, pipeline)
     if not s.tensor_parallel:
@@ -96,34 +98,93 @@ def _check_pipeline_layout(cfg: BaseConfig, layout: Layout, world_size: int, pip
         )
 
 
+def _check_expert_layout(cfg: BaseConfig, world_size: int, world: str, pipeline: pipelines_ref.Resolved) -> None:
+    """`strategy.ep` on `world_size` ranks: groups of ep data-parallel ranks that the world
+    divides, what it does not combine with yet beyond the strategy section (whose own are its
+    validators': raylane.config.strategy), and a pipeline that names its experts."""
+    s, ep = cfg.strategy, cfg.strategy.ep
+    refused = {
+        "fault_tolerance.enabled": (
+            cfg.fault_tolerance.enabled,
+            "expert parallelism inside replica groups is not supported yet; use strategy.ep: 1, or no fault_tolerance",
+        ),
+        f"scaling.num_workers = {[cfg.scaling.min_workers, cfg.scaling.num_workers]}": (
+            cfg.scaling.elastic,
+            "elastic runs keep no expert-parallel layout yet; give one number of workers",
+        ),
+    }
+    for key, (bad, why) in refused.items():
+        if bad:
+            raise ConfigError(f"{key} with strategy.ep = {ep}: {why}")
+    others = s.tp_degree * s.pp * s.cp
+    data = world_size // others
+    if data % ep:
+        ranks = f"{data} data-parallel rank{'s' if data != 1 else ''}"
+        where = world if others == 1 else f"{world} / (strategy.tp x strategy.pp x strategy.cp = {others})"
+        raise ConfigError(
+            f"strategy.ep = {ep}: does not divide the {ranks} of {where} (each group of ep of them holds one "
+            "copy of the experts, split)"
+        )
+    if cfg.gives_ep_plan() is False:
+        raise ConfigError(_no_ep_plan(ep, pipeline.label))
+
+
+def _no_ep_plan(ep: int, label: str) -> str:
+    return (
+        f"strategy.ep = {ep}: the {label} pipeline gives no ep_plan (which modules are its experts): give its "
+        "Pipeline an ep_plan (docs/strategies.md, Expert parallelism), or use strategy.ep: 1"
+    )
+
+
 def check_plan(cfg: BaseConfig, world_size: int) -> list[str]:
     """A model-parallel run's plan and stages on its model, as `raylane check --plan` shows them
     (raylane.loop.plan_view): the pipeline's build(cfg) run here with the model on the meta device,
     so that a rule naming no module, a style that is none, heads that tp does not divide, tied
-    weights split apart or more stages than blocks is one ConfigError before any worker starts,
-    for a user's pipeline as for a shipped one. Returns the lines to show when the model could not
-    be looked at here (build() failing on this machine, which may lack what the ranks have: the
-    run goes on, and says so). Nothing for a run without tp or pp. The same in a process that
+    weights split apart, more stages than blocks, or an ep_plan naming no experts module is one
+    ConfigError before any worker starts, for a user's pipeline as for a shipped one. Returns the
+    lines to show when the model could not be looked at here (build() failing on this machine,
+    which may lack what the ranks have: the run goes on, and says so). Nothing for a run without
+    tp, pp or ep. The same in a process that
     trains next (a torchrun rank): the forward on a fake process group leaves it as it found it
     (raylane.loop.distributed.fake.fake_work)."""
     s = cfg.strategy
-    if not (s.tensor_parallel or s.pp > 1):
+    if not (s.tensor_parallel or s.pp > 1 or s.ep > 1):
         return []
     from raylane.loop.meta_build import Unchecked
     from raylane.loop.plan_view import pipeline_plan
     from raylane.pipelines_ref import UserCodeError
 
+    what = "the expert plan is" if s.ep > 1 else "the plan and stages are"
     try:
-        pipeline_plan(cfg, world_size)
+        if s.ep > 1:  # alone: tp and pp are refused beside it (raylane.config.strategy)
+            _check_expert_plan(cfg)
+        else:
+            pipeline_plan(cfg, world_size)
     except Unchecked as exc:
-        return [f"raylane: the plan and stages are not checked before launch: {exc}"]
+        return [f"raylane: {what} not checked before launch: {exc}"]
     except UserCodeError as exc:
         if isinstance(exc.__cause__, ConfigError):  # build()'s own refusal of the config: the ranks' too
             raise ConfigError(str(exc.__cause__)) from None
-        return [f"raylane: the plan and stages are not checked before launch: {exc}"]
+        return [f"raylane: {what} not checked before launch: {exc}"]
     except ValueError as exc:  # one line naming the rule or the key (ConfigError's among them)
         raise ConfigError(str(exc)) from None
     return []
+
+
+def _check_expert_plan(cfg: BaseConfig) -> None:
+    """`strategy.ep` > 1: the pipeline's ep_plan names experts modules of its model (built on the
+    meta device, raylane.loop.meta_build) that ep ranks can hold equal shares of. ValueError."""
+    from raylane.loop.distributed.expert_plan import resolve_ep_plan
+    from raylane.loop.meta_build import build_for_checks
+
+    ep = cfg.strategy.ep
+    pipe = build_for_checks(cfg)
+    if pipe.ep_plan is None:
+        raise ConfigError(_no_ep_plan(ep, pipelines_ref.label(cfg.pipeline)))
+    try:
+        resolve_ep_plan(pipe.model, pipe.ep_plan, ep=ep)
+    except ValueError as exc:
+        raise ConfigError(f"strategy.ep = {ep}: {exc}") from None
 
 
 def layout_world(cfg: BaseConfig) -> tuple[int, str]:

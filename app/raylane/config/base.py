@@ -235,6 +235,13 @@ class BaseConfig(sections.Section):
         default, for pipelines that declare nothing): checked on the ranks."""
         return None
 
+    def gives_ep_plan(self) -> bool | None:
+        """Whether this pipeline's `build` gives a Pipeline.ep_plan (which modules are its experts),
+        so that `strategy.ep` > 1 on one that gives none fails at once. None (the default, for
+        pipelines that declare nothing): found when the model is built for the checks before launch
+        (raylane.layout_checks.check_plan)."""
+        return None
+
     def eval_metrics(self) -> tuple[str, ...] | None:
         """The held-out metrics this pipeline's `eval_sums` reports, so that a `sweep.metric` or
         `checkpoint.best_metric` it never reports fails before the run rather than after it.

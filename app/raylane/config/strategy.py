@@ -1,12 +1,12 @@
-"""The `strategy:` section: how the model is spread over the workers (DDP or FSDP, tensor, pipeline
-and context parallelism, HSDP replicas) and the pipeline schedules it names. Re-exported by
+"""The `strategy:` section: how the model is spread over the workers (DDP or FSDP, tensor, pipeline,
+context and expert parallelism, HSDP replicas) and the pipeline schedules it names. Re-exported by
 raylane.config.sections and raylane.config. Nothing here imports torch or Ray."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from raylane.config.section import Section
 
@@ -89,12 +89,58 @@ class StrategySection(Section):
         "needs CUDA's SDPA kernels, refused on CPU; not built yet on GPU (1: off).",
     )
 
+    ep: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Expert-parallel degree: a mixture of experts' experts split over this many data-parallel "
+        "ranks (1: off), each holding experts / ep of every experts module, the tokens each rank's router sends "
+        "to an expert moved to the rank that holds it and back (all-to-all); the dense layers stay as `name` "
+        "holds them over all the data-parallel ranks, and with FSDP the experts are also sharded over the "
+        "data-parallel ranks / ep. Needs a pipeline that gives an `ep_plan`, and a number of experts and of "
+        "data-parallel ranks it divides; not yet with `tp`, `pp`, `dp_replicate`, `name: auto`, replica groups or "
+        "elastic runs (docs/strategies.md, Expert parallelism).",
+    )
+
     @field_validator("tp")
     @classmethod
     def _tp_range(cls, tp: int | str) -> int | str:
         if isinstance(tp, int) and not 1 <= tp <= 1024:
             raise ValueError(f"strategy.tp = {tp}: a degree from 1 to 1024, or auto")
         return tp
+
+    @model_validator(mode="after")
+    def _expert_parallel(self) -> StrategySection:
+        """What expert parallelism does not combine with yet, refused by the key that asks for it:
+        the experts split over ranks borrowed from the data-parallel ones, which tp, pp and HSDP's
+        replicas would lay out again, and a memory estimate that counts every expert on every rank."""
+        ep = self.ep
+        if ep == 1:
+            return self
+        refused = {
+            f"strategy.tp = {self.tp!r}": (
+                self.tp == "auto" or self.tp > 1,
+                "expert parallelism beside tensor parallelism is not supported yet; use strategy.tp: 1 (the dense "
+                "layers sharded by FSDP), or strategy.ep: 1",
+            ),
+            f"strategy.pp = {self.pp}": (
+                self.pp > 1,
+                "expert parallelism inside pipeline stages is not supported yet; use strategy.pp: 1 (the dense "
+                "layers sharded by FSDP), or strategy.ep: 1",
+            ),
+            f"strategy.dp_replicate = {self.dp_replicate}": (
+                self.dp_replicate > 1,
+                "expert parallelism with HSDP's replicas is not supported yet; use strategy.dp_replicate: 1",
+            ),
+            "strategy.name = 'auto'": (
+                self.name == "auto",
+                "the memory estimate counts every expert on every rank; name ddp or fsdp",
+            ),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"{key} with strategy.ep = {ep}: {why}")
+        return self
 
     @property
     def tensor_parallel(self) -> bool:

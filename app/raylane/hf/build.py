@@ -30,6 +30,7 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
     data: `train` and `eval` when given (a `datasets.Dataset`, or `{name: Dataset}` for eval),
     tokenized here, else the files of `data.train` and `data.eval`, streamed."""
     from raylane.hf import data
+    from raylane.hf.experts import ep_plan
     from raylane.hf.tensor_parallel import tp_plan
     from raylane.hf.weights import empty_model, load_pretrained
     from raylane.loop.checkpoint.frozen import set_tokenizer, tokenizer_fingerprint
@@ -76,6 +77,7 @@ def pipeline(cfg: Config, train: Any = None, eval: Any = None):
         example_input=example,
         init_weights=functools.partial(load_pretrained, path=m.name_or_path),
         tp_plan=tp_plan,  # the model's own (transformers'), on raylane's mesh: strategy.tp
+        ep_plan=ep_plan,  # its experts modules (transformers' own plan): strategy.ep
         **extra,
     )
 

@@ -157,6 +157,9 @@ class Config(BaseConfig):
     def gives_pp_stages(self) -> bool:
         return True  # a causal LM's decoder layers (raylane.hf.pipeline_parallel); other tasks are refused by _hf_is_usable
 
+    def gives_ep_plan(self) -> bool:
+        return True  # the model's own (raylane.hf.experts); a dense model is refused by _hf_is_usable
+
     def eval_metrics(self) -> tuple[str, ...]:
         return ("loss", "accuracy") if self.model.task == "sequence-classification" else ("loss",)
 
@@ -172,6 +175,10 @@ class Config(BaseConfig):
             check_tensor_parallel(self)
         if self.strategy.pp > 1:
             check_pipeline_parallel(self)
+        if self.strategy.ep > 1:
+            from raylane.hf.experts import check_expert_parallel
+
+            check_expert_parallel(self.model.name_or_path, self.strategy.ep)
         check_mix(self)
         for field in ("train", "eval"):
             if getattr(self.data, field) is not None:

@@ -71,6 +71,13 @@ class Pipeline:
     # raylane.loop.distributed.pipeline_parallel.Stages, for a model whose forward needs help to run as a stage
     # (raylane.hf's causal LMs). None: no pipeline.
     pp_stages: str | Sequence[Sequence[str]] | Any | None = None
+    # Which modules are the model's experts, split over ranks by expert parallelism (strategy.ep
+    # > 1): module paths, `*` for one name of the path ("layers.*.moe.experts"), or ep_plan(model)
+    # -> those. Each experts module holds every expert's weights in its own parameters, the experts
+    # leading ([experts, ...]), and its forward is experts(hidden [T, H], top_k_index [T, k],
+    # top_k_weights [T, k]) -> [T, H] (transformers 5's fused experts); the router runs as it is.
+    # None: the pipeline runs without expert parallelism.
+    ep_plan: Sequence[str] | Callable[[torch.nn.Module], Sequence[str]] | None = None
 
 
 # Keys of a dict batch that hold targets, not the model's inputs: left out of a dict example.
