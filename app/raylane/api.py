@@ -58,7 +58,8 @@ def train(
     summary_json: str | None = None,
     verbose: bool | None = None,
 ) -> TrainSummary:
-    """`raylane train`: check the config (ConfigError before anything starts), train on Ray (or
+    """`raylane train`: check the config (ConfigError before anything starts, or once the ranks
+    have, when the pipeline's build(cfg) raises one: its MLflow run closed FAILED), train on Ray (or
     in this process with `local`, or as this torchrun rank) and return the run's summary
     (`status`, `metrics`, `run_id`, `checkpoint`, ...: raylane.results.TrainSummary). A run that
     already FINISHED as far as the config asks is not trained again: its summary comes back with

@@ -207,6 +207,7 @@ class _Ended:
     status: Status = Status.FINISHED
     error: str | None = None
     result: RunResult | None = None
+    bad_input: ConfigError | None = None  # what only the ranks could tell (a pipeline's build refusing its config)
 
 
 @contextlib.contextmanager
@@ -220,6 +221,7 @@ def _ended(cfg: BaseConfig, ending: TorchrunEnding | None, display: ProgressDisp
     except (KeyboardInterrupt, Exception) as exc:
         ended.status, ended.error = ending.ended(exc) if ending else outcome(exc)
         ended.result = None
+        ended.bad_input = exc if isinstance(exc, ConfigError) else None
     else:
         result = ended.result
         ended.status = ran(bool(result is not None and result.preempted))
@@ -258,6 +260,8 @@ def _finish(
         _torchrun_rank_done(session, run.world_size, stopped=bool(ended.result and ended.result.preempted))
 
     if not run.is_driver:
+        if ended.bad_input is not None:
+            raise ended.bad_input  # exit 2 on every torchrun rank; rank 0 says it (raylane.cli)
         return TrainSummary(status=ended.status, error=ended.error, run_name=cfg.run.name)
     result = ended.result
     fields = _summary(cfg, watch.handle, ended.status, ended.error, result, watch.display, run.launched, run.startup)
@@ -270,6 +274,10 @@ def _finish(
         watch.recorder.record_resizes(fields["resizes"])
         fields.update(watch.recorder.finish(fields["status"], fields["checkpoint"], run.register))
     session.close(fields["status"], fields["error"])
+    if ended.bad_input is not None:
+        # Bad input, as a ConfigError found before the start is: its one line and exit 2 (raylane.cli),
+        # no summary; the MLflow run, opened already, is closed FAILED with the line as its tag.
+        raise ended.bad_input
     summary = TrainSummary.model_validate(fields)
     record_finished(session.folder, summary)
     summary.write(run.summary_path)

@@ -298,13 +298,19 @@ def sources(cfg: Any) -> dict[str, Any]:
 
 
 def call(cfg: Any, module: ModuleType, name: str) -> Any:
-    """`name(cfg)` of a pipeline module, its exception one line naming the function and the place."""
+    """`name(cfg)` of a pipeline module, its exception one line naming the function and the place;
+    a DataError or ConfigError (bad data, bad input: not the code's fault) stays one of its own."""
     from raylane.errors import DataError
 
     try:
         return getattr(module, name)(cfg)
     except DataError:  # bad data, already one line naming its place: not the pipeline's code's fault
         raise
+    except ConfigError as exc:  # bad input only build could tell (raylane.hf.pipeline refusing a data.mix)
+        said = bad_input(exc)
+        if said is exc:
+            raise
+        raise said from exc
     except Exception as exc:
         text = " ".join(str(exc).split())
         error = PipelineBuildError if name == "build" else UserCodeError
@@ -312,6 +318,13 @@ def call(cfg: Any, module: ModuleType, name: str) -> Any:
             f"pipeline {cfg.pipeline!r}: {name}(cfg) raised {type(exc).__name__}: {text} "
             f"(at {_raised_at(exc, Path(getattr(module, '__file__', '') or '.'))})"
         ) from exc
+
+
+def bad_input(exc: ConfigError) -> ConfigError:
+    """A ConfigError a pipeline's function raised, as the config's own checks say theirs (one line,
+    `invalid config: <field> = <value>: ...`): the run ends in it, exit 2, not as the code's fault."""
+    text = " ".join(str(exc).split())
+    return exc if text == str(exc) and text.startswith("invalid ") else ConfigError(f"invalid config: {text}")
 
 
 def returned_at(fn: Any) -> str:

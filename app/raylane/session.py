@@ -64,7 +64,7 @@ def outcome(exc: BaseException) -> tuple[Status, str]:
 def failure_text(exc: Exception) -> str:
     """The one line a failed launch's summary shows; the whole traceback goes to the library log
     (on Ray, the ranks' tracebacks were logged as they arrived: raylane.onray.launch)."""
-    from raylane.errors import DataError, TrainingError
+    from raylane.errors import ConfigError, DataError, TrainingError
     from raylane.logs import record_traceback
     from raylane.pipelines_ref import UserCodeError
 
@@ -74,8 +74,8 @@ def failure_text(exc: Exception) -> str:
     from raylane.loop.observe.hangs import HangError
 
     if isinstance(
-        exc, (UserCodeError, DataError, HangError)
-    ):  # complete as they are: the function or data, and the place
+        exc, (UserCodeError, DataError, HangError, ConfigError)
+    ):  # complete as they are: the function, data or field, and the place
         return str(exc)
     lines = str(exc).strip().splitlines() or [""]
     return f"{type(exc).__name__}: {lines[0]}" + (" (the rest in the library log)" if len(lines) > 1 else "")

@@ -383,6 +383,25 @@ def test_an_error_in_the_users_code_on_ray_is_one_line_with_the_workers_tracebac
     assert f'File "{pipe}", line {_line_of(pipe, "raise RuntimeError")}, in helper' in log, log
 
 
+@pytest.mark.shared_ray
+@pytest.mark.untracked  # the MLflow run's close is the driver's, whatever the launch: test_own_pipeline's --local run
+def test_a_build_refusing_its_config_on_a_ray_worker_is_one_line_and_exit_2(run_cli, tmp_path, shared_head):
+    """A ConfigError from build(cfg) on a worker (tests/helpers/config_error_pipe.py) crosses Ray
+    as itself: the driver says it as a config's own check and exits 2; the worker's traceback is in
+    the library log. Before: 'training failed on rank 0: pipeline ...: build(cfg) raised
+    ConfigError: ...', exit 1. Which ranks' ConfigErrors make it: tests/unit/test_fault_nodes.py."""
+    from tests.helpers import config_error_pipe
+
+    config_error_pipe.write_project(tmp_path)
+    p = run_cli("train", "cfg.yaml", "--set", "scaling.num_workers=1", "--set", f"run.storage_path={tmp_path / 'runs'}")
+    assert p.wait(300) == 2, p.output
+    assert _error_line(p.output) == config_error_pipe.LINE
+    # No outcome block names the library log (none does for bad input): it is the driver's, by its pid.
+    [log] = (Path(shared_head.start()["RAYLANE_HOME"]) / "logs").glob(f"train-*-{p.proc.pid}.log")
+    text = log.read_text()
+    assert "training failed on rank 0:" in text and f'File "{tmp_path / "pipe.py"}", line' in text, text
+
+
 @pytest.mark.untracked
 def test_unused_parameters_under_ddp_name_raylanes_key_and_the_parameters(run_cli, tmp_path):
     _own_pipeline(tmp_path)

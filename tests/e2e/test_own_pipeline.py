@@ -2,7 +2,8 @@
 `app/` and `pipelines/` of its own), trained everywhere a shipped pipeline trains: on Ray workers
 joining a token-authenticated head with `raylane train --address`, under torchrun and in a Tune
 sweep. As a `ray job submit` job it runs in tests/e2e/test_cluster_e2e.py. Bad references exit 2 with
-one line naming the pipeline; a failing build(cfg) fails the run (exit 1)."""
+one line naming the pipeline; a failing build(cfg) fails the run (exit 1), one that refuses its
+config (ConfigError) is bad input (exit 2)."""
 
 from __future__ import annotations
 
@@ -245,6 +246,30 @@ def test_a_build_that_raises_fails_the_run_naming_the_pipeline(run_cli, tmp_path
         f"pipeline {str(tmp_path / 'pipe.py')!r}: build(cfg) raised FileNotFoundError: no data in /nowhere" in p.output
     ), p.output
     assert "Traceback" not in p.output
+
+
+def test_a_build_that_refuses_its_config_exits_2_in_one_line_its_mlflow_run_failed(run_cli, tmp_path):
+    """A ConfigError from build(cfg) (raylane.hf.pipeline refusing a data.mix source it has no
+    dataset for) is bad input found on the rank: the line a config's own check would print, exit 2,
+    no summary (as before the start), the MLflow run opened already closed FAILED with the line.
+    Before: 'build(cfg) raised ConfigError: ... (at pipe.py:N)', exit 1."""
+    from tests.helpers import config_error_pipe
+
+    config_error_pipe.write_project(tmp_path)
+    p = run_cli(
+        "train", "cfg.yaml", "--local", *QUICK, "--set", f"run.storage_path={tmp_path / 'runs'}",
+        "--summary-json", "s.json",
+    )  # fmt: skip
+    assert p.wait(120) == 2, p.output
+    said = [line for line in p.output.splitlines() if config_error_pipe.MESSAGE in line]
+    assert said == [config_error_pipe.LINE] and "Traceback" not in p.output, p.output
+    assert not (tmp_path / "s.json").exists()
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:
+        runs = con.execute(
+            "SELECT status, value FROM runs LEFT JOIN tags USING (run_uuid) WHERE key = 'raylane.error'"
+        ).fetchall()
+        total = con.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
+    assert total == 1 and runs == [("FAILED", config_error_pipe.LINE.removeprefix("raylane: "))], runs
 
 
 NO_EXAMPLE = """

@@ -106,6 +106,28 @@ def test_an_error_on_the_last_pipeline_stage_is_rank_1s_one_line(run_cli, tmp_pa
     assert "training failed on rank 1" in Path(own_log).read_text() and own_log != rank_log
 
 
+# Slow (~7 s, 5 of them rank 1's wait for rank 0 to say the line: raylane.cli._config_error): make
+# test has rank 0 alone saying a ConfigError and every rank exiting 2 (test_bad_input_under_torchrun),
+# and the driver's close of a run whose build refused its config (test_own_pipeline, --local).
+@pytest.mark.slow
+def test_a_build_refusing_its_config_on_every_rank_is_one_line_and_exit_2(run_cli, tmp_path):
+    """Bad input only build(cfg) can tell (tests/helpers/config_error_pipe.py), raised on both
+    ranks after the process group and the MLflow run started: rank 0 says it as a config's own
+    check, every rank exits 2 (torchrun itself exits 1 and names them, as for any bad input:
+    tests/e2e/test_bad_input.py), the MLflow run FAILED with the line. Before: FAILED, exit 1,
+    'build(cfg) raised ConfigError: ... (at pipe.py:N)'."""
+    from tests.helpers import config_error_pipe
+
+    config_error_pipe.write_project(tmp_path)
+    p = run_cli("--nproc_per_node", "2", "-m", "raylane", "train", "cfg.yaml", launcher=TORCHRUN)
+    assert p.wait(300) != 0, p.output
+    assert [line for line in p.output.splitlines() if line.startswith("raylane: ")] == [config_error_pipe.LINE]
+    assert p.output.count("exitcode  : 2") == 2 and "ConfigError" not in p.output, p.output
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:
+        [(run_id,)] = con.execute("SELECT run_uuid FROM runs").fetchall()
+    assert _tracked(tmp_path, run_id) == ("FAILED", config_error_pipe.LINE.removeprefix("raylane: "))
+
+
 def _all_ranks_nan(run_cli, tmp_path: Path, name: str):
     """2 DDP ranks whose step 3 is NaN on both: each raises at once (train.on_nan: stop), and
     torchrun SIGTERMs rank 0 as soon as rank 1 exits. Rank 0's health watch takes 3 s more to stop

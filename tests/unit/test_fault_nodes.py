@@ -88,6 +88,37 @@ def test_a_failed_groups_line_leaves_the_ranks_that_lost_a_peer_as_a_count():
     assert line.endswith("rank 2: ValueError: bad row 2 (and 2 other errors)"), line
 
 
+def test_a_group_whose_ranks_refused_their_config_fails_as_that_configerror():
+    """Every rank that failed of itself raised a ConfigError (a pipeline's build refusing its
+    config: bad input, exit 2): the driver raises the lowest rank's, not a TrainingError; the ranks
+    that lost a peer after it do not count, and one rank failing otherwise keeps the usual line."""
+    import pickle
+
+    from raylane.errors import ConfigError
+    from raylane.onray.failures import bad_input, format_failure
+
+    def group(failures: dict) -> Exception:
+        # Through pickle, as Ray brings a worker's exception to the driver.
+        return type("E", (Exception,), {"worker_failures": pickle.loads(pickle.dumps(failures))})()
+
+    refused = {r: ConfigError(f"invalid config: data.x = {r}: no") for r in (3, 1)}
+    closed = RuntimeError("[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:3000")
+    found = bad_input(group({**refused, 0: closed, 2: closed}))
+    assert isinstance(found, ConfigError) and str(found) == "invalid config: data.x = 1: no"
+    assert bad_input(group({**refused, 2: ValueError("bad shape")})) is None
+    assert bad_input(group({0: closed})) is None and bad_input(Exception("no group")) is None
+    line = format_failure(group({**refused, 2: ValueError("bad shape")}), 4)
+    assert line.startswith("training failed on rank 1: invalid config: data.x = 1: no; rank 2: ValueError: bad"), line
+    # Not restarted, whatever failure.max_failures allows: it would refuse its config again.
+    from ray.train import FailureConfig
+
+    from raylane.onray.elastic import HandoverFailurePolicy
+    from raylane.onray.internals import FailureDecision
+
+    policy = HandoverFailurePolicy(FailureConfig(max_failures=3))
+    assert policy.make_decision(group({**refused, 0: closed})) == FailureDecision.RAISE
+
+
 def test_a_rank_that_lost_a_peer_to_a_hangs_diagnosis_fails_with_the_hangs_line(tmp_path):
     """16 ranks on 8 fake nodes, rank 15 hung: gloo closed the timed-out ranks' connections and
     ranks 1, 6 and 13 failed at once with 'Connection closed by peer', before any rank's hang

@@ -20,7 +20,7 @@ from types import CodeType
 from typing import Any
 
 from raylane import pipelines_ref
-from raylane.errors import DataError
+from raylane.errors import ConfigError, DataError
 from raylane.pipelines_ref import PipelineBuildError, UserCodeError
 
 TRACEBACK_ATTR = "raylane_traceback"
@@ -171,7 +171,7 @@ def explain(exc: BaseException, cfg: Any, pipe: Any) -> BaseException:
     function and place when the user's code raised, else `exc` itself."""
     from raylane.loop.protocols.batches import BatchFormError  # torch: loaded by now, on a rank
 
-    if isinstance(exc, (UserCodeError, DataError)):
+    if isinstance(exc, (UserCodeError, DataError, ConfigError)):  # one line each already
         return exc
     if (cause := _stage_cause(exc)) is not None:  # a pipeline stage's forward: its own error says where
         explained = explain(cause, cfg, pipe)

@@ -88,15 +88,19 @@ class HeldBatchElasticPolicy(ElasticScalingPolicy):
 class HandoverFailurePolicy(DefaultFailurePolicy):
     """Ray Train's failure policy, except that a group that raised NodeLeaving on every rank it
     heard from (it checkpointed for a node's notice) is restarted without counting against
-    failure.max_failures: a long run on spot nodes gets many notices."""
+    failure.max_failures: a long run on spot nodes gets many notices; and one whose ranks refused
+    their config (raylane.onray.failures.bad_input) is not restarted: it would refuse it again."""
 
     def __init__(self, failure_config: FailureConfig) -> None:
         super().__init__(failure_config)
         self._handovers = 0
 
     def make_decision(self, training_failed_error):
+        from raylane.onray.failures import bad_input
         from raylane.onray.internals import FailureDecision
 
+        if bad_input(training_failed_error) is not None:
+            return FailureDecision.RAISE
         failures = getattr(training_failed_error, "worker_failures", None) or {}
         if failures and all("NodeLeaving" in f"{type(e).__name__} {e}" for e in failures.values()):
             self._handovers += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from raylane import logs
-from raylane.errors import DataError, ranks_text
+from raylane.errors import ConfigError, DataError, ranks_text
 from raylane.loop.observe.hangs import HangError
 from raylane.loop.observe.rankfailures import MAX_SHOWN, is_echo
 from raylane.loop.usercode import TRACEBACK_ATTR
@@ -36,7 +36,7 @@ def format_failure(exc: BaseException, world_size: int) -> str:
     for rank, err in sorted(causes.items()):
         shown = (
             str(err)
-            if isinstance(err, (UserCodeError, DataError, HangError))
+            if isinstance(err, (UserCodeError, DataError, HangError, ConfigError))
             else f"{type(err).__name__}: {_one_line(err)}"
         )
         ranks.setdefault(shown, []).append(rank)
@@ -54,6 +54,16 @@ def format_failure(exc: BaseException, world_size: int) -> str:
         # Ranks that timed out were waiting in a collective; the ones that raised nothing never came.
         text += f" (no error from rank {', '.join(map(str, silent))}: stuck outside the collective?)"
     return text
+
+
+def bad_input(exc: BaseException) -> ConfigError | None:
+    """The ConfigError that failed the worker group when every rank that failed of itself (not a
+    peer's echo) raised one, the lowest rank's: bad input only the ranks could tell (a pipeline's
+    build refusing its config), said by the driver as before the start (one line, exit 2). None
+    otherwise."""
+    failures = getattr(exc, "worker_failures", None) or {}
+    causes = [err for _, err in sorted(failures.items()) if not is_echo(err)]
+    return causes[0] if causes and all(isinstance(err, ConfigError) for err in causes) else None
 
 
 def _one_line(err: BaseException) -> str:

@@ -15,7 +15,7 @@ from ray.train.torch import TorchTrainer
 
 from raylane.errors import TrainingError
 from raylane.loop.protocols.events import Event
-from raylane.onray.failures import format_failure
+from raylane.onray.failures import bad_input, format_failure
 from raylane.onray.runtime import EventSink
 
 log = logging.getLogger("raylane")
@@ -69,9 +69,11 @@ class Fit:
 
     def failure(self) -> BaseException | None:
         """How fit() ended, as the driver raises it: None when it returned; a failed worker group
-        as one line (TrainingError), each rank's exception."""
+        as one line (TrainingError), each rank's exception, or as the ConfigError its ranks raised
+        (bad input: exit 2)."""
         if isinstance(self.error, ray.train.TrainingFailedError):
-            return TrainingError(format_failure(self.error, self.world_size))
+            line = format_failure(self.error, self.world_size)  # the ranks' tracebacks into the library log
+            return bad_input(self.error) or TrainingError(line)
         return self.error
 
 

@@ -69,7 +69,7 @@ NAMES: dict[str, tuple[str, str | None, str]] = {
     "FailureDecision": (
         "ray.train.v2._internal.execution.failure_handling",
         "FailureDecision",
-        "the handover policy's answer (RETRY)",
+        "the failure policy's answers (RETRY for a handover, RAISE for bad input)",
     ),
     "ElasticScalingPolicy": (
         "ray.train.v2._internal.execution.scaling_policy",
