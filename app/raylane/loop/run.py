@@ -144,6 +144,7 @@ def build_trainer(
         blocks=pipe.blocks,
         tp_plan=pipe.tp_plan,
         pp_stages=pipe.pp_stages,
+        ep_plan=pipe.ep_plan,
     )
     startup["parallelize"] = time.time()
     if getattr(strategy, "pp", 1) > 1:  # a pipeline stage: each rank saves its own parameters

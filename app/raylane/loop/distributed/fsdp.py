@@ -34,6 +34,8 @@ class Strategy:
     estimate: dict[str, int] | None = None
     blocks: str = ""  # the blocks FSDP, activation checkpointing or compile took, where any found and used
     pp_schedule: str = ""
+    ep: int = 1  # the ranks one model's experts are split over (strategy.ep)
+    experts: str = ""  # how: raylane.loop.distributed.expert_layout.Experts.describe
 
     @property
     def name(self) -> str:
@@ -67,7 +69,7 @@ class Strategy:
         or without the data-parallel flavour where one data-parallel rank holds the batch (`tp2`,
         `pp2`; `+sp`, `+lp`: sequence and loss parallel); `ddp`, `fsdp`, `hsdp` or `single`
         without model parallelism."""
-        return self.layout.label()
+        return self.layout.label() + (f"×ep{self.ep}" if self.ep > 1 else "")
 
     @property
     def data_parallel(self) -> int:
@@ -87,6 +89,8 @@ class Strategy:
             tags["raylane.strategy.pp_schedule"] = self.pp_schedule
         if self.blocks:
             tags["raylane.strategy.blocks"] = self.blocks
+        if self.experts:
+            tags["raylane.strategy.experts"] = self.experts
         if self.estimate:
             tags.update({f"raylane.memory_estimate.{k}_gb": f"{v / GIB:.3f}" for k, v in self.estimate.items()})
         return tags
@@ -118,9 +122,11 @@ def fully_shard(
     device: torch.device,
     strategy: Strategy,
     mesh: Any = None,
+    experts: Any = None,
 ) -> nn.Module:
     """FSDP2 on each block, then the root; HSDP over a (replicas, shards) mesh. `mesh`: FSDP2's
-    part of the run's mesh (under model parallelism), else the layout's made here."""
+    part of the run's mesh (under model parallelism), else the layout's made here. `experts`:
+    split over ranks (strategy.ep), each experts module an FSDP2 unit of its own first."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as shard
 
@@ -140,6 +146,10 @@ def fully_shard(
     # Under a pipeline schedule, blocks stay gathered between micro-batches (torchtitan's default):
     # resharding would all-gather them again for every micro-batch.
     reshard = cfg.strategy.reshard_after_forward and strategy.pp == 1
+    if experts is not None:
+        from raylane.loop.distributed.expert_layout import shard_experts_fsdp
+
+        shard_experts_fsdp(model, experts, options, reshard)
     for block in blocks:
         shard(block, reshard_after_forward=reshard, **options)
     # The root's parameters (embeddings, head) are used last in backward: keep them gathered.

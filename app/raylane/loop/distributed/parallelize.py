@@ -245,11 +245,13 @@ def parallelize(
     blocks_prepared: bool = False,
     tp_plan: TpPlan | None = None,
     pp_stages: Any = None,
+    ep_plan: Any = None,
 ) -> tuple[nn.Module, Strategy]:
     """(the model ready to train on this rank, the strategy chosen). `blocks`: the pipeline's
     (None: found in the model). `blocks_prepared`: the caller already ran prepare_blocks on it.
     `tp_plan`: the pipeline's, for `strategy.tp` > 1; `pp_stages`, for `strategy.pp` > 1 (then the
-    model is this rank's stages, a raylane.loop.distributed.pipeline_parallel.PipelineModel)."""
+    model is this rank's stages, a raylane.loop.distributed.pipeline_parallel.PipelineModel);
+    `ep_plan`, for `strategy.ep` > 1 (raylane.loop.distributed.expert_layout)."""
     found = find_blocks(model, blocks)
     blocks = found.modules
     if cfg.strategy.pp > 1:
@@ -265,15 +267,25 @@ def parallelize(
     _note_blocks(model, found, strategy, cfg)
     if strategy.tp > 1:
         return lay_out_tensor_parallel(model, blocks, cfg, device, strategy, tp_plan), strategy
+    experts = None
+    if cfg.strategy.ep > 1 and device.type != "meta":  # a rehearsal's meta run has no process group
+        from raylane.loop.distributed.expert_layout import lay_out_experts
+
+        experts = lay_out_experts(model, ep_plan, cfg.strategy.ep, world_size, device)
+        strategy.ep, strategy.experts = experts.ep, experts.describe(model)
     if not blocks_prepared:
         prepare_blocks(model, cfg, blocks)
     if strategy.name in ("fsdp", "hsdp"):
-        return fully_shard(model, blocks, cfg, device, strategy), strategy
+        return fully_shard(model, blocks, cfg, device, strategy, experts=experts), strategy
     model = materialize(model, device) if on_meta(model) else model.to(device)
     # DDP on one rank only adds hooks and a broadcast; on the meta device (a rehearsal's, raylane.
     # loop.rehearsal) its wrapper would check and broadcast values there are none of.
     if strategy.name == "single" or device.type == "meta":
         return model, strategy
+    if experts is not None:
+        from raylane.loop.distributed.expert_layout import keep_out_of_ddp
+
+        keep_out_of_ddp(model, experts)
     return _ddp(model, cfg, device), strategy
 
 
