@@ -69,9 +69,26 @@ def _fused(optimizer_cls: type, groups: list[dict], **options: Any) -> torch.opt
     (~1e-8 apart after 5 steps): the groups carry the choice (`fused`) in the checkpoint, and a
     resume goes on with the kernel the run started with."""
     try:
-        return optimizer_cls(groups, fused=True, **options)
+        optimizer = optimizer_cls(groups, fused=True, **options)
     except (RuntimeError, ValueError):
-        return optimizer_cls(groups, **options)
+        optimizer = optimizer_cls(groups, **options)
+    if _mixed(groups):
+        optimizer.register_step_pre_hook(_one_by_one)
+    return optimizer
+
+
+def _mixed(groups: list[dict]) -> bool:
+    """Whether a group holds DTensors beside plain tensors (DDP's replicas beside expert-parallel
+    experts, strategy.ep), which the fused and for-each kernels refuse to take in one call."""
+    from torch.distributed.tensor import DTensor
+
+    return any(len({isinstance(p, DTensor) for p in g["params"]}) > 1 for g in groups)
+
+
+def _one_by_one(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    # Before each step, not once: a resumed checkpoint's groups bring back the kernel they ran with.
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = False, False
 
 
 def build_optimizer(model: torch.nn.Module, cfg: BaseConfig, pipe: Any = None) -> torch.optim.Optimizer:
