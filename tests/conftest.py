@@ -620,7 +620,15 @@ RUN_TOGETHER = {
     # Files with a module-scoped fixture: each file is one unit.
     **{
         f"tests/e2e/{name}.py": (f"tests/e2e/{name}.py",)
-        for name in ("test_hf", "test_hf_lora", "test_package", "test_ray_e2e", "test_readme", "test_records")
+        for name in (
+            "test_expert_export",
+            "test_hf",
+            "test_hf_lora",
+            "test_package",
+            "test_ray_e2e",
+            "test_readme",
+            "test_records",
+        )
     },
 }
 

@@ -106,7 +106,31 @@ def _targets(model: Any, lora: LoraSection) -> list[str]:
             f"lora.target_modules = {lora.target_modules!r}: {type(model).__name__} has no module "
             f"named {missing[0]!r}{hint}"
         )
+    if hit := _experts_targeted(model, lora.target_modules):
+        raise ConfigError(
+            f"lora.target_modules = {lora.target_modules!r}: {hit[0]!r} names the experts module {hit[1]} "
+            f"({type(model.get_submodule(hit[1])).__name__}), every expert's weights in 3-D parameters, not Linear "
+            "layers: peft adapts those only through its target_parameters, which raylane's lora section does not "
+            "take (nor would strategy.ep split such an adapter with its experts); adapt the attention (the default) "
+            "or a shared expert's Linear layers"
+        )
     return list(lora.target_modules)
+
+
+def _experts_targeted(model: Any, targets: list[str]) -> tuple[str, str] | None:
+    """(a target, the experts module it names) where one of `targets` names a fused experts
+    module of the model's own expert plan (raylane.hf.experts); None for a dense model."""
+    from raylane.hf.experts import ep_plan
+    from raylane.loop.distributed.expert_plan import resolve_ep_plan
+
+    plan = ep_plan(model)
+    if not plan:
+        return None
+    try:
+        experts = resolve_ep_plan(model, plan)
+    except ValueError:  # a plan this model does not follow is strategy.ep's to refuse, not LoRA's
+        return None
+    return next(((t, path) for t in targets for path in experts if _matches(t, path)), None)
 
 
 def apply_lora(

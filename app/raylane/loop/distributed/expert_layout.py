@@ -78,7 +78,9 @@ def keep_out_of_ddp(model: nn.Module, experts: Experts) -> None:
     rest = experts.mesh["dp_rest"]
     group = rest.get_group() if rest.size() > 1 else None
     for name in names:
-        model.get_parameter(name).register_hook(_reduced(experts.world_size, group))
+        param = model.get_parameter(name)
+        if param.requires_grad:  # frozen experts (LoRA on the attention) have no gradient to reduce
+            param.register_hook(_reduced(experts.world_size, group))
 
 
 def _reduced(world_size: int, group: Any) -> Any:
