@@ -385,6 +385,7 @@ def _result_fields(r: RunResult) -> dict[str, Any]:
         "early_stopped": r.early_stopped,
         "tracking_cost_s": r.tracking_cost_s,
         "stragglers": r.stragglers or [],
+        "experts": r.experts,
     }
 
 

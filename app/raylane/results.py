@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION: Final = 7
+SCHEMA_VERSION: Final = 8
 
 
 class Status(str, Enum):
@@ -44,7 +44,7 @@ class _Model(BaseModel):
 
 
 class _Summary(_Model):
-    schema_version: Literal[7] = Field(SCHEMA_VERSION, description="This file's schema version.")
+    schema_version: Literal[8] = Field(SCHEMA_VERSION, description="This file's schema version.")
     status: Status = Field(description="FINISHED, FAILED or KILLED; the exit code is 0, 1 or 130.")
     error: str | None = Field(None, description="Why the command did not finish: one line, else null.")
 
@@ -153,6 +153,22 @@ class Straggler(_Model):
     windows: int = Field(description="Windows running it was slow in (stragglers.windows).")
 
 
+class Experts(_Model):
+    modules: int = Field(description="The experts modules laid out by expert (one a layer, usually).")
+    experts: int = Field(description="Experts in each of them (the most of any).")
+    ep: int = Field(description="The expert-parallel degree: ranks one model's experts are split over.")
+    capacity_factor: float | None = Field(
+        None, description="strategy.ep_capacity_factor (null: no capacity, no pair dropped)."
+    )
+    routed: int = Field(description="(token, expert) pairs the routers chose over the run, every rank's.")
+    tokens_min: int = Field(description="The fewest pairs one expert was sent over the run (every rank's).")
+    tokens_max: int = Field(description="The most pairs one expert was sent over the run (every rank's).")
+    imbalance: float | None = Field(
+        None, description="The worst module's most loaded expert over its mean (1: even; null: nothing routed)."
+    )
+    dropped: int = Field(description="Pairs the capacity dropped (their output 0), every rank's.")
+
+
 class RegisteredModel(_Model):
     name: str = Field(description="The registered model's name (`--register NAME`).")
     version: str | int | None = Field(None, description="The version this run registered.")
@@ -235,6 +251,11 @@ class TrainSummary(_Summary):
     stop_reason: str | None = Field(None, description="Why training ended before its last step.")
     early_stopped: bool = Field(False, description="train.early_stopping ended the run (FINISHED).")
     tracking_cost_s: TrackingCost | None = Field(None, description="What logging to MLflow cost rank 0.")
+    experts: Experts | None = Field(
+        None,
+        description="With expert parallelism (strategy.ep > 1): the run's tokens per expert over every rank, and "
+        "the pairs a capacity dropped (each window's, rank 0's: train/experts/* in MLflow).",
+    )
     stragglers: list[Straggler] = Field(
         default_factory=list,
         description="Ranks named as slow by their step times (stragglers.factor, stragglers.windows), each once.",

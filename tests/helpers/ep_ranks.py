@@ -143,6 +143,51 @@ def reread(mine: nn.Module, gathered: dict[str, torch.Tensor], folder: str) -> f
     return max((whole[k] - v).abs().max().item() for k, v in gathered.items())
 
 
+def capped(capacity_factor: float = 1.0) -> dict:
+    """A tiny Mixtral at ep 2, its routers collapsed onto rank 1's experts (2 and 3), with a
+    capacity: one training forward and backward of each rank's 2 x 8 tokens. Its loss against one
+    process's on the same tokens whose dropped pairs' weights are made 0 by a hook (each expert's
+    first ceil(c * T*k / E) pairs in the batch's order kept: the rule, written again here); the
+    loop's window figures on each rank and the run's summed over both (raylane.loop.observe.experts)."""
+    import math
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raylane.loop.distributed import expert_parallel as ep
+    from raylane.loop.observe.experts import ExpertFigures
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref, mine = tiny_moe("mixtral"), tiny_moe("mixtral")
+    for m in (ref, mine):
+        for name, p in m.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.data.zero_()
+
+    def masked(module: nn.Module, args: tuple) -> tuple:
+        hidden, index, weights = args
+        capacity, seen, keep = math.ceil(capacity_factor * index.numel() / module.num_experts), {}, []
+        for e in index.reshape(-1).tolist():
+            keep.append(seen.get(e, 0) < capacity)
+            seen[e] = seen.get(e, 0) + 1
+        return hidden, index, weights * torch.tensor(keep, dtype=weights.dtype).view_as(weights)
+
+    for name, m in ref.named_modules():
+        if name.endswith("mlp.experts"):
+            m.register_forward_pre_hook(masked)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    ep.apply_expert_parallel(mine, [EXPERTS], mesh["ep"], capacity_factor=capacity_factor)
+    figures = ExpertFigures.of(mine)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    half = ids[rank * BATCH // world : (rank + 1) * BATCH // world]
+    loss = mine(input_ids=half, labels=half).loss
+    loss.backward()
+    gap = abs(loss.item() - ref(input_ids=half, labels=half).loss.item())
+    window = figures.window(1.0)
+    figures.reset()
+    return {"loss_gap": gap, "window": window, "summary": figures.summary()}
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -154,6 +199,7 @@ def main() -> None:
         ckpt = f"{out}/ckpt-{family}" if family == "qwen2_moe" else None
         results[family] = compare(family, steps, biased=False, ckpt=ckpt)
         results[f"{family} biased"] = compare(family, 2, biased=True, ckpt=None)
+    results["capped"] = capped()
     results["seconds"] = time.perf_counter() - started
     with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:
         json.dump(results, f)

@@ -25,6 +25,7 @@ RELEASED = {
     5: "ff45be3f9884aeea8b1775ca3706cf863c1d70c306aaf0656f73a1c7ed792f35",  # Timing.warm_actors
     6: "61568c7f7ad5c127560b7af9590c3f9b1929c2f8feb121e2346baa1e0dc57e77",  # TrainSummary.replicas
     7: "b6db263582b695f61e67e88537889ee79914113edc4654627025a42dfb76734b",  # TrainSummary.real_tokens_per_s, packing_efficiency; Window.real_tokens_per_s, padding_share; SkippedRows.counts
+    8: "20c4d423fefeee39a0be2494a69b06227ee6fd0dd18d0619557be95d4f4171de",  # TrainSummary.experts
 }
 
 

@@ -101,6 +101,16 @@ class StrategySection(Section):
         "data-parallel ranks it divides; not yet with `tp`, `pp`, `dp_replicate`, `name: auto`, replica groups or "
         "elastic runs (docs/strategies.md, Expert parallelism).",
     )
+    ep_capacity_factor: float | None = Field(
+        None,
+        gt=0,
+        description="With `ep` > 1: each rank sends each expert at most ceil(factor x its tokens x top-k / experts) "
+        "of its (token, expert) pairs a forward, its first in the batch's order, and drops the rest (their output 0, "
+        "the residual carrying the token on; counted in train/experts/dropped_tokens and the summary). null: none "
+        "dropped, at the cost that a rank may receive every rank's tokens for its experts, up to tokens x top-k x ep "
+        "rows of the hidden size (and their activations) where it holds tokens x top-k on average; a factor c bounds "
+        "that to c x tokens x top-k.",
+    )
 
     @field_validator("tp")
     @classmethod
@@ -115,6 +125,11 @@ class StrategySection(Section):
         the experts split over ranks borrowed from the data-parallel ones, which tp, pp and HSDP's
         replicas would lay out again, and a memory estimate that counts every expert on every rank."""
         ep = self.ep
+        if ep == 1 and self.ep_capacity_factor is not None:
+            raise ValueError(
+                f"strategy.ep_capacity_factor = {self.ep_capacity_factor} with strategy.ep = 1: the capacity caps the "
+                "tokens expert parallelism sends to each expert; set strategy.ep > 1, or remove it"
+            )
         if ep == 1:
             return self
         refused = {

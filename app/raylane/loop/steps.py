@@ -15,6 +15,7 @@ import torch
 
 from raylane.config import TrainSection
 from raylane.loop.data.loader import EpochData, data_change
+from raylane.loop.observe.experts import ExpertFigures
 from raylane.loop.protocols.batches import StepMetrics, batch_size, take_tallies
 
 
@@ -249,11 +250,13 @@ class Throughput:
 class MetricsWindow:
     """The train metrics of the steps since the last logged ones (a window of
     `mlflow.log_every_n_steps`): the loss summed on the device (no host sync per step), a step's
-    own metrics averaged, the last gradient norm measured, and the window's steps and time."""
+    own metrics averaged, the last gradient norm measured, and the window's steps and time; for a
+    `model` with expert-parallel modules, their tokens per expert (raylane.loop.observe.experts)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, model: torch.nn.Module | None = None) -> None:
         self.loss_sum = torch.zeros((), device=device)
         self.step_metrics = StepMetrics(device)
+        self.experts = ExpertFigures.of(model)
         self.tokens_mark = (0, 0)  # Throughput.counted() at the last window's end
         self.tally_mark: dict[str, int] = {}  # Throughput.tallies then
         self.reset()
@@ -262,6 +265,8 @@ class MetricsWindow:
         self.loss_sum.zero_()
         self.loss_count = 0
         self.step_metrics.reset()
+        if self.experts is not None:
+            self.experts.reset()
         self.grad_norm: torch.Tensor | None = None
         self.start = time.perf_counter()
         self.steps = 0
@@ -277,7 +282,8 @@ class MetricsWindow:
         self, samples_per_step: int, lr: float, throughput: Throughput, world_size: int, until: float | None = None
     ) -> dict[str, float]:
         """The window's figures, its time up to `until` (default: now)."""
-        samples_per_s = self.steps * samples_per_step / max((until or time.perf_counter()) - self.start, 1e-9)
+        seconds = max((until or time.perf_counter()) - self.start, 1e-9)
+        samples_per_s = self.steps * samples_per_step / seconds
         share, self.tokens_mark = throughput.share(self.tokens_mark), throughput.counted()
         shares, self.tally_mark = throughput.tally_shares(self.tally_mark), dict(throughput.tallies)
         return {
@@ -289,4 +295,9 @@ class MetricsWindow:
             **throughput.rates(samples_per_s, world_size, share),
             **shares,
             **self.step_metrics.means(),
+            **(self.experts.window(seconds) if self.experts is not None else {}),
         }
+
+    def run_experts(self) -> dict[str, Any] | None:
+        """The run's expert figures over every rank (a collective: every rank calls it), or None."""
+        return self.experts.summary() if self.experts is not None else None

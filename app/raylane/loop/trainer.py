@@ -173,7 +173,7 @@ class Trainer:
         self.skipped_checkpoints: list[dict[str, str]] = list(self.runtime.store.skipped)
         self.resumed_from: str | None = None  # the checkpoint loaded, by name
         self.resumed_layout: str | None = None  # the line a resume at another layout says
-        self.window = MetricsWindow(self.device)
+        self.window = MetricsWindow(self.device, self.model)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -381,7 +381,6 @@ class Trainer:
     def _result(self, last_step_end: float) -> RunResult:
         """The run's result: what the loop knows of its end, and its figures (a collective); on
         rank 0, the stragglers named and every rank's step times."""
-        told = self.reporter.active
         return RunResult(
             steps=self.step,
             epochs=self.epoch,
@@ -403,8 +402,9 @@ class Trainer:
             growing=self.stops.growing,
             stop_reason=self.stops.reason() if self.stops.preempted else self.evaluation.early_stop.reason,
             early_stopped=self.evaluation.stopped and not self.stops.preempted,
-            stragglers=self.step_times.stragglers() if told else None,
-            rank_times=self.step_times.table.rows() if told else None,
+            stragglers=self.step_times.stragglers() if self.reporter.active else None,
+            rank_times=self.step_times.table.rows() if self.reporter.active else None,
+            experts=self.window.run_experts(),  # every rank's, summed: a collective
         )
 
     def _announce(self) -> None:

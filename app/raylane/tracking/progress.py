@@ -31,7 +31,7 @@ from raylane.loop.protocols.events import (
 )
 from raylane.loop.protocols.result import RunResult
 from raylane.loop.reporting import MAX_STRAGGLERS_NAMED
-from raylane.results import TrainSummary
+from raylane.results import Experts, TrainSummary
 from raylane.tracking.observe import profile_line
 
 LINE_INTERVAL_S = 10.0
@@ -275,6 +275,17 @@ def _speed_rows(s: TrainSummary) -> list[tuple[str, str]]:
     return rows
 
 
+def experts_text(e: Experts) -> str:
+    """`2 modules x 4 experts, ep2; tokens per expert min 120 max 410 (imbalance 1.80x), 0
+    dropped`: the run's over every rank (the summary's `experts`)."""
+    line = f"{e.modules} modules x {e.experts} experts, ep{e.ep}; tokens per expert min {e.tokens_min:,} max {e.tokens_max:,}"
+    if e.imbalance is not None:
+        line += f" (imbalance {e.imbalance:.2f}x)"
+    if e.capacity_factor is None:
+        return line + f", {e.dropped:,} dropped (no capacity)"
+    return line + f", {e.dropped:,} of {e.routed:,} dropped at capacity factor {e.capacity_factor:g}"
+
+
 def outcome_text(summary: TrainSummary, ui: str, log_file: Any = None) -> str:
     """The block a run ends with. Each figure names what it measures: the eval metrics the step
     they were taken at, train loss and throughput the window of steps they cover (the last line of
@@ -309,6 +320,8 @@ def outcome_text(summary: TrainSummary, ui: str, log_file: Any = None) -> str:
     for key, v in s.skipped_rows.items():  # what the data's transform counted: examples cut, unanswered
         if v.counts:
             rows.append(("examples", f"{key}: " + ", ".join(f"{n:,} {what}" for what, n in sorted(v.counts.items()))))
+    if s.experts is not None:
+        rows.append(("experts", experts_text(s.experts)))
     shown = s.stragglers[:MAX_STRAGGLERS_NAMED]  # the summary's JSON has every one
     rows += [("straggler", StepStraggler(**x.model_dump()).line().removeprefix("straggler: ")) for x in shown]
     if len(s.stragglers) > len(shown):

@@ -48,10 +48,18 @@ class Experts:
         return f"ep{self.ep}: {len(self.names)} experts modules, {total // self.ep} of {total} experts a rank"
 
 
-def lay_out_experts(model: nn.Module, plan: EpPlan | None, ep: int, world_size: int, device: torch.device) -> Experts:
+def lay_out_experts(
+    model: nn.Module,
+    plan: EpPlan | None,
+    ep: int,
+    world_size: int,
+    device: torch.device,
+    capacity_factor: float | None = None,
+) -> Experts:
     """Split the experts `plan` names over `ep` ranks (in place; the model may be on the meta
-    device). ValueError, one line, for a plan that names no experts module, or experts that `ep`
-    does not divide (raylane.loop.distributed.expert_plan)."""
+    device), each taking at most its capacity from a rank (`capacity_factor`; None: every pair).
+    ValueError, one line, for a plan that names no experts module, or experts that `ep` does not
+    divide (raylane.loop.distributed.expert_plan)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if plan is None:
@@ -64,7 +72,7 @@ def lay_out_experts(model: nn.Module, plan: EpPlan | None, ep: int, world_size: 
             module.to(device)
             for p in module.parameters():
                 dist.broadcast(p.data, src=0)
-    apply_expert_parallel(model, names, mesh["ep"])
+    apply_expert_parallel(model, names, mesh["ep"], capacity_factor=capacity_factor)
     return Experts(names, mesh, world_size)
 
 

@@ -19,13 +19,21 @@ top_k_weights[T, k]) -> [T, H]`. The router runs in the model as it is; only thi
   integers), send each pair's token to its expert's rank (all-to-all with uneven splits), run the
   module's own forward on the local shards (`.to_local()`) with local expert ids, k = 1 and weight
   1, send the results back, and on the origin rank multiply by top_k_weights (the router's
-  gradient is the one-process one) and sum over k. No capacity: every pair the router chose is
-  computed. Memory: a rank sends T*k rows of H and receives what every rank routed to its
-  experts, T*k*ep rows at worst (every token of every rank to one rank's experts), twice (there
-  and back) plus the local experts' activations on them.
+  gradient is the one-process one) and sum over k. No capacity by default: every pair the router
+  chose is computed. Memory: a rank sends T*k rows of H and receives what every rank routed to
+  its experts, T*k*ep rows at worst (every token of every rank to one rank's experts), twice
+  (there and back) plus the local experts' activations on them.
+- A capacity (`capacity_factor` c, strategy.ep_capacity_factor): each rank sends each expert at
+  most C = ceil(c * T*k / E) of its own T*k pairs a forward (per origin rank, as Switch and
+  GShard cap each device's group of tokens: decided where the tokens are, with no exchange), its
+  first C in the batch's order; the rest are dropped: their output is 0 (the residual carries the
+  token on, as Switch's does) and their weight has no gradient. A rank then receives at most
+  E/ep * ep * C = c*T*k rows (equal T), not T*k*ep. Counted in `expert_drops`. One process's
+  capacity over the same tokens is not the same cap: it caps all ranks' tokens together.
 - `expert_load` reads the pairs each rank routed to each global expert since the last reset (a
-  device tensor summed in every forward, evaluation's too: no host sync, no collective). Summed
-  over the ep ranks (one all-reduce per window) it is one process's count for the same tokens.
+  device tensor summed in every training forward, dropped pairs included; evaluation's are not
+  counted: no host sync, no collective). Summed over the ep ranks it is one process's count for
+  the same tokens. `dispatch_seconds`: the time spent in the all-to-alls, on CPU.
 
 Gradients. An expert's gradient on its rank sums what every rank's loss sends back through the
 all-to-all's backward. With each rank's loss a mean over its own tokens and the dense gradients
@@ -67,6 +75,8 @@ tokens twice in `expert_load`."""
 from __future__ import annotations
 
 import inspect
+import math
+import time
 import types
 from fnmatch import fnmatch
 from typing import Any
@@ -131,10 +141,13 @@ def shard_experts(experts: nn.Module, ep_mesh: Any, *, name: str = "experts") ->
         experts.register_parameter(pname, nn.Parameter(shard, requires_grad=p.requires_grad))
 
 
-def apply_expert_parallel(model: nn.Module, names: list[str], ep_mesh: Any) -> list[str]:
+def apply_expert_parallel(
+    model: nn.Module, names: list[str], ep_mesh: Any, *, capacity_factor: float | None = None
+) -> list[str]:
     """Shards each experts module `names` names (`match_modules`) over `ep_mesh` and gives it the
-    dispatching forward (module docstring); returns their paths. Every module is checked before
-    any changes (ValueError naming it). Parameter names and the state dict's keys stay the same."""
+    dispatching forward (module docstring), with a capacity of `capacity_factor` (None: none);
+    returns their paths. Every module is checked before any changes (ValueError naming it).
+    Parameter names and the state dict's keys stay the same."""
     paths = match_modules(model, names)
     modules = {path: model.get_submodule(path) for path in paths}
     for path, module in modules.items():
@@ -147,8 +160,11 @@ def apply_expert_parallel(model: nn.Module, names: list[str], ep_mesh: Any) -> l
         module.__class__ = _parallel_class(type(module))
         module.ep_mesh = ep_mesh
         module.ep_experts = count
+        module.ep_capacity_factor = capacity_factor
         device = next(module.parameters()).device
-        module.ep_tokens = torch.zeros(count, dtype=torch.long, device="cpu" if device.type == "meta" else device)
+        device = torch.device("cpu") if device.type == "meta" else device
+        module.ep_tokens = torch.zeros(count, dtype=torch.long, device=device)
+        module.ep_dropped = torch.zeros((), dtype=torch.long, device=device)
     return paths
 
 
@@ -166,6 +182,43 @@ def expert_load(model: nn.Module, *, reset: bool = False) -> dict[str, torch.Ten
         if reset:
             m.ep_tokens.zero_()
     return loads
+
+
+def expert_drops(model: nn.Module, *, reset: bool = False) -> dict[str, torch.Tensor]:
+    """{experts module path: the pairs this rank's capacity dropped since the last reset}, int64
+    tensors of one number on the model's device (0 without a capacity)."""
+    drops = {}
+    for name, m in expert_parallel_modules(model).items():
+        drops[name] = m.ep_dropped.clone()
+        if reset:
+            m.ep_dropped.zero_()
+    return drops
+
+
+_dispatch_s = [0.0, 0]  # seconds in the dispatch's all-to-alls on CPU, and the calls timed
+
+
+def dispatch_seconds(*, reset: bool = False) -> float | None:
+    """This process's seconds in the dispatch's all-to-alls (counts and rows, forward and
+    backward, every experts module) since the last reset, waiting for the other ranks included;
+    None when none was timed. Timed on CPU only: gloo's collectives return when done, so the
+    host's clock around them is their time. On a GPU the call returns once queued: its time
+    would need a device sync or CUDA events per call, so it is not measured here."""
+    seconds = _dispatch_s[0] if _dispatch_s[1] else None
+    if reset:
+        _dispatch_s[:] = [0.0, 0]
+    return seconds
+
+
+def _all_to_all(out: torch.Tensor, rows: torch.Tensor, out_splits: Any, in_splits: Any, group: Any) -> None:
+    """dist.all_to_all_single, timed where the host's clock is its time (`dispatch_seconds`)."""
+    if out.device.type != "cpu":
+        dist.all_to_all_single(out, rows, out_splits, in_splits, group=group)
+        return
+    start = time.perf_counter()
+    dist.all_to_all_single(out, rows, out_splits, in_splits, group=group)
+    _dispatch_s[0] += time.perf_counter() - start
+    _dispatch_s[1] += 1
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
@@ -228,6 +281,22 @@ def arrived_expert_ids(arrived_counts: torch.Tensor, ep: int, total: int) -> tor
     return ids.repeat_interleave(arrived_counts, output_size=total)
 
 
+def capacity_of(factor: float | None, pairs: int, experts: int) -> int | None:
+    """The pairs each expert takes from one rank's `pairs` (T*k) a forward: ceil(factor * T*k / E)."""
+    return None if factor is None else math.ceil(factor * pairs / experts)
+
+
+def keep_within(
+    top_k_index: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`order` (the pairs sorted by expert) with each expert's first `capacity` pairs first, still
+    by expert, and the dropped after them; the pairs kept per expert). No host sync."""
+    ids = top_k_index.reshape(-1)[order]
+    starts = torch.cumsum(counts, 0) - counts
+    dropped = torch.arange(ids.numel(), device=ids.device) - starts[ids] >= capacity
+    return order[torch.argsort(dropped.to(torch.uint8), stable=True)], counts.clamp(max=capacity)
+
+
 def unsort(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """`rows` (in `order`) put back in the pairs' own order: unsort(x[order], order) == x."""
     inverse = torch.empty_like(order)
@@ -244,13 +313,13 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx: Any, rows: torch.Tensor, send: list[int], receive: list[int], group: Any) -> torch.Tensor:
         ctx.send, ctx.receive, ctx.group = send, receive, group
         out = rows.new_empty((sum(receive), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+        _all_to_all(out, rows.contiguous(), receive, send, group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
+        _all_to_all(back, grad.contiguous(), ctx.send, ctx.receive, ctx.group)
         return back, None, None, None
 
 
@@ -280,6 +349,8 @@ class ExpertParallel(nn.Module):
     ep_mesh: Any
     ep_experts: int
     ep_tokens: torch.Tensor
+    ep_capacity_factor: float | None
+    ep_dropped: torch.Tensor
     ep_original_forward: Any
 
     def forward(
@@ -288,16 +359,28 @@ class ExpertParallel(nn.Module):
         group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
         tokens, k = top_k_index.shape
         order, counts = sort_pairs(top_k_index, self.ep_experts)
-        with torch.no_grad():
-            self.ep_tokens = self.ep_tokens.to(counts.device)
-            self.ep_tokens += counts
-        arrived_counts = torch.empty_like(counts)
-        dist.all_to_all_single(arrived_counts, counts, group=group)
+        kept, capacity = counts, capacity_of(self.ep_capacity_factor, tokens * k, self.ep_experts)
+        if capacity is not None:
+            order, kept = keep_within(top_k_index, order, counts, capacity)
+        if self.training:
+            with torch.no_grad():
+                self.ep_tokens = self.ep_tokens.to(counts.device)
+                self.ep_tokens += counts
+                self.ep_dropped = self.ep_dropped.to(counts.device)
+                self.ep_dropped += (counts - kept).sum()
+        arrived_counts = torch.empty_like(kept)
+        _all_to_all(arrived_counts, kept, None, None, group)
         # The one host sync: all_to_all_single takes its splits as Python ints.
-        send, receive = torch.stack([counts.view(ep, -1).sum(1), arrived_counts.view(ep, -1).sum(1)]).tolist()
-        arrived = AllToAll.apply(hidden_states[order // k], send, receive, group)
+        send, receive = torch.stack([kept.view(ep, -1).sum(1), arrived_counts.view(ep, -1).sum(1)]).tolist()
+        sent = order[: sum(send)]  # every pair, or those within the capacity
+        arrived = AllToAll.apply(hidden_states[sent // k], send, receive, group)
         out = self.run_local(arrived, arrived_expert_ids(arrived_counts, ep, sum(receive)))
-        pairs = unsort(AllToAll.apply(out, receive, send, group), order).view(tokens, k, -1)
+        back = AllToAll.apply(out, receive, send, group)
+        if len(sent) < tokens * k:  # a dropped pair's output is 0
+            pairs = back.new_zeros((tokens * k, *back.shape[1:])).index_copy(0, sent, back)
+        else:
+            pairs = unsort(back, order)
+        pairs = pairs.view(tokens, k, -1)
         return (pairs * top_k_weights.unsqueeze(-1)).sum(1).to(hidden_states.dtype)
 
     def run_local(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:

@@ -271,7 +271,9 @@ def parallelize(
     if cfg.strategy.ep > 1 and device.type != "meta":  # a rehearsal's meta run has no process group
         from raylane.loop.distributed.expert_layout import lay_out_experts
 
-        experts = lay_out_experts(model, ep_plan, cfg.strategy.ep, world_size, device)
+        experts = lay_out_experts(
+            model, ep_plan, cfg.strategy.ep, world_size, device, capacity_factor=cfg.strategy.ep_capacity_factor
+        )
         strategy.ep, strategy.experts = experts.ep, experts.describe(model)
     if not blocks_prepared:
         prepare_blocks(model, cfg, blocks)

@@ -130,6 +130,18 @@ def call_model(model: Any, batch: Any, form: str) -> Any:
     return model(batch)
 
 
+def own_metrics(output: Any) -> dict[str, Any] | None:
+    """The model's own auxiliary loss where its output carries one, as the step metric `aux_loss`
+    (transformers' mixture-of-experts outputs' load-balancing loss, with output_router_logits on:
+    the loss already holds it times router_aux_loss_coef); None otherwise, at once for a tensor."""
+    if isinstance(output, torch.Tensor):
+        return None
+    aux = getattr(output, "aux_loss", None)
+    if aux is None and isinstance(output, Mapping):
+        aux = output.get("aux_loss")
+    return {"aux_loss": aux.detach()} if isinstance(aux, torch.Tensor) and aux.numel() == 1 else None
+
+
 def own_loss(output: Any) -> Any:
     """The model's own loss in its output: `.loss`, `["loss"]`, or a one-number tensor; None."""
     if isinstance(output, torch.Tensor):
@@ -192,6 +204,7 @@ class Forward:
 
     def _first(self, model: Any, batch: Any) -> tuple[Any, dict[str, Any] | None]:
         self.form = form = form_of(batch, self.step)
+        metrics: dict[str, Any] | None
         if form == "mapping":
             check_keys(model, batch)
         batch = to_device(batch, self.device)
@@ -203,9 +216,9 @@ class Forward:
         else:
             output = call_model(model, batch, form)
             if self.loss_fn is not None:
-                loss, metrics = self._loss(output, batch[1] if form == "pair" else batch), None
+                loss, metrics = self._loss(output, batch[1] if form == "pair" else batch), own_metrics(output)
             else:
-                loss, metrics = checked_own_loss(output, model), None
+                loss, metrics = checked_own_loss(output, model), own_metrics(output)
         self.run = self._specialised(form, plain=form == "pair" and isinstance(batch[1], torch.Tensor))
         return loss, metrics
 
@@ -213,12 +226,12 @@ class Forward:
         device, non_blocking = self.device, self.device.type == "cuda"
         if plain:  # a pair of tensors costs what it cost before: two .to() and two calls
 
-            def pair(model: Any, batch: Any) -> tuple[Any, None]:
+            def pair(model: Any, batch: Any) -> tuple[Any, dict[str, Any] | None]:
                 source, target = batch
                 output = model(source.to(device, non_blocking=non_blocking))
                 if self.loss_fn is not None:
-                    return self._loss(output, target.to(device, non_blocking=non_blocking)), None
-                return own_loss(output), None
+                    return self._loss(output, target.to(device, non_blocking=non_blocking)), own_metrics(output)
+                return own_loss(output), own_metrics(output)
 
             return pair
         if form == "step":
@@ -229,12 +242,12 @@ class Forward:
 
             return stepped
 
-        def other(model: Any, batch: Any) -> tuple[Any, None]:
+        def other(model: Any, batch: Any) -> tuple[Any, dict[str, Any] | None]:
             batch = _moved(batch, device, non_blocking)
             output = call_model(model, batch, form)
             if self.loss_fn is not None:
-                return self._loss(output, batch[1] if form == "pair" else batch), None
-            return own_loss(output), None
+                return self._loss(output, batch[1] if form == "pair" else batch), own_metrics(output)
+            return own_loss(output), own_metrics(output)
 
         return other
 

@@ -64,6 +64,8 @@ class RunResult:
     # Rank 0's, from every rank's step times (raylane.loop.observe.steptimes):
     stragglers: list[dict[str, Any]] | None = None  # each rank named as slow (Straggler.to_dict)
     rank_times: list[dict[str, Any]] | None = None  # each rank's step times over the run (RankTable.rows)
+    # With expert parallelism: the run's tokens per expert over every rank (raylane.loop.observe.experts).
+    experts: dict[str, Any] | None = None
 
     def rates(self) -> dict[str, float]:
         """The whole run's throughput, as MLflow records it (run/<name>): samples a second, and
