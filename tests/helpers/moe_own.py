@@ -7,7 +7,9 @@ Its data are token sequences made in build().
 `model.plan`: `good` (`layers.*.moe.experts`), `callable` (the same from a function of the model),
 `none` (no ep_plan), `no_module` (`layers.*.moe.expert`, misspelt), `router` (the router, a Linear
 whose weight also leads with E), `block` (the whole MoE block); `model.experts`, `model.layers`;
-`model.declares`: what the Config's gives_ep_plan says (null: nothing, found on the model)."""
+`model.declares`: what the Config's gives_ep_plan says (null: nothing, found on the model);
+`model.bias_router`: a fixed bias on the router's logits (+8 on expert 0, +4 on expert 1) that
+sends every token to experts 0 and 1, the first rank's at ep 2: the other rank receives none."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ class Model(raylane.Section):
     experts: int = 4
     layers: int = 2
     declares: bool | None = None
+    bias_router: bool = False
 
 
 class Config(raylane.BaseConfig):
@@ -63,22 +66,26 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, experts: int) -> None:
+    def __init__(self, experts: int, biased: bool = False) -> None:
         super().__init__()
         self.router = nn.Linear(WIDTH, experts, bias=False)
         self.experts = Experts(experts)
+        # Not a parameter and not saved: the imbalance is the model's fixed design, not learnt.
+        tilt = torch.tensor([8.0, 4.0] + [0.0] * (experts - 2)) if biased else None
+        self.register_buffer("tilt", tilt, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = x.reshape(-1, WIDTH)
-        weights, index = self.router(hidden).softmax(-1).topk(TOP_K, dim=-1)
+        logits = self.router(hidden) if self.tilt is None else self.router(hidden) + self.tilt
+        weights, index = logits.softmax(-1).topk(TOP_K, dim=-1)
         return self.experts(hidden, index, weights).view_as(x)
 
 
 class Block(nn.Module):
-    def __init__(self, experts: int) -> None:
+    def __init__(self, experts: int, biased: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(WIDTH)
-        self.moe = MoE(experts)
+        self.moe = MoE(experts, biased)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.moe(self.norm(x))
@@ -88,7 +95,7 @@ class TinyMoE(nn.Module):
     def __init__(self, m: Model) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.layers = nn.ModuleList(Block(m.experts) for _ in range(m.layers))
+        self.layers = nn.ModuleList(Block(m.experts, m.bias_router) for _ in range(m.layers))
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
