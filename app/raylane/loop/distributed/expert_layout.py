@@ -119,4 +119,9 @@ def shard_experts_fsdp(model: nn.Module, experts: Experts, options: dict[str, An
         )
         module.set_gradient_divide_factor(float(experts.world_size))
         # A sum, then the division: NCCL's pre-multiplied sum, which FSDP2 would use, gloo lacks.
-        module.set_force_sum_reduction_for_comms(True)
+        # Not over one rank (dp_rest 1, no collective): there torch 2.13's FSDP2 divides by the
+        # factor twice when forced to sum (its copy in place of the reduce-scatter, then the
+        # post-division), halving the experts' gradients at ep = W (seen: AdamW's exp_avg half
+        # DDP's); unforced, it divides once.
+        if experts.mesh["dp_rest"].size() > 1:
+            module.set_force_sum_reduction_for_comms(True)
