@@ -39,7 +39,10 @@ OWN = (
     "mlflow: {log_every_n_steps: 1, log_model: false, system_metrics: false}\n"
 )
 LOSS_GAP = 1e-5  # fp32 over 8 AdamW steps (measured: see each test)
-STATE_GAP = 1e-6  # a checkpoint's every tensor, model and optimizer
+# A checkpoint's every tensor, model and optimizer: the Done-when's 1e-5. Measured 2.4e-7 (own),
+# 5.1e-7 (Qwen2-MoE), 1.1e-6 (Mixtral: float noise in an expert's near-zero gradient, which AdamW
+# turns into a step); a wrong gradient scale on the experts is 1e-4 to 1e-3 off.
+STATE_GAP = 1e-5
 
 
 def _own(tmp_path: Path) -> Path:
@@ -161,7 +164,7 @@ def test_own_moe_at_ep2_matches_ddp_and_its_checkpoints_move_to_fsdp_and_one_pro
     unit of its own), side by side, 8 AdamW steps: rank 0's loss within 1e-5 of DDP's at every
     step (measured: equal, 4.8e-7 at worst), the strategy said as ddp×ep2 and fsdp×ep2; their
     step-8 checkpoints, loaded into one plain process, hold DDP's model and AdamW state within
-    1e-6 (measured 2.4e-7). The optimizer's state is what catches a wrong gradient scale on the
+    1e-5 (measured 2.4e-7). The optimizer's state is what catches a wrong gradient scale on the
     experts, which AdamW's update and so the losses hardly show: with FSDP2 dividing the experts'
     gradients twice at dp_rest 1 (expert_layout.shard_experts_fsdp's fix undone) the losses still
     agree to 5e-7 and exp_avg is half DDP's (1.1e-3 off). FSDP×ep2's step-4
@@ -198,7 +201,7 @@ def test_own_moe_at_ep2_matches_ddp_and_its_checkpoints_move_to_fsdp_and_one_pro
 def test_own_moe_at_ep2_on_four_ranks_matches_ddp_and_fsdp(run_cli, tmp_path):
     """4 ranks, 8 AdamW steps: DDP×ep2 (dp_rest 2: the gradient hook's all-reduce over the
     ranks that hold the same experts) and FSDP×ep2 (the experts sharded over dp_rest too), and
-    FSDP, each within 1e-5 of DDP's loss at every step and 1e-6 of its checkpoint (measured 4.8e-7
+    FSDP, each within 1e-5 of DDP's loss at every step and 1e-5 of its checkpoint (measured 4.8e-7
     and 1.2e-7)."""
     config = _own(tmp_path)
     runs = _trained(run_cli, tmp_path, config, ["ddp4", "ddp4-ep", "fsdp4-ep", "fsdp4"])
@@ -261,8 +264,8 @@ def test_a_transformers_moe_at_ep2_trains_as_under_ddp(run_cli, tmp_path, family
     and Mixtral (make test: Qwen2-MoE; Mixtral slow, the same path with transformers' eager
     experts loop) through the shipped hf pipeline and transformers' own ep_plan, 2 ranks, 6 AdamW
     steps: DDP×ep2 and FSDP×ep2 within 1e-5 of DDP's loss at every step (measured: equal for
-    Qwen2-MoE, 4.8e-7 for Mixtral), their checkpoints (model and AdamW state) within 1e-6 of
-    DDP's (5.1e-7)."""
+    Qwen2-MoE, 4.8e-7 for Mixtral), their checkpoints (model and AdamW state) within 1e-5 of
+    DDP's (5.1e-7 Qwen2-MoE, 1.1e-6 Mixtral)."""
     pytest.importorskip("transformers")
     config = _hf_project(tmp_path, family)
     runs = _trained(run_cli, tmp_path, config, ["ddp", "ddp-ep", "fsdp-ep"])
@@ -277,7 +280,7 @@ def test_a_transformers_moe_at_ep2_trains_as_under_ddp(run_cli, tmp_path, family
 def test_ep2_on_two_ray_workers_trains_as_ddp_under_torchrun(run_cli, tmp_path):
     """`strategy.ep: 2` on 2 Ray Train workers of the session's head (Ray's gloo group, the same
     loop) beside DDP on 2 ranks under torchrun, the same seed and samples: FINISHED as ddp×ep2,
-    every step's loss within 1e-5 of DDP's and the step-8 checkpoint within 1e-6."""
+    every step's loss within 1e-5 of DDP's and the step-8 checkpoint too."""
     config = _own(tmp_path)
     started = {
         "ddp": _torchrun(run_cli, config, "ddp", *LAYOUTS["ddp"][1]),
