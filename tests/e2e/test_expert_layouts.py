@@ -185,8 +185,9 @@ def test_own_moe_at_ep2_matches_ddp_and_its_checkpoints_move_to_fsdp_and_one_pro
     }
     moved = _finished(tmp_path, moves)
     assert (moved["fsdp-from-ep"]["strategy"], moved["one-from-ep"]["world_size"]) == ("fsdp", 1)
-    # The layout record names the data-parallel layout alone (fsdp, not fsdp×ep2: Layout has no ep).
-    assert "resuming a fsdp checkpoint of 2 ranks as one process" in moves["one-from-ep"].output
+    # The checkpoint's layout record holds ep: each move says where it came from.
+    assert "resuming a fsdp×ep2 checkpoint of 2 ranks as one process" in moves["one-from-ep"].output
+    assert "resuming a fsdp×ep2 checkpoint of 2 ranks as fsdp on 2" in moves["fsdp-from-ep"].output
     gap = _loss_gap(tmp_path, moved["fsdp-from-ep"], runs["ddp"], range(STEPS // 2 + 1, STEPS + 1))
     assert gap <= LOSS_GAP, gap
     ddp = _state(config, runs["ddp"]["checkpoint"])

@@ -113,6 +113,17 @@ def test_the_layout_is_recorded_and_a_resume_at_another_says_so_in_one_line():
     assert ddp.resumed_from({"world_size": 2}) is None
 
 
+def test_a_layout_with_experts_split_records_ep_and_an_older_record_reads_as_ep_1():
+    import dataclasses
+
+    fsdp_ep = dataclasses.replace(Layout.data_parallel_of("fsdp", 2), ep=2)
+    assert (fsdp_ep.label(), Layout.from_record(fsdp_ep.record())) == ("fsdp×ep2", fsdp_ep)
+    fsdp = Layout.data_parallel_of("fsdp", 2)
+    assert fsdp.resumed_from({"layout": fsdp_ep.record()}) == "resuming a fsdp×ep2 checkpoint of 2 ranks as fsdp on 2"
+    older = {k: v for k, v in fsdp.record().items() if k != "ep"}  # written before ep was a field
+    assert Layout.from_record(older) == fsdp and fsdp.resumed_from({"layout": older}) is None
+
+
 def test_the_driver_says_the_move_once_after_the_strategy_line():
     """A restarted group (elastic, a failure) sends its start again: the move was said once."""
     import io

@@ -34,8 +34,7 @@ class Strategy:
     estimate: dict[str, int] | None = None
     blocks: str = ""  # the blocks FSDP, activation checkpointing or compile took, where any found and used
     pp_schedule: str = ""
-    ep: int = 1  # the ranks one model's experts are split over (strategy.ep)
-    experts: str = ""  # how: raylane.loop.distributed.expert_layout.Experts.describe
+    experts: str = ""  # how the experts lie (strategy.ep): raylane.loop.distributed.expert_layout.Experts.describe
 
     @property
     def name(self) -> str:
@@ -49,6 +48,10 @@ class Strategy:
     @property
     def pp(self) -> int:
         return self.layout.pp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
 
     @property
     def sequence_parallel(self) -> bool:
@@ -69,7 +72,7 @@ class Strategy:
         or without the data-parallel flavour where one data-parallel rank holds the batch (`tp2`,
         `pp2`; `+sp`, `+lp`: sequence and loss parallel); `ddp`, `fsdp`, `hsdp` or `single`
         without model parallelism."""
-        return self.layout.label() + (f"×ep{self.ep}" if self.ep > 1 else "")
+        return self.layout.label()
 
     @property
     def data_parallel(self) -> int:

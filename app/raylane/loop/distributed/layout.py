@@ -43,6 +43,7 @@ class Layout:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     model_parallel: bool = False
+    ep: int = 1  # the data-parallel ranks one model's experts are split over (strategy.ep)
 
     def __post_init__(self) -> None:
         if self.pp * self.cp * self.tp > 1:
@@ -113,7 +114,7 @@ class Layout:
         parts = [self.name] if self.data_parallel > 1 else []
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + "+sp" * self.sequence_parallel + "+lp" * self.loss_parallel)
-        parts += [f"{dim}{n}" for dim, n in (("cp", self.cp), ("pp", self.pp)) if n > 1]
+        parts += [f"{dim}{n}" for dim, n in (("cp", self.cp), ("pp", self.pp), ("ep", self.ep)) if n > 1]
         return "×".join(parts) or self.name
 
     def mesh_text(self) -> str:
@@ -154,8 +155,8 @@ class Layout:
         shards it never held, and they are read as shards (only named and compared, never laid
         out). ValueError for a record neither writes."""
         try:
-            if "dp_shard" in record:
-                return cls(**{f.name: record[f.name] for f in dataclasses.fields(cls)})
+            if "dp_shard" in record:  # a field newer than the record (ep) keeps its default
+                return cls(**{f.name: record[f.name] for f in dataclasses.fields(cls) if f.name in record})
             label, dp, tp, pp = str(record["strategy"]), int(record["dp"]), int(record["tp"]), int(record["pp"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a layout record: {record!r}") from exc

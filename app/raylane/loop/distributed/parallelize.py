@@ -274,7 +274,7 @@ def parallelize(
         experts = lay_out_experts(
             model, ep_plan, cfg.strategy.ep, world_size, device, capacity_factor=cfg.strategy.ep_capacity_factor
         )
-        strategy.ep, strategy.experts = experts.ep, experts.describe(model)
+        strategy.layout, strategy.experts = replace(strategy.layout, ep=experts.ep), experts.describe(model)
     if not blocks_prepared:
         prepare_blocks(model, cfg, blocks)
     if strategy.name in ("fsdp", "hsdp"):
