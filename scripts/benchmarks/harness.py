@@ -401,6 +401,7 @@ ALL = (
     "B14",
     "B15",
     "B16",
+    "B17",
 )
 
 
@@ -441,6 +442,7 @@ def run_bench(out: Path, *, quick: bool, only: list[str] | None, repeats: int | 
             ("B14", lambda: b14(bench)),
             ("B15", lambda: b15(bench)),
             ("B16", lambda: hf_bench(bench, "b16")),
+            ("B17", lambda: hf_bench(bench, "b17")),
         )
         if name in chosen
     ]
@@ -560,7 +562,7 @@ def b10(bench: Bench) -> dict[str, Any]:
 
 
 def hf_bench(bench: Bench, name: str) -> dict[str, Any]:
-    """B11, B12 and B16 need raylane[hf]; without it they are skipped, saying why."""
+    """B11, B12, B16 and B17 need raylane[hf]; without it they are skipped, saying why."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
@@ -569,6 +571,10 @@ def hf_bench(bench: Bench, name: str) -> dict[str, Any]:
         from scripts.benchmarks.sft import b16
 
         return b16(bench)
+    if name == "b17":
+        from scripts.benchmarks.moe import b17
+
+        return b17(bench)
     from scripts.benchmarks import hf
 
     return getattr(hf, name)(bench)

@@ -155,6 +155,9 @@ def rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     from scripts.benchmarks.sft import rows as b16_rows
 
     out += b16_rows(results.get("B16"))
+    from scripts.benchmarks.moe import rows as b17_rows
+
+    out += b17_rows(results.get("B17"))
     for name, error in results.get("failed", {}).items():
         first = error.strip().splitlines()[0] if error.strip() else "unknown error"
         out.append(
