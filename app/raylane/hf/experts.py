@@ -21,7 +21,7 @@ from typing import Any
 EP_DISPATCH = "ep_dispatch_experts"
 # Where a config.json says how many experts each MoE layer has (mixtral's num_local_experts,
 # deepseek's n_routed_experts; transformers maps each family's name onto the others).
-EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "moe_num_experts", "n_routed_experts")
 
 
 def experts_plan(config: Any) -> list[str]:

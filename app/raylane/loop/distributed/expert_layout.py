@@ -66,6 +66,9 @@ def lay_out_experts(
         raise ValueError(f"strategy.ep = {ep}: the pipeline gives no ep_plan (which modules are its experts)")
     names = resolve_ep_plan(model, plan, ep=ep)
     mesh = init_device_mesh(device.type, (world_size // ep, ep), mesh_dim_names=("dp_rest", "ep"))
+    # One group over both dimensions, which DTensor then reduces over at once (a norm over the
+    # experts under FSDP2: gradient clipping) rather than in two all-reduces, one a dimension.
+    mesh[("dp_rest", "ep")]._flatten("dp_rest_ep")
     for name in names:  # a model built with weights: rank 0's, as DDP's broadcast would give it
         module = model.get_submodule(name)
         if not any(p.is_meta for p in module.parameters()):
