@@ -20,13 +20,22 @@ RECORD_FILE = "autotune.jsonl"
 DIED = "the worker group died while profiling it"
 
 
+# Config keys added after searches were recorded, with their defaults.
+LATER_KEYS: dict[str, Any] = {"strategy.ep": 1, "strategy.ep_capacity_factor": None}
+
+
 def fingerprint(flat: dict[str, Any], settings: SearchSettings) -> str:
     """What an earlier launch's record must match to be replayed: the config (but its run
     section) and the space and how it is measured."""
     # A search never has replica groups (config.autotune refuses them): their keys, added to the
     # config after records were written, change nothing measured, and would stop every earlier
     # record from replaying.
-    same = {k: v for k, v in flat.items() if not k.startswith(("run.", "fault_tolerance."))}
+    # So do keys added since at their defaults (expert parallelism off), which measure as before.
+    same = {
+        k: v
+        for k, v in flat.items()
+        if not k.startswith(("run.", "fault_tolerance.")) and not (k in LATER_KEYS and v == LATER_KEYS[k])
+    }
     return hashlib.sha256(
         json.dumps(
             [
