@@ -113,7 +113,8 @@ def _normalize_file(ref: str, dirs: list[Path]) -> str:
             return str(found)
     if path.is_absolute() and _relocate(path):
         return ref  # a Ray worker on another node: the file came with the run (py_modules)
-    looked = ", ".join(str(c) for c in candidates)
+    # A path with a control character (a form feed, a newline) quoted: it would break the one line.
+    looked = ", ".join(str(c) if str(c).isprintable() else repr(str(c)) for c in candidates)
     raise _config_error(f"pipeline = {ref!r}: no such file (looked for {looked})")
 
 
