@@ -154,6 +154,10 @@ def _experts(model) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters() if ".mlp.experts." in n}
 
 
+# Slow (the module fixture's 3 torchruns, ~30 s): make test moves an FSDP×ep2 checkpoint into one
+# process exactly (tests/e2e/test_expert_layouts.py), which the export builds on, and refuses LoRA on
+# the experts below.
+@pytest.mark.slow
 def test_lora_on_the_attention_at_ep2_trains_as_at_ep1_with_its_frozen_experts_split(project):
     """Rank 0's loss at every step within 1e-5 of the ep 1 run's (measured: identical). Each
     rank holds half the experts' bytes at ep 2 and all of them at ep 1; the experts are frozen
@@ -171,6 +175,10 @@ def test_lora_on_the_attention_at_ep2_trains_as_at_ep1_with_its_frozen_experts_s
             assert {n.split(".")[-4] for n in at["trains"]} == {"q_proj", "k_proj", "v_proj", "o_proj"}
 
 
+# Slow (the module fixture's 3 torchruns, ~30 s): make test moves an FSDP×ep2 checkpoint into one
+# process exactly (tests/e2e/test_expert_layouts.py), which the export builds on, and refuses LoRA on
+# the experts below.
+@pytest.mark.slow
 def test_the_export_of_a_full_fine_tune_at_ep2_holds_every_expert_and_its_logits(run_cli, project):
     """The checkpoint holds each expert tensor as two halves, one in each rank's file; the export
     loads in from_pretrained with every expert, each the whole tensor DCP's own read gives (and
@@ -201,6 +209,10 @@ def test_the_export_of_a_full_fine_tune_at_ep2_holds_every_expert_and_its_logits
         assert not torch.equal(tensor, base[name]), name
 
 
+# Slow (the module fixture's 3 torchruns, ~30 s): make test moves an FSDP×ep2 checkpoint into one
+# process exactly (tests/e2e/test_expert_layouts.py), which the export builds on, and refuses LoRA on
+# the experts below.
+@pytest.mark.slow
 def test_a_lora_run_at_ep2_exports_merged_and_as_its_adapter(run_cli, project):
     """Merged: from_pretrained loads every expert, each the base's (frozen), and its logits are
     the trained adapter's (measured: within 1.2e-7). The adapter alone, on the base, the same."""

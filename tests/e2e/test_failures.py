@@ -383,6 +383,10 @@ def test_an_error_in_the_users_code_on_ray_is_one_line_with_the_workers_tracebac
     assert f'File "{pipe}", line {_line_of(pipe, "raise RuntimeError")}, in helper' in log, log
 
 
+# Slow (~19 s on the shared head): make test proves the Ray door's mapping in-process
+# (tests/unit/test_fault_nodes.py: a group whose ranks refused their config fails as that
+# ConfigError, through pickle) and the one line and exit 2 under --local (test_own_pipeline).
+@pytest.mark.slow
 @pytest.mark.shared_ray
 @pytest.mark.untracked  # the MLflow run's close is the driver's, whatever the launch: test_own_pipeline's --local run
 def test_a_build_refusing_its_config_on_a_ray_worker_is_one_line_and_exit_2(run_cli, tmp_path, shared_head):

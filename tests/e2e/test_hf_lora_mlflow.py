@@ -53,7 +53,9 @@ def project(tmp_path) -> Path:
     [
         pytest.param(["strategy.name=ddp"], id="ddp"),
         # Its checkpoint is DCP shards, which the one-process build reads without a group too.
-        pytest.param(["strategy.name=fsdp", "strategy.tp=2"], id="tp2"),
+        # Slow (~9 s): make test logs the model of a LoRA run under DDP (above); tp2's layout moves to one
+        # process in tests/e2e/test_checkpoint_layouts.py.
+        pytest.param(["strategy.name=fsdp", "strategy.tp=2"], id="tp2", marks=pytest.mark.slow),
     ],
 )
 def test_a_lora_run_under_torchrun_logs_its_mlflow_model_which_generates_text(

@@ -47,6 +47,10 @@ def _losses(summary: dict) -> dict[int, float]:
     return {m.step: m.value for m in history}
 
 
+# Slow (~31 s): make test keeps a packed run resumed bit-exact in the mixture test below (conversations,
+# packed), the per-window padding share in tests/unit/test_padding_share.py and the counts in
+# tests/unit/test_hf_counts.py.
+@pytest.mark.slow
 def test_a_run_stopped_mid_epoch_resumes_on_the_same_next_packed_examples(run_cli, chat):
     """One process: an uninterrupted run, and the same run failing at step 5 (a checkpoint at 3)
     then run again: from step 4 on, every step's loss is the uninterrupted run's, bit for bit.

@@ -188,8 +188,12 @@ def _report(name: str, started: float, memory: PeakMemory, *outputs: str) -> Non
         print("\n".join(x for x in out.splitlines() if x.startswith(("[raylane]", "run ", "  error"))))
 
 
+# Slow (~70-90 s, a 2-node cluster of its own): make test names a straggler in-process
+# (tests/unit/test_step_times.py, test_driver_scale.py) and a hung rank with its node
+# (tests/unit/test_fault_nodes.py); the 4- and 8-node soaks below are slow too.
+@pytest.mark.slow
 def test_on_2_nodes_a_straggler_is_named_with_its_node(run_cli, tmp_path):
-    """make test's soak, the shortest: 4 workers on 2 nodes, SPREAD: 2 a node. Rank 3 is slow
+    """The shortest soak: 4 workers on 2 nodes, SPREAD: 2 a node. Rank 3 is slow
     (0.5 s a step): the straggler line names it and its node (at step 15, its second window), as
     does its MLflow tag, and the run ends FINISHED at step 20. (With 2 workers no straggler can be
     named: the other rank's step waits on the slow one's. A hang and a drained node, each named

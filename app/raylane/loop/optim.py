@@ -80,9 +80,12 @@ def _fused(optimizer_cls: type, groups: list[dict], **options: Any) -> torch.opt
 def _mixed(groups: list[dict]) -> bool:
     """Whether a group holds DTensors beside plain tensors (DDP's replicas beside expert-parallel
     experts, strategy.ep), which the fused and for-each kernels refuse to take in one call."""
-    from torch.distributed.tensor import DTensor
+    import sys
 
-    return any(len({isinstance(p, DTensor) for p in g["params"]}) > 1 for g in groups)
+    tensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists (its import costs ~1 s)
+    if tensor is None:
+        return False
+    return any(len({isinstance(p, tensor.DTensor) for p in g["params"]}) > 1 for g in groups)
 
 
 def _one_by_one(optimizer: torch.optim.Optimizer, *_: Any) -> None:
