@@ -679,3 +679,16 @@ def no_work(monkeypatch):
     monkeypatch.setattr("raylane.onray.jobs.job_client", started)
     monkeypatch.setattr("raylane.driver.train", started)
     monkeypatch.setattr("raylane.clusters.local.up", started)
+
+
+@pytest.fixture
+def one_rank():
+    """A one-rank gloo group, left when the test ends (tensor, pipeline and expert parallelism's
+    in-process tests)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -20,16 +20,6 @@ pytest.importorskip("transformers")
 
 
 @pytest.fixture
-def one_rank():
-    """A one-rank gloo group, left when the test ends."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def fake_rank():
     """fake_rank(rank, size): this process as `rank` of a world of `size` on torch's fake backend
     (nothing is sent), and a 1-D mesh over it; left when the test ends."""

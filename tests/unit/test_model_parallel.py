@@ -37,15 +37,6 @@ def eight_fake_ranks(monkeypatch):
         dist.destroy_process_group()
 
 
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _gpt(*sets: str):
     from raylane.pipelines.gpt import build
 

@@ -18,16 +18,6 @@ from raylane.loop.distributed.tensor_parallel import apply_plan, plan_for
 from raylane.loop.steps import clip_gradients
 
 
-@pytest.fixture
-def one_rank():
-    """A one-rank gloo group, left when the test ends."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class Tied(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -251,7 +251,9 @@ def from_dataset(cfg: Config, dataset: Any, name: str) -> Rows:
             raise ConfigError(
                 f"{keys[field]} = {column!r}: no such column in the {name} dataset (it has: {', '.join(columns)})"
             )
-    batch = {column: _column(dataset[column]) for field, column in fields.items() if field != "label"}
+    from raylane.hf.mixture import objects
+
+    batch = {column: objects(dataset[column]) for field, column in fields.items() if field != "label"}
     if not causal:
         batch[d.label_column] = np.asarray(list(dataset[d.label_column]))
     return Rows(_transformed(transform_for(text_cfg, kind), batch, name, d.skip_bad_rows), causal)
@@ -282,14 +284,6 @@ def from_mix(cfg: Config, datasets: list[Any] | None = None) -> Rows:
     tally.rows = int(sum(taken))
     baddata.record_skipped("data.mix", tally.add(baddata.Skipped(), drawn), True)
     return Rows(out, causal=True)
-
-
-def _column(values: Any) -> np.ndarray:
-    """A column as an object array, row for row (np.array would make a list of lists 2-D)."""
-    values = list(values)
-    out: np.ndarray = np.empty(len(values), dtype=object)
-    out[:] = values
-    return out
 
 
 def _transformed(

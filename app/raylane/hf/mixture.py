@@ -102,7 +102,7 @@ def read_dataset(dataset: Any, columns: Mapping[str, str], key: str) -> dict[str
     for column in columns.values():
         if names and column not in names:
             raise ConfigError(f"{key}: no column {column!r} in the dataset (it has: {', '.join(names)})")
-    return {c: _objects(dataset[column]) for c, column in columns.items()}
+    return {c: objects(dataset[column]) for c, column in columns.items()}
 
 
 def read_columns(paths: Any, fmt: str, columns: list[str], key: str) -> dict[str, np.ndarray]:
@@ -115,10 +115,10 @@ def read_columns(paths: Any, fmt: str, columns: list[str], key: str) -> dict[str
         for chunk in files.read_chunks(fs, files.Piece(path), fmt, columns):
             for c in columns:
                 out[c].extend(chunk[c].tolist())
-    return {c: _objects(values) for c, values in out.items()}
+    return {c: objects(values) for c, values in out.items()}
 
 
-def _objects(values: Any) -> np.ndarray:
+def objects(values: Any) -> np.ndarray:
     """A column as an object array, row for row (np.array would make a list of lists 2-D)."""
     values = list(values)
     out: np.ndarray = np.empty(len(values), dtype=object)

@@ -176,23 +176,22 @@ def expert_load(model: nn.Module, *, reset: bool = False) -> dict[str, torch.Ten
     """{experts module path: the (token, expert) pairs this rank routed to each of its E global
     experts since the last reset}, int64 tensors on the model's device (no host sync until read).
     `reset` zeroes the counters after reading them (a window's counts)."""
-    loads = {}
-    for name, m in expert_parallel_modules(model).items():
-        loads[name] = m.ep_tokens.clone()
-        if reset:
-            m.ep_tokens.zero_()
-    return loads
+    return _counters(model, "ep_tokens", reset)
 
 
 def expert_drops(model: nn.Module, *, reset: bool = False) -> dict[str, torch.Tensor]:
     """{experts module path: the pairs this rank's capacity dropped since the last reset}, int64
     tensors of one number on the model's device (0 without a capacity)."""
-    drops = {}
-    for name, m in expert_parallel_modules(model).items():
-        drops[name] = m.ep_dropped.clone()
+    return _counters(model, "ep_dropped", reset)
+
+
+def _counters(model: nn.Module, name: str, reset: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for path, m in expert_parallel_modules(model).items():
+        out[path] = getattr(m, name).clone()
         if reset:
-            m.ep_dropped.zero_()
-    return drops
+            getattr(m, name).zero_()
+    return out
 
 
 _dispatch_s = [0.0, 0]  # seconds in the dispatch's all-to-alls on CPU, and the calls timed
