@@ -378,20 +378,26 @@ def user_modules() -> dict[str, Path]:
     """The user's top-level modules loaded here (pipeline files, and packages or modules under a
     root) -> the directory or file that holds each, below its outermost root."""
     found: dict[str, Path] = {}
-    mine = roots()
+    # Strings, not Paths: this scans every loaded module (thousands, with torch) against every
+    # root at each pipeline load; a process that loads many pipelines (a test session) has many
+    # roots, and building Paths for each pair took seconds a load.
+    mine = [os.path.join(root, "") for root in roots()]
+    prefixes = tuple(mine)
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
         top = name.split(".", 1)[0]
-        if not file or top in found or top == "raylane":
+        if not isinstance(file, str) or top in found or top == "raylane":
             continue
         if name.startswith(FILE_MODULE_PREFIX):
-            root = next((r for r in mine if Path(file).is_relative_to(r)), None)
-            found[name] = Path(root) / Path(file).relative_to(root).parts[0] if root else Path(file)
+            root = next((r for r in mine if file.startswith(r)), None)
+            found[name] = Path(root, file[len(root) :].split(os.sep, 1)[0]) if root else Path(file)
+            continue
+        if not file.startswith(prefixes):
             continue
         for root in mine:
-            package, single = Path(root) / top, Path(root) / f"{top}.py"
-            if Path(file) == single or Path(file).is_relative_to(package):
-                found[top] = single if Path(file) == single else package
+            single, package = f"{root}{top}.py", f"{root}{top}{os.sep}"
+            if file == single or file.startswith(package):
+                found[top] = Path(single) if file == single else Path(package)
                 break
     return found
 
