@@ -24,31 +24,33 @@ def fresh_roots(monkeypatch):
 
 def test_a_roots_packages_modules_and_pipeline_files_are_shipped_and_nothing_else(tmp_path, fresh_roots):
     root, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
-    (root / "mypkg" / "sub").mkdir(parents=True)
-    (root / "mypkg" / "__init__.py").write_text("")
-    (root / "mypkg" / "sub" / "__init__.py").write_text("")
-    (root / "helper.py").write_text("X = 1\n")
+    (root / "rlr_pkg" / "sub").mkdir(parents=True)
+    (root / "rlr_pkg" / "__init__.py").write_text("")
+    (root / "rlr_pkg" / "sub" / "__init__.py").write_text("")
+    (root / "rlr_helper.py").write_text("X = 1\n")
     (root / "configs").mkdir()
     (root / "configs" / "pipe.py").write_text("Y = 2\n")
-    (root / "mypkg_extra.py").write_text("")  # a name that starts like the package's
+    (root / "rlr_pkg_extra.py").write_text("")  # a name that starts like the package's
     elsewhere.mkdir()
-    (elsewhere / "outside.py").write_text("")
+    (elsewhere / "rlr_outside.py").write_text("")
     pipelines_ref.add_root(root)
     sys.path.append(str(elsewhere))
-    for name in ("mypkg.sub", "helper", "outside", "mypkg_extra"):
+    for name in ("rlr_pkg.sub", "rlr_helper", "rlr_outside", "rlr_pkg_extra"):
         __import__(name)
-    spec_name = pipelines_ref.FILE_MODULE_PREFIX + "pipe_0"
+    spec_name = f"{pipelines_ref.FILE_MODULE_PREFIX}pipe_{tmp_path.name}"
     spec = importlib.util.spec_from_file_location(spec_name, root / "configs" / "pipe.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec_name] = module
     spec.loader.exec_module(module)
 
-    found = pipelines_ref.user_modules()
+    # Earlier tests of this process have loaded pipelines of their own: only this test's count.
+    mine = str(tmp_path.resolve())
+    found = {k: v for k, v in pipelines_ref.user_modules().items() if str(v).startswith(mine)}
 
     real = root.resolve()
     assert found == {
-        "mypkg": real / "mypkg",
-        "helper": real / "helper.py",
-        "mypkg_extra": real / "mypkg_extra.py",
+        "rlr_pkg": real / "rlr_pkg",
+        "rlr_helper": real / "rlr_helper.py",
+        "rlr_pkg_extra": real / "rlr_pkg_extra.py",
         spec_name: real / "configs",
     }
