@@ -24,7 +24,7 @@ def check_layout(cfg: BaseConfig, world_size: int, world: str, pipeline: pipelin
     s = cfg.strategy
     pipeline = pipeline or pipelines_ref.resolve(cfg.pipeline)
     layout = _asked(cfg, world_size, world)
-    if s.ep > 1:
+    if s.expert_parallel:
         _check_expert_layout(cfg, world_size, world, pipeline)
     if layout is not None and layout.pp > 1:
         _check_pipeline_layout(cfg, layout, world_size, pipeline)
@@ -103,6 +103,7 @@ def _check_expert_layout(cfg: BaseConfig, world_size: int, world: str, pipeline:
     divides, what it does not combine with yet beyond the strategy section (whose own are its
     validators': raylane.config.strategy), and a pipeline that names its experts."""
     s, ep = cfg.strategy, cfg.strategy.ep
+    shown = repr(ep)
     refused = {
         "fault_tolerance.enabled": (
             cfg.fault_tolerance.enabled,
@@ -115,7 +116,9 @@ def _check_expert_layout(cfg: BaseConfig, world_size: int, world: str, pipeline:
     }
     for key, (bad, why) in refused.items():
         if bad:
-            raise ConfigError(f"{key} with strategy.ep = {ep}: {why}")
+            raise ConfigError(f"{key} with strategy.ep = {shown}: {why}")
+    if ep == "auto":  # any degree the ranks and the experts allow; 1 without a plan (expert_auto)
+        return
     others = s.tp_degree * s.pp * s.cp
     data = world_size // others
     if data % ep:
@@ -148,15 +151,15 @@ def check_plan(cfg: BaseConfig, world_size: int) -> list[str]:
     trains next (a torchrun rank): the forward on a fake process group leaves it as it found it
     (raylane.loop.distributed.fake.fake_work)."""
     s = cfg.strategy
-    if not (s.tensor_parallel or s.pp > 1 or s.ep > 1):
+    if not (s.tensor_parallel or s.pp > 1 or s.ep_degree > 1):
         return []
     from raylane.loop.meta_build import Unchecked
     from raylane.loop.plan_view import pipeline_plan
     from raylane.pipelines_ref import UserCodeError
 
-    what = "the expert plan is" if s.ep > 1 else "the plan and stages are"
+    what = "the expert plan is" if s.ep_degree > 1 else "the plan and stages are"
     try:
-        if s.ep > 1:  # alone: tp and pp are refused beside it (raylane.config.strategy)
+        if s.ep_degree > 1:  # alone: tp and pp are refused beside it (raylane.config.strategy)
             _check_expert_plan(cfg)
         else:
             pipeline_plan(cfg, world_size)
@@ -177,7 +180,7 @@ def _check_expert_plan(cfg: BaseConfig) -> None:
     from raylane.loop.distributed.expert_plan import resolve_ep_plan
     from raylane.loop.meta_build import build_for_checks
 
-    ep = cfg.strategy.ep
+    ep = cfg.strategy.ep_degree
     pipe = build_for_checks(cfg)
     if pipe.ep_plan is None:
         raise ConfigError(_no_ep_plan(ep, pipelines_ref.label(cfg.pipeline)))

@@ -354,3 +354,27 @@ def test_a_transformers_moe_at_ep2_on_two_ray_workers_trains_as_ddp_under_torchr
     runs = _finished(tmp_path, started)
     assert (runs["ray-ep"]["strategy"], runs["ray-ep"]["world_size"]) == ("fsdp×ep2", 2)
     _match(tmp_path, config, runs, "ddp")
+
+
+# ~15 s: 2 torchruns; make test proves the choice in-process (tests/unit/test_expert_auto.py) and
+# runs ep2 under torchrun (above).
+@pytest.mark.slow
+def test_ep_auto_chooses_on_the_ranks_and_trains_as_the_degree_it_chose(run_cli, tmp_path):
+    """`strategy.ep: auto` under torchrun on 2 ranks: with a device too small for any degree
+    (scaling.device_memory_gb) the ranks choose the largest, ep 2, say so on the strategy line,
+    and train as DDP does (every step's loss, the checkpoint); with the host's memory, every
+    expert fits on every rank and the choice is ep 1, plain DDP."""
+    config = _own(tmp_path)
+    started = {
+        "ddp": _torchrun(run_cli, config, "ddp", "strategy.name=ddp"),
+        "small": _torchrun(
+            run_cli, config, "small", "strategy.name=ddp", "strategy.ep=auto", "scaling.device_memory_gb=1e-6"
+        ),
+        "roomy": _torchrun(run_cli, config, "roomy", "strategy.name=ddp", "strategy.ep=auto"),
+    }
+    runs = _finished(tmp_path, started)
+    assert (runs["small"]["strategy"], runs["roomy"]["strategy"]) == ("ddp×ep2", "ddp"), runs
+    assert "strategy.ep: auto → 2: DDP needs ~" in started["small"].output, started["small"].output
+    assert "none of ep 1, 2 fits: the largest" in started["small"].output
+    assert "strategy.ep: auto → 1: DDP needs ~" in started["roomy"].output, started["roomy"].output
+    _match(tmp_path, config, {k: runs[k] for k in ("ddp", "small")}, "ddp")

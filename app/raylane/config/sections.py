@@ -95,7 +95,8 @@ class ScalingSection(Section):
         None,
         gt=0,
         le=1_000_000,
-        description="One device's memory in GB, for `strategy.name: auto` and `strategy.tp: auto`. null: detected (the "
+        description="One device's memory in GB, for `strategy.name: auto`, `strategy.tp: auto` and `strategy.ep: auto`. "
+        "null: detected (the "
         "GPU's memory, or on CPU this host's RAM shared by its ranks).",
     )
     accelerator_type: str | None = Field(

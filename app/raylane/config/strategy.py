@@ -89,17 +89,17 @@ class StrategySection(Section):
         "needs CUDA's SDPA kernels, refused on CPU; not built yet on GPU (1: off).",
     )
 
-    ep: int = Field(
+    ep: int | Literal["auto"] = Field(
         1,
-        ge=1,
-        le=1024,
         description="Expert-parallel degree: a mixture of experts' experts split over this many data-parallel "
         "ranks (1: off), each holding experts / ep of every experts module, the tokens each rank's router sends "
         "to an expert moved to the rank that holds it and back (all-to-all); the dense layers stay as `name` "
         "holds them over all the data-parallel ranks, and with FSDP the experts are also sharded over the "
         "data-parallel ranks / ep. Needs a pipeline that gives an `ep_plan`, and a number of experts and of "
         "data-parallel ranks it divides; not yet with `tp`, `pp`, `dp_replicate`, `name: auto`, replica groups or "
-        "elastic runs (docs/strategies.md, Expert parallelism).",
+        "elastic runs (docs/strategies.md, Expert parallelism). `auto`: the memory estimate picks, on the ranks, the "
+        "smallest degree dividing the data-parallel ranks and every experts module's experts at which a rank's "
+        "share fits its device (1 where every expert fits on every rank, and for a model without experts).",
     )
     ep_capacity_factor: float | None = Field(
         None,
@@ -119,6 +119,13 @@ class StrategySection(Section):
             raise ValueError(f"strategy.tp = {tp}: a degree from 1 to 1024, or auto")
         return tp
 
+    @field_validator("ep")
+    @classmethod
+    def _ep_range(cls, ep: int | str) -> int | str:
+        if isinstance(ep, int) and not 1 <= ep <= 1024:
+            raise ValueError(f"strategy.ep = {ep}: a degree from 1 to 1024, or auto")
+        return ep
+
     @model_validator(mode="after")
     def _expert_parallel(self) -> StrategySection:
         """What expert parallelism does not combine with yet, refused by the key that asks for it:
@@ -130,7 +137,7 @@ class StrategySection(Section):
                 f"strategy.ep_capacity_factor = {self.ep_capacity_factor} with strategy.ep = 1: the capacity caps the "
                 "tokens expert parallelism sends to each expert; set strategy.ep > 1, or remove it"
             )
-        if ep == 1:
+        if not self.expert_parallel:
             return self
         refused = {
             f"strategy.tp = {self.tp!r}": (
@@ -154,8 +161,18 @@ class StrategySection(Section):
         }
         for key, (bad, why) in refused.items():
             if bad:
-                raise ValueError(f"{key} with strategy.ep = {ep}: {why}")
+                raise ValueError(f"{key} with strategy.ep = {ep!r}: {why}")
         return self
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the layout may split experts over ranks: `ep` > 1, or `auto`."""
+        return self.ep == "auto" or self.ep > 1
+
+    @property
+    def ep_degree(self) -> int:
+        """`ep` as a number, where the config fixes one (1 for `auto`: chosen on the ranks)."""
+        return 1 if self.ep == "auto" else self.ep
 
     @property
     def tensor_parallel(self) -> bool:

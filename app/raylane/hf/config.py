@@ -175,10 +175,10 @@ class Config(BaseConfig):
             check_tensor_parallel(self)
         if self.strategy.pp > 1:
             check_pipeline_parallel(self)
-        if self.strategy.ep > 1:
+        if self.strategy.ep_degree > 1:  # ep: auto picks 1 for a dense model, a degree the experts allow
             from raylane.hf.experts import check_expert_parallel
 
-            check_expert_parallel(self.model.name_or_path, self.strategy.ep)
+            check_expert_parallel(self.model.name_or_path, self.strategy.ep_degree)
         check_mix(self)
         for field in ("train", "eval"):
             if getattr(self.data, field) is not None:

@@ -12,6 +12,10 @@ from pathlib import Path
 import torch
 
 GIB = 1024**3
+# The share of a device a layout chosen by the memory estimate may plan to fill (strategy.name, tp
+# and ep: auto), and the optimizer states each parameter keeps (SGD: 1 with momentum, else 0).
+AUTO_MARGIN = 0.85
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2}
 
 
 def size_text(n_bytes: float) -> str:

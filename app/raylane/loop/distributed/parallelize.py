@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raylane.config import BaseConfig
 from raylane.loop.distributed.blocks import Blocks, blocks_of, find_blocks
-from raylane.loop.distributed.devices import device_memory_bytes, local_world_size, size_text
+from raylane.loop.distributed.devices import (
+    AUTO_MARGIN,
+    OPTIMIZER_STATES,
+    device_memory_bytes,
+    local_world_size,
+    size_text,
+)
 from raylane.loop.distributed.fsdp import Strategy, fully_shard, materialize, on_meta, prepare_blocks
 from raylane.loop.distributed.layout import Layout
 from raylane.loop.distributed.pipeline_parallel import lay_out_pipeline_parallel
@@ -33,8 +39,7 @@ log = logging.getLogger("raylane")
 
 # DDP is chosen by `auto` when its estimate fits in this share of the device's memory: the
 # rest is for the allocator's fragmentation, the CUDA context and kernels' workspaces.
-AUTO_MARGIN = 0.85
-OPTIMIZER_STATES = {"adam": 2, "adamw": 2}  # per parameter; SGD: 1 with momentum, else 0
+_Choice = TypeVar("_Choice")
 
 
 def _nbytes(params) -> int:
@@ -200,19 +205,40 @@ def _auto_layout(
     return Strategy(layout, reason=why, estimate=estimate)
 
 
+def _auto_ep(
+    model: nn.Module,
+    cfg: BaseConfig,
+    device: torch.device,
+    world_size: int,
+    strategy: Strategy,
+    probe: tuple,
+    blocks,
+    plan,
+) -> int:
+    """`strategy.ep: auto`'s degree (raylane.loop.distributed.expert_auto), rank 0's on every
+    rank; its line joins the strategy's reason."""
+    from raylane.loop.distributed.expert_auto import choose_ep
+
+    example, loss_fn, step = probe
+    estimate = estimate_memory(model, cfg, world_size, example, loss_fn, step, blocks=blocks)
+    ep, why = _agreed(choose_ep(model, plan, cfg, world_size, strategy.name, estimate, device))
+    strategy.reason = f"{strategy.reason}; {why}" if strategy.reason else why
+    return ep
+
+
 def _nodes(world_size: int) -> int:
     local = local_world_size(default=world_size)  # unset: one node
     return world_size // local if 0 < local < world_size and world_size % local == 0 else 1
 
 
-def _agreed(strategy: Strategy) -> Strategy:
+def _agreed(choice: _Choice) -> _Choice:
     """Rank 0's choice on every rank: detected memory may differ between hosts. Not on torch's
     fake backend (a rehearsal plays each rank in one process, and a fake broadcast sends nothing)."""
     if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
-        box = [strategy]
+        box = [choice]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-    return strategy
+    return choice
 
 
 def model_parallel_strategy(cfg: BaseConfig, world_size: int, tp: int | None = None, why: str = "") -> Strategy:
@@ -267,12 +293,14 @@ def parallelize(
     _note_blocks(model, found, strategy, cfg)
     if strategy.tp > 1:
         return lay_out_tensor_parallel(model, blocks, cfg, device, strategy, tp_plan), strategy
-    experts = None
-    if cfg.strategy.ep > 1 and device.type != "meta":  # a rehearsal's meta run has no process group
+    experts, ep = None, cfg.strategy.ep
+    if ep == "auto":
+        ep = _auto_ep(model, cfg, device, world_size, strategy, (example, loss_fn, step), blocks, ep_plan)
+    if ep > 1 and device.type != "meta":  # a rehearsal's meta run has no process group
         from raylane.loop.distributed.expert_layout import lay_out_experts
 
         experts = lay_out_experts(
-            model, ep_plan, cfg.strategy.ep, world_size, device, capacity_factor=cfg.strategy.ep_capacity_factor
+            model, ep_plan, ep, world_size, device, capacity_factor=cfg.strategy.ep_capacity_factor
         )
         strategy.layout, strategy.experts = replace(strategy.layout, ep=experts.ep), experts.describe(model)
     if not blocks_prepared:
