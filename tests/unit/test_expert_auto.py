@@ -126,3 +126,31 @@ def test_auto_is_refused_beside_what_ep_does_not_combine_with(config, sets, line
         api.prepare_train(str(config), sets)
     assert str(raised.value).splitlines()[0].startswith(line) or line in str(raised.value), str(raised.value)
     assert len(str(raised.value).splitlines()) == 1
+
+
+def test_a_rehearsal_at_full_size_says_the_degree_the_ranks_would_choose(config, capsys):
+    """`raylane check --world 8` plays rank 0 on torch's fake group with the pipeline's ep_plan:
+    the layout's why says what `auto` chooses on 8 H100s (ep 1: every expert fits) and on a
+    device too small for any degree (the largest of 1, 2 and 4, which divide the 4 experts)."""
+    import os
+
+    from raylane.cli import main
+
+    here = os.getcwd()
+    os.chdir(config.parent)
+    try:
+        lines = {}
+        for budget in ("", "0.00001"):
+            sets = ["--set", f"scaling.device_memory_gb={budget}"] if budget else []
+            code = main(["check", config.name, "--world", "8", *sets])
+            out = capsys.readouterr().out
+            assert code in (0, None), out
+            lines[budget] = next(line.strip() for line in out.splitlines() if line.strip().startswith("why:"))
+    finally:
+        os.chdir(here)
+    assert lines[""].startswith("why: strategy.name: ddp; strategy.ep: auto → 1: DDP needs ~") and lines[""].endswith(
+        "KiB per rank at ep 1, of 80.0 GiB per device (85% usable)"
+    ), lines
+    assert "strategy.ep: auto → 4: DDP needs ~" in lines["0.00001"] and lines["0.00001"].endswith(
+        "none of ep 1, 2, 4 fits: the largest"
+    ), lines

@@ -195,6 +195,7 @@ class Profiler:
             step=pipe.step,
             blocks=blocks,
             blocks_prepared=True,
+            ep_plan=pipe.ep_plan,
         )
         del model, blocks
         if pipe.init_weights is not None:  # the weights the run would start from (a collective)

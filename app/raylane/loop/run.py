@@ -129,8 +129,8 @@ def build_trainer(
     the start-up phases, marked as they end; `hang_watch`: run_worker's, re-armed at each step)."""
     startup = {} if startup is None else startup
     reporter = reporter or Reporter(is_rank_zero=runtime.rank == 0, publish=runtime.publish)
-    # Only strategy.name auto estimates memory: the user's collate_fn runs no more than needed.
-    estimating = "auto" in (cfg.strategy.name, cfg.strategy.tp) and runtime.world_size > 1
+    # Only the autos estimate memory: the user's collate_fn runs no more than needed.
+    estimating = "auto" in (cfg.strategy.name, cfg.strategy.tp, cfg.strategy.ep) and runtime.world_size > 1
     example = first_batch(pipe.train_set, cfg.train.batch_size, pipe.collate_fn) if estimating else None
     meta = on_meta(pipe.model)
     model, strategy = parallelize(

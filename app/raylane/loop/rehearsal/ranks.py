@@ -93,6 +93,7 @@ def lay_out(pipe: Any, cfg: Any, target: Target, rank: int, example: Any = None)
             blocks=given,
             tp_plan=pipe.tp_plan,
             pp_stages=pipe.pp_stages,
+            ep_plan=pipe.ep_plan,  # ep: auto's choice, said in the layout's why
         )
         params = list(laid.parameters())
         stages = [index for index, _ in laid.pipeline.stages] if hasattr(laid, "pipeline") else []
