@@ -256,18 +256,18 @@ def test_a_router_biased_onto_one_ranks_experts_trains_at_ep2_as_ddp_and_mlflow_
         assert (told["routed"], told["tokens_min"], told["dropped"], told["imbalance"]) == (pairs, 0, 0, 2.0), told
 
 
-def _hf_project(tmp_path: Path, family: str) -> Path:
+def _hf_project(tmp_path: Path, family: str, n: int = 64) -> Path:
     """A tiny `family` MoE saved here (tests/helpers/ep_ranks.py's: 4 experts, top-2), its text
     in two files (one per rank: the hf pipeline reads a file per rank), and a config."""
     from tests.helpers import hf_tiny
     from tests.helpers.ep_ranks import tiny_moe
 
     model = hf_tiny.save(tiny_moe(family), tmp_path / family)
-    data = hf_tiny.rows(tmp_path / "data", n=64)
+    data = hf_tiny.rows(tmp_path / "data", n=n)
     lines = (data / "train.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "tr").mkdir()
-    (tmp_path / "tr" / "a.jsonl").write_text("".join(lines[:32]))
-    (tmp_path / "tr" / "b.jsonl").write_text("".join(lines[32:]))
+    (tmp_path / "tr" / "a.jsonl").write_text("".join(lines[: n // 2]))
+    (tmp_path / "tr" / "b.jsonl").write_text("".join(lines[n // 2 :]))
     config = tmp_path / "ep.yaml"
     config.write_text(
         f"pipeline: hf\nmodel: {{task: causal-lm, seq_len: 32, name_or_path: {model}}}\n"
@@ -323,11 +323,11 @@ def test_ep2_on_two_ray_workers_trains_as_ddp_under_torchrun(run_cli, tmp_path):
 
 
 def _hf_mixed(tmp_path: Path, family: str) -> Path:
-    """_hf_project's model and text drawn as a mixture of its two files (data.mix): read whole
+    """_hf_project's model and 1,024 documents drawn as a mixture of its two files (data.mix): read whole
     by every rank and drawn the same at any world size and on any door, so runs on 4 ranks, and on
     Ray's workers beside torchrun's ranks, train on the same rows (Ray Data's streamed order, which
     the plain files take on Ray, cannot be replayed)."""
-    config = _hf_project(tmp_path, family)
+    config = _hf_project(tmp_path, family, n=1024)
     mix = "data:\n  format: json\n  mix:\n" + "".join(
         f"    - {{name: {n}, train: tr/{n}.jsonl, weight: 0.5}}\n" for n in ("a", "b")
     )
@@ -336,7 +336,7 @@ def _hf_mixed(tmp_path: Path, family: str) -> Path:
     return config
 
 
-# ~10-30 s each: 2 runs of 4 ranks on 2 cores; make test runs transformers' Qwen2-MoE at ep2 on 2
+# ~20-35 s each: 2 runs of 4 ranks and one process on 2 cores; make test runs transformers' Qwen2-MoE at ep2 on 2
 # ranks (above) and the own MoE's layouts on 4 ranks (slow, above).
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"], ids=["qwen2-moe", "mixtral"])
@@ -344,15 +344,17 @@ def test_a_transformers_moe_at_fsdp_ep2_on_four_ranks_trains_as_ddp(run_cli, tmp
     """Qwen2-MoE and Mixtral through the hf pipeline on 4 ranks, 10 AdamW steps: FSDP×ep2 (the
     experts split over ep and sharded over the other 2 data-parallel ranks, the dense layers
     over all 4) within 1e-5 of DDP's loss at every step and of its checkpoint, model and AdamW
-    state. Not against one process here: a --local run of this config at 4 x the batch ended
-    1.5e-2 off DDP's state (DDP's too, so the rows a step differ between the two worlds with
-    this text, not the experts' layout); one process is the reference at 2 ranks
-    (tests/e2e/test_expert_parallel.py)."""
+    state; both checkpoints within 1e-5 of one process's that trained the same 16 rows a step
+    (--local; measured 2.7e-6 at most, Qwen2-MoE's FSDP×ep2). The text is long enough that 10 steps
+    stay in the first epoch: at its end the ranks' sampler pads its share to equal lengths, and
+    the steps after hold other rows than one process's (64 documents: 1.5e-2 off, DDP's too)."""
     pytest.importorskip("transformers")
     config = _hf_mixed(tmp_path, family)
+    one = _local(run_cli, config, "one", "train.batch_size=16")  # 4 ranks x 4
     runs = _trained(run_cli, tmp_path, config, ["ddp4", "fsdp4-ep"])
     assert [runs[n]["strategy"] for n in runs] == ["ddp", "fsdp×ep2"]
     _match(tmp_path, config, runs, "ddp4")
+    _match_one(tmp_path, config, runs, _finished(tmp_path, {"one": one})["one"])
 
 
 # ~35 s each with the head up: make test runs the own MoE's ep2 under torchrun (above) and
@@ -363,7 +365,9 @@ def test_a_transformers_moe_at_fsdp_ep2_on_four_ranks_trains_as_ddp(run_cli, tmp
 def test_a_transformers_moe_at_ep2_on_two_ray_workers_trains_as_ddp_under_torchrun(run_cli, tmp_path, family):
     """Qwen2-MoE and Mixtral through the hf pipeline, FSDP×ep2 on 2 Ray Train workers of the
     session's head beside DDP on 2 ranks under torchrun, the same rows, 10 AdamW steps: every
-    step's loss within 1e-5 of DDP's and the last checkpoint too, model and AdamW state."""
+    step's loss within 1e-5 of DDP's and the last checkpoint too, model and AdamW state, and both
+    checkpoints within 1e-5 of one process's (--local, the 8 rows of a step in one batch; measured
+    4.2e-7 at most)."""
     pytest.importorskip("transformers")
     config = _hf_mixed(tmp_path, family)
     started = {
@@ -374,9 +378,12 @@ def test_a_transformers_moe_at_ep2_on_two_ray_workers_trains_as_ddp_under_torchr
             name="ray-ep",
         ),
     }
+    started["one"] = _local(run_cli, config, "one", "train.batch_size=8")  # 2 ranks x 4
     runs = _finished(tmp_path, started)
     assert (runs["ray-ep"]["strategy"], runs["ray-ep"]["world_size"]) == ("fsdp×ep2", 2)
+    one = runs.pop("one")
     _match(tmp_path, config, runs, "ddp")
+    _match_one(tmp_path, config, runs, one)
 
 
 # ~15 s: 2 torchruns; make test proves the choice in-process (tests/unit/test_expert_auto.py) and
