@@ -103,7 +103,6 @@ def _check_expert_layout(cfg: BaseConfig, world_size: int, world: str, pipeline:
     divides, what it does not combine with yet beyond the strategy section (whose own are its
     validators': raylane.config.strategy), and a pipeline that names its experts."""
     s, ep = cfg.strategy, cfg.strategy.ep
-    shown = repr(ep)
     refused = {
         "fault_tolerance.enabled": (
             cfg.fault_tolerance.enabled,
@@ -116,7 +115,7 @@ def _check_expert_layout(cfg: BaseConfig, world_size: int, world: str, pipeline:
     }
     for key, (bad, why) in refused.items():
         if bad:
-            raise ConfigError(f"{key} with strategy.ep = {shown}: {why}")
+            raise ConfigError(f"{key} with strategy.ep = {ep!r}: {why}")
     if ep == "auto":  # any degree the ranks and the experts allow; 1 without a plan (expert_auto)
         return
     others = s.tp_degree * s.pp * s.cp
@@ -151,15 +150,15 @@ def check_plan(cfg: BaseConfig, world_size: int) -> list[str]:
     trains next (a torchrun rank): the forward on a fake process group leaves it as it found it
     (raylane.loop.distributed.fake.fake_work)."""
     s = cfg.strategy
-    if not (s.tensor_parallel or s.pp > 1 or s.ep_degree > 1):
+    if not (s.tensor_parallel or s.pp > 1 or s.expert_parallel):
         return []
     from raylane.loop.meta_build import Unchecked
     from raylane.loop.plan_view import pipeline_plan
     from raylane.pipelines_ref import UserCodeError
 
-    what = "the expert plan is" if s.ep_degree > 1 else "the plan and stages are"
+    what = "the expert plan is" if s.expert_parallel else "the plan and stages are"
     try:
-        if s.ep_degree > 1:  # alone: tp and pp are refused beside it (raylane.config.strategy)
+        if s.expert_parallel:  # alone: tp and pp are refused beside it (raylane.config.strategy)
             _check_expert_plan(cfg)
         else:
             pipeline_plan(cfg, world_size)
@@ -176,18 +175,24 @@ def check_plan(cfg: BaseConfig, world_size: int) -> list[str]:
 
 def _check_expert_plan(cfg: BaseConfig) -> None:
     """`strategy.ep` > 1: the pipeline's ep_plan names experts modules of its model (built on the
-    meta device, raylane.loop.meta_build) that ep ranks can hold equal shares of. ValueError."""
+    meta device, raylane.loop.meta_build) that ep ranks can hold equal shares of. `auto`: a plan
+    that names modules must name experts modules (a misspelt one is a mistake at any degree, found
+    here rather than as ep 1 on the ranks); no plan, or an empty one (a dense model's), leaves
+    the ranks to choose 1. ValueError."""
     from raylane.loop.distributed.expert_plan import resolve_ep_plan
     from raylane.loop.meta_build import build_for_checks
 
-    ep = cfg.strategy.ep_degree
+    ep = cfg.strategy.ep
     pipe = build_for_checks(cfg)
-    if pipe.ep_plan is None:
-        raise ConfigError(_no_ep_plan(ep, pipelines_ref.label(cfg.pipeline)))
+    plan = pipe.ep_plan
+    if ep == "auto" and (plan is None or not (plan(pipe.model) if callable(plan) else plan)):
+        return
+    if plan is None:
+        raise ConfigError(_no_ep_plan(cfg.strategy.ep_degree, pipelines_ref.label(cfg.pipeline)))
     try:
-        resolve_ep_plan(pipe.model, pipe.ep_plan, ep=ep)
+        resolve_ep_plan(pipe.model, plan, ep=None if ep == "auto" else ep)
     except ValueError as exc:
-        raise ConfigError(f"strategy.ep = {ep}: {exc}") from None
+        raise ConfigError(f"strategy.ep = {ep!r}: {exc}") from None
 
 
 def layout_world(cfg: BaseConfig) -> tuple[int, str]:

@@ -154,3 +154,23 @@ def test_a_rehearsal_at_full_size_says_the_degree_the_ranks_would_choose(config,
     assert "strategy.ep: auto → 4: DDP needs ~" in lines["0.00001"] and lines["0.00001"].endswith(
         "none of ep 1, 2, 4 fits: the largest"
     ), lines
+
+
+@pytest.mark.parametrize(
+    ("plan", "line"),
+    [
+        ("no_module", "strategy.ep = 'auto': Pipeline.ep_plan: 'layers.*.moe.expert' names no module of TinyMoE"),
+        ("router", "strategy.ep = 'auto': Pipeline.ep_plan: layers.0.moe.router (Linear) is not an experts"),
+    ],
+)
+def test_a_plan_naming_no_experts_module_is_refused_before_launch_under_auto_too(config, plan, line):
+    """A misspelt plan is a mistake at any degree: refused before any worker starts, not left
+    for the ranks to take as a model without experts (ep 1)."""
+    with pytest.raises(ConfigError) as raised:
+        api.prepare_train(str(config), [f"model.plan={plan}"])
+    assert str(raised.value).startswith(line), str(raised.value)
+    assert len(str(raised.value).splitlines()) == 1
+
+
+def test_no_plan_under_auto_passes_the_checks_and_the_ranks_take_1(config):
+    assert api.prepare_train(str(config), ["model.plan=none"]).cfg.strategy.ep == "auto"

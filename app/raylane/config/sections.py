@@ -96,8 +96,7 @@ class ScalingSection(Section):
         gt=0,
         le=1_000_000,
         description="One device's memory in GB, for `strategy.name: auto`, `strategy.tp: auto` and `strategy.ep: auto`. "
-        "null: detected (the "
-        "GPU's memory, or on CPU this host's RAM shared by its ranks).",
+        "null: detected (the GPU's memory, or on CPU this host's RAM shared by its ranks).",
     )
     accelerator_type: str | None = Field(
         None,

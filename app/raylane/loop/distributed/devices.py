@@ -13,7 +13,8 @@ import torch
 
 GIB = 1024**3
 # The share of a device a layout chosen by the memory estimate may plan to fill (strategy.name, tp
-# and ep: auto), and the optimizer states each parameter keeps (SGD: 1 with momentum, else 0).
+# and ep: auto): the rest is for the allocator's fragmentation, the CUDA context and kernels'
+# workspaces. And the optimizer states each parameter keeps (SGD: 1 with momentum, else 0).
 AUTO_MARGIN = 0.85
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2}
 

@@ -37,8 +37,6 @@ from raylane.loop.distributed.tensor_parallel import TpPlan, lay_out_tensor_para
 
 log = logging.getLogger("raylane")
 
-# DDP is chosen by `auto` when its estimate fits in this share of the device's memory: the
-# rest is for the allocator's fragmentation, the CUDA context and kernels' workspaces.
 _Choice = TypeVar("_Choice")
 
 
